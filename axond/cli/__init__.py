@@ -1,0 +1,1 @@
+"""The axond command line (click)."""

@@ -1,0 +1,1 @@
+"""Process groups, collectives and their backends (the data plane)."""

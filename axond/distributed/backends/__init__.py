@@ -1,0 +1,1 @@
+"""Collective backends: one file per backend behind backends.base.Backend."""

@@ -1,0 +1,100 @@
+"""The one interface every collective backend implements (one file per backend beside this one).
+
+A `Backend` is the communicator of one process group: ranks here are *group* ranks (0..size-1).
+Arrays are NumPy (tcp) or CuPy (nccl). In-place ops write into the array given; the others
+return a new array. Every call is bounded by `options.timeout` and raises `DistributedError`
+(naming op, group, rank and peer) instead of hanging.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from axond.distributed.reduce_op import ReduceOp
+from axond.store import Store
+
+Array = Any
+"""A NumPy or CuPy ndarray."""
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Settings shared by every backend of a process group."""
+
+    timeout: float = 300.0
+    """Seconds any blocking call may take before it raises `DistributedError`."""
+    job_secret: bytes = b""
+    """Shared secret of the job generation; peers prove they know it before any data flows."""
+    host: str | None = None
+    """Address to listen on and advertise (None: from AXOND_SOCKET_IFNAME, else the hostname's)."""
+    device: int | None = None
+    """GPU index for device backends (None: LOCAL_RANK)."""
+
+
+class Backend(ABC):
+    """Communicator of one process group; built by `create_backend` from the registry."""
+
+    name: ClassVar[str]
+
+    def __init__(self, store: Store, rank: int, size: int, group_name: str, options: BackendOptions) -> None:
+        self.store = store
+        """The group's namespace of the job's KV store (already prefixed by group)."""
+        self.rank = rank
+        self.size = size
+        self.group_name = group_name
+        self.options = options
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """(True, "") if this backend can run here, else (False, what is missing and what to install)."""
+        return True, ""
+
+    @abstractmethod
+    def all_reduce(self, x: Array, op: ReduceOp) -> None:
+        """Reduce `x` over the group, leaving the result in `x` on every rank."""
+
+    @abstractmethod
+    def broadcast(self, x: Array, src: int) -> None:
+        """Copy `x` of group rank `src` into `x` on every rank."""
+
+    @abstractmethod
+    def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
+        """Reduce `x` over the group into `x` on `dst`; other ranks' `x` is left unspecified but intact in shape."""
+
+    @abstractmethod
+    def all_gather(self, x: Array) -> Array:
+        """Return an array of shape (size, *x.shape) holding every rank's `x`."""
+
+    @abstractmethod
+    def reduce_scatter(self, x: Array, op: ReduceOp) -> Array:
+        """Reduce `x` over the group and return this rank's block of x.shape[0] // size rows."""
+
+    @abstractmethod
+    def gather(self, x: Array, dst: int) -> Array | None:
+        """Return (size, *x.shape) on `dst`, None elsewhere."""
+
+    @abstractmethod
+    def scatter(self, x: Array | None, src: int) -> Array:
+        """`x` on `src` is (size, ...); return this rank's slice x[rank] (others pass None)."""
+
+    @abstractmethod
+    def all_to_all(self, x: Array) -> Array:
+        """Row block i of `x` (x.shape[0] // size rows) goes to rank i; return the received blocks in rank order."""
+
+    @abstractmethod
+    def send(self, x: Array, dst: int, tag: int) -> None:
+        """Send `x` to group rank `dst`."""
+
+    @abstractmethod
+    def recv(self, x: Array, src: int, tag: int) -> None:
+        """Receive into `x` from group rank `src` (same shape, dtype and tag as the send)."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank of the group has entered the barrier."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets, threads and communicators; idempotent."""

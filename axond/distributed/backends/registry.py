@@ -1,0 +1,44 @@
+"""A tiny registry of backends by name; the nccl backend registers only if its module imports."""
+
+from __future__ import annotations
+
+import importlib
+
+from axond.distributed.backends.base import Backend, BackendOptions
+from axond.errors import BackendUnavailable
+from axond.store import Store
+
+_MODULES = {"tcp": "axond.distributed.backends.tcp", "nccl": "axond.distributed.backends.nccl"}
+"""Backend name -> module defining it; imported lazily so that CuPy is only touched when asked for."""
+
+
+def backend_class(name: str) -> type[Backend]:
+    """Return the backend class registered as `name`, or raise `BackendUnavailable` saying why."""
+    module_name = _MODULES.get(name)
+    if module_name is None:
+        raise BackendUnavailable(f"unknown backend {name!r}; choose one of {sorted(_MODULES)} or 'auto'")
+    module = importlib.import_module(module_name)
+    cls: type[Backend] = module.BACKEND
+    ok, why = cls.is_available()
+    if not ok:
+        raise BackendUnavailable(f"backend {name!r} cannot run here: {why}")
+    return cls
+
+
+def create_backend(
+    name: str, store: Store, rank: int, size: int, group_name: str, options: BackendOptions
+) -> Backend:
+    """Build the communicator of one group member with the backend registered as `name`."""
+    return backend_class(name)(store, rank, size, group_name, options)
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run on this machine."""
+    names = []
+    for name in _MODULES:
+        try:
+            backend_class(name)
+        except (BackendUnavailable, ImportError):
+            continue
+        names.append(name)
+    return names

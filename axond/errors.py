@@ -1,0 +1,46 @@
+"""Exceptions raised by axond. Every distributed failure is a `DistributedError`."""
+
+from __future__ import annotations
+
+
+class AxondError(Exception):
+    """Base class of every error axond raises on purpose."""
+
+
+class DistributedError(AxondError):
+    """A collective or point-to-point op failed: a peer died, timed out or called a different op.
+
+    The message names the op, the group, this rank and the peer; the same fields are kept as
+    attributes so that callers can act on them.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str | None = None,
+        group: str | None = None,
+        rank: int | None = None,
+        peer: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.group = group
+        self.rank = rank
+        self.peer = peer
+
+
+class StoreError(AxondError):
+    """A key-value store call failed (coordinator unreachable, bad argument)."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A store wait (get with wait, wait for keys, barrier) ran out of time."""
+
+
+class CoordinatorError(AxondError):
+    """The coordinator refused or could not answer a control-plane request."""
+
+
+class BackendUnavailable(AxondError):
+    """A backend was asked for but cannot run here; the message says what to install."""

@@ -1,0 +1,1 @@
+"""Modules with explicit backward, losses and optimizers on NumPy or CuPy arrays."""

@@ -1,0 +1,1 @@
+"""Parallel wrappers: DDP and the distributed sampler."""

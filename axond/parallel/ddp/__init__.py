@@ -1,0 +1,1 @@
+"""DistributedDataParallel: gradient buckets reduced during backward."""

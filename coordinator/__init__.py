@@ -1,0 +1,1 @@
+"""The coordinator daemon (installed as axond.coordinator)."""

@@ -1,0 +1,1 @@
+"""The worker daemon (installed as axond.worker)."""
