@@ -1,1 +1,6 @@
 """Client side of the control plane: the coordinator client and its KV store."""
+
+from axond.control.client import CoordinatorClient, connect
+from axond.control.store import CoordinatorStore
+
+__all__ = ["CoordinatorClient", "CoordinatorStore", "connect"]

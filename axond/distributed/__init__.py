@@ -1,1 +1,19 @@
 """Process groups, collectives and their backends (the data plane)."""
+
+from axond.distributed.api import (
+    all_gather, all_reduce, all_to_all, barrier, broadcast, default_group, destroy_process_group, gather,
+    get_local_rank, get_rank, get_world_size, init_process_group, irecv, is_initialized, isend, new_group, recv,
+    reduce, reduce_scatter, scatter, send,
+)
+from axond.distributed.backends.base import Backend, BackendOptions
+from axond.distributed.file_store import FileStore
+from axond.distributed.process_group import ProcessGroup, create_group
+from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.work import Work
+
+__all__ = [
+    "Backend", "BackendOptions", "FileStore", "ProcessGroup", "ReduceOp", "Work", "all_gather", "all_reduce",
+    "all_to_all", "barrier", "broadcast", "create_group", "default_group", "destroy_process_group", "gather",
+    "get_local_rank", "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend",
+    "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send",
+]

@@ -274,20 +274,22 @@ class KvWaitResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BarrierRequest(_message.Message):
-    __slots__ = ("job", "generation", "name", "world_size", "participant", "wait_s")
+    __slots__ = ("job", "generation", "name", "world_size", "participant", "wait_s", "arrival_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANT_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     name: str
     world_size: int
     participant: int
     wait_s: float
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., name: _Optional[str] = ..., world_size: _Optional[int] = ..., participant: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    arrival_id: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., name: _Optional[str] = ..., world_size: _Optional[int] = ..., participant: _Optional[int] = ..., wait_s: _Optional[float] = ..., arrival_id: _Optional[str] = ...) -> None: ...
 
 class BarrierResponse(_message.Message):
     __slots__ = ()

@@ -31,6 +31,8 @@ class BackendOptions:
     """Address to listen on and advertise (None: from AXOND_SOCKET_IFNAME, else the hostname's)."""
     device: int | None = None
     """GPU index for device backends (None: LOCAL_RANK)."""
+    port: int = 0
+    """Port the tcp backend listens on (0: chosen by the OS); only the default group uses it."""
 
 
 class Backend(ABC):

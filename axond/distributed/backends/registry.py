@@ -42,3 +42,15 @@ def available_backends() -> list[str]:
             continue
         names.append(name)
     return names
+
+
+def resolve_backend(name: str) -> str:
+    """Map "auto" to "nccl" when the nccl backend can run here (GPU and CuPy), else "tcp"; other names pass."""
+    if name != "auto":
+        backend_class(name)
+        return name
+    try:
+        cls = backend_class("nccl")
+    except (BackendUnavailable, ImportError):
+        return "tcp"
+    return "nccl" if cls.is_available()[0] else "tcp"

@@ -1,0 +1,103 @@
+"""What every client command shares: connection flags, exit codes and error reporting."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from axond.errors import CoordinatorError
+
+EXIT_OK = 0
+"""Success (for `worker` and `run`: every rank exited 0)."""
+EXIT_FAILED = 1
+"""The job or a rank failed (`worker` and `run` pass on the failing rank's code), or unhealthy."""
+EXIT_USAGE = 2
+"""Bad flags or arguments (click's usage errors)."""
+EXIT_UNREACHABLE = 3
+"""The coordinator could not be reached, or refused the token / TLS set-up."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def coordinator_options(func: F) -> F:
+    """Add `--coordinator`, `--token` and `--tls-ca` (each also from its AXOND_* variable)."""
+    func = click.option(
+        "--tls-ca", envvar="AXOND_TLS_CA", type=click.Path(exists=True, dir_okay=False), default=None,
+        help="PEM file of the CA that signed the coordinator's TLS certificate [env AXOND_TLS_CA].",
+    )(func)
+    func = click.option(
+        "--token", envvar="AXOND_TOKEN", default=None,
+        help="Shared token the coordinator was started with [env AXOND_TOKEN].",
+    )(func)
+    func = click.option(
+        "--coordinator", "address", envvar="AXOND_COORDINATOR", required=True, metavar="HOST:PORT",
+        help="Address of the coordinator [env AXOND_COORDINATOR].",
+    )(func)
+    return func
+
+
+def error_kind(e: BaseException) -> str:
+    """The gRPC status name behind a CoordinatorError ("" if none is known)."""
+    for candidate in (e, e.__cause__, e.__context__):
+        code = getattr(candidate, "code", None)
+        if callable(code):
+            try:
+                code = code()
+            except Exception:  # noqa: BLE001 - a foreign object's code() is only a hint
+                code = None
+        name = getattr(code, "name", None)
+        if isinstance(name, str):
+            return name
+    text = str(e)
+    for name in ("UNAUTHENTICATED", "PERMISSION_DENIED", "UNAVAILABLE", "DEADLINE_EXCEEDED"):
+        if name in text:
+            return name
+    return ""
+
+
+def is_connection_error(e: BaseException) -> bool:
+    """Whether `e` means "cannot reach or authenticate to the coordinator" (exit code 3)."""
+    return error_kind(e) in ("UNAUTHENTICATED", "PERMISSION_DENIED", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def _detail(e: BaseException) -> str:
+    """The server's short detail behind `e` (the gRPC status detail when there is one)."""
+    details = getattr(e.__cause__, "details", None)
+    if callable(details):
+        try:
+            text = details()
+        except Exception:  # noqa: BLE001 - only a nicer message is at stake
+            text = None
+        if text:
+            return f"{error_kind(e)}: {text}"
+    return str(e)
+
+
+def explain(e: BaseException, address: str) -> str:
+    """A one-line explanation of a coordinator error, saying what to do."""
+    kind = error_kind(e)
+    if kind in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return (
+            f"the coordinator at {address} refused the token: pass the --token (or AXOND_TOKEN) "
+            f"it was started with [{_detail(e)}]"
+        )
+    if kind in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+        return (
+            f"cannot reach the coordinator at {address}: is `axond coordinator` running at {address}? "
+            f"(pass --tls-ca if it serves TLS) [{_detail(e)}]"
+        )
+    return str(e)
+
+
+def fail(prog: str, message: str, code: int) -> NoReturn:
+    """Print `prog: message` on stderr and exit with `code` (no traceback)."""
+    click.echo(f"axond {prog}: {message}", err=True)
+    sys.exit(code)
+
+
+def fail_coordinator(prog: str, e: CoordinatorError, address: str) -> NoReturn:
+    """Exit after a coordinator error: 3 if unreachable/refused, else 1."""
+    fail(prog, explain(e, address), EXIT_UNREACHABLE if is_connection_error(e) else EXIT_FAILED)

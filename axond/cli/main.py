@@ -1,0 +1,30 @@
+"""The `axond` console script: one click group, one module per command."""
+
+from __future__ import annotations
+
+import click
+
+from axond import __version__
+from axond.cli.coordinator_cmd import coordinator
+from axond.cli.run_cmd import run
+from axond.cli.status_cmd import health, status
+from axond.cli.worker_cmd import worker
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=(
+        "Exit codes: 0 ok; 1 a job or rank failed (worker and run pass on the failing rank's code) "
+        "or the coordinator is unhealthy; 2 usage error; 3 cannot reach or authenticate to the coordinator."
+    ),
+)
+@click.version_option(__version__, prog_name="axond")
+def main() -> None:
+    """axond: distributed-training runtime (coordinator, workers, jobs)."""
+
+
+main.add_command(coordinator)
+main.add_command(worker)
+main.add_command(run)
+main.add_command(status)
+main.add_command(health)

@@ -1,0 +1,152 @@
+"""`axond run`: submit a job to the worker daemons and stream its output until it finishes."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+
+import click
+
+from axond.cli.common import EXIT_FAILED, EXIT_UNREACHABLE, coordinator_options, explain, fail, fail_coordinator
+from axond.cli.common import is_connection_error
+from axond.control.client import CoordinatorClient, connect
+from axond.errors import CoordinatorError
+from axond.v1 import coordinator_pb2 as pb
+
+CANCEL_WAIT_S = 20.0
+"""After Ctrl-C, how long to wait for the cancelled job's final event before giving up."""
+
+_END = object()
+
+
+def _parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--env")
+        env[key] = value
+    return env
+
+
+class _EventPump:
+    """Reads the job's event stream in a thread so the main thread stays interruptible."""
+
+    def __init__(self, client: CoordinatorClient, job: str) -> None:
+        self.events: queue.Queue[object] = queue.Queue(maxsize=10_000)
+        self._client, self._job = client, job
+        self._thread = threading.Thread(target=self._main, name="axond-run-stream", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            for event in self._client.stream_job(self._job):
+                self.events.put(event)
+        except (CoordinatorError, ValueError) as e:
+            self.events.put(e)
+        self.events.put(_END)
+
+
+def _print_event(event: pb.JobEvent) -> pb.JobFinished | None:
+    kind = event.WhichOneof("event")
+    if kind == "output":
+        line = event.output
+        out = sys.stderr if line.stream == "stderr" else sys.stdout
+        prefix = f"[rank {line.rank}] " if line.rank >= 0 else ""
+        out.write(f"{prefix}{line.text}\n")
+        out.flush()
+    elif kind == "info":
+        click.echo(f"axond run: {event.info}", err=True)
+    elif kind == "finished":
+        return event.finished
+    return None
+
+
+@click.command(
+    "run",
+    short_help="Submit a job to the worker daemons and stream its output.",
+    context_settings={"allow_interspersed_args": False},
+    epilog=(
+        "Exit code: the job's (0 if every rank exited 0, else the failing rank's; 130 if cancelled), "
+        "3 if the coordinator could not be reached or refused the token. Ctrl-C cancels the job."
+    ),
+)
+@coordinator_options
+@click.option("--nnodes", type=click.IntRange(min=1), required=True, help="Worker daemons to run the job on.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Rank processes on each node.")
+@click.option("--job", default="", help="Job name [default: chosen by the coordinator].")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Restart the whole job this many times after a failure.")
+@click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="Extra environment for the ranks.")
+@click.option("--cwd", default=None, metavar="DIR",
+              help="Working directory of the ranks [default: this one, if it exists on the worker].")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD ARGS...")
+def run(
+    address: str, token: str | None, tls_ca: str | None, nnodes: int, nproc_per_node: int, job: str,
+    max_restarts: int, env_pairs: tuple[str, ...], cwd: str | None, cmd: tuple[str, ...],
+) -> None:
+    """Submit CMD to the worker daemons, stream its rank-prefixed output, exit with its status."""
+    env = _parse_env(env_pairs)
+    try:
+        client = connect(address, token=token, tls_ca=tls_ca)
+    except CoordinatorError as e:
+        fail_coordinator("run", e, address)
+    try:
+        try:
+            name = client.submit_job(
+                list(cmd), nnodes, nproc_per_node, job=job, env=env, max_restarts=max_restarts,
+                cwd=cwd if cwd is not None else os.getcwd(),
+            )
+        except CoordinatorError as e:
+            fail_coordinator("run", e, address)
+        click.echo(f"axond run: submitted job {name!r}", err=True)
+        code = _follow(client, name, address)
+    finally:
+        client.close()
+    sys.exit(code)
+
+
+def _follow(client: CoordinatorClient, job: str, address: str) -> int:
+    """Print the job's events until it finishes; returns the exit code."""
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        interrupted.append(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    pump = _EventPump(client, job)
+    cancel_deadline: float | None = None
+    while True:
+        if interrupted and cancel_deadline is None:
+            click.echo(f"axond run: cancelling job {job!r}", err=True)
+            cancel_deadline = time.monotonic() + CANCEL_WAIT_S
+            try:
+                client.cancel_job(job)
+            except CoordinatorError as e:
+                fail("run", f"could not cancel job {job!r}: {explain(e, address)}", EXIT_FAILED)
+        if cancel_deadline is not None and time.monotonic() > cancel_deadline:
+            fail("run", f"job {job!r} was cancelled but did not finish within {CANCEL_WAIT_S:.0f} s",
+                 128 + interrupted[0])
+        try:
+            item = pump.events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if item is _END:
+            fail("run", f"the event stream of job {job!r} ended before the job finished", EXIT_FAILED)
+        if isinstance(item, (CoordinatorError, ValueError)):
+            code = EXIT_UNREACHABLE if is_connection_error(item) else EXIT_FAILED
+            fail("run", f"lost the event stream of job {job!r}: {explain(item, address)}", code)
+        assert isinstance(item, pb.JobEvent)
+        finished = _print_event(item)
+        if finished is not None:
+            if finished.exit_code != 0:
+                why = finished.message or f"exit code {finished.exit_code}"
+                click.echo(f"axond run: job {job!r} failed: {why}", err=True)
+            return finished.exit_code

@@ -1,0 +1,119 @@
+"""`axond worker`: the agent (with a command) or the daemon (without one)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+import click
+from click.core import ParameterSource
+
+from axond.cli.common import EXIT_UNREACHABLE, coordinator_options, error_kind, fail, fail_coordinator
+from axond.errors import CoordinatorError
+from axond.worker.agent import JobOutcome, start_agent
+from axond.worker.daemon import DaemonConfig, start_daemon
+from axond.worker.spec import ConnectOptions, JobSpec, parse_nnodes
+
+_AGENT_ONLY = ("nnodes", "nproc_per_node", "job", "max_restarts", "join_timeout")
+
+
+class _Signals:
+    """Records SIGINT/SIGTERM so the main thread can stop the ranks cleanly (bounded waits)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.event = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+        self.event.set()
+
+
+@click.command(
+    "worker",
+    short_help="Run a job's ranks on this node, or serve submitted jobs (daemon).",
+    context_settings={"allow_interspersed_args": False},
+    epilog=(
+        "With CMD: join job NAME, start --nproc-per-node ranks of CMD and exit 0 only if every local "
+        "rank exited 0 (else the first failing rank's code; 1 if the job failed on another node). "
+        "Without CMD: daemon mode, running the ranks of jobs submitted with `axond run`. "
+        "Exit code 3: the coordinator could not be reached or refused the token."
+    ),
+)
+@coordinator_options
+@click.option("--nnodes", default="1", show_default=True, metavar="N|MIN:MAX",
+              help="Nodes in the job: exactly N, or elastic between MIN and MAX.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Rank processes to start on this node.")
+@click.option("--job", default="default", show_default=True, help="Name of the job to join.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Restart the whole job this many times after a failure anywhere.")
+@click.option("--slots", type=click.IntRange(min=1), default=None,
+              help="Daemon mode (no CMD): rank processes this node offers [default: 1].")
+@click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="Seconds to wait for the rendezvous to complete.")
+@click.option("--stop-grace", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="[-- CMD ARGS...]")
+@click.pass_context
+def worker(
+    ctx: click.Context, address: str, token: str | None, tls_ca: str | None, nnodes: str,
+    nproc_per_node: int, job: str, max_restarts: int, slots: int | None, join_timeout: float,
+    stop_grace: float, cmd: tuple[str, ...],
+) -> None:
+    """Run ranks of a job on this node (agent), or wait for submitted jobs (daemon)."""
+    conn = ConnectOptions(address, token=token, tls_ca=tls_ca)
+    if not cmd:
+        given = [p for p in _AGENT_ONLY if ctx.get_parameter_source(p) is not ParameterSource.DEFAULT]
+        if given:
+            flags = ", ".join("--" + p.replace("_", "-") for p in given)
+            raise click.UsageError(
+                f"{flags} only apply with a command (`axond worker ... -- CMD`); in daemon mode "
+                "the job's shape comes from `axond run`"
+            )
+        _run_daemon(conn, DaemonConfig(slots=slots or 1, stop_grace=stop_grace))
+        return
+    if slots is not None:
+        raise click.UsageError("--slots is for daemon mode (no CMD); with a command use --nproc-per-node")
+    try:
+        lo, hi = parse_nnodes(nnodes)
+        spec = JobSpec(
+            argv=cmd, job=job, nproc_per_node=nproc_per_node, min_nodes=lo, max_nodes=hi,
+            max_restarts=max_restarts, join_timeout=join_timeout, stop_grace=stop_grace,
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    _run_agent(conn, spec)
+
+
+def _run_agent(conn: ConnectOptions, spec: JobSpec) -> None:
+    signals = _Signals()
+    try:
+        agent = start_agent(conn, spec)
+    except CoordinatorError as e:
+        fail_coordinator("worker", e, conn.address)
+    outcome: JobOutcome | None = None
+    while outcome is None:
+        outcome = agent.wait(0.2)
+        if outcome is None and signals.received is not None:
+            name = signal.Signals(signals.received).name
+            outcome = agent.stop(128 + signals.received, f"stopped by {name}") or JobOutcome(128 + signals.received)
+    if outcome.exit_code != 0:
+        code = outcome.exit_code
+        if outcome.error is not None and error_kind(outcome.error) in ("UNAVAILABLE", "UNAUTHENTICATED"):
+            code = EXIT_UNREACHABLE
+        fail("worker", f"job {spec.job!r} failed: {outcome.message or 'exit code ' + str(outcome.exit_code)}", code)
+
+
+def _run_daemon(conn: ConnectOptions, config: DaemonConfig) -> None:
+    signals = _Signals()
+    try:
+        daemon = start_daemon(conn, config)
+    except CoordinatorError as e:
+        fail_coordinator("worker", e, conn.address)
+    while not signals.event.wait(0.5):
+        pass
+    daemon.stop()

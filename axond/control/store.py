@@ -1,0 +1,100 @@
+"""`CoordinatorStore`: the `axond.store.Store` of one job generation, kept by the coordinator."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+
+from axond.errors import StoreError, StoreTimeout
+from axond.store import MAX_VALUE_BYTES, Store
+from axond.v1 import coordinator_pb2 as pb
+
+if TYPE_CHECKING:
+    from axond.control.client import CoordinatorClient
+
+
+class CoordinatorStore(Store):
+    """KV calls scoped to (job, generation); waits and barriers are served natively by the coordinator.
+
+    A stale generation (the job restarted) fails every call with StoreError: ranks of an old
+    generation must exit. An expired wait raises StoreTimeout.
+    """
+
+    def __init__(self, client: CoordinatorClient, job: str, generation: int) -> None:
+        if not job:
+            raise StoreError("the store needs a job name (AXOND_JOB)")
+        if generation < 1:
+            raise StoreError(f"generation {generation}: it must be >= 1 (AXOND_GENERATION)")
+        self.client = client
+        self.job = job
+        self.generation = generation
+
+    def _check_value(self, key: str, value: bytes) -> None:
+        if len(value) > MAX_VALUE_BYTES:
+            raise StoreError(f"store value for {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
+
+    @staticmethod
+    def _check_timeout(timeout: float) -> float:
+        if not timeout >= 0:
+            raise StoreError(f"store timeout is {timeout}; it must be >= 0 seconds")
+        return timeout
+
+    def set(self, key: str, value: bytes) -> None:
+        self._check_value(key, value)
+        req = pb.KvSetRequest(job=self.job, generation=self.generation, key=key, value=bytes(value))
+        self.client.call("KvSet", self.client.stub.KvSet, req, retry=True, store=True)
+
+    def get(self, key: str, timeout: float) -> bytes:
+        self._check_timeout(timeout)
+        req = pb.KvGetRequest(job=self.job, generation=self.generation, key=key, wait_s=timeout)
+        try:
+            return self.client.call("KvGet", self.client.stub.KvGet, req, wait=timeout, retry=True, store=True).value
+        except StoreError as e:
+            if isinstance(e.__cause__, grpc.RpcError) and e.__cause__.code() == grpc.StatusCode.NOT_FOUND and timeout == 0:
+                raise StoreTimeout(f"store key {key!r} is not set (waited 0 s)") from e
+            raise
+
+    def try_get(self, key: str) -> bytes | None:
+        req = pb.KvGetRequest(job=self.job, generation=self.generation, key=key, wait_s=0.0)
+        try:
+            return self.client.call("KvGet", self.client.stub.KvGet, req, retry=True, store=True).value
+        except StoreError as e:
+            if isinstance(e.__cause__, grpc.RpcError) and e.__cause__.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
+    def add(self, key: str, delta: int) -> int:
+        req = pb.KvAddRequest(job=self.job, generation=self.generation, key=key, delta=delta)
+        return self.client.call("KvAdd", self.client.stub.KvAdd, req, store=True).value
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        self._check_value(key, desired)
+        req = pb.KvCompareAndSetRequest(
+            job=self.job, generation=self.generation, key=key, expect_unset=expected is None,
+            expected=expected or b"", desired=bytes(desired),
+        )
+        resp = self.client.call("KvCompareAndSet", self.client.stub.KvCompareAndSet, req, store=True)
+        return resp.swapped, (resp.current if resp.is_set else None)
+
+    def delete(self, key: str) -> bool:
+        req = pb.KvDeleteRequest(job=self.job, generation=self.generation, key=key)
+        return self.client.call("KvDelete", self.client.stub.KvDelete, req, store=True).existed
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        self._check_timeout(timeout)
+        req = pb.KvWaitRequest(job=self.job, generation=self.generation, keys=list(keys), wait_s=timeout)
+        self.client.call("KvWait", self.client.stub.KvWait, req, wait=timeout, retry=True, store=True)
+
+    def barrier(self, name: str, world_size: int, timeout: float) -> None:
+        """The coordinator's native barrier; each call is one arrival (retries reuse its id)."""
+        self._check_timeout(timeout)
+        if world_size < 1:
+            raise StoreError(f"barrier {name!r}: world_size is {world_size}; it must be >= 1")
+        req = pb.BarrierRequest(
+            job=self.job, generation=self.generation, name=name, world_size=world_size,
+            wait_s=timeout, arrival_id=uuid.uuid4().hex,
+        )
+        self.client.call("Barrier", self.client.stub.Barrier, req, wait=timeout, retry=True, store=True)

@@ -1,0 +1,358 @@
+"""The GPU data plane: collectives on CuPy arrays through NCCL (`cupy.cuda.nccl`).
+
+CuPy is imported only when the backend is probed or built, never when axond is imported. Each group
+owns one communicator, one CUDA stream and one watchdog; every op is a short `enqueue(stream)`
+function run by the `_launch` template, which orders it after the caller's current stream, records
+a completion event and returns an `NcclWork`. Written against CuPy's documented NCCL API; it runs
+only where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from axond.distributed.backends import nccl_ops
+from axond.distributed.backends.base import Array, Backend, BackendOptions
+from axond.distributed.backends.nccl_support import (
+    NCCL_P2P_MIN_VERSION,
+    choose_device,
+    exchange_unique_id,
+    preload_nccl_wheel,
+    unique_id_from_bytes,
+    unique_id_to_bytes,
+)
+from axond.distributed.backends.nccl_watchdog import Watchdog, WatchedOp
+from axond.distributed.reduce_op import ReduceOp
+from axond.errors import BackendUnavailable, DistributedError, StoreTimeout
+from axond.store import Store
+
+
+@dataclass
+class _Staged:
+    """A caller's array as a C-contiguous CuPy buffer on the group's device."""
+
+    buf: Any
+    original: Any
+    copy_back: bool
+    host: bool
+
+
+class NcclWork:
+    """Completion of one NCCL op, backed by a CUDA event on the group's stream.
+
+    Same surface as `axond.distributed.work.Work`: `wait(timeout)`, `result()`, `is_completed()`.
+    """
+
+    def __init__(self, backend: NcclBackend, watched: WatchedOp, event: Any, finish: Callable[[], Any] | None) -> None:
+        self.op = watched.op
+        self.group = backend.group_name
+        self._backend = backend
+        self._watched = watched
+        self._event = event
+        self._finish = finish
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._finished = False
+
+    def is_completed(self) -> bool:
+        """True once the op has finished on the device or failed (never blocks)."""
+        return self._finished or self._watched.aborted or bool(self._event.done)
+
+    def is_success(self) -> bool:
+        """True if the op finished and its result is valid."""
+        return self._finished and self._error is None
+
+    def exception(self) -> BaseException | None:
+        """The failure of a finished op, or None."""
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the op and run its host-side finish; raise its failure (`DistributedError` on abort).
+
+        With `timeout`, return False if it is still running then; without one, the group timeout bounds it.
+        """
+        if not self._finished:
+            watchdog = self._backend._watchdog
+            try:
+                if not watchdog.wait(self._watched, timeout):
+                    return False
+                watchdog.finished(self._watched)
+                with self._backend._device:
+                    self._backend._cp.cuda.get_current_stream().wait_event(self._event)
+                    if self._finish is not None:
+                        self._result = self._finish()
+            except BaseException as e:
+                self._error = e
+            self._finished = True
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def result(self) -> Any:
+        """Wait, then return the array the op produced (None for in-place ops)."""
+        self.wait()
+        return self._result
+
+
+class NcclBackend(Backend):
+    """Communicator of one process group on NCCL; arrays are CuPy (NumPy arrays are staged through the GPU)."""
+
+    name = "nccl"
+    _ASYNC_OPS = frozenset(
+        {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter",
+         "all_to_all", "send", "recv", "barrier"}
+    )
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Probe CuPy, a CUDA device and NCCL without raising; the reason names what to install."""
+        try:
+            import cupy
+        except ImportError:
+            return False, "CuPy is not installed: pip install 'axond[gpu]'"
+        except Exception as e:
+            return False, f"CuPy failed to import ({type(e).__name__}: {e}); reinstall cupy-cuda12x"
+        try:
+            count = int(cupy.cuda.runtime.getDeviceCount())
+        except Exception as e:
+            return False, f"no CUDA device visible (CUDA says {type(e).__name__}: {e}); check the driver"
+        if count < 1:
+            return False, "no CUDA device visible (check the driver and CUDA_VISIBLE_DEVICES)"
+        preload_nccl_wheel()
+        try:
+            from cupy.cuda import nccl
+        except Exception as e:
+            return False, f"CuPy has no NCCL (cupy.cuda.nccl: {e}): install the nvidia-nccl-cu12 wheel"
+        if not getattr(nccl, "available", False):
+            return False, "CuPy has no NCCL (cupy.cuda.nccl unavailable): install the nvidia-nccl-cu12 wheel"
+        try:
+            version = int(nccl.get_version())
+        except Exception as e:
+            return False, f"the NCCL library does not load ({type(e).__name__}: {e}): install nvidia-nccl-cu12"
+        if version < NCCL_P2P_MIN_VERSION:
+            return False, f"NCCL {version} is too old: axond needs NCCL >= 2.7 (pip install -U nvidia-nccl-cu12)"
+        return True, ""
+
+    def __init__(self, store: Store, rank: int, size: int, group_name: str, options: BackendOptions) -> None:
+        """Pick the device, exchange the unique ID through `store`, and build the communicator.
+
+        The device becomes this thread's current CuPy device (like torch.cuda.set_device), so arrays
+        the rank creates afterwards live on its GPU. The ID key carries an incarnation number (how
+        often this rank built this group in this generation), so re-creating a group never picks up
+        a stale ID.
+        """
+        super().__init__(store, rank, size, group_name, options)
+        ok, why = self.is_available()
+        if not ok:
+            raise BackendUnavailable(f"backend 'nccl' cannot run here: {why}")
+        import cupy
+        from cupy.cuda import nccl
+
+        self._cp: Any = cupy
+        self._nccl: Any = nccl
+        self._version = int(nccl.get_version())
+        index = choose_device(options.device, os.environ.get("LOCAL_RANK"), cupy.cuda.runtime.getDeviceCount())
+        self._device: Any = cupy.cuda.Device(index)
+        self._device.use()
+        self._lock = threading.Lock()
+        self._closed = False
+        with self._device:
+            self._stream: Any = cupy.cuda.Stream(non_blocking=True)
+            self._barrier_buf: Any = cupy.zeros(1, dtype=np.int32)
+            incarnation = store.add(f"nccl/incarnation/{rank}", 1)
+            unique_id = exchange_unique_id(
+                store, rank, lambda: unique_id_to_bytes(nccl.get_unique_id()), options.timeout,
+                group_name=group_name, key=f"nccl/{incarnation}/unique_id",
+            )
+            try:
+                store.barrier(f"nccl/{incarnation}/init", size, options.timeout)
+            except StoreTimeout as e:
+                raise DistributedError(
+                    f"nccl init: group {group_name!r} rank {rank}: not every one of the {size} ranks arrived "
+                    f"within {options.timeout:.1f}s; each member must create the group",
+                    op="nccl_init", group=group_name, rank=rank,
+                ) from e
+            self._comm: Any = self._communicator(unique_id)
+        self._watchdog = Watchdog(group=group_name, rank=rank, abort=self._comm.abort, async_error=self._async_error)
+
+    def _communicator(self, unique_id: bytes) -> Any:
+        """ncclCommInitRank; CuPy's C `char` is signed on x86 and unsigned on ARM, so try both encodings."""
+        for signed in (True, False):
+            try:
+                return self._nccl.NcclCommunicator(self.size, unique_id_from_bytes(unique_id, signed=signed), self.rank)
+            except OverflowError:
+                continue
+            except self._nccl.NcclError as e:
+                raise DistributedError(
+                    f"nccl init: group {self.group_name!r} rank {self.rank} on cuda:{self._device.id}: {e}; "
+                    "NCCL refuses two ranks of one group on the same GPU (check LOCAL_RANK and CUDA_VISIBLE_DEVICES)",
+                    op="nccl_init", group=self.group_name, rank=self.rank,
+                ) from e
+        raise DistributedError(f"nccl init: group {self.group_name!r}: the unique id fits no C char encoding",
+                               op="nccl_init", group=self.group_name, rank=self.rank)
+
+    def _async_error(self) -> str | None:
+        try:
+            self._comm.check_async_error()
+        except self._nccl.NcclError as e:
+            return str(e)
+        return None
+
+    def _stage(self, x: Array, op: str) -> _Staged:
+        cp = self._cp
+        if isinstance(x, np.ndarray):
+            with self._device:
+                return _Staged(cp.asarray(x if x.flags.c_contiguous else x.copy(order="C")), x, True, True)
+        if isinstance(x, cp.ndarray):
+            if x.device.id != self._device.id:
+                raise ValueError(
+                    f"nccl {op}: the array is on cuda:{x.device.id} but group {self.group_name!r} rank {self.rank} "
+                    f"communicates on cuda:{self._device.id}; move it with `with cupy.cuda.Device({self._device.id}):`"
+                )
+            if x.flags.c_contiguous:
+                return _Staged(x, x, False, False)
+            with self._device:
+                return _Staged(cp.ascontiguousarray(x), x, True, False)
+        raise TypeError(f"nccl {op}: expected a CuPy (or NumPy) array, got {type(x).__name__}")
+
+    def _unstage(self, staged: _Staged) -> None:
+        if not staged.copy_back:
+            return
+        if staged.host and staged.original.flags.c_contiguous:
+            staged.buf.get(out=staged.original)
+        elif staged.host:
+            staged.original[...] = staged.buf.get()
+        else:
+            staged.original[...] = staged.buf
+
+    def _result(self, out: Any, host: bool) -> Any:
+        return out.get() if host else out
+
+    def _const(self, name: str) -> int:
+        value: int = getattr(self._nccl, name)
+        return value
+
+    def _check_peer(self, peer: int, what: str, op: str) -> None:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
+            raise ValueError(
+                f"nccl {op}: {what}={peer!r} is not a rank of group {self.group_name!r} (size {self.size})"
+            )
+
+    def _rows(self, staged: _Staged, op: str) -> int:
+        if staged.buf.ndim == 0 or staged.buf.shape[0] % self.size:
+            raise ValueError(f"{op} needs x.shape[0] divisible by the group size {self.size}; "
+                             f"got shape {staged.buf.shape} (pad the first dimension)")
+        return int(staged.buf.shape[0])
+
+    def _launch(
+        self,
+        op: str,
+        peer: int | None,
+        enqueue: Callable[[Any], None],
+        keep: tuple[Any, ...],
+        finish: Callable[[], Any] | None = None,
+    ) -> NcclWork:
+        """The template of every op: order after the current stream, enqueue, record the completion event."""
+        if self._closed:
+            raise DistributedError(f"nccl {op}: group {self.group_name!r} is closed", op=op,
+                                   group=self.group_name, rank=self.rank)
+        cp = self._cp
+        with self._device, self._lock:
+            ready = cp.cuda.Event(disable_timing=True)
+            ready.record(cp.cuda.get_current_stream())
+            self._stream.wait_event(ready)
+            done = cp.cuda.Event(disable_timing=True)
+            recorded = threading.Event()
+            watched = WatchedOp(op, peer, time.monotonic() + self.options.timeout,
+                                lambda: recorded.is_set() and bool(done.done), keep)
+            self._watchdog.watch(watched)
+            try:
+                enqueue(self._stream)
+            except BaseException as e:
+                self._watchdog.finished(watched)
+                if watched.aborted:
+                    try:
+                        self._watchdog.wait(watched)
+                    except DistributedError as failure:
+                        raise failure from e
+                if isinstance(e, (self._nccl.NcclError, cp.cuda.runtime.CUDARuntimeError)):
+                    raise DistributedError(f"nccl {op}: group {self.group_name!r} rank {self.rank}: {e}",
+                                           op=op, group=self.group_name, rank=self.rank, peer=peer) from e
+                raise
+            done.record(self._stream)
+            recorded.set()
+        return NcclWork(self, watched, done, finish)
+
+    def _copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """Device-to-device copy on `stream` (this rank's own block in gather, scatter, all_to_all)."""
+        if nbytes:
+            runtime = self._cp.cuda.runtime
+            runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDeviceToDevice, stream.ptr)
+
+    def start(self, op: str, *args: Any) -> NcclWork:
+        """Launch Backend method `op` without waiting; `NcclWork.result()` returns what the method would."""
+        if op not in self._ASYNC_OPS:
+            raise ValueError(f"nccl: unknown op {op!r}; choose one of {sorted(self._ASYNC_OPS)}")
+        launched: NcclWork = getattr(nccl_ops, op)(self, *args)
+        return launched
+
+    def all_reduce(self, x: Array, op: ReduceOp) -> None:
+        nccl_ops.all_reduce(self, x, op).wait()
+
+    def broadcast(self, x: Array, src: int) -> None:
+        nccl_ops.broadcast(self, x, src).wait()
+
+    def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
+        nccl_ops.reduce(self, x, dst, op).wait()
+
+    def all_gather(self, x: Array) -> Array:
+        return nccl_ops.all_gather(self, x).result()
+
+    def reduce_scatter(self, x: Array, op: ReduceOp) -> Array:
+        return nccl_ops.reduce_scatter(self, x, op).result()
+
+    def gather(self, x: Array, dst: int) -> Array | None:
+        return nccl_ops.gather(self, x, dst).result()
+
+    def scatter(self, x: Array | None, src: int) -> Array:
+        return nccl_ops.scatter(self, x, src).result()
+
+    def all_to_all(self, x: Array) -> Array:
+        return nccl_ops.all_to_all(self, x).result()
+
+    def send(self, x: Array, dst: int, tag: int) -> None:
+        nccl_ops.send(self, x, dst, tag).wait()
+
+    def recv(self, x: Array, src: int, tag: int) -> None:
+        nccl_ops.recv(self, x, src, tag).wait()
+
+    def barrier(self) -> None:
+        nccl_ops.barrier(self).wait()
+
+    def close(self) -> None:
+        """Drain the stream (bounded by the timeout), then destroy the communicator; abort it if it hangs."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watchdog.close()
+        if self._watchdog.failure is not None:
+            return
+        with self._device:
+            drained = self._stream.record()
+            deadline = time.monotonic() + self.options.timeout
+            while not drained.done and time.monotonic() < deadline:
+                time.sleep(1e-3)
+            if drained.done:
+                self._comm.destroy()
+            else:
+                self._comm.abort()
+
+
+BACKEND = NcclBackend

@@ -1,0 +1,275 @@
+"""The NCCL backend's ops: each a short function that stages its arrays and hands `enqueue` to the template.
+
+`NcclBackend._launch` (in `nccl.py`) orders the op after the caller's stream, runs `enqueue(stream)`
+under the watchdog and returns an `NcclWork`; `finish` runs on the host after completion. Pure data
+movement goes as the native NCCL type when there is one and as bytes otherwise; point-to-point
+patterns (gather, scatter, all_to_all) are grouped send/recv.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from axond.distributed.backends.base import Array
+from axond.distributed.backends.nccl_support import (
+    META_SLOTS,
+    P2P_HEADER_SLOTS,
+    check_p2p_header,
+    decode_meta,
+    encode_meta,
+    encode_p2p_header,
+    reduction_plan,
+    transfer_type,
+)
+from axond.distributed.reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from axond.distributed.backends.nccl import NcclBackend, NcclWork
+
+_INT_MAX = 2**31 - 1
+"""ncclBroadcast takes its count as a C int in CuPy; larger broadcasts go in chunks."""
+
+
+def _average(b: NcclBackend, x: Any, stream: Any) -> None:
+    """Finish AVG-as-SUM on the group's stream, like the tcp backend: floor division on integers."""
+    with stream:
+        if x.dtype.kind in "iu":
+            b._cp.floor_divide(x, x.dtype.type(b.size), out=x)
+        else:
+            b._cp.true_divide(x, b.size, out=x)
+
+
+def all_reduce(b: NcclBackend, x: Array, op: ReduceOp) -> NcclWork:
+    """In place: ncclAllReduce with sendbuff == recvbuff; AVG as SUM then a division on the stream."""
+    s = b._stage(x, "all_reduce")
+    plan = reduction_plan(s.buf.dtype, op, b._version)
+    count = s.buf.size * plan.count_factor
+
+    def enqueue(stream: Any) -> None:
+        ptr = s.buf.data.ptr
+        if count:
+            b._comm.allReduce(ptr, ptr, count, b._const(plan.nccl_type), b._const(plan.nccl_op), stream.ptr)
+        if plan.divide_by_size:
+            _average(b, s.buf, stream)
+
+    return b._launch("all_reduce", None, enqueue, (s,), lambda: b._unstage(s))
+
+
+def broadcast(b: NcclBackend, x: Array, src: int) -> NcclWork:
+    """In place: ncclBroadcast from `src`, in chunks of at most INT_MAX elements."""
+    b._check_peer(src, "src", "broadcast")
+    s = b._stage(x, "broadcast")
+    ntype, factor = transfer_type(s.buf.dtype, b._version)
+    count, elem = s.buf.size * factor, s.buf.dtype.itemsize // factor
+
+    def enqueue(stream: Any) -> None:
+        for start in range(0, count, _INT_MAX):
+            ptr = s.buf.data.ptr + start * elem
+            n = min(_INT_MAX, count - start)
+            b._comm.broadcast(ptr, ptr, n, b._const(ntype), src, stream.ptr)
+
+    return b._launch("broadcast", src, enqueue, (s,), lambda: b._unstage(s))
+
+
+def reduce(b: NcclBackend, x: Array, dst: int, op: ReduceOp) -> NcclWork:
+    """In place on `dst`: ncclReduce; the other ranks' arrays are left as they were."""
+    b._check_peer(dst, "dst", "reduce")
+    s = b._stage(x, "reduce")
+    plan = reduction_plan(s.buf.dtype, op, b._version)
+    count = s.buf.size * plan.count_factor
+
+    def enqueue(stream: Any) -> None:
+        ptr = s.buf.data.ptr
+        if count:
+            b._comm.reduce(ptr, ptr, count, b._const(plan.nccl_type), b._const(plan.nccl_op), dst, stream.ptr)
+        if plan.divide_by_size and b.rank == dst:
+            _average(b, s.buf, stream)
+
+    return b._launch("reduce", dst, enqueue, (s,), lambda: b._unstage(s))
+
+
+def all_gather(b: NcclBackend, x: Array) -> NcclWork:
+    """ncclAllGather into a new (size, *x.shape) array."""
+    s = b._stage(x, "all_gather")
+    ntype, factor = transfer_type(s.buf.dtype, b._version)
+    with b._device:
+        out = b._cp.empty((b.size, *s.buf.shape), dtype=s.buf.dtype)
+
+    def enqueue(stream: Any) -> None:
+        if s.buf.size:
+            b._comm.allGather(s.buf.data.ptr, out.data.ptr, s.buf.size * factor, b._const(ntype), stream.ptr)
+
+    return b._launch("all_gather", None, enqueue, (s, out), lambda: b._result(out, s.host))
+
+
+def reduce_scatter(b: NcclBackend, x: Array, op: ReduceOp) -> NcclWork:
+    """ncclReduceScatter: this rank's block of x.shape[0] // size rows."""
+    s = b._stage(x, "reduce_scatter")
+    plan = reduction_plan(s.buf.dtype, op, b._version)
+    rows = b._rows(s, "reduce_scatter") // b.size
+    with b._device:
+        out = b._cp.empty((rows, *s.buf.shape[1:]), dtype=s.buf.dtype)
+
+    def enqueue(stream: Any) -> None:
+        if out.size:
+            b._comm.reduceScatter(s.buf.data.ptr, out.data.ptr, out.size * plan.count_factor,
+                                  b._const(plan.nccl_type), b._const(plan.nccl_op), stream.ptr)
+        if plan.divide_by_size:
+            _average(b, out, stream)
+
+    return b._launch("reduce_scatter", None, enqueue, (s, out), lambda: b._result(out, s.host))
+
+
+def _grouped(b: NcclBackend, calls: Callable[[], None]) -> None:
+    """Run point-to-point calls inside ncclGroupStart/End so that they progress together."""
+    b._nccl.groupStart()
+    try:
+        calls()
+    finally:
+        b._nccl.groupEnd()
+
+
+def gather(b: NcclBackend, x: Array, dst: int) -> NcclWork:
+    """Grouped recvs on `dst` (plus a local copy of its own block), a send everywhere else."""
+    b._check_peer(dst, "dst", "gather")
+    s = b._stage(x, "gather")
+    ntype, factor = transfer_type(s.buf.dtype, b._version)
+    count, nbytes, mine = s.buf.size * factor, s.buf.nbytes, b.rank == dst
+    with b._device:
+        out = b._cp.empty((b.size, *s.buf.shape), dtype=s.buf.dtype) if mine else None
+
+    def calls(stream: Any) -> None:
+        if not count:
+            return
+        if out is None:
+            b._comm.send(s.buf.data.ptr, count, b._const(ntype), dst, stream.ptr)
+            return
+        for r in range(b.size):
+            if r != dst:
+                b._comm.recv(out.data.ptr + r * nbytes, count, b._const(ntype), r, stream.ptr)
+
+    def enqueue(stream: Any) -> None:
+        _grouped(b, lambda: calls(stream))
+        if out is not None:
+            b._copy(out.data.ptr + dst * nbytes, s.buf.data.ptr, nbytes, stream)
+
+    return b._launch("gather", dst, enqueue, (s, out), lambda: None if out is None else b._result(out, s.host))
+
+
+def scatter(b: NcclBackend, x: Array | None, src: int) -> NcclWork:
+    """Broadcast the slice's shape and dtype first (the others pass None), then grouped sends from `src`."""
+    b._check_peer(src, "src", "scatter")
+    cp, mine = b._cp, b.rank == src
+    if mine and x is None:
+        raise ValueError(f"nccl scatter: the src rank {src} must pass the ({b.size}, ...) array, not None")
+    s = b._stage(x, "scatter") if mine else None
+    if s is not None and (s.buf.ndim == 0 or s.buf.shape[0] != b.size):
+        raise ValueError(f"nccl scatter: src's array must have shape ({b.size}, ...), got {s.buf.shape}")
+    with b._device:
+        meta = cp.asarray(encode_meta(s.buf.shape[1:], s.buf.dtype)) if s is not None else cp.empty(
+            META_SLOTS, dtype=np.int64)
+    broadcast(b, meta, src).wait()
+    shape, dtype = decode_meta(meta.get())
+    ntype, factor = transfer_type(dtype, b._version)
+    with b._device:
+        out = cp.empty(shape, dtype=dtype)
+    count, nbytes = out.size * factor, out.nbytes
+
+    def calls(stream: Any) -> None:
+        if not count:
+            return
+        if s is None:
+            b._comm.recv(out.data.ptr, count, b._const(ntype), src, stream.ptr)
+            return
+        for r in range(b.size):
+            if r != src:
+                b._comm.send(s.buf.data.ptr + r * nbytes, count, b._const(ntype), r, stream.ptr)
+
+    def enqueue(stream: Any) -> None:
+        _grouped(b, lambda: calls(stream))
+        if s is not None:
+            b._copy(out.data.ptr, s.buf.data.ptr + src * nbytes, nbytes, stream)
+
+    host = s is not None and s.host
+    return b._launch("scatter", src, enqueue, (s, out), lambda: b._result(out, host))
+
+
+def all_to_all(b: NcclBackend, x: Array) -> NcclWork:
+    """Grouped send/recv with every peer; the own block is a device copy."""
+    s = b._stage(x, "all_to_all")
+    b._rows(s, "all_to_all")
+    ntype, factor = transfer_type(s.buf.dtype, b._version)
+    with b._device:
+        out = b._cp.empty_like(s.buf)
+    block = s.buf.nbytes // b.size
+    count = s.buf.size // b.size * factor
+
+    def calls(stream: Any) -> None:
+        for r in range(b.size):
+            if r != b.rank and count:
+                b._comm.send(s.buf.data.ptr + r * block, count, b._const(ntype), r, stream.ptr)
+                b._comm.recv(out.data.ptr + r * block, count, b._const(ntype), r, stream.ptr)
+
+    def enqueue(stream: Any) -> None:
+        _grouped(b, lambda: calls(stream))
+        b._copy(out.data.ptr + b.rank * block, s.buf.data.ptr + b.rank * block, block, stream)
+
+    return b._launch("all_to_all", None, enqueue, (s, out), lambda: b._result(out, s.host))
+
+
+def send(b: NcclBackend, x: Array, dst: int, tag: int) -> NcclWork:
+    """A 4-int64 header (tag, bytes, dtype) then the payload, grouped so they go out together."""
+    b._check_peer(dst, "dst", "send")
+    if dst == b.rank:
+        raise ValueError(f"nccl send: rank {b.rank} cannot send to itself")
+    s = b._stage(x, "send")
+    ntype, factor = transfer_type(s.buf.dtype, b._version)
+    with b._device:
+        header = b._cp.asarray(encode_p2p_header(tag, s.buf.nbytes, s.buf.dtype))
+
+    def calls(stream: Any) -> None:
+        b._comm.send(header.data.ptr, P2P_HEADER_SLOTS, b._const("NCCL_INT64"), dst, stream.ptr)
+        if s.buf.size:
+            b._comm.send(s.buf.data.ptr, s.buf.size * factor, b._const(ntype), dst, stream.ptr)
+
+    return b._launch("send", dst, lambda stream: _grouped(b, lambda: calls(stream)), (s, header))
+
+
+def recv(b: NcclBackend, x: Array, src: int, tag: int) -> NcclWork:
+    """Receive the header first and check it, so a mismatched send fails cleanly instead of hanging."""
+    b._check_peer(src, "src", "recv")
+    if src == b.rank:
+        raise ValueError(f"nccl recv: rank {b.rank} cannot receive from itself")
+    s = b._stage(x, "recv")
+    ntype, factor = transfer_type(s.buf.dtype, b._version)
+    with b._device:
+        header = b._cp.empty(P2P_HEADER_SLOTS, dtype=np.int64)
+
+    def enqueue_header(stream: Any) -> None:
+        b._comm.recv(header.data.ptr, P2P_HEADER_SLOTS, b._const("NCCL_INT64"), src, stream.ptr)
+
+    first = b._launch("recv", src, enqueue_header, (s, header))
+    first.wait()
+    problem = check_p2p_header(header.get(), tag, s.buf.nbytes, s.buf.dtype)
+    if problem is not None:
+        b._watchdog.fail(first._watched, f"mismatched send: {problem}")
+        raise b._watchdog.wait_failure("recv")
+
+    def enqueue(stream: Any) -> None:
+        if s.buf.size:
+            b._comm.recv(s.buf.data.ptr, s.buf.size * factor, b._const(ntype), src, stream.ptr)
+
+    return b._launch("recv", src, enqueue, (s,), lambda: b._unstage(s))
+
+
+def barrier(b: NcclBackend) -> NcclWork:
+    """A one-element all_reduce, waited for on the host."""
+    buf = b._barrier_buf
+
+    def enqueue(stream: Any) -> None:
+        b._comm.allReduce(buf.data.ptr, buf.data.ptr, 1, b._const("NCCL_INT32"), b._const("NCCL_SUM"), stream.ptr)
+
+    return b._launch("barrier", None, enqueue, (buf,))

@@ -1,0 +1,188 @@
+"""The watchdog of an NCCL communicator: aborts it when an op hangs, so that no call waits forever.
+
+GPU-free: an op is watched through a `done()` callable (a CUDA event query in `nccl.py`), and the
+abort is a callable (`NcclCommunicator.abort`), so CI tests the timing logic with real threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from axond.errors import DistributedError
+
+
+@dataclass(eq=False)
+class WatchedOp:
+    """An op in flight on the communicator, with the deadline after which the watchdog aborts it."""
+
+    op: str
+    peer: int | None
+    deadline: float
+    done: Callable[[], bool]
+    """True once the op's completion event has fired; may raise if the device failed."""
+    keep: tuple[Any, ...] = ()
+    """Device buffers the op reads or writes, held until it completes so the memory pool cannot reuse them."""
+    aborted: bool = False
+    """Set when the communicator was aborted with this op in flight: its result is void."""
+    started: float = field(default_factory=time.monotonic)
+
+
+class Watchdog:
+    """One thread per communicator: aborts it when an op outlives its deadline or NCCL reports an error.
+
+    After the abort the communicator is dead: `failure` holds the `DistributedError` that every waiter
+    and every later op raises. The thread polls every `tick` seconds, so a hang ends within about
+    timeout + tick. Ops in flight at the abort are marked `aborted`: their events may fire because the
+    abort killed the kernels, and that must not read as success.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        rank: int,
+        abort: Callable[[], None],
+        async_error: Callable[[], str | None] | None = None,
+        tick: float = 0.05,
+        abort_grace: float = 60.0,
+    ) -> None:
+        self.group = group
+        self.rank = rank
+        self._abort = abort
+        self._async_error = async_error
+        self._tick = tick
+        self._abort_grace = abort_grace
+        self._ops: list[WatchedOp] = []
+        self._lock = threading.Lock()
+        self._aborting = False
+        self._failure: DistributedError | None = None
+        self._failed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"axond-nccl-watchdog[{group}:{rank}]", daemon=True)
+        self._thread.start()
+
+    @property
+    def failure(self) -> DistributedError | None:
+        """The error that aborted the communicator, or None while it is healthy."""
+        return self._failure
+
+    def watch(self, op: WatchedOp) -> None:
+        """Start watching `op`; raises the recorded failure if the communicator is aborted."""
+        with self._lock:
+            aborting = self._aborting
+            if not aborting:
+                self._ops.append(op)
+        if aborting:
+            self._failed.wait(self._abort_grace)
+            raise self._reraise(op.op)
+
+    def finished(self, op: WatchedOp) -> None:
+        """Stop watching `op` (it completed, or its launch failed)."""
+        with self._lock:
+            if op in self._ops:
+                self._ops.remove(op)
+
+    def wait(self, op: WatchedOp, timeout: float | None = None) -> bool:
+        """Block until `op` is done (True); raise `DistributedError` if it was aborted.
+
+        With `timeout`, return False if the op is still running then (it stays watched); without one,
+        the op's deadline bounds the wait.
+        """
+        give_up = None if timeout is None else time.monotonic() + timeout
+        delay = 1e-5
+        while True:
+            if op.aborted:
+                self._failed.wait(self._abort_grace)
+                raise self._reraise(op.op)
+            try:
+                if op.done() and not op.aborted:
+                    return True
+            except Exception as e:
+                self.fail(op, f"the device reported {type(e).__name__}: {e}")
+                continue
+            now = time.monotonic()
+            if now >= op.deadline + 2 * self._tick:
+                self.fail(op, f"it did not complete within {now - op.started:.1f}s")
+                continue
+            if give_up is not None and now >= give_up:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def fail(self, op: WatchedOp, why: str) -> None:
+        """Record the failure of `op`, mark every op in flight aborted and abort the communicator (once)."""
+        peer = "" if op.peer is None else f" (peer {op.peer})"
+        message = (
+            f"nccl {op.op}: group {self.group!r} rank {self.rank}{peer}: {why}; the communicator was aborted "
+            "(ncclCommAbort); a peer may have died or called a different collective. Re-create the group"
+        )
+        with self._lock:
+            op.aborted = True
+            if self._aborting:
+                return
+            self._aborting = True
+            for other in self._ops:
+                other.aborted = True
+            self._ops.clear()
+        try:
+            self._abort()
+        except Exception as e:
+            message += f" (ncclCommAbort itself failed: {type(e).__name__}: {e})"
+        self._failure = DistributedError(message, op=op.op, group=self.group, rank=self.rank, peer=op.peer)
+        self._failed.set()
+
+    def wait_failure(self, op: str) -> DistributedError:
+        """The error to raise for `op` once `fail` was called (waits, bounded, for the abort to finish)."""
+        self._failed.wait(self._abort_grace)
+        return self._reraise(op)
+
+    def close(self) -> None:
+        """Stop the thread (bounded join); idempotent."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 10 * self._tick))
+
+    def _reraise(self, op: str) -> DistributedError:
+        failure = self._failure
+        if failure is None:
+            return DistributedError(
+                f"nccl {op}: group {self.group!r} rank {self.rank}: the communicator is being aborted and "
+                f"ncclCommAbort did not return within {self._abort_grace:.0f}s",
+                op=op, group=self.group, rank=self.rank,
+            )
+        if failure.op == op:
+            return failure
+        return DistributedError(
+            f"nccl {op}: group {self.group!r} rank {self.rank}: the communicator is aborted: {failure}",
+            op=op, group=self.group, rank=self.rank, peer=failure.peer,
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick):
+            self._scan()
+
+    def _scan(self) -> None:
+        with self._lock:
+            if self._aborting:
+                return
+            ops = list(self._ops)
+        now = time.monotonic()
+        for op in ops:
+            try:
+                finished = op.done()
+            except Exception as e:
+                self.fail(op, f"the device reported {type(e).__name__}: {e}")
+                return
+            if finished:
+                self.finished(op)
+            elif now >= op.deadline:
+                self.fail(op, f"it did not complete within {now - op.started:.1f}s")
+                return
+        if self._async_error is not None and ops:
+            error = self._async_error()
+            if error is not None:
+                self.fail(ops[0], f"NCCL reported an asynchronous error: {error}")

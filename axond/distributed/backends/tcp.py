@@ -1,0 +1,383 @@
+"""The TCP backend: a full mesh of authenticated sockets and gloo/NCCL-style algorithms chosen by size.
+
+Small all-reduces use recursive doubling (non-power-of-two sizes fold the extra ranks in first),
+large ones a ring reduce-scatter + all-gather pipelined in chunks; broadcast uses a binomial tree
+when small and a pipelined chain when large. Data moves straight from and into the arrays'
+buffers and reductions run in place with NumPy ufuncs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from axond.distributed import chunking
+from axond.distributed.backends.base import Array, Backend, BackendOptions
+from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
+from axond.distributed.mesh import Mesh
+from axond.distributed.peer import Peer
+from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.reducers import UFUNCS, check_reduce_op, finish_average
+from axond.distributed.wire import DTYPES, REDUCE_CODES, Kind, Op, dtype_code, group_id
+from axond.store import Store
+
+META = 34
+"""Max int64 words of a scatter metadata frame: dtype code, ndim, up to 32 dims."""
+
+
+def _numpy(x: Any, what: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        kind = type(x).__module__.split(".")[0]
+        hint = " (CuPy arrays need backend='nccl')" if kind == "cupy" else ""
+        raise TypeError(f"{what} must be a NumPy array for the tcp backend, got {type(x).__name__}{hint}")
+    return x
+
+
+class TcpBackend(Backend):
+    """Collectives over TCP sockets between the ranks of one group."""
+
+    name = "tcp"
+
+    def __init__(self, store: Store, rank: int, size: int, group_name: str, options: BackendOptions) -> None:
+        super().__init__(store, rank, size, group_name, options)
+        self.tuning = TcpTuning.from_env()
+        gid = group_id(group_name)
+        where = f"group '{group_name}' (rank {rank} of {size})"
+        socks = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port,
+                     options.timeout, where).connect_all() if size > 1 else {}
+        spin = self.tuning.spin_us * 1e-6
+        self.g = FramedGroup(rank, size, group_name, gid, options.timeout,
+                             {p: Peer(s, p, options.timeout, spin, self.tuning.spin_yield) for p, s in socks.items()})
+        self._seq = 0
+        self._tx: dict[int, int] = {}
+        self._rx: dict[int, int] = {}
+        self._tmp = np.empty(0, np.uint8)
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def _call(self, op: Op, x: np.ndarray, redop: ReduceOp | None = None, aux: int = 0) -> Call:
+        self._seq += 1
+        return self.g.call(op, Kind.COLLECTIVE, dtype_code(x.dtype), REDUCE_CODES[redop.value] if redop else 0,
+                           self._seq, aux, x.size)
+
+    def _scratch(self, nbytes: int, dtype: np.dtype, count: int) -> np.ndarray:
+        if self._tmp.nbytes < nbytes:
+            self._tmp = np.empty(max(nbytes, 2 * self._tmp.nbytes), np.uint8)
+        return self._tmp[:nbytes].view(dtype)[:count]
+
+    def _buffer(self, name: str, nbytes: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """A cached scratch buffer other than the receive one (reused across calls: no page faults)."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._bufs[name] = np.empty(nbytes, np.uint8)
+        return buf[:nbytes].view(dtype)[:count]
+
+    def _inplace(self, x: np.ndarray, op_name: str, body: Callable[[np.ndarray], None]) -> None:
+        """Run `body` on a contiguous flat view of `x`, copying back if `x` was not contiguous."""
+        work = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        self.g.run(op_name, body, work.reshape(-1))
+        if work is not x:
+            np.copyto(x, work)
+
+    def _check_root(self, root: int, what: str) -> int:
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"{what}={root!r} is not a rank of group '{self.group_name}' (0..{self.size - 1})")
+        return int(root)
+
+    def all_reduce(self, x: Array, op: ReduceOp) -> None:
+        x = _numpy(x, "all_reduce input")
+        op = check_reduce_op(op, x.dtype)
+        c = self._call(Op.ALL_REDUCE, x, op)
+        if self.size == 1:
+            return
+        if x.nbytes <= self.tuning.small_bytes:
+            self._inplace(x, "all_reduce", lambda flat: self._recursive_doubling(c, flat, op))
+        else:
+            self._inplace(x, "all_reduce", lambda flat: self._ring_all_reduce(c, flat, op))
+
+    def _recursive_doubling(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
+        g, r, n = self.g, self.rank, self.size
+        ufunc = UFUNCS[op]
+        p2 = chunking.largest_power_of_two(n)
+        xb = byte_view(x)
+        if r >= p2:
+            g.wait_sent(c, r - p2, g.send(c, r - p2, xb))
+            g.recv(c, r - p2, xb)
+            return
+        tmp = self._scratch(x.nbytes, x.dtype, x.size)
+        tb = byte_view(tmp)
+        if r + p2 < n:
+            g.recv(c, r + p2, tb)
+            ufunc(x, tmp, out=x)
+        mask = 1
+        while mask < p2:
+            partner = r ^ mask
+            ticket = g.send(c, partner, xb)
+            g.recv(c, partner, tb)
+            g.wait_sent(c, partner, ticket)
+            ufunc(x, tmp, out=x)
+            mask <<= 1
+        if op is ReduceOp.AVG:
+            finish_average(x, n)
+        if r + p2 < n:
+            g.wait_sent(c, r + p2, g.send(c, r + p2, xb))
+
+    def _chunks(self, count: int, itemsize: int) -> list[list[tuple[int, int]]]:
+        block_bytes = -(-count // self.size) * itemsize
+        return chunking.block_chunks(count, self.size, itemsize,
+                                     chunking.pipeline_chunk_bytes(block_bytes, self.tuning.chunk_bytes))
+
+    def _ring_reduce_scatter(self, c: Call, src: np.ndarray, work: np.ndarray, final: np.ndarray, base: int,
+                             op: ReduceOp, chunks: list[list[tuple[int, int]]], forward_final: bool) -> None:
+        """Reduce blocks around the ring; this rank's block ends in `final` (offset `base`), optionally forwarded."""
+        g, r, n = self.g, self.rank, self.size
+        ufunc = UFUNCS[op]
+        right, left = (r + 1) % n, (r - 1) % n
+        first, _ = chunking.ring_reduce_scatter_blocks(r, n, 0)
+        for s, e in chunks[first]:
+            g.send(c, right, byte_view(src[s:e]))
+        biggest = max(e - s for blk in chunks for s, e in blk)
+        tmp_all = self._scratch(biggest * src.itemsize, src.dtype, biggest)
+        for step in range(n - 1):
+            _, blk = chunking.ring_reduce_scatter_blocks(r, n, step)
+            last = step == n - 2
+            for s, e in chunks[blk]:
+                tmp = tmp_all[: e - s]
+                g.recv(c, left, byte_view(tmp))
+                out = final[s - base : e - base] if last else work[s:e]
+                ufunc(src[s:e], tmp, out=out)
+                if last and op is ReduceOp.AVG:
+                    finish_average(out, n)
+                if not last or forward_final:
+                    g.send(c, right, byte_view(out))
+
+    def _ring_all_gather(self, c: Call, x: np.ndarray, chunks: list[list[tuple[int, int]]], post_own: bool) -> None:
+        """Circulate blocks around the ring into `x`; this rank's block `rank` is already in place."""
+        g, r, n = self.g, self.rank, self.size
+        right, left = (r + 1) % n, (r - 1) % n
+        if post_own:
+            for s, e in chunks[r]:
+                g.send(c, right, byte_view(x[s:e]))
+        for step in range(n - 1):
+            _, blk = chunking.ring_all_gather_blocks(r, n, step)
+            for s, e in chunks[blk]:
+                view = x[s:e]
+                g.recv(c, left, byte_view(view))
+                if step < n - 2:
+                    g.send(c, right, byte_view(view))
+        g.flush(c, right)
+
+    def _ring_all_reduce(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
+        chunks = self._chunks(x.size, x.itemsize)
+        self._ring_reduce_scatter(c, x, x, x, 0, op, chunks, forward_final=True)
+        self._ring_all_gather(c, x, chunks, post_own=False)
+
+    def broadcast(self, x: Array, src: int) -> None:
+        x = _numpy(x, "broadcast input")
+        src = self._check_root(src, "src")
+        c = self._call(Op.BROADCAST, x, aux=src)
+        if self.size == 1:
+            return
+        body = self._tree_broadcast if x.nbytes <= self.tuning.small_bytes else self._chain_broadcast
+        if x.flags.c_contiguous or self.rank != src:
+            self._inplace(x, "broadcast", lambda flat: body(c, flat, src))
+        else:
+            self.g.run("broadcast", body, c, np.ascontiguousarray(x).reshape(-1), src)
+
+    def _real(self, vrank: int, root: int) -> int:
+        return (vrank + root) % self.size
+
+    def _tree_broadcast(self, c: Call, x: np.ndarray, src: int) -> None:
+        g, v = self.g, (self.rank - src) % self.size
+        xb = byte_view(x)
+        parent = chunking.binomial_parent(v)
+        if parent is not None:
+            g.recv(c, self._real(parent, src), xb)
+        children = [self._real(ch, src) for ch in chunking.binomial_children(v, self.size)]
+        for ch in children:
+            g.send(c, ch, xb)
+        g.flush(c, *children)
+
+    def _chain_broadcast(self, c: Call, x: np.ndarray, src: int) -> None:
+        g, n, v = self.g, self.size, (self.rank - src) % self.size
+        nchunks = chunking.chunk_count(x.nbytes, chunking.pipeline_chunk_bytes(x.nbytes // 4, self.tuning.chunk_bytes))
+        nxt = self._real(v + 1, src) if v < n - 1 else None
+        prev = self._real(v - 1, src) if v > 0 else None
+        for s, e in chunking.split_even(x.size, nchunks):
+            view = byte_view(x[s:e])
+            if prev is not None:
+                g.recv(c, prev, view)
+            if nxt is not None:
+                g.send(c, nxt, view)
+        if nxt is not None:
+            g.flush(c, nxt)
+
+    def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
+        x = _numpy(x, "reduce input")
+        op = check_reduce_op(op, x.dtype)
+        dst = self._check_root(dst, "dst")
+        c = self._call(Op.REDUCE, x, op, aux=dst)
+        if self.size == 1:
+            return
+        self._inplace(x, "reduce", lambda flat: self._tree_reduce(c, flat, dst, op))
+
+    def _tree_reduce(self, c: Call, x: np.ndarray, dst: int, op: ReduceOp) -> None:
+        g, v = self.g, (self.rank - dst) % self.size
+        ufunc = UFUNCS[op]
+        children = chunking.binomial_children(v, self.size)
+        if children:
+            tmp = self._scratch(x.nbytes, x.dtype, x.size)
+            for ch in children:
+                g.recv(c, self._real(ch, dst), byte_view(tmp))
+                ufunc(x, tmp, out=x)
+        parent = chunking.binomial_parent(v)
+        if parent is not None:
+            p = self._real(parent, dst)
+            g.wait_sent(c, p, g.send(c, p, byte_view(x)))
+        elif op is ReduceOp.AVG:
+            finish_average(x, self.size)
+
+    def all_gather(self, x: Array) -> Array:
+        x = _numpy(x, "all_gather input")
+        c = self._call(Op.ALL_GATHER, x)
+        out = np.empty((self.size, *x.shape), x.dtype)
+        out[self.rank] = x
+        if self.size > 1:
+            flat = out.reshape(-1)
+            chunks = self._chunks(flat.size, flat.itemsize)
+            self.g.run("all_gather", self._ring_all_gather, c, flat, chunks, True)
+        return out
+
+    def reduce_scatter(self, x: Array, op: ReduceOp) -> Array:
+        x = _numpy(x, "reduce_scatter input")
+        op = check_reduce_op(op, x.dtype)
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter needs x.shape[0] divisible by the group size {self.size}; "
+                             f"got shape {x.shape} (pad the first dimension)")
+        c = self._call(Op.REDUCE_SCATTER, x, op)
+        rows = x.shape[0] // self.size
+        out = np.empty((rows, *x.shape[1:]), x.dtype)
+        if self.size == 1:
+            np.copyto(out, x)
+            if op is ReduceOp.AVG:
+                finish_average(out, 1)
+            return out
+        src = np.ascontiguousarray(x).reshape(-1)
+        per = src.size // self.size
+        chunks = self._chunks(src.size, src.itemsize)
+        work = self._buffer("work", src.nbytes, src.dtype, src.size)
+        self.g.run("reduce_scatter", self._ring_reduce_scatter, c, src, work, out.reshape(-1),
+                   self.rank * per, op, chunks, False)
+        self.g.run("reduce_scatter", self.g.flush, c)
+        return out
+
+    def gather(self, x: Array, dst: int) -> Array | None:
+        x = _numpy(x, "gather input")
+        dst = self._check_root(dst, "dst")
+        c = self._call(Op.GATHER, x, aux=dst)
+        if self.rank != dst:
+            xb = byte_view(np.ascontiguousarray(x))
+            self.g.run("gather", lambda: self.g.wait_sent(c, dst, self.g.send(c, dst, xb)))
+            return None
+        out = np.empty((self.size, *x.shape), x.dtype)
+        out[dst] = x
+
+        def body() -> None:
+            for p in range(self.size):
+                if p != dst:
+                    self.g.recv(c, p, byte_view(out[p : p + 1]))
+        self.g.run("gather", body)
+        return out
+
+    def scatter(self, x: Array | None, src: int) -> Array:
+        src = self._check_root(src, "src")
+        if self.rank == src:
+            x = _numpy(x, "scatter input on the source rank")
+            if x.ndim == 0 or x.shape[0] != self.size or x.ndim > META - 2:
+                raise ValueError(f"scatter needs an array of shape ({self.size}, ...) on the source rank, got {x.shape}")
+            x = np.ascontiguousarray(x)
+            c = self._call(Op.SCATTER, x[0], aux=src)
+            meta = np.array([dtype_code(x.dtype), x.ndim - 1, *x.shape[1:]], np.int64)
+            mc = self.g.call(Op.SCATTER, Kind.COLLECTIVE, 0, 0, c.seq, src, 0)
+
+            def send_all() -> None:
+                for p in range(self.size):
+                    if p != src:
+                        self.g.send(mc, p, byte_view(meta))
+                        self.g.send(c, p, byte_view(x[p : p + 1]))
+                self.g.flush(c)
+            self.g.run("scatter", send_all)
+            return x[src].copy()
+        self._seq += 1
+        mc = self.g.call(Op.SCATTER, Kind.COLLECTIVE, 0, 0, self._seq, src, 0)
+        meta = np.zeros(META, np.int64)
+
+        def receive() -> np.ndarray:
+            nbytes = self.g.expect(mc, src, None)
+            if nbytes > meta.nbytes or nbytes < 16:
+                raise self.g.error(mc, src, f"peer rank {src} sent {nbytes} bytes of scatter metadata")
+            self.g.peers[src].recv_into(byte_view(meta)[:nbytes], mc.deadline)
+            out = np.empty(tuple(int(d) for d in meta[2 : 2 + meta[1]]), DTYPES[int(meta[0]) - 1])
+            c = self.g.call(Op.SCATTER, Kind.COLLECTIVE, int(meta[0]), 0, self._seq, src, out.size)
+            self.g.recv(c, src, byte_view(out))
+            return out
+        return self.g.run("scatter", receive)
+
+    def all_to_all(self, x: Array) -> Array:
+        x = _numpy(x, "all_to_all input")
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise ValueError(f"all_to_all needs x.shape[0] divisible by the group size {self.size}; got {x.shape}")
+        c = self._call(Op.ALL_TO_ALL, x)
+        x = np.ascontiguousarray(x)
+        rows = x.shape[0] // self.size
+        out = np.empty_like(x)
+        r, n = self.rank, self.size
+        out[r * rows : (r + 1) * rows] = x[r * rows : (r + 1) * rows]
+
+        def body() -> None:
+            for k in range(1, n):
+                d = (r + k) % n
+                self.g.send(c, d, byte_view(x[d * rows : (d + 1) * rows]))
+            for k in range(1, n):
+                s = (r - k) % n
+                self.g.recv(c, s, byte_view(out[s * rows : (s + 1) * rows]))
+            self.g.flush(c)
+        if n > 1:
+            self.g.run("all_to_all", body)
+        return out
+
+    def _p2p(self, x: np.ndarray, peer: int, tag: int, counters: dict[int, int]) -> Call:
+        counters[peer] = counters.get(peer, 0) + 1
+        return self.g.call(Op.SEND, Kind.P2P, dtype_code(x.dtype), 0, counters[peer], int(tag), x.size)
+
+    def send(self, x: Array, dst: int, tag: int) -> None:
+        x = _numpy(x, "send input")
+        dst = self._check_root(dst, "dst")
+        if dst == self.rank:
+            raise ValueError(f"rank {self.rank} cannot send to itself")
+        c = self._p2p(x, dst, tag, self._tx)
+        xb = byte_view(np.ascontiguousarray(x))
+        self.g.run("send", lambda: self.g.wait_sent(c, dst, self.g.send(c, dst, xb)))
+
+    def recv(self, x: Array, src: int, tag: int) -> None:
+        x = _numpy(x, "recv buffer")
+        src = self._check_root(src, "src")
+        if src == self.rank:
+            raise ValueError(f"rank {self.rank} cannot receive from itself")
+        c = self._p2p(x, src, tag, self._rx)
+        self._inplace(x, "recv", lambda flat: self.g.recv(c, src, byte_view(flat)))
+
+    def barrier(self) -> None:
+        token = np.zeros(1, np.uint8)
+        self._seq += 1
+        c = self.g.call(Op.BARRIER, Kind.COLLECTIVE, dtype_code(token.dtype), 0, self._seq, 0, 1)
+        if self.size > 1:
+            self.g.run("barrier", self._recursive_doubling, c, token, ReduceOp.MAX)
+
+    def close(self) -> None:
+        self.g.close_peers()
+
+
+BACKEND = TcpBackend

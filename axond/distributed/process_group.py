@@ -1,0 +1,168 @@
+"""`ProcessGroup`: a backend plus the global ranks it spans, with every collective as a method.
+
+Ranks given to methods (src, dst) are GROUP-LOCAL, like torch's ProcessGroup objects; the
+module-level functions in `axond.distributed.api` take global ranks and translate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from axond.distributed.backends.base import Array, Backend, BackendOptions
+from axond.distributed.backends.registry import create_backend, resolve_backend
+from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.work import CommThread, Work
+from axond.errors import DistributedError
+from axond.store import PrefixStore, Store
+
+ASYNC_MARGIN = 5.0
+
+
+class ProcessGroup:
+    """A communicator over `ranks` (global ranks); `rank`/`size` are this member's place in it."""
+
+    def __init__(self, backend: Backend | None, ranks: Sequence[int], name: str, global_rank: int,
+                 options: BackendOptions, store: Store | None = None) -> None:
+        self.backend = backend
+        self.ranks = list(ranks)
+        self.name = name
+        self.global_rank = global_rank
+        self.options = options
+        self._store = store
+        self._subgroups = 0
+        self._comm = CommThread(name)
+        self._destroyed = False
+        self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
+        self.size = len(self.ranks)
+
+    def __repr__(self) -> str:
+        kind = self.backend.name if self.backend is not None else "non-member"
+        return f"ProcessGroup({self.name!r}, rank={self.rank}, size={self.size}, ranks={self.ranks}, backend={kind})"
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name if self.backend is not None else "none"
+
+    def contains(self, global_rank: int) -> bool:
+        """Whether `global_rank` is a member of this group."""
+        return global_rank in self.ranks
+
+    def group_rank(self, global_rank: int) -> int:
+        """Group-local rank of `global_rank`, or ValueError naming the members."""
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(f"global rank {global_rank} is not in group '{self.name}' (ranks {self.ranks})") from None
+
+    def global_rank_of(self, group_rank: int) -> int:
+        """Global rank of group-local `group_rank`."""
+        return self.ranks[group_rank]
+
+    def _run(self, op: str, fn: Callable[[Backend], Any], async_op: bool) -> Any:
+        backend = self.backend
+        if self._destroyed:
+            raise DistributedError(f"{op} on group '{self.name}': the group was destroyed; create a new one",
+                                   op=op, group=self.name, rank=self.rank)
+        if backend is None:
+            raise DistributedError(f"{op} on group '{self.name}': global rank {self.global_rank} is not a member "
+                                   f"(ranks {self.ranks}); only members may use it", op=op, group=self.name)
+        if async_op:
+            work = Work(op, self.name, self.options.timeout + ASYNC_MARGIN)
+            return self._comm.submit(work, lambda: fn(backend))
+        self._comm.drain()
+        return fn(backend)
+
+    def all_reduce(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
+        """Reduce `x` in place over the group."""
+        return self._run("all_reduce", lambda b: b.all_reduce(x, op), async_op)
+
+    def broadcast(self, x: Array, src: int = 0, async_op: bool = False) -> Work | None:
+        """Copy `x` of group rank `src` into `x` everywhere."""
+        return self._run("broadcast", lambda b: b.broadcast(x, src), async_op)
+
+    def reduce(self, x: Array, dst: int = 0, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
+        """Reduce `x` into `x` on group rank `dst`."""
+        return self._run("reduce", lambda b: b.reduce(x, dst, op), async_op)
+
+    def all_gather(self, x: Array, async_op: bool = False) -> Any:
+        """Return (size, *x.shape) with every rank's `x` (a Work whose result() is it when async)."""
+        return self._run("all_gather", lambda b: b.all_gather(x), async_op)
+
+    def reduce_scatter(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Any:
+        """Reduce `x` and return this rank's block of x.shape[0] // size rows."""
+        return self._run("reduce_scatter", lambda b: b.reduce_scatter(x, op), async_op)
+
+    def gather(self, x: Array, dst: int = 0, async_op: bool = False) -> Any:
+        """Return (size, *x.shape) on group rank `dst`, None elsewhere."""
+        return self._run("gather", lambda b: b.gather(x, dst), async_op)
+
+    def scatter(self, x: Array | None, src: int = 0, async_op: bool = False) -> Any:
+        """Return this rank's slice of `x` (shape (size, ...)) held by group rank `src`."""
+        return self._run("scatter", lambda b: b.scatter(x, src), async_op)
+
+    def all_to_all(self, x: Array, async_op: bool = False) -> Any:
+        """Row block i of `x` goes to group rank i; return the received blocks in rank order."""
+        return self._run("all_to_all", lambda b: b.all_to_all(x), async_op)
+
+    def send(self, x: Array, dst: int, tag: int = 0) -> None:
+        """Send `x` to group rank `dst`."""
+        self._run("send", lambda b: b.send(x, dst, tag), False)
+
+    def recv(self, x: Array, src: int, tag: int = 0) -> None:
+        """Receive into `x` from group rank `src`."""
+        self._run("recv", lambda b: b.recv(x, src, tag), False)
+
+    def isend(self, x: Array, dst: int, tag: int = 0) -> Work:
+        """Send on the group's communication thread; the Work completes once the data left."""
+        work: Work = self._run("isend", lambda b: b.send(x, dst, tag), True)
+        return work
+
+    def irecv(self, x: Array, src: int, tag: int = 0) -> Work:
+        """Receive into `x` on the group's communication thread."""
+        work: Work = self._run("irecv", lambda b: b.recv(x, src, tag), True)
+        return work
+
+    def barrier(self, async_op: bool = False) -> Work | None:
+        """Return once every member entered the barrier."""
+        return self._run("barrier", lambda b: b.barrier(), async_op)
+
+    def new_group(self, ranks: Sequence[int], backend: str | None = None) -> ProcessGroup:
+        """Subgroup over `ranks` (global ranks, a subset of this group's). Every member calls it, in the same order."""
+        if self._store is None:
+            raise DistributedError(f"group '{self.name}' has no store to build subgroups from")
+        wanted = sorted({int(r) for r in ranks})
+        if not wanted or len(wanted) != len(list(ranks)):
+            raise ValueError(f"new_group needs distinct ranks, got {list(ranks)}")
+        strangers = [r for r in wanted if r not in self.ranks]
+        if strangers:
+            raise ValueError(f"ranks {strangers} are not in group '{self.name}' (ranks {self.ranks})")
+        self._subgroups += 1
+        name = f"{self.name}/{self._subgroups}[{','.join(map(str, wanted))}]"
+        options = replace(self.options, port=0)
+        if self.global_rank not in wanted:
+            return ProcessGroup(None, wanted, name, self.global_rank, options)
+        kind = backend or self.backend_name
+        store = PrefixStore(f"pg/{name}", self._store)
+        impl = create_backend(resolve_backend(kind), store, wanted.index(self.global_rank), len(wanted), name, options)
+        return ProcessGroup(impl, wanted, name, self.global_rank, options, self._store)
+
+    def destroy(self) -> None:
+        """Finish queued async ops, then close sockets and threads; idempotent."""
+        self._destroyed = True
+        self._comm.close(self.options.timeout + ASYNC_MARGIN)
+        if self.backend is not None:
+            self.backend.close()
+
+
+def create_group(store: Store, rank: int, size: int, backend: str = "tcp",
+                 options: BackendOptions | None = None, name: str = "world",
+                 ranks: Sequence[int] | None = None) -> ProcessGroup:
+    """Build one member of a group from a store shared by all members (tests, benchmarks, threads)."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is outside world size {size}")
+    options = options or BackendOptions()
+    members = list(ranks) if ranks is not None else list(range(size))
+    impl = create_backend(resolve_backend(backend), PrefixStore(f"pg/{name}", store), rank, size, name, options)
+    return ProcessGroup(impl, members, name, members[rank], options, store)

@@ -1,0 +1,92 @@
+"""The frame header every data-plane message carries, and the codes it uses.
+
+A frame is a 32-byte header followed by `payload` bytes. The header names the operation, dtype,
+element count, sequence number and group, so that a peer calling a different collective, dtype
+or size is detected on receipt instead of corrupting data or hanging.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from enum import IntEnum
+
+import numpy as np
+
+HEADER = struct.Struct("<BBBBIIiqq")
+"""kind, op, dtype, reduce op, sequence, group id, aux (root/tag), element count, payload bytes."""
+HEADER_SIZE = HEADER.size
+
+
+class Kind(IntEnum):
+    """What a frame is."""
+
+    COLLECTIVE = 1
+    P2P = 2
+    ABORT = 3
+
+
+class Op(IntEnum):
+    """Which operation a frame belongs to."""
+
+    ALL_REDUCE = 1
+    BROADCAST = 2
+    REDUCE = 3
+    ALL_GATHER = 4
+    REDUCE_SCATTER = 5
+    GATHER = 6
+    SCATTER = 7
+    ALL_TO_ALL = 8
+    SEND = 9
+    BARRIER = 10
+    ABORT = 11
+
+
+OP_NAMES = {op: op.name.lower() for op in Op}
+OP_BY_NAME = {name: op for op, name in OP_NAMES.items()}
+ROOTED = {Op.BROADCAST: "src", Op.REDUCE: "dst", Op.GATHER: "dst", Op.SCATTER: "src", Op.SEND: "tag"}
+
+DTYPES: list[np.dtype] = [
+    np.dtype(t)
+    for t in (
+        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+]
+"""Dtypes the TCP backend moves; the index (plus one) is the wire code."""
+DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(DTYPES)}
+REDUCE_CODES = {"sum": 1, "product": 2, "min": 3, "max": 4, "avg": 5}
+REDUCE_NAMES = {v: k.upper() for k, v in REDUCE_CODES.items()}
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """Wire code of `dtype`, or a clear error listing the supported ones."""
+    code = DTYPE_CODE.get(np.dtype(dtype))
+    if code is None:
+        names = ", ".join(str(d) for d in DTYPES)
+        raise TypeError(f"dtype {dtype} cannot be communicated; use one of {names}")
+    return code
+
+
+def dtype_name(code: int) -> str:
+    return str(DTYPES[code - 1]) if 0 < code <= len(DTYPES) else f"dtype#{code}"
+
+
+def group_id(name: str) -> int:
+    """A 32-bit id of a group name, carried in every frame."""
+    return zlib.crc32(name.encode())
+
+
+def describe(op: int, dtype: int, count: int, redop: int, aux: int) -> str:
+    """Human form of one side of an operation, used in mismatch errors."""
+    try:
+        o = Op(op)
+        name = OP_NAMES[o]
+    except ValueError:
+        return f"an unknown operation (code {op}; not an axond peer?)"
+    extra = ""
+    if redop:
+        extra += f" with {REDUCE_NAMES.get(redop, redop)}"
+    if o in ROOTED:
+        extra += f" {ROOTED[o]}={aux}"
+    return f"{name}{extra} ({dtype_name(dtype)}, {count} elements)"

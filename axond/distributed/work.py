@@ -1,0 +1,121 @@
+"""Asynchronous ops: `Work` handles and the per-group communication thread that runs them in issue order."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from axond.errors import DistributedError
+
+
+class Work:
+    """Handle of an async op: `wait()` blocks until it finished and re-raises its failure."""
+
+    def __init__(self, op: str, group: str, limit: float) -> None:
+        self.op = op
+        self.group = group
+        self._limit = limit
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result = result
+        self._error = error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        """True once the op finished (successfully or not); never blocks."""
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        """True if the op finished without error."""
+        return self._done.is_set() and self._error is None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the op; re-raise its failure. With `timeout`, return False if it is still running then.
+
+        Without one, wait at most the group timeout plus a margin (the op itself is bounded by it).
+        """
+        limit = self._limit if timeout is None else timeout
+        if not self._done.wait(limit):
+            if timeout is not None:
+                return False
+            raise DistributedError(f"{self.op} on group '{self.group}': async op did not finish within {limit:.1f} s",
+                                   op=self.op, group=self.group)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def result(self) -> Any:
+        """Wait, then return the array produced by ops that return one (None for in-place ops)."""
+        self.wait()
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        """The failure of a finished op, or None."""
+        return self._error if self._done.is_set() else None
+
+
+class CommThread:
+    """Runs a group's async ops one after another on one thread; started on first use."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Work, Callable[[], Any]]] = deque()
+        self._pending: deque[Work] = deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, work: Work, fn: Callable[[], Any]) -> Work:
+        with self._cond:
+            if self._closed:
+                raise DistributedError(f"{work.op} on group '{work.group}': the group was destroyed",
+                                       op=work.op, group=work.group)
+            self._queue.append((work, fn))
+            self._pending.append(work)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"axond-comm-{self._name}", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return work
+
+    def drain(self) -> None:
+        """Wait until every submitted op finished (so a blocking op keeps issue order); failures stay in their Work."""
+        while True:
+            with self._cond:
+                while self._pending and self._pending[0].is_completed():
+                    self._pending.popleft()
+                if not self._pending:
+                    return
+                work = self._pending[0]
+            work.wait(timeout=work._limit)
+            if not work.is_completed():
+                raise DistributedError(f"{work.op} on group '{work.group}': an earlier async op is stuck",
+                                       op=work.op, group=work.group)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait(1.0)
+                if not self._queue:
+                    return
+                work, fn = self._queue.popleft()
+            try:
+                result = fn()
+            except BaseException as e:
+                work._finish(error=e)
+            else:
+                work._finish(result)
+
+    def close(self, timeout: float) -> None:
+        """Stop after the queued ops ran (bounded by `timeout`)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)

@@ -1,0 +1,238 @@
+"""Form real groups of threads or processes on loopback, without a worker launch (tests, benchmarks).
+
+Both helpers join every rank with a timeout and re-raise the first rank's failure with its
+traceback, naming the rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from axond.distributed.backends.base import BackendOptions
+from axond.distributed.file_store import FileStore
+from axond.distributed.process_group import ProcessGroup, create_group
+from axond.errors import AxondError
+from axond.store import InMemoryStore, Store
+
+__all__ = ["FileStore", "RankFailed", "run_on", "run_processes", "run_threads", "thread_groups"]
+
+
+class RankFailed(AxondError):
+    """A rank started by `run_threads`/`run_processes` failed or did not finish in time."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def run_threads(fn: Callable[[ProcessGroup], Any], world_size: int, timeout: float = 60.0, *,
+                backend: str = "tcp", options: BackendOptions | None = None, store: Store | None = None) -> list[Any]:
+    """Run `fn(group)` on `world_size` threads, each the member of a fresh group; return results by rank.
+
+    The first failure is re-raised as `RankFailed` (chained to the original, traceback in the message).
+    """
+    store = store if store is not None else InMemoryStore()
+    options = options or BackendOptions(timeout=min(timeout, 30.0))
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[float, int, BaseException, str]] = []
+    groups: list[ProcessGroup | None] = [None] * world_size
+
+    def body(rank: int) -> None:
+        try:
+            pg = groups[rank] = create_group(store, rank, world_size, backend, options)
+            results[rank] = fn(pg)
+        except BaseException as e:
+            errors.append((time.monotonic(), rank, e, traceback.format_exc()))
+        finally:
+            made = groups[rank]
+            if made is not None:
+                made.destroy()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    if stuck:
+        for r in stuck:
+            pg = groups[r]
+            if pg is not None and pg.backend is not None:
+                pg.backend.close()
+        for r in stuck:
+            threads[r].join(5.0)
+        raise RankFailed(f"ranks {stuck} of {world_size} did not finish within {timeout:.1f} s", stuck[0])
+    if errors:
+        _, rank, error, tb = min(errors, key=lambda e: e[0])
+        raise RankFailed(f"rank {rank} of {world_size} failed: {error}\n{tb}", rank) from error
+    return results
+
+
+def thread_groups(world_size: int, timeout: float = 10.0, options: BackendOptions | None = None,
+                  backend: str = "tcp") -> list[ProcessGroup]:
+    """Build the `world_size` members of one group in this process (one thread each), for explicit tests."""
+    store = InMemoryStore()
+    options = options or BackendOptions(timeout=timeout)
+    out: list[ProcessGroup | None] = [None] * world_size
+    errors: list[BaseException] = []
+
+    def make(rank: int) -> None:
+        try:
+            out[rank] = create_group(store, rank, world_size, backend, options)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5.0)
+    if errors or any(g is None for g in out):
+        for g in out:
+            if g is not None:
+                g.destroy()
+        raise RankFailed(f"could not form a group of {world_size} threads: {errors[:1]}")
+    return [g for g in out if g is not None]
+
+
+def run_on(groups: Sequence[ProcessGroup], fn: Callable[[ProcessGroup], Any], timeout: float = 30.0,
+           return_exceptions: bool = False) -> list[Any]:
+    """Run `fn(group)` concurrently for every member in `groups` (one thread each); results by rank.
+
+    Re-raises the earliest failure as `RankFailed` (or, with `return_exceptions`, puts each rank's
+    exception in its result slot); members still running after `timeout` are reported.
+    """
+    results: list[Any] = [None] * len(groups)
+    errors: list[tuple[float, int, BaseException, str]] = []
+
+    def body(i: int) -> None:
+        try:
+            results[i] = fn(groups[i])
+        except BaseException as e:
+            errors.append((time.monotonic(), i, e, traceback.format_exc()))
+            if return_exceptions:
+                results[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(groups))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    if stuck:
+        raise RankFailed(f"ranks {stuck} of {len(groups)} did not finish within {timeout:.1f} s", stuck[0])
+    if errors and not return_exceptions:
+        _, rank, error, tb = min(errors, key=lambda e: e[0])
+        raise RankFailed(f"rank {rank} of {len(groups)} failed: {error}\n{tb}", rank) from error
+    return results
+
+
+def _process_main(fn: Callable[[], Any], rank: int, size: int, store_dir: str, backend: str, timeout: float,
+                  env: Mapping[str, str], results: Any) -> None:
+    import axond
+
+    try:
+        os.environ.update(env)
+        store = None if "AXOND_COORDINATOR" in env else FileStore(store_dir)
+        axond.init_process_group(backend, timeout, rank=rank, world_size=size, store=store, local_rank=rank)
+        try:
+            value = fn()
+        finally:
+            axond.destroy_process_group()
+        results.put((rank, True, value, ""))
+    except BaseException as e:
+        results.put((rank, False, repr(e), traceback.format_exc()))
+
+
+def run_processes(fn_or_module: Callable[[], Any] | str, world_size: int, timeout: float = 60.0, *,
+                  backend: str = "tcp", op_timeout: float | None = None, args: Sequence[str] = (),
+                  env: Mapping[str, str] | None = None) -> list[Any]:
+    """Start `world_size` real processes on loopback and return their results by rank.
+
+    `fn_or_module` is a picklable function (run after `init_process_group`, its return value sent
+    back) or a module name run as `python -m module args...` with RANK, WORLD_SIZE, LOCAL_RANK and
+    AXOND_FILE_STORE set (returns exit codes). `env` is added to each rank's environment; with
+    AXOND_COORDINATOR in it, ranks use the coordinator's store. Stuck ranks are killed after `timeout`.
+    """
+    op_timeout = op_timeout if op_timeout is not None else min(timeout, 30.0)
+    with tempfile.TemporaryDirectory(prefix="axond-store-") as store_dir:
+        if isinstance(fn_or_module, str):
+            return _run_module(fn_or_module, world_size, timeout, store_dir, args, env)
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_process_main, args=(fn_or_module, r, world_size, store_dir, backend,
+                                                         op_timeout, dict(env or {}), results), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        got: dict[int, tuple[bool, Any, str]] = {}
+        first_failure: tuple[int, Any, str] | None = None
+        deadline = time.monotonic() + timeout
+        try:
+            while len(got) < world_size and time.monotonic() < deadline:
+                try:
+                    rank, ok, value, tb = results.get(timeout=0.1)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+                    if dead:
+                        first_failure = first_failure or (dead[0], f"exit code {procs[dead[0]].exitcode}", "")
+                        got.update({r: (False, None, "") for r in dead})
+                    continue
+                got[rank] = (ok, value, tb)
+                if not ok and first_failure is None:
+                    first_failure = (rank, value, tb)
+        finally:
+            for p in procs:
+                p.join(max(0.0, min(5.0, deadline - time.monotonic())))
+                if p.is_alive():
+                    p.kill()
+                    p.join(5.0)
+        if first_failure is not None:
+            rank, what, tb = first_failure
+            raise RankFailed(f"rank {rank} of {world_size} failed: {what}\n{tb}", rank)
+        missing = [r for r in range(world_size) if r not in got]
+        if missing:
+            raise RankFailed(f"ranks {missing} of {world_size} did not finish within {timeout:.1f} s", missing[0])
+        return [got[r][1] for r in range(world_size)]
+
+
+def _run_module(module: str, world_size: int, timeout: float, store_dir: str, args: Sequence[str],
+                env: Mapping[str, str] | None) -> list[int]:
+    procs = []
+    for r in range(world_size):
+        child = dict(os.environ, **(env or {}), RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
+                     LOCAL_WORLD_SIZE=str(world_size), AXOND_FILE_STORE=store_dir)
+        child.pop("AXOND_COORDINATOR", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=child,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = []
+    try:
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate(timeout=5.0)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5.0)
+    for r, p in enumerate(procs):
+        if p.returncode != 0:
+            raise RankFailed(f"rank {r} of {world_size} ({module}) exited with {p.returncode}:\n{outputs[r][-4000:]}", r)
+    return [p.returncode for p in procs]

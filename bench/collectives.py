@@ -1,0 +1,453 @@
+"""nccl-tests-style benchmark of axond's collectives, with gloo/MPI (if installed) and the raw socket limit.
+
+    python bench/collectives.py --nproc 2 4 [--ops all_reduce broadcast] [--min-bytes 8 --max-bytes 256M]
+
+For each op and size: median time per call (max over ranks per iteration), algbw = bytes / time,
+busbw as in nccl-tests (all_reduce: algbw*2(n-1)/n; all_gather, reduce_scatter: algbw*(n-1)/n;
+broadcast: algbw), and a correctness check. When torch (gloo) or mpi4py (+ mpirun) import, the
+same sizes run on them in the same run and the ratio axond/peer is printed. The raw limit is two
+processes streaming through plain sockets in both directions at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter"]
+Result = dict[str, dict[int, tuple[float, bool]]]
+"""op -> size in bytes -> (median seconds, correct)."""
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def sizes_between(low: int, high: int, factor: int) -> list[int]:
+    out, s = [], low
+    while s <= high:
+        out.append(s)
+        s *= factor
+    if out[-1] != high:
+        out.append(high)
+    return out
+
+
+def iterations(nbytes: int) -> int:
+    return max(5, min(200, (64 << 20) // max(nbytes, 1)))
+
+
+def bus_factor(op: str, n: int) -> float:
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+class Runner:
+    """One library's collectives on float32 arrays; `size` is the op's total bytes as in nccl-tests."""
+
+    rank: int
+    size: int
+
+    def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
+        """Return (one call, check after a fresh call with known data)."""
+        raise NotImplementedError
+
+    def max_times(self, times: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+
+def counts(op: str, nbytes: int, n: int) -> int:
+    """Elements of the per-rank input."""
+    elems = max(1, nbytes // 4)
+    if op == "all_gather":
+        return max(1, elems // n)
+    if op == "reduce_scatter":
+        return max(n, elems - elems % n)
+    return elems
+
+
+class AxondRunner(Runner):
+    def __init__(self, backend: str) -> None:
+        import axond
+
+        self.ax = axond
+        self.pg = axond.distributed.default_group()
+        self.rank, self.size = self.pg.rank, self.pg.size
+        self.xp: Any = np
+        if backend == "nccl":
+            import cupy
+
+            self.xp = cupy
+
+    def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
+        pg, xp, n, r = self.pg, self.xp, self.size, self.rank
+        count = counts(op, nbytes, n)
+        x = xp.zeros(count, xp.float32)
+        total = n * (n + 1) / 2
+        if op == "all_reduce":
+            def check() -> bool:
+                x[...] = r + 1
+                pg.all_reduce(x)
+                return bool((x == total).all())
+            return (lambda: pg.all_reduce(x)), check
+        if op == "broadcast":
+            def check_b() -> bool:
+                x[...] = r + 1
+                pg.broadcast(x, 0)
+                return bool((x == 1).all())
+            return (lambda: pg.broadcast(x, 0)), check_b
+        if op == "all_gather":
+            def check_g() -> bool:
+                x[...] = r + 1
+                out = pg.all_gather(x)
+                return all(bool((out[i] == i + 1).all()) for i in range(n))
+            return (lambda: pg.all_gather(x)), check_g
+        y = xp.full(count, r + 1, xp.float32)
+        return (lambda: pg.reduce_scatter(y)), (lambda: bool((pg.reduce_scatter(y) == total).all()))
+
+    def max_times(self, times: np.ndarray) -> np.ndarray:
+        return np.asarray(self.pg.all_gather(times)).max(axis=0)
+
+    def barrier(self) -> None:
+        self.pg.barrier()
+
+
+class GlooRunner(Runner):
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
+        torch, dist, n, r = self.torch, self.dist, self.size, self.rank
+        count = counts(op, nbytes, n)
+        x = torch.zeros((count,), dtype=torch.float32)
+        total = n * (n + 1) / 2
+        if op == "all_reduce":
+            def check() -> bool:
+                x.fill_(r + 1)
+                dist.all_reduce(x)
+                return bool((x == total).all())
+            return (lambda: dist.all_reduce(x)), check
+        if op == "broadcast":
+            def check_b() -> bool:
+                x.fill_(r + 1)
+                dist.broadcast(x, 0)
+                return bool((x == 1).all())
+            return (lambda: dist.broadcast(x, 0)), check_b
+        if op == "all_gather":
+            outs = [torch.empty_like(x) for _ in range(n)]
+            def check_g() -> bool:
+                x.fill_(r + 1)
+                dist.all_gather(outs, x)
+                return all(bool((outs[i] == i + 1).all()) for i in range(n))
+            return (lambda: dist.all_gather(outs, x)), check_g
+        out = torch.empty(count // n, dtype=torch.float32)
+        inputs = list(torch.full((count,), float(r + 1)).chunk(n))
+        def rs() -> None:
+            dist.reduce_scatter(out, inputs)
+
+        def check_rs() -> bool:
+            rs()
+            return bool((out == total).all())
+        return rs, check_rs
+
+    def max_times(self, times: np.ndarray) -> np.ndarray:
+        t = self.torch.from_numpy(times.copy())
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return t.numpy()
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+
+class MpiRunner(Runner):
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
+        MPI, comm, n, r = self.MPI, self.comm, self.size, self.rank
+        count = counts(op, nbytes, n)
+        x = np.zeros(count, np.float32)
+        total = n * (n + 1) / 2
+        if op == "all_reduce":
+            def check() -> bool:
+                x[...] = r + 1
+                comm.Allreduce(MPI.IN_PLACE, x)
+                return bool((x == total).all())
+            return (lambda: comm.Allreduce(MPI.IN_PLACE, x)), check
+        if op == "broadcast":
+            def check_b() -> bool:
+                x[...] = r + 1
+                comm.Bcast(x, 0)
+                return bool((x == 1).all())
+            return (lambda: comm.Bcast(x, 0)), check_b
+        if op == "all_gather":
+            out = np.empty(count * n, np.float32)
+            def check_g() -> bool:
+                x[...] = r + 1
+                comm.Allgather(x, out)
+                return all(bool((out[i * count : (i + 1) * count] == i + 1).all()) for i in range(n))
+            return (lambda: comm.Allgather(x, out)), check_g
+        x[...] = r + 1
+        out = np.empty(count // n, np.float32)
+
+        def check_rs() -> bool:
+            comm.Reduce_scatter_block(x, out)
+            return bool((out == total).all())
+        return (lambda: comm.Reduce_scatter_block(x, out)), check_rs
+
+    def max_times(self, times: np.ndarray) -> np.ndarray:
+        out = np.empty_like(times)
+        self.comm.Allreduce(times, out, op=self.MPI.MAX)
+        return out
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+def run_suite(runner: Runner, ops: list[str], sizes: list[int]) -> Result:
+    """Time every op and size; the same on every rank (all ranks must agree on the loop)."""
+    results: Result = {}
+    for op in ops:
+        results[op] = {}
+        for nbytes in sizes:
+            try:
+                call, check = runner.prepare(op, nbytes)
+            except RuntimeError:
+                continue
+            iters = iterations(nbytes)
+            for _ in range(min(3, iters)):
+                call()
+            runner.barrier()
+            times = np.empty(iters)
+            for i in range(iters):
+                t0 = time.perf_counter()
+                call()
+                times[i] = time.perf_counter() - t0
+            worst = runner.max_times(times)
+            ok = check()
+            results[op][nbytes] = (float(np.median(worst)), ok)
+    return results
+
+
+def _axond_rank(rank: int, n: int, store_dir: str, backend: str, ops: list[str], sizes: list[int], q: Any) -> None:
+    import axond
+    from axond.distributed.file_store import FileStore
+
+    axond.init_process_group(backend, 120.0, rank=rank, world_size=n, store=FileStore(store_dir))
+    try:
+        res = run_suite(AxondRunner(backend), ops, sizes)
+    finally:
+        axond.destroy_process_group()
+    if rank == 0:
+        q.put(res)
+
+
+def _gloo_rank(rank: int, n: int, port: int, ops: list[str], sizes: list[int], q: Any) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    try:
+        res = run_suite(GlooRunner(), ops, sizes)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        q.put(res)
+
+
+def _spawn(target: Callable[..., None], n: int, args: tuple[Any, ...], timeout: float) -> Result | None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, n, *args, q), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                res: Result = q.get(timeout=0.5)
+                return res
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    raise
+    except Exception as e:
+        print(f"  [{target.__name__} failed: {e!r}]", file=sys.stderr)
+        return None
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float) -> Result | None:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return None
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "tcp,self", "-np", str(n),
+               sys.executable, os.path.abspath(__file__), "--mpi-worker", out.name, "--ops", *ops,
+               "--sizes", *map(str, sizes)]
+        try:
+            subprocess.run(cmd, check=True, timeout=timeout, capture_output=True)
+        except (subprocess.SubprocessError, OSError) as e:
+            print(f"  [mpi failed: {e}]", file=sys.stderr)
+            return None
+        raw = json.load(open(out.name))
+    return {op: {int(k): (v[0], v[1]) for k, v in d.items()} for op, d in raw.items()}
+
+
+def raw_duplex(nbytes: int = 1 << 30, chunk: int = 4 << 20) -> float:
+    """GB/s per direction of two processes streaming through plain sockets in both directions at once."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    peer = ctx.Process(target=_raw_peer, args=(port, nbytes, chunk, q), daemon=True)
+    peer.start()
+    conn, _ = listener.accept()
+    listener.close()
+    secs = _duplex(conn, nbytes, chunk)
+    peer_secs = q.get(timeout=120)
+    peer.join(10)
+    conn.close()
+    return nbytes / max(secs, peer_secs) / 1e9
+
+
+def _raw_peer(port: int, nbytes: int, chunk: int, q: Any) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    q.put(_duplex(sock, nbytes, chunk))
+    sock.close()
+
+
+def _duplex(sock: socket.socket, nbytes: int, chunk: int) -> float:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+    out = memoryview(bytearray(b"\x01" * chunk))
+    inp = memoryview(bytearray(chunk))
+
+    def send() -> None:
+        for _ in range(nbytes // chunk):
+            sock.sendall(out)
+
+    sock.sendall(b"go")
+    got = sock.recv(2, socket.MSG_WAITALL)
+    assert got == b"go"
+    t0 = time.perf_counter()
+    sender = threading.Thread(target=send)
+    sender.start()
+    left = nbytes
+    while left:
+        left -= sock.recv_into(inp, min(chunk, left))
+    sender.join()
+    return time.perf_counter() - t0
+
+
+def fmt_size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return f"{n}B"
+
+
+def report(n: int, ours: Result, peers: dict[str, Result | None], raw: float | None) -> None:
+    print(f"\n## n = {n}" + (f"  (raw socket duplex limit: {raw:.2f} GB/s per direction)" if raw else ""))
+    names = [k for k, v in peers.items() if v]
+    head = "| op | size | axond time | algbw GB/s | busbw GB/s | ok |" + "".join(
+        f" {k} time | {k} busbw | axond/{k} |" for k in names)
+    print(head)
+    print("|" + "---|" * head.count("|")[:-1] if False else "|" + "|".join(["---"] * (head.count("|") - 1)) + "|")
+    for op, by_size in ours.items():
+        for nbytes, (secs, ok) in by_size.items():
+            algbw = nbytes / secs / 1e9
+            busbw = algbw * bus_factor(op, n)
+            row = f"| {op} | {fmt_size(nbytes)} | {secs * 1e6:.1f} us | {algbw:.3f} | {busbw:.3f} | {'yes' if ok else 'NO'} |"
+            for k in names:
+                theirs = (peers[k] or {}).get(op, {}).get(nbytes)
+                if theirs is None:
+                    row += " n/a | n/a | n/a |"
+                    continue
+                tb = nbytes / theirs[0] / 1e9 * bus_factor(op, n)
+                row += f" {theirs[0] * 1e6:.1f} us | {tb:.3f} | {theirs[0] / secs:.2f}x |"
+            print(row)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
+    ap.add_argument("--min-bytes", default="8")
+    ap.add_argument("--max-bytes", default="256M")
+    ap.add_argument("--factor", type=int, default=8, help="size step (nccl-tests -f)")
+    ap.add_argument("--sizes", nargs="+", type=int, help="explicit sizes in bytes")
+    ap.add_argument("--backend", default="tcp", help="axond backend: tcp, nccl or auto")
+    ap.add_argument("--peers", nargs="*", default=["gloo", "mpi"], help="peers to compare with, when installed")
+    ap.add_argument("--no-raw", action="store_true", help="skip the raw socket limit")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--mpi-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sizes = args.sizes or sizes_between(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
+    if args.mpi_worker:
+        runner = MpiRunner()
+        res = run_suite(runner, args.ops, sizes)
+        if runner.rank == 0:
+            with open(args.mpi_worker, "w") as f:
+                json.dump(res, f)
+        return
+    raw = None if args.no_raw else raw_duplex()
+    for n in args.nproc:
+        with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
+            ours = _spawn(_axond_rank, n, (store_dir, args.backend, args.ops, sizes), args.timeout)
+        if ours is None:
+            sys.exit(f"axond benchmark failed at n = {n}")
+        peers: dict[str, Result | None] = {}
+        if "gloo" in args.peers:
+            try:
+                import torch.distributed  # noqa: F401
+                peers["gloo"] = _spawn(_gloo_rank, n, (free_port(), args.ops, sizes), args.timeout)
+            except ImportError:
+                pass
+        if "mpi" in args.peers:
+            try:
+                import mpi4py  # noqa: F401
+                peers["mpi"] = run_mpi(n, args.ops, sizes, args.timeout)
+            except ImportError:
+                pass
+        report(n, ours, peers, raw if n == 2 else None)
+
+
+if __name__ == "__main__":
+    main()

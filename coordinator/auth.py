@@ -1,0 +1,67 @@
+"""The shared-token check: every call but the standard health check needs `authorization: Bearer <token>`.
+
+The health service is exempt so that probes (compose, Kubernetes' grpc probe) work without the
+token; it reveals nothing but SERVING. Reflection and every Coordinator RPC are refused with
+UNAUTHENTICATED when the token is missing or wrong.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+def _metadata_value(metadata: Any, key: str) -> str | bytes | None:
+    for item in metadata or ():
+        k, v = item[0], item[1]
+        if k == key:
+            return v  # type: ignore[no-any-return]
+    return None
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls whose `authorization` metadata is not `Bearer <token>`."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("the token must be a non-empty string")
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        got = _metadata_value(handler_call_details.invocation_metadata, "authorization")  # type: ignore[attr-defined]
+        raw = got.encode() if isinstance(got, str) else (got or b"")
+        if hmac.compare_digest(raw, self._expected):
+            return handler
+        why = "missing" if got is None else "wrong"
+        return _deny(handler, f"{why} token: pass --token (or set AXOND_TOKEN) to the coordinator's token")
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(abort, **kwargs)

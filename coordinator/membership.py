@@ -1,0 +1,109 @@
+"""The node registry: registration, heartbeats and failure detection (plain, not thread-safe alone)."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass
+
+from axond.coordinator.errors import InvalidArgument, NotFound, check_name
+
+
+class Health(enum.Enum):
+    """How recently a node was heard from."""
+
+    ALIVE = 1
+    SUSPECT = 2
+    DEAD = 3
+
+
+@dataclass
+class Node:
+    """One registered worker (an agent of a job, or a daemon waiting for submitted jobs)."""
+
+    node_id: str
+    hostname: str
+    seq: int
+    slots: int
+    daemon: bool
+    last_seen: float
+    dead: bool = False
+    job: str = ""
+
+    @property
+    def order_key(self) -> tuple[str, int]:
+        """Rank order: by hostname, then by registration order."""
+        return (self.hostname, self.seq)
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Failure-detection timing told to nodes."""
+
+    heartbeat_interval: float
+    dead_after_missed: int
+
+    @property
+    def dead_after(self) -> float:
+        return self.heartbeat_interval * self.dead_after_missed
+
+
+class Membership:
+    """Registered nodes by id; the caller (CoordinatorState) holds the lock."""
+
+    def __init__(self, liveness: Liveness) -> None:
+        self.liveness = liveness
+        self.nodes: dict[str, Node] = {}
+        self._seq = 0
+        self._epoch = secrets.token_hex(2)
+
+    def register(self, hostname: str, slots: int, daemon: bool, now: float) -> Node:
+        check_name("hostname", hostname)
+        if slots < 0:
+            raise InvalidArgument(f"slots is {slots}; it must be >= 0")
+        if daemon and slots < 1:
+            raise InvalidArgument("a worker daemon must offer slots >= 1 (rank processes it can run)")
+        self._seq += 1
+        node = Node(f"n{self._seq}-{self._epoch}", hostname, self._seq, slots, daemon, now)
+        self.nodes[node.node_id] = node
+        return node
+
+    def get(self, node_id: str) -> Node:
+        if not node_id:
+            raise InvalidArgument("node_id must be non-empty (the id RegisterNode returned)")
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"unknown node {node_id!r}: the coordinator may have restarted; register again")
+        return node
+
+    def touch(self, node_id: str, now: float) -> tuple[Node, bool]:
+        """Record that the node was heard from; returns (node, whether it had been declared dead)."""
+        node = self.get(node_id)
+        was_dead = node.dead
+        node.last_seen = now
+        node.dead = False
+        return node, was_dead
+
+    def health(self, node: Node, now: float) -> Health:
+        if node.dead:
+            return Health.DEAD
+        if now - node.last_seen > 1.5 * self.liveness.heartbeat_interval:
+            return Health.SUSPECT
+        return Health.ALIVE
+
+    def newly_dead(self, now: float) -> list[Node]:
+        """Mark and return nodes silent for longer than `dead_after`; forget long-dead ones."""
+        out = []
+        for node in list(self.nodes.values()):
+            silent = now - node.last_seen
+            if not node.dead and silent > self.liveness.dead_after:
+                node.dead = True
+                out.append(node)
+            elif node.dead and silent > 20 * self.liveness.dead_after + 60.0:
+                del self.nodes[node.node_id]
+        return out
+
+    def remove(self, node_id: str) -> Node:
+        node = self.get(node_id)
+        del self.nodes[node_id]
+        return node

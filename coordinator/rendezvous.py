@@ -1,0 +1,94 @@
+"""One rendezvous round: collect joiners, freeze the membership and assign ranks.
+
+Ranks are deterministic: members are ordered by (hostname, registration order of the node), node
+ranks follow that order, and each node gets a contiguous block of global ranks of its `nproc` size.
+The same set of registered nodes therefore always gets the same ranks, whatever order they join in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Member:
+    """A node's place in a frozen generation."""
+
+    node_id: str
+    hostname: str
+    nproc: int
+    node_rank: int
+    rank_offset: int
+
+
+@dataclass(frozen=True)
+class _Joiner:
+    order_key: tuple[str, int]
+    hostname: str
+    nproc: int
+
+
+class Round:
+    """The membership of one generation: open while nodes join, frozen once ranks are assigned.
+
+    It freezes as soon as `max_nodes` joined, or `settle_time` after `min_nodes` joined (late
+    joiners within that window are taken too).
+    """
+
+    def __init__(self, generation: int, min_nodes: int, max_nodes: int, settle_time: float, secret: bytes) -> None:
+        self.generation = generation
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.settle_time = settle_time
+        self.secret = secret
+        self.joiners: dict[str, _Joiner] = {}
+        self.min_reached_at: float | None = None
+        self.members: list[Member] | None = None
+        self._by_node: dict[str, Member] = {}
+
+    @property
+    def frozen(self) -> bool:
+        return self.members is not None
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.nproc for m in self.members or [])
+
+    def add(self, node_id: str, order_key: tuple[str, int], nproc: int, now: float) -> None:
+        """Add or update a joiner of this open round."""
+        self.joiners[node_id] = _Joiner(order_key, order_key[0], nproc)
+        if self.min_reached_at is None and len(self.joiners) >= self.min_nodes:
+            self.min_reached_at = now
+
+    def remove(self, node_id: str) -> bool:
+        """Drop a joiner that left before the freeze."""
+        if self.frozen or self.joiners.pop(node_id, None) is None:
+            return False
+        if len(self.joiners) < self.min_nodes:
+            self.min_reached_at = None
+        return True
+
+    def freeze_at(self) -> float | None:
+        """When the open round freezes on its own, or None if it still lacks `min_nodes`."""
+        if self.frozen or self.min_reached_at is None:
+            return None
+        if len(self.joiners) >= self.max_nodes:
+            return self.min_reached_at
+        return self.min_reached_at + self.settle_time
+
+    def maybe_freeze(self, now: float) -> bool:
+        """Freeze if it is time; returns True when this call froze the round."""
+        at = self.freeze_at()
+        if at is None or now < at:
+            return False
+        ordered = sorted(self.joiners.items(), key=lambda kv: kv[1].order_key)[: self.max_nodes]
+        members, offset = [], 0
+        for node_rank, (node_id, j) in enumerate(ordered):
+            members.append(Member(node_id, j.hostname, j.nproc, node_rank, offset))
+            offset += j.nproc
+        self.members = members
+        self._by_node = {m.node_id: m for m in members}
+        return True
+
+    def member(self, node_id: str) -> Member | None:
+        return self._by_node.get(node_id)

@@ -1,0 +1,238 @@
+"""Build, start and stop the coordinator: a grpc.aio server run on its own event-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from axond.coordinator.auth import TokenInterceptor
+from axond.coordinator.servicer import CoordinatorServicer
+from axond.coordinator.state import CoordinatorState
+from axond.coordinator.waiting import WaitHub
+from axond.errors import CoordinatorError
+from axond.v1 import coordinator_pb2 as pb
+from axond.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("axond.coordinator")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+MAX_MESSAGE_BYTES = 8 << 20
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.so_reuseport", 0),
+]
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """How to run the coordinator."""
+
+    host: str = "0.0.0.0"
+    """Interface to listen on."""
+    port: int = 29500
+    """TCP port; 0 lets the OS choose (tests), see RunningCoordinator.port."""
+    token: str | None = None
+    """Shared secret every client must send as `authorization: Bearer <token>` (health is exempt)."""
+    tls_cert: str | None = None
+    """PEM certificate file; with tls_key, serve TLS."""
+    tls_key: str | None = None
+    """PEM private-key file of tls_cert."""
+    heartbeat_interval: float = 1.0
+    """Seconds between node heartbeats (told to nodes)."""
+    dead_after_missed: int = 5
+    """Heartbeats missed before a node is declared dead."""
+    settle_time: float = 0.5
+    """MIN:MAX rendezvous: how long to wait after MIN nodes joined for late joiners."""
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise CoordinatorError(f"port {self.port} is outside 0..65535")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise CoordinatorError("TLS needs both --tls-cert and --tls-key")
+        if self.token is not None and not self.token:
+            raise CoordinatorError("--token must not be empty (omit it to run without a token)")
+        if not self.heartbeat_interval > 0 or self.dead_after_missed < 1 or not self.settle_time >= 0:
+            raise CoordinatorError(
+                f"heartbeat_interval ({self.heartbeat_interval}) must be > 0, dead_after_missed "
+                f"({self.dead_after_missed}) >= 1, settle_time ({self.settle_time}) >= 0"
+            )
+
+
+class RunningCoordinator:
+    """A started coordinator: its bound port, a client address, and stop/wait."""
+
+    def __init__(self, port: int, address: str, state: CoordinatorState) -> None:
+        self.port = port
+        self.address = address
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_request: asyncio.Event | None = None
+        self._grace = 1.0
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop serving (in-flight calls get `grace` seconds) and wait for the server thread."""
+        self._grace = grace
+        loop, request = self._loop, self._stop_request
+        if loop is not None and request is not None and not self._stopped.is_set():
+            try:
+                loop.call_soon_threadsafe(request.set)
+            except RuntimeError:
+                pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(grace + 10.0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stopped; returns False if `timeout` passed first."""
+        return self._stopped.wait(timeout)
+
+
+def _client_address(host: str, port: int) -> str:
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        return f"127.0.0.1:{port}"
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CoordinatorError(f"cannot read the {what} file {path!r}: {e.strerror}") from e
+
+
+async def _tick_loop(state: CoordinatorState, hub: WaitHub, max_sleep: float) -> None:
+    while True:
+        now = time.monotonic()
+        try:
+            nxt = state.tick(now)
+        except Exception:
+            log.exception("coordinator tick failed")
+            nxt = None
+        sleep = max_sleep if nxt is None else min(max_sleep, max(0.0, nxt - now) + 0.001)
+        await hub.wait([("timer",)], sleep)
+
+
+async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator], ready: threading.Event) -> None:
+    loop = asyncio.get_running_loop()
+    hub = WaitHub(loop)
+    state = CoordinatorState(
+        config.heartbeat_interval, config.dead_after_missed, config.settle_time, listener=hub.notify
+    )
+    interceptors = [TokenInterceptor(config.token)] if config.token else []
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    bind = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
+    try:
+        if config.tls_cert and config.tls_key:
+            creds = grpc.ssl_server_credentials([(_read(config.tls_key, "TLS key"), _read(config.tls_cert, "TLS cert"))])
+            port = server.add_secure_port(bind, creds)
+        else:
+            port = server.add_insecure_port(bind)
+    except RuntimeError as e:
+        raise CoordinatorError(f"cannot listen on {bind}: {e}; is another coordinator using the port?") from e
+    if port == 0:
+        raise CoordinatorError(f"cannot listen on {bind}; is another coordinator using the port?")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    running = RunningCoordinator(port, _client_address(config.host, port), state)
+    running._loop = loop
+    running._stop_request = asyncio.Event()
+    running_box.append(running)
+    ticker = asyncio.create_task(_tick_loop(state, hub, min(0.25, config.heartbeat_interval / 2)))
+    ready.set()
+    try:
+        await running._stop_request.wait()
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        ticker.cancel()
+        await server.stop(running._grace)
+
+
+def _thread_main(config: CoordinatorConfig, box: list[RunningCoordinator], errors: list[BaseException], ready: threading.Event) -> None:
+    try:
+        asyncio.run(_serve(config, box, ready))
+    except BaseException as e:
+        errors.append(e)
+    finally:
+        if box:
+            box[0]._stopped.set()
+        ready.set()
+
+
+def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
+    """Start serving on a background thread; returns once the port is bound and SERVING."""
+    config.validate()
+    box: list[RunningCoordinator] = []
+    errors: list[BaseException] = []
+    ready = threading.Event()
+    thread = threading.Thread(target=_thread_main, args=(config, box, errors, ready), name="axond-coordinator", daemon=True)
+    thread.start()
+    if not ready.wait(30.0):
+        raise CoordinatorError(f"the coordinator did not start within 30 s on {config.host}:{config.port}")
+    if errors or not box:
+        thread.join(5.0)
+        err = errors[0] if errors else None
+        if isinstance(err, CoordinatorError):
+            raise err
+        raise CoordinatorError(f"the coordinator failed to start: {err!r}") from err
+    running = box[0]
+    running._thread = thread
+    return running
+
+
+def run_coordinator(config: CoordinatorConfig) -> int:
+    """Serve in the foreground until SIGINT/SIGTERM; returns 0 after a clean stop, 1 if it cannot start."""
+    try:
+        running = start_coordinator(config)
+    except CoordinatorError as e:
+        print(f"axond coordinator: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    scheme = "TLS" if config.tls_cert else "plaintext"
+    auth = "token required" if config.token else "no token"
+    print(f"axond coordinator listening on {config.host}:{running.port} ({scheme}, {auth})", file=sys.stderr, flush=True)
+    try:
+        while not stop.wait(0.5):
+            if running.wait(0):
+                print("axond coordinator: the server stopped unexpectedly", file=sys.stderr)
+                return 1
+    finally:
+        running.stop(grace=1.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("axond coordinator stopped", file=sys.stderr, flush=True)
+    return 0

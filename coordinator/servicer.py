@@ -1,0 +1,338 @@
+"""The Coordinator gRPC servicer: proto -> CoordinatorState call -> proto, errors -> status codes.
+
+Waiting RPCs (Join, KvGet with wait, KvWait, Barrier, PollWork, StreamJob) are coroutines parked
+on a `WaitHub`, so thousands of waiters cost no threads. Every wait is bounded by the request's
+own wait and by the call's deadline.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from axond.coordinator.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StateError,
+    check_wait,
+)
+from axond.coordinator.jobs import FinishedEvent, InfoEvent, JobSpec, JobState, OutputEvent
+from axond.coordinator.state import CoordinatorState
+from axond.coordinator.waiting import WaitHub
+from axond.v1 import coordinator_pb2 as pb
+from axond.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("axond.coordinator")
+
+STATUS_OF: dict[type[StateError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+
+class _Deadline(Exception):
+    """A server-side wait ran out; becomes DEADLINE_EXCEEDED."""
+
+
+def _translated(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """Map domain exceptions to status codes; anything unexpected becomes INTERNAL, never a crash."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except StateError as e:
+            await context.abort(STATUS_OF.get(type(e), grpc.StatusCode.FAILED_PRECONDITION), str(e))
+        except _Deadline as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except Exception as e:
+            log.exception("%s failed", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"coordinator error in {fn.__name__}: {e!r}")
+        raise AssertionError("unreachable: context.abort raises")
+
+    return wrapper
+
+
+def _wait_limit(context: grpc.aio.ServicerContext, wait_s: float) -> float:
+    remaining = context.time_remaining()
+    return wait_s if remaining is None else max(0.0, min(wait_s, remaining))
+
+
+JOB_STATE_PB: dict[JobState, pb.JobState] = {
+    JobState.PENDING: pb.JOB_STATE_PENDING,
+    JobState.RUNNING: pb.JOB_STATE_RUNNING,
+    JobState.RESTARTING: pb.JOB_STATE_RESTARTING,
+    JobState.SUCCEEDED: pb.JOB_STATE_SUCCEEDED,
+    JobState.FAILED: pb.JOB_STATE_FAILED,
+    JobState.CANCELLED: pb.JOB_STATE_CANCELLED,
+}
+
+
+def _job_state_pb(state: JobState | None) -> pb.JobState:
+    return JOB_STATE_PB[state] if state is not None else pb.JOB_STATE_UNSPECIFIED
+
+
+def _event_pb(event: OutputEvent | InfoEvent | FinishedEvent) -> pb.JobEvent:
+    if isinstance(event, OutputEvent):
+        return pb.JobEvent(output=pb.OutputLine(rank=event.rank, stream=event.stream, text=event.text))
+    if isinstance(event, InfoEvent):
+        return pb.JobEvent(info=event.text)
+    return pb.JobEvent(finished=pb.JobFinished(exit_code=event.exit_code, message=event.message))
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """Thin translation layer over `CoordinatorState`."""
+
+    def __init__(self, state: CoordinatorState, hub: WaitHub) -> None:
+        self.state = state
+        self.hub = hub
+
+    @_translated
+    async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Any) -> pb.RegisterNodeResponse:
+        node = self.state.register_node(request.hostname, request.slots, request.daemon, time.monotonic())
+        live = self.state.members.liveness
+        return pb.RegisterNodeResponse(
+            node_id=node.node_id,
+            heartbeat_interval_s=live.heartbeat_interval,
+            dead_after_missed=live.dead_after_missed,
+        )
+
+    @_translated
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        r = self.state.heartbeat(request.node_id, request.job, request.generation, time.monotonic())
+        return pb.HeartbeatResponse(generation=r.generation, job_state=_job_state_pb(r.state), reason=r.reason)
+
+    @_translated
+    async def DeregisterNode(self, request: pb.DeregisterNodeRequest, context: Any) -> pb.DeregisterNodeResponse:
+        self.state.deregister_node(request.node_id, time.monotonic())
+        return pb.DeregisterNodeResponse()
+
+    @_translated
+    async def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinResponse:
+        timeout = check_wait("timeout_s", request.timeout_s, allow_zero=False)
+        job, node = request.job, request.node_id
+        got = self.state.join(
+            job, node, request.nproc, request.min_nodes, request.max_nodes, request.max_restarts, time.monotonic()
+        )
+        if got is None:
+            since = self.state.jobs[job].generation
+            try:
+                got = await self.hub.until(
+                    _wait_limit(context, timeout),
+                    lambda: self.state.join_result(job, node, time.monotonic(), since),
+                    lambda: [("job", job)],
+                )
+            except BaseException:
+                self.state.leave_rendezvous(job, node)
+                raise
+            if got is None:
+                progress = self.state.rendezvous_progress(job)
+                self.state.leave_rendezvous(job, node)
+                raise _Deadline(
+                    f"rendezvous of job {job!r} did not complete within {timeout:g} s "
+                    f"({progress}); start the missing workers or lower --nnodes"
+                )
+        return pb.JoinResponse(
+            generation=got.generation,
+            node_rank=got.node_rank,
+            nnodes=got.nnodes,
+            rank_offset=got.rank_offset,
+            world_size=got.world_size,
+            local_world_size=got.local_world_size,
+            job_secret=got.job_secret,
+            restarts_left=got.restarts_left,
+        )
+
+    @_translated
+    async def ReportFailure(self, request: pb.ReportFailureRequest, context: Any) -> pb.ReportFailureResponse:
+        generation, will = self.state.report_failure(
+            request.job, request.node_id, request.generation, request.rank, request.exit_code, request.message,
+            time.monotonic(),
+        )
+        return pb.ReportFailureResponse(generation=generation, will_restart=will)
+
+    @_translated
+    async def ReportExit(self, request: pb.ReportExitRequest, context: Any) -> pb.ReportExitResponse:
+        self.state.report_exit(request.job, request.node_id, request.generation, request.exit_code, time.monotonic())
+        return pb.ReportExitResponse()
+
+    @_translated
+    async def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
+        self.state.kv_set(request.job, request.generation, request.key, request.value)
+        return pb.KvSetResponse()
+
+    @_translated
+    async def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
+        wait_s = check_wait("wait_s", request.wait_s)
+        job, gen, key = request.job, request.generation, request.key
+        value = self.state.kv_get(job, gen, key)
+        if value is None and wait_s > 0:
+            value = await self.hub.until(
+                _wait_limit(context, wait_s),
+                lambda: self.state.kv_get(job, gen, key),
+                lambda: [("key", job, gen, key), ("job", job)],
+            )
+            if value is None:
+                raise _Deadline(f"store key {key!r} of job {job!r} was not set within {wait_s:g} s")
+        if value is None:
+            raise NotFound(f"store key {key!r} of job {job!r} generation {gen} is not set")
+        return pb.KvGetResponse(value=value)
+
+    @_translated
+    async def KvAdd(self, request: pb.KvAddRequest, context: Any) -> pb.KvAddResponse:
+        return pb.KvAddResponse(value=self.state.kv_add(request.job, request.generation, request.key, request.delta))
+
+    @_translated
+    async def KvCompareAndSet(self, request: pb.KvCompareAndSetRequest, context: Any) -> pb.KvCompareAndSetResponse:
+        expected = None if request.expect_unset else request.expected
+        swapped, current = self.state.kv_compare_set(
+            request.job, request.generation, request.key, expected, request.desired
+        )
+        return pb.KvCompareAndSetResponse(swapped=swapped, is_set=current is not None, current=current or b"")
+
+    @_translated
+    async def KvDelete(self, request: pb.KvDeleteRequest, context: Any) -> pb.KvDeleteResponse:
+        return pb.KvDeleteResponse(existed=self.state.kv_delete(request.job, request.generation, request.key))
+
+    @_translated
+    async def KvWait(self, request: pb.KvWaitRequest, context: Any) -> pb.KvWaitResponse:
+        wait_s = check_wait("wait_s", request.wait_s)
+        job, gen, keys = request.job, request.generation, list(request.keys)
+        missing = self.state.kv_missing(job, gen, keys)
+        if missing:
+            done = await self.hub.until(
+                _wait_limit(context, wait_s),
+                lambda: True if not self.state.kv_missing(job, gen, keys) else None,
+                lambda: [("key", job, gen, self.state.kv_missing(job, gen, keys)[0]), ("job", job)],
+            )
+            if done is None:
+                missing = self.state.kv_missing(job, gen, keys)
+                raise _Deadline(f"store keys {missing[:4]} of job {job!r} were not set within {wait_s:g} s")
+        return pb.KvWaitResponse()
+
+    @_translated
+    async def Barrier(self, request: pb.BarrierRequest, context: Any) -> pb.BarrierResponse:
+        wait_s = check_wait("wait_s", request.wait_s)
+        job, gen, name = request.job, request.generation, request.name
+        if request.arrival_id:
+            arrival = "id:" + request.arrival_id
+        elif request.participant < request.world_size:
+            arrival = f"participant:{request.participant}"
+        else:
+            raise InvalidArgument(
+                f"barrier {name!r}: participant {request.participant} is outside 0..{request.world_size - 1}"
+            )
+        if not self.state.barrier_arrive(job, gen, name, request.world_size, arrival):
+            done = await self.hub.until(
+                _wait_limit(context, wait_s),
+                lambda: True if self.state.barrier_done(job, gen, name) else None,
+                lambda: [("barrier", job, gen, name), ("job", job)],
+            )
+            if done is None:
+                raise _Deadline(f"barrier {name!r} of job {job!r} did not complete within {wait_s:g} s")
+        return pb.BarrierResponse()
+
+    @_translated
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context: Any) -> pb.SubmitJobResponse:
+        spec = JobSpec(
+            nnodes=request.nnodes,
+            nproc_per_node=request.nproc_per_node,
+            argv=tuple(request.argv),
+            env=tuple(sorted(request.env.items())),
+            max_restarts=request.max_restarts,
+            cwd=request.cwd,
+        )
+        return pb.SubmitJobResponse(job=self.state.submit_job(request.job, spec, time.monotonic()))
+
+    @_translated
+    async def PollWork(self, request: pb.PollWorkRequest, context: Any) -> pb.PollWorkResponse:
+        wait_s = check_wait("wait_s", request.wait_s)
+        node = request.node_id
+
+        def take() -> tuple[list[tuple[str, JobSpec]], list[str]] | None:
+            work, cancelled = self.state.take_work(node, time.monotonic())
+            return (work, cancelled) if work or cancelled else None
+
+        got = take()
+        if got is None and wait_s > 0:
+            got = await self.hub.until(_wait_limit(context, wait_s), take, lambda: [("work", node)])
+        work, cancelled = got or ([], [])
+        return pb.PollWorkResponse(
+            assignments=[
+                pb.WorkAssignment(
+                    job=name, nnodes=s.nnodes, nproc_per_node=s.nproc_per_node, argv=list(s.argv),
+                    env=dict(s.env), max_restarts=s.max_restarts, cwd=s.cwd,
+                )
+                for name, s in work
+            ],
+            cancelled=cancelled,
+        )
+
+    @_translated
+    async def PushOutput(self, request: pb.PushOutputRequest, context: Any) -> pb.PushOutputResponse:
+        lines = [(line.rank, line.stream, line.text) for line in request.lines]
+        self.state.push_output(request.job, request.node_id, lines)
+        return pb.PushOutputResponse()
+
+    async def StreamJob(self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
+        """Every event of the job from its start, then new ones as they come, ending with JobFinished."""
+        job, index = request.job, 0
+        while True:
+            try:
+                events, index, skipped, finished = self.state.read_events(job, index)
+            except StateError as e:
+                await context.abort(STATUS_OF.get(type(e), grpc.StatusCode.FAILED_PRECONDITION), str(e))
+            if skipped:
+                yield pb.JobEvent(info=f"{skipped} events were dropped: this stream fell behind")
+            for event in events:
+                yield _event_pb(event)
+                if isinstance(event, FinishedEvent):
+                    return
+            if finished and not events:
+                return
+            await self.hub.wait([("events", job)], 30.0)
+
+    @_translated
+    async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.CancelJobResponse:
+        self.state.cancel_job(request.job, time.monotonic())
+        return pb.CancelJobResponse()
+
+    @_translated
+    async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
+        snap = self.state.status(request.job, time.monotonic())
+        return pb.GetStatusResponse(
+            nodes=[
+                pb.NodeStatus(
+                    node_id=n.node_id, hostname=n.hostname, health=n.health.value,
+                    last_heartbeat_age_s=n.last_heartbeat_age_s, slots=n.slots, daemon=n.daemon, job=n.job,
+                )
+                for n in snap.nodes
+            ],
+            jobs=[
+                pb.JobStatus(
+                    job=j.job, state=_job_state_pb(j.state), generation=j.generation, world_size=j.world_size,
+                    nnodes=j.nnodes, restarts=j.restarts, max_restarts=j.max_restarts, reason=j.reason,
+                    ranks=[
+                        pb.RankStatus(rank=r.rank, node_id=r.node_id, local_rank=r.local_rank, node_rank=r.node_rank)
+                        for r in j.ranks
+                    ],
+                )
+                for j in snap.jobs
+            ],
+        )

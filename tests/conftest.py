@@ -1,0 +1,45 @@
+"""Shared fixtures: a real coordinator on a loopback port and a client for it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from axond.control.client import CoordinatorClient, connect
+from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
+
+
+@pytest.fixture
+def coordinator_factory() -> Iterator[Callable[..., RunningCoordinator]]:
+    """Start coordinators with CoordinatorConfig overrides (host 127.0.0.1, port 0); all stopped after."""
+    started: list[RunningCoordinator] = []
+
+    def start(**overrides: Any) -> RunningCoordinator:
+        config = CoordinatorConfig(**{"host": "127.0.0.1", "port": 0, **overrides})
+        running = start_coordinator(config)
+        started.append(running)
+        return running
+
+    try:
+        yield start
+    finally:
+        for running in started:
+            running.stop(grace=0.2)
+
+
+@pytest.fixture
+def coordinator(coordinator_factory: Callable[..., RunningCoordinator]) -> RunningCoordinator:
+    """An in-process coordinator with default settings on an OS-chosen loopback port."""
+    return coordinator_factory()
+
+
+@pytest.fixture
+def client(coordinator: RunningCoordinator) -> Iterator[CoordinatorClient]:
+    """A client of the `coordinator` fixture (5 s per-call timeout)."""
+    c = connect(coordinator.address, call_timeout=5.0)
+    try:
+        yield c
+    finally:
+        c.close()

@@ -1,0 +1,271 @@
+"""Every collective against a NumPy reference: world sizes 1-4 (8 for some), every dtype and ReduceOp, odd sizes.
+
+Ranks are threads of this process joined by real loopback sockets (one group per world size,
+reused across tests). Inputs are small integers so that float sums are exact and independent
+of the reduction order; a separate test checks random floats for cross-rank bitwise agreement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from axond import ProcessGroup, ReduceOp
+from axond.testing import run_on, thread_groups
+
+DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
+SHAPES = [(), (0,), (1,), (13,), (4, 7), (1031,), (40_009,)]
+"""0-d, empty, one element, primes, 2-D, and one above the small-message threshold (for 4+ byte dtypes)."""
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
+    gs = thread_groups(request.param, timeout=20.0)
+    yield gs
+    for g in gs:
+        g.destroy()
+
+
+@pytest.fixture(scope="module")
+def groups8() -> Iterator[list[ProcessGroup]]:
+    gs = thread_groups(8, timeout=20.0)
+    yield gs
+    for g in gs:
+        g.destroy()
+
+
+def make(rank: int, shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:
+    """Deterministic per-rank input of small values (exact sums and products in every dtype)."""
+    rng = np.random.default_rng([seed, rank, len(shape), int(np.prod(shape))])
+    if dtype == "bool":
+        return rng.integers(0, 2, shape).astype(bool)
+    low = 0 if dtype.startswith("uint") else -3
+    return rng.integers(low, 4, shape).astype(dtype)
+
+
+def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    stack = np.stack(inputs)
+    dtype = stack.dtype
+    if op is ReduceOp.SUM:
+        return np.add.reduce(stack, axis=0, dtype=dtype)
+    if op is ReduceOp.PRODUCT:
+        return np.multiply.reduce(stack, axis=0, dtype=dtype)
+    if op is ReduceOp.MIN:
+        return np.minimum.reduce(stack, axis=0)
+    if op is ReduceOp.MAX:
+        return np.maximum.reduce(stack, axis=0)
+    total = np.add.reduce(stack, axis=0, dtype=dtype)
+    if dtype.kind in "iu":
+        return np.floor_divide(total, dtype.type(len(inputs)))
+    return np.true_divide(total, len(inputs)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_all_reduce_every_op_dtype_and_size(groups: list[ProcessGroup], op: ReduceOp, dtype: str) -> None:
+    if dtype == "bool" and op is ReduceOp.AVG:
+        pytest.skip("AVG on bool is refused (test_avg_on_bool_is_refused)")
+    n = len(groups)
+    for shape in SHAPES:
+        inputs = [make(r, shape, dtype) for r in range(n)]
+        expected = reference(inputs, op)
+
+        def body(pg: ProcessGroup) -> np.ndarray:
+            x = inputs[pg.rank].copy()
+            pg.all_reduce(x, op)
+            return x
+
+        for r, got in enumerate(run_on(groups, body)):
+            assert got.shape == expected.shape and got.dtype == expected.dtype
+            np.testing.assert_array_equal(got, expected, err_msg=f"rank {r} shape {shape} {op} {dtype}")
+
+
+def test_avg_on_bool_is_refused(groups: list[ProcessGroup]) -> None:
+    with pytest.raises(TypeError, match="AVG is undefined on bool"):
+        groups[0].all_reduce(np.ones(3, bool), ReduceOp.AVG)
+
+
+def test_all_reduce_random_floats_agree_bitwise_across_ranks(groups: list[ProcessGroup]) -> None:
+    n = len(groups)
+    for size in (5, 300_007):
+        inputs = [np.random.default_rng(r).standard_normal(size).astype(np.float32) for r in range(n)]
+
+        def body(pg: ProcessGroup) -> np.ndarray:
+            x = inputs[pg.rank].copy()
+            pg.all_reduce(x, ReduceOp.SUM)
+            return x
+
+        out = run_on(groups, body)
+        for got in out[1:]:
+            assert got.tobytes() == out[0].tobytes()
+        # float32 summation of n values in a different order than NumPy's: a few ulps of the total.
+        np.testing.assert_allclose(out[0], np.sum(inputs, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_all_reduce_non_contiguous_in_place(groups: list[ProcessGroup]) -> None:
+    n = len(groups)
+
+    def body(pg: ProcessGroup) -> np.ndarray:
+        base = np.zeros((6, 10), np.float64)
+        view = base[:, ::3]
+        view[...] = pg.rank + 1
+        pg.all_reduce(view, ReduceOp.SUM)
+        return base
+
+    for base in run_on(groups, body):
+        assert (base[:, ::3] == n * (n + 1) / 2).all()
+        mask = np.ones(10, bool)
+        mask[::3] = False
+        assert (base[:, mask] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "uint8", "bool", "float16"])
+def test_broadcast_from_every_src(groups: list[ProcessGroup], dtype: str) -> None:
+    n = len(groups)
+    for src in range(n):
+        for shape in [(), (0,), (1,), (13,), (70_001,)]:
+            inputs = [make(r, shape, dtype, seed=src) for r in range(n)]
+
+            def body(pg: ProcessGroup) -> np.ndarray:
+                x = inputs[pg.rank].copy()
+                pg.broadcast(x, src)
+                return x
+
+            for got in run_on(groups, body):
+                np.testing.assert_array_equal(got, inputs[src])
+
+
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG])
+def test_reduce_to_every_dst(groups: list[ProcessGroup], op: ReduceOp) -> None:
+    n = len(groups)
+    for dst in range(n):
+        for shape in [(), (7,), (50_000,)]:
+            inputs = [make(r, shape, "float64", seed=dst) for r in range(n)]
+
+            def body(pg: ProcessGroup) -> np.ndarray:
+                x = inputs[pg.rank].copy()
+                pg.reduce(x, dst, op)
+                return x
+
+            out = run_on(groups, body)
+            np.testing.assert_array_equal(out[dst], reference(inputs, op))
+            for r, got in enumerate(out):
+                assert got.shape == inputs[r].shape
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8", "bool", "float64"])
+def test_all_gather(groups: list[ProcessGroup], dtype: str) -> None:
+    n = len(groups)
+    for shape in [(), (0,), (1,), (3, 5), (100_003,)]:
+        inputs = [make(r, shape, dtype) for r in range(n)]
+        for got in run_on(groups, lambda pg: pg.all_gather(inputs[pg.rank])):
+            assert got.shape == (n, *shape)
+            np.testing.assert_array_equal(got, np.stack(inputs))
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_reduce_scatter(groups: list[ProcessGroup], op: ReduceOp) -> None:
+    n = len(groups)
+    for rows, tail in [(1, ()), (3, (5,)), (7, ()), (40_001, ())]:
+        inputs = [make(r, (n * rows, *tail), "int32") for r in range(n)]
+        expected = reference(inputs, op)
+        out = run_on(groups, lambda pg: pg.reduce_scatter(inputs[pg.rank].copy(), op))
+        for r, got in enumerate(out):
+            np.testing.assert_array_equal(got, expected[r * rows : (r + 1) * rows])
+
+
+def test_reduce_scatter_rejects_indivisible_rows(groups: list[ProcessGroup]) -> None:
+    n = len(groups)
+    if n == 1:
+        pytest.skip("every size divides by 1")
+    with pytest.raises(ValueError, match="divisible by the group size"):
+        groups[0].reduce_scatter(np.ones(n + 1, np.float32))
+
+
+def test_gather_and_scatter(groups: list[ProcessGroup]) -> None:
+    n = len(groups)
+    for root in range(n):
+        for shape in [(), (6,), (2, 3)]:
+            inputs = [make(r, shape, "float32", seed=root) for r in range(n)]
+            out = run_on(groups, lambda pg: pg.gather(inputs[pg.rank], root))
+            for r, got in enumerate(out):
+                if r == root:
+                    np.testing.assert_array_equal(got, np.stack(inputs))
+                else:
+                    assert got is None
+            tail = () if shape == () else (12,)
+            full = np.arange(n * int(np.prod(tail)), dtype=np.int16).reshape(n, *tail)
+            out = run_on(groups, lambda pg: pg.scatter(full if pg.rank == root else None, root))
+            for r, got in enumerate(out):
+                np.testing.assert_array_equal(got, full[r])
+                assert got.dtype == full.dtype
+
+
+def test_all_to_all(groups: list[ProcessGroup]) -> None:
+    n = len(groups)
+    for rows in (1, 3, 20_000):
+        inputs = [np.arange(n * rows * 2, dtype=np.float64).reshape(n * rows, 2) + 1000 * r for r in range(n)]
+        out = run_on(groups, lambda pg: pg.all_to_all(inputs[pg.rank]))
+        for r, got in enumerate(out):
+            expected = np.concatenate([inputs[s][r * rows : (r + 1) * rows] for s in range(n)])
+            np.testing.assert_array_equal(got, expected)
+
+
+def test_send_recv_ring_with_tags(groups: list[ProcessGroup]) -> None:
+    n = len(groups)
+    if n == 1:
+        pytest.skip("needs a peer")
+
+    def body(pg: ProcessGroup) -> list[np.ndarray]:
+        got = []
+        for tag, size in ((0, 1), (7, 100_000), (3, 0)):
+            x = np.full(size, pg.rank * 10 + tag, np.int64)
+            y = np.empty(size, np.int64)
+            if pg.rank % 2 == 0:
+                pg.send(x, (pg.rank + 1) % n, tag)
+                pg.recv(y, (pg.rank - 1) % n, tag)
+            else:
+                pg.recv(y, (pg.rank - 1) % n, tag)
+                pg.send(x, (pg.rank + 1) % n, tag)
+            got.append(y)
+        return got
+
+    for r, got in enumerate(run_on(groups, body)):
+        left = (r - 1) % n
+        for y, tag in zip(got, (0, 7, 3)):
+            assert (y == left * 10 + tag).all()
+
+
+def test_barrier_and_many_small_ops_stay_in_step(groups: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> int:
+        x = np.zeros(1, np.int64)
+        for i in range(200):
+            x[0] = i
+            pg.all_reduce(x, ReduceOp.MAX)
+            assert x[0] == i
+            if i % 50 == 0:
+                pg.barrier()
+        return int(x[0])
+
+    assert run_on(groups, body) == [199] * len(groups)
+
+
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN])
+def test_world_of_8(groups8: list[ProcessGroup], op: ReduceOp) -> None:
+    inputs = [make(r, (1031,), "float64") for r in range(8)]
+    big = [make(r, (70_000,), "int32") for r in range(8)]
+
+    def body(pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        x, y = inputs[pg.rank].copy(), big[pg.rank].copy()
+        pg.all_reduce(x, op)
+        pg.all_reduce(y, op)
+        z = np.full(5, pg.rank, np.int8)
+        pg.broadcast(z, 5)
+        return x, y, z
+
+    for x, y, z in run_on(groups8, body):
+        np.testing.assert_array_equal(x, reference(inputs, op))
+        np.testing.assert_array_equal(y, reference(big, op))
+        assert (z == 5).all()

@@ -1,0 +1,356 @@
+"""TCP backend failure handling: mismatched calls, dead peers, timeouts, authentication, async ops.
+
+Ranks are threads (or processes where a real death is needed) joined by loopback sockets; every
+failure case must raise `DistributedError` on every rank within a couple of seconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from axond import DistributedError, InMemoryStore, ProcessGroup, ReduceOp
+from axond.distributed import BackendOptions, FileStore, create_group
+from axond.distributed.mesh import Mesh, interface_address
+from axond.distributed.wire import group_id
+from axond.testing import RankFailed, run_on, thread_groups
+
+SHORT = BackendOptions(timeout=1.0)
+
+
+@pytest.fixture
+def pair() -> Iterator[list[ProcessGroup]]:
+    gs = thread_groups(2, options=SHORT)
+    yield gs
+    for g in gs:
+        g.destroy()
+
+
+@pytest.fixture
+def trio() -> Iterator[list[ProcessGroup]]:
+    gs = thread_groups(3, options=SHORT)
+    yield gs
+    for g in gs:
+        g.destroy()
+
+
+def errors_of(results: list[Any]) -> list[str]:
+    assert all(isinstance(r, DistributedError) for r in results), results
+    return [str(r) for r in results]
+
+
+def test_different_collective_raises_on_both_ranks_naming_both_sides(pair: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> None:
+        x = np.zeros(10, np.float32)
+        if pg.rank == 0:
+            pg.all_reduce(x)
+        else:
+            pg.broadcast(x, 0)
+
+    t0 = time.monotonic()
+    e0, e1 = errors_of(run_on(pair, body, return_exceptions=True))
+    assert time.monotonic() - t0 < 2.0
+    both = ("peer rank 0 called all_reduce with SUM (float32, 10 elements) but this rank called broadcast src=0 "
+            "(float32, 10 elements)")
+    assert e1 == f"broadcast on group 'world' (rank 1 of 2): {both}"
+    # Rank 0 was waiting for rank 1's data and learns why rank 1 gave up.
+    assert e0.startswith("all_reduce on group 'world' (rank 0 of 2): peer rank 1 ") and both in e0
+
+
+@pytest.mark.parametrize("second", [(np.float64, 10, ReduceOp.SUM), (np.float32, 11, ReduceOp.SUM),
+                                    (np.float32, 10, ReduceOp.MAX)])
+def test_different_dtype_size_or_op_raises_on_both(pair: list[ProcessGroup], second: tuple[Any, int, ReduceOp]) -> None:
+    dtype, n, op = second
+
+    def body(pg: ProcessGroup) -> None:
+        x = np.zeros(10, np.float32) if pg.rank == 0 else np.zeros(n, dtype)
+        pg.all_reduce(x, ReduceOp.SUM if pg.rank == 0 else op)
+
+    e0, e1 = errors_of(run_on(pair, body, return_exceptions=True))
+    assert "but this rank called all_reduce" in e0 and "peer rank 1" in e0
+    assert f"{np.dtype(dtype)}, {n} elements" in e0
+    assert "peer rank 0 called all_reduce with SUM (float32, 10 elements)" in e1
+
+
+def test_large_mismatch_does_not_corrupt_or_hang(pair: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> None:
+        pg.all_reduce(np.ones(1_000_000 + pg.rank, np.float32))
+
+    errors_of(run_on(pair, body, return_exceptions=True))
+
+
+def test_mismatch_in_three_ranks_reaches_every_rank(trio: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> None:
+        x = np.ones(300_000, np.float32)
+        if pg.rank == 2:
+            pg.all_gather(x[:1000])
+        else:
+            pg.all_reduce(x)
+
+    t0 = time.monotonic()
+    msgs = errors_of(run_on(trio, body, return_exceptions=True))
+    assert time.monotonic() - t0 < 2.0
+    assert any("called all_gather" in m for m in msgs)
+
+
+def test_group_is_unusable_after_a_failure(pair: list[ProcessGroup]) -> None:
+    run_on(pair, lambda pg: pg.all_reduce(np.zeros(3, np.float32) if pg.rank else np.zeros(4, np.float32)),
+           return_exceptions=True)
+    with pytest.raises(DistributedError, match="aborted by an earlier failure"):
+        pair[0].all_reduce(np.zeros(3, np.float32))
+
+
+def test_broadcast_root_learns_of_mismatch_on_its_next_call(pair: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> None:
+        x = np.zeros(4, np.int32)
+        if pg.rank == 0:
+            pg.broadcast(x, 0)
+            pg.barrier()
+        else:
+            pg.all_gather(x)
+
+    e0, e1 = errors_of(run_on(pair, body, return_exceptions=True))
+    assert "called all_gather" in e1
+    assert "barrier" in e0 and "peer rank 1" in e0
+
+
+def test_peer_that_leaves_makes_the_other_raise_fast(pair: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> None:
+        if pg.rank == 1:
+            time.sleep(0.1)
+            pg.destroy()
+            return
+        pg.all_reduce(np.ones(5, np.float32))
+
+    t0 = time.monotonic()
+    out = run_on(pair, body, return_exceptions=True)
+    assert time.monotonic() - t0 < 1.0
+    assert isinstance(out[0], DistributedError)
+    assert "peer rank 1 closed the connection (did it die?)" in str(out[0])
+    assert out[0].peer == 1 and out[0].op == "all_reduce" and out[0].group == "world"
+
+
+def test_silent_peer_times_out(pair: list[ProcessGroup]) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match=r"all_reduce on group 'world' \(rank 0 of 2\): timed out after 1.0 s "
+                                               r"waiting for peer 1"):
+        pair[0].all_reduce(np.ones(5, np.float32))
+    assert 0.9 < time.monotonic() - t0 < 2.0
+    # The late rank may still complete the op whose data rank 0 had already sent; its next one fails.
+    with pytest.raises(DistributedError, match="peer rank 0 gave up: all_reduce .* timed out"):
+        for _ in range(2):
+            pair[1].all_reduce(np.ones(5, np.float32))
+
+
+def _die_or_reduce(rank: int, size: int, store_dir: str, q: Any) -> None:
+    pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0))
+    pg.all_reduce(np.ones(4, np.float32))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        pg.all_reduce(np.ones(2_000_000, np.float32))
+        q.put((rank, "no error", 0.0))
+    except DistributedError as e:
+        q.put((rank, str(e), time.monotonic() - t0))
+    pg.destroy()
+
+
+def test_killed_process_makes_every_other_rank_raise() -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_die_or_reduce, args=(r, 3, d, q), daemon=True) for r in range(3)]
+        for p in procs:
+            p.start()
+        try:
+            got = dict((r, (m, t)) for r, m, t in (q.get(timeout=30) for _ in range(2)))
+        finally:
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+    assert sorted(got) == [0, 2]
+    for rank, (msg, took) in got.items():
+        assert "DistributedError" not in msg and "rank 1" in msg, msg
+        assert took < 2.0
+    assert procs[1].exitcode == -signal.SIGKILL
+
+
+def test_wrong_secret_is_refused_on_both_sides() -> None:
+    store = InMemoryStore()
+    out: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        try:
+            out[rank] = create_group(store, rank, 2, "tcp", BackendOptions(timeout=1.5, job_secret=bytes([rank]) * 16))
+        except DistributedError as e:
+            out[rank] = e
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert all(isinstance(o, DistributedError) for o in out), out
+    assert "could not prove the job secret" in str(out[1])
+    assert "timed out" in str(out[0]) and "[1]" in str(out[0])
+
+
+def test_intruder_is_refused_and_the_group_still_forms() -> None:
+    store = InMemoryStore()
+    secret = b"s3cret"
+    groups: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        groups[rank] = create_group(store, rank, 2, "tcp", BackendOptions(timeout=5.0, job_secret=secret))
+
+    t0 = threading.Thread(target=make, args=(0,))
+    t0.start()
+    host, _, port = store.get("pg/world/addr/0", 5.0).decode().rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=2) as junk:
+        junk.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(64))
+    intruder = Mesh(InMemoryStore(), 1, 2, group_id("world"), b"guess", None, 0, 2.0, "intruder")
+    with pytest.raises(DistributedError, match="could not prove the job secret"):
+        intruder._connect_to(0, host, int(port), time.monotonic() + 2.0)
+    t1 = threading.Thread(target=make, args=(1,))
+    t1.start()
+    t0.join(10)
+    t1.join(10)
+    assert all(isinstance(g, ProcessGroup) for g in groups)
+    try:
+        out = run_on(groups, lambda pg: (pg.all_reduce(x := np.full(3, pg.rank + 1.0)), x)[1])
+        assert all((x == 3).all() for x in out)
+    finally:
+        for g in groups:
+            g.destroy()
+
+
+def test_many_small_chunks_and_uneven_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AXOND_TCP_CHUNK_BYTES", "1000")
+    monkeypatch.setenv("AXOND_TCP_SMALL_BYTES", "64")
+    gs = thread_groups(3, options=BackendOptions(timeout=10.0))
+    try:
+        for count in (1, 2, 3, 101, 10_007):
+            inputs = [np.random.default_rng(r).integers(-5, 5, count).astype(np.int64) for r in range(3)]
+            out = run_on(gs, lambda pg: (pg.all_reduce(x := inputs[pg.rank].copy()), x)[1])
+            for x in out:
+                np.testing.assert_array_equal(x, np.sum(inputs, axis=0))
+            out = run_on(gs, lambda pg: (pg.broadcast(x := inputs[pg.rank].copy(), 2), x)[1])
+            for x in out:
+                np.testing.assert_array_equal(x, inputs[2])
+            out = run_on(gs, lambda pg: pg.all_gather(inputs[pg.rank]))
+            for x in out:
+                np.testing.assert_array_equal(x, np.stack(inputs))
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_async_ops_complete_in_order_and_overlap(pair: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> list[np.ndarray]:
+        xs = [np.full(200_000 if i % 2 else 3, float(pg.rank + i), np.float32) for i in range(6)]
+        works = [pg.all_reduce(x, ReduceOp.SUM, async_op=True) for x in xs]
+        gathered = pg.all_gather(np.array([pg.rank]), async_op=True)
+        assert works[-1] is not None and works[-1].wait(timeout=5.0)
+        assert all(w is not None and w.is_completed() for w in works)
+        assert (gathered.result() == [[0], [1]]).all()
+        return xs
+
+    for xs in run_on(pair, body):
+        for i, x in enumerate(xs):
+            assert (x == 1 + 2 * i).all()
+
+
+def test_isend_irecv_out_of_step_large(pair: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> np.ndarray:
+        out = np.full(4_000_000, pg.rank, np.float32)
+        into = np.empty_like(out)
+        other = 1 - pg.rank
+        if pg.rank == 0:
+            works = [pg.irecv(into, other), pg.isend(out, other)]
+        else:
+            works = [pg.isend(out, other), pg.irecv(into, other)]
+        for w in works:
+            w.wait()
+        return into
+
+    a, b = run_on(pair, body)
+    assert (a == 1).all() and (b == 0).all()
+
+
+def test_work_wait_reraises_the_failure(pair: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> None:
+        work = pg.all_reduce(np.zeros(5 + pg.rank, np.float32), async_op=True)
+        assert work is not None
+        work.wait()
+
+    errors_of(run_on(pair, body, return_exceptions=True))
+
+
+def test_subgroups_used_concurrently_with_the_default_group() -> None:
+    gs = thread_groups(4, options=BackendOptions(timeout=10.0))
+    try:
+        def body(pg: ProcessGroup) -> tuple[float, float]:
+            sub = pg.new_group([0, 2])
+            other = pg.new_group([1, 3])
+            mine = sub if sub.contains(pg.global_rank) else other
+            side = np.zeros(100_001, np.float64)
+
+            def on_sub() -> None:
+                for _ in range(20):
+                    side[...] = pg.rank
+                    mine.all_reduce(side)
+
+            t = threading.Thread(target=on_sub)
+            t.start()
+            x = np.zeros(1000, np.float64)
+            for _ in range(20):
+                x[...] = pg.rank
+                pg.all_reduce(x)
+            t.join(20)
+            sub.destroy()
+            other.destroy()
+            return float(x[0]), float(side[0])
+
+        out = run_on(gs, body)
+        assert out == [(6.0, 2.0), (6.0, 4.0), (6.0, 2.0), (6.0, 4.0)]
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_socket_interface_choice() -> None:
+    assert interface_address("lo") == "127.0.0.1"
+    with pytest.raises(DistributedError, match="AXOND_SOCKET_IFNAME='nope0'"):
+        interface_address("nope0")
+
+
+def test_non_numpy_input_gets_a_clear_error(pair: list[ProcessGroup]) -> None:
+    with pytest.raises(TypeError, match="must be a NumPy array"):
+        pair[0].all_reduce([1.0, 2.0])
+    with pytest.raises(ValueError, match="src=5 is not a rank"):
+        pair[0].broadcast(np.zeros(1), 5)
+
+
+def test_run_threads_reports_the_failing_rank() -> None:
+    from axond.testing import run_threads
+
+    def body(pg: ProcessGroup) -> None:
+        if pg.rank == 1:
+            raise ValueError("boom on one")
+        pg.barrier()
+
+    with pytest.raises(RankFailed, match="rank 1 of 2 failed: boom on one") as info:
+        run_threads(body, 2, timeout=10.0, options=SHORT)
+    assert "Traceback" in str(info.value)

@@ -1,0 +1,287 @@
+"""The torchrun-like agent: rendezvous, start the local ranks, watch them, restart the generation.
+
+`JobRunner` is one node's part in one job (used both by `axond worker -- CMD` and by the daemon);
+`start_agent` registers a node, starts its heartbeats and runs a `JobRunner` in a thread.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from axond.errors import CoordinatorError
+from axond.v1 import coordinator_pb2 as pb
+from axond.worker.heartbeat import Heartbeater
+from axond.worker.launcher import LocalRanks, OutputSink, RankSpec, print_sink, start_ranks
+from axond.worker.spec import ConnectOptions, JobSpec
+
+if TYPE_CHECKING:
+    from axond.control.client import CoordinatorClient
+
+Notice = Callable[[str], None]
+"""Receives a one-line notice about the agent's progress (joins, restarts, failures)."""
+
+JOB_FAILED_ELSEWHERE_EXIT_CODE = 1
+"""Exit code of a node whose own ranks were fine when the job failed because of another node."""
+
+_TERMINAL_STATES = (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED, pb.JOB_STATE_SUCCEEDED)
+_MONITOR_TICK = 0.05
+
+
+def stderr_notice(text: str) -> None:
+    """Print a notice as `axond worker: text` on stderr."""
+    sys.stderr.write(f"axond worker: {text}\n")
+    sys.stderr.flush()
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How this node's part of a job ended."""
+
+    exit_code: int
+    """0 if every local rank of the last generation exited 0."""
+    message: str = ""
+    """Why it failed (names the failing rank), empty on success."""
+    error: Exception | None = None
+    """The control-plane error that ended the job for this node, if that is what ended it."""
+
+
+class JobRunner:
+    """Runs one node's ranks of `spec`, generation after generation, until success or failure."""
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        conn: ConnectOptions,
+        node_id: str,
+        heartbeater: Heartbeater,
+        spec: JobSpec,
+        sink: OutputSink = print_sink,
+        notice: Notice = stderr_notice,
+        flush: Callable[[], None] | None = None,
+    ) -> None:
+        """`flush`, if given, is called before each exit or failure report, so that output sent
+        elsewhere (daemon mode) reaches the coordinator before the job's end does."""
+        self._flush = flush or (lambda: None)
+        self._client = client
+        self._conn = conn
+        self._node_id = node_id
+        self._hb = heartbeater
+        self._spec = spec
+        self._sink = sink
+        self._notice = notice
+        self._stop = threading.Event()
+        self._stop_code = 1
+        self._stop_reason = ""
+        self.joining = threading.Event()
+
+    def request_stop(self, exit_code: int, reason: str) -> None:
+        """Ask the runner to stop its ranks and return `exit_code` (from any thread)."""
+        if not self._stop.is_set():
+            self._stop_code, self._stop_reason = exit_code, reason
+            self._stop.set()
+            self._hb.changed.set()
+
+    @property
+    def job(self) -> str:
+        """Name of the job this runner runs."""
+        return self._spec.job
+
+    def run(self) -> JobOutcome:
+        """Join, run and restart until the job ends for this node; never raises CoordinatorError."""
+        spec = self._spec
+        try:
+            while True:
+                if self._stop.is_set():
+                    return JobOutcome(self._stop_code, self._stop_reason)
+                self.joining.set()
+                try:
+                    joined = self._client.join(
+                        spec.job, self._node_id, spec.nproc_per_node, spec.min_nodes, spec.max_nodes,
+                        max_restarts=spec.max_restarts, timeout=spec.join_timeout,
+                    )
+                except (CoordinatorError, ValueError) as e:
+                    if self._stop.is_set():
+                        return JobOutcome(self._stop_code, self._stop_reason)
+                    return JobOutcome(1, f"could not join job {spec.job!r}: {e}", error=e)
+                finally:
+                    self.joining.clear()
+                outcome = self._run_generation(joined)
+                if outcome is not None:
+                    return outcome
+        finally:
+            self._hb.untrack(spec.job)
+
+    def _rank_specs(self, joined: pb.JoinResponse) -> list[RankSpec]:
+        base = dict(os.environ)
+        base.update(self._spec.env or {})
+        base.setdefault("PYTHONUNBUFFERED", "1")
+        base.update(self._conn.rank_env())
+        base.update(
+            AXOND_JOB=self._spec.job,
+            AXOND_GENERATION=str(joined.generation),
+            AXOND_JOB_SECRET=joined.job_secret.hex(),
+            AXOND_NODE_ID=self._node_id,
+            WORLD_SIZE=str(joined.world_size),
+            LOCAL_WORLD_SIZE=str(joined.local_world_size),
+            NODE_RANK=str(joined.node_rank),
+        )
+        specs = []
+        for local_rank in range(joined.local_world_size):
+            rank = joined.rank_offset + local_rank
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank))
+            specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env))
+        return specs
+
+    def _run_generation(self, joined: pb.JoinResponse) -> JobOutcome | None:
+        """Run one generation; returns the final outcome, or None to re-join the next generation."""
+        spec, gen = self._spec, joined.generation
+        first, last = joined.rank_offset, joined.rank_offset + joined.local_world_size - 1
+        self._notice(
+            f"job {spec.job!r} generation {gen}: node rank {joined.node_rank} of {joined.nnodes}, "
+            f"ranks {first}..{last} of world size {joined.world_size}, restarts left {joined.restarts_left}"
+        )
+        self._hb.track(spec.job, gen)
+        ranks = start_ranks(spec.argv, self._rank_specs(joined), cwd=spec.cwd, sink=self._sink)
+        try:
+            return self._monitor(ranks, gen)
+        finally:
+            ranks.stop(grace=spec.stop_grace)
+
+    def _monitor(self, ranks: LocalRanks, gen: int) -> JobOutcome | None:
+        spec = self._spec
+        while True:
+            result = ranks.poll()
+            if result is not None and result.ok:
+                ranks.join_readers(timeout=2.0)
+                self._flush()
+                self._report_exit(gen, 0)
+                return self._exit_barrier(gen) if spec.max_restarts > 0 else JobOutcome(0)
+            if result is not None and result.first_failure is not None:
+                failure = result.first_failure
+                message = failure.describe()
+                self._notice(f"{message}; stopping the other local ranks")
+                ranks.stop(grace=spec.stop_grace)
+                self._flush()
+                try:
+                    reply = self._client.report_failure(
+                        spec.job, self._node_id, gen, failure.rank, failure.exit_code, message
+                    )
+                except (CoordinatorError, ValueError) as e:
+                    return JobOutcome(failure.exit_code, f"{message} (and the coordinator was not told: {e})")
+                if reply.will_restart and not self._stop.is_set():
+                    self._notice(f"job {spec.job!r} restarts as generation {reply.generation}")
+                    return None
+                self._report_exit(gen, failure.exit_code)
+                return JobOutcome(failure.exit_code, message)
+            if self._stop.is_set():
+                return JobOutcome(self._stop_code, self._stop_reason)
+            beat = self._hb.latest(spec.job)
+            if beat is not None and (beat.generation > gen or beat.job_state in _TERMINAL_STATES):
+                ranks.stop(grace=spec.stop_grace)
+                reason = beat.reason or "no reason given"
+                if beat.job_state in _TERMINAL_STATES:
+                    state = pb.JobState.Name(beat.job_state).removeprefix("JOB_STATE_").lower()
+                    return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, f"job {spec.job!r} {state}: {reason}")
+                self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({reason}); re-joining")
+                return None
+            self._hb.changed.wait(_MONITOR_TICK)
+            self._hb.changed.clear()
+
+    def _exit_barrier(self, gen: int) -> JobOutcome | None:
+        """After local success, stay until the whole job ended: if another node fails first, the
+        job restarts and needs this node again (returns None to re-join). Bounded by join_timeout."""
+        spec = self._spec
+        deadline = time.monotonic() + spec.join_timeout
+        while time.monotonic() < deadline and not self._stop.is_set():
+            beat = self._hb.latest(spec.job)
+            if beat is not None and beat.job_state in _TERMINAL_STATES:
+                if beat.job_state != pb.JOB_STATE_SUCCEEDED:
+                    self._notice(f"this node's ranks exited 0, but job {spec.job!r} ended: {beat.reason}")
+                break
+            if beat is not None and beat.generation > gen:
+                self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({beat.reason}); re-joining")
+                return None
+            self._hb.changed.wait(_MONITOR_TICK)
+            self._hb.changed.clear()
+        return JobOutcome(0)
+
+    def _report_exit(self, gen: int, exit_code: int) -> None:
+        try:
+            self._client.report_exit(self._spec.job, self._node_id, gen, exit_code)
+        except (CoordinatorError, ValueError) as e:
+            self._notice(f"could not report the exit of job {self._spec.job!r} to the coordinator: {e}")
+
+
+class RunningAgent:
+    """A registered node running one job in a thread; returned by `start_agent`."""
+
+    def __init__(self, client: CoordinatorClient, node_id: str, heartbeater: Heartbeater, runner: JobRunner) -> None:
+        self.node_id = node_id
+        self._client = client
+        self._hb = heartbeater
+        self._runner = runner
+        self._outcome: JobOutcome | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="axond-agent", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self._outcome = self._runner.run()
+        except Exception as e:  # noqa: BLE001 - an unexpected bug must still end the agent with a message
+            self._outcome = JobOutcome(1, f"agent error: {type(e).__name__}: {e}")
+        finally:
+            self._hb.stop()
+            try:
+                self._client.deregister_node(self.node_id)
+            except (CoordinatorError, ValueError):
+                pass
+            self._client.close()
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> JobOutcome | None:
+        """The outcome once the job ended for this node, or None if `timeout` passed first."""
+        self._done.wait(timeout)
+        return self._outcome if self._done.is_set() else None
+
+    def stop(self, exit_code: int, reason: str, timeout: float = 15.0) -> JobOutcome | None:
+        """Stop the ranks and leave the job; the outcome carries `exit_code` unless it ended already."""
+        self._runner.request_stop(exit_code, reason)
+        if self._runner.joining.is_set():
+            try:
+                self._client.deregister_node(self.node_id)
+            except (CoordinatorError, ValueError):
+                pass
+            self._client.close()
+        return self.wait(timeout)
+
+
+def register(client: CoordinatorClient, slots: int, daemon: bool) -> tuple[str, Heartbeater]:
+    """Register this host as a node and start its heartbeat thread."""
+    reply = client.register_node(socket.gethostname(), slots=slots, daemon=daemon)
+    hb = Heartbeater(client, reply.node_id, reply.heartbeat_interval_s or 1.0).start()
+    return reply.node_id, hb
+
+
+def start_agent(
+    conn: ConnectOptions,
+    spec: JobSpec,
+    sink: OutputSink = print_sink,
+    notice: Notice = stderr_notice,
+) -> RunningAgent:
+    """Register a node, then run `spec` in a background thread; raises CoordinatorError if unreachable."""
+    client = conn.connect()
+    try:
+        node_id, hb = register(client, slots=0, daemon=False)
+    except BaseException:
+        client.close()
+        raise
+    runner = JobRunner(client, conn, node_id, hb, spec, sink=sink, notice=notice)
+    return RunningAgent(client, node_id, hb, runner)

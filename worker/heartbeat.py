@@ -1,0 +1,86 @@
+"""The heartbeat thread of a node: keeps it alive at the coordinator and hears generation changes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from axond.errors import CoordinatorError
+from axond.v1 import coordinator_pb2 as pb
+
+if TYPE_CHECKING:
+    from axond.control.client import CoordinatorClient
+
+
+class Heartbeater:
+    """Sends one heartbeat per tracked job (or an idle one) every `interval` seconds.
+
+    Job runners `track` the generation they run and read the coordinator's answer with `latest`;
+    `changed` is set whenever an answer arrives, so a runner can wake up at once.
+    """
+
+    def __init__(self, client: CoordinatorClient, node_id: str, interval: float) -> None:
+        self._client = client
+        self._node_id = node_id
+        self._interval = max(0.05, interval)
+        self._jobs: dict[str, int] = {}
+        self._latest: dict[str, pb.HeartbeatResponse] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.changed = threading.Event()
+        self.last_ok = time.monotonic()
+        self.last_error: str = ""
+        self._thread = threading.Thread(target=self._loop, name=f"axond-heartbeat-{node_id}", daemon=True)
+
+    def start(self) -> Heartbeater:
+        """Start the thread; returns self."""
+        self._thread.start()
+        return self
+
+    def track(self, job: str, generation: int) -> None:
+        """Report that this node now runs `generation` of `job`."""
+        with self._lock:
+            self._jobs[job] = generation
+            self._latest.pop(job, None)
+
+    def untrack(self, job: str) -> None:
+        """This node no longer takes part in `job`."""
+        with self._lock:
+            self._jobs.pop(job, None)
+            self._latest.pop(job, None)
+
+    def latest(self, job: str) -> pb.HeartbeatResponse | None:
+        """The coordinator's last answer about `job` since it was last tracked, or None."""
+        with self._lock:
+            return self._latest.get(job)
+
+    def beat_now(self) -> None:
+        """Send the heartbeats at once (instead of waiting for the next interval)."""
+        self._beat()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the thread (bounded wait)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
+
+    def _beat(self) -> None:
+        with self._lock:
+            jobs = dict(self._jobs) or {"": 0}
+        for job, generation in jobs.items():
+            try:
+                resp = self._client.heartbeat(self._node_id, job=job, generation=generation)
+            except (CoordinatorError, ValueError) as e:
+                self.last_error = str(e)
+                continue
+            self.last_ok = time.monotonic()
+            self.last_error = ""
+            with self._lock:
+                if job and self._jobs.get(job) == generation:
+                    self._latest[job] = resp
+            self.changed.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._beat()

@@ -1,0 +1,243 @@
+"""Spawn, monitor and kill the local rank processes of one job generation (no gRPC here).
+
+Each rank runs in its own session (and so its own process group), so that stopping a rank kills
+the whole tree it started. Reader threads prefix every output line with the rank and keep stdout
+and stderr apart.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+OutputSink = Callable[[int, str, str], None]
+"""Receives one output line: (global rank, "stdout" | "stderr", text without the newline)."""
+
+MAX_LINE_BYTES = 64 * 1024
+"""Longer output lines are split: a rank cannot make the worker buffer unbounded text."""
+
+SPAWN_FAILED_EXIT_CODE = 127
+"""Exit code recorded for a rank whose command could not be started (as a shell would)."""
+
+_POLL_INTERVAL = 0.02
+_print_lock = threading.Lock()
+
+
+def print_sink(rank: int, stream: str, text: str) -> None:
+    """Print a rank's line as `[rank N] text` on the worker's own stdout or stderr."""
+    out = sys.stdout if stream == "stdout" else sys.stderr
+    with _print_lock:
+        out.write(f"[rank {rank}] {text}\n")
+        out.flush()
+
+
+def exit_code_of(returncode: int) -> int:
+    """Map a Popen return code to a shell-style exit code (killed by signal N => 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One local rank to start."""
+
+    rank: int
+    """Global rank (used in the output prefix and in failure messages)."""
+    local_rank: int
+    """Index of the process on this node."""
+    env: Mapping[str, str]
+    """Complete environment of the process."""
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How one local rank ended."""
+
+    rank: int
+    local_rank: int
+    exit_code: int
+    """Shell-style exit code: 128 + N when killed by signal N."""
+    message: str = ""
+    """Why it failed when the exit code alone does not say (e.g. the command could not start)."""
+
+    def describe(self) -> str:
+        """A one-line, human-readable account of this exit."""
+        text = f"rank {self.rank} (local rank {self.local_rank}) exited with code {self.exit_code}"
+        if self.exit_code > 128:
+            try:
+                text += f" ({signal.Signals(self.exit_code - 128).name})"
+            except ValueError:
+                pass
+        return f"{text}: {self.message}" if self.message else text
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """Outcome of a set of local ranks: all exited 0, or the first one that failed."""
+
+    exits: tuple[RankExit, ...]
+    """Ranks that have exited, in the order they were seen to exit."""
+    first_failure: RankExit | None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_failure is None
+
+
+class _Rank:
+    """One rank process and its two reader threads."""
+
+    def __init__(self, spec: RankSpec, argv: Sequence[str], cwd: str | None, sink: OutputSink) -> None:
+        self.spec = spec
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.readers: list[threading.Thread] = []
+        self.spawn_error = ""
+        try:
+            self.proc = subprocess.Popen(
+                list(argv),
+                env=dict(spec.env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as e:
+            self.spawn_error = f"cannot start {argv[0]!r}: {e.strerror or e}"
+            return
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        for stream, pipe in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr)):
+            t = threading.Thread(
+                target=_read_lines, args=(pipe, spec.rank, stream, sink),
+                name=f"axond-rank{spec.rank}-{stream}", daemon=True,
+            )
+            t.start()
+            self.readers.append(t)
+
+    def returncode(self) -> int | None:
+        if self.proc is None:
+            return SPAWN_FAILED_EXIT_CODE
+        rc = self.proc.poll()
+        return None if rc is None else exit_code_of(rc)
+
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the rank's whole process group (the rank and everything it started)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _read_lines(pipe: IO[bytes], rank: int, stream: str, sink: OutputSink) -> None:
+    try:
+        while True:
+            raw = pipe.readline(MAX_LINE_BYTES)
+            if not raw:
+                break
+            sink(rank, stream, raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+class LocalRanks:
+    """The running local ranks of one generation; returned by `start_ranks`."""
+
+    def __init__(self, argv: Sequence[str], specs: Sequence[RankSpec], cwd: str | None, sink: OutputSink) -> None:
+        self._ranks = [_Rank(spec, argv, cwd, sink) for spec in specs]
+        self._exits: list[RankExit] = []
+        self._first_failure: RankExit | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the ranks that started."""
+        return [r.proc.pid for r in self._ranks if r.proc is not None]
+
+    def poll(self) -> GroupResult | None:
+        """Collect exits; return the result once every rank exited or one failed, else None."""
+        with self._lock:
+            seen = {e.local_rank for e in self._exits}
+            for r in self._ranks:
+                if r.spec.local_rank in seen:
+                    continue
+                code = r.returncode()
+                if code is None:
+                    continue
+                ex = RankExit(r.spec.rank, r.spec.local_rank, code, r.spawn_error)
+                self._exits.append(ex)
+                if code != 0 and self._first_failure is None:
+                    self._first_failure = ex
+            if self._first_failure is None and len(self._exits) < len(self._ranks):
+                return None
+            return GroupResult(tuple(self._exits), self._first_failure)
+
+    def wait(self, timeout: float) -> GroupResult | None:
+        """Like `poll`, waiting up to `timeout` seconds for a result."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.poll()
+            if result is not None:
+                return result
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(_POLL_INTERVAL, left))
+
+    def stop(self, grace: float = 5.0, reap_timeout: float = 5.0) -> None:
+        """Stop every rank's process group: SIGTERM, then SIGKILL after `grace` seconds.
+
+        Every wait is bounded; output still buffered in the pipes is drained for a short while.
+        """
+        for r in self._ranks:
+            r.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(r.returncode() is None for r in self._ranks):
+            time.sleep(_POLL_INTERVAL)
+        for r in self._ranks:
+            r.signal_group(signal.SIGKILL)
+        for r in self._ranks:
+            if r.proc is not None:
+                try:
+                    r.proc.wait(timeout=reap_timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.poll()
+        self.join_readers(timeout=1.0)
+
+    def join_readers(self, timeout: float) -> None:
+        """Wait (bounded) until the output of every rank has been passed to the sink."""
+        deadline = time.monotonic() + timeout
+        for r in self._ranks:
+            for t in r.readers:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def start_ranks(
+    argv: Sequence[str],
+    specs: Sequence[RankSpec],
+    cwd: str | None = None,
+    sink: OutputSink = print_sink,
+) -> LocalRanks:
+    """Start one process of `argv` per spec, each in its own session, and return them running.
+
+    A command that cannot be started counts as a rank that exited with code 127, so callers see
+    it through the same `poll`/`wait` path as any other failure.
+    """
+    if not argv:
+        raise ValueError("no command to run: pass it after `--`, e.g. `axond worker ... -- python train.py`")
+    if not specs:
+        raise ValueError("no ranks to start: nproc-per-node must be >= 1")
+    return LocalRanks(argv, specs, cwd, sink)

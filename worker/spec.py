@@ -1,0 +1,99 @@
+"""Options of the worker: where the coordinator is, and what job to run and how."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from axond.control.client import CoordinatorClient
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    """How to reach the coordinator; also handed on to the rank processes."""
+
+    address: str
+    """HOST:PORT of the coordinator."""
+    token: str | None = None
+    """Shared secret the coordinator was started with, if any."""
+    tls_ca: str | None = None
+    """PEM file of the CA that signed the coordinator's certificate, when it serves TLS."""
+    call_timeout: float = 10.0
+    """Seconds any single control-plane call may take (long polls add their own wait)."""
+
+    def connect(self) -> CoordinatorClient:
+        """Open a client to the coordinator (raises `axond.CoordinatorError` on bad options)."""
+        from axond.control.client import connect
+
+        return connect(self.address, token=self.token, tls_ca=self.tls_ca, call_timeout=self.call_timeout)
+
+    def rank_env(self) -> dict[str, str]:
+        """The variables a rank needs to reach the same coordinator."""
+        env = {"AXOND_COORDINATOR": self.address}
+        if self.token:
+            env["AXOND_TOKEN"] = self.token
+        if self.tls_ca:
+            env["AXOND_TLS_CA"] = self.tls_ca
+        return env
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job as one node takes part in it: the command, the rendezvous bounds and restarts."""
+
+    argv: tuple[str, ...]
+    """Command every local rank runs."""
+    job: str = "default"
+    """Job name; every worker of one job uses the same name."""
+    nproc_per_node: int = 1
+    """Local rank processes on this node."""
+    min_nodes: int = 1
+    """The rendezvous freezes once at least this many nodes joined (and the settle time passed)."""
+    max_nodes: int = 1
+    """The rendezvous freezes at once when this many nodes joined."""
+    max_restarts: int = 0
+    """Times the whole job restarts after a failure anywhere before it fails."""
+    env: Mapping[str, str] | None = None
+    """Extra environment for the ranks (on top of the worker's own)."""
+    cwd: str | None = None
+    """Working directory of the ranks (None: the worker's)."""
+    join_timeout: float = 300.0
+    """Seconds to wait for the rendezvous to freeze before giving up."""
+    stop_grace: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when stopping ranks."""
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise ValueError("no command to run: pass it after `--`, e.g. `axond worker ... -- python train.py`")
+        if not self.job:
+            raise ValueError("the job name must not be empty")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(
+                f"need 1 <= min nodes <= max nodes, got {self.min_nodes}:{self.max_nodes}; "
+                "pass --nnodes N or --nnodes MIN:MAX"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"max-restarts must be >= 0, got {self.max_restarts}")
+        if self.join_timeout <= 0 or self.stop_grace < 0:
+            raise ValueError("join timeout must be > 0 and stop grace >= 0")
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """Parse `N` or `MIN:MAX` into (min_nodes, max_nodes)."""
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError(text)
+    except ValueError as e:
+        raise ValueError(f"--nnodes takes N or MIN:MAX (e.g. 2 or 1:4), got {text!r}") from e
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--nnodes needs 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
