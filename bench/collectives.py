@@ -5,8 +5,8 @@
 For each op and size: median time per call (max over ranks per iteration), algbw = bytes / time,
 busbw as in nccl-tests (all_reduce: algbw*2(n-1)/n; all_gather, reduce_scatter: algbw*(n-1)/n;
 broadcast: algbw), and a correctness check. When torch (gloo) or mpi4py (+ mpirun) import, the
-same sizes run on them in the same run and the ratio axond/peer is printed. The raw limit is two
-processes streaming through plain sockets in both directions at once.
+same sizes run on them in the same run (alternating per op) and the ratio axond/peer of busbw is
+printed. The raw limit is two processes streaming through plain sockets in both directions at once.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from collectives_runners import AxondRunner, GlooRunner, MpiRunner, Runner  # noqa: E402
+
 OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter"]
 Result = dict[str, dict[int, tuple[float, bool]]]
 """op -> size in bytes -> (median seconds, correct)."""
@@ -39,6 +42,9 @@ def parse_size(text: str) -> int:
 
 
 def sizes_between(low: int, high: int, factor: int) -> list[int]:
+    if factor <= 0:
+        fine = [n for n in (8, 64, 512, 4 << 10, 32 << 10) if low <= n <= high]
+        return fine + sizes_between(256 << 10, high, 4)[: None if high >= 256 << 10 else 0]
     out, s = [], low
     while s <= high:
         out.append(s)
@@ -58,178 +64,6 @@ def bus_factor(op: str, n: int) -> float:
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n
     return 1.0
-
-
-class Runner:
-    """One library's collectives on float32 arrays; `size` is the op's total bytes as in nccl-tests."""
-
-    rank: int
-    size: int
-
-    def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
-        """Return (one call, check after a fresh call with known data)."""
-        raise NotImplementedError
-
-    def max_times(self, times: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
-    def barrier(self) -> None:
-        raise NotImplementedError
-
-
-def counts(op: str, nbytes: int, n: int) -> int:
-    """Elements of the per-rank input."""
-    elems = max(1, nbytes // 4)
-    if op == "all_gather":
-        return max(1, elems // n)
-    if op == "reduce_scatter":
-        return max(n, elems - elems % n)
-    return elems
-
-
-class AxondRunner(Runner):
-    def __init__(self, backend: str) -> None:
-        import axond
-
-        self.ax = axond
-        self.pg = axond.distributed.default_group()
-        self.rank, self.size = self.pg.rank, self.pg.size
-        self.xp: Any = np
-        if backend == "nccl":
-            import cupy
-
-            self.xp = cupy
-
-    def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
-        pg, xp, n, r = self.pg, self.xp, self.size, self.rank
-        count = counts(op, nbytes, n)
-        x = xp.zeros(count, xp.float32)
-        total = n * (n + 1) / 2
-        if op == "all_reduce":
-            def check() -> bool:
-                x[...] = r + 1
-                pg.all_reduce(x)
-                return bool((x == total).all())
-            return (lambda: pg.all_reduce(x)), check
-        if op == "broadcast":
-            def check_b() -> bool:
-                x[...] = r + 1
-                pg.broadcast(x, 0)
-                return bool((x == 1).all())
-            return (lambda: pg.broadcast(x, 0)), check_b
-        if op == "all_gather":
-            def check_g() -> bool:
-                x[...] = r + 1
-                out = pg.all_gather(x)
-                return all(bool((out[i] == i + 1).all()) for i in range(n))
-            return (lambda: pg.all_gather(x)), check_g
-        y = xp.full(count, r + 1, xp.float32)
-        return (lambda: pg.reduce_scatter(y)), (lambda: bool((pg.reduce_scatter(y) == total).all()))
-
-    def max_times(self, times: np.ndarray) -> np.ndarray:
-        return np.asarray(self.pg.all_gather(times)).max(axis=0)
-
-    def barrier(self) -> None:
-        self.pg.barrier()
-
-
-class GlooRunner(Runner):
-    def __init__(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self.torch, self.dist = torch, dist
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
-
-    def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
-        torch, dist, n, r = self.torch, self.dist, self.size, self.rank
-        count = counts(op, nbytes, n)
-        x = torch.zeros((count,), dtype=torch.float32)
-        total = n * (n + 1) / 2
-        if op == "all_reduce":
-            def check() -> bool:
-                x.fill_(r + 1)
-                dist.all_reduce(x)
-                return bool((x == total).all())
-            return (lambda: dist.all_reduce(x)), check
-        if op == "broadcast":
-            def check_b() -> bool:
-                x.fill_(r + 1)
-                dist.broadcast(x, 0)
-                return bool((x == 1).all())
-            return (lambda: dist.broadcast(x, 0)), check_b
-        if op == "all_gather":
-            outs = [torch.empty_like(x) for _ in range(n)]
-            def check_g() -> bool:
-                x.fill_(r + 1)
-                dist.all_gather(outs, x)
-                return all(bool((outs[i] == i + 1).all()) for i in range(n))
-            return (lambda: dist.all_gather(outs, x)), check_g
-        out = torch.empty(count // n, dtype=torch.float32)
-        inputs = list(torch.full((count,), float(r + 1)).chunk(n))
-        def rs() -> None:
-            dist.reduce_scatter(out, inputs)
-
-        def check_rs() -> bool:
-            rs()
-            return bool((out == total).all())
-        return rs, check_rs
-
-    def max_times(self, times: np.ndarray) -> np.ndarray:
-        t = self.torch.from_numpy(times.copy())
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
-        return t.numpy()
-
-    def barrier(self) -> None:
-        self.dist.barrier()
-
-
-class MpiRunner(Runner):
-    def __init__(self) -> None:
-        from mpi4py import MPI
-
-        self.MPI, self.comm = MPI, MPI.COMM_WORLD
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-
-    def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
-        MPI, comm, n, r = self.MPI, self.comm, self.size, self.rank
-        count = counts(op, nbytes, n)
-        x = np.zeros(count, np.float32)
-        total = n * (n + 1) / 2
-        if op == "all_reduce":
-            def check() -> bool:
-                x[...] = r + 1
-                comm.Allreduce(MPI.IN_PLACE, x)
-                return bool((x == total).all())
-            return (lambda: comm.Allreduce(MPI.IN_PLACE, x)), check
-        if op == "broadcast":
-            def check_b() -> bool:
-                x[...] = r + 1
-                comm.Bcast(x, 0)
-                return bool((x == 1).all())
-            return (lambda: comm.Bcast(x, 0)), check_b
-        if op == "all_gather":
-            out = np.empty(count * n, np.float32)
-            def check_g() -> bool:
-                x[...] = r + 1
-                comm.Allgather(x, out)
-                return all(bool((out[i * count : (i + 1) * count] == i + 1).all()) for i in range(n))
-            return (lambda: comm.Allgather(x, out)), check_g
-        x[...] = r + 1
-        out = np.empty(count // n, np.float32)
-
-        def check_rs() -> bool:
-            comm.Reduce_scatter_block(x, out)
-            return bool((out == total).all())
-        return (lambda: comm.Reduce_scatter_block(x, out)), check_rs
-
-    def max_times(self, times: np.ndarray) -> np.ndarray:
-        out = np.empty_like(times)
-        self.comm.Allreduce(times, out, op=self.MPI.MAX)
-        return out
-
-    def barrier(self) -> None:
-        self.comm.Barrier()
 
 
 def run_suite(runner: Runner, ops: list[str], sizes: list[int]) -> Result:
@@ -389,7 +223,7 @@ def report(n: int, ours: Result, peers: dict[str, Result | None], raw: float | N
     head = "| op | size | axond time | algbw GB/s | busbw GB/s | ok |" + "".join(
         f" {k} time | {k} busbw | axond/{k} |" for k in names)
     print(head)
-    print("|" + "---|" * head.count("|")[:-1] if False else "|" + "|".join(["---"] * (head.count("|") - 1)) + "|")
+    print("|" + "|".join(["---"] * (head.count("|") - 1)) + "|")
     for op, by_size in ours.items():
         for nbytes, (secs, ok) in by_size.items():
             algbw = nbytes / secs / 1e9
@@ -411,12 +245,14 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
     ap.add_argument("--min-bytes", default="8")
     ap.add_argument("--max-bytes", default="256M")
-    ap.add_argument("--factor", type=int, default=8, help="size step (nccl-tests -f)")
+    ap.add_argument("--factor", type=int, default=0, help="size step (nccl-tests -f); 0: 8 B, then x8 to 32 KiB, x4 to the max")
     ap.add_argument("--sizes", nargs="+", type=int, help="explicit sizes in bytes")
     ap.add_argument("--backend", default="tcp", help="axond backend: tcp, nccl or auto")
     ap.add_argument("--peers", nargs="*", default=["gloo", "mpi"], help="peers to compare with, when installed")
     ap.add_argument("--no-raw", action="store_true", help="skip the raw socket limit")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run everything this many times, libraries alternating per op, and keep each best median")
     ap.add_argument("--mpi-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = args.sizes or sizes_between(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
@@ -427,26 +263,44 @@ def main() -> None:
             with open(args.mpi_worker, "w") as f:
                 json.dump(res, f)
         return
-    raw = None if args.no_raw else raw_duplex()
+    raw = None if args.no_raw else max(raw_duplex() for _ in range(args.repeat))
     for n in args.nproc:
-        with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
-            ours = _spawn(_axond_rank, n, (store_dir, args.backend, args.ops, sizes), args.timeout)
-        if ours is None:
-            sys.exit(f"axond benchmark failed at n = {n}")
+        ours: Result | None = None
         peers: dict[str, Result | None] = {}
-        if "gloo" in args.peers:
-            try:
-                import torch.distributed  # noqa: F401
-                peers["gloo"] = _spawn(_gloo_rank, n, (free_port(), args.ops, sizes), args.timeout)
-            except ImportError:
-                pass
-        if "mpi" in args.peers:
-            try:
-                import mpi4py  # noqa: F401
-                peers["mpi"] = run_mpi(n, args.ops, sizes, args.timeout)
-            except ImportError:
-                pass
+        for _ in range(args.repeat):
+            for op in args.ops:
+                with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
+                    got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes), args.timeout)
+                if got is None:
+                    sys.exit(f"axond benchmark failed at n = {n}")
+                ours = best(ours, got)
+                if "gloo" in args.peers and _importable("torch.distributed"):
+                    peers["gloo"] = best(peers.get("gloo"), _spawn(_gloo_rank, n, (free_port(), [op], sizes), args.timeout))
+                if "mpi" in args.peers and _importable("mpi4py"):
+                    peers["mpi"] = best(peers.get("mpi"), run_mpi(n, [op], sizes, args.timeout))
+        assert ours is not None
         report(n, ours, peers, raw if n == 2 else None)
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def best(a: Result | None, b: Result | None) -> Result | None:
+    """Merge two runs keeping the faster median per op and size (repeats tame a shared machine's noise)."""
+    if a is None or b is None:
+        return a or b
+    out: Result = {op: dict(d) for op, d in a.items()}
+    for op, by_size in b.items():
+        for nbytes, (secs, ok) in by_size.items():
+            prev = out.setdefault(op, {}).get(nbytes)
+            out[op][nbytes] = (secs, ok and (prev is None or prev[1])) if prev is None or secs < prev[0] else (
+                prev[0], prev[1] and ok)
+    return out
 
 
 if __name__ == "__main__":

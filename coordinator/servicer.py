@@ -306,6 +306,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     return
             if finished and not events:
                 return
+            if events or skipped:
+                continue  # re-read before waiting: the yields above let other coroutines add events unseen
             await self.hub.wait([("events", job)], 30.0)
 
     @_translated

@@ -269,3 +269,18 @@ def test_world_of_8(groups8: list[ProcessGroup], op: ReduceOp) -> None:
         np.testing.assert_array_equal(x, reference(inputs, op))
         np.testing.assert_array_equal(y, reference(big, op))
         assert (z == 5).all()
+
+
+def test_all_gather_and_reduce_scatter_into_out(groups: list[ProcessGroup]) -> None:
+    n = len(groups)
+
+    def body(pg: ProcessGroup) -> tuple[bool, bool]:
+        out = np.empty((n, 3), np.int32)
+        got = pg.all_gather(np.full(3, pg.rank, np.int32), out=out)
+        block = np.empty(2, np.int32)
+        rs = pg.reduce_scatter(np.ones(2 * n, np.int32), out=block)
+        with pytest.raises(ValueError, match="out= must be"):
+            pg.all_gather(np.zeros(3, np.int32), out=np.empty((n, 4), np.int32))
+        return got is out and (out == np.arange(n)[:, None]).all(), rs is block and (block == n).all()
+
+    assert run_on(groups, body) == [(True, True)] * n

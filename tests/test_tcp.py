@@ -252,6 +252,32 @@ def test_many_small_chunks_and_uneven_blocks(monkeypatch: pytest.MonkeyPatch) ->
             out = run_on(gs, lambda pg: pg.all_gather(inputs[pg.rank]))
             for x in out:
                 np.testing.assert_array_equal(x, np.stack(inputs))
+            out = run_on(gs, lambda pg: pg.reduce_scatter(np.tile(inputs[pg.rank], 3)))
+            for x in out:
+                np.testing.assert_array_equal(x, np.sum(inputs, axis=0))
+        # Above DIRECT_ALL_GATHER_BYTES all_gather goes around the ring (the own block is posted first).
+        big = [np.full(200_003, r, np.float64) for r in range(3)]
+        for x in run_on(gs, lambda pg: pg.all_gather(big[pg.rank])):
+            np.testing.assert_array_equal(x, np.stack(big))
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_halving_doubling_all_reduce(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    monkeypatch.setenv("AXOND_TCP_ALGORITHM", "halving_doubling")
+    monkeypatch.setenv("AXOND_TCP_CHUNK_BYTES", "4096")
+    gs = thread_groups(n, options=BackendOptions(timeout=10.0))
+    try:
+        for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN):
+            for count in (40_000, 100_003):
+                inputs = [np.random.default_rng(r).integers(-9, 9, count).astype(np.float64) for r in range(n)]
+                out = run_on(gs, lambda pg: (pg.all_reduce(x := inputs[pg.rank].copy(), op), x)[1])
+                total = np.sum(inputs, axis=0)
+                expected = {ReduceOp.SUM: total, ReduceOp.AVG: total / n, ReduceOp.MIN: np.min(inputs, axis=0)}[op]
+                for x in out:
+                    np.testing.assert_array_equal(x, expected)
     finally:
         for g in gs:
             g.destroy()
@@ -287,6 +313,18 @@ def test_isend_irecv_out_of_step_large(pair: list[ProcessGroup]) -> None:
 
     a, b = run_on(pair, body)
     assert (a == 1).all() and (b == 0).all()
+
+
+def test_isend_first_on_both_sides_then_recv(pair: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> tuple[bool, np.ndarray]:
+        out = np.full(6_000_000, pg.rank + 1, np.float32)
+        into = np.empty_like(out)
+        sending = pg.isend(out, 1 - pg.rank)
+        pg.recv(into, 1 - pg.rank)
+        return sending.wait(timeout=5.0), into
+
+    (ok0, a), (ok1, b) = run_on(pair, body)
+    assert ok0 and ok1 and (a == 2).all() and (b == 1).all()
 
 
 def test_work_wait_reraises_the_failure(pair: list[ProcessGroup]) -> None:

@@ -32,6 +32,7 @@ def test_single_node_ranks_get_the_contract_environment(coord: RunningCoordinato
         assert env["AXOND_GENERATION"] and int(env["AXOND_GENERATION"]) >= 1
         assert env["AXOND_JOB_SECRET"] and len(env["AXOND_JOB_SECRET"]) >= 16
         bytes.fromhex(env["AXOND_JOB_SECRET"])
+        assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")  # torchrun's default for K > 1
     assert envs[0]["AXOND_JOB_SECRET"] == envs[1]["AXOND_JOB_SECRET"]
 
 
@@ -203,3 +204,11 @@ def test_a_node_that_finished_first_rejoins_when_the_job_restarts(coord: Running
     assert ra.code == 0 and rb.code == 0, (ra.stderr, rb.stderr)
     finals = {line.split("] ", 1)[1] for line in (ra.stdout + rb.stdout).splitlines() if "GEN 2" in line}
     assert finals == {f"GEN 2 RANK {r}" for r in range(4)}, "the early finisher ran generation 2 too"
+
+
+def test_elastic_nnodes_runs_with_the_nodes_that_came(coord: RunningCoordinator, procs: Procs) -> None:
+    res = procs.run(*worker_args(coord, "elastic", "--nnodes", "1:2", "--nproc-per-node", "2"),
+                    "--", PY, "-c", ENV_SCRIPT)
+    assert res.code == 0, res.stderr
+    envs = res.env_lines()
+    assert sorted(envs) == [0, 1] and {e["WORLD_SIZE"] for e in envs.values()} == {"2"}

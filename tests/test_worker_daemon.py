@@ -55,9 +55,12 @@ def test_forwarder_queue_is_bounded_and_says_what_it_dropped(coord: RunningCoord
 def test_run_gets_all_output_before_the_job_ends(coord: RunningCoordinator, procs: Procs) -> None:
     procs.axond("worker", "--coordinator", coord.address, "--slots", "2")
     script = "import os\nfor i in range(3000): print(os.environ['RANK'], i)"
+    t0 = time.monotonic()
     res = procs.run("run", "--coordinator", coord.address, "--nnodes", "1", "--nproc-per-node", "2",
                     "--", PY, "-c", script, timeout=60)
+    elapsed = time.monotonic() - t0
     assert res.code == 0, res.stderr
+    assert elapsed < 20, f"`axond run` took {elapsed:.1f} s: StreamJob missed a wake-up (events appended while it yielded)"
     for rank in (0, 1):
         got = [line for line in res.stdout.splitlines() if line.startswith(f"[rank {rank}] ")]
         assert got == [f"[rank {rank}] {rank} {i}" for i in range(3000)]
@@ -81,3 +84,19 @@ def test_daemon_registers_again_after_a_coordinator_restart(
     assert res.code == 0, res.stderr
     assert "[rank 0] again" in res.stdout
     assert daemon.poll() is None, "the daemon keeps running"
+
+
+def test_run_with_max_restarts_recovers_on_daemons(coord: RunningCoordinator, procs: Procs) -> None:
+    for _ in range(2):
+        procs.axond("worker", "--coordinator", coord.address, "--slots", "1")
+    script = (
+        "import os, sys\n"
+        "gen, rank = os.environ['AXOND_GENERATION'], os.environ['RANK']\n"
+        "print('GEN', gen, 'RANK', rank, flush=True)\n"
+        "sys.exit(6 if gen == '1' and rank == '1' else 0)\n"
+    )
+    res = procs.run("run", "--coordinator", coord.address, "--nnodes", "2", "--max-restarts", "1",
+                    "--", PY, "-c", script, timeout=60)
+    assert res.code == 0, res.stderr
+    assert {"[rank 0] GEN 2 RANK 0", "[rank 1] GEN 2 RANK 1"} <= set(res.stdout.splitlines())
+    assert "restarting as generation 2" in res.stderr

@@ -22,7 +22,7 @@ from axond.coordinator.server import RunningCoordinator
 
 CONTRACT_VARS = (
     "AXOND_COORDINATOR", "AXOND_JOB", "AXOND_GENERATION", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE", "NODE_RANK", "AXOND_JOB_SECRET", "AXOND_TOKEN", "AXOND_TLS_CA",
+    "LOCAL_WORLD_SIZE", "NODE_RANK", "AXOND_JOB_SECRET", "AXOND_TOKEN", "AXOND_TLS_CA", "OMP_NUM_THREADS",
 )
 ENV_SCRIPT = (
     "import json, os; "
@@ -43,8 +43,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-FAST = dict(heartbeat_interval=0.2, dead_after_missed=5, settle_time=0.2)
-"""Coordinator settings for tests: short heartbeats so failures are seen within about a second."""
+FAST = dict(heartbeat_interval=0.2, dead_after_missed=15, settle_time=0.2)
+"""Coordinator settings for tests: generation changes reach workers within ~0.2 s; a silent node is
+dead after 3 s (not less: on a loaded 2-core machine a heartbeat can be late by a second)."""
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from axond.worker.agent import JobOutcome, start_agent
 from axond.worker.daemon import DaemonConfig, start_daemon
 from axond.worker.spec import ConnectOptions, JobSpec, parse_nnodes
 
-_AGENT_ONLY = ("nnodes", "nproc_per_node", "job", "max_restarts", "join_timeout")
+_AGENT_ONLY = ("nnodes", "nproc_per_node", "job", "max_restarts")
 
 
 class _Signals:
@@ -74,7 +74,7 @@ def worker(
                 f"{flags} only apply with a command (`axond worker ... -- CMD`); in daemon mode "
                 "the job's shape comes from `axond run`"
             )
-        _run_daemon(conn, DaemonConfig(slots=slots or 1, stop_grace=stop_grace))
+        _run_daemon(conn, DaemonConfig(slots=slots or 1, stop_grace=stop_grace, join_timeout=join_timeout))
         return
     if slots is not None:
         raise click.UsageError("--slots is for daemon mode (no CMD); with a command use --nproc-per-node")

@@ -175,15 +175,15 @@ def reduce(x: Array, dst: int = 0, op: ReduceOp = ReduceOp.SUM, group: ProcessGr
     return g.reduce(x, g.group_rank(dst), op, async_op=async_op)
 
 
-def all_gather(x: Array, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
-    """Return an array of shape (group size, *x.shape)."""
-    return _group(group).all_gather(x, async_op=async_op)
+def all_gather(x: Array, group: ProcessGroup | None = None, async_op: bool = False, out: Array | None = None) -> Any:
+    """Return an array of shape (group size, *x.shape) (`out=` to fill a preallocated one)."""
+    return _group(group).all_gather(x, async_op=async_op, out=out)
 
 
 def reduce_scatter(x: Array, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
-                   async_op: bool = False) -> Any:
-    """Reduce `x` and return this rank's block of x.shape[0] // size rows."""
-    return _group(group).reduce_scatter(x, op, async_op=async_op)
+                   async_op: bool = False, out: Array | None = None) -> Any:
+    """Reduce `x` and return this rank's block of x.shape[0] // size rows (`out=` to fill a preallocated one)."""
+    return _group(group).reduce_scatter(x, op, async_op=async_op, out=out)
 
 
 def gather(x: Array, dst: int = 0, group: ProcessGroup | None = None, async_op: bool = False) -> Any:

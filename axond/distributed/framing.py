@@ -11,11 +11,11 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, NoReturn, TypeVar
 
 import numpy as np
 
-from axond.distributed.peer import Peer, PeerClosed, PeerError
+from axond.distributed.peer import SMALL_FRAME, Peer, PeerClosed, PeerError
 from axond.distributed.wire import HEADER, OP_NAMES, Kind, Op, describe
 from axond.errors import DistributedError
 
@@ -33,18 +33,24 @@ class TcpTuning:
     """Pipeline chunk size (0: a quarter of a block, clamped to 64 KiB..1 MiB)."""
     spin_us: float = 50.0
     """Microseconds a small receive busy-polls before blocking (0 disables)."""
+    inline_bytes: int = 256 << 10
+    """Frames up to this size are first sent without blocking from the op's thread (no hand-off)."""
+    algorithm: Literal["ring", "halving_doubling"] = "ring"
+    """Large all-reduce: pipelined ring, or halving-doubling (Rabenseifner) on power-of-two groups."""
     spin_yield: bool = True
     """Yield the CPU between polls (helps when ranks outnumber cores)."""
 
     @classmethod
     def from_env(cls) -> TcpTuning:
-        """Read AXOND_TCP_SMALL_BYTES, AXOND_TCP_CHUNK_BYTES, AXOND_TCP_SPIN_US and AXOND_TCP_SPIN_YIELD."""
+        """Read AXOND_TCP_SMALL_BYTES, _CHUNK_BYTES, _SPIN_US, _SPIN_YIELD, _INLINE_BYTES and _ALGORITHM."""
         try:
             return cls(
                 small_bytes=int(os.environ.get("AXOND_TCP_SMALL_BYTES", cls.small_bytes)),
                 chunk_bytes=int(os.environ.get("AXOND_TCP_CHUNK_BYTES", cls.chunk_bytes)),
                 spin_us=float(os.environ.get("AXOND_TCP_SPIN_US", cls.spin_us)),
                 spin_yield=os.environ.get("AXOND_TCP_SPIN_YIELD", "1") != "0",
+                inline_bytes=int(os.environ.get("AXOND_TCP_INLINE_BYTES", cls.inline_bytes)),
+                algorithm="halving_doubling" if os.environ.get("AXOND_TCP_ALGORITHM") == "halving_doubling" else "ring",
             )
         except ValueError as e:
             raise ValueError(f"bad AXOND_TCP_* setting: {e}") from e
@@ -127,25 +133,37 @@ class FramedGroup:
 
     def recv(self, c: Call, peer: int, view: memoryview) -> None:
         """Receive the next frame from `peer` into `view`, checking that it belongs to the same op."""
-        self.expect(c, peer, view.nbytes)
-        if view.nbytes:
-            self.peers[peer].recv_into(view, c.deadline)
+        n = view.nbytes
+        if n <= SMALL_FRAME:
+            h, payload = self.peers[peer].recv_small(n, c.deadline)
+            if h[:8] != c.expect or h[8] != n:
+                self._reject(c, peer, h, n, payload)
+            if n:
+                view[:] = payload
+            return
+        self.expect(c, peer, n)
+        self.peers[peer].recv_into(view, c.deadline)
 
     def expect(self, c: Call, peer: int, nbytes: int | None) -> int:
         """Receive a header from `peer`, check it against `c` (and its payload size unless None); return the size."""
-        conn = self.peers[peer]
-        h = conn.recv_header(c.deadline)
-        if h[:8] == c.expect and (nbytes is None or h[8] == nbytes):
-            return int(h[8])
+        h = self.peers[peer].recv_header(c.deadline)
+        if h[:8] != c.expect or (nbytes is not None and h[8] != nbytes):
+            self._reject(c, peer, h, nbytes, memoryview(b""))
+        return int(h[8])
+
+    def _reject(self, c: Call, peer: int, h: tuple[int, ...], nbytes: int | None, early: memoryview) -> NoReturn:
+        """Raise the error for an unexpected frame: an abort from the peer, or a mismatched call."""
         if h[0] == Kind.ABORT:
             n = min(int(h[8]), MAX_ABORT_REASON)
-            buf = bytearray(n)
-            try:
-                conn.recv_into(memoryview(buf), time.monotonic() + 1.0)
-            except PeerError:
-                pass
-            reason = buf.decode(errors="replace")
-            raise self.error(c, peer, f"peer rank {peer} gave up: {reason}")
+            buf = bytearray(early[:n])
+            if len(buf) < n:
+                rest = bytearray(n - len(buf))
+                try:
+                    self.peers[peer].recv_into(memoryview(rest), time.monotonic() + 1.0)
+                except PeerError:
+                    pass
+                buf += rest
+            raise self.error(c, peer, f"peer rank {peer} gave up: {buf.decode(errors='replace')}")
         mine = describe(c.op, c.dtype, c.count, c.redop, c.aux)
         if h[0] not in (Kind.COLLECTIVE, Kind.P2P) or h[5] != self._gid:
             raise self.error(c, peer, f"peer rank {peer} sent a frame that is not from this group "

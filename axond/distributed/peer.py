@@ -1,8 +1,9 @@
 """One authenticated TCP connection to a peer rank: framed, zero-copy sends and receives.
 
-Small frames are sent inline from the calling thread; large ones go through a per-peer sender
-thread so that sending, receiving and reducing overlap (socket calls release the GIL). Receives
-of small frames spin briefly on non-blocking reads before blocking, which halves latency.
+Small frames are sent inline from the calling thread; mid-sized ones are first written without
+blocking (whatever fits the socket buffer); the rest goes through a per-peer sender thread so that
+sending, receiving and reducing overlap (socket calls release the GIL). Receives of small frames
+spin briefly on non-blocking reads (yielding the CPU) before blocking, which halves latency.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from axond.distributed.wire import HEADER, HEADER_SIZE
 
 INLINE_SEND_BYTES = 64 << 10
 """Frames up to this size are sent from the calling thread (they fit the socket buffer)."""
+SMALL_FRAME = 4096
+"""Payloads up to this size are received together with their header in one call."""
 SOCKET_BUFFER_BYTES = 4 << 20
 RECV_WAKEUP = 0.25
 """A blocked receive wakes this often to check the op's deadline."""
@@ -58,8 +61,11 @@ def _timeval(seconds: float) -> bytes:
 class Peer:
     """Framed connection to group rank `rank`; one per peer, owned by one backend."""
 
-    def __init__(self, sock: socket.socket, rank: int, timeout: float, spin: float, spin_yield: bool = True) -> None:
+    def __init__(self, sock: socket.socket, rank: int, timeout: float, spin: float, spin_yield: bool = True,
+                 try_inline_bytes: int = 0) -> None:
         self.sock = sock
+        self.try_inline_bytes = try_inline_bytes
+        """Larger frames up to this size are first written without blocking from the calling thread."""
         self.rank = rank
         self.timeout = timeout
         self.spin = spin
@@ -74,48 +80,73 @@ class Peer:
         self._thread: threading.Thread | None = None
         self._hdr = bytearray(HEADER_SIZE)
         self._hdr_view = memoryview(self._hdr)
+        self._small = bytearray(HEADER_SIZE + SMALL_FRAME)
+        self._small_view = memoryview(self._small)
+        self._got = 0
         tune_socket(sock, timeout)
 
     def send(self, header: bytes, payload: memoryview | None) -> int:
-        """Queue one frame; small ones go out now. Returns a ticket for `wait_sent`."""
+        """Queue one frame; small ones go out now. Returns a ticket for `wait_sent`.
+
+        Only the op-running thread posts, so the inline fast path needs no condition variable:
+        when nothing is queued, the sender thread is idle and only the write lock is shared.
+        """
+        if self._error is not None:
+            raise self._failure() from self._error
         nbytes = 0 if payload is None else payload.nbytes
-        with self._cond:
-            if self._error is not None:
-                raise PeerClosed(str(self._error), self.rank) from self._error
+        if nbytes <= INLINE_SEND_BYTES and self._done == self._posted:
             self._posted += 1
             ticket = self._posted
-            inline = nbytes <= INLINE_SEND_BYTES and self._done == ticket - 1
-            if not inline:
-                self._queue.append((header, payload, ticket))
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._sender, name=f"axond-send-{self.rank}", daemon=True)
-                    self._thread.start()
-                self._cond.notify_all()
-                return ticket
+            try:
+                with self._lock:
+                    self._write(header, payload)
+            except BaseException as e:
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                raise
+            self._done = ticket
+            return ticket
+        if payload is not None and nbytes <= self.try_inline_bytes and self._done == self._posted:
+            sent = self._try_write(header, payload)
+            if sent == HEADER_SIZE + nbytes:
+                self._posted += 1
+                self._done = self._posted
+                return self._posted
+            header, payload = header[sent:], payload[max(0, sent - HEADER_SIZE) :]
+        with self._cond:
+            self._posted += 1
+            ticket = self._posted
+            self._queue.append((header, payload, ticket))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._sender, name=f"axond-send-{self.rank}", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+            return ticket
+
+    def _try_write(self, header: bytes, payload: memoryview) -> int:
+        """Send what fits in the socket buffer right now (no thread hand-off); returns the bytes sent."""
         try:
             with self._lock:
-                self._write(header, payload)
-        except BaseException as e:
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
-            raise
-        with self._cond:
-            self._done = ticket
-            self._cond.notify_all()
-        return ticket
+                return self.sock.sendmsg([header, payload], (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            self._error = PeerClosed(f"send to peer {self.rank} failed: {e}", self.rank)
+            raise self._error from e
 
     def _write(self, header: bytes, payload: memoryview | None) -> None:
         try:
             if payload is None or payload.nbytes == 0:
                 self.sock.sendall(header)
                 return
+            hlen = len(header)
             sent = self.sock.sendmsg([header, payload])
-            if sent < HEADER_SIZE:
+            if sent < hlen:
                 self.sock.sendall(memoryview(header)[sent:])
-                sent = HEADER_SIZE
-            if sent - HEADER_SIZE < payload.nbytes:
-                self.sock.sendall(payload[sent - HEADER_SIZE :])
+                sent = hlen
+            if sent - hlen < payload.nbytes:
+                self.sock.sendall(payload[sent - hlen :])
         except (BlockingIOError, TimeoutError) as e:
             raise PeerTimeout(f"sending to peer {self.rank} blocked for {self.timeout:.1f} s", self.rank) from e
         except OSError as e:
@@ -144,34 +175,70 @@ class Peer:
 
     def wait_sent(self, ticket: int, deadline: float) -> None:
         """Block until frame `ticket` (and all before it) left this process's buffers."""
+        if self._done >= ticket:
+            return
         with self._cond:
             while self._done < ticket:
                 if self._error is not None:
-                    raise PeerClosed(str(self._error), self.rank) from self._error
+                    raise self._failure() from self._error
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeout(f"send to peer {self.rank} did not complete", self.rank)
                 self._cond.wait(min(left, 1.0))
+
+    def _failure(self) -> PeerError:
+        """The stored send failure as a fresh exception of the same kind (timeout or closed link)."""
+        kind = PeerTimeout if isinstance(self._error, PeerTimeout) else PeerClosed
+        return kind(str(self._error), self.rank)
+
+    def sent_through(self, ticket: int) -> bool:
+        """Whether frame `ticket` left this process (or failed); never blocks."""
+        return self._done >= ticket or self._error is not None
 
     def flush(self, deadline: float) -> None:
         """Block until every queued frame was sent."""
         self.wait_sent(self._posted, deadline)
 
     def recv_header(self, deadline: float) -> tuple[int, ...]:
-        """Receive and unpack the next frame header."""
-        self.recv_into(self._hdr_view, deadline)
+        """Receive and unpack the next frame header (of a large frame: no busy-polling)."""
+        self.recv_into(self._hdr_view, deadline, spin=False)
         return HEADER.unpack(self._hdr)
 
-    def recv_into(self, view: memoryview, deadline: float) -> None:
-        """Fill `view` exactly from the stream (straight into the caller's buffer)."""
+    def recv_small(self, nbytes: int, deadline: float) -> tuple[tuple[int, ...], memoryview]:
+        """Receive a frame expected to carry `nbytes` (<= SMALL_FRAME) with as few calls as possible.
+
+        Returns the header and the payload bytes read; if the header announces another size, only
+        the header (and whatever arrived with it, at most `nbytes`) is returned.
+        """
+        buf = self._small_view
+        total = HEADER_SIZE + nbytes
+        self.recv_into(buf[:HEADER_SIZE], deadline, want=total, into=buf)
+        got = self._got
+        header = HEADER.unpack_from(self._small)
+        if header[8] == nbytes and got < total:
+            self.recv_into(buf[got:total], deadline)
+            got = total
+        return header, buf[HEADER_SIZE:got]
+
+    def recv_into(self, view: memoryview, deadline: float, want: int = 0, into: memoryview | None = None,
+                  spin: bool = True) -> None:
+        """Fill `view` exactly from the stream (straight into the caller's buffer).
+
+        With `into`/`want`: read up to `want` bytes into `into` (a larger buffer starting with
+        `view`), stopping as soon as `view` is full; the count is left in `self._got`.
+        """
         total = view.nbytes
+        if into is not None:
+            view, limit = into, want
+        else:
+            limit = total
         got = 0
         sock = self.sock
-        if self.spin > 0 and total <= INLINE_SEND_BYTES:
+        if spin and self.spin > 0 and total <= INLINE_SEND_BYTES:
             stop = time.perf_counter() + self.spin
             while got < total:
                 try:
-                    n = sock.recv_into(view[got:], total - got, socket.MSG_DONTWAIT)
+                    n = sock.recv_into(view[got:], limit - got, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     if time.perf_counter() > stop:
                         break
@@ -185,7 +252,7 @@ class Peer:
                 got += n
         while got < total:
             try:
-                n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+                n = sock.recv_into(view[got:], limit - got, 0 if into is not None else socket.MSG_WAITALL)
             except (BlockingIOError, TimeoutError) as e:
                 if time.monotonic() >= deadline:
                     raise PeerTimeout(f"no data from peer {self.rank}", self.rank) from e
@@ -197,6 +264,7 @@ class Peer:
             got += n
             if got < total and time.monotonic() >= deadline:
                 raise PeerTimeout(f"data from peer {self.rank} stopped arriving", self.rank)
+        self._got = got
 
     def try_send_now(self, frame: bytes) -> None:
         """Best effort, never blocking for long: used to tell a peer that this rank aborts."""

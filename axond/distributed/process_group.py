@@ -6,6 +6,7 @@ module-level functions in `axond.distributed.api` take global ranks and translat
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -86,13 +87,21 @@ class ProcessGroup:
         """Reduce `x` into `x` on group rank `dst`."""
         return self._run("reduce", lambda b: b.reduce(x, dst, op), async_op)
 
-    def all_gather(self, x: Array, async_op: bool = False) -> Any:
-        """Return (size, *x.shape) with every rank's `x` (a Work whose result() is it when async)."""
-        return self._run("all_gather", lambda b: b.all_gather(x), async_op)
+    def all_gather(self, x: Array, async_op: bool = False, out: Array | None = None) -> Any:
+        """Return (size, *x.shape) with every rank's `x` (a Work whose result() is it when async).
 
-    def reduce_scatter(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Any:
-        """Reduce `x` and return this rank's block of x.shape[0] // size rows."""
-        return self._run("reduce_scatter", lambda b: b.reduce_scatter(x, op), async_op)
+        `out=` (shape (size, *x.shape)) is filled and returned instead of a new array: no allocation.
+        """
+        if out is None:
+            return self._run("all_gather", lambda b: b.all_gather(x), async_op)
+        return self._run("all_gather", lambda b: b.all_gather(x, out=out), async_op)  # type: ignore[call-arg]
+
+    def reduce_scatter(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
+                       out: Array | None = None) -> Any:
+        """Reduce `x` and return this rank's block of x.shape[0] // size rows (into `out=` if given)."""
+        if out is None:
+            return self._run("reduce_scatter", lambda b: b.reduce_scatter(x, op), async_op)
+        return self._run("reduce_scatter", lambda b: b.reduce_scatter(x, op, out=out), async_op)  # type: ignore[call-arg]
 
     def gather(self, x: Array, dst: int = 0, async_op: bool = False) -> Any:
         """Return (size, *x.shape) on group rank `dst`, None elsewhere."""
@@ -115,8 +124,15 @@ class ProcessGroup:
         self._run("recv", lambda b: b.recv(x, src, tag), False)
 
     def isend(self, x: Array, dst: int, tag: int = 0) -> Work:
-        """Send on the group's communication thread; the Work completes once the data left."""
-        work: Work = self._run("isend", lambda b: b.send(x, dst, tag), True)
+        """Send on the group's communication thread; the Work completes once the data left this process.
+
+        The comm thread only hands the data to the transport, so later ops (an irecv) run meanwhile.
+        """
+        post = getattr(self.backend, "post_send", None)
+        if post is None:
+            work: Work = self._run("isend", lambda b: b.send(x, dst, tag), True)
+        else:
+            work = self._run("isend", lambda b: post(x, dst, tag), True)
         return work
 
     def irecv(self, x: Array, src: int, tag: int = 0) -> Work:
@@ -139,7 +155,10 @@ class ProcessGroup:
         if strangers:
             raise ValueError(f"ranks {strangers} are not in group '{self.name}' (ranks {self.ranks})")
         self._subgroups += 1
-        name = f"{self.name}/{self._subgroups}[{','.join(map(str, wanted))}]"
+        members = ",".join(map(str, wanted))
+        if len(wanted) > 8:
+            members = f"{len(wanted)} ranks {zlib.crc32(members.encode()):08x}"
+        name = f"{self.name}/{self._subgroups}[{members}]"
         options = replace(self.options, port=0)
         if self.global_rank not in wanted:
             return ProcessGroup(None, wanted, name, self.global_rank, options)

@@ -89,4 +89,6 @@ def describe(op: int, dtype: int, count: int, redop: int, aux: int) -> str:
         extra += f" with {REDUCE_NAMES.get(redop, redop)}"
     if o in ROOTED:
         extra += f" {ROOTED[o]}={aux}"
+    if dtype == 0:
+        return f"{name}{extra} (metadata)"
     return f"{name}{extra} ({dtype_name(dtype)}, {count} elements)"

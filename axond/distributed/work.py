@@ -10,6 +10,18 @@ from typing import Any
 from axond.errors import DistributedError
 
 
+class PendingSend:
+    """An isend that was handed to the transport: done once its bytes left this process."""
+
+    def __init__(self, done: Callable[[], bool], wait: Callable[[float, bool], bool]) -> None:
+        self.done = done
+        self._wait = wait
+
+    def wait(self, timeout: float, strict: bool) -> bool:
+        """Wait up to `timeout` s; False if still sending (raises instead when `strict`)."""
+        return self._wait(timeout, strict)
+
+
 class Work:
     """Handle of an async op: `wait()` blocks until it finished and re-raises its failure."""
 
@@ -28,11 +40,13 @@ class Work:
 
     def is_completed(self) -> bool:
         """True once the op finished (successfully or not); never blocks."""
-        return self._done.is_set()
+        if not self._done.is_set():
+            return False
+        return not isinstance(self._result, PendingSend) or self._result.done()
 
     def is_success(self) -> bool:
         """True if the op finished without error."""
-        return self._done.is_set() and self._error is None
+        return self.is_completed() and self._error is None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the op; re-raise its failure. With `timeout`, return False if it is still running then.
@@ -47,6 +61,10 @@ class Work:
                                    op=self.op, group=self.group)
         if self._error is not None:
             raise self._error
+        if isinstance(self._result, PendingSend):
+            if not self._result.wait(limit, timeout is None):
+                return False
+            self._result = None
         return True
 
     def result(self) -> Any:
@@ -84,16 +102,19 @@ class CommThread:
         return work
 
     def drain(self) -> None:
-        """Wait until every submitted op finished (so a blocking op keeps issue order); failures stay in their Work."""
+        """Wait until every submitted op ran (so a blocking op keeps issue order); failures stay in their Work.
+
+        An isend counts once handed to the transport, so `isend(); recv()` works on both sides at once.
+        """
         while True:
             with self._cond:
-                while self._pending and self._pending[0].is_completed():
+                while self._pending and self._pending[0]._done.is_set():
                     self._pending.popleft()
                 if not self._pending:
                     return
                 work = self._pending[0]
-            work.wait(timeout=work._limit)
-            if not work.is_completed():
+            work._done.wait(work._limit)
+            if not work._done.is_set():
                 raise DistributedError(f"{work.op} on group '{work.group}': an earlier async op is stuck",
                                        op=work.op, group=work.group)
 

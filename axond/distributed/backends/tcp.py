@@ -1,9 +1,8 @@
-"""The TCP backend: a full mesh of authenticated sockets and gloo/NCCL-style algorithms chosen by size.
+"""The TCP backend: a full mesh of authenticated sockets, with gloo/NCCL-style algorithms chosen by size.
 
-Small all-reduces use recursive doubling (non-power-of-two sizes fold the extra ranks in first),
-large ones a ring reduce-scatter + all-gather pipelined in chunks; broadcast uses a binomial tree
-when small and a pipelined chain when large. Data moves straight from and into the arrays'
-buffers and reductions run in place with NumPy ufuncs.
+This file checks arguments and keeps per-op bookkeeping (sequence numbers, frame headers);
+the schedules live in `tcp_algorithms`. Data moves straight from and into the arrays' buffers
+and reductions run in place with NumPy ufuncs.
 """
 
 from __future__ import annotations
@@ -14,16 +13,19 @@ from typing import Any
 
 import numpy as np
 
-from axond.distributed import chunking
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
 from axond.distributed.mesh import Mesh
-from axond.distributed.peer import Peer
+from axond.distributed.peer import Peer, PeerError, PeerTimeout
 from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import UFUNCS, check_reduce_op, finish_average
+from axond.distributed.reducers import check_reduce_op, finish_average
+from axond.distributed.tcp_algorithms import TcpAlgorithms
+from axond.distributed.work import PendingSend
 from axond.distributed.wire import DTYPES, REDUCE_CODES, Kind, Op, dtype_code, group_id
 from axond.store import Store
 
+DIRECT_ALL_GATHER_BYTES = 4 << 20
+"""Output size up to which all_gather sends every block straight to every peer instead of around a ring."""
 META = 34
 """Max int64 words of a scatter metadata frame: dtype code, ndim, up to 32 dims."""
 
@@ -36,7 +38,7 @@ def _numpy(x: Any, what: str) -> np.ndarray:
     return x
 
 
-class TcpBackend(Backend):
+class TcpBackend(TcpAlgorithms, Backend):
     """Collectives over TCP sockets between the ranks of one group."""
 
     name = "tcp"
@@ -50,7 +52,8 @@ class TcpBackend(Backend):
                      options.timeout, where).connect_all() if size > 1 else {}
         spin = self.tuning.spin_us * 1e-6
         self.g = FramedGroup(rank, size, group_name, gid, options.timeout,
-                             {p: Peer(s, p, options.timeout, spin, self.tuning.spin_yield) for p, s in socks.items()})
+                             {p: Peer(s, p, options.timeout, spin, self.tuning.spin_yield, self.tuning.inline_bytes)
+                              for p, s in socks.items()})
         self._seq = 0
         self._tx: dict[int, int] = {}
         self._rx: dict[int, int] = {}
@@ -58,9 +61,10 @@ class TcpBackend(Backend):
         self._bufs: dict[str, np.ndarray] = {}
 
     def _call(self, op: Op, x: np.ndarray, redop: ReduceOp | None = None, aux: int = 0) -> Call:
+        """Start op number `seq` (validated first, so that a rejected call does not advance it)."""
+        code = dtype_code(x.dtype)
         self._seq += 1
-        return self.g.call(op, Kind.COLLECTIVE, dtype_code(x.dtype), REDUCE_CODES[redop.value] if redop else 0,
-                           self._seq, aux, x.size)
+        return self.g.call(op, Kind.COLLECTIVE, code, REDUCE_CODES[redop.value] if redop else 0, self._seq, aux, x.size)
 
     def _scratch(self, nbytes: int, dtype: np.dtype, count: int) -> np.ndarray:
         if self._tmp.nbytes < nbytes:
@@ -94,85 +98,10 @@ class TcpBackend(Backend):
             return
         if x.nbytes <= self.tuning.small_bytes:
             self._inplace(x, "all_reduce", lambda flat: self._recursive_doubling(c, flat, op))
+        elif self.size & (self.size - 1) == 0 and self.tuning.algorithm == "halving_doubling":
+            self._inplace(x, "all_reduce", lambda flat: self._halving_doubling(c, flat, op))
         else:
             self._inplace(x, "all_reduce", lambda flat: self._ring_all_reduce(c, flat, op))
-
-    def _recursive_doubling(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
-        g, r, n = self.g, self.rank, self.size
-        ufunc = UFUNCS[op]
-        p2 = chunking.largest_power_of_two(n)
-        xb = byte_view(x)
-        if r >= p2:
-            g.wait_sent(c, r - p2, g.send(c, r - p2, xb))
-            g.recv(c, r - p2, xb)
-            return
-        tmp = self._scratch(x.nbytes, x.dtype, x.size)
-        tb = byte_view(tmp)
-        if r + p2 < n:
-            g.recv(c, r + p2, tb)
-            ufunc(x, tmp, out=x)
-        mask = 1
-        while mask < p2:
-            partner = r ^ mask
-            ticket = g.send(c, partner, xb)
-            g.recv(c, partner, tb)
-            g.wait_sent(c, partner, ticket)
-            ufunc(x, tmp, out=x)
-            mask <<= 1
-        if op is ReduceOp.AVG:
-            finish_average(x, n)
-        if r + p2 < n:
-            g.wait_sent(c, r + p2, g.send(c, r + p2, xb))
-
-    def _chunks(self, count: int, itemsize: int) -> list[list[tuple[int, int]]]:
-        block_bytes = -(-count // self.size) * itemsize
-        return chunking.block_chunks(count, self.size, itemsize,
-                                     chunking.pipeline_chunk_bytes(block_bytes, self.tuning.chunk_bytes))
-
-    def _ring_reduce_scatter(self, c: Call, src: np.ndarray, work: np.ndarray, final: np.ndarray, base: int,
-                             op: ReduceOp, chunks: list[list[tuple[int, int]]], forward_final: bool) -> None:
-        """Reduce blocks around the ring; this rank's block ends in `final` (offset `base`), optionally forwarded."""
-        g, r, n = self.g, self.rank, self.size
-        ufunc = UFUNCS[op]
-        right, left = (r + 1) % n, (r - 1) % n
-        first, _ = chunking.ring_reduce_scatter_blocks(r, n, 0)
-        for s, e in chunks[first]:
-            g.send(c, right, byte_view(src[s:e]))
-        biggest = max(e - s for blk in chunks for s, e in blk)
-        tmp_all = self._scratch(biggest * src.itemsize, src.dtype, biggest)
-        for step in range(n - 1):
-            _, blk = chunking.ring_reduce_scatter_blocks(r, n, step)
-            last = step == n - 2
-            for s, e in chunks[blk]:
-                tmp = tmp_all[: e - s]
-                g.recv(c, left, byte_view(tmp))
-                out = final[s - base : e - base] if last else work[s:e]
-                ufunc(src[s:e], tmp, out=out)
-                if last and op is ReduceOp.AVG:
-                    finish_average(out, n)
-                if not last or forward_final:
-                    g.send(c, right, byte_view(out))
-
-    def _ring_all_gather(self, c: Call, x: np.ndarray, chunks: list[list[tuple[int, int]]], post_own: bool) -> None:
-        """Circulate blocks around the ring into `x`; this rank's block `rank` is already in place."""
-        g, r, n = self.g, self.rank, self.size
-        right, left = (r + 1) % n, (r - 1) % n
-        if post_own:
-            for s, e in chunks[r]:
-                g.send(c, right, byte_view(x[s:e]))
-        for step in range(n - 1):
-            _, blk = chunking.ring_all_gather_blocks(r, n, step)
-            for s, e in chunks[blk]:
-                view = x[s:e]
-                g.recv(c, left, byte_view(view))
-                if step < n - 2:
-                    g.send(c, right, byte_view(view))
-        g.flush(c, right)
-
-    def _ring_all_reduce(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
-        chunks = self._chunks(x.size, x.itemsize)
-        self._ring_reduce_scatter(c, x, x, x, 0, op, chunks, forward_final=True)
-        self._ring_all_gather(c, x, chunks, post_own=False)
 
     def broadcast(self, x: Array, src: int) -> None:
         x = _numpy(x, "broadcast input")
@@ -186,34 +115,6 @@ class TcpBackend(Backend):
         else:
             self.g.run("broadcast", body, c, np.ascontiguousarray(x).reshape(-1), src)
 
-    def _real(self, vrank: int, root: int) -> int:
-        return (vrank + root) % self.size
-
-    def _tree_broadcast(self, c: Call, x: np.ndarray, src: int) -> None:
-        g, v = self.g, (self.rank - src) % self.size
-        xb = byte_view(x)
-        parent = chunking.binomial_parent(v)
-        if parent is not None:
-            g.recv(c, self._real(parent, src), xb)
-        children = [self._real(ch, src) for ch in chunking.binomial_children(v, self.size)]
-        for ch in children:
-            g.send(c, ch, xb)
-        g.flush(c, *children)
-
-    def _chain_broadcast(self, c: Call, x: np.ndarray, src: int) -> None:
-        g, n, v = self.g, self.size, (self.rank - src) % self.size
-        nchunks = chunking.chunk_count(x.nbytes, chunking.pipeline_chunk_bytes(x.nbytes // 4, self.tuning.chunk_bytes))
-        nxt = self._real(v + 1, src) if v < n - 1 else None
-        prev = self._real(v - 1, src) if v > 0 else None
-        for s, e in chunking.split_even(x.size, nchunks):
-            view = byte_view(x[s:e])
-            if prev is not None:
-                g.recv(c, prev, view)
-            if nxt is not None:
-                g.send(c, nxt, view)
-        if nxt is not None:
-            g.flush(c, nxt)
-
     def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
         x = _numpy(x, "reduce input")
         op = check_reduce_op(op, x.dtype)
@@ -223,34 +124,34 @@ class TcpBackend(Backend):
             return
         self._inplace(x, "reduce", lambda flat: self._tree_reduce(c, flat, dst, op))
 
-    def _tree_reduce(self, c: Call, x: np.ndarray, dst: int, op: ReduceOp) -> None:
-        g, v = self.g, (self.rank - dst) % self.size
-        ufunc = UFUNCS[op]
-        children = chunking.binomial_children(v, self.size)
-        if children:
-            tmp = self._scratch(x.nbytes, x.dtype, x.size)
-            for ch in children:
-                g.recv(c, self._real(ch, dst), byte_view(tmp))
-                ufunc(x, tmp, out=x)
-        parent = chunking.binomial_parent(v)
-        if parent is not None:
-            p = self._real(parent, dst)
-            g.wait_sent(c, p, g.send(c, p, byte_view(x)))
-        elif op is ReduceOp.AVG:
-            finish_average(x, self.size)
+    def all_gather(self, x: Array, out: Array | None = None) -> Array:
+        """As `Backend.all_gather`; `out` (C-contiguous, shape (size, *x.shape)) avoids a fresh allocation.
 
-    def all_gather(self, x: Array) -> Array:
+        Up to DIRECT_ALL_GATHER_BYTES (and always with two ranks) each block goes straight to every
+        peer as one frame: the bytes of a ring in one round. Above, a pipelined ring.
+        """
         x = _numpy(x, "all_gather input")
         c = self._call(Op.ALL_GATHER, x)
-        out = np.empty((self.size, *x.shape), x.dtype)
+        out = self._out(out, (self.size, *x.shape), x.dtype, "all_gather")
         out[self.rank] = x
-        if self.size > 1:
+        if self.size == 2 or (self.size > 2 and out.nbytes <= DIRECT_ALL_GATHER_BYTES):
+            self.g.run("all_gather", self._direct_all_gather, c, out)
+        elif self.size > 2:
             flat = out.reshape(-1)
-            chunks = self._chunks(flat.size, flat.itemsize)
-            self.g.run("all_gather", self._ring_all_gather, c, flat, chunks, True)
+            self.g.run("all_gather", self._ring_all_gather, c, flat, self._chunks(flat.size, flat.itemsize), True)
         return out
 
-    def reduce_scatter(self, x: Array, op: ReduceOp) -> Array:
+    def _out(self, out: Array | None, shape: tuple[int, ...], dtype: np.dtype, op: str) -> np.ndarray:
+        if out is None:
+            return np.empty(shape, dtype)
+        out = _numpy(out, f"{op} out")
+        if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(f"{op} out= must be a C-contiguous {dtype} array of shape {shape}; "
+                             f"got {out.dtype} {out.shape}")
+        return out
+
+    def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
+        """As `Backend.reduce_scatter`; `out` (C-contiguous, the block's shape) avoids a fresh allocation."""
         x = _numpy(x, "reduce_scatter input")
         op = check_reduce_op(op, x.dtype)
         if x.ndim == 0 or x.shape[0] % self.size:
@@ -258,13 +159,16 @@ class TcpBackend(Backend):
                              f"got shape {x.shape} (pad the first dimension)")
         c = self._call(Op.REDUCE_SCATTER, x, op)
         rows = x.shape[0] // self.size
-        out = np.empty((rows, *x.shape[1:]), x.dtype)
+        out = self._out(out, (rows, *x.shape[1:]), x.dtype, "reduce_scatter")
         if self.size == 1:
             np.copyto(out, x)
             if op is ReduceOp.AVG:
                 finish_average(out, 1)
             return out
         src = np.ascontiguousarray(x).reshape(-1)
+        if src.nbytes <= self.tuning.small_bytes:
+            self.g.run("reduce_scatter", self._direct_reduce_scatter, c, src, out.reshape(-1), op)
+            return out
         per = src.size // self.size
         chunks = self._chunks(src.size, src.itemsize)
         work = self._buffer("work", src.nbytes, src.dtype, src.size)
@@ -349,8 +253,9 @@ class TcpBackend(Backend):
         return out
 
     def _p2p(self, x: np.ndarray, peer: int, tag: int, counters: dict[int, int]) -> Call:
+        code = dtype_code(x.dtype)
         counters[peer] = counters.get(peer, 0) + 1
-        return self.g.call(Op.SEND, Kind.P2P, dtype_code(x.dtype), 0, counters[peer], int(tag), x.size)
+        return self.g.call(Op.SEND, Kind.P2P, code, 0, counters[peer], int(tag), x.size)
 
     def send(self, x: Array, dst: int, tag: int) -> None:
         x = _numpy(x, "send input")
@@ -360,6 +265,29 @@ class TcpBackend(Backend):
         c = self._p2p(x, dst, tag, self._tx)
         xb = byte_view(np.ascontiguousarray(x))
         self.g.run("send", lambda: self.g.wait_sent(c, dst, self.g.send(c, dst, xb)))
+
+    def post_send(self, x: Array, dst: int, tag: int) -> PendingSend:
+        """Start a send without waiting for it to leave (isend); the handle waits for it."""
+        x = _numpy(x, "isend input")
+        dst = self._check_root(dst, "dst")
+        if dst == self.rank:
+            raise ValueError(f"rank {self.rank} cannot send to itself")
+        c = self._p2p(x, dst, tag, self._tx)
+        xb = byte_view(np.ascontiguousarray(x))
+        ticket = self.g.run("isend", self.g.send, c, dst, xb)
+        peer = self.g.peers[dst]
+
+        def wait(timeout: float, strict: bool) -> bool:
+            try:
+                peer.wait_sent(ticket, time.monotonic() + timeout)
+            except PeerTimeout:
+                if not strict:
+                    return False
+                self.g.run("isend", peer.wait_sent, ticket, time.monotonic())
+            except PeerError:
+                self.g.run("isend", peer.wait_sent, ticket, time.monotonic())
+            return True
+        return PendingSend(lambda: peer.sent_through(ticket), wait)
 
     def recv(self, x: Array, src: int, tag: int) -> None:
         x = _numpy(x, "recv buffer")

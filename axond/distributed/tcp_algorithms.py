@@ -1,0 +1,226 @@
+"""The algorithms of the TCP backend, each a short function over `FramedGroup` sends and receives.
+
+Small all-reduces use recursive doubling (extra ranks of non-power-of-two groups fold in first and
+get the result back); large ones a ring reduce-scatter + all-gather pipelined in chunks, so that
+sending, receiving and reducing overlap. Broadcast is a binomial tree when small and a pipelined
+chain when large; reduce is a binomial tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from axond.distributed import chunking
+from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
+from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.reducers import UFUNCS, finish_average
+
+
+class TcpAlgorithms:
+    """Mixed into `TcpBackend`: the schedules, independent of argument checking and op bookkeeping."""
+
+    g: FramedGroup
+    rank: int
+    size: int
+    tuning: TcpTuning
+    _scratch: Callable[[int, np.dtype, int], np.ndarray]
+    """The backend's reusable receive buffer: (nbytes, dtype, count) -> a typed view of it."""
+
+    def _recursive_doubling(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
+        g, r, n = self.g, self.rank, self.size
+        ufunc = UFUNCS[op]
+        p2 = chunking.largest_power_of_two(n)
+        xb = byte_view(x)
+        if r >= p2:
+            g.wait_sent(c, r - p2, g.send(c, r - p2, xb))
+            g.recv(c, r - p2, xb)
+            return
+        tmp = self._scratch(x.nbytes, x.dtype, x.size)
+        tb = byte_view(tmp)
+        if r + p2 < n:
+            g.recv(c, r + p2, tb)
+            ufunc(x, tmp, out=x)
+        mask = 1
+        while mask < p2:
+            partner = r ^ mask
+            ticket = g.send(c, partner, xb)
+            g.recv(c, partner, tb)
+            g.wait_sent(c, partner, ticket)
+            ufunc(x, tmp, out=x)
+            mask <<= 1
+        if op is ReduceOp.AVG:
+            finish_average(x, n)
+        if r + p2 < n:
+            g.wait_sent(c, r + p2, g.send(c, r + p2, xb))
+
+    def _chunks(self, count: int, itemsize: int) -> list[list[tuple[int, int]]]:
+        block_bytes = -(-count // self.size) * itemsize
+        return chunking.block_chunks(count, self.size, itemsize,
+                                     chunking.pipeline_chunk_bytes(block_bytes, self.tuning.chunk_bytes))
+
+    def _ring_reduce_scatter(self, c: Call, src: np.ndarray, work: np.ndarray, final: np.ndarray, base: int,
+                             op: ReduceOp, chunks: list[list[tuple[int, int]]], forward_final: bool) -> None:
+        """Reduce blocks around the ring; this rank's block ends in `final` (offset `base`), optionally forwarded."""
+        g, r, n = self.g, self.rank, self.size
+        ufunc = UFUNCS[op]
+        right, left = (r + 1) % n, (r - 1) % n
+        first, _ = chunking.ring_reduce_scatter_blocks(r, n, 0)
+        for s, e in chunks[first]:
+            g.send(c, right, byte_view(src[s:e]))
+        biggest = max(e - s for blk in chunks for s, e in blk)
+        tmp_all = self._scratch(biggest * src.itemsize, src.dtype, biggest)
+        for step in range(n - 1):
+            _, blk = chunking.ring_reduce_scatter_blocks(r, n, step)
+            last = step == n - 2
+            for s, e in chunks[blk]:
+                tmp = tmp_all[: e - s]
+                g.recv(c, left, byte_view(tmp))
+                out = final[s - base : e - base] if last else work[s:e]
+                ufunc(src[s:e], tmp, out=out)
+                if last and op is ReduceOp.AVG:
+                    finish_average(out, n)
+                if not last or forward_final:
+                    g.send(c, right, byte_view(out))
+
+    def _ring_all_gather(self, c: Call, x: np.ndarray, chunks: list[list[tuple[int, int]]], post_own: bool) -> None:
+        """Circulate blocks around the ring into `x`; this rank's block `rank` is already in place."""
+        g, r, n = self.g, self.rank, self.size
+        right, left = (r + 1) % n, (r - 1) % n
+        if post_own:
+            for s, e in chunks[r]:
+                g.send(c, right, byte_view(x[s:e]))
+        for step in range(n - 1):
+            _, blk = chunking.ring_all_gather_blocks(r, n, step)
+            for s, e in chunks[blk]:
+                view = x[s:e]
+                g.recv(c, left, byte_view(view))
+                if step < n - 2:
+                    g.send(c, right, byte_view(view))
+        g.flush(c, right)
+
+    def _pieces(self, lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
+        nbytes = (hi - lo) * itemsize
+        n = chunking.chunk_count(nbytes, chunking.pipeline_chunk_bytes(nbytes, self.tuning.chunk_bytes))
+        return [(lo + a, lo + b) for a, b in chunking.split_even(hi - lo, n)]
+
+    def _halving_doubling(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
+        """Rabenseifner all-reduce for power-of-two sizes: pairwise halving reduce-scatter, then doubling all-gather.
+
+        Same bytes as the ring but log2(n) pairwise steps, so a descheduled rank stalls one partner, not the ring.
+        """
+        g, r, n = self.g, self.rank, self.size
+        ufunc = UFUNCS[op]
+        lo, hi = 0, x.size
+        ranges = []
+        mask = n >> 1
+        tmp_all: np.ndarray | None = None
+        while mask:
+            partner = r ^ mask
+            mid = lo + (hi - lo) // 2
+            keep, give = ((lo, mid), (mid, hi)) if r & mask == 0 else ((mid, hi), (lo, mid))
+            for s, e in self._pieces(*give, x.itemsize):
+                g.send(c, partner, byte_view(x[s:e]))
+            pieces = self._pieces(*keep, x.itemsize)
+            if tmp_all is None:
+                biggest = max(e - s for s, e in pieces)
+                tmp_all = self._scratch(biggest * x.itemsize, x.dtype, biggest)
+            for s, e in pieces:
+                tmp = tmp_all[: e - s]
+                g.recv(c, partner, byte_view(tmp))
+                ufunc(x[s:e], tmp, out=x[s:e])
+            ranges.append((partner, keep, give))
+            lo, hi = keep
+            mask >>= 1
+        if op is ReduceOp.AVG:
+            finish_average(x[lo:hi], n)
+        for partner, keep, give in reversed(ranges):
+            for s, e in self._pieces(*keep, x.itemsize):
+                g.send(c, partner, byte_view(x[s:e]))
+            for s, e in self._pieces(*give, x.itemsize):
+                g.recv(c, partner, byte_view(x[s:e]))
+        g.flush(c)
+
+    def _ring_all_reduce(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
+        chunks = self._chunks(x.size, x.itemsize)
+        self._ring_reduce_scatter(c, x, x, x, 0, op, chunks, forward_final=True)
+        self._ring_all_gather(c, x, chunks, post_own=False)
+
+    def _real(self, vrank: int, root: int) -> int:
+        return (vrank + root) % self.size
+
+    def _tree_broadcast(self, c: Call, x: np.ndarray, src: int) -> None:
+        g, v = self.g, (self.rank - src) % self.size
+        xb = byte_view(x)
+        parent = chunking.binomial_parent(v)
+        if parent is not None:
+            g.recv(c, self._real(parent, src), xb)
+        children = [self._real(ch, src) for ch in chunking.binomial_children(v, self.size)]
+        for ch in children:
+            g.send(c, ch, xb)
+        g.flush(c, *children)
+
+    def _chain_broadcast(self, c: Call, x: np.ndarray, src: int) -> None:
+        g, n, v = self.g, self.size, (self.rank - src) % self.size
+        nchunks = chunking.chunk_count(x.nbytes, chunking.pipeline_chunk_bytes(x.nbytes // 4, self.tuning.chunk_bytes))
+        nxt = self._real(v + 1, src) if v < n - 1 else None
+        prev = self._real(v - 1, src) if v > 0 else None
+        for s, e in chunking.split_even(x.size, nchunks):
+            view = byte_view(x[s:e])
+            if prev is not None:
+                g.recv(c, prev, view)
+            if nxt is not None:
+                g.send(c, nxt, view)
+        if nxt is not None:
+            g.flush(c, nxt)
+
+    def _tree_reduce(self, c: Call, x: np.ndarray, dst: int, op: ReduceOp) -> None:
+        g, v = self.g, (self.rank - dst) % self.size
+        ufunc = UFUNCS[op]
+        children = chunking.binomial_children(v, self.size)
+        if children:
+            tmp = self._scratch(x.nbytes, x.dtype, x.size)
+            for ch in children:
+                g.recv(c, self._real(ch, dst), byte_view(tmp))
+                ufunc(x, tmp, out=x)
+        parent = chunking.binomial_parent(v)
+        if parent is not None:
+            p = self._real(parent, dst)
+            g.wait_sent(c, p, g.send(c, p, byte_view(x)))
+        elif op is ReduceOp.AVG:
+            finish_average(x, self.size)
+
+    def _direct_all_gather(self, c: Call, out: np.ndarray) -> None:
+        """Every rank sends its block straight to every other (pairwise order): one round, no ring chain."""
+        g, r, n = self.g, self.rank, self.size
+        mine = byte_view(out[r : r + 1])
+        for k in range(1, n):
+            g.send(c, (r + k) % n, mine)
+        for k in range(1, n):
+            src = (r - k) % n
+            g.recv(c, src, byte_view(out[src : src + 1]))
+        g.flush(c)
+
+    def _direct_reduce_scatter(self, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        """Small reduce-scatter in one round: block d goes straight to rank d, which reduces in rank order."""
+        g, r, n = self.g, self.rank, self.size
+        ufunc = UFUNCS[op]
+        per = src.size // n
+        for k in range(1, n):
+            d = (r + k) % n
+            g.send(c, d, byte_view(src[d * per : (d + 1) * per]))
+        tmp = self._scratch(per * src.itemsize, src.dtype, per)
+        for s in range(n):
+            if s == r:
+                block = src[r * per : (r + 1) * per]
+            else:
+                g.recv(c, s, byte_view(tmp))
+                block = tmp
+            if s == 0:
+                np.copyto(out, block)
+            else:
+                ufunc(out, block, out=out)
+        if op is ReduceOp.AVG:
+            finish_average(out, n)
+        g.flush(c)
