@@ -28,7 +28,7 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.errors import BackendUnavailable, DistributedError
 from axond.store import InMemoryStore
 from axond.testing import run_processes
-from test_collectives import DTYPES, SHAPES, make, reference
+from collective_cases import DTYPES, SHAPES, make, reference
 
 pytestmark = pytest.mark.gpu
 

@@ -91,7 +91,7 @@ def init_process_group(backend: str = "auto", timeout: float = 300.0, *, rank: i
         if not 0 <= r < n:
             raise DistributedError(f"init_process_group: RANK={r} is outside WORLD_SIZE={n}")
         options = BackendOptions(timeout=float(timeout), job_secret=job_secret if job_secret is not None else _secret(),
-                                 host=host, port=port)
+                                 host=host, port=port, device=local_rank)
         owned = _env_store(timeout) if store is None else None
         try:
             _default = create_group(store if store is not None else owned, r, n, backend, options)  # type: ignore[arg-type]

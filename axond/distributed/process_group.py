@@ -7,7 +7,7 @@ module-level functions in `axond.distributed.api` take global ranks and translat
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -61,7 +61,12 @@ class ProcessGroup:
         """Global rank of group-local `group_rank`."""
         return self.ranks[group_rank]
 
-    def _run(self, op: str, fn: Callable[[Backend], Any], async_op: bool) -> Any:
+    def _run(self, op: str, async_op: bool, *args: Any, method: str | None = None, **kwargs: Any) -> Any:
+        """Run backend method `method` (default: `op`) now, or queued in issue order when `async_op`.
+
+        A backend with its own completion tracking (`start`, e.g. CUDA events on the group's stream)
+        launches async ops itself; the others run them on the group's communication thread.
+        """
         backend = self.backend
         if self._destroyed:
             raise DistributedError(f"{op} on group '{self.name}': the group was destroyed; create a new one",
@@ -69,23 +74,28 @@ class ProcessGroup:
         if backend is None:
             raise DistributedError(f"{op} on group '{self.name}': global rank {self.global_rank} is not a member "
                                    f"(ranks {self.ranks}); only members may use it", op=op, group=self.name)
+        call = getattr(backend, method or op)
         if async_op:
+            start = getattr(backend, "start", None)
+            if start is not None and method is None and not kwargs:
+                self._comm.drain()
+                return start(op, *args)
             work = Work(op, self.name, self.options.timeout + ASYNC_MARGIN)
-            return self._comm.submit(work, lambda: fn(backend))
+            return self._comm.submit(work, lambda: call(*args, **kwargs))
         self._comm.drain()
-        return fn(backend)
+        return call(*args, **kwargs)
 
     def all_reduce(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` in place over the group."""
-        return self._run("all_reduce", lambda b: b.all_reduce(x, op), async_op)
+        return self._run("all_reduce", async_op, x, op)
 
     def broadcast(self, x: Array, src: int = 0, async_op: bool = False) -> Work | None:
         """Copy `x` of group rank `src` into `x` everywhere."""
-        return self._run("broadcast", lambda b: b.broadcast(x, src), async_op)
+        return self._run("broadcast", async_op, x, src)
 
     def reduce(self, x: Array, dst: int = 0, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` into `x` on group rank `dst`."""
-        return self._run("reduce", lambda b: b.reduce(x, dst, op), async_op)
+        return self._run("reduce", async_op, x, dst, op)
 
     def all_gather(self, x: Array, async_op: bool = False, out: Array | None = None) -> Any:
         """Return (size, *x.shape) with every rank's `x` (a Work whose result() is it when async).
@@ -93,56 +103,54 @@ class ProcessGroup:
         `out=` (shape (size, *x.shape)) is filled and returned instead of a new array: no allocation.
         """
         if out is None:
-            return self._run("all_gather", lambda b: b.all_gather(x), async_op)
-        return self._run("all_gather", lambda b: b.all_gather(x, out=out), async_op)  # type: ignore[call-arg]
+            return self._run("all_gather", async_op, x)
+        return self._run("all_gather", async_op, x, out=out)
 
     def reduce_scatter(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
                        out: Array | None = None) -> Any:
         """Reduce `x` and return this rank's block of x.shape[0] // size rows (into `out=` if given)."""
         if out is None:
-            return self._run("reduce_scatter", lambda b: b.reduce_scatter(x, op), async_op)
-        return self._run("reduce_scatter", lambda b: b.reduce_scatter(x, op, out=out), async_op)  # type: ignore[call-arg]
+            return self._run("reduce_scatter", async_op, x, op)
+        return self._run("reduce_scatter", async_op, x, op, out=out)
 
     def gather(self, x: Array, dst: int = 0, async_op: bool = False) -> Any:
         """Return (size, *x.shape) on group rank `dst`, None elsewhere."""
-        return self._run("gather", lambda b: b.gather(x, dst), async_op)
+        return self._run("gather", async_op, x, dst)
 
     def scatter(self, x: Array | None, src: int = 0, async_op: bool = False) -> Any:
         """Return this rank's slice of `x` (shape (size, ...)) held by group rank `src`."""
-        return self._run("scatter", lambda b: b.scatter(x, src), async_op)
+        return self._run("scatter", async_op, x, src)
 
     def all_to_all(self, x: Array, async_op: bool = False) -> Any:
         """Row block i of `x` goes to group rank i; return the received blocks in rank order."""
-        return self._run("all_to_all", lambda b: b.all_to_all(x), async_op)
+        return self._run("all_to_all", async_op, x)
 
     def send(self, x: Array, dst: int, tag: int = 0) -> None:
         """Send `x` to group rank `dst`."""
-        self._run("send", lambda b: b.send(x, dst, tag), False)
+        self._run("send", False, x, dst, tag)
 
     def recv(self, x: Array, src: int, tag: int = 0) -> None:
         """Receive into `x` from group rank `src`."""
-        self._run("recv", lambda b: b.recv(x, src, tag), False)
+        self._run("recv", False, x, src, tag)
 
     def isend(self, x: Array, dst: int, tag: int = 0) -> Work:
-        """Send on the group's communication thread; the Work completes once the data left this process.
+        """Send asynchronously; the Work completes once the data left this process.
 
-        The comm thread only hands the data to the transport, so later ops (an irecv) run meanwhile.
+        A transport with `post_send` only hands the data over on the comm thread, so later ops
+        (an irecv) run meanwhile.
         """
-        post = getattr(self.backend, "post_send", None)
-        if post is None:
-            work: Work = self._run("isend", lambda b: b.send(x, dst, tag), True)
-        else:
-            work = self._run("isend", lambda b: post(x, dst, tag), True)
+        method = "post_send" if hasattr(self.backend, "post_send") else None
+        work: Work = self._run("isend" if method else "send", True, x, dst, tag, method=method)
         return work
 
     def irecv(self, x: Array, src: int, tag: int = 0) -> Work:
-        """Receive into `x` on the group's communication thread."""
-        work: Work = self._run("irecv", lambda b: b.recv(x, src, tag), True)
+        """Receive into `x` asynchronously."""
+        work: Work = self._run("recv", True, x, src, tag)
         return work
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every member entered the barrier."""
-        return self._run("barrier", lambda b: b.barrier(), async_op)
+        return self._run("barrier", async_op)
 
     def new_group(self, ranks: Sequence[int], backend: str | None = None) -> ProcessGroup:
         """Subgroup over `ranks` (global ranks, a subset of this group's). Every member calls it, in the same order."""
