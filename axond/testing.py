@@ -35,6 +35,17 @@ class RankFailed(AxondError):
         self.rank = rank
 
 
+def _start_and_join(body: Callable[[int], None], n: int, timeout: float) -> tuple[list[threading.Thread], list[int]]:
+    """Run `body(rank)` on `n` daemon threads; join them all by one deadline; return (threads, ranks still running)."""
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return threads, [r for r, t in enumerate(threads) if t.is_alive()]
+
+
 def run_threads(fn: Callable[[ProcessGroup], Any], world_size: int, timeout: float = 60.0, *,
                 backend: str = "tcp", options: BackendOptions | None = None, store: Store | None = None) -> list[Any]:
     """Run `fn(group)` on `world_size` threads, each the member of a fresh group; return results by rank.
@@ -58,13 +69,7 @@ def run_threads(fn: Callable[[ProcessGroup], Any], world_size: int, timeout: flo
             if made is not None:
                 made.destroy()
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    threads, stuck = _start_and_join(body, world_size, timeout)
     if stuck:
         for r in stuck:
             pg = groups[r]
@@ -124,13 +129,7 @@ def run_on(groups: Sequence[ProcessGroup], fn: Callable[[ProcessGroup], Any], ti
             if return_exceptions:
                 results[i] = e
 
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(groups))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    _, stuck = _start_and_join(body, len(groups), timeout)
     if stuck:
         raise RankFailed(f"ranks {stuck} of {len(groups)} did not finish within {timeout:.1f} s", stuck[0])
     if errors and not return_exceptions:

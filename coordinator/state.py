@@ -296,6 +296,17 @@ class CoordinatorState(KvOps, SubmittedJobs):
         self._notify("events", j.name)
         self._place()
 
+    @staticmethod
+    def _is_current(j: Job, node_id: str, generation: int) -> bool:
+        """Validate a report about `generation` of `j`: False if it is stale (older, or the job ended)."""
+        if generation > j.generation:
+            raise InvalidArgument(f"generation {generation} of job {j.name!r} does not exist (current {j.generation})")
+        if generation < j.generation or j.state.terminal:
+            return False
+        if j.round.member(node_id) is None:
+            raise FailedPrecondition(f"node {node_id} is not a member of generation {generation} of job {j.name!r}")
+        return True
+
     def report_failure(
         self, job: str, node_id: str, generation: int, rank: int, exit_code: int, message: str, now: float
     ) -> tuple[int, bool]:
@@ -303,12 +314,8 @@ class CoordinatorState(KvOps, SubmittedJobs):
         with self.lock:
             j = self._job(job)
             node, _ = self.members.touch(node_id, now)
-            if generation > j.generation:
-                raise InvalidArgument(f"generation {generation} of job {job!r} does not exist (current {j.generation})")
-            if generation < j.generation or j.state.terminal:
+            if not self._is_current(j, node_id, generation):
                 return j.generation, not j.state.terminal
-            if j.round.member(node_id) is None:
-                raise FailedPrecondition(f"node {node_id} is not a member of generation {generation} of job {job!r}")
             if not -1 <= rank < j.round.world_size:
                 raise InvalidArgument(f"rank {rank} is outside 0..{j.round.world_size - 1} (or -1 for the agent)")
             who = f"rank {rank}" if rank >= 0 else "the agent"
@@ -322,12 +329,8 @@ class CoordinatorState(KvOps, SubmittedJobs):
         with self.lock:
             j = self._job(job)
             node, _ = self.members.touch(node_id, now)
-            if generation > j.generation:
-                raise InvalidArgument(f"generation {generation} of job {job!r} does not exist (current {j.generation})")
-            if generation < j.generation or j.state.terminal:
+            if not self._is_current(j, node_id, generation):
                 return
-            if j.round.member(node_id) is None:
-                raise FailedPrecondition(f"node {node_id} is not a member of generation {generation} of job {job!r}")
             j.exits[node_id] = exit_code
             node.job = ""
             if exit_code != 0:
