@@ -8,6 +8,8 @@ that all ranks raise instead of waiting for a timeout.
 from __future__ import annotations
 
 import os
+import select
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,8 +17,9 @@ from typing import Literal, NoReturn, TypeVar
 
 import numpy as np
 
-from axond.distributed.peer import SMALL_FRAME, Peer, PeerClosed, PeerError
-from axond.distributed.wire import HEADER, OP_NAMES, Kind, Op, describe
+from axond.distributed.peer import RECV_WAKEUP as POLL_WAKEUP
+from axond.distributed.peer import SMALL_FRAME, Peer, PeerClosed, PeerError, PeerTimeout
+from axond.distributed.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe
 from axond.errors import DistributedError
 
 T = TypeVar("T")
@@ -31,10 +34,10 @@ class TcpTuning:
     """All-reduce/broadcast up to this size use latency-optimal trees; above, pipelined rings/chains."""
     chunk_bytes: int = 0
     """Pipeline chunk size (0: a quarter of a block, clamped to 64 KiB..1 MiB)."""
-    spin_us: float = 50.0
-    """Microseconds a small receive busy-polls before blocking (0 disables)."""
-    inline_bytes: int = 256 << 10
-    """Frames up to this size are first sent without blocking from the op's thread (no hand-off)."""
+    spin_us: float = -1.0
+    """Microseconds a small receive busy-polls before blocking (0 disables; < 0: 50 unless the cores are oversubscribed)."""
+    inline_bytes: int = -1
+    """Frames up to this size are first sent without blocking from the op's thread (no hand-off; < 0: auto)."""
     algorithm: Literal["ring", "halving_doubling"] = "ring"
     """Large all-reduce: pipelined ring, or halving-doubling (Rabenseifner) on power-of-two groups."""
     spin_yield: bool = True
@@ -71,12 +74,74 @@ class Call:
         self.aux = aux
         self.count = count
         self.deadline = deadline
-        self.expect = (int(kind), int(op), dtype, redop, seq, gid, aux, count)
+        self.expect = (kind, op, dtype, redop, seq, gid, aux, count)
 
 
 def byte_view(a: np.ndarray) -> memoryview:
     """Writable flat byte view of a C-contiguous array (no copy)."""
-    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    try:
+        return memoryview(a).cast("B")  # type: ignore[arg-type]
+    except (TypeError, ValueError, NotImplementedError):
+        return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+class Swap:
+    """One peer's part of `FramedGroup.exchange`: a frame to write and one to read, both non-blocking."""
+
+    def __init__(self, peer: Peer, header: bytes | None, payload: memoryview | None, view: memoryview | None,
+                 check: Callable[[tuple[int, ...]], None] | None) -> None:
+        self.peer = peer
+        self.out = [memoryview(header), payload] if header is not None and payload is not None else []
+        self.out_left = sum(b.nbytes for b in self.out)
+        self.view = view
+        self.check = check
+        self.hdr = memoryview(bytearray(HEADER_SIZE))
+        self.in_total = HEADER_SIZE + view.nbytes if view is not None else 0
+        self.got = 0
+        self.registered = False
+
+    @property
+    def done(self) -> bool:
+        return self.out_left == 0 and self.got == self.in_total
+
+    def events(self) -> int:
+        return (select.POLLOUT if self.out_left else 0) | (select.POLLIN if self.got < self.in_total else 0)
+
+    def step(self) -> bool:
+        """Write and read what the socket takes and has right now; whether anything moved."""
+        sock, moved, rank = self.peer.sock, False, self.peer.rank
+        if self.out_left:
+            try:
+                n = sock.sendmsg(self.out, (), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                n = 0
+            except OSError as e:
+                raise PeerClosed(f"send to peer {rank} failed: {e}", rank) from e
+            if n:
+                moved, self.out_left = True, self.out_left - n
+                while self.out and n >= self.out[0].nbytes:
+                    n -= self.out.pop(0).nbytes
+                if n:
+                    self.out[0] = self.out[0][n:]
+        if self.got < self.in_total:
+            got = self.got
+            try:
+                if got < HEADER_SIZE:
+                    n = sock.recv_into(self.hdr[got:], HEADER_SIZE - got, socket.MSG_DONTWAIT)
+                else:
+                    assert self.view is not None
+                    n = sock.recv_into(self.view[got - HEADER_SIZE :], self.in_total - got, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return moved
+            except OSError as e:
+                raise PeerClosed(f"receive from peer {rank} failed: {e}", rank) from e
+            if n == 0:
+                raise PeerClosed(f"peer {rank} closed the connection", rank)
+            self.got = got + n
+            if got < HEADER_SIZE <= self.got and self.check is not None:
+                self.check(HEADER.unpack(self.hdr))
+            moved = True
+        return moved
 
 
 class FramedGroup:
@@ -120,6 +185,10 @@ class FramedGroup:
             self.abort(msg)
             raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer) from e
 
+    def header(self, c: Call, nbytes: int) -> bytes:
+        """The frame header of a `nbytes` payload of call `c` (pack once, send it to several peers)."""
+        return HEADER.pack(c.kind, c.op, c.dtype, c.redop, c.seq, self._gid, c.aux, c.count, nbytes)
+
     def send(self, c: Call, peer: int, payload: memoryview) -> int:
         header = HEADER.pack(c.kind, c.op, c.dtype, c.redop, c.seq, self._gid, c.aux, c.count, payload.nbytes)
         return self.peers[peer].send(header, payload)
@@ -143,6 +212,52 @@ class FramedGroup:
             return
         self.expect(c, peer, n)
         self.peers[peer].recv_into(view, c.deadline)
+
+    def exchange(self, c: Call, sends: dict[int, memoryview], recvs: dict[int, memoryview]) -> None:
+        """Send one frame to each peer of `sends` and receive one from each of `recvs`, all from this thread.
+
+        Non-blocking writes and reads over every socket, polling only when none can progress: no
+        hand-off to sender threads. Each received header is checked before its payload is read.
+        """
+        swaps = [Swap(self.peers[p], self.header(c, sends[p].nbytes) if p in sends else None, sends.get(p),
+                      recvs.get(p), self._checker(c, p, recvs[p].nbytes) if p in recvs else None)
+                 for p in sorted(set(sends) | set(recvs))]
+        for sw in swaps:
+            sw.peer.flush(c.deadline)
+        poller = select.poll()
+        for sw in swaps:
+            sw.peer.write_lock.acquire()
+        try:
+            while True:
+                moved = pending = False
+                for sw in swaps:
+                    if not sw.done:
+                        moved |= sw.step()
+                        pending |= not sw.done
+                if not pending:
+                    return
+                if moved:
+                    continue
+                left = c.deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerTimeout(f"exchange with peer {swaps[0].peer.rank} stalled", swaps[0].peer.rank)
+                for sw in swaps:
+                    if not sw.done:
+                        poller.register(sw.peer.sock.fileno(), sw.events())
+                        sw.registered = True
+                    elif sw.registered:
+                        poller.unregister(sw.peer.sock.fileno())
+                        sw.registered = False
+                poller.poll(min(left, POLL_WAKEUP) * 1000)
+        finally:
+            for sw in swaps:
+                sw.peer.write_lock.release()
+
+    def _checker(self, c: Call, peer: int, n: int) -> Callable[[tuple[int, ...]], None]:
+        def check(h: tuple[int, ...]) -> None:
+            if h[:8] != c.expect or h[8] != n:
+                self._reject(c, peer, h, n, memoryview(b""))
+        return check
 
     def expect(self, c: Call, peer: int, nbytes: int | None) -> int:
         """Receive a header from `peer`, check it against `c` (and its payload size unless None); return the size."""

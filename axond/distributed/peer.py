@@ -3,7 +3,8 @@
 Small frames are sent inline from the calling thread; mid-sized ones are first written without
 blocking (whatever fits the socket buffer); the rest goes through a per-peer sender thread so that
 sending, receiving and reducing overlap (socket calls release the GIL). Receives of small frames
-spin briefly on non-blocking reads (yielding the CPU) before blocking, which halves latency.
+spin briefly on non-blocking reads (yielding the CPU) before blocking, which halves latency, unless
+this host's ranks outnumber its cores (`oversubscribed`): then spinning only steals the peer's core.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ SMALL_FRAME = 4096
 SOCKET_BUFFER_BYTES = 4 << 20
 RECV_WAKEUP = 0.25
 """A blocked receive wakes this often to check the op's deadline."""
+AUTO_SPIN_SECONDS = 50e-6
+"""Busy-poll time of small receives when this host's ranks do not outnumber its cores (else none)."""
+AUTO_INLINE_BYTES = (4 << 20, 256 << 10)
+"""Frames up to this size are first written without blocking from the op's thread: (cores to spare, oversubscribed).
+
+With a core per rank, writing from the op's thread beats waking the sender thread; with more ranks than
+cores, the sender thread keeps the op's thread receiving and reducing while the write waits for a core."""
 
 
 class PeerError(Exception):
@@ -52,6 +60,31 @@ def tune_socket(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
 
 
+def oversubscribed(socks: list[socket.socket]) -> bool:
+    """Whether the ranks on this host outnumber its cores (then busy-polling or writing big frames inline hurts).
+
+    Ranks on this host: the peers reached through a local address (plus this one), or LOCAL_WORLD_SIZE if larger.
+    """
+    local = 1 + sum(1 for s in socks if _same_host(s))
+    try:
+        local = max(local, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+    except ValueError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return local > cores
+
+
+def _same_host(sock: socket.socket) -> bool:
+    try:
+        peer_host, local_host = sock.getpeername()[0], sock.getsockname()[0]
+    except OSError:
+        return False
+    return bool(peer_host == local_host or peer_host.startswith("127.") or peer_host == "::1")
+
+
 def _timeval(seconds: float) -> bytes:
     seconds = max(min(seconds, 10**6), 0.001)
     whole = int(seconds)
@@ -71,6 +104,8 @@ class Peer:
         self.spin = spin
         self.spin_yield = spin_yield
         self._lock = threading.Lock()
+        self.write_lock = self._lock
+        """Held by whoever writes to the socket (the op thread's inline sends, the sender thread, a `Swap`)."""
         self._cond = threading.Condition()
         self._queue: deque[tuple[bytes, memoryview | None, int]] = deque()
         self._posted = 0
@@ -212,13 +247,27 @@ class Peer:
         """
         buf = self._small_view
         total = HEADER_SIZE + nbytes
-        self.recv_into(buf[:HEADER_SIZE], deadline, want=total, into=buf)
-        got = self._got
+        got = self._recv_once(buf, total) if self.spin <= 0 else 0
+        if got < HEADER_SIZE:
+            self.recv_into(buf[got:HEADER_SIZE], deadline, want=total - got, into=buf[got:])
+            got += self._got
         header = HEADER.unpack_from(self._small)
         if header[8] == nbytes and got < total:
             self.recv_into(buf[got:total], deadline)
             got = total
         return header, buf[HEADER_SIZE:got]
+
+    def _recv_once(self, buf: memoryview, limit: int) -> int:
+        """One blocking read of up to `limit` bytes (0 if the wake-up timeout passed first)."""
+        try:
+            n = self.sock.recv_into(buf, limit)
+        except (BlockingIOError, TimeoutError, InterruptedError):
+            return 0
+        except OSError as e:
+            raise PeerClosed(f"receive from peer {self.rank} failed: {e}", self.rank) from e
+        if n == 0:
+            raise PeerClosed(f"peer {self.rank} closed the connection", self.rank)
+        return n
 
     def recv_into(self, view: memoryview, deadline: float, want: int = 0, into: memoryview | None = None,
                   spin: bool = True) -> None:

@@ -27,6 +27,8 @@ UFUNCS: dict[ReduceOp, np.ufunc] = {
 
 def check_reduce_op(op: ReduceOp, dtype: np.dtype) -> ReduceOp:
     """Validate `op` for `dtype`; accepts ReduceOp members or their names ("sum", "AVG")."""
+    if type(op) is ReduceOp and dtype.kind in "fiu":
+        return op
     if isinstance(op, str):
         try:
             op = ReduceOp[op.upper()]

@@ -42,12 +42,13 @@ class TcpAlgorithms:
         if r + p2 < n:
             g.recv(c, r + p2, tb)
             ufunc(x, tmp, out=x)
-        mask = 1
+        mask, header, peers = 1, g.header(c, xb.nbytes), g.peers
         while mask < p2:
             partner = r ^ mask
-            ticket = g.send(c, partner, xb)
+            peer = peers[partner]
+            ticket = peer.send(header, xb)
             g.recv(c, partner, tb)
-            g.wait_sent(c, partner, ticket)
+            peer.wait_sent(ticket, c.deadline)
             ufunc(x, tmp, out=x)
             mask <<= 1
         if op is ReduceOp.AVG:
@@ -192,9 +193,17 @@ class TcpAlgorithms:
             finish_average(x, self.size)
 
     def _direct_all_gather(self, c: Call, out: np.ndarray) -> None:
-        """Every rank sends its block straight to every other (pairwise order): one round, no ring chain."""
+        """Every rank sends its block straight to every other: one round, no ring chain.
+
+        Blocks too big to be written inline move in one non-blocking send/receive loop over every
+        socket in this thread instead of through the sender threads.
+        """
         g, r, n = self.g, self.rank, self.size
         mine = byte_view(out[r : r + 1])
+        if mine.nbytes > self.tuning.inline_bytes:
+            others = [p for p in range(n) if p != r]
+            g.exchange(c, dict.fromkeys(others, mine), {p: byte_view(out[p : p + 1]) for p in others})
+            return
         for k in range(1, n):
             g.send(c, (r + k) % n, mine)
         for k in range(1, n):

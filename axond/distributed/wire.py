@@ -61,7 +61,7 @@ REDUCE_NAMES = {v: k.upper() for k, v in REDUCE_CODES.items()}
 
 def dtype_code(dtype: np.dtype) -> int:
     """Wire code of `dtype`, or a clear error listing the supported ones."""
-    code = DTYPE_CODE.get(np.dtype(dtype))
+    code = DTYPE_CODE.get(dtype) if isinstance(dtype, np.dtype) else DTYPE_CODE.get(np.dtype(dtype))
     if code is None:
         names = ", ".join(str(d) for d in DTYPES)
         raise TypeError(f"dtype {dtype} cannot be communicated; use one of {names}")

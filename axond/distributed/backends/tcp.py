@@ -7,6 +7,7 @@ and reductions run in place with NumPy ufuncs.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ import numpy as np
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
 from axond.distributed.mesh import Mesh
-from axond.distributed.peer import Peer, PeerError, PeerTimeout
+from axond.distributed.peer import AUTO_INLINE_BYTES, AUTO_SPIN_SECONDS, Peer, PeerError, PeerTimeout, oversubscribed
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import check_reduce_op, finish_average
 from axond.distributed.tcp_algorithms import TcpAlgorithms
@@ -26,6 +27,8 @@ from axond.store import Store
 
 DIRECT_ALL_GATHER_BYTES = 4 << 20
 """Output size up to which all_gather sends every block straight to every peer instead of around a ring."""
+SCRATCH_VIEWS = 64
+"""Typed views of the receive buffer kept for reuse (small ops ask for the same few every call)."""
 META = 34
 """Max int64 words of a scatter metadata frame: dtype code, ndim, up to 32 dims."""
 
@@ -50,7 +53,10 @@ class TcpBackend(TcpAlgorithms, Backend):
         where = f"group '{group_name}' (rank {rank} of {size})"
         socks = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port,
                      options.timeout, where).connect_all() if size > 1 else {}
-        spin = self.tuning.spin_us * 1e-6
+        crowded = oversubscribed(list(socks.values()))
+        spin = self.tuning.spin_us * 1e-6 if self.tuning.spin_us >= 0 else (0.0 if crowded else AUTO_SPIN_SECONDS)
+        if self.tuning.inline_bytes < 0:
+            self.tuning = dataclasses.replace(self.tuning, inline_bytes=AUTO_INLINE_BYTES[crowded])
         self.g = FramedGroup(rank, size, group_name, gid, options.timeout,
                              {p: Peer(s, p, options.timeout, spin, self.tuning.spin_yield, self.tuning.inline_bytes)
                               for p, s in socks.items()})
@@ -58,6 +64,7 @@ class TcpBackend(TcpAlgorithms, Backend):
         self._tx: dict[int, int] = {}
         self._rx: dict[int, int] = {}
         self._tmp = np.empty(0, np.uint8)
+        self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}
         self._bufs: dict[str, np.ndarray] = {}
 
     def _call(self, op: Op, x: np.ndarray, redop: ReduceOp | None = None, aux: int = 0) -> Call:
@@ -67,9 +74,17 @@ class TcpBackend(TcpAlgorithms, Backend):
         return self.g.call(op, Kind.COLLECTIVE, code, REDUCE_CODES[redop.value] if redop else 0, self._seq, aux, x.size)
 
     def _scratch(self, nbytes: int, dtype: np.dtype, count: int) -> np.ndarray:
+        key = (nbytes, dtype, count)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         if self._tmp.nbytes < nbytes:
             self._tmp = np.empty(max(nbytes, 2 * self._tmp.nbytes), np.uint8)
-        return self._tmp[:nbytes].view(dtype)[:count]
+            self._views.clear()
+        if len(self._views) >= SCRATCH_VIEWS:
+            self._views.clear()
+        view = self._views[key] = self._tmp[:nbytes].view(dtype)[:count]
+        return view
 
     def _buffer(self, name: str, nbytes: int, dtype: np.dtype, count: int) -> np.ndarray:
         """A cached scratch buffer other than the receive one (reused across calls: no page faults)."""
@@ -81,7 +96,7 @@ class TcpBackend(TcpAlgorithms, Backend):
     def _inplace(self, x: np.ndarray, op_name: str, body: Callable[[np.ndarray], None]) -> None:
         """Run `body` on a contiguous flat view of `x`, copying back if `x` was not contiguous."""
         work = x if x.flags.c_contiguous else np.ascontiguousarray(x)
-        self.g.run(op_name, body, work.reshape(-1))
+        self.g.run(op_name, body, work if work.ndim == 1 else work.reshape(-1))
         if work is not x:
             np.copyto(x, work)
 
