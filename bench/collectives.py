@@ -95,7 +95,8 @@ def _axond_rank(rank: int, n: int, store_dir: str, backend: str, ops: list[str],
     import axond
     from axond.distributed.file_store import FileStore
 
-    axond.init_process_group(backend, 120.0, rank=rank, world_size=n, store=FileStore(store_dir))
+    axond.init_process_group(backend, 120.0, rank=rank, world_size=n, store=FileStore(store_dir),
+                             local_rank=rank)  # one GPU per rank with --backend nccl
     try:
         res = run_suite(AxondRunner(backend), ops, sizes)
     finally:
