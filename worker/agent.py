@@ -34,10 +34,18 @@ _TERMINAL_STATES = (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED, pb.JOB_STATE_SU
 _MONITOR_TICK = 0.05
 
 
-def stderr_notice(text: str) -> None:
-    """Print a notice as `axond worker: text` on stderr."""
-    sys.stderr.write(f"axond worker: {text}\n")
-    sys.stderr.flush()
+def notice_to_stderr(prefix: str) -> Notice:
+    """A `Notice` printing `prefix: text` lines on stderr."""
+
+    def notice(text: str) -> None:
+        sys.stderr.write(f"{prefix}: {text}\n")
+        sys.stderr.flush()
+
+    return notice
+
+
+stderr_notice = notice_to_stderr("axond worker")
+"""The agent's notices: `axond worker: text` on stderr."""
 
 
 @dataclass(frozen=True)
@@ -243,11 +251,7 @@ class RunningAgent:
             self._outcome = JobOutcome(1, f"agent error: {type(e).__name__}: {e}")
         finally:
             self._hb.stop()
-            try:
-                self._client.deregister_node(self.node_id)
-            except (CoordinatorError, ValueError):
-                pass
-            self._client.close()
+            leave(self._client, self.node_id)
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> JobOutcome | None:
@@ -259,11 +263,7 @@ class RunningAgent:
         """Stop the ranks and leave the job; the outcome carries `exit_code` unless it ended already."""
         self._runner.request_stop(exit_code, reason)
         if self._runner.joining.is_set():
-            try:
-                self._client.deregister_node(self.node_id)
-            except (CoordinatorError, ValueError):
-                pass
-            self._client.close()
+            leave(self._client, self.node_id)
         return self.wait(timeout)
 
 
@@ -274,6 +274,26 @@ def register(client: CoordinatorClient, slots: int, daemon: bool) -> tuple[str, 
     return reply.node_id, hb
 
 
+def connect_and_register(conn: ConnectOptions, slots: int, daemon: bool) -> tuple[CoordinatorClient, str, Heartbeater]:
+    """Open a client and register this host with it; the client is closed again if registering fails."""
+    client = conn.connect()
+    try:
+        node_id, hb = register(client, slots=slots, daemon=daemon)
+    except BaseException:
+        client.close()
+        raise
+    return client, node_id, hb
+
+
+def leave(client: CoordinatorClient, node_id: str) -> None:
+    """Deregister the node (best effort: the coordinator may be gone already) and close the client."""
+    try:
+        client.deregister_node(node_id)
+    except (CoordinatorError, ValueError):
+        pass
+    client.close()
+
+
 def start_agent(
     conn: ConnectOptions,
     spec: JobSpec,
@@ -281,11 +301,6 @@ def start_agent(
     notice: Notice = stderr_notice,
 ) -> RunningAgent:
     """Register a node, then run `spec` in a background thread; raises CoordinatorError if unreachable."""
-    client = conn.connect()
-    try:
-        node_id, hb = register(client, slots=0, daemon=False)
-    except BaseException:
-        client.close()
-        raise
+    client, node_id, hb = connect_and_register(conn, slots=0, daemon=False)
     runner = JobRunner(client, conn, node_id, hb, spec, sink=sink, notice=notice)
     return RunningAgent(client, node_id, hb, runner)

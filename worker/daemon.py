@@ -7,7 +7,6 @@ thread whose output lines go back to the coordinator in bounded batches (`Output
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -18,7 +17,15 @@ import grpc
 
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
-from axond.worker.agent import JobOutcome, JobRunner, Notice, register
+from axond.worker.agent import (
+    JobOutcome,
+    JobRunner,
+    Notice,
+    connect_and_register,
+    leave,
+    notice_to_stderr,
+    register,
+)
 from axond.worker.heartbeat import Heartbeater
 from axond.worker.spec import ConnectOptions, JobSpec
 
@@ -29,9 +36,7 @@ CANCELLED_EXIT_CODE = 130
 """Exit code a cancelled job's ranks are reported with (as if interrupted by Ctrl-C)."""
 
 
-def _daemon_notice(text: str) -> None:
-    sys.stderr.write(f"axond worker (daemon): {text}\n")
-    sys.stderr.flush()
+_daemon_notice = notice_to_stderr("axond worker (daemon)")
 
 
 @dataclass(frozen=True)
@@ -274,22 +279,13 @@ class RunningDaemon:
         for job in list(self._jobs.values()):
             job.thread.join(max(0.0, deadline - time.monotonic()))
         self._hb.stop()
-        try:
-            self._client.deregister_node(self.node_id)
-        except (CoordinatorError, ValueError):
-            pass
-        self._client.close()
+        leave(self._client, self.node_id)
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self._done.set()
 
 
 def start_daemon(conn: ConnectOptions, config: DaemonConfig, notice: Notice = _daemon_notice) -> RunningDaemon:
     """Register a daemon node and start polling for work; raises CoordinatorError if unreachable."""
-    client = conn.connect()
-    try:
-        node_id, hb = register(client, slots=config.slots, daemon=True)
-    except BaseException:
-        client.close()
-        raise
+    client, node_id, hb = connect_and_register(conn, slots=config.slots, daemon=True)
     notice(f"registered as node {node_id} with {config.slots} slots at {conn.address}")
     return RunningDaemon(client, conn, node_id, hb, config, notice)
