@@ -137,3 +137,13 @@ def test_nccl_wheel_preload_is_harmless_when_absent_or_broken(tmp_path: Path, mo
     for name in [m for m in sys.modules if m == "nvidia" or m.startswith("nvidia.")]:
         monkeypatch.delitem(sys.modules, name)
     assert preload_nccl_wheel() is None
+
+
+def test_nccl_wheel_preload_loads_the_real_library() -> None:
+    """With the nvidia-nccl-cu12 wheel installed (the gpu extra), its libnccl.so.2 loads; no GPU needed."""
+    for name in [m for m in sys.modules if m == "nvidia" or m.startswith("nvidia.")]:
+        del sys.modules[name]  # drop the stand-in package another test may have imported
+    importlib.invalidate_caches()
+    pytest.importorskip("nvidia.nccl", reason="needs the nvidia-nccl-cu12 wheel (pip install 'axond[gpu]')")
+    path = preload_nccl_wheel()
+    assert path is not None and path.endswith("libnccl.so.2")

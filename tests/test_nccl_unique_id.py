@@ -21,6 +21,7 @@ from axond.distributed.backends.nccl_support import (
     UNIQUE_ID_BYTES,
     UNIQUE_ID_KEY,
     exchange_unique_id,
+    communicator_id_forms,
     unique_id_from_bytes,
     unique_id_to_bytes,
 )
@@ -125,6 +126,34 @@ def test_unique_id_bytes_round_trip(signed: bool) -> None:
         unique_id_to_bytes(as_tuple[:-1])
     with pytest.raises(ValueError, match="128"):
         unique_id_from_bytes(uid + b"\x00", signed=signed)
+
+
+def test_unique_id_as_bytes_from_cupy_14() -> None:
+    """CuPy >= 14 returns the ID as bytes and its NcclCommunicator takes bytes: tried first, then the tuples."""
+    uid = opaque_id(10)
+    assert unique_id_to_bytes(uid) == uid and unique_id_to_bytes(bytearray(uid)) == uid
+    forms = communicator_id_forms(uid)
+    assert forms[0] == uid and isinstance(forms[0], bytes)
+    assert forms[1:] == [unique_id_from_bytes(uid, signed=True), unique_id_from_bytes(uid, signed=False)]
+
+
+def test_installed_cupy_takes_our_unique_id_form() -> None:
+    """With the real CuPy (no GPU needed): its unique id round-trips through our bytes and the first form
+    NcclCommunicator accepts gets past argument parsing. Only ncclCommInitRank itself needs a device."""
+    nccl = pytest.importorskip("cupy.cuda.nccl", reason="needs CuPy with NCCL (pip install 'axond[gpu]')")
+    uid = unique_id_to_bytes(nccl.get_unique_id())
+    assert len(uid) == UNIQUE_ID_BYTES
+    accepted = []
+    for comm_id in communicator_id_forms(uid):
+        try:
+            nccl.NcclCommunicator(1, comm_id, 0)
+        except (TypeError, OverflowError):
+            continue
+        except nccl.NcclError:
+            pass  # no usable GPU here: NCCL itself refused, after CuPy took the argument
+        accepted.append(type(comm_id))
+        break
+    assert accepted, "this CuPy's NcclCommunicator accepts none of the unique id forms we pass"
 
 
 def coordinator_ranks(

@@ -25,7 +25,7 @@ from axond.distributed.backends.nccl_support import (
     choose_device,
     exchange_unique_id,
     preload_nccl_wheel,
-    unique_id_from_bytes,
+    communicator_id_forms,
     unique_id_to_bytes,
 )
 from axond.distributed.backends.nccl_watchdog import Watchdog, WatchedOp
@@ -183,11 +183,11 @@ class NcclBackend(Backend):
         self._watchdog = Watchdog(group=group_name, rank=rank, abort=self._comm.abort, async_error=self._async_error)
 
     def _communicator(self, unique_id: bytes) -> Any:
-        """ncclCommInitRank; CuPy's C `char` is signed on x86 and unsigned on ARM, so try both encodings."""
-        for signed in (True, False):
+        """ncclCommInitRank, passing the unique id in whichever form this CuPy takes (`communicator_id_forms`)."""
+        for comm_id in communicator_id_forms(unique_id):
             try:
-                return self._nccl.NcclCommunicator(self.size, unique_id_from_bytes(unique_id, signed=signed), self.rank)
-            except OverflowError:
+                return self._nccl.NcclCommunicator(self.size, comm_id, self.rank)
+            except (TypeError, OverflowError):
                 continue
             except self._nccl.NcclError as e:
                 raise DistributedError(
@@ -195,7 +195,8 @@ class NcclBackend(Backend):
                     "NCCL refuses two ranks of one group on the same GPU (check LOCAL_RANK and CUDA_VISIBLE_DEVICES)",
                     op="nccl_init", group=self.group_name, rank=self.rank,
                 ) from e
-        raise DistributedError(f"nccl init: group {self.group_name!r}: the unique id fits no C char encoding",
+        raise DistributedError(f"nccl init: group {self.group_name!r}: this CuPy's NcclCommunicator takes the "
+                               "unique id neither as bytes nor as a tuple of C chars; use CuPy 13 or 14",
                                op="nccl_init", group=self.group_name, rank=self.rank)
 
     def _async_error(self) -> str | None:

@@ -59,18 +59,31 @@ _BOOL_OPS = {ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.PRODUC
 """bool reduces as uint8 with NumPy's semantics: SUM is logical or, PRODUCT logical and."""
 
 
-def unique_id_to_bytes(unique_id: Sequence[int]) -> bytes:
-    """Turn `nccl.get_unique_id()` (128 C chars, signed or not by platform) into 128 opaque bytes."""
+def unique_id_to_bytes(unique_id: bytes | Sequence[int]) -> bytes:
+    """Turn `nccl.get_unique_id()` into 128 opaque bytes: CuPy >= 14 returns bytes, older CuPy a tuple
+    of 128 C chars (signed or not by platform)."""
     if len(unique_id) != UNIQUE_ID_BYTES:
         raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} entries, got {len(unique_id)}")
+    if isinstance(unique_id, (bytes, bytearray)):
+        return bytes(unique_id)
     return (np.asarray(unique_id, dtype=np.int64) & 0xFF).astype(np.uint8).tobytes()
 
 
 def unique_id_from_bytes(data: bytes, *, signed: bool) -> tuple[int, ...]:
-    """Turn 128 bytes back into the tuple `NcclCommunicator` takes, as signed or unsigned C chars."""
+    """Turn 128 bytes back into the tuple older CuPy's `NcclCommunicator` takes, as signed or unsigned C chars."""
     if len(data) != UNIQUE_ID_BYTES:
         raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(data)}")
     return tuple(np.frombuffer(data, dtype=np.int8 if signed else np.uint8).tolist())
+
+
+def communicator_id_forms(data: bytes) -> list[bytes | tuple[int, ...]]:
+    """The forms `NcclCommunicator(ndev, commId, rank)` may want, in the order to try them.
+
+    CuPy >= 14 takes `bytes`; CuPy 13 a tuple of C chars, signed on x86 and unsigned on ARM.
+    A form of the wrong type raises TypeError (or OverflowError for the wrong signedness) before
+    NCCL is called, so trying them in turn is safe.
+    """
+    return [bytes(data), unique_id_from_bytes(data, signed=True), unique_id_from_bytes(data, signed=False)]
 
 
 def exchange_unique_id(
