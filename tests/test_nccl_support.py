@@ -147,3 +147,20 @@ def test_nccl_wheel_preload_loads_the_real_library() -> None:
     pytest.importorskip("nvidia.nccl", reason="needs the nvidia-nccl-cu12 wheel (pip install 'axond[gpu]')")
     path = preload_nccl_wheel()
     assert path is not None and path.endswith("libnccl.so.2")
+
+
+def test_installed_cupy_has_every_nccl_call_we_make() -> None:
+    """Against the real `cupy.cuda.nccl` (no GPU needed): the communicator methods, module functions and
+    NCCL_* constants the backend uses all exist, so a GPU run cannot fail on a misspelt name."""
+    nccl = pytest.importorskip("cupy.cuda.nccl", reason="needs CuPy with NCCL (pip install 'axond[gpu]')")
+    import axond.distributed.backends.nccl_support as support
+
+    names = set(support._NATIVE_TYPES.values()) | set(support._COMPLEX_PARTS.values())
+    names |= set(support._NCCL_OPS.values()) | set(support._BOOL_OPS.values()) | {"NCCL_INT64", "NCCL_INT32"}
+    assert sorted(n for n in names if not hasattr(nccl, n)) == []
+    methods = ("allReduce", "broadcast", "reduce", "allGather", "reduceScatter", "send", "recv", "abort",
+               "destroy", "check_async_error")
+    assert [m for m in methods if not hasattr(nccl.NcclCommunicator, m)] == []
+    assert [f for f in ("groupStart", "groupEnd", "get_version", "get_unique_id", "NcclError")
+            if not hasattr(nccl, f)] == []
+    assert int(nccl.get_version()) >= 2_07_00
