@@ -6,7 +6,8 @@ For each op and size: median time per call (max over ranks per iteration), algbw
 busbw as in nccl-tests (all_reduce: algbw*2(n-1)/n; all_gather, reduce_scatter: algbw*(n-1)/n;
 broadcast: algbw), and a correctness check. When torch (gloo) or mpi4py (+ mpirun) import, the
 same sizes run on them in the same run (alternating per op) and the ratio axond/peer of busbw is
-printed. The raw limit is two processes streaming through plain sockets in both directions at once.
+printed. The raw limit is two processes streaming through plain sockets in both directions at once:
+its peak (one cache-resident 4 MiB buffer each way) and, for sizes >= 1 MiB, streaming arrays of that size.
 """
 
 from __future__ import annotations
@@ -240,6 +241,32 @@ def report(n: int, ours: Result, peers: dict[str, Result | None], raw: float | N
             print(row)
 
 
+def raw_at_sizes(sizes: list[int], repeat: int) -> dict[int, float]:
+    """The raw duplex limit when streaming arrays of each size (>= 1 MiB) rather than one cache-resident 4 MiB buffer."""
+    out = {}
+    for size in sizes:
+        if size >= 1 << 20:
+            total = size * max(4, (256 << 20) // size)
+            out[size] = max(raw_duplex(total, size) for _ in range(repeat))
+    return out
+
+
+def report_raw(ours: Result, raw: float, raw_sized: dict[int, float]) -> None:
+    """n = 2 all_reduce busbw against the raw limits: the peak (4 MiB buffer) and streaming an array of that size."""
+    by_size = ours.get("all_reduce", {})
+    rows = [(nbytes, secs) for nbytes, (secs, _) in by_size.items() if nbytes in raw_sized]
+    if not rows:
+        return
+    print("\n### n = 2 all_reduce against the raw socket limit (GB/s per direction)")
+    print("| size | axond busbw | raw peak (4 MiB buffer) | % of peak | raw streaming arrays of this size | % of that |")
+    print("|---|---|---|---|---|---|")
+    for nbytes, secs in rows:
+        busbw = nbytes / secs / 1e9
+        at = raw_sized[nbytes]
+        print(f"| {fmt_size(nbytes)} | {busbw:.3f} | {raw:.2f} | {100 * busbw / raw:.0f} % | {at:.2f} | "
+              f"{100 * busbw / at:.0f} % |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
@@ -265,6 +292,7 @@ def main() -> None:
                 json.dump(res, f)
         return
     raw = None if args.no_raw else max(raw_duplex() for _ in range(args.repeat))
+    raw_sized = {} if args.no_raw or 2 not in args.nproc else raw_at_sizes(sizes, args.repeat)
     for n in args.nproc:
         ours: Result | None = None
         peers: dict[str, Result | None] = {}
@@ -281,6 +309,8 @@ def main() -> None:
                     peers["mpi"] = best(peers.get("mpi"), run_mpi(n, [op], sizes, args.timeout))
         assert ours is not None
         report(n, ours, peers, raw if n == 2 else None)
+        if n == 2 and raw is not None:
+            report_raw(ours, raw, raw_sized)
 
 
 def _importable(module: str) -> bool:

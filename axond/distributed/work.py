@@ -106,6 +106,8 @@ class CommThread:
 
         An isend counts once handed to the transport, so `isend(); recv()` works on both sides at once.
         """
+        if not self._pending:
+            return
         while True:
             with self._cond:
                 while self._pending and self._pending[0]._done.is_set():

@@ -112,7 +112,10 @@ class TcpBackend(TcpAlgorithms, Backend):
         if self.size == 1:
             return
         if x.nbytes <= self.tuning.small_bytes:
-            self._inplace(x, "all_reduce", lambda flat: self._recursive_doubling(c, flat, op))
+            if x.flags.c_contiguous:
+                self.g.run("all_reduce", self._recursive_doubling, c, x if x.ndim == 1 else x.reshape(-1), op)
+            else:
+                self._inplace(x, "all_reduce", lambda flat: self._recursive_doubling(c, flat, op))
         elif self.size & (self.size - 1) == 0 and self.tuning.algorithm == "halving_doubling":
             self._inplace(x, "all_reduce", lambda flat: self._halving_doubling(c, flat, op))
         else:
