@@ -1,10 +1,16 @@
-"""Parallel wrappers: DDP, the distributed sampler and the device mesh."""
+"""Parallel wrappers: DDP, tensor parallelism, the distributed sampler and the device mesh."""
 
 from axond.parallel.ddp import DDP, DDPConfig, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy
 from axond.parallel.mesh import DeviceMesh
 from axond.parallel.sampler import DistributedSampler
+from axond.parallel.tensor import (
+    ColumnParallelLinear, CopyToParallelRegion, GatherFromParallelRegion, ParallelCausalSelfAttention, ParallelMLP,
+    ParallelTransformerBlock, ReduceFromParallelRegion, RowParallelLinear, ScatterToParallelRegion,
+)
 
 __all__ = [
+    "ColumnParallelLinear",
+    "CopyToParallelRegion",
     "DDP",
     "DDPConfig",
     "DeviceMesh",
@@ -12,5 +18,12 @@ __all__ = [
     "DistributedSampler",
     "GradSyncStrategy",
     "GradientBucket",
+    "GatherFromParallelRegion",
     "GradientSynchronizer",
+    "ParallelCausalSelfAttention",
+    "ParallelMLP",
+    "ParallelTransformerBlock",
+    "ReduceFromParallelRegion",
+    "RowParallelLinear",
+    "ScatterToParallelRegion",
 ]

@@ -1,0 +1,174 @@
+"""Tensor-parallel versions of `axond.nn.transformer`'s MLP, attention and block (Megatron layout).
+
+Each draws its weights in the same generator order as its `axond.nn` counterpart, so building
+both from the same seed gives this rank the slices of the single-process model; the `from_*`
+class methods shard an existing module instead. Inputs and outputs are replicated over the group:
+one all-reduce per sub-layer in forward (the row-parallel output) and one in backward (d input).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+
+from axond.nn.activations import GELU, Dropout
+from axond.nn.device import Array
+from axond.nn.module import Module, require_ctx
+from axond.nn.norm import LayerNorm
+from axond.nn.transformer import (
+    MLP,
+    CausalSelfAttention,
+    TransformerBlock,
+    causal_attention_backward,
+    causal_attention_forward,
+    merge_heads,
+    split_heads,
+)
+from axond.parallel.tensor.comm import all_reduce_sum, resolve_group, shard_size
+from axond.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+
+class ParallelMLP(Module):
+    """fc2(GELU(fc1(x))): fc1 column-parallel (hidden split, no gather), fc2 row-parallel (reduce)."""
+
+    def __init__(self, d_model: int, hidden: int, group: Any = None, *, dtype: Any = np.float32,
+                 rng: np.random.Generator | None = None) -> None:
+        super().__init__()
+        group = resolve_group(group)
+        shard_size(hidden, group, "ParallelMLP hidden")
+        self.fc1 = ColumnParallelLinear(d_model, hidden, group=group, dtype=dtype, rng=rng)
+        self.act = GELU()
+        self.fc2 = RowParallelLinear(hidden, d_model, group=group, input_is_parallel=True, dtype=dtype, rng=rng)
+
+    @classmethod
+    def from_mlp(cls, mlp: MLP, group: Any = None) -> ParallelMLP:
+        """This rank's shard of an existing `nn.MLP` (weights copied)."""
+        if not isinstance(mlp, MLP):
+            raise TypeError(f"ParallelMLP.from_mlp takes an axond.nn.MLP, got {type(mlp).__name__}")
+        group = resolve_group(group)
+        shard_size(mlp.fc1.out_features, group, "ParallelMLP hidden")
+        out = cls.__new__(cls)
+        Module.__init__(out)
+        out.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group)
+        out.act = GELU()
+        out.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, input_is_parallel=True)
+        return out
+
+    def forward(self, x: Array) -> Array:
+        return self.fc2(self.act(self.fc1(x)))
+
+    def backward(self, grad_out: Array) -> Array:
+        return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)))
+
+
+class ParallelCausalSelfAttention(Module):
+    """`nn.CausalSelfAttention` with the heads split over the group.
+
+    Q, K and V are column-parallel (rank r computes heads [r h, (r + 1) h), h = n_heads / N) and
+    the output projection row-parallel. Their three partial input gradients are summed and
+    all-reduced once.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, group: Any = None, *, dtype: Any = np.float32,
+                 rng: np.random.Generator | None = None) -> None:
+        super().__init__()
+        group = resolve_group(group)
+        self._check(d_model, n_heads, group)
+        self.q_proj = ColumnParallelLinear(d_model, d_model, group=group, reduce_input_grad=False, dtype=dtype, rng=rng)
+        self.k_proj = ColumnParallelLinear(d_model, d_model, group=group, reduce_input_grad=False, dtype=dtype, rng=rng)
+        self.v_proj = ColumnParallelLinear(d_model, d_model, group=group, reduce_input_grad=False, dtype=dtype, rng=rng)
+        self.out_proj = RowParallelLinear(d_model, d_model, group=group, input_is_parallel=True, dtype=dtype, rng=rng)
+
+    def _check(self, d_model: int, n_heads: int, group: Any) -> None:
+        if n_heads <= 0 or d_model % n_heads != 0:
+            raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
+        self.local_heads = shard_size(n_heads, group, "ParallelCausalSelfAttention n_heads")
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.group = group
+
+    @classmethod
+    def from_attention(cls, attn: CausalSelfAttention, group: Any = None) -> ParallelCausalSelfAttention:
+        """This rank's heads of an existing `nn.CausalSelfAttention` (weights copied)."""
+        if not isinstance(attn, CausalSelfAttention):
+            raise TypeError(f"from_attention takes an axond.nn.CausalSelfAttention, got {type(attn).__name__}")
+        out = cls.__new__(cls)
+        Module.__init__(out)
+        group = resolve_group(group)
+        out._check(attn.d_model, attn.n_heads, group)
+        out.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, reduce_input_grad=False)
+        out.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, reduce_input_grad=False)
+        out.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, reduce_input_grad=False)
+        out.out_proj = RowParallelLinear.from_linear(attn.out_proj, group, input_is_parallel=True)
+        return out
+
+    def forward(self, x: Array) -> Array:
+        if x.ndim != 3:
+            raise ValueError(f"ParallelCausalSelfAttention expects (batch, time, d_model) inputs, "
+                             f"got shape {tuple(x.shape)}")
+        q = split_heads(self.q_proj(x), self.local_heads)
+        k = split_heads(self.k_proj(x), self.local_heads)
+        v = split_heads(self.v_proj(x), self.local_heads)
+        out, probs = causal_attention_forward(q, k, v)
+        self._ctx = (q, k, v, probs)
+        return self.out_proj(merge_heads(out))
+
+    def backward(self, grad_out: Array) -> Array:
+        q, k, v, probs = require_ctx(self)
+        self._ctx = None
+        dout = split_heads(self.out_proj.backward(grad_out), self.local_heads)
+        dq, dk, dv = causal_attention_backward(dout, q, k, v, probs)
+        dx = self.v_proj.backward(merge_heads(dv))
+        dx += self.k_proj.backward(merge_heads(dk))
+        dx += self.q_proj.backward(merge_heads(dq))
+        return all_reduce_sum(dx, self.group)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_heads={self.n_heads} ({self.local_heads} on this rank)"
+
+
+class ParallelTransformerBlock(Module):
+    """`nn.TransformerBlock` (pre-norm) with tensor-parallel attention and MLP.
+
+    LayerNorms and dropouts are replicated: their inputs are identical on every rank, so are their
+    gradients and (same seed) their masks, and no extra communication is needed.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, dropout: float = 0.0, group: Any = None,
+                 *, dtype: Any = np.float32, rng: np.random.Generator | None = None, seed: int = 0) -> None:
+        super().__init__()
+        group = resolve_group(group)
+        self.ln1 = LayerNorm(d_model, dtype=dtype)
+        self.attn = ParallelCausalSelfAttention(d_model, n_heads, group, dtype=dtype, rng=rng)
+        self.drop1 = Dropout(dropout, seed=seed)
+        self.ln2 = LayerNorm(d_model, dtype=dtype)
+        self.mlp = ParallelMLP(d_model, mlp_ratio * d_model, group, dtype=dtype, rng=rng)
+        self.drop2 = Dropout(dropout, seed=seed + 1)
+
+    @classmethod
+    def from_block(cls, block: TransformerBlock, group: Any = None) -> ParallelTransformerBlock:
+        """This rank's shard of an existing `nn.TransformerBlock` (weights copied, no gradients; norms and dropouts copied whole)."""
+        if not isinstance(block, TransformerBlock):
+            raise TypeError(f"from_block takes an axond.nn.TransformerBlock, got {type(block).__name__}")
+        out = cls.__new__(cls)
+        Module.__init__(out)
+        out.ln1 = copy.deepcopy(block.ln1)
+        out.attn = ParallelCausalSelfAttention.from_attention(block.attn, group)
+        out.drop1 = copy.deepcopy(block.drop1)
+        out.ln2 = copy.deepcopy(block.ln2)
+        out.mlp = ParallelMLP.from_mlp(block.mlp, group)
+        out.drop2 = copy.deepcopy(block.drop2)
+        for replica in (out.ln1, out.ln2, out.drop1, out.drop2):
+            replica.zero_grad()
+            replica.__dict__["_ctx"] = None
+        return out
+
+    def forward(self, x: Array) -> Array:
+        h = x + self.drop1(self.attn(self.ln1(x)))
+        return h + self.drop2(self.mlp(self.ln2(h)))
+
+    def backward(self, grad_out: Array) -> Array:
+        dh = grad_out + self.ln2.backward(self.mlp.backward(self.drop2.backward(grad_out)))
+        return dh + self.ln1.backward(self.attn.backward(self.drop1.backward(dh)))
