@@ -1,7 +1,8 @@
-"""Parallel wrappers: DDP, tensor parallelism, the distributed sampler and the device mesh."""
+"""Parallel wrappers: DDP, pipeline and tensor parallelism, the distributed sampler and the device mesh."""
 
 from axond.parallel.ddp import DDP, DDPConfig, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy
 from axond.parallel.mesh import DeviceMesh
+from axond.parallel.pipeline import Pipeline, PipelineSchedule
 from axond.parallel.sampler import DistributedSampler
 from axond.parallel.tensor import (
     ColumnParallelLinear, CopyToParallelRegion, GatherFromParallelRegion, ParallelCausalSelfAttention, ParallelMLP,
@@ -23,6 +24,8 @@ __all__ = [
     "ParallelCausalSelfAttention",
     "ParallelMLP",
     "ParallelTransformerBlock",
+    "Pipeline",
+    "PipelineSchedule",
     "ReduceFromParallelRegion",
     "RowParallelLinear",
     "ScatterToParallelRegion",
