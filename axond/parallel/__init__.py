@@ -1,6 +1,7 @@
-"""Parallel wrappers: DDP, pipeline and tensor parallelism, the distributed sampler and the device mesh."""
+"""Parallel wrappers: DDP, FSDP, ZeRO-1, pipeline and tensor parallelism, the distributed sampler and the device mesh."""
 
 from axond.parallel.ddp import DDP, DDPConfig, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy
+from axond.parallel.fsdp import FSDP, CPUOffload, FSDPConfig, FullyShardedDataParallel, ShardingStrategy
 from axond.parallel.mesh import DeviceMesh
 from axond.parallel.pipeline import Pipeline, PipelineSchedule
 from axond.parallel.sampler import DistributedSampler
@@ -8,8 +9,10 @@ from axond.parallel.tensor import (
     ColumnParallelLinear, CopyToParallelRegion, GatherFromParallelRegion, ParallelCausalSelfAttention, ParallelMLP,
     ParallelTransformerBlock, ReduceFromParallelRegion, RowParallelLinear, ScatterToParallelRegion,
 )
+from axond.parallel.zero import ZeroRedundancyOptimizer
 
 __all__ = [
+    "CPUOffload",
     "ColumnParallelLinear",
     "CopyToParallelRegion",
     "DDP",
@@ -17,6 +20,9 @@ __all__ = [
     "DeviceMesh",
     "DistributedDataParallel",
     "DistributedSampler",
+    "FSDP",
+    "FSDPConfig",
+    "FullyShardedDataParallel",
     "GradSyncStrategy",
     "GradientBucket",
     "GatherFromParallelRegion",
@@ -29,4 +35,6 @@ __all__ = [
     "ReduceFromParallelRegion",
     "RowParallelLinear",
     "ScatterToParallelRegion",
+    "ShardingStrategy",
+    "ZeroRedundancyOptimizer",
 ]

@@ -1,0 +1,49 @@
+"""FSDP's options: the sharding strategy, CPU offload and the validated options of one wrapper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ShardingStrategy(Enum):
+    """How a unit's parameters, gradients and optimizer state are spread over the ranks."""
+
+    FULL_SHARD = "full_shard"
+    """ZeRO-3: parameters gathered for each unit's forward and again for its backward, freed after each."""
+    SHARD_GRAD_OP = "shard_grad_op"
+    """ZeRO-2: parameters gathered for the forward and kept until the unit's backward is done."""
+    NO_SHARD = "no_shard"
+    """Full parameters on every rank, gradients all-reduced (AVG): DDP through the FSDP interface."""
+    HYBRID_SHARD = "hybrid_shard"
+    """FULL_SHARD within each shard group of a 2-d DeviceMesh, gradient shards averaged across replicas."""
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Where the parameter shards (and their gradients) live between uses."""
+
+    offload_params: bool = False
+    """Keep shards and gradient shards in host NumPy memory, copied to the compute device for the gather.
+
+    On a CPU-only machine the compute device is the host too, so the copy is a no-op (the shards are
+    NumPy arrays either way); with CuPy parameters it is a device-to-host copy.
+    """
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """Validated options of one `FullyShardedDataParallel` wrapper."""
+
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    """How parameters and gradients are sharded."""
+    cpu_offload: CPUOffload = CPUOffload()
+    """Whether shards live in host memory."""
+    sync_module_states: bool = True
+    """Broadcast rank 0's parameters and buffers at wrap time, so every rank starts from the same model."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sharding_strategy, ShardingStrategy):
+            raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {self.sharding_strategy!r}")
+        if not isinstance(self.cpu_offload, CPUOffload):
+            raise TypeError(f"cpu_offload must be a CPUOffload or None, got {self.cpu_offload!r}")

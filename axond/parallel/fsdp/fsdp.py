@@ -1,0 +1,254 @@
+"""`FullyShardedDataParallel`: each rank keeps 1/N of every unit's parameters, gradients and optimizer state.
+
+Hooks on each unit's module gather its full parameters just before they are used (forward, and
+for FULL_SHARD again for backward) and free them after; the unit's flat gradient is reduce-scattered
+(AVG) into the local shard's `.grad` when its backward ends. `parameters()` returns the shards, so
+an ordinary `axond.nn.optim` optimizer built after wrapping steps only this rank's part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from axond.nn.device import Array, array_module, device_of, to_device
+from axond.nn.module import Module, Parameter, RemovableHandle
+from axond.parallel.ddp.comm import broadcast_coalesced
+from axond.parallel.fsdp.comm import GroupLike, broadcast_from_first, default_group
+from axond.parallel.fsdp.config import CPUOffload, FSDPConfig, ShardingStrategy
+from axond.parallel.fsdp.flat_param import FlatLayout
+from axond.parallel.fsdp.unit import FSDPUnit, MemoryStats
+from axond.parallel.fsdp.wrap import UnitPlan, WrapPolicy, install, plan_units, select_unit_modules
+
+
+def resolve_groups(strategy: ShardingStrategy, group: Any, mesh: Any) -> tuple[GroupLike | None, GroupLike | None, int]:
+    """(shard group, replicate group, this rank's place in the whole data-parallel group) for `strategy`."""
+    if group is not None and mesh is not None:
+        raise ValueError("pass either group= or mesh= to FullyShardedDataParallel, not both")
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        ndim = getattr(mesh, "ndim", None)
+        if ndim != 2:
+            raise ValueError(
+                "HYBRID_SHARD needs mesh=DeviceMesh((replicas, shard_size)) with 2 dimensions (replicate, shard); "
+                f"got mesh={mesh!r}"
+            )
+        return mesh.get_group(1), mesh.get_group(0), int(mesh.parent.rank)
+    if mesh is not None:
+        if getattr(mesh, "ndim", None) != 1:
+            raise ValueError(f"{strategy.name} runs over one group: pass group= or a 1-d mesh (a 2-d mesh is for HYBRID_SHARD); got {mesh!r}")
+        group = mesh.get_group(0)
+    group = group if group is not None else default_group()
+    if strategy is ShardingStrategy.NO_SHARD:
+        return None, group, int(group.rank)
+    return group, None, int(group.rank)
+
+
+class FullyShardedDataParallel(Module):
+    """Shard `module`'s parameters over `group` (or a 2-d `mesh` for HYBRID_SHARD); see the module docstring."""
+
+    def __init__(
+        self,
+        module: Module,
+        group: Any = None,
+        sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+        cpu_offload: CPUOffload | None = None,
+        mesh: Any = None,
+        wrap: WrapPolicy = None,
+        *,
+        sync_module_states: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, Module):
+            raise TypeError(f"FullyShardedDataParallel wraps an axond.nn.Module, got {type(module).__name__}")
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("module is already FSDP-wrapped; choose inner units with wrap= instead of nesting wrappers")
+        self.config = FSDPConfig(sharding_strategy, cpu_offload or CPUOffload(), sync_module_states)
+        self.shard_group, self.replicate_group, self.rank = resolve_groups(sharding_strategy, group, mesh)
+        self.module = module
+        self._sync_enabled = True
+        self.stats = MemoryStats()
+        self._state_keys = list(module.state_dict().keys())
+        plans = plan_units(module, select_unit_modules(module, wrap))
+        if sync_module_states:
+            self._broadcast_replicated()
+        self._units: list[FSDPUnit] = []
+        self._hooks: list[RemovableHandle] = []
+        for plan in plans:
+            self._add_unit(plan)
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self.config.sharding_strategy
+
+    @property
+    def units(self) -> list[FSDPUnit]:
+        """The units in creation order (root first), each with its shard, layout and names."""
+        return list(self._units)
+
+    def _groups(self) -> list[GroupLike]:
+        return [g for g in (self.replicate_group, self.shard_group) if g is not None and g.size > 1]
+
+    def _broadcast_replicated(self) -> None:
+        """Buffers and frozen parameters are not sharded: copy rank 0's to everyone."""
+        arrays = list(self.module.state_dict().values())
+        trainable = {id(p.data) for p in self.module.parameters() if p.requires_grad}
+        arrays = [a for a in arrays if id(a) not in trainable]
+        for g in self._groups() if arrays else []:
+            broadcast_coalesced(arrays, g, src=0)
+
+    def _initial(self, plan: UnitPlan) -> list[Array]:
+        """The unit's starting values: rank 0's when `sync_module_states`, else this rank's."""
+        datas = [p.data for p in plan.params]
+        if not self.config.sync_module_states or not self._groups():
+            return datas
+        layout = FlatLayout([tuple(a.shape) for a in datas], 1)
+        flat = layout.flatten(datas, datas[0])
+        for g in self._groups():
+            broadcast_from_first(flat, g)
+        return layout.views(flat)
+
+    def _add_unit(self, plan: UnitPlan) -> None:
+        managed = [Parameter(p.data) for p in plan.params]
+        unit = FSDPUnit(
+            len(self._units), plan.names, managed, self._initial(plan), self.shard_group, self.replicate_group,
+            self.config.cpu_offload.offload_params, self.stats,
+        )
+        install(plan, managed)
+        setattr(self, f"flat_param_{unit.index}", unit.shard)
+        self._units.append(unit)
+        reshard = self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+        def pre_forward(m: Module, x: Array) -> None:
+            unit.gather(refresh=True)
+
+        def post_forward(m: Module, x: Array, out: Array) -> None:
+            if reshard or not m.training:
+                unit.free()
+
+        def pre_backward(m: Module, grad_out: Array) -> None:
+            unit.gather()
+            unit.prepare_grad()
+
+        def post_backward(m: Module, grad_out: Array, grad_in: Array) -> None:
+            unit.reduce_grad(self._sync_enabled)
+            unit.free()
+
+        m = plan.module
+        self._hooks += [
+            m.register_forward_pre_hook(pre_forward), m.register_forward_hook(post_forward),
+            m.register_backward_pre_hook(pre_backward), m.register_backward_hook(post_backward),
+        ]
+
+    def forward(self, x: Array) -> Array:
+        return self.module(x)
+
+    def backward(self, grad_out: Array) -> Array:
+        """The module's backward; each unit's gradient is reduced into its shard's `.grad` as its backward ends."""
+        try:
+            return self.module.backward(grad_out)
+        finally:
+            for u in self._units:
+                u.free()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside keep full gradients locally; the first backward after it reduces the sum."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the shards' gradients and any full gradient accumulated under `no_sync`."""
+        super().zero_grad(set_to_none)
+        for u in self._units:
+            u.drop_full_grad()
+
+    def full_state_dict(self, rank0_only: bool = False) -> OrderedDict[str, Array]:
+        """The unwrapped module's state dict with full parameters (copies). Collective: every rank calls it.
+
+        With `rank0_only`, ranks other than 0 get an empty dict (they still take part in the gathers).
+        """
+        values: dict[str, Array] = {}
+        for u in self._units:
+            for names, view in zip(u.names, u.layout.views(u.full_copy())):
+                arr = view.copy()
+                for name in names:
+                    values[name] = arr
+        live = self.module.state_dict()
+        out: OrderedDict[str, Array] = OrderedDict()
+        if rank0_only and self.rank != 0:
+            return out
+        for key in self._state_keys:
+            out[key] = values[key] if key in values else live[key].copy()
+        return out
+
+    def state_dict(self) -> OrderedDict[str, Array]:
+        """`full_state_dict()` on every rank (collective), keyed like the unwrapped module's."""
+        return self.full_state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Array], strict: bool = True) -> tuple[list[str], list[str]]:
+        """Load a full state dict (the unwrapped module's names) and keep this rank's shard of each unit."""
+        missing = [k for k in self._state_keys if k not in state]
+        unexpected = [k for k in state if k not in self._state_keys]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected} (pass strict=False to ignore)")
+        for u in self._units:
+            current: list[Array] | None = None
+            arrays: list[Array] = []
+            for i, (names, shape) in enumerate(zip(u.names, u.layout.shapes)):
+                key = next((n for n in names if n in state), None)
+                if key is None:
+                    current = current if current is not None else u.layout.views(u.full_copy())
+                    arrays.append(current[i])
+                    continue
+                value = state[key]
+                if tuple(value.shape) != shape:
+                    raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.shape)}, the module expects {shape}")
+                target = u.shard.data
+                arrays.append(array_module(target).asarray(to_device(value, device_of(target)), dtype=target.dtype))
+            u.load(arrays)
+        replicated = self.module.state_dict()
+        rest = {k: v for k, v in state.items() if k in replicated}
+        self.module.load_state_dict(rest, strict=False)
+        return missing, unexpected
+
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
+        """Gather every unit's full parameters into the modules; with `writeback`, in-place edits are kept."""
+        for u in self._units:
+            u.gather(refresh=True)
+        try:
+            yield
+        finally:
+            for u in self._units:
+                if writeback:
+                    u.write_back()
+                u.free()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Parameter elements held per rank: persistent shards, and full buffers alive now / at peak."""
+        return {
+            "sharded_numel": sum(u.shard.size for u in self._units),
+            "unsharded_numel": sum(u.layout.numel for u in self._units),
+            "gathered_numel": self.stats.gathered_numel,
+            "peak_gathered_numel": self.stats.peak_gathered_numel,
+            "full_grad_numel": self.stats.full_grad_numel,
+        }
+
+    def reset_peak_memory_stats(self) -> None:
+        self.stats.peak_gathered_numel = self.stats.gathered_numel
+
+    def to(self, device: Any = None, dtype: Any = None) -> Module:
+        """Not supported: the shards and the modules' views would part ways. Move the module before wrapping."""
+        raise NotImplementedError("FullyShardedDataParallel.to() is not supported: call module.to(...) before wrapping it")
+
+    def extra_repr(self) -> str:
+        return f"strategy={self.sharding_strategy.name}, units={len(self._units)}"
+
+
+FSDP = FullyShardedDataParallel

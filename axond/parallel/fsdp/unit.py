@@ -1,0 +1,170 @@
+"""One FSDP unit: the parameters of some modules flattened into one buffer, of which a rank keeps a shard.
+
+The modules keep computing with ordinary `Parameter`s whose `.data` are views into the unit's full
+flat buffer while it is gathered, and empty arrays while it is freed. Their `.grad`s are views into
+one flat gradient buffer, so `accumulate_grad` writes straight into what is reduce-scattered.
+The trainable `shard` Parameter (1/N of the padded flat buffer) is what the optimizer sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from axond.nn.device import Array, Device, array_module, device_of, empty_on, to_device
+from axond.nn.module import Parameter
+from axond.parallel.fsdp.comm import GroupLike, all_gather_shards, all_reduce_mean, reduce_scatter_shards
+from axond.parallel.fsdp.flat_param import FlatLayout
+
+
+@dataclass
+class MemoryStats:
+    """Elements of full (unsharded) parameter and gradient buffers alive now, and the peak since reset."""
+
+    gathered_numel: int = 0
+    peak_gathered_numel: int = 0
+    full_grad_numel: int = 0
+
+    def add_gathered(self, n: int) -> None:
+        self.gathered_numel += n
+        self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel)
+
+
+class FSDPUnit:
+    """Flat parameters of one unit: the local shard, and the gather/free/reduce steps around compute."""
+
+    def __init__(
+        self,
+        index: int,
+        names: list[list[str]],
+        params: list[Parameter],
+        initial: list[Array],
+        shard_group: GroupLike | None,
+        replicate_group: GroupLike | None,
+        offload: bool,
+        stats: MemoryStats,
+    ) -> None:
+        self.index = index
+        self.names = names
+        """Every state-dict name of each parameter (several when a parameter is tied within the unit)."""
+        self.params = params
+        """The Parameters the modules compute with (views into the gathered buffer)."""
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.offload = offload
+        self.stats = stats
+        like = initial[0]
+        self.dtype = like.dtype
+        self.compute_device: Device = device_of(like)
+        self.layout = FlatLayout([tuple(a.shape) for a in initial], shard_group.size if shard_group else 1)
+        self.shard_rank = shard_group.rank if shard_group else 0
+        shard = self.layout.shard_of(initial, self.shard_rank, like)
+        self.shard = Parameter(to_device(shard, "cpu") if offload else shard)
+        """This rank's shard: the only persistent copy of the unit's parameters on this rank."""
+        self.full: Array | None = None
+        self.full_grad: Array | None = None
+        self._grad_views: list[Array] = []
+        self._empty = empty_on(like, 0, self.dtype)
+        self.free()
+        if shard_group is None:
+            self.gather()
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_group is not None
+
+    def _compute_shard(self) -> Array:
+        return to_device(self.shard.data, self.compute_device)
+
+    def gather(self, refresh: bool = False) -> None:
+        """Make the full parameters available to the modules (all_gather of the shards)."""
+        if self.full is not None and not refresh:
+            return
+        src = self._compute_shard()
+        if self.shard_group is None:
+            self.full = src
+        else:
+            if self.full is None:
+                self.full = empty_on(src, self.layout.padded_numel, self.dtype)
+                self.stats.add_gathered(self.layout.padded_numel)
+            all_gather_shards(src, self.full, self.shard_group)
+        for p, view in zip(self.params, self.layout.views(self.full)):
+            p.data = view
+
+    def free(self) -> None:
+        """Drop the full parameters (sharded strategies only: NO_SHARD keeps them)."""
+        if self.shard_group is None and self.full is not None:
+            return
+        if self.full is not None:
+            self.stats.gathered_numel -= self.layout.padded_numel
+        self.full = None
+        for p in self.params:
+            p.data = self._empty
+
+    def prepare_grad(self) -> None:
+        """Point every module parameter's `.grad` at its slice of the flat gradient (kept across no_sync)."""
+        if self.full_grad is None:
+            xp = array_module(self._empty)
+            self.full_grad = xp.zeros(self.layout.padded_numel, dtype=self.dtype)
+            self._grad_views = self.layout.views(self.full_grad)
+            self.stats.full_grad_numel += self.layout.padded_numel
+        for p, view in zip(self.params, self._grad_views):
+            if p.grad is not None and p.grad is not view:
+                view += p.grad
+            p.grad = view
+
+    def reduce_grad(self, sync: bool) -> None:
+        """After the unit's backward: reduce the flat gradient into `shard.grad` (unless `sync` is False)."""
+        if self.full_grad is None:
+            return
+        for p, view in zip(self.params, self._grad_views):
+            if p.grad is not view:
+                raise RuntimeError(
+                    f"FSDP unit {self.index}: the gradient of {self.names[self.params.index(p)][0]!r} was replaced "
+                    "instead of accumulated; modules must add gradients with Parameter.accumulate_grad"
+                )
+        if not sync:
+            return
+        full = self.full_grad
+        if self.shard_group is None:
+            grad = full
+        else:
+            grad = empty_on(full, self.layout.shard_numel, self.dtype)
+            reduce_scatter_shards(full, grad, self.shard_group)
+        all_reduce_mean(grad, self.replicate_group)
+        if self.offload:
+            grad = to_device(grad, "cpu")
+        if self.shard.grad is None:
+            self.shard.grad = grad
+        else:
+            self.shard.grad += grad
+        self.drop_full_grad()
+
+    def drop_full_grad(self) -> None:
+        """Forget the unsharded gradient (and the modules' views of it)."""
+        if self.full_grad is not None:
+            self.stats.full_grad_numel -= self.layout.padded_numel
+        self.full_grad = None
+        self._grad_views = []
+        for p in self.params:
+            p.grad = None
+
+    def full_copy(self) -> Array:
+        """The unpadded full flat parameters as a new array (collective over the shard group)."""
+        src = self._compute_shard()
+        if self.shard_group is None:
+            return src[: self.layout.numel].copy()
+        full = empty_on(src, self.layout.padded_numel, self.dtype)
+        all_gather_shards(src, full, self.shard_group)
+        return full[: self.layout.numel]
+
+    def load(self, arrays: list[Array]) -> None:
+        """Set this rank's shard from the full arrays of every parameter (no communication)."""
+        start, stop = self.layout.shard_range(self.shard_rank)
+        target = self.shard.data
+        self.layout.copy_range(arrays, start, stop, target)
+
+    def write_back(self) -> None:
+        """Copy this rank's part of the gathered full buffer into the shard (after in-place edits)."""
+        if self.full is None or self.shard_group is None:
+            return
+        start, stop = self.layout.shard_range(self.shard_rank)
+        self.shard.data[...] = to_device(self.full[start:stop], device_of(self.shard.data))

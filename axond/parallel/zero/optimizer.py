@@ -1,0 +1,123 @@
+"""`ZeroRedundancyOptimizer` (ZeRO-1): every rank keeps optimizer state for 1/N of the parameters only.
+
+The parameters (per dtype and device) are laid out as one flat buffer cut into N equal shards, with
+the same `FlatLayout` FSDP uses. `step()` copies this rank's slice of the parameters and of their
+gradients into a shard `Parameter`, lets the wrapped optimizer update that shard alone, then
+all-gathers the updated shards back into every rank's parameters.
+
+Gradients: by default `step()` expects them already averaged over the group (DDP does that, as
+with torch's ZeroRedundancyOptimizer) and reads only this rank's slice. With
+`average_gradients=True` it reduce-scatters (AVG) the local gradients itself, so it can be used
+without DDP and moves half the bytes of an all-reduce; `.grad` then stays the local gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from axond.nn.device import Array, array_module, device_of, empty_on
+from axond.nn.module import Parameter
+from axond.nn.optim import AdamW, Optimizer
+from axond.parallel.fsdp.comm import GroupLike, all_gather_shards, default_group, reduce_scatter_shards
+from axond.parallel.fsdp.flat_param import FlatLayout
+
+
+class _Bucket:
+    """Parameters of one dtype and device, flattened: this rank's shard and the gather buffer."""
+
+    def __init__(self, params: list[Parameter], world: int, rank: int) -> None:
+        self.params = params
+        self.layout = FlatLayout([p.shape for p in params], world)
+        self.start, self.stop = self.layout.shard_range(rank)
+        like = params[0].data
+        self.shard = Parameter(self.layout.copy_range([p.data for p in params], self.start, self.stop,
+                                                      empty_on(like, self.stop - self.start, like.dtype)))
+        self.flat = empty_on(like, self.layout.padded_numel, like.dtype)
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    """Wrap `optimizer_class(params, **defaults)` so that each rank of `group` steps and stores only its shard."""
+
+    def __init__(
+        self,
+        params: Iterable[Parameter],
+        optimizer_class: type[Optimizer] = AdamW,
+        group: Any = None,
+        *,
+        average_gradients: bool = False,
+        **defaults: Any,
+    ) -> None:
+        super().__init__(params, defaults)
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise TypeError(f"optimizer_class must be an axond.nn.optim.Optimizer subclass, got {optimizer_class!r}")
+        self.group: GroupLike = group if group is not None else default_group()
+        self.average_gradients = average_gradients
+        kinds: dict[tuple[str, str], list[Parameter]] = {}
+        for p in self.params:
+            kinds.setdefault((str(p.dtype), str(device_of(p.data))), []).append(p)
+        self.buckets = [_Bucket(ps, self.group.size, self.group.rank) for ps in kinds.values()]
+        self.optim = optimizer_class([b.shard for b in self.buckets], **defaults)
+        """The wrapped optimizer, over one shard Parameter per bucket."""
+        self.defaults = self.optim.defaults
+        self.state = self.optim.state
+
+    @property
+    def local_numel(self) -> int:
+        """Parameter elements whose optimizer state this rank holds (ceil(numel / N) per bucket)."""
+        return sum(b.shard.size for b in self.buckets)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.optim.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        """Update this rank's shard with the wrapped optimizer, then all-gather the shards into the parameters."""
+        for b in self.buckets:
+            b.layout.copy_range([p.data for p in b.params], b.start, b.stop, b.shard.data)
+            grads = [p.grad for p in b.params]
+            if self.average_gradients:
+                full = b.layout.flatten(grads, b.shard.data)
+                b.shard.grad = empty_on(full, b.layout.shard_numel, full.dtype)
+                reduce_scatter_shards(full, b.shard.grad, self.group)
+            elif all(g is None for g in grads):
+                b.shard.grad = None
+            else:
+                b.shard.grad = b.layout.copy_range(grads, b.start, b.stop, empty_on(b.shard.data, b.layout.shard_numel, b.shard.dtype))
+        self.optim.step()
+        for b in self.buckets:
+            all_gather_shards(b.shard.data, b.flat, self.group)
+            b.layout.unflatten_into(b.flat, [p.data for p in b.params])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated state (collective): full-length flat state per bucket, the same on every rank.
+
+        Loadable by a ZeroRedundancyOptimizer over the same parameters on any number of ranks.
+        """
+        inner = self.optim.state_dict()
+        state: dict[str, Any] = {}
+        for key, value in inner["state"].items():
+            b = self.buckets[int(key.split(".", 1)[0])]
+            if hasattr(value, "shape") and tuple(value.shape) == (b.layout.shard_numel,):
+                full = empty_on(value, b.layout.padded_numel, value.dtype)
+                all_gather_shards(value, full, self.group)
+                state[key] = full[: b.layout.numel].copy()
+            else:
+                state[key] = value
+        return {"defaults": dict(inner["defaults"]), "state": state, "numels": [b.layout.numel for b in self.buckets]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a consolidated `state_dict()`, keeping this rank's shard of every state array."""
+        numels = [b.layout.numel for b in self.buckets]
+        if list(state.get("numels", [])) != numels:
+            raise ValueError(f"ZeroRedundancyOptimizer state is for flat buckets of {state.get('numels')} elements, "
+                             f"these parameters make {numels}: load it over the same parameters")
+        sharded: dict[str, Any] = {}
+        for key, value in state["state"].items():
+            b = self.buckets[int(key.split(".", 1)[0])]
+            if hasattr(value, "shape") and tuple(value.shape) == (b.layout.numel,):
+                full: Array = array_module(b.shard.data).asarray(value)
+                sharded[key] = b.layout.pad_shard(full, self.group.rank)
+            else:
+                sharded[key] = value
+        self.optim.load_state_dict({"defaults": state["defaults"], "state": sharded})
