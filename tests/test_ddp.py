@@ -25,6 +25,7 @@ from axond.errors import DistributedError
 from axond.nn.optim import SGD
 from axond.parallel import DDP, DDPConfig, DistributedDataParallel, GradSyncStrategy
 from axond.testing import run_threads
+from parity_models import TinyLM, lm_data, mlp, mlp_data
 
 TOL = 1e-9
 STEPS = 20
@@ -34,43 +35,6 @@ BATCH = 4
 def run_ranks(world: int, fn: Callable[[ProcessGroup], Any], timeout: float = 60.0, op_timeout: float = 30.0) -> list[Any]:
     """fn(group) on `world` threads over the TCP backend (axond.testing), results by rank."""
     return run_threads(fn, world, timeout, options=BackendOptions(timeout=op_timeout))
-
-
-def mlp(seed: int) -> nn.Sequential:
-    rng = np.random.default_rng(seed)
-    f = np.float64
-    return nn.Sequential(
-        nn.Linear(6, 16, dtype=f, rng=rng), nn.Tanh(), nn.Linear(16, 16, dtype=f, rng=rng), nn.GELU(),
-        nn.LayerNorm(16, dtype=f), nn.Linear(16, 3, dtype=f, rng=rng),
-    )
-
-
-class TinyLM(nn.Module):
-    """Embedding -> transformer block -> linear head: the parity test's "real model"."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        rng = np.random.default_rng(seed)
-        self.emb = nn.Embedding(11, 8, dtype=np.float64, rng=rng)
-        self.block = nn.TransformerBlock(8, 2, mlp_ratio=2, dtype=np.float64, rng=rng)
-        self.head = nn.Linear(8, 11, dtype=np.float64, rng=rng)
-
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        return self.head(self.block(self.emb(x)))
-
-    def backward(self, grad_out: np.ndarray) -> None:
-        return self.emb.backward(self.block.backward(self.head.backward(grad_out)))
-
-
-def mlp_data(step: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(1000 + step)
-    return rng.standard_normal((rows, 6)), rng.integers(0, 3, rows)
-
-
-def lm_data(step: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(2000 + step)
-    tokens = rng.integers(0, 11, (rows, 6))
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def train_reference(make: Callable[[int], nn.Module], data: Callable[[int, int], Any], world: int, accum: int = 1) -> list[np.ndarray]:

@@ -2,43 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from axond.nn.container import Sequential
-from axond.nn.device import Array
 from axond.nn.module import Module
 
 
-class Stage(Module):
+class Stage(Sequential):
     """Consecutive layers of a `Sequential`, registered under their original indices.
 
     Keeping the indices keeps parameter names equal to the whole model's ("3.weight"), so a
-    stage's `state_dict` and `named_parameters` line up with the unsplit model.
+    stage's `state_dict` and `named_parameters` line up with the unsplit model. Forward and
+    backward are `Sequential`'s.
     """
 
     def __init__(self, layers: Sequence[tuple[str, Module]]) -> None:
-        super().__init__()
+        Module.__init__(self)
         if not layers:
             raise ValueError("a pipeline stage needs at least one layer")
         for name, layer in layers:
             setattr(self, name, layer)
-
-    def forward(self, x: Array) -> Array:
-        for layer in self._modules.values():
-            x = layer(x)
-        return x
-
-    def backward(self, grad_out: Array) -> Array:
-        g = grad_out
-        for layer in reversed(list(self._modules.values())):
-            g = layer.backward(g)
-        return g
-
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def __iter__(self) -> Iterator[Module]:
-        return iter(self._modules.values())
 
 
 def balanced_split_points(weights: Sequence[int], num_stages: int) -> list[int]:
