@@ -23,6 +23,7 @@ import axond.nn as nn
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.process_group import ProcessGroup
 from axond.nn.optim import SGD, AdamW, Optimizer
+from axond.nn.utils import clip_grad_norm_
 from axond.parallel.fsdp import FSDP, CPUOffload, FlattenedParameter, FullyShardedDataParallel, ShardingStrategy
 from axond.parallel.mesh import DeviceMesh
 from axond.testing import run_threads
@@ -383,3 +384,33 @@ def test_errors_say_what_to_do() -> None:
         assert "2 dimensions" in messages[1]
         assert "a 2-d mesh is for HYBRID_SHARD" in messages[2]
         assert "not a submodule" in messages[3]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_clip_grad_norm_uses_the_whole_models_norm(world: int) -> None:
+    """FSDP.clip_grad_norm_ sums every rank's part of the norm: the total and the clipped gradients equal
+    single-process clipping of the full gradient (a per-shard clip would differ at 3 ranks by ~sqrt(3))."""
+    x, y = mlp_data(0, world * BATCH)
+    ref = mlp(0)
+    loss = nn.CrossEntropyLoss()
+    loss(ref(x), y)
+    ref.backward(loss.backward())
+    want_norm = clip_grad_norm_(ref.parameters(), 0.05)
+    want = {n: p.grad for n, p in ref.named_parameters()}
+
+    def body(pg: ProcessGroup) -> tuple[float, float, Any]:
+        fsdp = FSDP(mlp(0), group=pg)
+        lf = nn.CrossEntropyLoss()
+        rows = slice(pg.rank * BATCH, (pg.rank + 1) * BATCH)
+        lf(fsdp(x[rows]), y[rows])
+        fsdp.backward(lf.backward())
+        total = fsdp.clip_grad_norm_(0.05)
+        clipped = [(u.names, u.layout, u.shard.grad.copy()) for u in fsdp.units]
+        return total, fsdp.clip_grad_norm_(0.05), clipped
+
+    results = run_ranks(world, body)
+    for total, again, _ in results:
+        assert total == pytest.approx(want_norm, rel=1e-12)
+        assert again == pytest.approx(0.05, rel=1e-4)  # already clipped: the norm is now max_norm
+    assert want_norm > 0.05 * 2
+    assert_grads_close([Run({}, [], grads) for _, _, grads in results], want)

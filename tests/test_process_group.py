@@ -140,3 +140,34 @@ def test_destroy_is_idempotent() -> None:
         g.destroy()
     with pytest.raises(DistributedError):
         gs[0].all_reduce(np.zeros(1))
+
+
+def test_abort_makes_waiting_peers_raise_at_once_with_the_reason() -> None:
+    """A rank failing outside any collective calls abort: a peer blocked in all_reduce raises quoting
+    the reason within a second, not after its 20 s timeout, and later ops on the aborted group raise."""
+    import time
+
+    groups = thread_groups(3, options=BackendOptions(timeout=20.0))
+
+    def body(pg: ProcessGroup) -> tuple[str, float]:
+        start = time.monotonic()
+        if pg.rank == 1:
+            time.sleep(0.2)
+            pg.abort("data loader crashed on rank 1")
+            with pytest.raises(DistributedError, match="aborted"):
+                pg.all_reduce(np.ones(4))
+            return "aborted", time.monotonic() - start
+        with pytest.raises(DistributedError) as info:
+            pg.all_reduce(np.ones(1 << 16))
+        return str(info.value), time.monotonic() - start
+
+    try:
+        results = run_on(groups, body, timeout=30.0)
+    finally:
+        for g in groups:
+            g.destroy()
+    for rank in (0, 2):
+        message, seconds = results[rank]
+        assert seconds < 5.0, f"rank {rank} waited {seconds:.1f} s"
+        assert "all_reduce" in message and "group 'world'" in message, message
+    assert any("data loader crashed on rank 1" in results[r][0] for r in (0, 2)), results

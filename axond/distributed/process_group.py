@@ -175,6 +175,16 @@ class ProcessGroup:
         impl = create_backend(resolve_backend(kind), store, wanted.index(self.global_rank), len(wanted), name, options)
         return ProcessGroup(impl, wanted, name, self.global_rank, options, self._store)
 
+    def abort(self, reason: str) -> None:
+        """Tell the other members this rank gave up (`reason`), so they raise instead of waiting.
+
+        For failures outside a collective (a stage's own exception in a pipeline): peers blocked on
+        this rank get `DistributedError` quoting `reason` at once, not after their timeout. Later ops
+        on this group raise; `destroy()` still releases it.
+        """
+        if self.backend is not None and not self._destroyed:
+            self.backend.abort(reason)
+
     def destroy(self) -> None:
         """Finish queued async ops, then close sockets and threads; idempotent."""
         self._destroyed = True

@@ -1,6 +1,7 @@
-"""Train a classifier with DDP on a synthetic, learnable data set; what `compose.yaml` runs.
+"""Train a classifier with DDP, ZeRO-1 or FSDP on a synthetic, learnable data set; what `compose.yaml` runs.
 
     axond worker --coordinator HOST:PORT --nnodes 1 --nproc-per-node 2 -- python -m axond.examples.train_mlp
+    ... -- python -m axond.examples.train_mlp --parallel fsdp --sharding shard_grad_op
 
 The data set is drawn from `--seed`: Gaussian inputs labelled by a fixed random "teacher"
 network, so the student can learn it and every rank generates the same data without any files.
@@ -16,15 +17,17 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
 import axond
 from axond import nn
-from axond.nn.optim import AdamW
+from axond.distributed import ProcessGroup, default_group
+from axond.nn.optim import AdamW, Optimizer
 from axond.nn.utils import clip_grad_norm_, save_checkpoint
-from axond.parallel import DDP, DistributedSampler
+from axond.parallel import DDP, FSDP, DistributedSampler, ShardingStrategy, ZeroRedundancyOptimizer
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,10 @@ class TrainConfig:
     """Collective backend: tcp, nccl or auto."""
     bucket_cap_mb: float = 25.0
     """DDP bucket size."""
+    parallel: str = "ddp"
+    """How the ranks share the work: ddp, zero (DDP + ZeroRedundancyOptimizer) or fsdp."""
+    sharding: str = "full_shard"
+    """FSDP sharding strategy (full_shard, shard_grad_op, no_shard) with --parallel fsdp."""
 
 
 def make_dataset(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -86,6 +93,30 @@ def _progress(epoch: int, epochs: int, step: int, steps: int, loss: float) -> No
     sys.stderr.flush()
 
 
+class Trainer(NamedTuple):
+    """The wrapped model with what a step needs: its optimizer, gradient clipping and a full state dict."""
+
+    model: nn.Module
+    opt: Optimizer
+    clip: Callable[[float], float]
+    state: Callable[[], dict[str, Any]]
+    """Collective for fsdp: every rank calls it (rank 0 gets the full state)."""
+
+
+def wrap(cfg: TrainConfig, model: nn.Module, group: ProcessGroup) -> Trainer:
+    """Wrap `model` for `cfg.parallel` over `group`."""
+    decay = 1e-4
+    if cfg.parallel == "fsdp":
+        fsdp = FSDP(model, group, sharding_strategy=ShardingStrategy[cfg.sharding.upper()])
+        return Trainer(fsdp, AdamW(list(fsdp.parameters()), lr=cfg.lr, weight_decay=decay), fsdp.clip_grad_norm_,
+                       lambda: dict(fsdp.full_state_dict(rank0_only=True)))
+    ddp = DDP(model, group, bucket_cap_mb=cfg.bucket_cap_mb)
+    params = list(model.parameters())
+    opt: Optimizer = (ZeroRedundancyOptimizer(params, AdamW, group, lr=cfg.lr, weight_decay=decay)
+                      if cfg.parallel == "zero" else AdamW(params, lr=cfg.lr, weight_decay=decay))
+    return Trainer(ddp, opt, lambda max_norm: clip_grad_norm_(params, max_norm), lambda: dict(model.state_dict()))
+
+
 def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
     model.eval()
     pred = model(x).argmax(axis=1)
@@ -96,11 +127,10 @@ def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
 def train(cfg: TrainConfig, group: Any = None) -> dict[str, Any]:
     """Train over `group` (default: axond's default group); returns per-epoch losses and the test accuracy."""
     x_train, y_train, x_test, y_test = make_dataset(cfg)
-    model = build_model(cfg)
-    ddp = DDP(model, group, bucket_cap_mb=cfg.bucket_cap_mb)
-    comm = ddp.process_group
+    comm = group if group is not None else default_group()
     rank, world = comm.rank, comm.size
-    opt = AdamW(list(model.parameters()), lr=cfg.lr, weight_decay=1e-4)
+    trainer = wrap(cfg, build_model(cfg), comm)
+    model, opt = trainer.model, trainer.opt
     loss_fn = nn.CrossEntropyLoss()
     sampler = (DistributedSampler(len(x_train), shuffle=True, seed=cfg.seed) if group is None
                else DistributedSampler(len(x_train), world, rank, shuffle=True, seed=cfg.seed))
@@ -116,24 +146,24 @@ def train(cfg: TrainConfig, group: Any = None) -> dict[str, Any]:
         for step in range(steps):
             batch = indices[step * cfg.batch_size : (step + 1) * cfg.batch_size]
             opt.zero_grad()
-            loss = loss_fn(ddp(x_train[batch]), y_train[batch])
-            ddp.backward(loss_fn.backward())
-            clip_grad_norm_(model.parameters(), 5.0)
+            loss = loss_fn(model(x_train[batch]), y_train[batch])
+            model.backward(loss_fn.backward())
+            trainer.clip(5.0)
             opt.step()
             totals += (loss * len(batch), len(batch))
             if show_bar:
                 _progress(epoch, cfg.epochs, step + 1, steps, totals[0] / totals[1])
         comm.all_reduce(totals, op=axond.ReduceOp.SUM)
         losses.append(float(totals[0] / totals[1]))
+        acc = accuracy(model, x_test, y_test)  # on every rank: FSDP gathers parameters collectively
         if rank == 0:
             if show_bar:
                 sys.stderr.write("\n")
             rate = totals[1] / (time.perf_counter() - start)
-            print(f"epoch {epoch}/{cfg.epochs} loss {losses[-1]:.4f} "
-                  f"test_acc {accuracy(model, x_test, y_test):.3f} samples/s {rate:.0f}", flush=True)
+            print(f"epoch {epoch}/{cfg.epochs} loss {losses[-1]:.4f} test_acc {acc:.3f} samples/s {rate:.0f}", flush=True)
     test_acc = accuracy(model, x_test, y_test)
+    state = trainer.state() if cfg.checkpoint else {}
     if rank == 0 and cfg.checkpoint:
-        state = dict(model.state_dict())
         state["epochs"] = np.array(cfg.epochs)
         save_checkpoint(cfg.checkpoint, state)
         print(f"saved checkpoint {cfg.checkpoint}", flush=True)
@@ -153,12 +183,17 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--checkpoint", default=os.environ.get("AXOND_CHECKPOINT", d.checkpoint), help='"" to skip')
     p.add_argument("--backend", default=d.backend, choices=["auto", "tcp", "nccl"])
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
+    p.add_argument("--parallel", default=d.parallel, choices=["ddp", "zero", "fsdp"],
+                   help="ddp, zero (DDP + ZeroRedundancyOptimizer) or fsdp")
+    p.add_argument("--sharding", default=d.sharding, choices=["full_shard", "shard_grad_op", "no_shard"],
+                   help="FSDP sharding strategy (with --parallel fsdp)")
     a = p.parse_args(argv)
     for name in ("epochs", "batch_size", "samples", "hidden", "depth"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
     return TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, samples=a.samples, hidden=a.hidden,
-                       depth=a.depth, seed=a.seed, checkpoint=a.checkpoint, backend=a.backend, bucket_cap_mb=a.bucket_cap_mb)
+                       depth=a.depth, seed=a.seed, checkpoint=a.checkpoint, backend=a.backend, bucket_cap_mb=a.bucket_cap_mb,
+                       parallel=a.parallel, sharding=a.sharding)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,3 +100,11 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release sockets, threads and communicators; idempotent."""
+
+    def abort(self, reason: str) -> None:
+        """Give up on the group because this rank failed: peers blocked on it raise instead of waiting.
+
+        The default closes the links, which peers see as a closed connection; backends that can
+        say why (tcp) send `reason` instead. The group is unusable afterwards; `close` still releases it.
+        """
+        self.close()

@@ -325,5 +325,10 @@ class TcpBackend(TcpAlgorithms, Backend):
     def close(self) -> None:
         self.g.close_peers()
 
+    def abort(self, reason: str) -> None:
+        """Send every peer an abort frame carrying `reason` (each raises `DistributedError` quoting it) and
+        shut down writing; the sockets stay open until `close` so that the frames are not lost to a reset."""
+        self.g.abort(reason)
+
 
 BACKEND = TcpBackend

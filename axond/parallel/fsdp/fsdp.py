@@ -9,10 +9,14 @@ an ordinary `axond.nn.optim` optimizer built after wrapping steps only this rank
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
+
+from axond.distributed.reduce_op import ReduceOp
 from axond.nn.device import Array, array_module, device_of, to_device
 from axond.nn.module import Module, Parameter, RemovableHandle
 from axond.parallel.ddp.comm import broadcast_coalesced
@@ -161,6 +165,29 @@ class FullyShardedDataParallel(Module):
             yield
         finally:
             self._sync_enabled = previous
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Scale the shards' gradients so that the whole model's gradient norm is at most `max_norm`.
+
+        Collective over the shard group: each rank's part of the norm is summed (max for inf) there,
+        so every rank clips by the same factor and returns the same total norm (the norm before clipping).
+        `axond.nn.utils.clip_grad_norm_` on `fsdp.parameters()` would see only this rank's shard.
+        """
+        grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
+        part = np.zeros(1, np.float64)
+        infinite = norm_type == math.inf
+        for g in grads:
+            a = array_module(g).abs(g)
+            value = float(a.max()) if infinite else float((a.astype(np.float64) ** norm_type).sum())
+            part[0] = max(part[0], value) if infinite else part[0] + value
+        if self.shard_group is not None and self.shard_group.size > 1:
+            self.shard_group.all_reduce(part, op=ReduceOp.MAX if infinite else ReduceOp.SUM)
+        total = float(part[0]) if infinite else float(part[0]) ** (1.0 / norm_type)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g *= coef
+        return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the shards' gradients and any full gradient accumulated under `no_sync`."""

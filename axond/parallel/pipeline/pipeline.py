@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from axond.distributed.process_group import ProcessGroup
+from axond.errors import DistributedError
 from axond.nn.container import Sequential
 from axond.nn.device import Array, array_module
 from axond.nn.module import Module, Parameter
@@ -143,6 +144,9 @@ class Pipeline:
                                          f"Embedding?); only stage 0 may take non-differentiable inputs")
                     links.send_grad(grad_in, m, stage - 1, stage_rank(stage - 1, size))
             links.wait_sends()
+        except Exception as e:
+            self._abort(e)
+            raise
         finally:
             stash.clear()
         return self._broadcast_loss(total)
@@ -156,20 +160,30 @@ class Pipeline:
         links = StageLinks(self.group, self._forward_incoming, self._xp())
         outs: dict[int, Array] = {}
         size, last = self.group.size, self.num_stages - 1
-        for a in self._forward_actions:
-            stage, module, m = self.stage_ids[a.chunk], self.stages[a.chunk], a.microbatch
-            inp = xs[m] if stage == 0 else links.recv_activation(m, stage, stage_rank(stage - 1, size))
-            out = module(inp)
-            module.save_context()
-            if stage == last:
-                outs[m] = out
-            else:
-                links.send_activation(out, m, stage + 1, stage_rank(stage + 1, size))
-        links.wait_sends()
+        try:
+            for a in self._forward_actions:
+                stage, module, m = self.stage_ids[a.chunk], self.stages[a.chunk], a.microbatch
+                inp = xs[m] if stage == 0 else links.recv_activation(m, stage, stage_rank(stage - 1, size))
+                out = module(inp)
+                module.save_context()
+                if stage == last:
+                    outs[m] = out
+                else:
+                    links.send_activation(out, m, stage + 1, stage_rank(stage + 1, size))
+            links.wait_sends()
+        except Exception as e:
+            self._abort(e)
+            raise
         if not self.is_last:
             return None
         first = outs[0]
         return array_module(first).concatenate([outs[m] for m in range(self.num_microbatches)], axis=0)
+
+    def _abort(self, error: Exception) -> None:
+        """A stage of this rank failed on its own: abort the group so the other stages raise now, not at their timeout."""
+        if not isinstance(error, DistributedError):
+            self.group.abort(f"pipeline stage(s) {self.stage_ids} on group rank {self.group.rank} failed: "
+                             f"{type(error).__name__}: {error}")
 
     def _split(self, batch: Array | None, name: str) -> tuple[list[Array], list[float]]:
         """The batch's M microbatches (views along axis 0, sizes differing by at most one) and row weights."""
