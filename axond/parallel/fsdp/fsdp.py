@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from axond.distributed.process_group import ProcessGroup
 from axond.distributed.reduce_op import ReduceOp
 from axond.nn.device import Array, array_module, device_of, to_device
 from axond.nn.module import Module, Parameter, RemovableHandle
@@ -24,23 +25,23 @@ from axond.parallel.fsdp.comm import GroupLike, broadcast_from_first, default_gr
 from axond.parallel.fsdp.config import CPUOffload, FSDPConfig, ShardingStrategy
 from axond.parallel.fsdp.flat_param import FlatLayout
 from axond.parallel.fsdp.unit import FSDPUnit, MemoryStats
+from axond.parallel.mesh import DeviceMesh
 from axond.parallel.fsdp.wrap import UnitPlan, WrapPolicy, install, plan_units, select_unit_modules
 
 
-def resolve_groups(strategy: ShardingStrategy, group: Any, mesh: Any) -> tuple[GroupLike | None, GroupLike | None, int]:
+def resolve_groups(strategy: ShardingStrategy, group: ProcessGroup | None, mesh: DeviceMesh | None) -> tuple[GroupLike | None, GroupLike | None, int]:
     """(shard group, replicate group, this rank's place in the whole data-parallel group) for `strategy`."""
     if group is not None and mesh is not None:
         raise ValueError("pass either group= or mesh= to FullyShardedDataParallel, not both")
     if strategy is ShardingStrategy.HYBRID_SHARD:
-        ndim = getattr(mesh, "ndim", None)
-        if ndim != 2:
+        if mesh is None or mesh.ndim != 2:
             raise ValueError(
                 "HYBRID_SHARD needs mesh=DeviceMesh((replicas, shard_size)) with 2 dimensions (replicate, shard); "
                 f"got mesh={mesh!r}"
             )
         return mesh.get_group(1), mesh.get_group(0), int(mesh.parent.rank)
     if mesh is not None:
-        if getattr(mesh, "ndim", None) != 1:
+        if mesh.ndim != 1:
             raise ValueError(f"{strategy.name} runs over one group: pass group= or a 1-d mesh (a 2-d mesh is for HYBRID_SHARD); got {mesh!r}")
         group = mesh.get_group(0)
     group = group if group is not None else default_group()
@@ -55,10 +56,10 @@ class FullyShardedDataParallel(Module):
     def __init__(
         self,
         module: Module,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
         cpu_offload: CPUOffload | None = None,
-        mesh: Any = None,
+        mesh: DeviceMesh | None = None,
         wrap: WrapPolicy = None,
         *,
         sync_module_states: bool = True,

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from axond.distributed.process_group import ProcessGroup
 from axond.nn.activations import GELU, Dropout
 from axond.nn.device import Array
 from axond.nn.module import Module, require_ctx
@@ -33,7 +34,7 @@ from axond.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 class ParallelMLP(Module):
     """fc2(GELU(fc1(x))): fc1 column-parallel (hidden split, no gather), fc2 row-parallel (reduce)."""
 
-    def __init__(self, d_model: int, hidden: int, group: Any = None, *, dtype: Any = np.float32,
+    def __init__(self, d_model: int, hidden: int, group: ProcessGroup | None = None, *, dtype: Any = np.float32,
                  rng: np.random.Generator | None = None) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -43,7 +44,7 @@ class ParallelMLP(Module):
         self.fc2 = RowParallelLinear(hidden, d_model, group=group, input_is_parallel=True, dtype=dtype, rng=rng)
 
     @classmethod
-    def from_mlp(cls, mlp: MLP, group: Any = None) -> ParallelMLP:
+    def from_mlp(cls, mlp: MLP, group: ProcessGroup | None = None) -> ParallelMLP:
         """This rank's shard of an existing `nn.MLP` (weights copied)."""
         if not isinstance(mlp, MLP):
             raise TypeError(f"ParallelMLP.from_mlp takes an axond.nn.MLP, got {type(mlp).__name__}")
@@ -71,7 +72,7 @@ class ParallelCausalSelfAttention(Module):
     all-reduced once.
     """
 
-    def __init__(self, d_model: int, n_heads: int, group: Any = None, *, dtype: Any = np.float32,
+    def __init__(self, d_model: int, n_heads: int, group: ProcessGroup | None = None, *, dtype: Any = np.float32,
                  rng: np.random.Generator | None = None) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -81,7 +82,7 @@ class ParallelCausalSelfAttention(Module):
         self.v_proj = ColumnParallelLinear(d_model, d_model, group=group, reduce_input_grad=False, dtype=dtype, rng=rng)
         self.out_proj = RowParallelLinear(d_model, d_model, group=group, input_is_parallel=True, dtype=dtype, rng=rng)
 
-    def _check(self, d_model: int, n_heads: int, group: Any) -> None:
+    def _check(self, d_model: int, n_heads: int, group: ProcessGroup) -> None:
         if n_heads <= 0 or d_model % n_heads != 0:
             raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
         self.local_heads = shard_size(n_heads, group, "ParallelCausalSelfAttention n_heads")
@@ -90,7 +91,7 @@ class ParallelCausalSelfAttention(Module):
         self.group = group
 
     @classmethod
-    def from_attention(cls, attn: CausalSelfAttention, group: Any = None) -> ParallelCausalSelfAttention:
+    def from_attention(cls, attn: CausalSelfAttention, group: ProcessGroup | None = None) -> ParallelCausalSelfAttention:
         """This rank's heads of an existing `nn.CausalSelfAttention` (weights copied)."""
         if not isinstance(attn, CausalSelfAttention):
             raise TypeError(f"from_attention takes an axond.nn.CausalSelfAttention, got {type(attn).__name__}")
@@ -136,7 +137,7 @@ class ParallelTransformerBlock(Module):
     gradients and (same seed) their masks, and no extra communication is needed.
     """
 
-    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, dropout: float = 0.0, group: Any = None,
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, dropout: float = 0.0, group: ProcessGroup | None = None,
                  *, dtype: Any = np.float32, rng: np.random.Generator | None = None, seed: int = 0) -> None:
         super().__init__()
         group = resolve_group(group)
@@ -148,7 +149,7 @@ class ParallelTransformerBlock(Module):
         self.drop2 = Dropout(dropout, seed=seed + 1)
 
     @classmethod
-    def from_block(cls, block: TransformerBlock, group: Any = None) -> ParallelTransformerBlock:
+    def from_block(cls, block: TransformerBlock, group: ProcessGroup | None = None) -> ParallelTransformerBlock:
         """This rank's shard of an existing `nn.TransformerBlock` (weights copied, no gradients; norms and dropouts copied whole)."""
         if not isinstance(block, TransformerBlock):
             raise TypeError(f"from_block takes an axond.nn.TransformerBlock, got {type(block).__name__}")

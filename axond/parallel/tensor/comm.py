@@ -15,13 +15,12 @@ Splits are contiguous: group rank r holds last-dim features [r * n / N, (r + 1) 
 
 from __future__ import annotations
 
-from typing import Any
-
+from axond.distributed.process_group import ProcessGroup
 from axond.nn.device import Array, array_module
 from axond.nn.module import Module
 
 
-def resolve_group(group: Any) -> Any:
+def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
     """`group`, or axond's default group when it is None (a clear error if there is none)."""
     if group is not None:
         return group
@@ -32,7 +31,7 @@ def resolve_group(group: Any) -> Any:
     return api.default_group()
 
 
-def shard_size(total: int, group: Any, what: str) -> int:
+def shard_size(total: int, group: ProcessGroup, what: str) -> int:
     """total / group.size, or a ValueError naming both when it does not divide."""
     if total % group.size != 0:
         raise ValueError(f"{what} ({total}) must be divisible by the tensor-parallel group size ({group.size}); "
@@ -40,7 +39,7 @@ def shard_size(total: int, group: Any, what: str) -> int:
     return total // group.size
 
 
-def all_reduce_sum(x: Array, group: Any) -> Array:
+def all_reduce_sum(x: Array, group: ProcessGroup) -> Array:
     """Sum `x` over `group` IN PLACE when `x` is contiguous (pass an array you own); returns the result."""
     if group.size == 1:
         return x
@@ -49,7 +48,7 @@ def all_reduce_sum(x: Array, group: Any) -> Array:
     return x
 
 
-def split_last_dim(x: Array, group: Any) -> Array:
+def split_last_dim(x: Array, group: ProcessGroup) -> Array:
     """This rank's contiguous block of the last dimension (a contiguous copy)."""
     if group.size == 1:
         return x
@@ -58,7 +57,7 @@ def split_last_dim(x: Array, group: Any) -> Array:
     return array_module(x).ascontiguousarray(x[..., start : start + width])
 
 
-def all_gather_first_dim(x: Array, group: Any) -> Array:
+def all_gather_first_dim(x: Array, group: ProcessGroup) -> Array:
     """Concatenate every rank's `x` along the first dimension, in group-rank order (a new array)."""
     if group.size == 1:
         return x.copy()
@@ -68,7 +67,7 @@ def all_gather_first_dim(x: Array, group: Any) -> Array:
     return blocks.reshape(group.size * x.shape[0], *x.shape[1:])
 
 
-def all_gather_last_dim(x: Array, group: Any) -> Array:
+def all_gather_last_dim(x: Array, group: ProcessGroup) -> Array:
     """Concatenate every rank's `x` along the last dimension, in group-rank order."""
     if group.size == 1:
         return x
@@ -82,7 +81,7 @@ def all_gather_last_dim(x: Array, group: Any) -> Array:
 class _Region(Module):
     """A parameter-free communication step bound to one group."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.group = resolve_group(group)
 

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from axond.distributed.process_group import ProcessGroup
 from axond.nn import init
 from axond.nn.device import Array
 from axond.nn.linear import Linear
@@ -72,7 +73,7 @@ class _ParallelLinear(Module):
         self.bias = Parameter(b.copy()) if b is not None else None
 
     @classmethod
-    def _blank(cls: type[_L], group: Any) -> _L:
+    def _blank(cls: type[_L], group: ProcessGroup | None) -> _L:
         """An empty layer bound to `group`, for `from_linear` (no random draws)."""
         layer = cls.__new__(cls)
         Module.__init__(layer)
@@ -121,7 +122,7 @@ class ColumnParallelLinear(_ParallelLinear):
     `reduce_input_grad=False`, for callers that sum several column layers' d x and reduce it once.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: Any = None, *,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: ProcessGroup | None = None, *,
                  gather_output: bool = False, reduce_input_grad: bool = True, dtype: Any = np.float32,
                  rng: np.random.Generator | None = None) -> None:
         super().__init__()
@@ -130,7 +131,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self._init_from_rng(in_features, out_features, bias, dtype, rng)
 
     @classmethod
-    def from_linear(cls, linear: Linear, group: Any = None, *, gather_output: bool = False,
+    def from_linear(cls, linear: Linear, group: ProcessGroup | None = None, *, gather_output: bool = False,
                     reduce_input_grad: bool = True) -> ColumnParallelLinear:
         """This rank's output-feature slice of an existing `nn.Linear` (weights copied)."""
         layer = cls._blank(group)
@@ -191,7 +192,7 @@ class RowParallelLinear(_ParallelLinear):
     gradient on every rank.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: Any = None, *,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: ProcessGroup | None = None, *,
                  input_is_parallel: bool = True, dtype: Any = np.float32,
                  rng: np.random.Generator | None = None) -> None:
         super().__init__()
@@ -200,7 +201,7 @@ class RowParallelLinear(_ParallelLinear):
         self._init_from_rng(in_features, out_features, bias, dtype, rng)
 
     @classmethod
-    def from_linear(cls, linear: Linear, group: Any = None, *, input_is_parallel: bool = True) -> RowParallelLinear:
+    def from_linear(cls, linear: Linear, group: ProcessGroup | None = None, *, input_is_parallel: bool = True) -> RowParallelLinear:
         """This rank's input-feature slice of an existing `nn.Linear` (weights copied)."""
         layer = cls._blank(group)
         layer._set_options(input_is_parallel)

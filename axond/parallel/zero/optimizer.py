@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from axond.distributed.process_group import ProcessGroup
 from axond.nn.device import Array, array_module, device_of, empty_on
 from axond.nn.module import Parameter
 from axond.nn.optim import AdamW, Optimizer
@@ -43,7 +44,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self,
         params: Iterable[Parameter],
         optimizer_class: type[Optimizer] = AdamW,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         *,
         average_gradients: bool = False,
         **defaults: Any,
