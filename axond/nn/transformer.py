@@ -64,21 +64,25 @@ class CausalSelfAttention(Module):
             raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
         self.d_model = d_model
         self.n_heads = n_heads
-        self.q_proj = Linear(d_model, d_model, dtype=dtype, rng=rng)
-        self.k_proj = Linear(d_model, d_model, dtype=dtype, rng=rng)
-        self.v_proj = Linear(d_model, d_model, dtype=dtype, rng=rng)
-        self.out_proj = Linear(d_model, d_model, dtype=dtype, rng=rng)
+        self.q_proj: Module = Linear(d_model, d_model, dtype=dtype, rng=rng)
+        self.k_proj: Module = Linear(d_model, d_model, dtype=dtype, rng=rng)
+        self.v_proj: Module = Linear(d_model, d_model, dtype=dtype, rng=rng)
+        self.out_proj: Module = Linear(d_model, d_model, dtype=dtype, rng=rng)
 
     def forward(self, x: Array) -> Array:
         if x.ndim != 3:
             raise ValueError(f"CausalSelfAttention expects (batch, time, d_model) inputs, got shape {tuple(x.shape)}")
-        heads = self.q_proj.out_features // (self.d_model // self.n_heads)
+        heads = self._heads()
         q = split_heads(self.q_proj(x), heads)
         k = split_heads(self.k_proj(x), heads)
         v = split_heads(self.v_proj(x), heads)
         out, probs = causal_attention_forward(q, k, v)
         self._ctx = (q, k, v, probs)
         return self.out_proj(merge_heads(out))
+
+    def _heads(self) -> int:
+        """Heads this module computes (all of them here; a tensor-parallel subclass computes its share)."""
+        return self.n_heads
 
     def backward(self, grad_out: Array) -> Array:
         q, k, v, probs = require_ctx(self)

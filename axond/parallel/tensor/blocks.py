@@ -16,17 +16,10 @@ import numpy as np
 from axond.distributed.process_group import ProcessGroup
 from axond.nn.activations import GELU, Dropout
 from axond.nn.device import Array
-from axond.nn.module import Module, require_ctx
+from axond.nn.linear import Linear
+from axond.nn.module import Module
 from axond.nn.norm import LayerNorm
-from axond.nn.transformer import (
-    MLP,
-    CausalSelfAttention,
-    TransformerBlock,
-    causal_attention_backward,
-    causal_attention_forward,
-    merge_heads,
-    split_heads,
-)
+from axond.nn.transformer import MLP, CausalSelfAttention, TransformerBlock
 from axond.parallel.tensor.comm import all_reduce_sum, resolve_group, shard_size
 from axond.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -64,17 +57,24 @@ class ParallelMLP(Module):
         return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)))
 
 
-class ParallelCausalSelfAttention(Module):
+def _linear(m: Module) -> Linear:
+    if not isinstance(m, Linear):
+        raise TypeError(f"from_attention shards the nn.Linear projections of a single-process attention, got a "
+                        f"{type(m).__name__} (is it already tensor-parallel?)")
+    return m
+
+
+class ParallelCausalSelfAttention(CausalSelfAttention):
     """`nn.CausalSelfAttention` with the heads split over the group.
 
     Q, K and V are column-parallel (rank r computes heads [r h, (r + 1) h), h = n_heads / N) and
     the output projection row-parallel. Their three partial input gradients are summed and
-    all-reduced once.
+    all-reduced once. Forward and the local backward are `nn.CausalSelfAttention`'s.
     """
 
     def __init__(self, d_model: int, n_heads: int, group: ProcessGroup | None = None, *, dtype: Any = np.float32,
                  rng: np.random.Generator | None = None) -> None:
-        super().__init__()
+        Module.__init__(self)
         group = resolve_group(group)
         self._check(d_model, n_heads, group)
         self.q_proj = ColumnParallelLinear(d_model, d_model, group=group, reduce_input_grad=False, dtype=dtype, rng=rng)
@@ -99,32 +99,17 @@ class ParallelCausalSelfAttention(Module):
         Module.__init__(out)
         group = resolve_group(group)
         out._check(attn.d_model, attn.n_heads, group)
-        out.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, reduce_input_grad=False)
-        out.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, reduce_input_grad=False)
-        out.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, reduce_input_grad=False)
-        out.out_proj = RowParallelLinear.from_linear(attn.out_proj, group, input_is_parallel=True)
+        out.q_proj = ColumnParallelLinear.from_linear(_linear(attn.q_proj), group, reduce_input_grad=False)
+        out.k_proj = ColumnParallelLinear.from_linear(_linear(attn.k_proj), group, reduce_input_grad=False)
+        out.v_proj = ColumnParallelLinear.from_linear(_linear(attn.v_proj), group, reduce_input_grad=False)
+        out.out_proj = RowParallelLinear.from_linear(_linear(attn.out_proj), group, input_is_parallel=True)
         return out
 
-    def forward(self, x: Array) -> Array:
-        if x.ndim != 3:
-            raise ValueError(f"ParallelCausalSelfAttention expects (batch, time, d_model) inputs, "
-                             f"got shape {tuple(x.shape)}")
-        q = split_heads(self.q_proj(x), self.local_heads)
-        k = split_heads(self.k_proj(x), self.local_heads)
-        v = split_heads(self.v_proj(x), self.local_heads)
-        out, probs = causal_attention_forward(q, k, v)
-        self._ctx = (q, k, v, probs)
-        return self.out_proj(merge_heads(out))
+    def _heads(self) -> int:
+        return self.local_heads
 
     def backward(self, grad_out: Array) -> Array:
-        q, k, v, probs = require_ctx(self)
-        self._ctx = None
-        dout = split_heads(self.out_proj.backward(grad_out), self.local_heads)
-        dq, dk, dv = causal_attention_backward(dout, q, k, v, probs)
-        dx = self.v_proj.backward(merge_heads(dv))
-        dx += self.k_proj.backward(merge_heads(dk))
-        dx += self.q_proj.backward(merge_heads(dq))
-        return all_reduce_sum(dx, self.group)
+        return all_reduce_sum(super().backward(grad_out), self.group)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads} ({self.local_heads} on this rank)"
