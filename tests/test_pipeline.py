@@ -22,8 +22,10 @@ import pytest
 import axond.nn as nn
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.process_group import ProcessGroup
+from axond.distributed.seed import sync_gradients
 from axond.errors import DistributedError
 from axond.nn.optim import SGD
+from axond.parallel.mesh import DeviceMesh
 from axond.parallel.pipeline import Pipeline, PipelineSchedule
 from axond.testing import run_on, run_threads, thread_groups
 
@@ -277,3 +279,42 @@ def test_a_failing_stage_that_stays_alive_aborts_the_others_at_once() -> None:
         assert isinstance(error, DistributedError), repr(error)
         assert "stage exploded" in str(error), str(error)
         assert seconds < 5.0, f"rank {rank} needed {seconds:.1f} s although the failing stage aborted the group"
+
+
+def test_pipeline_with_data_parallel_replicas_on_a_2x2_mesh() -> None:
+    """DP x PP: each row of a (dp=2, pp=2) mesh pipelines its half of the batch; the stage gradients are then
+    averaged over the dp group (sync_gradients). Parameters match single-process training on the whole batch."""
+
+    def data(step: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(300 + step)
+        return rng.standard_normal((12, 5)), rng.integers(0, 3, 12)
+
+    def fn(world: ProcessGroup) -> dict[str, np.ndarray]:
+        mesh = DeviceMesh((2, 2), ("dp", "pp"), group=world)
+        try:
+            dp, pp = mesh.get_group("dp"), mesh.get_group("pp")
+            pipe = Pipeline(mlp(), pp, schedule=ONE_F_ONE_B, num_microbatches=3, loss_fn=nn.CrossEntropyLoss())
+            params = list(pipe.parameters())
+            opt = SGD(params, lr=0.1, momentum=0.9)
+            rows = slice(6 * dp.rank, 6 * dp.rank + 6)
+            for step in range(STEPS):
+                x, y = data(step)
+                pipe.zero_grad()
+                pipe.step(x[rows] if pipe.is_first else None, y[rows] if pipe.is_last else None)
+                sync_gradients([p.grad for p in params if p.grad is not None], dp)
+                opt.step()
+            return {n: p.data.copy() for n, p in pipe.named_parameters()}
+        finally:
+            mesh.destroy()
+
+    results = run_ranks(4, fn)
+    _, _, want = reference(mlp, data)
+    got: dict[str, np.ndarray] = {}
+    for params in results:
+        for name, value in params.items():
+            if name in got:
+                np.testing.assert_array_equal(value, got[name], err_msg=f"dp replicas of {name} differ")
+            got[name] = value
+    assert sorted(got) == sorted(want)
+    for name, value in got.items():
+        np.testing.assert_allclose(value, want[name], rtol=0, atol=TOL, err_msg=name)
