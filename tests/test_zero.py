@@ -97,6 +97,9 @@ def test_zero_behind_ddp_matches_plain_optimizer(world: int, opt: str) -> None:
             local_grads(ddp, step, g.rank, g.size)
             zero.step()
         held = sum(v.size for st in zero.optim.state for v in st.values() if hasattr(v, "size"))
+        # the parameters live in the buckets' flat buffers: no second copy of them is kept
+        flats = [b.flat for b in zero.buckets]
+        assert all(any(np.shares_memory(p.data, f) for f in flats) for p in model.parameters())
         return [p.data.copy() for p in model.parameters()], zero.local_numel, held
 
     total = sum(p.size for p in mlp(0).parameters())
@@ -180,3 +183,24 @@ def test_zero_grad_buckets_and_errors() -> None:
             other.load_state_dict(zero.state_dict())
 
     run_ranks(2, body)
+
+
+def test_parameters_replaced_after_wrapping_are_taken_back_into_the_flat_buffer() -> None:
+    """`p.data = new_array` (e.g. `module.to(...)`) detaches a parameter from the flat buffer; step() copies it
+    back in before updating, so the update starts from the new values and all ranks agree."""
+
+    def body(g: ProcessGroup) -> list[np.ndarray]:
+        model = mlp(0)
+        zero = ZeroRedundancyOptimizer(model.parameters(), SGD, group=g, lr=0.5)
+        first = next(iter(model.parameters()))
+        first.data = first.data * 2.0 + 1.0
+        for p in model.parameters():
+            p.grad = np.ones_like(p.data)
+        zero.step()
+        assert any(np.shares_memory(first.data, b.flat) for b in zero.buckets)
+        return [p.data.copy() for p in model.parameters()]
+
+    want = [p.data - 0.5 for p in mlp(0).parameters()]
+    want[0] = next(iter(mlp(0).parameters())).data * 2.0 + 1.0 - 0.5
+    for params in run_ranks(2, body):
+        assert_close(params, want)

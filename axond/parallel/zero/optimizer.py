@@ -1,9 +1,10 @@
 """`ZeroRedundancyOptimizer` (ZeRO-1): every rank keeps optimizer state for 1/N of the parameters only.
 
-The parameters (per dtype and device) are laid out as one flat buffer cut into N equal shards, with
-the same `FlatLayout` FSDP uses. `step()` copies this rank's slice of the parameters and of their
-gradients into a shard `Parameter`, lets the wrapped optimizer update that shard alone, then
-all-gathers the updated shards back into every rank's parameters.
+The parameters (per dtype and device) move into one flat buffer cut into N equal shards, with the
+same `FlatLayout` FSDP uses: each parameter's `.data` becomes a view of it, and this rank's shard
+`Parameter` is a view too. `step()` copies this rank's slice of the gradients, lets the wrapped
+optimizer update the shard in place, then all-gathers the shards in place into the flat buffer,
+which is every parameter at once: no second copy of the parameters is kept.
 
 Gradients: by default `step()` expects them already averaged over the group (DDP does that, as
 with torch's ZeroRedundancyOptimizer) and reads only this rank's slice. With
@@ -25,16 +26,31 @@ from axond.parallel.fsdp.flat_param import FlatLayout
 
 
 class _Bucket:
-    """Parameters of one dtype and device, flattened: this rank's shard and the gather buffer."""
+    """Parameters of one dtype and device, moved into one padded flat buffer; this rank's shard is a view of it."""
 
     def __init__(self, params: list[Parameter], world: int, rank: int) -> None:
         self.params = params
         self.layout = FlatLayout([p.shape for p in params], world)
         self.start, self.stop = self.layout.shard_range(rank)
-        like = params[0].data
-        self.shard = Parameter(self.layout.copy_range([p.data for p in params], self.start, self.stop,
-                                                      empty_on(like, self.stop - self.start, like.dtype)))
-        self.flat = empty_on(like, self.layout.padded_numel, like.dtype)
+        self.flat = self.layout.flatten([p.data for p in params], params[0].data)
+        self.views = self.layout.views(self.flat)
+        for p, view in zip(params, self.views):
+            p.data = view
+        self.shard = Parameter(self.flat[self.start : self.stop])
+        self.grad: Array | None = None
+
+    def rebind(self) -> None:
+        """Re-attach parameters whose `.data` was replaced (e.g. by `load_state_dict`) to the flat buffer."""
+        for p, view in zip(self.params, self.views):
+            if p.data is not view:
+                view[...] = p.data
+                p.data = view
+
+    def shard_grad(self) -> Array:
+        """A reusable buffer for this rank's slice of the gradients."""
+        if self.grad is None:
+            self.grad = empty_on(self.flat, self.layout.shard_numel, self.flat.dtype)
+        return self.grad
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -75,20 +91,19 @@ class ZeroRedundancyOptimizer(Optimizer):
     def step(self) -> None:
         """Update this rank's shard with the wrapped optimizer, then all-gather the shards into the parameters."""
         for b in self.buckets:
-            b.layout.copy_range([p.data for p in b.params], b.start, b.stop, b.shard.data)
+            b.rebind()
             grads = [p.grad for p in b.params]
             if self.average_gradients:
-                full = b.layout.flatten(grads, b.shard.data)
-                b.shard.grad = empty_on(full, b.layout.shard_numel, full.dtype)
+                full = b.layout.flatten(grads, b.flat)
+                b.shard.grad = b.shard_grad()
                 reduce_scatter_shards(full, b.shard.grad, self.group)
             elif all(g is None for g in grads):
                 b.shard.grad = None
             else:
-                b.shard.grad = b.layout.copy_range(grads, b.start, b.stop, empty_on(b.shard.data, b.layout.shard_numel, b.shard.dtype))
+                b.shard.grad = b.layout.copy_range(grads, b.start, b.stop, b.shard_grad())
         self.optim.step()
         for b in self.buckets:
             all_gather_shards(b.shard.data, b.flat, self.group)
-            b.layout.unflatten_into(b.flat, [p.data for p in b.params])
 
     def state_dict(self) -> dict[str, Any]:
         """The consolidated state (collective): full-length flat state per bucket, the same on every rank.
