@@ -392,3 +392,25 @@ def test_run_threads_reports_the_failing_rank() -> None:
     with pytest.raises(RankFailed, match="rank 1 of 2 failed: boom on one") as info:
         run_threads(body, 2, timeout=10.0, options=SHORT)
     assert "Traceback" in str(info.value)
+
+
+@pytest.mark.parametrize("world", [3, 4, 5])
+def test_ring_reduce_scatter_reuses_two_blocks_of_scratch(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large reduce_scatter with small pipeline chunks: partial sums go through two block-sized scratch halves
+    used in turn (a half is rewritten only after the sends reading it left), never a copy of the input."""
+    monkeypatch.setenv("AXOND_TCP_CHUNK_BYTES", "4096")
+    rows = 7_001  # world * rows * 8 bytes > 128 KiB: the ring, not the direct algorithm
+    groups = thread_groups(world, options=BackendOptions(timeout=20.0))
+    try:
+        inputs = [np.random.default_rng(r).standard_normal(world * rows) for r in range(world)]
+        want = np.sum(inputs, axis=0)
+        for _ in range(2):
+            outs = run_on(groups, lambda pg: pg.reduce_scatter(inputs[pg.rank], ReduceOp.SUM))
+            for r, got in enumerate(outs):
+                np.testing.assert_allclose(got, want[r * rows : (r + 1) * rows], rtol=1e-12, atol=1e-12)
+        for pg in groups:
+            bufs = pg.backend._bufs  # type: ignore[union-attr]
+            assert "work" not in bufs and bufs["rolling"].nbytes == 2 * rows * 8
+    finally:
+        for g in groups:
+            g.destroy()

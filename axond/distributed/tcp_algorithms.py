@@ -27,6 +27,8 @@ class TcpAlgorithms:
     tuning: TcpTuning
     _scratch: Callable[[int, np.dtype, int], np.ndarray]
     """The backend's reusable receive buffer: (nbytes, dtype, count) -> a typed view of it."""
+    _rolling: Callable[[int, np.dtype], np.ndarray]
+    """The backend's reusable buffer for forwarded partial sums: (count, dtype) -> a typed array of `count`."""
 
     def _recursive_doubling(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
         g, r, n = self.g, self.rank, self.size
@@ -61,9 +63,15 @@ class TcpAlgorithms:
         return chunking.block_chunks(count, self.size, itemsize,
                                      chunking.pipeline_chunk_bytes(block_bytes, self.tuning.chunk_bytes))
 
-    def _ring_reduce_scatter(self, c: Call, src: np.ndarray, work: np.ndarray, final: np.ndarray, base: int,
+    def _ring_reduce_scatter(self, c: Call, src: np.ndarray, work: np.ndarray | None, final: np.ndarray, base: int,
                              op: ReduceOp, chunks: list[list[tuple[int, int]]], forward_final: bool) -> None:
-        """Reduce blocks around the ring; this rank's block ends in `final` (offset `base`), optionally forwarded."""
+        """Reduce blocks around the ring; this rank's block ends in `final` (offset `base`), optionally forwarded.
+
+        Partial sums go into `work` at their own offsets (all-reduce passes the array itself), or, when
+        `work` is None, into two block-sized halves of a scratch buffer used in turn: a half is reused
+        two steps later, once the sends that read from it have left. So a reduce-scatter keeps two
+        blocks of scratch (none with two ranks), not a copy of its input.
+        """
         g, r, n = self.g, self.rank, self.size
         ufunc = UFUNCS[op]
         right, left = (r + 1) % n, (r - 1) % n
@@ -72,18 +80,33 @@ class TcpAlgorithms:
             g.send(c, right, byte_view(src[s:e]))
         biggest = max(e - s for blk in chunks for s, e in blk)
         tmp_all = self._scratch(biggest * src.itemsize, src.dtype, biggest)
+        block = max(blk[-1][1] - blk[0][0] for blk in chunks)
+        halves = self._rolling(2 * block, src.dtype) if work is None and n > 2 else None
+        sent: list[int] = []
         for step in range(n - 1):
             _, blk = chunking.ring_reduce_scatter_blocks(r, n, step)
             last = step == n - 2
+            if halves is not None and not last and step >= 2:
+                g.wait_sent(c, right, sent[step - 2])
+            start = chunks[blk][0][0]
+            ticket = 0
             for s, e in chunks[blk]:
                 tmp = tmp_all[: e - s]
                 g.recv(c, left, byte_view(tmp))
-                out = final[s - base : e - base] if last else work[s:e]
+                if last:
+                    out = final[s - base : e - base]
+                elif halves is not None:
+                    at = (step % 2) * block + s - start
+                    out = halves[at : at + e - s]
+                else:
+                    assert work is not None
+                    out = work[s:e]
                 ufunc(src[s:e], tmp, out=out)
                 if last and op is ReduceOp.AVG:
                     finish_average(out, n)
                 if not last or forward_final:
-                    g.send(c, right, byte_view(out))
+                    ticket = g.send(c, right, byte_view(out))
+            sent.append(ticket)
 
     def _ring_all_gather(self, c: Call, x: np.ndarray, chunks: list[list[tuple[int, int]]], post_own: bool) -> None:
         """Circulate blocks around the ring into `x`; this rank's block `rank` is already in place."""

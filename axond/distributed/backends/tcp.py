@@ -93,6 +93,9 @@ class TcpBackend(TcpAlgorithms, Backend):
             buf = self._bufs[name] = np.empty(nbytes, np.uint8)
         return buf[:nbytes].view(dtype)[:count]
 
+    def _rolling(self, count: int, dtype: np.dtype) -> np.ndarray:
+        return self._buffer("rolling", count * dtype.itemsize, dtype, count)
+
     def _inplace(self, x: np.ndarray, op_name: str, body: Callable[[np.ndarray], None]) -> None:
         """Run `body` on a contiguous flat view of `x`, copying back if `x` was not contiguous."""
         work = x if x.flags.c_contiguous else np.ascontiguousarray(x)
@@ -189,8 +192,7 @@ class TcpBackend(TcpAlgorithms, Backend):
             return out
         per = src.size // self.size
         chunks = self._chunks(src.size, src.itemsize)
-        work = self._buffer("work", src.nbytes, src.dtype, src.size)
-        self.g.run("reduce_scatter", self._ring_reduce_scatter, c, src, work, out.reshape(-1),
+        self.g.run("reduce_scatter", self._ring_reduce_scatter, c, src, None, out.reshape(-1),
                    self.rank * per, op, chunks, False)
         self.g.run("reduce_scatter", self.g.flush, c)
         return out
