@@ -414,3 +414,26 @@ def test_ring_reduce_scatter_reuses_two_blocks_of_scratch(world: int, monkeypatc
     finally:
         for g in groups:
             g.destroy()
+
+
+def test_sent_arrays_are_not_kept_alive_by_the_transport(pair: list[ProcessGroup]) -> None:
+    """After a large send completes, nothing in the transport (an idle sender thread) references the array:
+    FSDP frees its full gradient right after reduce-scattering it and relies on that."""
+    import gc
+    import weakref
+
+    def body(pg: ProcessGroup) -> bool:
+        if pg.rank == 0:
+            big = np.ones(1 << 20)  # 8 MiB: goes through the peer's sender thread
+            ref = weakref.ref(big)
+            pg.send(big, 1)
+            pg.barrier()
+            del big
+            gc.collect()
+            return ref() is None
+        out = np.empty(1 << 20)
+        pg.recv(out, 0)
+        pg.barrier()
+        return bool(out.min() == 1.0)
+
+    assert run_on(pair, body) == [True, True]

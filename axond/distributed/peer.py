@@ -204,6 +204,7 @@ class Peer:
                     self._queue.clear()
                     self._cond.notify_all()
                 return
+            header, payload = b"", None  # drop the sent buffer: an idle thread must not keep the caller's array alive
             with self._cond:
                 self._done = ticket
                 self._cond.notify_all()
