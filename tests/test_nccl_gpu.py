@@ -265,6 +265,23 @@ def case_hung_peer_is_aborted_by_the_watchdog(pg: ProcessGroup) -> None:
     os._exit(0)
 
 
+def case_abort_fails_the_peers(pg: ProcessGroup) -> None:
+    """The last rank aborts its communicator (ProcessGroup.abort) instead of joining an all_reduce: the others
+    raise DistributedError (NCCL's remote error or the watchdog), bounded by the timeout, and do not hang."""
+    cp = cupy_module()
+    if pg.rank == pg.size - 1:
+        time.sleep(1.0)
+        pg.abort("rank failed outside a collective")
+        with pytest.raises(DistributedError):
+            pg.barrier()
+        os._exit(0)
+    started = time.monotonic()
+    with pytest.raises(DistributedError):
+        pg.all_reduce(cp.ones(1 << 20, cp.float32), ReduceOp.SUM)
+    assert time.monotonic() - started < pg.options.timeout + 10
+    os._exit(0)
+
+
 CASES: dict[str, Callable[[ProcessGroup], None]] = {
     "all_reduce": case_all_reduce,
     "random_floats": case_random_floats_agree_bitwise,
@@ -280,6 +297,7 @@ MULTI_ONLY: dict[str, tuple[Callable[[ProcessGroup], None], float]] = {
     "subgroups": (case_subgroups_get_their_own_communicators, 60.0),
     "mismatched_tag": (case_mismatched_tag_fails_cleanly, 5.0),
     "hung_peer": (case_hung_peer_is_aborted_by_the_watchdog, 3.0),
+    "abort": (case_abort_fails_the_peers, 3.0),
 }
 
 

@@ -337,6 +337,15 @@ class NcclBackend(Backend):
     def barrier(self) -> None:
         nccl_ops.barrier(self).wait()
 
+    def abort(self, reason: str) -> None:
+        """ncclCommAbort at once, without draining: peers blocked on this rank get NCCL's remote error, or
+        their own watchdog fires after the group's timeout. (NCCL carries no message, so `reason` stays local.)"""
+        if self._closed:
+            return
+        self._closed = True
+        self._watchdog.close()
+        self._comm.abort()
+
     def close(self) -> None:
         """Drain the stream (bounded by the timeout), then destroy the communicator; abort it if it hangs."""
         if self._closed:
