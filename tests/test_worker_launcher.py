@@ -144,3 +144,57 @@ def test_exit_code_of_signals() -> None:
     assert exit_code_of(0) == 0
     assert exit_code_of(3) == 3
     assert exit_code_of(-15) == 143
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for a reaper counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_ranks_do_not_outlive_a_killed_worker() -> None:
+    """SIGKILL the process that started the ranks: each rank gets SIGTERM from the kernel (PR_SET_PDEATHSIG,
+    armed by rank_exec.py before the exec) instead of running on as an orphan."""
+    import signal
+    import subprocess
+
+    worker_code = (
+        "import os, sys, time\n"
+        "from axond.worker.launcher import RankSpec, start_ranks\n"
+        "ranks = start_ranks([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+        "                    [RankSpec(rank=i, local_rank=i, env=dict(os.environ)) for i in range(2)], sink=lambda *a: None)\n"
+        "time.sleep(0.5)\n"
+        "print(' '.join(map(str, ranks.pids)), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", worker_code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None
+        pids = [int(p) for p in worker.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "a rank outlived its SIGKILLed worker"
+    finally:
+        worker.kill()
+        worker.wait(timeout=10)
+
+
+def test_rank_exec_reports_a_command_it_cannot_start() -> None:
+    """The shim's own failure path (the launcher normally catches a missing command before starting it)."""
+    import subprocess
+
+    from axond.worker.launcher import RANK_EXEC
+
+    proc = subprocess.run([sys.executable, "-S", RANK_EXEC, str(os.getpid()), "--", "/nonexistent/cmd"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 127 and "cannot start '/nonexistent/cmd'" in proc.stderr
+    usage = subprocess.run([sys.executable, "-S", RANK_EXEC, "x"], capture_output=True, text=True, timeout=30)
+    assert usage.returncode == 2 and "usage" in usage.stderr
