@@ -134,7 +134,7 @@ class TransformerBlock(Module):
         self.attn = CausalSelfAttention(d_model, n_heads, dtype=dtype, rng=rng)
         self.drop1 = Dropout(dropout, seed=seed)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
-        self.mlp = MLP(d_model, mlp_ratio * d_model, dtype=dtype, rng=rng)
+        self.mlp: Module = MLP(d_model, mlp_ratio * d_model, dtype=dtype, rng=rng)
         self.drop2 = Dropout(dropout, seed=seed + 1)
 
     def forward(self, x: Array) -> Array:

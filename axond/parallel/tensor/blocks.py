@@ -37,7 +37,7 @@ class ParallelMLP(Module):
         self.fc2 = RowParallelLinear(hidden, d_model, group=group, input_is_parallel=True, dtype=dtype, rng=rng)
 
     @classmethod
-    def from_mlp(cls, mlp: MLP, group: ProcessGroup | None = None) -> ParallelMLP:
+    def from_mlp(cls, mlp: Module, group: ProcessGroup | None = None) -> ParallelMLP:
         """This rank's shard of an existing `nn.MLP` (weights copied)."""
         if not isinstance(mlp, MLP):
             raise TypeError(f"ParallelMLP.from_mlp takes an axond.nn.MLP, got {type(mlp).__name__}")
@@ -115,7 +115,7 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
         return f"d_model={self.d_model}, n_heads={self.n_heads} ({self.local_heads} on this rank)"
 
 
-class ParallelTransformerBlock(Module):
+class ParallelTransformerBlock(TransformerBlock):
     """`nn.TransformerBlock` (pre-norm) with tensor-parallel attention and MLP.
 
     LayerNorms and dropouts are replicated: their inputs are identical on every rank, so are their
@@ -124,7 +124,7 @@ class ParallelTransformerBlock(Module):
 
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, dropout: float = 0.0, group: ProcessGroup | None = None,
                  *, dtype: Any = np.float32, rng: np.random.Generator | None = None, seed: int = 0) -> None:
-        super().__init__()
+        Module.__init__(self)
         group = resolve_group(group)
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = ParallelCausalSelfAttention(d_model, n_heads, group, dtype=dtype, rng=rng)
@@ -151,10 +151,3 @@ class ParallelTransformerBlock(Module):
             replica.__dict__["_ctx"] = None
         return out
 
-    def forward(self, x: Array) -> Array:
-        h = x + self.drop1(self.attn(self.ln1(x)))
-        return h + self.drop2(self.mlp(self.ln2(h)))
-
-    def backward(self, grad_out: Array) -> Array:
-        dh = grad_out + self.ln2.backward(self.mlp.backward(self.drop2.backward(grad_out)))
-        return dh + self.ln1.backward(self.attn.backward(self.drop1.backward(dh)))
