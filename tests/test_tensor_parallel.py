@@ -23,7 +23,7 @@ import axond.nn as nn
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.process_group import ProcessGroup
 from axond.nn.optim import SGD
-from axond.parallel import DDP, DeviceMesh
+from axond.parallel import DDP, FSDP, DeviceMesh
 from axond.parallel.tensor import (
     ColumnParallelLinear,
     CopyToParallelRegion,
@@ -316,3 +316,39 @@ def test_tensor_and_data_parallel_on_a_2x2_mesh() -> None:
 
     for model, tp_rank in run_ranks(4, body):
         assert_sharded_params(model, ref, tp_rank)
+
+
+def test_fsdp_over_data_parallel_with_tensor_parallel_inside() -> None:
+    """2-D parallelism as torchtitan does it: TP inside each row of a 2x2 mesh, FSDP (FULL_SHARD) across its
+    columns, sharding each rank's TP slices. The gathered TP slices match the single-process model."""
+    rows = 2
+    ref = TinyLM(None, dropout=0.0)
+    train(ref, STEPS, lm_batch(2 * rows), nn.CrossEntropyLoss())
+
+    def body(world: ProcessGroup) -> tuple[Any, ...]:
+        mesh = DeviceMesh((2, 2), ("dp", "tp"), group=world)
+        try:
+            model = TinyLM(mesh.get_group("tp"), dropout=0.0)
+            names = [n for n, _ in model.named_parameters()]
+            shapes = [p.shape for p in model.parameters()]
+            fsdp = FSDP(model, mesh.get_group("dp"))
+            opt = SGD(list(fsdp.parameters()), lr=0.1, momentum=0.9)
+            loss = nn.CrossEntropyLoss()
+            batch = lm_batch(rows, mesh.get_local_rank("dp"), 2)
+            for step in range(STEPS):
+                x, y = batch(step)
+                fsdp.zero_grad()
+                loss(fsdp(x), y)
+                fsdp.backward(loss.backward())
+                opt.step()
+            state = fsdp.full_state_dict()
+            assert fsdp.memory_stats()["sharded_numel"] < sum(int(np.prod(s)) for s in shapes)
+            return {n: state[n] for n in names}, mesh.get_local_rank("tp")
+        finally:
+            mesh.destroy()
+
+    ref_params = dict(ref.named_parameters())
+    for params, tp_rank in run_ranks(4, body):
+        assert list(params) == list(ref_params)
+        for name, value in params.items():
+            close(value, block_of(ref_params[name].data, value.shape, tp_rank))
