@@ -8,9 +8,7 @@ optimizer step is identical on every rank, so the replicas stay equal without fu
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 from axond.nn.device import Array
@@ -18,9 +16,10 @@ from axond.nn.module import Module, RemovableHandle
 from axond.parallel.ddp.buckets import GradientSynchronizer, GroupLike
 from axond.parallel.ddp.comm import broadcast_coalesced, default_group
 from axond.parallel.ddp.config import DDPConfig, GradSyncStrategy
+from axond.parallel.no_sync import NoSync
 
 
-class DistributedDataParallel(Module):
+class DistributedDataParallel(NoSync, Module):
     """Wrap `module` for data-parallel training over `process_group` (default: axond's default group)."""
 
     def __init__(
@@ -115,16 +114,6 @@ class DistributedDataParallel(Module):
         if self.process_group.size == 1:
             return
         self.synchronizer.sync_now()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside accumulate local gradients only; the first backward after it averages the sum."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
 
     def remove_hooks(self) -> None:
         """Detach DDP from the module's parameters (the module can then be used on its own again)."""

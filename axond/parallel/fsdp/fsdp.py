@@ -25,8 +25,9 @@ from axond.parallel.fsdp.comm import GroupLike, broadcast_from_first, default_gr
 from axond.parallel.fsdp.config import CPUOffload, FSDPConfig, ShardingStrategy
 from axond.parallel.fsdp.flat_param import FlatLayout
 from axond.parallel.fsdp.unit import FSDPUnit, MemoryStats
-from axond.parallel.mesh import DeviceMesh
 from axond.parallel.fsdp.wrap import UnitPlan, WrapPolicy, install, plan_units, select_unit_modules
+from axond.parallel.mesh import DeviceMesh
+from axond.parallel.no_sync import NoSync
 
 
 def resolve_groups(strategy: ShardingStrategy, group: ProcessGroup | None, mesh: DeviceMesh | None) -> tuple[GroupLike | None, GroupLike | None, int]:
@@ -50,7 +51,7 @@ def resolve_groups(strategy: ShardingStrategy, group: ProcessGroup | None, mesh:
     return group, None, int(group.rank)
 
 
-class FullyShardedDataParallel(Module):
+class FullyShardedDataParallel(NoSync, Module):
     """Shard `module`'s parameters over `group` (or a 2-d `mesh` for HYBRID_SHARD); see the module docstring."""
 
     def __init__(
@@ -156,16 +157,6 @@ class FullyShardedDataParallel(Module):
         finally:
             for u in self._units:
                 u.free()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside keep full gradients locally; the first backward after it reduces the sum."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale the shards' gradients so that the whole model's gradient norm is at most `max_norm`.
