@@ -136,9 +136,7 @@ class Peer:
                 with self._lock:
                     self._write(header, payload)
             except BaseException as e:
-                with self._cond:
-                    self._error = e
-                    self._cond.notify_all()
+                self._fail(e)
                 raise
             self._done = ticket
             return ticket
@@ -187,6 +185,13 @@ class Peer:
         except OSError as e:
             raise PeerClosed(f"send to peer {self.rank} failed: {e}", self.rank) from e
 
+    def _fail(self, error: BaseException) -> None:
+        """Record a send failure: queued frames are dropped and waiters wake to re-raise it."""
+        with self._cond:
+            self._error = error
+            self._queue.clear()
+            self._cond.notify_all()
+
     def _sender(self) -> None:
         while True:
             with self._cond:
@@ -199,10 +204,7 @@ class Peer:
                 with self._lock:
                     self._write(header, payload)
             except BaseException as e:
-                with self._cond:
-                    self._error = e
-                    self._queue.clear()
-                    self._cond.notify_all()
+                self._fail(e)
                 return
             header, payload = b"", None  # drop the sent buffer: an idle thread must not keep the caller's array alive
             with self._cond:
