@@ -8,6 +8,11 @@ broadcast: algbw), and a correctness check. When torch (gloo) or mpi4py (+ mpiru
 same sizes run on them in the same run (alternating per op) and the ratio axond/peer of busbw is
 printed. The raw limit is two processes streaming through plain sockets in both directions at once:
 its peak (one cache-resident 4 MiB buffer each way) and, for sizes >= 1 MiB, streaming arrays of that size.
+
+When the ranks are at least as many as the cores, a last table per n gives each library's busbw as a
+share of the host bound (bench/bounds.py): the busbw the machine's cores allow at the raw copy rate
+plus the reductions' adds, whatever the algorithm. A ratio target beyond what the bound leaves over
+a peer cannot be met on this machine.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bounds import add_rate, bus_factor, cores, host_bound  # noqa: E402
 from collectives_runners import AxondRunner, GlooRunner, MpiRunner, Runner  # noqa: E402
 
 OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter"]
@@ -57,14 +63,6 @@ def sizes_between(low: int, high: int, factor: int) -> list[int]:
 
 def iterations(nbytes: int) -> int:
     return max(5, min(200, (64 << 20) // max(nbytes, 1)))
-
-
-def bus_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n
-    return 1.0
 
 
 def run_suite(runner: Runner, ops: list[str], sizes: list[int]) -> Result:
@@ -241,14 +239,9 @@ def report(n: int, ours: Result, peers: dict[str, Result | None], raw: float | N
             print(row)
 
 
-def raw_at_sizes(sizes: list[int], repeat: int) -> dict[int, float]:
+def raw_at_sizes(sizes: list[int]) -> dict[int, float]:
     """The raw duplex limit when streaming arrays of each size (>= 1 MiB) rather than one cache-resident 4 MiB buffer."""
-    out = {}
-    for size in sizes:
-        if size >= 1 << 20:
-            total = size * max(4, (256 << 20) // size)
-            out[size] = max(raw_duplex(total, size) for _ in range(repeat))
-    return out
+    return {size: raw_duplex(size * max(4, (256 << 20) // size), size) for size in sizes if size >= 1 << 20}
 
 
 def report_raw(ours: Result, raw: float, raw_sized: dict[int, float]) -> None:
@@ -265,6 +258,33 @@ def report_raw(ours: Result, raw: float, raw_sized: dict[int, float]) -> None:
         at = raw_sized[nbytes]
         print(f"| {fmt_size(nbytes)} | {busbw:.3f} | {raw:.2f} | {100 * busbw / raw:.0f} % | {at:.2f} | "
               f"{100 * busbw / at:.0f} % |")
+
+
+def report_bound(n: int, ours: Result, peers: dict[str, Result | None], raw_sized: dict[int, float],
+                 adds: dict[int, float]) -> None:
+    """Each library's busbw as a share of the host bound, for sizes >= 1 MiB (when the ranks fill the cores)."""
+    ncores = cores()
+    names = [k for k, v in peers.items() if v]
+    rows = []
+    for op, by_size in ours.items():
+        for nbytes, (secs, _) in by_size.items():
+            bound = host_bound(op, n, nbytes, raw_sized.get(nbytes, 0.0), adds.get(nbytes), ncores)
+            if bound is None:
+                continue
+            cells = [100 * nbytes / secs / 1e9 * bus_factor(op, n) / bound]
+            for k in names:
+                theirs = (peers[k] or {}).get(op, {}).get(nbytes)
+                cells.append(100 * nbytes / theirs[0] / 1e9 * bus_factor(op, n) / bound if theirs else float("nan"))
+            rows.append(f"| {op} | {fmt_size(nbytes)} | {bound:.3f} | " + " | ".join(f"{c:.0f} %" for c in cells) + " |")
+    if not rows:
+        return
+    print(f"\n### n = {n} against the host bound ({n} ranks on {ncores} cores; the best raw copy rate of "
+          "the run plus the adds, bench/bounds.py)")
+    head = "| op | size | bound busbw GB/s | axond | " + " | ".join(names) + (" |" if names else "")
+    print(head.replace("|  |", "|"))
+    print("|" + "|".join(["---"] * (3 + 1 + len(names))) + "|")
+    for row in rows:
+        print(row)
 
 
 def main() -> None:
@@ -291,12 +311,16 @@ def main() -> None:
             with open(args.mpi_worker, "w") as f:
                 json.dump(res, f)
         return
-    raw = None if args.no_raw else max(raw_duplex() for _ in range(args.repeat))
-    raw_sized = {} if args.no_raw or 2 not in args.nproc else raw_at_sizes(sizes, args.repeat)
+    raw: float | None = None
+    raw_sized: dict[int, float] = {}
     for n in args.nproc:
         ours: Result | None = None
         peers: dict[str, Result | None] = {}
         for _ in range(args.repeat):
+            if not args.no_raw:  # measured again each round, between the libraries: the best of all rounds counts
+                raw = max(raw or 0.0, raw_duplex())
+                for size, gbs in raw_at_sizes(sizes).items():
+                    raw_sized[size] = max(raw_sized.get(size, 0.0), gbs)
             for op in args.ops:
                 with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
                     got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes), args.timeout)
@@ -311,6 +335,9 @@ def main() -> None:
         report(n, ours, peers, raw if n == 2 else None)
         if n == 2 and raw is not None:
             report_raw(ours, raw, raw_sized)
+        if raw is not None:
+            adds = {size: add_rate(size) for size in raw_sized}
+            report_bound(n, ours, peers, {size: max(raw, gbs) for size, gbs in raw_sized.items()}, adds)
 
 
 def _importable(module: str) -> bool:
