@@ -280,9 +280,9 @@ def report_bound(n: int, ours: Result, peers: dict[str, Result | None], raw_size
         return
     print(f"\n### n = {n} against the host bound ({n} ranks on {ncores} cores; the best raw copy rate of "
           "the run plus the adds, bench/bounds.py)")
-    head = "| op | size | bound busbw GB/s | axond | " + " | ".join(names) + (" |" if names else "")
-    print(head.replace("|  |", "|"))
-    print("|" + "|".join(["---"] * (3 + 1 + len(names))) + "|")
+    cols = ["op", "size", "bound busbw GB/s", "axond", *names]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join(["---"] * len(cols)) + "|")
     for row in rows:
         print(row)
 

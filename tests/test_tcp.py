@@ -283,6 +283,36 @@ def test_halving_doubling_all_reduce(monkeypatch: pytest.MonkeyPatch, n: int) ->
             g.destroy()
 
 
+@pytest.mark.parametrize("crowded", [True, False])
+def test_auto_all_reduce_algorithm_follows_the_cores(crowded: bool) -> None:
+    """auto: on power-of-two groups with more ranks than cores, pairwise algorithms up to 2 MiB, then the ring."""
+    gs = thread_groups(4, options=BackendOptions(timeout=10.0))
+    try:
+        for g in gs:
+            g.backend.crowded = crowded  # type: ignore[union-attr]
+        pick = gs[0].backend._all_reduce_algorithm  # type: ignore[union-attr]
+        expected = {64 << 10: "doubling", 200 << 10: "doubling" if crowded else "ring",
+                    1 << 20: "halving_doubling" if crowded else "ring", 8 << 20: "ring"}
+        assert {size: pick(size) for size in expected} == expected
+        # Every path gives the reference sum (float64 integers: exact whatever the order of the adds).
+        for count in (25_000, 131_075, 300_001):  # 200 KiB, 1 MiB (odd), 2.3 MiB
+            inputs = [np.random.default_rng(r).integers(-9, 9, count).astype(np.float64) for r in range(4)]
+            out = run_on(gs, lambda pg: (pg.all_reduce(x := inputs[pg.rank].copy(), ReduceOp.AVG), x)[1])
+            for x in out:
+                np.testing.assert_array_equal(x, np.sum(inputs, axis=0) / 4)
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_unknown_algorithm_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from axond.distributed.framing import TcpTuning
+
+    monkeypatch.setenv("AXOND_TCP_ALGORITHM", "tree")
+    with pytest.raises(ValueError, match="AXOND_TCP_ALGORITHM='tree': use auto, ring or halving_doubling"):
+        TcpTuning.from_env()
+
+
 def test_async_ops_complete_in_order_and_overlap(pair: list[ProcessGroup]) -> None:
     def body(pg: ProcessGroup) -> list[np.ndarray]:
         xs = [np.full(200_000 if i % 2 else 3, float(pg.rank + i), np.float32) for i in range(6)]

@@ -38,8 +38,10 @@ class TcpTuning:
     """Microseconds a small receive busy-polls before blocking (0 disables; < 0: 50 unless the cores are oversubscribed)."""
     inline_bytes: int = -1
     """Frames up to this size are first sent without blocking from the op's thread (no hand-off; < 0: auto)."""
-    algorithm: Literal["ring", "halving_doubling"] = "ring"
-    """Large all-reduce: pipelined ring, or halving-doubling (Rabenseifner) on power-of-two groups."""
+    algorithm: Literal["auto", "ring", "halving_doubling"] = "auto"
+    """All-reduce above `small_bytes`: pipelined ring, halving-doubling (Rabenseifner) on power-of-two groups,
+    or auto: the ring, except on power-of-two groups whose host has fewer cores than ranks, where pairwise
+    exchanges keep the cores busier up to a few MiB (see `TcpBackend.all_reduce`)."""
     spin_yield: bool = True
     """Yield the CPU between polls (helps when ranks outnumber cores)."""
 
@@ -53,10 +55,16 @@ class TcpTuning:
                 spin_us=float(os.environ.get("AXOND_TCP_SPIN_US", cls.spin_us)),
                 spin_yield=os.environ.get("AXOND_TCP_SPIN_YIELD", "1") != "0",
                 inline_bytes=int(os.environ.get("AXOND_TCP_INLINE_BYTES", cls.inline_bytes)),
-                algorithm="halving_doubling" if os.environ.get("AXOND_TCP_ALGORITHM") == "halving_doubling" else "ring",
+                algorithm=_algorithm(os.environ.get("AXOND_TCP_ALGORITHM", "auto")),
             )
         except ValueError as e:
             raise ValueError(f"bad AXOND_TCP_* setting: {e}") from e
+
+
+def _algorithm(name: str) -> Literal["auto", "ring", "halving_doubling"]:
+    if name in ("auto", "ring", "halving_doubling"):
+        return name  # type: ignore[return-value]
+    raise ValueError(f"AXOND_TCP_ALGORITHM={name!r}: use auto, ring or halving_doubling")
 
 
 class Call:
