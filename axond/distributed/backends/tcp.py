@@ -31,7 +31,7 @@ CROWDED_DOUBLING_BYTES = 256 << 10
 """With more ranks than cores on a power-of-two group, all-reduces up to this size use recursive doubling..."""
 CROWDED_HALVING_BYTES = 2 << 20
 """...and up to this size halving-doubling: log2(n) pairwise steps keep the cores busier than a ring's
-n-1 dependent ones (measured at n = 4 on 2 cores: 0.6x the ring's time at 256 KiB, 0.8x at 1-2 MiB, even at 4 MiB)."""
+n-1 dependent ones (bench busbw at n = 4 on 2 cores: 1.3-1.6x the ring's from 256 KiB to 2 MiB, no gain at 4 MiB)."""
 SCRATCH_VIEWS = 64
 """Typed views of the receive buffer kept for reuse (small ops ask for the same few every call)."""
 META = 34
