@@ -357,6 +357,27 @@ def test_isend_first_on_both_sides_then_recv(pair: list[ProcessGroup]) -> None:
     assert ok0 and ok1 and (a == 2).all() and (b == 1).all()
 
 
+def test_small_all_reduce_behind_a_queued_isend_keeps_order_and_values(pair: list[ProcessGroup]) -> None:
+    """A latency-path all-reduce while a large isend to the same peer is still leaving: its frame goes after."""
+    def body(pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray | None]:
+        big = np.full(3_000_000, 7.0, np.float32)
+        x = np.array([pg.rank + 1.0, 10.0 * (pg.rank + 1)], np.float64)
+        if pg.rank == 0:
+            work = pg.isend(big, 1)
+            pg.all_reduce(x)
+            assert work is not None
+            work.wait()
+            return x, None
+        into = np.empty_like(big)
+        pg.recv(into, 0)
+        pg.all_reduce(x)
+        return x, into
+
+    (x0, _), (x1, into) = run_on(pair, body)
+    assert x0.tolist() == x1.tolist() == [3.0, 30.0]
+    assert into is not None and (into == 7.0).all()
+
+
 def test_work_wait_reraises_the_failure(pair: list[ProcessGroup]) -> None:
     def body(pg: ProcessGroup) -> None:
         work = pg.all_reduce(np.zeros(5 + pg.rank, np.float32), async_op=True)

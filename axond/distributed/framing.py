@@ -221,6 +221,15 @@ class FramedGroup:
         self.expect(c, peer, n)
         self.peers[peer].recv_into(view, c.deadline)
 
+    def recv_array(self, c: Call, peer: int, like: np.ndarray) -> np.ndarray:
+        """Receive a small frame (<= SMALL_FRAME bytes) shaped like flat `like`, checked against `c`;
+        returns it as a view of the peer's receive buffer (no copy), valid until the next receive from `peer`."""
+        p, n = self.peers[peer], like.nbytes
+        h, payload = p.recv_small(n, c.deadline)
+        if h[:8] != c.expect or h[8] != n:
+            self._reject(c, peer, h, n, payload)
+        return p.small_array(like.dtype, like.size)
+
     def exchange(self, c: Call, sends: dict[int, memoryview], recvs: dict[int, memoryview]) -> None:
         """Send one frame to each peer of `sends` and receive one from each of `recvs`, all from this thread.
 

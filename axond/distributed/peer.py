@@ -16,6 +16,8 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
+
 from axond.distributed.wire import HEADER, HEADER_SIZE
 
 INLINE_SEND_BYTES = 64 << 10
@@ -118,6 +120,7 @@ class Peer:
         self._small = bytearray(HEADER_SIZE + SMALL_FRAME)
         self._small_view = memoryview(self._small)
         self._got = 0
+        self._small_arrays: dict[tuple[np.dtype, int], np.ndarray] = {}
         tune_socket(sock, timeout)
 
     def send(self, header: bytes, payload: memoryview | None) -> int:
@@ -250,7 +253,18 @@ class Peer:
         """
         buf = self._small_view
         total = HEADER_SIZE + nbytes
-        got = self._recv_once(buf, total) if self.spin <= 0 else 0
+        if self.spin <= 0:
+            got = self._recv_once(buf, total)
+        else:  # one non-blocking try before the spin loop: a frame that already arrived costs one call
+            try:
+                got = self.sock.recv_into(buf, total, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                got = 0
+            except OSError as e:
+                raise PeerClosed(f"receive from peer {self.rank} failed: {e}", self.rank) from e
+            else:
+                if got == 0:
+                    raise PeerClosed(f"peer {self.rank} closed the connection", self.rank)
         if got < HEADER_SIZE:
             self.recv_into(buf[got:HEADER_SIZE], deadline, want=total - got, into=buf[got:])
             got += self._got
@@ -259,6 +273,17 @@ class Peer:
             self.recv_into(buf[got:total], deadline)
             got = total
         return header, buf[HEADER_SIZE:got]
+
+    def small_array(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """The payload of the last `recv_small` as a typed array: a view of this peer's receive buffer,
+        valid until the next receive from this peer."""
+        key = (dtype, count)
+        a = self._small_arrays.get(key)
+        if a is None:
+            if len(self._small_arrays) >= 64:
+                self._small_arrays.clear()
+            a = self._small_arrays[key] = np.frombuffer(self._small, dtype, count, HEADER_SIZE)
+        return a
 
     def _recv_once(self, buf: memoryview, limit: int) -> int:
         """One blocking read of up to `limit` bytes (0 if the wake-up timeout passed first)."""
@@ -287,12 +312,15 @@ class Peer:
         got = 0
         sock = self.sock
         if spin and self.spin > 0 and total <= INLINE_SEND_BYTES:
-            stop = time.perf_counter() + self.spin
+            stop = 0.0
             while got < total:
                 try:
                     n = sock.recv_into(view[got:], limit - got, socket.MSG_DONTWAIT)
                 except BlockingIOError:
-                    if time.perf_counter() > stop:
+                    now = time.perf_counter()
+                    if not stop:
+                        stop = now + self.spin
+                    elif now > stop:
                         break
                     if self.spin_yield:
                         os.sched_yield()

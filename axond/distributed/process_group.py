@@ -68,6 +68,8 @@ class ProcessGroup:
         launches async ops itself; the others run them on the group's communication thread.
         """
         backend = self.backend
+        if not async_op and method is None and not self._comm.pending and not self._destroyed and backend is not None:
+            return getattr(backend, op)(*args, **kwargs)  # the common case, kept short: small ops are latency-bound
         if self._destroyed:
             raise DistributedError(f"{op} on group '{self.name}': the group was destroyed; create a new one",
                                    op=op, group=self.name, rank=self.rank)

@@ -14,6 +14,7 @@ import numpy as np
 
 from axond.distributed import chunking
 from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
+from axond.distributed.peer import SMALL_FRAME
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
 
@@ -33,25 +34,33 @@ class TcpAlgorithms:
     def _recursive_doubling(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
         g, r, n = self.g, self.rank, self.size
         ufunc = UFUNCS[op]
-        p2 = chunking.largest_power_of_two(n)
+        p2 = 1 << (n.bit_length() - 1)
         xb = byte_view(x)
         if r >= p2:
             g.wait_sent(c, r - p2, g.send(c, r - p2, xb))
             g.recv(c, r - p2, xb)
             return
-        tmp = self._scratch(x.nbytes, x.dtype, x.size)
-        tb = byte_view(tmp)
+        small = x.nbytes <= SMALL_FRAME  # reduce straight from the peer's receive buffer: no copy, no scratch
+        tmp = x if small else self._scratch(x.nbytes, x.dtype, x.size)
+        tb = xb if small else byte_view(tmp)
         if r + p2 < n:
-            g.recv(c, r + p2, tb)
-            ufunc(x, tmp, out=x)
+            if small:
+                ufunc(x, g.recv_array(c, r + p2, x), out=x)
+            else:
+                g.recv(c, r + p2, tb)
+                ufunc(x, tmp, out=x)
         mask, header, peers = 1, g.header(c, xb.nbytes), g.peers
         while mask < p2:
             partner = r ^ mask
             peer = peers[partner]
             ticket = peer.send(header, xb)
-            g.recv(c, partner, tb)
+            if small:
+                got = g.recv_array(c, partner, x)
+            else:
+                g.recv(c, partner, tb)
+                got = tmp
             peer.wait_sent(ticket, c.deadline)
-            ufunc(x, tmp, out=x)
+            ufunc(x, got, out=x)
             mask <<= 1
         if op is ReduceOp.AVG:
             finish_average(x, n)

@@ -101,6 +101,11 @@ class CommThread:
             self._cond.notify_all()
         return work
 
+    @property
+    def pending(self) -> bool:
+        """Whether async ops were submitted that `drain` has not seen finish."""
+        return bool(self._pending)
+
     def drain(self) -> None:
         """Wait until every submitted op ran (so a blocking op keeps issue order); failures stay in their Work.
 

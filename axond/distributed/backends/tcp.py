@@ -22,7 +22,7 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import check_reduce_op, finish_average
 from axond.distributed.tcp_algorithms import TcpAlgorithms
 from axond.distributed.work import PendingSend
-from axond.distributed.wire import DTYPES, REDUCE_CODES, Kind, Op, dtype_code, group_id
+from axond.distributed.wire import DTYPE_CODE, DTYPES, REDUCE_CODES, Kind, Op, dtype_code, group_id
 from axond.store import Store
 
 DIRECT_ALL_GATHER_BYTES = 4 << 20
@@ -74,7 +74,7 @@ class TcpBackend(TcpAlgorithms, Backend):
 
     def _call(self, op: Op, x: np.ndarray, redop: ReduceOp | None = None, aux: int = 0) -> Call:
         """Start op number `seq` (validated first, so that a rejected call does not advance it)."""
-        code = dtype_code(x.dtype)
+        code = DTYPE_CODE.get(x.dtype) or dtype_code(x.dtype)
         self._seq += 1
         return self.g.call(op, Kind.COLLECTIVE, code, REDUCE_CODES[redop.value] if redop else 0, self._seq, aux, x.size)
 
@@ -114,12 +114,13 @@ class TcpBackend(TcpAlgorithms, Backend):
         return int(root)
 
     def all_reduce(self, x: Array, op: ReduceOp) -> None:
-        x = _numpy(x, "all_reduce input")
+        if type(x) is not np.ndarray:
+            x = _numpy(x, "all_reduce input")
         op = check_reduce_op(op, x.dtype)
         c = self._call(Op.ALL_REDUCE, x, op)
         if self.size == 1:
             return
-        algo = self._all_reduce_algorithm(x.nbytes)
+        algo = "doubling" if x.nbytes <= self.tuning.small_bytes else self._all_reduce_algorithm(x.nbytes)
         if algo == "doubling":
             if x.flags.c_contiguous:
                 self.g.run("all_reduce", self._recursive_doubling, c, x if x.ndim == 1 else x.reshape(-1), op)
