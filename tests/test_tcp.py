@@ -305,6 +305,25 @@ def test_auto_all_reduce_algorithm_follows_the_cores(crowded: bool) -> None:
             g.destroy()
 
 
+@pytest.mark.parametrize("crowded", [False, True])
+def test_all_gather_algorithm_follows_the_size_and_cores(crowded: bool) -> None:
+    """Direct up to 4 MiB; above, recursive doubling on a crowded power-of-two group, else the ring."""
+    gs = thread_groups(4, options=BackendOptions(timeout=10.0))
+    try:
+        for g in gs:
+            g.backend.crowded = crowded  # type: ignore[union-attr]
+        pick = gs[0].backend._all_gather_algorithm  # type: ignore[union-attr]
+        big = "doubling" if crowded else "ring"
+        assert [pick(n) for n in (1 << 10, 4 << 20, (4 << 20) + 8, 64 << 20)] == ["direct", "direct", big, big]
+        for count in (262_147, 1_000_003):  # 4.0 and 15.3 MiB of float32 output, odd lengths
+            inputs = [np.random.default_rng(r).standard_normal(count).astype(np.float32) for r in range(4)]
+            for got in run_on(gs, lambda pg: pg.all_gather(inputs[pg.rank])):
+                np.testing.assert_array_equal(got, np.stack(inputs))
+    finally:
+        for g in gs:
+            g.destroy()
+
+
 def test_unknown_algorithm_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from axond.distributed.framing import TcpTuning
 

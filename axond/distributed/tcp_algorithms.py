@@ -133,6 +133,19 @@ class TcpAlgorithms:
                     g.send(c, right, byte_view(view))
         g.flush(c, right)
 
+    def _doubling_all_gather(self, c: Call, out: np.ndarray) -> None:
+        """Recursive-doubling all_gather for power-of-two groups: log2(n) pairwise swaps of 1, 2, 4... blocks.
+
+        Each swap is one `exchange`: this thread writes and reads both directions without the sender
+        threads, so a crowded host sees no thread hand-offs (the ring's n-1 dependent steps each wake one).
+        """
+        g, r, n = self.g, self.rank, self.size
+        m = 1
+        while m < n:
+            mine, theirs = r & ~(m - 1), (r & ~(m - 1)) ^ m
+            g.exchange(c, {r ^ m: byte_view(out[mine : mine + m])}, {r ^ m: byte_view(out[theirs : theirs + m])})
+            m <<= 1
+
     def _pieces(self, lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
         nbytes = (hi - lo) * itemsize
         n = chunking.chunk_count(nbytes, chunking.pipeline_chunk_bytes(nbytes, self.tuning.chunk_bytes))

@@ -166,19 +166,33 @@ class TcpBackend(TcpAlgorithms, Backend):
     def all_gather(self, x: Array, out: Array | None = None) -> Array:
         """As `Backend.all_gather`; `out` (C-contiguous, shape (size, *x.shape)) avoids a fresh allocation.
 
-        Up to DIRECT_ALL_GATHER_BYTES (and always with two ranks) each block goes straight to every
-        peer as one frame: the bytes of a ring in one round. Above, a pipelined ring.
+        Algorithm by output size, see `_all_gather_algorithm`.
         """
         x = _numpy(x, "all_gather input")
         c = self._call(Op.ALL_GATHER, x)
         out = self._out(out, (self.size, *x.shape), x.dtype, "all_gather")
         out[self.rank] = x
-        if self.size == 2 or (self.size > 2 and out.nbytes <= DIRECT_ALL_GATHER_BYTES):
+        algo = self._all_gather_algorithm(out.nbytes)
+        if algo == "direct":
             self.g.run("all_gather", self._direct_all_gather, c, out)
-        elif self.size > 2:
+        elif algo == "doubling":
+            self.g.run("all_gather", self._doubling_all_gather, c, out)
+        elif algo == "ring":
             flat = out.reshape(-1)
             self.g.run("all_gather", self._ring_all_gather, c, flat, self._chunks(flat.size, flat.itemsize), True)
         return out
+
+    def _all_gather_algorithm(self, nbytes: int) -> str:
+        """Up to DIRECT_ALL_GATHER_BYTES (and always with two ranks) each block goes straight to every peer as
+        one frame: the bytes of a ring in one round. Above, a pipelined ring; on power-of-two groups whose host
+        has fewer cores than ranks, recursive doubling (log2(n) pairwise swaps, no sender-thread hand-offs)."""
+        if self.size == 1:
+            return "none"
+        if self.size == 2 or nbytes <= DIRECT_ALL_GATHER_BYTES:
+            return "direct"
+        if self.crowded and self.size & (self.size - 1) == 0 and self.tuning.algorithm == "auto":
+            return "doubling"
+        return "ring"
 
     def _out(self, out: Array | None, shape: tuple[int, ...], dtype: np.dtype, op: str) -> np.ndarray:
         if out is None:
