@@ -324,6 +324,32 @@ def test_all_gather_algorithm_follows_the_size_and_cores(crowded: bool) -> None:
             g.destroy()
 
 
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("crowded", [False, True])
+def test_reduce_scatter_algorithm_follows_the_size_and_cores(crowded: bool, size: int) -> None:
+    """Direct up to 128 KiB; recursive halving up to 2 MiB on a crowded power-of-two group; else the ring.
+    Every path gives the reference blocks and leaves the input untouched."""
+    gs = thread_groups(size, options=BackendOptions(timeout=10.0))
+    try:
+        for g in gs:
+            g.backend.crowded = crowded  # type: ignore[union-attr]
+        pick = gs[0].backend._reduce_scatter_algorithm  # type: ignore[union-attr]
+        mid = "halving" if crowded else "ring"
+        assert [pick(n) for n in (128 << 10, 1 << 20, 2 << 20, 4 << 20)] == ["direct", mid, mid, "ring"]
+        for count in (size * 20_011, size * 131_072, size * 300_007):  # 0.3-0.6, 2 and 4.6-9.2 MiB of float64
+            inputs = [np.random.default_rng(r).integers(-9, 9, count).astype(np.float64) for r in range(size)]
+            for op, ref in ((ReduceOp.SUM, np.sum(inputs, 0)), (ReduceOp.AVG, np.sum(inputs, 0) / size),
+                            (ReduceOp.MAX, np.max(inputs, 0))):
+                got = run_on(gs, lambda pg: (pg.reduce_scatter(x := inputs[pg.rank].copy(), op), x))
+                per = count // size
+                for r, (block, x) in enumerate(got):
+                    np.testing.assert_array_equal(block, ref[r * per : (r + 1) * per])
+                    np.testing.assert_array_equal(x, inputs[r])
+    finally:
+        for g in gs:
+            g.destroy()
+
+
 def test_unknown_algorithm_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from axond.distributed.framing import TcpTuning
 

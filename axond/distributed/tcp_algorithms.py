@@ -188,6 +188,45 @@ class TcpAlgorithms:
                 g.recv(c, partner, byte_view(x[s:e]))
         g.flush(c)
 
+    def _halving_reduce_scatter(self, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        """Recursive-halving reduce-scatter for power-of-two sizes: log2(n) pairwise steps, each halving the range.
+
+        Step k's partial sums go to their own part of one scratch buffer (n/2 + n/4 + ... blocks), the last
+        step's into `out`, so no step writes what an earlier step's sends still read; `src` is not modified.
+        """
+        g, r, n = self.g, self.rank, self.size
+        ufunc = UFUNCS[op]
+        lo, hi, cur, base = 0, src.size, src, 0
+        scratch = self._rolling(max(src.size - 2 * (src.size // n), 0), src.dtype)  # n/2 + n/4 + ... + 2 blocks
+        used = 0
+        mask = n >> 1
+        tmp_all: np.ndarray | None = None
+        while mask:
+            partner = r ^ mask
+            mid = lo + (hi - lo) // 2
+            keep, give = ((lo, mid), (mid, hi)) if r & mask == 0 else ((mid, hi), (lo, mid))
+            for s, e in self._pieces(*give, src.itemsize):
+                g.send(c, partner, byte_view(cur[s - base : e - base]))
+            if mask == 1:
+                dest, dbase = out, keep[0]
+            else:
+                dest, dbase = scratch[used : used + keep[1] - keep[0]], keep[0]
+                used += keep[1] - keep[0]
+            pieces = self._pieces(*keep, src.itemsize)
+            if tmp_all is None:
+                biggest = max(e - s for s, e in pieces)
+                tmp_all = self._scratch(biggest * src.itemsize, src.dtype, biggest)
+            for s, e in pieces:
+                tmp = tmp_all[: e - s]
+                g.recv(c, partner, byte_view(tmp))
+                ufunc(cur[s - base : e - base], tmp, out=dest[s - dbase : e - dbase])
+            lo, hi = keep
+            cur, base = dest, dbase
+            mask >>= 1
+        if op is ReduceOp.AVG:
+            finish_average(out, n)
+        g.flush(c)
+
     def _ring_all_reduce(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
         chunks = self._chunks(x.size, x.itemsize)
         self._ring_reduce_scatter(c, x, x, x, 0, op, chunks, forward_final=True)

@@ -219,8 +219,12 @@ class TcpBackend(TcpAlgorithms, Backend):
                 finish_average(out, 1)
             return out
         src = np.ascontiguousarray(x).reshape(-1)
-        if src.nbytes <= self.tuning.small_bytes:
+        algo = self._reduce_scatter_algorithm(src.nbytes)
+        if algo == "direct":
             self.g.run("reduce_scatter", self._direct_reduce_scatter, c, src, out.reshape(-1), op)
+            return out
+        if algo == "halving":
+            self.g.run("reduce_scatter", self._halving_reduce_scatter, c, src, out.reshape(-1), op)
             return out
         per = src.size // self.size
         chunks = self._chunks(src.size, src.itemsize)
@@ -228,6 +232,13 @@ class TcpBackend(TcpAlgorithms, Backend):
                    self.rank * per, op, chunks, False)
         self.g.run("reduce_scatter", self.g.flush, c)
         return out
+
+    def _reduce_scatter_algorithm(self, nbytes: int) -> str:
+        """One direct round up to `small_bytes`; above, recursive halving wherever all_reduce would use
+        halving-doubling (its first half), else the pipelined ring."""
+        if nbytes <= self.tuning.small_bytes:
+            return "direct"
+        return "halving" if self._all_reduce_algorithm(nbytes) == "halving_doubling" else "ring"
 
     def gather(self, x: Array, dst: int) -> Array | None:
         x = _numpy(x, "gather input")
