@@ -3,7 +3,9 @@
 Small all-reduces use recursive doubling (extra ranks of non-power-of-two groups fold in first and
 get the result back); large ones a ring reduce-scatter + all-gather pipelined in chunks, so that
 sending, receiving and reducing overlap. Broadcast is a binomial tree when small and a pipelined
-chain when large; reduce is a binomial tree.
+chain when large; reduce is a binomial tree. On power-of-two groups the pairwise variants (halving-
+doubling all-reduce, recursive-halving reduce-scatter, recursive-doubling all-gather) serve hosts with
+more ranks than cores; `TcpBackend` picks by size and core count.
 """
 
 from __future__ import annotations
