@@ -153,32 +153,42 @@ class TcpAlgorithms:
         n = chunking.chunk_count(nbytes, chunking.pipeline_chunk_bytes(nbytes, self.tuning.chunk_bytes))
         return [(lo + a, lo + b) for a, b in chunking.split_even(hi - lo, n)]
 
+    def _halve(self, c: Call, op: ReduceOp, mask: int, lo: int, hi: int, cur: np.ndarray, base: int,
+               dest: Callable[[tuple[int, int]], tuple[np.ndarray, int]],
+               ) -> tuple[tuple[int, int], tuple[int, int], np.ndarray, int]:
+        """One recursive-halving step over elements [lo, hi) with partner rank ^ mask (`cur[i - base]` holds element i).
+
+        Sends the half the partner keeps and reduces the half this rank keeps into `dest(keep)` = (array,
+        index of its first element); returns keep, give and that destination.
+        """
+        g, r = self.g, self.rank
+        partner, mid = r ^ mask, lo + (hi - lo) // 2
+        keep, give = ((lo, mid), (mid, hi)) if r & mask == 0 else ((mid, hi), (lo, mid))
+        for s, e in self._pieces(*give, cur.itemsize):
+            g.send(c, partner, byte_view(cur[s - base : e - base]))
+        out, obase = dest(keep)
+        pieces = self._pieces(*keep, cur.itemsize)
+        biggest = max(e - s for s, e in pieces)
+        tmp_all = self._scratch(biggest * cur.itemsize, cur.dtype, biggest)
+        ufunc = UFUNCS[op]
+        for s, e in pieces:
+            tmp = tmp_all[: e - s]
+            g.recv(c, partner, byte_view(tmp))
+            ufunc(cur[s - base : e - base], tmp, out=out[s - obase : e - obase])
+        return keep, give, out, obase
+
     def _halving_doubling(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
         """Rabenseifner all-reduce for power-of-two sizes: pairwise halving reduce-scatter, then doubling all-gather.
 
         Same bytes as the ring but log2(n) pairwise steps, so a descheduled rank stalls one partner, not the ring.
         """
         g, r, n = self.g, self.rank, self.size
-        ufunc = UFUNCS[op]
         lo, hi = 0, x.size
         ranges = []
         mask = n >> 1
-        tmp_all: np.ndarray | None = None
         while mask:
-            partner = r ^ mask
-            mid = lo + (hi - lo) // 2
-            keep, give = ((lo, mid), (mid, hi)) if r & mask == 0 else ((mid, hi), (lo, mid))
-            for s, e in self._pieces(*give, x.itemsize):
-                g.send(c, partner, byte_view(x[s:e]))
-            pieces = self._pieces(*keep, x.itemsize)
-            if tmp_all is None:
-                biggest = max(e - s for s, e in pieces)
-                tmp_all = self._scratch(biggest * x.itemsize, x.dtype, biggest)
-            for s, e in pieces:
-                tmp = tmp_all[: e - s]
-                g.recv(c, partner, byte_view(tmp))
-                ufunc(x[s:e], tmp, out=x[s:e])
-            ranges.append((partner, keep, give))
+            keep, give, _, _ = self._halve(c, op, mask, lo, hi, x, 0, lambda keep: (x, 0))
+            ranges.append((r ^ mask, keep, give))
             lo, hi = keep
             mask >>= 1
         if op is ReduceOp.AVG:
@@ -196,38 +206,25 @@ class TcpAlgorithms:
         Step k's partial sums go to their own part of one scratch buffer (n/2 + n/4 + ... blocks), the last
         step's into `out`, so no step writes what an earlier step's sends still read; `src` is not modified.
         """
-        g, r, n = self.g, self.rank, self.size
-        ufunc = UFUNCS[op]
-        lo, hi, cur, base = 0, src.size, src, 0
+        n = self.size
         scratch = self._rolling(max(src.size - 2 * (src.size // n), 0), src.dtype)  # n/2 + n/4 + ... + 2 blocks
         used = 0
-        mask = n >> 1
-        tmp_all: np.ndarray | None = None
-        while mask:
-            partner = r ^ mask
-            mid = lo + (hi - lo) // 2
-            keep, give = ((lo, mid), (mid, hi)) if r & mask == 0 else ((mid, hi), (lo, mid))
-            for s, e in self._pieces(*give, src.itemsize):
-                g.send(c, partner, byte_view(cur[s - base : e - base]))
+
+        def dest(keep: tuple[int, int]) -> tuple[np.ndarray, int]:
+            nonlocal used
             if mask == 1:
-                dest, dbase = out, keep[0]
-            else:
-                dest, dbase = scratch[used : used + keep[1] - keep[0]], keep[0]
-                used += keep[1] - keep[0]
-            pieces = self._pieces(*keep, src.itemsize)
-            if tmp_all is None:
-                biggest = max(e - s for s, e in pieces)
-                tmp_all = self._scratch(biggest * src.itemsize, src.dtype, biggest)
-            for s, e in pieces:
-                tmp = tmp_all[: e - s]
-                g.recv(c, partner, byte_view(tmp))
-                ufunc(cur[s - base : e - base], tmp, out=dest[s - dbase : e - dbase])
-            lo, hi = keep
-            cur, base = dest, dbase
+                return out, keep[0]
+            used += keep[1] - keep[0]
+            return scratch[used - (keep[1] - keep[0]) : used], keep[0]
+
+        lo, hi, cur, base = 0, src.size, src, 0
+        mask = n >> 1
+        while mask:
+            (lo, hi), _, cur, base = self._halve(c, op, mask, lo, hi, cur, base, dest)
             mask >>= 1
         if op is ReduceOp.AVG:
             finish_average(out, n)
-        g.flush(c)
+        self.g.flush(c)
 
     def _ring_all_reduce(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
         chunks = self._chunks(x.size, x.itemsize)
