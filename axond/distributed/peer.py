@@ -253,18 +253,8 @@ class Peer:
         """
         buf = self._small_view
         total = HEADER_SIZE + nbytes
-        if self.spin <= 0:
-            got = self._recv_once(buf, total)
-        else:  # one non-blocking try before the spin loop: a frame that already arrived costs one call
-            try:
-                got = self.sock.recv_into(buf, total, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                got = 0
-            except OSError as e:
-                raise PeerClosed(f"receive from peer {self.rank} failed: {e}", self.rank) from e
-            else:
-                if got == 0:
-                    raise PeerClosed(f"peer {self.rank} closed the connection", self.rank)
+        # blocking without spin; with spin one non-blocking try first (a frame already there costs one call)
+        got = self._recv_once(buf, total, 0 if self.spin <= 0 else socket.MSG_DONTWAIT)
         if got < HEADER_SIZE:
             self.recv_into(buf[got:HEADER_SIZE], deadline, want=total - got, into=buf[got:])
             got += self._got
@@ -285,10 +275,10 @@ class Peer:
             a = self._small_arrays[key] = np.frombuffer(self._small, dtype, count, HEADER_SIZE)
         return a
 
-    def _recv_once(self, buf: memoryview, limit: int) -> int:
-        """One blocking read of up to `limit` bytes (0 if the wake-up timeout passed first)."""
+    def _recv_once(self, buf: memoryview, limit: int, flags: int = 0) -> int:
+        """One read of up to `limit` bytes (0 if the wake-up timeout passed first, or nothing was there)."""
         try:
-            n = self.sock.recv_into(buf, limit)
+            n = self.sock.recv_into(buf, limit, flags)
         except (BlockingIOError, TimeoutError, InterruptedError):
             return 0
         except OSError as e:

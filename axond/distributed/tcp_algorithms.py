@@ -36,31 +36,30 @@ class TcpAlgorithms:
     def _recursive_doubling(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
         g, r, n = self.g, self.rank, self.size
         ufunc = UFUNCS[op]
-        p2 = 1 << (n.bit_length() - 1)
+        p2 = chunking.largest_power_of_two(n)
         xb = byte_view(x)
         if r >= p2:
             g.wait_sent(c, r - p2, g.send(c, r - p2, xb))
             g.recv(c, r - p2, xb)
             return
-        small = x.nbytes <= SMALL_FRAME  # reduce straight from the peer's receive buffer: no copy, no scratch
-        tmp = x if small else self._scratch(x.nbytes, x.dtype, x.size)
-        tb = xb if small else byte_view(tmp)
+        if x.nbytes <= SMALL_FRAME:  # reduce straight from the peer's receive buffer: no copy, no scratch
+            def receive(peer: int) -> np.ndarray:
+                return g.recv_array(c, peer, x)
+        else:
+            tmp = self._scratch(x.nbytes, x.dtype, x.size)
+            tb = byte_view(tmp)
+
+            def receive(peer: int) -> np.ndarray:
+                g.recv(c, peer, tb)
+                return tmp
         if r + p2 < n:
-            if small:
-                ufunc(x, g.recv_array(c, r + p2, x), out=x)
-            else:
-                g.recv(c, r + p2, tb)
-                ufunc(x, tmp, out=x)
+            ufunc(x, receive(r + p2), out=x)
         mask, header, peers = 1, g.header(c, xb.nbytes), g.peers
         while mask < p2:
             partner = r ^ mask
             peer = peers[partner]
             ticket = peer.send(header, xb)
-            if small:
-                got = g.recv_array(c, partner, x)
-            else:
-                g.recv(c, partner, tb)
-                got = tmp
+            got = receive(partner)
             peer.wait_sent(ticket, c.deadline)
             ufunc(x, got, out=x)
             mask <<= 1
@@ -153,20 +152,20 @@ class TcpAlgorithms:
         n = chunking.chunk_count(nbytes, chunking.pipeline_chunk_bytes(nbytes, self.tuning.chunk_bytes))
         return [(lo + a, lo + b) for a, b in chunking.split_even(hi - lo, n)]
 
-    def _halve(self, c: Call, op: ReduceOp, mask: int, lo: int, hi: int, cur: np.ndarray, base: int,
-               dest: Callable[[tuple[int, int]], tuple[np.ndarray, int]],
-               ) -> tuple[tuple[int, int], tuple[int, int], np.ndarray, int]:
-        """One recursive-halving step over elements [lo, hi) with partner rank ^ mask (`cur[i - base]` holds element i).
+    def _split(self, mask: int, lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The halves of [lo, hi) this rank keeps and gives to partner rank ^ mask in a recursive-halving step."""
+        mid = lo + (hi - lo) // 2
+        return ((lo, mid), (mid, hi)) if self.rank & mask == 0 else ((mid, hi), (lo, mid))
 
-        Sends the half the partner keeps and reduces the half this rank keeps into `dest(keep)` = (array,
-        index of its first element); returns keep, give and that destination.
+    def _halve(self, c: Call, op: ReduceOp, partner: int, keep: tuple[int, int], give: tuple[int, int],
+               cur: np.ndarray, base: int, out: np.ndarray, obase: int) -> None:
+        """One recursive-halving step: send `give` to `partner`, reduce its `keep` into `out`.
+
+        `cur[i - base]` holds element i of the partial sums so far, `out[i - obase]` receives it.
         """
-        g, r = self.g, self.rank
-        partner, mid = r ^ mask, lo + (hi - lo) // 2
-        keep, give = ((lo, mid), (mid, hi)) if r & mask == 0 else ((mid, hi), (lo, mid))
+        g = self.g
         for s, e in self._pieces(*give, cur.itemsize):
             g.send(c, partner, byte_view(cur[s - base : e - base]))
-        out, obase = dest(keep)
         pieces = self._pieces(*keep, cur.itemsize)
         biggest = max(e - s for s, e in pieces)
         tmp_all = self._scratch(biggest * cur.itemsize, cur.dtype, biggest)
@@ -175,7 +174,6 @@ class TcpAlgorithms:
             tmp = tmp_all[: e - s]
             g.recv(c, partner, byte_view(tmp))
             ufunc(cur[s - base : e - base], tmp, out=out[s - obase : e - obase])
-        return keep, give, out, obase
 
     def _halving_doubling(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
         """Rabenseifner all-reduce for power-of-two sizes: pairwise halving reduce-scatter, then doubling all-gather.
@@ -187,7 +185,8 @@ class TcpAlgorithms:
         ranges = []
         mask = n >> 1
         while mask:
-            keep, give, _, _ = self._halve(c, op, mask, lo, hi, x, 0, lambda keep: (x, 0))
+            keep, give = self._split(mask, lo, hi)
+            self._halve(c, op, r ^ mask, keep, give, x, 0, x, 0)
             ranges.append((r ^ mask, keep, give))
             lo, hi = keep
             mask >>= 1
@@ -209,18 +208,17 @@ class TcpAlgorithms:
         n = self.size
         scratch = self._rolling(max(src.size - 2 * (src.size // n), 0), src.dtype)  # n/2 + n/4 + ... + 2 blocks
         used = 0
-
-        def dest(keep: tuple[int, int]) -> tuple[np.ndarray, int]:
-            nonlocal used
-            if mask == 1:
-                return out, keep[0]
-            used += keep[1] - keep[0]
-            return scratch[used - (keep[1] - keep[0]) : used], keep[0]
-
         lo, hi, cur, base = 0, src.size, src, 0
         mask = n >> 1
         while mask:
-            (lo, hi), _, cur, base = self._halve(c, op, mask, lo, hi, cur, base, dest)
+            keep, give = self._split(mask, lo, hi)
+            if mask == 1:
+                dest = out
+            else:
+                dest = scratch[used : used + keep[1] - keep[0]]
+                used += keep[1] - keep[0]
+            self._halve(c, op, self.rank ^ mask, keep, give, cur, base, dest, keep[0])
+            (lo, hi), cur, base = keep, dest, keep[0]
             mask >>= 1
         if op is ReduceOp.AVG:
             finish_average(out, n)
