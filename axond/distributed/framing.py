@@ -165,6 +165,8 @@ class FramedGroup:
         self.peers = peers
         self._aborted: str | None = None
         self._op_name = "init"
+        self.explain: Callable[[int], str] | None = None
+        """Says what a silent peer is doing, for timeout messages (see `Backend.explain_timeouts`)."""
 
     def where(self, op_name: str) -> str:
         return f"{op_name} on group '{self._group_name}' (rank {self._rank} of {self._size})"
@@ -190,6 +192,8 @@ class FramedGroup:
                 msg = f"{where}: peer rank {e.peer} closed the connection (did it die?)"
             else:
                 msg = f"{where}: timed out after {self._timeout:.1f} s waiting for peer {e.peer}"
+                if self.explain is not None:
+                    msg += f"; {self.explain(e.peer)}"
             self.abort(msg)
             raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer) from e
 

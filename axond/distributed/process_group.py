@@ -13,6 +13,7 @@ from typing import Any
 
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.backends.registry import create_backend, resolve_backend
+from axond.distributed.inflight import REPORTER, describe
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import CommThread, Work
 from axond.errors import DistributedError
@@ -37,6 +38,19 @@ class ProcessGroup:
         self._destroyed = False
         self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
         self.size = len(self.ranks)
+        self.timeout = options.timeout
+        self.inflight: str | None = None
+        """The op this member is running (read by the in-flight reporter, see `axond.distributed.inflight`)."""
+        self.inflight_seq = 0
+        if backend is not None and store is not None:
+            REPORTER.register(store, global_rank, self)
+            backend.explain_timeouts(self._describe_peer)
+
+    def _describe_peer(self, group_rank: int) -> str:
+        """What peer `group_rank` published about the op it is blocked in (for timeout messages)."""
+        assert self._store is not None
+        mine = (self.name, self.inflight) if self.inflight is not None else None
+        return describe(self._store, self.ranks[group_rank], group_rank, self.timeout, mine)
 
     def __repr__(self) -> str:
         kind = self.backend.name if self.backend is not None else "non-member"
@@ -69,7 +83,12 @@ class ProcessGroup:
         """
         backend = self.backend
         if not async_op and method is None and not self._comm.pending and not self._destroyed and backend is not None:
-            return getattr(backend, op)(*args, **kwargs)  # the common case, kept short: small ops are latency-bound
+            self.inflight = op  # the common case, kept short: small ops are latency-bound
+            self.inflight_seq += 1
+            try:
+                return getattr(backend, op)(*args, **kwargs)
+            finally:
+                self.inflight = None
         if self._destroyed:
             raise DistributedError(f"{op} on group '{self.name}': the group was destroyed; create a new one",
                                    op=op, group=self.name, rank=self.rank)
@@ -83,9 +102,17 @@ class ProcessGroup:
                 self._comm.drain()
                 return start(op, *args)
             work = Work(op, self.name, self.options.timeout + ASYNC_MARGIN)
-            return self._comm.submit(work, lambda: call(*args, **kwargs))
+            return self._comm.submit(work, lambda: self._tracked(op, call, *args, **kwargs))
         self._comm.drain()
-        return call(*args, **kwargs)
+        return self._tracked(op, call, *args, **kwargs)
+
+    def _tracked(self, op: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+        self.inflight = op
+        self.inflight_seq += 1
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.inflight = None
 
     def all_reduce(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` in place over the group."""
@@ -192,6 +219,8 @@ class ProcessGroup:
         self._destroyed = True
         self._comm.close(self.options.timeout + ASYNC_MARGIN)
         if self.backend is not None:
+            if self._store is not None:
+                REPORTER.unregister(self._store, self.global_rank, self)
             self.backend.close()
 
 

@@ -9,6 +9,7 @@ return a new array. Every call is bounded by `options.timeout` and raises `Distr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -100,6 +101,12 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release sockets, threads and communicators; idempotent."""
+
+    def explain_timeouts(self, describe_peer: Callable[[int], str]) -> None:
+        """Give the backend a way to say, in a timeout's message, what the silent peer (a group rank) is doing.
+
+        The default ignores it; backends whose timeouts name a peer (tcp) append `describe_peer(peer)`.
+        """
 
     def abort(self, reason: str) -> None:
         """Give up on the group because this rank failed: peers blocked on it raise instead of waiting.

@@ -72,6 +72,9 @@ class TcpBackend(TcpAlgorithms, Backend):
         self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}
         self._bufs: dict[str, np.ndarray] = {}
 
+    def explain_timeouts(self, describe_peer: Callable[[int], str]) -> None:
+        self.g.explain = describe_peer
+
     def _call(self, op: Op, x: np.ndarray, redop: ReduceOp | None = None, aux: int = 0) -> Call:
         """Start op number `seq` (validated first, so that a rejected call does not advance it)."""
         code = DTYPE_CODE.get(x.dtype) or dtype_code(x.dtype)

@@ -1,0 +1,164 @@
+"""What each rank is blocked in, published to the job's store so that a peer's timeout can say why.
+
+A timeout alone says "no data from peer 3". Users need to know what peer 3 was doing instead, as
+torch's desync debugging and flight recorder tell them. Every `ProcessGroup` notes the op it is running.
+A per-process reporter thread publishes, under `axond/inflight/<global rank>` in the job's store,
+the ops this rank has been blocked in for longer than `report_after(timeout)`. It publishes again when
+that set changes, and an empty set once they finish. A rank that times out waiting for a peer reads
+the peer's key and appends what it says to its `DistributedError`. So the message shows whether the
+peer was in another op, in another group (a cross-group deadlock), or in no op at all (computing,
+or stuck outside axond).
+
+Reports are JSON, never pickles. A store that fails or has gone away only loses the report; the
+thread never raises. Publishing happens only for ops that are already slow, so fast ops cost two
+attribute writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import weakref
+from typing import Any, Protocol
+
+from axond.store import Store
+
+KEY = "axond/inflight/{}"
+MAX_REPORT_AFTER = 10.0
+"""Longest an op waits before its rank publishes it (a quarter of the group's timeout if that is shorter)."""
+
+
+def report_after(timeout: float) -> float:
+    """Seconds an op waits before its rank publishes that it is blocked in it."""
+    return min(MAX_REPORT_AFTER, timeout / 4)
+
+
+class Tracked(Protocol):
+    """What the reporter reads from a process group (see `ProcessGroup`)."""
+
+    name: str
+    inflight: str | None
+    """The op this member is running now (None between ops)."""
+    inflight_seq: int
+    """Bumped at the start of every op: the reporter times an op from when it first sees its number."""
+    timeout: float
+
+
+class _Member:
+    """One rank's groups within this process: one process per rank, or several ranks on threads."""
+
+    def __init__(self, store: Store, global_rank: int) -> None:
+        self.store = store
+        self.global_rank = global_rank
+        self.groups: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.published: tuple[tuple[str, str, float], ...] = ()
+        self.seen: dict[int, tuple[int, float]] = {}
+        """id(group) -> (op number, time.monotonic() when the reporter first saw it running)."""
+
+
+class _Reporter:
+    """The per-process thread that publishes slow ops; started with the first group, ended with the last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._members: dict[tuple[int, int], _Member] = {}
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+
+    def register(self, store: Store, global_rank: int, group: Tracked) -> None:
+        with self._lock:
+            member = self._members.get((id(store), global_rank))
+            if member is None:
+                member = self._members[(id(store), global_rank)] = _Member(store, global_rank)
+            member.groups.add(group)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="axond-inflight", daemon=True)
+                self._thread.start()
+
+    def unregister(self, store: Store, global_rank: int, group: Tracked) -> None:
+        with self._lock:
+            member = self._members.get((id(store), global_rank))
+            if member is not None:
+                member.groups.discard(group)
+                if not member.groups:
+                    del self._members[(id(store), global_rank)]
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                members = [(m, list(m.groups)) for m in self._members.values()]
+                if not members:
+                    self._thread = None
+                    return
+            tick = 1.0
+            for m, groups in members:
+                try:
+                    tick = min(tick, self._publish(m, groups))
+                except Exception:  # noqa: BLE001 - never let a report kill the reporter
+                    pass
+            self._wake.wait(tick)
+            self._wake.clear()
+
+    def _publish(self, m: _Member, groups: list[Any]) -> float:
+        """Publish `m`'s slow ops if they changed; return how soon to look again."""
+        now, tick = time.monotonic(), 1.0
+        slow, seen = [], {}
+        for g in groups:
+            after = report_after(g.timeout)
+            tick = min(tick, max(after / 2, 0.05))
+            op, seq = g.inflight, g.inflight_seq
+            if op is None:
+                continue
+            first = m.seen.get(id(g))
+            since = first[1] if first is not None and first[0] == seq else now
+            seen[id(g)] = (seq, since)
+            if now - since >= after:
+                slow.append((g.name, op, since))
+        m.seen = seen
+        ops = tuple(sorted(slow))
+        if ops == m.published:
+            return tick
+        wall = time.time()
+        report = {"pid": os.getpid(), "host": socket.gethostname(), "at": wall,
+                  "ops": [{"group": g, "op": op, "since": wall - (now - since)} for g, op, since in ops]}
+        try:
+            m.store.set(KEY.format(m.global_rank), json.dumps(report).encode())
+            m.published = ops
+        except Exception:  # noqa: BLE001 - a closed or failing store only loses the report
+            pass
+        return tick
+
+
+REPORTER = _Reporter()
+
+
+def describe(store: Store, global_rank: int, group_rank: int, timeout: float,
+             mine: tuple[str, str] | None = None) -> str:
+    """What peer `global_rank` last published about itself, as a clause for a timeout message.
+
+    `mine` is this rank's (group, op): a peer blocked elsewhere is called out as out of step.
+    """
+    who = f"peer rank {group_rank}" + (f" (global rank {global_rank})" if global_rank != group_rank else "")
+    try:
+        raw = store.try_get(KEY.format(global_rank))
+    except Exception:  # noqa: BLE001 - the report is a hint; the timeout is the error
+        return f"{who} could not be asked what it is doing (the store did not answer)"
+    try:
+        report = json.loads(raw) if raw is not None else {}
+        ops = [(str(o["group"]), str(o["op"]), float(o["since"])) for o in report.get("ops", [])]
+        where = f" (pid {int(report['pid'])} on {report['host']})" if ops else ""
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return f"{who} published an unreadable report"
+    if not ops:
+        return (f"{who} reports no op blocked for over {report_after(timeout):.1f} s: it is outside axond "
+                "(computing, or stuck in its own code), or entered its op only just now")
+    now = time.time()
+    parts = [f"{op} on group '{group}' for {max(now - since, 0.0):.1f} s" for group, op, since in ops]
+    text = f"{who}{where} is blocked in " + "; and in ".join(parts)
+    if mine is not None and not any((group, op) == mine for group, op, _ in ops):
+        text += f", not in {mine[1]} on group '{mine[0]}': the ranks issued their ops in different orders"
+    return text

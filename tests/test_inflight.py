@@ -1,0 +1,144 @@
+"""Timeouts say what the silent peer is doing: the in-flight reports of `axond.distributed.inflight`.
+
+Ranks are threads over real loopback sockets sharing one store; the reporter thread publishes for real.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import axond
+from axond import DistributedError, InMemoryStore, ProcessGroup
+from axond.control.client import CoordinatorClient
+from axond.distributed import BackendOptions
+from axond.distributed.inflight import KEY, REPORTER, describe, report_after
+from axond.testing import run_on, run_processes, thread_groups
+
+SHORT = BackendOptions(timeout=1.2)
+
+
+@pytest.fixture
+def pair() -> Iterator[list[ProcessGroup]]:
+    gs = thread_groups(2, options=SHORT)
+    yield gs
+    for g in gs:
+        g.destroy()
+
+
+def test_a_cross_group_deadlock_names_the_op_and_group_of_each_side(pair: list[ProcessGroup]) -> None:
+    subs = run_on(pair, lambda g: g.new_group([0, 1]))
+
+    def body(g: ProcessGroup) -> None:
+        if g.rank == 0:
+            g.all_reduce(np.ones(4, np.float32))
+        else:
+            time.sleep(0.3)  # enter later, so that rank 0 times out first, while rank 1 still waits
+            subs[1].broadcast(np.ones(4, np.float32), 0)
+
+    out = run_on(pair, body, return_exceptions=True)
+    assert all(isinstance(e, DistributedError) for e in out), out
+    assert "all_reduce on group 'world' (rank 0 of 2): timed out after 1.2 s waiting for peer 1; " in str(out[0])
+    assert "peer rank 1 (pid " in str(out[0])
+    assert f"is blocked in broadcast on group '{subs[1].name}' for " in str(out[0])
+    assert "not in all_reduce on group 'world': the ranks issued their ops in different orders" in str(out[0])
+    assert f"broadcast on group '{subs[1].name}' (rank 1 of 2): timed out after 1.2 s waiting for peer 0; " in str(out[1])
+    for s in subs:
+        s.destroy()
+
+
+def _deadlock_across_groups() -> str:
+    sub = axond.new_group([0, 1])
+    try:
+        if axond.get_rank() == 0:
+            axond.all_reduce(np.ones(3))
+        else:
+            time.sleep(0.5)  # rank 0 times out first; when it then closes its groups, rank 1 sees that
+            sub.broadcast(np.ones(3), 0)
+    except DistributedError as e:
+        return str(e)
+    finally:
+        sub.destroy()
+    return "no error"
+
+
+def test_processes_report_through_the_coordinator_store(coordinator, client: CoordinatorClient) -> None:  # type: ignore[no-untyped-def]
+    node = client.register_node("h").node_id
+    gen = client.join("inflight", node, 1, 1, 2, 0, timeout=5.0).generation
+    env = {"AXOND_COORDINATOR": coordinator.address, "AXOND_JOB": "inflight", "AXOND_GENERATION": str(gen),
+           "AXOND_JOB_SECRET": "cd" * 16}
+    got = run_processes(_deadlock_across_groups, 2, timeout=60.0, op_timeout=2.0, env=env)
+    assert "all_reduce on group 'world' (rank 0 of 2): timed out after 2.0 s waiting for peer 1; " in got[0]
+    assert "is blocked in broadcast on group 'world/1[0,1]' for " in got[0], got[0]
+    assert got[1].startswith("broadcast on group 'world/1[0,1]' (rank 1 of 2): "), got[1]
+
+
+def test_a_peer_outside_any_op_is_reported_as_such(pair: list[ProcessGroup]) -> None:
+    def body(g: ProcessGroup) -> None:
+        if g.rank == 0:
+            g.all_reduce(np.ones(4, np.float32))
+        else:
+            time.sleep(1.6)  # "computing": never enters the all_reduce before rank 0 gives up
+
+    out = run_on(pair, body, return_exceptions=True)
+    assert isinstance(out[0], DistributedError) and out[1] is None
+    assert "waiting for peer 1; peer rank 1 reports no op blocked for over 0.3 s: it is outside axond" in str(out[0])
+
+
+def test_reports_are_json_cover_only_slow_ops_and_clear_when_they_finish() -> None:
+    store = InMemoryStore()
+
+    class Group:
+        name, timeout, inflight, inflight_seq = "g", 0.4, None, 0
+
+    g: Any = Group()
+    REPORTER.register(store, 7, g)
+    try:
+        g.inflight, g.inflight_seq = "all_gather", 1
+        time.sleep(report_after(0.4) / 2)
+        assert store.try_get(KEY.format(7)) is None  # not slow yet: nothing published
+        time.sleep(report_after(0.4) + 0.2)
+        report = json.loads(store.try_get(KEY.format(7)) or b"{}")
+        assert [(o["group"], o["op"]) for o in report["ops"]] == [("g", "all_gather")]
+        assert "blocked in all_gather on group 'g'" in describe(store, 7, 3, 0.4)
+        assert describe(store, 7, 3, 0.4).startswith("peer rank 3 (global rank 7) (pid ")
+        g.inflight = None
+        time.sleep(0.3)
+        assert json.loads(store.try_get(KEY.format(7)) or b"{}")["ops"] == []
+        assert "reports no op blocked" in describe(store, 7, 7, 0.4)
+    finally:
+        REPORTER.unregister(store, 7, g)
+
+
+def test_a_store_that_fails_only_loses_the_report() -> None:
+    class Broken(InMemoryStore):
+        def set(self, key: str, value: bytes) -> None:
+            raise OSError("store down")
+
+        def try_get(self, key: str) -> bytes | None:
+            raise OSError("store down")
+
+    store = Broken()
+
+    class Group:
+        name, timeout, inflight, inflight_seq = "g", 0.4, "barrier", 1
+
+    g: Any = Group()
+    good, other = InMemoryStore(), Group()
+    REPORTER.register(store, 0, g)
+    try:
+        time.sleep(0.3)
+        assert "could not be asked" in describe(store, 1, 1, 0.4)
+        good.set(KEY.format(5), b'{"ops": [{"group": 1}]}')
+        assert describe(good, 5, 5, 0.4) == "peer rank 5 published an unreadable report"
+        REPORTER.register(good, 1, other)  # the reporter survived the failures: it still publishes for others
+        time.sleep(0.3)
+        assert "blocked in barrier on group 'g'" in describe(good, 1, 1, 0.4)
+    finally:
+        REPORTER.unregister(store, 0, g)
+        REPORTER.unregister(good, 1, other)
