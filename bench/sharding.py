@@ -9,7 +9,11 @@ built: "state" is what stays allocated between steps (parameters, gradients, opt
 gathered buffers kept around), "peak" the most allocated at once during a step. Modes:
 - ddp: DDP + AdamW (everything replicated);
 - zero1: DDP + ZeroRedundancyOptimizer(AdamW) (optimizer state sharded);
-- fsdp-no-shard / fsdp-grad-op / fsdp-full: FSDP with NO_SHARD, SHARD_GRAD_OP (ZeRO-2), FULL_SHARD (ZeRO-3).
+- fsdp-no-shard / fsdp-grad-op / fsdp-full: FSDP with NO_SHARD, SHARD_GRAD_OP (ZeRO-2), FULL_SHARD (ZeRO-3),
+  the model as one unit;
+- fsdp-full-layers / fsdp-full-layers-prefetch: FULL_SHARD with one unit per Linear, without and with
+  forward_prefetch + backward_prefetch (the next unit's all_gather and the last one's reduce_scatter run
+  on the comm thread while this unit computes).
 Rows with more ranks than cores are labelled "oversubscribed".
 """
 
@@ -27,14 +31,15 @@ from typing import Any
 import numpy as np
 
 from axond.examples.train_mlp import TrainConfig, build_model, make_dataset
-from axond.nn import CrossEntropyLoss
+from axond.nn import CrossEntropyLoss, Linear
 from axond.nn.optim import AdamW
 from axond.parallel import DDP, FSDP, ShardingStrategy, ZeroRedundancyOptimizer
 from axond.testing import run_processes
 
-MODES = ["ddp", "zero1", "fsdp-no-shard", "fsdp-grad-op", "fsdp-full"]
+MODES = ["ddp", "zero1", "fsdp-no-shard", "fsdp-grad-op", "fsdp-full", "fsdp-full-layers", "fsdp-full-layers-prefetch"]
 STRATEGIES = {"fsdp-no-shard": ShardingStrategy.NO_SHARD, "fsdp-grad-op": ShardingStrategy.SHARD_GRAD_OP,
-              "fsdp-full": ShardingStrategy.FULL_SHARD}
+              "fsdp-full": ShardingStrategy.FULL_SHARD, "fsdp-full-layers": ShardingStrategy.FULL_SHARD,
+              "fsdp-full-layers-prefetch": ShardingStrategy.FULL_SHARD}
 
 
 def rank_main(mode: str, hidden: int, depth: int, steps: int, batch: int) -> dict[str, Any]:
@@ -51,7 +56,10 @@ def rank_main(mode: str, hidden: int, depth: int, steps: int, batch: int) -> dic
     model = build_model(cfg)
     params = sum(p.size for p in model.parameters())
     if mode in STRATEGIES:
-        wrapper: Any = FSDP(model, group, sharding_strategy=STRATEGIES[mode])
+        prefetch = mode.endswith("-prefetch")
+        wrapper: Any = FSDP(model, group, sharding_strategy=STRATEGIES[mode],
+                            wrap=(lambda m: isinstance(m, Linear)) if "-layers" in mode else None,
+                            forward_prefetch=prefetch, backward_prefetch=prefetch)
         opt: Any = AdamW(list(wrapper.parameters()), lr=1e-4)
     else:
         wrapper = DDP(model, group)

@@ -13,6 +13,7 @@ offset or a lost padding element exceeds by orders of magnitude (training moves 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -153,14 +154,16 @@ def test_fsdp_matches_single_process(strategy: ShardingStrategy, world: int, opt
     assert_run_matches(runs, want, groups)
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_hybrid_shard_on_a_2x2_mesh(opt: str) -> None:
+@pytest.mark.parametrize("opt,prefetch", [("sgd", False), ("adamw", False), ("adamw", True)])
+def test_hybrid_shard_on_a_2x2_mesh(opt: str, prefetch: bool) -> None:
     want = train_reference(mlp, mlp_data, 4, opt)
 
     def body(g: ProcessGroup) -> tuple[Run, int]:
         mesh = DeviceMesh((2, 2), ("replicate", "shard"), group=g)
         try:
-            run = train_fsdp(g, mlp, mlp_data, opt, g.rank, g.size, sharding_strategy=S.HYBRID_SHARD, mesh=mesh)
+            run = train_fsdp(g, mlp, mlp_data, opt, g.rank, g.size, sharding_strategy=S.HYBRID_SHARD, mesh=mesh,
+                             wrap=lambda m: isinstance(m, nn.Linear), forward_prefetch=prefetch,
+                             backward_prefetch=prefetch)
             return run, mesh.get_group("shard").size
         finally:
             mesh.destroy()
@@ -414,3 +417,68 @@ def test_clip_grad_norm_uses_the_whole_models_norm(world: int) -> None:
         assert again == pytest.approx(0.05, rel=1e-4)  # already clipped: the norm is now max_norm
     assert want_norm > 0.05 * 2
     assert_grads_close([Run({}, [], grads) for _, _, grads in results], want)
+
+
+@pytest.mark.parametrize("strategy", [S.FULL_SHARD, S.SHARD_GRAD_OP])
+def test_prefetch_changes_no_number(strategy: ShardingStrategy) -> None:
+    """Prefetching moves only the waits, not the arithmetic: the same parameters bit for bit as without it."""
+
+    def body(g: ProcessGroup) -> dict[bool, Run]:
+        return {on: train_fsdp(g, TinyLM, lm_data, "adamw", g.rank, 3, group=g, sharding_strategy=strategy,
+                               wrap=lambda m: isinstance(m, nn.Linear), forward_prefetch=on, backward_prefetch=on)
+                for on in (False, True)}
+
+    for runs in run_ranks(3, body):
+        for k, v in runs[False].params.items():
+            np.testing.assert_array_equal(runs[True].params[k], v, err_msg=k)
+
+
+def _wait_done(work: Any, seconds: float = 5.0) -> bool:
+    """Poll `work` while this thread (the compute) stands still: True once the comm thread completed it."""
+    for _ in range(int(seconds / 0.01)):
+        if work is not None and work.is_completed():
+            return True
+        threading.Event().wait(0.01)
+    return False
+
+
+def test_the_next_units_gather_and_the_last_units_reduce_run_while_this_unit_computes() -> None:
+    """FULL_SHARD, a unit per Linear (model[0], [2], [5]): from the second step on, unit k+1's all_gather is issued before
+    unit k computes and completes while unit k's forward is held; in backward, the reduce-scatter of the
+    unit whose backward just ended completes while the next unit's backward is held, and that unit's
+    parameters were prefetched too."""
+
+    def body(g: ProcessGroup) -> list[tuple[str, bool]]:
+        model = mlp(0)
+        fsdp = FSDP(model, group=g, wrap=lambda m: isinstance(m, nn.Linear), forward_prefetch=True,
+                    backward_prefetch=True)
+        units = {u.names[0][0].split(".")[0]: u for u in fsdp.units}  # "0.weight" -> the unit of model[0]
+        first, second, third = units["0"], units["2"], units["5"]
+        seen: list[tuple[str, bool]] = []
+        armed = [False]
+
+        def forward_of_first(m: nn.Module, x: np.ndarray, out: np.ndarray) -> None:
+            if armed[0]:
+                seen.append(("second gathered during first forward", _wait_done(second.pending_gather)))
+
+        def backward_of_second(m: nn.Module, grad_out: np.ndarray) -> None:
+            if armed[0]:
+                seen.append(("first prefetched during second backward", first.pending_gather is not None))
+                work = third.pending_reduce[0] if third.pending_reduce else None
+                seen.append(("third reduced during second backward", _wait_done(work)))
+
+        model[0].register_forward_hook(forward_of_first)
+        model[2].register_backward_pre_hook(backward_of_second)
+        opt = AdamW(list(fsdp.parameters()))
+        for step in range(2):
+            armed[0] = step == 1
+            x, _ = mlp_data(step, 4)
+            fsdp.backward(_loss_grad(fsdp(x)))
+            opt.step()
+            fsdp.zero_grad()
+        assert fsdp.memory_stats()["gathered_numel"] == 0 and fsdp.memory_stats()["full_grad_numel"] == 0
+        return seen
+
+    for seen in run_ranks(2, body):
+        assert seen == [("second gathered during first forward", True), ("first prefetched during second backward", True),
+                        ("third reduced during second backward", True)], seen

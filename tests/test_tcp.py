@@ -533,3 +533,21 @@ def test_sent_arrays_are_not_kept_alive_by_the_transport(pair: list[ProcessGroup
         return bool(out.min() == 1.0)
 
     assert run_on(pair, body) == [True, True]
+
+
+def test_async_ops_do_not_keep_their_arrays_alive(pair: list[ProcessGroup]) -> None:
+    """Once an async op finished, the group's idle communication thread holds no reference to its arrays."""
+    import gc
+    import weakref
+
+    def body(pg: ProcessGroup) -> bool:
+        x = np.ones(1 << 16)
+        out = np.empty((2, 1 << 16))
+        refs = [weakref.ref(x), weakref.ref(out)]
+        works = [pg.all_reduce(x, async_op=True), pg.all_gather(x, async_op=True, out=out)]
+        assert all(w is not None and w.wait() for w in works)
+        del x, out, works
+        gc.collect()
+        return all(r() is None for r in refs)
+
+    assert run_on(pair, body) == [True, True]

@@ -132,13 +132,21 @@ class CommThread:
                     self._cond.wait(1.0)
                 if not self._queue:
                     return
-                work, fn = self._queue.popleft()
-            try:
-                result = fn()
-            except BaseException as e:
-                work._finish(error=e)
-            else:
-                work._finish(result)
+                item = self._queue.popleft()
+            self._run_one(*item)
+            del item  # an idle thread must not keep the last op's arrays alive (FSDP frees them at once)
+            with self._cond:  # nor the finished Works (their results), until the next drain
+                while self._pending and self._pending[0]._done.is_set():
+                    self._pending.popleft()
+
+    @staticmethod
+    def _run_one(work: Work, fn: Callable[[], Any]) -> None:
+        try:
+            result = fn()
+        except BaseException as e:
+            work._finish(error=e)
+        else:
+            work._finish(result)
 
     def close(self, timeout: float) -> None:
         """Stop after the queued ops ran (bounded by `timeout`)."""

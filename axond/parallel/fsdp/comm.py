@@ -29,27 +29,29 @@ class GroupLike(Protocol):
     def broadcast(self, x: Array, src: int = ..., async_op: bool = ...) -> Any: ...
 
 
-def all_gather_shards(shard: Array, full: Array, group: GroupLike) -> None:
+def all_gather_shards(shard: Array, full: Array, group: GroupLike, async_op: bool = False) -> Any:
     """Fill `full` (group.size * shard.size elements) with every rank's `shard`, rank order.
 
     Forward: concatenation of the shards. Backward: `reduce_scatter_shards` (each rank's block of the
-    summed or averaged full gradient).
+    summed or averaged full gradient). With `async_op`, returns the `Work` (wait before reading `full`).
     """
     n = shard.size
     if full.size != n * group.size:
         raise ValueError(f"all_gather_shards: full buffer of {full.size} elements != {group.size} shards x {n}")
-    group.all_gather(shard.reshape(n), out=full.reshape(group.size, n))
+    return group.all_gather(shard.reshape(n), async_op=async_op, out=full.reshape(group.size, n))
 
 
-def reduce_scatter_shards(full: Array, shard_out: Array, group: GroupLike) -> None:
+def reduce_scatter_shards(full: Array, shard_out: Array, group: GroupLike, async_op: bool = False) -> Any:
     """Average `full` over the group and write this rank's block into `shard_out` (in place).
 
     Forward: shard of the mean of every rank's full gradient. Backward: `all_gather_shards`.
+    With `async_op`, returns the `Work` (keep `full` alive and wait before reading `shard_out`).
     """
     n = shard_out.size
     if full.size != n * group.size:
         raise ValueError(f"reduce_scatter_shards: full buffer of {full.size} elements != {group.size} shards x {n}")
-    group.reduce_scatter(full.reshape(group.size, n), ReduceOp.AVG, out=shard_out.reshape(1, n))
+    return group.reduce_scatter(full.reshape(group.size, n), ReduceOp.AVG, async_op=async_op,
+                                out=shard_out.reshape(1, n))
 
 
 def all_reduce_mean(x: Array, group: GroupLike | None) -> None:

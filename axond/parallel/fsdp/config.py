@@ -41,6 +41,15 @@ class FSDPConfig:
     """Whether shards live in host memory."""
     sync_module_states: bool = True
     """Broadcast rank 0's parameters and buffers at wrap time, so every rank starts from the same model."""
+    forward_prefetch: bool = False
+    """In forward, start gathering the next unit (in the last forward's order) while this one computes."""
+    backward_prefetch: bool = False
+    """In backward, start re-gathering the next unit (FULL_SHARD, HYBRID_SHARD) and reduce-scatter the unit
+    whose backward just ended on the group's communication thread, while this unit computes.
+
+    Both prefetches hold one more unit's buffers. They pay off when the network, not the CPU, is the
+    bottleneck (GPU ranks, spare cores); with every core busy computing, as in bench/sharding.py on 2 cores,
+    the extra thread only competes with the compute (measured slower), hence off by default."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sharding_strategy, ShardingStrategy):

@@ -51,6 +51,32 @@ def resolve_groups(strategy: ShardingStrategy, group: ProcessGroup | None, mesh:
     return group, None, int(group.rank)
 
 
+class _Order:
+    """The order units ran in during the last forward (or backward), to prefetch the next one during this one.
+
+    Every rank runs the same hooks in the same order, so every rank prefetches the same units and
+    the collectives stay matched. A unit that runs twice is looked up by its first run.
+    """
+
+    def __init__(self) -> None:
+        self._next: dict[int, FSDPUnit] = {}
+        self._now: list[FSDPUnit] = []
+
+    def start(self) -> None:
+        self._now = []
+
+    def saw(self, unit: FSDPUnit) -> FSDPUnit | None:
+        """Record that `unit` runs now; return the unit that ran after it last time (None if none)."""
+        self._now.append(unit)
+        return self._next.get(id(unit))
+
+    def end(self) -> None:
+        nxt: dict[int, FSDPUnit] = {}
+        for a, b in zip(self._now, self._now[1:]):
+            nxt.setdefault(id(a), b)
+        self._next = nxt
+
+
 class FullyShardedDataParallel(NoSync, Module):
     """Shard `module`'s parameters over `group` (or a 2-d `mesh` for HYBRID_SHARD); see the module docstring."""
 
@@ -64,13 +90,16 @@ class FullyShardedDataParallel(NoSync, Module):
         wrap: WrapPolicy = None,
         *,
         sync_module_states: bool = True,
+        forward_prefetch: bool = False,
+        backward_prefetch: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, Module):
             raise TypeError(f"FullyShardedDataParallel wraps an axond.nn.Module, got {type(module).__name__}")
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("module is already FSDP-wrapped; choose inner units with wrap= instead of nesting wrappers")
-        self.config = FSDPConfig(sharding_strategy, cpu_offload or CPUOffload(), sync_module_states)
+        self.config = FSDPConfig(sharding_strategy, cpu_offload or CPUOffload(), sync_module_states,
+                                 forward_prefetch, backward_prefetch)
         self.shard_group, self.replicate_group, self.rank = resolve_groups(sharding_strategy, group, mesh)
         self.module = module
         self._sync_enabled = True
@@ -81,6 +110,8 @@ class FullyShardedDataParallel(NoSync, Module):
             self._broadcast_replicated()
         self._units: list[FSDPUnit] = []
         self._hooks: list[RemovableHandle] = []
+        self._forward_order, self._backward_order = _Order(), _Order()
+        self._reducing: list[FSDPUnit] = []
         for plan in plans:
             self._add_unit(plan)
 
@@ -126,8 +157,13 @@ class FullyShardedDataParallel(NoSync, Module):
         self._units.append(unit)
         reshard = self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
+        forward, backward = self._forward_order, self._backward_order
+
         def pre_forward(m: Module, x: Array) -> None:
             unit.gather(refresh=True)
+            nxt = forward.saw(unit)
+            if nxt is not None and self.config.forward_prefetch:
+                nxt.prefetch()
 
         def post_forward(m: Module, x: Array, out: Array) -> None:
             if reshard or not m.training:
@@ -135,11 +171,19 @@ class FullyShardedDataParallel(NoSync, Module):
 
         def pre_backward(m: Module, grad_out: Array) -> None:
             unit.gather()
+            nxt = backward.saw(unit)
+            if nxt is not None and self.config.backward_prefetch and reshard:
+                nxt.prefetch()
             unit.prepare_grad()
 
         def post_backward(m: Module, grad_out: Array, grad_in: Array) -> None:
-            unit.reduce_grad(self._sync_enabled)
+            overlap = self.config.backward_prefetch
+            unit.start_reduce(self._sync_enabled, async_op=overlap)
             unit.free()
+            if unit.pending_reduce is not None:
+                self._reducing.append(unit)
+            while len(self._reducing) > int(overlap):  # at most one in flight: full gradients do not pile up
+                self._reducing.pop(0).finish_reduce()
 
         m = plan.module
         self._hooks += [
@@ -148,13 +192,31 @@ class FullyShardedDataParallel(NoSync, Module):
         ]
 
     def forward(self, x: Array) -> Array:
-        return self.module(x)
+        self._forward_order.start()
+        try:
+            return self.module(x)
+        finally:
+            self._forward_order.end()
+            for u in self._units:
+                if u.pending_gather is not None:  # prefetched for a unit this forward did not run
+                    u.free()
 
     def backward(self, grad_out: Array) -> Array:
         """The module's backward; each unit's gradient is reduced into its shard's `.grad` as its backward ends."""
+        self._backward_order.start()
+        ok = False
         try:
-            return self.module.backward(grad_out)
+            grad_in = self.module.backward(grad_out)
+            for u in self._reducing:
+                u.finish_reduce()
+            ok = True
+            return grad_in
         finally:
+            self._backward_order.end()
+            if not ok:
+                for u in self._reducing:
+                    u.pending_reduce = None  # the backward failed: its gradients are not applied
+            self._reducing.clear()
             for u in self._units:
                 u.free()
 

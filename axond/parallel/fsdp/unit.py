@@ -9,6 +9,8 @@ The trainable `shard` Parameter (1/N of the padded flat buffer) is what the opti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
 from axond.nn.device import Array, Device, array_module, device_of, empty_on, to_device
 from axond.nn.module import Parameter
 from axond.parallel.fsdp.comm import GroupLike, all_gather_shards, all_reduce_mean, reduce_scatter_shards
@@ -61,6 +63,10 @@ class FSDPUnit:
         """This rank's shard: the only persistent copy of the unit's parameters on this rank."""
         self.full: Array | None = None
         self.full_grad: Array | None = None
+        self.pending_gather: Any = None
+        """The `Work` of a prefetch (async all_gather into `full`) not waited for yet."""
+        self.pending_reduce: tuple[Any, Array] | None = None
+        """(Work or None, gradient) of a reduce-scatter started by `start_reduce`, finished by `finish_reduce`."""
         self._grad_views: list[Array] = []
         self._empty = empty_on(like, 0, self.dtype)
         self.free()
@@ -74,18 +80,41 @@ class FSDPUnit:
     def _compute_shard(self) -> Array:
         return to_device(self.shard.data, self.compute_device)
 
-    def gather(self, refresh: bool = False) -> None:
-        """Make the full parameters available to the modules (all_gather of the shards)."""
-        if self.full is not None and not refresh:
+    def prefetch(self) -> None:
+        """Start gathering the full parameters in the background (async all_gather); `gather` waits for it.
+
+        Only while nothing is gathered: the shards must not change before the gather is used (the
+        wrapper prefetches within one forward or one backward, never across an optimizer step).
+        """
+        if self.shard_group is None or self.full is not None:
             return
         src = self._compute_shard()
-        if self.shard_group is None:
-            self.full = src
-        else:
-            if self.full is None:
-                self.full = empty_on(src, self.layout.padded_numel, self.dtype)
-                self.stats.add_gathered(self.layout.padded_numel)
-            all_gather_shards(src, self.full, self.shard_group)
+        self.full = empty_on(src, self.layout.padded_numel, self.dtype)
+        self.stats.add_gathered(self.layout.padded_numel)
+        self.pending_gather = all_gather_shards(src, self.full, self.shard_group, async_op=True)
+
+    def _wait_gather(self) -> bool:
+        """Wait for a prefetch, if one runs; whether there was one."""
+        work, self.pending_gather = self.pending_gather, None
+        if work is None:
+            return False
+        work.wait()
+        return True
+
+    def gather(self, refresh: bool = False) -> None:
+        """Make the full parameters available to the modules (all_gather of the shards, or a prefetch's result)."""
+        if self._wait_gather():
+            refresh = False  # the prefetch was issued after the last optimizer step: it is fresh
+        if self.full is None or refresh:
+            src = self._compute_shard()
+            if self.shard_group is None:
+                self.full = src
+            else:
+                if self.full is None:
+                    self.full = empty_on(src, self.layout.padded_numel, self.dtype)
+                    self.stats.add_gathered(self.layout.padded_numel)
+                all_gather_shards(src, self.full, self.shard_group)
+        assert self.full is not None
         for p, view in zip(self.params, self.layout.views(self.full)):
             p.data = view
 
@@ -93,6 +122,7 @@ class FSDPUnit:
         """Drop the full parameters (sharded strategies only: NO_SHARD keeps them)."""
         if self.shard_group is None and self.full is not None:
             return
+        self._wait_gather()  # never drop a buffer the group is still writing into
         if self.full is not None:
             self.stats.gathered_numel -= self.layout.padded_numel
         self.full = None
@@ -101,6 +131,7 @@ class FSDPUnit:
 
     def prepare_grad(self) -> None:
         """Point every module parameter's `.grad` at its slice of the flat gradient (kept across no_sync)."""
+        self.finish_reduce()  # a unit run twice in one step: its first reduce-scatter still reads full_grad
         if self.full_grad is None:
             xp = array_module(self._empty)
             self.full_grad = xp.zeros(self.layout.padded_numel, dtype=self.dtype)
@@ -111,8 +142,13 @@ class FSDPUnit:
                 view += p.grad
             p.grad = view
 
-    def reduce_grad(self, sync: bool) -> None:
-        """After the unit's backward: reduce the flat gradient into `shard.grad` (unless `sync` is False)."""
+    def start_reduce(self, sync: bool, async_op: bool = False) -> None:
+        """After the unit's backward: reduce-scatter the flat gradient (unless `sync` is False).
+
+        `finish_reduce` (waits for it and) adds the result into `shard.grad`; with `async_op` the
+        reduce-scatter runs on the group's communication thread meanwhile, e.g. while the backward of
+        the units before this one computes.
+        """
         if self.full_grad is None:
             return
         for p, view in zip(self.params, self._grad_views):
@@ -125,10 +161,19 @@ class FSDPUnit:
             return
         full = self.full_grad
         if self.shard_group is None:
-            grad = full
+            self.pending_reduce = (None, full)
         else:
             grad = empty_on(full, self.layout.shard_numel, self.dtype)
-            reduce_scatter_shards(full, grad, self.shard_group)
+            work = reduce_scatter_shards(full, grad, self.shard_group, async_op=async_op)
+            self.pending_reduce = (work if async_op else None, grad)
+
+    def finish_reduce(self) -> None:
+        """Wait for `start_reduce`'s reduce-scatter, average over replicas, and add the shard's gradient into `shard.grad`."""
+        if self.pending_reduce is None:
+            return
+        (work, grad), self.pending_reduce = self.pending_reduce, None
+        if work is not None:
+            work.wait()
         all_reduce_mean(grad, self.replicate_group)
         if self.offload:
             grad = to_device(grad, "cpu")
