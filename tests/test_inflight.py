@@ -142,3 +142,62 @@ def test_a_store_that_fails_only_loses_the_report() -> None:
     finally:
         REPORTER.unregister(store, 0, g)
         REPORTER.unregister(good, 1, other)
+
+
+def test_monitored_barrier_passes_when_everyone_comes() -> None:
+    gs = thread_groups(3, options=SHORT)
+    try:
+        assert run_on(gs, lambda g: [g.monitored_barrier(timeout=5.0) for _ in range(3)]) == [[None] * 3] * 3
+        assert run_on(gs, lambda g: axond.monitored_barrier(g, wait_all_ranks=True)) == [None] * 3
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_monitored_barrier_names_every_missing_rank_and_what_it_does() -> None:
+    """Ranks 0 and 1 reach the barrier; rank 2 computes; rank 3 waits in an all_reduce on a subgroup with rank 2."""
+    gs = thread_groups(4, options=BackendOptions(timeout=2.0))
+    subs = run_on(gs, lambda g: g.new_group([2, 3]))
+
+    def body(g: ProcessGroup) -> None:
+        if g.rank < 2:
+            g.monitored_barrier(timeout=1.5, wait_all_ranks=True)
+        elif g.rank == 2:
+            time.sleep(2.5)
+        else:
+            subs[3].all_reduce(np.ones(2))
+
+    try:
+        out = run_on(gs, body, return_exceptions=True)
+    finally:
+        for g in subs + gs:
+            g.destroy()
+    assert isinstance(out[0], DistributedError) and isinstance(out[1], DistributedError), out
+    msg = str(out[0])
+    assert msg.startswith("monitored_barrier on group 'world' (rank 0 of 4): ranks [2, 3] did not reach it within 1.5 s; ")
+    assert "peer rank 2 reports no op blocked" in msg
+    assert "peer rank 3 (pid " in msg and f"is blocked in all_reduce on group '{subs[3].name}' for " in msg
+    assert "not in monitored_barrier on group 'world'" in msg
+    assert out[0].op == "monitored_barrier" and out[0].peer == 2
+    assert str(out[1]).startswith("monitored_barrier on group 'world' (rank 1 of 4): rank 0 gave up: ranks [2, 3] ")
+    assert out[2] is None and isinstance(out[3], DistributedError)
+
+
+def test_monitored_barrier_without_wait_all_ranks_names_the_first_and_says_how_to_see_all() -> None:
+    gs = thread_groups(3, options=SHORT)
+
+    def body(g: ProcessGroup) -> None:
+        if g.rank == 1:
+            time.sleep(1.0)
+            return
+        g.monitored_barrier(timeout=0.5)
+
+    try:
+        with pytest.raises(ValueError, match="timeout must be positive"):
+            gs[0].monitored_barrier(timeout=0)
+        out = run_on(gs, body, return_exceptions=True)
+    finally:
+        for g in gs:
+            g.destroy()
+    assert "rank 1 did not reach it within 0.5 s (wait_all_ranks=True names every missing rank); peer rank 1 " in str(out[0])
+    assert "rank 0 gave up: rank 1 did not reach it" in str(out[2])

@@ -2,8 +2,8 @@
 
 from axond.distributed.api import (
     all_gather, all_reduce, all_to_all, barrier, broadcast, default_group, destroy_process_group, gather,
-    get_local_rank, get_rank, get_world_size, init_process_group, irecv, is_initialized, isend, new_group, recv,
-    reduce, reduce_scatter, scatter, send,
+    get_local_rank, get_rank, get_world_size, init_process_group, irecv, is_initialized, isend, monitored_barrier,
+    new_group, recv, reduce, reduce_scatter, scatter, send,
 )
 from axond.distributed.backends.base import Backend, BackendOptions
 from axond.distributed.file_store import FileStore
@@ -15,5 +15,5 @@ __all__ = [
     "Backend", "BackendOptions", "FileStore", "ProcessGroup", "ReduceOp", "Work", "all_gather", "all_reduce",
     "all_to_all", "barrier", "broadcast", "create_group", "default_group", "destroy_process_group", "gather",
     "get_local_rank", "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend",
-    "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send",
+    "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send",
 ]

@@ -232,6 +232,12 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work |
     return _group(group).barrier(async_op=async_op)
 
 
+def monitored_barrier(group: ProcessGroup | None = None, timeout: float | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier through the job's store that names the ranks that did not arrive (see `ProcessGroup.monitored_barrier`)."""
+    _group(group).monitored_barrier(timeout, wait_all_ranks)
+
+
 def new_group(ranks: Sequence[int], backend: str | None = None, group: ProcessGroup | None = None) -> ProcessGroup:
     """Subgroup of global `ranks`; every rank of the parent calls it in the same order (non-members too)."""
     return _group(group).new_group(ranks, backend)

@@ -14,6 +14,7 @@ from typing import Any
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.backends.registry import create_backend, resolve_backend
 from axond.distributed.inflight import REPORTER, describe
+from axond.distributed.monitored_barrier import monitored_barrier
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import CommThread, Work
 from axond.errors import DistributedError
@@ -42,6 +43,7 @@ class ProcessGroup:
         self.inflight: str | None = None
         """The op this member is running (read by the in-flight reporter, see `axond.distributed.inflight`)."""
         self.inflight_seq = 0
+        self._monitored = 0
         if backend is not None and store is not None:
             REPORTER.register(store, global_rank, self)
             backend.explain_timeouts(self._describe_peer)
@@ -180,6 +182,24 @@ class ProcessGroup:
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every member entered the barrier."""
         return self._run("barrier", async_op)
+
+    def monitored_barrier(self, timeout: float | None = None, wait_all_ranks: bool = False) -> None:
+        """A barrier through the job's store that names the ranks that did not arrive (a debugging aid).
+
+        Group rank 0 waits `timeout` (default: the group's) for every member; then every member raises
+        `DistributedError` naming the first missing rank (all of them with `wait_all_ranks`) and what it
+        is blocked in. Works even when the data plane hangs; see `axond.distributed.monitored_barrier`.
+        """
+        if self._store is None or self.backend is None:
+            raise DistributedError(f"monitored_barrier on group '{self.name}': needs a member of a group built "
+                                   "from a store", op="monitored_barrier", group=self.name)
+        limit = self.timeout if timeout is None else float(timeout)
+        if not limit > 0:
+            raise ValueError(f"monitored_barrier timeout must be positive seconds, got {timeout!r}")
+        self._monitored += 1
+        self._comm.drain()  # like every blocking call: after the async ops issued before it
+        self._tracked("monitored_barrier", monitored_barrier, self._store, self.name, self.rank, self.size,
+                      self._monitored, limit, wait_all_ranks, self._describe_peer)
 
     def new_group(self, ranks: Sequence[int], backend: str | None = None) -> ProcessGroup:
         """Subgroup over `ranks` (global ranks, a subset of this group's). Every member calls it, in the same order."""
