@@ -1,4 +1,4 @@
-"""Shared fixtures: a real coordinator on a loopback port and a client for it."""
+"""Shared fixtures: a real coordinator on a loopback port and a client for it; groups of threads on loopback."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import pytest
 
 from axond.control.client import CoordinatorClient, connect
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
+from axond.distributed import BackendOptions, ProcessGroup
+from axond.testing import thread_groups
 
 
 @pytest.fixture
@@ -43,3 +45,20 @@ def client(coordinator: RunningCoordinator) -> Iterator[CoordinatorClient]:
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture
+def make_groups() -> Iterator[Callable[..., list[ProcessGroup]]]:
+    """`make_groups(n, timeout)`: the n members of a fresh tcp group on threads; all destroyed after the test."""
+    made: list[ProcessGroup] = []
+
+    def make(n: int, timeout: float = 1.0) -> list[ProcessGroup]:
+        groups = thread_groups(n, options=BackendOptions(timeout=timeout))
+        made.extend(groups)
+        return groups
+
+    try:
+        yield make
+    finally:
+        for g in made:
+            g.destroy()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,22 +16,14 @@ import pytest
 import axond
 from axond import DistributedError, InMemoryStore, ProcessGroup
 from axond.control.client import CoordinatorClient
-from axond.distributed import BackendOptions
 from axond.distributed.inflight import KEY, REPORTER, describe, report_after
-from axond.testing import run_on, run_processes, thread_groups
+from axond.testing import run_on, run_processes
 
-SHORT = BackendOptions(timeout=1.2)
-
-
-@pytest.fixture
-def pair() -> Iterator[list[ProcessGroup]]:
-    gs = thread_groups(2, options=SHORT)
-    yield gs
-    for g in gs:
-        g.destroy()
+MakeGroups = Callable[..., list[ProcessGroup]]
 
 
-def test_a_cross_group_deadlock_names_the_op_and_group_of_each_side(pair: list[ProcessGroup]) -> None:
+def test_a_cross_group_deadlock_names_the_op_and_group_of_each_side(make_groups: MakeGroups) -> None:
+    pair = make_groups(2, 1.2)
     subs = run_on(pair, lambda g: g.new_group([0, 1]))
 
     def body(g: ProcessGroup) -> None:
@@ -78,7 +70,9 @@ def test_processes_report_through_the_coordinator_store(coordinator, client: Coo
     assert got[1].startswith("broadcast on group 'world/1[0,1]' (rank 1 of 2): "), got[1]
 
 
-def test_a_peer_outside_any_op_is_reported_as_such(pair: list[ProcessGroup]) -> None:
+def test_a_peer_outside_any_op_is_reported_as_such(make_groups: MakeGroups) -> None:
+    pair = make_groups(2, 1.2)
+
     def body(g: ProcessGroup) -> None:
         if g.rank == 0:
             g.all_reduce(np.ones(4, np.float32))
@@ -129,7 +123,8 @@ def test_a_store_that_fails_only_loses_the_report() -> None:
         name, timeout, inflight, inflight_seq = "g", 0.4, "barrier", 1
 
     g: Any = Group()
-    good, other = InMemoryStore(), Group()
+    good = InMemoryStore()
+    other: Any = Group()
     REPORTER.register(store, 0, g)
     try:
         time.sleep(0.3)
@@ -144,19 +139,20 @@ def test_a_store_that_fails_only_loses_the_report() -> None:
         REPORTER.unregister(good, 1, other)
 
 
-def test_monitored_barrier_passes_when_everyone_comes() -> None:
-    gs = thread_groups(3, options=SHORT)
-    try:
-        assert run_on(gs, lambda g: [g.monitored_barrier(timeout=5.0) for _ in range(3)]) == [[None] * 3] * 3
-        assert run_on(gs, lambda g: axond.monitored_barrier(g, wait_all_ranks=True)) == [None] * 3
-    finally:
-        for g in gs:
-            g.destroy()
+def test_monitored_barrier_passes_when_everyone_comes(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 1.2)
+    def body(g: ProcessGroup) -> int:
+        for _ in range(3):
+            g.monitored_barrier(timeout=5.0)
+        axond.monitored_barrier(g, wait_all_ranks=True)
+        return g.rank
+
+    assert run_on(gs, body) == [0, 1, 2]
 
 
-def test_monitored_barrier_names_every_missing_rank_and_what_it_does() -> None:
+def test_monitored_barrier_names_every_missing_rank_and_what_it_does(make_groups: MakeGroups) -> None:
     """Ranks 0 and 1 reach the barrier; rank 2 computes; rank 3 waits in an all_reduce on a subgroup with rank 2."""
-    gs = thread_groups(4, options=BackendOptions(timeout=2.0))
+    gs = make_groups(4, 2.0)
     subs = run_on(gs, lambda g: g.new_group([2, 3]))
 
     def body(g: ProcessGroup) -> None:
@@ -170,8 +166,8 @@ def test_monitored_barrier_names_every_missing_rank_and_what_it_does() -> None:
     try:
         out = run_on(gs, body, return_exceptions=True)
     finally:
-        for g in subs + gs:
-            g.destroy()
+        for s in subs:
+            s.destroy()
     assert isinstance(out[0], DistributedError) and isinstance(out[1], DistributedError), out
     msg = str(out[0])
     assert msg.startswith("monitored_barrier on group 'world' (rank 0 of 4): ranks [2, 3] did not reach it within 1.5 s; ")
@@ -183,8 +179,8 @@ def test_monitored_barrier_names_every_missing_rank_and_what_it_does() -> None:
     assert out[2] is None and isinstance(out[3], DistributedError)
 
 
-def test_monitored_barrier_without_wait_all_ranks_names_the_first_and_says_how_to_see_all() -> None:
-    gs = thread_groups(3, options=SHORT)
+def test_monitored_barrier_without_wait_all_ranks_names_the_first_and_says_how_to_see_all(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 1.2)
 
     def body(g: ProcessGroup) -> None:
         if g.rank == 1:
@@ -192,12 +188,8 @@ def test_monitored_barrier_without_wait_all_ranks_names_the_first_and_says_how_t
             return
         g.monitored_barrier(timeout=0.5)
 
-    try:
-        with pytest.raises(ValueError, match="timeout must be positive"):
-            gs[0].monitored_barrier(timeout=0)
-        out = run_on(gs, body, return_exceptions=True)
-    finally:
-        for g in gs:
-            g.destroy()
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        gs[0].monitored_barrier(timeout=0)
+    out = run_on(gs, body, return_exceptions=True)
     assert "rank 1 did not reach it within 0.5 s (wait_all_ranks=True names every missing rank); peer rank 1 " in str(out[0])
     assert "rank 0 gave up: rank 1 did not reach it" in str(out[2])
