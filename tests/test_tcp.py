@@ -6,6 +6,7 @@ failure case must raise `DistributedError` on every rank within a couple of seco
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -13,7 +14,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -305,6 +306,34 @@ def test_auto_all_reduce_algorithm_follows_the_cores(crowded: bool) -> None:
             g.destroy()
 
 
+def test_two_ranks_move_up_to_1_mib_in_one_round(make_groups: Callable[..., list[ProcessGroup]]) -> None:
+    """With two ranks there is one hop and nothing to pipeline: all_reduce, broadcast and reduce_scatter up to
+    1 MiB go as one frame each way (unless AXOND_TCP_ALGORITHM pins the all_reduce); the results are exact."""
+    gs = make_groups(2, 10.0)
+    backend: Any = gs[0].backend
+    assert [backend._all_reduce_algorithm(n) for n in (1 << 20, (1 << 20) + 8)] == ["doubling", "ring"]
+    assert [backend._reduce_scatter_algorithm(n) for n in (1 << 20, (1 << 20) + 16)] == ["direct", "ring"]
+    assert backend._pair_round(1 << 20) and not backend._pair_round((1 << 20) + 1)
+    backend.tuning = dataclasses.replace(backend.tuning, algorithm="ring")
+    assert backend._all_reduce_algorithm(1 << 20) == "ring"
+    backend.tuning = dataclasses.replace(backend.tuning, algorithm="auto")
+    for count in (131_071, 131_072, 131_073):  # just under, at and over 1 MiB of float64
+        inputs = [np.random.default_rng(r).integers(-9, 9, 2 * count).astype(np.float64) for r in range(2)]
+
+        def body(pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            x = inputs[pg.rank][:count].copy()
+            pg.all_reduce(x, ReduceOp.AVG)
+            b = inputs[pg.rank][:count].copy()
+            pg.broadcast(b, 1)
+            return x, b, pg.reduce_scatter(inputs[pg.rank][: 2 * (count // 2)])
+
+        for r, (x, b, block) in enumerate(run_on(gs, body)):
+            np.testing.assert_array_equal(x, (inputs[0][:count] + inputs[1][:count]) / 2)
+            np.testing.assert_array_equal(b, inputs[1][:count])
+            half = count // 2
+            np.testing.assert_array_equal(block, (inputs[0] + inputs[1])[r * half : (r + 1) * half])
+
+
 @pytest.mark.parametrize("crowded", [False, True])
 def test_all_gather_algorithm_follows_the_size_and_cores(crowded: bool) -> None:
     """Direct up to 4 MiB; above, recursive doubling on a crowded power-of-two group, else the ring."""
@@ -327,15 +356,16 @@ def test_all_gather_algorithm_follows_the_size_and_cores(crowded: bool) -> None:
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("crowded", [False, True])
 def test_reduce_scatter_algorithm_follows_the_size_and_cores(crowded: bool, size: int) -> None:
-    """Direct up to 128 KiB; recursive halving up to 2 MiB on a crowded power-of-two group; else the ring.
-    Every path gives the reference blocks and leaves the input untouched."""
+    """Direct up to 128 KiB (1 MiB with two ranks); recursive halving up to 2 MiB on a crowded power-of-two
+    group; else the ring. Every path gives the reference blocks and leaves the input untouched."""
     gs = thread_groups(size, options=BackendOptions(timeout=10.0))
     try:
         for g in gs:
             g.backend.crowded = crowded  # type: ignore[union-attr]
         pick = gs[0].backend._reduce_scatter_algorithm  # type: ignore[union-attr]
         mid = "halving" if crowded else "ring"
-        assert [pick(n) for n in (128 << 10, 1 << 20, 2 << 20, 4 << 20)] == ["direct", mid, mid, "ring"]
+        one_mib = "direct" if size == 2 else mid
+        assert [pick(n) for n in (128 << 10, 1 << 20, 2 << 20, 4 << 20)] == ["direct", one_mib, mid, "ring"]
         for count in (size * 20_011, size * 131_072, size * 300_007):  # 0.3-0.6, 2 and 4.6-9.2 MiB of float64
             inputs = [np.random.default_rng(r).integers(-9, 9, count).astype(np.float64) for r in range(size)]
             for op, ref in ((ReduceOp.SUM, np.sum(inputs, 0)), (ReduceOp.AVG, np.sum(inputs, 0) / size),

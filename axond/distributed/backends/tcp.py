@@ -32,6 +32,10 @@ CROWDED_DOUBLING_BYTES = 256 << 10
 CROWDED_HALVING_BYTES = 2 << 20
 """...and up to this size halving-doubling: log2(n) pairwise steps keep the cores busier than a ring's
 n-1 dependent ones (bench busbw at n = 4 on 2 cores: 1.3-1.6x the ring's from 256 KiB to 2 MiB, no gain at 4 MiB)."""
+PAIR_ONE_ROUND_BYTES = 1 << 20
+"""With two ranks, all_reduce, broadcast and reduce_scatter up to this size send one frame each way (recursive
+doubling, one send, one direct round) instead of a pipelined ring or chain: two ranks have one hop, so the
+chunks only add calls (interleaved A/B at n = 2: 1.3-1.6x at 256 KiB, 1.05-1.6x at 1 MiB; the ring wins from 2 MiB)."""
 SCRATCH_VIEWS = 64
 """Typed views of the receive buffer kept for reuse (small ops ask for the same few every call)."""
 META = 34
@@ -137,7 +141,7 @@ class TcpBackend(TcpAlgorithms, Backend):
     def _all_reduce_algorithm(self, nbytes: int) -> str:
         """Recursive doubling up to `small_bytes`; above, the configured algorithm (auto: see `TcpTuning.algorithm`)."""
         algo, pow2 = self.tuning.algorithm, self.size & (self.size - 1) == 0
-        if nbytes <= self.tuning.small_bytes:
+        if nbytes <= self.tuning.small_bytes or (algo == "auto" and self._pair_round(nbytes)):
             return "doubling"
         if algo == "auto" and pow2 and self.crowded:
             if nbytes <= CROWDED_DOUBLING_BYTES:
@@ -145,13 +149,18 @@ class TcpBackend(TcpAlgorithms, Backend):
             return "halving_doubling" if nbytes <= CROWDED_HALVING_BYTES else "ring"
         return "halving_doubling" if algo == "halving_doubling" and pow2 else "ring"
 
+    def _pair_round(self, nbytes: int) -> bool:
+        """Whether a two-rank group moves `nbytes` in one round (see PAIR_ONE_ROUND_BYTES)."""
+        return self.size == 2 and nbytes <= PAIR_ONE_ROUND_BYTES
+
     def broadcast(self, x: Array, src: int) -> None:
         x = _numpy(x, "broadcast input")
         src = self._check_root(src, "src")
         c = self._call(Op.BROADCAST, x, aux=src)
         if self.size == 1:
             return
-        body = self._tree_broadcast if x.nbytes <= self.tuning.small_bytes else self._chain_broadcast
+        one_round = x.nbytes <= self.tuning.small_bytes or self._pair_round(x.nbytes)
+        body = self._tree_broadcast if one_round else self._chain_broadcast
         if x.flags.c_contiguous or self.rank != src:
             self._inplace(x, "broadcast", lambda flat: body(c, flat, src))
         else:
@@ -237,9 +246,9 @@ class TcpBackend(TcpAlgorithms, Backend):
         return out
 
     def _reduce_scatter_algorithm(self, nbytes: int) -> str:
-        """One direct round up to `small_bytes`; above, recursive halving wherever all_reduce would use
-        halving-doubling (its first half), else the pipelined ring."""
-        if nbytes <= self.tuning.small_bytes:
+        """One direct round up to `small_bytes` (with two ranks, PAIR_ONE_ROUND_BYTES); above, recursive
+        halving wherever all_reduce would use halving-doubling (its first half), else the pipelined ring."""
+        if nbytes <= self.tuning.small_bytes or self._pair_round(nbytes):
             return "direct"
         return "halving" if self._all_reduce_algorithm(nbytes) == "halving_doubling" else "ring"
 
