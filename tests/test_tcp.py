@@ -335,6 +335,21 @@ def test_two_ranks_move_up_to_1_mib_in_one_round(make_groups: Callable[..., list
 
 
 @pytest.mark.parametrize("crowded", [False, True])
+def test_broadcast_uses_the_tree_longer_when_the_cores_are_crowded(
+        crowded: bool, make_groups: Callable[..., list[ProcessGroup]]) -> None:
+    """Tree up to 128 KiB, or 4 MiB with more ranks than cores; then the chain. Both give the root's array."""
+    gs = make_groups(3, 10.0)
+    for g in gs:
+        g.backend.crowded = crowded  # type: ignore[union-attr]
+    pick: Any = gs[0].backend._broadcast_by_tree  # type: ignore[union-attr]
+    assert [pick(n) for n in (128 << 10, 1 << 20, 4 << 20, (4 << 20) + 8)] == [True, crowded, crowded, False]
+    for count in (131_071, 524_289):  # 1 and 4 MiB of float64 (odd lengths): each path once or twice
+        data = [np.random.default_rng(r).standard_normal(count) for r in range(3)]
+        for got in run_on(gs, lambda pg: (pg.broadcast(x := data[pg.rank].copy(), 2), x)[1]):
+            np.testing.assert_array_equal(got, data[2])
+
+
+@pytest.mark.parametrize("crowded", [False, True])
 def test_all_gather_algorithm_follows_the_size_and_cores(crowded: bool) -> None:
     """Direct up to 4 MiB; above, recursive doubling on a crowded power-of-two group, else the ring."""
     gs = thread_groups(4, options=BackendOptions(timeout=10.0))

@@ -36,6 +36,10 @@ PAIR_ONE_ROUND_BYTES = 1 << 20
 """With two ranks, all_reduce, broadcast and reduce_scatter up to this size send one frame each way (recursive
 doubling, one send, one direct round) instead of a pipelined ring or chain: two ranks have one hop, so the
 chunks only add calls (interleaved A/B at n = 2: 1.3-1.6x at 256 KiB, 1.05-1.6x at 1 MiB; the ring wins from 2 MiB)."""
+CROWDED_TREE_BROADCAST_BYTES = 4 << 20
+"""With more ranks than cores, broadcasts up to this size use the binomial tree, not the pipelined chain: the
+same bytes in fewer, larger frames and a shallower critical path (A/B on 2 cores: 1.3-1.5x at 1 MiB and
+1.2-1.4x at 4 MiB with 3 and 4 ranks; the chain wins from 16 MiB)."""
 SCRATCH_VIEWS = 64
 """Typed views of the receive buffer kept for reuse (small ops ask for the same few every call)."""
 META = 34
@@ -153,14 +157,19 @@ class TcpBackend(TcpAlgorithms, Backend):
         """Whether a two-rank group moves `nbytes` in one round (see PAIR_ONE_ROUND_BYTES)."""
         return self.size == 2 and nbytes <= PAIR_ONE_ROUND_BYTES
 
+    def _broadcast_by_tree(self, nbytes: int) -> bool:
+        """Binomial tree up to `small_bytes` (two ranks: PAIR_ONE_ROUND_BYTES; more ranks than cores:
+        CROWDED_TREE_BROADCAST_BYTES); above, the pipelined chain."""
+        return (nbytes <= self.tuning.small_bytes or self._pair_round(nbytes)
+                or (self.crowded and nbytes <= CROWDED_TREE_BROADCAST_BYTES))
+
     def broadcast(self, x: Array, src: int) -> None:
         x = _numpy(x, "broadcast input")
         src = self._check_root(src, "src")
         c = self._call(Op.BROADCAST, x, aux=src)
         if self.size == 1:
             return
-        one_round = x.nbytes <= self.tuning.small_bytes or self._pair_round(x.nbytes)
-        body = self._tree_broadcast if one_round else self._chain_broadcast
+        body = self._tree_broadcast if self._broadcast_by_tree(x.nbytes) else self._chain_broadcast
         if x.flags.c_contiguous or self.rank != src:
             self._inplace(x, "broadcast", lambda flat: body(c, flat, src))
         else:
