@@ -143,7 +143,8 @@ class TcpBackend(TcpAlgorithms, Backend):
             self._inplace(x, "all_reduce", lambda flat: self._ring_all_reduce(c, flat, op))
 
     def _all_reduce_algorithm(self, nbytes: int) -> str:
-        """Recursive doubling up to `small_bytes`; above, the configured algorithm (auto: see `TcpTuning.algorithm`)."""
+        """Recursive doubling up to `small_bytes` (auto with two ranks: PAIR_ONE_ROUND_BYTES); above, the configured
+        algorithm (auto: see `TcpTuning.algorithm`)."""
         algo, pow2 = self.tuning.algorithm, self.size & (self.size - 1) == 0
         if nbytes <= self.tuning.small_bytes or (algo == "auto" and self._pair_round(nbytes)):
             return "doubling"
