@@ -49,12 +49,15 @@ def client(coordinator: RunningCoordinator) -> Iterator[CoordinatorClient]:
 
 @pytest.fixture
 def make_groups() -> Iterator[Callable[..., list[ProcessGroup]]]:
-    """`make_groups(n, timeout)`: the n members of a fresh tcp group on threads; all destroyed after the test."""
+    """`make_groups(n, timeout, crowded=None)`: the n members of a fresh tcp group on threads, all destroyed
+    after the test; `crowded` overrides whether the backends think ranks outnumber cores (algorithm choice)."""
     made: list[ProcessGroup] = []
 
-    def make(n: int, timeout: float = 1.0) -> list[ProcessGroup]:
+    def make(n: int, timeout: float = 1.0, crowded: bool | None = None) -> list[ProcessGroup]:
         groups = thread_groups(n, options=BackendOptions(timeout=timeout))
         made.extend(groups)
+        for g in groups if crowded is not None else ():
+            g.backend.crowded = crowded  # type: ignore[union-attr]  # as if the host had fewer (more) cores
         return groups
 
     try:

@@ -27,6 +27,7 @@ from axond.distributed.wire import group_id
 from axond.testing import RankFailed, run_on, thread_groups
 
 SHORT = BackendOptions(timeout=1.0)
+MakeGroups = Callable[..., list[ProcessGroup]]
 
 
 @pytest.fixture
@@ -285,28 +286,22 @@ def test_halving_doubling_all_reduce(monkeypatch: pytest.MonkeyPatch, n: int) ->
 
 
 @pytest.mark.parametrize("crowded", [True, False])
-def test_auto_all_reduce_algorithm_follows_the_cores(crowded: bool) -> None:
+def test_auto_all_reduce_algorithm_follows_the_cores(crowded: bool, make_groups: MakeGroups) -> None:
     """auto: on power-of-two groups with more ranks than cores, pairwise algorithms up to 2 MiB, then the ring."""
-    gs = thread_groups(4, options=BackendOptions(timeout=10.0))
-    try:
-        for g in gs:
-            g.backend.crowded = crowded  # type: ignore[union-attr]
-        pick = gs[0].backend._all_reduce_algorithm  # type: ignore[union-attr]
-        expected = {64 << 10: "doubling", 200 << 10: "doubling" if crowded else "ring",
-                    1 << 20: "halving_doubling" if crowded else "ring", 8 << 20: "ring"}
-        assert {size: pick(size) for size in expected} == expected
-        # Every path gives the reference sum (float64 integers: exact whatever the order of the adds).
-        for count in (25_000, 131_075, 300_001):  # 200 KiB, 1 MiB (odd), 2.3 MiB
-            inputs = [np.random.default_rng(r).integers(-9, 9, count).astype(np.float64) for r in range(4)]
-            out = run_on(gs, lambda pg: (pg.all_reduce(x := inputs[pg.rank].copy(), ReduceOp.AVG), x)[1])
-            for x in out:
-                np.testing.assert_array_equal(x, np.sum(inputs, axis=0) / 4)
-    finally:
-        for g in gs:
-            g.destroy()
+    gs = make_groups(4, 10.0, crowded=crowded)
+    pick = gs[0].backend._all_reduce_algorithm  # type: ignore[union-attr]
+    expected = {64 << 10: "doubling", 200 << 10: "doubling" if crowded else "ring",
+                1 << 20: "halving_doubling" if crowded else "ring", 8 << 20: "ring"}
+    assert {size: pick(size) for size in expected} == expected
+    # Every path gives the reference sum (float64 integers: exact whatever the order of the adds).
+    for count in (25_000, 131_075, 300_001):  # 200 KiB, 1 MiB (odd), 2.3 MiB
+        inputs = [np.random.default_rng(r).integers(-9, 9, count).astype(np.float64) for r in range(4)]
+        out = run_on(gs, lambda pg: (pg.all_reduce(x := inputs[pg.rank].copy(), ReduceOp.AVG), x)[1])
+        for x in out:
+            np.testing.assert_array_equal(x, np.sum(inputs, axis=0) / 4)
 
 
-def test_two_ranks_move_up_to_1_mib_in_one_round(make_groups: Callable[..., list[ProcessGroup]]) -> None:
+def test_two_ranks_move_up_to_1_mib_in_one_round(make_groups: MakeGroups) -> None:
     """With two ranks there is one hop and nothing to pipeline: all_reduce, broadcast and reduce_scatter up to
     1 MiB go as one frame each way (unless AXOND_TCP_ALGORITHM pins the all_reduce); the results are exact."""
     gs = make_groups(2, 10.0)
@@ -335,12 +330,9 @@ def test_two_ranks_move_up_to_1_mib_in_one_round(make_groups: Callable[..., list
 
 
 @pytest.mark.parametrize("crowded", [False, True])
-def test_broadcast_uses_the_tree_longer_when_the_cores_are_crowded(
-        crowded: bool, make_groups: Callable[..., list[ProcessGroup]]) -> None:
+def test_broadcast_uses_the_tree_longer_when_the_cores_are_crowded(crowded: bool, make_groups: MakeGroups) -> None:
     """Tree up to 128 KiB, or 4 MiB with more ranks than cores; then the chain. Both give the root's array."""
-    gs = make_groups(3, 10.0)
-    for g in gs:
-        g.backend.crowded = crowded  # type: ignore[union-attr]
+    gs = make_groups(3, 10.0, crowded=crowded)
     pick: Any = gs[0].backend._broadcast_by_tree  # type: ignore[union-attr]
     assert [pick(n) for n in (128 << 10, 1 << 20, 4 << 20, (4 << 20) + 8)] == [True, crowded, crowded, False]
     for count in (131_071, 524_289):  # 1 and 4 MiB of float64 (odd lengths): each path once or twice
@@ -350,49 +342,37 @@ def test_broadcast_uses_the_tree_longer_when_the_cores_are_crowded(
 
 
 @pytest.mark.parametrize("crowded", [False, True])
-def test_all_gather_algorithm_follows_the_size_and_cores(crowded: bool) -> None:
+def test_all_gather_algorithm_follows_the_size_and_cores(crowded: bool, make_groups: MakeGroups) -> None:
     """Direct up to 4 MiB; above, recursive doubling on a crowded power-of-two group, else the ring."""
-    gs = thread_groups(4, options=BackendOptions(timeout=10.0))
-    try:
-        for g in gs:
-            g.backend.crowded = crowded  # type: ignore[union-attr]
-        pick = gs[0].backend._all_gather_algorithm  # type: ignore[union-attr]
-        big = "doubling" if crowded else "ring"
-        assert [pick(n) for n in (1 << 10, 4 << 20, (4 << 20) + 8, 64 << 20)] == ["direct", "direct", big, big]
-        for count in (262_147, 1_000_003):  # 4.0 and 15.3 MiB of float32 output, odd lengths
-            inputs = [np.random.default_rng(r).standard_normal(count).astype(np.float32) for r in range(4)]
-            for got in run_on(gs, lambda pg: pg.all_gather(inputs[pg.rank])):
-                np.testing.assert_array_equal(got, np.stack(inputs))
-    finally:
-        for g in gs:
-            g.destroy()
+    gs = make_groups(4, 10.0, crowded=crowded)
+    pick = gs[0].backend._all_gather_algorithm  # type: ignore[union-attr]
+    big = "doubling" if crowded else "ring"
+    assert [pick(n) for n in (1 << 10, 4 << 20, (4 << 20) + 8, 64 << 20)] == ["direct", "direct", big, big]
+    for count in (262_147, 1_000_003):  # 4.0 and 15.3 MiB of float32 output, odd lengths
+        inputs = [np.random.default_rng(r).standard_normal(count).astype(np.float32) for r in range(4)]
+        for got in run_on(gs, lambda pg: pg.all_gather(inputs[pg.rank])):
+            np.testing.assert_array_equal(got, np.stack(inputs))
 
 
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("crowded", [False, True])
-def test_reduce_scatter_algorithm_follows_the_size_and_cores(crowded: bool, size: int) -> None:
+def test_reduce_scatter_algorithm_follows_the_size_and_cores(crowded: bool, size: int, make_groups: MakeGroups) -> None:
     """Direct up to 128 KiB (1 MiB with two ranks); recursive halving up to 2 MiB on a crowded power-of-two
     group; else the ring. Every path gives the reference blocks and leaves the input untouched."""
-    gs = thread_groups(size, options=BackendOptions(timeout=10.0))
-    try:
-        for g in gs:
-            g.backend.crowded = crowded  # type: ignore[union-attr]
-        pick = gs[0].backend._reduce_scatter_algorithm  # type: ignore[union-attr]
-        mid = "halving" if crowded else "ring"
-        one_mib = "direct" if size == 2 else mid
-        assert [pick(n) for n in (128 << 10, 1 << 20, 2 << 20, 4 << 20)] == ["direct", one_mib, mid, "ring"]
-        for count in (size * 20_011, size * 131_072, size * 300_007):  # 0.3-0.6, 2 and 4.6-9.2 MiB of float64
-            inputs = [np.random.default_rng(r).integers(-9, 9, count).astype(np.float64) for r in range(size)]
-            for op, ref in ((ReduceOp.SUM, np.sum(inputs, 0)), (ReduceOp.AVG, np.sum(inputs, 0) / size),
-                            (ReduceOp.MAX, np.max(inputs, 0))):
-                got = run_on(gs, lambda pg: (pg.reduce_scatter(x := inputs[pg.rank].copy(), op), x))
-                per = count // size
-                for r, (block, x) in enumerate(got):
-                    np.testing.assert_array_equal(block, ref[r * per : (r + 1) * per])
-                    np.testing.assert_array_equal(x, inputs[r])
-    finally:
-        for g in gs:
-            g.destroy()
+    gs = make_groups(size, 10.0, crowded=crowded)
+    pick = gs[0].backend._reduce_scatter_algorithm  # type: ignore[union-attr]
+    mid = "halving" if crowded else "ring"
+    one_mib = "direct" if size == 2 else mid
+    assert [pick(n) for n in (128 << 10, 1 << 20, 2 << 20, 4 << 20)] == ["direct", one_mib, mid, "ring"]
+    for count in (size * 20_011, size * 131_072, size * 300_007):  # 0.3-0.6, 2 and 4.6-9.2 MiB of float64
+        inputs = [np.random.default_rng(r).integers(-9, 9, count).astype(np.float64) for r in range(size)]
+        for op, ref in ((ReduceOp.SUM, np.sum(inputs, 0)), (ReduceOp.AVG, np.sum(inputs, 0) / size),
+                        (ReduceOp.MAX, np.max(inputs, 0))):
+            got = run_on(gs, lambda pg: (pg.reduce_scatter(x := inputs[pg.rank].copy(), op), x))
+            per = count // size
+            for r, (block, x) in enumerate(got):
+                np.testing.assert_array_equal(block, ref[r * per : (r + 1) * per])
+                np.testing.assert_array_equal(x, inputs[r])
 
 
 def test_unknown_algorithm_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -588,7 +568,7 @@ def test_async_ops_do_not_keep_their_arrays_alive(pair: list[ProcessGroup]) -> N
     def body(pg: ProcessGroup) -> bool:
         x = np.ones(1 << 16)
         out = np.empty((2, 1 << 16))
-        refs = [weakref.ref(x), weakref.ref(out)]
+        refs = [weakref.ref(a) for a in (x, out)]
         works = [pg.all_reduce(x, async_op=True), pg.all_gather(x, async_op=True, out=out)]
         assert all(w is not None and w.wait() for w in works)
         del x, out, works
