@@ -106,6 +106,30 @@ def test_status_shows_nodes_jobs_and_ranks(coord: RunningCoordinator, procs: Pro
     assert len(re.findall(r"^shown\s+[01]\s+\S+\s+0\s+[01]$", text, re.M)) == 2, text
 
 
+def test_status_of_a_hung_job_shows_which_rank_waits_in_which_op(coord: RunningCoordinator, procs: Procs) -> None:
+    """Rank 1 waits in an all_reduce that rank 0, stuck in its own code, never joins: `status --job` says so."""
+    script = (
+        "import time, numpy as np, axond\n"
+        "axond.init_process_group(timeout=12.0)\n"
+        "if axond.get_rank() == 0:\n"
+        "    time.sleep(60)\n"
+        "axond.all_reduce(np.ones(3))\n"
+    )
+    procs.axond("worker", "--coordinator", coord.address, "--job", "hung", "--nproc-per-node", "2",
+                "--", PY, "-c", script)
+    seen: list[str] = []
+
+    def rank_one_reported() -> bool:
+        res = procs.run("status", "--coordinator", coord.address, "--job", "hung")
+        seen.append(res.stdout + res.stderr)
+        return res.code == 0 and re.search(r"^hung\s+1\s+.*all_reduce on group 'world' for \d+\.\d s$",
+                                            res.stdout, re.M) is not None
+
+    wait_for(rank_one_reported, 11, "rank 1's report (reports start after a quarter of the 12 s timeout)", 0.3)
+    assert "BLOCKED IN" in seen[-1]
+    assert re.search(r"^hung\s+0\s+\S+\s+0\s+0\s+-$", seen[-1], re.M), seen[-1]  # rank 0: in no op
+
+
 def test_run_through_daemons_end_to_end(coord: RunningCoordinator, procs: Procs) -> None:
     for _ in range(2):
         procs.axond("worker", "--coordinator", coord.address, "--slots", "2")

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import click
 
 from axond.cli.common import EXIT_FAILED, EXIT_OK, coordinator_options, fail, fail_coordinator
-from axond.control.client import connect
-from axond.errors import CoordinatorError
+from axond.control.client import CoordinatorClient, connect
+from axond.distributed.inflight import blocked_text, read_report
+from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 
 
@@ -25,8 +26,9 @@ def _enum_name(enum: object, value: int, prefix: str) -> str:
     return name.removeprefix(prefix).lower()
 
 
-def render_status(status: pb.GetStatusResponse) -> str:
-    """The three tables of `axond status`."""
+def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], str] | None = None) -> str:
+    """The three tables of `axond status`; with `blocked` ((job, rank) -> what the rank is blocked in), a column
+    for it in the ranks table."""
     nodes = [
         (n.node_id, n.hostname, _enum_name(pb.NodeHealth, n.health, "NODE_HEALTH_"),
          f"{n.last_heartbeat_age_s:.1f}s", n.slots, "daemon" if n.daemon else "agent", n.job or "-")
@@ -39,6 +41,7 @@ def render_status(status: pb.GetStatusResponse) -> str:
     ]
     ranks = [
         (j.job, r.rank, r.node_id, r.node_rank, r.local_rank)
+        + ((blocked.get((j.job, r.rank), "-"),) if blocked is not None else ())
         for j in status.jobs for r in sorted(j.ranks, key=lambda r: r.rank)
     ]
     parts = [
@@ -49,7 +52,8 @@ def render_status(status: pb.GetStatusResponse) -> str:
         format_table(("JOB", "STATE", "GENERATION", "NODES", "WORLD SIZE", "RESTARTS", "REASON"), jobs),
         "",
         f"RANKS ({len(ranks)})",
-        format_table(("JOB", "RANK", "NODE", "NODE RANK", "LOCAL RANK"), ranks),
+        format_table(("JOB", "RANK", "NODE", "NODE RANK", "LOCAL RANK")
+                     + (("BLOCKED IN",) if blocked is not None else ()), ranks),
     ]
     return "\n".join(parts)
 
@@ -60,20 +64,47 @@ def render_status(status: pb.GetStatusResponse) -> str:
     epilog="Exit code: 0, or 3 if the coordinator could not be reached or refused the token.",
 )
 @coordinator_options
-@click.option("--job", default="", help="Only this job (and its ranks) [default: every job].")
+@click.option("--job", default="", help="Only this job (and its ranks, with the op each one is blocked in) "
+                                        "[default: every job].")
 def status(address: str, token: str | None, tls_ca: str | None, job: str) -> None:
-    """Show the coordinator's nodes (with their health), jobs and ranks."""
+    """Show the coordinator's nodes (with their health), jobs and ranks.
+
+    With --job, each rank's row also says which collective it has been blocked in for a while (a quarter
+    of its group timeout, at most 10 s), from the reports ranks publish in the job's store: a hung job
+    shows which ranks wait in which op, and which are stuck elsewhere ("-").
+    """
     try:
         client = connect(address, token=token, tls_ca=tls_ca)
     except CoordinatorError as e:
         fail_coordinator("status", e, address)
     try:
         reply = client.get_status(job)
+        blocked = _blocked(client, reply) if job else None
     except CoordinatorError as e:
         fail_coordinator("status", e, address)
     finally:
         client.close()
-    click.echo(render_status(reply))
+    click.echo(render_status(reply, blocked))
+
+
+def _blocked(client: CoordinatorClient, status: pb.GetStatusResponse) -> dict[tuple[str, int], str]:
+    """(job, rank) -> what the rank reports being blocked in, for the ranks of running jobs that report one."""
+    out: dict[tuple[str, int], str] = {}
+    for j in status.jobs:
+        if j.generation < 1:
+            continue
+        store = client.store(j.job, j.generation)
+        for r in j.ranks:
+            try:
+                ops, _ = read_report(store, r.rank)
+            except ValueError:
+                out[(j.job, r.rank)] = "(unreadable report)"
+                continue
+            except StoreError:
+                break  # the job's generation is gone (it restarted or ended): nothing to report
+            if ops:
+                out[(j.job, r.rank)] = blocked_text(ops)
+    return out
 
 
 @click.command(

@@ -136,6 +136,30 @@ class _Reporter:
 REPORTER = _Reporter()
 
 
+Blocked = list[tuple[str, str, float]]
+"""(group, op, since as wall-clock seconds) of each op a rank reported being blocked in."""
+
+
+def read_report(store: Store, global_rank: int) -> tuple[Blocked, str]:
+    """What rank `global_rank` last published: its blocked ops and where it runs ("pid P on HOST").
+
+    No report reads as no blocked op. Raises `ValueError` for an unreadable one, and the store's errors as they are.
+    """
+    raw = store.try_get(KEY.format(global_rank))
+    try:
+        report = json.loads(raw) if raw is not None else {}
+        ops = [(str(o["group"]), str(o["op"]), float(o["since"])) for o in report.get("ops", [])]
+        return ops, (f"pid {int(report['pid'])} on {report['host']}" if ops else "")
+    except (TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"unreadable in-flight report of rank {global_rank}") from e
+
+
+def blocked_text(ops: Blocked, now: float | None = None) -> str:
+    """`op on group 'g' for 3.1 s`, joined by "; and in " for several."""
+    now = time.time() if now is None else now
+    return "; and in ".join(f"{op} on group '{group}' for {max(now - since, 0.0):.1f} s" for group, op, since in ops)
+
+
 def describe(store: Store, global_rank: int, group_rank: int, timeout: float,
              mine: tuple[str, str] | None = None) -> str:
     """What peer `global_rank` last published about itself, as a clause for a timeout message.
@@ -144,21 +168,15 @@ def describe(store: Store, global_rank: int, group_rank: int, timeout: float,
     """
     who = f"peer rank {group_rank}" + (f" (global rank {global_rank})" if global_rank != group_rank else "")
     try:
-        raw = store.try_get(KEY.format(global_rank))
+        ops, where = read_report(store, global_rank)
+    except ValueError:
+        return f"{who} published an unreadable report"
     except Exception:  # noqa: BLE001 - the report is a hint; the timeout is the error
         return f"{who} could not be asked what it is doing (the store did not answer)"
-    try:
-        report = json.loads(raw) if raw is not None else {}
-        ops = [(str(o["group"]), str(o["op"]), float(o["since"])) for o in report.get("ops", [])]
-        where = f" (pid {int(report['pid'])} on {report['host']})" if ops else ""
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return f"{who} published an unreadable report"
     if not ops:
         return (f"{who} reports no op blocked for over {report_after(timeout):.1f} s: it is outside axond "
                 "(computing, or stuck in its own code), or entered its op only just now")
-    now = time.time()
-    parts = [f"{op} on group '{group}' for {max(now - since, 0.0):.1f} s" for group, op, since in ops]
-    text = f"{who}{where} is blocked in " + "; and in ".join(parts)
+    text = f"{who} ({where}) is blocked in {blocked_text(ops)}"
     if mine is not None and not any((group, op) == mine for group, op, _ in ops):
         text += f", not in {mine[1]} on group '{mine[0]}': the ranks issued their ops in different orders"
     return text
