@@ -17,6 +17,7 @@ import axond
 from axond import DistributedError, InMemoryStore, ProcessGroup
 from axond.control.client import CoordinatorClient
 from axond.distributed.inflight import KEY, REPORTER, describe, report_after
+from axond.distributed.monitored_barrier import PREFIX
 from axond.testing import run_on, run_processes
 
 MakeGroups = Callable[..., list[ProcessGroup]]
@@ -148,6 +149,11 @@ def test_monitored_barrier_passes_when_everyone_comes(make_groups: MakeGroups) -
         return g.rank
 
     assert run_on(gs, body) == [0, 1, 2]
+    store = gs[0]._store
+    assert store is not None
+    verdicts = [store.try_get(PREFIX.format(group="world", seq=k) + "released") for k in range(1, 5)]
+    assert verdicts == [None, None, None, b"ok"]  # the store keeps the last verdict only, and no arrivals
+    assert all(store.try_get(PREFIX.format(group="world", seq=4) + f"arrived/{r}") is None for r in (1, 2))
 
 
 def test_monitored_barrier_names_every_missing_rank_and_what_it_does(make_groups: MakeGroups) -> None:

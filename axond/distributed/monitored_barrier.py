@@ -4,7 +4,9 @@ As torch's (a debugging aid, not a fast path): every member posts an arrival key
 waits for them up to the timeout, then releases the others. Ranks that did not come are named: the
 first one, or all of them with `wait_all_ranks`. Each comes with what it is blocked in (see
 `axond.distributed.inflight`), and every member raises the same `DistributedError`. Only the store
-(the control plane) is used, so it also works when the data plane is what hangs.
+(the control plane) is used, so it also works when the data plane is what hangs. The store keeps at
+most the last barrier's verdict per group: once everyone arrived at barrier k, all of them have read
+verdict k-1, so rank 0 deletes it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def monitored_barrier(store: Store, group: str, rank: int, size: int, seq: int, 
         store.set(f"{prefix}released", b"ok")
         for r in range(1, size):
             store.delete(f"{prefix}arrived/{r}")
+        if seq > 1:  # every member arrived here, so each one read the previous verdict
+            store.delete(PREFIX.format(group=group, seq=seq - 1) + "released")
         return
     what = (f"rank{'s' if len(missing) > 1 else ''} {missing if len(missing) > 1 else missing[0]} did not reach it "
             f"within {timeout:.1f} s" + ("" if wait_all_ranks else " (wait_all_ranks=True names every missing rank)")
