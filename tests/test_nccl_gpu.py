@@ -161,6 +161,13 @@ def case_gather_scatter_all_to_all(pg: ProcessGroup) -> None:
         r = pg.rank
         np.testing.assert_array_equal(host(got), np.concatenate([inputs[s][r * rows : (r + 1) * rows]
                                                                  for s in range(n)]))
+    splits = np.arange(n * n).reshape(n, n) % 3  # splits[s, d]: rows s sends to d (some empty)
+    r = pg.rank
+    inputs = [np.arange(int(splits[s].sum()) * 2, dtype=np.float16).reshape(-1, 2) + 100 * s for s in range(n)]
+    for outs in (list(splits[:, r]), None):  # given, and asked from the peers
+        got = pg.all_to_all(cp.asarray(inputs[r]), input_split_sizes=list(splits[r]), output_split_sizes=outs)
+        want = np.concatenate([inputs[s][splits[s, :r].sum() : splits[s, : r + 1].sum()] for s in range(n)])
+        np.testing.assert_array_equal(host(got), want)
 
 
 def case_send_recv_ring(pg: ProcessGroup) -> None:

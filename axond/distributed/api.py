@@ -198,9 +198,12 @@ def scatter(x: Array | None, src: int = 0, group: ProcessGroup | None = None, as
     return g.scatter(x, g.group_rank(src), async_op=async_op)
 
 
-def all_to_all(x: Array, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
-    """Row block i of `x` goes to member i; return the received blocks in rank order."""
-    return _group(group).all_to_all(x, async_op=async_op)
+def all_to_all(x: Array, group: ProcessGroup | None = None, async_op: bool = False,
+               input_split_sizes: Sequence[int] | None = None, output_split_sizes: Sequence[int] | None = None) -> Any:
+    """Row block i of `x` goes to member i; return the received blocks in rank order (uneven blocks:
+    `input_split_sizes` / `output_split_sizes` rows, see `ProcessGroup.all_to_all`)."""
+    return _group(group).all_to_all(x, async_op=async_op, input_split_sizes=input_split_sizes,
+                                    output_split_sizes=output_split_sizes)
 
 
 def send(x: Array, dst: int, tag: int = 0, group: ProcessGroup | None = None) -> None:

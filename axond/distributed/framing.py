@@ -19,7 +19,7 @@ import numpy as np
 
 from axond.distributed.peer import RECV_WAKEUP as POLL_WAKEUP
 from axond.distributed.peer import SMALL_FRAME, Peer, PeerClosed, PeerError, PeerTimeout
-from axond.distributed.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe
+from axond.distributed.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe, uneven_back
 from axond.errors import DistributedError
 
 T = TypeVar("T")
@@ -197,6 +197,10 @@ class FramedGroup:
             self.abort(msg)
             raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer) from e
 
+    def resized(self, c: Call, count: int, aux: int) -> Call:
+        """`c` for one block of an op whose blocks differ per peer (all_to_all with split sizes)."""
+        return Call(c.op, c.kind, c.dtype, c.redop, c.seq, aux, count, c.deadline, self._gid)
+
     def header(self, c: Call, nbytes: int) -> bytes:
         """The frame header of a `nbytes` payload of call `c` (pack once, send it to several peers)."""
         return HEADER.pack(c.kind, c.op, c.dtype, c.redop, c.seq, self._gid, c.aux, c.count, nbytes)
@@ -308,9 +312,23 @@ class FramedGroup:
         if h[:4] + h[5:8] == c.expect[:4] + c.expect[5:8] and (nbytes is None or h[8] == nbytes):
             raise self.error(c, peer, f"peer rank {peer} is at operation #{h[4]} but this rank is at #{c.seq} "
                                       f"(both in {mine}); a rank skipped or added a call")
+        if theirs == mine and c.op == Op.ALL_TO_ALL and c.aux < 0 and h[4] == c.seq:
+            raise self.error(c, peer, self._split_disagreement(c, peer, h))
         if theirs == mine:
             theirs += f" [frame of {h[8]} bytes, expected {nbytes}]"
         raise self.error(c, peer, f"peer rank {peer} called {theirs} but this rank called {mine}")
+
+    def _split_disagreement(self, c: Call, peer: int, h: tuple[int, ...]) -> str:
+        """What the two sides of an all_to_all with split sizes disagree on (each frame carries both directions)."""
+        parts = []
+        if h[7] != c.count:
+            parts.append(f"rank {peer} sends this rank {h[7]} elements, but this rank's output_split_sizes[{peer}] "
+                         f"expects {c.count}")
+        if h[6] != c.aux:
+            parts.append(f"rank {peer} expects {uneven_back(h[6])} elements from this rank, but this rank's "
+                         f"input_split_sizes[{peer}] sends {uneven_back(c.aux)}")
+        return (f"peer rank {peer} and this rank disagree on the split sizes of all_to_all: " + "; ".join(parts)
+                + " (elements = rows x row size)")
 
     def error(self, c: Call, peer: int | None, what: str) -> DistributedError:
         name = OP_NAMES[c.op]

@@ -152,9 +152,17 @@ class ProcessGroup:
         """Return this rank's slice of `x` (shape (size, ...)) held by group rank `src`."""
         return self._run("scatter", async_op, x, src)
 
-    def all_to_all(self, x: Array, async_op: bool = False) -> Any:
-        """Row block i of `x` goes to group rank i; return the received blocks in rank order."""
-        return self._run("all_to_all", async_op, x)
+    def all_to_all(self, x: Array, async_op: bool = False, input_split_sizes: Sequence[int] | None = None,
+                   output_split_sizes: Sequence[int] | None = None) -> Any:
+        """Row block i of `x` goes to group rank i; return the received blocks in rank order.
+
+        Blocks split x.shape[0] evenly, or as `input_split_sizes` (rows to each rank); the result has
+        sum(output_split_sizes) rows, `output_split_sizes[j]` of them from rank j. Without output sizes,
+        the peers are asked (one small extra all_to_all). As torch's `all_to_all_single`.
+        """
+        if input_split_sizes is None and output_split_sizes is None:
+            return self._run("all_to_all", async_op, x)
+        return self._run("all_to_all", async_op, x, input_split_sizes, output_split_sizes)
 
     def send(self, x: Array, dst: int, tag: int = 0) -> None:
         """Send `x` to group rank `dst`."""

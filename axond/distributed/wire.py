@@ -45,6 +45,19 @@ class Op(IntEnum):
 OP_NAMES = {op: op.name.lower() for op in Op}
 OP_BY_NAME = {name: op for op, name in OP_NAMES.items()}
 ROOTED = {Op.BROADCAST: "src", Op.REDUCE: "dst", Op.GATHER: "dst", Op.SCATTER: "src", Op.SEND: "tag"}
+UNEVEN_ALL_TO_ALL = -1
+"""The aux of an all_to_all with split sizes (negative; frames carry `uneven_aux` and their block's own count)."""
+
+
+def uneven_aux(back: int) -> int:
+    """aux of one frame of an all_to_all with split sizes: negative, carrying the element count the sender
+    expects back from the receiver, so that both sides of a pair check both directions (modulo 2**31 - 1)."""
+    return -1 - back % (2**31 - 1)
+
+
+def uneven_back(aux: int) -> int:
+    """The element count carried by `uneven_aux`."""
+    return -1 - aux
 
 DTYPES: list[np.dtype] = [
     np.dtype(t)
@@ -91,4 +104,6 @@ def describe(op: int, dtype: int, count: int, redop: int, aux: int) -> str:
         extra += f" {ROOTED[o]}={aux}"
     if dtype == 0:
         return f"{name}{extra} (metadata)"
+    if o is Op.ALL_TO_ALL and aux < 0:
+        return f"{name} with split sizes ({dtype_name(dtype)})"
     return f"{name}{extra} ({dtype_name(dtype)}, {count} elements)"

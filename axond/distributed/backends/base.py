@@ -9,7 +9,7 @@ return a new array. Every call is bounded by `options.timeout` and raises `Distr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -83,8 +83,13 @@ class Backend(ABC):
         """`x` on `src` is (size, ...); return this rank's slice x[rank] (others pass None)."""
 
     @abstractmethod
-    def all_to_all(self, x: Array) -> Array:
-        """Row block i of `x` (x.shape[0] // size rows) goes to rank i; return the received blocks in rank order."""
+    def all_to_all(self, x: Array, input_split_sizes: Sequence[int] | None = None,
+                   output_split_sizes: Sequence[int] | None = None) -> Array:
+        """Row block i of `x` goes to rank i; return the received blocks in rank order.
+
+        Blocks are x.shape[0] // size rows, or `input_split_sizes[i]` rows; the received ones
+        `output_split_sizes[j]` rows (None: asked from the peers). See `axond.distributed.splits`.
+        """
 
     @abstractmethod
     def send(self, x: Array, dst: int, tag: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -325,8 +325,9 @@ class NcclBackend(Backend):
     def scatter(self, x: Array | None, src: int) -> Array:
         return nccl_ops.scatter(self, x, src).result()
 
-    def all_to_all(self, x: Array) -> Array:
-        return nccl_ops.all_to_all(self, x).result()
+    def all_to_all(self, x: Array, input_split_sizes: Sequence[int] | None = None,
+                   output_split_sizes: Sequence[int] | None = None) -> Array:
+        return nccl_ops.all_to_all(self, x, input_split_sizes, output_split_sizes).result()
 
     def send(self, x: Array, dst: int, tag: int) -> None:
         nccl_ops.send(self, x, dst, tag).wait()

@@ -8,7 +8,8 @@ patterns (gather, scatter, all_to_all) are grouped send/recv.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from axond.distributed.backends.nccl_support import (
     transfer_type,
 )
 from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.splits import check_splits, offsets
 
 if TYPE_CHECKING:
     from axond.distributed.backends.nccl import NcclBackend, NcclWork
@@ -197,25 +199,34 @@ def scatter(b: NcclBackend, x: Array | None, src: int) -> NcclWork:
     return b._launch("scatter", src, enqueue, (s, out), lambda: b._result(out, host))
 
 
-def all_to_all(b: NcclBackend, x: Array) -> NcclWork:
-    """Grouped send/recv with every peer; the own block is a device copy."""
+def all_to_all(b: NcclBackend, x: Array, input_split_sizes: Sequence[int] | None = None,
+               output_split_sizes: Sequence[int] | None = None) -> NcclWork:
+    """Grouped send/recv with every peer; the own block is a device copy. Split sizes as the tcp backend's;
+    without output sizes, an even all_to_all of the counts comes first (NCCL frames carry no sizes to check)."""
     s = b._stage(x, "all_to_all")
-    b._rows(s, "all_to_all")
+    if input_split_sizes is None and output_split_sizes is None:
+        b._rows(s, "all_to_all")
+        ins = outs = [s.buf.shape[0] // b.size] * b.size
+    else:
+        ins, given = check_splits(s.buf.shape, b.size, b.rank, input_split_sizes, output_split_sizes)
+        outs = given if given is not None else [int(v) for v in all_to_all(b, np.array(ins, np.int64)).result()]
     ntype, factor = transfer_type(s.buf.dtype, b._version)
     with b._device:
-        out = b._cp.empty_like(s.buf)
-    block = s.buf.nbytes // b.size
-    count = s.buf.size // b.size * factor
+        out = b._cp.empty((sum(outs), *s.buf.shape[1:]), s.buf.dtype)
+    row = math.prod(s.buf.shape[1:]) * s.buf.dtype.itemsize
+    src_at, dst_at = offsets(ins), offsets(outs)
+    per_elem = s.buf.dtype.itemsize // factor
 
     def calls(stream: Any) -> None:
         for r in range(b.size):
-            if r != b.rank and count:
-                b._comm.send(s.buf.data.ptr + r * block, count, b._const(ntype), r, stream.ptr)
-                b._comm.recv(out.data.ptr + r * block, count, b._const(ntype), r, stream.ptr)
+            if r != b.rank and ins[r]:
+                b._comm.send(s.buf.data.ptr + src_at[r] * row, ins[r] * row // per_elem, b._const(ntype), r, stream.ptr)
+            if r != b.rank and outs[r]:
+                b._comm.recv(out.data.ptr + dst_at[r] * row, outs[r] * row // per_elem, b._const(ntype), r, stream.ptr)
 
     def enqueue(stream: Any) -> None:
         _grouped(b, lambda: calls(stream))
-        b._copy(out.data.ptr + b.rank * block, s.buf.data.ptr + b.rank * block, block, stream)
+        b._copy(out.data.ptr + dst_at[b.rank] * row, s.buf.data.ptr + src_at[b.rank] * row, ins[b.rank] * row, stream)
 
     return b._launch("all_to_all", None, enqueue, (s, out), lambda: b._result(out, s.host))
 

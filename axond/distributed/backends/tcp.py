@@ -8,8 +8,9 @@ and reductions run in place with NumPy ufuncs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,13 @@ from axond.distributed.mesh import Mesh
 from axond.distributed.peer import AUTO_INLINE_BYTES, AUTO_SPIN_SECONDS, Peer, PeerError, PeerTimeout, oversubscribed
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import check_reduce_op, finish_average
+from axond.distributed.splits import check_splits, offsets
 from axond.distributed.tcp_algorithms import TcpAlgorithms
 from axond.distributed.work import PendingSend
-from axond.distributed.wire import DTYPE_CODE, DTYPES, REDUCE_CODES, Kind, Op, dtype_code, group_id
+from axond.distributed.wire import (
+    DTYPE_CODE, DTYPES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Kind, Op, dtype_code, group_id,
+    uneven_aux,
+)
 from axond.store import Store
 
 DIRECT_ALL_GATHER_BYTES = 4 << 20
@@ -314,27 +319,42 @@ class TcpBackend(TcpAlgorithms, Backend):
             return out
         return self.g.run("scatter", receive)
 
-    def all_to_all(self, x: Array) -> Array:
+    def all_to_all(self, x: Array, input_split_sizes: Sequence[int] | None = None,
+                   output_split_sizes: Sequence[int] | None = None) -> Array:
+        """As `Backend.all_to_all`. Every block is one frame whose header carries its element count, so a
+        sender's input_split_sizes entry that differs from the receiver's output_split_sizes entry is caught."""
         x = _numpy(x, "all_to_all input")
-        if x.ndim == 0 or x.shape[0] % self.size:
-            raise ValueError(f"all_to_all needs x.shape[0] divisible by the group size {self.size}; got {x.shape}")
-        c = self._call(Op.ALL_TO_ALL, x)
+        if input_split_sizes is None and output_split_sizes is None:
+            if x.ndim == 0 or x.shape[0] % self.size:
+                raise ValueError(f"all_to_all needs x.shape[0] divisible by the group size {self.size}; got {x.shape} "
+                                 "(or pass input_split_sizes)")
+            ins = outs = [x.shape[0] // self.size] * self.size
+            c = self._call(Op.ALL_TO_ALL, x)
+        else:
+            ins, given = check_splits(x.shape, self.size, self.rank, input_split_sizes, output_split_sizes)
+            outs = given if given is not None else [int(v) for v in self.all_to_all(np.array(ins, np.int64))]
+            c = self._call(Op.ALL_TO_ALL, x, aux=UNEVEN_ALL_TO_ALL)
         x = np.ascontiguousarray(x)
-        rows = x.shape[0] // self.size
-        out = np.empty_like(x)
-        r, n = self.rank, self.size
-        out[r * rows : (r + 1) * rows] = x[r * rows : (r + 1) * rows]
+        out = np.empty((sum(outs), *x.shape[1:]), x.dtype)
+        src_at, dst_at = offsets(ins), offsets(outs)
+        r, n, g = self.rank, self.size, self.g
+        out[dst_at[r] : dst_at[r + 1]] = x[src_at[r] : src_at[r + 1]]
+        row = math.prod(x.shape[1:])
+
+        def frame(count: int, back: int) -> Call:
+            """The call of one frame: uneven, it carries its block's rows and those going the other way."""
+            return g.resized(c, count * row, uneven_aux(back * row)) if c.aux == UNEVEN_ALL_TO_ALL else c
 
         def body() -> None:
             for k in range(1, n):
                 d = (r + k) % n
-                self.g.send(c, d, byte_view(x[d * rows : (d + 1) * rows]))
+                g.send(frame(ins[d], outs[d]), d, byte_view(x[src_at[d] : src_at[d + 1]]))
             for k in range(1, n):
-                s = (r - k) % n
-                self.g.recv(c, s, byte_view(out[s * rows : (s + 1) * rows]))
-            self.g.flush(c)
+                src = (r - k) % n
+                g.recv(frame(outs[src], ins[src]), src, byte_view(out[dst_at[src] : dst_at[src + 1]]))
+            g.flush(c)
         if n > 1:
-            self.g.run("all_to_all", body)
+            g.run("all_to_all", body)
         return out
 
     def _p2p(self, x: np.ndarray, peer: int, tag: int, counters: dict[int, int]) -> Call:
