@@ -7,13 +7,15 @@ from axond.distributed.api import (
 )
 from axond.distributed.backends.base import Backend, BackendOptions
 from axond.distributed.file_store import FileStore
+from axond.distributed.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import Work
 
 __all__ = [
-    "Backend", "BackendOptions", "FileStore", "ProcessGroup", "ReduceOp", "Work", "all_gather", "all_reduce",
-    "all_to_all", "barrier", "broadcast", "create_group", "default_group", "destroy_process_group", "gather",
-    "get_local_rank", "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend",
-    "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send",
+    "Backend", "BackendOptions", "FileStore", "ProcessGroup", "ReduceOp", "Work", "all_gather", "all_gather_object",
+    "all_reduce", "all_to_all", "barrier", "broadcast", "broadcast_object_list", "create_group", "default_group",
+    "destroy_process_group", "gather", "gather_object", "get_local_rank", "get_rank", "get_world_size",
+    "init_process_group", "irecv", "is_initialized", "isend", "monitored_barrier", "new_group", "recv", "reduce",
+    "reduce_scatter", "scatter", "scatter_object_list", "send",
 ]
