@@ -16,7 +16,7 @@ import pytest
 import axond
 from axond import DistributedError, InMemoryStore, ProcessGroup
 from axond.control.client import CoordinatorClient
-from axond.distributed.inflight import KEY, REPORTER, describe, report_after
+from axond.distributed.inflight import KEY, REPORTER, describe, describe_others, report_after
 from axond.distributed.monitored_barrier import PREFIX
 from axond.testing import run_on, run_processes
 
@@ -199,3 +199,54 @@ def test_monitored_barrier_without_wait_all_ranks_names_the_first_and_says_how_t
     out = run_on(gs, body, return_exceptions=True)
     assert "rank 1 did not reach it within 0.5 s (wait_all_ranks=True names every missing rank); peer rank 1 " in str(out[0])
     assert "rank 0 gave up: rank 1 did not reach it" in str(out[2])
+
+
+def test_describe_others_names_the_members_not_in_the_op_and_counts_the_rest() -> None:
+    """What an NCCL collective's timeout appends: its timeout names no peer, so every member is asked."""
+    store = InMemoryStore()
+
+    class Group:
+        timeout, inflight_seq = 0.4, 1
+
+        def __init__(self, name: str, op: str | None) -> None:
+            self.name, self.inflight = name, op
+
+    members: list[Any] = [Group("g", "all_reduce"), Group("g", "all_reduce"), Group("g/sub", "broadcast"), None]
+    for rank, g in enumerate(members):
+        if g is not None:
+            REPORTER.register(store, 10 + rank, g)
+    try:
+        time.sleep(report_after(0.4) + 0.3)
+        text = describe_others(store, [10, 11, 12, 13], 0, 0.4, ("g", "all_reduce"))
+        parts = text.split("; ")
+        assert parts[0].startswith("peer rank 2 (global rank 12) (pid ")
+        assert "is blocked in broadcast on group 'g/sub' for " in parts[0]
+        assert parts[0].endswith("not in all_reduce on group 'g': the ranks issued their ops in different orders")
+        assert parts[1].startswith("peer rank 3 (global rank 13) reports no op blocked")
+        assert parts[-1] == "1 other peer is blocked in it too"
+        members[2].inflight, members[2].name = "all_reduce", "g"
+        members[3] = Group("g", "all_reduce")
+        REPORTER.register(store, 13, members[3])
+        time.sleep(report_after(0.4) + 0.3)
+        assert describe_others(store, [10, 11, 12, 13], 0, 0.4, ("g", "all_reduce")) == (
+            "every peer asked (3) is blocked in all_reduce on group 'g' too: the ranks agree on the op, "
+            "which itself stalls (a device, driver or network hang)")
+    finally:
+        for rank, g in enumerate(members):
+            if g is not None:
+                REPORTER.unregister(store, 10 + rank, g)
+
+
+def test_a_group_describes_its_members_while_they_wait_in_a_real_op(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 2.0)
+    seen: list[str] = []
+
+    def body(g: ProcessGroup) -> None:
+        if g.rank == 2:
+            time.sleep(1.2)  # the others wait in the all_reduce meanwhile
+            seen.append(gs[0]._describe_peers("all_reduce"))
+        g.all_reduce(np.ones(3))
+
+    run_on(gs, body)
+    assert seen[0].startswith("peer rank 2 reports no op blocked for over 0.5 s")
+    assert seen[0].endswith("; 1 other peer is blocked in it too")

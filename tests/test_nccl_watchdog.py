@@ -147,3 +147,34 @@ def test_event_that_fires_because_of_the_abort_is_not_success(comm: Comm) -> Non
         assert watched.aborted and comm.aborts == 1
     finally:
         dog.close()
+
+
+def test_a_timeout_says_what_the_peers_do_and_survives_a_failing_explanation(dog: Watchdog, comm: Comm) -> None:
+    asked: list[str] = []
+
+    def explain(watched: WatchedOp) -> str:
+        asked.append(watched.op)
+        return "peer rank 1 reports no op blocked for over 10.0 s"
+
+    dog.explain = explain
+    watched = op("all_reduce", 0.1, threading.Event())
+    dog.watch(watched)
+    with pytest.raises(DistributedError) as info:
+        dog.wait(watched)
+    assert "did not complete within" in str(info.value)
+    assert "s (peer rank 1 reports no op blocked for over 10.0 s); the communicator was aborted" in str(info.value)
+    assert asked == ["all_reduce"] and comm.aborts == 1
+
+
+def test_an_explanation_that_raises_only_loses_the_hint(comm: Comm) -> None:
+    dog = Watchdog(group="g", rank=0, abort=comm.abort, tick=0.01)
+    dog.explain = lambda watched: (_ for _ in ()).throw(OSError("store down"))
+    try:
+        dog.watch(op("barrier", 0.05, threading.Event()))
+        deadline = time.monotonic() + 2
+        while dog.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "(the peers could not be asked what they do: OSError)" in str(dog.failure)
+        assert comm.aborts == 1
+    finally:
+        dog.close()

@@ -77,6 +77,7 @@ class _Reporter:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="axond-inflight", daemon=True)
                 self._thread.start()
+        self._wake.set()  # look again now: this group's timeout may call for a shorter tick
 
     def unregister(self, store: Store, global_rank: int, group: Tracked) -> None:
         with self._lock:
@@ -90,6 +91,8 @@ class _Reporter:
     def _run(self) -> None:
         while True:
             with self._lock:
+                for key in [k for k, m in self._members.items() if not m.groups]:  # groups collected undestroyed
+                    del self._members[key]
                 members = [(m, list(m.groups)) for m in self._members.values()]
                 if not members:
                     self._thread = None
@@ -166,17 +169,53 @@ def describe(store: Store, global_rank: int, group_rank: int, timeout: float,
 
     `mine` is this rank's (group, op): a peer blocked elsewhere is called out as out of step.
     """
+    return _clause(store, global_rank, group_rank, timeout, mine)[0]
+
+
+def _clause(store: Store, global_rank: int, group_rank: int, timeout: float,
+            mine: tuple[str, str] | None) -> tuple[str, bool]:
+    """(`describe`'s clause, whether the peer is blocked in `mine` too)."""
     who = f"peer rank {group_rank}" + (f" (global rank {global_rank})" if global_rank != group_rank else "")
     try:
         ops, where = read_report(store, global_rank)
     except ValueError:
-        return f"{who} published an unreadable report"
+        return f"{who} published an unreadable report", False
     except Exception:  # noqa: BLE001 - the report is a hint; the timeout is the error
-        return f"{who} could not be asked what it is doing (the store did not answer)"
+        return f"{who} could not be asked what it is doing (the store did not answer)", False
     if not ops:
         return (f"{who} reports no op blocked for over {report_after(timeout):.1f} s: it is outside axond "
-                "(computing, or stuck in its own code), or entered its op only just now")
+                "(computing, or stuck in its own code), or entered its op only just now"), False
     text = f"{who} ({where}) is blocked in {blocked_text(ops)}"
-    if mine is not None and not any((group, op) == mine for group, op, _ in ops):
+    same = mine is not None and any((group, op) == mine for group, op, _ in ops)
+    if mine is not None and not same:
         text += f", not in {mine[1]} on group '{mine[0]}': the ranks issued their ops in different orders"
-    return text
+    return text, same
+
+
+MAX_DESCRIBED_PEERS = 16
+"""Peers whose reports a group-wide description reads at most (each is one store read)."""
+
+
+def describe_others(store: Store, ranks: list[int], me: int, timeout: float, mine: tuple[str, str]) -> str:
+    """For a collective that timed out without naming a peer (NCCL): which members are not in it, and where.
+
+    `ranks` are the group's global ranks, `me` this rank's group rank, `mine` its (group, op). Members
+    blocked in the same op are only counted; if all are, the op itself stalls rather than the ranks disagreeing.
+    """
+    others = [r for r in range(len(ranks)) if r != me]
+    clauses, same = [], 0
+    for group_rank in others[:MAX_DESCRIBED_PEERS]:
+        text, in_it = _clause(store, ranks[group_rank], group_rank, timeout, mine)
+        if in_it:
+            same += 1
+        else:
+            clauses.append(text)
+    unread = len(others) - min(len(others), MAX_DESCRIBED_PEERS)
+    tail = f" ({unread} more not asked)" if unread else ""
+    if not clauses:
+        return (f"every peer asked ({same}) is blocked in {mine[1]} on group '{mine[0]}' too{tail}: the ranks agree "
+                "on the op, which itself stalls (a device, driver or network hang)")
+    text = "; ".join(clauses)
+    if same:
+        text += f"; {same} other peer{'s' if same > 1 else ''} {'are' if same > 1 else 'is'} blocked in it too"
+    return text + tail

@@ -13,7 +13,7 @@ from typing import Any
 
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.backends.registry import create_backend, resolve_backend
-from axond.distributed.inflight import REPORTER, describe
+from axond.distributed.inflight import REPORTER, describe, describe_others
 from axond.distributed.monitored_barrier import monitored_barrier
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import CommThread, Work
@@ -46,13 +46,18 @@ class ProcessGroup:
         self._monitored = 0
         if backend is not None and store is not None:
             REPORTER.register(store, global_rank, self)
-            backend.explain_timeouts(self._describe_peer)
+            backend.explain_timeouts(self._describe_peer, self._describe_peers)
 
     def _describe_peer(self, group_rank: int) -> str:
         """What peer `group_rank` published about the op it is blocked in (for timeout messages)."""
         assert self._store is not None
         mine = (self.name, self.inflight) if self.inflight is not None else None
         return describe(self._store, self.ranks[group_rank], group_rank, self.timeout, mine)
+
+    def _describe_peers(self, op: str) -> str:
+        """Which members are not in `op` on this group, and what they report instead (for NCCL timeouts)."""
+        assert self._store is not None
+        return describe_others(self._store, list(self.ranks), self.rank, self.timeout, (self.name, op))
 
     def __repr__(self) -> str:
         kind = self.backend.name if self.backend is not None else "non-member"

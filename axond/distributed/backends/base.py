@@ -107,10 +107,13 @@ class Backend(ABC):
     def close(self) -> None:
         """Release sockets, threads and communicators; idempotent."""
 
-    def explain_timeouts(self, describe_peer: Callable[[int], str]) -> None:
-        """Give the backend a way to say, in a timeout's message, what the silent peer (a group rank) is doing.
+    def explain_timeouts(self, describe_peer: Callable[[int], str],
+                         describe_peers: Callable[[str], str] | None = None) -> None:
+        """Give the backend a way to say, in a timeout's message, what the silent peers are doing.
 
-        The default ignores it; backends whose timeouts name a peer (tcp) append `describe_peer(peer)`.
+        `describe_peer(group rank)` tells what one peer is blocked in (tcp timeouts name the peer);
+        `describe_peers(op)` which members are not in `op` (an NCCL collective's timeout names none).
+        The default ignores both.
         """
 
     def abort(self, reason: str) -> None:

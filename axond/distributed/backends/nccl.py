@@ -182,6 +182,15 @@ class NcclBackend(Backend):
             self._comm: Any = self._communicator(unique_id)
         self._watchdog = Watchdog(group=group_name, rank=rank, abort=self._comm.abort, async_error=self._async_error)
 
+    def explain_timeouts(self, describe_peer: Callable[[int], str],
+                         describe_peers: Callable[[str], str] | None = None) -> None:
+        """A timed-out op's error says what its peer (send/recv) or the other members (collectives) are doing."""
+        def explain(op: WatchedOp) -> str:
+            if op.peer is not None and op.op in ("send", "recv"):
+                return describe_peer(op.peer)
+            return describe_peers(op.op) if describe_peers is not None else "no peer reports"
+        self._watchdog.explain = explain
+
     def _communicator(self, unique_id: bytes) -> Any:
         """ncclCommInitRank, passing the unique id in whichever form this CuPy takes (`communicator_id_forms`)."""
         for comm_id in communicator_id_forms(unique_id):

@@ -54,6 +54,8 @@ class Watchdog:
         self.rank = rank
         self._abort = abort
         self._async_error = async_error
+        self.explain: Callable[[WatchedOp], str] | None = None
+        """Says what the peers are doing when `op` timed out (their in-flight reports), appended to the error."""
         self._tick = tick
         self._abort_grace = abort_grace
         self._ops: list[WatchedOp] = []
@@ -106,12 +108,22 @@ class Watchdog:
                 continue
             now = time.monotonic()
             if now >= op.deadline + 2 * self._tick:
-                self.fail(op, f"it did not complete within {now - op.started:.1f}s")
+                self._timed_out(op, now)
                 continue
             if give_up is not None and now >= give_up:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
+
+    def _timed_out(self, op: WatchedOp, now: float) -> None:
+        """Fail `op` for outliving its deadline, saying what the peers are doing when `explain` can tell."""
+        why = f"it did not complete within {now - op.started:.1f}s"
+        if self.explain is not None and not self._aborting:
+            try:
+                why += f" ({self.explain(op)})"
+            except Exception as e:  # noqa: BLE001 - the explanation is a hint; the timeout is the error
+                why += f" (the peers could not be asked what they do: {type(e).__name__})"
+        self.fail(op, why)
 
     def fail(self, op: WatchedOp, why: str) -> None:
         """Record the failure of `op`, mark every op in flight aborted and abort the communicator (once)."""
@@ -180,7 +192,7 @@ class Watchdog:
             if finished:
                 self.finished(op)
             elif now >= op.deadline:
-                self.fail(op, f"it did not complete within {now - op.started:.1f}s")
+                self._timed_out(op, now)
                 return
         if self._async_error is not None and ops:
             error = self._async_error()

@@ -85,7 +85,8 @@ class TcpBackend(TcpAlgorithms, Backend):
         self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}
         self._bufs: dict[str, np.ndarray] = {}
 
-    def explain_timeouts(self, describe_peer: Callable[[int], str]) -> None:
+    def explain_timeouts(self, describe_peer: Callable[[int], str],
+                         describe_peers: Callable[[str], str] | None = None) -> None:
         self.g.explain = describe_peer
 
     def _call(self, op: Op, x: np.ndarray, redop: ReduceOp | None = None, aux: int = 0) -> Call:
