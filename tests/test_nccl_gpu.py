@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import axond
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.nccl import NcclBackend
 from axond.distributed.backends.registry import resolve_backend
@@ -184,6 +185,21 @@ def case_send_recv_ring(pg: ProcessGroup) -> None:
         assert (host(y) == ((me - 1) % n) * 10 + tag).all()
 
 
+def case_batch_isend_irecv_ring(pg: ProcessGroup) -> None:
+    """Receives listed before sends on every rank: one NCCL group, so no deadlock."""
+    cp, n, me = cupy_module(), pg.size, pg.rank
+    got = cp.empty((2, 1 << 20), cp.float32)
+    mine = cp.full(1 << 20, me, cp.float32)
+    left, right = pg.global_rank_of((me - 1) % n), pg.global_rank_of((me + 1) % n)
+    works = axond.batch_isend_irecv([axond.P2POp(axond.irecv, got[0], left, pg, 1),
+                                     axond.P2POp(axond.irecv, got[1], right, pg, 2),
+                                     axond.P2POp(axond.isend, mine, right, pg, 1),
+                                     axond.P2POp(axond.isend, mine + 100, left, pg, 2)])
+    for w in works:
+        w.wait()
+    assert (host(got[0]) == (me - 1) % n).all() and (host(got[1]) == (me + 1) % n + 100).all()
+
+
 def case_barrier_small_ops_and_async(pg: ProcessGroup) -> None:
     cp, n = cupy_module(), pg.size
     x = cp.zeros(1, cp.int64)
@@ -301,6 +317,7 @@ CASES: dict[str, Callable[[ProcessGroup], None]] = {
 }
 MULTI_ONLY: dict[str, tuple[Callable[[ProcessGroup], None], float]] = {
     "send_recv": (case_send_recv_ring, 60.0),
+    "batch_p2p": (case_batch_isend_irecv_ring, 60.0),
     "subgroups": (case_subgroups_get_their_own_communicators, 60.0),
     "mismatched_tag": (case_mismatched_tag_fails_cleanly, 5.0),
     "hung_peer": (case_hung_peer_is_aborted_by_the_watchdog, 3.0),

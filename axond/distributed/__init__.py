@@ -6,6 +6,7 @@ from axond.distributed.api import (
     new_group, recv, reduce, reduce_scatter, scatter, send,
 )
 from axond.distributed.backends.base import Backend, BackendOptions
+from axond.distributed.batch_p2p import P2POp, batch_isend_irecv
 from axond.distributed.file_store import FileStore
 from axond.distributed.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from axond.distributed.process_group import ProcessGroup, create_group
@@ -13,8 +14,8 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import Work
 
 __all__ = [
-    "Backend", "BackendOptions", "FileStore", "ProcessGroup", "ReduceOp", "Work", "all_gather", "all_gather_object",
-    "all_reduce", "all_to_all", "barrier", "broadcast", "broadcast_object_list", "create_group", "default_group",
+    "Backend", "BackendOptions", "FileStore", "P2POp", "ProcessGroup", "ReduceOp", "Work", "all_gather",
+    "all_gather_object", "all_reduce", "all_to_all", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "create_group", "default_group",
     "destroy_process_group", "gather", "gather_object", "get_local_rank", "get_rank", "get_world_size",
     "init_process_group", "irecv", "is_initialized", "isend", "monitored_barrier", "new_group", "recv", "reduce",
     "reduce_scatter", "scatter", "scatter_object_list", "send",

@@ -192,6 +192,31 @@ class ProcessGroup:
         work: Work = self._run("recv", True, x, src, tag)
         return work
 
+    def batch_isend_irecv(self, batch: Sequence[tuple[str, Array, int, int]]) -> list[Any]:
+        """Start every ("isend" | "irecv", array, group rank, tag) of `batch` so that no order of them deadlocks;
+        their Works in the batch's order (see `axond.batch_isend_irecv`).
+
+        A backend with a batched launch (nccl: one NCCL group, one Work for all) gets the whole batch;
+        otherwise every isend is posted first (they never wait for the receiver), then every irecv.
+        """
+        for kind, _, peer, _ in batch:  # checked before anything starts
+            if kind not in ("isend", "irecv"):
+                raise ValueError(f"batch_isend_irecv: unknown op {kind!r} (isend or irecv)")
+            if not isinstance(peer, int) or not 0 <= peer < self.size or peer == self.rank:
+                raise ValueError(f"batch_isend_irecv on group '{self.name}': peer {peer!r} is not another member "
+                                 f"(group ranks 0..{self.size - 1}, this one is {self.rank})")
+        if self.backend is not None and "batch_p2p" in getattr(self.backend, "_ASYNC_OPS", ()):
+            work = self._run("batch_p2p", True, list(batch))
+            return [work] * len(batch)
+        works: list[Any] = [None] * len(batch)
+        for i, (kind, x, peer, tag) in enumerate(batch):
+            if kind == "isend":
+                works[i] = self.isend(x, peer, tag)
+        for i, (kind, x, peer, tag) in enumerate(batch):
+            if kind == "irecv":
+                works[i] = self.irecv(x, peer, tag)
+        return works
+
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every member entered the barrier."""
         return self._run("barrier", async_op)

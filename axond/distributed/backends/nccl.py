@@ -107,7 +107,7 @@ class NcclBackend(Backend):
     name = "nccl"
     _ASYNC_OPS = frozenset(
         {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter",
-         "all_to_all", "send", "recv", "barrier"}
+         "all_to_all", "send", "recv", "barrier", "batch_p2p"}
     )
 
     @classmethod
@@ -346,6 +346,10 @@ class NcclBackend(Backend):
 
     def barrier(self) -> None:
         nccl_ops.barrier(self).wait()
+
+    def batch_p2p(self, batch: list[tuple[str, Array, int, int]]) -> None:
+        """A batch_isend_irecv waited for at once (`ProcessGroup` normally starts it async)."""
+        nccl_ops.batch_p2p(self, batch).wait()
 
     def abort(self, reason: str) -> None:
         """ncclCommAbort at once, without draining: peers blocked on this rank get NCCL's remote error, or

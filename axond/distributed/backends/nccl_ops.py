@@ -27,6 +27,7 @@ from axond.distributed.backends.nccl_support import (
 )
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.splits import check_splits, offsets
+from axond.errors import DistributedError
 
 if TYPE_CHECKING:
     from axond.distributed.backends.nccl import NcclBackend, NcclWork
@@ -274,6 +275,41 @@ def recv(b: NcclBackend, x: Array, src: int, tag: int) -> NcclWork:
             b._comm.recv(s.buf.data.ptr, s.buf.size * factor, b._const(ntype), src, stream.ptr)
 
     return b._launch("recv", src, enqueue, (s,), lambda: b._unstage(s))
+
+
+def batch_p2p(b: NcclBackend, batch: list[tuple[str, Array, int, int]]) -> NcclWork:
+    """Every ("isend" | "irecv", array, peer, tag) of a batch_isend_irecv in one NCCL group, so that no order of
+    them deadlocks. Each send carries its usual header; the receives' headers are checked once all completed."""
+    header_type = b._const("NCCL_INT64")
+    parts = []
+    for kind, x, peer, tag in batch:
+        b._check_peer(peer, "peer", kind)
+        s = b._stage(x, kind)
+        ntype, factor = transfer_type(s.buf.dtype, b._version)
+        with b._device:
+            header = (b._cp.asarray(encode_p2p_header(tag, s.buf.nbytes, s.buf.dtype)) if kind == "isend"
+                      else b._cp.empty(P2P_HEADER_SLOTS, dtype=np.int64))
+        parts.append((kind, s, peer, tag, header, b._const(ntype), s.buf.size * factor))
+
+    def calls(stream: Any) -> None:
+        for kind, s, peer, _, header, ntype, count in parts:
+            move = b._comm.send if kind == "isend" else b._comm.recv
+            move(header.data.ptr, P2P_HEADER_SLOTS, header_type, peer, stream.ptr)
+            if count:
+                move(s.buf.data.ptr, count, ntype, peer, stream.ptr)
+
+    def finish() -> None:
+        for kind, s, peer, tag, header, _, _ in parts:
+            if kind == "irecv":
+                problem = check_p2p_header(header.get(), tag, s.buf.nbytes, s.buf.dtype)
+                if problem is not None:
+                    raise DistributedError(f"nccl batch_isend_irecv: group {b.group_name!r} rank {b.rank}: the irecv "
+                                           f"from peer {peer}: {problem}", op="batch_isend_irecv",
+                                           group=b.group_name, rank=b.rank, peer=peer)
+                b._unstage(s)
+
+    keep = tuple(x for part in parts for x in (part[1], part[4]))
+    return b._launch("batch_isend_irecv", None, lambda stream: _grouped(b, lambda: calls(stream)), keep, finish)
 
 
 def barrier(b: NcclBackend) -> NcclWork:
