@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import axond
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions
+from axond.distributed.backends.registry import available_backends
 from axond.testing import run_on, thread_groups
 
 
@@ -54,6 +56,39 @@ def test_new_group_rejects_bad_ranks(quad: list[ProcessGroup]) -> None:
         quad[0].new_group([0, 7])
     with pytest.raises(ValueError, match="distinct ranks"):
         quad[0].new_group([1, 1])
+
+
+def test_a_subgroup_with_its_own_timeout_times_out_on_it(quad: list[ProcessGroup]) -> None:
+    subs = run_on(quad, lambda pg: axond.new_group([0, 1], group=pg, timeout=0.5))
+    try:
+        assert subs[0].timeout == 0.5 and quad[0].timeout == 10.0
+        started = time.monotonic()
+        with pytest.raises(DistributedError, match=r"timed out after 0.5 s waiting for peer 1"):
+            subs[0].all_reduce(np.zeros(1))  # rank 1 never comes
+        assert time.monotonic() - started < 3.0
+        with pytest.raises(ValueError, match="timeout must be positive seconds, got 0"):
+            quad[0].new_group([0, 1], timeout=0)
+    finally:
+        for s in subs:
+            s.destroy()
+
+
+def test_rank_helpers_backend_and_availability(quad: list[ProcessGroup]) -> None:
+    subs = run_on(quad, lambda pg: pg.new_group([3, 1]))
+    try:
+        sub = subs[3]
+        assert axond.get_process_group_ranks(sub) == [1, 3]
+        assert axond.get_global_rank(sub, 1) == 3 and axond.get_group_rank(sub, 1) == 0
+        with pytest.raises(ValueError, match="group rank 2 is outside group"):
+            axond.get_global_rank(sub, 2)
+        with pytest.raises(ValueError):
+            axond.get_group_rank(sub, 2)
+        assert axond.get_backend(sub) == "tcp" and axond.get_backend(quad[0]) == "tcp"
+        assert axond.is_available() is True
+        assert axond.is_nccl_available() is ("nccl" in available_backends())
+    finally:
+        for s in subs:
+            s.destroy()
 
 
 def test_nested_subgroup_and_concurrent_groups(quad: list[ProcessGroup]) -> None:

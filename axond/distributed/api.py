@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from axond.distributed.backends.base import Array, BackendOptions
+from axond.distributed.backends.registry import available_backends
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import Work
@@ -156,6 +157,38 @@ def get_local_rank() -> int:
     return _local_rank
 
 
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """The backend of `group` (default: the default group): "tcp" or "nccl"."""
+    return _group(group).backend_name
+
+
+def get_process_group_ranks(group: ProcessGroup) -> list[int]:
+    """The global ranks of `group`'s members, in group-rank order."""
+    return list(group.ranks)
+
+
+def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
+    """The global rank of member `group_rank` of `group`."""
+    if not 0 <= group_rank < len(group.ranks):
+        raise ValueError(f"group rank {group_rank} is outside group '{group.name}' of size {len(group.ranks)}")
+    return group.global_rank_of(group_rank)
+
+
+def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
+    """The rank in `group` of global rank `global_rank` (ValueError if it is not a member)."""
+    return group.group_rank(global_rank)
+
+
+def is_available() -> bool:
+    """Whether collectives can run here (always: the tcp backend needs nothing but sockets)."""
+    return True
+
+
+def is_nccl_available() -> bool:
+    """Whether the nccl backend can run here: CuPy with NCCL and a CUDA device (see `BackendUnavailable`)."""
+    return "nccl" in available_backends()
+
+
 def all_reduce(x: Array, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce `x` in place over the group."""
@@ -241,6 +274,10 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: float | None =
     _group(group).monitored_barrier(timeout, wait_all_ranks)
 
 
-def new_group(ranks: Sequence[int], backend: str | None = None, group: ProcessGroup | None = None) -> ProcessGroup:
-    """Subgroup of global `ranks`; every rank of the parent calls it in the same order (non-members too)."""
-    return _group(group).new_group(ranks, backend)
+def new_group(ranks: Sequence[int], backend: str | None = None, group: ProcessGroup | None = None,
+              timeout: float | None = None) -> ProcessGroup:
+    """Subgroup of global `ranks`; every rank of the parent calls it in the same order (non-members too).
+
+    `timeout` (seconds) bounds its calls instead of the parent's timeout.
+    """
+    return _group(group).new_group(ranks, backend, timeout)

@@ -239,10 +239,15 @@ class ProcessGroup:
         self._tracked("monitored_barrier", monitored_barrier, self._store, self.name, self.rank, self.size,
                       self._monitored, limit, wait_all_ranks, self._describe_peer)
 
-    def new_group(self, ranks: Sequence[int], backend: str | None = None) -> ProcessGroup:
-        """Subgroup over `ranks` (global ranks, a subset of this group's). Every member calls it, in the same order."""
+    def new_group(self, ranks: Sequence[int], backend: str | None = None, timeout: float | None = None) -> ProcessGroup:
+        """Subgroup over `ranks` (global ranks, a subset of this group's). Every member calls it, in the same order.
+
+        `timeout` (seconds) bounds the subgroup's calls; default: this group's.
+        """
         if self._store is None:
             raise DistributedError(f"group '{self.name}' has no store to build subgroups from")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"new_group timeout must be positive seconds, got {timeout!r}")
         wanted = sorted({int(r) for r in ranks})
         if not wanted or len(wanted) != len(list(ranks)):
             raise ValueError(f"new_group needs distinct ranks, got {list(ranks)}")
@@ -254,7 +259,7 @@ class ProcessGroup:
         if len(wanted) > 8:
             members = f"{len(wanted)} ranks {zlib.crc32(members.encode()):08x}"
         name = f"{self.name}/{self._subgroups}[{members}]"
-        options = replace(self.options, port=0)
+        options = replace(self.options, port=0, timeout=float(timeout) if timeout is not None else self.options.timeout)
         if self.global_rank not in wanted:
             return ProcessGroup(None, wanted, name, self.global_rank, options)
         kind = backend or self.backend_name
