@@ -288,3 +288,50 @@ def test_shared_weight_is_reduced_after_its_last_use() -> None:
     for got, ddp in run_ranks(2, lambda g: train_ddp(g, Tied, mlp_data, bucket_cap_mb=0.0001)):
         assert_params_close(got, want)
         assert any(b.launch_only_at_end for b in ddp.buckets)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_float16_communication_trains_like_the_reference_within_half_precision(world: int) -> None:
+    want = train_reference(mlp, mlp_data, world)
+    out = run_ranks(world, lambda g: train_ddp(g, mlp, mlp_data, comm_dtype="float16"))
+    for got, ddp in out:
+        assert ddp.buckets[0].buffer.dtype == np.float16 and ddp.buckets[0].compressed
+        assert all(g.dtype == np.float64 for g in got)
+        worst = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
+        assert 1e-9 < worst < 2e-3, worst  # rounded to half precision, and still the same training
+    for got, _ in out[1:]:  # every rank applied the same averaged gradients
+        for g, g0 in zip(got, out[0][0]):
+            np.testing.assert_array_equal(g, g0)
+
+
+def test_float16_gradients_are_the_half_precision_average_exactly() -> None:
+    """One backward on 2 ranks: each .grad is (fp16(g0) / 2 + fp16(g1) / 2) in float16, back in float64."""
+    def one_step(g: ProcessGroup) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        model = PartlyUsed(0)
+        ddp = DDP(model, g, comm_dtype=np.float16, bucket_cap_mb=0.0001)
+        x, y = mlp_data(g.rank, BATCH)
+        loss = nn.CrossEntropyLoss()
+        loss(model(x), y)
+        model.backward(loss.backward())  # DDP's hooks are not armed outside ddp.backward: a local gradient
+        local = [p.grad.copy() for p in model.used.parameters()]
+        model.zero_grad()
+        loss(ddp(x), y)
+        ddp.backward(loss.backward())
+        assert all(p.grad is None for p in model.unused.parameters())
+        return local, [p.grad for p in model.used.parameters()]
+
+    (local0, got0), (local1, got1) = run_ranks(2, one_step)
+    half = np.float16(0.5)
+    for a, b, r0, r1 in zip(local0, local1, got0, got1):
+        want = (a.astype(np.float16) * half + b.astype(np.float16) * half).astype(np.float64)
+        assert r0.dtype == np.float64
+        np.testing.assert_array_equal(r0, want)
+        np.testing.assert_array_equal(r1, want)
+
+
+def test_comm_dtype_must_be_floating() -> None:
+    with pytest.raises(ValueError, match="comm_dtype must be a floating dtype such as 'float16', got int8"):
+        DDPConfig(comm_dtype="int8")
+    with pytest.raises(ValueError, match="comm_dtype must name a floating NumPy dtype"):
+        DDPConfig(comm_dtype="half-ish")
+    assert DDPConfig(comm_dtype="float16").comm_dtype == np.dtype(np.float16)

@@ -59,6 +59,7 @@ def uneven_back(aux: int) -> int:
     """The element count carried by `uneven_aux`."""
     return -1 - aux
 
+
 DTYPES: list[np.dtype] = [
     np.dtype(t)
     for t in (

@@ -25,8 +25,7 @@ from axond.distributed.splits import check_splits, offsets
 from axond.distributed.tcp_algorithms import TcpAlgorithms
 from axond.distributed.work import PendingSend
 from axond.distributed.wire import (
-    DTYPE_CODE, DTYPES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Kind, Op, dtype_code, group_id,
-    uneven_aux,
+    DTYPE_CODE, DTYPES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Kind, Op, dtype_code, group_id, uneven_aux,
 )
 from axond.store import Store
 
@@ -322,8 +321,8 @@ class TcpBackend(TcpAlgorithms, Backend):
 
     def all_to_all(self, x: Array, input_split_sizes: Sequence[int] | None = None,
                    output_split_sizes: Sequence[int] | None = None) -> Array:
-        """As `Backend.all_to_all`. Every block is one frame whose header carries its element count, so a
-        sender's input_split_sizes entry that differs from the receiver's output_split_sizes entry is caught."""
+        """As `Backend.all_to_all`. With split sizes, each block's frame carries its element count and the count
+        going the other way, so both ranks of a pair whose split sizes disagree raise, naming the entries."""
         x = _numpy(x, "all_to_all input")
         if input_split_sizes is None and output_split_sizes is None:
             if x.ndim == 0 or x.shape[0] % self.size:
