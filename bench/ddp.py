@@ -12,8 +12,7 @@ one busy-waiting thread per core, two ranks on two cores run ~100x slower than o
 Per rank and per configuration, after warm-up steps:
 - local: forward + backward + step of the bare model (no communication);
 - sync: DDP with GradSyncStrategy.SYNCHRONOUS (all buckets reduced after backward);
-- overlap: DDP with GradSyncStrategy.OVERLAPPED (buckets reduced while backward runs);
-- fp16: overlap with comm_dtype="float16" (gradients sent in half precision: half the bytes).
+- overlap: DDP with GradSyncStrategy.OVERLAPPED (buckets reduced while backward runs).
 hidden = (sync - overlap) / (sync - local): the fraction of the gradient communication that the
 overlap removes from the step time (1.0 = all of it hidden, 0 = none; noisy when comm is tiny).
 """
@@ -71,12 +70,10 @@ def rank_main(hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: fl
     model = build_model(cfg)
     sync = DDP(model, group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.SYNCHRONOUS)
     overlap = DDP(model, group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.OVERLAPPED)
-    half = DDP(model, group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.OVERLAPPED, comm_dtype="float16")
     modes = {
         "local": _Stepper(model, model, x, y, batch),
         "synchronous": _Stepper(model, sync, x, y, batch),
         "overlapped": _Stepper(model, overlap, x, y, batch),
-        "fp16": _Stepper(model, half, x, y, batch),
     }
     per_round = 5
     best = {name: float("inf") for name in modes}
@@ -104,13 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU cores: {cores}; TCP backend on loopback; per-rank batch {a.batch_size}; bucket cap {a.bucket_cap_mb} MiB; "
           f"{a.steps} steps per mode, interleaved in rounds of 5, best round's median\n")
     print("| model | params | ranks | buckets | samples/s (overlap) | step local ms | step sync ms | step overlap ms "
-          "| comm hidden | DDP cost vs local | step overlap fp16 ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| comm hidden | DDP cost vs local |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for model in a.models:
         hidden, depth = (int(v) for v in model.split("x"))
         for world in a.worlds:
             res = run_processes(_Rank(hidden, depth, a.steps, a.batch_size, a.bucket_cap_mb), world, timeout=600)
-            slowest = {k: max(r[k] for r in res) for k in ("local", "synchronous", "overlapped", "fp16")}
+            slowest = {k: max(r[k] for r in res) for k in ("local", "synchronous", "overlapped")}
             comm = slowest["synchronous"] - slowest["local"]
             hidden_frac = (slowest["synchronous"] - slowest["overlapped"]) / comm if comm > 1e-5 and world > 1 else float("nan")
             cost = slowest["overlapped"] / slowest["local"] - 1.0
@@ -118,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = world * a.batch_size / slowest["overlapped"]
             print(f"| {model} | {res[0]['params']:,} | {label} | {res[0]['buckets']} | {rate:,.0f} | "
                   f"{slowest['local'] * 1e3:.2f} | {slowest['synchronous'] * 1e3:.2f} | {slowest['overlapped'] * 1e3:.2f} | "
-                  f"{'n/a' if np.isnan(hidden_frac) else f'{hidden_frac:.0%}'} | {cost:+.0%} | "
-                  f"{slowest['fp16'] * 1e3:.2f} |", flush=True)
+                  f"{'n/a' if np.isnan(hidden_frac) else f'{hidden_frac:.0%}'} | {cost:+.0%} |", flush=True)
     return 0
 
 

@@ -40,16 +40,13 @@ class GroupLike(Protocol):
 class GradientBucket:
     """A flat buffer holding the gradients of a few parameters of one dtype, reduced as one message."""
 
-    def __init__(self, index: int, params: Sequence[Parameter], late: set[int], comm_dtype: Any = None) -> None:
+    def __init__(self, index: int, params: Sequence[Parameter], late: set[int]) -> None:
         if not params:
             raise ValueError("a gradient bucket needs at least one parameter")
         self.index = index
         self.params = list(params)
         first = self.params[0].data
-        self.compressed = comm_dtype is not None and first.dtype.kind == "f" and comm_dtype != first.dtype
-        """The buffer holds the gradients cast to `comm_dtype` (fewer bytes on the wire), pre-divided by the
-        group size and summed, so that the sum cannot overflow the narrower type (as torch's fp16 hook)."""
-        self.dtype = comm_dtype if self.compressed else first.dtype
+        self.dtype = first.dtype
         self.offsets: list[int] = []
         total = 0
         for p in self.params:
@@ -103,16 +100,12 @@ class GradientBucket:
                 flags[i] = 1
 
     def launch(self, group: GroupLike) -> None:
-        """Pack and start the asynchronous all-reduce (AVG; compressed: SUM of the pre-divided values) of the buffer."""
+        """Pack and start the asynchronous all-reduce (AVG) of the buffer."""
         self.pack()
         self._group_name = getattr(group, "name", None)
         self._group_rank = getattr(group, "rank", None)
         self.launched_at = time.perf_counter()
-        if self.compressed:
-            self.buffer *= self.buffer.dtype.type(1 / group.size)
-            self.work = group.all_reduce(self.buffer, op=ReduceOp.SUM, async_op=True)
-        else:
-            self.work = group.all_reduce(self.buffer, op=ReduceOp.AVG, async_op=True)
+        self.work = group.all_reduce(self.buffer, op=ReduceOp.AVG, async_op=True)
 
     def wait_and_unpack(self, timeout: float | None) -> None:
         """Wait for the all-reduce, then write the averages back into every parameter's `.grad`."""
@@ -131,7 +124,7 @@ class GradientBucket:
             view = self.buffer[off : off + p.size].reshape(p.shape)
             if p.grad is None:
                 if used != 0:
-                    p.grad = view.astype(p.data.dtype)  # a copy, in the parameter's dtype
+                    p.grad = view.copy()
             else:
                 p.grad[...] = view
         self.work = None
@@ -169,7 +162,6 @@ class GradientSynchronizer:
         first_bucket_cap_mb: float | None = None,
         timeout: float | None = None,
         shared: set[int] | None = None,
-        comm_dtype: Any = None,
     ) -> None:
         trainable = [p for p in params if p.requires_grad]
         late = shared or set()
@@ -177,8 +169,7 @@ class GradientSynchronizer:
         first = None if first_bucket_cap_mb is None else max(1, int(first_bucket_cap_mb * 2**20))
         self.group = group
         self.timeout = timeout
-        self.buckets = [GradientBucket(i, ps, late, comm_dtype)
-                        for i, ps in enumerate(assign_buckets(trainable, cap, first))]
+        self.buckets = [GradientBucket(i, ps, late) for i, ps in enumerate(assign_buckets(trainable, cap, first))]
         self._bucket_of: dict[int, GradientBucket] = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch = 0
         self._armed = False

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
-
-import numpy as np
 
 
 class GradSyncStrategy(Enum):
@@ -34,9 +31,6 @@ class DDPConfig:
     """Copy rank 0's buffers to every rank before each forward (e.g. running statistics)."""
     timeout: float | None = None
     """Seconds to wait for one bucket's all-reduce; None: the process group's timeout."""
-    comm_dtype: Any = None
-    """Floating gradients travel in this dtype (e.g. "float16": half the bytes of float32), pre-divided by the
-    group size, and come back in their own; None: in their own dtype. Like torch's fp16_compress_hook."""
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
@@ -47,12 +41,3 @@ class DDPConfig:
             raise TypeError(f"strategy must be a GradSyncStrategy, got {self.strategy!r}")
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 or None, got {self.timeout}")
-        if self.comm_dtype is not None:
-            try:
-                dtype = np.dtype(self.comm_dtype)
-            except TypeError:
-                raise ValueError(f"comm_dtype must name a floating NumPy dtype such as 'float16', "
-                                 f"got {self.comm_dtype!r}") from None
-            if dtype.kind != "f":
-                raise ValueError(f"comm_dtype must be a floating dtype such as 'float16', got {dtype}")
-            object.__setattr__(self, "comm_dtype", dtype)

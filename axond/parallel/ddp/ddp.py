@@ -32,12 +32,11 @@ class DistributedDataParallel(NoSync, Module):
         strategy: GradSyncStrategy = GradSyncStrategy.OVERLAPPED,
         broadcast_buffers: bool = True,
         timeout: float | None = None,
-        comm_dtype: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, Module):
             raise TypeError(f"DistributedDataParallel wraps an axond.nn.Module, got {type(module).__name__}")
-        self.config = DDPConfig(bucket_cap_mb, first_bucket_cap_mb, strategy, broadcast_buffers, timeout, comm_dtype)
+        self.config = DDPConfig(bucket_cap_mb, first_bucket_cap_mb, strategy, broadcast_buffers, timeout)
         self.module = module
         self.process_group: GroupLike = process_group if process_group is not None else default_group()
         self._sync_enabled = True
@@ -51,7 +50,6 @@ class DistributedDataParallel(NoSync, Module):
             first_bucket_cap_mb=first_bucket_cap_mb,
             timeout=timeout,
             shared=shared,
-            comm_dtype=self.config.comm_dtype,
         )
         self._hooks: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self.synchronizer.on_grad_ready) for p in module.parameters() if p.requires_grad
@@ -124,8 +122,7 @@ class DistributedDataParallel(NoSync, Module):
         self._hooks = []
 
     def extra_repr(self) -> str:
-        comm = "" if self.config.comm_dtype is None else f", comm_dtype={self.config.comm_dtype}"
-        return f"buckets={len(self.buckets)}, strategy={self.config.strategy.name}{comm}"
+        return f"buckets={len(self.buckets)}, strategy={self.config.strategy.name}"
 
 
 DDP = DistributedDataParallel
