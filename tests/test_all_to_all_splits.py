@@ -14,6 +14,7 @@ import pytest
 
 import axond
 from axond import DistributedError, ProcessGroup
+from axond.distributed.splits import announcement, settle
 from axond.testing import run_on, run_processes
 
 MakeGroups = Callable[..., list[ProcessGroup]]
@@ -163,3 +164,34 @@ def test_module_api_dispatch_and_return_across_processes() -> None:
         expected = sorted(s for s in range(3) for e in np.random.default_rng(s).integers(0, 3, size=50 + 17 * s)
                           if e == r)
         assert senders == expected
+
+
+def _announce_and_settle(g: ProcessGroup, ins: list[int], outs: list[int] | None, row: int) -> tuple[list[int], list]:
+    """The nccl backend's count exchange (splits.announcement / settle), run here over real tcp ranks."""
+    return settle(g.rank, ins, outs, row, g.all_to_all(announcement(ins, outs, row)))
+
+
+def test_the_count_exchange_of_the_nccl_backend_finds_outputs_and_disagreements(make_groups: MakeGroups) -> None:
+    gs = make_groups(3)
+    splits = [[1, 2, 0], [0, 0, 4], [3, 1, 1]]  # splits[s][d]: rows s sends to d
+    given = run_on(gs, lambda g: _announce_and_settle(g, splits[g.rank], [splits[s][g.rank] for s in range(3)], 2))
+    asked = run_on(gs, lambda g: _announce_and_settle(g, splits[g.rank], None, 2))
+    for r in range(3):
+        assert given[r] == asked[r] == ([splits[s][r] for s in range(3)], [])
+
+    # rank 0 sends 2 rows to rank 1, which expects 1 row from it
+    outs = [[1, 0, 3], [1, 0, 1], [0, 4, 1]]
+    got = run_on(gs, lambda g: _announce_and_settle(g, splits[g.rank], outs[g.rank], 2))
+    assert got[2][1] == []
+    assert got[1][1] == [(0, "peer rank 0 and this rank disagree on the split sizes of all_to_all: rank 0 sends "
+                             "this rank 4 elements, but this rank's output_split_sizes[0] expects 2 "
+                             "(elements = rows x row size)")]
+    assert got[0][1] == [(1, "peer rank 1 and this rank disagree on the split sizes of all_to_all: rank 1 expects "
+                             "2 elements from this rank, but this rank's input_split_sizes[1] sends 4 "
+                             "(elements = rows x row size)")]
+
+    # rows of 3 elements on rank 2, of 2 elsewhere: 3 rows of 3 are not whole rows of 2
+    rows = [2, 2, 3]
+    got = run_on(gs, lambda g: _announce_and_settle(g, splits[g.rank], None, rows[g.rank]))
+    assert got[0][1] == [(2, "peer rank 2 sends this rank 9 elements, not a whole number of this rank's rows (2 elements "
+                             "each): the ranks' arrays differ in shape beyond the first dimension")]

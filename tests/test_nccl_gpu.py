@@ -250,6 +250,20 @@ def case_subgroups_get_their_own_communicators(pg: ProcessGroup) -> None:
         g.destroy()
 
 
+def case_mismatched_split_sizes_raise_on_both_ranks(pg: ProcessGroup) -> None:
+    """Rank 0 sends 2 rows to rank 1, which expects 1: the count exchange raises on both, before any data moves."""
+    cp = cupy_module()
+    pair = pg.new_group([0, 1])  # every rank calls new_group; only the pair runs the op
+    if pg.rank > 1:
+        return
+    x = cp.ones((3, 2), cp.float32)
+    ins, outs = ([1, 2], [1, 2]) if pg.rank == 0 else ([2, 1], [1, 1])
+    with pytest.raises(DistributedError, match="disagree on the split sizes of all_to_all") as info:
+        pair.all_to_all(x, input_split_sizes=ins, output_split_sizes=outs)
+    assert (info.value.op, info.value.peer) == ("all_to_all", 1 - pg.rank)
+    pair.destroy()
+
+
 def case_mismatched_tag_fails_cleanly(pg: ProcessGroup) -> None:
     """The receiver reads the header first: a wrong tag is an error there, not a hang or corrupt data.
 
@@ -320,6 +334,7 @@ MULTI_ONLY: dict[str, tuple[Callable[[ProcessGroup], None], float]] = {
     "batch_p2p": (case_batch_isend_irecv_ring, 60.0),
     "subgroups": (case_subgroups_get_their_own_communicators, 60.0),
     "mismatched_tag": (case_mismatched_tag_fails_cleanly, 5.0),
+    "mismatched_splits": (case_mismatched_split_sizes_raise_on_both_ranks, 10.0),
     "hung_peer": (case_hung_peer_is_aborted_by_the_watchdog, 3.0),
     "abort": (case_abort_fails_the_peers, 3.0),
 }

@@ -19,6 +19,7 @@ import numpy as np
 
 from axond.distributed.peer import RECV_WAKEUP as POLL_WAKEUP
 from axond.distributed.peer import SMALL_FRAME, Peer, PeerClosed, PeerError, PeerTimeout
+from axond.distributed.splits import disagreement
 from axond.distributed.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe, uneven_back
 from axond.errors import DistributedError
 
@@ -320,15 +321,8 @@ class FramedGroup:
 
     def _split_disagreement(self, c: Call, peer: int, h: tuple[int, ...]) -> str:
         """What the two sides of an all_to_all with split sizes disagree on (each frame carries both directions)."""
-        parts = []
-        if h[7] != c.count:
-            parts.append(f"rank {peer} sends this rank {h[7]} elements, but this rank's output_split_sizes[{peer}] "
-                         f"expects {c.count}")
-        if h[6] != c.aux:
-            parts.append(f"rank {peer} expects {uneven_back(h[6])} elements from this rank, but this rank's "
-                         f"input_split_sizes[{peer}] sends {uneven_back(c.aux)}")
-        return (f"peer rank {peer} and this rank disagree on the split sizes of all_to_all: " + "; ".join(parts)
-                + " (elements = rows x row size)")
+        why = disagreement(peer, h[7], c.count, uneven_back(h[6]), uneven_back(c.aux))
+        return why or f"peer rank {peer} sent an all_to_all frame this rank did not expect"
 
     def error(self, c: Call, peer: int | None, what: str) -> DistributedError:
         name = OP_NAMES[c.op]

@@ -12,6 +12,8 @@ import operator
 from collections.abc import Sequence
 from itertools import accumulate
 
+import numpy as np
+
 
 def check_splits(shape: tuple[int, ...], size: int, rank: int, input_split_sizes: Sequence[int] | None,
                  output_split_sizes: Sequence[int] | None) -> tuple[list[int], list[int] | None]:
@@ -51,3 +53,58 @@ def _sizes(name: str, sizes: Sequence[int], size: int) -> list[int]:
 def offsets(sizes: list[int]) -> list[int]:
     """Start row of each block, plus the total: [0, s0, s0 + s1, ...]."""
     return [0, *accumulate(sizes)]
+
+
+ASKING = -1
+"""What a rank announces as the count it expects back when it passed no output sizes (it takes what comes)."""
+
+
+def disagreement(peer: int, sends_here: int, expected_here: int, expects_back: int, sends_back: int) -> str | None:
+    """Why the blocks between this rank and `peer` do not match (element counts both ways), or None.
+
+    `sends_here`/`expects_back`: what `peer` announced it sends this rank and expects from it (ASKING: anything);
+    `expected_here`/`sends_back`: this rank's output_split_sizes[peer] and input_split_sizes[peer], in elements.
+    """
+    parts = []
+    if sends_here != expected_here:
+        parts.append(f"rank {peer} sends this rank {sends_here} elements, but this rank's output_split_sizes[{peer}] "
+                     f"expects {expected_here}")
+    if expects_back not in (ASKING, sends_back):
+        parts.append(f"rank {peer} expects {expects_back} elements from this rank, but this rank's "
+                     f"input_split_sizes[{peer}] sends {sends_back}")
+    if not parts:
+        return None
+    return (f"peer rank {peer} and this rank disagree on the split sizes of all_to_all: " + "; ".join(parts)
+            + " (elements = rows x row size)")
+
+
+def announcement(ins: list[int], outs: list[int] | None, row: int) -> np.ndarray:
+    """Row d: (elements this rank sends rank d, elements it expects from rank d or ASKING), for an all_to_all of counts."""
+    back = [v * row for v in outs] if outs is not None else [ASKING] * len(ins)
+    return np.array([[v * row for v in ins], back], np.int64).T.copy()
+
+
+def settle(rank: int, ins: list[int], outs: list[int] | None, row: int,
+           heard: np.ndarray) -> tuple[list[int], list[tuple[int, str]]]:
+    """From `heard` (row p: what rank p announced to this rank), the output sizes in rows and the disagreements.
+
+    Without output sizes of its own, this rank takes the announced ones (which must be whole rows).
+    """
+    got = [int(v) for v in heard[:, 0]]
+    problems = []
+    if outs is None:
+        outs = [v // row if row else 0 for v in got]
+        expected = [v if row == 0 or v % row == 0 else -1 for v in got]
+    else:
+        expected = [v * row for v in outs]
+    for p in range(len(ins)):
+        if p == rank:
+            continue
+        if expected[p] < 0:
+            problems.append((p, f"peer rank {p} sends this rank {got[p]} elements, not a whole number of this rank's rows "
+                                f"({row} elements each): the ranks' arrays differ in shape beyond the first dimension"))
+            continue
+        why = disagreement(p, got[p], expected[p], int(heard[p, 1]), ins[p] * row)
+        if why is not None:
+            problems.append((p, why))
+    return outs, problems

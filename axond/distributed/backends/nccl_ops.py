@@ -26,7 +26,7 @@ from axond.distributed.backends.nccl_support import (
     transfer_type,
 )
 from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.splits import check_splits, offsets
+from axond.distributed.splits import announcement, check_splits, offsets, settle
 from axond.errors import DistributedError
 
 if TYPE_CHECKING:
@@ -202,15 +202,22 @@ def scatter(b: NcclBackend, x: Array | None, src: int) -> NcclWork:
 
 def all_to_all(b: NcclBackend, x: Array, input_split_sizes: Sequence[int] | None = None,
                output_split_sizes: Sequence[int] | None = None) -> NcclWork:
-    """Grouped send/recv with every peer; the own block is a device copy. Split sizes as the tcp backend's;
-    without output sizes, an even all_to_all of the counts comes first (NCCL frames carry no sizes to check)."""
+    """Grouped send/recv with every peer; the own block is a device copy. With split sizes, an even all_to_all
+    of the element counts both ways comes first (NCCL frames carry no sizes): it gives the output sizes when
+    they were not passed, and a disagreement raises on both ranks of the pair instead of hanging NCCL."""
     s = b._stage(x, "all_to_all")
     if input_split_sizes is None and output_split_sizes is None:
         b._rows(s, "all_to_all")
         ins = outs = [s.buf.shape[0] // b.size] * b.size
     else:
         ins, given = check_splits(s.buf.shape, b.size, b.rank, input_split_sizes, output_split_sizes)
-        outs = given if given is not None else [int(v) for v in all_to_all(b, np.array(ins, np.int64)).result()]
+        row_elems = math.prod(s.buf.shape[1:])
+        heard = all_to_all(b, announcement(ins, given, row_elems)).result()
+        outs, problems = settle(b.rank, ins, given, row_elems, heard)  # NumPy in, NumPy out
+        if problems:
+            peer, why = problems[0]
+            raise DistributedError(f"nccl all_to_all: group {b.group_name!r} rank {b.rank}: {why}", op="all_to_all",
+                                   group=b.group_name, rank=b.rank, peer=peer)
     ntype, factor = transfer_type(s.buf.dtype, b._version)
     with b._device:
         out = b._cp.empty((sum(outs), *s.buf.shape[1:]), s.buf.dtype)
