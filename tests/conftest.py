@@ -65,3 +65,12 @@ def make_groups() -> Iterator[Callable[..., list[ProcessGroup]]]:
     finally:
         for g in made:
             g.destroy()
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
+    """The members of a tcp group of 1, 2, 3 and then 4 threads (20 s timeout), shared by one module's tests."""
+    gs = thread_groups(request.param, timeout=20.0)
+    yield gs
+    for g in gs:
+        g.destroy()

@@ -17,23 +17,12 @@ from axond.testing import run_on, thread_groups
 from collective_cases import DTYPES, SHAPES, make, reference
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4])
-def groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
-    gs = thread_groups(request.param, timeout=20.0)
-    yield gs
-    for g in gs:
-        g.destroy()
-
-
 @pytest.fixture(scope="module")
 def groups8() -> Iterator[list[ProcessGroup]]:
     gs = thread_groups(8, timeout=20.0)
     yield gs
     for g in gs:
         g.destroy()
-
-
-
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

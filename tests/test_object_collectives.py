@@ -8,7 +8,6 @@ empty bytes, None, a dict holding a NumPy array, and a ~1 MB object on one rank 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 
 import axond
 from axond import DistributedError, ProcessGroup
-from axond.testing import run_on, run_processes, thread_groups
+from axond.testing import run_on, run_processes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,14 +45,6 @@ class LoadsBadly:
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return _raise, ("no such class here",)
-
-
-@pytest.fixture(scope="module", params=[1, 2, 3, 4])
-def groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
-    gs = thread_groups(request.param, timeout=10.0)
-    yield gs
-    for g in gs:
-        g.destroy()
 
 
 def test_all_gather_object(groups: list[ProcessGroup]) -> None:

@@ -205,7 +205,7 @@ class ProcessGroup:
             if not isinstance(peer, int) or not 0 <= peer < self.size or peer == self.rank:
                 raise ValueError(f"batch_isend_irecv on group '{self.name}': peer {peer!r} is not another member "
                                  f"(group ranks 0..{self.size - 1}, this one is {self.rank})")
-        if self.backend is not None and "batch_p2p" in getattr(self.backend, "_ASYNC_OPS", ()):
+        if hasattr(self.backend, "batch_p2p"):  # nccl: the whole batch in one NCCL group
             work = self._run("batch_p2p", True, list(batch))
             return [work] * len(batch)
         works: list[Any] = [None] * len(batch)
