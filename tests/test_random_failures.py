@@ -1,0 +1,92 @@
+"""A rank that dies or stalls partway through a random program: the others raise, none hangs.
+
+The programs are those of test_random_programs (four ranks on threads, four overlapping groups, blocking
+and async steps). At a seeded step the victim either closes every group it is in (as a crashed
+process's sockets close) or stops calling (as a rank stuck in its own code). Every other rank must then
+either finish the program with correct results, when no later step needs the victim, or raise
+`DistributedError` within the group timeout plus a margin. A rank that is a member of a later step with
+the victim must raise. No rank may hang.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from axond import DistributedError, ProcessGroup
+from axond.testing import run_on
+from test_random_programs import GROUPS, Step, expected, finish, issue, program
+
+TIMEOUT = 2.0
+
+
+def run_until(groups: list[ProcessGroup], steps: list[Step], victim: int, at: int, stall: bool) -> list[Any]:
+    subs = run_on(groups, lambda g: [g] + [g.new_group(ranks) for ranks in GROUPS[1:]])
+
+    def body(world: ProcessGroup) -> Any:
+        mine = subs[world.rank]
+        results: dict[int, Any] = {}
+        pending: list[tuple[int, Any, Any]] = []
+        try:
+            for step in steps:
+                if world.rank == victim and step.index == at:
+                    if stall:
+                        time.sleep(3 * TIMEOUT)
+                    for g in reversed(mine):
+                        g.destroy()
+                    return "victim"
+                g = mine[step.group]
+                if g.contains(world.rank):
+                    work, holder = issue(step, g)
+                    if work is None:
+                        results[step.index] = holder
+                    else:
+                        pending.append((step.index, work, holder))
+                if step.index % 5 == 4:
+                    finish(pending, results)
+            finish(pending, results)
+        except DistributedError as e:
+            return e
+        return results
+
+    started = time.monotonic()
+    try:
+        out = run_on(groups, body, timeout=60.0)
+    finally:
+        for own in subs:
+            for s in own[1:]:
+                s.destroy()
+    out.append(time.monotonic() - started)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed, stall", [(21, False), (22, False), (23, False), (24, False), (25, True)])
+def test_survivors_raise_or_finish_correctly_and_none_hangs(make_groups: Any, seed: int, stall: bool) -> None:
+    rng = np.random.default_rng(seed)
+    steps = program(seed, 30)
+    victim, at = int(rng.integers(4)), int(rng.integers(5, 25))
+    out = run_until(make_groups(4, TIMEOUT), steps, victim, at, stall)
+    elapsed = out.pop()
+    assert out[victim] == "victim"
+    assert elapsed < (3 * TIMEOUT if stall else 0) + 4 * TIMEOUT + 10, elapsed
+    raised = 0
+    for rank, got in enumerate(out):
+        if rank == victim:
+            continue
+        needs_victim = any(victim in GROUPS[s.group] and rank in GROUPS[s.group] and s.index >= at for s in steps)
+        if isinstance(got, DistributedError):
+            raised += 1
+            assert got.op and got.group, got
+            continue
+        assert not needs_victim, f"rank {rank} finished a program whose later steps need the dead rank {victim}"
+        for step in steps:
+            ranks = sorted(GROUPS[step.group])
+            if rank in ranks:
+                want = expected(step, ranks.index(rank))
+                if want is not None:
+                    np.testing.assert_array_equal(got[step.index], want)
+    assert raised >= 1
