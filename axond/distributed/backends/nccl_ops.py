@@ -27,7 +27,6 @@ from axond.distributed.backends.nccl_support import (
 )
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.splits import announcement, check_splits, offsets, settle
-from axond.errors import DistributedError
 
 if TYPE_CHECKING:
     from axond.distributed.backends.nccl import NcclBackend, NcclWork
@@ -212,12 +211,12 @@ def all_to_all(b: NcclBackend, x: Array, input_split_sizes: Sequence[int] | None
     else:
         ins, given = check_splits(s.buf.shape, b.size, b.rank, input_split_sizes, output_split_sizes)
         row_elems = math.prod(s.buf.shape[1:])
-        heard = all_to_all(b, announcement(ins, given, row_elems)).result()
-        outs, problems = settle(b.rank, ins, given, row_elems, heard)  # NumPy in, NumPy out
-        if problems:
-            peer, why = problems[0]
-            raise DistributedError(f"nccl all_to_all: group {b.group_name!r} rank {b.rank}: {why}", op="all_to_all",
-                                   group=b.group_name, rank=b.rank, peer=peer)
+        counts = all_to_all(b, announcement(ins, given, row_elems))
+        outs, problems = settle(b.rank, ins, given, row_elems, counts.result())  # NumPy in, NumPy out
+        if problems:  # abort, as the tcp backend does: the other members' data all_to_all fails instead of waiting
+            counts._watched.peer, why = problems[0]
+            b._watchdog.fail(counts._watched, why)
+            raise b._watchdog.wait_failure("all_to_all")
     ntype, factor = transfer_type(s.buf.dtype, b._version)
     with b._device:
         out = b._cp.empty((sum(outs), *s.buf.shape[1:]), s.buf.dtype)
@@ -305,18 +304,22 @@ def batch_p2p(b: NcclBackend, batch: list[tuple[str, Array, int, int]]) -> NcclW
             if count:
                 move(s.buf.data.ptr, count, ntype, peer, stream.ptr)
 
+    launched: list[NcclWork] = []
+
     def finish() -> None:
         for kind, s, peer, tag, header, _, _ in parts:
             if kind == "irecv":
                 problem = check_p2p_header(header.get(), tag, s.buf.nbytes, s.buf.dtype)
-                if problem is not None:
-                    raise DistributedError(f"nccl batch_isend_irecv: group {b.group_name!r} rank {b.rank}: the irecv "
-                                           f"from peer {peer}: {problem}", op="batch_isend_irecv",
-                                           group=b.group_name, rank=b.rank, peer=peer)
+                if problem is not None:  # abort, as a mismatched recv does
+                    watched = launched[0]._watched
+                    watched.peer = peer
+                    b._watchdog.fail(watched, f"the irecv from peer {peer}: mismatched send: {problem}")
+                    raise b._watchdog.wait_failure("batch_isend_irecv")
                 b._unstage(s)
 
     keep = tuple(x for part in parts for x in (part[1], part[4]))
-    return b._launch("batch_isend_irecv", None, lambda stream: _grouped(b, lambda: calls(stream)), keep, finish)
+    launched.append(b._launch("batch_isend_irecv", None, lambda stream: _grouped(b, lambda: calls(stream)), keep, finish))
+    return launched[0]
 
 
 def barrier(b: NcclBackend) -> NcclWork:
