@@ -18,49 +18,33 @@ import pytest
 
 from axond import DistributedError, ProcessGroup
 from axond.testing import run_on
-from test_random_programs import GROUPS, Step, expected, finish, issue, program
+from test_random_programs import GROUPS, Step, expected, program, run_steps, subgroups
 
 TIMEOUT = 2.0
 
 
 def run_until(groups: list[ProcessGroup], steps: list[Step], victim: int, at: int, stall: bool) -> list[Any]:
-    subs = run_on(groups, lambda g: [g] + [g.new_group(ranks) for ranks in GROUPS[1:]])
-
+    """Each rank's results, DistributedError or "victim", then the seconds it all took."""
     def body(world: ProcessGroup) -> Any:
-        mine = subs[world.rank]
-        results: dict[int, Any] = {}
-        pending: list[tuple[int, Any, Any]] = []
+        def dies_here(step: Step) -> bool:
+            if world.rank != victim or step.index != at:
+                return False
+            if stall:
+                time.sleep(3 * TIMEOUT)
+            for g in reversed(subs[world.rank]):
+                g.destroy()
+            return True
+
         try:
-            for step in steps:
-                if world.rank == victim and step.index == at:
-                    if stall:
-                        time.sleep(3 * TIMEOUT)
-                    for g in reversed(mine):
-                        g.destroy()
-                    return "victim"
-                g = mine[step.group]
-                if g.contains(world.rank):
-                    work, holder = issue(step, g)
-                    if work is None:
-                        results[step.index] = holder
-                    else:
-                        pending.append((step.index, work, holder))
-                if step.index % 5 == 4:
-                    finish(pending, results)
-            finish(pending, results)
+            results = run_steps(world.rank, subs[world.rank], steps, dies_here)
         except DistributedError as e:
             return e
-        return results
+        return "victim" if results is None else results
 
     started = time.monotonic()
-    try:
+    with subgroups(groups) as subs:
         out = run_on(groups, body, timeout=60.0)
-    finally:
-        for own in subs:
-            for s in own[1:]:
-                s.destroy()
-    out.append(time.monotonic() - started)
-    return out
+    return [*out, time.monotonic() - started]
 
 
 @pytest.mark.timeout(120)

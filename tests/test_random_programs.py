@@ -11,6 +11,8 @@ error or a timeout.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,31 +148,42 @@ def issue(step: Step, g: ProcessGroup) -> tuple[Any, Any]:
     return None, None
 
 
-def run_program(groups: list[ProcessGroup], steps: list[Step]) -> list[dict[int, Any]]:
+@contextmanager
+def subgroups(groups: list[ProcessGroup]) -> Iterator[list[list[ProcessGroup]]]:
+    """Per global rank: its world group and its handles of GROUPS[1:] (built by every rank, destroyed after)."""
     subs = run_on(groups, lambda g: [g] + [g.new_group(ranks) for ranks in GROUPS[1:]])
     try:
-        def body(world: ProcessGroup) -> dict[int, Any]:
-            mine = subs[world.rank]
-            results: dict[int, Any] = {}
-            pending: list[tuple[int, Any, Any]] = []
-            for step in steps:
-                g = mine[step.group]
-                if g.contains(world.rank):
-                    work, holder = issue(step, g)
-                    if work is None:
-                        results[step.index] = holder
-                    else:
-                        pending.append((step.index, work, holder))
-                if step.index % 5 == 4:  # wait now and then, so that some async ops outlive later steps
-                    finish(pending, results)
-            finish(pending, results)
-            return results
-
-        return run_on(groups, body, timeout=120.0)
+        yield subs
     finally:
         for own in subs:
             for s in own[1:]:
                 s.destroy()
+
+
+def run_steps(rank: int, mine: list[ProcessGroup], steps: list[Step],
+              stop: Callable[[Step], bool] = lambda step: False) -> dict[int, Any] | None:
+    """Run `steps` as global rank `rank` with its groups `mine`: results by step, or None if `stop` ended it."""
+    results: dict[int, Any] = {}
+    pending: list[tuple[int, Any, Any]] = []
+    for step in steps:
+        if stop(step):
+            return None
+        g = mine[step.group]
+        if g.contains(rank):
+            work, holder = issue(step, g)
+            if work is None:
+                results[step.index] = holder
+            else:
+                pending.append((step.index, work, holder))
+        if step.index % 5 == 4:  # wait now and then, so that some async ops outlive later steps
+            finish(pending, results)
+    finish(pending, results)
+    return results
+
+
+def run_program(groups: list[ProcessGroup], steps: list[Step]) -> list[dict[int, Any]]:
+    with subgroups(groups) as subs:
+        return run_on(groups, lambda world: run_steps(world.rank, subs[world.rank], steps), timeout=120.0)
 
 
 def finish(pending: list[tuple[int, Any, Any]], results: dict[int, Any]) -> None:
