@@ -250,3 +250,16 @@ def test_a_group_describes_its_members_while_they_wait_in_a_real_op(make_groups:
     run_on(gs, body)
     assert seen[0].startswith("peer rank 2 reports no op blocked for over 0.5 s")
     assert seen[0].endswith("; 1 other peer is blocked in it too")
+
+
+def test_describe_others_stops_asking_a_store_that_does_not_answer() -> None:
+    class Down(InMemoryStore):
+        reads = 0
+
+        def try_get(self, key: str) -> bytes | None:
+            Down.reads += 1
+            raise OSError("store down")
+
+    text = describe_others(Down(), [0, 1, 2, 3], 0, 0.4, ("g", "all_reduce"))
+    assert text == ("peer rank 1 could not be asked what it is doing (the store did not answer) (2 more not asked)")
+    assert Down.reads == 1

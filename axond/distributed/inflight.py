@@ -173,23 +173,24 @@ def describe(store: Store, global_rank: int, group_rank: int, timeout: float,
 
 
 def _clause(store: Store, global_rank: int, group_rank: int, timeout: float,
-            mine: tuple[str, str] | None) -> tuple[str, bool]:
-    """(`describe`'s clause, whether the peer is blocked in `mine` too)."""
+            mine: tuple[str, str] | None) -> tuple[str, str]:
+    """(`describe`'s clause, "same" if the peer is blocked in `mine` too, "down" if the store failed, else "")."""
     who = f"peer rank {group_rank}" + (f" (global rank {global_rank})" if global_rank != group_rank else "")
     try:
         ops, where = read_report(store, global_rank)
     except ValueError:
-        return f"{who} published an unreadable report", False
+        return f"{who} published an unreadable report", ""
     except Exception:  # noqa: BLE001 - the report is a hint; the timeout is the error
-        return f"{who} could not be asked what it is doing (the store did not answer)", False
+        return f"{who} could not be asked what it is doing (the store did not answer)", "down"
     if not ops:
         return (f"{who} reports no op blocked for over {report_after(timeout):.1f} s: it is outside axond "
-                "(computing, or stuck in its own code), or entered its op only just now"), False
+                "(computing, or stuck in its own code), or entered its op only just now"), ""
     text = f"{who} ({where}) is blocked in {blocked_text(ops)}"
-    same = mine is not None and any((group, op) == mine for group, op, _ in ops)
-    if mine is not None and not same:
-        text += f", not in {mine[1]} on group '{mine[0]}': the ranks issued their ops in different orders"
-    return text, same
+    if mine is None:
+        return text, ""
+    if any((group, op) == mine for group, op, _ in ops):
+        return text, "same"
+    return text + f", not in {mine[1]} on group '{mine[0]}': the ranks issued their ops in different orders", ""
 
 
 MAX_DESCRIBED_PEERS = 16
@@ -203,14 +204,17 @@ def describe_others(store: Store, ranks: list[int], me: int, timeout: float, min
     blocked in the same op are only counted; if all are, the op itself stalls rather than the ranks disagreeing.
     """
     others = [r for r in range(len(ranks)) if r != me]
-    clauses, same = [], 0
+    clauses, same, asked = [], 0, 0
     for group_rank in others[:MAX_DESCRIBED_PEERS]:
-        text, in_it = _clause(store, ranks[group_rank], group_rank, timeout, mine)
-        if in_it:
+        text, state = _clause(store, ranks[group_rank], group_rank, timeout, mine)
+        asked += 1
+        if state == "same":
             same += 1
         else:
             clauses.append(text)
-    unread = len(others) - min(len(others), MAX_DESCRIBED_PEERS)
+        if state == "down":  # each further read would wait for the store's timeout too
+            break
+    unread = len(others) - asked
     tail = f" ({unread} more not asked)" if unread else ""
     if not clauses:
         return (f"every peer asked ({same}) is blocked in {mine[1]} on group '{mine[0]}' too{tail}: the ranks agree "
