@@ -139,6 +139,21 @@ def case_all_gather_and_reduce_scatter(pg: ProcessGroup) -> None:
     if n > 1:
         with pytest.raises(ValueError, match="divisible by the group size"):
             pg.reduce_scatter(cp.ones(n + 1, cp.float32))
+    # out= (as FSDP and tensor parallel pass it): a CuPy buffer is filled in place, a NumPy one through staging
+    x = make(pg.rank, (4, 3), "float32")
+    want = np.stack([make(r, (4, 3), "float32") for r in range(n)])
+    for out in (cp.empty((n, 4, 3), cp.float32), np.empty((n, 4, 3), np.float32)):
+        for async_op in (False, True):
+            got = pg.all_gather(cp.asarray(x), out=out, async_op=async_op)
+            got = got.result() if async_op else got
+            assert got is out
+            np.testing.assert_array_equal(host(out), want)
+    inputs = [make(r, (4 * n, 3), "float32") for r in range(n)]
+    rs = cp.empty((4, 3), cp.float32)
+    assert pg.reduce_scatter(cp.asarray(inputs[pg.rank]), ReduceOp.SUM, out=rs) is rs
+    np.testing.assert_array_equal(host(rs), reference(inputs, ReduceOp.SUM)[pg.rank * 4 : (pg.rank + 1) * 4])
+    with pytest.raises(ValueError, match="out= must be a float32 array of shape"):
+        pg.all_gather(cp.asarray(x), out=cp.empty((n + 1, 4, 3), cp.float32))
 
 
 def case_gather_scatter_all_to_all(pg: ProcessGroup) -> None:

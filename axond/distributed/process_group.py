@@ -105,9 +105,9 @@ class ProcessGroup:
         call = getattr(backend, method or op)
         if async_op:
             start = getattr(backend, "start", None)
-            if start is not None and method is None and not kwargs:
+            if start is not None and method is None:
                 self._comm.drain()
-                return start(op, *args)
+                return start(op, *args, **kwargs)
             work = Work(op, self.name, self.options.timeout + ASYNC_MARGIN)
             return self._comm.submit(work, lambda: self._tracked(op, call, *args, **kwargs))
         self._comm.drain()

@@ -67,12 +67,12 @@ class Backend(ABC):
         """Reduce `x` over the group into `x` on `dst`; other ranks' `x` is left unspecified but intact in shape."""
 
     @abstractmethod
-    def all_gather(self, x: Array) -> Array:
-        """Return an array of shape (size, *x.shape) holding every rank's `x`."""
+    def all_gather(self, x: Array, out: Array | None = None) -> Array:
+        """Return an array of shape (size, *x.shape) holding every rank's `x` (`out`, if given, of that shape)."""
 
     @abstractmethod
-    def reduce_scatter(self, x: Array, op: ReduceOp) -> Array:
-        """Reduce `x` over the group and return this rank's block of x.shape[0] // size rows."""
+    def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
+        """Reduce `x` over the group and return this rank's block of x.shape[0] // size rows (into `out` if given)."""
 
     @abstractmethod
     def gather(self, x: Array, dst: int) -> Array | None:

@@ -306,11 +306,11 @@ class NcclBackend(Backend):
             runtime = self._cp.cuda.runtime
             runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDeviceToDevice, stream.ptr)
 
-    def start(self, op: str, *args: Any) -> NcclWork:
+    def start(self, op: str, *args: Any, **kwargs: Any) -> NcclWork:
         """Launch Backend method `op` without waiting; `NcclWork.result()` returns what the method would."""
         if op not in self._ASYNC_OPS:
             raise ValueError(f"nccl: unknown op {op!r}; choose one of {sorted(self._ASYNC_OPS)}")
-        launched: NcclWork = getattr(nccl_ops, op)(self, *args)
+        launched: NcclWork = getattr(nccl_ops, op)(self, *args, **kwargs)
         return launched
 
     def all_reduce(self, x: Array, op: ReduceOp) -> None:
@@ -322,11 +322,11 @@ class NcclBackend(Backend):
     def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
         nccl_ops.reduce(self, x, dst, op).wait()
 
-    def all_gather(self, x: Array) -> Array:
-        return nccl_ops.all_gather(self, x).result()
+    def all_gather(self, x: Array, out: Array | None = None) -> Array:
+        return nccl_ops.all_gather(self, x, out).result()
 
-    def reduce_scatter(self, x: Array, op: ReduceOp) -> Array:
-        return nccl_ops.reduce_scatter(self, x, op).result()
+    def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
+        return nccl_ops.reduce_scatter(self, x, op, out).result()
 
     def gather(self, x: Array, dst: int) -> Array | None:
         return nccl_ops.gather(self, x, dst).result()

@@ -93,36 +93,55 @@ def reduce(b: NcclBackend, x: Array, dst: int, op: ReduceOp) -> NcclWork:
     return b._launch("reduce", dst, enqueue, (s,), lambda: b._unstage(s))
 
 
-def all_gather(b: NcclBackend, x: Array) -> NcclWork:
-    """ncclAllGather into a new (size, *x.shape) array."""
+def _out(b: NcclBackend, out: Array | None, shape: tuple[int, ...], dtype: Any, op: str) -> Any:
+    """`out=` staged as the op's device buffer (None: the op allocates one), after checking its shape and dtype."""
+    if out is None:
+        return None
+    if tuple(out.shape) != shape or out.dtype != dtype:
+        raise ValueError(f"nccl {op} out= must be a {dtype} array of shape {shape}; got {out.dtype} {tuple(out.shape)}")
+    return b._stage(out, f"{op} out")
+
+
+def _into(b: NcclBackend, staged_out: Any, out: Array | None, dev: Any, host: bool) -> Any:
+    """The op's result: `out` (copied back from the device buffer if it was staged), else the new array."""
+    if staged_out is None:
+        return b._result(dev, host)
+    b._unstage(staged_out)
+    return out
+
+
+def all_gather(b: NcclBackend, x: Array, out: Array | None = None) -> NcclWork:
+    """ncclAllGather into a new (size, *x.shape) array, or into `out` of that shape."""
     s = b._stage(x, "all_gather")
     ntype, factor = transfer_type(s.buf.dtype, b._version)
+    o = _out(b, out, (b.size, *s.buf.shape), s.buf.dtype, "all_gather")
     with b._device:
-        out = b._cp.empty((b.size, *s.buf.shape), dtype=s.buf.dtype)
+        dev = o.buf if o is not None else b._cp.empty((b.size, *s.buf.shape), dtype=s.buf.dtype)
 
     def enqueue(stream: Any) -> None:
         if s.buf.size:
-            b._comm.allGather(s.buf.data.ptr, out.data.ptr, s.buf.size * factor, b._const(ntype), stream.ptr)
+            b._comm.allGather(s.buf.data.ptr, dev.data.ptr, s.buf.size * factor, b._const(ntype), stream.ptr)
 
-    return b._launch("all_gather", None, enqueue, (s, out), lambda: b._result(out, s.host))
+    return b._launch("all_gather", None, enqueue, (s, dev, o), lambda: _into(b, o, out, dev, s.host))
 
 
-def reduce_scatter(b: NcclBackend, x: Array, op: ReduceOp) -> NcclWork:
-    """ncclReduceScatter: this rank's block of x.shape[0] // size rows."""
+def reduce_scatter(b: NcclBackend, x: Array, op: ReduceOp, out: Array | None = None) -> NcclWork:
+    """ncclReduceScatter: this rank's block of x.shape[0] // size rows (into `out` of that shape if given)."""
     s = b._stage(x, "reduce_scatter")
     plan = reduction_plan(s.buf.dtype, op, b._version)
     rows = b._rows(s, "reduce_scatter") // b.size
+    o = _out(b, out, (rows, *s.buf.shape[1:]), s.buf.dtype, "reduce_scatter")
     with b._device:
-        out = b._cp.empty((rows, *s.buf.shape[1:]), dtype=s.buf.dtype)
+        dev = o.buf if o is not None else b._cp.empty((rows, *s.buf.shape[1:]), dtype=s.buf.dtype)
 
     def enqueue(stream: Any) -> None:
-        if out.size:
-            b._comm.reduceScatter(s.buf.data.ptr, out.data.ptr, out.size * plan.count_factor,
+        if dev.size:
+            b._comm.reduceScatter(s.buf.data.ptr, dev.data.ptr, dev.size * plan.count_factor,
                                   b._const(plan.nccl_type), b._const(plan.nccl_op), stream.ptr)
         if plan.divide_by_size:
-            _average(b, out, stream)
+            _average(b, dev, stream)
 
-    return b._launch("reduce_scatter", None, enqueue, (s, out), lambda: b._result(out, s.host))
+    return b._launch("reduce_scatter", None, enqueue, (s, dev, o), lambda: _into(b, o, out, dev, s.host))
 
 
 def _grouped(b: NcclBackend, calls: Callable[[], None]) -> None:
