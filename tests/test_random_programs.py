@@ -108,7 +108,7 @@ def uneven_input(step: Step, s: int) -> np.ndarray:
 
 
 def issue(step: Step, g: ProcessGroup) -> tuple[Any, Any]:
-    """Run `step` on member `g`; (Work or None, the array holding the result or a thunk returning it)."""
+    """Run `step` on member `g`: (its Work or Works if async, else None; the array holding the result, if known)."""
     r, n, a = g.rank, g.size, step.async_op
     x = value(step, r)
     op = step.op
@@ -120,11 +120,8 @@ def issue(step: Step, g: ProcessGroup) -> tuple[Any, Any]:
         g.reduce(x, step.root, step.redop)
         return None, x
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        call = {"all_gather": lambda: g.all_gather(x, async_op=a),
-                "reduce_scatter": lambda: g.reduce_scatter(x, step.redop, async_op=a),
-                "all_to_all": lambda: g.all_to_all(x, async_op=a)}[op]
-        out = call()
-        return (out, None) if a else (None, out)
+        out = g.reduce_scatter(x, step.redop, async_op=a) if op == "reduce_scatter" else getattr(g, op)(x, async_op=a)
+        return (out, None) if a else (None, out)  # async: the Work's result() is the array
     if op == "gather":
         return None, g.gather(x, step.root)
     if op == "scatter":
