@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
-from axond import ReduceOp
+from axond import ProcessGroup, ReduceOp
+from axond.distributed.shm import ShmTuning
+from axond.testing import thread_groups
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
 SHAPES = [(), (0,), (1,), (13,), (4, 7), (1031,), (40_009,)]
@@ -35,3 +39,32 @@ def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     if dtype.kind in "iu":
         return np.floor_divide(total, dtype.type(len(inputs)))
     return np.true_divide(total, len(inputs)).astype(dtype)
+
+
+TRANSPORTS = {
+    "auto": None,
+    "sockets": ShmTuning(enabled=False),
+    "shm": ShmTuning(min_bytes=0, arena_bytes=64 << 10),
+}
+"""How a test group of threads moves data: the defaults (shared memory from AXOND_SHM_MIN_BYTES on), sockets
+only (as between hosts), or shared memory for every op through a small arena (many steps per op)."""
+
+
+def use_transport(groups: list[ProcessGroup], transport: str) -> list[ProcessGroup]:
+    """Set the tcp backends of fresh `groups` to `transport` (a key of TRANSPORTS), before their first op."""
+    tuning = TRANSPORTS[transport]
+    for g in groups if tuning is not None else ():
+        g.backend.shm = tuning  # type: ignore[union-attr]
+    return groups
+
+
+EVERY_TRANSPORT = [(n, "auto") for n in (1, 2, 3, 4)] + [(n, t) for t in ("sockets", "shm") for n in (2, 3, 4)]
+"""(world size, transport) of the groups the collective contract suite runs on."""
+
+
+def group_members(size: int, transport: str) -> Iterator[list[ProcessGroup]]:
+    """Fixture body: the members of a tcp group of `size` threads (20 s timeout) on `transport`, destroyed after."""
+    gs = use_transport(thread_groups(size, timeout=20.0), transport)
+    yield gs
+    for g in gs:
+        g.destroy()

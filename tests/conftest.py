@@ -11,6 +11,7 @@ from axond.control.client import CoordinatorClient, connect
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
 from axond.distributed import BackendOptions, ProcessGroup
 from axond.testing import thread_groups
+from collective_cases import group_members, use_transport
 
 
 @pytest.fixture
@@ -49,12 +50,13 @@ def client(coordinator: RunningCoordinator) -> Iterator[CoordinatorClient]:
 
 @pytest.fixture
 def make_groups() -> Iterator[Callable[..., list[ProcessGroup]]]:
-    """`make_groups(n, timeout, crowded=None)`: the n members of a fresh tcp group on threads, all destroyed
-    after the test; `crowded` overrides whether the backends think ranks outnumber cores (algorithm choice)."""
+    """`make_groups(n, timeout, crowded=None, transport="auto")`: the n members of a fresh tcp group on threads,
+    all destroyed after the test; `crowded` overrides whether the backends think ranks outnumber cores
+    (algorithm choice), `transport` is a key of TRANSPORTS."""
     made: list[ProcessGroup] = []
 
-    def make(n: int, timeout: float = 1.0, crowded: bool | None = None) -> list[ProcessGroup]:
-        groups = thread_groups(n, options=BackendOptions(timeout=timeout))
+    def make(n: int, timeout: float = 1.0, crowded: bool | None = None, transport: str = "auto") -> list[ProcessGroup]:
+        groups = use_transport(thread_groups(n, options=BackendOptions(timeout=timeout)), transport)
         made.extend(groups)
         for g in groups if crowded is not None else ():
             g.backend.crowded = crowded  # type: ignore[union-attr]  # as if the host had fewer (more) cores
@@ -69,8 +71,7 @@ def make_groups() -> Iterator[Callable[..., list[ProcessGroup]]]:
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
 def groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
-    """The members of a tcp group of 1, 2, 3 and then 4 threads (20 s timeout), shared by one module's tests."""
-    gs = thread_groups(request.param, timeout=20.0)
-    yield gs
-    for g in gs:
-        g.destroy()
+    """The members of a tcp group of 1, 2, 3 and then 4 threads (20 s timeout), shared by one module's tests.
+
+    A module can override it with (size, transport) parameters, e.g. EVERY_TRANSPORT (see test_collectives)."""
+    yield from group_members(request.param, "auto")

@@ -1,7 +1,8 @@
 """Every collective against a NumPy reference: world sizes 1-4 (8 for some), every dtype and ReduceOp, odd sizes.
 
-Ranks are threads of this process joined by real loopback sockets (one group per world size,
-reused across tests). Inputs are small integers so that float sums are exact and independent
+Ranks are threads of this process joined by real loopback sockets (one group per world size and
+transport, reused across tests): with the default settings, with sockets only, and with every op
+through the shared-memory arena. Inputs are small integers so that float sums are exact and independent
 of the reduction order; a separate test checks random floats for cross-rank bitwise agreement.
 """
 
@@ -14,7 +15,13 @@ import pytest
 
 from axond import ProcessGroup, ReduceOp
 from axond.testing import run_on, thread_groups
-from collective_cases import DTYPES, SHAPES, make, reference
+from collective_cases import DTYPES, EVERY_TRANSPORT, SHAPES, group_members, make, reference
+
+
+@pytest.fixture(scope="module", params=EVERY_TRANSPORT, ids=[f"{n}-{t}" for n, t in EVERY_TRANSPORT])
+def groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
+    """As conftest's, on every transport: the defaults, sockets only, and shared memory for every op."""
+    yield from group_members(*request.param)
 
 
 @pytest.fixture(scope="module")

@@ -48,12 +48,15 @@ def run_until(groups: list[ProcessGroup], steps: list[Step], victim: int, at: in
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("seed, stall", [(21, False), (22, False), (23, False), (24, False), (25, True)])
-def test_survivors_raise_or_finish_correctly_and_none_hangs(make_groups: Any, seed: int, stall: bool) -> None:
+@pytest.mark.parametrize("seed, stall, transport", [
+    (21, False, "auto"), (22, False, "sockets"), (23, False, "shm"), (24, False, "auto"), (25, True, "auto"),
+    (26, True, "shm")])
+def test_survivors_raise_or_finish_correctly_and_none_hangs(make_groups: Any, seed: int, stall: bool,
+                                                            transport: str) -> None:
     rng = np.random.default_rng(seed)
     steps = program(seed, 30)
     victim, at = int(rng.integers(4)), int(rng.integers(5, 25))
-    out = run_until(make_groups(4, TIMEOUT), steps, victim, at, stall)
+    out = run_until(make_groups(4, TIMEOUT, transport=transport), steps, victim, at, stall)
     elapsed = out.pop()
     assert out[victim] == "victim"
     assert elapsed < (3 * TIMEOUT if stall else 0) + 4 * TIMEOUT + 10, elapsed

@@ -147,8 +147,15 @@ def issue(step: Step, g: ProcessGroup) -> tuple[Any, Any]:
 
 @contextmanager
 def subgroups(groups: list[ProcessGroup]) -> Iterator[list[list[ProcessGroup]]]:
-    """Per global rank: its world group and its handles of GROUPS[1:] (built by every rank, destroyed after)."""
-    subs = run_on(groups, lambda g: [g] + [g.new_group(ranks) for ranks in GROUPS[1:]])
+    """Per global rank: its world group and its handles of GROUPS[1:] (built by every rank, destroyed after);
+    the subgroups move data as the world does (see conftest's `make_groups` transport)."""
+    def build(world: ProcessGroup) -> list[ProcessGroup]:
+        subs = [world.new_group(ranks) for ranks in GROUPS[1:]]
+        for sub in subs:
+            if hasattr(sub.backend, "shm"):
+                sub.backend.shm = world.backend.shm  # type: ignore[union-attr]
+        return [world, *subs]
+    subs = run_on(groups, build)
     try:
         yield subs
     finally:
@@ -195,12 +202,16 @@ def finish(pending: list[tuple[int, Any, Any]], results: dict[int, Any]) -> None
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("seed, crowded", [(11, None), (12, None), (13, None), (14, None), (15, False), (16, False)])
-def test_a_random_program_matches_numpy_on_every_rank(make_groups: Any, seed: int, crowded: bool | None) -> None:
-    """`crowded=False`: the algorithms of a host with a core per rank (rings rather than pairwise exchanges)."""
+@pytest.mark.parametrize("seed, crowded, transport", [
+    (11, None, "auto"), (12, None, "sockets"), (13, None, "shm"), (14, None, "auto"), (15, False, "sockets"),
+    (16, False, "auto"), (17, False, "shm"), (18, None, "sockets")])
+def test_a_random_program_matches_numpy_on_every_rank(make_groups: Any, seed: int, crowded: bool | None,
+                                                      transport: str) -> None:
+    """`crowded=False`: the algorithms of a host with a core per rank (rings rather than pairwise exchanges);
+    `transport`: see conftest's TRANSPORTS (shm: every op of every group through its own small arena)."""
     steps = program(seed, 50)
     assert {s.op for s in steps} >= {"all_reduce", "all_gather", "all_to_all_uneven"}
-    out = run_program(make_groups(4, 20.0, crowded), steps)
+    out = run_program(make_groups(4, 20.0, crowded, transport), steps)
     checked = 0
     for global_rank, results in enumerate(out):
         for step in steps:

@@ -30,6 +30,15 @@ SHORT = BackendOptions(timeout=1.0)
 MakeGroups = Callable[..., list[ProcessGroup]]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def sockets_only() -> Iterator[None]:
+    """These tests are about the socket transport (as between hosts): no shared memory, even on one host.
+    The shared-memory path has its own failure tests in test_shm.py."""
+    with pytest.MonkeyPatch.context() as mp_env:
+        mp_env.setenv("AXOND_SHM", "0")
+        yield
+
+
 @pytest.fixture
 def pair() -> Iterator[list[ProcessGroup]]:
     gs = thread_groups(2, options=SHORT)

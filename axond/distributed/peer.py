@@ -67,7 +67,7 @@ def oversubscribed(socks: list[socket.socket]) -> bool:
 
     Ranks on this host: the peers reached through a local address (plus this one), or LOCAL_WORLD_SIZE if larger.
     """
-    local = 1 + sum(1 for s in socks if _same_host(s))
+    local = 1 + sum(1 for s in socks if same_host(s))
     try:
         local = max(local, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     except ValueError:
@@ -79,7 +79,7 @@ def oversubscribed(socks: list[socket.socket]) -> bool:
     return local > cores
 
 
-def _same_host(sock: socket.socket) -> bool:
+def same_host(sock: socket.socket) -> bool:
     try:
         peer_host, local_host = sock.getpeername()[0], sock.getsockname()[0]
     except OSError:

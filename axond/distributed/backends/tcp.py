@@ -2,7 +2,9 @@
 
 This file checks arguments and keeps per-op bookkeeping (sequence numbers, frame headers);
 the schedules live in `tcp_algorithms`. Data moves straight from and into the arrays' buffers
-and reductions run in place with NumPy ufuncs.
+and reductions run in place with NumPy ufuncs. When every member is on this host, large
+all_reduce, broadcast, all_gather and reduce_scatter go through a shared-memory arena instead
+(`shm_algorithms`), with the sockets carrying only the framed synchronizations.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ import numpy as np
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
 from axond.distributed.mesh import Mesh
-from axond.distributed.peer import AUTO_INLINE_BYTES, AUTO_SPIN_SECONDS, Peer, PeerError, PeerTimeout, oversubscribed
+from axond.distributed.peer import (
+    AUTO_INLINE_BYTES, AUTO_SPIN_SECONDS, Peer, PeerError, PeerTimeout, oversubscribed, same_host,
+)
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import check_reduce_op, finish_average
+from axond.distributed.shm import ShmArena, ShmTuning
+from axond.distributed.shm_algorithms import ShmAlgorithms
 from axond.distributed.splits import check_splits, offsets
 from axond.distributed.tcp_algorithms import TcpAlgorithms
 from axond.distributed.work import PendingSend
@@ -58,7 +64,7 @@ def _numpy(x: Any, what: str) -> np.ndarray:
     return x
 
 
-class TcpBackend(TcpAlgorithms, Backend):
+class TcpBackend(TcpAlgorithms, ShmAlgorithms, Backend):
     """Collectives over TCP sockets between the ranks of one group."""
 
     name = "tcp"
@@ -71,6 +77,11 @@ class TcpBackend(TcpAlgorithms, Backend):
         socks = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port,
                      options.timeout, where).connect_all() if size > 1 else {}
         crowded = self.crowded = oversubscribed(list(socks.values()))
+        self.shm = ShmTuning.from_env()
+        self._local = all(same_host(s) for s in socks.values())
+        self._arena: ShmArena | None = None
+        self._arena_tried = False
+        self._token = np.zeros(1, np.uint8)
         spin = self.tuning.spin_us * 1e-6 if self.tuning.spin_us >= 0 else (0.0 if crowded else AUTO_SPIN_SECONDS)
         if self.tuning.inline_bytes < 0:
             self.tuning = dataclasses.replace(self.tuning, inline_bytes=AUTO_INLINE_BYTES[crowded])
@@ -136,8 +147,11 @@ class TcpBackend(TcpAlgorithms, Backend):
         c = self._call(Op.ALL_REDUCE, x, op)
         if self.size == 1:
             return
+        arena = self._use_shm(c, x.nbytes, syncs=1 if self.size == 2 else 2)
         algo = "doubling" if x.nbytes <= self.tuning.small_bytes else self._all_reduce_algorithm(x.nbytes)
-        if algo == "doubling":
+        if arena is not None:
+            self._inplace(x, "all_reduce", lambda flat: self._shm_all_reduce(c, arena, flat, op))
+        elif algo == "doubling":
             if x.flags.c_contiguous:
                 self.g.run("all_reduce", self._recursive_doubling, c, x if x.ndim == 1 else x.reshape(-1), op)
             else:
@@ -175,7 +189,12 @@ class TcpBackend(TcpAlgorithms, Backend):
         c = self._call(Op.BROADCAST, x, aux=src)
         if self.size == 1:
             return
-        body = self._tree_broadcast if self._broadcast_by_tree(x.nbytes) else self._chain_broadcast
+        arena = self._use_shm(c, x.nbytes)
+        body: Callable[[Call, np.ndarray, int], None]
+        if arena is not None:
+            body = lambda c, flat, src: self._shm_broadcast(c, arena, flat, src)  # noqa: E731
+        else:
+            body = self._tree_broadcast if self._broadcast_by_tree(x.nbytes) else self._chain_broadcast
         if x.flags.c_contiguous or self.rank != src:
             self._inplace(x, "broadcast", lambda flat: body(c, flat, src))
         else:
@@ -199,8 +218,11 @@ class TcpBackend(TcpAlgorithms, Backend):
         c = self._call(Op.ALL_GATHER, x)
         out = self._out(out, (self.size, *x.shape), x.dtype, "all_gather")
         out[self.rank] = x
+        arena = self._use_shm(c, out.nbytes) if self.size > 1 else None
         algo = self._all_gather_algorithm(out.nbytes)
-        if algo == "direct":
+        if arena is not None:
+            self.g.run("all_gather", self._shm_all_gather, c, arena, out)
+        elif algo == "direct":
             self.g.run("all_gather", self._direct_all_gather, c, out)
         elif algo == "doubling":
             self.g.run("all_gather", self._doubling_all_gather, c, out)
@@ -246,6 +268,10 @@ class TcpBackend(TcpAlgorithms, Backend):
                 finish_average(out, 1)
             return out
         src = np.ascontiguousarray(x).reshape(-1)
+        arena = self._use_shm(c, src.nbytes)
+        if arena is not None:
+            self.g.run("reduce_scatter", self._shm_reduce_scatter, c, arena, src, out.reshape(-1), op)
+            return out
         algo = self._reduce_scatter_algorithm(src.nbytes)
         if algo == "direct":
             self.g.run("reduce_scatter", self._direct_reduce_scatter, c, src, out.reshape(-1), op)
@@ -411,6 +437,9 @@ class TcpBackend(TcpAlgorithms, Backend):
 
     def close(self) -> None:
         self.g.close_peers()
+        if self._arena is not None:
+            self._arena.close()
+        self._arena, self._arena_tried = None, True
 
     def abort(self, reason: str) -> None:
         """Send every peer an abort frame carrying `reason` (each raises `DistributedError` quoting it) and

@@ -1,0 +1,266 @@
+"""The tcp backend's shared-memory path between ranks on one host: when it is taken, that every member agrees
+on it (or none uses it), rank-order numbers, buffer reuse across steps and ops, failures, and no files left.
+
+Every collective also runs through it in test_collectives (transport "shm") and the random programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import glob
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import axond
+from axond import DistributedError, ProcessGroup, ReduceOp
+from axond.distributed import BackendOptions, FileStore, create_group
+from axond.distributed.shm import AUTO_MIN_BYTES, ShmTuning, chunk_bytes
+from axond.testing import run_on, run_processes
+from collective_cases import TRANSPORTS
+
+MakeGroups = Any
+SMALL_ARENA = TRANSPORTS["shm"]
+
+
+def arena_of(pg: ProcessGroup) -> Any:
+    return pg.backend._arena  # type: ignore[union-attr]
+
+
+def leftovers() -> list[str]:
+    """Arena files created by this process (rank 0 of thread groups) still in /dev/shm."""
+    return glob.glob(f"/dev/shm/axond-{os.getpid()}-*")
+
+
+def test_small_ops_stay_on_sockets_and_large_ones_set_the_arena_up_once(make_groups: MakeGroups) -> None:
+    gs = make_groups(2, 10.0)
+    assert not any(pg.backend.crowded for pg in gs)  # type: ignore[union-attr]  # 2 threads, 2+ cores
+    small = AUTO_MIN_BYTES[False] - 8
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(small // 8)))
+    assert all(arena_of(pg) is None and not pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+    out = run_on(gs, lambda pg: pg.all_reduce(np.full(AUTO_MIN_BYTES[False] // 8, pg.rank + 1.0)) or pg)
+    arenas = [arena_of(pg) for pg in out]
+    assert all(a is not None for a in arenas) and len({a.path for a in arenas}) == 1
+    run_on(gs, lambda pg: pg.all_gather(np.ones(1 << 16)))
+    assert [arena_of(pg) for pg in gs] == arenas  # set up once per group
+    assert leftovers() == []  # unlinked once every member mapped it
+
+
+def test_crowded_hosts_and_multi_rank_all_reduce_need_larger_ops(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 10.0, crowded=True)
+    per_sync = AUTO_MIN_BYTES[True]
+    run_on(gs, lambda pg: pg.broadcast(np.ones(per_sync // 8 - 1), 0))
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * per_sync // 8 - 1)))  # two synchronizations per step
+    assert all(arena_of(pg) is None for pg in gs)
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * per_sync // 8)))
+    assert all(arena_of(pg) is not None for pg in gs)
+
+
+def test_axond_shm_0_keeps_every_op_on_sockets(monkeypatch: pytest.MonkeyPatch, make_groups: MakeGroups) -> None:
+    monkeypatch.setenv("AXOND_SHM", "0")
+    gs = make_groups(2, 10.0)
+    out = run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 20)) or pg.all_gather(np.ones(1 << 20)))
+    assert all(arena_of(pg) is None for pg in gs) and out[0].shape == (2, 1 << 20)
+
+
+@pytest.mark.parametrize("setting, message", [("AXOND_SHM=maybe", "AXOND_SHM='maybe'"),
+                                              ("AXOND_SHM_MIN_BYTES=lots", "bad AXOND_SHM_"),
+                                              ("AXOND_SHM_ARENA_BYTES=-1", "must not be negative")])
+def test_bad_settings_say_what_to_set(monkeypatch: pytest.MonkeyPatch, setting: str, message: str) -> None:
+    name, value = setting.split("=")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        ShmTuning.from_env()
+
+
+def test_slots_are_aligned_and_bounded() -> None:
+    assert chunk_bytes(32 << 20, 2) == 4 << 20 and chunk_bytes(32 << 20, 4) == (32 << 20) // 10 // 64 * 64
+    assert chunk_bytes(0, 8) == 64
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_sums_are_those_of_one_process_adding_in_rank_order(make_groups: MakeGroups, size: int) -> None:
+    """Random floats over many small-arena steps: every rank gets exactly ((x0 + x1) + x2) + ..., the parity
+    of a single process (the socket algorithms add in another order, so they agree only to rounding)."""
+    gs = make_groups(size, 10.0, transport="shm")
+    inputs = [np.random.default_rng(r).standard_normal(100_003).astype(np.float32) for r in range(size)]
+    want = functools.reduce(np.add, inputs)
+
+    def body(pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray]:
+        x = inputs[pg.rank].copy()
+        pg.all_reduce(x)
+        blocks = np.concatenate([inputs[pg.rank]] * size)
+        return x, pg.reduce_scatter(blocks)
+
+    for got, block in run_on(gs, body):
+        assert got.tobytes() == want.tobytes()
+        assert block.tobytes() == functools.reduce(np.add, [inputs[r] for r in range(size)]).tobytes()
+    assert all(arena_of(pg).chunk < 100_003 * 4 // 8 for pg in gs)  # many steps per op
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_back_to_back_ops_and_async_queues_never_overwrite_what_a_peer_reads(make_groups: MakeGroups,
+                                                                             size: int) -> None:
+    """Ops of different kinds and sizes, blocking and queued, each spanning an odd number of steps, so that the
+    alternating buffers meet every pairing of (op, step parity); a rank sleeps at times to let the others run ahead."""
+    gs = make_groups(size, 20.0, transport="shm")
+    rounds = 6
+
+    def body(pg: ProcessGroup) -> list[Any]:
+        r, n = pg.rank, pg.size
+        rng = np.random.default_rng(r)
+        got: list[Any] = []
+        for i in range(rounds):
+            if rng.random() < 0.3:
+                time.sleep(0.01)
+            a = np.full(9_001 + 1000 * i, r + i, np.int64)
+            works = [pg.all_reduce(a, async_op=True)]
+            b = np.full(5_003 + i, r * 10 + i, np.int32)
+            gathered = pg.all_gather(b)
+            c = np.arange(n * 3_001, dtype=np.float64) * (r + 1) + i
+            scattered = pg.reduce_scatter(c)
+            d = np.full(7_777, i, np.int16) if r == i % n else np.zeros(7_777, np.int16)
+            works.append(pg.broadcast(d, i % n, async_op=True))
+            assert all(w is not None and w.wait(20.0) for w in works)
+            got.append((a, gathered, scattered, d))
+        return got
+
+    for r, got in enumerate(run_on(gs, body, timeout=60.0)):
+        for i, (a, gathered, scattered, d) in enumerate(got):
+            assert (a == sum(k + i for k in range(size))).all(), (r, i)
+            assert (gathered == (np.arange(size) * 10 + i)[:, None]).all(), (r, i)
+            full = functools.reduce(np.add, [np.arange(size * 3_001, dtype=np.float64) * (k + 1) + i for k in range(size)])
+            np.testing.assert_array_equal(scattered, full[r * 3_001 : (r + 1) * 3_001])
+            assert (d == i).all(), (r, i)
+
+
+def test_a_member_that_cannot_map_the_arena_keeps_the_whole_group_on_sockets(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 10.0)
+    gs[2].backend._local = False  # type: ignore[union-attr]  # as if rank 2 were on another host
+    out = run_on(gs, lambda pg: pg.all_reduce(np.full(1 << 20, pg.rank + 1.0)) or pg.all_gather(np.ones(1 << 18)))
+    assert all(arena_of(pg) is None and pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+    assert out[0].shape == (3, 1 << 18)
+    gs2 = make_groups(2, 10.0)
+    gs2[1].backend.shm = dataclasses.replace(gs2[1].backend.shm, arena_bytes=1 << 20)  # type: ignore[union-attr]
+    x = run_on(gs2, lambda pg: (lambda a: pg.all_reduce(a) or a)(np.full(1 << 18, pg.rank + 1.0)))
+    assert all(arena_of(pg) is None for pg in gs2) and all((v == 3.0).all() for v in x)
+    assert leftovers() == []
+
+
+def test_an_arena_that_cannot_be_reserved_falls_back_to_sockets(make_groups: MakeGroups,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full /dev/shm: posix_fallocate fails at creation (the arena's pages are reserved up front, so a full
+    /dev/shm can never be a SIGBUS at first touch); the file is removed and the group stays on sockets."""
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    gs = make_groups(2, 10.0, transport="shm")
+    x = run_on(gs, lambda pg: (lambda a: pg.all_reduce(a) or a)(np.full(1000, pg.rank + 1.0)))
+    assert all(arena_of(pg) is None for pg in gs) and all((v == 3.0).all() for v in x)
+    assert leftovers() == []
+
+
+def test_mismatched_calls_raise_on_every_rank_naming_both_sides(make_groups: MakeGroups) -> None:
+    gs = make_groups(2, 5.0, transport="shm")
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 16)))  # the arena is up: the next calls take the path
+
+    def body(pg: ProcessGroup) -> None:
+        if pg.rank == 0:
+            pg.all_reduce(np.ones(100_000, np.float32))
+        else:
+            pg.all_reduce(np.ones(120_000, np.float32))
+    errors = run_on(gs, body, return_exceptions=True)
+    for e in errors:
+        assert isinstance(e, DistributedError), e
+        assert "(float32, 100000 elements)" in str(e) and "(float32, 120000 elements)" in str(e), e
+
+    gs = make_groups(2, 5.0, transport="shm")
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 16)))
+
+    def other(pg: ProcessGroup) -> None:
+        if pg.rank == 0:
+            pg.all_reduce(np.ones(1 << 16, np.float32))
+        else:
+            pg.broadcast(np.ones(1 << 16, np.float32), 0)
+    errors = run_on(gs, other, return_exceptions=True)
+    assert all(isinstance(e, DistributedError) and "broadcast" in str(e) and "all_reduce" in str(e) for e in errors)
+
+
+def test_a_silent_peer_times_out_on_the_shared_memory_path(make_groups: MakeGroups) -> None:
+    gs = make_groups(2, 1.0, transport="shm")
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 16)))
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match=r"all_reduce on group 'world' \(rank 0 of 2\): timed out after 1.0 s "
+                                               r"waiting for peer 1"):
+        gs[0].all_reduce(np.ones(1 << 16))
+    assert time.monotonic() - t0 < 2.0
+
+
+def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
+    """Rank 1 kills itself after a few large all-reduces; the others keep going and must raise."""
+    pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0))
+    x = np.ones(3_000_000, np.float32)
+    t0 = time.monotonic()
+    try:
+        for i in range(50):
+            if rank == 1 and i == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            pg.all_reduce(x)
+            t0 = time.monotonic()
+        q.put((rank, "no error", 0.0, False))
+    except DistributedError as e:
+        q.put((rank, str(e), time.monotonic() - t0, arena_of(pg) is not None or pg.backend._arena_tried))  # type: ignore[union-attr]
+    pg.destroy()
+
+
+def test_a_killed_process_makes_the_others_raise_promptly() -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_die_mid_stream, args=(r, 3, d, q), daemon=True) for r in range(3)]
+        for p in procs:
+            p.start()
+        try:
+            got = {r: (m, t, used) for r, m, t, used in (q.get(timeout=60) for _ in range(2))}
+        finally:
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+    assert sorted(got) == [0, 2]
+    for msg, took, used in got.values():
+        assert "rank 1" in msg and "all_reduce" in msg, msg
+        assert took < 2.0 and used
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert glob.glob(f"/dev/shm/axond-{procs[0].pid}-*") == []
+
+
+def _every_op() -> dict[str, Any]:
+    pg = axond.distributed.default_group()
+    r, n = pg.rank, pg.size
+    x = np.arange(1_000_003, dtype=np.float64) + r
+    pg.all_reduce(x, ReduceOp.AVG)
+    y = np.full(300_001, r, np.int32) if r != 1 else np.arange(300_001, dtype=np.int32)
+    pg.broadcast(y, 1)
+    return {"avg": x, "bcast": y, "gather": pg.all_gather(np.full(200_000, r, np.uint8)),
+            "scatter": pg.reduce_scatter(np.ones((n * 70_001, 2), np.int64) * (r + 1), ReduceOp.MAX),
+            "arena": arena_of(pg) is not None, "pid": os.getpid()}
+
+
+def test_real_processes_share_the_arena_and_leave_no_file() -> None:
+    out = run_processes(_every_op, 3, timeout=60.0)
+    for got in out:
+        assert got["arena"]
+        np.testing.assert_array_equal(got["avg"], np.arange(1_000_003, dtype=np.float64) + 1.0)
+        np.testing.assert_array_equal(got["bcast"], np.arange(300_001, dtype=np.int32))
+        assert (got["gather"] == np.arange(3, dtype=np.uint8)[:, None]).all()
+        assert (got["scatter"] == 3).all() and got["scatter"].shape == (70_001, 2)
+    assert glob.glob(f"/dev/shm/axond-{out[0]['pid']}-*") == []
