@@ -6,13 +6,16 @@ For each op and size: median time per call (max over ranks per iteration), algbw
 busbw as in nccl-tests (all_reduce: algbw*2(n-1)/n; all_gather, reduce_scatter: algbw*(n-1)/n;
 broadcast: algbw), and a correctness check. When torch (gloo) or mpi4py (+ mpirun) import, the
 same sizes run on them in the same run (alternating per op) and the ratio axond/peer of busbw is
-printed. The raw limit is two processes streaming through plain sockets in both directions at once:
+printed. Peer "sockets" is axond itself with AXOND_SHM=0: every byte through the sockets, as between
+hosts, where the default moves large ops of same-host ranks through shared memory (the column
+axond/sockets is that path's gain; gloo, and MPI with `--mca btl tcp,self`, use sockets on one host
+too). The raw limit is two processes streaming through plain sockets in both directions at once:
 its peak (one cache-resident 4 MiB buffer each way) and, for sizes >= 1 MiB, streaming arrays of that size.
 
 When the ranks are at least as many as the cores, a last table per n gives each library's busbw as a
-share of the host bound (bench/bounds.py): the busbw the machine's cores allow at the raw copy rate
-plus the reductions' adds, whatever the algorithm. A ratio target beyond what the bound leaves over
-a peer cannot be met on this machine.
+share of the host bound (bench/bounds.py): the busbw the machine's cores allow at the raw socket copy
+rate plus the reductions' adds, whatever the algorithm. A ratio target beyond what the bound leaves over
+a peer cannot be met over sockets on this machine (shared memory skips the socket copies and can pass it).
 """
 
 from __future__ import annotations
@@ -90,7 +93,10 @@ def run_suite(runner: Runner, ops: list[str], sizes: list[int]) -> Result:
     return results
 
 
-def _axond_rank(rank: int, n: int, store_dir: str, backend: str, ops: list[str], sizes: list[int], q: Any) -> None:
+def _axond_rank(rank: int, n: int, store_dir: str, backend: str, ops: list[str], sizes: list[int], shm: bool,
+                q: Any) -> None:
+    if not shm:
+        os.environ["AXOND_SHM"] = "0"  # sockets only, as between hosts
     import axond
     from axond.distributed.file_store import FileStore
 
@@ -296,7 +302,8 @@ def main() -> None:
     ap.add_argument("--factor", type=int, default=0, help="size step (nccl-tests -f); 0: 8 B, then x8 to 32 KiB, x4 to the max")
     ap.add_argument("--sizes", nargs="+", type=int, help="explicit sizes in bytes")
     ap.add_argument("--backend", default="tcp", help="axond backend: tcp, nccl or auto")
-    ap.add_argument("--peers", nargs="*", default=["gloo", "mpi"], help="peers to compare with, when installed")
+    ap.add_argument("--peers", nargs="*", default=["sockets", "gloo", "mpi"],
+                    help="peers to compare with, when installed (sockets: axond itself with AXOND_SHM=0)")
     ap.add_argument("--no-raw", action="store_true", help="skip the raw socket limit")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--repeat", type=int, default=1,
@@ -323,10 +330,14 @@ def main() -> None:
                     raw_sized[size] = max(raw_sized.get(size, 0.0), gbs)
             for op in args.ops:
                 with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
-                    got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes), args.timeout)
+                    got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes, True), args.timeout)
                 if got is None:
                     sys.exit(f"axond benchmark failed at n = {n}")
                 ours = best(ours, got)
+                if "sockets" in args.peers and args.backend == "tcp":
+                    with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
+                        peers["sockets"] = best(peers.get("sockets"), _spawn(
+                            _axond_rank, n, (store_dir, args.backend, [op], sizes, False), args.timeout))
                 if "gloo" in args.peers and _importable("torch.distributed"):
                     peers["gloo"] = best(peers.get("gloo"), _spawn(_gloo_rank, n, (free_port(), [op], sizes), args.timeout))
                 if "mpi" in args.peers and _importable("mpi4py"):

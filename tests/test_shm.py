@@ -54,13 +54,14 @@ def test_small_ops_stay_on_sockets_and_large_ones_set_the_arena_up_once(make_gro
     assert leftovers() == []  # unlinked once every member mapped it
 
 
-def test_crowded_hosts_and_multi_rank_all_reduce_need_larger_ops(make_groups: MakeGroups) -> None:
+def test_crowded_hosts_broadcast_and_multi_rank_all_reduce_need_larger_ops(make_groups: MakeGroups) -> None:
     gs = make_groups(3, 10.0, crowded=True)
-    per_sync = AUTO_MIN_BYTES[True]
-    run_on(gs, lambda pg: pg.broadcast(np.ones(per_sync // 8 - 1), 0))
-    run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * per_sync // 8 - 1)))  # two synchronizations per step
-    assert all(arena_of(pg) is None for pg in gs)
-    run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * per_sync // 8)))
+    least = AUTO_MIN_BYTES[True]
+    run_on(gs, lambda pg: pg.all_gather(np.ones(least // 3 // 8 - 1)))
+    run_on(gs, lambda pg: pg.broadcast(np.ones(2 * least // 8 - 1), 0))  # sockets: one message per rank
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * least // 8 - 1)))  # two synchronizations per step
+    assert all(arena_of(pg) is None and not pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * least // 8)))
     assert all(arena_of(pg) is not None for pg in gs)
 
 

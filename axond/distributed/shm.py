@@ -26,10 +26,11 @@ SHM_DIR = "/dev/shm"
 NAME_BYTES = 64
 """Size of the frame that carries the arena's file name from rank 0 to the others."""
 ALIGN = 64
-AUTO_MIN_BYTES = (32 << 10, 256 << 10)
-"""Default AXOND_SHM_MIN_BYTES with (not crowded, crowded) cores. Interleaved runs on 2 cores, shared memory
-against sockets: all_reduce 16 KiB at 2 ranks 34 / 74 us; at 4 ranks 256 KiB 467 / 454 us, 512 KiB 657 / 1022 us;
-all_gather 256 KiB at 4 ranks 278 / 492 us."""
+AUTO_MIN_BYTES = (64 << 10, 256 << 10)
+"""Default AXOND_SHM_MIN_BYTES with (not crowded, crowded) cores; all_reduce on more than two ranks and broadcast
+take twice that. Measured on 2 cores, shared memory against sockets: at 2 ranks, reduce_scatter 32 KiB 47 / 43 us,
+256 KiB 82 / 129 us; broadcast 32 KiB 32 / 20 us, 256 KiB 50 / 60 us. At 4 ranks, all_reduce 256 KiB 467 / 454 us,
+512 KiB 657 / 1022 us; broadcast 256 KiB 262 / 179 us; all_gather 256 KiB 350 / 725 us."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class ShmTuning:
     """Use shared memory between ranks on one host (AXOND_SHM=0 sends everything through sockets)."""
     min_bytes: int = -1
     """Ops on at least this many bytes take the shared-memory path, smaller ones stay on sockets (< 0: auto,
-    AUTO_MIN_BYTES; all-reduces on more than two ranks synchronize twice per step and need twice as many)."""
+    AUTO_MIN_BYTES; all-reduces on more than two ranks, and broadcasts, need twice as many)."""
     arena_bytes: int = 32 << 20
     """Size of one group's arena; its slots (2 x (ranks + 1)) are the pipeline chunks of the path."""
 

@@ -44,10 +44,11 @@ class ShmAlgorithms:
     _recursive_doubling: Callable[[Call, np.ndarray, ReduceOp], None]
     _tree_broadcast: Callable[[Call, np.ndarray, int], None]
 
-    def _use_shm(self, c: Call, nbytes: int, syncs: int = 1) -> ShmArena | None:
-        """The arena, if an op on `nbytes` with `syncs` synchronizations per step should go through it (set up on
-        first use: every member agrees or none uses it)."""
-        if self.size == 1 or not self.shm.enabled or nbytes < syncs * self._shm_min_bytes():
+    def _use_shm(self, c: Call, nbytes: int, scale: int = 1) -> ShmArena | None:
+        """The arena, if an op on `nbytes` should go through it: from `scale` times the threshold (2 for an
+        all_reduce that synchronizes twice per step, and for broadcast, whose socket path is one message per
+        rank). Set up on first use: every member agrees or none uses it."""
+        if self.size == 1 or not self.shm.enabled or nbytes < scale * self._shm_min_bytes():
             return None
         if not self._arena_tried:
             self._arena_tried = True

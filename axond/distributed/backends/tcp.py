@@ -147,7 +147,7 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, Backend):
         c = self._call(Op.ALL_REDUCE, x, op)
         if self.size == 1:
             return
-        arena = self._use_shm(c, x.nbytes, syncs=1 if self.size == 2 else 2)
+        arena = self._use_shm(c, x.nbytes, scale=1 if self.size == 2 else 2)
         algo = "doubling" if x.nbytes <= self.tuning.small_bytes else self._all_reduce_algorithm(x.nbytes)
         if arena is not None:
             self._inplace(x, "all_reduce", lambda flat: self._shm_all_reduce(c, arena, flat, op))
@@ -189,7 +189,7 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, Backend):
         c = self._call(Op.BROADCAST, x, aux=src)
         if self.size == 1:
             return
-        arena = self._use_shm(c, x.nbytes)
+        arena = self._use_shm(c, x.nbytes, scale=2)
         body: Callable[[Call, np.ndarray, int], None]
         if arena is not None:
             body = lambda c, flat, src: self._shm_broadcast(c, arena, flat, src)  # noqa: E731
