@@ -24,7 +24,8 @@ from axond.distributed.process_group import ProcessGroup, create_group
 from axond.errors import AxondError
 from axond.store import InMemoryStore, Store
 
-__all__ = ["FileStore", "RankFailed", "run_on", "run_processes", "run_threads", "thread_groups"]
+__all__ = ["FileStore", "RankFailed", "collect_from_processes", "run_on", "run_processes", "run_threads",
+           "thread_groups"]
 
 
 class RankFailed(AxondError):
@@ -235,3 +236,27 @@ def _run_module(module: str, world_size: int, timeout: float, store_dir: str, ar
         if p.returncode != 0:
             raise RankFailed(f"rank {r} of {world_size} ({module}) exited with {p.returncode}:\n{outputs[r][-4000:]}", r)
     return [p.returncode for p in procs]
+
+
+def collect_from_processes(target: Callable[..., None], world_size: int, expect: int,
+                           timeout: float = 60.0) -> tuple[list[Any], list[int | None]]:
+    """For tests where ranks die on purpose: run `target(rank, world_size, store_dir, queue)` in `world_size`
+    spawned processes sharing a FileStore directory, take `expect` items from the queue (each within
+    `timeout`), then join every process (killing any still alive after 10 s); returns the items and the
+    processes' exit codes (a negative code is the signal that ended it)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="axond-store-") as store_dir:
+        procs = [ctx.Process(target=target, args=(r, world_size, store_dir, q), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            items = [q.get(timeout=timeout) for _ in range(expect)]
+        finally:
+            for p in procs:
+                p.join(10.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5.0)
+    return items, [p.exitcode for p in procs]

@@ -10,10 +10,8 @@ import dataclasses
 import errno
 import functools
 import glob
-import multiprocessing as mp
 import os
 import signal
-import tempfile
 import time
 from typing import Any
 
@@ -24,7 +22,7 @@ import axond
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.shm import AUTO_MIN_BYTES, ShmTuning, chunk_bytes
-from axond.testing import run_on, run_processes
+from axond.testing import collect_from_processes, run_on, run_processes
 from collective_cases import TRANSPORTS
 
 MakeGroups = Any
@@ -216,32 +214,22 @@ def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             pg.all_reduce(x)
             t0 = time.monotonic()
-        q.put((rank, "no error", 0.0, False))
+        q.put((rank, "no error", 0.0, False, os.getpid()))
     except DistributedError as e:
-        q.put((rank, str(e), time.monotonic() - t0, arena_of(pg) is not None or pg.backend._arena_tried))  # type: ignore[union-attr]
+        used = arena_of(pg) is not None
+        q.put((rank, str(e), time.monotonic() - t0, used, os.getpid()))
     pg.destroy()
 
 
 def test_a_killed_process_makes_the_others_raise_promptly() -> None:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_die_mid_stream, args=(r, 3, d, q), daemon=True) for r in range(3)]
-        for p in procs:
-            p.start()
-        try:
-            got = {r: (m, t, used) for r, m, t, used in (q.get(timeout=60) for _ in range(2))}
-        finally:
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
+    items, codes = collect_from_processes(_die_mid_stream, 3, expect=2)
+    got = {r: (m, t, used, pid) for r, m, t, used, pid in items}
     assert sorted(got) == [0, 2]
-    for msg, took, used in got.values():
+    for msg, took, used, _ in got.values():
         assert "rank 1" in msg and "all_reduce" in msg, msg
         assert took < 2.0 and used
-    assert procs[1].exitcode == -signal.SIGKILL
-    assert glob.glob(f"/dev/shm/axond-{procs[0].pid}-*") == []
+    assert codes[1] == -signal.SIGKILL
+    assert glob.glob(f"/dev/shm/axond-{got[0][3]}-*") == []
 
 
 def _every_op() -> dict[str, Any]:

@@ -7,11 +7,9 @@ failure case must raise `DistributedError` on every rank within a couple of seco
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 import signal
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +22,7 @@ from axond import DistributedError, InMemoryStore, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.mesh import Mesh, interface_address
 from axond.distributed.wire import group_id
-from axond.testing import RankFailed, run_on, thread_groups
+from axond.testing import RankFailed, collect_from_processes, run_on, thread_groups
 
 SHORT = BackendOptions(timeout=1.0)
 MakeGroups = Callable[..., list[ProcessGroup]]
@@ -178,24 +176,13 @@ def _die_or_reduce(rank: int, size: int, store_dir: str, q: Any) -> None:
 
 
 def test_killed_process_makes_every_other_rank_raise() -> None:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_die_or_reduce, args=(r, 3, d, q), daemon=True) for r in range(3)]
-        for p in procs:
-            p.start()
-        try:
-            got = dict((r, (m, t)) for r, m, t in (q.get(timeout=30) for _ in range(2)))
-        finally:
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
+    items, codes = collect_from_processes(_die_or_reduce, 3, expect=2, timeout=30.0)
+    got = {r: (m, t) for r, m, t in items}
     assert sorted(got) == [0, 2]
     for rank, (msg, took) in got.items():
         assert "DistributedError" not in msg and "rank 1" in msg, msg
         assert took < 2.0
-    assert procs[1].exitcode == -signal.SIGKILL
+    assert codes[1] == -signal.SIGKILL
 
 
 def test_wrong_secret_is_refused_on_both_sides() -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from axond.distributed.framing import Call, FramedGroup
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
-from axond.distributed.shm import AUTO_MIN_BYTES, ShmArena, ShmTuning, available, unlink
+from axond.distributed.shm import AUTO_MIN_BYTES, NAME_BYTES, ShmArena, ShmTuning, available, unlink
 from axond.distributed.wire import OP_NAMES
 
 
@@ -67,7 +67,7 @@ class ShmAlgorithms:
         the processes that map it.
         """
         arena: ShmArena | None = None
-        name = np.zeros(64, np.uint8)
+        name = np.zeros(NAME_BYTES, np.uint8)
         try:
             if self.rank == 0 and self._local and available():
                 try:
