@@ -218,7 +218,7 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, Backend):
         c = self._call(Op.ALL_GATHER, x)
         out = self._out(out, (self.size, *x.shape), x.dtype, "all_gather")
         out[self.rank] = x
-        arena = self._use_shm(c, out.nbytes) if self.size > 1 else None
+        arena = self._use_shm(c, out.nbytes)
         algo = self._all_gather_algorithm(out.nbytes)
         if arena is not None:
             self.g.run("all_gather", self._shm_all_gather, c, arena, out)
