@@ -6,6 +6,7 @@ traceback, naming the rank.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import queue
@@ -24,8 +25,8 @@ from axond.distributed.process_group import ProcessGroup, create_group
 from axond.errors import AxondError
 from axond.store import InMemoryStore, Store
 
-__all__ = ["FileStore", "RankFailed", "collect_from_processes", "run_on", "run_processes", "run_threads",
-           "thread_groups"]
+__all__ = ["FileStore", "RankFailed", "collect_from_processes", "node_hosts", "run_on", "run_processes",
+           "run_threads", "thread_groups"]
 
 
 class RankFailed(AxondError):
@@ -86,8 +87,12 @@ def run_threads(fn: Callable[[ProcessGroup], Any], world_size: int, timeout: flo
 
 
 def thread_groups(world_size: int, timeout: float = 10.0, options: BackendOptions | None = None,
-                  backend: str = "tcp") -> list[ProcessGroup]:
-    """Build the `world_size` members of one group in this process (one thread each), for explicit tests."""
+                  backend: str = "tcp", hosts: Sequence[str] | None = None) -> list[ProcessGroup]:
+    """Build the `world_size` members of one group in this process (one thread each), for explicit tests.
+
+    `hosts`: the address each rank listens on and advertises, e.g. `node_hosts(4, 2)`: ranks advertising
+    different loopback addresses count as members on different nodes (see `axond.distributed.topology`).
+    """
     store = InMemoryStore()
     options = options or BackendOptions(timeout=timeout)
     out: list[ProcessGroup | None] = [None] * world_size
@@ -95,7 +100,8 @@ def thread_groups(world_size: int, timeout: float = 10.0, options: BackendOption
 
     def make(rank: int) -> None:
         try:
-            out[rank] = create_group(store, rank, world_size, backend, options)
+            mine = options if hosts is None else dataclasses.replace(options, host=hosts[rank])
+            out[rank] = create_group(store, rank, world_size, backend, mine)
         except BaseException as e:
             errors.append(e)
 
@@ -110,6 +116,12 @@ def thread_groups(world_size: int, timeout: float = 10.0, options: BackendOption
                 g.destroy()
         raise RankFailed(f"could not form a group of {world_size} threads: {errors[:1]}")
     return [g for g in out if g is not None]
+
+
+def node_hosts(world_size: int, nodes: int) -> list[str]:
+    """Loopback addresses that put rank r on node r % nodes (127.0.0.1, 127.0.0.2, ...): members of one
+    node are not consecutive ranks, as with a round-robin launch."""
+    return [f"127.0.0.{1 + r % nodes}" for r in range(world_size)]
 
 
 def run_on(groups: Sequence[ProcessGroup], fn: Callable[[ProcessGroup], Any], timeout: float = 30.0,

@@ -94,14 +94,16 @@ def run_suite(runner: Runner, ops: list[str], sizes: list[int]) -> Result:
 
 
 def _axond_rank(rank: int, n: int, store_dir: str, backend: str, ops: list[str], sizes: list[int], shm: bool,
-                q: Any) -> None:
+                nodes: int, q: Any) -> None:
     if not shm:
         os.environ["AXOND_SHM"] = "0"  # sockets only, as between hosts
     import axond
     from axond.distributed.file_store import FileStore
+    from axond.testing import node_hosts
 
+    host = node_hosts(n, nodes)[rank] if nodes > 1 else None  # rank r on simulated node r % nodes
     axond.init_process_group(backend, 120.0, rank=rank, world_size=n, store=FileStore(store_dir),
-                             local_rank=rank)  # one GPU per rank with --backend nccl
+                             local_rank=rank, host=host)  # one GPU per rank with --backend nccl
     try:
         res = run_suite(AxondRunner(backend), ops, sizes)
     finally:
@@ -305,6 +307,9 @@ def main() -> None:
     ap.add_argument("--peers", nargs="*", default=["sockets", "gloo", "mpi"],
                     help="peers to compare with, when installed (sockets: axond itself with AXOND_SHM=0)")
     ap.add_argument("--no-raw", action="store_true", help="skip the raw socket limit")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="axond only: put rank r on simulated node r %% NODES (its own loopback address, 127.0.0.x), "
+                         "so a group over several nodes all-reduces in two levels (sockets: flat, over the sockets)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run everything this many times, libraries alternating per op, and keep each best median")
@@ -330,14 +335,14 @@ def main() -> None:
                     raw_sized[size] = max(raw_sized.get(size, 0.0), gbs)
             for op in args.ops:
                 with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
-                    got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes, True), args.timeout)
+                    got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes, True, args.nodes), args.timeout)
                 if got is None:
                     sys.exit(f"axond benchmark failed at n = {n}")
                 ours = best(ours, got)
                 if "sockets" in args.peers and args.backend == "tcp":
                     with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
                         peers["sockets"] = best(peers.get("sockets"), _spawn(
-                            _axond_rank, n, (store_dir, args.backend, [op], sizes, False), args.timeout))
+                            _axond_rank, n, (store_dir, args.backend, [op], sizes, False, args.nodes), args.timeout))
                 if "gloo" in args.peers and _importable("torch.distributed"):
                     peers["gloo"] = best(peers.get("gloo"), _spawn(_gloo_rank, n, (free_port(), [op], sizes), args.timeout))
                 if "mpi" in args.peers and _importable("mpi4py"):

@@ -45,9 +45,12 @@ TRANSPORTS = {
     "auto": None,
     "sockets": ShmTuning(enabled=False),
     "shm": ShmTuning(min_bytes=0, arena_bytes=64 << 10),
+    "nodes": ShmTuning(min_bytes=0, arena_bytes=64 << 10),
 }
 """How a test group of threads moves data: the defaults (shared memory from AXOND_SHM_MIN_BYTES on), sockets
-only (as between hosts), or shared memory for every op through a small arena (many steps per op)."""
+only (as between hosts), shared memory for every op through a small arena (many steps per op), or "nodes": the
+same arena settings with rank r on simulated node r % 2 (`node_hosts`), so 4 ranks all-reduce in two levels."""
+NODES = 2
 
 
 def use_transport(groups: list[ProcessGroup], transport: str) -> list[ProcessGroup]:

@@ -10,8 +10,8 @@ import pytest
 from axond.control.client import CoordinatorClient, connect
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
 from axond.distributed import BackendOptions, ProcessGroup
-from axond.testing import thread_groups
-from collective_cases import group_members, use_transport
+from axond.testing import node_hosts, thread_groups
+from collective_cases import NODES, group_members, use_transport
 
 
 @pytest.fixture
@@ -56,7 +56,8 @@ def make_groups() -> Iterator[Callable[..., list[ProcessGroup]]]:
     made: list[ProcessGroup] = []
 
     def make(n: int, timeout: float = 1.0, crowded: bool | None = None, transport: str = "auto") -> list[ProcessGroup]:
-        groups = use_transport(thread_groups(n, options=BackendOptions(timeout=timeout)), transport)
+        hosts = node_hosts(n, NODES) if transport == "nodes" else None
+        groups = use_transport(thread_groups(n, options=BackendOptions(timeout=timeout), hosts=hosts), transport)
         made.extend(groups)
         for g in groups if crowded is not None else ():
             g.backend.crowded = crowded  # type: ignore[union-attr]  # as if the host had fewer (more) cores

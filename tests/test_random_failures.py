@@ -50,7 +50,7 @@ def run_until(groups: list[ProcessGroup], steps: list[Step], victim: int, at: in
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seed, stall, transport", [
     (21, False, "auto"), (22, False, "sockets"), (23, False, "shm"), (24, False, "auto"), (25, True, "auto"),
-    (26, True, "shm")])
+    (26, True, "shm"), (27, False, "nodes"), (28, True, "nodes")])
 def test_survivors_raise_or_finish_correctly_and_none_hangs(make_groups: Any, seed: int, stall: bool,
                                                             transport: str) -> None:
     rng = np.random.default_rng(seed)

@@ -204,14 +204,18 @@ def finish(pending: list[tuple[int, Any, Any]], results: dict[int, Any]) -> None
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("seed, crowded, transport", [
     (11, None, "auto"), (12, None, "sockets"), (13, None, "shm"), (14, None, "auto"), (15, False, "sockets"),
-    (16, False, "auto"), (17, False, "shm"), (18, None, "sockets")])
+    (16, False, "auto"), (17, False, "shm"), (18, None, "sockets"), (19, None, "nodes"), (20, False, "nodes")])
 def test_a_random_program_matches_numpy_on_every_rank(make_groups: Any, seed: int, crowded: bool | None,
                                                       transport: str) -> None:
     """`crowded=False`: the algorithms of a host with a core per rank (rings rather than pairwise exchanges);
-    `transport`: see conftest's TRANSPORTS (shm: every op of every group through its own small arena)."""
+    `transport`: see conftest's TRANSPORTS (shm: every op of every group through its own small arena; nodes: the
+    world all-reduces in two levels, group [1, 3] lies on one node, the others span nodes unevenly)."""
     steps = program(seed, 50)
     assert {s.op for s in steps} >= {"all_reduce", "all_gather", "all_to_all_uneven"}
-    out = run_program(make_groups(4, 20.0, crowded, transport), steps)
+    world = make_groups(4, 20.0, crowded, transport)
+    out = run_program(world, steps)
+    if transport == "nodes":
+        assert all(pg.backend._teams is not None for pg in world)  # the world all-reduced in two levels
     checked = 0
     for global_rank, results in enumerate(out):
         for step in steps:

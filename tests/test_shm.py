@@ -21,7 +21,7 @@ import pytest
 import axond
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
-from axond.distributed.shm import AUTO_MIN_BYTES, ShmTuning, chunk_bytes
+from axond.distributed.shm import AUTO_MIN_BYTES, ShmArena, ShmTuning, chunk_bytes
 from axond.testing import collect_from_processes, run_on, run_processes
 from collective_cases import TRANSPORTS
 
@@ -141,12 +141,21 @@ def test_back_to_back_ops_and_async_queues_never_overwrite_what_a_peer_reads(mak
             assert (d == i).all(), (r, i)
 
 
-def test_a_member_that_cannot_map_the_arena_keeps_the_whole_group_on_sockets(make_groups: MakeGroups) -> None:
+def test_a_member_that_cannot_map_the_arena_keeps_the_whole_group_on_sockets(make_groups: MakeGroups,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    attach, calls = ShmArena.attach, []
+
+    def refused_once(*args: Any) -> ShmArena:
+        calls.append(1)
+        if len(calls) == 1:  # one member (whichever maps first) is refused, as another user or a full /dev/shm would be
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return attach(*args)
+    monkeypatch.setattr(ShmArena, "attach", staticmethod(refused_once))
     gs = make_groups(3, 10.0)
-    gs[2].backend._local = False  # type: ignore[union-attr]  # as if rank 2 were on another host
     out = run_on(gs, lambda pg: pg.all_reduce(np.full(1 << 20, pg.rank + 1.0)) or pg.all_gather(np.ones(1 << 18)))
-    assert all(arena_of(pg) is None and pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+    assert len(calls) == 2 and all(arena_of(pg) is None and pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
     assert out[0].shape == (3, 1 << 18)
+    monkeypatch.setattr(ShmArena, "attach", attach)
     gs2 = make_groups(2, 10.0)
     gs2[1].backend.shm = dataclasses.replace(gs2[1].backend.shm, arena_bytes=1 << 20)  # type: ignore[union-attr]
     x = run_on(gs2, lambda pg: (lambda a: pg.all_reduce(a) or a)(np.full(1 << 18, pg.rank + 1.0)))

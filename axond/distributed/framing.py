@@ -168,6 +168,20 @@ class FramedGroup:
         self._op_name = "init"
         self.explain: Callable[[int], str] | None = None
         """Says what a silent peer is doing, for timeout messages (see `Backend.explain_timeouts`)."""
+        self.ranks: list[int] | None = None
+        """For a `subset`: the group rank of each of its peer indices (messages name group ranks)."""
+
+    def subset(self, members: list[int]) -> FramedGroup:
+        """The same sockets seen as a smaller group: peer i is group rank members[i] (this rank is among them).
+
+        Ops on it run inside an op of this group (same calls and headers; a failure aborts this group)."""
+        sub = FramedGroup(self._rank, self._size, self._group_name, self._gid, self._timeout,
+                          {i: self.peers[m] for i, m in enumerate(members) if m != self._rank})
+        sub.ranks, sub.explain = list(members), self.explain
+        return sub
+
+    def _label(self, peer: int) -> int:
+        return peer if self.ranks is None else self.ranks[peer]
 
     def where(self, op_name: str) -> str:
         return f"{op_name} on group '{self._group_name}' (rank {self._rank} of {self._size})"
@@ -292,15 +306,16 @@ class FramedGroup:
             self._reject(c, peer, h, nbytes, memoryview(b""))
         return int(h[8])
 
-    def _reject(self, c: Call, peer: int, h: tuple[int, ...], nbytes: int | None, early: memoryview) -> NoReturn:
-        """Raise the error for an unexpected frame: an abort from the peer, or a mismatched call."""
+    def _reject(self, c: Call, index: int, h: tuple[int, ...], nbytes: int | None, early: memoryview) -> NoReturn:
+        """Raise the error for an unexpected frame from peer `index`: an abort from it, or a mismatched call."""
+        peer = self._label(index)
         if h[0] == Kind.ABORT:
             n = min(int(h[8]), MAX_ABORT_REASON)
             buf = bytearray(early[:n])
             if len(buf) < n:
                 rest = bytearray(n - len(buf))
                 try:
-                    self.peers[peer].recv_into(memoryview(rest), time.monotonic() + 1.0)
+                    self.peers[index].recv_into(memoryview(rest), time.monotonic() + 1.0)
                 except PeerError:
                     pass
                 buf += rest
@@ -325,6 +340,7 @@ class FramedGroup:
         return why or f"peer rank {peer} sent an all_to_all frame this rank did not expect"
 
     def error(self, c: Call, peer: int | None, what: str) -> DistributedError:
+        """The error of call `c` about `peer` (a group rank; None: no single peer)."""
         name = OP_NAMES[c.op]
         return DistributedError(f"{self.where(name)}: {what}", op=name, group=self._group_name,
                                 rank=self._rank, peer=peer)

@@ -11,6 +11,10 @@ Buffers alternate per step. A step's slots are only read between its synchroniza
 next one, and the result slot only up to the synchronization after that, so a step's writes never
 touch what a slower peer may still be reading: one synchronization per step, plus one at the end
 of an all-reduce. Reductions run in rank order, so every rank gets the same numbers.
+
+The same mixin runs a node's part of a two-level all-reduce on a `Team` (see `shm_plan`): between
+reducing its part and the last synchronization, each member all-reduces that part with its
+counterparts on the other nodes over the sockets.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from axond.distributed.wire import OP_NAMES
 
 
 class ShmAlgorithms:
-    """Mixed into `TcpBackend`: shared-memory schedules plus the arena's set-up, agreed by every member."""
+    """Mixed into `TcpBackend` (and `Team`): shared-memory schedules plus the arena's set-up, agreed by every member."""
 
     g: FramedGroup
     crowded: bool
@@ -35,32 +39,19 @@ class ShmAlgorithms:
     size: int
     shm: ShmTuning
     _arena: ShmArena | None
-    """The mapped arena, once set up (None before, or if some member could not map it)."""
-    _arena_tried: bool
-    _local: bool
-    """Whether every peer was reached through a local address (see `peer.same_host`)."""
+    """The mapped arena of a group on one node, once set up (None before, or if some member could not map it)."""
     _token: np.ndarray
 
     _recursive_doubling: Callable[[Call, np.ndarray, ReduceOp], None]
     _tree_broadcast: Callable[[Call, np.ndarray, int], None]
-
-    def _use_shm(self, c: Call, nbytes: int, scale: int = 1) -> ShmArena | None:
-        """The arena, if an op on `nbytes` should go through it: from `scale` times the threshold (2 for an
-        all_reduce that synchronizes twice per step, and for broadcast, whose socket path is one message per
-        rank). Set up on first use: every member agrees or none uses it."""
-        if self.size == 1 or not self.shm.enabled or nbytes < scale * self._shm_min_bytes():
-            return None
-        if not self._arena_tried:
-            self._arena_tried = True
-            self._arena = self.g.run(OP_NAMES[c.op], self._set_up, c)
-        return self._arena
+    _all_reduce_flat: Callable[[Call, np.ndarray, ReduceOp], None]
 
     def _shm_min_bytes(self) -> int:
         """AXOND_SHM_MIN_BYTES, or by default AUTO_MIN_BYTES[crowded]: with more ranks than cores every
         synchronization costs a few context switches, so the path pays off only on larger ops."""
         return self.shm.min_bytes if self.shm.min_bytes >= 0 else AUTO_MIN_BYTES[self.crowded]
 
-    def _set_up(self, c: Call) -> ShmArena | None:
+    def _make_arena(self, c: Call) -> ShmArena | None:
         """Rank 0 creates the arena and sends its name; each member maps it; a MIN over "mapped" decides.
 
         Rank 0 unlinks the file once everyone has answered (or the set-up failed), so it never outlives
@@ -69,14 +60,14 @@ class ShmAlgorithms:
         arena: ShmArena | None = None
         name = np.zeros(NAME_BYTES, np.uint8)
         try:
-            if self.rank == 0 and self._local and available():
+            if self.rank == 0 and available():
                 try:
                     arena = ShmArena.create(self.size, self.shm.arena_bytes)
                     name = arena.name()
                 except OSError:
                     arena = None
             self._tree_broadcast(c, name, 0)
-            if self.rank != 0 and name.any() and self._local:
+            if self.rank != 0 and name.any():
                 try:
                     arena = ShmArena.attach(name, self.size, self.shm.arena_bytes)
                 except (OSError, ValueError):
@@ -99,9 +90,15 @@ class ShmAlgorithms:
     def _sync(self, c: Call) -> None:
         self._recursive_doubling(c, self._token, ReduceOp.MAX)
 
-    def _shm_all_reduce(self, c: Call, arena: ShmArena, x: np.ndarray, op: ReduceOp) -> None:
-        """x (flat, contiguous) <- the reduction over ranks, a slot-sized chunk per step."""
-        if self.size == 2:
+    def _shm_all_reduce(self, c: Call, arena: ShmArena, x: np.ndarray, op: ReduceOp,
+                        across: ShmAlgorithms | None = None, total: int = 0) -> None:
+        """x (flat, contiguous) <- the reduction over ranks, a slot-sized chunk per step.
+
+        With `across` (hierarchical: this is a node's team, `across` this member and its counterparts on the
+        other nodes, `total` the group's size), each part reduced here is then all-reduced with the parts of
+        the same index on the other nodes, over the sockets, before anyone copies the result out.
+        """
+        if self.size == 2 and across is None:
             self._shm_pair_all_reduce(c, arena, x, op)
             return
         r, n = self.rank, self.size
@@ -123,7 +120,12 @@ class ShmAlgorithms:
             ufunc(parts[0], parts[1], out=mine)
             for part in parts[2:]:
                 ufunc(mine, part, out=mine)
-            if op is ReduceOp.AVG:
+            if across is not None:
+                if mine.size:  # the counterparts hold parts of the same index and size: all empty or none
+                    across._all_reduce_flat(c, mine, ReduceOp.SUM if op is ReduceOp.AVG else op)
+                if op is ReduceOp.AVG:
+                    finish_average(mine, total)
+            elif op is ReduceOp.AVG:
                 finish_average(mine, n)
             pending = (result, s, e)
         self._sync(c)

@@ -4,7 +4,8 @@ This file checks arguments and keeps per-op bookkeeping (sequence numbers, frame
 the schedules live in `tcp_algorithms`. Data moves straight from and into the arrays' buffers
 and reductions run in place with NumPy ufuncs. When every member is on this host, large
 all_reduce, broadcast, all_gather and reduce_scatter go through a shared-memory arena instead
-(`shm_algorithms`), with the sockets carrying only the framed synchronizations.
+(`shm_algorithms`), with the sockets carrying only the framed synchronizations; a group spread over
+nodes with several members on each all-reduces in two levels (`shm_plan`).
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
 from axond.distributed.mesh import Mesh
 from axond.distributed.peer import (
-    AUTO_INLINE_BYTES, AUTO_SPIN_SECONDS, Peer, PeerError, PeerTimeout, oversubscribed, same_host,
+    AUTO_INLINE_BYTES, AUTO_SPIN_SECONDS, Peer, PeerError, PeerTimeout, oversubscribed,
 )
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import check_reduce_op, finish_average
 from axond.distributed.shm import ShmArena, ShmTuning
 from axond.distributed.shm_algorithms import ShmAlgorithms
+from axond.distributed.shm_plan import ShmPlan
 from axond.distributed.splits import check_splits, offsets
 from axond.distributed.tcp_algorithms import TcpAlgorithms
+from axond.distributed.team import Team
+from axond.distributed.topology import Topology
 from axond.distributed.work import PendingSend
 from axond.distributed.wire import (
     DTYPE_CODE, DTYPES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Kind, Op, dtype_code, group_id, uneven_aux,
@@ -37,15 +41,6 @@ from axond.store import Store
 
 DIRECT_ALL_GATHER_BYTES = 4 << 20
 """Output size up to which all_gather sends every block straight to every peer instead of around a ring."""
-CROWDED_DOUBLING_BYTES = 256 << 10
-"""With more ranks than cores on a power-of-two group, all-reduces up to this size use recursive doubling..."""
-CROWDED_HALVING_BYTES = 2 << 20
-"""...and up to this size halving-doubling: log2(n) pairwise steps keep the cores busier than a ring's
-n-1 dependent ones (bench busbw at n = 4 on 2 cores: 1.3-1.6x the ring's from 256 KiB to 2 MiB, no gain at 4 MiB)."""
-PAIR_ONE_ROUND_BYTES = 1 << 20
-"""With two ranks, all_reduce, broadcast and reduce_scatter up to this size send one frame each way (recursive
-doubling, one send, one direct round) instead of a pipelined ring or chain: two ranks have one hop, so the
-chunks only add calls (interleaved A/B at n = 2: 1.3-1.6x at 256 KiB, 1.05-1.6x at 1 MiB; the ring wins from 2 MiB)."""
 CROWDED_TREE_BROADCAST_BYTES = 4 << 20
 """With more ranks than cores, broadcasts up to this size use the binomial tree, not the pipelined chain: the
 same bytes in fewer, larger frames and a shallower critical path (A/B on 2 cores: 1.3-1.5x at 1 MiB and
@@ -64,7 +59,7 @@ def _numpy(x: Any, what: str) -> np.ndarray:
     return x
 
 
-class TcpBackend(TcpAlgorithms, ShmAlgorithms, Backend):
+class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
     """Collectives over TCP sockets between the ranks of one group."""
 
     name = "tcp"
@@ -74,13 +69,16 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, Backend):
         self.tuning = TcpTuning.from_env()
         gid = group_id(group_name)
         where = f"group '{group_name}' (rank {rank} of {size})"
-        socks = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port,
-                     options.timeout, where).connect_all() if size > 1 else {}
+        mesh = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port, options.timeout, where)
+        self.host = mesh.host
+        socks = mesh.connect_all() if size > 1 else {}
         crowded = self.crowded = oversubscribed(list(socks.values()))
         self.shm = ShmTuning.from_env()
-        self._local = all(same_host(s) for s in socks.values())
         self._arena: ShmArena | None = None
         self._arena_tried = False
+        self._teams: tuple[Team, Team] | None = None
+        self._topology: Topology | None = None
+        self._topology_known = False
         self._token = np.zeros(1, np.uint8)
         spin = self.tuning.spin_us * 1e-6 if self.tuning.spin_us >= 0 else (0.0 if crowded else AUTO_SPIN_SECONDS)
         if self.tuning.inline_bytes < 0:
@@ -148,34 +146,19 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, Backend):
         if self.size == 1:
             return
         arena = self._use_shm(c, x.nbytes, scale=1 if self.size == 2 else 2)
-        algo = "doubling" if x.nbytes <= self.tuning.small_bytes else self._all_reduce_algorithm(x.nbytes)
         if arena is not None:
             self._inplace(x, "all_reduce", lambda flat: self._shm_all_reduce(c, arena, flat, op))
-        elif algo == "doubling":
-            if x.flags.c_contiguous:
-                self.g.run("all_reduce", self._recursive_doubling, c, x if x.ndim == 1 else x.reshape(-1), op)
-            else:
-                self._inplace(x, "all_reduce", lambda flat: self._recursive_doubling(c, flat, op))
-        elif algo == "halving_doubling":
-            self._inplace(x, "all_reduce", lambda flat: self._halving_doubling(c, flat, op))
+            return
+        teams = self._use_hierarchy(c, x.nbytes)
+        if teams is not None:
+            local, across = teams
+            node_arena = local._arena
+            assert node_arena is not None
+            self._inplace(x, "all_reduce", lambda flat: local._shm_all_reduce(c, node_arena, flat, op, across, self.size))
+        elif x.flags.c_contiguous:
+            self.g.run("all_reduce", self._all_reduce_flat, c, x if x.ndim == 1 else x.reshape(-1), op)
         else:
-            self._inplace(x, "all_reduce", lambda flat: self._ring_all_reduce(c, flat, op))
-
-    def _all_reduce_algorithm(self, nbytes: int) -> str:
-        """Recursive doubling up to `small_bytes` (auto with two ranks: PAIR_ONE_ROUND_BYTES); above, the configured
-        algorithm (auto: see `TcpTuning.algorithm`)."""
-        algo, pow2 = self.tuning.algorithm, self.size & (self.size - 1) == 0
-        if nbytes <= self.tuning.small_bytes or (algo == "auto" and self._pair_round(nbytes)):
-            return "doubling"
-        if algo == "auto" and pow2 and self.crowded:
-            if nbytes <= CROWDED_DOUBLING_BYTES:
-                return "doubling"
-            return "halving_doubling" if nbytes <= CROWDED_HALVING_BYTES else "ring"
-        return "halving_doubling" if algo == "halving_doubling" and pow2 else "ring"
-
-    def _pair_round(self, nbytes: int) -> bool:
-        """Whether a two-rank group moves `nbytes` in one round (see PAIR_ONE_ROUND_BYTES)."""
-        return self.size == 2 and nbytes <= PAIR_ONE_ROUND_BYTES
+            self._inplace(x, "all_reduce", lambda flat: self._all_reduce_flat(c, flat, op))
 
     def _broadcast_by_tree(self, nbytes: int) -> bool:
         """Binomial tree up to `small_bytes` (two ranks: PAIR_ONE_ROUND_BYTES; more ranks than cores:
@@ -439,7 +422,9 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, Backend):
         self.g.close_peers()
         if self._arena is not None:
             self._arena.close()
-        self._arena, self._arena_tried = None, True
+        for team in self._teams or ():
+            team.close()
+        self._arena, self._teams, self._arena_tried = None, None, True
 
     def abort(self, reason: str) -> None:
         """Send every peer an abort frame carrying `reason` (each raises `DistributedError` quoting it) and

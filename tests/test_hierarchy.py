@@ -1,0 +1,255 @@
+"""Groups spread over nodes: the topology every member derives, and the two-level all_reduce (each node through its
+shared-memory arena, the nodes over the sockets), against NumPy references, with failures and fallbacks.
+
+Nodes are simulated on loopback: members that listen on and advertise 127.0.0.1 are one node, 127.0.0.2 another
+(`axond.testing.node_hosts`); each node's members really share an arena, and the nodes really talk over sockets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import glob
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from axond import DistributedError, ProcessGroup, ReduceOp
+from axond.distributed import BackendOptions, FileStore, create_group
+from axond.distributed.shm import ShmArena, ShmTuning
+from axond.distributed.topology import RECORD_BYTES, Topology, describe
+from axond.testing import collect_from_processes, node_hosts, run_on, thread_groups
+from collective_cases import DTYPES, TRANSPORTS, make, reference
+
+SMALL_ARENA = TRANSPORTS["shm"]
+"""Shared memory for every size, through a 64 KiB arena (many steps per op)."""
+OPS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG]
+
+
+def spread(size: int, nodes: int, timeout: float = 20.0, shm: ShmTuning | None = SMALL_ARENA) -> list[ProcessGroup]:
+    """A tcp group of `size` threads, rank r on node r % nodes."""
+    gs = thread_groups(size, timeout, hosts=node_hosts(size, nodes))
+    for g in gs if shm is not None else ():
+        g.backend.shm = shm  # type: ignore[union-attr]
+    return gs
+
+
+def teams_of(pg: ProcessGroup) -> Any:
+    return pg.backend._teams  # type: ignore[union-attr]
+
+
+def leftovers() -> list[str]:
+    return glob.glob(f"/dev/shm/axond-{os.getpid()}-*")
+
+
+def records(*members: tuple[str, int]) -> np.ndarray:
+    return np.stack([describe(host, arena) for host, arena in members]) if members else np.zeros((0, RECORD_BYTES))
+
+
+def test_topology_groups_members_by_address_in_rank_order() -> None:
+    t = Topology.parse(records(("10.0.0.2", 1), ("10.0.0.1", 1), ("10.0.0.2", 1), ("10.0.0.1", 1)))
+    assert t.nodes == ((0, 2), (1, 3)) and t.per_node == 2 and t.same_settings
+    assert t.node_of(3) == (1, 3) and t.counterparts(3) == (2, 3) and t.counterparts(0) == (0, 1)
+    uneven = Topology.parse(records(("a", 1), ("b", 1), ("a", 1)))
+    assert uneven.nodes == ((0, 2), (1,)) and uneven.per_node == 0
+    assert Topology.parse(records(("a", 1), ("a", 2))).same_settings is False
+    assert Topology.parse(records(("a" * 80, 1), ("a" * 56 + "b", 1))).nodes == ((0, 1),)  # only the first 56 bytes
+
+
+@pytest.fixture(scope="module", params=[(4, 2), (6, 2), (6, 3)], ids=lambda p: f"{p[0]}ranks-{p[1]}nodes")
+def spread_groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
+    gs = spread(*request.param)
+    yield gs
+    for g in gs:
+        g.destroy()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (13,), (4, 7), (40_009,)])
+def test_every_dtype_and_op_matches_numpy(spread_groups: list[ProcessGroup], dtype: str,
+                                          shape: tuple[int, ...]) -> None:
+    n = len(spread_groups)
+    ops = [op for op in OPS if not (dtype == "bool" and op is ReduceOp.AVG)]
+    inputs = {op: [make(r, shape, dtype, seed=k) for r in range(n)] for k, op in enumerate(ops)}
+
+    def body(pg: ProcessGroup) -> list[np.ndarray]:
+        out = []
+        for op in ops:
+            x = inputs[op][pg.rank].copy()
+            pg.all_reduce(x, op)
+            out.append(x)
+        return out
+
+    for got in run_on(spread_groups, body):
+        for op, x in zip(ops, got):
+            np.testing.assert_array_equal(x, reference(inputs[op], op), err_msg=f"{op} {dtype} {shape}")
+    assert all(teams_of(pg) is not None and pg.backend._arena is None for pg in spread_groups)  # type: ignore[union-attr]
+
+
+def test_teams_are_each_node_and_each_index_across_nodes() -> None:
+    gs = spread(6, 3)
+    try:
+        run_on(gs, lambda pg: pg.all_reduce(np.ones(1000)))
+        for pg in gs:
+            local, across = teams_of(pg)
+            assert local.members == tuple(r for r in range(6) if r % 3 == pg.rank % 3)
+            assert across.members == tuple(range(3)) if pg.rank < 3 else tuple(range(3, 6))
+            assert local._arena is not None and across._arena is None
+        assert leftovers() == []  # each node's arena file was unlinked once its members mapped it
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_non_contiguous_floats_are_identical_on_every_rank_and_every_run() -> None:
+    """Each part is reduced on its node in node order, then across the nodes: every rank gets the same bits."""
+    gs = spread(4, 2)
+    rng = np.random.default_rng(7)
+    inputs = [rng.standard_normal((3, 50_001)).astype(np.float32) for _ in range(4)]
+    try:
+        def body(pg: ProcessGroup) -> list[np.ndarray]:
+            outs = []
+            for _ in range(2):
+                x = inputs[pg.rank].copy()
+                view = x[:, ::2]  # not contiguous: reduced through a contiguous copy
+                pg.all_reduce(view)
+                outs.append(view.copy())
+            return outs
+        got = run_on(gs, body)
+        first = got[0][0]
+        assert all(np.array_equal(o, first) for outs in got for o in outs)
+        np.testing.assert_allclose(first, sum(i[:, ::2] for i in inputs), rtol=1e-5, atol=1e-5)
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+@pytest.mark.parametrize("size,nodes", [(3, 2), (3, 3), (4, 4)])
+def test_uneven_nodes_or_one_member_per_node_stay_on_sockets(size: int, nodes: int) -> None:
+    gs = spread(size, nodes)
+    try:
+        out = run_on(gs, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(10_001, pg.rank + 1.0)))
+        assert all((x == size * (size + 1) / 2).all() for x in out)
+        assert all(teams_of(pg) is None and pg.backend._arena is None for pg in gs)  # type: ignore[union-attr]
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_a_member_that_cannot_map_its_node_arena_keeps_every_node_on_sockets(monkeypatch: pytest.MonkeyPatch) -> None:
+    attach, calls = ShmArena.attach, []
+
+    def refused_once(*args: Any) -> ShmArena:
+        calls.append(1)
+        if len(calls) == 1:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return attach(*args)
+    monkeypatch.setattr(ShmArena, "attach", staticmethod(refused_once))
+    gs = spread(4, 2)
+    try:
+        out = run_on(gs, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(10_001, pg.rank + 1.0)))
+        assert len(calls) == 2 and all((x == 10.0).all() for x in out)
+        assert all(teams_of(pg) is None for pg in gs)  # the node that did map its arena does not use it either
+        assert leftovers() == []
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_different_arena_sizes_or_shm_off_keep_the_group_on_sockets() -> None:
+    gs = spread(4, 2)
+    gs[3].backend.shm = dataclasses.replace(SMALL_ARENA, arena_bytes=128 << 10)  # type: ignore[union-attr]
+    try:
+        out = run_on(gs, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(10_001, pg.rank + 1.0)))
+        assert all((x == 10.0).all() for x in out) and all(teams_of(pg) is None for pg in gs)
+    finally:
+        for g in gs:
+            g.destroy()
+    gs = spread(4, 2, shm=TRANSPORTS["sockets"])
+    try:
+        run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 20)))
+        assert all(teams_of(pg) is None and not pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_only_large_all_reduces_take_two_levels_and_other_ops_stay_on_sockets() -> None:
+    gs = spread(4, 2, shm=ShmTuning())  # defaults: 64 KiB threshold (or 256 KiB if crowded), twice for 2+ per node
+    try:
+        crowded = gs[0].backend.crowded  # type: ignore[union-attr]
+        threshold = (256 << 10) if crowded else (64 << 10)
+        run_on(gs, lambda pg: pg.all_reduce(np.ones(threshold // 8)))  # 2 per node: one threshold is enough
+        assert all(teams_of(pg) is not None for pg in gs)
+
+        def others(pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            b = np.full(1 << 17, pg.rank, np.float64)
+            pg.broadcast(b, 3)
+            return b, pg.all_gather(np.full(1 << 16, pg.rank)), pg.reduce_scatter(np.ones((4, 1 << 16)))
+        for b, gathered, scattered in run_on(gs, others):
+            assert (b == 3).all() and (gathered == np.arange(4)[:, None]).all() and (scattered == 4).all()
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_mismatched_calls_raise_on_every_rank_naming_both_sides() -> None:
+    gs = spread(4, 2, timeout=5.0)
+    try:
+        run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 16)))  # the teams are up
+
+        def body(pg: ProcessGroup) -> None:
+            pg.all_reduce(np.ones((1 << 16) + (pg.rank == 3)))
+        errors = run_on(gs, body, return_exceptions=True)
+        assert all(isinstance(e, DistributedError) for e in errors), errors
+        assert any("65537" in str(e) and "65536" in str(e) for e in errors), errors
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_a_silent_member_times_out_naming_it() -> None:
+    gs = spread(4, 2, timeout=1.0)
+    try:
+        run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 16)))
+        t0 = time.monotonic()
+        errors = run_on(gs[:3], lambda pg: pg.all_reduce(np.ones(1 << 16)), return_exceptions=True)
+        assert time.monotonic() - t0 < 3.0
+        assert all(isinstance(e, DistributedError) and "all_reduce" in str(e) for e in errors), errors
+        assert any("peer 3" in str(e) or "peer rank 3" in str(e) for e in errors), errors
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
+    """Four processes on two simulated nodes; rank 1 kills itself after a few large all-reduces."""
+    pg = create_group(FileStore(store_dir), rank, size, "tcp",
+                      BackendOptions(timeout=5.0, host=node_hosts(size, 2)[rank]))
+    x = np.ones(3_000_000, np.float32)
+    t0 = time.monotonic()
+    try:
+        for i in range(50):
+            if rank == 1 and i == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            pg.all_reduce(x)
+            t0 = time.monotonic()
+        q.put((rank, "no error", 0.0, False, os.getpid()))
+    except DistributedError as e:
+        q.put((rank, str(e), time.monotonic() - t0, teams_of(pg) is not None, os.getpid()))
+    pg.destroy()
+
+
+def test_a_killed_process_makes_every_other_raise_promptly() -> None:
+    items, codes = collect_from_processes(_die_mid_stream, 4, expect=3)
+    got = {r: (m, t, used) for r, m, t, used, _ in items}
+    assert sorted(got) == [0, 2, 3]
+    for msg, took, used in got.values():
+        assert "all_reduce" in msg and took < 2.0 and used, msg
+    assert codes[1] == -signal.SIGKILL
+    assert all(glob.glob(f"/dev/shm/axond-{pid}-*") == [] for *_, pid in items)
