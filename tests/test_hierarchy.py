@@ -1,5 +1,6 @@
-"""Groups spread over nodes: the topology every member derives, and the two-level all_reduce (each node through its
-shared-memory arena, the nodes over the sockets), against NumPy references, with failures and fallbacks.
+"""Groups spread over nodes: the topology every member derives, and the two-level all_reduce, broadcast, all_gather
+and reduce_scatter (each node through its shared-memory arena, the nodes over the sockets), against NumPy
+references, with failures and fallbacks.
 
 Nodes are simulated on loopback: members that listen on and advertise 127.0.0.1 are one node, 127.0.0.2 another
 (`axond.testing.node_hosts`); each node's members really share an arena, and the nodes really talk over sockets.
@@ -91,6 +92,57 @@ def test_every_dtype_and_op_matches_numpy(spread_groups: list[ProcessGroup], dty
     assert all(teams_of(pg) is not None and pg.backend._arena is None for pg in spread_groups)  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(0,), (13,), (4, 7), (20_011,)])
+def test_broadcast_all_gather_and_reduce_scatter_match_numpy(spread_groups: list[ProcessGroup], dtype: str,
+                                                             shape: tuple[int, ...]) -> None:
+    """Rows land in group rank order although each node's members are not consecutive ranks (r % nodes)."""
+    n = len(spread_groups)
+    ops = [op for op in OPS if not (dtype == "bool" and op is ReduceOp.AVG)]
+    rows = (n * shape[0], *shape[1:])
+    inputs = [make(r, shape, dtype) for r in range(n)]
+    scatter_in = {op: [make(r, rows, dtype, seed=k) for r in range(n)] for k, op in enumerate(ops)}
+
+    def body(pg: ProcessGroup) -> tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]:
+        sent = []
+        for root in range(n):
+            x = inputs[pg.rank].copy()
+            pg.broadcast(x, root)
+            sent.append(x)
+        return sent, pg.all_gather(inputs[pg.rank]), [pg.reduce_scatter(scatter_in[op][pg.rank], op) for op in ops]
+
+    for r, (sent, gathered, scattered) in enumerate(run_on(spread_groups, body)):
+        for root, x in enumerate(sent):
+            np.testing.assert_array_equal(x, inputs[root], err_msg=f"broadcast from {root} on rank {r}")
+        np.testing.assert_array_equal(gathered, np.stack(inputs), err_msg=f"all_gather on rank {r}")
+        for op, got in zip(ops, scattered):
+            want = reference(scatter_in[op], op)[r * shape[0] : (r + 1) * shape[0]]
+            np.testing.assert_array_equal(got, want, err_msg=f"reduce_scatter {op} on rank {r}")
+
+
+def test_nodes_of_consecutive_ranks_as_a_launcher_places_them() -> None:
+    """Ranks 0-2 on one node and 3-5 on another (torchrun's and axond worker's layout)."""
+    gs = thread_groups(6, 20.0, hosts=["127.0.0.1"] * 3 + ["127.0.0.2"] * 3)
+    for g in gs:
+        g.backend.shm = SMALL_ARENA  # type: ignore[union-attr]
+    try:
+        def body(pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            x = np.arange(30_000, dtype=np.float64) * (pg.rank + 1)
+            pg.all_reduce(x)
+            b = np.full(9_999, pg.rank, np.int32)
+            pg.broadcast(b, 4)
+            return x, b, pg.all_gather(np.full(3, pg.rank)), pg.reduce_scatter(np.arange(6 * 1000.0) + pg.rank)
+        for r, (x, b, gathered, block) in enumerate(run_on(gs, body)):
+            np.testing.assert_array_equal(x, np.arange(30_000, dtype=np.float64) * 21)
+            assert (b == 4).all() and (gathered == np.arange(6)[:, None]).all()
+            np.testing.assert_array_equal(block, 6 * np.arange(r * 1000.0, (r + 1) * 1000.0) + 15)
+        assert [teams_of(pg)[0].members for pg in gs] == [(0, 1, 2)] * 3 + [(3, 4, 5)] * 3
+        assert [teams_of(pg)[1].members for pg in gs] == [(0, 3), (1, 4), (2, 5)] * 2
+    finally:
+        for g in gs:
+            g.destroy()
+
+
 def test_teams_are_each_node_and_each_index_across_nodes() -> None:
     gs = spread(6, 3)
     try:
@@ -179,20 +231,17 @@ def test_different_arena_sizes_or_shm_off_keep_the_group_on_sockets() -> None:
             g.destroy()
 
 
-def test_only_large_all_reduces_take_two_levels_and_other_ops_stay_on_sockets() -> None:
+def test_small_ops_stay_on_sockets_and_the_first_large_one_sets_the_teams_up() -> None:
     gs = spread(4, 2, shm=ShmTuning())  # defaults: 64 KiB threshold (or 256 KiB if crowded), twice for 2+ per node
     try:
         crowded = gs[0].backend.crowded  # type: ignore[union-attr]
         threshold = (256 << 10) if crowded else (64 << 10)
-        run_on(gs, lambda pg: pg.all_reduce(np.ones(threshold // 8)))  # 2 per node: one threshold is enough
+        run_on(gs, lambda pg: pg.all_reduce(np.ones(threshold // 8 - 1)))
+        assert all(teams_of(pg) is None and not pg.backend._topology_known for pg in gs)  # type: ignore[union-attr]
+        run_on(gs, lambda pg: pg.all_gather(np.ones(threshold // 4 // 8)))  # all_gather counts its output
         assert all(teams_of(pg) is not None for pg in gs)
-
-        def others(pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            b = np.full(1 << 17, pg.rank, np.float64)
-            pg.broadcast(b, 3)
-            return b, pg.all_gather(np.full(1 << 16, pg.rank)), pg.reduce_scatter(np.ones((4, 1 << 16)))
-        for b, gathered, scattered in run_on(gs, others):
-            assert (b == 3).all() and (gathered == np.arange(4)[:, None]).all() and (scattered == 4).all()
+        b = run_on(gs, lambda pg: (lambda x: pg.broadcast(x, 3) or x)(np.full(threshold // 8, pg.rank, np.float64)))
+        assert all((x == 3).all() for x in b)  # broadcast, below twice the threshold: over the sockets
     finally:
         for g in gs:
             g.destroy()

@@ -6,9 +6,9 @@ and arena sizes over the sockets, so each derives the same `Topology`. Then:
 - Every member on one node: one arena for the group (`ShmAlgorithms`), for all_reduce, broadcast,
   all_gather and reduce_scatter, mapped at the first op that uses it.
 - Spread over nodes with as many members on each (two or more): an arena per node, mapped at the first
-  all_reduce large enough, which from then on runs in two levels (`ShmAlgorithms._shm_all_reduce` with
-  `across`): through the node's arena, and with the counterparts on the other nodes over the sockets.
-  The other ops stay on the sockets.
+  op large enough. From then on large all_reduce (`ShmAlgorithms._shm_all_reduce` with `across`),
+  broadcast, all_gather and reduce_scatter (`two_level`) run in two levels: through the node's arena,
+  and with the counterparts on the other nodes over the sockets.
 - Otherwise (one member per node, nodes of different sizes, different arena sizes, or a member that
   cannot map its node's arena): everything on the sockets.
 """
@@ -54,8 +54,9 @@ class ShmPlan:
     _rolling: Callable[[int, np.dtype], np.ndarray]
 
     def _large(self, nbytes: int, scale: int) -> bool:
-        """Whether an op on `nbytes` reaches `scale` times the threshold (and shared memory is on at all)."""
-        return self.size > 1 and self.shm.enabled and nbytes >= scale * self._shm_min_bytes()
+        """Whether an op on `nbytes` reaches `scale` times the threshold (and shared memory is on at all; empty ops
+        stay on the sockets, where their frames are still checked)."""
+        return self.size > 1 and self.shm.enabled and nbytes >= max(1, scale * self._shm_min_bytes())
 
     def _nodes(self, c: Call) -> Topology | None:
         """The group's topology, gathered at the first large op (None: the members' settings differ)."""
@@ -86,16 +87,16 @@ class ShmPlan:
             self._arena = self.g.run(OP_NAMES[c.op], self._make_arena, c)
         return self._arena
 
-    def _use_hierarchy(self, c: Call, nbytes: int) -> tuple[Team, Team] | None:
-        """(node team, team across nodes) if an all_reduce on `nbytes` should run in two levels: groups over several
-        nodes with as many members (two or more) on each, from the threshold with two per node, twice that with
-        more (their node's steps synchronize twice)."""
+    def _use_hierarchy(self, c: Call, nbytes: int, scale: int = 0) -> tuple[Team, Team] | None:
+        """(node team, team across nodes) if an op on `nbytes` should run in two levels: groups over several nodes
+        with as many members (two or more) on each, from `scale` times the threshold (all_reduce, scale 0: once
+        with two members per node, twice with more, as their node's steps synchronize twice)."""
         if not self._large(nbytes, 1):
             return None
         topology = self._nodes(c)
         if topology is None or len(topology.nodes) == 1 or topology.per_node < 2:
             return None
-        if not self._large(nbytes, 1 if topology.per_node == 2 else 2):
+        if not self._large(nbytes, scale or (1 if topology.per_node == 2 else 2)):
             return None
         if not self._arena_tried:
             self._arena_tried = True

@@ -25,6 +25,12 @@ CROWDED_DOUBLING_BYTES = 256 << 10
 CROWDED_HALVING_BYTES = 2 << 20
 """...and up to this size halving-doubling: log2(n) pairwise steps keep the cores busier than a ring's
 n-1 dependent ones (bench busbw at n = 4 on 2 cores: 1.3-1.6x the ring's from 256 KiB to 2 MiB, no gain at 4 MiB)."""
+DIRECT_ALL_GATHER_BYTES = 4 << 20
+"""Output size up to which all_gather sends every block straight to every peer instead of around a ring."""
+CROWDED_TREE_BROADCAST_BYTES = 4 << 20
+"""With more ranks than cores, broadcasts up to this size use the binomial tree, not the pipelined chain: the
+same bytes in fewer, larger frames and a shallower critical path (A/B on 2 cores: 1.3-1.5x at 1 MiB and
+1.2-1.4x at 4 MiB with 3 and 4 ranks; the chain wins from 16 MiB)."""
 PAIR_ONE_ROUND_BYTES = 1 << 20
 """With two ranks, all_reduce, broadcast and reduce_scatter up to this size send one frame each way (recursive
 doubling, one send, one direct round) instead of a pipelined ring or chain: two ranks have one hop, so the
@@ -72,6 +78,64 @@ class TcpAlgorithms:
             self._halving_doubling(c, x, op)
         else:
             self._ring_all_reduce(c, x, op)
+
+    def _broadcast_by_tree(self, nbytes: int) -> bool:
+        """Binomial tree up to `small_bytes` (two ranks: PAIR_ONE_ROUND_BYTES; more ranks than cores:
+        CROWDED_TREE_BROADCAST_BYTES); above, the pipelined chain."""
+        return (nbytes <= self.tuning.small_bytes or self._pair_round(nbytes)
+                or (self.crowded and nbytes <= CROWDED_TREE_BROADCAST_BYTES))
+
+    def _broadcast_flat(self, c: Call, x: np.ndarray, src: int) -> None:
+        """Broadcast of flat contiguous `x` from `src` over the sockets."""
+        if self.size > 1:
+            (self._tree_broadcast if self._broadcast_by_tree(x.nbytes) else self._chain_broadcast)(c, x, src)
+
+    def _all_gather_algorithm(self, nbytes: int) -> str:
+        """Up to DIRECT_ALL_GATHER_BYTES (and always with two ranks) each block goes straight to every peer as
+        one frame: the bytes of a ring in one round. Above, a pipelined ring; on power-of-two groups whose host
+        has fewer cores than ranks, recursive doubling (log2(n) pairwise swaps, no sender-thread hand-offs)."""
+        if self.size == 1:
+            return "none"
+        if self.size == 2 or nbytes <= DIRECT_ALL_GATHER_BYTES:
+            return "direct"
+        if self.crowded and self.size & (self.size - 1) == 0 and self.tuning.algorithm == "auto":
+            return "doubling"
+        return "ring"
+
+    def _all_gather_flat(self, c: Call, out: np.ndarray) -> None:
+        """All-gather over the sockets into contiguous `out` (size, ...), whose row `rank` is this rank's block."""
+        algo = self._all_gather_algorithm(out.nbytes)
+        if algo == "direct":
+            self._direct_all_gather(c, out)
+        elif algo == "doubling":
+            self._doubling_all_gather(c, out)
+        elif algo == "ring":
+            flat = out.reshape(-1)
+            self._ring_all_gather(c, flat, self._chunks(flat.size, flat.itemsize), True)
+
+    def _reduce_scatter_algorithm(self, nbytes: int) -> str:
+        """One direct round up to `small_bytes` (with two ranks, PAIR_ONE_ROUND_BYTES); above, recursive
+        halving wherever all_reduce would use halving-doubling (its first half), else the pipelined ring."""
+        if nbytes <= self.tuning.small_bytes or self._pair_round(nbytes):
+            return "direct"
+        return "halving" if self._all_reduce_algorithm(nbytes) == "halving_doubling" else "ring"
+
+    def _reduce_scatter_flat(self, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        """Reduce-scatter over the sockets: flat `out` <- block `rank` of the reduction of flat `src` (size blocks)."""
+        if self.size == 1:
+            np.copyto(out, src)
+            if op is ReduceOp.AVG:
+                finish_average(out, 1)
+            return
+        algo = self._reduce_scatter_algorithm(src.nbytes)
+        if algo == "direct":
+            self._direct_reduce_scatter(c, src, out, op)
+        elif algo == "halving":
+            self._halving_reduce_scatter(c, src, out, op)
+        else:
+            self._ring_reduce_scatter(c, src, None, out, self.rank * (src.size // self.size), op,
+                                      self._chunks(src.size, src.itemsize), False)
+            self.g.flush(c)
 
     def _recursive_doubling(self, c: Call, x: np.ndarray, op: ReduceOp) -> None:
         g, r, n = self.g, self.rank, self.size

@@ -1,9 +1,9 @@
 """Which members of a group share a node.
 
-A group whose members are spread over nodes, with several on each, all-reduces in two levels (see
-`ShmAlgorithms.hierarchical_all_reduce`): the members of a node through their shared-memory arena,
-and, between nodes, each member only with its counterparts (the members with the same index on the
-other nodes) over the sockets. So a node sends the data across once, split over its members' links,
+A group whose members are spread over nodes, with several on each, runs large collectives in two
+levels (see `shm_plan`): the members of a node through their shared-memory arena, and, between nodes,
+each member only with its counterparts (the members with the same index on the other nodes) over the
+sockets. So a node sends the data across once, split over its members' links,
 instead of a flat ring sending every byte through loopback and across the network in turn.
 
 Members are on one node when they advertise the same address (what peers connect to: the interface

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from axond.distributed.backends.base import Array, Backend, BackendOptions
+from axond.distributed import two_level
 from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
 from axond.distributed.mesh import Mesh
 from axond.distributed.peer import (
@@ -39,12 +40,6 @@ from axond.distributed.wire import (
 )
 from axond.store import Store
 
-DIRECT_ALL_GATHER_BYTES = 4 << 20
-"""Output size up to which all_gather sends every block straight to every peer instead of around a ring."""
-CROWDED_TREE_BROADCAST_BYTES = 4 << 20
-"""With more ranks than cores, broadcasts up to this size use the binomial tree, not the pipelined chain: the
-same bytes in fewer, larger frames and a shallower critical path (A/B on 2 cores: 1.3-1.5x at 1 MiB and
-1.2-1.4x at 4 MiB with 3 and 4 ranks; the chain wins from 16 MiB)."""
 SCRATCH_VIEWS = 64
 """Typed views of the receive buffer kept for reuse (small ops ask for the same few every call)."""
 META = 34
@@ -133,6 +128,10 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
         if work is not x:
             np.copyto(x, work)
 
+    def _node_list(self) -> tuple[tuple[int, ...], ...]:
+        assert self._topology is not None  # known once teams exist
+        return self._topology.nodes
+
     def _check_root(self, root: int, what: str) -> int:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
             raise ValueError(f"{what}={root!r} is not a rank of group '{self.group_name}' (0..{self.size - 1})")
@@ -160,12 +159,6 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
         else:
             self._inplace(x, "all_reduce", lambda flat: self._all_reduce_flat(c, flat, op))
 
-    def _broadcast_by_tree(self, nbytes: int) -> bool:
-        """Binomial tree up to `small_bytes` (two ranks: PAIR_ONE_ROUND_BYTES; more ranks than cores:
-        CROWDED_TREE_BROADCAST_BYTES); above, the pipelined chain."""
-        return (nbytes <= self.tuning.small_bytes or self._pair_round(nbytes)
-                or (self.crowded and nbytes <= CROWDED_TREE_BROADCAST_BYTES))
-
     def broadcast(self, x: Array, src: int) -> None:
         x = _numpy(x, "broadcast input")
         src = self._check_root(src, "src")
@@ -173,11 +166,14 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
         if self.size == 1:
             return
         arena = self._use_shm(c, x.nbytes, scale=2)
+        teams = self._use_hierarchy(c, x.nbytes, scale=2) if arena is None else None
         body: Callable[[Call, np.ndarray, int], None]
         if arena is not None:
             body = lambda c, flat, src: self._shm_broadcast(c, arena, flat, src)  # noqa: E731
+        elif teams is not None:
+            body = lambda c, flat, src: two_level.broadcast(c, *teams, self._node_list(), src, flat)  # noqa: E731
         else:
-            body = self._tree_broadcast if self._broadcast_by_tree(x.nbytes) else self._chain_broadcast
+            body = self._broadcast_flat
         if x.flags.c_contiguous or self.rank != src:
             self._inplace(x, "broadcast", lambda flat: body(c, flat, src))
         else:
@@ -201,30 +197,17 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
         c = self._call(Op.ALL_GATHER, x)
         out = self._out(out, (self.size, *x.shape), x.dtype, "all_gather")
         out[self.rank] = x
+        if self.size == 1:
+            return out
         arena = self._use_shm(c, out.nbytes)
-        algo = self._all_gather_algorithm(out.nbytes)
+        teams = self._use_hierarchy(c, out.nbytes, scale=1) if arena is None else None
         if arena is not None:
             self.g.run("all_gather", self._shm_all_gather, c, arena, out)
-        elif algo == "direct":
-            self.g.run("all_gather", self._direct_all_gather, c, out)
-        elif algo == "doubling":
-            self.g.run("all_gather", self._doubling_all_gather, c, out)
-        elif algo == "ring":
-            flat = out.reshape(-1)
-            self.g.run("all_gather", self._ring_all_gather, c, flat, self._chunks(flat.size, flat.itemsize), True)
+        elif teams is not None:
+            self.g.run("all_gather", two_level.all_gather, c, *teams, self._node_list(), out, self._buffer)
+        else:
+            self.g.run("all_gather", self._all_gather_flat, c, out)
         return out
-
-    def _all_gather_algorithm(self, nbytes: int) -> str:
-        """Up to DIRECT_ALL_GATHER_BYTES (and always with two ranks) each block goes straight to every peer as
-        one frame: the bytes of a ring in one round. Above, a pipelined ring; on power-of-two groups whose host
-        has fewer cores than ranks, recursive doubling (log2(n) pairwise swaps, no sender-thread hand-offs)."""
-        if self.size == 1:
-            return "none"
-        if self.size == 2 or nbytes <= DIRECT_ALL_GATHER_BYTES:
-            return "direct"
-        if self.crowded and self.size & (self.size - 1) == 0 and self.tuning.algorithm == "auto":
-            return "doubling"
-        return "ring"
 
     def _out(self, out: Array | None, shape: tuple[int, ...], dtype: np.dtype, op: str) -> np.ndarray:
         if out is None:
@@ -252,29 +235,15 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
             return out
         src = np.ascontiguousarray(x).reshape(-1)
         arena = self._use_shm(c, src.nbytes)
+        teams = self._use_hierarchy(c, src.nbytes, scale=1) if arena is None else None
         if arena is not None:
             self.g.run("reduce_scatter", self._shm_reduce_scatter, c, arena, src, out.reshape(-1), op)
-            return out
-        algo = self._reduce_scatter_algorithm(src.nbytes)
-        if algo == "direct":
-            self.g.run("reduce_scatter", self._direct_reduce_scatter, c, src, out.reshape(-1), op)
-            return out
-        if algo == "halving":
-            self.g.run("reduce_scatter", self._halving_reduce_scatter, c, src, out.reshape(-1), op)
-            return out
-        per = src.size // self.size
-        chunks = self._chunks(src.size, src.itemsize)
-        self.g.run("reduce_scatter", self._ring_reduce_scatter, c, src, None, out.reshape(-1),
-                   self.rank * per, op, chunks, False)
-        self.g.run("reduce_scatter", self.g.flush, c)
+        elif teams is not None:
+            self.g.run("reduce_scatter", two_level.reduce_scatter, c, *teams, self._node_list(), src, out.reshape(-1),
+                       op, self.size, self._buffer)
+        else:
+            self.g.run("reduce_scatter", self._reduce_scatter_flat, c, src, out.reshape(-1), op)
         return out
-
-    def _reduce_scatter_algorithm(self, nbytes: int) -> str:
-        """One direct round up to `small_bytes` (with two ranks, PAIR_ONE_ROUND_BYTES); above, recursive
-        halving wherever all_reduce would use halving-doubling (its first half), else the pipelined ring."""
-        if nbytes <= self.tuning.small_bytes or self._pair_round(nbytes):
-            return "direct"
-        return "halving" if self._all_reduce_algorithm(nbytes) == "halving_doubling" else "ring"
 
     def gather(self, x: Array, dst: int) -> Array | None:
         x = _numpy(x, "gather input")
