@@ -44,12 +44,13 @@ def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
 TRANSPORTS = {
     "auto": None,
     "sockets": ShmTuning(enabled=False),
-    "shm": ShmTuning(min_bytes=0, arena_bytes=64 << 10),
+    "shm": ShmTuning(min_bytes=0, arena_bytes=64 << 10, mailbox=False),
     "nodes": ShmTuning(min_bytes=0, arena_bytes=64 << 10),
 }
-"""How a test group of threads moves data: the defaults (shared memory from AXOND_SHM_MIN_BYTES on), sockets
-only (as between hosts), shared memory for every op through a small arena (many steps per op), or "nodes": the
-same arena settings with rank r on simulated node r % 2 (`node_hosts`), so 4 ranks all-reduce in two levels."""
+"""How a test group of threads moves data: the defaults (small ops through the mailbox, large ones from
+AXOND_SHM_MIN_BYTES through the arena), sockets only (as between hosts), shared memory for every op through a
+small arena (many steps per op; no mailbox), or "nodes": the same arena settings with rank r on simulated node
+r % 2 (`node_hosts`), so 4 ranks run large ops in two levels."""
 NODES = 2
 
 

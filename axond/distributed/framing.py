@@ -306,6 +306,10 @@ class FramedGroup:
             self._reject(c, peer, h, nbytes, memoryview(b""))
         return int(h[8])
 
+    def reject(self, c: Call, index: int, h: tuple[int, ...], nbytes: int | None) -> NoReturn:
+        """Raise the error for header `h` (the 9 fields of a frame header) that peer `index` posted for call `c`."""
+        self._reject(c, index, h, nbytes, memoryview(b""))
+
     def _reject(self, c: Call, index: int, h: tuple[int, ...], nbytes: int | None, early: memoryview) -> NoReturn:
         """Raise the error for an unexpected frame from peer `index`: an abort from it, or a mismatched call."""
         peer = self._label(index)

@@ -44,15 +44,16 @@ class ShmTuning:
     AUTO_MIN_BYTES; all-reduces on more than two ranks, and broadcasts, need twice as many)."""
     arena_bytes: int = 32 << 20
     """Size of one group's arena; its slots (2 x (ranks + 1)) are the pipeline chunks of the path."""
+    mailbox: bool = True
+    """Small ops of a group on one node through its mailbox (see `mailbox`): waits spin, yielding the CPU."""
 
     @classmethod
     def from_env(cls) -> ShmTuning:
-        """Read AXOND_SHM (1/0), AXOND_SHM_MIN_BYTES and AXOND_SHM_ARENA_BYTES."""
-        flag = os.environ.get("AXOND_SHM", "1").strip().lower()
-        if flag not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise ValueError(f"AXOND_SHM={flag!r}: use 1 (shared memory between ranks on one host) or 0 (sockets only)")
+        """Read AXOND_SHM (1/0), AXOND_SHM_MIN_BYTES, AXOND_SHM_ARENA_BYTES and AXOND_SHM_MAILBOX (1/0)."""
+        flag = _flag("AXOND_SHM", "1 (shared memory between ranks on one host) or 0 (sockets only)")
+        mailbox = _flag("AXOND_SHM_MAILBOX", "1 (small ops through a shared mailbox) or 0 (on the sockets)")
         try:
-            tuning = cls(enabled=flag in ("1", "true", "yes", "on"),
+            tuning = cls(enabled=flag, mailbox=mailbox,
                          min_bytes=int(os.environ.get("AXOND_SHM_MIN_BYTES", cls.min_bytes)),
                          arena_bytes=int(os.environ.get("AXOND_SHM_ARENA_BYTES", cls.arena_bytes)))
         except ValueError as e:
@@ -60,6 +61,13 @@ class ShmTuning:
         if tuning.arena_bytes < 0:
             raise ValueError("AXOND_SHM_ARENA_BYTES must not be negative")
         return tuning
+
+
+def _flag(name: str, choices: str) -> bool:
+    flag = os.environ.get(name, "1").strip().lower()
+    if flag not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"{name}={flag!r}: use {choices}")
+    return flag in ("1", "true", "yes", "on")
 
 
 def chunk_bytes(arena_bytes: int, size: int) -> int:
@@ -123,6 +131,11 @@ class ShmArena:
     def slots(self, buf: int, dtype: np.dtype, count: int) -> np.ndarray:
         """Every rank's slot of buffer `buf` as a (size, count) array of `dtype`."""
         return self._bytes[buf, : self.size, : count * dtype.itemsize].view(dtype)
+
+    def buffer(self) -> memoryview:
+        """The whole mapping as bytes (release it before `close`)."""
+        assert self._map is not None
+        return memoryview(self._map)
 
     def result(self, buf: int, dtype: np.dtype, count: int) -> np.ndarray:
         return self._bytes[buf, self.size, : count * dtype.itemsize].view(dtype)

@@ -51,25 +51,26 @@ class ShmAlgorithms:
         synchronization costs a few context switches, so the path pays off only on larger ops."""
         return self.shm.min_bytes if self.shm.min_bytes >= 0 else AUTO_MIN_BYTES[self.crowded]
 
-    def _make_arena(self, c: Call) -> ShmArena | None:
+    def _make_arena(self, c: Call, nbytes: int = 0) -> ShmArena | None:
         """Rank 0 creates the arena and sends its name; each member maps it; a MIN over "mapped" decides.
 
         Rank 0 unlinks the file once everyone has answered (or the set-up failed), so it never outlives
-        the processes that map it.
+        the processes that map it. `nbytes`: the arena's size (0: AXOND_SHM_ARENA_BYTES).
         """
+        nbytes = nbytes or self.shm.arena_bytes
         arena: ShmArena | None = None
         name = np.zeros(NAME_BYTES, np.uint8)
         try:
             if self.rank == 0 and available():
                 try:
-                    arena = ShmArena.create(self.size, self.shm.arena_bytes)
+                    arena = ShmArena.create(self.size, nbytes)
                     name = arena.name()
                 except OSError:
                     arena = None
             self._tree_broadcast(c, name, 0)
             if self.rank != 0 and name.any():
                 try:
-                    arena = ShmArena.attach(name, self.size, self.shm.arena_bytes)
+                    arena = ShmArena.attach(name, self.size, nbytes)
                 except (OSError, ValueError):
                     arena = None
             mapped = np.array([arena is not None], np.uint8)

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import numpy as np
 
 from axond.distributed.framing import Call, FramedGroup, TcpTuning
+from axond.distributed.mailbox import MAILBOX_BYTES, ORDERED_STORES, Mailbox
+from axond.distributed.mailbox import arena_bytes as mailbox_bytes
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.shm import ShmArena, ShmTuning
 from axond.distributed.team import Team
@@ -43,12 +45,14 @@ class ShmPlan:
     """Whether the arena (one node) or the node arenas (several) were set up, or tried."""
     _topology: Topology | None
     _topology_known: bool
+    _mailbox: Mailbox | None
+    _mailbox_tried: bool
     _teams: tuple[Team, Team] | None
     """Hierarchical groups: (this node's members, this member and its counterparts on the other nodes)."""
 
     _direct_all_gather: Callable[[Call, np.ndarray], None]
     _recursive_doubling: Callable[[Call, np.ndarray, ReduceOp], None]
-    _make_arena: Callable[[Call], ShmArena | None]
+    _make_arena: Callable[[Call, int], ShmArena | None]
     _shm_min_bytes: Callable[[], int]
     _scratch: Callable[[int, np.dtype, int], np.ndarray]
     _rolling: Callable[[int, np.dtype], np.ndarray]
@@ -73,6 +77,20 @@ class ShmPlan:
         topology = Topology.parse(records)
         return topology if topology.same_settings else None
 
+    def _use_mailbox(self, c: Call, nbytes: int) -> Mailbox | None:
+        """The group's mailbox (see `mailbox`), if an op with `nbytes` of payload per rank (1..MAILBOX_BYTES; 0 for
+        a barrier) should go through it: groups on one node, on x86. Mapped at the group's first such op."""
+        if self.size == 1 or not (self.shm.enabled and self.shm.mailbox and ORDERED_STORES) or nbytes > MAILBOX_BYTES:
+            return None
+        if not self._mailbox_tried:
+            topology = self._nodes(c)
+            if topology is None or len(topology.nodes) > 1:
+                return None
+            self._mailbox_tried = True
+            arena = self.g.run(OP_NAMES[c.op], self._make_arena, c, mailbox_bytes(self.size))
+            self._mailbox = Mailbox(arena, self.rank, self.size) if arena is not None else None
+        return self._mailbox
+
     def _use_shm(self, c: Call, nbytes: int, scale: int = 1) -> ShmArena | None:
         """The group's arena, if an op on `nbytes` should go through it: from `scale` times the threshold (2 for an
         all_reduce that synchronizes twice per step, and for broadcast, whose socket path is one message per
@@ -84,7 +102,7 @@ class ShmPlan:
             return None
         if not self._arena_tried:
             self._arena_tried = True
-            self._arena = self.g.run(OP_NAMES[c.op], self._make_arena, c)
+            self._arena = self.g.run(OP_NAMES[c.op], self._make_arena, c, 0)
         return self._arena
 
     def _use_hierarchy(self, c: Call, nbytes: int, scale: int = 0) -> tuple[Team, Team] | None:

@@ -2,10 +2,11 @@
 
 This file checks arguments and keeps per-op bookkeeping (sequence numbers, frame headers);
 the schedules live in `tcp_algorithms`. Data moves straight from and into the arrays' buffers
-and reductions run in place with NumPy ufuncs. When every member is on this host, large
-all_reduce, broadcast, all_gather and reduce_scatter go through a shared-memory arena instead
-(`shm_algorithms`), with the sockets carrying only the framed synchronizations; a group spread over
-nodes with several members on each all-reduces in two levels (`shm_plan`).
+and reductions run in place with NumPy ufuncs. When every member is on this host, small ops go
+through a shared-memory mailbox (`mailbox`) and large all_reduce, broadcast, all_gather and
+reduce_scatter through a shared-memory arena (`shm_algorithms`), with the sockets carrying only the
+framed synchronizations; a group spread over nodes with several members on each runs large ops in
+two levels (`shm_plan`, `two_level`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed import two_level
 from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
+from axond.distributed.mailbox import Mailbox, MailboxAlgorithms
 from axond.distributed.mesh import Mesh
 from axond.distributed.peer import (
     AUTO_INLINE_BYTES, AUTO_SPIN_SECONDS, Peer, PeerError, PeerTimeout, oversubscribed,
@@ -54,7 +56,7 @@ def _numpy(x: Any, what: str) -> np.ndarray:
     return x
 
 
-class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
+class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backend):
     """Collectives over TCP sockets between the ranks of one group."""
 
     name = "tcp"
@@ -64,9 +66,11 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
         self.tuning = TcpTuning.from_env()
         gid = group_id(group_name)
         where = f"group '{group_name}' (rank {rank} of {size})"
-        mesh = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port, options.timeout, where)
-        self.host = mesh.host
-        socks = mesh.connect_all() if size > 1 else {}
+        socks = {}
+        self.host = ""
+        if size > 1:
+            mesh = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port, options.timeout, where)
+            self.host, socks = mesh.host, mesh.connect_all()
         crowded = self.crowded = oversubscribed(list(socks.values()))
         self.shm = ShmTuning.from_env()
         self._arena: ShmArena | None = None
@@ -74,6 +78,9 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
         self._teams: tuple[Team, Team] | None = None
         self._topology: Topology | None = None
         self._topology_known = False
+        self._mailbox: Mailbox | None = None
+        self._mailbox_tried = False
+        self._mailbox_ops = 0
         self._token = np.zeros(1, np.uint8)
         spin = self.tuning.spin_us * 1e-6 if self.tuning.spin_us >= 0 else (0.0 if crowded else AUTO_SPIN_SECONDS)
         if self.tuning.inline_bytes < 0:
@@ -144,6 +151,10 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
         c = self._call(Op.ALL_REDUCE, x, op)
         if self.size == 1:
             return
+        box = self._use_mailbox(c, x.nbytes) if 0 < x.nbytes else None
+        if box is not None:
+            self._inplace(x, "all_reduce", lambda flat: self._mailbox_all_reduce(c, box, flat, op))
+            return
         arena = self._use_shm(c, x.nbytes, scale=1 if self.size == 2 else 2)
         if arena is not None:
             self._inplace(x, "all_reduce", lambda flat: self._shm_all_reduce(c, arena, flat, op))
@@ -165,10 +176,13 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
         c = self._call(Op.BROADCAST, x, aux=src)
         if self.size == 1:
             return
-        arena = self._use_shm(c, x.nbytes, scale=2)
-        teams = self._use_hierarchy(c, x.nbytes, scale=2) if arena is None else None
+        box = self._use_mailbox(c, x.nbytes) if 0 < x.nbytes else None
+        arena = self._use_shm(c, x.nbytes, scale=2) if box is None else None
+        teams = self._use_hierarchy(c, x.nbytes, scale=2) if arena is None and box is None else None
         body: Callable[[Call, np.ndarray, int], None]
-        if arena is not None:
+        if box is not None:
+            body = lambda c, flat, src: self._mailbox_broadcast(c, box, flat, src)  # noqa: E731
+        elif arena is not None:
             body = lambda c, flat, src: self._shm_broadcast(c, arena, flat, src)  # noqa: E731
         elif teams is not None:
             body = lambda c, flat, src: two_level.broadcast(c, *teams, self._node_list(), src, flat)  # noqa: E731
@@ -199,9 +213,12 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
         out[self.rank] = x
         if self.size == 1:
             return out
-        arena = self._use_shm(c, out.nbytes)
-        teams = self._use_hierarchy(c, out.nbytes, scale=1) if arena is None else None
-        if arena is not None:
+        box = self._use_mailbox(c, x.nbytes) if 0 < x.nbytes else None
+        arena = self._use_shm(c, out.nbytes) if box is None else None
+        teams = self._use_hierarchy(c, out.nbytes, scale=1) if arena is None and box is None else None
+        if box is not None:
+            self.g.run("all_gather", self._mailbox_all_gather, c, box, out)
+        elif arena is not None:
             self.g.run("all_gather", self._shm_all_gather, c, arena, out)
         elif teams is not None:
             self.g.run("all_gather", two_level.all_gather, c, *teams, self._node_list(), out, self._buffer)
@@ -234,9 +251,12 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
                 finish_average(out, 1)
             return out
         src = np.ascontiguousarray(x).reshape(-1)
-        arena = self._use_shm(c, src.nbytes)
-        teams = self._use_hierarchy(c, src.nbytes, scale=1) if arena is None else None
-        if arena is not None:
+        box = self._use_mailbox(c, src.nbytes) if 0 < src.nbytes else None
+        arena = self._use_shm(c, src.nbytes) if box is None else None
+        teams = self._use_hierarchy(c, src.nbytes, scale=1) if arena is None and box is None else None
+        if box is not None:
+            self.g.run("reduce_scatter", self._mailbox_reduce_scatter, c, box, src, out.reshape(-1), op)
+        elif arena is not None:
             self.g.run("reduce_scatter", self._shm_reduce_scatter, c, arena, src, out.reshape(-1), op)
         elif teams is not None:
             self.g.run("reduce_scatter", two_level.reduce_scatter, c, *teams, self._node_list(), src, out.reshape(-1),
@@ -384,7 +404,10 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
         token = np.zeros(1, np.uint8)
         self._seq += 1
         c = self.g.call(Op.BARRIER, Kind.COLLECTIVE, dtype_code(token.dtype), 0, self._seq, 0, 1)
-        if self.size > 1:
+        box = self._use_mailbox(c, 0)
+        if box is not None:
+            self.g.run("barrier", self._mailbox_barrier, c, box)
+        elif self.size > 1:
             self.g.run("barrier", self._recursive_doubling, c, token, ReduceOp.MAX)
 
     def close(self) -> None:
@@ -393,7 +416,9 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, ShmPlan, Backend):
             self._arena.close()
         for team in self._teams or ():
             team.close()
-        self._arena, self._teams, self._arena_tried = None, None, True
+        if self._mailbox is not None:
+            self._mailbox.close()
+        self._arena, self._teams, self._mailbox, self._arena_tried, self._mailbox_tried = None, None, None, True, True
 
     def abort(self, reason: str) -> None:
         """Send every peer an abort frame carrying `reason` (each raises `DistributedError` quoting it) and

@@ -1,0 +1,156 @@
+"""Small ops of a group on one node through its shared-memory mailbox: when it is used, rank-order numbers, buffer
+reuse across ops of every kind (with socket ops in between), mismatches, silent and dead peers, and the knobs.
+
+Every small collective also runs through it in test_collectives (transport "auto") and the random programs.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from axond import DistributedError, ProcessGroup, ReduceOp
+from axond.distributed import BackendOptions, FileStore, create_group
+from axond.distributed.mailbox import MAILBOX_BYTES, ORDERED_STORES
+from axond.distributed.shm import ShmTuning
+from axond.testing import collect_from_processes, run_on
+
+pytestmark = pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox needs x86 store order")
+MakeGroups = Any
+
+
+def mailbox_of(pg: ProcessGroup) -> Any:
+    return pg.backend._mailbox  # type: ignore[union-attr]
+
+
+def test_small_ops_use_the_mailbox_and_larger_ones_the_sockets(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 10.0)
+    out = run_on(gs, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(MAILBOX_BYTES // 8, pg.rank + 1.0)))
+    assert all(mailbox_of(pg) is not None and pg.backend._mailbox_ops == 1 for pg in gs)  # type: ignore[union-attr]
+    assert all((x == 6.0).all() for x in out)
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(MAILBOX_BYTES // 8 + 1)))
+    assert all(pg.backend._mailbox_ops == 1 for pg in gs)  # type: ignore[union-attr]
+    assert glob.glob(f"/dev/shm/axond-{os.getpid()}-*") == []  # unlinked once every member mapped it
+
+
+@pytest.mark.parametrize("setting", ["AXOND_SHM_MAILBOX=0", "AXOND_SHM=0"])
+def test_the_mailbox_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, make_groups: MakeGroups, setting: str) -> None:
+    monkeypatch.setenv(*setting.split("="))
+    gs = make_groups(2, 10.0)
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(3)) or pg.barrier())
+    assert all(mailbox_of(pg) is None for pg in gs)
+    monkeypatch.setenv("AXOND_SHM_MAILBOX", "sometimes")
+    with pytest.raises(ValueError, match="AXOND_SHM_MAILBOX='sometimes'"):
+        ShmTuning.from_env()
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5])
+def test_every_small_op_back_to_back_with_socket_ops_between(make_groups: MakeGroups, size: int) -> None:
+    """Mailbox ops of every kind alternate buffers; gathers and point-to-point ops (on the sockets, where a rank can
+    run ahead of its peers) come between them, so a fast rank posts again while slow ones still read."""
+    gs = make_groups(size, 20.0)
+    rng = np.random.default_rng(size)
+    floats = [rng.standard_normal(101) for _ in range(size)]
+
+    def body(pg: ProcessGroup) -> list[Any]:
+        r, n, got = pg.rank, pg.size, []
+        for i in range(30):
+            if r == i % n:
+                time.sleep(0.002)  # one straggler per round
+            x = floats[r] * (i + 1)
+            pg.all_reduce(x)
+            b = np.full(7, r * 100 + i, np.int16)
+            pg.broadcast(b, i % n)
+            gathered = pg.all_gather(np.full(5, r + i, np.int32))
+            scattered = pg.reduce_scatter(np.arange(n * 3, dtype=np.int64) * (r + 1) + i, ReduceOp.MAX)
+            pg.gather(np.full(2, r), dst=0)  # sockets: non-root ranks return at once
+            pg.barrier()
+            got.append((x, b, gathered, scattered))
+        return got
+
+    want_sum = functools.reduce(np.add, floats)  # rank order, as one process adds them
+    for r, got in enumerate(run_on(gs, body, timeout=60.0)):
+        for i, (x, b, gathered, scattered) in enumerate(got):
+            np.testing.assert_array_equal(x, functools.reduce(np.add, [f * (i + 1) for f in floats]))
+            assert (b == (i % size) * 100 + i).all()
+            assert (gathered == (np.arange(size) + i)[:, None]).all()
+            np.testing.assert_array_equal(scattered, np.arange(r * 3, r * 3 + 3) * size + i)
+    assert want_sum.shape == (101,)
+    assert all(pg.backend._mailbox_ops == 30 * 5 for pg in gs)  # type: ignore[union-attr]
+
+
+def test_mismatched_calls_raise_on_every_rank_naming_both_sides(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 5.0)
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(2)))
+
+    def body(pg: ProcessGroup) -> None:
+        if pg.rank == 2:
+            pg.broadcast(np.ones(4, np.float32), 0)
+        else:
+            pg.all_reduce(np.ones(4, np.float32))
+    errors = run_on(gs, body, return_exceptions=True)
+    assert all(isinstance(e, DistributedError) for e in errors), errors
+    assert all("broadcast" in str(e) and "all_reduce" in str(e) for e in errors), errors
+
+
+def test_a_peer_in_a_socket_op_makes_both_raise(make_groups: MakeGroups) -> None:
+    """A small op against a large one: when the large one sends first, the mailbox side sees the frame of another
+    op on its socket and raises at once; when it waits to receive (the arena's set-up), both sides wait for the
+    other and raise at the timeout."""
+    gs = make_groups(2, 1.0)
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(2)) or pg.all_reduce(np.ones(1 << 14)))  # mailbox and arena up
+    t0 = time.monotonic()
+    errors = run_on(gs, lambda pg: pg.all_reduce(np.ones(4 if pg.rank == 0 else 1 << 14)), return_exceptions=True)
+    assert time.monotonic() - t0 < 0.9
+    assert all(isinstance(e, DistributedError) and "all_reduce" in str(e) for e in errors), errors
+    assert any("4 elements" in str(e) or "(4,)" in str(e) or "count 4" in str(e) for e in errors), errors
+    gs = make_groups(2, 1.0)
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(2)))  # mailbox up, arena not yet
+    t0 = time.monotonic()
+    errors = run_on(gs, lambda pg: pg.all_reduce(np.ones(4 if pg.rank == 0 else 1 << 14)), return_exceptions=True)
+    assert time.monotonic() - t0 < 3.0
+    assert all(isinstance(e, DistributedError) and "timed out" in str(e) for e in errors), errors
+
+
+def test_a_silent_peer_times_out_naming_it(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 1.0)
+    run_on(gs, lambda pg: pg.barrier())
+    t0 = time.monotonic()
+    errors = run_on(gs[:2], lambda pg: pg.all_reduce(np.ones(3)), return_exceptions=True)
+    assert 0.9 < time.monotonic() - t0 < 3.0
+    assert all(isinstance(e, DistributedError) for e in errors), errors
+    assert any("timed out after 1.0 s waiting for peer 2" in str(e) for e in errors), errors
+
+
+def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
+    """Rank 1 kills itself after a few small all-reduces; the others keep going and must raise."""
+    pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0))
+    x = np.ones(16, np.float32)
+    t0 = time.monotonic()
+    try:
+        for i in range(10_000):
+            if rank == 1 and i == 100:
+                os.kill(os.getpid(), signal.SIGKILL)
+            pg.all_reduce(x)
+            t0 = time.monotonic()
+        q.put((rank, "no error", 0.0, False, os.getpid()))
+    except DistributedError as e:
+        q.put((rank, str(e), time.monotonic() - t0, mailbox_of(pg) is not None, os.getpid()))
+    pg.destroy()
+
+
+def test_a_killed_process_makes_the_others_raise_promptly() -> None:
+    items, codes = collect_from_processes(_die_mid_stream, 3, expect=2)
+    got = {r: (m, t, used) for r, m, t, used, _ in items}
+    assert sorted(got) == [0, 2]
+    for msg, took, used in got.values():
+        assert "all_reduce" in msg and "rank 1" in msg and took < 2.0 and used, msg
+    assert codes[1] == -signal.SIGKILL
+    assert all(glob.glob(f"/dev/shm/axond-{pid}-*") == [] for *_, pid in items)
