@@ -83,7 +83,8 @@ def test_every_small_op_back_to_back_with_socket_ops_between(make_groups: MakeGr
             assert (gathered == (np.arange(size) + i)[:, None]).all()
             np.testing.assert_array_equal(scattered, np.arange(r * 3, r * 3 + 3) * size + i)
     assert want_sum.shape == (101,)
-    assert all(pg.backend._mailbox_ops == 30 * 5 for pg in gs)  # type: ignore[union-attr]
+    crowded = gs[0].backend.crowded  # type: ignore[union-attr]  # then broadcast keeps its socket tree
+    assert all(pg.backend._mailbox_ops == 30 * (4 if crowded else 5) for pg in gs)  # type: ignore[union-attr]
 
 
 def test_mismatched_calls_raise_on_every_rank_naming_both_sides(make_groups: MakeGroups) -> None:

@@ -1,10 +1,10 @@
 """How a tcp group uses shared memory, decided by every member together.
 
-At the group's first large op the members exchange their addresses (the same address: the same node)
-and arena sizes over the sockets, so each derives the same `Topology`. Then:
+At the group's first op that could use shared memory the members exchange their addresses (the same
+address: the same node) and arena sizes over the sockets, so each derives the same `Topology`. Then:
 
-- Every member on one node: one arena for the group (`ShmAlgorithms`), for all_reduce, broadcast,
-  all_gather and reduce_scatter, mapped at the first op that uses it.
+- Every member on one node: a mailbox for small ops (`mailbox`) and an arena for large all_reduce,
+  broadcast, all_gather and reduce_scatter (`ShmAlgorithms`), each mapped at the first op that uses it.
 - Spread over nodes with as many members on each (two or more): an arena per node, mapped at the first
   op large enough. From then on large all_reduce (`ShmAlgorithms._shm_all_reduce` with `across`),
   broadcast, all_gather and reduce_scatter (`two_level`) run in two levels: through the node's arena,
@@ -63,7 +63,8 @@ class ShmPlan:
         return self.size > 1 and self.shm.enabled and nbytes >= max(1, scale * self._shm_min_bytes())
 
     def _nodes(self, c: Call) -> Topology | None:
-        """The group's topology, gathered at the first large op (None: the members' settings differ)."""
+        """The group's topology, gathered at its first op that could use shared memory (None: the members' arena
+        sizes differ)."""
         if not self._topology_known:
             self._topology_known = True
             self._topology = self.g.run(OP_NAMES[c.op], self._gather_topology, c)
