@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from axond import ProcessGroup, ReduceOp
+from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed.shm import ShmTuning
 from axond.testing import thread_groups
 
@@ -72,3 +76,20 @@ def group_members(size: int, transport: str) -> Iterator[list[ProcessGroup]]:
     yield gs
     for g in gs:
         g.destroy()
+
+
+def all_reduce_until_killed(pg: ProcessGroup, x: np.ndarray, rounds: int, kill_at: int, q: Any,
+                            used: Callable[[ProcessGroup], bool]) -> None:
+    """Killed-process tests: all-reduce `x` `rounds` times; rank 1 SIGKILLs itself before round `kill_at`. Every
+    other rank puts (rank, error message, seconds since its last completed op, `used(pg)`, pid) on `q`."""
+    t0 = time.monotonic()
+    try:
+        for i in range(rounds):
+            if pg.rank == 1 and i == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            pg.all_reduce(x)
+            t0 = time.monotonic()
+        q.put((pg.rank, "no error", 0.0, False, os.getpid()))
+    except DistributedError as e:
+        q.put((pg.rank, str(e), time.monotonic() - t0, used(pg), os.getpid()))
+    pg.destroy()

@@ -25,7 +25,7 @@ from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.shm import ShmArena, ShmTuning
 from axond.distributed.topology import RECORD_BYTES, Topology, describe
 from axond.testing import collect_from_processes, node_hosts, run_on, thread_groups
-from collective_cases import DTYPES, TRANSPORTS, make, reference
+from collective_cases import all_reduce_until_killed, DTYPES, TRANSPORTS, make, reference
 
 SMALL_ARENA = TRANSPORTS["shm"]
 """Shared memory for every size, through a 64 KiB arena (many steps per op)."""
@@ -280,18 +280,7 @@ def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
     """Four processes on two simulated nodes; rank 1 kills itself after a few large all-reduces."""
     pg = create_group(FileStore(store_dir), rank, size, "tcp",
                       BackendOptions(timeout=5.0, host=node_hosts(size, 2)[rank]))
-    x = np.ones(3_000_000, np.float32)
-    t0 = time.monotonic()
-    try:
-        for i in range(50):
-            if rank == 1 and i == 3:
-                os.kill(os.getpid(), signal.SIGKILL)
-            pg.all_reduce(x)
-            t0 = time.monotonic()
-        q.put((rank, "no error", 0.0, False, os.getpid()))
-    except DistributedError as e:
-        q.put((rank, str(e), time.monotonic() - t0, teams_of(pg) is not None, os.getpid()))
-    pg.destroy()
+    all_reduce_until_killed(pg, np.ones(3_000_000, np.float32), 50, 3, q, lambda pg: teams_of(pg) is not None)
 
 
 def test_a_killed_process_makes_every_other_raise_promptly() -> None:

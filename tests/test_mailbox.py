@@ -21,6 +21,7 @@ from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.mailbox import MAILBOX_BYTES, ORDERED_STORES
 from axond.distributed.shm import ShmTuning
 from axond.testing import collect_from_processes, run_on
+from collective_cases import all_reduce_until_killed
 
 pytestmark = pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox needs x86 store order")
 MakeGroups = Any
@@ -133,18 +134,7 @@ def test_a_silent_peer_times_out_naming_it(make_groups: MakeGroups) -> None:
 def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
     """Rank 1 kills itself after a few small all-reduces; the others keep going and must raise."""
     pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0))
-    x = np.ones(16, np.float32)
-    t0 = time.monotonic()
-    try:
-        for i in range(10_000):
-            if rank == 1 and i == 100:
-                os.kill(os.getpid(), signal.SIGKILL)
-            pg.all_reduce(x)
-            t0 = time.monotonic()
-        q.put((rank, "no error", 0.0, False, os.getpid()))
-    except DistributedError as e:
-        q.put((rank, str(e), time.monotonic() - t0, mailbox_of(pg) is not None, os.getpid()))
-    pg.destroy()
+    all_reduce_until_killed(pg, np.ones(16, np.float32), 10_000, 100, q, lambda pg: mailbox_of(pg) is not None)
 
 
 def test_a_killed_process_makes_the_others_raise_promptly() -> None:

@@ -23,7 +23,7 @@ from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.shm import AUTO_MIN_BYTES, ShmArena, ShmTuning, chunk_bytes
 from axond.testing import collect_from_processes, run_on, run_processes
-from collective_cases import TRANSPORTS
+from collective_cases import all_reduce_until_killed, TRANSPORTS
 
 MakeGroups = Any
 SMALL_ARENA = TRANSPORTS["shm"]
@@ -215,19 +215,7 @@ def test_a_silent_peer_times_out_on_the_shared_memory_path(make_groups: MakeGrou
 def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
     """Rank 1 kills itself after a few large all-reduces; the others keep going and must raise."""
     pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0))
-    x = np.ones(3_000_000, np.float32)
-    t0 = time.monotonic()
-    try:
-        for i in range(50):
-            if rank == 1 and i == 3:
-                os.kill(os.getpid(), signal.SIGKILL)
-            pg.all_reduce(x)
-            t0 = time.monotonic()
-        q.put((rank, "no error", 0.0, False, os.getpid()))
-    except DistributedError as e:
-        used = arena_of(pg) is not None
-        q.put((rank, str(e), time.monotonic() - t0, used, os.getpid()))
-    pg.destroy()
+    all_reduce_until_killed(pg, np.ones(3_000_000, np.float32), 50, 3, q, lambda pg: arena_of(pg) is not None)
 
 
 def test_a_killed_process_makes_the_others_raise_promptly() -> None:

@@ -168,13 +168,16 @@ class MailboxAlgorithms:
         return False
 
     def _mailbox_all_reduce(self, c: Call, box: Mailbox, x: np.ndarray, op: ReduceOp) -> None:
-        data = box.payloads(self._post(c, box, x), x.dtype, x.size)
+        self._reduce_rows(box.payloads(self._post(c, box, x), x.dtype, x.size), x, op)
+
+    def _reduce_rows(self, rows: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        """out <- the reduction of every rank's row of `rows`, in rank order."""
         ufunc: Callable[..., np.ndarray] = UFUNCS[op]
-        ufunc(data[0], data[1], out=x)
+        ufunc(rows[0], rows[1], out=out)
         for p in range(2, self.size):
-            ufunc(x, data[p], out=x)
+            ufunc(out, rows[p], out=out)
         if op is ReduceOp.AVG:
-            finish_average(x, self.size)
+            finish_average(out, self.size)
 
     def _mailbox_broadcast(self, c: Call, box: Mailbox, x: np.ndarray, src: int) -> None:
         buf = self._post(c, box, x if self.rank == src else None)
@@ -189,12 +192,7 @@ class MailboxAlgorithms:
                                 op: ReduceOp) -> None:
         per = out.size
         parts = box.payloads(self._post(c, box, src), src.dtype, src.size)[:, self.rank * per : (self.rank + 1) * per]
-        ufunc: Callable[..., np.ndarray] = UFUNCS[op]
-        ufunc(parts[0], parts[1], out=out)
-        for p in range(2, self.size):
-            ufunc(out, parts[p], out=out)
-        if op is ReduceOp.AVG:
-            finish_average(out, self.size)
+        self._reduce_rows(parts, out, op)
 
     def _mailbox_barrier(self, c: Call, box: Mailbox) -> None:
         self._post(c, box, None)
