@@ -75,6 +75,8 @@ class Mailbox:
         self.base = [[(b * (size + 1) + p) * SLOT_BYTES for p in range(size)] for b in (0, 1)]
         """Byte offset of each rank's slot in each buffer."""
         self.others = [p for p in range(size) if p != rank]
+        self.peer_seqs = [[(self.base[b][p] // 8, p) for p in self.others] for b in (0, 1)]
+        """(index in `words` of the sequence word, rank) of each peer's slot in each buffer."""
         self._payloads: dict[tuple[int, np.dtype, int], np.ndarray] = {}
 
     def payloads(self, buf: int, dtype: np.dtype, count: int) -> np.ndarray:
@@ -114,13 +116,11 @@ class MailboxAlgorithms:
         me = base[self.rank]
         nbytes = 0 if payload is None else payload.nbytes
         HEAD.pack_into(raw, me + 8, *c.expect, nbytes)
-        if nbytes:
-            box.payloads(buf, np.dtype(np.uint8), nbytes)[self.rank] = payload.view(np.uint8)  # type: ignore[union-attr]
+        if payload is not None and nbytes:
+            box.payloads(buf, np.dtype(np.uint8), nbytes)[self.rank] = payload.view(np.uint8)
         words[me // 8] = k  # last: a peer that sees the sequence number sees the rest (x86 store order)
-        for p in box.others:
-            if words[base[p] // 8] < k:
-                self._wait(c, box, buf, k)
-                break
+        if self._missing(box, buf, k):
+            self._wait(c, box, buf, k)
         mine = raw[me + 8 : me + 72]  # the calls; the payload sizes differ in a broadcast
         for p in box.others:
             if raw[base[p] + 8 : base[p] + 72] != mine:
@@ -128,19 +128,14 @@ class MailboxAlgorithms:
         return buf
 
     def _missing(self, box: Mailbox, buf: int, k: int) -> list[int]:
-        words, base = box.words, box.base[buf]
-        return [p for p in box.others if words[base[p] // 8] < k]
+        """The peers that have not posted op `k` yet."""
+        words = box.words
+        return [p for at, p in box.peer_seqs[buf] if words[at] < k]
 
     def _wait(self, c: Call, box: Mailbox, buf: int, k: int) -> None:
         now = time.perf_counter()
         spin_until, check_at = now + SPIN_SECONDS, now + CHECK_SECONDS
-        words, offsets = box.words, [box.base[buf][p] // 8 for p in box.others]
-        while True:
-            for at in offsets:
-                if words[at] < k:
-                    break
-            else:
-                return
+        while self._missing(box, buf, k):
             now = time.perf_counter()
             if now < spin_until and now < check_at:
                 os.sched_yield()

@@ -27,7 +27,6 @@ from axond.distributed.framing import Call, FramedGroup
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
 from axond.distributed.shm import AUTO_MIN_BYTES, NAME_BYTES, ShmArena, ShmTuning, available, unlink
-from axond.distributed.wire import OP_NAMES
 
 
 class ShmAlgorithms:
