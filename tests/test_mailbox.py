@@ -6,6 +6,7 @@ Every small collective also runs through it in test_collectives (transport "auto
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import os
@@ -103,9 +104,8 @@ def test_mismatched_calls_raise_on_every_rank_naming_both_sides(make_groups: Mak
 
 
 def test_a_peer_in_a_socket_op_makes_both_raise(make_groups: MakeGroups) -> None:
-    """A small op against a large one: when the large one sends first, the mailbox side sees the frame of another
-    op on its socket and raises at once; when it waits to receive (the arena's set-up), both sides wait for the
-    other and raise at the timeout."""
+    """A small op against a large one. When the large one sends first, the mailbox side sees the frame of another op
+    on its socket and raises at once."""
     gs = make_groups(2, 1.0)
     run_on(gs, lambda pg: pg.all_reduce(np.ones(2)) or pg.all_reduce(np.ones(1 << 14)))  # mailbox and arena up
     t0 = time.monotonic()
@@ -113,12 +113,47 @@ def test_a_peer_in_a_socket_op_makes_both_raise(make_groups: MakeGroups) -> None
     assert time.monotonic() - t0 < 0.9
     assert all(isinstance(e, DistributedError) and "all_reduce" in str(e) for e in errors), errors
     assert any("4 elements" in str(e) or "(4,)" in str(e) or "count 4" in str(e) for e in errors), errors
-    gs = make_groups(2, 1.0)
+
+
+@pytest.mark.parametrize("case", ["arena set-up", "broadcast", "sockets only"])
+def test_a_peer_waiting_to_receive_in_a_socket_op_makes_both_raise_early(
+        monkeypatch: pytest.MonkeyPatch, make_groups: MakeGroups, case: str) -> None:
+    """A small op against a larger one that starts by receiving from the mailbox side (the arena's set-up, a
+    broadcast's non-root): each waits for the other, until the waiting side's socket wait wakes up, finds the peer's
+    mailbox post under its own op's number, and raises naming both calls; the peer gets its abort frame. Well
+    before the timeout (10 s)."""
+    if case == "sockets only":
+        monkeypatch.setenv("AXOND_SHM_MIN_BYTES", str(1 << 40))
+    gs = make_groups(3, 10.0)
     run_on(gs, lambda pg: pg.all_reduce(np.ones(2)))  # mailbox up, arena not yet
+
+    def body(pg: ProcessGroup) -> None:
+        if case == "arena set-up":
+            pg.all_reduce(np.ones(4 if pg.rank == 0 else 1 << 16))
+        elif pg.rank == 0:
+            pg.all_reduce(np.ones(4))
+        else:
+            pg.broadcast(np.ones(1 << 18), 0)
     t0 = time.monotonic()
-    errors = run_on(gs, lambda pg: pg.all_reduce(np.ones(4 if pg.rank == 0 else 1 << 14)), return_exceptions=True)
-    assert time.monotonic() - t0 < 3.0
-    assert all(isinstance(e, DistributedError) and "timed out" in str(e) for e in errors), errors
+    errors = run_on(gs, body, return_exceptions=True)
+    assert time.monotonic() - t0 < 2.5
+    assert all(isinstance(e, DistributedError) for e in errors), errors
+    want = "broadcast" if case != "arena set-up" else "all_reduce"
+    assert all(want in str(e) and "timed out" not in str(e) for e in errors), errors
+    assert any("all_reduce" in str(e) and "4 elements" in str(e) and "called" in str(e) for e in errors), errors
+
+
+def test_different_mailbox_settings_raise_instead_of_waiting(make_groups: MakeGroups) -> None:
+    """A member whose mailbox is off (here: switched off after set-up) runs a small op on the sockets while the
+    others post it in the mailbox: it raises, saying the settings must match, and so do they."""
+    gs = make_groups(2, 10.0)
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(2)))
+    gs[1].backend.shm = dataclasses.replace(gs[1].backend.shm, mailbox=False)  # type: ignore[union-attr]
+    t0 = time.monotonic()
+    errors = run_on(gs, lambda pg: pg.all_reduce(np.ones(2)), return_exceptions=True)
+    assert time.monotonic() - t0 < 2.5
+    assert all(isinstance(e, DistributedError) for e in errors), errors
+    assert all("AXOND_SHM_MAILBOX alike on every rank" in str(e) for e in errors), errors
 
 
 def test_a_silent_peer_times_out_naming_it(make_groups: MakeGroups) -> None:

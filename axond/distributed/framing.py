@@ -170,6 +170,20 @@ class FramedGroup:
         """Says what a silent peer is doing, for timeout messages (see `Backend.explain_timeouts`)."""
         self.ranks: list[int] | None = None
         """For a `subset`: the group rank of each of its peer indices (messages name group ranks)."""
+        self.current: Call | None = None
+        """The call this member started last: the one it runs while it waits."""
+        self._watch: Callable[[Call], None] | None = None
+
+    def watch(self, check: Callable[[Call], None]) -> None:
+        """Have every wait on the sockets (each receive, send and exchange) run `check(current call)` whenever it
+        wakes up without progress, every RECV_WAKEUP: it may raise to end the wait (see `mailbox`)."""
+        self._watch = check
+        for peer in self.peers.values():
+            peer.idle = self._idle
+
+    def _idle(self) -> None:
+        if self._watch is not None and self.current is not None:
+            self._watch(self.current)
 
     def subset(self, members: list[int]) -> FramedGroup:
         """The same sockets seen as a smaller group: peer i is group rank members[i] (this rank is among them).
@@ -192,7 +206,9 @@ class FramedGroup:
                 f"{self.where(OP_NAMES[op])}: the group was aborted by an earlier failure ({self._aborted}); "
                 "destroy it and create a new group", op=OP_NAMES[op], group=self._group_name, rank=self._rank)
         self._op_name = OP_NAMES[op]
-        return Call(op, kind, dtype, redop, seq & 0xFFFFFFFF, aux, count, time.monotonic() + self._timeout, self._gid)
+        c = self.current = Call(op, kind, dtype, redop, seq & 0xFFFFFFFF, aux, count, time.monotonic() + self._timeout,
+                                self._gid)
+        return c
 
     def run(self, op_name: str, fn: Callable[..., T], *args: object) -> T:
         """Run one op body, turning any transport failure into `DistributedError` and aborting the group."""
@@ -288,7 +304,8 @@ class FramedGroup:
                     elif sw.registered:
                         poller.unregister(sw.peer.sock.fileno())
                         sw.registered = False
-                poller.poll(min(left, POLL_WAKEUP) * 1000)
+                if not poller.poll(min(left, POLL_WAKEUP) * 1000):
+                    self._idle()
         finally:
             for sw in swaps:
                 sw.peer.write_lock.release()

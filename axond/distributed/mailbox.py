@@ -18,6 +18,11 @@ rank order, as everywhere.
   group's sockets. There an abort frame, a closed connection (a dead peer), or a frame of some other op
   (a peer that called something else) raises as on sockets, and the deadline raises a timeout naming
   the first member that is missing.
+- **A peer waiting on the sockets:** a rank in a larger op that waits for a frame from a member that is in a
+  mailbox op instead would wait for ever, and so would that member. So while a group has a mailbox, every
+  wake-up of a wait on its sockets (every RECV_WAKEUP) looks at the members' slots: one that posted the
+  mailbox op this rank would run next, under the number of the op this rank runs now, called something
+  else, and this rank raises (the member then sees its abort frame).
 - **Memory order:** payload, then sequence number: an x86 store order that every x86 core observes in
   that order (TSO). Other architectures keep small ops on the sockets.
 """
@@ -38,6 +43,7 @@ from axond.distributed.peer import PeerTimeout
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
 from axond.distributed.shm import ShmArena
+from axond.distributed.wire import Kind
 
 MAILBOX_BYTES = 4096
 """Largest payload per rank that goes through the mailbox (all_gather: one block; reduce_scatter: the input)."""
@@ -57,6 +63,8 @@ ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686
 def arena_bytes(size: int) -> int:
     """The `ShmArena` size whose slots are SLOT_BYTES: two buffers of size + 1 slots."""
     return 2 * (size + 1) * SLOT_BYTES
+
+SAME_SETTINGS = "set AXOND_SHM and AXOND_SHM_MAILBOX alike on every rank"
 
 
 HEAD = struct.Struct("<9q")
@@ -105,6 +113,7 @@ class MailboxAlgorithms:
     size: int
     _mailbox_ops: int
     """Mailbox ops run so far in this group: the next one's sequence number minus one."""
+    _mailbox: Mailbox | None
 
     def _post(self, c: Call, box: Mailbox, payload: np.ndarray | None) -> int:
         """Write `payload` (flat, contiguous, or None) to this rank's slot and wait for every member's slot of
@@ -126,6 +135,25 @@ class MailboxAlgorithms:
             if raw[base[p] + 8 : base[p] + 72] != mine:
                 self.g.reject(c, p, HEAD.unpack_from(raw, base[p] + 8), nbytes)
         return buf
+
+    def _watch_mailbox(self, c: Call) -> None:
+        """Run by waits on the sockets in call `c` (see `FramedGroup.watch`): raise if a member posted `c`'s op
+        number in the mailbox, i.e. it runs a small op where this rank runs `c` (or, with the same call, its
+        AXOND_SHM* settings differ). A member's later op under a later number is a member that ran ahead."""
+        box, k = self._mailbox, self._mailbox_ops + 1
+        if box is None or c.kind != Kind.COLLECTIVE:
+            return
+        buf, words = k & 1, box.words
+        for at, p in box.peer_seqs[buf]:
+            if words[at] != k:
+                continue
+            head = HEAD.unpack_from(box.raw, box.base[buf][p] + 8)
+            if words[at] != k or head[4] != c.seq:  # written before its sequence word; re-read: not overwritten
+                continue
+            if head[:8] == c.expect:
+                raise self.g.error(c, p, f"peer rank {p} runs this call through the shared mailbox but this rank "
+                                         f"over the sockets: {SAME_SETTINGS}")
+            self.g.reject(c, p, head, None)
 
     def _missing(self, box: Mailbox, buf: int, k: int) -> list[int]:
         """The peers that have not posted op `k` yet."""
@@ -159,7 +187,8 @@ class MailboxAlgorithms:
             if peers[index].sock in ready:
                 # it has not posted this op, so this frame is no later op's: an abort, EOF or another call
                 self.g.expect(c, index, None)
-                raise self.g.error(c, index, f"peer rank {index} sent a frame during a mailbox op")
+                raise self.g.error(c, index, f"peer rank {index} runs this call over the sockets but this rank "
+                                             f"through the shared mailbox: {SAME_SETTINGS}")
         return False
 
     def _mailbox_all_reduce(self, c: Call, box: Mailbox, x: np.ndarray, op: ReduceOp) -> None:

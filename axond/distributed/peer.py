@@ -15,6 +15,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -121,6 +122,8 @@ class Peer:
         self._small_view = memoryview(self._small)
         self._got = 0
         self._small_arrays: dict[tuple[np.dtype, int], np.ndarray] = {}
+        self.idle: Callable[[], None] | None = None
+        """Run each time a blocking wait wakes up without progress (every RECV_WAKEUP); may raise to end it."""
         tune_socket(sock, timeout)
 
     def send(self, header: bytes, payload: memoryview | None) -> int:
@@ -225,7 +228,8 @@ class Peer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeout(f"send to peer {self.rank} did not complete", self.rank)
-                self._cond.wait(min(left, 1.0))
+                if not self._cond.wait(min(left, RECV_WAKEUP)) and self.idle is not None and self._done < ticket:
+                    self.idle()
 
     def _failure(self) -> PeerError:
         """The stored send failure as a fresh exception of the same kind (timeout or closed link)."""
@@ -326,6 +330,8 @@ class Peer:
             except (BlockingIOError, TimeoutError) as e:
                 if time.monotonic() >= deadline:
                     raise PeerTimeout(f"no data from peer {self.rank}", self.rank) from e
+                if self.idle is not None:
+                    self.idle()
                 continue
             except OSError as e:
                 raise PeerClosed(f"receive from peer {self.rank} failed: {e}", self.rank) from e

@@ -53,6 +53,7 @@ class ShmPlan:
     _direct_all_gather: Callable[[Call, np.ndarray], None]
     _recursive_doubling: Callable[[Call, np.ndarray, ReduceOp], None]
     _make_arena: Callable[[Call, int], ShmArena | None]
+    _watch_mailbox: Callable[[Call], None]
     _shm_min_bytes: Callable[[], int]
     _scratch: Callable[[int, np.dtype, int], np.ndarray]
     _rolling: Callable[[int, np.dtype], np.ndarray]
@@ -90,6 +91,8 @@ class ShmPlan:
             self._mailbox_tried = True
             arena = self.g.run(OP_NAMES[c.op], self._make_arena, c, mailbox_bytes(self.size))
             self._mailbox = Mailbox(arena, self.rank, self.size) if arena is not None else None
+            if self._mailbox is not None:
+                self.g.watch(self._watch_mailbox)
         return self._mailbox
 
     def _use_shm(self, c: Call, nbytes: int, scale: int = 1) -> ShmArena | None:
