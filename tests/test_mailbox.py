@@ -115,14 +115,15 @@ def test_a_peer_in_a_socket_op_makes_both_raise(make_groups: MakeGroups) -> None
     assert any("4 elements" in str(e) or "(4,)" in str(e) or "count 4" in str(e) for e in errors), errors
 
 
-@pytest.mark.parametrize("case", ["arena set-up", "broadcast", "sockets only"])
+@pytest.mark.parametrize("case", ["arena set-up", "broadcast", "sockets only", "root sends"])
 def test_a_peer_waiting_to_receive_in_a_socket_op_makes_both_raise_early(
         monkeypatch: pytest.MonkeyPatch, make_groups: MakeGroups, case: str) -> None:
     """A small op against a larger one that starts by receiving from the mailbox side (the arena's set-up, a
-    broadcast's non-root): each waits for the other, until the waiting side's socket wait wakes up, finds the peer's
+    broadcast's non-root), or that sends more than the sockets hold (the root of a large broadcast, once the mailbox
+    side stopped reading): each waits for the other, until the waiting side's socket wait wakes up, finds the peer's
     mailbox post under its own op's number, and raises naming both calls; the peer gets its abort frame. Well
     before the timeout (10 s)."""
-    if case == "sockets only":
+    if case in ("sockets only", "root sends"):
         monkeypatch.setenv("AXOND_SHM_MIN_BYTES", str(1 << 40))
     gs = make_groups(3, 10.0)
     run_on(gs, lambda pg: pg.all_reduce(np.ones(2)))  # mailbox up, arena not yet
@@ -130,6 +131,11 @@ def test_a_peer_waiting_to_receive_in_a_socket_op_makes_both_raise_early(
     def body(pg: ProcessGroup) -> None:
         if case == "arena set-up":
             pg.all_reduce(np.ones(4 if pg.rank == 0 else 1 << 16))
+        elif case == "root sends":
+            if pg.rank == 1:
+                pg.broadcast(np.ones(8 << 20), 1)  # 64 MiB: more than the socket buffers take
+            else:
+                pg.all_reduce(np.ones(4))
         elif pg.rank == 0:
             pg.all_reduce(np.ones(4))
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -172,17 +173,19 @@ class FramedGroup:
         """For a `subset`: the group rank of each of its peer indices (messages name group ranks)."""
         self.current: Call | None = None
         """The call this member started last: the one it runs while it waits."""
+        self._current_thread = 0
         self._watch: Callable[[Call], None] | None = None
 
     def watch(self, check: Callable[[Call], None]) -> None:
-        """Have every wait on the sockets (each receive, send and exchange) run `check(current call)` whenever it
-        wakes up without progress, every RECV_WAKEUP: it may raise to end the wait (see `mailbox`)."""
+        """Have the waits of the current call on the sockets (each receive, send and exchange) run `check(call)`
+        whenever they wake up without progress, every RECV_WAKEUP: it may raise to end the wait (see `mailbox`).
+        Only in the thread that runs the call: another thread waiting for an isend does not run it."""
         self._watch = check
         for peer in self.peers.values():
             peer.idle = self._idle
 
     def _idle(self) -> None:
-        if self._watch is not None and self.current is not None:
+        if self._watch is not None and self.current is not None and threading.get_ident() == self._current_thread:
             self._watch(self.current)
 
     def subset(self, members: list[int]) -> FramedGroup:
@@ -206,6 +209,7 @@ class FramedGroup:
                 f"{self.where(OP_NAMES[op])}: the group was aborted by an earlier failure ({self._aborted}); "
                 "destroy it and create a new group", op=OP_NAMES[op], group=self._group_name, rank=self._rank)
         self._op_name = OP_NAMES[op]
+        self._current_thread = threading.get_ident()
         c = self.current = Call(op, kind, dtype, redop, seq & 0xFFFFFFFF, aux, count, time.monotonic() + self._timeout,
                                 self._gid)
         return c

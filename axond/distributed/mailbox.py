@@ -19,7 +19,7 @@ rank order, as everywhere.
   (a peer that called something else) raises as on sockets, and the deadline raises a timeout naming
   the first member that is missing.
 - **A peer waiting on the sockets:** a rank in a larger op that waits for a frame from a member that is in a
-  mailbox op instead would wait for ever, and so would that member. So while a group has a mailbox, every
+  mailbox op instead (or for it to read one) would wait until the timeout, and so would that member. So while a group has a mailbox, every
   wake-up of a wait on its sockets (every RECV_WAKEUP) looks at the members' slots: one that posted the
   mailbox op this rank would run next, under the number of the op this rank runs now, called something
   else, and this rank raises (the member then sees its abort frame).
