@@ -154,6 +154,8 @@ def subgroups(groups: list[ProcessGroup]) -> Iterator[list[list[ProcessGroup]]]:
         for sub in subs:
             if hasattr(sub.backend, "shm"):
                 sub.backend.shm = world.backend.shm  # type: ignore[union-attr]
+                if not world.backend.crowded:  # type: ignore[union-attr]  # told it has a core per rank: so do they
+                    sub.backend.crowded = False  # type: ignore[union-attr]
         return [world, *subs]
     subs = run_on(groups, build)
     try:
@@ -204,11 +206,13 @@ def finish(pending: list[tuple[int, Any, Any]], results: dict[int, Any]) -> None
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("seed, crowded, transport", [
     (11, None, "auto"), (12, None, "sockets"), (13, None, "shm"), (14, None, "auto"), (15, False, "sockets"),
-    (16, False, "auto"), (17, False, "shm"), (18, None, "sockets"), (19, None, "nodes"), (20, False, "nodes")])
+    (16, False, "auto"), (17, False, "shm"), (18, None, "sockets"), (19, None, "nodes"), (20, False, "nodes"),
+    (29, None, "spin"), (30, None, "spin")])
 def test_a_random_program_matches_numpy_on_every_rank(make_groups: Any, seed: int, crowded: bool | None,
                                                       transport: str) -> None:
     """`crowded=False`: the algorithms of a host with a core per rank (rings rather than pairwise exchanges);
-    `transport`: see conftest's TRANSPORTS (shm: every op of every group through its own small arena; nodes: the
+    `transport`: see conftest's TRANSPORTS (shm: every op of every group through its own small arena; spin: the same,
+    its steps synchronized through the mailbox; nodes: the
     world all-reduces in two levels, group [1, 3] lies on one node, the others span nodes unevenly)."""
     steps = program(seed, 50)
     assert {s.op for s in steps} >= {"all_reduce", "all_gather", "all_to_all_uneven"}

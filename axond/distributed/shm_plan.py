@@ -107,6 +107,8 @@ class ShmPlan:
         if not self._arena_tried:
             self._arena_tried = True
             self._arena = self.g.run(OP_NAMES[c.op], self._make_arena, c, 0)
+            if self._arena is not None:
+                self._use_mailbox(c, 0)  # its steps synchronize through the mailbox (see `_sync`)
         return self._arena
 
     def _use_hierarchy(self, c: Call, nbytes: int, scale: int = 0) -> tuple[Team, Team] | None:

@@ -105,6 +105,17 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         self._seq += 1
         return self.g.call(op, Kind.COLLECTIVE, code, REDUCE_CODES[redop.value] if redop else 0, self._seq, aux, x.size)
 
+    def _sync(self, c: Call) -> None:
+        """A step of an op through the arena: through the mailbox where it is mapped and each rank has a core to
+        spin on, one round without system calls (interleaved A/B at 2 ranks: 256 KiB to 1 MiB ops 1.1-1.5x);
+        else a one-byte exchange over the sockets (spinning ranks would take the cores of those still copying).
+        Either way the headers are compared: a peer in another call raises."""
+        box = self._mailbox
+        if box is not None and not self.crowded:
+            self._post(c, box, None)
+        else:
+            self._recursive_doubling(c, self._token, ReduceOp.MAX)
+
     def _scratch(self, nbytes: int, dtype: np.dtype, count: int) -> np.ndarray:
         key = (nbytes, dtype, count)
         view = self._views.get(key)
