@@ -54,9 +54,9 @@ TRANSPORTS = {
 }
 """How a test group of threads moves data: the defaults (small ops through the mailbox, large ones from
 AXOND_SHM_MIN_BYTES through the arena), sockets only (as between hosts), shared memory for every op through a
-small arena (many steps per op; no mailbox), "spin": the same with the mailbox, on backends told each rank has a
-core (so the arena's steps synchronize through the mailbox), or "nodes": the same arena settings with rank r on
-simulated node r % 2 (`node_hosts`), so 4 ranks run large ops in two levels."""
+small arena (many steps per op, synchronized over the sockets; no mailbox), "spin": the same with the mailbox (the
+steps synchronize through it), or "nodes": the same arena settings with rank r on simulated node r % 2
+(`node_hosts`), so 4 ranks run large ops in two levels."""
 NODES = 2
 
 
@@ -65,8 +65,6 @@ def use_transport(groups: list[ProcessGroup], transport: str) -> list[ProcessGro
     tuning = TRANSPORTS[transport]
     for g in groups if tuning is not None else ():
         g.backend.shm = tuning  # type: ignore[union-attr]
-        if transport == "spin":
-            g.backend.crowded = False  # type: ignore[union-attr]
     return groups
 
 

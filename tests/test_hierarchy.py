@@ -236,8 +236,9 @@ def test_small_ops_stay_on_sockets_and_the_first_large_one_sets_the_teams_up() -
     try:
         crowded = gs[0].backend.crowded  # type: ignore[union-attr]
         threshold = (256 << 10) if crowded else (64 << 10)
-        run_on(gs, lambda pg: pg.all_reduce(np.ones(threshold // 8 - 1)))
-        assert all(teams_of(pg) is None and not pg.backend._topology_known for pg in gs)  # type: ignore[union-attr]
+        run_on(gs, lambda pg: pg.all_reduce(np.ones(threshold // 8 - 1)))  # (gathers the topology: a node's arena
+        assert all(teams_of(pg) is None and not pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+        # would take it from 4 KiB, synchronized through the mailbox; the teams synchronize over the sockets)
         run_on(gs, lambda pg: pg.all_gather(np.ones(threshold // 4 // 8)))  # all_gather counts its output
         assert all(teams_of(pg) is not None for pg in gs)
         b = run_on(gs, lambda pg: (lambda x: pg.broadcast(x, 3) or x)(np.full(threshold // 8, pg.rank, np.float64)))

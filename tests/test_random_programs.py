@@ -154,8 +154,6 @@ def subgroups(groups: list[ProcessGroup]) -> Iterator[list[list[ProcessGroup]]]:
         for sub in subs:
             if hasattr(sub.backend, "shm"):
                 sub.backend.shm = world.backend.shm  # type: ignore[union-attr]
-                if not world.backend.crowded:  # type: ignore[union-attr]  # told it has a core per rank: so do they
-                    sub.backend.crowded = False  # type: ignore[union-attr]
         return [world, *subs]
     subs = run_on(groups, build)
     try:

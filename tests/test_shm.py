@@ -21,7 +21,8 @@ import pytest
 import axond
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
-from axond.distributed.shm import AUTO_MIN_BYTES, ShmArena, ShmTuning, chunk_bytes
+from axond.distributed.mailbox import ORDERED_STORES
+from axond.distributed.shm import AUTO_MIN_BYTES, MAILBOX_SYNC_MIN_BYTES, ShmArena, ShmTuning, chunk_bytes
 from axond.testing import collect_from_processes, run_on, run_processes
 from collective_cases import all_reduce_until_killed, TRANSPORTS
 
@@ -38,13 +39,21 @@ def leftovers() -> list[str]:
     return glob.glob(f"/dev/shm/axond-{os.getpid()}-*")
 
 
-def test_small_ops_stay_on_sockets_and_large_ones_set_the_arena_up_once(make_groups: MakeGroups) -> None:
+def least_bytes(crowded: bool, mailbox: bool) -> int:
+    """The auto threshold: lower where the arena's steps synchronize through the mailbox (x86, mailbox on)."""
+    return MAILBOX_SYNC_MIN_BYTES if mailbox and ORDERED_STORES else AUTO_MIN_BYTES[crowded]
+
+
+@pytest.mark.parametrize("mailbox", [True, False])
+def test_small_ops_stay_on_sockets_and_large_ones_set_the_arena_up_once(monkeypatch: pytest.MonkeyPatch,
+                                                                        make_groups: MakeGroups, mailbox: bool) -> None:
+    monkeypatch.setenv("AXOND_SHM_MAILBOX", "1" if mailbox else "0")
     gs = make_groups(2, 10.0)
     assert not any(pg.backend.crowded for pg in gs)  # type: ignore[union-attr]  # 2 threads, 2+ cores
-    small = AUTO_MIN_BYTES[False] - 8
-    run_on(gs, lambda pg: pg.all_reduce(np.ones(small // 8)))
+    least = least_bytes(False, mailbox)
+    run_on(gs, lambda pg: pg.all_reduce(np.ones((least - 8) // 8)))
     assert all(arena_of(pg) is None and not pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
-    out = run_on(gs, lambda pg: pg.all_reduce(np.full(AUTO_MIN_BYTES[False] // 8, pg.rank + 1.0)) or pg)
+    out = run_on(gs, lambda pg: pg.all_reduce(np.full(least // 8 + 1, pg.rank + 1.0)) or pg)  # 4 KiB: the mailbox's
     arenas = [arena_of(pg) for pg in out]
     assert all(a is not None for a in arenas) and len({a.path for a in arenas}) == 1
     run_on(gs, lambda pg: pg.all_gather(np.ones(1 << 16)))
@@ -52,15 +61,23 @@ def test_small_ops_stay_on_sockets_and_large_ones_set_the_arena_up_once(make_gro
     assert leftovers() == []  # unlinked once every member mapped it
 
 
-def test_crowded_hosts_broadcast_and_multi_rank_all_reduce_need_larger_ops(make_groups: MakeGroups) -> None:
+@pytest.mark.parametrize("mailbox", [True, False])
+def test_crowded_hosts_broadcast_and_multi_rank_all_reduce_need_larger_ops(monkeypatch: pytest.MonkeyPatch,
+                                                                           make_groups: MakeGroups,
+                                                                           mailbox: bool) -> None:
+    """Broadcast: 2 times the threshold, or 16 on a crowded host whose arena steps spin (the socket tree's root need
+    not wait); all_reduce on more than two ranks: 2 times (two synchronizations per step)."""
+    monkeypatch.setenv("AXOND_SHM_MAILBOX", "1" if mailbox else "0")
     gs = make_groups(3, 10.0, crowded=True)
-    least = AUTO_MIN_BYTES[True]
+    least = least_bytes(True, mailbox)
+    broadcast = 16 if mailbox and ORDERED_STORES else 2
     run_on(gs, lambda pg: pg.all_gather(np.ones(least // 3 // 8 - 1)))
-    run_on(gs, lambda pg: pg.broadcast(np.ones(2 * least // 8 - 1), 0))  # sockets: one message per rank
-    run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * least // 8 - 1)))  # two synchronizations per step
+    run_on(gs, lambda pg: pg.broadcast(np.ones(broadcast * least // 8 - 1), 0))
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * least // 8 - 1)))
     assert all(arena_of(pg) is None and not pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
     run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * least // 8)))
     assert all(arena_of(pg) is not None for pg in gs)
+    assert all((pg.backend._mailbox is not None) == (mailbox and ORDERED_STORES) for pg in gs)  # type: ignore[union-attr]
 
 
 def test_axond_shm_0_keeps_every_op_on_sockets(monkeypatch: pytest.MonkeyPatch, make_groups: MakeGroups) -> None:
@@ -218,11 +235,13 @@ def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
     """Rank 1 kills itself after a few large all-reduces; the others keep going and must raise."""
     pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0))
     all_reduce_until_killed(pg, np.ones(3_000_000, np.float32), 50, 3, q, lambda pg: arena_of(pg) is not None and (
-        pg.backend.crowded or pg.backend._mailbox is not None))  # type: ignore[union-attr]
+        pg.backend._mailbox is not None) == pg.backend.shm.mailbox)  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("size", [3, 2])  # on 2 cores: steps synchronized over the sockets / the mailbox
-def test_a_killed_process_makes_the_others_raise_promptly(size: int) -> None:
+@pytest.mark.parametrize("mailbox", [False, True])  # steps synchronized over the sockets / through the mailbox
+def test_a_killed_process_makes_the_others_raise_promptly(monkeypatch: pytest.MonkeyPatch, mailbox: bool) -> None:
+    monkeypatch.setenv("AXOND_SHM_MAILBOX", "1" if mailbox else "0")
+    size = 3
     items, codes = collect_from_processes(_die_mid_stream, size, expect=size - 1)
     got = {r: (m, t, used, pid) for r, m, t, used, pid in items}
     assert sorted(got) == [r for r in range(size) if r != 1]

@@ -27,10 +27,20 @@ NAME_BYTES = 64
 """Size of the frame that carries the arena's file name from rank 0 to the others."""
 ALIGN = 64
 AUTO_MIN_BYTES = (64 << 10, 256 << 10)
-"""Default AXOND_SHM_MIN_BYTES with (not crowded, crowded) cores; all_reduce on more than two ranks and broadcast
+"""Default AXOND_SHM_MIN_BYTES with (not crowded, crowded) cores where the arena's steps synchronize over the sockets
+(groups of several nodes, no mailbox); all_reduce on more than two ranks and broadcast
 take twice that. Measured on 2 cores, shared memory against sockets: at 2 ranks, reduce_scatter 32 KiB 47 / 43 us,
 256 KiB 82 / 129 us; broadcast 32 KiB 32 / 20 us, 256 KiB 50 / 60 us. At 4 ranks, all_reduce 256 KiB 467 / 454 us,
 512 KiB 657 / 1022 us; broadcast 256 KiB 262 / 179 us; all_gather 256 KiB 350 / 725 us."""
+
+MAILBOX_SYNC_MIN_BYTES = 4 << 10
+"""Default AXOND_SHM_MIN_BYTES of a group whose arena steps synchronize through its mailbox (one node, x86, mailbox
+on): every op the mailbox does not take (all_reduce on more than two ranks and broadcast from twice that; broadcast
+on a crowded host from 16 times, 64 KiB, as the socket tree's root need not wait for the others). Interleaved A/B on
+2 cores, arena against sockets, 8 and 32 KiB: at 2 ranks all_reduce 15-22 / 35-39 us and 23-24 / 40-46 us,
+reduce_scatter 22-29 / 29-36 us and 26-28 / 40-44 us; at 4 ranks all_reduce 129-161 / 164-196 us (8 KiB),
+reduce_scatter 98-111 / 247-307 us and 74-120 / 248-265 us, all_gather 32 KiB 65-102 / 239-283 us; broadcast at
+4 ranks 59-74 / 47-57 us (8 KiB), 51-81 / 51-61 us (16 KiB), 56-88 / 81-88 us (64 KiB)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +51,7 @@ class ShmTuning:
     """Use shared memory between ranks on one host (AXOND_SHM=0 sends everything through sockets)."""
     min_bytes: int = -1
     """Ops on at least this many bytes take the shared-memory path, smaller ones stay on sockets (< 0: auto,
-    AUTO_MIN_BYTES; all-reduces on more than two ranks, and broadcasts, need twice as many)."""
+    MAILBOX_SYNC_MIN_BYTES or AUTO_MIN_BYTES; all-reduces on more than two ranks, and broadcasts, need twice as many)."""
     arena_bytes: int = 32 << 20
     """Size of one group's arena; its slots (2 x (ranks + 1)) are the pipeline chunks of the path."""
     mailbox: bool = True

@@ -26,7 +26,8 @@ import numpy as np
 from axond.distributed.framing import Call, FramedGroup
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
-from axond.distributed.shm import AUTO_MIN_BYTES, NAME_BYTES, ShmArena, ShmTuning, available, unlink
+from axond.distributed.shm import (AUTO_MIN_BYTES, MAILBOX_SYNC_MIN_BYTES, NAME_BYTES, ShmArena, ShmTuning,
+                                  available, unlink)
 
 
 class ShmAlgorithms:
@@ -45,10 +46,13 @@ class ShmAlgorithms:
     _tree_broadcast: Callable[[Call, np.ndarray, int], None]
     _all_reduce_flat: Callable[[Call, np.ndarray, ReduceOp], None]
 
-    def _shm_min_bytes(self) -> int:
-        """AXOND_SHM_MIN_BYTES, or by default AUTO_MIN_BYTES[crowded]: with more ranks than cores every
-        synchronization costs a few context switches, so the path pays off only on larger ops."""
-        return self.shm.min_bytes if self.shm.min_bytes >= 0 else AUTO_MIN_BYTES[self.crowded]
+    def _shm_min_bytes(self, spin: bool = False) -> int:
+        """AXOND_SHM_MIN_BYTES, or by default: MAILBOX_SYNC_MIN_BYTES if the steps synchronize through the mailbox
+        (`spin`), else AUTO_MIN_BYTES[crowded] (with more ranks than cores every synchronization over the sockets
+        costs a few context switches, so the path pays off only on larger ops)."""
+        if self.shm.min_bytes >= 0:
+            return self.shm.min_bytes
+        return MAILBOX_SYNC_MIN_BYTES if spin else AUTO_MIN_BYTES[self.crowded]
 
     def _make_arena(self, c: Call, nbytes: int = 0) -> ShmArena | None:
         """Rank 0 creates the arena and sends its name; each member maps it; a MIN over "mapped" decides.

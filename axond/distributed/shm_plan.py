@@ -54,14 +54,19 @@ class ShmPlan:
     _recursive_doubling: Callable[[Call, np.ndarray, ReduceOp], None]
     _make_arena: Callable[[Call, int], ShmArena | None]
     _watch_mailbox: Callable[[Call], None]
-    _shm_min_bytes: Callable[[], int]
+    _shm_min_bytes: Callable[[bool], int]
     _scratch: Callable[[int, np.dtype, int], np.ndarray]
     _rolling: Callable[[int, np.dtype], np.ndarray]
 
-    def _large(self, nbytes: int, scale: int) -> bool:
-        """Whether an op on `nbytes` reaches `scale` times the threshold (and shared memory is on at all; empty ops
-        stay on the sockets, where their frames are still checked)."""
-        return self.size > 1 and self.shm.enabled and nbytes >= max(1, scale * self._shm_min_bytes())
+    def _large(self, nbytes: int, scale: int, spin: bool = False) -> bool:
+        """Whether an op on `nbytes` reaches `scale` times the threshold (`spin`: of an arena synchronized through the
+        mailbox), and shared memory is on at all; empty ops stay on the sockets, where their frames are still checked."""
+        return self.size > 1 and self.shm.enabled and nbytes >= max(1, scale * self._shm_min_bytes(spin))
+
+    def _spins(self) -> bool:
+        """Whether the group's arena, if it has one, synchronizes its steps through the mailbox (see `TcpBackend._sync`):
+        the mailbox is mapped with it wherever it can be."""
+        return self.shm.mailbox and ORDERED_STORES
 
     def _nodes(self, c: Call) -> Topology | None:
         """The group's topology, gathered at its first op that could use shared memory (None: the members' arena
@@ -99,7 +104,7 @@ class ShmPlan:
         """The group's arena, if an op on `nbytes` should go through it: from `scale` times the threshold (2 for an
         all_reduce that synchronizes twice per step, and for broadcast, whose socket path is one message per
         rank). Only groups on one node have one; mapped at the first such op, every member agrees or none uses it."""
-        if not self._large(nbytes, scale):
+        if not self._large(nbytes, scale, self._spins()):
             return None
         topology = self._nodes(c)
         if topology is None or len(topology.nodes) > 1:

@@ -106,12 +106,12 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         return self.g.call(op, Kind.COLLECTIVE, code, REDUCE_CODES[redop.value] if redop else 0, self._seq, aux, x.size)
 
     def _sync(self, c: Call) -> None:
-        """A step of an op through the arena: through the mailbox where it is mapped and each rank has a core to
-        spin on, one round without system calls (interleaved A/B at 2 ranks: 256 KiB to 1 MiB ops 1.1-1.5x);
-        else a one-byte exchange over the sockets (spinning ranks would take the cores of those still copying).
-        Either way the headers are compared: a peer in another call raises."""
+        """A step of an op through the arena: one round through the mailbox where it is mapped, without system calls
+        (interleaved A/B on 2 cores, 1 MiB ops: 1.1-1.5x at 2 ranks, 1.2-1.5x at 4, which spin yielding the CPU;
+        1.1-1.2x at 16 MiB with 4 ranks), else a one-byte exchange over the sockets. Either way the headers are
+        compared: a peer in another call raises."""
         box = self._mailbox
-        if box is not None and not self.crowded:
+        if box is not None:
             self._post(c, box, None)
         else:
             self._recursive_doubling(c, self._token, ReduceOp.MAX)
@@ -189,7 +189,7 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
             return
         # On a crowded host the socket tree wins: its root need not wait for the others, as a mailbox op must.
         box = self._use_mailbox(c, x.nbytes) if 0 < x.nbytes and not self.crowded else None
-        arena = self._use_shm(c, x.nbytes, scale=2) if box is None else None
+        arena = self._use_shm(c, x.nbytes, scale=16 if self.crowded and self._spins() else 2) if box is None else None
         teams = self._use_hierarchy(c, x.nbytes, scale=2) if arena is None and box is None else None
         body: Callable[[Call, np.ndarray, int], None]
         if box is not None:
