@@ -9,11 +9,12 @@ of the reduction order; a separate test checks random floats for cross-rank bitw
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from axond import ProcessGroup, ReduceOp
+from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.testing import run_on, thread_groups
 from collective_cases import DTYPES, EVERY_TRANSPORT, SHAPES, group_members, make, reference
 
@@ -206,6 +207,58 @@ def test_send_recv_ring_with_tags(groups: list[ProcessGroup]) -> None:
         left = (r - 1) % n
         for y, tag in zip(got, (0, 7, 3)):
             assert (y == left * 10 + tag).all()
+
+
+def test_sends_issued_before_collectives_are_received_after_them(groups: list[ProcessGroup]) -> None:
+    """Each rank isends to its right (a small, a large and an empty message, with tags), then runs collectives of every
+    path (mailbox, arena, socket latency and ring paths, exchanges) and only then receives from its left, as MPI and
+    torch allow: the collectives set the frames that came before theirs aside, and the receives take them."""
+    n = len(groups)
+    if n == 1:
+        pytest.skip("needs a peer")
+    sizes = {1: 10, 2: 300_000, 3: 0}
+
+    def body(pg: ProcessGroup) -> tuple[list[np.ndarray], list[float]]:
+        right, left = (pg.rank + 1) % n, (pg.rank - 1) % n
+        works = [pg.isend(np.full(size, pg.rank * 10 + tag, np.int64), right, tag) for tag, size in sizes.items()]
+        sums = []
+        for rows in (4, 3_000, 200_000):  # mailbox / latency path, arena or recursive doubling, arena or ring
+            x = np.full(rows, pg.rank + 1.0)
+            pg.all_reduce(x)
+            sums.append(float(x[0]))
+        gathered = pg.all_gather(np.full(600_000, pg.rank, np.int8))  # direct exchange or doubling on sockets
+        sums.append(float(gathered[:, 0].sum()))
+        pg.barrier()
+        got = []
+        for tag, size in sizes.items():
+            y = np.empty(size, np.int64)
+            pg.recv(y, left, tag)
+            got.append(y)
+        for w in works:
+            w.wait()
+        return got, sums
+
+    want = n * (n + 1) / 2
+    for r, (got, sums) in enumerate(run_on(groups, body)):
+        assert sums == [want, want, want, n * (n - 1) / 2]
+        for y, (tag, size) in zip(got, sizes.items()):
+            assert y.shape == (size,) and (y == ((r - 1) % n) * 10 + tag).all()
+
+
+@pytest.mark.parametrize("transport", ["auto", "sockets", "spin"])
+def test_a_send_set_aside_by_a_collective_is_still_checked_against_its_receive(make_groups: Any,
+                                                                               transport: str) -> None:
+    groups = make_groups(2, 10.0, transport=transport)  # fresh: the error aborts them
+
+    def body(pg: ProcessGroup) -> None:
+        if pg.rank == 0:
+            pg.isend(np.ones(5, np.float32), 1, tag=4).wait()
+        pg.all_reduce(np.ones(100_000))
+        if pg.rank == 1:
+            pg.recv(np.empty(5, np.float32), 0, tag=5)
+    errors = run_on(groups, body, return_exceptions=True)
+    assert isinstance(errors[1], DistributedError), errors
+    assert "tag=4" in str(errors[1]) and "tag=5" in str(errors[1]), errors
 
 
 def test_barrier_and_many_small_ops_stay_in_step(groups: list[ProcessGroup]) -> None:

@@ -175,6 +175,29 @@ def test_different_mailbox_settings_raise_instead_of_waiting(make_groups: MakeGr
     assert all("AXOND_SHM_MAILBOX alike on every rank" in str(e) for e in errors), errors
 
 
+def test_a_send_that_arrives_during_a_mailbox_wait_is_set_aside_for_its_receive(make_groups: MakeGroups) -> None:
+    """Rank 0 sends, then posts a small all_reduce late; rank 1, waiting in the mailbox, finds the frame on its socket,
+    sets it aside (no mismatch) and goes on waiting; its receive after the all_reduce takes it."""
+    gs = make_groups(2, 10.0)
+    run_on(gs, lambda pg: pg.barrier())  # mailbox up
+
+    def body(pg: ProcessGroup) -> Any:
+        x = np.full(3, pg.rank + 1.0)
+        if pg.rank == 0:
+            pg.send(np.arange(6.0), 1, tag=2)
+            time.sleep(0.2)
+            pg.all_reduce(x)
+            return x
+        pg.all_reduce(x)
+        early = len(pg.backend.g.peers[0].early)  # type: ignore[union-attr]
+        y = np.empty(6)
+        pg.recv(y, 0, tag=2)
+        return x, y, early
+    x0, (x1, y, early) = run_on(gs, body)
+    assert x0.tolist() == x1.tolist() == [3.0, 3.0, 3.0]
+    assert early == 1 and y.tolist() == list(range(6))
+
+
 def test_a_silent_peer_times_out_naming_it(make_groups: MakeGroups) -> None:
     gs = make_groups(3, 1.0)
     run_on(gs, lambda pg: pg.barrier())

@@ -99,7 +99,7 @@ class Swap:
     """One peer's part of `FramedGroup.exchange`: a frame to write and one to read, both non-blocking."""
 
     def __init__(self, peer: Peer, header: bytes | None, payload: memoryview | None, view: memoryview | None,
-                 check: Callable[[tuple[int, ...]], None] | None) -> None:
+                 check: Callable[[tuple[int, ...]], bool] | None) -> None:
         self.peer = peer
         self.out = [memoryview(header), payload] if header is not None and payload is not None else []
         self.out_left = sum(b.nbytes for b in self.out)
@@ -148,8 +148,8 @@ class Swap:
             if n == 0:
                 raise PeerClosed(f"peer {rank} closed the connection", rank)
             self.got = got + n
-            if got < HEADER_SIZE <= self.got and self.check is not None:
-                self.check(HEADER.unpack(self.hdr))
+            if got < HEADER_SIZE <= self.got and self.check is not None and not self.check(HEADER.unpack(self.hdr)):
+                self.got = 0  # a point-to-point frame the peer sent first, set aside: read the next header
             moved = True
         return moved
 
@@ -252,23 +252,33 @@ class FramedGroup:
             self.peers[p].flush(c.deadline)
 
     def recv(self, c: Call, peer: int, view: memoryview) -> None:
-        """Receive the next frame from `peer` into `view`, checking that it belongs to the same op."""
+        """Receive the next frame from `peer` into `view`, checking that it belongs to the same op.
+
+        A collective sets aside the point-to-point frames that came before its own (the peer sent them first); a
+        point-to-point receive takes those first (see `Peer.early`)."""
         n = view.nbytes
+        p = self.peers[peer]
+        if c.kind != Kind.COLLECTIVE and p.early:
+            h, data = p.early.popleft()
+            if h[:8] != c.expect or h[8] != n:
+                self._reject(c, peer, h, n, memoryview(data))
+            view[:] = data
+            return
         if n <= SMALL_FRAME:
-            h, payload = self.peers[peer].recv_small(n, c.deadline)
+            h, payload = p.recv_small(n, c.deadline, c.kind == Kind.COLLECTIVE)
             if h[:8] != c.expect or h[8] != n:
                 self._reject(c, peer, h, n, payload)
             if n:
                 view[:] = payload
             return
         self.expect(c, peer, n)
-        self.peers[peer].recv_into(view, c.deadline)
+        p.recv_into(view, c.deadline)
 
     def recv_array(self, c: Call, peer: int, like: np.ndarray) -> np.ndarray:
         """Receive a small frame (<= SMALL_FRAME bytes) shaped like flat `like`, checked against `c`;
         returns it as a view of the peer's receive buffer (no copy), valid until the next receive from `peer`."""
         p, n = self.peers[peer], like.nbytes
-        h, payload = p.recv_small(n, c.deadline)
+        h, payload = p.recv_small(n, c.deadline, c.kind == Kind.COLLECTIVE)
         if h[:8] != c.expect or h[8] != n:
             self._reject(c, peer, h, n, payload)
         return p.small_array(like.dtype, like.size)
@@ -314,18 +324,39 @@ class FramedGroup:
             for sw in swaps:
                 sw.peer.write_lock.release()
 
-    def _checker(self, c: Call, peer: int, n: int) -> Callable[[tuple[int, ...]], None]:
-        def check(h: tuple[int, ...]) -> None:
+    def _checker(self, c: Call, peer: int, n: int) -> Callable[[tuple[int, ...]], bool]:
+        """Check a header from `peer` in an exchange: whether it is the call's frame (False: a point-to-point frame
+        the peer sent first, now set aside); anything else raises."""
+        def check(h: tuple[int, ...]) -> bool:
+            if h[0] == Kind.P2P and c.kind == Kind.COLLECTIVE:
+                self.peers[peer].set_aside(h, memoryview(b""), c.deadline)
+                return False
             if h[:8] != c.expect or h[8] != n:
                 self._reject(c, peer, h, n, memoryview(b""))
+            return True
         return check
 
     def expect(self, c: Call, peer: int, nbytes: int | None) -> int:
         """Receive a header from `peer`, check it against `c` (and its payload size unless None); return the size."""
-        h = self.peers[peer].recv_header(c.deadline)
+        h = self.peers[peer].recv_header(c.deadline, c.kind == Kind.COLLECTIVE)
         if h[:8] != c.expect or (nbytes is not None and h[8] != nbytes):
             self._reject(c, peer, h, nbytes, memoryview(b""))
         return int(h[8])
+
+    def only_early(self, c: Call, index: int) -> bool:
+        """Read what peer `index` sent while this rank waits outside the sockets in collective `c` (the mailbox):
+        set aside point-to-point frames (`Peer.early`) while more are there; whether that was all. Any other frame
+        raises (an abort, another call), except one of call `c` itself, whose header is read: False."""
+        p = self.peers[index]
+        while True:
+            h = p.recv_header(c.deadline)
+            if h[0] != Kind.P2P:
+                if h[:8] != c.expect:
+                    self._reject(c, index, h, None, memoryview(b""))
+                return False
+            p.set_aside(h, memoryview(b""), c.deadline)
+            if not select.select([p.sock], [], [], 0)[0]:
+                return True
 
     def reject(self, c: Call, index: int, h: tuple[int, ...], nbytes: int | None) -> NoReturn:
         """Raise the error for header `h` (the 9 fields of a frame header) that peer `index` posted for call `c`."""

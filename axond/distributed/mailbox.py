@@ -184,9 +184,9 @@ class MailboxAlgorithms:
         if not missing:
             return True
         for index in missing:
-            if peers[index].sock in ready:
-                # it has not posted this op, so this frame is no later op's: an abort, EOF or another call
-                self.g.expect(c, index, None)
+            if peers[index].sock in ready and not self.g.only_early(c, index):
+                # it has not posted this op, so this frame is no later op's: its point-to-point frames sent before
+                # are set aside; else an abort, EOF or another call raises, and this call means other settings
                 raise self.g.error(c, index, f"peer rank {index} runs this call over the sockets but this rank "
                                              f"through the shared mailbox: {SAME_SETTINGS}")
         return False

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from axond.distributed.wire import HEADER, HEADER_SIZE
+from axond.distributed.wire import HEADER, HEADER_SIZE, Kind
 
 INLINE_SEND_BYTES = 64 << 10
 """Frames up to this size are sent from the calling thread (they fit the socket buffer)."""
@@ -122,6 +122,9 @@ class Peer:
         self._small_view = memoryview(self._small)
         self._got = 0
         self._small_arrays: dict[tuple[np.dtype, int], np.ndarray] = {}
+        self.early: deque[tuple[tuple[int, ...], bytearray]] = deque()
+        """Point-to-point frames (header, payload) that arrived while a collective waited for its own: the peer sent
+        them first, this rank receives them after the collective. Later receives from this peer take them first."""
         self.idle: Callable[[], None] | None = None
         """Run each time a blocking wait wakes up without progress (every RECV_WAKEUP); may raise to end it."""
         tune_socket(sock, timeout)
@@ -244,25 +247,48 @@ class Peer:
         """Block until every queued frame was sent."""
         self.wait_sent(self._posted, deadline)
 
-    def recv_header(self, deadline: float) -> tuple[int, ...]:
-        """Receive and unpack the next frame header (of a large frame: no busy-polling)."""
-        self.recv_into(self._hdr_view, deadline, spin=False)
-        return HEADER.unpack(self._hdr)
+    def recv_header(self, deadline: float, collective: bool = False) -> tuple[int, ...]:
+        """Receive and unpack the next frame header (of a large frame: no busy-polling); for a `collective`, the
+        next one that is not a point-to-point frame, which are set aside (`early`)."""
+        while True:
+            self.recv_into(self._hdr_view, deadline, spin=False)
+            header = HEADER.unpack(self._hdr)
+            if not collective or header[0] != Kind.P2P:
+                return header
+            self.set_aside(header, memoryview(b""), deadline)
 
-    def recv_small(self, nbytes: int, deadline: float) -> tuple[tuple[int, ...], memoryview]:
+    def set_aside(self, header: tuple[int, ...], have: memoryview, deadline: float) -> None:
+        """Keep point-to-point frame `header`, whose payload starts with `have`, for a later receive (see `early`)."""
+        data = bytearray(header[8])
+        take = min(have.nbytes, len(data))
+        data[:take] = have[:take]
+        if take < len(data):
+            self.recv_into(memoryview(data)[take:], deadline, spin=False)
+        self.early.append((header, data))
+
+    def recv_small(self, nbytes: int, deadline: float, collective: bool = False) -> tuple[tuple[int, ...], memoryview]:
         """Receive a frame expected to carry `nbytes` (<= SMALL_FRAME) with as few calls as possible.
 
         Returns the header and the payload bytes read; if the header announces another size, only
-        the header (and whatever arrived with it, at most `nbytes`) is returned.
+        the header (and whatever arrived with it, at most `nbytes`) is returned. For a `collective`,
+        point-to-point frames before it are set aside (`early`).
         """
         buf = self._small_view
         total = HEADER_SIZE + nbytes
         # blocking without spin; with spin one non-blocking try first (a frame already there costs one call)
         got = self._recv_once(buf, total, 0 if self.spin <= 0 else socket.MSG_DONTWAIT)
-        if got < HEADER_SIZE:
-            self.recv_into(buf[got:HEADER_SIZE], deadline, want=total - got, into=buf[got:])
-            got += self._got
-        header = HEADER.unpack_from(self._small)
+        while True:
+            if got < HEADER_SIZE:
+                self.recv_into(buf[got:HEADER_SIZE], deadline, want=total - got, into=buf[got:])
+                got += self._got
+            header = HEADER.unpack_from(self._small)
+            if not collective or header[0] != Kind.P2P:
+                break
+            end = HEADER_SIZE + header[8]
+            self.set_aside(header, buf[HEADER_SIZE : min(got, end)], deadline)
+            rest = bytes(buf[end:got]) if got > end else b""  # the start of the next frame
+            buf[: len(rest)] = rest
+            got = len(rest)
         if header[8] == nbytes and got < total:
             self.recv_into(buf[got:total], deadline)
             got = total
