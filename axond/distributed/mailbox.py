@@ -18,11 +18,14 @@ rank order, as everywhere.
   group's sockets. There an abort frame, a closed connection (a dead peer), or a frame of some other op
   (a peer that called something else) raises as on sockets, and the deadline raises a timeout naming
   the first member that is missing.
-- **A peer waiting on the sockets:** a rank in a larger op that waits for a frame from a member that is in a
-  mailbox op instead (or for it to read one) would wait until the timeout, and so would that member. So while a group has a mailbox, every
-  wake-up of a wait on its sockets (every RECV_WAKEUP) looks at the members' slots: one that posted the
-  mailbox op this rank would run next, under the number of the op this rank runs now, called something
-  else, and this rank raises (the member then sees its abort frame).
+- **A peer waiting on the sockets:** a rank in a larger op that waits for a frame from a member that is in
+  a mailbox op instead (or for it to read one) would wait until the timeout, and so would that member. So
+  while a group has a mailbox, every wake-up of a wait on its sockets (every RECV_WAKEUP) looks at the
+  members' slots: one that posted the mailbox op this rank would run next, under the number of the op
+  this rank runs now, called something else, and this rank raises (the member then sees its abort frame).
+- **Point-to-point frames** that a member sent before it posted are set aside for their receives (see
+  `FramedGroup.only_early`), not taken for another call.
+- **The arena's steps** synchronize through the mailbox too: a post without payload (`TcpBackend._sync`).
 - **Memory order:** payload, then sequence number: an x86 store order that every x86 core observes in
   that order (TSO). Other architectures keep small ops on the sockets.
 """
@@ -63,6 +66,7 @@ ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686
 def arena_bytes(size: int) -> int:
     """The `ShmArena` size whose slots are SLOT_BYTES: two buffers of size + 1 slots."""
     return 2 * (size + 1) * SLOT_BYTES
+
 
 SAME_SETTINGS = "set AXOND_SHM and AXOND_SHM_MAILBOX alike on every rank"
 

@@ -51,7 +51,8 @@ class ShmTuning:
     """Use shared memory between ranks on one host (AXOND_SHM=0 sends everything through sockets)."""
     min_bytes: int = -1
     """Ops on at least this many bytes take the shared-memory path, smaller ones stay on sockets (< 0: auto,
-    MAILBOX_SYNC_MIN_BYTES or AUTO_MIN_BYTES; all-reduces on more than two ranks, and broadcasts, need twice as many)."""
+    MAILBOX_SYNC_MIN_BYTES or AUTO_MIN_BYTES; all-reduces on more than two ranks, and broadcasts, need twice as
+    many)."""
     arena_bytes: int = 32 << 20
     """Size of one group's arena; its slots (2 x (ranks + 1)) are the pipeline chunks of the path."""
     mailbox: bool = True

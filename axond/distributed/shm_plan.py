@@ -60,12 +60,13 @@ class ShmPlan:
 
     def _large(self, nbytes: int, scale: int, spin: bool = False) -> bool:
         """Whether an op on `nbytes` reaches `scale` times the threshold (`spin`: of an arena synchronized through the
-        mailbox), and shared memory is on at all; empty ops stay on the sockets, where their frames are still checked."""
+        mailbox), and shared memory is on at all; empty ops stay on the sockets, where their frames are still
+        checked."""
         return self.size > 1 and self.shm.enabled and nbytes >= max(1, scale * self._shm_min_bytes(spin))
 
     def _spins(self) -> bool:
-        """Whether the group's arena, if it has one, synchronizes its steps through the mailbox (see `TcpBackend._sync`):
-        the mailbox is mapped with it wherever it can be."""
+        """Whether the group's arena, if it has one, synchronizes its steps through the mailbox (see
+        `TcpBackend._sync`): the mailbox is mapped with it wherever it can be."""
         return self.shm.mailbox and ORDERED_STORES
 
     def _nodes(self, c: Call) -> Topology | None:
