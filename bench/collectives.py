@@ -11,6 +11,7 @@ hosts, where the default moves large ops of same-host ranks through shared memor
 axond/sockets is that path's gain; gloo, and MPI with `--mca btl tcp,self`, use sockets on one host
 too). The raw limit is two processes streaming through plain sockets in both directions at once:
 its peak (one cache-resident 4 MiB buffer each way) and, for sizes >= 1 MiB, streaming arrays of that size.
+`--mpi-btl vader,self` runs MPI over its shared-memory transport instead, the peer of axond's defaults.
 
 When the ranks are at least as many as the cores, a last table per n gives each library's busbw as a
 share of the host bound (bench/bounds.py): the busbw the machine's cores allow at the raw socket copy
@@ -155,12 +156,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float) -> Result | None:
+def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float, btl: str = "tcp,self") -> Result | None:
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         return None
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "tcp,self", "-np", str(n),
+        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--mca", "btl", btl, "-np", str(n),
                sys.executable, os.path.abspath(__file__), "--mpi-worker", out.name, "--ops", *ops,
                "--sizes", *map(str, sizes)]
         try:
@@ -313,6 +314,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run everything this many times, libraries alternating per op, and keep each best median")
+    ap.add_argument("--mpi-btl", default="tcp,self",
+                    help="OpenMPI's transports (--mca btl): tcp,self (sockets, the default), or vader,self to compare "
+                         "axond's shared memory with MPI's")
     ap.add_argument("--mpi-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = args.sizes or sizes_between(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
@@ -323,6 +327,8 @@ def main() -> None:
             with open(args.mpi_worker, "w") as f:
                 json.dump(res, f)
         return
+    if "mpi" in args.peers:
+        print(f"(MPI runs with --mca btl {args.mpi_btl})")
     raw: float | None = None
     raw_sized: dict[int, float] = {}
     for n in args.nproc:
@@ -346,7 +352,7 @@ def main() -> None:
                 if "gloo" in args.peers and _importable("torch.distributed"):
                     peers["gloo"] = best(peers.get("gloo"), _spawn(_gloo_rank, n, (free_port(), [op], sizes), args.timeout))
                 if "mpi" in args.peers and _importable("mpi4py"):
-                    peers["mpi"] = best(peers.get("mpi"), run_mpi(n, [op], sizes, args.timeout))
+                    peers["mpi"] = best(peers.get("mpi"), run_mpi(n, [op], sizes, args.timeout, args.mpi_btl))
         assert ours is not None
         report(n, ours, peers, raw if n == 2 else None)
         if n == 2 and raw is not None:
