@@ -46,24 +46,30 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., slots: _Optional[int] = ..., daemon: _Optional[bool] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("node_id", "heartbeat_interval_s", "dead_after_missed")
+    __slots__ = ("node_id", "heartbeat_interval_s", "dead_after_missed", "node_secret")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     DEAD_AFTER_MISSED_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     heartbeat_interval_s: float
     dead_after_missed: int
-    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., dead_after_missed: _Optional[int] = ...) -> None: ...
+    node_secret: str
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., dead_after_missed: _Optional[int] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "job", "generation")
+    __slots__ = ("node_id", "job", "generation", "node_secret", "local_pids")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PIDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     job: str
     generation: int
-    def __init__(self, node_id: _Optional[str] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    node_secret: str
+    local_pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., node_secret: _Optional[str] = ..., local_pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation", "job_state", "reason")
@@ -76,17 +82,19 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., job_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DeregisterNodeRequest(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "node_secret")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    node_secret: str
+    def __init__(self, node_id: _Optional[str] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class DeregisterNodeResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "node_id", "nproc", "min_nodes", "max_nodes", "max_restarts", "timeout_s")
+    __slots__ = ("job", "node_id", "nproc", "min_nodes", "max_nodes", "max_restarts", "timeout_s", "node_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NPROC_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +102,7 @@ class JoinRequest(_message.Message):
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     nproc: int
@@ -101,7 +110,8 @@ class JoinRequest(_message.Message):
     max_nodes: int
     max_restarts: int
     timeout_s: float
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., nproc: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    node_secret: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., nproc: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., timeout_s: _Optional[float] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("generation", "node_rank", "nnodes", "rank_offset", "world_size", "local_world_size", "job_secret", "restarts_left")
@@ -124,20 +134,22 @@ class JoinResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., node_rank: _Optional[int] = ..., nnodes: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., job_secret: _Optional[bytes] = ..., restarts_left: _Optional[int] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("job", "node_id", "generation", "rank", "exit_code", "message")
+    __slots__ = ("job", "node_id", "generation", "rank", "exit_code", "message", "node_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     generation: int
     rank: int
     exit_code: int
     message: str
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    node_secret: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("generation", "will_restart")
@@ -148,16 +160,18 @@ class ReportFailureResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., will_restart: _Optional[bool] = ...) -> None: ...
 
 class ReportExitRequest(_message.Message):
-    __slots__ = ("job", "node_id", "generation", "exit_code")
+    __slots__ = ("job", "node_id", "generation", "exit_code", "node_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     generation: int
     exit_code: int
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., exit_code: _Optional[int] = ...) -> None: ...
+    node_secret: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., exit_code: _Optional[int] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class ReportExitResponse(_message.Message):
     __slots__ = ()
@@ -327,12 +341,14 @@ class SubmitJobResponse(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class PollWorkRequest(_message.Message):
-    __slots__ = ("node_id", "wait_s")
+    __slots__ = ("node_id", "wait_s", "node_secret")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     wait_s: float
-    def __init__(self, node_id: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    node_secret: str
+    def __init__(self, node_id: _Optional[str] = ..., wait_s: _Optional[float] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class WorkAssignment(_message.Message):
     __slots__ = ("job", "nnodes", "nproc_per_node", "argv", "env", "max_restarts", "cwd")
@@ -378,14 +394,16 @@ class OutputLine(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., stream: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class PushOutputRequest(_message.Message):
-    __slots__ = ("job", "node_id", "lines")
+    __slots__ = ("job", "node_id", "lines", "node_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LINES_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     lines: _containers.RepeatedCompositeFieldContainer[OutputLine]
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lines: _Optional[_Iterable[_Union[OutputLine, _Mapping]]] = ...) -> None: ...
+    node_secret: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lines: _Optional[_Iterable[_Union[OutputLine, _Mapping]]] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class PushOutputResponse(_message.Message):
     __slots__ = ()
@@ -444,19 +462,23 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., health: _Optional[_Union[NodeHealth, str]] = ..., last_heartbeat_age_s: _Optional[float] = ..., slots: _Optional[int] = ..., daemon: _Optional[bool] = ..., job: _Optional[str] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node_id", "local_rank", "node_rank")
+    __slots__ = ("rank", "node_id", "local_rank", "node_rank", "hostname", "pid")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node_id: str
     local_rank: int
     node_rank: int
-    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ...) -> None: ...
+    hostname: str
+    pid: int
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "state", "generation", "world_size", "nnodes", "restarts", "max_restarts", "reason", "ranks")
+    __slots__ = ("job", "state", "generation", "world_size", "nnodes", "restarts", "max_restarts", "reason", "ranks", "min_nodes", "max_nodes", "joined_hosts", "ranks_omitted", "finished_age_s")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -466,6 +488,11 @@ class JobStatus(_message.Message):
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    JOINED_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AGE_S_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     generation: int
@@ -475,13 +502,22 @@ class JobStatus(_message.Message):
     max_restarts: int
     reason: str
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., nnodes: _Optional[int] = ..., restarts: _Optional[int] = ..., max_restarts: _Optional[int] = ..., reason: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
+    min_nodes: int
+    max_nodes: int
+    joined_hosts: _containers.RepeatedScalarFieldContainer[str]
+    ranks_omitted: int
+    finished_age_s: float
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., nnodes: _Optional[int] = ..., restarts: _Optional[int] = ..., max_restarts: _Optional[int] = ..., reason: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., joined_hosts: _Optional[_Iterable[str]] = ..., ranks_omitted: _Optional[int] = ..., finished_age_s: _Optional[float] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "all", "max_ranks")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_RANKS_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    all: bool
+    max_ranks: int
+    def __init__(self, job: _Optional[str] = ..., all: _Optional[bool] = ..., max_ranks: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("nodes", "jobs")
