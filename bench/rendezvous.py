@@ -37,8 +37,9 @@ from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
 
-BENCH_CONFIG = CoordinatorConfig(host="127.0.0.1", port=0, heartbeat_interval=60.0, settle_time=0.0)
+BENCH_CONFIG = CoordinatorConfig(host="127.0.0.1", port=0, token="bench", heartbeat_interval=60.0, settle_time=0.0)
 """Long heartbeat interval: the simulated nodes do not heartbeat during the measurement."""
+AUTH = [("authorization", f"Bearer {BENCH_CONFIG.token}")]
 
 
 @contextlib.contextmanager
@@ -59,7 +60,7 @@ def _coordinator(where: str) -> Iterator[str]:
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
     try:
         address = f"127.0.0.1:{port}"
-        with connect(address, call_timeout=2.0) as c:
+        with connect(address, token=BENCH_CONFIG.token, call_timeout=2.0) as c:
             deadline = time.monotonic() + 30.0
             while not c.health(timeout=1.0):
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -80,14 +81,18 @@ async def _rendezvous_once(address: str, n: int, job: str, nproc: int) -> float:
     try:
         stubs = [pb_grpc.CoordinatorStub(ch) for ch in channels]
         regs = await asyncio.gather(
-            *(s.RegisterNode(pb.RegisterNodeRequest(hostname=f"node{i:04d}"), timeout=60) for i, s in enumerate(stubs))
+            *(
+                s.RegisterNode(pb.RegisterNodeRequest(hostname=f"node{i:04d}"), timeout=60, metadata=AUTH)
+                for i, s in enumerate(stubs)
+            )
         )
         t0 = time.perf_counter()
         joins = await asyncio.gather(
             *(
                 s.Join(
-                    pb.JoinRequest(job=job, node_id=r.node_id, nproc=nproc, min_nodes=n, max_nodes=n, timeout_s=60),
-                    timeout=70,
+                    pb.JoinRequest(job=job, node_id=r.node_id, nproc=nproc, min_nodes=n, max_nodes=n, timeout_s=60,
+                                   node_secret=r.node_secret),
+                    timeout=70, metadata=AUTH,
                 )
                 for s, r in zip(stubs, regs)
             )
@@ -104,7 +109,7 @@ async def _rendezvous_once(address: str, n: int, job: str, nproc: int) -> float:
 def _kv_rates(address: str, seconds: float) -> dict[str, float]:
     """Sequential round-trip rates of one client, and pipelined rates of 64 concurrent callers."""
     out: dict[str, float] = {}
-    with connect(address, call_timeout=10.0) as c:
+    with connect(address, token=BENCH_CONFIG.token, call_timeout=10.0) as c:
         node = c.register_node("kv-bench").node_id
         gen = c.join("kv", node, 1, 1, 1, timeout=10.0).generation
         store = c.store("kv", gen)
@@ -129,7 +134,8 @@ def _kv_rates(address: str, seconds: float) -> dict[str, float]:
             async def worker(w: int) -> None:
                 nonlocal count
                 while time.perf_counter() - t0 < seconds:
-                    await stub.KvSet(pb.KvSetRequest(job="kv", generation=gen, key=f"w{w}", value=value), timeout=10)
+                    await stub.KvSet(pb.KvSetRequest(job="kv", generation=gen, key=f"w{w}", value=value), timeout=10,
+                                            metadata=AUTH)
                     count += 1
 
             await asyncio.gather(*(worker(w) for w in range(64)))

@@ -37,17 +37,43 @@ class AlreadyExists(StateError):
 
 
 class ResourceExhausted(StateError):
-    """A per-job limit (store size) would be exceeded."""
+    """A coordinator limit (nodes, jobs, store bytes, queued jobs) would be exceeded."""
 
 
-def check_name(what: str, value: str) -> str:
+class PermissionDenied(StateError):
+    """The caller is not allowed to act for that node or job (wrong node secret, not a member)."""
+
+
+class OutOfRange(StateError):
+    """A counter would leave its range (KvAdd past int64)."""
+
+
+QUOTE_CHARS = 64
+"""Characters of a caller's string quoted back in an error message."""
+
+
+def short(value: str) -> str:
+    """`value` quoted for an error message, cut to QUOTE_CHARS characters."""
+    if len(value) <= QUOTE_CHARS:
+        return repr(value)
+    return f"{value[:QUOTE_CHARS]!r}... ({len(value)} characters)"
+
+
+def check_name(what: str, value: str, limit: int = MAX_NAME_CHARS) -> str:
     """Return `value` if it is a usable name, else raise InvalidArgument naming `what`."""
     if not value:
         raise InvalidArgument(f"{what} must be a non-empty string")
-    if len(value) > MAX_NAME_CHARS:
-        raise InvalidArgument(f"{what} is {len(value)} characters; the limit is {MAX_NAME_CHARS}")
+    if len(value) > limit:
+        raise InvalidArgument(f"{what} is {len(value)} characters; the limit is {limit}")
     if any(c.isspace() or not c.isprintable() for c in value):
-        raise InvalidArgument(f"{what} {value!r} must not contain whitespace or control characters")
+        raise InvalidArgument(f"{what} {short(value)} must not contain whitespace or control characters")
+    return value
+
+
+def check_at_most(what: str, value: int, limit: int, name: str) -> int:
+    """Return `value` if it is <= `limit`, else raise InvalidArgument naming the limit field `name`."""
+    if value > limit:
+        raise InvalidArgument(f"{what} is {value}; the coordinator's limit is {limit} ({name})")
     return value
 
 

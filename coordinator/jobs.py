@@ -63,12 +63,23 @@ class FinishedEvent:
 Event = OutputEvent | InfoEvent | FinishedEvent
 
 
-class EventLog:
-    """Append-only job events with a bounded tail; readers hold an absolute index."""
+EVENT_OVERHEAD = 64
+"""Bytes charged per event on top of its text."""
 
-    def __init__(self) -> None:
+
+def _size(event: Event) -> int:
+    return EVENT_OVERHEAD + (len(event.text) if isinstance(event, (OutputEvent, InfoEvent)) else len(event.message))
+
+
+class EventLog:
+    """Append-only job events with a bounded tail (count and bytes); readers hold an absolute index."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.events: list[Event] = []
         self.base = 0
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.dropped = 0
 
     @property
     def end(self) -> int:
@@ -76,10 +87,15 @@ class EventLog:
 
     def append(self, event: Event) -> None:
         self.events.append(event)
-        if len(self.events) > MAX_EVENTS:
-            drop = len(self.events) - MAX_EVENTS
+        self.bytes += _size(event)
+        if len(self.events) > MAX_EVENTS or self.bytes > self.max_bytes:
+            drop = 0
+            while drop < len(self.events) - 1 and (len(self.events) - drop > MAX_EVENTS or self.bytes > self.max_bytes):
+                self.bytes -= _size(self.events[drop])
+                drop += 1
             del self.events[:drop]
             self.base += drop
+            self.dropped += drop
 
     def read(self, index: int) -> tuple[list[Event], int, int]:
         """Events from absolute `index`: (events, next index, how many were dropped before them)."""
@@ -108,6 +124,8 @@ class Job:
     events: EventLog = field(default_factory=EventLog)
     placement_note: str = ""
     past_rounds: list[Round] = field(default_factory=list)
+    finished_at: float | None = None
+    """When the job reached a terminal state (the coordinator's monotonic clock)."""
 
     @property
     def generation(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable
 
-from axond.coordinator.errors import FailedPrecondition, InvalidArgument
+from axond.coordinator.errors import FailedPrecondition, InvalidArgument, short
 from axond.coordinator.jobs import Job
 from axond.coordinator.kv import KvSpace
 
@@ -25,10 +25,11 @@ class KvOps:
         """The KV space of the job's current generation; stale or unknown generations are refused."""
         j = self._job(job)
         if generation > j.generation or generation < 1:
-            raise InvalidArgument(f"generation {generation} of job {job!r} does not exist (current {j.generation})")
+            raise InvalidArgument(f"generation {generation} of job {short(job)} does not exist (current {j.generation})")
         if generation < j.generation or j.state.terminal:
+            why = f": {j.reason[:300]}" if j.reason else ""
             raise FailedPrecondition(
-                f"generation {generation} of job {job!r} is over (now {j.generation}, {j.state.name}): "
+                f"generation {generation} of job {short(job)} is over (now {j.generation}, {j.state.name}{why}); "
                 "the job restarted or finished, so ranks of the old generation must exit"
             )
         return j.kv
@@ -66,11 +67,7 @@ class KvOps:
         with self.lock:
             if not keys:
                 raise InvalidArgument("wait needs at least one key")
-            space = self.space(job, generation)
-            for key in keys:
-                if not key:
-                    raise InvalidArgument("store key must be a non-empty string")
-            return space.missing(keys)
+            return self.space(job, generation).missing(keys)
 
     def barrier_arrive(self, job: str, generation: int, name: str, world_size: int, arrival: str) -> bool:
         """Record an arrival; returns whether the barrier is complete."""

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import enum
+import hmac
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from axond.coordinator.errors import InvalidArgument, NotFound, check_name
+from axond.coordinator.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    check_at_most,
+    check_name,
+    short,
+)
+from axond.coordinator.limits import CoordinatorLimits
 
 
 class Health(enum.Enum):
@@ -29,6 +39,10 @@ class Node:
     last_seen: float
     dead: bool = False
     job: str = ""
+    secret: str = field(default="", repr=False)
+    """Proof of identity every node-scoped call carries (RegisterNodeResponse.node_secret)."""
+    local_pids: tuple[int, ...] = ()
+    """Pids of its local ranks as its last heartbeat reported them."""
 
     @property
     def order_key(self) -> tuple[str, int]:
@@ -51,20 +65,30 @@ class Liveness:
 class Membership:
     """Registered nodes by id; the caller (CoordinatorState) holds the lock."""
 
-    def __init__(self, liveness: Liveness) -> None:
+    def __init__(self, liveness: Liveness, limits: CoordinatorLimits | None = None) -> None:
         self.liveness = liveness
+        self.limits = limits or CoordinatorLimits()
         self.nodes: dict[str, Node] = {}
         self._seq = 0
         self._epoch = secrets.token_hex(2)
 
     def register(self, hostname: str, slots: int, daemon: bool, now: float) -> Node:
-        check_name("hostname", hostname)
+        check_name("hostname", hostname, self.limits.max_name_chars)
         if slots < 0:
             raise InvalidArgument(f"slots is {slots}; it must be >= 0")
+        check_at_most("slots", slots, self.limits.max_nproc_per_node, "max_nproc_per_node")
         if daemon and slots < 1:
             raise InvalidArgument("a worker daemon must offer slots >= 1 (rank processes it can run)")
+        if len(self.nodes) >= self.limits.max_nodes:
+            for node_id in [n.node_id for n in self.nodes.values() if n.dead]:
+                del self.nodes[node_id]
+            if len(self.nodes) >= self.limits.max_nodes:
+                raise ResourceExhausted(
+                    f"the coordinator has {len(self.nodes)} registered nodes, its limit (max_nodes); "
+                    "deregister idle workers or raise the limit"
+                )
         self._seq += 1
-        node = Node(f"n{self._seq}-{self._epoch}", hostname, self._seq, slots, daemon, now)
+        node = Node(f"n{self._seq}-{self._epoch}", hostname, self._seq, slots, daemon, now, secret=secrets.token_hex(16))
         self.nodes[node.node_id] = node
         return node
 
@@ -73,7 +97,17 @@ class Membership:
             raise InvalidArgument("node_id must be non-empty (the id RegisterNode returned)")
         node = self.nodes.get(node_id)
         if node is None:
-            raise NotFound(f"unknown node {node_id!r}: the coordinator may have restarted; register again")
+            raise NotFound(f"unknown node {short(node_id)}: the coordinator may have restarted; register again")
+        return node
+
+    def authenticate(self, node_id: str, secret: str) -> Node:
+        """The node, if `secret` is the one it registered with; PermissionDenied otherwise."""
+        node = self.get(node_id)
+        if not secret or not hmac.compare_digest(secret.encode(), node.secret.encode()):
+            raise PermissionDenied(
+                f"node {short(node_id)}: {'missing' if not secret else 'wrong'} node secret; node-scoped calls "
+                "must carry the node_secret RegisterNode returned to that node"
+            )
         return node
 
     def touch(self, node_id: str, now: float) -> tuple[Node, bool]:

@@ -8,7 +8,8 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 import grpc
@@ -16,7 +17,10 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from axond.control.credentials import default_state_dir, ensure_token, read_token_file
 from axond.coordinator.auth import TokenInterceptor
+from axond.coordinator.decoding import DecodeGuard
+from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.servicer import CoordinatorServicer
 from axond.coordinator.state import CoordinatorState
 from axond.coordinator.waiting import WaitHub
@@ -48,17 +52,28 @@ class CoordinatorConfig:
     port: int = 29500
     """TCP port; 0 lets the OS choose (tests), see RunningCoordinator.port."""
     token: str | None = None
-    """Shared secret every client must send as `authorization: Bearer <token>` (health is exempt)."""
+    """Shared secret every client must send as `authorization: Bearer <token>` (health is exempt).
+    None: read `token_file`, else use (or generate) `<state_dir>/token`, unless `insecure`."""
+    token_file: str | None = None
+    """File holding the token (instead of `token`)."""
+    insecure: bool = False
+    """Serve without a token: anyone who reaches the port can run jobs. Only for trusted, isolated hosts."""
+    state_dir: str | None = None
+    """Where the generated token is kept; None: $AXOND_STATE_DIR, $XDG_STATE_HOME/axond or ~/.local/state/axond."""
     tls_cert: str | None = None
     """PEM certificate file; with tls_key, serve TLS."""
     tls_key: str | None = None
     """PEM private-key file of tls_cert."""
+    tls_client_ca: str | None = None
+    """PEM CA file: require client certificates signed by it (mutual TLS; needs tls_cert)."""
     heartbeat_interval: float = 1.0
     """Seconds between node heartbeats (told to nodes)."""
     dead_after_missed: int = 5
     """Heartbeats missed before a node is declared dead."""
     settle_time: float = 0.5
     """MIN:MAX rendezvous: how long to wait after MIN nodes joined for late joiners."""
+    limits: CoordinatorLimits = field(default_factory=CoordinatorLimits)
+    """Bounds on everything a caller can make the coordinator hold (see coordinator/limits.py)."""
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -66,7 +81,15 @@ class CoordinatorConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise CoordinatorError("TLS needs both --tls-cert and --tls-key")
         if self.token is not None and not self.token:
-            raise CoordinatorError("--token must not be empty (omit it to run without a token)")
+            raise CoordinatorError("--token must not be empty (omit it to have one generated)")
+        if self.insecure and (self.token or self.token_file):
+            raise CoordinatorError("--insecure turns the token off: pass it or --token/--token-file, not both")
+        if self.tls_client_ca and not self.tls_cert:
+            raise CoordinatorError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        try:
+            self.limits.validate()
+        except ValueError as e:
+            raise CoordinatorError(str(e)) from e
         if not self.heartbeat_interval > 0 or self.dead_after_missed < 1 or not self.settle_time >= 0:
             raise CoordinatorError(
                 f"heartbeat_interval ({self.heartbeat_interval}) must be > 0, dead_after_missed "
@@ -77,10 +100,17 @@ class CoordinatorConfig:
 class RunningCoordinator:
     """A started coordinator: its bound port, a client address, and stop/wait."""
 
-    def __init__(self, port: int, address: str, state: CoordinatorState) -> None:
+    def __init__(
+        self, port: int, address: str, state: CoordinatorState, token: str | None = None,
+        token_path: Path | None = None,
+    ) -> None:
         self.port = port
         self.address = address
         self.state = state
+        self.token = token
+        """The token clients must send (None: --insecure)."""
+        self.token_path = token_path
+        """The file the token was read from or generated into (None if it was given directly)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_request: asyncio.Event | None = None
         self._grace = 1.0
@@ -132,13 +162,37 @@ async def _tick_loop(state: CoordinatorState, hub: WaitHub, max_sleep: float) ->
         await hub.wait([("timer",)], sleep)
 
 
+def resolve_server_token(config: CoordinatorConfig) -> tuple[str | None, Path | None]:
+    """The token to require and the file it came from: given, from token_file, or kept in the state dir."""
+    if config.insecure:
+        return None, None
+    if config.token:
+        return config.token, None
+    if config.token_file:
+        return read_token_file(config.token_file), Path(config.token_file)
+    return ensure_token(config.state_dir or default_state_dir())
+
+
+def _credentials(config: CoordinatorConfig) -> grpc.ServerCredentials | None:
+    if not (config.tls_cert and config.tls_key):
+        return None
+    pair = [(_read(config.tls_key, "TLS key"), _read(config.tls_cert, "TLS cert"))]
+    if config.tls_client_ca:
+        ca = _read(config.tls_client_ca, "TLS client CA")
+        return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=True)
+    return grpc.ssl_server_credentials(pair)
+
+
 async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator], ready: threading.Event) -> None:
     loop = asyncio.get_running_loop()
     hub = WaitHub(loop)
     state = CoordinatorState(
-        config.heartbeat_interval, config.dead_after_missed, config.settle_time, listener=hub.notify
+        config.heartbeat_interval, config.dead_after_missed, config.settle_time, listener=hub.notify,
+        limits=config.limits,
     )
-    interceptors = [TokenInterceptor(config.token)] if config.token else []
+    token, token_path = resolve_server_token(config)
+    interceptors: list[grpc.aio.ServerInterceptor] = [TokenInterceptor(token)] if token else []
+    interceptors.append(DecodeGuard())
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub), server)
     health_servicer = health.aio.HealthServicer()
@@ -148,8 +202,8 @@ async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator
     )
     bind = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
     try:
-        if config.tls_cert and config.tls_key:
-            creds = grpc.ssl_server_credentials([(_read(config.tls_key, "TLS key"), _read(config.tls_cert, "TLS cert"))])
+        creds = _credentials(config)
+        if creds is not None:
             port = server.add_secure_port(bind, creds)
         else:
             port = server.add_insecure_port(bind)
@@ -160,7 +214,7 @@ async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    running = RunningCoordinator(port, _client_address(config.host, port), state)
+    running = RunningCoordinator(port, _client_address(config.host, port), state, token, token_path)
     running._loop = loop
     running._stop_request = asyncio.Event()
     running_box.append(running)
@@ -222,9 +276,27 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
-    scheme = "TLS" if config.tls_cert else "plaintext"
-    auth = "token required" if config.token else "no token"
+    scheme = ("mutual TLS" if config.tls_client_ca else "TLS") if config.tls_cert else "plaintext"
+    if running.token is None:
+        auth = "NO TOKEN"
+    elif running.token_path is not None:
+        auth = f"token required, kept in {running.token_path}"
+    else:
+        auth = "token required"
     print(f"axond coordinator listening on {config.host}:{running.port} ({scheme}, {auth})", file=sys.stderr, flush=True)
+    if running.token is None:
+        print(
+            "axond coordinator: WARNING: --insecure: anyone who can reach this port can run commands on every "
+            "`axond worker --slots` daemon, read every job's store and act as any node. Use it only on an "
+            "isolated, trusted network.",
+            file=sys.stderr, flush=True,
+        )
+    elif running.token_path is not None and not config.token_file:
+        print(
+            f"axond coordinator: clients on this machine find the token there; on other machines pass "
+            f"--token-file (a copy of {running.token_path}) or --token",
+            file=sys.stderr, flush=True,
+        )
     try:
         while not stop.wait(0.5):
             if running.wait(0):

@@ -21,6 +21,8 @@ from axond.coordinator.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    OutOfRange,
+    PermissionDenied,
     ResourceExhausted,
     StateError,
     check_wait,
@@ -39,7 +41,12 @@ STATUS_OF: dict[type[StateError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
 }
+
+MAX_DETAIL_CHARS = 2000
+"""Longest status detail sent back (details travel in metadata, which has a 16 KiB limit)."""
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -50,20 +57,46 @@ class _Deadline(Exception):
     """A server-side wait ran out; becomes DEADLINE_EXCEEDED."""
 
 
+class Undecodable:
+    """A request body that did not parse (see `decoding_safely`); answered with INVALID_ARGUMENT."""
+
+    def __init__(self, method: str, error: str) -> None:
+        self.method, self.error = method, error
+
+
+def status_of(e: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status a domain exception maps to (None: not a domain exception), detail cut to size."""
+    if isinstance(e, StateError):
+        code = STATUS_OF.get(type(e), grpc.StatusCode.FAILED_PRECONDITION)
+    elif isinstance(e, _Deadline):
+        code = grpc.StatusCode.DEADLINE_EXCEEDED
+    else:
+        return None
+    text = str(e)
+    if len(text) > MAX_DETAIL_CHARS:
+        text = text[:MAX_DETAIL_CHARS] + "..."
+    return code, text
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, Undecodable):
+        raise InvalidArgument(f"the {request.method} request body does not parse: {request.error[:200]}")
+
+
 def _translated(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
     """Map domain exceptions to status codes; anything unexpected becomes INTERNAL, never a crash."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
+            _check_decoded(request)
             return await fn(self, request, context)
-        except StateError as e:
-            await context.abort(STATUS_OF.get(type(e), grpc.StatusCode.FAILED_PRECONDITION), str(e))
-        except _Deadline as e:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except (StateError, _Deadline) as e:
+            code, text = status_of(e)  # type: ignore[misc]
+            await context.abort(code, text)
         except Exception as e:
             log.exception("%s failed", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"coordinator error in {fn.__name__}: {e!r}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"coordinator error in {fn.__name__}: {e!r}"[:MAX_DETAIL_CHARS])
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper
@@ -109,23 +142,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         live = self.state.members.liveness
         return pb.RegisterNodeResponse(
             node_id=node.node_id,
+            node_secret=node.secret,
             heartbeat_interval_s=live.heartbeat_interval,
             dead_after_missed=live.dead_after_missed,
         )
 
     @_translated
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        r = self.state.heartbeat(request.node_id, request.job, request.generation, time.monotonic())
+        self.state.authenticate(request.node_id, request.node_secret)
+        r = self.state.heartbeat(
+            request.node_id, request.job, request.generation, time.monotonic(), tuple(request.local_pids)
+        )
         return pb.HeartbeatResponse(generation=r.generation, job_state=_job_state_pb(r.state), reason=r.reason)
 
     @_translated
     async def DeregisterNode(self, request: pb.DeregisterNodeRequest, context: Any) -> pb.DeregisterNodeResponse:
+        self.state.authenticate(request.node_id, request.node_secret)
         self.state.deregister_node(request.node_id, time.monotonic())
         return pb.DeregisterNodeResponse()
 
     @_translated
     async def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinResponse:
         timeout = check_wait("timeout_s", request.timeout_s, allow_zero=False)
+        self.state.authenticate(request.node_id, request.node_secret)
         job, node = request.job, request.node_id
         got = self.state.join(
             job, node, request.nproc, request.min_nodes, request.max_nodes, request.max_restarts, time.monotonic()
@@ -161,6 +200,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def ReportFailure(self, request: pb.ReportFailureRequest, context: Any) -> pb.ReportFailureResponse:
+        self.state.authenticate(request.node_id, request.node_secret)
         generation, will = self.state.report_failure(
             request.job, request.node_id, request.generation, request.rank, request.exit_code, request.message,
             time.monotonic(),
@@ -169,6 +209,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def ReportExit(self, request: pb.ReportExitRequest, context: Any) -> pb.ReportExitResponse:
+        self.state.authenticate(request.node_id, request.node_secret)
         self.state.report_exit(request.job, request.node_id, request.generation, request.exit_code, time.monotonic())
         return pb.ReportExitResponse()
 
@@ -263,6 +304,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_translated
     async def PollWork(self, request: pb.PollWorkRequest, context: Any) -> pb.PollWorkResponse:
         wait_s = check_wait("wait_s", request.wait_s)
+        self.state.authenticate(request.node_id, request.node_secret)
         node = request.node_id
 
         def take() -> tuple[list[tuple[str, JobSpec]], list[str]] | None:
@@ -286,20 +328,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def PushOutput(self, request: pb.PushOutputRequest, context: Any) -> pb.PushOutputResponse:
+        self.state.authenticate(request.node_id, request.node_secret)
         lines = [(line.rank, line.stream, line.text) for line in request.lines]
         self.state.push_output(request.job, request.node_id, lines)
         return pb.PushOutputResponse()
 
     async def StreamJob(self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
         """Every event of the job from its start, then new ones as they come, ending with JobFinished."""
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the StreamJob request body does not parse: {request.error[:200]}")
         job, index = request.job, 0
         while True:
             try:
                 events, index, skipped, finished = self.state.read_events(job, index)
             except StateError as e:
-                await context.abort(STATUS_OF.get(type(e), grpc.StatusCode.FAILED_PRECONDITION), str(e))
+                code, text = status_of(e)  # type: ignore[misc]
+                await context.abort(code, text)
             if skipped:
-                yield pb.JobEvent(info=f"{skipped} events were dropped: this stream fell behind")
+                yield pb.JobEvent(
+                    info=f"{skipped} earlier events were dropped: the job's output exceeded the coordinator's "
+                    "limit (max_output_bytes_per_job) or this stream fell behind"
+                )
             for event in events:
                 yield _event_pb(event)
                 if isinstance(event, FinishedEvent):
@@ -317,7 +366,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
-        snap = self.state.status(request.job, time.monotonic())
+        snap = self.state.status(request.job, time.monotonic(), request.all, request.max_ranks)
         return pb.GetStatusResponse(
             nodes=[
                 pb.NodeStatus(
@@ -331,9 +380,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     job=j.job, state=_job_state_pb(j.state), generation=j.generation, world_size=j.world_size,
                     nnodes=j.nnodes, restarts=j.restarts, max_restarts=j.max_restarts, reason=j.reason,
                     ranks=[
-                        pb.RankStatus(rank=r.rank, node_id=r.node_id, local_rank=r.local_rank, node_rank=r.node_rank)
+                        pb.RankStatus(
+                            rank=r.rank, node_id=r.node_id, local_rank=r.local_rank, node_rank=r.node_rank,
+                            hostname=r.hostname, pid=r.pid,
+                        )
                         for r in j.ranks
                     ],
+                    min_nodes=j.min_nodes, max_nodes=j.max_nodes, joined_hosts=list(j.joined_hosts),
+                    ranks_omitted=j.ranks_omitted, finished_age_s=j.finished_age_s,
                 )
                 for j in snap.jobs
             ],

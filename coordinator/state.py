@@ -20,10 +20,20 @@ import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from axond.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, check_name, check_positive
-from axond.coordinator.jobs import FinishedEvent, InfoEvent, Job, JobState
-from axond.coordinator.kv import KvSpace
+from axond.coordinator.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    check_at_most,
+    check_name,
+    check_positive,
+    short,
+)
+from axond.coordinator.jobs import EventLog, FinishedEvent, InfoEvent, Job, JobState
+from axond.coordinator.kv import ByteBudget, KvSpace
 from axond.coordinator.kv_ops import KvOps
+from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.membership import Liveness, Membership, Node
 from axond.coordinator.rendezvous import Member, Round
 from axond.coordinator.scheduling import Scheduler
@@ -63,15 +73,19 @@ class CoordinatorState(KvOps, SubmittedJobs):
         dead_after_missed: int = 5,
         settle_time: float = 0.5,
         listener: Callable[[Topic], None] | None = None,
+        limits: CoordinatorLimits | None = None,
     ) -> None:
         if heartbeat_interval <= 0 or dead_after_missed < 1 or settle_time < 0:
             raise ValueError(
                 f"heartbeat_interval ({heartbeat_interval}) must be > 0, dead_after_missed "
                 f"({dead_after_missed}) >= 1 and settle_time ({settle_time}) >= 0"
             )
+        self.limits = limits or CoordinatorLimits()
+        self.limits.validate()
+        self.budget = ByteBudget(self.limits.max_store_bytes)
         self.lock = threading.RLock()
         self.settle_time = settle_time
-        self.members = Membership(Liveness(heartbeat_interval, dead_after_missed))
+        self.members = Membership(Liveness(heartbeat_interval, dead_after_missed), self.limits)
         self.jobs: dict[str, Job] = {}
         self.scheduler = Scheduler()
         self._waiting_next: dict[str, dict[str, tuple[tuple[str, int], int]]] = {}
@@ -86,8 +100,42 @@ class CoordinatorState(KvOps, SubmittedJobs):
             raise InvalidArgument("job must be a non-empty name")
         job = self.jobs.get(name)
         if job is None:
-            raise NotFound(f"unknown job {name!r}: check the name with `axond status`")
+            raise NotFound(f"unknown job {short(name)}: check the name with `axond status`")
         return job
+
+    def _new_space(self) -> KvSpace:
+        return KvSpace(self.limits, self.budget)
+
+    def _new_job(self, name: str, min_nodes: int, max_nodes: int, max_restarts: int) -> Job:
+        """Record a new job at generation 1, first forgetting old records if the job table is full."""
+        old = self.jobs.pop(name, None)
+        if old is not None:
+            old.kv.release()
+        if len(self.jobs) >= self.limits.max_jobs:
+            self._forget_jobs()
+        j = Job(
+            name, min_nodes, max_nodes, max_restarts, self._new_round(1, min_nodes, max_nodes), kv=self._new_space(),
+            events=EventLog(self.limits.max_output_bytes_per_job),
+        )
+        self.jobs[name] = j
+        return j
+
+    def _forget_jobs(self) -> None:
+        """Drop finished and abandoned jobs, oldest first, until there is room for one more."""
+        def abandoned(j: Job) -> bool:
+            return j.spec is None and not j.round.frozen and not j.round.joiners and not self._waiting_next.get(j.name)
+
+        candidates = [j for j in self.jobs.values() if j.state.terminal or abandoned(j)]
+        candidates.sort(key=lambda j: (not j.state.terminal, j.finished_at or 0.0))
+        for j in candidates[: len(self.jobs) - self.limits.max_jobs + 1]:
+            j.kv.release()
+            del self.jobs[j.name]
+            self._waiting_next.pop(j.name, None)
+        if len(self.jobs) >= self.limits.max_jobs:
+            raise ResourceExhausted(
+                f"the coordinator holds {len(self.jobs)} active jobs, its limit (max_jobs); "
+                "cancel finished work or raise the limit"
+            )
 
     def _new_round(self, generation: int, min_nodes: int, max_nodes: int) -> Round:
         return Round(generation, min_nodes, max_nodes, self.settle_time, secrets.token_bytes(16))
@@ -99,9 +147,19 @@ class CoordinatorState(KvOps, SubmittedJobs):
                 self._place()
             return node
 
-    def heartbeat(self, node_id: str, job: str, generation: int, now: float) -> HeartbeatResult:
+    def authenticate(self, node_id: str, secret: str) -> None:
+        """Raise PermissionDenied unless `secret` is the node's own (NotFound for unknown nodes)."""
         with self.lock:
-            self.members.touch(node_id, now)
+            self.members.authenticate(node_id, secret)
+
+    def heartbeat(
+        self, node_id: str, job: str, generation: int, now: float, local_pids: tuple[int, ...] = ()
+    ) -> HeartbeatResult:
+        with self.lock:
+            node, _ = self.members.touch(node_id, now)
+            if local_pids:
+                check_at_most("local_pids", len(local_pids), self.limits.max_nproc_per_node, "max_nproc_per_node")
+                node.local_pids = tuple(local_pids)
             if not job:
                 return HeartbeatResult(0, None, "")
             j = self._job(job)
@@ -149,24 +207,25 @@ class CoordinatorState(KvOps, SubmittedJobs):
     ) -> Assignment | None:
         """Enter the job's rendezvous; returns the assignment once frozen, None while it is open."""
         with self.lock:
-            check_name("job", job)
+            check_name("job", job, self.limits.max_name_chars)
             check_positive("nproc", nproc)
             check_positive("min_nodes", min_nodes)
+            check_at_most("nproc", nproc, self.limits.max_nproc_per_node, "max_nproc_per_node")
+            check_at_most("nnodes MAX", max_nodes, self.limits.max_nnodes, "max_nnodes")
             if max_nodes < min_nodes:
                 raise InvalidArgument(f"nnodes {min_nodes}:{max_nodes}: MIN must be <= MAX")
             if max_restarts < 0:
                 raise InvalidArgument(f"max_restarts is {max_restarts}; it must be >= 0")
             node, _ = self.members.touch(node_id, now)
             j = self.jobs.get(job)
-            if j is not None and j.state.terminal and j.spec is None:
-                j = None
-                generation = self.jobs[job].generation + 1
-            else:
-                generation = 1
-            if j is None:
-                j = Job(job, min_nodes, max_nodes, max_restarts, self._new_round(generation, min_nodes, max_nodes))
-                self.jobs[job] = j
+            if j is None or (j.state.terminal and j.spec is None):
+                j = self._new_job(job, min_nodes, max_nodes, max_restarts)
             self._check_join(j, node, min_nodes, max_nodes, max_restarts)
+            pending = sum(x.nproc for nid, x in j.round.joiners.items() if nid != node_id)
+            if pending + nproc > self.limits.max_world_size:
+                raise InvalidArgument(
+                    f"job {short(job)} would have more than {self.limits.max_world_size} ranks (max_world_size)"
+                )
             node.job = job
             rnd = j.round
             if rnd.frozen:
@@ -260,14 +319,17 @@ class CoordinatorState(KvOps, SubmittedJobs):
     def _bump(self, j: Job, reason: str, count_restart: bool, exit_code: int, now: float) -> bool:
         """Open the next generation (survivors re-join); fail the job when restarts run out."""
         if count_restart and j.restarts >= j.max_restarts:
-            self._finish(j, JobState.FAILED, exit_code or 1, f"{reason}; no restarts left (max_restarts {j.max_restarts})")
+            self._finish(
+                j, JobState.FAILED, exit_code or 1, f"{reason}; no restarts left (max_restarts {j.max_restarts})", now
+            )
             return False
         if count_restart:
             j.restarts += 1
         j.reason = reason
         j.past_rounds = [*j.past_rounds[-3:], j.round]
         j.round = self._new_round(j.generation + 1, j.min_nodes, j.max_nodes)
-        j.kv = KvSpace()
+        j.kv.release()
+        j.kv = self._new_space()
         j.exits.clear()
         j.state = JobState.RESTARTING
         now_waiting = self._waiting_next.pop(j.name, {})
@@ -279,11 +341,12 @@ class CoordinatorState(KvOps, SubmittedJobs):
         self._notify("timer")
         return True
 
-    def _finish(self, j: Job, state: JobState, exit_code: int, message: str) -> None:
+    def _finish(self, j: Job, state: JobState, exit_code: int, message: str, now: float) -> None:
         if state is not JobState.SUCCEEDED:
             j.round = self._new_round(j.generation + 1, j.min_nodes, j.max_nodes)
-            j.kv = KvSpace()
-        j.state, j.exit_code, j.reason = state, exit_code, message
+            j.kv.release()
+            j.kv = self._new_space()
+        j.state, j.exit_code, j.reason, j.finished_at = state, exit_code, message, now
         self._waiting_next.pop(j.name, None)
         j.events.append(FinishedEvent(exit_code, message))
         for node in self.members.nodes.values():
@@ -334,14 +397,27 @@ class CoordinatorState(KvOps, SubmittedJobs):
             j.exits[node_id] = exit_code
             node.job = ""
             if exit_code != 0:
-                self._finish(j, JobState.FAILED, exit_code, f"node {node_id} ({node.hostname}) exited with code {exit_code}")
+                self._finish(
+                    j, JobState.FAILED, exit_code, f"node {node_id} ({node.hostname}) exited with code {exit_code}", now
+                )
             elif len(j.exits) == len(j.round.members or []):
-                self._finish(j, JobState.SUCCEEDED, 0, "every rank exited 0")
+                self._finish(j, JobState.SUCCEEDED, 0, "every rank exited 0", now)
 
-    def status(self, job: str, now: float) -> StatusSnapshot:
+    def status(self, job: str, now: float, all: bool = False, max_ranks: int = 0) -> StatusSnapshot:
+        """Nodes and jobs for `axond status`: bounded work (at most `max_ranks` ranks listed per job).
+
+        Without `all`, finished jobs and dead nodes older than the retention time are left out.
+        """
         with self.lock:
-            jobs = [self._job(job)] if job else sorted(self.jobs.values(), key=lambda j: j.name)
-            return snapshot(self.members, jobs, now)
+            limits = self.limits
+            ranks = min(max_ranks or limits.default_status_ranks, limits.max_status_ranks)
+            if job:
+                jobs = [self._job(job)]
+            else:
+                jobs = sorted(self.jobs.values(), key=lambda j: j.name)
+                if not all:
+                    jobs = [j for j in jobs if j.finished_at is None or now - j.finished_at <= limits.status_retention_s]
+            return snapshot(self.members, jobs, now, ranks, None if all else limits.status_retention_s)
 
     def rendezvous_progress(self, job: str) -> str:
         """A short description of an open rendezvous, for timeout messages."""

@@ -1,12 +1,16 @@
-"""Read-only snapshots of nodes and jobs for GetStatus / `axond status`."""
+"""Read-only snapshots of nodes and jobs for GetStatus / `axond status` (bounded work per call)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 from axond.coordinator.jobs import Job, JobState
 from axond.coordinator.membership import Health, Membership
+
+MAX_JOINED_HOSTS = 64
+"""Hostnames of an open rendezvous listed per job."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class RankView:
     node_id: str
     local_rank: int
     node_rank: int
+    hostname: str = ""
+    pid: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,11 @@ class JobView:
     max_restarts: int
     reason: str
     ranks: tuple[RankView, ...]
+    min_nodes: int = 0
+    max_nodes: int = 0
+    joined_hosts: tuple[str, ...] = ()
+    ranks_omitted: int = 0
+    finished_age_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -47,21 +58,42 @@ class StatusSnapshot:
     jobs: tuple[JobView, ...]
 
 
-def snapshot(members: Membership, jobs: Iterable[Job], now: float) -> StatusSnapshot:
-    """Copy what `axond status` shows; nodes in rank order (hostname, registration)."""
+def _ranks(members: Membership, job: Job, limit: int) -> tuple[RankView, ...]:
+    """The job's first `limit` ranks: work proportional to what is listed, not to the world size."""
+    out: list[RankView] = []
+    for m in job.round.members or []:
+        if len(out) >= limit:
+            break
+        node = members.nodes.get(m.node_id)
+        pids = node.local_pids if node is not None else ()
+        for i in range(min(m.nproc, limit - len(out))):
+            out.append(RankView(m.rank_offset + i, m.node_id, i, m.node_rank, m.hostname, pids[i] if i < len(pids) else 0))
+    return tuple(out)
+
+
+def snapshot(
+    members: Membership, jobs: Iterable[Job], now: float, max_ranks: int = 1024, node_retention_s: float | None = None
+) -> StatusSnapshot:
+    """Copy what `axond status` shows; nodes in rank order (hostname, registration).
+
+    Nodes dead for longer than `node_retention_s` are left out (None: every node).
+    """
     nodes = tuple(
         NodeView(n.node_id, n.hostname, members.health(n, now), max(0.0, now - n.last_seen), n.slots, n.daemon, n.job)
         for n in sorted(members.nodes.values(), key=lambda n: n.order_key)
+        if node_retention_s is None or not n.dead or now - n.last_seen <= node_retention_s
     )
     views = []
     for j in jobs:
-        ranks = tuple(
-            RankView(m.rank_offset + i, m.node_id, i, m.node_rank)
-            for m in j.round.members or []
-            for i in range(m.nproc)
-        )
-        nnodes = len(j.round.members) if j.round.members is not None else len(j.round.joiners)
+        ranks = _ranks(members, j, max_ranks)
+        frozen = j.round.members is not None
+        nnodes = len(j.round.members or []) if frozen else len(j.round.joiners)
+        hosts = () if frozen else tuple(x.hostname for x in islice(j.round.joiners.values(), MAX_JOINED_HOSTS))
         views.append(
-            JobView(j.name, j.state, j.generation, j.round.world_size, nnodes, j.restarts, j.max_restarts, j.reason, ranks)
+            JobView(
+                j.name, j.state, j.generation, j.round.world_size, nnodes, j.restarts, j.max_restarts, j.reason, ranks,
+                j.min_nodes, j.max_nodes, hosts, j.round.world_size - len(ranks),
+                0.0 if j.finished_at is None else max(0.0, now - j.finished_at),
+            )
         )
     return StatusSnapshot(nodes, tuple(views))

@@ -5,10 +5,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable
 
-from axond.coordinator.errors import AlreadyExists, FailedPrecondition, InvalidArgument, check_name, check_positive
+from axond.coordinator.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    check_at_most,
+    check_name,
+    check_positive,
+    short,
+)
 from axond.coordinator.jobs import CANCELLED_EXIT_CODE, Event, Job, JobSpec, JobState, OutputEvent
+from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.membership import Membership
-from axond.coordinator.rendezvous import Round
 from axond.coordinator.scheduling import Scheduler
 
 MAX_LINES_PER_PUSH = 10_000
@@ -22,6 +32,7 @@ class SubmittedJobs:
     jobs: dict[str, Job]
     members: Membership
     scheduler: Scheduler
+    limits: CoordinatorLimits
     _job_seq: int
 
     def _job(self, name: str) -> Job:
@@ -30,33 +41,47 @@ class SubmittedJobs:
     def _notify(self, *topic: Hashable) -> None:
         raise NotImplementedError
 
-    def _new_round(self, generation: int, min_nodes: int, max_nodes: int) -> Round:
+    def _new_job(self, name: str, min_nodes: int, max_nodes: int, max_restarts: int) -> Job:
         raise NotImplementedError
 
-    def _finish(self, j: Job, state: JobState, exit_code: int, message: str) -> None:
+    def _finish(self, j: Job, state: JobState, exit_code: int, message: str, now: float) -> None:
         raise NotImplementedError
+
+    def _check_spec(self, spec: JobSpec) -> None:
+        limits = self.limits
+        check_positive("nnodes", spec.nnodes)
+        check_positive("nproc_per_node", spec.nproc_per_node)
+        check_at_most("nnodes", spec.nnodes, limits.max_nnodes, "max_nnodes")
+        check_at_most("nproc_per_node", spec.nproc_per_node, limits.max_nproc_per_node, "max_nproc_per_node")
+        check_at_most("world size", spec.nnodes * spec.nproc_per_node, limits.max_world_size, "max_world_size")
+        if not spec.argv or not spec.argv[0]:
+            raise InvalidArgument("the job needs a command: axond run ... -- CMD ARGS")
+        if spec.max_restarts < 0:
+            raise InvalidArgument(f"max_restarts is {spec.max_restarts}; it must be >= 0")
+        size = sum(len(a) + 1 for a in spec.argv) + sum(len(k) + len(v) + 2 for k, v in spec.env) + len(spec.cwd)
+        check_at_most("the command's size in characters (argv, env and cwd)", size, limits.max_command_bytes,
+                      "max_command_bytes")
 
     def submit_job(self, name: str, spec: JobSpec, now: float) -> str:
         """Queue a job for placement on worker daemons; returns its name (generated if empty)."""
         with self.lock:
-            check_positive("nnodes", spec.nnodes)
-            check_positive("nproc_per_node", spec.nproc_per_node)
-            if not spec.argv or not spec.argv[0]:
-                raise InvalidArgument("the job needs a command: axond run ... -- CMD ARGS")
-            if spec.max_restarts < 0:
-                raise InvalidArgument(f"max_restarts is {spec.max_restarts}; it must be >= 0")
+            self._check_spec(spec)
+            if len(self.scheduler.queue) >= self.limits.max_queued_jobs:
+                raise ResourceExhausted(
+                    f"{len(self.scheduler.queue)} submitted jobs already wait for worker daemons (max_queued_jobs); "
+                    "start more `axond worker --slots K` daemons or cancel queued jobs"
+                )
             if not name:
                 self._job_seq += 1
                 while f"job-{self._job_seq}" in self.jobs:
                     self._job_seq += 1
                 name = f"job-{self._job_seq}"
-            check_name("job", name)
+            check_name("job", name, self.limits.max_name_chars)
             old = self.jobs.get(name)
             if old is not None and not old.state.terminal:
-                raise AlreadyExists(f"job {name!r} is still {old.state.name}; pick another name or cancel it")
-            generation = old.generation + 1 if old is not None else 1
-            rnd = self._new_round(generation, spec.nnodes, spec.nnodes)
-            self.jobs[name] = Job(name, spec.nnodes, spec.nnodes, spec.max_restarts, rnd, spec=spec)
+                raise AlreadyExists(f"job {short(name)} is still {old.state.name}; pick another name or cancel it")
+            j = self._new_job(name, spec.nnodes, spec.nnodes, spec.max_restarts)
+            j.spec = spec
             self.scheduler.enqueue(name)
             self._place()
             return name
@@ -86,10 +111,12 @@ class SubmittedJobs:
             return work, cancelled
 
     def push_output(self, job: str, node_id: str, lines: list[tuple[int, str, str]]) -> None:
-        """Append rank output lines to the job's event log."""
+        """Append rank output lines to the job's event log; only the job's own nodes may."""
         with self.lock:
             j = self._job(job)
             self.members.get(node_id)
+            if node_id not in j.assigned and j.round.member(node_id) is None:
+                raise PermissionDenied(f"node {short(node_id)} does not run job {short(job)}; it cannot push its output")
             if len(lines) > MAX_LINES_PER_PUSH:
                 raise InvalidArgument(f"{len(lines)} output lines in one call; send at most {MAX_LINES_PER_PUSH}")
             for rank, stream, text in lines:
@@ -115,4 +142,4 @@ class SubmittedJobs:
         with self.lock:
             j = self._job(job)
             if not j.state.terminal:
-                self._finish(j, JobState.CANCELLED, CANCELLED_EXIT_CODE, "cancelled")
+                self._finish(j, JobState.CANCELLED, CANCELLED_EXIT_CODE, "cancelled", now)

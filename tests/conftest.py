@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+# Coordinators started by tests keep their generated token in a private state directory (never the
+# user's); subprocesses inherit it, so same-machine clients find the token as on a real install.
+_STATE_DIR = tempfile.mkdtemp(prefix="axond-test-state-")
+os.environ["AXOND_STATE_DIR"] = _STATE_DIR
+for _name in ("AXOND_TOKEN", "AXOND_TOKEN_FILE"):
+    os.environ.pop(_name, None)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_STATE_DIR, ignore_errors=True)
 
 from axond.control.client import CoordinatorClient, connect
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator

@@ -57,7 +57,9 @@ def test_health_and_reflection_answer(coordinator: RunningCoordinator) -> None:
             resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5.0)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-        (resp,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5.0))
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        auth = [("authorization", f"Bearer {coordinator.token}")]
+        (resp,) = list(refl.ServerReflectionInfo(iter([request]), timeout=5.0, metadata=auth))
         names = {s.name for s in resp.list_services_response.service}
         assert {"axond.v1.Coordinator", "grpc.health.v1.Health"} <= names
     finally:

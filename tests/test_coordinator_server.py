@@ -70,17 +70,18 @@ def test_many_parked_waiters_do_not_starve_other_calls(client, coordinator: Runn
     gen = client.join("j", node, 1, 1, 1, timeout=5.0).generation
 
     async def run() -> tuple[float, list[bytes]]:
+        auth = [("authorization", f"Bearer {coordinator.token}")]  # the generated token
         async with grpc.aio.insecure_channel(coordinator.address) as ch:
             stub = pb_grpc.CoordinatorStub(ch)
             waiters = [
-                asyncio.ensure_future(stub.KvGet(pb.KvGetRequest(job="j", generation=gen, key="go", wait_s=30), timeout=40))
+                asyncio.ensure_future(stub.KvGet(pb.KvGetRequest(job="j", generation=gen, key="go", wait_s=30), timeout=40, metadata=auth))
                 for _ in range(500)
             ]
             await asyncio.sleep(0.5)
             t0 = time.monotonic()
-            await stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+            await stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=auth)
             status_latency = time.monotonic() - t0
-            await stub.KvSet(pb.KvSetRequest(job="j", generation=gen, key="go", value=b"1"), timeout=10)
+            await stub.KvSet(pb.KvSetRequest(job="j", generation=gen, key="go", value=b"1"), timeout=10, metadata=auth)
             values = [r.value for r in await asyncio.wait_for(asyncio.gather(*waiters), 20)]
             return status_latency, values
 

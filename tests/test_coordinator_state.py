@@ -137,7 +137,7 @@ def test_report_exit_succeeds_when_all_exit_zero_and_name_is_reusable() -> None:
     state.report_exit("j", b, 1, 0, now=1.0)
     assert state.jobs["j"].state is JobState.SUCCEEDED
     state.join("j", a, 1, 1, 1, 0, now=2.0)
-    assert state.jobs["j"].generation == 2 and state.jobs["j"].state is JobState.RUNNING
+    assert state.jobs["j"].generation == 1 and state.jobs["j"].state is JobState.RUNNING, "a new job starts at 1"
 
 
 def test_kv_ops_and_generation_scoping() -> None:

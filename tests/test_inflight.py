@@ -15,7 +15,7 @@ import pytest
 
 import axond
 from axond import DistributedError, InMemoryStore, ProcessGroup
-from axond.control.client import CoordinatorClient
+from axond.control.client import connect
 from axond.distributed.inflight import KEY, REPORTER, describe, describe_others, report_after
 from axond.distributed.monitored_barrier import PREFIX
 from axond.testing import run_on, run_processes
@@ -60,12 +60,18 @@ def _deadlock_across_groups() -> str:
     return "no error"
 
 
-def test_processes_report_through_the_coordinator_store(coordinator, client: CoordinatorClient) -> None:  # type: ignore[no-untyped-def]
+def test_processes_report_through_the_coordinator_store(coordinator_factory) -> None:  # type: ignore[no-untyped-def]
+    # The test's node does not heartbeat: a long dead-after keeps it alive while the ranks start.
+    coordinator = coordinator_factory(dead_after_missed=120)
+    client = connect(coordinator.address, call_timeout=5.0)
     node = client.register_node("h").node_id
     gen = client.join("inflight", node, 1, 1, 2, 0, timeout=5.0).generation
     env = {"AXOND_COORDINATOR": coordinator.address, "AXOND_JOB": "inflight", "AXOND_GENERATION": str(gen),
            "AXOND_JOB_SECRET": "cd" * 16}
-    got = run_processes(_deadlock_across_groups, 2, timeout=60.0, op_timeout=2.0, env=env)
+    try:
+        got = run_processes(_deadlock_across_groups, 2, timeout=60.0, op_timeout=2.0, env=env)
+    finally:
+        client.close()
     assert "all_reduce on group 'world' (rank 0 of 2): timed out after 2.0 s waiting for peer 1; " in got[0]
     assert "is blocked in broadcast on group 'world/1[0,1]' for " in got[0], got[0]
     assert got[1].startswith("broadcast on group 'world/1[0,1]' (rank 1 of 2): "), got[1]

@@ -30,10 +30,14 @@ class ConnectOptions:
         return connect(self.address, token=self.token, tls_ca=self.tls_ca, call_timeout=self.call_timeout)
 
     def rank_env(self) -> dict[str, str]:
-        """The variables a rank needs to reach the same coordinator."""
+        """The variables a rank needs to reach the same coordinator (the token as this worker found it)."""
+        from axond.control.channel import normalize_address
+        from axond.control.credentials import resolve_token
+
         env = {"AXOND_COORDINATOR": self.address}
-        if self.token:
-            env["AXOND_TOKEN"] = self.token
+        token = resolve_token(normalize_address(self.address), self.token)
+        if token:
+            env["AXOND_TOKEN"] = token
         if self.tls_ca:
             env["AXOND_TLS_CA"] = self.tls_ca
         return env

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import click
 
+from axond.control.credentials import read_token_file
 from axond.errors import CoordinatorError
 
 EXIT_OK = 0
@@ -22,8 +25,42 @@ EXIT_UNREACHABLE = 3
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _client_credentials(func: F) -> F:
+    """Fold `--token-file` into `token` and export a client certificate for connect() and the ranks."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, token_file: str | None, tls_cert: str | None, tls_key: str | None, **kwargs: Any) -> Any:
+        if (tls_cert is None) != (tls_key is None):
+            raise click.UsageError("--tls-cert and --tls-key go together (the client certificate of mutual TLS)")
+        if tls_cert and tls_key:
+            os.environ["AXOND_TLS_CERT"], os.environ["AXOND_TLS_KEY"] = tls_cert, tls_key
+        if token_file and not kwargs.get("token"):
+            try:
+                kwargs["token"] = read_token_file(token_file)
+            except CoordinatorError as e:
+                raise click.UsageError(str(e)) from e
+        return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 def coordinator_options(func: F) -> F:
-    """Add `--coordinator`, `--token` and `--tls-ca` (each also from its AXOND_* variable)."""
+    """Add `--coordinator`, `--token`, `--token-file`, `--tls-ca` and the mutual-TLS client certificate
+    (`--tls-cert`, `--tls-key`), each also from its AXOND_* variable."""
+    func = _client_credentials(func)
+    func = click.option(
+        "--tls-key", envvar="AXOND_TLS_KEY", type=click.Path(exists=True, dir_okay=False), default=None,
+        help="PEM private key of --tls-cert [env AXOND_TLS_KEY].",
+    )(func)
+    func = click.option(
+        "--tls-cert", envvar="AXOND_TLS_CERT", type=click.Path(exists=True, dir_okay=False), default=None,
+        help="PEM client certificate, for a coordinator that requires mutual TLS [env AXOND_TLS_CERT].",
+    )(func)
+    func = click.option(
+        "--token-file", envvar="AXOND_TOKEN_FILE", type=click.Path(dir_okay=False), default=None,
+        help="File holding the coordinator's token, e.g. DIR/token of its --state-dir [env AXOND_TOKEN_FILE]. "
+        "Without --token or --token-file, a coordinator on this machine is found through its default state dir.",
+    )(func)
     func = click.option(
         "--tls-ca", envvar="AXOND_TLS_CA", type=click.Path(exists=True, dir_okay=False), default=None,
         help="PEM file of the CA that signed the coordinator's TLS certificate [env AXOND_TLS_CA].",
@@ -79,11 +116,13 @@ def _detail(e: BaseException) -> str:
 def explain(e: BaseException, address: str) -> str:
     """A one-line explanation of a coordinator error, saying what to do."""
     kind = error_kind(e)
-    if kind in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+    if kind == "UNAUTHENTICATED":
         return (
-            f"the coordinator at {address} refused the token: pass the --token (or AXOND_TOKEN) "
-            f"it was started with [{_detail(e)}]"
+            f"the coordinator at {address} refused the token: pass the token it was started with (--token, "
+            f"AXOND_TOKEN, or --token-file with the `token` file of its --state-dir) [{_detail(e)}]"
         )
+    if kind == "PERMISSION_DENIED":
+        return f"the coordinator at {address} refused the request [{_detail(e)}]"
     if kind in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
         return (
             f"cannot reach the coordinator at {address}: is `axond coordinator` running at {address}? "

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from axond.coordinator.limits import CoordinatorLimits
 
 
 @click.command(
@@ -15,26 +20,69 @@ import click
 @click.option("--port", type=click.IntRange(0, 65535), default=29500, show_default=True, help="Port to serve on.")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Interface to bind.")
 @click.option("--token", envvar="AXOND_TOKEN", default=None,
-              help="Shared token every client must present [env AXOND_TOKEN].")
+              help="Shared token every client must present [env AXOND_TOKEN]. Without it (and without "
+              "--token-file or --insecure) a token is generated and kept in STATE_DIR/token.")
+@click.option("--token-file", envvar="AXOND_TOKEN_FILE", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Read the token from this file [env AXOND_TOKEN_FILE].")
+@click.option("--state-dir", envvar="AXOND_STATE_DIR", type=click.Path(file_okay=False), default=None,
+              help="Directory for the coordinator's state (the generated token) [env AXOND_STATE_DIR; default "
+              "$XDG_STATE_HOME/axond or ~/.local/state/axond].")
+@click.option("--insecure", is_flag=True, default=False,
+              help="Serve without any token: anyone who reaches the port can run commands on the worker daemons. "
+              "Only for isolated, trusted networks.")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM certificate (TLS).")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key (TLS).")
+@click.option("--tls-client-ca", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM CA: require client certificates signed by it (mutual TLS; needs --tls-cert/--tls-key).")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="Seconds between node heartbeats.")
 @click.option("--dead-after-missed", type=click.IntRange(min=1), default=5, show_default=True,
               help="Missed heartbeats before a node is declared dead.")
+@click.option("--limit", "limits", multiple=True, metavar="NAME=VALUE",
+              help="Set one coordinator limit, e.g. --limit max_jobs=500 (repeatable; the names and defaults are "
+              "in the Security page of the docs).")
 @click.option("--settle-time", type=click.FloatRange(min=0), default=0.5, show_default=True,
               help="Seconds an elastic rendezvous waits for late joiners once MIN nodes joined.")
 def coordinator(
-    port: int, host: str, token: str | None, tls_cert: str | None, tls_key: str | None,
-    heartbeat_interval: float, dead_after_missed: int, settle_time: float,
+    port: int, host: str, token: str | None, token_file: str | None, state_dir: str | None, insecure: bool,
+    tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None,
+    heartbeat_interval: float, dead_after_missed: int, limits: tuple[str, ...], settle_time: float,
 ) -> None:
     """Run the coordinator: node registry, rendezvous, KV store, jobs and status."""
     from axond.coordinator.server import CoordinatorConfig, run_coordinator
 
     if (tls_cert is None) != (tls_key is None):
         raise click.UsageError("--tls-cert and --tls-key go together: pass both to serve TLS, or neither")
+    if tls_client_ca and not tls_cert:
+        raise click.UsageError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    if insecure and (token or token_file):
+        raise click.UsageError("--insecure serves without a token: drop it, or drop --token/--token-file")
     config = CoordinatorConfig(
-        host=host, port=port, token=token, tls_cert=tls_cert, tls_key=tls_key,
+        limits=parse_limits(limits),
+        host=host, port=port, token=token, token_file=token_file, state_dir=state_dir, insecure=insecure,
+        tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
         heartbeat_interval=heartbeat_interval, dead_after_missed=dead_after_missed, settle_time=settle_time,
     )
     sys.exit(run_coordinator(config))
+
+
+def parse_limits(items: tuple[str, ...]) -> CoordinatorLimits:
+    """`NAME=VALUE` pairs over the defaults; a usage error names what is wrong."""
+    from axond.coordinator.limits import CoordinatorLimits
+
+    types = {f.name: f.type for f in dataclasses.fields(CoordinatorLimits)}
+    values: dict[str, float | int] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or name not in types:
+            raise click.UsageError(f"--limit {item!r}: use NAME=VALUE with NAME one of {', '.join(sorted(types))}")
+        try:
+            values[name] = float(raw) if types[name] in (float, "float") else int(raw.replace("_", ""))
+        except ValueError as e:
+            raise click.UsageError(f"--limit {item!r}: {raw!r} is not a number") from e
+    limits = CoordinatorLimits(**values)  # type: ignore[arg-type]
+    try:
+        limits.validate()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    return limits

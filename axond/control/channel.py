@@ -62,15 +62,29 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
         return continuation(self._details(client_call_details), request)
 
 
-def open_channel(address: str, token: str | None, tls_ca: str | None) -> grpc.Channel:
-    """A channel to `address`: TLS verified against `tls_ca` if given, the token on every call."""
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CoordinatorError(f"cannot read the {what} file {path!r}: {e.strerror}") from e
+
+
+def open_channel(
+    address: str, token: str | None, tls_ca: str | None, tls_cert: str | None = None, tls_key: str | None = None
+) -> grpc.Channel:
+    """A channel to `address`: TLS verified against `tls_ca` if given (with a client certificate for mutual
+    TLS when `tls_cert`/`tls_key` are given), the token on every call."""
+    if (tls_cert is None) != (tls_key is None):
+        raise CoordinatorError("a client certificate needs both --tls-cert and --tls-key")
+    if tls_cert and not tls_ca:
+        raise CoordinatorError("a client certificate (--tls-cert) needs --tls-ca: mutual TLS runs over TLS")
     if tls_ca:
-        try:
-            with open(tls_ca, "rb") as f:
-                ca = f.read()
-        except OSError as e:
-            raise CoordinatorError(f"cannot read the TLS CA file {tls_ca!r}: {e.strerror}") from e
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), CHANNEL_OPTIONS)
+        ca = _read(tls_ca, "TLS CA")
+        cert = _read(tls_cert, "TLS client certificate") if tls_cert else None
+        key = _read(tls_key, "TLS client key") if tls_key else None
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        channel = grpc.secure_channel(address, creds, CHANNEL_OPTIONS)
     else:
         channel = grpc.insecure_channel(address, CHANNEL_OPTIONS)
     if token:

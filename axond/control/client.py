@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from axond.control.channel import normalize_address, open_channel
+from axond.control.credentials import resolve_token
 from axond.control.errors import translate
 from axond.control.store import CoordinatorStore
 from axond.errors import CoordinatorError
@@ -37,14 +38,27 @@ def _non_negative(**counts: int) -> None:
 class CoordinatorClient:
     """A connection to one coordinator. Thread-safe (gRPC channels are)."""
 
-    def __init__(self, address: str, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0) -> None:
+    def __init__(
+        self, address: str, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0,
+        tls_cert: str | None = None, tls_key: str | None = None,
+    ) -> None:
         if not call_timeout > 0:
             raise CoordinatorError(f"call_timeout is {call_timeout}; it must be > 0 seconds")
         self.address = normalize_address(address)
         self.call_timeout = call_timeout
-        self._channel = open_channel(self.address, token, tls_ca)
+        self.token = token
+        self._channel = open_channel(self.address, token, tls_ca, tls_cert, tls_key)
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._node_secrets: dict[str, str] = {}
+
+    def node_secret(self, node_id: str) -> str:
+        """The secret RegisterNode gave `node_id` through this client ("" if it did not)."""
+        return self._node_secrets.get(node_id, "")
+
+    def adopt_node(self, node_id: str, secret: str) -> None:
+        """Act as `node_id` (registered through another client) in node-scoped calls."""
+        self._node_secrets[node_id] = secret
 
     def call(
         self,
@@ -76,15 +90,23 @@ class CoordinatorClient:
     def register_node(self, hostname: str, slots: int = 0, daemon: bool = False) -> pb.RegisterNodeResponse:
         _non_negative(slots=slots)
         req = pb.RegisterNodeRequest(hostname=hostname, slots=slots, daemon=daemon)
-        return self.call("RegisterNode", self.stub.RegisterNode, req)
+        reply = self.call("RegisterNode", self.stub.RegisterNode, req)
+        self._node_secrets[reply.node_id] = reply.node_secret
+        return reply
 
-    def heartbeat(self, node_id: str, job: str = "", generation: int = 0) -> pb.HeartbeatResponse:
+    def heartbeat(
+        self, node_id: str, job: str = "", generation: int = 0, local_pids: Sequence[int] = ()
+    ) -> pb.HeartbeatResponse:
+        """Renew the node's liveness; `local_pids` (pid of each local rank, 0 if not running) feed status."""
         _non_negative(generation=generation)
-        req = pb.HeartbeatRequest(node_id=node_id, job=job, generation=generation)
+        req = pb.HeartbeatRequest(
+            node_id=node_id, job=job, generation=generation, node_secret=self.node_secret(node_id),
+            local_pids=list(local_pids),
+        )
         return self.call("Heartbeat", self.stub.Heartbeat, req, retry=True)
 
     def deregister_node(self, node_id: str) -> None:
-        self.call("DeregisterNode", self.stub.DeregisterNode, pb.DeregisterNodeRequest(node_id=node_id), retry=True)
+        self.call("DeregisterNode", self.stub.DeregisterNode, pb.DeregisterNodeRequest(node_id=node_id, node_secret=self.node_secret(node_id)), retry=True)
 
     def join(
         self, job: str, node_id: str, nproc: int, min_nodes: int, max_nodes: int, max_restarts: int = 0,
@@ -94,7 +116,7 @@ class CoordinatorClient:
         _non_negative(nproc=nproc, min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=max_restarts)
         req = pb.JoinRequest(
             job=job, node_id=node_id, nproc=nproc, min_nodes=min_nodes, max_nodes=max_nodes,
-            max_restarts=max_restarts, timeout_s=timeout,
+            max_restarts=max_restarts, timeout_s=timeout, node_secret=self.node_secret(node_id),
         )
         return self.call("Join", self.stub.Join, req, wait=timeout, retry=True)
 
@@ -102,12 +124,15 @@ class CoordinatorClient:
         self, job: str, node_id: str, generation: int, rank: int, exit_code: int, message: str
     ) -> pb.ReportFailureResponse:
         req = pb.ReportFailureRequest(
-            job=job, node_id=node_id, generation=generation, rank=rank, exit_code=exit_code, message=message
+            job=job, node_id=node_id, generation=generation, rank=rank, exit_code=exit_code, message=message,
+            node_secret=self.node_secret(node_id),
         )
         return self.call("ReportFailure", self.stub.ReportFailure, req, retry=True)
 
     def report_exit(self, job: str, node_id: str, generation: int, exit_code: int) -> None:
-        req = pb.ReportExitRequest(job=job, node_id=node_id, generation=generation, exit_code=exit_code)
+        req = pb.ReportExitRequest(
+            job=job, node_id=node_id, generation=generation, exit_code=exit_code, node_secret=self.node_secret(node_id)
+        )
         self.call("ReportExit", self.stub.ReportExit, req, retry=True)
 
     def submit_job(
@@ -124,10 +149,12 @@ class CoordinatorClient:
 
     def poll_work(self, node_id: str, wait_s: float) -> pb.PollWorkResponse:
         """Daemon long-poll: new assignments and cancellations (each delivered once)."""
-        return self.call("PollWork", self.stub.PollWork, pb.PollWorkRequest(node_id=node_id, wait_s=wait_s), wait=wait_s)
+        req = pb.PollWorkRequest(node_id=node_id, wait_s=wait_s, node_secret=self.node_secret(node_id))
+        return self.call("PollWork", self.stub.PollWork, req, wait=wait_s)
 
     def push_output(self, job: str, node_id: str, lines: list[pb.OutputLine]) -> None:
-        self.call("PushOutput", self.stub.PushOutput, pb.PushOutputRequest(job=job, node_id=node_id, lines=lines))
+        req = pb.PushOutputRequest(job=job, node_id=node_id, lines=lines, node_secret=self.node_secret(node_id))
+        self.call("PushOutput", self.stub.PushOutput, req)
 
     def stream_job(self, job: str, timeout: float | None = None) -> Iterator[pb.JobEvent]:
         """The job's events from its start until JobFinished.
@@ -147,8 +174,11 @@ class CoordinatorClient:
     def cancel_job(self, job: str) -> None:
         self.call("CancelJob", self.stub.CancelJob, pb.CancelJobRequest(job=job), retry=True)
 
-    def get_status(self, job: str = "") -> pb.GetStatusResponse:
-        return self.call("GetStatus", self.stub.GetStatus, pb.GetStatusRequest(job=job), retry=True)
+    def get_status(self, job: str = "", all: bool = False, max_ranks: int = 0) -> pb.GetStatusResponse:
+        """Nodes and jobs; `all` includes finished jobs and dead nodes past the retention time."""
+        _non_negative(max_ranks=max_ranks)
+        req = pb.GetStatusRequest(job=job, all=all, max_ranks=max_ranks)
+        return self.call("GetStatus", self.stub.GetStatus, req, retry=True)
 
     def health(self, timeout: float = 5.0) -> bool:
         """The standard grpc.health.v1 check: True if the coordinator answers SERVING."""
@@ -173,12 +203,21 @@ class CoordinatorClient:
 
 
 def connect(
-    address: str | None = None, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0
+    address: str | None = None, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0,
+    *, token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
 ) -> CoordinatorClient:
-    """A client for the coordinator at `address` (else $AXOND_COORDINATOR), token and CA from the env too."""
+    """A client for the coordinator at `address` (else $AXOND_COORDINATOR).
+
+    The token comes from `token`, `token_file`, AXOND_TOKEN_FILE, AXOND_TOKEN or, for a coordinator on
+    this machine, the default state directory (see axond.control.credentials); the CA and the client
+    certificate (mutual TLS) from AXOND_TLS_CA, AXOND_TLS_CERT and AXOND_TLS_KEY when not given.
+    """
     address = address or os.environ.get("AXOND_COORDINATOR", "")
     if not address:
         raise CoordinatorError("no coordinator address: pass --coordinator HOST:PORT or set AXOND_COORDINATOR")
-    token = token or os.environ.get("AXOND_TOKEN") or None
+    address = normalize_address(address)
+    token = resolve_token(address, token, token_file)
     tls_ca = tls_ca or os.environ.get("AXOND_TLS_CA") or None
-    return CoordinatorClient(address, token, tls_ca, call_timeout)
+    tls_cert = tls_cert or os.environ.get("AXOND_TLS_CERT") or None
+    tls_key = tls_key or os.environ.get("AXOND_TLS_KEY") or None
+    return CoordinatorClient(address, token, tls_ca, call_timeout, tls_cert, tls_key)

@@ -8,12 +8,14 @@ from axond.errors import AxondError, CoordinatorError, StoreError, StoreTimeout
 
 ADVICE: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.UNAVAILABLE: "is the coordinator running and reachable at that address (and TLS/plaintext matching)?",
-    grpc.StatusCode.UNAUTHENTICATED: "pass the coordinator's token with --token or AXOND_TOKEN",
+    grpc.StatusCode.UNAUTHENTICATED: "pass the coordinator's token with --token, --token-file or AXOND_TOKEN",
+    grpc.StatusCode.PERMISSION_DENIED: "node-scoped calls need the node's own secret from RegisterNode",
+    grpc.StatusCode.OUT_OF_RANGE: "the value would leave its range",
     grpc.StatusCode.INVALID_ARGUMENT: "fix the request's arguments",
     grpc.StatusCode.NOT_FOUND: "check the job/node names with `axond status`",
     grpc.StatusCode.FAILED_PRECONDITION: "the job or node is not in a state that allows this; see `axond status`",
     grpc.StatusCode.ALREADY_EXISTS: "pick another job name",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "send less data per call",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "a coordinator limit was reached (see its message); send less or clean up",
     grpc.StatusCode.DEADLINE_EXCEEDED: "the call ran out of time; raise the timeout or check the other nodes",
     grpc.StatusCode.UNIMPLEMENTED: "the coordinator is an incompatible axond version",
 }

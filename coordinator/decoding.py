@@ -1,0 +1,51 @@
+"""Request bodies that do not parse reach the servicer as `Undecodable`, answered INVALID_ARGUMENT.
+
+Left to gRPC, a body that fails to parse (junk bytes, invalid UTF-8 in a string field) is answered
+with INTERNAL/UNKNOWN; this interceptor wraps each Coordinator method's deserializer instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from axond.coordinator.servicer import Undecodable
+
+PREFIX = "/axond.v1.Coordinator/"
+
+
+def _safe(method: str, parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the caller's bad body
+            return Undecodable(method.rsplit("/", 1)[-1], f"{type(e).__name__}: {e}")
+
+    return deserialize
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Wraps the request deserializer of every Coordinator method (see the module doc)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        if handler is None or not method.startswith(PREFIX) or handler.request_deserializer is None:
+            return handler
+        parse = _safe(method, handler.request_deserializer)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                handler.unary_unary, request_deserializer=parse, response_serializer=handler.response_serializer
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                handler.unary_stream, request_deserializer=parse, response_serializer=handler.response_serializer
+            )
+        return handler
