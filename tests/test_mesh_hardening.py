@@ -38,6 +38,10 @@ MARGIN = 1.5
 SECRET = b"0123456789abcdef"
 OPTIONS = BackendOptions(timeout=15.0, job_secret=SECRET, handshake_timeout=HANDSHAKE)
 WORLD = group_id("world")
+REFUSED_HELLO = (MAGIC + bytes([REFUSED]), CHALLENGE.size)
+"""The answer to a HELLO that does not belong: a CHALLENGE with status REFUSED."""
+REFUSED_PROOF = (bytes([REFUSED]), 1)
+"""The verdict on a wrong proof."""
 Address = tuple[str, int]
 Attack = Callable[[Address], None]
 
@@ -113,6 +117,16 @@ def dropped(sock: socket.socket, within: float) -> bytes | None:
     return None
 
 
+def refused(sock: socket.socket, answer: tuple[bytes, int]) -> bool:
+    """Whether the rank refused `sock` at once: it answered (first bytes, size) and closed, or reset the connection
+    (it closed with our surplus bytes unread, which may discard its answer before we read it)."""
+    t0 = time.monotonic()
+    got = dropped(sock, HANDSHAKE + MARGIN)
+    prefix, size = answer
+    return (got is not None and time.monotonic() - t0 < HANDSHAKE / 2
+            and (got == b"" or (got.startswith(prefix) and len(got) == size)))
+
+
 def form(n: int, attack: Attack, options: BackendOptions = OPTIONS,
          late: float = 0.0) -> tuple[list[ProcessGroup], float]:
     """Start rank 0 of a group of `n`, run `attack` on its address, then start the others (after `late` s);
@@ -172,23 +186,23 @@ def test_a_slow_drip_is_cut_at_the_handshake_deadline(stranger: Stranger) -> Non
 
 
 def test_junk_is_dropped_and_the_group_forms(stranger: Stranger) -> None:
-    answers: list[bytes | None] = []
+    answers: list[bool] = []
 
     def attack(addr: Address) -> None:
         stranger.connect(addr).sendall(b"\x16\x03\x01\x02")  # a TLS record header, then silence
         long = stranger.connect(addr)
         long.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(4096))
-        answers.append(dropped(long, HANDSHAKE + MARGIN))
+        answers.append(refused(long, REFUSED_HELLO))
 
     groups, took = form(2, attack)
-    assert answers[0] is not None and answers[0][:5] == MAGIC + bytes([REFUSED]), answers
+    assert answers == [True]
     assert took < HANDSHAKE + MARGIN, f"the group took {took:.2f} s to form beside a silent stranger"
     check_and_destroy(groups)
 
 
 def test_wrong_proofs_are_refused_and_the_member_is_served_meanwhile(stranger: Stranger) -> None:
     """One stranger claims rank 1 and sends a wrong proof; another claims rank 1 and never sends its proof."""
-    verdicts: list[bytes | None] = []
+    verdicts: list[bool] = []
 
     def attack(addr: Address) -> None:
         liar = stranger.connect(addr)
@@ -196,11 +210,11 @@ def test_wrong_proofs_are_refused_and_the_member_is_served_meanwhile(stranger: S
         magic, status, _, _ = CHALLENGE.unpack(liar.recv(CHALLENGE.size, socket.MSG_WAITALL))
         assert (magic, status) == (MAGIC, ACCEPTED)
         liar.sendall(os.urandom(32))
-        verdicts.append(dropped(liar, HANDSHAKE + MARGIN))
+        verdicts.append(refused(liar, REFUSED_PROOF))
         stranger.connect(addr).sendall(hello())
 
     groups, took = form(2, attack)
-    assert verdicts == [bytes([REFUSED])]
+    assert verdicts == [True]
     assert took < HANDSHAKE + MARGIN, f"the member waited {took:.2f} s behind a stalled claim of its rank"
     check_and_destroy(groups)
 
@@ -209,15 +223,15 @@ def test_wrong_proofs_are_refused_and_the_member_is_served_meanwhile(stranger: S
     dict(rank=2**31 - 1, size=2**31 - 1), dict(rank=-1), dict(rank=1, size=-5), dict(gid=0xFFFFFFFF),
 ])
 def test_huge_or_negative_declared_counts_are_refused(stranger: Stranger, claim: dict[str, int]) -> None:
-    answers: list[bytes | None] = []
+    answers: list[bool] = []
 
     def attack(addr: Address) -> None:
         s = stranger.connect(addr)
         s.sendall(hello(**claim) + bytes(1 << 20))
-        answers.append(dropped(s, HANDSHAKE + MARGIN))
+        answers.append(refused(s, REFUSED_HELLO))
 
     groups, took = form(2, attack)
-    assert answers[0] is not None and answers[0][:5] == MAGIC + bytes([REFUSED])
+    assert answers == [True]
     assert took < HANDSHAKE + MARGIN
     check_and_destroy(groups)
 
@@ -269,7 +283,7 @@ def test_a_stranger_never_reaches_the_unpickler(stranger: Stranger) -> None:
     forms with the real member only, its object collectives see none of the stranger's bytes, and once the group
     formed its port is closed. The control: a member's Evil() is unpickled (members are trusted)."""
     payload = pickle.dumps([Evil()]) * 64
-    answers: list[bytes | None] = []
+    answers: list[bool] = []
     where: list[Address] = []
 
     def attack(addr: Address) -> None:
@@ -277,13 +291,13 @@ def test_a_stranger_never_reaches_the_unpickler(stranger: Stranger) -> None:
         s.sendall(hello())
         s.recv(CHALLENGE.size, socket.MSG_WAITALL)
         s.sendall(os.urandom(32) + payload)
-        answers.append(dropped(s, HANDSHAKE + MARGIN))
+        answers.append(refused(s, REFUSED_PROOF))
         where.append(addr)
 
     PWNED.clear()
     groups, _ = form(2, attack)
     try:
-        assert answers == [bytes([REFUSED])]
+        assert answers == [True]
         use_transport(groups, "sockets")
         def gather(g: ProcessGroup) -> list[Any]:
             out: list[Any] = [None, None]
