@@ -117,7 +117,9 @@ class Acceptor:
                     if key.fileobj is self.listener:
                         self._accept()
                         continue
-                    p = self._pending[key.fileobj]  # type: ignore[index]
+                    p = self._pending.get(key.fileobj)  # type: ignore[call-overload]
+                    if p is None:  # pushed out by a newcomer earlier in this batch
+                        continue
                     peer = self._advance(p, expected)
                     if peer in (DROP, REFUSE):
                         self._drop(p, refused=peer == REFUSE)
