@@ -1,14 +1,14 @@
 """Forming the full mesh of a group: listen, publish the address in the KV store, connect, authenticate.
 
 Rank i connects to every lower rank and accepts every higher one. Each connection runs a mutual
-HMAC challenge-response over the job secret (the secret never crosses the wire); a connection
-that cannot prove it is refused and the group keeps waiting for the real member.
+HMAC challenge-response over the job secret (the secret never crosses the wire; see `handshake`);
+a connection that cannot prove it within its deadline is dropped and the group keeps waiting for
+the real member, whose handshakes run beside the stranger's instead of behind it.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import hmac
 import ipaddress
 import os
@@ -19,17 +19,15 @@ import threading
 import time
 from urllib.parse import urlsplit
 
+from axond.distributed.handshake import (
+    ACCEPTED, CHALLENGE, HANDSHAKE_TIMEOUT, HELLO, MAGIC, MAX_PENDING, REFUSED, Acceptor, proof, recv_exact,
+)
 from axond.errors import DistributedError, StoreError
 from axond.store import Store
 
-MAGIC = b"AXD1"
-HELLO = struct.Struct("<4sIii16s")
-"""magic, group id, connecting rank, group size, connector nonce."""
-CHALLENGE = struct.Struct("<4sB16s32s")
-"""magic, status, acceptor nonce, acceptor proof."""
-PROOF_SIZE = 32
-ACCEPTED, REFUSED = 1, 2
 SIOCGIFADDR = 0x8915
+RETRY_PAUSE = 0.05
+"""Seconds between a connector's attempts while the peer is not listening yet or dropped the connection."""
 
 
 def interface_address(ifname: str) -> str:
@@ -65,36 +63,27 @@ def advertised_host(configured: str | None) -> str:
     return "127.0.0.1"
 
 
-def _proof(secret: bytes, role: bytes, first: bytes, second: bytes, gid: int, a: int, b: int) -> bytes:
-    return hmac.new(secret, role + first + second + struct.pack("<Iii", gid, a, b), hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed during the handshake")
-        buf += chunk
-    return bytes(buf)
-
-
 class Mesh:
     """Builds the authenticated sockets of one group member: {peer group rank: socket}."""
 
     def __init__(self, store: Store, rank: int, size: int, gid: int, secret: bytes, host: str | None,
-                 port: int, timeout: float, describe: str) -> None:
+                 port: int, timeout: float, describe: str, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        if not handshake_timeout > 0:
+            raise ValueError(f"handshake_timeout must be positive seconds, got {handshake_timeout!r}")
         self.store = store
         self.rank = rank
         self.size = size
         self.gid = gid
         self.secret = secret
         self.timeout = timeout
+        self.handshake_timeout = handshake_timeout
         self.describe = describe
         self.host = advertised_host(host)
         self.port = port
         self.refused = 0
         """Connections refused so far (wrong secret, wrong group): visible to tests and logs."""
+        self.dropped = 0
+        """Connections dropped without an answer (closed, too slow, or pushed out by a flood)."""
 
     def _err(self, what: str, peer: int | None = None) -> DistributedError:
         return DistributedError(f"init on {self.describe}: {what}", op="init", peer=peer)
@@ -102,22 +91,31 @@ class Mesh:
     def connect_all(self) -> dict[int, socket.socket]:
         """Return a connected, authenticated socket per peer, or raise `DistributedError` by the deadline."""
         deadline = time.monotonic() + self.timeout
-        listener = socket.create_server((self.host, self.port), backlog=max(self.size, 16))
-        listener.settimeout(0.1)
+        listener = socket.create_server((self.host, self.port), backlog=max(self.size, MAX_PENDING))
+        acceptor = Acceptor(listener, self.secret, self.gid, self.rank, self.size, self.handshake_timeout)
         socks: dict[int, socket.socket] = {}
         accept_error: list[BaseException] = []
+        stop = threading.Event()
+
+        def accept() -> None:
+            try:
+                acceptor.run(set(range(self.rank + 1, self.size)), socks, deadline, stop)
+            except BaseException as e:
+                accept_error.append(e)
+
         try:
             self.store.set(f"addr/{self.rank}", f"{self.host}:{listener.getsockname()[1]}".encode())
-            acceptor = threading.Thread(
-                target=self._accept_loop, args=(listener, socks, deadline, accept_error),
-                name=f"axond-accept-{self.rank}", daemon=True,
-            )
-            acceptor.start()
+            thread = threading.Thread(target=accept, name=f"axond-accept-{self.rank}", daemon=True)
+            thread.start()
             try:
                 for peer in range(self.rank):
                     socks[peer] = self._connect(peer, deadline)
+            except BaseException:
+                stop.set()
+                raise
             finally:
-                acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
+                thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+                self.refused, self.dropped = acceptor.refused, acceptor.dropped
             if accept_error:
                 raise accept_error[0]
             missing = [p for p in range(self.rank + 1, self.size) if p not in socks]
@@ -140,75 +138,40 @@ class Mesh:
         return self._connect_to(peer, host, int(port), deadline)
 
     def _connect_to(self, peer: int, host: str, port: int, deadline: float) -> socket.socket:
-        """Connect to `peer` at host:port (retrying until `deadline`) and run the handshake."""
+        """Connect to `peer` at host:port and run the handshake, retrying until `deadline` while the peer is not
+        listening yet or drops the connection unanswered (busy with a flood of strangers)."""
         while True:
             try:
                 sock = socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-                break
             except OSError as e:
                 if time.monotonic() >= deadline:
                     raise self._err(f"could not connect to peer rank {peer} at {host}:{port}: {e}", peer) from e
-                time.sleep(0.05)
-        try:
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            nonce = secrets.token_bytes(16)
-            sock.sendall(HELLO.pack(MAGIC, self.gid, self.rank, self.size, nonce))
-            magic, status, peer_nonce, proof = CHALLENGE.unpack(_recv_exact(sock, CHALLENGE.size))
-            if magic != MAGIC or status == REFUSED:
-                raise self._err(f"peer rank {peer} at {host}:{port} refused the connection "
-                                "(different job, group or world size?)", peer)
-            expected = _proof(self.secret, b"A", nonce, peer_nonce, self.gid, self.rank, peer)
-            if not hmac.compare_digest(proof, expected):
-                raise self._err(f"peer rank {peer} at {host}:{port} could not prove the job secret; "
-                                "refusing it (do both ranks have the same AXOND_JOB_SECRET?)", peer)
-            sock.sendall(_proof(self.secret, b"C", peer_nonce, nonce, self.gid, self.rank, peer))
-            verdict = _recv_exact(sock, 1)
-            if verdict[0] != ACCEPTED:
-                raise self._err(f"peer rank {peer} refused the connection: wrong job secret "
-                                "(check AXOND_JOB_SECRET)", peer)
-        except DistributedError:
-            sock.close()
-            raise
-        except OSError as e:
-            sock.close()
-            raise self._err(f"handshake with peer rank {peer} at {host}:{port} failed: {e}", peer) from e
-        return sock
+                time.sleep(RETRY_PAUSE)
+                continue
+            try:
+                self._offer(sock, peer, f"{host}:{port}", min(deadline, time.monotonic() + 2 * self.handshake_timeout))
+                return sock
+            except DistributedError:
+                sock.close()
+                raise
+            except OSError as e:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise self._err(f"handshake with peer rank {peer} at {host}:{port} failed: {e}", peer) from e
+                time.sleep(RETRY_PAUSE)
 
-    def _accept_loop(self, listener: socket.socket, socks: dict[int, socket.socket], deadline: float,
-                     errors: list[BaseException]) -> None:
-        expected = set(range(self.rank + 1, self.size))
-        try:
-            while expected and time.monotonic() < deadline:
-                try:
-                    sock, _ = listener.accept()
-                except TimeoutError:
-                    continue
-                peer = self._authenticate(sock, expected, deadline)
-                if peer is None:
-                    self.refused += 1
-                    sock.close()
-                    continue
-                expected.discard(peer)
-                socks[peer] = sock
-        except BaseException as e:
-            errors.append(e)
-
-    def _authenticate(self, sock: socket.socket, expected: set[int], deadline: float) -> int | None:
-        """The peer rank if the connection proves the secret and belongs here, else None."""
-        try:
-            sock.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
-            magic, gid, peer, size, nonce = HELLO.unpack(_recv_exact(sock, HELLO.size))
-            my_nonce = secrets.token_bytes(16)
-            if magic != MAGIC or gid != self.gid or size != self.size or peer not in expected:
-                sock.sendall(CHALLENGE.pack(MAGIC, REFUSED, my_nonce, bytes(32)))
-                return None
-            sock.sendall(CHALLENGE.pack(MAGIC, ACCEPTED, my_nonce,
-                                        _proof(self.secret, b"A", nonce, my_nonce, self.gid, peer, self.rank)))
-            proof = _recv_exact(sock, PROOF_SIZE)
-            if not hmac.compare_digest(proof, _proof(self.secret, b"C", my_nonce, nonce, self.gid, peer, self.rank)):
-                sock.sendall(bytes([REFUSED]))
-                return None
-            sock.sendall(bytes([ACCEPTED]))
-            return int(peer)
-        except (OSError, struct.error, ConnectionError):
-            return None
+    def _offer(self, sock: socket.socket, peer: int, where: str, deadline: float) -> None:
+        """Run the connector's side of the handshake on `sock`: DistributedError if refused, OSError if cut short."""
+        nonce = secrets.token_bytes(16)
+        sock.sendall(HELLO.pack(MAGIC, self.gid, self.rank, self.size, nonce))
+        magic, status, peer_nonce, theirs = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size, deadline))
+        if magic != MAGIC or status == REFUSED:
+            raise self._err(f"peer rank {peer} at {where} refused the connection "
+                            "(different job, group or world size?)", peer)
+        if not hmac.compare_digest(theirs, proof(self.secret, b"A", nonce, peer_nonce, self.gid, self.rank, peer)):
+            raise self._err(f"peer rank {peer} at {where} could not prove the job secret; "
+                            "refusing it (do both ranks have the same AXOND_JOB_SECRET?)", peer)
+        sock.sendall(proof(self.secret, b"C", peer_nonce, nonce, self.gid, self.rank, peer))
+        if recv_exact(sock, 1, deadline)[0] != ACCEPTED:
+            raise self._err(f"peer rank {peer} refused the connection: wrong job secret "
+                            "(check AXOND_JOB_SECRET)", peer)

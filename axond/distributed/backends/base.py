@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from axond.distributed.handshake import HANDSHAKE_TIMEOUT
 from axond.distributed.reduce_op import ReduceOp
 from axond.store import Store
 
@@ -34,6 +35,8 @@ class BackendOptions:
     """GPU index for device backends (None: LOCAL_RANK)."""
     port: int = 0
     """Port the tcp backend listens on (0: chosen by the OS); only the default group uses it."""
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+    """Seconds an incoming tcp connection has, in all, to prove the job secret while a group forms; then it is dropped."""
 
 
 class Backend(ABC):

@@ -69,7 +69,8 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         socks = {}
         self.host = ""
         if size > 1:
-            mesh = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port, options.timeout, where)
+            mesh = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port, options.timeout, where,
+                        options.handshake_timeout)
             self.host, socks = mesh.host, mesh.connect_all()
         crowded = self.crowded = oversubscribed(list(socks.values()))
         self.shm = ShmTuning.from_env()
