@@ -80,6 +80,13 @@ EVERY_TRANSPORT = ([(n, "auto") for n in (1, 2, 3, 4)] + [(n, t) for t in ("sock
 """(world size, transport) of the groups the collective contract suite runs on."""
 
 
+def on_backend(make: Callable[..., list[ProcessGroup]], backend: str) -> Callable[..., list[ProcessGroup]]:
+    """conftest's `make_groups` forming groups of `backend`: "tcp" as asked, "mock" whatever the transport."""
+    if backend == "tcp":
+        return make
+    return lambda n, timeout=1.0, crowded=None, transport="auto": make(n, timeout, transport="mock")
+
+
 def group_members(size: int, transport: str) -> Iterator[list[ProcessGroup]]:
     """Fixture body: the members of a group of `size` threads (20 s timeout) on `transport`, destroyed after."""
     gs = use_transport(thread_groups(size, timeout=20.0, backend=backend_of(transport)), transport)

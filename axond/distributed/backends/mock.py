@@ -200,8 +200,9 @@ class MockBackend(Backend):
         if self.rank == src:
             x = _numpy(x, "scatter input on the source rank")
             if x.ndim == 0 or x.shape[0] != self.size:
-                raise ValueError(f"scatter needs an array of shape ({self.size}, ...) on the source rank, got {x.shape}")
-            dtype_code(x.dtype)
+                raise ValueError(f"scatter needs an array of shape ({self.size}, ...) on the source rank, "
+                                 f"got {x.shape}")
+            dtype_code(x.dtype)  # refuses the dtypes tcp cannot move, as tcp does
         full = np.array(x, order="C") if self.rank == src else None
         rows = self._meet(Op.SCATTER, None, full, aux=src)
         return np.array(rows[src][self.rank])
