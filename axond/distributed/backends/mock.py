@@ -11,7 +11,7 @@ Every wait is bounded by the group's timeout; a failure aborts the group for eve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,7 +122,7 @@ class MockBackend(Backend):
             self._into(x, lambda flat: _reduce_rows(rows, flat, op))
 
     @staticmethod
-    def _into(x: np.ndarray, fill: Any) -> None:
+    def _into(x: np.ndarray, fill: Callable[[np.ndarray], object]) -> None:
         """Have `fill(flat)` write a flat view of `x` (through a contiguous copy if `x` is not contiguous)."""
         if x.flags.c_contiguous:
             fill(x.reshape(-1))
