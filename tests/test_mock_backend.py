@@ -193,6 +193,28 @@ def test_a_deadlock_names_what_the_peer_is_blocked_in() -> None:
     assert isinstance(errors[1], DistributedError) and errors[1].op == "recv" and "gave up" in str(errors[1]), errors
 
 
+def test_a_cross_group_deadlock_names_the_group_the_peer_is_blocked_in() -> None:
+    """As on tcp (test_inflight): the peer in no op of this group is described by what it reports elsewhere."""
+    pair = thread_groups(2, backend="mock", options=BackendOptions(timeout=1.2))
+    subs = run_on(pair, lambda g: g.new_group([0, 1]))
+
+    def body(g: ProcessGroup) -> None:
+        if g.rank == 0:
+            g.all_reduce(np.ones(4, np.float32))
+        else:
+            time.sleep(0.3)  # enter later, so that rank 0 times out first, while rank 1 still waits
+            subs[1].broadcast(np.ones(4, np.float32), 0)
+
+    out = run_on(pair, body, return_exceptions=True)
+    assert all(isinstance(e, DistributedError) for e in out), out
+    assert "all_reduce on group 'world' (rank 0 of 2): timed out after 1.2 s waiting for peer 1; " in str(out[0])
+    assert f"is blocked in broadcast on group '{subs[1].name}' for " in str(out[0])
+    assert "not in all_reduce on group 'world': the ranks issued their ops in different orders" in str(out[0])
+    assert f"broadcast on group '{subs[1].name}' (rank 1 of 2): timed out after 1.2 s waiting for peer 0" in str(out[1])
+    for g in subs + pair:
+        g.destroy()
+
+
 def test_abort_and_destroy_release_waiting_members_at_once() -> None:
     gs = thread_groups(3, backend="mock", options=BackendOptions(timeout=20.0))
 

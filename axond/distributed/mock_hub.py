@@ -33,12 +33,15 @@ def call_text(call: Call) -> str:
 
 
 class HubError(Exception):
-    """A wait in the hub failed: `what` went wrong with `peer` (the backend turns it into `DistributedError`)."""
+    """A wait in the hub failed: `what` went wrong with `peer` (the backend turns it into `DistributedError`).
 
-    def __init__(self, what: str, peer: int | None) -> None:
+    `idle`: the peer was in no op of this group (a timeout): what it does elsewhere may explain it."""
+
+    def __init__(self, what: str, peer: int | None, idle: bool = False) -> None:
         super().__init__(what)
         self.what = what
         self.peer = peer
+        self.idle = idle
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class Hub:
         self._slots: dict[int, _Slot] = {}
         self._queues: dict[tuple[int, int], deque[Post]] = {}
         self._doing = ["has not called an op on this group yet"] * size
+        self._busy = [False] * size
+        """Whether each member is in an op of this group now."""
         self._aborted: tuple[int, str] | None = None
         self._left: set[int] = set()
 
@@ -79,6 +84,7 @@ class Hub:
         with self._cond:
             self._check([])
             self._doing[rank] = f"is in {call_text(post.call)} (operation #{seq} of this group)"
+            self._busy[rank] = True
             slot = self._slots.get(seq)
             if slot is None:
                 slot = self._slots[seq] = _Slot(self.size)
@@ -97,6 +103,7 @@ class Hub:
                 self._check(missing)
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
             self._doing[rank] = f"is between ops on this group (its last: {call_text(post.call)}, operation #{seq})"
+            self._busy[rank] = False
         return [p for p in slot.posts if p is not None]
 
     def send(self, src: int, dst: int, post: Post) -> None:
@@ -111,6 +118,7 @@ class Hub:
         deadline = time.monotonic() + timeout
         with self._cond:
             self._doing[dst] = f"is in recv from rank {src} (tag={tag})"
+            self._busy[dst] = True
             queue = self._queues.setdefault((src, dst), deque())
             while not queue:
                 self._check([src])
@@ -120,6 +128,7 @@ class Hub:
                     raise error
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
             self._doing[dst] = f"is between ops on this group (its last: recv from rank {src}, tag={tag})"
+            self._busy[dst] = False
             return queue.popleft()
 
     def _check(self, waiting_for: list[int]) -> None:
@@ -135,7 +144,7 @@ class Hub:
         peer = missing[0]
         also = f" (and {len(missing) - 1} more: {missing[1:]})" if len(missing) > 1 else ""
         return HubError(f"timed out after {timeout:.1f} s waiting for peer {peer}{also}; "
-                        f"peer rank {peer} {self._doing[peer]}", peer)
+                        f"peer rank {peer} {self._doing[peer]}", peer, idle=not self._busy[peer])
 
     def _expire(self, rank: int, where: str, error: HubError) -> None:
         """`rank` timed out: abort in the same step, so that a member arriving late raises too instead of passing."""

@@ -61,6 +61,19 @@ class MockBackend(Backend):
         self.hub = join(store, rank, size, group_name, options.timeout)
         self._seq = 0
         self._aborted: str | None = None
+        self._explain: Callable[[int], str] | None = None
+
+    def explain_timeouts(self, describe_peer: Callable[[int], str],
+                         describe_peers: Callable[[str], str] | None = None) -> None:
+        """A peer that times out this rank while in no op of this group is described by `describe_peer` (what it
+        published it is blocked in, e.g. an op of another group: a cross-group deadlock)."""
+        self._explain = describe_peer
+
+    def _hub_failure(self, op: str, e: HubError) -> DistributedError:
+        what = e.what
+        if e.idle and e.peer is not None and self._explain is not None:
+            what += f"; {self._explain(e.peer)}"
+        return self._fail(op, e.peer, what)
 
     def _where(self, op: str) -> str:
         return f"{op} on group '{self.group_name}' (rank {self.rank} of {self.size})"
@@ -93,7 +106,7 @@ class MockBackend(Backend):
         try:
             posts = self.hub.meet(self._seq, self.rank, Post(call, data), self.options.timeout, self._where(name))
         except HubError as e:
-            raise self._fail(name, e.peer, e.what) from None
+            raise self._hub_failure(name, e) from None
         for peer, post in enumerate(posts):
             if post.call != call:
                 raise self._fail(name, peer, f"peer rank {peer} called {call_text(post.call)} "
@@ -245,7 +258,7 @@ class MockBackend(Backend):
         try:
             self.hub.send(self.rank, dst, post)
         except HubError as e:
-            raise self._fail("send", e.peer, e.what) from None
+            raise self._hub_failure("send", e) from None
 
     def recv(self, x: Array, src: int, tag: int) -> None:
         """Receive the next message from `src` into `x`; its tag, dtype and element count must be the receive's."""
@@ -258,7 +271,7 @@ class MockBackend(Backend):
         try:
             post = self.hub.recv(src, self.rank, int(tag), self.options.timeout, self._where("recv"))
         except HubError as e:
-            raise self._fail("recv", e.peer, e.what) from None
+            raise self._hub_failure("recv", e) from None
         if post.call != mine:
             raise self._fail("recv", src, f"peer rank {src} called {call_text(post.call)} but this rank called "
                                           f"recv{call_text(mine).removeprefix('send')}")
