@@ -59,12 +59,12 @@ small arena (many steps per op, synchronized over the sockets; no mailbox), "spi
 steps synchronize through it), or "nodes": the same arena settings with rank r on simulated node r % 2
 (`node_hosts`), so 4 ranks run large ops in two levels. "mock" is not a tcp transport but the network-free
 backend of that name (`axond.distributed.backends.mock`), held to the same contract."""
+NODES = 2
 
 
 def backend_of(transport: str) -> str:
     """The backend a test group on `transport` (a key of TRANSPORTS) uses."""
     return "mock" if transport == "mock" else "tcp"
-NODES = 2
 
 
 def use_transport(groups: list[ProcessGroup], transport: str) -> list[ProcessGroup]:

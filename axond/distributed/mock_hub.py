@@ -73,8 +73,12 @@ class Hub:
         self._doing = ["has not called an op on this group yet"] * size
         self._busy = [False] * size
         """Whether each member is in an op of this group now."""
-        self._aborted: tuple[int, str] | None = None
-        self._left: set[int] = set()
+        self._events = itertools.count()
+        """Orders aborts and departures: a waiter reports the first that concerns it."""
+        self._aborted: tuple[int, str, int] | None = None
+        """(member that gave up first, its reason, event number)."""
+        self._left: dict[int, int] = {}
+        """Members that closed their backend -> event number."""
 
     def meet(self, seq: int, rank: int, post: Post, timeout: float, where: str) -> list[Post]:
         """Post `post` as `rank`'s part of collective number `seq`; return every member's part, in rank order.
@@ -132,13 +136,16 @@ class Hub:
             return queue.popleft()
 
     def _check(self, waiting_for: list[int]) -> None:
-        """Raise if a member gave up, or one of `waiting_for` left the group."""
-        if self._aborted is not None:
-            peer, reason = self._aborted
-            raise HubError(f"peer rank {peer} gave up: {reason}", peer)
-        gone = [p for p in waiting_for if p in self._left]
-        if gone:
-            raise HubError(f"peer rank {gone[0]} left the group (it destroyed or closed it; did it fail?)", gone[0])
+        """Raise if a member gave up, or one of `waiting_for` left the group: whichever happened first (the cause),
+        so that every waiter says the same."""
+        left = [(at, p) for p, at in self._left.items() if p in waiting_for]
+        first_left = min(left) if left else None
+        aborted = self._aborted
+        if aborted is not None and (first_left is None or aborted[2] < first_left[0]):
+            raise HubError(f"peer rank {aborted[0]} gave up: {aborted[1]}", aborted[0])
+        if first_left is not None:
+            peer = first_left[1]
+            raise HubError(f"peer rank {peer} left the group (it destroyed or closed it; did it fail?)", peer)
 
     def _timed_out(self, timeout: float, missing: list[int]) -> HubError:
         peer = missing[0]
@@ -149,20 +156,20 @@ class Hub:
     def _expire(self, rank: int, where: str, error: HubError) -> None:
         """`rank` timed out: abort in the same step, so that a member arriving late raises too instead of passing."""
         if self._aborted is None:
-            self._aborted = (rank, f"{where}: {error.what}")
+            self._aborted = (rank, f"{where}: {error.what}", next(self._events))
         self._cond.notify_all()
 
     def abort(self, rank: int, reason: str) -> None:
         """Member `rank` gives up: every member waiting, or entering an op later, raises quoting `reason`."""
         with self._cond:
             if self._aborted is None:
-                self._aborted = (rank, reason)
+                self._aborted = (rank, reason, next(self._events))
             self._cond.notify_all()
 
     def leave(self, rank: int) -> None:
         """Member `rank` closed its backend: members waiting for it raise (what it sent stays receivable)."""
         with self._cond:
-            self._left.add(rank)
+            self._left.setdefault(rank, next(self._events))
             self._doing[rank] = "left the group"
             self._cond.notify_all()
 
