@@ -56,6 +56,7 @@ def _every_op(pg: ProcessGroup) -> list[Any]:
     objs: list[Any] = [None] * n
     axond.all_gather_object(objs, {"rank": r}, group=pg)
     pg.barrier()
+    pg.monitored_barrier()
     pg.all_reduce(np.zeros(1), async_op=True).wait()
     return [x, b, red, gathered, block, at_root, part, swapped, uneven, got, objs]
 
