@@ -4,8 +4,8 @@ For unit tests of code that uses collectives (`axond.testing.run_threads(fn, n, 
 `ProcessGroup.mock()`). Each collective meets at a slot of the group's `mock_hub.Hub`: every member posts a
 copy of its input and what it called (checked as tcp checks frame headers, so a mismatch raises on every
 member, naming the peer), then computes its result from the copies. Reductions run in rank order, as tcp's
-shared-memory paths (its defaults on one host) do, and `reduce` in tcp's binomial-tree order, so results match
-tcp's bit for bit there. Sends are buffered per pair and received in order, checked against the receive.
+shared-memory paths (its mailbox and arena on one host) do, and `reduce` in tcp's binomial-tree order, so float
+results match tcp's bit for bit there. Sends are buffered per pair and received in order, checked against the receive.
 Every wait is bounded by the group's timeout; a failure aborts the group for every member, as on tcp.
 """
 
