@@ -1,7 +1,8 @@
 """Form real groups of threads or processes on loopback, without a worker launch (tests, benchmarks).
 
 Both helpers join every rank with a timeout and re-raise the first rank's failure with its
-traceback, naming the rank.
+traceback, naming the rank. Threads can also form groups on the network-free "mock" backend
+(`run_threads(fn, n, backend="mock")`), which opens no socket; see docs/testing.md.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def run_threads(fn: Callable[[ProcessGroup], Any], world_size: int, timeout: flo
                 backend: str = "tcp", options: BackendOptions | None = None, store: Store | None = None) -> list[Any]:
     """Run `fn(group)` on `world_size` threads, each the member of a fresh group; return results by rank.
 
-    The first failure is re-raised as `RankFailed` (chained to the original, traceback in the message).
+    `backend="mock"` joins the threads in this process without any socket (unit tests); "tcp" over loopback.
+    The first failure is re-raised as `RankFailed` (chained to the original, traceback in the message); a
+    failed rank's group is destroyed at once, so the ranks waiting for it raise instead of timing out.
     """
     store = store if store is not None else InMemoryStore()
     options = options or BackendOptions(timeout=min(timeout, 30.0))

@@ -51,13 +51,20 @@ TRANSPORTS = {
     "shm": ShmTuning(min_bytes=0, arena_bytes=64 << 10, mailbox=False),
     "nodes": ShmTuning(min_bytes=0, arena_bytes=64 << 10),
     "spin": ShmTuning(min_bytes=0, arena_bytes=64 << 10),
+    "mock": None,
 }
 """How a test group of threads moves data: the defaults (small ops through the mailbox, large ones from
 AXOND_SHM_MIN_BYTES through the arena), sockets only (as between hosts), shared memory for every op through a
 small arena (many steps per op, synchronized over the sockets; no mailbox), "spin": the same with the mailbox (the
 steps synchronize through it), or "nodes": the same arena settings with rank r on simulated node r % 2
-(`node_hosts`), so 4 ranks run large ops in two levels."""
+(`node_hosts`), so 4 ranks run large ops in two levels. "mock" is not a tcp transport but the network-free
+backend of that name (`axond.distributed.backends.mock`), held to the same contract."""
 NODES = 2
+
+
+def backend_of(transport: str) -> str:
+    """The backend a test group on `transport` (a key of TRANSPORTS) uses."""
+    return "mock" if transport == "mock" else "tcp"
 
 
 def use_transport(groups: list[ProcessGroup], transport: str) -> list[ProcessGroup]:
@@ -68,13 +75,21 @@ def use_transport(groups: list[ProcessGroup], transport: str) -> list[ProcessGro
     return groups
 
 
-EVERY_TRANSPORT = [(n, "auto") for n in (1, 2, 3, 4)] + [(n, t) for t in ("sockets", "shm", "spin") for n in (2, 3, 4)]
+EVERY_TRANSPORT = ([(n, "auto") for n in (1, 2, 3, 4)] + [(n, t) for t in ("sockets", "shm", "spin") for n in (2, 3, 4)]
+                   + [(n, "mock") for n in (1, 2, 3, 4)])
 """(world size, transport) of the groups the collective contract suite runs on."""
 
 
+def on_backend(make: Callable[..., list[ProcessGroup]], backend: str) -> Callable[..., list[ProcessGroup]]:
+    """conftest's `make_groups` forming groups of `backend`: "tcp" as asked, "mock" whatever the transport."""
+    if backend == "tcp":
+        return make
+    return lambda n, timeout=1.0, crowded=None, transport="auto": make(n, timeout, transport="mock")
+
+
 def group_members(size: int, transport: str) -> Iterator[list[ProcessGroup]]:
-    """Fixture body: the members of a tcp group of `size` threads (20 s timeout) on `transport`, destroyed after."""
-    gs = use_transport(thread_groups(size, timeout=20.0), transport)
+    """Fixture body: the members of a group of `size` threads (20 s timeout) on `transport`, destroyed after."""
+    gs = use_transport(thread_groups(size, timeout=20.0, backend=backend_of(transport)), transport)
     yield gs
     for g in gs:
         g.destroy()

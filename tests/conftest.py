@@ -25,7 +25,7 @@ from axond.control.client import CoordinatorClient, connect
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
 from axond.distributed import BackendOptions, ProcessGroup
 from axond.testing import node_hosts, thread_groups
-from collective_cases import NODES, group_members, use_transport
+from collective_cases import NODES, backend_of, group_members, use_transport
 
 
 @pytest.fixture
@@ -64,14 +64,15 @@ def client(coordinator: RunningCoordinator) -> Iterator[CoordinatorClient]:
 
 @pytest.fixture
 def make_groups() -> Iterator[Callable[..., list[ProcessGroup]]]:
-    """`make_groups(n, timeout, crowded=None, transport="auto")`: the n members of a fresh tcp group on threads,
-    all destroyed after the test; `crowded` overrides whether the backends think ranks outnumber cores
-    (algorithm choice), `transport` is a key of TRANSPORTS."""
+    """`make_groups(n, timeout, crowded=None, transport="auto")`: the n members of a fresh group on threads,
+    all destroyed after the test; `crowded` overrides whether the tcp backends think ranks outnumber cores
+    (algorithm choice), `transport` is a key of TRANSPORTS ("mock": the mock backend)."""
     made: list[ProcessGroup] = []
 
     def make(n: int, timeout: float = 1.0, crowded: bool | None = None, transport: str = "auto") -> list[ProcessGroup]:
         hosts = node_hosts(n, NODES) if transport == "nodes" else None
-        groups = use_transport(thread_groups(n, options=BackendOptions(timeout=timeout), hosts=hosts), transport)
+        groups = use_transport(thread_groups(n, options=BackendOptions(timeout=timeout), hosts=hosts,
+                                             backend=backend_of(transport)), transport)
         made.extend(groups)
         for g in groups if crowded is not None else ():
             g.backend.crowded = crowded  # type: ignore[union-attr]  # as if the host had fewer (more) cores

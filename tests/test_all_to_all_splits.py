@@ -1,6 +1,7 @@
 """all_to_all with split sizes (torch's all_to_all_single): uneven blocks against a NumPy reference.
 
-Ranks are threads over real loopback sockets (and real processes for the module-level API); split
+Ranks are threads over real loopback sockets, and threads of the mock backend (and real processes for the
+module-level API); split
 matrices are random but seeded, with empty blocks, trailing dimensions and blocks big enough for the
 sender threads. A sender and receiver that disagree on a block's size both raise, naming each other.
 """
@@ -16,8 +17,15 @@ import axond
 from axond import DistributedError, ProcessGroup
 from axond.distributed.splits import announcement, settle
 from axond.testing import run_on, run_processes
+from collective_cases import on_backend
 
 MakeGroups = Callable[..., list[ProcessGroup]]
+
+
+@pytest.fixture(params=["tcp", "mock"])
+def make_groups(make_groups: MakeGroups, request: pytest.FixtureRequest) -> MakeGroups:
+    """conftest's, on the tcp and on the mock backend: both keep this contract."""
+    return on_backend(make_groups, request.param)
 
 
 def _case(n: int, seed: int, max_rows: int, tail: tuple[int, ...], dtype: str) -> tuple[np.ndarray, list[np.ndarray]]:

@@ -13,6 +13,7 @@ import pytest
 
 from axond.distributed.backends import nccl_ops
 from axond.distributed.backends.base import Backend
+from axond.distributed.backends.mock import MockBackend
 from axond.distributed.backends.nccl import NcclBackend
 from axond.distributed.backends.tcp import TcpBackend
 
@@ -22,7 +23,7 @@ def params(fn: object, skip: int = 1) -> list[tuple[str, object]]:
     return [(p.name, p.default) for p in list(inspect.signature(fn).parameters.values())[skip:]]  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("backend", [TcpBackend, NcclBackend], ids=["tcp", "nccl"])
+@pytest.mark.parametrize("backend", [TcpBackend, NcclBackend, MockBackend], ids=["tcp", "nccl", "mock"])
 @pytest.mark.parametrize("method", sorted(Backend.__abstractmethods__))
 def test_a_backend_method_takes_the_interface_parameters(backend: type[Backend], method: str) -> None:
     want = params(getattr(Backend, method))

@@ -1,6 +1,6 @@
 """batch_isend_irecv / P2POp on real ranks over loopback: orders that deadlock when posted one by one.
 
-Ranks are threads joined by real sockets. The tcp backend completes a group's async ops in issue order,
+Ranks are threads joined by real sockets, and threads of the mock backend. The tcp backend completes a group's async ops in issue order,
 so an irecv listed before the matching isend on both sides of a pair deadlocks when posted one by one
 (shown first, with a short timeout); in a batch the sends go first and it completes.
 """
@@ -15,9 +15,16 @@ import pytest
 import axond
 from axond import DistributedError, P2POp, ProcessGroup
 from axond.testing import run_on
+from collective_cases import on_backend
 
 MakeGroups = Callable[..., list[ProcessGroup]]
 SIZE = 1 << 20  # 4 MiB of float32: beyond any socket buffer
+
+
+@pytest.fixture(params=["tcp", "mock"])
+def make_groups(make_groups: MakeGroups, request: pytest.FixtureRequest) -> MakeGroups:
+    """conftest's, on the tcp and on the mock backend: both keep this contract."""
+    return on_backend(make_groups, request.param)
 
 
 def _ring(batched: bool) -> Callable[[ProcessGroup], np.ndarray]:

@@ -2,7 +2,7 @@
 
 Ranks are threads of this process joined by real loopback sockets (one group per world size and
 transport, reused across tests): with the default settings, with sockets only, and with every op
-through the shared-memory arena. Inputs are small integers so that float sums are exact and independent
+through the shared-memory arena; and, held to the same contract, threads of the socket-free mock backend. Inputs are small integers so that float sums are exact and independent
 of the reduction order; a separate test checks random floats for cross-rank bitwise agreement.
 """
 
@@ -21,7 +21,7 @@ from collective_cases import DTYPES, EVERY_TRANSPORT, SHAPES, group_members, mak
 
 @pytest.fixture(scope="module", params=EVERY_TRANSPORT, ids=[f"{n}-{t}" for n, t in EVERY_TRANSPORT])
 def groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
-    """As conftest's, on every transport: the defaults, sockets only, and shared memory for every op."""
+    """As conftest's, on every transport: the defaults, sockets only, shared memory for every op, and the mock backend."""
     yield from group_members(*request.param)
 
 
@@ -245,7 +245,7 @@ def test_sends_issued_before_collectives_are_received_after_them(groups: list[Pr
             assert y.shape == (size,) and (y == ((r - 1) % n) * 10 + tag).all()
 
 
-@pytest.mark.parametrize("transport", ["auto", "sockets", "spin"])
+@pytest.mark.parametrize("transport", ["auto", "sockets", "spin", "mock"])
 def test_a_send_set_aside_by_a_collective_is_still_checked_against_its_receive(make_groups: Any,
                                                                                transport: str) -> None:
     groups = make_groups(2, 10.0, transport=transport)  # fresh: the error aborts them

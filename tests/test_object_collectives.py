@@ -1,6 +1,7 @@
 """The torch-style object collectives (`axond.distributed.objects`) on real ranks over loopback.
 
-Ranks are threads of this process (one group per world size, reused across tests), plus one run in
+Ranks are threads of this process (one group per world size, reused across tests; over loopback sockets and
+on the mock backend), plus one run in
 real processes for the default group (`group=None`). Every rank sends objects of a different size:
 empty bytes, None, a dict holding a NumPy array, and a ~1 MB object on one rank only.
 """
@@ -8,6 +9,7 @@ empty bytes, None, a dict holding a NumPy array, and a ~1 MB object on one rank 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -16,10 +18,25 @@ import pytest
 import axond
 from axond import DistributedError, ProcessGroup
 from axond.testing import run_on, run_processes
+from collective_cases import group_members, on_backend
 
 pytestmark = pytest.mark.timeout(60)
 
 BIG = b"\x07" * 1_000_000
+MakeGroups = Callable[..., list[ProcessGroup]]
+
+
+@pytest.fixture(params=["tcp", "mock"])
+def make_groups(make_groups: MakeGroups, request: pytest.FixtureRequest) -> MakeGroups:
+    """conftest's, on the tcp and on the mock backend: both keep this contract."""
+    return on_backend(make_groups, request.param)
+
+
+@pytest.fixture(scope="module", params=[(n, t) for t in ("auto", "mock") for n in (1, 2, 3, 4)],
+                ids=[f"{n}-{t}" for t in ("auto", "mock") for n in (1, 2, 3, 4)])
+def groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
+    """As conftest's, and the same sizes on the mock backend."""
+    yield from group_members(*request.param)
 
 
 def obj(rank: int) -> Any:

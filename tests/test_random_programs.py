@@ -1,6 +1,6 @@
 """Random programs of collectives on overlapping groups, blocking and async, against NumPy references.
 
-Four ranks (threads over real loopback sockets) build the same subgroups and run the same seeded program:
+Four ranks (threads over real loopback sockets, or of the mock backend) build the same subgroups and run the same seeded program:
 each step picks a group, an op, a dtype, a size that lands on a small, one-round or ring path, a root,
 a reduce op, and whether to run it async (waited a few steps later, or at the end). Members run it;
 the others go on to the next step, so ops on disjoint groups overlap and async ops on one group stay
@@ -205,13 +205,14 @@ def finish(pending: list[tuple[int, Any, Any]], results: dict[int, Any]) -> None
 @pytest.mark.parametrize("seed, crowded, transport", [
     (11, None, "auto"), (12, None, "sockets"), (13, None, "shm"), (14, None, "auto"), (15, False, "sockets"),
     (16, False, "auto"), (17, False, "shm"), (18, None, "sockets"), (19, None, "nodes"), (20, False, "nodes"),
-    (29, None, "spin"), (30, None, "spin")])
+    (29, None, "spin"), (30, None, "spin"), (31, None, "mock"), (32, None, "mock")])
 def test_a_random_program_matches_numpy_on_every_rank(make_groups: Any, seed: int, crowded: bool | None,
                                                       transport: str) -> None:
     """`crowded=False`: the algorithms of a host with a core per rank (rings rather than pairwise exchanges);
     `transport`: see conftest's TRANSPORTS (shm: every op of every group through its own small arena; spin: the same,
     its steps synchronized through the mailbox; nodes: the
-    world all-reduces in two levels, group [1, 3] lies on one node, the others span nodes unevenly)."""
+    world all-reduces in two levels, group [1, 3] lies on one node, the others span nodes unevenly; mock: the
+    socket-free backend)."""
     steps = program(seed, 50)
     assert {s.op for s in steps} >= {"all_reduce", "all_gather", "all_to_all_uneven"}
     world = make_groups(4, 20.0, crowded, transport)

@@ -18,7 +18,7 @@ from axond.distributed.monitored_barrier import monitored_barrier
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import CommThread, Work
 from axond.errors import DistributedError
-from axond.store import PrefixStore, Store
+from axond.store import InMemoryStore, PrefixStore, Store
 
 ASYNC_MARGIN = 5.0
 
@@ -58,6 +58,15 @@ class ProcessGroup:
         """Which members are not in `op` on this group, and what they report instead (for NCCL timeouts)."""
         assert self._store is not None
         return describe_others(self._store, list(self.ranks), self.rank, self.timeout, (self.name, op))
+
+    @classmethod
+    def mock(cls, timeout: float = 60.0) -> ProcessGroup:
+        """A group of one rank on the in-process "mock" backend (no socket, no store to set up): rank 0 of 1.
+
+        For unit tests of code that takes a group: every collective runs as on one rank. `timeout`
+        (seconds) bounds its calls; subgroups (`new_group([0])`) are mock groups too.
+        """
+        return create_group(InMemoryStore(), 0, 1, "mock", BackendOptions(timeout=timeout))
 
     def __repr__(self) -> str:
         kind = self.backend.name if self.backend is not None else "non-member"

@@ -114,6 +114,11 @@ class World:
     def __init__(self, group: ProcessGroup | None = None) -> None:
         self._group = group
 
+    @classmethod
+    def mock(cls, timeout: float = 60.0) -> World:
+        """A world of one rank on the in-process "mock" backend (`ProcessGroup.mock`): for unit tests, no socket."""
+        return cls(ProcessGroup.mock(timeout))
+
     def default_group(self) -> ProcessGroup:
         return _pg(self._group)
 

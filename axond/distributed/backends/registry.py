@@ -8,8 +8,10 @@ from axond.distributed.backends.base import Backend, BackendOptions
 from axond.errors import BackendUnavailable
 from axond.store import Store
 
-_MODULES = {"tcp": "axond.distributed.backends.tcp", "nccl": "axond.distributed.backends.nccl"}
-"""Backend name -> module defining it; imported lazily so that CuPy is only touched when asked for."""
+_MODULES = {"tcp": "axond.distributed.backends.tcp", "nccl": "axond.distributed.backends.nccl",
+            "mock": "axond.distributed.backends.mock"}
+"""Backend name -> module defining it; imported lazily so that CuPy is only touched when asked for. "mock" joins
+threads of one process without sockets, for tests (see `axond.testing`)."""
 
 
 def backend_class(name: str) -> type[Backend]:
