@@ -75,7 +75,7 @@ class BlockRun:
     """Processes of the block still alive LEFTOVER_GRACE seconds after the shell exited (killed since)."""
 
 
-def run_block(block: str, tmp: Path, timeout: float = BLOCK_TIMEOUT) -> BlockRun:
+def run_block(block: str, tmp: Path, timeout: float = BLOCK_TIMEOUT, grace: float = LEFTOVER_GRACE) -> BlockRun:
     """Run `block` with `bash -c` as a fresh install would: empty HOME and XDG_STATE_HOME, no AXOND_* settings,
     a scratch working directory, and a free port in place of 29500. Kills whatever it leaves running."""
     mark = uuid.uuid4().hex
@@ -96,7 +96,7 @@ def run_block(block: str, tmp: Path, timeout: float = BLOCK_TIMEOUT) -> BlockRun
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
             returncode = None
-    deadline = time.monotonic() + LEFTOVER_GRACE
+    deadline = time.monotonic() + grace
     leftovers = marked_processes(mark)
     while leftovers and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -163,7 +163,7 @@ def test_block_harness_runs_a_cluster_and_sees_it_stop(tmp_path: Path) -> None:
 def test_block_harness_reports_failures_and_leftovers(tmp_path: Path) -> None:
     """The harness can fail: an exit code is passed on, and a process left behind is found and killed."""
     assert run_block("exit 3", tmp_path / "a").returncode == 3
-    run = run_block("setsid sleep 300 &\nexit 0", tmp_path / "b")
+    run = run_block("setsid sleep 300 &\nexit 0", tmp_path / "b", grace=1.0)
     assert run.returncode == 0
     assert any("sleep 300" in cmd for cmd in run.leftovers.values()), run.leftovers
     assert not marked_processes(run.mark), "the harness did not kill what the block left behind"
@@ -197,3 +197,23 @@ def test_every_axond_variable_is_documented() -> None:
             names.update(n for n in re.findall(r"\bAXOND_[A-Z0-9_]+", path.read_text()) if not n.endswith("_"))
     undocumented = sorted(n for n in names if f"`{n}`" not in page)
     assert not undocumented, f"add these variables to docs/environment.md: {undocumented}"
+
+
+def test_first_script_trains_on_two_ranks(tmp_path: Path) -> None:
+    """The walkthrough's script runs as two real ranks (a file store instead of a coordinator) and learns."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AXOND_")}
+    env.update(AXOND_FILE_STORE=str(tmp_path / "store"), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "axond.examples.my_first_script"], cwd=tmp_path,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    losses = [float(v) for v in re.findall(r"^epoch \d+/3 loss ([0-9.]+)$", outputs[0], flags=re.M)]
+    assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], outputs[0]
+    assert "epoch" not in outputs[1], "only rank 0 prints"
