@@ -209,7 +209,14 @@ class _Server:
             return [b"1" if d.delete(key) else b"0"]
         raise StoreError(f"unknown TCP store op {code}")
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0) -> None:
+        """Stop serving, after the clients disconnected or `linger` seconds passed."""
+        deadline = time.monotonic() + linger
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._conns:
+                    break
+            time.sleep(0.02)
         self._closed = True
         self._listener.close()
         with self._lock:
@@ -408,8 +415,9 @@ class TCPStore(Store):
             raise StoreError(f"a store wait may name {MAX_KEYS} keys at most, got {len(keys)}")
         self._call(WAIT, [struct.pack("!d", timeout), *(_key(k) for k in keys)], wait=timeout)
 
-    def close(self) -> None:
-        """Close this client's connections; the serving rank also stops the server."""
+    def close(self, linger: float = 0.0) -> None:
+        """Close this client's connections; the serving rank also stops the server, once the other ranks
+        disconnected (waiting at most `linger` seconds), so that ranks still finishing keep their store."""
         with self._cond:
             self._closed = True
             idle, self._idle = self._idle, []
@@ -417,7 +425,7 @@ class TCPStore(Store):
         for _, sock in idle:
             sock.close()
         if self._server is not None:
-            self._server.close()
+            self._server.close(linger)
             self._server = None
 
 
