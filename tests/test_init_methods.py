@@ -120,6 +120,16 @@ SCRIPT = textwrap.dedent("""
     out = [np.zeros(1) for _ in range(axond.get_world_size())]
     axond.all_gather(out, x)
     assert x[0] == 3.0 and [o[0] for o in out] == [3.0, 3.0], (x, out)
+    sub = axond.new_group([0, 1], timedelta(seconds=20), "gloo")  # torch's positional order
+    y = np.ones(2)
+    axond.all_reduce(y, group=sub)
+    assert sub.timeout == 20.0 and (y == 2.0).all(), (sub, y)
+    if axond.get_rank() == 0:
+        axond.send(np.array([7.0]), 1)
+    else:
+        z = np.zeros(1)
+        assert axond.recv(z, 0) == 0 and z[0] == 7.0, z
+    sub.destroy()
     axond.destroy_process_group()
     print("ok", 2, flush=True)
 """)

@@ -226,3 +226,18 @@ def test_wrong_lists_and_arguments_say_what_to_do(gs: list[ProcessGroup]) -> Non
     if n > 1:
         with pytest.raises(ValueError, match="gather_list must not be given on ranks other than dst"):
             axond.gather(np.zeros(2), [np.zeros(2)] * n, 1, pg)
+
+
+def test_new_group_in_torch_order_and_with_gloo(gs: list[ProcessGroup]) -> None:
+    def body(pg: ProcessGroup) -> tuple[Any, ...]:
+        a = axond.new_group(None, group=pg)  # all ranks
+        b = axond.new_group([0], timedelta(seconds=4), group=pg)  # torch's (ranks, timeout); see test_init_methods
+        c = axond.new_group([0], "gloo", pg, 6.0)  # axond's (ranks, backend, group, timeout)
+        out = (a.ranks, b.ranks, b.timeout, b.backend_name, c.timeout)
+        for sub in (a, b, c):
+            sub.destroy()
+        return out
+
+    for ranks, b_ranks, b_timeout, b_backend, c_timeout in run_on(gs, body):
+        assert ranks == list(range(len(gs))) and b_ranks == [0] and b_timeout == 4.0 and c_timeout == 6.0
+    assert run_on(gs, body)[0][3] == "tcp"

@@ -383,10 +383,20 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: float | timede
     _group(group).monitored_barrier(timeout, wait_all_ranks)
 
 
-def new_group(ranks: Sequence[int], backend: str | None = None, group: ProcessGroup | None = None,
+def new_group(ranks: Sequence[int] | None = None, backend: Any = None, group: ProcessGroup | None = None,
               timeout: float | timedelta | None = None) -> ProcessGroup:
-    """Subgroup of global `ranks`; every rank of the parent calls it in the same order (non-members too).
+    """Subgroup of global `ranks` (None: all of `group`'s); every rank of the parent calls it in the same order
+    (non-members too).
 
-    `timeout` (seconds) bounds its calls instead of the parent's timeout.
+    `timeout` (seconds or a timedelta) bounds its calls instead of the parent's timeout. torch's positional
+    order `new_group(ranks, timeout, backend)` works too: a timeout second is taken as the timeout.
     """
-    return _group(group).new_group(ranks, backend, timeout)
+    if backend is not None and not isinstance(backend, str):  # torch's new_group(ranks, timeout, backend)
+        if timeout is not None:
+            raise TypeError(f"new_group: timeout given twice ({backend!r} and {timeout!r})")
+        timeout, backend = backend, None
+        if isinstance(group, str):
+            backend, group = group, None
+    g = _group(group)
+    name = BACKEND_ALIASES.get(backend.lower(), backend.lower()) if isinstance(backend, str) else None
+    return g.new_group(g.ranks if ranks is None else ranks, name, timeout)
