@@ -203,3 +203,16 @@ def test_connections_beyond_the_limit_are_told_so() -> None:
         first.close()
     finally:
         server.close()
+
+
+def test_the_server_lingers_until_its_clients_left() -> None:
+    server = TCPStore("127.0.0.1", 0, is_server=True)
+    client = TCPStore("127.0.0.1", server.port, timeout=2.0)
+    threading.Timer(0.3, client.close).start()
+    t0 = time.monotonic()
+    server.close(linger=5.0)
+    assert 0.2 < time.monotonic() - t0 < 3.0
+    lone = TCPStore("127.0.0.1", 0, is_server=True)
+    t0 = time.monotonic()
+    lone.close(linger=5.0)  # nobody connected: no wait
+    assert time.monotonic() - t0 < 1.0
