@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from axond.distributed.tcp_store import MAX_FRAME, TCPStore
+from axond.distributed.tcp_store import TCPStore
+from axond.distributed.tcp_store_server import MAX_FRAME
 from axond.errors import StoreError, StoreTimeout
 
 

@@ -1,18 +1,15 @@
 """`TCPStore`: a small key-value store served over TCP by one rank, for runs without a coordinator.
 
 What `init_process_group(init_method="env://" | "tcp://host:port")` uses when no coordinator is set,
-like torch's TCPStore: rank 0 serves the store on MASTER_PORT and every rank (rank 0 too, without a
-socket) uses it. Everything is bounded: frame and key sizes, keys per request, connections, and every
-socket read. With a job secret both ends prove they know it (HMAC challenge) before any request;
-without one the store trusts the network, as torch's TCPStore does.
-
-Frames are a 4-byte big-endian length, then the payload: one op (or status) byte and length-prefixed
-fields. The server keeps the data in an `InMemoryStore`, so its semantics are that store's.
+like torch's TCPStore: rank 0 serves the store on MASTER_PORT (`axond.distributed.tcp_store_server`)
+and every rank (rank 0 too, without a socket) uses it. Each in-flight call holds its own pooled
+connection, so one thread's blocking wait does not hold up another's set. With a job secret both
+ends prove they know it (HMAC challenge) before any request; without one the store trusts the
+network, as torch's TCPStore does.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import socket
@@ -21,68 +18,15 @@ import threading
 import time
 from collections.abc import Sequence
 
+from axond.distributed.tcp_store_server import (
+    ADD, COMPARE_SET, DELETE, ERROR, GET, IDLE_TIMEOUT, IO_TIMEOUT, MAGIC, MAX_CONNECTIONS, MAX_KEY_BYTES, MAX_KEYS,
+    NAMES, OK, SET, TIMEOUT, TRY_GET, WAIT, StoreServer, pack, prove, read_frame, unpack,
+)
 from axond.errors import StoreError, StoreTimeout
 from axond.store import MAX_VALUE_BYTES, InMemoryStore, Store
 
-MAX_KEY_BYTES = 4096
-"""Longest key accepted (UTF-8 bytes)."""
-MAX_KEYS = 1024
-"""Most keys one `wait` may name."""
-MAX_FRAME = 2 * MAX_VALUE_BYTES + 64 * 1024
-"""Largest frame either side accepts (a compare_set carries two values)."""
-MAX_CONNECTIONS = 1024
-"""Connections the server holds at once; more are told so and closed."""
-IO_TIMEOUT = 30.0
-"""Seconds one request or reply may take on the wire (waits add their own timeout)."""
-IDLE_TIMEOUT = 600.0
-"""Seconds the server keeps a silent connection; clients drop theirs after half of it."""
 POOL_SIZE = 8
 """Connections one client keeps (each in-flight call, e.g. a blocking wait, holds one)."""
-_MAGIC = b"axond-tcp-store-1"
-
-SET, GET, TRY_GET, ADD, COMPARE_SET, DELETE, WAIT = range(1, 8)
-OK, TIMEOUT, ERROR = range(3)
-_NAMES = {SET: "set", GET: "get", TRY_GET: "try_get", ADD: "add", COMPARE_SET: "compare_set", DELETE: "delete",
-          WAIT: "wait"}
-
-
-def _pack(code: int, *fields: bytes) -> bytes:
-    body = bytes([code]) + b"".join(struct.pack("!I", len(f)) + f for f in fields)
-    return struct.pack("!I", len(body)) + body
-
-
-def _unpack(body: bytes) -> tuple[int, list[bytes]]:
-    if not body:
-        raise StoreError("TCP store: empty frame")
-    fields: list[bytes] = []
-    at = 1
-    while at < len(body):
-        if at + 4 > len(body) or len(fields) > MAX_KEYS + 2:
-            raise StoreError("TCP store: malformed frame")
-        (n,) = struct.unpack_from("!I", body, at)
-        if at + 4 + n > len(body):
-            raise StoreError("TCP store: malformed frame")
-        fields.append(body[at + 4 : at + 4 + n])
-        at += 4 + n
-    return body[0], fields
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("connection closed by the peer")
-        got += k
-    return bytes(buf)
-
-
-def _read_frame(sock: socket.socket) -> bytes:
-    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise StoreError(f"TCP store: frame of {n} bytes is over the {MAX_FRAME}-byte limit")
-    return _recv_exact(sock, n)
 
 
 def _key(key: str) -> bytes:
@@ -98,145 +42,6 @@ def _value(key: str, value: bytes) -> bytes:
     return bytes(value)
 
 
-def _prove(secret: bytes, nonce: bytes, role: bytes) -> bytes:
-    return hmac.new(secret, _MAGIC + role + nonce, hashlib.sha256).digest()
-
-
-class _Server:
-    """Accepts connections and answers each on its own thread from one `InMemoryStore`."""
-
-    def __init__(self, data: InMemoryStore, host: str, port: int, secret: bytes, max_connections: int) -> None:
-        self.data = data
-        self.secret = secret
-        self.max_connections = max_connections
-        self._listener = socket.create_server((host, port), reuse_port=False, backlog=128)
-        self._listener.settimeout(0.2)
-        self.port = self._listener.getsockname()[1]
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="axond-tcp-store", daemon=True)
-        self._thread.start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                self._refuse(conn)
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="axond-tcp-store-conn", daemon=True).start()
-
-    def _refuse(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(1.0)
-            conn.sendall(_pack(ERROR, f"the store holds {self.max_connections} connections already".encode()))
-        except OSError:
-            pass
-        conn.close()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(IO_TIMEOUT)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not self._handshake(conn):
-                return
-            while not self._closed:
-                conn.settimeout(IDLE_TIMEOUT)
-                (n,) = struct.unpack("!I", _recv_exact(conn, 4))
-                conn.settimeout(IO_TIMEOUT)
-                if n > MAX_FRAME:
-                    conn.sendall(_pack(ERROR, f"frame of {n} bytes is over the {MAX_FRAME}-byte limit".encode()))
-                    return
-                code, fields = _unpack(_recv_exact(conn, n))
-                conn.sendall(self._answer(code, fields))
-        except (OSError, ConnectionError, StoreError, struct.error):
-            pass
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-
-    def _handshake(self, conn: socket.socket) -> bool:
-        """Greet with a nonce; with a secret, check the client's proof and prove ours for its nonce."""
-        nonce = os.urandom(16)
-        conn.sendall(_pack(OK, _MAGIC, nonce, b"1" if self.secret else b"0"))
-        if not self.secret:
-            return True
-        _, fields = _unpack(_read_frame(conn))
-        if len(fields) != 2 or not hmac.compare_digest(fields[0], _prove(self.secret, nonce, b"client")):
-            conn.sendall(_pack(ERROR, b"authentication failed: the job secrets differ"))
-            return False
-        conn.sendall(_pack(OK, _prove(self.secret, fields[1], b"server")))
-        return True
-
-    def _answer(self, code: int, f: list[bytes]) -> bytes:
-        try:
-            return _pack(OK, *self._apply(code, f))
-        except StoreTimeout as e:
-            return _pack(TIMEOUT, str(e).encode())
-        except (StoreError, ValueError, IndexError, struct.error, UnicodeDecodeError) as e:
-            return _pack(ERROR, str(e).encode() or type(e).__name__.encode())
-
-    def _apply(self, code: int, f: list[bytes]) -> list[bytes]:
-        d = self.data
-        if code == WAIT:
-            d.wait([k.decode() for k in f[1:]], _seconds(f[0]))
-            return []
-        key = f[0].decode()
-        if code == SET:
-            d.set(key, f[1])
-            return []
-        if code == GET:
-            return [d.get(key, _seconds(f[1]))]
-        if code == TRY_GET:
-            value = d.try_get(key)
-            return [] if value is None else [value]
-        if code == ADD:
-            return [str(d.add(key, int(f[1]))).encode()]
-        if code == COMPARE_SET:
-            swapped, current = d.compare_set(key, None if f[1] == b"" else f[1][1:], f[2])
-            return [b"1" if swapped else b"0"] + ([] if current is None else [current])
-        if code == DELETE:
-            return [b"1" if d.delete(key) else b"0"]
-        raise StoreError(f"unknown TCP store op {code}")
-
-    def close(self, linger: float = 0.0) -> None:
-        """Stop serving, after the clients disconnected or `linger` seconds passed."""
-        deadline = time.monotonic() + linger
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._conns:
-                    break
-            time.sleep(0.02)
-        self._closed = True
-        self._listener.close()
-        with self._lock:
-            conns, self._conns = list(self._conns), set()
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            c.close()
-        self._thread.join(5.0)
-
-
-def _seconds(raw: bytes) -> float:
-    (t,) = struct.unpack("!d", raw)
-    if not 0 <= t <= 7 * 86400:
-        raise StoreError(f"store timeout {t} s is outside 0..7 days")
-    return float(t)
-
-
 class TCPStore(Store):
     """A `Store` kept by the rank that serves it (`is_server=True`) and reached by the others over TCP.
 
@@ -249,11 +54,11 @@ class TCPStore(Store):
         if not timeout > 0:
             raise StoreError(f"TCP store timeout must be positive seconds, got {timeout!r}")
         self.host, self.timeout, self.secret = host, float(timeout), bytes(secret)
-        self._server: _Server | None = None
+        self._server: StoreServer | None = None
         self._local: InMemoryStore | None = None
         if is_server:
             self._local = InMemoryStore()
-            self._server = _Server(self._local, _bindable(host), port, self.secret, max_connections)
+            self._server = StoreServer(self._local, _bindable(host), port, self.secret, max_connections)
             port = self._server.port
         self.port = port
         self._idle: list[tuple[float, socket.socket]] = []
@@ -294,12 +99,12 @@ class TCPStore(Store):
 
     def _handshake(self, sock: socket.socket) -> None:
         try:
-            code, f = _unpack(_read_frame(sock))
+            code, f = unpack(read_frame(sock))
         except (OSError, ConnectionError) as e:
             raise StoreError(f"TCP store at {self.address}: no greeting ({e})") from e
         if code == ERROR:
             raise StoreError(f"TCP store at {self.address} refused the connection: {f[0].decode(errors='replace')}")
-        if len(f) != 3 or f[0] != _MAGIC:
+        if len(f) != 3 or f[0] != MAGIC:
             raise StoreError(f"{self.address} is not an axond TCP store (another service on MASTER_PORT?)")
         if (f[2] == b"1") != bool(self.secret):
             raise StoreError(f"TCP store at {self.address}: one side has a job secret and the other not; "
@@ -307,9 +112,9 @@ class TCPStore(Store):
         if not self.secret:
             return
         mine = os.urandom(16)
-        sock.sendall(_pack(OK, _prove(self.secret, f[1], b"client"), mine))
-        code, g = _unpack(_read_frame(sock))
-        if code != OK or len(g) != 1 or not hmac.compare_digest(g[0], _prove(self.secret, mine, b"server")):
+        sock.sendall(pack(OK, prove(self.secret, f[1], b"client"), mine))
+        code, g = unpack(read_frame(sock))
+        if code != OK or len(g) != 1 or not hmac.compare_digest(g[0], prove(self.secret, mine, b"server")):
             raise StoreError(f"TCP store at {self.address}: authentication failed; the job secrets differ")
 
     def _acquire(self) -> socket.socket:
@@ -355,11 +160,11 @@ class TCPStore(Store):
         sock = self._acquire()
         try:
             sock.settimeout(IO_TIMEOUT + wait)
-            sock.sendall(_pack(code, *fields))
-            status, out = _unpack(_read_frame(sock))
+            sock.sendall(pack(code, *fields))
+            status, out = unpack(read_frame(sock))
         except (OSError, ConnectionError) as e:
             self._drop(sock)
-            raise StoreError(f"TCP store at {self.address}: {_NAMES[code]} failed ({e}); "
+            raise StoreError(f"TCP store at {self.address}: {NAMES[code]} failed ({e}); "
                              "the serving rank (rank 0) may have exited") from e
         except BaseException:
             self._drop(sock)
