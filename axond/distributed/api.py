@@ -40,7 +40,7 @@ def _env_int(name: str, given: int | str | None) -> int:
             raise DistributedError(f"init_process_group: {name.lower()}={given!r} is not an integer") from e
     raw = os.environ.get(name)
     if raw is None:
-        raise DistributedError(f"init_process_group: {name} is not set; launch with `axond worker`/`axond run`, "
+        raise DistributedError(f"init_process_group: {name} is not set; launch with `axond worker`/`axond run` (or torchrun), "
                                f"or pass {name.lower()}=...")
     try:
         return int(raw)

@@ -92,16 +92,16 @@ class TCPStore(Store):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(IO_TIMEOUT)
             self._handshake(sock)
+        except (OSError, ConnectionError) as e:
+            sock.close()
+            raise StoreError(f"TCP store at {self.address}: the connection failed during the greeting ({e})") from e
         except BaseException:
             sock.close()
             raise
         return sock
 
     def _handshake(self, sock: socket.socket) -> None:
-        try:
-            code, f = unpack(read_frame(sock))
-        except (OSError, ConnectionError) as e:
-            raise StoreError(f"TCP store at {self.address}: no greeting ({e})") from e
+        code, f = unpack(read_frame(sock))
         if code == ERROR:
             raise StoreError(f"TCP store at {self.address} refused the connection: {f[0].decode(errors='replace')}")
         if len(f) != 3 or f[0] != MAGIC:
@@ -124,8 +124,8 @@ class TCPStore(Store):
                 if self._closed:
                     raise StoreError(f"TCP store at {self.address} is closed")
                 now = time.monotonic()
-                while self._idle and now - self._idle[-1][0] > IDLE_TIMEOUT / 2:
-                    self._idle.pop()[1].close()
+                while self._idle and now - self._idle[0][0] > IDLE_TIMEOUT / 2:  # oldest first
+                    self._idle.pop(0)[1].close()
                     self._open -= 1
                 if self._idle:
                     return self._idle.pop()[1]
