@@ -102,6 +102,12 @@ def test_init_errors_name_the_fix(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("MASTER_PORT", str(_free_port()))
     with pytest.raises(DistributedError, match="rank 1 cannot reach the store on MASTER_ADDR:MASTER_PORT"):
         axond.init_process_group("gloo", timeout=0.5, rank=1, world_size=2)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        clean_env.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+        with pytest.raises(DistributedError, match="rank 0 cannot serve the store on .*pick a free MASTER_PORT"):
+            axond.init_process_group("gloo", rank=0, world_size=2)
     with pytest.raises(ValueError, match="timeout must be positive seconds"):
         axond.init_process_group("gloo", timeout=timedelta(seconds=-1), rank=0, world_size=1)
     assert not axond.is_initialized()
