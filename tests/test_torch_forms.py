@@ -241,3 +241,22 @@ def test_new_group_in_torch_order_and_with_gloo(gs: list[ProcessGroup]) -> None:
     for ranks, b_ranks, b_timeout, b_backend, c_timeout in run_on(gs, body):
         assert ranks == list(range(len(gs))) and b_ranks == [0] and b_timeout == 4.0 and c_timeout == 6.0
     assert run_on(gs, body)[0][3] == "tcp"
+
+
+def test_ranks_may_mix_the_two_forms(gs: list[ProcessGroup]) -> None:
+    """Both forms run the same collective on the wire: rank 0 in torch's form, the others in axond's."""
+    n = len(gs)
+
+    def body(pg: ProcessGroup) -> tuple[Any, ...]:
+        t = np.full(2, float(pg.rank))
+        if pg.rank == 0:
+            outs = [np.empty(2) for _ in range(n)]
+            axond.all_gather(outs, t, pg)
+            block = np.empty(2)
+            axond.reduce_scatter(block, [np.full(2, float(i)) for i in range(n)], ReduceOp.SUM, pg)
+            return np.stack(outs), block
+        return axond.all_gather(t, pg), axond.reduce_scatter(np.repeat(np.arange(n) * 1.0, 2), ReduceOp.SUM, pg)
+
+    for r, (gathered, block) in enumerate(run_on(gs, body)):
+        np.testing.assert_array_equal(gathered, np.repeat(np.arange(n) * 1.0, 2).reshape(n, 2))
+        np.testing.assert_array_equal(block, np.full(2, float(n * r)))
