@@ -1,12 +1,12 @@
 """axond: a distributed-training runtime (coordinator, workers, collectives, parallel wrappers)."""
 
 from axond.distributed import (
-    Backend, BackendOptions, FileStore, P2POp, ProcessGroup, ReduceOp, Work, all_gather, all_gather_object,
-    all_reduce, all_to_all, barrier, batch_isend_irecv, broadcast, broadcast_object_list, create_group,
+    Backend, BackendOptions, FileStore, P2POp, ProcessGroup, ReduceOp, TCPStore, Work, all_gather,
+    all_gather_into_tensor, all_gather_object, all_reduce, all_to_all, all_to_all_single, barrier, batch_isend_irecv, broadcast, broadcast_object_list, create_group,
     destroy_process_group, gather, gather_object, get_backend, get_global_rank, get_group_rank, get_local_rank,
     get_process_group_ranks, get_rank, get_world_size, init_process_group, irecv, is_available, is_initialized,
-    is_nccl_available, isend, monitored_barrier, new_group, recv, reduce, reduce_scatter, scatter,
-    scatter_object_list, send,
+    is_nccl_available, isend, monitored_barrier, new_group, recv, reduce, reduce_scatter, reduce_scatter_tensor,
+    scatter, scatter_object_list, send,
 )
 from axond.distributed.seed import (
     World, all_reduce_max, all_reduce_mean, all_reduce_min, all_reduce_product, all_reduce_sum, broadcast_from,
@@ -21,12 +21,14 @@ __version__ = "0.1.0"
 __all__ = [
     "AxondError", "Backend", "BackendOptions", "BackendUnavailable", "CoordinatorError", "DistributedError",
     "FileStore", "InMemoryStore", "P2POp", "PrefixStore", "ProcessGroup", "ReduceOp", "Store", "StoreError",
-    "StoreTimeout", "Work", "World", "all_gather", "all_gather_object", "all_reduce", "all_reduce_max",
-    "all_reduce_mean", "all_reduce_min", "all_reduce_product", "all_reduce_sum", "all_to_all", "barrier",
+    "StoreTimeout", "TCPStore", "Work", "World", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_reduce_max",
+    "all_reduce_mean", "all_reduce_min", "all_reduce_product", "all_reduce_sum", "all_to_all", "all_to_all_single",
+    "barrier",
     "batch_isend_irecv", "broadcast", "broadcast_from", "broadcast_object_list", "create_group",
     "destroy_process_group", "gather", "gather_object", "gather_tensor", "get_backend", "get_global_rank",
     "get_group_rank", "get_local_rank", "get_process_group_ranks", "get_rank", "get_world_size", "init_process_group",
     "irecv", "is_available", "is_initialized", "is_main_process", "is_nccl_available", "isend", "monitored_barrier",
-    "new_group", "rank", "recv", "reduce", "reduce_scatter", "reduce_scatter_mean", "reduce_scatter_sum", "scatter",
+    "new_group", "rank", "recv", "reduce", "reduce_scatter", "reduce_scatter_mean", "reduce_scatter_sum",
+    "reduce_scatter_tensor", "scatter",
     "scatter_object_list", "scatter_tensor", "send", "sync_gradient", "sync_gradients", "world_size",
 ]

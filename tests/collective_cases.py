@@ -40,9 +40,12 @@ def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     if op is ReduceOp.MAX:
         return np.maximum.reduce(stack, axis=0)
     total = np.add.reduce(stack, axis=0, dtype=dtype)
-    if dtype.kind in "iu":
-        return np.floor_divide(total, dtype.type(len(inputs)))
     return np.true_divide(total, len(inputs)).astype(dtype)
+
+
+def refused(dtype: str, op: ReduceOp) -> bool:
+    """Whether the collectives refuse `op` on `dtype`: AVG on bool and integer arrays."""
+    return op is ReduceOp.AVG and np.dtype(dtype).kind in "biu"
 
 
 TRANSPORTS = {

@@ -16,7 +16,7 @@ import pytest
 
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.testing import run_on, thread_groups
-from collective_cases import DTYPES, EVERY_TRANSPORT, SHAPES, group_members, make, reference
+from collective_cases import DTYPES, EVERY_TRANSPORT, SHAPES, group_members, make, reference, refused
 
 
 @pytest.fixture(scope="module", params=EVERY_TRANSPORT, ids=[f"{n}-{t}" for n, t in EVERY_TRANSPORT])
@@ -36,8 +36,8 @@ def groups8() -> Iterator[list[ProcessGroup]]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", list(ReduceOp))
 def test_all_reduce_every_op_dtype_and_size(groups: list[ProcessGroup], op: ReduceOp, dtype: str) -> None:
-    if dtype == "bool" and op is ReduceOp.AVG:
-        pytest.skip("AVG on bool is refused (test_avg_on_bool_is_refused)")
+    if refused(dtype, op):
+        pytest.skip("AVG on bool and integers is refused (test_avg_on_bool_and_integers_is_refused)")
     n = len(groups)
     for shape in SHAPES:
         inputs = [make(r, shape, dtype) for r in range(n)]
@@ -53,9 +53,14 @@ def test_all_reduce_every_op_dtype_and_size(groups: list[ProcessGroup], op: Redu
             np.testing.assert_array_equal(got, expected, err_msg=f"rank {r} shape {shape} {op} {dtype}")
 
 
-def test_avg_on_bool_is_refused(groups: list[ProcessGroup]) -> None:
+def test_avg_on_bool_and_integers_is_refused(groups: list[ProcessGroup]) -> None:
     with pytest.raises(TypeError, match="AVG is undefined on bool"):
         groups[0].all_reduce(np.ones(3, bool), ReduceOp.AVG)
+    for dtype in ("int8", "int32", "uint8", "int64"):
+        with pytest.raises(TypeError, match=rf"AVG is refused on integer arrays \({dtype}\).*ReduceOp.SUM"):
+            groups[0].all_reduce(np.ones(3, dtype), ReduceOp.AVG)
+        with pytest.raises(TypeError, match="AVG is refused on integer arrays"):
+            groups[0].reduce_scatter(np.ones(len(groups), dtype), ReduceOp.AVG)
 
 
 def test_all_reduce_random_floats_agree_bitwise_across_ranks(groups: list[ProcessGroup]) -> None:
@@ -140,7 +145,7 @@ def test_all_gather(groups: list[ProcessGroup], dtype: str) -> None:
 def test_reduce_scatter(groups: list[ProcessGroup], op: ReduceOp) -> None:
     n = len(groups)
     for rows, tail in [(1, ()), (3, (5,)), (7, ()), (40_001, ())]:
-        inputs = [make(r, (n * rows, *tail), "int32") for r in range(n)]
+        inputs = [make(r, (n * rows, *tail), "float64" if op is ReduceOp.AVG else "int32") for r in range(n)]
         expected = reference(inputs, op)
         out = run_on(groups, lambda pg: pg.reduce_scatter(inputs[pg.rank].copy(), op))
         for r, got in enumerate(out):
@@ -280,17 +285,19 @@ def test_world_of_8(groups8: list[ProcessGroup], op: ReduceOp) -> None:
     inputs = [make(r, (1031,), "float64") for r in range(8)]
     big = [make(r, (70_000,), "int32") for r in range(8)]
 
+    int_op = ReduceOp.SUM if op is ReduceOp.AVG else op  # AVG is refused on integers
+
     def body(pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         x, y = inputs[pg.rank].copy(), big[pg.rank].copy()
         pg.all_reduce(x, op)
-        pg.all_reduce(y, op)
+        pg.all_reduce(y, int_op)
         z = np.full(5, pg.rank, np.int8)
         pg.broadcast(z, 5)
         return x, y, z
 
     for x, y, z in run_on(groups8, body):
         np.testing.assert_array_equal(x, reference(inputs, op))
-        np.testing.assert_array_equal(y, reference(big, op))
+        np.testing.assert_array_equal(y, reference(big, int_op))
         assert (z == 5).all()
 
 

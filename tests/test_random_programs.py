@@ -60,8 +60,11 @@ def program(seed: int, length: int) -> list[Step]:
         if op in ("reduce_scatter", "all_to_all"):
             rows = max(rows // size, 1) * size
         redops = [ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG] + ([ReduceOp.PRODUCT] if rows < 100 else [])
-        steps.append(Step(i, group, op, DTYPES[int(rng.integers(len(DTYPES)))], rows, int(rng.choice([1, 3])),
-                          int(rng.integers(size)), redops[int(rng.integers(len(redops)))],
+        dtype, cols, root = DTYPES[int(rng.integers(len(DTYPES)))], int(rng.choice([1, 3])), int(rng.integers(size))
+        redop = redops[int(rng.integers(len(redops)))]
+        if redop is ReduceOp.AVG and dtype != "float64":
+            redop = ReduceOp.SUM  # AVG is refused on integers
+        steps.append(Step(i, group, op, dtype, rows, cols, root, redop,
                           op in ASYNC_OPS and bool(rng.random() < 0.4), rng.integers(0, 5, (size, size))))
     return steps
 

@@ -1,10 +1,10 @@
 """Process groups, collectives and their backends (the data plane)."""
 
 from axond.distributed.api import (
-    all_gather, all_reduce, all_to_all, barrier, broadcast, default_group, destroy_process_group, gather, get_backend,
+    all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single, barrier, broadcast, default_group, destroy_process_group, gather, get_backend,
     get_global_rank, get_group_rank, get_local_rank, get_process_group_ranks, get_rank, get_world_size,
     init_process_group, irecv, is_available, is_initialized, is_nccl_available, isend, monitored_barrier, new_group,
-    recv, reduce, reduce_scatter, scatter, send,
+    recv, reduce, reduce_scatter, reduce_scatter_tensor, scatter, send,
 )
 from axond.distributed.backends.base import Backend, BackendOptions
 from axond.distributed.batch_p2p import P2POp, batch_isend_irecv
@@ -12,13 +12,14 @@ from axond.distributed.file_store import FileStore
 from axond.distributed.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.tcp_store import TCPStore
 from axond.distributed.work import Work
 
 __all__ = [
-    "Backend", "BackendOptions", "FileStore", "P2POp", "ProcessGroup", "ReduceOp", "Work", "all_gather",
-    "all_gather_object", "all_reduce", "all_to_all", "barrier", "batch_isend_irecv", "broadcast",
+    "Backend", "BackendOptions", "FileStore", "P2POp", "ProcessGroup", "ReduceOp", "TCPStore", "Work", "all_gather",
+    "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
     "broadcast_object_list", "create_group", "default_group", "destroy_process_group", "gather", "gather_object",
     "get_backend", "get_global_rank", "get_group_rank", "get_local_rank", "get_process_group_ranks", "get_rank",
     "get_world_size", "init_process_group", "irecv", "is_available", "is_initialized", "is_nccl_available", "isend",
-    "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "scatter_object_list", "send",
+    "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
 ]

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, overload
 
+from axond.distributed import torch_forms as tf
 from axond.distributed.backends.base import Array, BackendOptions
 from axond.distributed.backends.registry import available_backends
+from axond.distributed.init_method import OpenedStore, open_store, parse, seconds
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import Work
@@ -21,47 +24,28 @@ from axond.store import Store
 
 _lock = threading.Lock()
 _default: ProcessGroup | None = None
-_owned_store: Store | None = None
-_closers: list[Callable[[], None]] = []
-"""Connections opened for the default group's store, closed by destroy_process_group."""
+_owned: OpenedStore | None = None
+"""The store opened for the default group (and what closes it), closed by destroy_process_group."""
 _local_rank = 0
+DEFAULT_TIMEOUT = 300.0
+BACKEND_ALIASES = {"gloo": "tcp"}
+"""torch backend names axond accepts for its own: gloo's role (CPU arrays over TCP) is the tcp backend's."""
 
 
-def _env_int(name: str, given: int | None) -> int:
+def _env_int(name: str, given: int | str | None) -> int:
     if given is not None:
-        return int(given)
+        try:
+            return int(given)
+        except ValueError as e:
+            raise DistributedError(f"init_process_group: {name.lower()}={given!r} is not an integer") from e
     raw = os.environ.get(name)
     if raw is None:
-        raise DistributedError(f"init_process_group: {name} is not set; launch with `axond worker`/`axond run`, "
+        raise DistributedError(f"init_process_group: {name} is not set; launch with `axond worker`/`axond run` (or torchrun), "
                                f"or pass {name.lower()}=...")
     try:
         return int(raw)
     except ValueError as e:
         raise DistributedError(f"init_process_group: {name}={raw!r} is not an integer") from e
-
-
-def _env_store(timeout: float) -> Store:
-    """The job's KV store: the coordinator's (AXOND_COORDINATOR), else a FileStore (AXOND_FILE_STORE)."""
-    coordinator = os.environ.get("AXOND_COORDINATOR")
-    if coordinator:
-        from axond.control import client
-
-        conn = client.connect(coordinator, token=os.environ.get("AXOND_TOKEN") or None,
-                              tls_ca=os.environ.get("AXOND_TLS_CA") or None)
-        try:
-            generation = int(os.environ.get("AXOND_GENERATION", "1"))
-        except ValueError as e:
-            raise DistributedError(f"AXOND_GENERATION={os.environ['AXOND_GENERATION']!r} is not an integer") from e
-        store = conn.store(os.environ.get("AXOND_JOB", "default"), generation)
-        _closers.append(conn.close)
-        return store
-    path = os.environ.get("AXOND_FILE_STORE")
-    if path:
-        from axond.distributed.file_store import FileStore
-
-        return FileStore(path)
-    raise DistributedError("init_process_group: no store; set AXOND_COORDINATOR (what `axond worker` does), "
-                           "AXOND_FILE_STORE=<shared dir> for single-host runs, or pass store=...")
 
 
 def _secret() -> bytes:
@@ -72,34 +56,53 @@ def _secret() -> bytes:
         raise DistributedError("AXOND_JOB_SECRET must be hex (as the worker sets it)") from e
 
 
-def init_process_group(backend: str = "auto", timeout: float = 300.0, *, rank: int | None = None,
-                       world_size: int | None = None, store: Store | None = None, local_rank: int | None = None,
-                       job_secret: bytes | None = None, host: str | None = None, port: int = 0) -> ProcessGroup:
+def init_process_group(backend: str | None = "auto", *args: Any, timeout: float | timedelta | None = None,
+                       init_method: str | None = None, rank: int | None = None, world_size: int | None = None,
+                       store: Store | None = None, local_rank: int | None = None, job_secret: bytes | None = None,
+                       host: str | None = None, port: int = 0) -> ProcessGroup:
     """Join the job's default group: everything from the environment unless given here.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, AXOND_COORDINATOR, AXOND_JOB, AXOND_GENERATION,
-    AXOND_JOB_SECRET (hex), AXOND_TOKEN and AXOND_TLS_CA; keyword arguments override them.
+    AXOND_JOB_SECRET (hex), AXOND_TOKEN and AXOND_TLS_CA, else MASTER_ADDR/MASTER_PORT; keyword
+    arguments override them. The second positional argument is the timeout (seconds or a timedelta,
+    default 300 s), or, if it is a str, torch's `init_method` followed by torch's positional order
+    (`init_process_group("gloo", "env://")`; see `axond.distributed.init_method`). "gloo" means "tcp".
     """
-    global _default, _local_rank, _owned_store
-    if not timeout > 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    global _default, _local_rank, _owned
+    given = {"timeout": timeout, "init_method": init_method, "world_size": world_size, "rank": rank, "store": store}
+    if args and (isinstance(args[0], str) or args[0] is None):
+        names = ("init_method", "timeout", "world_size", "rank", "store")
+    elif len(args) <= 1:
+        names = ("timeout", "init_method", "world_size", "rank", "store")
+    else:
+        raise TypeError(f"init_process_group: after backend, positional arguments are either (timeout,) or torch's "
+                        f"(init_method, timeout, world_size, rank, store); got {len(args)} starting with {args[0]!r}")
+    a = tf.bind("init_process_group", names, args, {k: v for k, v in given.items() if v is not None},
+                dict.fromkeys(given))
+    init_method, store = a["init_method"], a["store"]
+    rank, world_size = (None if v == -1 else v for v in (a["rank"], a["world_size"]))  # torch's -1: from the env
+    limit = seconds(a["timeout"] if a["timeout"] is not None else DEFAULT_TIMEOUT)
+    if store is not None and init_method is not None:
+        raise ValueError("init_process_group: pass init_method or store, not both")
+    method = parse(init_method or "env://")
+    name = BACKEND_ALIASES.get((backend or "auto").lower(), (backend or "auto").lower())
     with _lock:
         if _default is not None:
             raise DistributedError("init_process_group was already called in this process; "
                                    "call destroy_process_group() first")
-        r = _env_int("RANK", rank)
-        n = _env_int("WORLD_SIZE", world_size)
+        r = _env_int("RANK", rank if rank is not None else method.params.get("rank"))
+        n = _env_int("WORLD_SIZE", world_size if world_size is not None else method.params.get("world_size"))
         if not 0 <= r < n:
             raise DistributedError(f"init_process_group: RANK={r} is outside WORLD_SIZE={n}")
-        options = BackendOptions(timeout=float(timeout), job_secret=job_secret if job_secret is not None else _secret(),
-                                 host=host, port=port, device=local_rank)
-        owned = _env_store(timeout) if store is None else None
+        secret = job_secret if job_secret is not None else _secret()
+        options = BackendOptions(timeout=limit, job_secret=secret, host=host, port=port, device=local_rank)
+        owned = open_store(method, r, n, limit, secret) if store is None else None
         try:
-            _default = create_group(store if store is not None else owned, r, n, backend, options)  # type: ignore[arg-type]
+            _default = create_group(store if store is not None else owned.store, r, n, name, options)  # type: ignore[union-attr]
         except BaseException:
             _close_owned(owned)
             raise
-        _owned_store = owned
+        _owned = owned
         _local_rank = int(local_rank if local_rank is not None else os.environ.get("LOCAL_RANK", "0"))
         return _default
 
@@ -111,23 +114,25 @@ def is_initialized() -> bool:
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Close `group` (default: the default group, which becomes uninitialised)."""
-    global _default, _owned_store
+    global _default, _owned
     if group is not None and group is not _default:
         group.destroy()
         return
     with _lock:
         pg, _default = _default, None
-        owned, _owned_store = _owned_store, None
+        owned, _owned = _owned, None
     if pg is not None:
         pg.destroy()
     _close_owned(owned)
 
 
-def _close_owned(store: Store | None) -> None:
-    if store is not None:
-        store.close()
-    while _closers:
-        _closers.pop()()
+def _close_owned(owned: OpenedStore | None) -> None:
+    for close in owned.closers if owned is not None else ():
+        close()
+
+
+_TORCH: dict[str, Any] = {"group": None, "async_op": False}
+_TORCH_OP: dict[str, Any] = {**_TORCH, "op": ReduceOp.SUM}
 
 
 def default_group() -> ProcessGroup:
@@ -208,59 +213,163 @@ def reduce(x: Array, dst: int = 0, op: ReduceOp = ReduceOp.SUM, group: ProcessGr
     return g.reduce(x, g.group_rank(dst), op, async_op=async_op)
 
 
-def all_gather(x: Array, group: ProcessGroup | None = None, async_op: bool = False, out: Array | None = None) -> Any:
-    """Return an array of shape (group size, *x.shape) (`out=` to fill a preallocated one)."""
-    return _group(group).all_gather(x, async_op=async_op, out=out)
+@overload
+def all_gather(x: Array, group: ProcessGroup | None = None, async_op: bool = False, out: Array | None = None) -> Any: ...
+@overload
+def all_gather(tensor_list: list[Array], tensor: Array, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None: ...
+def all_gather(*args: Any, **kwargs: Any) -> Any:
+    """Return an array of shape (group size, *x.shape) (`out=` to fill a preallocated one).
+
+    torch's form `all_gather(tensor_list, tensor)` (a list first) fills `tensor_list[i]` with member i's
+    `tensor` and returns None (a Work if `async_op`).
+    """
+    if (args and tf.is_list(args[0])) or "tensor_list" in kwargs:
+        a = tf.bind("all_gather", ("tensor_list", "tensor", "group", "async_op"), args, kwargs, _TORCH)
+        return tf.all_gather_into_list(_group(a["group"]), a["tensor_list"], a["tensor"], a["async_op"])
+    a = tf.bind("all_gather", ("x", "group", "async_op", "out"), args, kwargs, {**_TORCH, "out": None})
+    return _group(a["group"]).all_gather(a["x"], async_op=a["async_op"], out=a["out"])
 
 
+@overload
 def reduce_scatter(x: Array, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
-                   async_op: bool = False, out: Array | None = None) -> Any:
-    """Reduce `x` and return this rank's block of x.shape[0] // size rows (`out=` to fill a preallocated one)."""
-    return _group(group).reduce_scatter(x, op, async_op=async_op, out=out)
+                   async_op: bool = False, out: Array | None = None) -> Any: ...
+@overload
+def reduce_scatter(output: Array, input_list: list[Array], op: ReduceOp = ReduceOp.SUM,
+                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None: ...
+def reduce_scatter(*args: Any, **kwargs: Any) -> Any:
+    """Reduce `x` and return this rank's block of x.shape[0] // size rows (`out=` to fill a preallocated one).
+
+    torch's form `reduce_scatter(output, input_list, op)` (a list second) writes the reduction of every
+    member's `input_list[rank]` into `output` and returns None (a Work if `async_op`).
+    """
+    if (len(args) > 1 and tf.is_list(args[1])) or "input_list" in kwargs:
+        a = tf.bind("reduce_scatter", ("output", "input_list", "op", "group", "async_op"), args, kwargs, _TORCH_OP)
+        return tf.reduce_scatter_from_list(_group(a["group"]), a["output"], a["input_list"], a["op"], a["async_op"])
+    a = tf.bind("reduce_scatter", ("x", "op", "group", "async_op", "out"), args, kwargs, {**_TORCH_OP, "out": None})
+    return _group(a["group"]).reduce_scatter(a["x"], a["op"], async_op=a["async_op"], out=a["out"])
 
 
-def gather(x: Array, dst: int = 0, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
-    """Return (size, *x.shape) on global rank `dst`, None elsewhere."""
-    g = _group(group)
-    return g.gather(x, g.group_rank(dst), async_op=async_op)
+@overload
+def gather(x: Array, dst: int = 0, group: ProcessGroup | None = None, async_op: bool = False) -> Any: ...
+@overload
+def gather(tensor: Array, gather_list: list[Array] | None, dst: int = 0, group: ProcessGroup | None = None,
+           async_op: bool = False) -> Work | None: ...
+def gather(*args: Any, **kwargs: Any) -> Any:
+    """Return (size, *x.shape) on global rank `dst`, None elsewhere.
+
+    torch's form `gather(tensor, gather_list, dst)` (a list or None second) fills `gather_list` on `dst`.
+    """
+    if (len(args) > 1 and (args[1] is None or tf.is_list(args[1]))) or "gather_list" in kwargs or "tensor" in kwargs:
+        a = tf.bind("gather", ("tensor", "gather_list", "dst", "group", "async_op"), args, kwargs,
+                    {**_TORCH, "gather_list": None, "dst": 0})
+        g = _group(a["group"])
+        return tf.gather_into_list(g, a["tensor"], a["gather_list"], g.group_rank(a["dst"]), a["async_op"])
+    a = tf.bind("gather", ("x", "dst", "group", "async_op"), args, kwargs, {**_TORCH, "dst": 0})
+    g = _group(a["group"])
+    return g.gather(a["x"], g.group_rank(a["dst"]), async_op=a["async_op"])
 
 
-def scatter(x: Array | None, src: int = 0, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
-    """Return this rank's slice of the (size, ...) array held by global rank `src`."""
-    g = _group(group)
-    return g.scatter(x, g.group_rank(src), async_op=async_op)
+@overload
+def scatter(x: Array | None, src: int = 0, group: ProcessGroup | None = None, async_op: bool = False) -> Any: ...
+@overload
+def scatter(tensor: Array, scatter_list: list[Array] | None, src: int = 0, group: ProcessGroup | None = None,
+            async_op: bool = False) -> Work | None: ...
+def scatter(*args: Any, **kwargs: Any) -> Any:
+    """Return this rank's slice of the (size, ...) array held by global rank `src`.
+
+    torch's form `scatter(tensor, scatter_list, src)` (a list or None second) fills `tensor` with
+    `scatter_list[rank]` of `src`. In axond's form an array given on another rank that has the slice's
+    shape and dtype (torch's `scatter(tensor, src=0)` there) receives it too.
+    """
+    if (len(args) > 1 and (args[1] is None or tf.is_list(args[1]))) or "scatter_list" in kwargs or "tensor" in kwargs:
+        a = tf.bind("scatter", ("tensor", "scatter_list", "src", "group", "async_op"), args, kwargs,
+                    {**_TORCH, "scatter_list": None, "src": 0})
+        g = _group(a["group"])
+        return tf.scatter_from_list(g, a["tensor"], a["scatter_list"], g.group_rank(a["src"]), a["async_op"])
+    a = tf.bind("scatter", ("x", "src", "group", "async_op"), args, kwargs, {**_TORCH, "src": 0})
+    g, x = _group(a["group"]), a["x"]
+    src = g.group_rank(a["src"])
+
+    def fill(got: Array) -> None:  # torch's scatter(tensor, src=0) on a non-source rank
+        if x is not None and g.rank != src and tuple(getattr(x, "shape", ())) == tuple(got.shape) \
+                and x.dtype == got.dtype:
+            x[...] = got
+    got = g.scatter(x, src, async_op=a["async_op"])
+    if a["async_op"]:
+        return tf.ThenWork(got, fill)
+    fill(got)
+    return got
 
 
-def all_to_all(x: Array, group: ProcessGroup | None = None, async_op: bool = False,
-               input_split_sizes: Sequence[int] | None = None, output_split_sizes: Sequence[int] | None = None) -> Any:
+def all_to_all(*args: Any, **kwargs: Any) -> Any:
     """Row block i of `x` goes to member i; return the received blocks in rank order (uneven blocks:
-    `input_split_sizes` / `output_split_sizes` rows, see `ProcessGroup.all_to_all`)."""
-    return _group(group).all_to_all(x, async_op=async_op, input_split_sizes=input_split_sizes,
-                                    output_split_sizes=output_split_sizes)
+    `input_split_sizes` / `output_split_sizes` rows, see `ProcessGroup.all_to_all`).
+
+    torch's form `all_to_all(output_tensor_list, input_tensor_list)` (a list first) sends
+    `input_tensor_list[i]` to member i and fills `output_tensor_list[j]` with member j's.
+    """
+    if (args and tf.is_list(args[0])) or "output_tensor_list" in kwargs:
+        a = tf.bind("all_to_all", ("output_tensor_list", "input_tensor_list", "group", "async_op"), args, kwargs, _TORCH)
+        return tf.all_to_all_lists(_group(a["group"]), a["output_tensor_list"], a["input_tensor_list"], a["async_op"])
+    a = tf.bind("all_to_all", ("x", "group", "async_op", "input_split_sizes", "output_split_sizes"), args, kwargs,
+                {**_TORCH, "input_split_sizes": None, "output_split_sizes": None})
+    return _group(a["group"]).all_to_all(a["x"], async_op=a["async_op"], input_split_sizes=a["input_split_sizes"],
+                                         output_split_sizes=a["output_split_sizes"])
 
 
-def send(x: Array, dst: int, tag: int = 0, group: ProcessGroup | None = None) -> None:
-    """Send `x` to global rank `dst`."""
-    g = _group(group)
-    g.send(x, g.group_rank(dst), tag)
+def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None, group: ProcessGroup | None = None,
+                      async_op: bool = False) -> Work | None:
+    """torch's `all_to_all_single`: `input`'s row blocks go to the members; `output` receives theirs in rank order."""
+    return tf.all_to_all_single(_group(group), output, input, output_split_sizes, input_split_sizes, async_op)
 
 
-def recv(x: Array, src: int, tag: int = 0, group: ProcessGroup | None = None) -> None:
-    """Receive into `x` from global rank `src`."""
-    g = _group(group)
-    g.recv(x, g.group_rank(src), tag)
+def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: ProcessGroup | None = None,
+                           async_op: bool = False) -> Work | None:
+    """torch's `all_gather_into_tensor`: `output_tensor` ((size * n, ...) or (size, ...)) receives every member's input."""
+    return tf.all_gather_into_tensor(_group(group), output_tensor, input_tensor, async_op)
 
 
-def isend(x: Array, dst: int, tag: int = 0, group: ProcessGroup | None = None) -> Work:
+def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+                          async_op: bool = False) -> Work | None:
+    """torch's `reduce_scatter_tensor`: `output` receives this member's block of the reduction of `input`."""
+    return tf.reduce_scatter_tensor(_group(group), output, input, op, async_op)
+
+
+def send(x: Array, dst: int, tag: Any = 0, group: Any = None) -> None:
+    """Send `x` to global rank `dst` (torch's order `send(x, dst, group, tag)` works too)."""
+    g, t = tf.p2p_group_and_tag(tag, group)
+    pg = _group(g)
+    pg.send(x, pg.group_rank(dst), t)
+
+
+def recv(x: Array, src: int | None = None, tag: Any = 0, group: Any = None) -> int:
+    """Receive into `x` from global rank `src`; returns `src` (torch returns the sender's rank)."""
+    g, t = tf.p2p_group_and_tag(tag, group)
+    pg = _group(g)
+    pg.recv(x, pg.group_rank(_peer(src, "recv")), t)
+    return int(src)  # type: ignore[arg-type]
+
+
+def isend(x: Array, dst: int, tag: Any = 0, group: Any = None) -> Work:
     """Asynchronous `send`; the Work completes once the data left this process."""
-    g = _group(group)
-    return g.isend(x, g.group_rank(dst), tag)
+    g, t = tf.p2p_group_and_tag(tag, group)
+    pg = _group(g)
+    return pg.isend(x, pg.group_rank(dst), t)
 
 
-def irecv(x: Array, src: int, tag: int = 0, group: ProcessGroup | None = None) -> Work:
+def irecv(x: Array, src: int | None = None, tag: Any = 0, group: Any = None) -> Work:
     """Asynchronous `recv` into `x`."""
-    g = _group(group)
-    return g.irecv(x, g.group_rank(src), tag)
+    g, t = tf.p2p_group_and_tag(tag, group)
+    pg = _group(g)
+    return pg.irecv(x, pg.group_rank(_peer(src, "irecv")), t)
+
+
+def _peer(src: int | None, op: str) -> int:
+    if src is None:
+        raise ValueError(f"{op} needs src=<global rank>: receiving from any rank (torch's src=None) is not supported")
+    return src
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
@@ -268,16 +377,26 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work |
     return _group(group).barrier(async_op=async_op)
 
 
-def monitored_barrier(group: ProcessGroup | None = None, timeout: float | None = None,
+def monitored_barrier(group: ProcessGroup | None = None, timeout: float | timedelta | None = None,
                       wait_all_ranks: bool = False) -> None:
     """A barrier through the job's store that names the ranks that did not arrive (see `ProcessGroup.monitored_barrier`)."""
     _group(group).monitored_barrier(timeout, wait_all_ranks)
 
 
-def new_group(ranks: Sequence[int], backend: str | None = None, group: ProcessGroup | None = None,
-              timeout: float | None = None) -> ProcessGroup:
-    """Subgroup of global `ranks`; every rank of the parent calls it in the same order (non-members too).
+def new_group(ranks: Sequence[int] | None = None, backend: Any = None, group: ProcessGroup | None = None,
+              timeout: float | timedelta | None = None) -> ProcessGroup:
+    """Subgroup of global `ranks` (None: all of `group`'s); every rank of the parent calls it in the same order
+    (non-members too).
 
-    `timeout` (seconds) bounds its calls instead of the parent's timeout.
+    `timeout` (seconds or a timedelta) bounds its calls instead of the parent's timeout. torch's positional
+    order `new_group(ranks, timeout, backend)` works too: a timeout second is taken as the timeout.
     """
-    return _group(group).new_group(ranks, backend, timeout)
+    if backend is not None and not isinstance(backend, str):  # torch's new_group(ranks, timeout, backend)
+        if timeout is not None:
+            raise TypeError(f"new_group: timeout given twice ({backend!r} and {timeout!r})")
+        timeout, backend = backend, None
+        if isinstance(group, str):
+            backend, group = group, None
+    g = _group(group)
+    name = BACKEND_ALIASES.get(backend.lower(), backend.lower()) if isinstance(backend, str) else None
+    return g.new_group(g.ranks if ranks is None else ranks, name, timeout)

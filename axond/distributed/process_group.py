@@ -9,13 +9,18 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
+
+import numpy as np
 
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.backends.registry import create_backend, resolve_backend
 from axond.distributed.inflight import REPORTER, describe, describe_others
+from axond.distributed.init_method import seconds
 from axond.distributed.monitored_barrier import monitored_barrier
 from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.torch_forms import refuse_scalar
 from axond.distributed.work import CommThread, Work
 from axond.errors import DistributedError
 from axond.store import InMemoryStore, PrefixStore, Store
@@ -132,14 +137,18 @@ class ProcessGroup:
 
     def all_reduce(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` in place over the group."""
+        if type(x) is not np.ndarray:
+            refuse_scalar(x, "all_reduce")
         return self._run("all_reduce", async_op, x, op)
 
     def broadcast(self, x: Array, src: int = 0, async_op: bool = False) -> Work | None:
         """Copy `x` of group rank `src` into `x` everywhere."""
+        refuse_scalar(x, "broadcast")
         return self._run("broadcast", async_op, x, src)
 
     def reduce(self, x: Array, dst: int = 0, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` into `x` on group rank `dst`."""
+        refuse_scalar(x, "reduce")
         return self._run("reduce", async_op, x, dst, op)
 
     def all_gather(self, x: Array, async_op: bool = False, out: Array | None = None) -> Any:
@@ -147,6 +156,7 @@ class ProcessGroup:
 
         `out=` (shape (size, *x.shape)) is filled and returned instead of a new array: no allocation.
         """
+        refuse_scalar(x, "all_gather")
         if out is None:
             return self._run("all_gather", async_op, x)
         return self._run("all_gather", async_op, x, out=out)
@@ -154,16 +164,19 @@ class ProcessGroup:
     def reduce_scatter(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
                        out: Array | None = None) -> Any:
         """Reduce `x` and return this rank's block of x.shape[0] // size rows (into `out=` if given)."""
+        refuse_scalar(x, "reduce_scatter")
         if out is None:
             return self._run("reduce_scatter", async_op, x, op)
         return self._run("reduce_scatter", async_op, x, op, out=out)
 
     def gather(self, x: Array, dst: int = 0, async_op: bool = False) -> Any:
         """Return (size, *x.shape) on group rank `dst`, None elsewhere."""
+        refuse_scalar(x, "gather")
         return self._run("gather", async_op, x, dst)
 
     def scatter(self, x: Array | None, src: int = 0, async_op: bool = False) -> Any:
         """Return this rank's slice of `x` (shape (size, ...)) held by group rank `src`."""
+        refuse_scalar(x, "scatter")
         return self._run("scatter", async_op, x, src)
 
     def all_to_all(self, x: Array, async_op: bool = False, input_split_sizes: Sequence[int] | None = None,
@@ -174,17 +187,21 @@ class ProcessGroup:
         sum(output_split_sizes) rows, `output_split_sizes[j]` of them from rank j. Without output sizes,
         the peers are asked (one small extra all_to_all). As torch's `all_to_all_single`.
         """
+        refuse_scalar(x, "all_to_all")
         if input_split_sizes is None and output_split_sizes is None:
             return self._run("all_to_all", async_op, x)
         return self._run("all_to_all", async_op, x, input_split_sizes, output_split_sizes)
 
     def send(self, x: Array, dst: int, tag: int = 0) -> None:
         """Send `x` to group rank `dst`."""
+        refuse_scalar(x, "send")
         self._run("send", False, x, dst, tag)
 
-    def recv(self, x: Array, src: int, tag: int = 0) -> None:
-        """Receive into `x` from group rank `src`."""
+    def recv(self, x: Array, src: int, tag: int = 0) -> int:
+        """Receive into `x` from group rank `src`; returns `src` (as torch returns the sender)."""
+        refuse_scalar(x, "recv")
         self._run("recv", False, x, src, tag)
+        return src
 
     def isend(self, x: Array, dst: int, tag: int = 0) -> Work:
         """Send asynchronously; the Work completes once the data left this process.
@@ -192,12 +209,14 @@ class ProcessGroup:
         A transport with `post_send` only hands the data over on the comm thread, so later ops
         (an irecv) run meanwhile.
         """
+        refuse_scalar(x, "isend")
         method = "post_send" if hasattr(self.backend, "post_send") else None
         work: Work = self._run("isend" if method else "send", True, x, dst, tag, method=method)
         return work
 
     def irecv(self, x: Array, src: int, tag: int = 0) -> Work:
         """Receive into `x` asynchronously."""
+        refuse_scalar(x, "irecv")
         work: Work = self._run("recv", True, x, src, tag)
         return work
 
@@ -230,7 +249,7 @@ class ProcessGroup:
         """Return once every member entered the barrier."""
         return self._run("barrier", async_op)
 
-    def monitored_barrier(self, timeout: float | None = None, wait_all_ranks: bool = False) -> None:
+    def monitored_barrier(self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """A barrier through the job's store that names the ranks that did not arrive (a debugging aid).
 
         Group rank 0 waits `timeout` (default: the group's) for every member; then every member raises
@@ -240,23 +259,22 @@ class ProcessGroup:
         if self._store is None or self.backend is None:
             raise DistributedError(f"monitored_barrier on group '{self.name}': needs a member of a group built "
                                    "from a store", op="monitored_barrier", group=self.name)
-        limit = self.timeout if timeout is None else float(timeout)
-        if not limit > 0:
-            raise ValueError(f"monitored_barrier timeout must be positive seconds, got {timeout!r}")
+        limit = self.timeout if timeout is None else seconds(timeout, "monitored_barrier timeout")
         self._monitored += 1
         self._comm.drain()  # like every blocking call: after the async ops issued before it
         self._tracked("monitored_barrier", monitored_barrier, self._store, self.name, self.rank, self.size,
                       self._monitored, limit, wait_all_ranks, self._describe_peer)
 
-    def new_group(self, ranks: Sequence[int], backend: str | None = None, timeout: float | None = None) -> ProcessGroup:
+    def new_group(self, ranks: Sequence[int], backend: str | None = None,
+                  timeout: float | timedelta | None = None) -> ProcessGroup:
         """Subgroup over `ranks` (global ranks, a subset of this group's). Every member calls it, in the same order.
 
         `timeout` (seconds) bounds the subgroup's calls; default: this group's.
         """
         if self._store is None:
             raise DistributedError(f"group '{self.name}' has no store to build subgroups from")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"new_group timeout must be positive seconds, got {timeout!r}")
+        if timeout is not None:
+            timeout = seconds(timeout, "new_group timeout")
         wanted = sorted({int(r) for r in ranks})
         if not wanted or len(wanted) != len(list(ranks)):
             raise ValueError(f"new_group needs distinct ranks, got {list(ranks)}")

@@ -6,10 +6,15 @@ from enum import Enum
 
 
 class ReduceOp(Enum):
-    """How `all_reduce`, `reduce` and `reduce_scatter` combine the ranks' arrays."""
+    """How `all_reduce`, `reduce` and `reduce_scatter` combine the ranks' arrays.
+
+    AVG is defined on floating-point and complex arrays only (integers are refused: see
+    `axond.distributed.reducers`). AVERAGE is an alias of AVG (the seeds' name).
+    """
 
     SUM = "sum"
     PRODUCT = "product"
     MIN = "min"
     MAX = "max"
     AVG = "avg"
+    AVERAGE = "avg"

@@ -1,9 +1,9 @@
 """In-place NumPy reductions for each `ReduceOp`, and which dtypes each one accepts.
 
-AVG is a SUM followed by a division by the group size: floats use true division; integers use
-floor division (rounding toward minus infinity, like `np.floor_divide`) after summing in the
-array's own dtype (wrapping on overflow, like NumPy). On bool, SUM and MAX are logical or,
-PRODUCT and MIN logical and; AVG on bool is refused.
+AVG is a SUM followed by a true division by the group size, on floating-point and complex arrays.
+AVG on integers is refused (an integer array cannot hold the mean; torch's gloo refuses AVG too):
+use SUM and divide, or a float dtype. Integer sums wrap on overflow, like NumPy. On bool, SUM and
+MAX are logical or, PRODUCT and MIN logical and; AVG on bool is refused.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ UFUNCS: dict[ReduceOp, np.ufunc] = {
 
 def check_reduce_op(op: ReduceOp, dtype: np.dtype) -> ReduceOp:
     """Validate `op` for `dtype`; accepts ReduceOp members or their names ("sum", "AVG")."""
-    if type(op) is ReduceOp and dtype.kind in "fiu":
+    if type(op) is ReduceOp and (dtype.kind == "f" or (dtype.kind in "iu" and op is not ReduceOp.AVG)):
         return op
     if isinstance(op, str):
         try:
@@ -38,14 +38,14 @@ def check_reduce_op(op: ReduceOp, dtype: np.dtype) -> ReduceOp:
         raise TypeError(f"op must be an axond.ReduceOp, got {op!r}")
     if op is ReduceOp.AVG and dtype == np.bool_:
         raise TypeError("ReduceOp.AVG is undefined on bool arrays; use SUM (logical or) or cast to a number first")
+    if op is ReduceOp.AVG and dtype.kind in "iu":
+        raise TypeError(f"ReduceOp.AVG is refused on integer arrays ({dtype}): the mean does not fit in them; "
+                        "reduce with ReduceOp.SUM and divide the result yourself, or use a float dtype")
     if dtype.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise TypeError(f"ReduceOp.{op.name} is undefined on complex arrays ({dtype})")
     return op
 
 
 def finish_average(x: np.ndarray, size: int) -> None:
-    """Divide a summed array by `size` in place (floor division on integers)."""
-    if x.dtype.kind in "iu":
-        np.floor_divide(x, x.dtype.type(size), out=x)
-    else:
-        np.true_divide(x, size, out=x)
+    """Divide a summed array by `size` in place (AVG; `check_reduce_op` refused integer arrays)."""
+    np.true_divide(x, size, out=x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from axond.errors import DistributedError
@@ -48,11 +49,14 @@ class Work:
         """True if the op finished without error."""
         return self.is_completed() and self._error is None
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the op; re-raise its failure. With `timeout`, return False if it is still running then.
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
+        """Wait for the op; re-raise its failure. With `timeout` (seconds or a timedelta), return False if it
+        is still running then.
 
         Without one, wait at most the group timeout plus a margin (the op itself is bounded by it).
         """
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
         limit = self._limit if timeout is None else timeout
         if not self._done.wait(limit):
             if timeout is not None:

@@ -36,12 +36,9 @@ _INT_MAX = 2**31 - 1
 
 
 def _average(b: NcclBackend, x: Any, stream: Any) -> None:
-    """Finish AVG-as-SUM on the group's stream, like the tcp backend: floor division on integers."""
+    """Finish AVG-as-SUM on the group's stream, like the tcp backend (integer AVG was refused before)."""
     with stream:
-        if x.dtype.kind in "iu":
-            b._cp.floor_divide(x, x.dtype.type(b.size), out=x)
-        else:
-            b._cp.true_divide(x, b.size, out=x)
+        b._cp.true_divide(x, b.size, out=x)
 
 
 def all_reduce(b: NcclBackend, x: Array, op: ReduceOp) -> NcclWork:

@@ -177,14 +177,14 @@ class ReductionPlan:
     nccl_op: str
     """Name of the NCCL reduction constant."""
     divide_by_size: bool
-    """True when AVG runs as SUM and the result is divided by the group size afterwards (floor on integers)."""
+    """True when AVG runs as SUM and the result is divided by the group size afterwards."""
 
 
 def reduction_plan(dtype: np.dtype[Any], op: ReduceOp, nccl_version: int) -> ReductionPlan:
     """Plan a reduction of `dtype` with `op` on NCCL `nccl_version`, or raise `TypeError` saying what to do.
 
     Semantics match the tcp backend (`axond.distributed.reducers`): AVG is SUM, then division by the
-    group size (floor division on integers). ncclAvg is not used: NCCL pre-multiplies each input by
+    group size; integer AVG is refused. ncclAvg is not used: NCCL pre-multiplies each input by
     1/size, which rounds differently from the tcp backend. On bool, SUM/MAX are logical or and
     PRODUCT/MIN logical and.
     """

@@ -1,0 +1,147 @@
+"""Where `init_process_group` finds the job's KV store: torch's `init_method` URLs and axond's environment.
+
+`env://` (the default) takes the first of: the coordinator (AXOND_COORDINATOR, what `axond worker` sets),
+a FileStore directory (AXOND_FILE_STORE), or a `TCPStore` at MASTER_ADDR:MASTER_PORT served by rank 0
+(what torchrun sets). `tcp://host:port` is that TCPStore at an explicit address, `file://path` a
+FileStore in directory `path`, `axond://host:port` the coordinator at that address. Timeouts may be
+seconds or a `datetime.timedelta`, as torch's are.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from urllib.parse import parse_qs, urlsplit
+
+from axond.errors import DistributedError
+from axond.store import Store
+
+SCHEMES = ("env", "tcp", "file", "axond")
+SERVER_LINGER = 30.0
+"""Seconds rank 0 keeps serving a TCPStore at destroy while other ranks are still connected."""
+
+
+def seconds(timeout: float | timedelta, what: str = "timeout") -> float:
+    """`timeout` (seconds or a timedelta) as positive float seconds, or ValueError saying what to pass."""
+    if isinstance(timeout, timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        raise TypeError(f"{what} must be seconds (a number) or a datetime.timedelta, got {timeout!r}")
+    if not value > 0:
+        raise ValueError(f"{what} must be positive seconds, got {timeout!r} (a number or a datetime.timedelta)")
+    return value
+
+
+@dataclass(frozen=True)
+class InitMethod:
+    """A parsed `init_method` URL."""
+
+    scheme: str
+    """One of SCHEMES."""
+    host: str = ""
+    """Host of tcp:// and axond:// URLs."""
+    port: int = 0
+    """Port of tcp:// and axond:// URLs."""
+    path: str = ""
+    """Directory of a file:// URL."""
+    params: dict[str, str] = field(default_factory=dict)
+    """Query parameters (torch's `?rank=..&world_size=..`)."""
+
+
+def parse(url: str) -> InitMethod:
+    """Parse `url` ("env://", "tcp://host:port", "file:///dir", "axond://host:port"), or ValueError."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        raise ValueError(f"init_method {url!r}: unknown scheme; use env://, tcp://HOST:PORT, file:///DIR "
+                         "or axond://COORDINATOR:PORT")
+    params = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    if scheme == "file":
+        path = parts.path or parts.netloc
+        if not path:
+            raise ValueError(f"init_method {url!r}: file:// needs a directory, e.g. file:///tmp/job-store")
+        return InitMethod(scheme, path=path, params=params)
+    if scheme in ("tcp", "axond"):
+        try:
+            host, port = parts.hostname, parts.port
+        except ValueError as e:
+            raise ValueError(f"init_method {url!r}: the port is not a number") from e
+        if not host or not port:
+            raise ValueError(f"init_method {url!r}: {scheme}:// needs HOST:PORT, e.g. {scheme}://10.0.0.1:29500")
+        return InitMethod(scheme, host=host, port=port, params=params)
+    return InitMethod(scheme, params=params)
+
+
+@dataclass
+class OpenedStore:
+    """A store opened for the default group and what closes it."""
+
+    store: Store
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+
+def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret: bytes) -> OpenedStore:
+    """Open the store `method` names for global rank `rank` of `size` (rank 0 serves a TCPStore)."""
+    if method.scheme == "tcp":
+        return _tcp_store(method.host, method.port, rank, timeout, secret, f"tcp://{method.host}:{method.port}")
+    if method.scheme == "file":
+        from axond.distributed.file_store import FileStore
+
+        files = FileStore(method.path)
+        return OpenedStore(files, [files.close])
+    if method.scheme == "axond":
+        return _coordinator_store(f"{method.host}:{method.port}")
+    coordinator = os.environ.get("AXOND_COORDINATOR")
+    if coordinator:
+        return _coordinator_store(coordinator)
+    path = os.environ.get("AXOND_FILE_STORE")
+    if path:
+        from axond.distributed.file_store import FileStore
+
+        files = FileStore(path)
+        return OpenedStore(files, [files.close])
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        try:
+            number = int(port)
+        except ValueError as e:
+            raise DistributedError(f"init_process_group: MASTER_PORT={port!r} is not a port number") from e
+        return _tcp_store(addr, number, rank, timeout, secret, f"MASTER_ADDR:MASTER_PORT ({addr}:{port})")
+    missing = "MASTER_PORT" if addr else "MASTER_ADDR" if port else "MASTER_ADDR and MASTER_PORT"
+    raise DistributedError("init_process_group: no store; set AXOND_COORDINATOR (what `axond worker` does), "
+                           f"or {missing} (what torchrun does; rank 0 serves the store), AXOND_FILE_STORE=<shared "
+                           "dir> for single-host runs, or pass store=... or init_method=...")
+
+
+def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, where: str) -> OpenedStore:
+    from axond.distributed.tcp_store import TCPStore
+    from axond.errors import StoreError
+
+    try:
+        store = TCPStore(host, port, is_server=rank == 0, timeout=timeout, secret=secret)
+    except OSError as e:
+        raise DistributedError(f"init_process_group: rank 0 cannot serve the store on {where}: {e}; "
+                               "pick a free MASTER_PORT") from e
+    except StoreError as e:
+        raise DistributedError(f"init_process_group: rank {rank} cannot reach the store on {where}: {e}") from e
+    if rank == 0:
+        return OpenedStore(store, [lambda: store.close(linger=min(timeout, SERVER_LINGER))])
+    return OpenedStore(store, [store.close])
+
+
+def _coordinator_store(address: str) -> OpenedStore:
+    from axond.control import client
+
+    conn = client.connect(address, token=os.environ.get("AXOND_TOKEN") or None,
+                          tls_ca=os.environ.get("AXOND_TLS_CA") or None)
+    try:
+        generation = int(os.environ.get("AXOND_GENERATION", "1"))
+    except ValueError as e:
+        conn.close()
+        raise DistributedError(f"AXOND_GENERATION={os.environ['AXOND_GENERATION']!r} is not an integer") from e
+    store = conn.store(os.environ.get("AXOND_JOB", "default"), generation)
+    return OpenedStore(store, [store.close, conn.close])
