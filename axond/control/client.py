@@ -8,8 +8,9 @@ safe to repeat are retried briefly (bounded) when the coordinator is UNAVAILABLE
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -27,6 +28,13 @@ R = TypeVar("R")
 RETRY_BACKOFF_S = (0.1, 0.3, 0.9)
 """Sleeps between attempts of an idempotent call that found the coordinator UNAVAILABLE."""
 
+DEFAULT_CONNECT_WAIT_S = 30.0
+"""How long the CLI waits for a coordinator that is not reachable yet (it may be starting)."""
+
+_NOT_LISTENING_YET = ("connection refused", "errors resolving", "dns resolution failed", "domain name not found",
+                      "name or service not known", "no route to host", "network is unreachable")
+"""UNAVAILABLE details meaning the request never reached a server (safe to send again, even if not idempotent)."""
+
 
 def _non_negative(**counts: int) -> None:
     for name, value in counts.items():
@@ -37,11 +45,25 @@ def _non_negative(**counts: int) -> None:
 class CoordinatorClient:
     """A connection to one coordinator. Thread-safe (gRPC channels are)."""
 
-    def __init__(self, address: str, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0) -> None:
+    def __init__(
+        self, address: str, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0,
+        connect_wait: float = 0.0, on_wait: Callable[[str], None] | None = None,
+    ) -> None:
+        """`connect_wait`: until a first call got through, calls that find nothing listening at `address`
+        are sent again for up to this many seconds (the coordinator may still be starting); `on_wait`
+        receives one line saying so when that wait begins."""
         if not call_timeout > 0:
             raise CoordinatorError(f"call_timeout is {call_timeout}; it must be > 0 seconds")
+        if not connect_wait >= 0:
+            raise CoordinatorError(f"connect_wait is {connect_wait}; it must be >= 0 seconds")
         self.address = normalize_address(address)
         self.call_timeout = call_timeout
+        self.connect_wait = connect_wait
+        self._on_wait = on_wait
+        self._reached = False
+        self._wait_until: float | None = None
+        self._wait_lock = threading.Lock()
+        self._backoff = 0.05
         self._channel = open_channel(self.address, token, tls_ca)
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -60,8 +82,15 @@ class CoordinatorClient:
         attempt = 0
         while True:
             try:
-                return method(request, timeout=max(0.001, deadline - time.monotonic()))
+                reply = method(request, timeout=max(0.001, deadline - time.monotonic()))
+                self._reached = True
+                return reply
             except grpc.RpcError as e:
+                if self._wait_for_start(e):
+                    deadline = time.monotonic() + wait + self.call_timeout
+                    continue
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    self._reached = True
                 if (
                     retry
                     and e.code() == grpc.StatusCode.UNAVAILABLE
@@ -73,14 +102,40 @@ class CoordinatorClient:
                     continue
                 raise translate(op, self.address, e, store=store) from e
 
+    def _wait_for_start(self, e: grpc.RpcError) -> bool:
+        """Before the first call got through: sleep (backing off) and return True if `e` says nothing
+        listens at the address yet and the connect wait has time left."""
+        if self._reached or self.connect_wait <= 0 or e.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        details = (e.details() or "").lower()
+        if not any(text in details for text in _NOT_LISTENING_YET):
+            return False
+        now = time.monotonic()
+        with self._wait_lock:
+            if self._wait_until is None:
+                self._wait_until = now + self.connect_wait
+                if self._on_wait is not None:
+                    self._on_wait(
+                        f"waiting for the coordinator at {self.address} (not reachable yet; up to {self.connect_wait:g} s)"
+                    )
+            left = self._wait_until - now
+        if left <= 0:
+            return False
+        self._backoff = min(0.5, self._backoff * 2)
+        time.sleep(min(self._backoff, left))
+        return True
+
     def register_node(self, hostname: str, slots: int = 0, daemon: bool = False) -> pb.RegisterNodeResponse:
         _non_negative(slots=slots)
         req = pb.RegisterNodeRequest(hostname=hostname, slots=slots, daemon=daemon)
         return self.call("RegisterNode", self.stub.RegisterNode, req)
 
-    def heartbeat(self, node_id: str, job: str = "", generation: int = 0) -> pb.HeartbeatResponse:
+    def heartbeat(
+        self, node_id: str, job: str = "", generation: int = 0, local_pids: Sequence[int] = ()
+    ) -> pb.HeartbeatResponse:
+        """`local_pids`: pid of each local rank process of `job` (0: not running), shown by `axond status`."""
         _non_negative(generation=generation)
-        req = pb.HeartbeatRequest(node_id=node_id, job=job, generation=generation)
+        req = pb.HeartbeatRequest(node_id=node_id, job=job, generation=generation, local_pids=list(local_pids))
         return self.call("Heartbeat", self.stub.Heartbeat, req, retry=True)
 
     def deregister_node(self, node_id: str) -> None:
@@ -147,16 +202,27 @@ class CoordinatorClient:
     def cancel_job(self, job: str) -> None:
         self.call("CancelJob", self.stub.CancelJob, pb.CancelJobRequest(job=job), retry=True)
 
-    def get_status(self, job: str = "") -> pb.GetStatusResponse:
-        return self.call("GetStatus", self.stub.GetStatus, pb.GetStatusRequest(job=job), retry=True)
+    def get_status(self, job: str = "", all: bool = False, max_ranks: int = 0) -> pb.GetStatusResponse:
+        """Nodes and jobs; `all` also lists finished jobs and dead nodes the coordinator hides after a while."""
+        _non_negative(max_ranks=max_ranks)
+        req = pb.GetStatusRequest(job=job, all=all, max_ranks=max_ranks)
+        return self.call("GetStatus", self.stub.GetStatus, req, retry=True)
 
     def health(self, timeout: float = 5.0) -> bool:
         """The standard grpc.health.v1 check: True if the coordinator answers SERVING."""
         try:
-            resp = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.RpcError:
+            return self.check_health(timeout) == health_pb2.HealthCheckResponse.SERVING
+        except CoordinatorError:
             return False
-        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def check_health(self, timeout: float = 5.0) -> int:
+        """The grpc.health.v1 status the coordinator answers (`HealthCheckResponse.SERVING` when it serves);
+        raises CoordinatorError if it cannot be asked (unreachable, TLS mismatch)."""
+        try:
+            resp = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError as e:
+            raise translate("Check (grpc.health.v1)", self.address, e) from e
+        return int(resp.status)
 
     def store(self, job: str, generation: int) -> CoordinatorStore:
         """The KV store of one job generation, served by this coordinator."""
@@ -173,7 +239,8 @@ class CoordinatorClient:
 
 
 def connect(
-    address: str | None = None, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0
+    address: str | None = None, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0,
+    connect_wait: float = 0.0, on_wait: Callable[[str], None] | None = None,
 ) -> CoordinatorClient:
     """A client for the coordinator at `address` (else $AXOND_COORDINATOR), token and CA from the env too."""
     address = address or os.environ.get("AXOND_COORDINATOR", "")
@@ -181,4 +248,4 @@ def connect(
         raise CoordinatorError("no coordinator address: pass --coordinator HOST:PORT or set AXOND_COORDINATOR")
     token = token or os.environ.get("AXOND_TOKEN") or None
     tls_ca = tls_ca or os.environ.get("AXOND_TLS_CA") or None
-    return CoordinatorClient(address, token, tls_ca, call_timeout)
+    return CoordinatorClient(address, token, tls_ca, call_timeout, connect_wait=connect_wait, on_wait=on_wait)
