@@ -107,17 +107,21 @@ def is_connection_error(e: BaseException) -> bool:
     return error_kind(e) in ("UNAUTHENTICATED", "PERMISSION_DENIED", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
-def _detail(e: BaseException) -> str:
-    """The server's short detail behind `e` (the gRPC status detail when there is one)."""
+def server_detail(e: BaseException) -> str:
+    """The gRPC status detail the server sent with the failure behind `e` ("" if none)."""
     details = getattr(e.__cause__, "details", None)
     if callable(details):
         try:
-            text = details()
+            return str(details() or "")
         except Exception:  # noqa: BLE001 - only a nicer message is at stake
-            text = None
-        if text:
-            return f"{error_kind(e)}: {text}"
-    return str(e)
+            return ""
+    return ""
+
+
+def _detail(e: BaseException) -> str:
+    """The server's short detail behind `e` (the gRPC status detail when there is one)."""
+    text = server_detail(e)
+    return f"{error_kind(e)}: {text}" if text else str(e)
 
 
 def explain(e: BaseException, address: str) -> str:

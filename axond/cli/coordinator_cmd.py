@@ -14,7 +14,7 @@ from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, fail
 @click.command(
     "coordinator",
     short_help="Run the coordinator daemon (foreground).",
-    epilog="Ctrl-C or SIGTERM stops it cleanly (exit code 0); exit code 1 if it cannot start (port in use, "
+    epilog="Ctrl-C or SIGTERM stops it cleanly (exit code 0); it exits 1 if it cannot start (port in use, "
            "unreadable TLS files). " + EXIT_CODES_HELP,
 )
 @click.option("--port", type=click.IntRange(0, 65535), default=29500, show_default=True, help="Port to serve on.")

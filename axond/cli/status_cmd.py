@@ -122,8 +122,7 @@ def _blocked(client: CoordinatorClient, status: pb.GetStatusResponse) -> dict[tu
 @click.command(
     "health",
     short_help="Exit 0 if the coordinator is serving.",
-    epilog="Exit code: 0 if the coordinator answers SERVING, 1 if it answers anything else, 3 if it cannot be "
-           "reached (as for every command). " + EXIT_CODES_HELP,
+    epilog="It exits 1 if the coordinator answers anything but SERVING. " + EXIT_CODES_HELP,
 )
 @coordinator_options
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,

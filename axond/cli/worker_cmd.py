@@ -11,7 +11,8 @@ import click
 from click.core import ParameterSource
 
 from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, connect_wait_option
-from axond.cli.common import coordinator_options, error_kind, fail, fail_coordinator, need_address, waiting_notice
+from axond.cli.common import coordinator_options, error_kind, fail, fail_coordinator, need_address, server_detail
+from axond.cli.common import waiting_notice
 from axond.errors import CoordinatorError
 from axond.worker.agent import JobOutcome, start_agent
 from axond.worker.daemon import DaemonConfig, start_daemon
@@ -146,8 +147,10 @@ def _run_agent(conn: ConnectOptions, spec: JobSpec) -> None:
             name = signal.Signals(signals.received).name
             outcome = agent.stop(128 + signals.received, f"stopped by {name}") or JobOutcome(128 + signals.received)
     if outcome.exit_code != 0:
-        fail("worker", f"job {spec.job!r} failed: {outcome.message or 'exit code ' + str(outcome.exit_code)}",
-             _exit_code(outcome, signals.received))
+        why = outcome.message or f"exit code {outcome.exit_code}"
+        if outcome.error is not None and error_kind(outcome.error) == "DEADLINE_EXCEEDED":
+            why = server_detail(outcome.error) or why  # the coordinator says who joined and what to do
+        fail("worker", f"job {spec.job!r} failed: {why}", _exit_code(outcome, signals.received))
 
 
 def _exit_code(outcome: JobOutcome, signum: int | None) -> int:
