@@ -126,6 +126,21 @@ def test_the_other_node_names_the_failing_rank_too(coord: RunningCoordinator, pr
         assert re.search(r"rank 1 \(\S+, pid \d+\) exited with code 1: ValueError: bad input", last_line(res.stderr))
 
 
+def test_a_node_whose_ranks_succeeded_fails_with_the_job(coord: RunningCoordinator, procs: Procs) -> None:
+    """Each worker's exit code is the job's (what `docker compose up --exit-code-from worker-0` relies on)."""
+    script = (
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(2); print('late failure', file=sys.stderr); sys.exit(6)\n"
+    )
+    args = worker(coord, "late", "--nnodes", "2")
+    a, b = procs.axond(*args, "--", PY, "-c", script), procs.axond(*args, "--", PY, "-c", script)
+    ra, rb = procs.finish(a, timeout=60), procs.finish(b, timeout=60)
+    assert (ra.code, rb.code) == (1, 1), (ra.stderr, rb.stderr)
+    for res in (ra, rb):
+        assert re.search(r"rank 1 \(\S+, pid \d+\) exited with code 6: late failure", last_line(res.stderr)), res.stderr
+
+
 def test_exit_codes_do_not_collide(coord: RunningCoordinator, procs: Procs) -> None:
     rank_two = procs.run(*worker(coord, "two-code"), "--", PY, "-c", "import sys; sys.exit(2)")
     assert rank_two.code == 1, "a rank's exit code 2 must not look like a usage error"

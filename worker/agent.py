@@ -234,7 +234,8 @@ class JobRunner:
 
     def _exit_barrier(self, gen: int) -> JobOutcome | None:
         """After local success, stay until the whole job ended: if another node fails first, the
-        job restarts and needs this node again (returns None to re-join). Bounded by join_timeout."""
+        job restarts and needs this node again (returns None to re-join), or fails, and so does this
+        node's outcome. Bounded by join_timeout."""
         spec = self._spec
         deadline = time.monotonic() + spec.join_timeout
         self._hb.beat_now()
@@ -243,6 +244,7 @@ class JobRunner:
             if beat is not None and beat.job_state in _TERMINAL_STATES:
                 if beat.job_state != pb.JOB_STATE_SUCCEEDED:
                     self._notice(f"this node's ranks exited 0, but job {spec.job!r} ended: {beat.reason}")
+                    return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, beat.reason or "the job failed on another node")
                 break
             if beat is not None and beat.generation > gen:
                 self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({beat.reason}); re-joining")
