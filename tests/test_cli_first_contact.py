@@ -90,8 +90,8 @@ def test_a_rank_that_returned_early_is_named_while_the_others_run(coord: Running
     script = "import os, time; time.sleep(7 if os.environ['RANK'] == '0' else 0)"
     res = procs.run(*worker(coord, "early", "--nproc-per-node", "2"), "--", PY, "-c", script)
     assert res.code == 0, res.stderr
-    assert ("job 'early': rank(s) 1 exited with code 0 but rank(s) 0 still run; ranks that wait for them "
-            "(init_process_group, a collective) will fail at their timeout") in res.stderr
+    assert ("job 'early': rank(s) 1 exited with code 0 but rank(s) 0 still run; if those wait for them "
+            "(init_process_group, a collective), they fail at their timeout") in res.stderr
 
 
 def test_the_last_line_names_the_failing_rank_and_its_error(coord: RunningCoordinator, procs: Procs) -> None:

@@ -104,6 +104,6 @@ class EarlyExitWatch:
         done = {e.rank for e in exits}
         running = ", ".join(str(r) for r in all_ranks if r not in done)
         self._notice(
-            f"job {self._job!r}: rank(s) {gone} exited with code 0 but rank(s) {running} still run; ranks that wait "
-            "for them (init_process_group, a collective) will fail at their timeout"
+            f"job {self._job!r}: rank(s) {gone} exited with code 0 but rank(s) {running} still run; if those "
+            "wait for them (init_process_group, a collective), they fail at their timeout"
         )
