@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
 from axond.worker.launcher import LocalRanks, OutputSink, RankSpec, print_sink, start_ranks
+from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.spec import ConnectOptions, JobSpec
 
 if TYPE_CHECKING:
@@ -73,9 +76,13 @@ class JobRunner:
         sink: OutputSink = print_sink,
         notice: Notice = stderr_notice,
         flush: Callable[[], None] | None = None,
+        progress_every: float = 0.0,
     ) -> None:
         """`flush`, if given, is called before each exit or failure report, so that output sent
-        elsewhere (daemon mode) reaches the coordinator before the job's end does."""
+        elsewhere (daemon mode) reaches the coordinator before the job's end does. `progress_every` > 0:
+        say every that many seconds how far the rendezvous got while this node waits in it."""
+        self._progress_every = progress_every
+        self._error_dir: str | None = None
         self._flush = flush or (lambda: None)
         self._client = client
         self._conn = conn
@@ -110,10 +117,12 @@ class JobRunner:
                     return JobOutcome(self._stop_code, self._stop_reason)
                 self.joining.set()
                 try:
-                    joined = self._client.join(
-                        spec.job, self._node_id, spec.nproc_per_node, spec.min_nodes, spec.max_nodes,
-                        max_restarts=spec.max_restarts, timeout=spec.join_timeout,
-                    )
+                    with JoinProgress(self._client, spec.job, spec.min_nodes, spec.max_nodes, spec.join_timeout,
+                                      self._notice, every=self._progress_every):
+                        joined = self._client.join(
+                            spec.job, self._node_id, spec.nproc_per_node, spec.min_nodes, spec.max_nodes,
+                            max_restarts=spec.max_restarts, timeout=spec.join_timeout,
+                        )
                 except (CoordinatorError, ValueError) as e:
                     if self._stop.is_set():
                         return JobOutcome(self._stop_code, self._stop_reason)
@@ -125,6 +134,15 @@ class JobRunner:
                     return outcome
         finally:
             self._hb.untrack(spec.job)
+            if self._error_dir is not None:
+                shutil.rmtree(self._error_dir, ignore_errors=True)
+
+    def _error_file(self, generation: int, rank: int) -> str:
+        """Where rank `rank` of `generation` writes its uncaught exception (`AXOND_ERROR_FILE`): a private
+        directory, removed when the runner ends."""
+        if self._error_dir is None:
+            self._error_dir = tempfile.mkdtemp(prefix="axond-errors-")
+        return os.path.join(self._error_dir, f"g{generation}-rank{rank}.json")
 
     def _rank_specs(self, joined: pb.JoinResponse) -> list[RankSpec]:
         base = dict(os.environ)
@@ -147,8 +165,9 @@ class JobRunner:
         specs = []
         for local_rank in range(joined.local_world_size):
             rank = joined.rank_offset + local_rank
-            env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank))
-            specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env))
+            error_file = self._error_file(joined.generation, rank)
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank), AXOND_ERROR_FILE=error_file)
+            specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env, error_file=error_file))
         return specs
 
     def _run_generation(self, joined: pb.JoinResponse) -> JobOutcome | None:
@@ -160,21 +179,26 @@ class JobRunner:
             f"ranks {first}..{last} of world size {joined.world_size}, restarts left {joined.restarts_left}"
         )
         self._hb.track(spec.job, gen)
-        ranks = start_ranks(spec.argv, self._rank_specs(joined), cwd=spec.cwd, sink=self._sink)
+        specs = self._rank_specs(joined)
+        ranks = start_ranks(spec.argv, specs, cwd=spec.cwd, sink=self._sink)
+        self._hb.report_pids(spec.job, ranks.local_pids)
         try:
-            return self._monitor(ranks, gen)
+            return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs])
         finally:
             ranks.stop(grace=spec.stop_grace)
 
-    def _monitor(self, ranks: LocalRanks, gen: int) -> JobOutcome | None:
+    def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int]) -> JobOutcome | None:
         spec = self._spec
+        early = EarlyExitWatch(spec.job, self._notice)
         while True:
             result = ranks.poll()
             if result is not None and result.ok:
                 ranks.join_readers(timeout=2.0)
                 self._flush()
                 self._report_exit(gen, 0)
-                return self._exit_barrier(gen) if spec.max_restarts > 0 else JobOutcome(0)
+                # Like torchrun's exit barrier: stay until the whole job ended, so that a node whose ranks are
+                # done neither misses a restart nor exits (ending `docker compose up`) while others still work.
+                return self._exit_barrier(gen) if spec.max_restarts > 0 or nnodes > 1 else JobOutcome(0)
             if result is not None and result.first_failure is not None:
                 failure = result.first_failure
                 message = failure.describe()
@@ -200,22 +224,27 @@ class JobRunner:
                 reason = beat.reason or "no reason given"
                 if beat.job_state in _TERMINAL_STATES:
                     state = pb.JobState.Name(beat.job_state).removeprefix("JOB_STATE_").lower()
-                    return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, f"job {spec.job!r} {state}: {reason}")
+                    why = reason if beat.job_state == pb.JOB_STATE_FAILED else f"the job was {state}: {reason}"
+                    return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, why)
                 self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({reason}); re-joining")
                 return None
+            early.check(ranks.exits(), local)
             self._hb.changed.wait(_MONITOR_TICK)
             self._hb.changed.clear()
 
     def _exit_barrier(self, gen: int) -> JobOutcome | None:
         """After local success, stay until the whole job ended: if another node fails first, the
-        job restarts and needs this node again (returns None to re-join). Bounded by join_timeout."""
+        job restarts and needs this node again (returns None to re-join), or fails, and so does this
+        node's outcome. Bounded by join_timeout."""
         spec = self._spec
         deadline = time.monotonic() + spec.join_timeout
+        self._hb.beat_now()
         while time.monotonic() < deadline and not self._stop.is_set():
             beat = self._hb.latest(spec.job)
             if beat is not None and beat.job_state in _TERMINAL_STATES:
                 if beat.job_state != pb.JOB_STATE_SUCCEEDED:
                     self._notice(f"this node's ranks exited 0, but job {spec.job!r} ended: {beat.reason}")
+                    return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, beat.reason or "the job failed on another node")
                 break
             if beat is not None and beat.generation > gen:
                 self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({beat.reason}); re-joining")
@@ -299,8 +328,10 @@ def start_agent(
     spec: JobSpec,
     sink: OutputSink = print_sink,
     notice: Notice = stderr_notice,
+    progress_every: float = PROGRESS_EVERY_S,
 ) -> RunningAgent:
-    """Register a node, then run `spec` in a background thread; raises CoordinatorError if unreachable."""
+    """Register a node, then run `spec` in a background thread; raises CoordinatorError if unreachable.
+    While the rendezvous waits, a progress line goes to `notice` every `progress_every` seconds."""
     client, node_id, hb = connect_and_register(conn, slots=0, daemon=False)
-    runner = JobRunner(client, conn, node_id, hb, spec, sink=sink, notice=notice)
+    runner = JobRunner(client, conn, node_id, hb, spec, sink=sink, notice=notice, progress_every=progress_every)
     return RunningAgent(client, node_id, hb, runner)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from axond.errors import CoordinatorError
@@ -25,6 +26,7 @@ class Heartbeater:
         self._node_id = node_id
         self._interval = max(0.05, interval)
         self._jobs: dict[str, int] = {}
+        self._pids: dict[str, Callable[[], Sequence[int]]] = {}
         self._latest: dict[str, pb.HeartbeatResponse] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -43,12 +45,20 @@ class Heartbeater:
         with self._lock:
             self._jobs[job] = generation
             self._latest.pop(job, None)
+            self._pids.pop(job, None)
+
+    def report_pids(self, job: str, pids: Callable[[], Sequence[int]]) -> None:
+        """Send `pids()` (each local rank's pid, 0 if not running) with the heartbeats of tracked `job`."""
+        with self._lock:
+            if job in self._jobs:
+                self._pids[job] = pids
 
     def untrack(self, job: str) -> None:
         """This node no longer takes part in `job`."""
         with self._lock:
             self._jobs.pop(job, None)
             self._latest.pop(job, None)
+            self._pids.pop(job, None)
 
     def latest(self, job: str) -> pb.HeartbeatResponse | None:
         """The coordinator's last answer about `job` since it was last tracked, or None."""
@@ -68,9 +78,11 @@ class Heartbeater:
     def _beat(self) -> None:
         with self._lock:
             jobs = dict(self._jobs) or {"": 0}
+            pids = dict(self._pids)
         for job, generation in jobs.items():
+            local_pids = pids[job]() if job in pids else ()
             try:
-                resp = self._client.heartbeat(self._node_id, job=job, generation=generation)
+                resp = self._client.heartbeat(self._node_id, job=job, generation=generation, local_pids=local_pids)
             except (CoordinatorError, ValueError) as e:
                 self.last_error = str(e)
                 continue

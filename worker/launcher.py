@@ -8,9 +8,11 @@ Reader threads prefix every output line with the rank and keep stdout and stderr
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +32,9 @@ SPAWN_FAILED_EXIT_CODE = 127
 
 RANK_EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_exec.py")
 """Run by path with `python -S`: it imports nothing from axond, so it adds milliseconds to a rank's start."""
+
+MAX_CAUSE_CHARS = 500
+"""A failed rank's cause (error-file message or last stderr line) is cut to this length in messages."""
 
 _POLL_INTERVAL = 0.02
 _print_lock = threading.Lock()
@@ -58,6 +63,8 @@ class RankSpec:
     """Index of the process on this node."""
     env: Mapping[str, str]
     """Complete environment of the process."""
+    error_file: str | None = None
+    """Where the rank writes its uncaught exception as JSON (`AXOND_ERROR_FILE`); read if it fails."""
 
 
 @dataclass(frozen=True)
@@ -69,17 +76,45 @@ class RankExit:
     exit_code: int
     """Shell-style exit code: 128 + N when killed by signal N."""
     message: str = ""
-    """Why it failed when the exit code alone does not say (e.g. the command could not start)."""
+    """Why it failed: the rank's uncaught exception (`Type: message`), else why it could not start, else its
+    last stderr line."""
+    pid: int = 0
+    """Process id of the rank (0 if it never started)."""
+    hostname: str = ""
+    """Host the rank ran on."""
 
     def describe(self) -> str:
-        """A one-line, human-readable account of this exit."""
-        text = f"rank {self.rank} (local rank {self.local_rank}) exited with code {self.exit_code}"
+        """One line naming the rank, where it ran, its exit code and its cause, like
+        `rank 1 (host-a, pid 1234) exited with code 1: ValueError: bad input`."""
+        where = ", ".join(x for x in (self.hostname, f"pid {self.pid}" if self.pid else "") if x)
+        text = f"rank {self.rank}{f' ({where})' if where else ''} exited with code {self.exit_code}"
         if self.exit_code > 128:
             try:
                 text += f" ({signal.Signals(self.exit_code - 128).name})"
             except ValueError:
                 pass
         return f"{text}: {self.message}" if self.message else text
+
+
+def read_error_file(path: str | None) -> str:
+    """`Type: message` from a rank's error file (see `RankSpec.error_file`), or "" if it wrote none."""
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            data = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(data, dict):
+        return ""
+    kind, message = str(data.get("type") or ""), str(data.get("message") or "")
+    text = f"{kind}: {message}" if kind and message else kind or message
+    return _one_line(text)
+
+
+def _one_line(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= MAX_CAUSE_CHARS else line[: MAX_CAUSE_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -111,6 +146,7 @@ class _Rank:
         self.proc: subprocess.Popen[bytes] | None = None
         self.readers: list[threading.Thread] = []
         self.spawn_error = ""
+        self.last_stderr = ""
         if _resolve(argv[0], spec.env, cwd) is None:
             self.spawn_error = (f"cannot start {argv[0]!r}: no such executable file (looked in the rank's PATH"
                                 f"{'' if os.sep not in argv[0] else ' and relative to ' + (cwd or os.getcwd())})")
@@ -131,11 +167,32 @@ class _Rank:
         assert self.proc.stdout is not None and self.proc.stderr is not None
         for stream, pipe in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr)):
             t = threading.Thread(
-                target=_read_lines, args=(pipe, spec.rank, stream, sink),
+                target=_read_lines, args=(pipe, spec.rank, stream, sink if stream == "stdout" else self._stderr_sink(sink)),
                 name=f"axond-rank{spec.rank}-{stream}", daemon=True,
             )
             t.start()
             self.readers.append(t)
+
+    def _stderr_sink(self, sink: OutputSink) -> OutputSink:
+        """`sink`, remembering the last non-blank stderr line (a failed rank's cause when it wrote no error file)."""
+
+        def remember(rank: int, stream: str, text: str) -> None:
+            if text.strip():
+                self.last_stderr = text
+            sink(rank, stream, text)
+
+        return remember
+
+    def cause(self) -> str:
+        """Why this rank failed, as far as the worker can tell (see `RankExit.message`)."""
+        if self.spawn_error:
+            return self.spawn_error
+        from_file = read_error_file(self.spec.error_file)
+        if from_file:
+            return from_file
+        for t in self.readers:  # the last lines may still be in the pipe: let the reader get them (bounded)
+            t.join(timeout=0.5)
+        return _one_line(self.last_stderr)
 
     def returncode(self) -> int | None:
         if self.proc is None:
@@ -173,6 +230,7 @@ class LocalRanks:
     """The running local ranks of one generation; returned by `start_ranks`."""
 
     def __init__(self, argv: Sequence[str], specs: Sequence[RankSpec], cwd: str | None, sink: OutputSink) -> None:
+        self.hostname = socket.gethostname()
         self._ranks = [_Rank(spec, argv, cwd, sink) for spec in specs]
         self._exits: list[RankExit] = []
         self._first_failure: RankExit | None = None
@@ -182,6 +240,15 @@ class LocalRanks:
     def pids(self) -> list[int]:
         """Process ids of the ranks that started."""
         return [r.proc.pid for r in self._ranks if r.proc is not None]
+
+    def local_pids(self) -> list[int]:
+        """Pid of each local rank in local-rank order, 0 for one that is not running (what heartbeats report)."""
+        return [r.proc.pid if r.proc is not None and r.proc.poll() is None else 0 for r in self._ranks]
+
+    def exits(self) -> tuple[RankExit, ...]:
+        """The ranks seen to exit so far (call `poll` to update)."""
+        with self._lock:
+            return tuple(self._exits)
 
     def poll(self) -> GroupResult | None:
         """Collect exits; return the result once every rank exited or one failed, else None."""
@@ -193,7 +260,10 @@ class LocalRanks:
                 code = r.returncode()
                 if code is None:
                     continue
-                ex = RankExit(r.spec.rank, r.spec.local_rank, code, r.spawn_error)
+                ex = RankExit(
+                    r.spec.rank, r.spec.local_rank, code, r.cause() if code != 0 else "",
+                    pid=r.proc.pid if r.proc is not None else 0, hostname=self.hostname,
+                )
                 self._exits.append(ex)
                 if code != 0 and self._first_failure is None:
                     self._first_failure = ex

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,12 +22,19 @@ class ConnectOptions:
     """PEM file of the CA that signed the coordinator's certificate, when it serves TLS."""
     call_timeout: float = 10.0
     """Seconds any single control-plane call may take (long polls add their own wait)."""
+    connect_wait: float = 0.0
+    """Seconds to keep trying a coordinator that is not listening yet (it may be starting)."""
+    on_wait: Callable[[str], None] | None = field(default=None, compare=False)
+    """Receives one line when the client starts waiting for the coordinator."""
 
     def connect(self) -> CoordinatorClient:
         """Open a client to the coordinator (raises `axond.CoordinatorError` on bad options)."""
         from axond.control.client import connect
 
-        return connect(self.address, token=self.token, tls_ca=self.tls_ca, call_timeout=self.call_timeout)
+        return connect(
+            self.address, token=self.token, tls_ca=self.tls_ca, call_timeout=self.call_timeout,
+            connect_wait=self.connect_wait, on_wait=self.on_wait,
+        )
 
     def rank_env(self) -> dict[str, str]:
         """The variables a rank needs to reach the same coordinator (the token as this worker found it)."""

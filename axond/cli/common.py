@@ -10,17 +10,29 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from axond.control.channel import normalize_address
+from axond.control.client import DEFAULT_CONNECT_WAIT_S
 from axond.control.credentials import read_token_file
 from axond.errors import CoordinatorError
 
 EXIT_OK = 0
 """Success (for `worker` and `run`: every rank exited 0)."""
 EXIT_FAILED = 1
-"""The job or a rank failed (`worker` and `run` pass on the failing rank's code), or unhealthy."""
+"""The job failed (a rank exited non-zero or was killed, on any node; its own code is in the message),
+the coordinator is not serving (`health`), or could not start (`coordinator`)."""
 EXIT_USAGE = 2
 """Bad flags or arguments (click's usage errors)."""
 EXIT_UNREACHABLE = 3
 """The coordinator could not be reached, or refused the token / TLS set-up."""
+EXIT_TIMEOUT = 4
+"""The rendezvous did not complete within --join-timeout (workers missing)."""
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 ok; 1 the job failed (a rank exited non-zero; the message names it and its code), or the "
+    "coordinator is not serving / could not start; 2 usage error; 3 cannot reach or authenticate to the "
+    "coordinator; 4 the rendezvous timed out; 128+N stopped by signal N (130: Ctrl-C)."
+)
+"""The table of docs/cli.md in one line, for each command's --help."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -70,10 +82,42 @@ def coordinator_options(func: F) -> F:
         help="Shared token the coordinator was started with [env AXOND_TOKEN].",
     )(func)
     func = click.option(
-        "--coordinator", "address", envvar="AXOND_COORDINATOR", required=True, metavar="HOST:PORT",
-        help="Address of the coordinator [env AXOND_COORDINATOR].",
+        "--coordinator", "address", envvar="AXOND_COORDINATOR", default=None, metavar="HOST:PORT",
+        callback=_check_address, help="Address of the coordinator [env AXOND_COORDINATOR; required].",
     )(func)
     return func
+
+
+def _check_address(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse a malformed --coordinator as a usage error (gRPC would only say "Misformatted domain name")."""
+    if value is None:
+        return None
+    try:
+        return normalize_address(value)
+    except CoordinatorError as e:
+        raise click.BadParameter(str(e)) from e
+
+
+def need_address(address: str | None) -> str:
+    """The --coordinator value, or a usage error saying how to give it."""
+    if not address:
+        raise click.UsageError("Missing option '--coordinator' HOST:PORT (or set AXOND_COORDINATOR)")
+    return address
+
+
+def connect_wait_option(func: F) -> F:
+    """Add `--connect-timeout` (also AXOND_CONNECT_TIMEOUT): how long to wait for a coordinator that is starting."""
+    return click.option(
+        "--connect-timeout", "connect_wait", envvar="AXOND_CONNECT_TIMEOUT", type=click.FloatRange(min=0),
+        default=DEFAULT_CONNECT_WAIT_S, show_default=True,
+        help="Seconds to keep trying a coordinator that is not listening yet (0: fail at once) "
+             "[env AXOND_CONNECT_TIMEOUT].",
+    )(func)
+
+
+def waiting_notice(prog: str) -> Callable[[str], None]:
+    """Print the client's "waiting for the coordinator" line as `axond PROG: ...` on stderr."""
+    return lambda text: click.echo(f"axond {prog}: {text}", err=True)
 
 
 def error_kind(e: BaseException) -> str:
@@ -100,17 +144,21 @@ def is_connection_error(e: BaseException) -> bool:
     return error_kind(e) in ("UNAUTHENTICATED", "PERMISSION_DENIED", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
-def _detail(e: BaseException) -> str:
-    """The server's short detail behind `e` (the gRPC status detail when there is one)."""
+def server_detail(e: BaseException) -> str:
+    """The gRPC status detail the server sent with the failure behind `e` ("" if none)."""
     details = getattr(e.__cause__, "details", None)
     if callable(details):
         try:
-            text = details()
+            return str(details() or "")
         except Exception:  # noqa: BLE001 - only a nicer message is at stake
-            text = None
-        if text:
-            return f"{error_kind(e)}: {text}"
-    return str(e)
+            return ""
+    return ""
+
+
+def _detail(e: BaseException) -> str:
+    """The server's short detail behind `e` (the gRPC status detail when there is one)."""
+    text = server_detail(e)
+    return f"{error_kind(e)}: {text}" if text else str(e)
 
 
 def explain(e: BaseException, address: str) -> str:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import socket
 import sys
 from typing import TYPE_CHECKING
 
 import click
+
+from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, fail
 
 if TYPE_CHECKING:
     from axond.coordinator.limits import CoordinatorLimits
@@ -15,7 +19,8 @@ if TYPE_CHECKING:
 @click.command(
     "coordinator",
     short_help="Run the coordinator daemon (foreground).",
-    epilog="Ctrl-C or SIGTERM stops it cleanly (exit code 0); exit code 1 if it cannot start.",
+    epilog="Ctrl-C or SIGTERM stops it cleanly (exit code 0); it exits 1 if it cannot start (port in use, "
+           "unreadable TLS files). " + EXIT_CODES_HELP,
 )
 @click.option("--port", type=click.IntRange(0, 65535), default=29500, show_default=True, help="Port to serve on.")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Interface to bind.")
@@ -57,6 +62,7 @@ def coordinator(
         raise click.UsageError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     if insecure and (token or token_file):
         raise click.UsageError("--insecure serves without a token: drop it, or drop --token/--token-file")
+    _check_port_free(host, port)
     config = CoordinatorConfig(
         limits=parse_limits(limits),
         host=host, port=port, token=token, token_file=token_file, state_dir=state_dir, insecure=insecure,
@@ -86,3 +92,27 @@ def parse_limits(items: tuple[str, ...]) -> CoordinatorLimits:
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     return limits
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail with one clear line if something listens on host:port already (gRPC would log its own
+    C-core error lines and a vaguer message)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        fail("coordinator", f"cannot listen on {host}:{port}: {e.strerror}; pass --host as an address of this machine",
+             EXIT_FAILED)
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+        try:
+            probe.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                fail("coordinator", f"cannot listen on {host}:{port}: the port is in use (another coordinator?); "
+                                    "stop that process or pass another --port", EXIT_FAILED)
+            if e.errno == errno.EADDRNOTAVAIL:
+                fail("coordinator", f"cannot listen on {host}:{port}: {host} is not an address of this machine",
+                     EXIT_FAILED)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from axond import __version__
+from axond.cli.common import EXIT_CODES_HELP
 from axond.cli.coordinator_cmd import coordinator
 from axond.cli.run_cmd import run
 from axond.cli.status_cmd import health, status
@@ -13,10 +14,7 @@ from axond.cli.worker_cmd import worker
 
 @click.group(
     context_settings={"help_option_names": ["-h", "--help"]},
-    epilog=(
-        "Exit codes: 0 ok; 1 a job or rank failed (worker and run pass on the failing rank's code) "
-        "or the coordinator is unhealthy; 2 usage error; 3 cannot reach or authenticate to the coordinator."
-    ),
+    epilog=EXIT_CODES_HELP + " See docs/cli.md.",
 )
 @click.version_option(__version__, prog_name="axond")
 def main() -> None:

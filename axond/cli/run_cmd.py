@@ -12,8 +12,9 @@ from types import FrameType
 
 import click
 
-from axond.cli.common import EXIT_FAILED, EXIT_UNREACHABLE, coordinator_options, explain, fail, fail_coordinator
-from axond.cli.common import is_connection_error
+from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, connect_wait_option
+from axond.cli.common import coordinator_options, explain, fail, fail_coordinator, is_connection_error, need_address
+from axond.cli.common import waiting_notice
 from axond.control.client import CoordinatorClient, connect
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
@@ -71,12 +72,10 @@ def _print_event(event: pb.JobEvent) -> pb.JobFinished | None:
     "run",
     short_help="Submit a job to the worker daemons and stream its output.",
     context_settings={"allow_interspersed_args": False},
-    epilog=(
-        "Exit code: the job's (0 if every rank exited 0, else the failing rank's; 130 if cancelled), "
-        "3 if the coordinator could not be reached or refused the token. Ctrl-C cancels the job."
-    ),
+    epilog="Ctrl-C cancels the job (exit code 130). " + EXIT_CODES_HELP,
 )
 @coordinator_options
+@connect_wait_option
 @click.option("--nnodes", type=click.IntRange(min=1), required=True, help="Worker daemons to run the job on.")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
               help="Rank processes on each node.")
@@ -88,13 +87,14 @@ def _print_event(event: pb.JobEvent) -> pb.JobFinished | None:
               help="Working directory of the ranks [default: this one, if it exists on the worker].")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD ARGS...")
 def run(
-    address: str, token: str | None, tls_ca: str | None, nnodes: int, nproc_per_node: int, job: str,
+    address: str | None, token: str | None, tls_ca: str | None, connect_wait: float, nnodes: int, nproc_per_node: int, job: str,
     max_restarts: int, env_pairs: tuple[str, ...], cwd: str | None, cmd: tuple[str, ...],
 ) -> None:
     """Submit CMD to the worker daemons, stream its rank-prefixed output, exit with its status."""
+    address = need_address(address)
     env = _parse_env(env_pairs)
     try:
-        client = connect(address, token=token, tls_ca=tls_ca)
+        client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("run"))
     except CoordinatorError as e:
         fail_coordinator("run", e, address)
     try:
@@ -113,7 +113,8 @@ def run(
 
 
 def _follow(client: CoordinatorClient, job: str, address: str) -> int:
-    """Print the job's events until it finishes; returns the exit code."""
+    """Print the job's events until it finishes; returns the exit code (0, 1 if it failed, 128+N if this
+    command cancelled it on signal N)."""
     interrupted: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -146,7 +147,10 @@ def _follow(client: CoordinatorClient, job: str, address: str) -> int:
         assert isinstance(item, pb.JobEvent)
         finished = _print_event(item)
         if finished is not None:
-            if finished.exit_code != 0:
-                why = finished.message or f"exit code {finished.exit_code}"
-                click.echo(f"axond run: job {job!r} failed: {why}", err=True)
-            return finished.exit_code
+            if finished.exit_code == 0:
+                return EXIT_OK
+            if interrupted:
+                return 128 + interrupted[0]
+            why = finished.message or f"exit code {finished.exit_code}"
+            click.echo(f"axond run: job {job!r} failed: {why}", err=True)
+            return EXIT_FAILED

@@ -7,7 +7,10 @@ from collections.abc import Sequence
 
 import click
 
-from axond.cli.common import EXIT_FAILED, EXIT_OK, coordinator_options, fail, fail_coordinator
+from grpc_health.v1 import health_pb2
+
+from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, connect_wait_option, coordinator_options, fail
+from axond.cli.common import fail_coordinator, need_address, waiting_notice
 from axond.control.client import CoordinatorClient, connect
 from axond.distributed.inflight import blocked_text, read_report
 from axond.errors import CoordinatorError, StoreError
@@ -40,10 +43,11 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
         for j in status.jobs
     ]
     ranks = [
-        (j.job, r.rank, r.node_id, r.node_rank, r.local_rank)
+        (j.job, r.rank, r.node_id, r.hostname or "-", r.pid or "-", r.node_rank, r.local_rank)
         + ((blocked.get((j.job, r.rank), "-"),) if blocked is not None else ())
         for j in status.jobs for r in sorted(j.ranks, key=lambda r: r.rank)
     ]
+    omitted = sum(j.ranks_omitted for j in status.jobs)
     parts = [
         f"NODES ({len(nodes)})",
         format_table(("NODE", "HOST", "HEALTH", "LAST HEARTBEAT", "SLOTS", "MODE", "JOB"), nodes),
@@ -52,33 +56,41 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
         format_table(("JOB", "STATE", "GENERATION", "NODES", "WORLD SIZE", "RESTARTS", "REASON"), jobs),
         "",
         f"RANKS ({len(ranks)})",
-        format_table(("JOB", "RANK", "NODE", "NODE RANK", "LOCAL RANK")
+        format_table(("JOB", "RANK", "NODE", "HOST", "PID", "NODE RANK", "LOCAL RANK")
                      + (("BLOCKED IN",) if blocked is not None else ()), ranks),
     ]
+    if omitted:
+        parts.append(f"{omitted} ranks not shown")
     return "\n".join(parts)
 
 
 @click.command(
     "status",
     short_help="Show nodes, jobs and ranks as tables.",
-    epilog="Exit code: 0, or 3 if the coordinator could not be reached or refused the token.",
+    epilog=EXIT_CODES_HELP,
 )
 @coordinator_options
+@connect_wait_option
 @click.option("--job", default="", help="Only this job (and its ranks, with the op each one is blocked in) "
                                         "[default: every job].")
-def status(address: str, token: str | None, tls_ca: str | None, job: str) -> None:
+@click.option("--all", "show_all", is_flag=True,
+              help="Also show finished jobs and dead nodes the coordinator hides after a while.")
+def status(
+    address: str | None, token: str | None, tls_ca: str | None, connect_wait: float, job: str, show_all: bool
+) -> None:
     """Show the coordinator's nodes (with their health), jobs and ranks.
 
     With --job, each rank's row also says which collective it has been blocked in for a while (a quarter
     of its group timeout, at most 10 s), from the reports ranks publish in the job's store: a hung job
     shows which ranks wait in which op, and which are stuck elsewhere ("-").
     """
+    address = need_address(address)
     try:
-        client = connect(address, token=token, tls_ca=tls_ca)
+        client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("status"))
     except CoordinatorError as e:
         fail_coordinator("status", e, address)
     try:
-        reply = client.get_status(job)
+        reply = client.get_status(job, all=show_all)
         blocked = _blocked(client, reply) if job else None
     except CoordinatorError as e:
         fail_coordinator("status", e, address)
@@ -110,25 +122,26 @@ def _blocked(client: CoordinatorClient, status: pb.GetStatusResponse) -> dict[tu
 @click.command(
     "health",
     short_help="Exit 0 if the coordinator is serving.",
-    epilog="Exit code: 0 if the coordinator answers SERVING, 1 otherwise (unreachable too).",
+    epilog="It exits 1 if the coordinator answers anything but SERVING. " + EXIT_CODES_HELP,
 )
 @coordinator_options
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
-              help="Seconds to wait for the answer.")
-def health(address: str, token: str | None, tls_ca: str | None, timeout: float) -> None:
+              help="Seconds to wait for the answer (no retries: meant for healthchecks).")
+def health(address: str | None, token: str | None, tls_ca: str | None, timeout: float) -> None:
     """Exit 0 if the coordinator answers the standard gRPC health check with SERVING."""
+    address = need_address(address)
     try:
         client = connect(address, token=token, tls_ca=tls_ca)
     except CoordinatorError as e:
-        fail("health", f"{e}", EXIT_FAILED)
+        fail_coordinator("health", e, address)
     try:
-        serving = client.health(timeout=timeout)
+        answer = client.check_health(timeout=timeout)
     except CoordinatorError as e:
-        fail("health", f"the coordinator at {address} is not healthy: {e}", EXIT_FAILED)
+        fail_coordinator("health", e, address)
     finally:
         client.close()
-    if not serving:
-        fail("health", f"the coordinator at {address} is not serving: is `axond coordinator` running at {address}?",
-             EXIT_FAILED)
+    if answer != health_pb2.HealthCheckResponse.SERVING:
+        name = health_pb2.HealthCheckResponse.ServingStatus.Name(answer)
+        fail("health", f"the coordinator at {address} answers {name}, not SERVING (it may be shutting down)", EXIT_FAILED)
     click.echo(f"axond health: the coordinator at {address} is serving")
     sys.exit(EXIT_OK)

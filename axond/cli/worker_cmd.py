@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import signal
 import threading
 from types import FrameType
@@ -9,13 +10,16 @@ from types import FrameType
 import click
 from click.core import ParameterSource
 
-from axond.cli.common import EXIT_UNREACHABLE, coordinator_options, error_kind, fail, fail_coordinator
+from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, connect_wait_option
+from axond.cli.common import coordinator_options, error_kind, fail, fail_coordinator, need_address, server_detail
+from axond.cli.common import waiting_notice
 from axond.errors import CoordinatorError
 from axond.worker.agent import JobOutcome, start_agent
 from axond.worker.daemon import DaemonConfig, start_daemon
 from axond.worker.spec import ConnectOptions, JobSpec, parse_nnodes
 
 _AGENT_ONLY = ("nnodes", "nproc_per_node", "job", "max_restarts")
+_NOT_STANDALONE = ("address", "token", "tls_ca")
 
 
 class _Signals:
@@ -37,13 +41,18 @@ class _Signals:
     short_help="Run a job's ranks on this node, or serve submitted jobs (daemon).",
     context_settings={"allow_interspersed_args": False},
     epilog=(
-        "With CMD: join job NAME, start --nproc-per-node ranks of CMD and exit 0 only if every local "
-        "rank exited 0 (else the first failing rank's code; 1 if the job failed on another node). "
-        "Without CMD: daemon mode, running the ranks of jobs submitted with `axond run`. "
-        "Exit code 3: the coordinator could not be reached or refused the token."
+        "With CMD: join job NAME, start --nproc-per-node ranks of CMD and exit 0 only if every rank of the job "
+        "exited 0; if one failed (here or on another node), exit 1 with a last line naming it, its host and "
+        "pid, its exit code and its error. --standalone: a one-machine job with its own coordinator "
+        "(no `axond coordinator` needed). Without CMD: daemon mode, running the ranks of jobs submitted "
+        "with `axond run`. " + EXIT_CODES_HELP
     ),
 )
 @coordinator_options
+@connect_wait_option
+@click.option("--standalone", is_flag=True,
+              help="Run a one-machine job: start an in-process coordinator on 127.0.0.1 (random port and "
+                   "token) for it and stop it at the end; no --coordinator.")
 @click.option("--nnodes", default="1", show_default=True, metavar="N|MIN:MAX",
               help="Nodes in the job: exactly N, or elastic between MIN and MAX.")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
@@ -60,12 +69,17 @@ class _Signals:
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="[-- CMD ARGS...]")
 @click.pass_context
 def worker(
-    ctx: click.Context, address: str, token: str | None, tls_ca: str | None, nnodes: str,
-    nproc_per_node: int, job: str, max_restarts: int, slots: int | None, join_timeout: float,
-    stop_grace: float, cmd: tuple[str, ...],
+    ctx: click.Context, address: str | None, token: str | None, tls_ca: str | None, connect_wait: float,
+    standalone: bool, nnodes: str, nproc_per_node: int, job: str, max_restarts: int, slots: int | None,
+    join_timeout: float, stop_grace: float, cmd: tuple[str, ...],
 ) -> None:
     """Run ranks of a job on this node (agent), or wait for submitted jobs (daemon)."""
-    conn = ConnectOptions(address, token=token, tls_ca=tls_ca)
+    if standalone:
+        _check_standalone(ctx, cmd, nnodes, slots)
+    else:
+        address = need_address(address)
+    conn = ConnectOptions(address or "", token=token, tls_ca=tls_ca, connect_wait=connect_wait,
+                          on_wait=waiting_notice("worker"))
     if not cmd:
         given = [p for p in _AGENT_ONLY if ctx.get_parameter_source(p) is not ParameterSource.DEFAULT]
         if given:
@@ -86,7 +100,38 @@ def worker(
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-    _run_agent(conn, spec)
+    if standalone:
+        _run_standalone(spec)
+    else:
+        _run_agent(conn, spec)
+
+
+def _check_standalone(ctx: click.Context, cmd: tuple[str, ...], nnodes: str, slots: int | None) -> None:
+    """Usage errors for flags that make no sense with --standalone."""
+    given = [p for p in _NOT_STANDALONE if ctx.get_parameter_source(p) is ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join("--" + ("coordinator" if p == "address" else p.replace("_", "-")) for p in given)
+        raise click.UsageError(f"--standalone runs its own coordinator: drop {flags}")
+    if not cmd or slots is not None:
+        raise click.UsageError("--standalone runs one job: pass its command after `--` (and no --slots)")
+    if nnodes != "1":
+        raise click.UsageError("--standalone runs a one-machine job: drop --nnodes (or start `axond coordinator` "
+                               "and one `axond worker --coordinator HOST:PORT` per machine)")
+
+
+def _run_standalone(spec: JobSpec) -> None:
+    """Run `spec` against an in-process coordinator on loopback that lives as long as this command."""
+    from axond.coordinator.server import CoordinatorConfig, start_coordinator
+
+    token = secrets.token_hex(16)
+    try:
+        coordinator = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, token=token))
+    except CoordinatorError as e:
+        fail("worker", f"--standalone could not start its coordinator: {e}", EXIT_FAILED)
+    try:
+        _run_agent(ConnectOptions(coordinator.address, token=token), spec)
+    finally:
+        coordinator.stop(grace=0.5)
 
 
 def _run_agent(conn: ConnectOptions, spec: JobSpec) -> None:
@@ -102,10 +147,22 @@ def _run_agent(conn: ConnectOptions, spec: JobSpec) -> None:
             name = signal.Signals(signals.received).name
             outcome = agent.stop(128 + signals.received, f"stopped by {name}") or JobOutcome(128 + signals.received)
     if outcome.exit_code != 0:
-        code = outcome.exit_code
-        if outcome.error is not None and error_kind(outcome.error) in ("UNAVAILABLE", "UNAUTHENTICATED"):
-            code = EXIT_UNREACHABLE
-        fail("worker", f"job {spec.job!r} failed: {outcome.message or 'exit code ' + str(outcome.exit_code)}", code)
+        why = outcome.message or f"exit code {outcome.exit_code}"
+        if outcome.error is not None and error_kind(outcome.error) == "DEADLINE_EXCEEDED":
+            why = server_detail(outcome.error) or why  # the coordinator says who joined and what to do
+        fail("worker", f"job {spec.job!r} failed: {why}", _exit_code(outcome, signals.received))
+
+
+def _exit_code(outcome: JobOutcome, signum: int | None) -> int:
+    """The worker's exit code for a failed outcome (see EXIT_CODES_HELP): a rank's own code is only in the message."""
+    if signum is not None:
+        return 128 + signum
+    kind = error_kind(outcome.error) if outcome.error is not None else ""
+    if kind in ("UNAVAILABLE", "UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return EXIT_UNREACHABLE
+    if kind == "DEADLINE_EXCEEDED":
+        return EXIT_TIMEOUT
+    return EXIT_FAILED
 
 
 def _run_daemon(conn: ConnectOptions, config: DaemonConfig) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -19,23 +20,65 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect soon after a failed attempt (gRPC's default backoff grows to 120 s): a client waiting
+    # for a coordinator that is starting sees it within ~1 s of it listening.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
+SCHEMES = ("grpc://", "http://")
+"""Prefixes accepted (and dropped) before HOST:PORT; TLS is chosen by --tls-ca, not by the scheme."""
+
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.%a-zA-Z]+\]|[A-Za-z0-9_.-]+)$")
+
+
+def _not_host_port(given: str) -> CoordinatorError:
+    return CoordinatorError(
+        f"coordinator address {given!r} is not HOST:PORT (e.g. localhost:{DEFAULT_PORT}, 10.0.0.5:{DEFAULT_PORT} "
+        f"or [::1]:{DEFAULT_PORT})"
+    )
+
+
 def normalize_address(address: str) -> str:
-    """`host:port` (the port defaults to 29500); `grpc://` prefixes are accepted."""
+    """`HOST:PORT`, `[IPv6]:PORT`, `HOST` (port 29500), optionally as `grpc://...` or `http://...`.
+
+    Anything else raises CoordinatorError saying which form to use (gRPC would only say
+    "Misformatted domain name" much later).
+    """
+    given = address
     address = address.strip()
-    for prefix in ("grpc://", "grpcs://"):
-        if address.startswith(prefix):
+    lowered = address.lower()
+    for prefix in ("grpcs://", "https://"):
+        if lowered.startswith(prefix):
+            raise CoordinatorError(
+                f"coordinator address {given!r}: drop {address[:len(prefix)]!r} and pass HOST:PORT with "
+                "--tls-ca CA.pem to use TLS"
+            )
+    for prefix in SCHEMES:
+        if lowered.startswith(prefix):
             address = address[len(prefix):]
+    address = address.rstrip("/")
     if not address:
         raise CoordinatorError("empty coordinator address: pass --coordinator HOST:PORT or set AXOND_COORDINATOR")
-    host, sep, port = address.rpartition(":")
-    if not sep or host.endswith(":") or (address.startswith("[") and address.endswith("]")):
-        return f"{address}:{DEFAULT_PORT}"
+    if "/" in address or "@" in address:
+        raise _not_host_port(given)
+    if address.startswith("[") and address.endswith("]"):
+        host, port = address, str(DEFAULT_PORT)
+    elif address.count(":") > 1 and not address.startswith("["):
+        raise CoordinatorError(
+            f"coordinator address {given!r}: write an IPv6 address in brackets, e.g. [::1]:{DEFAULT_PORT}"
+        )
+    else:
+        host, sep, port = address.rpartition(":")
+        if not sep:
+            host, port = address, str(DEFAULT_PORT)
+    if not _HOST.match(host):
+        raise _not_host_port(given)
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise CoordinatorError(f"coordinator address {address!r} has no valid port; use HOST:PORT")
-    return address
+        raise CoordinatorError(f"coordinator address {given!r} has no valid port (1..65535); use HOST:PORT")
+    return f"{host}:{int(port)}"
 
 
 class _CallDetails(

@@ -8,6 +8,7 @@ safe to repeat are retried briefly (bounded) when the coordinator is UNAVAILABLE
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -28,6 +29,13 @@ R = TypeVar("R")
 RETRY_BACKOFF_S = (0.1, 0.3, 0.9)
 """Sleeps between attempts of an idempotent call that found the coordinator UNAVAILABLE."""
 
+DEFAULT_CONNECT_WAIT_S = 30.0
+"""How long the CLI waits for a coordinator that is not reachable yet (it may be starting)."""
+
+_NOT_LISTENING_YET = ("connection refused", "errors resolving", "dns resolution failed", "domain name not found",
+                      "name or service not known", "no route to host", "network is unreachable")
+"""UNAVAILABLE details meaning the request never reached a server (safe to send again, even if not idempotent)."""
+
 
 def _non_negative(**counts: int) -> None:
     for name, value in counts.items():
@@ -41,12 +49,24 @@ class CoordinatorClient:
     def __init__(
         self, address: str, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0,
         tls_cert: str | None = None, tls_key: str | None = None,
+        connect_wait: float = 0.0, on_wait: Callable[[str], None] | None = None,
     ) -> None:
+        """`connect_wait`: until a first call got through, calls that find nothing listening at `address`
+        are sent again for up to this many seconds (the coordinator may still be starting); `on_wait`
+        receives one line saying so when that wait begins."""
         if not call_timeout > 0:
             raise CoordinatorError(f"call_timeout is {call_timeout}; it must be > 0 seconds")
+        if not connect_wait >= 0:
+            raise CoordinatorError(f"connect_wait is {connect_wait}; it must be >= 0 seconds")
         self.address = normalize_address(address)
         self.call_timeout = call_timeout
         self.token = token
+        self.connect_wait = connect_wait
+        self._on_wait = on_wait
+        self._reached = False
+        self._wait_until: float | None = None
+        self._wait_lock = threading.Lock()
+        self._backoff = 0.05
         self._channel = open_channel(self.address, token, tls_ca, tls_cert, tls_key)
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -74,8 +94,15 @@ class CoordinatorClient:
         attempt = 0
         while True:
             try:
-                return method(request, timeout=max(0.001, deadline - time.monotonic()))
+                reply = method(request, timeout=max(0.001, deadline - time.monotonic()))
+                self._reached = True
+                return reply
             except grpc.RpcError as e:
+                if self._wait_for_start(e):
+                    deadline = time.monotonic() + wait + self.call_timeout
+                    continue
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    self._reached = True
                 if (
                     retry
                     and e.code() == grpc.StatusCode.UNAVAILABLE
@@ -86,6 +113,29 @@ class CoordinatorClient:
                     attempt += 1
                     continue
                 raise translate(op, self.address, e, store=store) from e
+
+    def _wait_for_start(self, e: grpc.RpcError) -> bool:
+        """Before the first call got through: sleep (backing off) and return True if `e` says nothing
+        listens at the address yet and the connect wait has time left."""
+        if self._reached or self.connect_wait <= 0 or e.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        details = (e.details() or "").lower()
+        if not any(text in details for text in _NOT_LISTENING_YET):
+            return False
+        now = time.monotonic()
+        with self._wait_lock:
+            if self._wait_until is None:
+                self._wait_until = now + self.connect_wait
+                if self._on_wait is not None:
+                    self._on_wait(
+                        f"waiting for the coordinator at {self.address} (not reachable yet; up to {self.connect_wait:g} s)"
+                    )
+            left = self._wait_until - now
+        if left <= 0:
+            return False
+        self._backoff = min(0.5, self._backoff * 2)
+        time.sleep(min(self._backoff, left))
+        return True
 
     def register_node(self, hostname: str, slots: int = 0, daemon: bool = False) -> pb.RegisterNodeResponse:
         _non_negative(slots=slots)
@@ -183,10 +233,18 @@ class CoordinatorClient:
     def health(self, timeout: float = 5.0) -> bool:
         """The standard grpc.health.v1 check: True if the coordinator answers SERVING."""
         try:
-            resp = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.RpcError:
+            return self.check_health(timeout) == health_pb2.HealthCheckResponse.SERVING
+        except CoordinatorError:
             return False
-        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def check_health(self, timeout: float = 5.0) -> int:
+        """The grpc.health.v1 status the coordinator answers (`HealthCheckResponse.SERVING` when it serves);
+        raises CoordinatorError if it cannot be asked (unreachable, TLS mismatch)."""
+        try:
+            resp = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError as e:
+            raise translate("Check (grpc.health.v1)", self.address, e) from e
+        return int(resp.status)
 
     def store(self, job: str, generation: int) -> CoordinatorStore:
         """The KV store of one job generation, served by this coordinator."""
@@ -205,6 +263,7 @@ class CoordinatorClient:
 def connect(
     address: str | None = None, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0,
     *, token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+    connect_wait: float = 0.0, on_wait: Callable[[str], None] | None = None,
 ) -> CoordinatorClient:
     """A client for the coordinator at `address` (else $AXOND_COORDINATOR).
 
@@ -220,4 +279,6 @@ def connect(
     tls_ca = tls_ca or os.environ.get("AXOND_TLS_CA") or None
     tls_cert = tls_cert or os.environ.get("AXOND_TLS_CERT") or None
     tls_key = tls_key or os.environ.get("AXOND_TLS_KEY") or None
-    return CoordinatorClient(address, token, tls_ca, call_timeout, tls_cert, tls_key)
+    return CoordinatorClient(
+        address, token, tls_ca, call_timeout, tls_cert, tls_key, connect_wait=connect_wait, on_wait=on_wait
+    )
