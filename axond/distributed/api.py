@@ -13,6 +13,7 @@ from typing import Any
 
 from axond.distributed.backends.base import Array, BackendOptions
 from axond.distributed.backends.registry import available_backends
+from axond.distributed.failure import install as install_failure_hook
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import Work
@@ -79,6 +80,7 @@ def init_process_group(backend: str = "auto", timeout: float = 300.0, *, rank: i
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, AXOND_COORDINATOR, AXOND_JOB, AXOND_GENERATION,
     AXOND_JOB_SECRET (hex), AXOND_TOKEN and AXOND_TLS_CA; keyword arguments override them.
+    Installs the hook that, on an uncaught exception, tells the peers why (see `axond.distributed.failure`).
     """
     global _default, _local_rank, _owned_store
     if not timeout > 0:
@@ -100,6 +102,7 @@ def init_process_group(backend: str = "auto", timeout: float = 300.0, *, rank: i
             _close_owned(owned)
             raise
         _owned_store = owned
+        install_failure_hook()
         _local_rank = int(local_rank if local_rank is not None else os.environ.get("LOCAL_RANK", "0"))
         return _default
 
