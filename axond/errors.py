@@ -33,6 +33,13 @@ class DistributedError(AxondError):
         self.root_cause = root_cause
 
 
+class BypassedBackwardError(AxondError, RuntimeError):
+    """A backward pass went around DDP/FSDP (the inner model's `backward`), so its gradients were not reduced.
+
+    Raised on the next optimizer step or wrapper forward; the message says which `backward` to call.
+    """
+
+
 class StoreError(AxondError):
     """A key-value store call failed (coordinator unreachable, bad argument)."""
 
