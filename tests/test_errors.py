@@ -153,3 +153,12 @@ def test_axond_debug_keeps_the_chain_in_process(monkeypatch: pytest.MonkeyPatch)
     finally:
         for g in groups:
             g.destroy()
+
+
+def test_an_exception_before_init_process_group_still_writes_the_error_file(tmp_path: Path) -> None:
+    (tmp_path / "axond_early_probe.py").write_text("import axond\n\nraise KeyError('no such dataset')\n")
+    env = {"PYTHONPATH": str(tmp_path), "AXOND_ERROR_FILE": str(tmp_path / "error-0.json")}
+    (only,) = run_module_ranks("axond_early_probe", 1, timeout=30.0, env=env)
+    assert only.returncode == 1 and "KeyError" in only.stderr
+    record = _error_file(tmp_path, 0)
+    assert record["rank"] == 0 and record["type"] == "KeyError" and record["message"] == "'no such dataset'"

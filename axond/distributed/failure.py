@@ -127,14 +127,17 @@ def _rank() -> int:
         return -1
 
 
-def write_error_file(error: BaseException, path: str) -> None:
-    """Write `error` as JSON {rank, type, message, traceback, time} to `path`, atomically (temp file, rename)."""
+def write_error_file(error: BaseException, path: str, when: float | None = None) -> None:
+    """Write `error` as JSON {rank, type, message, traceback, time} to `path`, atomically (temp file, rename).
+
+    `when` (default: now) is the time the failure was noticed, taken before the peers were told.
+    """
     record = {
         "rank": _rank(),
         "type": type(error).__name__,
         "message": str(error),
         "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
-        "time": time.time(),
+        "time": time.time() if when is None else when,
     }
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".axond-error-", dir=directory)
@@ -152,6 +155,7 @@ def write_error_file(error: BaseException, path: str) -> None:
 
 def report(error: BaseException) -> None:
     """This process fails with `error`: abort the live groups and write the error file, once; never raises."""
+    when = time.time()  # before the peers hear of it: a root cause is older than the failures it causes
     try:
         if getattr(error, "_axond_reported", False):
             return
@@ -162,7 +166,7 @@ def report(error: BaseException) -> None:
         abort_groups(error)
         path = FailureSettings.from_env().error_file
         if path:
-            write_error_file(error, path)
+            write_error_file(error, path, when)
     except BaseException:  # a failing failure report must not hide the user's exception
         pass
 
@@ -184,6 +188,13 @@ def install() -> None:
         if sys.excepthook is not _excepthook:
             _previous_hook = sys.excepthook
             sys.excepthook = _excepthook
+
+
+def install_if_launched() -> None:
+    """`install` at import when the worker launched this rank (AXOND_ERROR_FILE set), so that an exception
+    before `init_process_group` still reaches the error file."""
+    if FailureSettings.from_env().error_file:
+        install()
 
 
 def record(fn: F) -> F:

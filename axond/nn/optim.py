@@ -39,7 +39,7 @@ class Optimizer:
         super().__init_subclass__(**kwargs)
         fn = cls.__dict__.get("step")
         if fn is not None and not getattr(fn, "_axond_checked", False):
-            cls.step = _checked_step(fn)  # type: ignore[method-assign]
+            cls.step = _checked_step(fn)  # type: ignore[method-assign, assignment]
 
     def __init__(self, params: Iterable[Parameter], defaults: dict[str, Any]) -> None:
         self.params: list[Parameter] = list(params)
