@@ -58,12 +58,14 @@ _previous_hook: Callable[[type[BaseException], BaseException, TracebackType | No
 
 def track(group: ProcessGroup) -> None:
     """Have a failure of this process abort `group` (called when a member is built)."""
-    _live.add(group)
+    with _lock:
+        _live.add(group)
 
 
 def untrack(group: ProcessGroup) -> None:
     """Forget `group` (called when it is destroyed)."""
-    _live.discard(group)
+    with _lock:
+        _live.discard(group)
 
 
 def concise(error: DistributedError) -> DistributedError:
@@ -79,7 +81,7 @@ def debug() -> bool:
     return FailureSettings.from_env().debug
 
 
-def describe(error: BaseException) -> str:
+def summary(error: BaseException) -> str:
     """"ExcType: message" (just the type when the message is empty), the message cut to MAX_MESSAGE."""
     message = str(error)
     if len(message) > MAX_MESSAGE:
@@ -111,7 +113,7 @@ def abort_group(group: ProcessGroup, error: BaseException) -> None:
             else:
                 backend.abort(str(error))
         else:
-            backend.abort_failed(f"rank {group.global_rank} failed: {describe(error)}")
+            backend.abort_failed(f"rank {group.global_rank} failed: {summary(error)}")
     except Exception:  # best effort: the rank is failing already
         pass
 
