@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,32 @@ def test_every_survivor_of_a_group_gets_the_root_cause() -> None:
             assert [f for f in _frames(e) if f.endswith(INTERNAL)] == []
         with pytest.raises(DistributedError, match="aborted by an earlier failure.*rank 1 failed: ValueError"):
             groups[0].barrier()
+    finally:
+        for g in groups:
+            g.destroy()
+
+
+def test_a_rank_blocked_sending_to_the_failed_rank_gets_the_root_cause() -> None:
+    """Rank 0 is stuck writing a large message rank 1 never reads; rank 1 fails and leaves. The write fails
+    (a reset connection), and rank 0 still finds rank 1's abort frame on the socket and names the cause."""
+    groups = thread_groups(2, options=BackendOptions(timeout=10.0))
+    try:
+        def body(pg: ProcessGroup) -> Any:
+            if pg.rank == 1:
+                time.sleep(0.3)
+                abort_group(pg, ValueError("bad batch shape (3, 5)"))
+                pg.destroy()
+                return None
+            try:
+                for _ in range(20):
+                    pg.send(np.ones(1_000_000), 1)
+            except DistributedError as e:
+                return e
+            return "no error"
+
+        e = run_on(groups, body, timeout=20.0)[0]
+        assert isinstance(e, DistributedError), e
+        assert str(e) == f"send on group 'world' (rank 0 of 2): {CAUSE}" and e.peer == 1
     finally:
         for g in groups:
             g.destroy()

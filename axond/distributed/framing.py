@@ -230,6 +230,14 @@ class FramedGroup:
             raise
         except PeerError as e:
             where = self.where(op_name)
+            left = self._abort_left_by(e.peer) if isinstance(e, PeerClosed) else None
+            if left is not None:  # the peer said why before it closed (this rank was sending, not reading)
+                reason, failed = left
+                root = reason if failed else None
+                msg = f"{where}: {reason}" if failed else f"{where}: peer rank {e.peer} gave up: {reason}"
+                self.abort(root or msg, failed=failed)
+                raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer,
+                                       root_cause=root) from e
             if isinstance(e, PeerClosed):
                 msg = f"{where}: peer rank {e.peer} closed the connection (did it die?)"
             else:
@@ -238,6 +246,24 @@ class FramedGroup:
                     msg += f"; {self.explain(e.peer)}"
             self.abort(msg)
             raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer) from e
+
+    def _abort_left_by(self, peer: int) -> tuple[str, bool] | None:
+        """(reason, failed) of an abort frame that peer `peer` (group rank) sent before its connection failed, if
+        it is the next thing unread on the socket; never blocks."""
+        for p in self.peers.values():
+            if p.rank != peer:
+                continue
+            try:
+                data = p.sock.recv(HEADER_SIZE + MAX_ABORT_REASON, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except OSError:
+                return None
+            if len(data) < HEADER_SIZE:
+                return None
+            h = HEADER.unpack_from(data)
+            if h[0] != Kind.ABORT or h[1] != Op.ABORT or h[5] != self._gid or len(data) < HEADER_SIZE + h[8]:
+                return None
+            return data[HEADER_SIZE : HEADER_SIZE + h[8]].decode(errors="replace"), h[3] == FAILED
+        return None
 
     def resized(self, c: Call, count: int, aux: int) -> Call:
         """`c` for one block of an op whose blocks differ per peer (all_to_all with split sizes)."""
