@@ -13,13 +13,14 @@ from axond.distributed.seed import (
     gather_tensor, is_main_process, rank, reduce_scatter_mean, reduce_scatter_sum, scatter_tensor, sync_gradient,
     sync_gradients, world_size,
 )
-from axond.distributed.failure import install_if_launched, record
+from axond.distributed import failure as _failure
+from axond.distributed.failure import record
 from axond.errors import AxondError, BackendUnavailable, CoordinatorError, DistributedError, StoreError, StoreTimeout
 from axond.store import InMemoryStore, PrefixStore, Store
 
 __version__ = "0.1.0"
 
-install_if_launched()
+_failure.install_if_launched()  # launched by the worker: record even an exception before init_process_group
 
 __all__ = [
     "AxondError", "Backend", "BackendOptions", "BackendUnavailable", "CoordinatorError", "DistributedError",
