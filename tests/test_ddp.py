@@ -350,3 +350,20 @@ def test_legitimate_loops_do_not_trip_the_bypass_check() -> None:
 
     first, second = run_ranks(2, body)
     assert_params_close(second, first)
+
+
+def test_wrapping_a_model_again_leaves_the_old_wrapper_quiet() -> None:
+    """A model wrapped a second time (e.g. over a new group) still carries the first wrapper's hooks: they
+    see the new wrapper's backward, which is no bypass. Training through the new one matches the reference."""
+    want = train_reference(mlp, mlp_data, 2)
+
+    def body(group: ProcessGroup) -> tuple[list[np.ndarray], DistributedDataParallel]:
+        def rewrapped(seed: int) -> nn.Module:
+            model = mlp(seed)
+            DDP(model, group)
+            return model
+
+        return train_ddp(group, rewrapped, mlp_data)
+
+    for got, _ in run_ranks(2, body):
+        assert_params_close(got, want)

@@ -5,15 +5,21 @@ instead still fills `.grad`, but with this rank's local gradients: training goes
 while the replicas drift apart. The wrapper's parameter hooks report each gradient to the guard; one
 arriving outside the wrapper's backward marks the guard, and the next optimizer step (through
 `Parameter.register_pre_step_hook`) or wrapper forward raises `BypassedBackwardError` on every rank.
+A gradient that arrives while any wrapper's backward runs in this thread is no bypass: a model wrapped
+again (say, over a new group after a restart) still carries the old wrapper's hooks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator
 
 from axond.errors import BypassedBackwardError
 from axond.nn.module import Parameter, RemovableHandle
+
+_running = threading.local()
+"""`depth`: how many wrapper backwards this thread is inside."""
 
 
 class BackwardGuard:
@@ -33,14 +39,16 @@ class BackwardGuard:
     def running(self) -> Iterator[None]:
         """Around the wrapper's call of the module's backward: gradients arriving now are expected."""
         previous, self.inside = self.inside, True
+        _running.depth = getattr(_running, "depth", 0) + 1
         try:
             yield
         finally:
             self.inside = previous
+            _running.depth -= 1
 
     def noticed_backward(self) -> None:
         """A backward reached the wrapper's parameters (a hook); outside the wrapper's own backward, a bypass."""
-        if not self.inside:
+        if not self.inside and not getattr(_running, "depth", 0):
             self.bypassed = True
 
     def clear(self) -> None:
