@@ -13,10 +13,14 @@ from axond.distributed.seed import (
     gather_tensor, is_main_process, rank, reduce_scatter_mean, reduce_scatter_sum, scatter_tensor, sync_gradient,
     sync_gradients, world_size,
 )
+from axond.distributed import failure as _failure
+from axond.distributed.failure import record
 from axond.errors import AxondError, BackendUnavailable, CoordinatorError, DistributedError, StoreError, StoreTimeout
 from axond.store import InMemoryStore, PrefixStore, Store
 
 __version__ = "0.1.0"
+
+_failure.install_if_launched()  # launched by the worker: record even an exception before init_process_group
 
 __all__ = [
     "AxondError", "Backend", "BackendOptions", "BackendUnavailable", "CoordinatorError", "DistributedError",
@@ -28,7 +32,7 @@ __all__ = [
     "destroy_process_group", "gather", "gather_object", "gather_tensor", "get_backend", "get_global_rank",
     "get_group_rank", "get_local_rank", "get_process_group_ranks", "get_rank", "get_world_size", "init_process_group",
     "irecv", "is_available", "is_initialized", "is_main_process", "is_nccl_available", "isend", "monitored_barrier",
-    "new_group", "rank", "recv", "reduce", "reduce_scatter", "reduce_scatter_mean", "reduce_scatter_sum",
+    "new_group", "rank", "record", "recv", "reduce", "reduce_scatter", "reduce_scatter_mean", "reduce_scatter_sum",
     "reduce_scatter_tensor", "scatter",
     "scatter_object_list", "scatter_tensor", "send", "sync_gradient", "sync_gradients", "world_size",
 ]

@@ -11,7 +11,8 @@ class DistributedError(AxondError):
     """A collective or point-to-point op failed: a peer died, timed out or called a different op.
 
     The message names the op, the group, this rank and the peer; the same fields are kept as
-    attributes so that callers can act on them.
+    attributes so that callers can act on them. `root_cause` is set when the failure started with
+    another rank's own exception: "rank R failed: ExcType: message".
     """
 
     def __init__(
@@ -22,12 +23,21 @@ class DistributedError(AxondError):
         group: str | None = None,
         rank: int | None = None,
         peer: int | None = None,
+        root_cause: str | None = None,
     ) -> None:
         super().__init__(message)
         self.op = op
         self.group = group
         self.rank = rank
         self.peer = peer
+        self.root_cause = root_cause
+
+
+class BypassedBackwardError(AxondError, RuntimeError):
+    """A backward pass went around DDP/FSDP (the inner model's `backward`), so its gradients were not reduced.
+
+    Raised on the next optimizer step or wrapper forward; the message says which `backward` to call.
+    """
 
 
 class StoreError(AxondError):

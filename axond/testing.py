@@ -21,13 +21,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from axond.distributed.backends.base import BackendOptions
+from axond.distributed.failure import abort_group, report
 from axond.distributed.file_store import FileStore
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.errors import AxondError
 from axond.store import InMemoryStore, Store
 
-__all__ = ["FileStore", "RankFailed", "collect_from_processes", "node_hosts", "run_on", "run_processes",
-           "run_threads", "thread_groups"]
+__all__ = ["FileStore", "RankFailed", "collect_from_processes", "node_hosts", "run_module_ranks", "run_on",
+           "run_processes", "run_threads", "thread_groups"]
 
 
 class RankFailed(AxondError):
@@ -54,8 +55,9 @@ def run_threads(fn: Callable[[ProcessGroup], Any], world_size: int, timeout: flo
     """Run `fn(group)` on `world_size` threads, each the member of a fresh group; return results by rank.
 
     `backend="mock"` joins the threads in this process without any socket (unit tests); "tcp" over loopback.
-    The first failure is re-raised as `RankFailed` (chained to the original, traceback in the message); a
-    failed rank's group is destroyed at once, so the ranks waiting for it raise instead of timing out.
+    The first failure is re-raised as `RankFailed` (chained to the original, traceback in the message). A
+    failing rank aborts its group with the cause, as a failing process does (see `axond.distributed.failure`),
+    so the ranks waiting for it raise instead of timing out.
     """
     store = store if store is not None else InMemoryStore()
     options = options or BackendOptions(timeout=min(timeout, 30.0))
@@ -69,6 +71,9 @@ def run_threads(fn: Callable[[ProcessGroup], Any], world_size: int, timeout: flo
             results[rank] = fn(pg)
         except BaseException as e:
             errors.append((time.monotonic(), rank, e, traceback.format_exc()))
+            failed = groups[rank]
+            if failed is not None:
+                abort_group(failed, e)
         finally:
             made = groups[rank]
             if made is not None:
@@ -164,11 +169,15 @@ def _process_main(fn: Callable[[], Any], rank: int, size: int, store_dir: str, b
         axond.init_process_group(backend, timeout, rank=rank, world_size=size, store=store, local_rank=rank)
         try:
             value = fn()
+        except BaseException as e:
+            results.put((rank, False, repr(e), traceback.format_exc(), time.time()))
+            report(e)  # the peers raise with this cause, as for an uncaught exception
+            return
         finally:
             axond.destroy_process_group()
-        results.put((rank, True, value, ""))
+        results.put((rank, True, value, "", time.time()))
     except BaseException as e:
-        results.put((rank, False, repr(e), traceback.format_exc()))
+        results.put((rank, False, repr(e), traceback.format_exc(), time.time()))
 
 
 def run_processes(fn_or_module: Callable[[], Any] | str, world_size: int, timeout: float = 60.0, *,
@@ -193,29 +202,29 @@ def run_processes(fn_or_module: Callable[[], Any] | str, world_size: int, timeou
         for p in procs:
             p.start()
         got: dict[int, tuple[bool, Any, str]] = {}
-        first_failure: tuple[int, Any, str] | None = None
+        failures: list[tuple[float, int, Any, str]] = []
+        """(when, rank, what, traceback): the earliest is reported (the others are usually its consequences)."""
         deadline = time.monotonic() + timeout
         try:
             while len(got) < world_size and time.monotonic() < deadline:
                 try:
-                    rank, ok, value, tb = results.get(timeout=0.1)
+                    rank, ok, value, tb, when = results.get(timeout=0.1)
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
-                    if dead:
-                        first_failure = first_failure or (dead[0], f"exit code {procs[dead[0]].exitcode}", "")
-                        got.update({r: (False, None, "") for r in dead})
+                    failures += [(time.time(), r, f"exit code {procs[r].exitcode}", "") for r in dead]
+                    got.update({r: (False, None, "") for r in dead})
                     continue
                 got[rank] = (ok, value, tb)
-                if not ok and first_failure is None:
-                    first_failure = (rank, value, tb)
+                if not ok:
+                    failures.append((when, rank, value, tb))
         finally:
             for p in procs:
                 p.join(max(0.0, min(5.0, deadline - time.monotonic())))
                 if p.is_alive():
                     p.kill()
                     p.join(5.0)
-        if first_failure is not None:
-            rank, what, tb = first_failure
+        if failures:
+            _, rank, what, tb = min(failures, key=lambda f: f[0])
             raise RankFailed(f"rank {rank} of {world_size} failed: {what}\n{tb}", rank)
         missing = [r for r in range(world_size) if r not in got]
         if missing:
@@ -223,14 +232,18 @@ def run_processes(fn_or_module: Callable[[], Any] | str, world_size: int, timeou
         return [got[r][1] for r in range(world_size)]
 
 
+def _rank_env(rank: int, world_size: int, store_dir: str, env: Mapping[str, str] | None) -> dict[str, str]:
+    child = dict(os.environ, **(env or {}), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                 LOCAL_WORLD_SIZE=str(world_size), AXOND_FILE_STORE=store_dir)
+    child.pop("AXOND_COORDINATOR", None)
+    return child
+
+
 def _run_module(module: str, world_size: int, timeout: float, store_dir: str, args: Sequence[str],
                 env: Mapping[str, str] | None) -> list[int]:
     procs = []
     for r in range(world_size):
-        child = dict(os.environ, **(env or {}), RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
-                     LOCAL_WORLD_SIZE=str(world_size), AXOND_FILE_STORE=store_dir)
-        child.pop("AXOND_COORDINATOR", None)
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=child,
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=_rank_env(r, world_size, store_dir, env),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     outputs: list[str] = []
@@ -251,6 +264,37 @@ def _run_module(module: str, world_size: int, timeout: float, store_dir: str, ar
         if p.returncode != 0:
             raise RankFailed(f"rank {r} of {world_size} ({module}) exited with {p.returncode}:\n{outputs[r][-4000:]}", r)
     return [p.returncode for p in procs]
+
+
+def run_module_ranks(module: str, world_size: int, timeout: float = 60.0, *, args: Sequence[str] = (),
+                     env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None
+                     ) -> list[subprocess.CompletedProcess[str]]:
+    """Run `python -m module args...` as `world_size` ranks sharing a FileStore, as `run_processes` does, and
+    return each rank's exit code, stdout and stderr without judging them (for tests of failing ranks).
+
+    `env`: added to every rank's environment, or one mapping per rank. Ranks still running after `timeout`
+    are killed (their return code is then negative)."""
+    envs = [env] * world_size if env is None or isinstance(env, Mapping) else list(env)
+    with tempfile.TemporaryDirectory(prefix="axond-store-") as store_dir:
+        procs = [subprocess.Popen([sys.executable, "-m", module, *args], env=_rank_env(r, world_size, store_dir, envs[r]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(world_size)]
+        deadline = time.monotonic() + timeout
+        done: list[subprocess.CompletedProcess[str]] = []
+        try:
+            for p in procs:
+                try:
+                    out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    out, err = p.communicate(timeout=5.0)
+                done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(5.0)
+    return done
 
 
 def collect_from_processes(target: Callable[..., None], world_size: int, expect: int,

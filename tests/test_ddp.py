@@ -21,7 +21,7 @@ import pytest
 import axond.nn as nn
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.process_group import ProcessGroup
-from axond.errors import DistributedError
+from axond.errors import BypassedBackwardError, DistributedError
 from axond.nn.optim import SGD
 from axond.parallel import DDP, DDPConfig, DistributedDataParallel, GradSyncStrategy
 from axond.testing import run_threads
@@ -288,3 +288,82 @@ def test_shared_weight_is_reduced_after_its_last_use() -> None:
     for got, ddp in run_ranks(2, lambda g: train_ddp(g, Tied, mlp_data, bucket_cap_mb=0.0001)):
         assert_params_close(got, want)
         assert any(b.launch_only_at_end for b in ddp.buckets)
+
+
+@pytest.mark.parametrize("caught_at", ["step", "forward"])
+def test_backward_that_bypasses_ddp_raises_on_every_rank(caught_at: str) -> None:
+    """The inner model's backward leaves local gradients (the replicas would drift apart silently): the next
+    optimizer step (before it changes anything) or DDP forward raises, saying which backward to call."""
+    def body(group: ProcessGroup) -> str:
+        model = mlp(0)
+        ddp = DDP(model, group)
+        opt = SGD(list(model.parameters()), lr=0.1)
+        loss = nn.CrossEntropyLoss()
+        x, y = mlp_data(0, BATCH)
+        loss(ddp(x + group.rank), y)
+        model.backward(loss.backward())
+        before = [p.data.copy() for p in model.parameters()]
+        with pytest.raises(BypassedBackwardError) as info:
+            opt.step() if caught_at == "step" else ddp(x)
+        assert all(np.array_equal(b, p.data) for b, p in zip(before, model.parameters()))
+        return str(info.value)
+
+    for message in run_ranks(2, body):
+        assert "without ddp.backward" in message and "Call ddp.backward(grad) instead of model.backward(grad)" in message
+        assert "group 'world'" in message and "drift apart" in message
+
+
+def test_legitimate_loops_do_not_trip_the_bypass_check() -> None:
+    """Eval forwards without backward, several forwards, zero_grad, no_sync accumulation, the inner backward
+    followed by sync_gradients(), and the module on its own after remove_hooks(): no error, replicas equal."""
+    def body(group: ProcessGroup) -> list[np.ndarray]:
+        model = mlp(0 if group.rank == 0 else 7)
+        ddp = DDP(model, group)
+        opt = SGD(list(model.parameters()), lr=0.1, momentum=0.9)
+        loss = nn.CrossEntropyLoss()
+        x, y = mlp_data(group.rank, BATCH)
+        ddp.eval()
+        ddp(x)
+        ddp(x)
+        ddp.train()
+        opt.zero_grad()
+        opt.step()
+        for micro in range(3):
+            with ddp.no_sync() if micro < 2 else _nullcontext():
+                loss(ddp(x[micro:]), y[micro:])
+                ddp.backward(loss.backward())
+        opt.step()
+        opt.zero_grad()
+        loss(ddp(x), y)
+        model.backward(loss.backward())
+        ddp.sync_gradients()
+        opt.step()
+        ddp(x)
+        ddp.remove_hooks()
+        for p in model.parameters():
+            p.grad = None
+        loss(model(x), y)
+        model.backward(loss.backward())
+        ddp.sync_gradients()
+        opt.step()
+        return [p.data.copy() for p in model.parameters()]
+
+    first, second = run_ranks(2, body)
+    assert_params_close(second, first)
+
+
+def test_wrapping_a_model_again_leaves_the_old_wrapper_quiet() -> None:
+    """A model wrapped a second time (e.g. over a new group) still carries the first wrapper's hooks: they
+    see the new wrapper's backward, which is no bypass. Training through the new one matches the reference."""
+    want = train_reference(mlp, mlp_data, 2)
+
+    def body(group: ProcessGroup) -> tuple[list[np.ndarray], DistributedDataParallel]:
+        def rewrapped(seed: int) -> nn.Module:
+            model = mlp(seed)
+            DDP(model, group)
+            return model
+
+        return train_ddp(group, rewrapped, mlp_data)
+
+    for got, _ in run_ranks(2, body):
+        assert_params_close(got, want)

@@ -23,6 +23,7 @@ import pytest
 import axond.nn as nn
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.process_group import ProcessGroup
+from axond.errors import BypassedBackwardError
 from axond.nn.optim import SGD, AdamW, Optimizer
 from axond.nn.utils import clip_grad_norm_
 from axond.parallel.fsdp import FSDP, CPUOffload, FlattenedParameter, FullyShardedDataParallel, ShardingStrategy
@@ -482,3 +483,36 @@ def test_the_next_units_gather_and_the_last_units_reduce_run_while_this_unit_com
     for seen in run_ranks(2, body):
         assert seen == [("second gathered during first forward", True), ("first prefetched during second backward", True),
                         ("third reduced during second backward", True)], seen
+
+
+@pytest.mark.parametrize("caught_at", ["step", "forward"])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_backward_that_bypasses_fsdp_raises_on_every_rank(caught_at: str, prefetch: bool) -> None:
+    """The inner model's backward instead of fsdp.backward: the next step (before it changes a shard) or
+    forward raises on every rank; eval forwards and no_sync accumulation before it did not trip the check."""
+    def body(g: ProcessGroup) -> str:
+        model = mlp(0)
+        fsdp = FSDP(model, group=g, wrap=lambda m: isinstance(m, nn.Linear), backward_prefetch=prefetch)
+        opt = SGD(list(fsdp.parameters()), lr=0.1)
+        loss = nn.CrossEntropyLoss()
+        x, y = mlp_data(g.rank, BATCH)
+        fsdp.eval()
+        fsdp(x)
+        fsdp.train()
+        with fsdp.no_sync():
+            loss(fsdp(x), y)
+            fsdp.backward(loss.backward())
+        loss(fsdp(x), y)
+        fsdp.backward(loss.backward())
+        opt.step()
+        fsdp.zero_grad()
+        loss(fsdp(x), y)
+        model.backward(loss.backward())
+        before = [p.data.copy() for p in fsdp.parameters()]
+        with pytest.raises(BypassedBackwardError) as info:
+            opt.step() if caught_at == "step" else fsdp(x)
+        assert all(np.array_equal(b, p.data) for b, p in zip(before, fsdp.parameters()))
+        return str(info.value)
+
+    for message in run_ranks(2, body):
+        assert "without fsdp.backward" in message and "Call fsdp.backward(grad) instead of model.backward(grad)" in message

@@ -26,6 +26,8 @@ from axond.errors import DistributedError
 
 T = TypeVar("T")
 MAX_ABORT_REASON = 4096
+FAILED = 1
+"""The reduce-op field of an abort frame sent because the rank's process failed: its reason is the root cause."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,7 @@ class FramedGroup:
         self._timeout = timeout
         self.peers = peers
         self._aborted: str | None = None
+        self._root_cause: str | None = None
         self._op_name = "init"
         self.explain: Callable[[int], str] | None = None
         """Says what a silent peer is doing, for timeout messages (see `Backend.explain_timeouts`)."""
@@ -207,7 +210,8 @@ class FramedGroup:
         if self._aborted is not None:
             raise DistributedError(
                 f"{self.where(OP_NAMES[op])}: the group was aborted by an earlier failure ({self._aborted}); "
-                "destroy it and create a new group", op=OP_NAMES[op], group=self._group_name, rank=self._rank)
+                "destroy it and create a new group", op=OP_NAMES[op], group=self._group_name, rank=self._rank,
+                root_cause=self._root_cause)
         self._op_name = OP_NAMES[op]
         self._current_thread = threading.get_ident()
         c = self.current = Call(op, kind, dtype, redop, seq & 0xFFFFFFFF, aux, count, time.monotonic() + self._timeout,
@@ -219,10 +223,21 @@ class FramedGroup:
         try:
             return fn(*args)
         except DistributedError as e:
-            self.abort(str(e))
+            if e.root_cause is not None:
+                self.abort(e.root_cause, failed=True)  # peers learn the root cause, not this rank's view of it
+            else:
+                self.abort(str(e))
             raise
         except PeerError as e:
             where = self.where(op_name)
+            left = self._abort_left_by(e.peer) if isinstance(e, PeerClosed) else None
+            if left is not None:  # the peer said why before it closed (this rank was sending, not reading)
+                reason, failed = left
+                root = reason if failed else None
+                msg = f"{where}: {reason}" if failed else f"{where}: peer rank {e.peer} gave up: {reason}"
+                self.abort(root or msg, failed=failed)
+                raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer,
+                                       root_cause=root) from e
             if isinstance(e, PeerClosed):
                 msg = f"{where}: peer rank {e.peer} closed the connection (did it die?)"
             else:
@@ -231,6 +246,24 @@ class FramedGroup:
                     msg += f"; {self.explain(e.peer)}"
             self.abort(msg)
             raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer) from e
+
+    def _abort_left_by(self, peer: int) -> tuple[str, bool] | None:
+        """(reason, failed) of an abort frame that peer `peer` (group rank) sent before its connection failed, if
+        it is the next thing unread on the socket; never blocks."""
+        for p in self.peers.values():
+            if p.rank != peer:
+                continue
+            try:
+                data = p.sock.recv(HEADER_SIZE + MAX_ABORT_REASON, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except OSError:
+                return None
+            if len(data) < HEADER_SIZE:
+                return None
+            h = HEADER.unpack_from(data)
+            if h[0] != Kind.ABORT or h[1] != Op.ABORT or h[5] != self._gid or len(data) < HEADER_SIZE + h[8]:
+                return None
+            return data[HEADER_SIZE : HEADER_SIZE + h[8]].decode(errors="replace"), h[3] == FAILED
+        return None
 
     def resized(self, c: Call, count: int, aux: int) -> Call:
         """`c` for one block of an op whose blocks differ per peer (all_to_all with split sizes)."""
@@ -375,7 +408,10 @@ class FramedGroup:
                 except PeerError:
                     pass
                 buf += rest
-            raise self.error(c, peer, f"peer rank {peer} gave up: {buf.decode(errors='replace')}")
+            reason = buf.decode(errors="replace")
+            if h[3] == FAILED:
+                raise self.error(c, peer, reason, root_cause=reason)
+            raise self.error(c, peer, f"peer rank {peer} gave up: {reason}")
         mine = describe(c.op, c.dtype, c.count, c.redop, c.aux)
         if h[0] not in (Kind.COLLECTIVE, Kind.P2P) or h[5] != self._gid:
             raise self.error(c, peer, f"peer rank {peer} sent a frame that is not from this group "
@@ -395,19 +431,25 @@ class FramedGroup:
         why = disagreement(peer, h[7], c.count, uneven_back(h[6]), uneven_back(c.aux))
         return why or f"peer rank {peer} sent an all_to_all frame this rank did not expect"
 
-    def error(self, c: Call, peer: int | None, what: str) -> DistributedError:
+    def error(self, c: Call, peer: int | None, what: str, root_cause: str | None = None) -> DistributedError:
         """The error of call `c` about `peer` (a group rank; None: no single peer)."""
         name = OP_NAMES[c.op]
         return DistributedError(f"{self.where(name)}: {what}", op=name, group=self._group_name,
-                                rank=self._rank, peer=peer)
+                                rank=self._rank, peer=peer, root_cause=root_cause)
 
-    def abort(self, reason: str) -> None:
-        """Tell every peer this rank gives up (they raise too), then shut the links down; idempotent."""
+    def abort(self, reason: str, failed: bool = False) -> None:
+        """Tell every peer this rank gives up (they raise too), then shut the links down; idempotent.
+
+        `failed`: `reason` is the root cause of the failure ("rank R failed: ExcType: message"), which
+        peers report as it is instead of as "peer rank R gave up: ...".
+        """
         if self._aborted is not None:
             return
         self._aborted = reason
+        self._root_cause = reason if failed else None
         data = reason.encode()[:MAX_ABORT_REASON]
-        frame = HEADER.pack(Kind.ABORT, Op.ABORT, 0, 0, 0, self._gid, self._rank, 0, len(data)) + data
+        frame = HEADER.pack(Kind.ABORT, Op.ABORT, 0, FAILED if failed else 0, 0, self._gid, self._rank, 0,
+                            len(data)) + data
         for peer in self.peers.values():
             peer.try_send_now(frame)
             peer.shutdown_write()

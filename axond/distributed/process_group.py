@@ -16,6 +16,7 @@ import numpy as np
 
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.backends.registry import create_backend, resolve_backend
+from axond.distributed.failure import concise, debug, track, untrack
 from axond.distributed.inflight import REPORTER, describe, describe_others
 from axond.distributed.init_method import seconds
 from axond.distributed.monitored_barrier import monitored_barrier
@@ -49,6 +50,8 @@ class ProcessGroup:
         """The op this member is running (read by the in-flight reporter, see `axond.distributed.inflight`)."""
         self.inflight_seq = 0
         self._monitored = 0
+        if backend is not None:
+            track(self)
         if backend is not None and store is not None:
             REPORTER.register(store, global_rank, self)
             backend.explain_timeouts(self._describe_peer, self._describe_peers)
@@ -102,6 +105,15 @@ class ProcessGroup:
         A backend with its own completion tracking (`start`, e.g. CUDA events on the group's stream)
         launches async ops itself; the others run them on the group's communication thread.
         """
+        try:
+            return self._start(op, async_op, *args, method=method, **kwargs)
+        except DistributedError as e:
+            if debug():
+                raise
+            # the user's frames and one line (AXOND_DEBUG=1 keeps the transport's frames and chain)
+            raise concise(e) from None
+
+    def _start(self, op: str, async_op: bool, *args: Any, method: str | None = None, **kwargs: Any) -> Any:
         backend = self.backend
         if not async_op and method is None and not self._comm.pending and not self._destroyed and backend is not None:
             self.inflight = op  # the common case, kept short: small ops are latency-bound
@@ -307,6 +319,7 @@ class ProcessGroup:
     def destroy(self) -> None:
         """Finish queued async ops, then close sockets and threads; idempotent."""
         self._destroyed = True
+        untrack(self)
         self._comm.close(self.options.timeout + ASYNC_MARGIN)
         if self.backend is not None:
             if self._store is not None:

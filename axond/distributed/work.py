@@ -8,6 +8,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from axond.distributed.failure import concise, debug
 from axond.errors import DistributedError
 
 
@@ -64,6 +65,8 @@ class Work:
             raise DistributedError(f"{self.op} on group '{self.group}': async op did not finish within {limit:.1f} s",
                                    op=self.op, group=self.group)
         if self._error is not None:
+            if isinstance(self._error, DistributedError) and not debug():
+                raise concise(self._error) from None
             raise self._error
         if isinstance(self._result, PendingSend):
             if not self._result.wait(limit, timeout is None):

@@ -42,6 +42,7 @@ class Parameter:
         self.grad: Array | None = None
         self.requires_grad = requires_grad
         self._grad_hooks: dict[int, Callable[[Parameter], None]] = {}
+        self._step_hooks: dict[int, Callable[[Parameter], None]] = {}
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -72,6 +73,17 @@ class Parameter:
 
     def _grad_ready(self) -> None:
         for hook in list(self._grad_hooks.values()):
+            hook(self)
+
+    def register_pre_step_hook(self, hook: Callable[[Parameter], None]) -> RemovableHandle:
+        """Call `hook(param)` before an `axond.nn.optim` optimizer updates this parameter from `.grad`; the hook
+        may raise to stop the step (DDP does when a backward bypassed it and `.grad` is not averaged)."""
+        handle = RemovableHandle(self._step_hooks)
+        self._step_hooks[handle.id] = hook
+        return handle
+
+    def _before_step(self) -> None:
+        for hook in list(self._step_hooks.values()):
             hook(self)
 
     def __repr__(self) -> str:

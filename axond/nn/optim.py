@@ -6,16 +6,40 @@ more than one temporary.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from axond.nn.device import Array, array_module
 from axond.nn.module import Parameter
 
 
+def _checked_step(fn: Callable[[Optimizer], None]) -> Callable[[Optimizer], None]:
+    """Wrap a subclass's `step` so that the parameters' pre-step hooks run first (they may refuse the step)."""
+
+    @functools.wraps(fn)
+    def step(self: Optimizer) -> None:
+        for p in self.params:
+            if p._step_hooks:
+                p._before_step()
+        fn(self)
+
+    step._axond_checked = True  # type: ignore[attr-defined]
+    return step
+
+
 class Optimizer:
-    """Holds the parameters, their per-parameter state and the hyper-parameters."""
+    """Holds the parameters, their per-parameter state and the hyper-parameters.
+
+    Every subclass's `step` first runs the parameters' pre-step hooks (`Parameter.register_pre_step_hook`).
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        fn = cls.__dict__.get("step")
+        if fn is not None and not getattr(fn, "_axond_checked", False):
+            cls.step = _checked_step(fn)  # type: ignore[method-assign, assignment]
 
     def __init__(self, params: Iterable[Parameter], defaults: dict[str, Any]) -> None:
         self.params: list[Parameter] = list(params)

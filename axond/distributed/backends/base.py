@@ -126,3 +126,8 @@ class Backend(ABC):
         say why (tcp) send `reason` instead. The group is unusable afterwards; `close` still releases it.
         """
         self.close()
+
+    def abort_failed(self, reason: str) -> None:
+        """`abort` because this rank's process failed: `reason` ("rank R failed: ExcType: message") is the
+        root cause, which peers quote as it is. The default is `abort(reason)`."""
+        self.abort(reason)

@@ -438,5 +438,9 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         shut down writing; the sockets stay open until `close` so that the frames are not lost to a reset."""
         self.g.abort(reason)
 
+    def abort_failed(self, reason: str) -> None:
+        """`abort` with `reason` marked as the root cause: peers raise `DistributedError` saying just that."""
+        self.g.abort(reason, failed=True)
+
 
 BACKEND = TcpBackend

@@ -3,7 +3,8 @@
 Hooks on each unit's module gather its full parameters just before they are used (forward, and
 for FULL_SHARD again for backward) and free them after; the unit's flat gradient is reduce-scattered
 (AVG) into the local shard's `.grad` when its backward ends. `parameters()` returns the shards, so
-an ordinary `axond.nn.optim` optimizer built after wrapping steps only this rank's part.
+an ordinary `axond.nn.optim` optimizer built after wrapping steps only this rank's part. A backward
+that bypasses `FSDP.backward` (the inner model's own) makes the next step or forward raise.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from axond.parallel.fsdp.config import CPUOffload, FSDPConfig, ShardingStrategy
 from axond.parallel.fsdp.flat_param import FlatLayout
 from axond.parallel.fsdp.unit import FSDPUnit, MemoryStats
 from axond.parallel.fsdp.wrap import UnitPlan, WrapPolicy, install, plan_units, select_unit_modules
+from axond.parallel.bypass import BackwardGuard
 from axond.parallel.mesh import DeviceMesh
 from axond.parallel.no_sync import NoSync
 
@@ -112,8 +114,11 @@ class FullyShardedDataParallel(NoSync, Module):
         self._hooks: list[RemovableHandle] = []
         self._forward_order, self._backward_order = _Order(), _Order()
         self._reducing: list[FSDPUnit] = []
+        self._guard = BackwardGuard("fsdp", "FullyShardedDataParallel",
+                                    "the sharded gradients were not all reduced and may be incomplete or stale")
         for plan in plans:
             self._add_unit(plan)
+        self._hooks += self._guard.guard_steps(u.shard for u in self._units)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
@@ -170,6 +175,7 @@ class FullyShardedDataParallel(NoSync, Module):
                 unit.free()
 
         def pre_backward(m: Module, grad_out: Array) -> None:
+            self._guard.noticed_backward()
             unit.gather()
             nxt = backward.saw(unit)
             if nxt is not None and self.config.backward_prefetch and reshard:
@@ -192,6 +198,7 @@ class FullyShardedDataParallel(NoSync, Module):
         ]
 
     def forward(self, x: Array) -> Array:
+        self._guard.check()
         self._forward_order.start()
         try:
             return self.module(x)
@@ -206,7 +213,8 @@ class FullyShardedDataParallel(NoSync, Module):
         self._backward_order.start()
         ok = False
         try:
-            grad_in = self.module.backward(grad_out)
+            with self._guard.running():
+                grad_in = self.module.backward(grad_out)
             for u in self._reducing:
                 u.finish_reduce()
             ok = True

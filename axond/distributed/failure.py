@@ -1,0 +1,217 @@
+"""What a rank does when it fails, and how much of a distributed failure a user sees.
+
+A rank's uncaught exception (the `sys.excepthook` that `init_process_group` installs, or a function
+decorated with `record`) aborts every live group with the root cause, so that the peers' collectives
+raise `DistributedError` "rank R failed: ExcType: message" at once instead of "peer closed", and it
+writes the error file the worker reads (`AXOND_ERROR_FILE`, JSON: rank, type, message, traceback,
+time). `concise` strips the transport's internal frames and exception chain from a `DistributedError`
+reaching the user, unless `AXOND_DEBUG=1`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from axond.errors import DistributedError
+
+if TYPE_CHECKING:
+    from axond.distributed.process_group import ProcessGroup
+
+F = TypeVar("F", bound=Callable[..., Any])
+MAX_MESSAGE = 2000
+"""Characters of an exception's message sent to peers (the error file keeps all of it)."""
+
+
+@dataclass(frozen=True)
+class FailureSettings:
+    """How failures are reported (environment: AXOND_DEBUG, AXOND_ERROR_FILE)."""
+
+    debug: bool = False
+    """Keep the transport's frames and chained exceptions in `DistributedError` tracebacks (AXOND_DEBUG=1)."""
+    error_file: str | None = None
+    """Where this rank writes its uncaught exception as JSON (AXOND_ERROR_FILE; the worker sets one per rank)."""
+
+    @classmethod
+    def from_env(cls) -> FailureSettings:
+        """Read AXOND_DEBUG and AXOND_ERROR_FILE."""
+        return cls(debug=os.environ.get("AXOND_DEBUG", "0") not in ("", "0"),
+                   error_file=os.environ.get("AXOND_ERROR_FILE") or None)
+
+
+_live: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
+"""The groups of this process that have a backend and are not destroyed: the ones a failure aborts."""
+_lock = threading.Lock()
+_previous_hook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
+
+
+def track(group: ProcessGroup) -> None:
+    """Have a failure of this process abort `group` (called when a member is built)."""
+    with _lock:
+        _live.add(group)
+
+
+def untrack(group: ProcessGroup) -> None:
+    """Forget `group` (called when it is destroyed)."""
+    with _lock:
+        _live.discard(group)
+
+
+def concise(error: DistributedError) -> DistributedError:
+    """`error` without its internal traceback and chained transport exceptions, so that the user's frames
+    and one line are what is printed. Raise it with `from None`; with AXOND_DEBUG=1 re-raise the original."""
+    error.__cause__ = None
+    error.__suppress_context__ = True
+    return error.with_traceback(None)
+
+
+def debug() -> bool:
+    """Whether AXOND_DEBUG asks for full internal tracebacks."""
+    return FailureSettings.from_env().debug
+
+
+def summary(error: BaseException) -> str:
+    """"ExcType: message" (just the type when the message is empty), the message cut to MAX_MESSAGE."""
+    message = str(error)
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE] + "..."
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def abort_groups(error: BaseException) -> None:
+    """Abort every live group of this process because it fails with `error` (see `abort_group`)."""
+    with _lock:
+        groups = list(_live)
+    for g in groups:
+        abort_group(g, error)
+
+
+def abort_group(group: ProcessGroup, error: BaseException) -> None:
+    """Abort `group` because this rank fails with `error`: its peers raise with the root cause; never raises.
+
+    A `DistributedError` carrying another rank's root cause passes that on; any other distributed error is
+    this rank's view of a failure elsewhere, sent as a plain abort.
+    """
+    backend = group.backend
+    if backend is None:
+        return
+    try:
+        if isinstance(error, DistributedError):
+            if error.root_cause is not None:
+                backend.abort_failed(error.root_cause)
+            else:
+                backend.abort(str(error))
+        else:
+            backend.abort_failed(f"rank {group.global_rank} failed: {summary(error)}")
+    except Exception:  # best effort: the rank is failing already
+        pass
+
+
+def _rank() -> int:
+    from axond.distributed import api
+
+    if api.is_initialized():
+        return api.default_group().global_rank
+    try:
+        return int(os.environ.get("RANK", "-1"))
+    except ValueError:
+        return -1
+
+
+def write_error_file(error: BaseException, path: str, when: float | None = None) -> None:
+    """Write `error` as JSON {rank, type, message, traceback, time} to `path`, atomically (temp file, rename).
+
+    `when` (default: now) is the time the failure was noticed, taken before the peers were told.
+    """
+    record = {
+        "rank": _rank(),
+        "type": type(error).__name__,
+        "message": str(error),
+        "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+        "time": time.time() if when is None else when,
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".axond-error-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def report(error: BaseException) -> None:
+    """This process fails with `error`: abort the live groups and write the error file, once; never raises."""
+    when = time.time()  # before the peers hear of it: a root cause is older than the failures it causes
+    try:
+        if getattr(error, "_axond_reported", False):
+            return
+        try:
+            error._axond_reported = True  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        abort_groups(error)
+        path = FailureSettings.from_env().error_file
+        if path:
+            write_error_file(error, path, when)
+    except BaseException:  # a failing failure report must not hide the user's exception
+        pass
+
+
+def _excepthook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+    report(error)
+    previous = _previous_hook or sys.__excepthook__
+    previous(kind, error, tb)
+
+
+def install() -> None:
+    """Make this process's uncaught exceptions abort its groups and write the error file (idempotent).
+
+    Chains to the hook installed before. Only `sys.excepthook`: an exception that ends another thread
+    does not end the process, so it does not abort the groups either.
+    """
+    global _previous_hook
+    with _lock:
+        if sys.excepthook is not _excepthook:
+            _previous_hook = sys.excepthook
+            sys.excepthook = _excepthook
+
+
+def install_if_launched() -> None:
+    """`install` at import when the worker launched this rank (AXOND_ERROR_FILE set), so that an exception
+    before `init_process_group` still reaches the error file."""
+    if FailureSettings.from_env().error_file:
+        install()
+
+
+def record(fn: F) -> F:
+    """Decorate a rank's main function: an exception escaping it aborts the groups with the root cause and
+    writes the error file before it propagates (as the uncaught-exception hook does, for code that catches
+    exceptions itself further out). `SystemExit` passes untouched."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit:
+            raise
+        except BaseException as e:
+            report(e)
+            raise
+
+    return wrapper  # type: ignore[return-value]
