@@ -91,11 +91,12 @@ class _CallDetails(
 class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     """Adds `authorization: Bearer <token>` to every call."""
 
-    def __init__(self, token: str) -> None:
-        self._header = ("authorization", f"Bearer {token}")
+    def __init__(self, token: str | Callable[[], str | None]) -> None:
+        self._token = token
 
     def _details(self, d: Any) -> _CallDetails:
-        metadata = list(d.metadata or []) + [self._header]
+        token = self._token if isinstance(self._token, str) else self._token()
+        metadata = list(d.metadata or []) + ([("authorization", f"Bearer {token}")] if token else [])
         return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
 
     def intercept_unary_unary(self, continuation: Callable[..., Any], client_call_details: Any, request: Any) -> Any:
@@ -114,10 +115,11 @@ def _read(path: str, what: str) -> bytes:
 
 
 def open_channel(
-    address: str, token: str | None, tls_ca: str | None, tls_cert: str | None = None, tls_key: str | None = None
+    address: str, token: str | Callable[[], str | None] | None, tls_ca: str | None, tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> grpc.Channel:
     """A channel to `address`: TLS verified against `tls_ca` if given (with a client certificate for mutual
-    TLS when `tls_cert`/`tls_key` are given), the token on every call."""
+    TLS when `tls_cert`/`tls_key` are given), the token (or what a token source returns) on every call."""
     if (tls_cert is None) != (tls_key is None):
         raise CoordinatorError("a client certificate needs both --tls-cert and --tls-key")
     if tls_cert and not tls_ca:

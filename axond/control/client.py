@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from axond.control.channel import normalize_address, open_channel
-from axond.control.credentials import resolve_token
+from axond.control.credentials import LocalToken, token_source
 from axond.control.errors import translate
 from axond.control.store import CoordinatorStore
 from axond.errors import CoordinatorError
@@ -47,7 +47,7 @@ class CoordinatorClient:
     """A connection to one coordinator. Thread-safe (gRPC channels are)."""
 
     def __init__(
-        self, address: str, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0,
+        self, address: str, token: str | LocalToken | None = None, tls_ca: str | None = None, call_timeout: float = 10.0,
         tls_cert: str | None = None, tls_key: str | None = None,
         connect_wait: float = 0.0, on_wait: Callable[[str], None] | None = None,
     ) -> None:
@@ -60,7 +60,7 @@ class CoordinatorClient:
             raise CoordinatorError(f"connect_wait is {connect_wait}; it must be >= 0 seconds")
         self.address = normalize_address(address)
         self.call_timeout = call_timeout
-        self.token = token
+        self._token = token
         self.connect_wait = connect_wait
         self._on_wait = on_wait
         self._reached = False
@@ -71,6 +71,11 @@ class CoordinatorClient:
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._node_secrets: dict[str, str] = {}
+
+    @property
+    def token(self) -> str | None:
+        """The token this client sends (None: none, or a local coordinator's token not written yet)."""
+        return self._token() if isinstance(self._token, LocalToken) else self._token
 
     def node_secret(self, node_id: str) -> str:
         """The secret RegisterNode gave `node_id` through this client ("" if it did not)."""
@@ -275,10 +280,10 @@ def connect(
     if not address:
         raise CoordinatorError("no coordinator address: pass --coordinator HOST:PORT or set AXOND_COORDINATOR")
     address = normalize_address(address)
-    token = resolve_token(address, token, token_file)
+    source = token_source(address, token, token_file)
     tls_ca = tls_ca or os.environ.get("AXOND_TLS_CA") or None
     tls_cert = tls_cert or os.environ.get("AXOND_TLS_CERT") or None
     tls_key = tls_key or os.environ.get("AXOND_TLS_KEY") or None
     return CoordinatorClient(
-        address, token, tls_ca, call_timeout, tls_cert, tls_key, connect_wait=connect_wait, on_wait=on_wait
+        address, source, tls_ca, call_timeout, tls_cert, tls_key, connect_wait=connect_wait, on_wait=on_wait
     )

@@ -74,6 +74,32 @@ def _is_local(address: str) -> bool:
         return False
 
 
+class LocalToken:
+    """The token file of the default state directory, read when first found (for a client that may start
+    before the coordinator on this machine has written it); None until then."""
+
+    def __init__(self) -> None:
+        self._token: str | None = None
+
+    def __call__(self) -> str | None:
+        if self._token is None:
+            path = default_state_dir() / TOKEN_FILE_NAME
+            try:
+                self._token = read_token_file(path) if path.is_file() else None
+            except CoordinatorError:
+                return None
+        return self._token
+
+
+def token_source(address: str, token: str | None = None, token_file: str | None = None) -> str | LocalToken | None:
+    """What a client sends to `address`: a fixed token, a `LocalToken` for a coordinator on this machine
+    (found now or once it has started), or None."""
+    found = resolve_token(address, token, token_file)
+    if found is None and _is_local(address):
+        return LocalToken()
+    return found
+
+
 def resolve_token(address: str, token: str | None = None, token_file: str | None = None) -> str | None:
     """The token a client sends to `address` (None: send none), from the sources in the module doc."""
     if token:
