@@ -37,7 +37,9 @@ from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
 
-BENCH_CONFIG = CoordinatorConfig(host="127.0.0.1", port=0, token="bench", heartbeat_interval=60.0, settle_time=0.0)
+BENCH_CONFIG = CoordinatorConfig(
+    host="127.0.0.1", port=0, token="bench", heartbeat_interval=60.0, settle_time=0.0, in_memory=True
+)
 """Long heartbeat interval: the simulated nodes do not heartbeat during the measurement."""
 AUTH = [("authorization", f"Bearer {BENCH_CONFIG.token}")]
 
@@ -210,7 +212,7 @@ def part_b(nprocs: list[int], repeats: int) -> None:
     The torchrun columns appear only when torch is importable. Median of `repeats` runs.
     """
     has_torch = importlib.util.find_spec("torch") is not None
-    running = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0))
+    running = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, in_memory=True))
     jobs = itertools.count()
     cols = ["axond launch only", "axond init+barrier"]
     if has_torch:

@@ -44,6 +44,10 @@ class PermissionDenied(StateError):
     """The caller is not allowed to act for that node or job (wrong node secret, not a member)."""
 
 
+class Unavailable(StateError):
+    """The coordinator cannot serve this now (its state could not be written); the call may be retried."""
+
+
 class OutOfRange(StateError):
     """A counter would leave its range (KvAdd past int64)."""
 

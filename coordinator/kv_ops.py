@@ -8,17 +8,24 @@ from collections.abc import Hashable
 from axond.coordinator.errors import FailedPrecondition, InvalidArgument, short
 from axond.coordinator.jobs import Job
 from axond.coordinator.kv import KvSpace
+from axond.coordinator.persistence.journal import TxLock
 
 
 class KvOps:
     """Store operations; mixed into CoordinatorState, which supplies the lock, jobs and notify."""
 
-    lock: threading.RLock
+    lock: threading.RLock | TxLock
 
     def _job(self, name: str) -> Job:
         raise NotImplementedError
 
     def _notify(self, *topic: Hashable) -> None:
+        raise NotImplementedError
+
+    def _mark_kv(self, job: str, key: str) -> None:
+        raise NotImplementedError
+
+    def _mark_barrier(self, job: str, name: str) -> None:
         raise NotImplementedError
 
     def space(self, job: str, generation: int) -> KvSpace:
@@ -60,7 +67,10 @@ class KvOps:
 
     def kv_delete(self, job: str, generation: int, key: str) -> bool:
         with self.lock:
-            return self.space(job, generation).delete(key)
+            existed = self.space(job, generation).delete(key)
+            if existed:
+                self._mark_kv(job, key)
+            return existed
 
     def kv_missing(self, job: str, generation: int, keys: list[str]) -> list[str]:
         """The keys not set yet (validates them all)."""
@@ -73,6 +83,7 @@ class KvOps:
         """Record an arrival; returns whether the barrier is complete."""
         with self.lock:
             done = self.space(job, generation).arrive(name, world_size, arrival).done
+            self._mark_barrier(job, name)
             if done:
                 self._notify("barrier", job, generation, name)
             return done

@@ -71,6 +71,21 @@ class Membership:
         self.nodes: dict[str, Node] = {}
         self._seq = 0
         self._epoch = secrets.token_hex(2)
+        self.track = False
+        """Record changed and forgotten node ids (for the durable state's journal)."""
+        self.changed: set[str] = set()
+        self.forgotten: set[str] = set()
+
+    def mark(self, node: Node) -> None:
+        """The node's record changed (when tracking)."""
+        if self.track:
+            self.changed.add(node.node_id)
+
+    def _forget(self, node_id: str) -> None:
+        del self.nodes[node_id]
+        if self.track:
+            self.changed.discard(node_id)
+            self.forgotten.add(node_id)
 
     def register(self, hostname: str, slots: int, daemon: bool, now: float) -> Node:
         check_name("hostname", hostname, self.limits.max_name_chars)
@@ -81,7 +96,7 @@ class Membership:
             raise InvalidArgument("a worker daemon must offer slots >= 1 (rank processes it can run)")
         if len(self.nodes) >= self.limits.max_nodes:
             for node_id in [n.node_id for n in self.nodes.values() if n.dead]:
-                del self.nodes[node_id]
+                self._forget(node_id)
             if len(self.nodes) >= self.limits.max_nodes:
                 raise ResourceExhausted(
                     f"the coordinator has {len(self.nodes)} registered nodes, its limit (max_nodes); "
@@ -90,6 +105,7 @@ class Membership:
         self._seq += 1
         node = Node(f"n{self._seq}-{self._epoch}", hostname, self._seq, slots, daemon, now, secret=secrets.token_hex(16))
         self.nodes[node.node_id] = node
+        self.mark(node)
         return node
 
     def get(self, node_id: str) -> Node:
@@ -116,6 +132,8 @@ class Membership:
         was_dead = node.dead
         node.last_seen = now
         node.dead = False
+        if was_dead:
+            self.mark(node)
         return node, was_dead
 
     def health(self, node: Node, now: float) -> Health:
@@ -132,12 +150,13 @@ class Membership:
             silent = now - node.last_seen
             if not node.dead and silent > self.liveness.dead_after:
                 node.dead = True
+                self.mark(node)
                 out.append(node)
             elif node.dead and silent > 20 * self.liveness.dead_after + 60.0:
-                del self.nodes[node.node_id]
+                self._forget(node.node_id)
         return out
 
     def remove(self, node_id: str) -> Node:
         node = self.get(node_id)
-        del self.nodes[node_id]
+        self._forget(node_id)
         return node

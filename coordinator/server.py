@@ -21,6 +21,7 @@ from axond.control.credentials import default_state_dir, ensure_token, read_toke
 from axond.coordinator.auth import TokenInterceptor
 from axond.coordinator.decoding import DecodeGuard
 from axond.coordinator.limits import CoordinatorLimits
+from axond.coordinator.persistence.sqlite import SqlitePersistence
 from axond.coordinator.servicer import CoordinatorServicer
 from axond.coordinator.state import CoordinatorState
 from axond.coordinator.waiting import WaitHub
@@ -59,7 +60,12 @@ class CoordinatorConfig:
     insecure: bool = False
     """Serve without a token: anyone who reaches the port can run jobs. Only for trusted, isolated hosts."""
     state_dir: str | None = None
-    """Where the generated token is kept; None: $AXOND_STATE_DIR, $XDG_STATE_HOME/axond or ~/.local/state/axond."""
+    """Where the state (SQLite) and the generated token are kept; None: $AXOND_STATE_DIR,
+    $XDG_STATE_HOME/axond or ~/.local/state/axond."""
+    in_memory: bool = False
+    """Keep nodes, jobs and stores in this process only: a restart forgets them (throw-away runs, tests)."""
+    fsync: bool = False
+    """Flush every committed call to disk (survives power loss; default: survives the process being killed)."""
     tls_cert: str | None = None
     """PEM certificate file; with tls_key, serve TLS."""
     tls_key: str | None = None
@@ -111,6 +117,8 @@ class RunningCoordinator:
         """The token clients must send (None: --insecure)."""
         self.token_path = token_path
         """The file the token was read from or generated into (None if it was given directly)."""
+        self.state_dir: Path | None = None
+        """Where the state is kept durably (None: in memory only)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_request: asyncio.Event | None = None
         self._grace = 1.0
@@ -184,14 +192,29 @@ def _credentials(config: CoordinatorConfig) -> grpc.ServerCredentials | None:
 
 
 async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator], ready: threading.Event) -> None:
+    token, token_path = resolve_server_token(config)
+    state_dir = Path(config.state_dir) if config.state_dir else default_state_dir()
+    persistence = None if config.in_memory else SqlitePersistence(state_dir, fsync=config.fsync)
+    try:
+        state = CoordinatorState(
+            config.heartbeat_interval, config.dead_after_missed, config.settle_time,
+            limits=config.limits, persistence=persistence,
+        )
+        running = RunningCoordinator(0, "", state, token, token_path)
+        running.state_dir = None if persistence is None else state_dir
+        await _serve_state(config, running, running_box, ready)
+    finally:
+        if persistence is not None:
+            persistence.close()
+
+
+async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, running_box: list[RunningCoordinator],
+                       ready: threading.Event) -> None:
     loop = asyncio.get_running_loop()
     hub = WaitHub(loop)
-    state = CoordinatorState(
-        config.heartbeat_interval, config.dead_after_missed, config.settle_time, listener=hub.notify,
-        limits=config.limits,
-    )
-    token, token_path = resolve_server_token(config)
-    interceptors: list[grpc.aio.ServerInterceptor] = [TokenInterceptor(token)] if token else []
+    state = running.state
+    state.listen(hub.notify)
+    interceptors: list[grpc.aio.ServerInterceptor] = [TokenInterceptor(running.token)] if running.token else []
     interceptors.append(DecodeGuard())
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub), server)
@@ -214,7 +237,7 @@ async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    running = RunningCoordinator(port, _client_address(config.host, port), state, token, token_path)
+    running.port, running.address = port, _client_address(config.host, port)
     running._loop = loop
     running._stop_request = asyncio.Event()
     running_box.append(running)
@@ -283,7 +306,9 @@ def run_coordinator(config: CoordinatorConfig) -> int:
         auth = f"token required, kept in {running.token_path}"
     else:
         auth = "token required"
-    print(f"axond coordinator listening on {config.host}:{running.port} ({scheme}, {auth})", file=sys.stderr, flush=True)
+    kept = f"state in {running.state_dir}" if running.state_dir is not None else "state in memory only"
+    print(f"axond coordinator listening on {config.host}:{running.port} ({scheme}, {auth}; {kept})", file=sys.stderr,
+          flush=True)
     if running.token is None:
         print(
             "axond coordinator: WARNING: --insecure: anyone who can reach this port can run commands on every "

@@ -25,6 +25,7 @@ from axond.coordinator.errors import (
     PermissionDenied,
     ResourceExhausted,
     StateError,
+    Unavailable,
     check_wait,
 )
 from axond.coordinator.jobs import FinishedEvent, InfoEvent, JobSpec, JobState, OutputEvent
@@ -43,6 +44,7 @@ STATUS_OF: dict[type[StateError], grpc.StatusCode] = {
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 MAX_DETAIL_CHARS = 2000

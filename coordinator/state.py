@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from axond.coordinator.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unavailable,
     check_at_most,
     check_name,
     check_positive,
@@ -35,6 +37,8 @@ from axond.coordinator.kv import ByteBudget, KvSpace
 from axond.coordinator.kv_ops import KvOps
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.membership import Liveness, Membership, Node
+from axond.coordinator.persistence.base import Persistence
+from axond.coordinator.persistence.journal import Journal, TxLock, restore
 from axond.coordinator.rendezvous import Member, Round
 from axond.coordinator.scheduling import Scheduler
 from axond.coordinator.status import StatusSnapshot, snapshot
@@ -74,7 +78,10 @@ class CoordinatorState(KvOps, SubmittedJobs):
         settle_time: float = 0.5,
         listener: Callable[[Topic], None] | None = None,
         limits: CoordinatorLimits | None = None,
+        persistence: Persistence | None = None,
     ) -> None:
+        """`persistence`: where every call's changes are committed before it returns, and from which the
+        state is restored here (None: kept in this process only)."""
         if heartbeat_interval <= 0 or dead_after_missed < 1 or settle_time < 0:
             raise ValueError(
                 f"heartbeat_interval ({heartbeat_interval}) must be > 0, dead_after_missed "
@@ -83,7 +90,6 @@ class CoordinatorState(KvOps, SubmittedJobs):
         self.limits = limits or CoordinatorLimits()
         self.limits.validate()
         self.budget = ByteBudget(self.limits.max_store_bytes)
-        self.lock = threading.RLock()
         self.settle_time = settle_time
         self.members = Membership(Liveness(heartbeat_interval, dead_after_missed), self.limits)
         self.jobs: dict[str, Job] = {}
@@ -91,8 +97,61 @@ class CoordinatorState(KvOps, SubmittedJobs):
         self._waiting_next: dict[str, dict[str, tuple[tuple[str, int], int]]] = {}
         self._listener = listener or (lambda topic: None)
         self._job_seq = 0
+        self.persistence = persistence
+        self.journal: Journal | None = None
+        self.lock: threading.RLock | TxLock = threading.RLock()
+        if persistence is not None:
+            self.journal = Journal()
+            restore(self, persistence.load(), time.monotonic())
+            self.members.track = True
+            self.lock = TxLock(self._commit)
+
+    def _commit(self) -> None:
+        """Write what the current call changed (under the lock, before the caller hears of it)."""
+        assert self.journal is not None and self.persistence is not None
+        changes = self.journal.changes(self, time.monotonic())
+        if changes:
+            try:
+                self.persistence.commit(changes)
+            except Exception as e:
+                raise Unavailable(
+                    f"the coordinator could not write its state ({type(e).__name__}: {e}); retry, and check "
+                    "its state directory (disk full? permissions?)"
+                ) from e
+
+    def _mark_job(self, name: str) -> None:
+        if self.journal is not None:
+            self.journal.jobs.add(name)
+
+    def _mark_meta(self) -> None:
+        if self.journal is not None:
+            self.journal.meta = True
+
+    def _mark_kv(self, job: str, key: str) -> None:
+        if self.journal is not None:
+            self.journal.kv.add((job, key))
+
+    def _store_cleared(self, job: str) -> None:
+        if self.journal is not None:
+            self.journal.store_cleared(job)
+
+    def _mark_barrier(self, job: str, name: str) -> None:
+        if self.journal is not None:
+            self.journal.barriers.add((job, name))
+
+    def listen(self, listener: Callable[[Topic], None]) -> None:
+        """Report changed topics to `listener` (the servicer's wake-ups)."""
+        self._listener = listener
 
     def _notify(self, *topic: Hashable) -> None:
+        if self.journal is not None:
+            kind = topic[0]
+            if kind in ("job", "events"):
+                self.journal.jobs.add(topic[1])  # type: ignore[arg-type]
+            elif kind == "key":
+                self.journal.kv.add((topic[1], topic[3]))  # type: ignore[arg-type]
+            elif kind == "work":
+                self.journal.meta = True
         self._listener(topic)
 
     def _job(self, name: str) -> Job:
@@ -111,6 +170,8 @@ class CoordinatorState(KvOps, SubmittedJobs):
         old = self.jobs.pop(name, None)
         if old is not None:
             old.kv.release()
+        if self.journal is not None:
+            self.journal.job_replaced(name)
         if len(self.jobs) >= self.limits.max_jobs:
             self._forget_jobs()
         j = Job(
@@ -130,6 +191,7 @@ class CoordinatorState(KvOps, SubmittedJobs):
         for j in candidates[: len(self.jobs) - self.limits.max_jobs + 1]:
             j.kv.release()
             del self.jobs[j.name]
+            self._mark_job(j.name)
             self._waiting_next.pop(j.name, None)
         if len(self.jobs) >= self.limits.max_jobs:
             raise ResourceExhausted(
@@ -143,6 +205,7 @@ class CoordinatorState(KvOps, SubmittedJobs):
     def register_node(self, hostname: str, slots: int, daemon: bool, now: float) -> Node:
         with self.lock:
             node = self.members.register(hostname, slots, daemon, now)
+            self._mark_meta()
             if daemon:
                 self._place()
             return node
@@ -227,6 +290,8 @@ class CoordinatorState(KvOps, SubmittedJobs):
                     f"job {short(job)} would have more than {self.limits.max_world_size} ranks (max_world_size)"
                 )
             node.job = job
+            self.members.mark(node)
+            self._mark_job(job)
             rnd = j.round
             if rnd.frozen:
                 if rnd.member(node_id) is not None:
@@ -294,6 +359,7 @@ class CoordinatorState(KvOps, SubmittedJobs):
             if j is not None:
                 self._waiting_next.get(job, {}).pop(node_id, None)
                 j.round.remove(node_id)
+                self._mark_job(job)
 
     def _maybe_freeze(self, j: Job, now: float) -> None:
         if j.state.terminal or not j.round.maybe_freeze(now):
@@ -330,6 +396,7 @@ class CoordinatorState(KvOps, SubmittedJobs):
         j.round = self._new_round(j.generation + 1, j.min_nodes, j.max_nodes)
         j.kv.release()
         j.kv = self._new_space()
+        self._store_cleared(j.name)
         j.exits.clear()
         j.state = JobState.RESTARTING
         now_waiting = self._waiting_next.pop(j.name, {})
@@ -346,12 +413,14 @@ class CoordinatorState(KvOps, SubmittedJobs):
             j.round = self._new_round(j.generation + 1, j.min_nodes, j.max_nodes)
             j.kv.release()
             j.kv = self._new_space()
+            self._store_cleared(j.name)
         j.state, j.exit_code, j.reason, j.finished_at = state, exit_code, message, now
         self._waiting_next.pop(j.name, None)
         j.events.append(FinishedEvent(exit_code, message))
         for node in self.members.nodes.values():
             if node.job == j.name:
                 node.job = ""
+                self.members.mark(node)
         if state is JobState.CANCELLED:
             for node_id in self.scheduler.cancel(j):
                 self._notify("work", node_id)
@@ -396,6 +465,8 @@ class CoordinatorState(KvOps, SubmittedJobs):
                 return
             j.exits[node_id] = exit_code
             node.job = ""
+            self.members.mark(node)
+            self._mark_job(job)
             if exit_code != 0:
                 self._finish(
                     j, JobState.FAILED, exit_code, f"node {node_id} ({node.hostname}) exited with code {exit_code}", now

@@ -19,6 +19,7 @@ from axond.coordinator.errors import (
 from axond.coordinator.jobs import CANCELLED_EXIT_CODE, Event, Job, JobSpec, JobState, OutputEvent
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.membership import Membership
+from axond.coordinator.persistence.journal import TxLock
 from axond.coordinator.scheduling import Scheduler
 
 MAX_LINES_PER_PUSH = 10_000
@@ -28,7 +29,7 @@ MAX_LINE_CHARS = 64 * 1024
 class SubmittedJobs:
     """Job submission and the daemon side; mixed into CoordinatorState."""
 
-    lock: threading.RLock
+    lock: threading.RLock | TxLock
     jobs: dict[str, Job]
     members: Membership
     scheduler: Scheduler
@@ -45,6 +46,12 @@ class SubmittedJobs:
         raise NotImplementedError
 
     def _finish(self, j: Job, state: JobState, exit_code: int, message: str, now: float) -> None:
+        raise NotImplementedError
+
+    def _mark_job(self, name: str) -> None:
+        raise NotImplementedError
+
+    def _mark_meta(self) -> None:
         raise NotImplementedError
 
     def _check_spec(self, spec: JobSpec) -> None:
@@ -87,6 +94,9 @@ class SubmittedJobs:
             return name
 
     def _place(self) -> None:
+        for name in self.scheduler.queue:
+            self._mark_job(name)
+        self._mark_meta()
         woken, noted = self.scheduler.place(self.members, self.jobs)
         for node_id in woken:
             self._notify("work", node_id)
@@ -103,6 +113,7 @@ class SubmittedJobs:
                 )
             self._place()
             names, cancelled = self.scheduler.take(node_id)
+            self._mark_meta()
             work = []
             for name in names:
                 job = self.jobs.get(name)

@@ -30,11 +30,11 @@ from collective_cases import NODES, backend_of, group_members, use_transport
 
 @pytest.fixture
 def coordinator_factory() -> Iterator[Callable[..., RunningCoordinator]]:
-    """Start coordinators with CoordinatorConfig overrides (host 127.0.0.1, port 0); all stopped after."""
+    """Start coordinators with CoordinatorConfig overrides (host 127.0.0.1, port 0, in memory); all stopped after."""
     started: list[RunningCoordinator] = []
 
     def start(**overrides: Any) -> RunningCoordinator:
-        config = CoordinatorConfig(**{"host": "127.0.0.1", "port": 0, **overrides})
+        config = CoordinatorConfig(**{"host": "127.0.0.1", "port": 0, "in_memory": True, **overrides})
         running = start_coordinator(config)
         started.append(running)
         return running

@@ -52,7 +52,7 @@ def target() -> Iterator[tuple[RunningCoordinator, dict[str, str]]]:
     """A coordinator with small limits, a registered node and a running job to aim at."""
     limits = CoordinatorLimits(max_nodes=500, max_jobs=200, max_store_bytes=16 << 20, max_store_bytes_per_job=4 << 20,
                                max_queued_jobs=50, max_output_bytes_per_job=1 << 20)
-    running = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, token="fuzz", limits=limits))
+    running = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, token="fuzz", limits=limits, in_memory=True))
     with connect(running.address, token="fuzz", call_timeout=5.0) as c:
         node = c.register_node("host-a").node_id
         c.join("j", node, 2, 1, 1, timeout=5.0)

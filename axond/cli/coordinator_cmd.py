@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 @click.option("--state-dir", envvar="AXOND_STATE_DIR", type=click.Path(file_okay=False), default=None,
               help="Directory for the coordinator's state (the generated token) [env AXOND_STATE_DIR; default "
               "$XDG_STATE_HOME/axond or ~/.local/state/axond].")
+@click.option("--in-memory", is_flag=True, default=False,
+              help="Keep nodes, jobs and stores in this process only (a restart forgets them); the default keeps "
+              "them in STATE_DIR/coordinator.db so a restarted coordinator carries on.")
+@click.option("--fsync", is_flag=True, default=False,
+              help="Flush every change to disk before answering (survives power loss; slower). Without it a change "
+              "survives the coordinator being killed.")
 @click.option("--insecure", is_flag=True, default=False,
               help="Serve without any token: anyone who reaches the port can run commands on the worker daemons. "
               "Only for isolated, trusted networks.")
@@ -49,7 +55,8 @@ if TYPE_CHECKING:
 @click.option("--settle-time", type=click.FloatRange(min=0), default=0.5, show_default=True,
               help="Seconds an elastic rendezvous waits for late joiners once MIN nodes joined.")
 def coordinator(
-    port: int, host: str, token: str | None, token_file: str | None, state_dir: str | None, insecure: bool,
+    port: int, host: str, token: str | None, token_file: str | None, state_dir: str | None, in_memory: bool,
+    fsync: bool, insecure: bool,
     tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None,
     heartbeat_interval: float, dead_after_missed: int, limits: tuple[str, ...], settle_time: float,
 ) -> None:
@@ -65,7 +72,8 @@ def coordinator(
     _check_port_free(host, port)
     config = CoordinatorConfig(
         limits=parse_limits(limits),
-        host=host, port=port, token=token, token_file=token_file, state_dir=state_dir, insecure=insecure,
+        host=host, port=port, token=token, token_file=token_file, state_dir=state_dir, in_memory=in_memory, fsync=fsync,
+        insecure=insecure,
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
         heartbeat_interval=heartbeat_interval, dead_after_missed=dead_after_missed, settle_time=settle_time,
     )

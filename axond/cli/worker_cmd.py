@@ -125,7 +125,7 @@ def _run_standalone(spec: JobSpec) -> None:
 
     token = secrets.token_hex(16)
     try:
-        coordinator = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, token=token))
+        coordinator = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, token=token, in_memory=True))
     except CoordinatorError as e:
         fail("worker", f"--standalone could not start its coordinator: {e}", EXIT_FAILED)
     try:

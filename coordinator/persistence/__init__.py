@@ -1,0 +1,7 @@
+"""Durable coordinator state: one interface (`Persistence`), kept in memory or in SQLite."""
+
+from axond.coordinator.persistence.base import Changes, Persistence, Snapshot
+from axond.coordinator.persistence.memory import MemoryPersistence
+from axond.coordinator.persistence.sqlite import SqlitePersistence
+
+__all__ = ["Changes", "MemoryPersistence", "Persistence", "Snapshot", "SqlitePersistence"]

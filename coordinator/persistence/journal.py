@@ -1,0 +1,156 @@
+"""What changed during one call of the state machine, committed when the call releases the state's lock.
+
+`TxLock` is the state's re-entrant lock: when the outermost holder releases it, the changes marked
+in the `Journal` are read from the live objects and committed in one transaction, before the call
+returns to the servicer (so before any client hears of them). `restore` rebuilds a state from what
+was committed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from axond.coordinator.jobs import EventLog
+from axond.coordinator.kv import ARRIVAL_OVERHEAD, KvSpace
+from axond.coordinator.persistence import records
+from axond.coordinator.persistence.base import Changes, Snapshot
+
+if TYPE_CHECKING:
+    from axond.coordinator.state import CoordinatorState
+
+
+class TxLock:
+    """A re-entrant lock that calls `on_release` when its outermost holder releases it."""
+
+    def __init__(self, on_release: Callable[[], None]) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._on_release = on_release
+
+    def __enter__(self) -> TxLock:
+        self._lock.acquire()
+        self._depth += 1
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            if self._depth == 1:
+                self._on_release()
+        finally:
+            self._depth -= 1
+            self._lock.release()
+
+
+@dataclass
+class Journal:
+    """Names of what changed since the last commit."""
+
+    jobs: set[str] = field(default_factory=set)
+    replaced_jobs: set[str] = field(default_factory=set)
+    cleared_stores: set[str] = field(default_factory=set)
+    kv: set[tuple[str, str]] = field(default_factory=set)
+    barriers: set[tuple[str, str]] = field(default_factory=set)
+    meta: bool = False
+    events_saved: dict[str, int] = field(default_factory=dict)
+    """Per job: absolute index of the first event not committed yet."""
+
+    def job_replaced(self, name: str) -> None:
+        """A job of this name was forgotten or started anew: its old record, store and events go."""
+        self.replaced_jobs.add(name)
+        self.jobs.add(name)
+        self.events_saved[name] = 0
+        self.kv = {k for k in self.kv if k[0] != name}
+        self.barriers = {k for k in self.barriers if k[0] != name}
+
+    def store_cleared(self, name: str) -> None:
+        self.cleared_stores.add(name)
+        self.kv = {k for k in self.kv if k[0] != name}
+        self.barriers = {k for k in self.barriers if k[0] != name}
+
+    def changes(self, state: CoordinatorState, now: float) -> Changes:
+        """Read the marked objects from `state` into one `Changes`, and start over."""
+        c = Changes()
+        members = state.members
+        for node_id in members.forgotten:
+            c.deleted_nodes.add(node_id)
+        for node_id in members.changed:
+            node = members.nodes.get(node_id)
+            if node is None:
+                c.deleted_nodes.add(node_id)
+            else:
+                c.deleted_nodes.discard(node_id)
+                c.nodes[node_id] = records.node_record(node)
+        members.changed.clear()
+        members.forgotten.clear()
+        c.deleted_jobs = set(self.replaced_jobs)
+        c.cleared_stores = set(self.cleared_stores)
+        for name in self.jobs:
+            j = state.jobs.get(name)
+            if j is None:
+                c.deleted_jobs.add(name)
+                self.events_saved.pop(name, None)
+                continue
+            c.jobs[name] = records.job_record(j, now)
+            saved = self.events_saved.get(name, 0)
+            if j.events.end > saved:
+                events, end, _ = j.events.read(saved)
+                c.events[name] = (end - len(events), [records.event_record(e) for e in events])
+                self.events_saved[name] = end
+        for job, key in self.kv:
+            j = state.jobs.get(job)
+            if j is not None:
+                c.kv[(job, key)] = (j.generation, j.kv.data.get(key))
+        for job, name in self.barriers:
+            j = state.jobs.get(job)
+            barrier = j.kv.barriers.get(name) if j is not None else None
+            if j is not None and barrier is not None:
+                c.barriers[(job, name)] = (j.generation, records.barrier_record(barrier))
+        if self.meta:
+            s = state.scheduler
+            c.meta = records.scheduler_meta(s.queue, s.deliveries, s.cancels, state._job_seq, members._seq)
+        self.jobs.clear()
+        self.replaced_jobs.clear()
+        self.cleared_stores.clear()
+        self.kv.clear()
+        self.barriers.clear()
+        self.meta = False
+        return c
+
+
+def restore(state: CoordinatorState, snap: Snapshot, now: float) -> None:
+    """Fill a new, empty `state` with what was committed; every node gets a fresh lease from `now`."""
+    members = state.members
+    for r in snap.nodes:
+        node = records.node_from(r, now)
+        members.nodes[node.node_id] = node
+    for r in snap.jobs:
+        log = EventLog(state.limits.max_output_bytes_per_job)
+        first, events = snap.events.get(r["name"], (0, []))
+        log.base = first
+        for e in events:
+            log.events.append(records.event_from(e))
+            log.bytes += len(e.get("text", e.get("message", ""))) + 64
+        j = records.job_from(r, now, log)
+        j.kv = KvSpace(state.limits, state.budget)
+        state.jobs[j.name] = j
+        state.journal.events_saved[j.name] = log.end
+    for job, gen, key, value in snap.kv:
+        j = state.jobs.get(job)
+        if j is not None and j.generation == gen:
+            j.kv._put(key, value)
+    for job, gen, name, r in snap.barriers:
+        j = state.jobs.get(job)
+        if j is not None and j.generation == gen:
+            barrier = j.kv.barriers[name] = records.barrier_from(r)
+            j.kv._charge(len(name) + ARRIVAL_OVERHEAD + sum(len(a) + ARRIVAL_OVERHEAD for a in barrier.arrivals))
+    meta = snap.meta or {}
+    state.scheduler.queue = list(meta.get("queue", []))
+    state.scheduler.deliveries = {k: list(v) for k, v in meta.get("deliveries", {}).items()}
+    state.scheduler.cancels = {k: list(v) for k, v in meta.get("cancels", {}).items()}
+    state._job_seq = int(meta.get("job_seq", 0))
+    members._seq = max([int(meta.get("node_seq", 0))] + [n.seq for n in members.nodes.values()])
+

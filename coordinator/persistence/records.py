@@ -1,0 +1,111 @@
+"""The coordinator's objects as JSON-able records and back.
+
+Times: monotonic clocks do not survive a restart, so a finished job's time is kept as wall-clock
+seconds; liveness is not kept at all (a restored node gets one lease period from the restart).
+"""
+
+from __future__ import annotations
+
+import time
+from axond.coordinator.jobs import Event, EventLog, FinishedEvent, InfoEvent, Job, JobSpec, JobState, OutputEvent
+from axond.coordinator.kv import BarrierState
+from axond.coordinator.membership import Node
+from axond.coordinator.persistence.base import Record
+from axond.coordinator.rendezvous import Member, Round
+
+
+def node_record(n: Node) -> Record:
+    return {"node_id": n.node_id, "hostname": n.hostname, "seq": n.seq, "slots": n.slots, "daemon": n.daemon,
+            "secret": n.secret, "job": n.job, "dead": n.dead}
+
+
+def node_from(r: Record, now: float) -> Node:
+    return Node(r["node_id"], r["hostname"], int(r["seq"]), int(r["slots"]), bool(r["daemon"]), now,
+                dead=bool(r["dead"]), job=r["job"], secret=r["secret"])
+
+
+def _round_record(rnd: Round) -> Record:
+    return {
+        "generation": rnd.generation, "min_nodes": rnd.min_nodes, "max_nodes": rnd.max_nodes,
+        "settle_time": rnd.settle_time, "secret": rnd.secret.hex(),
+        "joiners": [[nid, j.order_key[0], j.order_key[1], j.nproc] for nid, j in rnd.joiners.items()],
+        "members": None if rnd.members is None
+        else [[m.node_id, m.hostname, m.nproc, m.node_rank, m.rank_offset] for m in rnd.members],
+    }
+
+
+def _round_from(r: Record, now: float) -> Round:
+    rnd = Round(int(r["generation"]), int(r["min_nodes"]), int(r["max_nodes"]), float(r["settle_time"]),
+                bytes.fromhex(r["secret"]))
+    for node_id, host, seq, nproc in r["joiners"]:
+        rnd.add(node_id, (host, int(seq)), int(nproc), now)
+    if r["members"] is not None:
+        rnd.members = [Member(nid, host, int(nproc), int(nr), int(off)) for nid, host, nproc, nr, off in r["members"]]
+        rnd._by_node = {m.node_id: m for m in rnd.members}
+    return rnd
+
+
+def _wall(at: float | None, now: float) -> float | None:
+    return None if at is None else time.time() - (now - at)
+
+
+def _mono(at: float | None, now: float) -> float | None:
+    return None if at is None else now - max(0.0, time.time() - at)
+
+
+def job_record(j: Job, now: float) -> Record:
+    spec = j.spec
+    return {
+        "name": j.name, "min_nodes": j.min_nodes, "max_nodes": j.max_nodes, "max_restarts": j.max_restarts,
+        "state": int(j.state), "restarts": j.restarts, "reason": j.reason, "exit_code": j.exit_code,
+        "spec": None if spec is None else {
+            "nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "argv": list(spec.argv),
+            "env": [list(kv) for kv in spec.env], "max_restarts": spec.max_restarts, "cwd": spec.cwd},
+        "assigned": list(j.assigned), "exits": dict(j.exits), "placement_note": j.placement_note,
+        "finished_wall": _wall(j.finished_at, now), "round": _round_record(j.round),
+        "past_rounds": [_round_record(r) for r in j.past_rounds], "events_base": j.events.base,
+    }
+
+
+def job_from(r: Record, now: float, events: EventLog) -> Job:
+    s = r["spec"]
+    spec = None if s is None else JobSpec(int(s["nnodes"]), int(s["nproc_per_node"]), tuple(s["argv"]),
+                                          tuple((k, v) for k, v in s["env"]), int(s["max_restarts"]), s["cwd"])
+    return Job(
+        r["name"], int(r["min_nodes"]), int(r["max_nodes"]), int(r["max_restarts"]), _round_from(r["round"], now),
+        state=JobState(int(r["state"])), restarts=int(r["restarts"]), reason=r["reason"], exit_code=r["exit_code"],
+        spec=spec, assigned=list(r["assigned"]), exits={k: int(v) for k, v in r["exits"].items()},
+        placement_note=r["placement_note"], past_rounds=[_round_from(p, now) for p in r["past_rounds"]],
+        finished_at=_mono(r["finished_wall"], now), events=events,
+    )
+
+
+def event_record(e: Event) -> Record:
+    if isinstance(e, OutputEvent):
+        return {"kind": "output", "rank": e.rank, "stream": e.stream, "text": e.text}
+    if isinstance(e, InfoEvent):
+        return {"kind": "info", "text": e.text}
+    return {"kind": "finished", "exit_code": e.exit_code, "message": e.message}
+
+
+def event_from(r: Record) -> Event:
+    if r["kind"] == "output":
+        return OutputEvent(int(r["rank"]), r["stream"], r["text"])
+    if r["kind"] == "info":
+        return InfoEvent(r["text"])
+    return FinishedEvent(int(r["exit_code"]), r["message"])
+
+
+def barrier_record(b: BarrierState) -> Record:
+    return {"world_size": b.world_size, "arrivals": sorted(b.arrivals)}
+
+
+def barrier_from(r: Record) -> BarrierState:
+    return BarrierState(int(r["world_size"]), set(r["arrivals"]))
+
+
+def scheduler_meta(queue: list[str], deliveries: dict[str, list[str]], cancels: dict[str, list[str]],
+                   job_seq: int, node_seq: int) -> Record:
+    return {"queue": list(queue), "deliveries": {k: list(v) for k, v in deliveries.items()},
+            "cancels": {k: list(v) for k, v in cancels.items()}, "job_seq": job_seq, "node_seq": node_seq}
+
