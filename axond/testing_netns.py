@@ -142,7 +142,7 @@ class Host:
         if unshare is None:
             return [ip, "netns", "exec", self.ns, *argv]
         return [ip, "netns", "exec", self.ns, unshare, "--uts", "--", "/bin/sh", "-c",
-                'hostname "$0" && exec "$@"', self.hostname, *argv]
+                'printf %s "$0" > /proc/sys/kernel/hostname && exec "$@"', self.hostname, *argv]
 
     def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `argv` in this host (`subprocess.Popen` keyword arguments pass through); killed by `close`."""

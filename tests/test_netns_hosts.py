@@ -8,6 +8,7 @@ Needs root and `ip netns` (skipped otherwise, with the reason).
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -81,6 +82,39 @@ def dead_at(watch: Proc, node: str, timeout: float) -> float:
             return float(m.group(1))
         time.sleep(0.05)
     pytest.fail(f"the coordinator did not declare node {node} dead within {timeout} s; status changes:\n{watch.text()}")
+
+
+SERVE = "import socket, sys; l = socket.create_server((sys.argv[1], 29600)); print('up', flush=True)\n" \
+        "while True: l.accept()[0].close()"
+CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], 29600), timeout=2).close()"
+
+
+@pytest.mark.timeout(60)
+def test_hosts_have_their_own_address_hostname_and_mtu_and_links_can_be_cut(netns, tmp_path: Path) -> None:
+    net = netns(2, mtu=9000)
+    h0, h1 = net.hosts
+    env = base_env(tmp_path / "home")
+    routes = h1.run(["ip", "-4", "route"], env=env).stdout
+    assert routes.split() == ["10.213.0.0/24", "dev", "eth0", "proto", "kernel", "scope", "link", "src", h1.addr], \
+        routes  # no default route: nothing leaves the namespaces
+    assert "mtu 9000" in h1.run(["ip", "link", "show", "eth0"], env=env).stdout
+    assert h1.run(["hostname"], env=env).stdout.strip() == "nshost1"
+    server = Proc(h0, "server", [sys.executable, "-c", SERVE, h0.addr], env, tmp_path)
+    server.wait_for("up", timeout=20)
+    connect = [sys.executable, "-c", CONNECT, h0.addr]
+    assert h1.run(connect, env=env).returncode == 0
+    h1.link_down("host")
+    cut = h1.run(connect, env=env)
+    assert cut.returncode != 0 and "Network is unreachable" in cut.stderr, cut.stderr
+    h1.link_up("host")
+    assert h1.run(connect, env=env).returncode == 0
+    h0.link_down("switch")
+    assert h1.run(connect, env=env).returncode != 0  # frames vanish: the connect times out
+    h0.link_up("switch")
+    assert h1.run(connect, env=env).returncode == 0
+    h0.vanish()
+    assert server.popen.poll() is not None
+    assert h0.ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
 @pytest.mark.timeout(90)
