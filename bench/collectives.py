@@ -12,6 +12,7 @@ axond/sockets is that path's gain; gloo, and MPI with `--mca btl tcp,self`, use 
 too). The raw limit is two processes streaming through plain sockets in both directions at once:
 its peak (one cache-resident 4 MiB buffer each way) and, for sizes >= 1 MiB, streaming arrays of that size.
 `--mpi-btl vader,self` runs MPI over its shared-memory transport instead, the peer of axond's defaults.
+`--hosts 2 [--ranks-per-host K]` runs between network-namespace hosts instead (root; bench/collectives_hosts.py).
 
 When the ranks are at least as many as the cores, a last table per n gives each library's busbw as a
 share of the host bound (bench/bounds.py): the busbw the machine's cores allow at the raw socket copy
@@ -311,6 +312,11 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1,
                     help="axond only: put rank r on simulated node r %% NODES (its own loopback address, 127.0.0.x), "
                          "so a group over several nodes all-reduces in two levels (sockets: flat, over the sockets)")
+    ap.add_argument("--hosts", type=int, default=0,
+                    help="run between this many network-namespace hosts (root; bench/collectives_hosts.py) "
+                         "instead of on loopback; --nproc is then ignored")
+    ap.add_argument("--ranks-per-host", type=int, default=1, help="with --hosts: ranks in each host")
+    ap.add_argument("--mtu", type=int, default=1500, help="with --hosts: MTU of the hosts' links (1500, 9000)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run everything this many times, libraries alternating per op, and keep each best median")
@@ -326,6 +332,14 @@ def main() -> None:
         if runner.rank == 0:
             with open(args.mpi_worker, "w") as f:
                 json.dump(res, f)
+        return
+    if args.hosts:
+        if args.hosts < 2 or args.ranks_per_host < 1:
+            ap.error(f"--hosts needs at least 2 hosts and --ranks-per-host at least 1 (got {args.hosts}, "
+                     f"{args.ranks_per_host})")
+        from collectives_hosts import run_hosts
+
+        run_hosts(args, sizes)
         return
     if "mpi" in args.peers:
         print(f"(MPI runs with --mca btl {args.mpi_btl})")
