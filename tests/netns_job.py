@@ -4,6 +4,7 @@ NETNS_MODE=collectives: check the addresses this rank advertises and connects ov
 collective with exact numeric checks and print `NETNS-OK`. NETNS_MODE=loop: print `NETNS-READY`, then
 all_reduce until a peer is lost (the DistributedError ends the rank with code 1) or NETNS_LOOP_SECONDS pass
 (code 3). NETNS_EXPECT_ADDR is this host's address, NETNS_HOST_ADDRS every worker host's (comma-separated),
+NETNS_MODE=train: print `NETNS-READY`, all-reduce for NETNS_LOOP_SECONDS, then exit 0.
 NETNS_TIMEOUT the group timeout in seconds.
 """
 
@@ -107,6 +108,19 @@ def main() -> int:
     node = os.environ.get("AXOND_NODE_ID", "?")
     check_addresses(pg)
     mode = os.environ.get("NETNS_MODE", "collectives")
+    if mode == "train":
+        x = np.ones(4, np.float32)
+        pg.all_reduce(x)
+        print(f"NETNS-READY rank={pg.rank} node={node} addr={os.environ['NETNS_EXPECT_ADDR']}", flush=True)
+        deadline = time.monotonic() + float(os.environ.get("NETNS_LOOP_SECONDS", "8"))
+        while time.monotonic() < deadline:
+            x[...] = 1
+            pg.all_reduce(x)
+            assert x[0] == pg.size
+            time.sleep(0.02)
+        axond.destroy_process_group()
+        print(f"NETNS-DONE rank={pg.rank}", flush=True)
+        return 0
     if mode == "loop":
         x = np.ones(4, np.float32)
         pg.all_reduce(x)

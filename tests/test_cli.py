@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from axond.control.client import connect
+
 from axond.coordinator.server import RunningCoordinator
 from test_worker_support import FAST, ENV_SCRIPT, Procs, coord, free_port, pid_alive, procs, wait_for  # noqa: F401
 
@@ -150,6 +152,19 @@ def test_run_through_daemons_end_to_end(coord: RunningCoordinator, procs: Procs)
                         "--", PY, "-c", "import os, sys; sys.exit(4 if os.environ['RANK'] == '1' else 0)")
     assert failing.code == 1, "a rank's failure is exit code 1 (its own code 4 is in the message)"
     assert "rank 1" in failing.stderr and "exited with code 4" in failing.stderr
+
+
+def test_run_attach_follows_a_submitted_job(coord: RunningCoordinator, procs: Procs) -> None:
+    procs.axond("worker", "--coordinator", coord.address, "--slots", "1")
+    with connect(coord.address, call_timeout=5.0) as c:
+        job = c.submit_job([PY, "-c", "print('from-the-rank')"], 1, 1, job="attach-me")
+    res = procs.run("run", "--coordinator", coord.address, "--attach", job, timeout=60)
+    assert res.code == 0, res.stderr
+    assert "[rank 0] from-the-rank" in res.stdout
+    again = procs.run("run", "--coordinator", coord.address, "--attach", job, timeout=30)
+    assert again.code == 0 and "[rank 0] from-the-rank" in again.stdout, "a finished job replays from its start"
+    usage = procs.run("run", "--coordinator", coord.address, "--attach", job, "--nnodes", "1", "--", PY)
+    assert usage.code == 2 and "--attach" in usage.stderr
 
 
 def test_run_ctrl_c_cancels_the_job(coord: RunningCoordinator, procs: Procs, tmp_path: Path) -> None:

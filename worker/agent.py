@@ -15,7 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
 
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
@@ -27,6 +29,8 @@ from axond.worker.spec import ConnectOptions, JobSpec
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
 
+R = TypeVar("R")
+
 Notice = Callable[[str], None]
 """Receives a one-line notice about the agent's progress (joins, restarts, failures)."""
 
@@ -34,6 +38,10 @@ JOB_FAILED_ELSEWHERE_EXIT_CODE = 1
 """Exit code of a node whose own ranks were fine when the job failed because of another node."""
 
 _TERMINAL_STATES = (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED, pb.JOB_STATE_SUCCEEDED)
+LEASE_LOST_EXIT_CODE = 3
+"""Exit code of a node that lost contact with the coordinator for a whole lease while running (its ranks
+were stopped): the same code as a coordinator that cannot be reached at start."""
+
 _MONITOR_TICK = 0.05
 
 
@@ -61,6 +69,8 @@ class JobOutcome:
     """Why it failed (names the failing rank), empty on success."""
     error: Exception | None = None
     """The control-plane error that ended the job for this node, if that is what ended it."""
+    lease_lost: bool = False
+    """The node lost contact with the coordinator for a whole lease and stopped its ranks."""
 
 
 class JobRunner:
@@ -206,9 +216,9 @@ class JobRunner:
                 ranks.stop(grace=spec.stop_grace)
                 self._flush()
                 try:
-                    reply = self._client.report_failure(
+                    reply = self._within_lease(lambda: self._client.report_failure(
                         spec.job, self._node_id, gen, failure.rank, failure.exit_code, message
-                    )
+                    ))
                 except (CoordinatorError, ValueError) as e:
                     return JobOutcome(failure.exit_code, f"{message} (and the coordinator was not told: {e})")
                 if reply.will_restart and not self._stop.is_set():
@@ -218,6 +228,13 @@ class JobRunner:
                 return JobOutcome(failure.exit_code, message)
             if self._stop.is_set():
                 return JobOutcome(self._stop_code, self._stop_reason)
+            if self._hb.lease_lost:
+                ranks.stop(grace=spec.stop_grace)
+                why = (f"lost the coordinator's lease: no heartbeat was answered for {self._hb.lease:g} s "
+                       f"({self._hb.last_error or 'no answer'}); the coordinator has declared this node dead, so its "
+                       "ranks were stopped")
+                self._notice(why)
+                return JobOutcome(LEASE_LOST_EXIT_CODE, why, lease_lost=True)
             beat = self._hb.latest(spec.job)
             if beat is not None and (beat.generation > gen or beat.job_state in _TERMINAL_STATES):
                 ranks.stop(grace=spec.stop_grace)
@@ -253,9 +270,23 @@ class JobRunner:
             self._hb.changed.clear()
         return JobOutcome(0)
 
+    def _within_lease(self, call: Callable[[], R]) -> R:
+        """`call()`, sent again while the coordinator is unreachable, for at most one lease (a restart of
+        the coordinator within that time disturbs nothing)."""
+        deadline = time.monotonic() + self._hb.lease
+        while True:
+            try:
+                return call()
+            except CoordinatorError as e:
+                code = getattr(e.__cause__, "code", None)
+                unreachable = callable(code) and code() == grpc.StatusCode.UNAVAILABLE
+                if not unreachable or time.monotonic() + 0.5 > deadline or self._stop.is_set():
+                    raise
+                time.sleep(0.5)
+
     def _report_exit(self, gen: int, exit_code: int) -> None:
         try:
-            self._client.report_exit(self._spec.job, self._node_id, gen, exit_code)
+            self._within_lease(lambda: self._client.report_exit(self._spec.job, self._node_id, gen, exit_code))
         except (CoordinatorError, ValueError) as e:
             self._notice(f"could not report the exit of job {self._spec.job!r} to the coordinator: {e}")
 
@@ -296,18 +327,23 @@ class RunningAgent:
         return self.wait(timeout)
 
 
-def register(client: CoordinatorClient, slots: int, daemon: bool) -> tuple[str, Heartbeater]:
-    """Register this host as a node and start its heartbeat thread."""
+def register(client: CoordinatorClient, slots: int, daemon: bool,
+             notice: Notice = stderr_notice) -> tuple[str, Heartbeater]:
+    """Register this host as a node and start its heartbeat thread, which renews the node's lease
+    (heartbeat interval x missed heartbeats, as the coordinator said)."""
     reply = client.register_node(socket.gethostname(), slots=slots, daemon=daemon)
-    hb = Heartbeater(client, reply.node_id, reply.heartbeat_interval_s or 1.0).start()
+    interval = reply.heartbeat_interval_s or 1.0
+    lease = interval * (reply.dead_after_missed or 5)
+    hb = Heartbeater(client, reply.node_id, interval, lease=lease, notice=notice).start()
     return reply.node_id, hb
 
 
-def connect_and_register(conn: ConnectOptions, slots: int, daemon: bool) -> tuple[CoordinatorClient, str, Heartbeater]:
+def connect_and_register(conn: ConnectOptions, slots: int, daemon: bool,
+                         notice: Notice = stderr_notice) -> tuple[CoordinatorClient, str, Heartbeater]:
     """Open a client and register this host with it; the client is closed again if registering fails."""
     client = conn.connect()
     try:
-        node_id, hb = register(client, slots=slots, daemon=daemon)
+        node_id, hb = register(client, slots=slots, daemon=daemon, notice=notice)
     except BaseException:
         client.close()
         raise
@@ -332,6 +368,6 @@ def start_agent(
 ) -> RunningAgent:
     """Register a node, then run `spec` in a background thread; raises CoordinatorError if unreachable.
     While the rendezvous waits, a progress line goes to `notice` every `progress_every` seconds."""
-    client, node_id, hb = connect_and_register(conn, slots=0, daemon=False)
+    client, node_id, hb = connect_and_register(conn, slots=0, daemon=False, notice=notice)
     runner = JobRunner(client, conn, node_id, hb, spec, sink=sink, notice=notice, progress_every=progress_every)
     return RunningAgent(client, node_id, hb, runner)

@@ -15,16 +15,25 @@ if TYPE_CHECKING:
 
 
 class Heartbeater:
-    """Sends one heartbeat per tracked job (or an idle one) every `interval` seconds.
+    """Sends one heartbeat per tracked job (or an idle one) every `interval` seconds, renewing the node's lease.
 
     Job runners `track` the generation they run and read the coordinator's answer with `latest`;
-    `changed` is set whenever an answer arrives, so a runner can wake up at once.
+    `changed` is set whenever an answer arrives, so a runner can wake up at once. The lease is the
+    coordinator's: a node not heard from for `lease` seconds is declared dead there, so a node whose
+    heartbeats go unanswered that long must stop its ranks (`lease_lost`). Losing and regaining
+    contact is announced through `notice`.
     """
 
-    def __init__(self, client: CoordinatorClient, node_id: str, interval: float) -> None:
+    def __init__(self, client: CoordinatorClient, node_id: str, interval: float, lease: float | None = None,
+                 notice: Callable[[str], None] | None = None) -> None:
         self._client = client
         self._node_id = node_id
         self._interval = max(0.05, interval)
+        self.lease = lease if lease is not None and lease > 0 else 5 * self._interval
+        """Seconds without an answered heartbeat after which the node has lost its lease."""
+        self._notice = notice or (lambda text: None)
+        self._lost_since: float | None = None
+        self._last_notice = 0.0
         self._jobs: dict[str, int] = {}
         self._pids: dict[str, Callable[[], Sequence[int]]] = {}
         self._latest: dict[str, pb.HeartbeatResponse] = {}
@@ -75,6 +84,30 @@ class Heartbeater:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout)
 
+    @property
+    def lease_lost(self) -> bool:
+        """Whether no heartbeat was answered for a whole lease (the coordinator has declared this node dead)."""
+        return time.monotonic() - self.last_ok > self.lease
+
+    def _contact_lost(self, error: str) -> None:
+        now = time.monotonic()
+        if self._lost_since is None:
+            self._lost_since = self._last_notice = now
+            self._notice(
+                f"lost contact with the coordinator at {self._client.address} ({error}); retrying every "
+                f"{self._interval:g} s, the ranks are stopped if it does not answer within the lease "
+                f"({self.lease:g} s)"
+            )
+        elif now - self._last_notice >= max(1.0, self.lease / 4):
+            self._last_notice = now
+            self._notice(f"still no answer from the coordinator after {now - self._lost_since:.1f} s "
+                         f"(lease {self.lease:g} s)")
+
+    def _contact_back(self) -> None:
+        if self._lost_since is not None:
+            self._notice(f"contact with the coordinator is back after {time.monotonic() - self._lost_since:.1f} s")
+            self._lost_since = None
+
     def _beat(self) -> None:
         with self._lock:
             jobs = dict(self._jobs) or {"": 0}
@@ -82,12 +115,18 @@ class Heartbeater:
         for job, generation in jobs.items():
             local_pids = pids[job]() if job in pids else ()
             try:
-                resp = self._client.heartbeat(self._node_id, job=job, generation=generation, local_pids=local_pids)
+                resp = self._client.heartbeat(
+                    self._node_id, job=job, generation=generation, local_pids=local_pids,
+                    timeout=max(0.2, min(self._client.call_timeout, self.lease / 2)),
+                )
             except (CoordinatorError, ValueError) as e:
                 self.last_error = str(e)
+                self._contact_lost(str(e).split(" (")[0][-200:])
+                self.changed.set()
                 continue
             self.last_ok = time.monotonic()
             self.last_error = ""
+            self._contact_back()
             with self._lock:
                 if job and self._jobs.get(job) == generation:
                     self._latest[job] = resp

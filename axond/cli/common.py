@@ -30,7 +30,7 @@ EXIT_TIMEOUT = 4
 EXIT_CODES_HELP = (
     "Exit codes: 0 ok; 1 the job failed (a rank exited non-zero; the message names it and its code), or the "
     "coordinator is not serving / could not start; 2 usage error; 3 cannot reach or authenticate to the "
-    "coordinator; 4 the rendezvous timed out; 128+N stopped by signal N (130: Ctrl-C)."
+    "coordinator (at start, or for a whole lease while running: the ranks were stopped); 4 the rendezvous timed out; 128+N stopped by signal N (130: Ctrl-C)."
 )
 """The table of docs/cli.md in one line, for each command's --help."""
 

@@ -76,7 +76,7 @@ def _print_event(event: pb.JobEvent) -> pb.JobFinished | None:
 )
 @coordinator_options
 @connect_wait_option
-@click.option("--nnodes", type=click.IntRange(min=1), required=True, help="Worker daemons to run the job on.")
+@click.option("--nnodes", type=click.IntRange(min=1), default=None, help="Worker daemons to run the job on [required].")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
               help="Rank processes on each node.")
 @click.option("--job", default="", help="Job name [default: chosen by the coordinator].")
@@ -85,18 +85,33 @@ def _print_event(event: pb.JobEvent) -> pb.JobFinished | None:
 @click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="Extra environment for the ranks.")
 @click.option("--cwd", default=None, metavar="DIR",
               help="Working directory of the ranks [default: this one, if it exists on the worker].")
-@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD ARGS...")
+@click.option("--attach", default=None, metavar="JOB",
+              help="Instead of submitting, re-attach to submitted job JOB: print its output from the start and exit "
+              "with its status (Ctrl-C detaches without cancelling it).")
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="-- CMD ARGS...")
 def run(
-    address: str | None, token: str | None, tls_ca: str | None, connect_wait: float, nnodes: int, nproc_per_node: int, job: str,
-    max_restarts: int, env_pairs: tuple[str, ...], cwd: str | None, cmd: tuple[str, ...],
+    address: str | None, token: str | None, tls_ca: str | None, connect_wait: float, nnodes: int | None,
+    nproc_per_node: int, job: str, max_restarts: int, env_pairs: tuple[str, ...], cwd: str | None,
+    attach: str | None, cmd: tuple[str, ...],
 ) -> None:
     """Submit CMD to the worker daemons, stream its rank-prefixed output, exit with its status."""
     address = need_address(address)
+    if attach is not None and (cmd or nnodes is not None):
+        raise click.UsageError("--attach JOB follows a job already submitted: drop --nnodes and the command")
+    if attach is None and (not cmd or nnodes is None):
+        raise click.UsageError("submit with --nnodes N [--nproc-per-node K] -- CMD ARGS..., or follow a job with --attach JOB")
     env = _parse_env(env_pairs)
     try:
         client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("run"))
     except CoordinatorError as e:
         fail_coordinator("run", e, address)
+    if attach is not None:
+        try:
+            code = _follow(client, attach, address, cancel=False)
+        finally:
+            client.close()
+        sys.exit(code)
+    assert nnodes is not None
     try:
         try:
             name = client.submit_job(
@@ -112,9 +127,9 @@ def run(
     sys.exit(code)
 
 
-def _follow(client: CoordinatorClient, job: str, address: str) -> int:
+def _follow(client: CoordinatorClient, job: str, address: str, cancel: bool = True) -> int:
     """Print the job's events until it finishes; returns the exit code (0, 1 if it failed, 128+N if this
-    command cancelled it on signal N)."""
+    command cancelled it on signal N). With `cancel` False a signal only stops following (128+N)."""
     interrupted: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -125,6 +140,9 @@ def _follow(client: CoordinatorClient, job: str, address: str) -> int:
     pump = _EventPump(client, job)
     cancel_deadline: float | None = None
     while True:
+        if interrupted and not cancel:
+            click.echo(f"axond run: detached from job {job!r}; it keeps running (axond run --attach {job})", err=True)
+            return 128 + interrupted[0]
         if interrupted and cancel_deadline is None:
             click.echo(f"axond run: cancelling job {job!r}", err=True)
             cancel_deadline = time.monotonic() + CANCEL_WAIT_S

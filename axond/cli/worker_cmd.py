@@ -157,6 +157,8 @@ def _exit_code(outcome: JobOutcome, signum: int | None) -> int:
     """The worker's exit code for a failed outcome (see EXIT_CODES_HELP): a rank's own code is only in the message."""
     if signum is not None:
         return 128 + signum
+    if outcome.lease_lost:
+        return EXIT_UNREACHABLE
     kind = error_kind(outcome.error) if outcome.error is not None else ""
     if kind in ("UNAVAILABLE", "UNAUTHENTICATED", "PERMISSION_DENIED"):
         return EXIT_UNREACHABLE

@@ -93,9 +93,11 @@ class CoordinatorClient:
         wait: float = 0.0,
         retry: bool = False,
         store: bool = False,
+        call_timeout: float | None = None,
     ) -> R:
-        """Invoke `method` with a deadline of `wait + call_timeout`; translate failures."""
-        deadline = time.monotonic() + wait + self.call_timeout
+        """Invoke `method` with a deadline of `wait + call_timeout` (the client's unless given); translate failures."""
+        limit = self.call_timeout if call_timeout is None else call_timeout
+        deadline = time.monotonic() + wait + limit
         attempt = 0
         while True:
             try:
@@ -104,7 +106,7 @@ class CoordinatorClient:
                 return reply
             except grpc.RpcError as e:
                 if self._wait_for_start(e):
-                    deadline = time.monotonic() + wait + self.call_timeout
+                    deadline = time.monotonic() + wait + limit
                     continue
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     self._reached = True
@@ -150,7 +152,8 @@ class CoordinatorClient:
         return reply
 
     def heartbeat(
-        self, node_id: str, job: str = "", generation: int = 0, local_pids: Sequence[int] = ()
+        self, node_id: str, job: str = "", generation: int = 0, local_pids: Sequence[int] = (),
+        timeout: float | None = None,
     ) -> pb.HeartbeatResponse:
         """Renew the node's liveness; `local_pids` (pid of each local rank, 0 if not running) feed status."""
         _non_negative(generation=generation)
@@ -158,7 +161,7 @@ class CoordinatorClient:
             node_id=node_id, job=job, generation=generation, node_secret=self.node_secret(node_id),
             local_pids=list(local_pids),
         )
-        return self.call("Heartbeat", self.stub.Heartbeat, req, retry=True)
+        return self.call("Heartbeat", self.stub.Heartbeat, req, retry=True, call_timeout=timeout)
 
     def deregister_node(self, node_id: str) -> None:
         self.call("DeregisterNode", self.stub.DeregisterNode, pb.DeregisterNodeRequest(node_id=node_id, node_secret=self.node_secret(node_id)), retry=True)
