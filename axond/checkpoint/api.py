@@ -74,11 +74,13 @@ class SavePlan:
         if not isinstance(state, dict):
             raise TypeError(f"axond.checkpoint.save takes a dict of state (e.g. {{'model': ..., 'optim': ...}}), "
                             f"got {type(state).__name__}")
-        tensors, objects = split_state(state)
+        split, err = _guard(lambda: split_state(state))
+        tensors, objects = split if split is not None else ({}, {})
         mine = local_plan(tensors, objects)
-        plans: list[tuple[LocalPlan, str]] = comm.all_gather((mine, uuid.uuid4().hex[:16]))
-        writes, self.shapes, self.objects = assign_writers([p for p, _ in plans])
-        self.nonce = plans[0][1]
+        plans: list[tuple[tuple[LocalPlan, str], str | None]] = comm.all_gather(((mine, uuid.uuid4().hex[:16]), err))
+        first_error(plans, "checkpoint save")
+        writes, self.shapes, self.objects = assign_writers([p for (p, _), _ in plans])
+        self.nonce = plans[0][0][1]
         self.world_size = comm.size
         arrays = {(k, (c.offsets, c.lengths)): c.array for k, t in tensors.items() for c in t.chunks}
         self.pieces: list[tuple[str, Box, Array]] = [(k, box, arrays[(k, box)]) for k, box in writes[comm.rank]]

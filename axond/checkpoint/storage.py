@@ -56,8 +56,8 @@ def piece_id(key: str, box: Box) -> str:
     return f"{key}|{box[0]}|{box[1]}"
 
 
-def read_piece(path: Path, piece: Piece, dtype: np.dtype[Any], key: str) -> np.ndarray:
-    """Read one piece and check its length and CRC32; the array has the piece's box shape."""
+def read_piece(path: Path, piece: Piece, dtype: np.dtype[Any] | None, key: str) -> np.ndarray:
+    """Read one piece and check its length and CRC32; the array has the piece's box shape (raw bytes without `dtype`)."""
     buf = np.empty(piece.nbytes, np.uint8)
     try:
         with open(path / piece.file, "rb") as f:
@@ -71,7 +71,7 @@ def read_piece(path: Path, piece: Piece, dtype: np.dtype[Any], key: str) -> np.n
     if zlib.crc32(buf) != piece.crc32:
         raise CheckpointError(f"checkpoint {path} is corrupted: the checksum of {key!r} in {piece.file} "
                               f"(offset {piece.offset}) does not match; restore it or use an older checkpoint")
-    return buf.view(dtype).reshape(piece.box[1])
+    return buf if dtype is None else buf.view(dtype).reshape(piece.box[1])
 
 
 def fsync_dir(path: Path) -> None:
@@ -125,7 +125,7 @@ def check_files(path: Path, meta: Metadata, verify: bool = False) -> None:
     if verify:
         for key, t in meta.tensors.items():
             for piece in t.pieces:
-                read_piece(path, piece, np.dtype(np.uint8), key)
+                read_piece(path, piece, None, key)
 
 
 def complete_checkpoints(directory: str | os.PathLike[str], verify: bool = False) -> list[tuple[float, str, Path]]:
