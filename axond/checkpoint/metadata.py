@@ -129,6 +129,8 @@ def to_jsonable(path: str, value: Any) -> Any:
         return value.item()
     if isinstance(value, (tuple, list)):
         return [to_jsonable(path, v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: to_jsonable(f"{path}/{k}", v) for k, v in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise CheckpointError(f"state {path!r} is a {type(value).__name__}; checkpoints hold arrays, numbers, strings, "
