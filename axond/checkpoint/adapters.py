@@ -8,6 +8,7 @@ here communicates: a state dict is a set of views, so `get_state_dict` may run o
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ def _plain(module: Module, sd: OrderedDict[str, Any], views: Views) -> None:
     for key, array in module.state_dict().items():
         sd[key] = leaf(key, array)
     for name, p in module.named_parameters():
-        views[id(p)] = [ParamView([name], lambda a, n=name: leaf(n, a))]
+        views[id(p)] = [ParamView([name], functools.partial(leaf, name))]
 
 
 def _flat_views(layout: FlatLayout, rank: int, names: list[list[str]]) -> list[ParamView]:

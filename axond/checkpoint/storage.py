@@ -44,8 +44,8 @@ def write_pieces(directory: Path, rank: int, pieces: Sequence[tuple[str, Box, Ar
     with open(directory / name, "wb") as f:
         for key, box, array in pieces:
             raw = host_bytes(array)
-            f.write(memoryview(raw))
-            records[piece_id(key, box)] = Piece(name, offset, int(raw.nbytes), box, zlib.crc32(raw))
+            f.write(raw.data)
+            records[piece_id(key, box)] = Piece(name, offset, int(raw.nbytes), box, zlib.crc32(raw.data))
             offset += int(raw.nbytes)
         f.flush()
         os.fsync(f.fileno())
@@ -62,13 +62,13 @@ def read_piece(path: Path, piece: Piece, dtype: np.dtype[Any] | None, key: str) 
     try:
         with open(path / piece.file, "rb") as f:
             f.seek(piece.offset)
-            got = f.readinto(memoryview(buf))
+            got = f.readinto(buf.data)
     except OSError as e:
         raise CheckpointError(f"checkpoint {path}: cannot read {piece.file} for {key!r}: {e}") from e
     if got != piece.nbytes:
         raise CheckpointError(f"checkpoint {path} is torn: {piece.file} ends before the bytes of {key!r} "
                               f"({got} of {piece.nbytes} at offset {piece.offset})")
-    if zlib.crc32(buf) != piece.crc32:
+    if zlib.crc32(buf.data) != piece.crc32:
         raise CheckpointError(f"checkpoint {path} is corrupted: the checksum of {key!r} in {piece.file} "
                               f"(offset {piece.offset}) does not match; restore it or use an older checkpoint")
     return buf if dtype is None else buf.view(dtype).reshape(piece.box[1])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -42,7 +42,7 @@ def _generators(model: Module) -> dict[str, np.random.Generator]:
 
 def capture_rank_state(model: Module, totals: np.ndarray) -> str:
     """This rank's random states and running sums, as one JSON string."""
-    legacy = np.random.get_state()
+    legacy = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     return json.dumps({
         "modules": {name: g.bit_generator.state for name, g in _generators(model).items()},
         "numpy": [legacy[0], legacy[1].tolist(), *legacy[2:]],

@@ -23,6 +23,7 @@ import numpy as np
 
 import axond.checkpoint as ckpt
 from axond.checkpoint.api import Comm
+from axond.checkpoint.storage import complete_checkpoints, remove_stale_temps
 from axond.distributed.process_group import ProcessGroup
 from axond.distributed.reduce_op import ReduceOp
 from axond.nn.module import Module
@@ -157,7 +158,7 @@ class DistributedTrainer:
         if self.async_checkpoint:
             self._pending = ckpt.async_save(self.state_dict(), path, self.group)
             if self.rank == 0:
-                self._pending.add_done_callback(lambda f: f.exception() is None and self._prune())
+                self._pending.add_done_callback(self._prune_after)
         else:
             ckpt.save(self.state_dict(), path, self.group)
             if self.rank == 0:
@@ -165,11 +166,13 @@ class DistributedTrainer:
         self._call("on_checkpoint", str(path))
         return str(path)
 
+    def _prune_after(self, future: Future[str]) -> None:
+        if future.exception() is None:
+            self._prune()
+
     def _prune(self) -> None:
         if self.keep_checkpoints is None or self.checkpoint_dir is None:
             return
-        from axond.checkpoint.storage import complete_checkpoints
-
         for _, _, old in complete_checkpoints(self.checkpoint_dir)[: -self.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -177,11 +180,13 @@ class DistributedTrainer:
         """Load the newest complete checkpoint in `checkpoint_dir`, if any (collective); returns its path."""
         if self.checkpoint_dir is None:
             return None
+        if self.rank == 0:
+            remove_stale_temps(self.checkpoint_dir)  # leftovers of saves killed before their commit
         path = self.comm.broadcast(ckpt.latest(self.checkpoint_dir) if self.rank == 0 else None)
         if path is None:
             return None
         model_sd, optim_sd = ckpt.get_state_dict(self.model, self.optimizer)
-        sd = {"model": model_sd, "optim": optim_sd}
+        sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         ckpt.load(sd, path, self.group)
         ckpt.set_state_dict(self.model, self.optimizer, sd["model"], sd["optim"])
         objects = ckpt.read_metadata(path).objects
