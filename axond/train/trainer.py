@@ -60,7 +60,18 @@ def _default_group() -> ProcessGroup:
 
 
 class DistributedTrainer:
-    """Train `model` with `optimizer_factory(params)` on `dataset` over `group` (see the module docstring)."""
+    """Train `model` with `optimizer_factory(params)` on `dataset` over `group` (see the module docstring).
+
+    model: an unwrapped `axond.nn.Module`, identical on every rank; wrapped here per `parallel`
+    ("ddp", "zero": DDP + ZeroRedundancyOptimizer, "fsdp" with `sharding`, "none": one process),
+    with `wrapper_options` passed to DDP/FSDP. optimizer_factory: params -> optimizer (given FSDP's
+    shards under "fsdp"). loss_fn: an axond loss (call -> loss, `backward()` -> d loss / d output).
+    dataset / eval_dataset: `(X, y)` or an object with `__len__` and `__getitem__(indices) -> (x, y)`.
+    batch_size: samples per rank per micro-batch; grad_accum_steps micro-batches make one step.
+    clip_norm: clip the global gradient norm. checkpoint_dir / checkpoint_every (optimizer steps) /
+    keep_checkpoints / async_checkpoint: see `save_checkpoint`. group: default: the initialised world.
+    seed / shuffle: the `DistributedSampler`'s. callbacks: `Callback`s. progress / log_every: rank 0's display.
+    """
 
     def __init__(
         self,
