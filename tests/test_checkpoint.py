@@ -169,8 +169,9 @@ def test_async_save_equals_save_and_copies_before_returning(tmp_path: Path) -> N
         ckpt.save(_state(model, opt), tmp_path / "sync", g)
         future = ckpt.async_save(_state(model, opt), tmp_path / "async", g)
         train(model, opt, g.rank, g.size, range(1, 2))  # changes the live arrays while the save writes
+        second = ckpt.async_save(_state(model, opt), tmp_path / "async2", g)  # first waits for the first save
+        assert future.done()
         assert future.result(timeout=30) == str(tmp_path / "async")
-        second = ckpt.async_save(_state(model, opt), tmp_path / "async2", g)  # waits for nothing: first is done
         second.result(timeout=30)
 
     run_threads(rank, 3, 60.0)

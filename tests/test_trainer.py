@@ -172,3 +172,16 @@ def test_a_killed_worker_run_restarts_and_ends_like_an_uninterrupted_run(
     assert f"resumed from {tmp_path / 'ck' / 'step_000000012'}" in out, out
     final = ckpt.load_full(ckpt.latest(tmp_path / "ck"))
     _assert_same(final, _uninterrupted(3)[0][0])
+
+
+def test_train_mlp_checkpoint_flags_resume(tmp_path: Path) -> None:
+    """The example's --checkpoint-dir/--checkpoint-every: a second run with more epochs resumes from the first."""
+    from axond.testing import run_processes
+
+    args = ["--samples", "256", "--checkpoint", "", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"]
+    assert run_processes("axond.examples.train_mlp", 2, timeout=100, args=["--epochs", "1", *args]) == [0, 0]
+    assert ckpt.latest(tmp_path / "ck") == str(tmp_path / "ck" / "step_000000002"), "2 steps per epoch, then the end"
+    assert run_processes("axond.examples.train_mlp", 2, timeout=100, args=["--epochs", "3", *args]) == [0, 0]
+    meta = ckpt.read_metadata(ckpt.latest(tmp_path / "ck"))
+    assert (meta.objects["trainer/epoch"], meta.objects["trainer/global_step"]) == (3, 6)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_000000003", "step_000000006"]

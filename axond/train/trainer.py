@@ -200,10 +200,10 @@ class DistributedTrainer:
         sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         ckpt.load(sd, path, self.group)
         ckpt.set_state_dict(self.model, self.optimizer, sd["model"], sd["optim"])
-        objects = ckpt.read_metadata(path).objects
-        self.position = Position.from_objects(objects)
-        mine = objects.get(f"trainer/rank_{self.rank}")
-        if mine is not None and int(ckpt.read_metadata(path).world_size) == self.world_size:
+        meta = ckpt.read_metadata(path)
+        self.position = Position.from_objects(meta.objects)
+        mine = meta.objects.get(f"trainer/rank_{self.rank}")
+        if mine is not None and meta.world_size == self.world_size:
             restore_rank_state(self.module, mine, self._totals)
         else:
             self._totals[:] = 0.0
