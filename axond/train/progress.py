@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import os
 import sys
 from typing import Any, TextIO
 
@@ -27,8 +29,17 @@ class Progress:
             from tqdm import tqdm
         except ImportError:
             return
-        self._bar = tqdm(total=steps, initial=done, file=self.stream, ascii=".#", leave=False,
-                         bar_format="epoch " + f"{epoch}/{self.epochs}" + " [{bar:30}] {n_fmt}/{total_fmt} {postfix}")
+        cols, rows = self._size()
+        self._bar = tqdm(total=steps, initial=done, file=self.stream, ascii=".#", leave=True, ncols=cols, nrows=rows,
+                         bar_format="epoch " + f"{epoch}/{self.epochs}" + " [{bar:30}] {n_fmt}/{total_fmt}{postfix}")
+
+    def _size(self) -> tuple[int, int]:
+        """The terminal's (columns, rows), or (120, 24) for what it does not report (a new pseudo-terminal says 0, 0)."""
+        try:
+            size = os.get_terminal_size(self.stream.fileno())
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            return 120, 24
+        return size.columns or 120, size.lines or 24
 
     def update(self, step: int, loss: float, rate: float) -> None:
         if not self.enabled:
@@ -36,6 +47,8 @@ class Progress:
         if self._bar is not None:
             self._bar.set_postfix_str(f"loss {loss:.4f} samples/s {rate:.0f}", refresh=False)
             self._bar.update(step - self._bar.n)
+            if step == self.steps:
+                self._bar.refresh()  # tqdm skips refreshes closer than 0.1 s apart: show the full bar
         elif self.tty:
             filled = 30 * step // max(self.steps, 1)
             self.stream.write(f"\repoch {self.epoch}/{self.epochs} [{'#' * filled}{'.' * (30 - filled)}] "
