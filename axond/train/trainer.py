@@ -1,8 +1,10 @@
-"""`DistributedTrainer`: data-parallel training (DDP, ZeRO-1 or FSDP) with checkpoints and exact resume.
+"""`DistributedTrainer`: data-parallel (DDP, ZeRO-1, FSDP), tensor- or pipeline-parallel training with
+checkpoints and exact resume.
 
 Each optimizer step takes `grad_accum_steps` micro-batches of `batch_size` samples per rank from
 the rank's `DistributedSampler` shard (reshuffled per epoch), so the global batch is
-`batch_size * world_size * grad_accum_steps`. Every `checkpoint_every` steps the model, optimizer
+`batch_size * world_size * grad_accum_steps` (under "tp" and "pipeline" the ranks split the model,
+not the data: all read the same batches). Every `checkpoint_every` steps the model, optimizer
 and position (epoch, step in epoch, random states, running sums) are saved with `axond.checkpoint`;
 `fit` starts from the newest complete checkpoint, skipping the batches already trained on, so a run
 killed at any step and restarted ends with the parameters of an uninterrupted run.
@@ -29,12 +31,14 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.nn.module import Module
 from axond.nn.optim import Optimizer
 from axond.nn.utils import clip_grad_norm_
-from axond.parallel import DDP, FSDP, DistributedSampler, ShardingStrategy, ZeroRedundancyOptimizer
+from axond.nn.container import Sequential
+from axond.parallel import DDP, FSDP, DistributedSampler, Pipeline, ShardingStrategy, ZeroRedundancyOptimizer
+from axond.train.clip import clip_partitioned, tensor_parallel_split
 from axond.train.data import Dataset
 from axond.train.progress import Progress
 from axond.train.resume import Position, capture_rank_state, restore_rank_state
 
-PARALLEL = ("ddp", "zero", "fsdp", "none")
+PARALLEL = ("ddp", "zero", "fsdp", "tp", "pipeline", "none")
 
 
 class Callback:
@@ -63,8 +67,9 @@ class DistributedTrainer:
     """Train `model` with `optimizer_factory(params)` on `dataset` over `group` (see the module docstring).
 
     model: an unwrapped `axond.nn.Module`, identical on every rank; wrapped here per `parallel`
-    ("ddp", "zero": DDP + ZeroRedundancyOptimizer, "fsdp" with `sharding`, "none": one process),
-    with `wrapper_options` passed to DDP/FSDP. optimizer_factory: params -> optimizer (given FSDP's
+    ("ddp", "zero": DDP + ZeroRedundancyOptimizer, "fsdp" with `sharding`, "tp": a model built from
+    tensor-parallel layers over `group`, used as is, "pipeline": a Sequential cut into stages over
+    `group`, "none": one process), with `wrapper_options` passed to DDP/FSDP/Pipeline (e.g. num_microbatches). optimizer_factory: params -> optimizer (given FSDP's
     shards under "fsdp"). loss_fn: an axond loss (call -> loss, `backward()` -> d loss / d output).
     dataset / eval_dataset: `(X, y)` or an object with `__len__` and `__getitem__(indices) -> (x, y)`.
     batch_size: samples per rank per micro-batch; grad_accum_steps micro-batches make one step.
@@ -126,7 +131,10 @@ class DistributedTrainer:
         self.module = model
         self._wrapper_options = dict(wrapper_options or {})
         self.model, self.optimizer, self._clip = self._wrap(model, optimizer_factory, sharding)
-        self.sampler = DistributedSampler(len(self.dataset), self.world_size, self.rank, shuffle=shuffle, seed=seed)
+        self.data_replicas = 1 if parallel in ("tp", "pipeline") else self.world_size
+        """How many ranks read different data (1 when the ranks split the model instead)."""
+        replica = self.rank if self.data_replicas > 1 else 0
+        self.sampler = DistributedSampler(len(self.dataset), self.data_replicas, replica, shuffle=shuffle, seed=seed)
         self.position = Position()
         self.resumed_from: str | None = None
         """The checkpoint the last `fit` started from (None: from scratch)."""
@@ -139,6 +147,15 @@ class DistributedTrainer:
             strategy = sharding if isinstance(sharding, ShardingStrategy) else ShardingStrategy[str(sharding).upper()]
             fsdp = FSDP(model, self.group, sharding_strategy=strategy, **self._wrapper_options)
             return fsdp, factory(list(fsdp.parameters())), fsdp.clip_grad_norm_
+        if self.parallel == "tp":
+            own, shared = tensor_parallel_split(model)
+            return model, factory(list(model.parameters())), lambda m: clip_partitioned(own, shared, self.group, m)
+        if self.parallel == "pipeline":
+            if not isinstance(model, Sequential):
+                raise TypeError(f"parallel='pipeline' needs an axond.nn.Sequential to cut into stages, got {type(model).__name__}")
+            pipe = Pipeline(model, self.group, loss_fn=self.loss_fn, **self._wrapper_options)
+            params = list(pipe.parameters())
+            return pipe, factory(params), lambda m: clip_partitioned(params, [], self.group, m)
         if self.parallel == "none" and self.world_size > 1:
             raise ValueError(f"parallel='none' trains one process; this group has {self.world_size} ranks")
         wrapped: Any = DDP(model, self.group, **self._wrapper_options) if self.parallel != "none" else model
@@ -223,6 +240,10 @@ class DistributedTrainer:
         for m in range(count):
             rows = indices[(first + m) * self.batch_size : (first + m + 1) * self.batch_size]
             x, y = self.dataset.batch(rows)
+            if isinstance(self.model, Pipeline):
+                self._totals += (self.model.step(x, y) * len(rows), len(rows))
+                used += len(rows)
+                continue
             quiet = m < count - 1 and hasattr(self.model, "no_sync")
             with self.model.no_sync() if quiet else contextlib.nullcontext():
                 loss = float(self.loss_fn(self.model(x), y))
@@ -230,6 +251,10 @@ class DistributedTrainer:
                 self.model.backward(grad / count if count > 1 else grad)
             self._totals += (loss * len(rows), len(rows))
             used += len(rows)
+        if count > 1 and isinstance(self.model, Pipeline):
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad *= 1.0 / count
         if self.clip_norm is not None:
             self._clip(self.clip_norm)
         self.optimizer.step()
@@ -239,7 +264,8 @@ class DistributedTrainer:
         """Mean loss over `eval_dataset` (every rank evaluates its shard; collective)."""
         if self.eval_dataset is None:
             raise ValueError("evaluate needs eval_dataset=")
-        sampler = DistributedSampler(len(self.eval_dataset), self.world_size, self.rank, shuffle=False)
+        replica = self.rank if self.data_replicas > 1 else 0
+        sampler = DistributedSampler(len(self.eval_dataset), self.data_replicas, replica, shuffle=False)
         indices = sampler.indices()
         sums = np.zeros(2, np.float64)
         self.model.eval()
@@ -247,10 +273,13 @@ class DistributedTrainer:
             for lo in range(0, len(indices), self.batch_size):
                 rows = indices[lo : lo + self.batch_size]
                 x, y = self.eval_dataset.batch(rows)
-                sums += (float(self.loss_fn(self.model(x), y)) * len(rows), len(rows))
+                out = self.model.forward(x) if isinstance(self.model, Pipeline) else self.model(x)
+                if out is not None:  # a pipeline's output is on its last stage's rank only
+                    sums += (float(self.loss_fn(out, y)) * len(rows), len(rows))
         finally:
             self.model.train()
-        self.group.all_reduce(sums, op=ReduceOp.SUM)
+        if self.parallel != "tp":  # tensor-parallel ranks computed the same sums
+            self.group.all_reduce(sums, op=ReduceOp.SUM)
         return float(sums[0] / max(sums[1], 1.0))
 
     def fit(self, epochs: int) -> list[dict[str, float]]:
@@ -276,7 +305,7 @@ class DistributedTrainer:
                     seen += self._train_step(indices, pos.step, micro)
                     pos.step += 1
                     pos.global_step += 1
-                    rate = seen * self.world_size / max(time.perf_counter() - start, 1e-9)
+                    rate = seen * self.data_replicas / max(time.perf_counter() - start, 1e-9)
                     loss = float(self._totals[0] / max(self._totals[1], 1.0))
                     progress.update(pos.step, loss, rate)
                     self._call("on_step_end", {"epoch": pos.epoch + 1, "step": pos.step,
@@ -284,7 +313,7 @@ class DistributedTrainer:
                     if self.checkpoint_every and pos.global_step % self.checkpoint_every == 0:
                         self.save_checkpoint()
                 progress.close()
-                self._end_epoch(epochs, seen * self.world_size / max(time.perf_counter() - start, 1e-9))
+                self._end_epoch(epochs, seen * self.data_replicas / max(time.perf_counter() - start, 1e-9))
             if self.checkpoint_dir is not None and (pos.epoch, pos.global_step) != begun:
                 self.save_checkpoint()
         finally:
