@@ -139,7 +139,7 @@ def test_callbacks_eval_and_the_epoch_line(capsys: pytest.CaptureFixture[str]) -
 def test_bad_arguments_are_refused() -> None:
     def rank(g: ProcessGroup) -> None:
         with pytest.raises(ValueError, match="parallel must be one of"):
-            make_trainer(g, None, parallel="tp")
+            make_trainer(g, None, parallel="zero3")
         with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_dir"):
             make_trainer(g, None, checkpoint_every=2)
         with pytest.raises(ValueError, match="X has 3 rows but y has 2"):
