@@ -176,6 +176,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group
     checkpoint's exactly: the first missing, unexpected, reshaped or retyped key is named in a
     CheckpointError raised on every rank before anything is copied.
     """
+    if path is None:
+        raise TypeError("axond.checkpoint.load needs a checkpoint path, got None (did latest(dir) find none?)")
     comm = Comm(process_group)
     where = str(path)
     meta, err = _guard(lambda: read_metadata(path))
