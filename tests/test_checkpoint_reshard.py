@@ -79,3 +79,26 @@ def test_fsdp_pieces_come_from_every_rank(tmp_path: Path) -> None:
     assert all(size > 0 for size in meta.files.values()), meta.files
     exp_avg = meta.tensors["optim/state/0.weight/exp_avg"]
     assert {p.file for p in exp_avg.pieces} >= {"__0.distcp", "__1.distcp"}
+
+
+def test_a_mismatched_model_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """FSDP saved on 3 ranks, a wider model loaded on 2: each rank raises, naming the first bad key, before any copy."""
+    from axond import nn
+    from axond.nn.optim import AdamW
+    from axond.parallel import FSDP
+
+    _save_after("fsdp_full", 1, tmp_path / "c", 3)
+
+    def rank(g: ProcessGroup) -> str:
+        rng = np.random.default_rng(0)
+        wider = FSDP(nn.Sequential(nn.Linear(7, 11, rng=rng), nn.GELU(), nn.LayerNorm(11), nn.Linear(11, 6, rng=rng)), g)
+        opt = AdamW(list(wider.parameters()))
+        model_sd, optim_sd = ckpt.get_state_dict(wider, opt)
+        before = wider.units[0].shard.data.copy()
+        with pytest.raises(ckpt.CheckpointError) as info:
+            ckpt.load({"model": model_sd, "optim": optim_sd}, tmp_path / "c", g)
+        np.testing.assert_array_equal(wider.units[0].shard.data, before)
+        return str(info.value)
+
+    for message in run_threads(rank, 2, 60.0):
+        assert "'model/3.weight' has shape (5, 11) in the checkpoint, the state to load has (6, 11)" in message
