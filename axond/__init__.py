@@ -36,3 +36,12 @@ __all__ = [
     "reduce_scatter_tensor", "scatter",
     "scatter_object_list", "scatter_tensor", "send", "sync_gradient", "sync_gradients", "world_size",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """`axond.checkpoint` and `axond.train` without importing them first (loaded on first use)."""
+    if name in ("checkpoint", "train"):
+        import importlib
+
+        return importlib.import_module(f"axond.{name}")
+    raise AttributeError(f"module 'axond' has no attribute {name!r}")

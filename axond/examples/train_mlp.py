@@ -2,12 +2,14 @@
 
     axond worker --coordinator HOST:PORT --nnodes 1 --nproc-per-node 2 -- python -m axond.examples.train_mlp
     ... -- python -m axond.examples.train_mlp --parallel fsdp --sharding shard_grad_op
+    ... --max-restarts 3 -- python -m axond.examples.train_mlp --checkpoint-dir ckpts --checkpoint-every 50
 
 The data set is drawn from `--seed`: Gaussian inputs labelled by a fixed random "teacher"
 network, so the student can learn it and every rank generates the same data without any files.
-Each rank trains on its `DistributedSampler` shard; rank 0 logs the loss (averaged over ranks),
-shows a progress bar when stderr is a terminal, and saves a checkpoint (.npz) at the end.
-Started without RANK/WORLD_SIZE it runs as a single process.
+Training is `axond.train.DistributedTrainer`: each rank trains on its `DistributedSampler` shard,
+rank 0 logs the loss (averaged over ranks) and shows progress; with `--checkpoint-dir` it saves
+sharded checkpoints and a restarted run resumes from the newest. Rank 0 writes the final full
+weights (.npz) to `--checkpoint`. Started without RANK/WORLD_SIZE it runs as a single process.
 """
 
 from __future__ import annotations
@@ -15,19 +17,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 import axond
 from axond import nn
-from axond.distributed import ProcessGroup, default_group
-from axond.nn.optim import AdamW, Optimizer
-from axond.nn.utils import clip_grad_norm_, save_checkpoint
-from axond.parallel import DDP, FSDP, DistributedSampler, ShardingStrategy, ZeroRedundancyOptimizer
+from axond.distributed import default_group
+from axond.nn.optim import AdamW
+from axond.nn.utils import save_checkpoint
+from axond.parallel import FSDP
+from axond.train import Callback, DistributedTrainer
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class TrainConfig:
     """How the ranks share the work: ddp, zero (DDP + ZeroRedundancyOptimizer) or fsdp."""
     sharding: str = "full_shard"
     """FSDP sharding strategy (full_shard, shard_grad_op, no_shard) with --parallel fsdp."""
+    checkpoint_dir: str = ""
+    """Directory of sharded training checkpoints to save into and resume from ("" for none)."""
+    checkpoint_every: int = 0
+    """Optimizer steps between checkpoints (0: only at the end, when --checkpoint-dir is given)."""
 
 
 def make_dataset(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -85,38 +90,6 @@ def build_model(cfg: TrainConfig, dtype: Any = np.float32) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _progress(epoch: int, epochs: int, step: int, steps: int, loss: float) -> None:
-    width = 30
-    filled = width * step // max(steps, 1)
-    bar = "#" * filled + "." * (width - filled)
-    sys.stderr.write(f"\repoch {epoch}/{epochs} [{bar}] {step}/{steps} loss {loss:.4f}")
-    sys.stderr.flush()
-
-
-class Trainer(NamedTuple):
-    """The wrapped model with what a step needs: its optimizer, gradient clipping and a full state dict."""
-
-    model: nn.Module
-    opt: Optimizer
-    clip: Callable[[float], float]
-    state: Callable[[], dict[str, Any]]
-    """Collective for fsdp: every rank calls it (rank 0 gets the full state)."""
-
-
-def wrap(cfg: TrainConfig, model: nn.Module, group: ProcessGroup) -> Trainer:
-    """Wrap `model` for `cfg.parallel` over `group`."""
-    decay = 1e-4
-    if cfg.parallel == "fsdp":
-        fsdp = FSDP(model, group, sharding_strategy=ShardingStrategy[cfg.sharding.upper()])
-        return Trainer(fsdp, AdamW(list(fsdp.parameters()), lr=cfg.lr, weight_decay=decay), fsdp.clip_grad_norm_,
-                       lambda: dict(fsdp.full_state_dict(rank0_only=True)))
-    ddp = DDP(model, group, bucket_cap_mb=cfg.bucket_cap_mb)
-    params = list(model.parameters())
-    opt: Optimizer = (ZeroRedundancyOptimizer(params, AdamW, group, lr=cfg.lr, weight_decay=decay)
-                      if cfg.parallel == "zero" else AdamW(params, lr=cfg.lr, weight_decay=decay))
-    return Trainer(ddp, opt, lambda max_norm: clip_grad_norm_(params, max_norm), lambda: dict(model.state_dict()))
-
-
 def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
     model.eval()
     pred = model(x).argmax(axis=1)
@@ -124,50 +97,44 @@ def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
     return float((pred == y).mean())
 
 
+class TestAccuracy(Callback):
+    """Adds the held-out accuracy to each epoch's metrics (on every rank: FSDP gathers parameters collectively)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.x, self.y = x, y
+
+    def on_epoch_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
+        metrics["test_acc"] = accuracy(trainer.model, self.x, self.y)
+
+
+def make_trainer(cfg: TrainConfig, group: Any = None) -> DistributedTrainer:
+    """The trainer for `cfg` over `group` (default: axond's default group)."""
+    x_train, y_train, x_test, y_test = make_dataset(cfg)
+    return DistributedTrainer(
+        build_model(cfg), lambda params: AdamW(params, lr=cfg.lr, weight_decay=1e-4), nn.CrossEntropyLoss(),
+        (x_train, y_train), batch_size=cfg.batch_size, parallel=cfg.parallel,
+        checkpoint_dir=cfg.checkpoint_dir or None, checkpoint_every=cfg.checkpoint_every or None,
+        clip_norm=5.0, group=group if group is not None else default_group(), sharding=cfg.sharding, seed=cfg.seed,
+        callbacks=[TestAccuracy(x_test, y_test)], wrapper_options={"bucket_cap_mb": cfg.bucket_cap_mb}
+        if cfg.parallel != "fsdp" else None,
+    )
+
+
 def train(cfg: TrainConfig, group: Any = None) -> dict[str, Any]:
     """Train over `group` (default: axond's default group); returns per-epoch losses and the test accuracy."""
-    x_train, y_train, x_test, y_test = make_dataset(cfg)
-    comm = group if group is not None else default_group()
-    rank, world = comm.rank, comm.size
-    trainer = wrap(cfg, build_model(cfg), comm)
-    model, opt = trainer.model, trainer.opt
-    loss_fn = nn.CrossEntropyLoss()
-    sampler = (DistributedSampler(len(x_train), shuffle=True, seed=cfg.seed) if group is None
-               else DistributedSampler(len(x_train), world, rank, shuffle=True, seed=cfg.seed))
-    show_bar = rank == 0 and sys.stderr.isatty()
-    losses: list[float] = []
-    totals = np.zeros(2, dtype=np.float64)
-    for epoch in range(1, cfg.epochs + 1):
-        sampler.set_epoch(epoch)
-        indices = sampler.indices()
-        steps = (len(indices) + cfg.batch_size - 1) // cfg.batch_size
-        totals[:] = 0.0
-        start = time.perf_counter()
-        for step in range(steps):
-            batch = indices[step * cfg.batch_size : (step + 1) * cfg.batch_size]
-            opt.zero_grad()
-            loss = loss_fn(model(x_train[batch]), y_train[batch])
-            model.backward(loss_fn.backward())
-            trainer.clip(5.0)
-            opt.step()
-            totals += (loss * len(batch), len(batch))
-            if show_bar:
-                _progress(epoch, cfg.epochs, step + 1, steps, totals[0] / totals[1])
-        comm.all_reduce(totals, op=axond.ReduceOp.SUM)
-        losses.append(float(totals[0] / totals[1]))
-        acc = accuracy(model, x_test, y_test)  # on every rank: FSDP gathers parameters collectively
-        if rank == 0:
-            if show_bar:
-                sys.stderr.write("\n")
-            rate = totals[1] / (time.perf_counter() - start)
-            print(f"epoch {epoch}/{cfg.epochs} loss {losses[-1]:.4f} test_acc {acc:.3f} samples/s {rate:.0f}", flush=True)
-    test_acc = accuracy(model, x_test, y_test)
-    state = trainer.state() if cfg.checkpoint else {}
-    if rank == 0 and cfg.checkpoint:
-        state["epochs"] = np.array(cfg.epochs)
-        save_checkpoint(cfg.checkpoint, state)
-        print(f"saved checkpoint {cfg.checkpoint}", flush=True)
-    return {"losses": losses, "test_acc": test_acc, "world_size": world}
+    trainer = make_trainer(cfg, group)
+    history = trainer.fit(cfg.epochs)
+    _, _, x_test, y_test = make_dataset(cfg)
+    test_acc = accuracy(trainer.model, x_test, y_test)
+    if cfg.checkpoint:
+        model = trainer.model
+        state = dict(model.full_state_dict(rank0_only=True)) if isinstance(model, FSDP) else dict(trainer.module.state_dict())
+        if trainer.rank == 0:
+            state["epochs"] = np.array(cfg.epochs)
+            save_checkpoint(cfg.checkpoint, state)
+            print(f"saved checkpoint {cfg.checkpoint}", flush=True)
+    return {"losses": [h["loss"] for h in history], "test_acc": test_acc, "world_size": trainer.world_size,
+            "resumed_from": trainer.resumed_from}
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -181,6 +148,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--depth", type=int, default=d.depth, help="hidden x hidden layers")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--checkpoint", default=os.environ.get("AXOND_CHECKPOINT", d.checkpoint), help='"" to skip')
+    p.add_argument("--checkpoint-dir", default=d.checkpoint_dir,
+                   help="sharded training checkpoints: saved there, and a restarted run resumes from the newest")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="optimizer steps between checkpoints (0: only at the end)")
     p.add_argument("--backend", default=d.backend, choices=["auto", "tcp", "nccl"])
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     p.add_argument("--parallel", default=d.parallel, choices=["ddp", "zero", "fsdp"],
@@ -191,9 +162,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for name in ("epochs", "batch_size", "samples", "hidden", "depth"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+    if a.checkpoint_every < 0:
+        p.error(f"--checkpoint-every must be >= 0, got {a.checkpoint_every}")
+    if a.checkpoint_every and not a.checkpoint_dir:
+        p.error("--checkpoint-every needs --checkpoint-dir")
     return TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, samples=a.samples, hidden=a.hidden,
                        depth=a.depth, seed=a.seed, checkpoint=a.checkpoint, backend=a.backend, bucket_cap_mb=a.bucket_cap_mb,
-                       parallel=a.parallel, sharding=a.sharding)
+                       parallel=a.parallel, sharding=a.sharding, checkpoint_dir=a.checkpoint_dir,
+                       checkpoint_every=a.checkpoint_every)
 
 
 def main(argv: list[str] | None = None) -> int:

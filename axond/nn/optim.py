@@ -75,14 +75,24 @@ class Optimizer:
         return {"defaults": dict(self.defaults), "state": arrays}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Copy hyper-parameters and per-parameter state (arrays copied) from `state_dict()`."""
-        self.defaults.update(state["defaults"])
-        self.state = [{} for _ in self.params]
+        """Copy hyper-parameters and per-parameter state (arrays copied) from `state_dict()`, after checking it fits."""
         for key, value in state["state"].items():
             index, name = key.split(".", 1)
             i = int(index)
             if i >= len(self.params):
                 raise ValueError(f"optimizer state names parameter {i}, but there are {len(self.params)}")
+            shape = tuple(getattr(value, "shape", ()))
+            if shape and shape != self.params[i].shape:
+                raise ValueError(
+                    f"optimizer state {key!r} has shape {shape} but parameter {i} has shape {self.params[i].shape}: "
+                    "the state was saved under another sharding (world size or wrapper); save and load it with "
+                    "axond.checkpoint, which reshards"
+                )
+        self.defaults.update(state["defaults"])
+        self.state = [{} for _ in self.params]
+        for key, value in state["state"].items():
+            index, name = key.split(".", 1)
+            i = int(index)
             xp = array_module(self.params[i].data)
             self.state[i][name] = xp.array(value, copy=True) if hasattr(value, "shape") else value
 

@@ -1,0 +1,5 @@
+"""Training loops on top of the parallel wrappers: `DistributedTrainer` with checkpoints and exact resume."""
+
+from axond.train.trainer import Callback, DistributedTrainer
+
+__all__ = ["Callback", "DistributedTrainer"]

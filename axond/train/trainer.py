@@ -1,0 +1,347 @@
+"""`DistributedTrainer`: data-parallel (DDP, ZeRO-1, FSDP), tensor- or pipeline-parallel training with
+checkpoints and exact resume.
+
+Each optimizer step takes `grad_accum_steps` micro-batches of `batch_size` samples per rank from
+the rank's `DistributedSampler` shard (reshuffled per epoch), so the global batch is
+`batch_size * world_size * grad_accum_steps` (under "tp" and "pipeline" the ranks split the model,
+not the data: all read the same batches). Every `checkpoint_every` steps the model, optimizer
+and position (epoch, step in epoch, random states, running sums) are saved with `axond.checkpoint`;
+`fit` starts from the newest complete checkpoint, skipping the batches already trained on, so a run
+killed at any step and restarted ends with the parameters of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import axond.checkpoint as ckpt
+from axond.checkpoint.api import Comm
+from axond.checkpoint.storage import complete_checkpoints, remove_stale_temps
+from axond.distributed.process_group import ProcessGroup
+from axond.distributed.reduce_op import ReduceOp
+from axond.nn.module import Module
+from axond.nn.optim import Optimizer
+from axond.nn.utils import clip_grad_norm_
+from axond.nn.container import Sequential
+from axond.parallel import DDP, FSDP, DistributedSampler, Pipeline, ShardingStrategy, ZeroRedundancyOptimizer
+from axond.train.clip import clip_partitioned, tensor_parallel_split
+from axond.train.data import Dataset
+from axond.train.progress import Progress
+from axond.train.resume import Position, capture_rank_state, restore_rank_state
+
+PARALLEL = ("ddp", "zero", "fsdp", "tp", "pipeline", "none")
+
+
+class Callback:
+    """Hooks called on every rank (override any); `metrics` dicts may be extended for the epoch line."""
+
+    def on_fit_start(self, trainer: DistributedTrainer) -> None: ...
+
+    def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None: ...
+
+    def on_epoch_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None: ...
+
+    def on_checkpoint(self, trainer: DistributedTrainer, path: str) -> None: ...
+
+    def on_fit_end(self, trainer: DistributedTrainer, history: list[dict[str, float]]) -> None: ...
+
+
+def _default_group() -> ProcessGroup:
+    from axond.distributed import api
+
+    if not api.is_initialized():
+        raise RuntimeError("DistributedTrainer needs group=..., or axond.init_process_group() called first")
+    return api.default_group()
+
+
+class DistributedTrainer:
+    """Train `model` with `optimizer_factory(params)` on `dataset` over `group` (see the module docstring).
+
+    model: an unwrapped `axond.nn.Module`, identical on every rank; wrapped here per `parallel`
+    ("ddp", "zero": DDP + ZeroRedundancyOptimizer, "fsdp" with `sharding`, "tp": a model built from
+    tensor-parallel layers over `group`, used as is, "pipeline": a Sequential cut into stages over
+    `group`, "none": one process), with `wrapper_options` passed to DDP/FSDP/Pipeline (e.g. num_microbatches). optimizer_factory: params -> optimizer (given FSDP's
+    shards under "fsdp"). loss_fn: an axond loss (call -> loss, `backward()` -> d loss / d output).
+    dataset / eval_dataset: `(X, y)` or an object with `__len__` and `__getitem__(indices) -> (x, y)`.
+    batch_size: samples per rank per micro-batch; grad_accum_steps micro-batches make one step.
+    clip_norm: clip the global gradient norm. checkpoint_dir / checkpoint_every (optimizer steps) /
+    keep_checkpoints / async_checkpoint: see `save_checkpoint`. group: default: the initialised world.
+    seed / shuffle: the `DistributedSampler`'s. callbacks: `Callback`s. progress / log_every: rank 0's display.
+    """
+
+    def __init__(
+        self,
+        model: Module,
+        optimizer_factory: Callable[[list[Any]], Optimizer],
+        loss_fn: Any,
+        dataset: Any,
+        batch_size: int,
+        parallel: str = "ddp",
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int | None = None,
+        *,
+        eval_dataset: Any = None,
+        grad_accum_steps: int = 1,
+        clip_norm: float | None = None,
+        group: ProcessGroup | None = None,
+        sharding: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+        seed: int = 0,
+        shuffle: bool = True,
+        callbacks: Sequence[Callback] = (),
+        progress: bool = True,
+        log_every: int | None = None,
+        keep_checkpoints: int | None = 2,
+        async_checkpoint: bool = False,
+        wrapper_options: dict[str, Any] | None = None,
+    ) -> None:
+        if parallel not in PARALLEL:
+            raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
+        if batch_size < 1 or grad_accum_steps < 1:
+            raise ValueError(f"batch_size and grad_accum_steps must be >= 1, got {batch_size} and {grad_accum_steps}")
+        if checkpoint_every is not None and (checkpoint_every < 1 or checkpoint_dir is None):
+            raise ValueError("checkpoint_every needs checkpoint_dir= and must be >= 1 (optimizer steps)")
+        if keep_checkpoints is not None and keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1 or None (keep all), got {keep_checkpoints}")
+        self.group = group if group is not None else _default_group()
+        self.comm = Comm(self.group)
+        self.rank, self.world_size = self.group.rank, self.group.size
+        self.dataset = Dataset(dataset)
+        self.eval_dataset = Dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.loss_fn = loss_fn
+        self.batch_size = batch_size
+        self.grad_accum_steps = grad_accum_steps
+        self.clip_norm = clip_norm
+        self.parallel = parallel
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self.async_checkpoint = async_checkpoint
+        self.callbacks = list(callbacks)
+        self.progress_enabled = progress
+        self.log_every = log_every
+        self.module = model
+        self._wrapper_options = dict(wrapper_options or {})
+        self.model, self.optimizer, self._clip = self._wrap(model, optimizer_factory, sharding)
+        self.data_replicas = 1 if parallel in ("tp", "pipeline") else self.world_size
+        """How many ranks read different data (1 when the ranks split the model instead)."""
+        replica = self.rank if self.data_replicas > 1 else 0
+        self.sampler = DistributedSampler(len(self.dataset), self.data_replicas, replica, shuffle=shuffle, seed=seed)
+        self.position = Position()
+        self.resumed_from: str | None = None
+        """The checkpoint the last `fit` started from (None: from scratch)."""
+        self._totals = np.zeros(2, np.float64)
+        self._pending: Future[str] | None = None
+
+    def _wrap(self, model: Module, factory: Callable[[list[Any]], Optimizer],
+              sharding: ShardingStrategy | str) -> tuple[Any, Optimizer, Callable[[float], float]]:
+        if self.parallel == "fsdp":
+            strategy = sharding if isinstance(sharding, ShardingStrategy) else ShardingStrategy[str(sharding).upper()]
+            fsdp = FSDP(model, self.group, sharding_strategy=strategy, **self._wrapper_options)
+            return fsdp, factory(list(fsdp.parameters())), fsdp.clip_grad_norm_
+        if self.parallel == "tp":
+            own, shared = tensor_parallel_split(model)
+            return model, factory(list(model.parameters())), lambda m: clip_partitioned(own, shared, self.group, m)
+        if self.parallel == "pipeline":
+            if not isinstance(model, Sequential):
+                raise TypeError(f"parallel='pipeline' needs an axond.nn.Sequential to cut into stages, got {type(model).__name__}")
+            pipe = Pipeline(model, self.group, loss_fn=self.loss_fn, **self._wrapper_options)
+            params = list(pipe.parameters())
+            return pipe, factory(params), lambda m: clip_partitioned(params, [], self.group, m)
+        if self.parallel == "none" and self.world_size > 1:
+            raise ValueError(f"parallel='none' trains one process; this group has {self.world_size} ranks")
+        wrapped: Any = DDP(model, self.group, **self._wrapper_options) if self.parallel != "none" else model
+        params = list(model.parameters())
+        opt = factory(params)
+        if self.parallel == "zero":
+            opt = ZeroRedundancyOptimizer(params, type(opt), self.group, **opt.defaults)
+        return wrapped, opt, lambda max_norm: clip_grad_norm_(params, max_norm)
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, *args)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint holds: model, optimizer (views, no copies) and the training position."""
+        model_sd, optim_sd = ckpt.get_state_dict(self.model, self.optimizer)
+        trainer = self.position.to_state()
+        trainer[f"rank_{self.rank}"] = capture_rank_state(self.module, self._totals)
+        return {"model": model_sd, "optim": optim_sd, "trainer": trainer}
+
+    def save_checkpoint(self) -> str:
+        """Save now to `checkpoint_dir/step_NNNNNNNNN` (collective); prunes older ones beyond `keep_checkpoints`."""
+        if self.checkpoint_dir is None:
+            raise ValueError("save_checkpoint needs checkpoint_dir=")
+        path = self.checkpoint_dir / f"step_{self.position.global_step:09d}"
+        if self.async_checkpoint:
+            self._pending = ckpt.async_save(self.state_dict(), path, self.group)
+            if self.rank == 0:
+                self._pending.add_done_callback(self._prune_after)
+        else:
+            ckpt.save(self.state_dict(), path, self.group)
+            if self.rank == 0:
+                self._prune()
+        self._call("on_checkpoint", str(path))
+        return str(path)
+
+    def _prune_after(self, future: Future[str]) -> None:
+        if future.exception() is None:
+            self._prune()
+
+    def _prune(self) -> None:
+        if self.keep_checkpoints is None or self.checkpoint_dir is None:
+            return
+        for _, _, old in complete_checkpoints(self.checkpoint_dir)[: -self.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def resume(self) -> str | None:
+        """Load the newest complete checkpoint in `checkpoint_dir`, if any (collective); returns its path."""
+        if self.checkpoint_dir is None:
+            return None
+        if self.rank == 0:
+            remove_stale_temps(self.checkpoint_dir)  # leftovers of saves killed before their commit
+        path = self.comm.broadcast(ckpt.latest(self.checkpoint_dir) if self.rank == 0 else None)
+        if path is None:
+            return None
+        model_sd, optim_sd = ckpt.get_state_dict(self.model, self.optimizer)
+        sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        ckpt.load(sd, path, self.group)
+        ckpt.set_state_dict(self.model, self.optimizer, sd["model"], sd["optim"])
+        meta = ckpt.read_metadata(path)
+        self.position = Position.from_objects(meta.objects)
+        mine = meta.objects.get(f"trainer/rank_{self.rank}")
+        if mine is not None and meta.world_size == self.world_size:
+            restore_rank_state(self.module, mine, self._totals)
+        else:
+            self._totals[:] = 0.0
+        return str(path)
+
+    def _steps_per_epoch(self) -> tuple[int, int]:
+        micro = math.ceil(self.sampler.num_samples / self.batch_size)
+        return micro, math.ceil(micro / self.grad_accum_steps)
+
+    def _train_step(self, indices: np.ndarray, step: int, micro: int) -> int:
+        """One optimizer step over this rank's micro-batches of `step`; returns the samples it used."""
+        first = step * self.grad_accum_steps
+        count = min(self.grad_accum_steps, micro - first)
+        self.optimizer.zero_grad()
+        self.model.zero_grad()
+        used = 0
+        for m in range(count):
+            rows = indices[(first + m) * self.batch_size : (first + m + 1) * self.batch_size]
+            x, y = self.dataset.batch(rows)
+            if isinstance(self.model, Pipeline):
+                self._totals += (self.model.step(x, y) * len(rows), len(rows))
+                used += len(rows)
+                continue
+            quiet = m < count - 1 and hasattr(self.model, "no_sync")
+            with self.model.no_sync() if quiet else contextlib.nullcontext():
+                loss = float(self.loss_fn(self.model(x), y))
+                grad = self.loss_fn.backward()
+                self.model.backward(grad / count if count > 1 else grad)
+            self._totals += (loss * len(rows), len(rows))
+            used += len(rows)
+        if count > 1 and isinstance(self.model, Pipeline):
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad *= 1.0 / count
+        if self.clip_norm is not None:
+            self._clip(self.clip_norm)
+        self.optimizer.step()
+        return used
+
+    def evaluate(self) -> float:
+        """Mean loss over `eval_dataset` (every rank evaluates its shard; collective)."""
+        if self.eval_dataset is None:
+            raise ValueError("evaluate needs eval_dataset=")
+        replica = self.rank if self.data_replicas > 1 else 0
+        sampler = DistributedSampler(len(self.eval_dataset), self.data_replicas, replica, shuffle=False)
+        indices = sampler.indices()
+        sums = np.zeros(2, np.float64)
+        self.model.eval()
+        try:
+            for lo in range(0, len(indices), self.batch_size):
+                rows = indices[lo : lo + self.batch_size]
+                x, y = self.eval_dataset.batch(rows)
+                out = self.model.forward(x) if isinstance(self.model, Pipeline) else self.model(x)
+                if out is not None:  # a pipeline's output is on its last stage's rank only
+                    sums += (float(self.loss_fn(out, y)) * len(rows), len(rows))
+        finally:
+            self.model.train()
+        if self.parallel != "tp":  # tensor-parallel ranks computed the same sums
+            self.group.all_reduce(sums, op=ReduceOp.SUM)
+        return float(sums[0] / max(sums[1], 1.0))
+
+    def fit(self, epochs: int) -> list[dict[str, float]]:
+        """Train until `epochs` epochs are done (resuming first); returns the per-epoch history."""
+        if epochs < 0:
+            raise ValueError(f"epochs must be >= 0, got {epochs}")
+        self.resumed_from = self.resume()
+        pos = self.position
+        show = self.progress_enabled and self.rank == 0
+        progress = Progress(show, epochs, self.log_every)
+        self._call("on_fit_start")
+        micro, steps = self._steps_per_epoch()
+        begun = (pos.epoch, pos.global_step)
+        try:
+            while pos.epoch < epochs:
+                self.sampler.set_epoch(pos.epoch)
+                indices = self.sampler.indices()
+                if pos.step == 0:
+                    self._totals[:] = 0.0
+                progress.start(pos.epoch + 1, steps, pos.step)
+                start, seen = time.perf_counter(), 0
+                while pos.step < steps:
+                    seen += self._train_step(indices, pos.step, micro)
+                    pos.step += 1
+                    pos.global_step += 1
+                    rate = seen * self.data_replicas / max(time.perf_counter() - start, 1e-9)
+                    loss = float(self._totals[0] / max(self._totals[1], 1.0))
+                    progress.update(pos.step, loss, rate)
+                    self._call("on_step_end", {"epoch": pos.epoch + 1, "step": pos.step,
+                                               "global_step": pos.global_step, "loss": loss})
+                    if self.checkpoint_every and pos.global_step % self.checkpoint_every == 0:
+                        self.save_checkpoint()
+                progress.close()
+                self._end_epoch(epochs, seen * self.data_replicas / max(time.perf_counter() - start, 1e-9))
+            if self.checkpoint_dir is not None and (pos.epoch, pos.global_step) != begun:
+                self.save_checkpoint()
+        finally:
+            progress.close()
+            self.wait_for_checkpoint()
+        self._call("on_fit_end", pos.history)
+        return pos.history
+
+    def _end_epoch(self, epochs: int, rate: float) -> None:
+        pos = self.position
+        totals = self._totals.copy()
+        self.group.all_reduce(totals, op=ReduceOp.SUM)
+        metrics: dict[str, float] = {"epoch": pos.epoch + 1, "loss": float(totals[0] / max(totals[1], 1.0))}
+        if self.eval_dataset is not None:
+            metrics["eval_loss"] = self.evaluate()
+        self._call("on_epoch_end", metrics)
+        metrics["samples_per_s"] = rate
+        pos.history.append(metrics)
+        if self.rank == 0 and self.progress_enabled:
+            extra = "".join(f" {k} {v:.4f}" for k, v in metrics.items() if k not in ("epoch", "loss", "samples_per_s"))
+            print(f"epoch {pos.epoch + 1}/{epochs} loss {metrics['loss']:.4f}{extra} samples/s {rate:.0f}", flush=True)
+        pos.epoch += 1
+        pos.step = 0
+        self._totals[:] = 0.0
+
+    def wait_for_checkpoint(self, timeout: float = 600.0) -> None:
+        """Block until the last async checkpoint is committed (re-raises its error)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result(timeout=timeout)
+
