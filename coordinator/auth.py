@@ -54,14 +54,23 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
+    return replace_handler(handler, behavior=abort)
+
+
+def replace_handler(
+    handler: grpc.RpcMethodHandler, behavior: Callable[..., Any] | None = None,
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler:
+    """`handler` of the same kind with another behavior and/or request deserializer (for interceptors)."""
+    kinds = (
+        (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+        (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+        (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+        (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
+    )
+    current, make = next((k for k in kinds if k[0] is not None), kinds[-1])
+    return make(  # type: ignore[no-any-return]
+        behavior or current,
+        request_deserializer=request_deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from axond.coordinator.auth import replace_handler
 from axond.coordinator.servicer import Undecodable
 
 PREFIX = "/axond.v1.Coordinator/"
@@ -39,13 +40,6 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         method: str = handler_call_details.method  # type: ignore[attr-defined]
         if handler is None or not method.startswith(PREFIX) or handler.request_deserializer is None:
             return handler
-        parse = _safe(method, handler.request_deserializer)
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                handler.unary_unary, request_deserializer=parse, response_serializer=handler.response_serializer
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                handler.unary_stream, request_deserializer=parse, response_serializer=handler.response_serializer
-            )
-        return handler
+        if not (handler.unary_unary or handler.unary_stream):
+            return handler
+        return replace_handler(handler, request_deserializer=_safe(method, handler.request_deserializer))

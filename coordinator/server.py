@@ -17,6 +17,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from axond.control.channel import read_file
 from axond.control.credentials import default_state_dir, ensure_token, read_token_file
 from axond.coordinator.auth import TokenInterceptor
 from axond.coordinator.decoding import DecodeGuard
@@ -150,14 +151,6 @@ def _client_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def _read(path: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise CoordinatorError(f"cannot read the {what} file {path!r}: {e.strerror}") from e
-
-
 async def _tick_loop(state: CoordinatorState, hub: WaitHub, max_sleep: float) -> None:
     while True:
         now = time.monotonic()
@@ -184,9 +177,9 @@ def resolve_server_token(config: CoordinatorConfig) -> tuple[str | None, Path | 
 def _credentials(config: CoordinatorConfig) -> grpc.ServerCredentials | None:
     if not (config.tls_cert and config.tls_key):
         return None
-    pair = [(_read(config.tls_key, "TLS key"), _read(config.tls_cert, "TLS cert"))]
+    pair = [(read_file(config.tls_key, "TLS key"), read_file(config.tls_cert, "TLS cert"))]
     if config.tls_client_ca:
-        ca = _read(config.tls_client_ca, "TLS client CA")
+        ca = read_file(config.tls_client_ca, "TLS client CA")
         return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=True)
     return grpc.ssl_server_credentials(pair)
 

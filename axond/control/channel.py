@@ -106,7 +106,8 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
         return continuation(self._details(client_call_details), request)
 
 
-def _read(path: str, what: str) -> bytes:
+def read_file(path: str, what: str) -> bytes:
+    """The bytes of `path` (a PEM file); CoordinatorError naming `what` if it cannot be read."""
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -125,9 +126,9 @@ def open_channel(
     if tls_cert and not tls_ca:
         raise CoordinatorError("a client certificate (--tls-cert) needs --tls-ca: mutual TLS runs over TLS")
     if tls_ca:
-        ca = _read(tls_ca, "TLS CA")
-        cert = _read(tls_cert, "TLS client certificate") if tls_cert else None
-        key = _read(tls_key, "TLS client key") if tls_key else None
+        ca = read_file(tls_ca, "TLS CA")
+        cert = read_file(tls_cert, "TLS client certificate") if tls_cert else None
+        key = read_file(tls_key, "TLS client key") if tls_key else None
         creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
         channel = grpc.secure_channel(address, creds, CHANNEL_OPTIONS)
     else:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from axond.distributed.backends.base import Array, Backend, BackendOptions
+from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
 from axond.distributed.chunking import binomial_children
 from axond.distributed.mock_hub import Call, HubError, Post, call_text, join
 from axond.distributed.reduce_op import ReduceOp
@@ -28,9 +29,7 @@ from axond.store import Store
 
 
 def _numpy(x: Any, what: str) -> np.ndarray:
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"{what} must be a NumPy array for the mock backend, got {type(x).__name__}")
-    return x
+    return numpy_array(x, what, "mock")
 
 
 def _flat_copy(x: np.ndarray) -> np.ndarray:
@@ -119,13 +118,7 @@ class MockBackend(Backend):
         return int(root)
 
     def _out(self, out: Array | None, shape: tuple[int, ...], dtype: np.dtype, op: str) -> np.ndarray:
-        if out is None:
-            return np.empty(shape, dtype)
-        out = _numpy(out, f"{op} out")
-        if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
-            raise ValueError(f"{op} out= must be a C-contiguous {dtype} array of shape {shape}; "
-                             f"got {out.dtype} {out.shape}")
-        return out
+        return output_array(out, shape, dtype, op, "mock")
 
     def all_reduce(self, x: Array, op: ReduceOp) -> None:
         x = _numpy(x, "all_reduce input")
@@ -185,10 +178,7 @@ class MockBackend(Backend):
     def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
         x = _numpy(x, "reduce_scatter input")
         op = check_reduce_op(op, x.dtype)
-        if x.ndim == 0 or x.shape[0] % self.size:
-            raise ValueError(f"reduce_scatter needs x.shape[0] divisible by the group size {self.size}; "
-                             f"got shape {x.shape} (pad the first dimension)")
-        rows = x.shape[0] // self.size
+        rows = scatter_rows(x, self.size, "reduce_scatter")
         out = self._out(out, (rows, *x.shape[1:]), x.dtype, "reduce_scatter")
         posted = self._meet(Op.REDUCE_SCATTER, x, _flat_copy(x), op)
         per = out.size

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from axond.distributed.backends.base import Array, Backend, BackendOptions
+from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
 from axond.distributed import two_level
 from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
 from axond.distributed.mailbox import Mailbox, MailboxAlgorithms
@@ -49,11 +50,7 @@ META = 34
 
 
 def _numpy(x: Any, what: str) -> np.ndarray:
-    if not isinstance(x, np.ndarray):
-        kind = type(x).__module__.split(".")[0]
-        hint = " (CuPy arrays need backend='nccl')" if kind == "cupy" else ""
-        raise TypeError(f"{what} must be a NumPy array for the tcp backend, got {type(x).__name__}{hint}")
-    return x
+    return numpy_array(x, what, "tcp")
 
 
 class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backend):
@@ -240,23 +237,14 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         return out
 
     def _out(self, out: Array | None, shape: tuple[int, ...], dtype: np.dtype, op: str) -> np.ndarray:
-        if out is None:
-            return np.empty(shape, dtype)
-        out = _numpy(out, f"{op} out")
-        if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
-            raise ValueError(f"{op} out= must be a C-contiguous {dtype} array of shape {shape}; "
-                             f"got {out.dtype} {out.shape}")
-        return out
+        return output_array(out, shape, dtype, op, "tcp")
 
     def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
         """As `Backend.reduce_scatter`; `out` (C-contiguous, the block's shape) avoids a fresh allocation."""
         x = _numpy(x, "reduce_scatter input")
         op = check_reduce_op(op, x.dtype)
-        if x.ndim == 0 or x.shape[0] % self.size:
-            raise ValueError(f"reduce_scatter needs x.shape[0] divisible by the group size {self.size}; "
-                             f"got shape {x.shape} (pad the first dimension)")
+        rows = scatter_rows(x, self.size, "reduce_scatter")
         c = self._call(Op.REDUCE_SCATTER, x, op)
-        rows = x.shape[0] // self.size
         out = self._out(out, (rows, *x.shape[1:]), x.dtype, "reduce_scatter")
         if self.size == 1:
             np.copyto(out, x)
