@@ -1,9 +1,11 @@
-"""Parallel wrappers: DDP, FSDP, ZeRO-1, pipeline and tensor parallelism, the distributed sampler and the device mesh."""
+"""Parallel wrappers: DDP, FSDP, ZeRO-1, pipeline and tensor parallelism, the parameter server, the distributed
+sampler and the device mesh."""
 
 from axond.parallel.ddp import DDP, DDPConfig, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy
 from axond.parallel.fsdp import FSDP, CPUOffload, FSDPConfig, FullyShardedDataParallel, ShardingStrategy
 from axond.parallel.mesh import DeviceMesh
 from axond.parallel.pipeline import Pipeline, PipelineSchedule
+from axond.parallel.ps import ParameterServer, PSMode
 from axond.parallel.sampler import DistributedSampler
 from axond.parallel.tensor import (
     ColumnParallelLinear, CopyToParallelRegion, GatherFromParallelRegion, ParallelCausalSelfAttention, ParallelMLP,
@@ -30,6 +32,8 @@ __all__ = [
     "ParallelCausalSelfAttention",
     "ParallelMLP",
     "ParallelTransformerBlock",
+    "ParameterServer",
+    "PSMode",
     "Pipeline",
     "PipelineSchedule",
     "ReduceFromParallelRegion",
