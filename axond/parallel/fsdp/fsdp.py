@@ -277,7 +277,9 @@ class FullyShardedDataParallel(NoSync, Module):
         return out
 
     def state_dict(self) -> OrderedDict[str, Array]:
-        """`full_state_dict()` on every rank (collective), keyed like the unwrapped module's."""
+        """`full_state_dict()` on every rank (collective: every rank of the group must call it, like torch's FSDP),
+        keyed like the unwrapped module's. For checkpoints use `axond.checkpoint.get_state_dict`, which needs no
+        communication and lets every rank save only its shards."""
         return self.full_state_dict()
 
     def load_state_dict(self, state: Mapping[str, Array], strict: bool = True) -> tuple[list[str], list[str]]:
