@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -37,10 +38,14 @@ def test_ranks_show_host_and_pid_and_open_rendezvous_shows_who_joined(client: Co
     b = client.register_node("host-b").node_id
     waiter = threading.Thread(target=client.join, args=("j", a, 2, 2, 2), kwargs={"timeout": 20.0})
     waiter.start()
+    def open_job() -> Any:
+        return next((j for j in client.get_status().jobs if j.job == "j" and j.joined_hosts), None)
+
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not client.get_status("j").jobs[0].joined_hosts:
+    while time.monotonic() < deadline and open_job() is None:
         time.sleep(0.05)
-    job = client.get_status("j").jobs[0]
+    job = open_job()
+    assert job is not None
     assert list(job.joined_hosts) == ["host-a"] and (job.min_nodes, job.max_nodes, job.nnodes) == (2, 2, 1)
     client.join("j", b, 2, 2, 2, timeout=20.0)
     waiter.join(20.0)
