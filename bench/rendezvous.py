@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -45,10 +46,10 @@ AUTH = [("authorization", f"Bearer {BENCH_CONFIG.token}")]
 
 
 @contextlib.contextmanager
-def _coordinator(where: str) -> Iterator[str]:
+def _coordinator(where: str, config: CoordinatorConfig = BENCH_CONFIG) -> Iterator[str]:
     """A coordinator on loopback, in this process (`thread`) or its own (`process`); yields its address."""
     if where == "thread":
-        running = start_coordinator(BENCH_CONFIG)
+        running = start_coordinator(config)
         try:
             yield running.address
         finally:
@@ -57,7 +58,7 @@ def _coordinator(where: str) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = dataclasses.replace(BENCH_CONFIG, port=port)
+    config = dataclasses.replace(config, port=port)
     code = f"from axond.coordinator.server import *; raise SystemExit(run_coordinator({config!r}))"
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
     try:
@@ -157,11 +158,15 @@ def part_a(nodes: list[int], repeats: int, server: str, nproc: int = 8, kv_secon
             times = [asyncio.run(_rendezvous_once(address, n, f"rdzv-{n}-{r}", nproc)) for r in range(repeats)]
             print(f"| {n} | {n * nproc} | {statistics.median(times):.3f} | {min(times):.3f} | {max(times):.3f} |")
             sys.stdout.flush()
-        print("\n## (a) KV store, 64-byte values\n")
-        print("| operation | ops/s |")
-        print("|---|---:|")
-        for name, rate in _kv_rates(address, kv_seconds).items():
-            print(f"| {name} | {rate:,.0f} |")
+        in_memory = _kv_rates(address, kv_seconds)
+    with tempfile.TemporaryDirectory(prefix="axond-bench-state-") as state_dir:
+        with _coordinator(server, dataclasses.replace(BENCH_CONFIG, in_memory=False, state_dir=state_dir)) as address:
+            durable = _kv_rates(address, kv_seconds)
+    print("\n## (a) KV store, 64-byte values: in memory, and durable (SQLite in the state directory)\n")
+    print("| operation | in memory ops/s | durable ops/s | durable / in memory |")
+    print("|---|---:|---:|---:|")
+    for name, rate in in_memory.items():
+        print(f"| {name} | {rate:,.0f} | {durable[name]:,.0f} | {durable[name] / rate:.2f} |")
 
 
 AXOND_RANK = "import axond; axond.init_process_group(backend='tcp'); axond.barrier(); axond.destroy_process_group()"
