@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from axond.distributed.backends.base import BackendOptions
-from axond.distributed.process_group import ProcessGroup, create_group
+from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import Store
@@ -51,7 +51,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         self._options = options
         self._group: ProcessGroup | None = None
         self._group_name = ""
-        self._completer = Completer(f"r{rank}")
+        self._completer: Completer | None = None
 
     @property
     def axond_group(self) -> ProcessGroup:
@@ -59,6 +59,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         if self._group is None:
             name = f"torch:{self._group_name}" if self._group_name else "torch"
             self._group = create_group(self._store, self._rank, self._size, "tcp", self._options, name=name)
+            self._completer = Completer(name, self._options.timeout + ASYNC_MARGIN)
         return self._group
 
     def _set_group_name(self, name: str) -> None:
@@ -85,8 +86,9 @@ class AxondProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"AxondProcessGroup({self._group_name!r}, rank={self._rank}, size={self._size})"
 
-    def _launch(self, works: Sequence[Any], finish: Callable[[list[Any]], Any]) -> Any:
-        return self._completer.launch(works, finish)
+    def _launch(self, op: str, works: Sequence[Any], finish: Callable[[list[Any]], Any]) -> Any:
+        assert self._completer is not None  # works come from self.axond_group, which made it
+        return self._completer.launch(op, works, finish)
 
     def _same_dtype(self, where: str, *tensors: torch.Tensor) -> None:
         kinds = {t.dtype for t in tensors}
@@ -97,7 +99,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         op = axond_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
         staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
         works = [self.axond_group.all_reduce(s.array, op, async_op=True) for s in staged]
-        return self._launch(works, _written(staged, tensors))
+        return self._launch("allreduce", works, _written(staged, tensors))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
@@ -106,13 +108,13 @@ class AxondProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         staged = [stage(t, "broadcast tensor") for t in tensors]
         works = [self.axond_group.broadcast(s.array, root, async_op=True) for s in staged]
-        return self._launch(works, _written(staged, tensors))
+        return self._launch("broadcast", works, _written(staged, tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = axond_op(opts.reduceOp, "reduce")
         staged = [stage(t, "reduce tensor", reduce=True) for t in tensors]
         works = [self.axond_group.reduce(s.array, opts.rootRank, op, async_op=True) for s in staged]
-        return self._launch(works, _written(staged if self._rank == opts.rootRank else [], tensors))
+        return self._launch("reduce", works, _written(staged if self._rank == opts.rootRank else [], tensors))
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         works, copies = [], []
@@ -122,7 +124,7 @@ class AxondProcessGroup(dist.ProcessGroup):
             gathered = np.empty((self._size, *x.shape), x.dtype)
             works.append(self.axond_group.all_gather(x, async_op=True, out=gathered))
             copies.append((outs, gathered))
-        return self._launch(works, lambda _: _scatter_rows(copies, outputs))
+        return self._launch("allgather", works, lambda _: _scatter_rows(copies, outputs))
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allgather(outputs, inputs, opts)
@@ -142,7 +144,7 @@ class AxondProcessGroup(dist.ProcessGroup):
             s = stage(out, "all_gather_into_tensor output")
             works.append(self.axond_group.all_gather(x, async_op=True, out=s.array.reshape(self._size, -1)))
             staged.append(s)
-        return self._launch(works, _written(staged, outputs))
+        return self._launch("allgather_into_tensor_coalesced", works, _written(staged, outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
     _allgather_base = all_gather_single
@@ -156,7 +158,7 @@ class AxondProcessGroup(dist.ProcessGroup):
             s = stage(out, "reduce_scatter output", reduce=True)
             works.append(self.axond_group.reduce_scatter(x, op, async_op=True, out=s.array.reshape(1, -1)))
             staged.append(s)
-        return self._launch(works, _written(staged, outputs))
+        return self._launch("reduce_scatter", works, _written(staged, outputs))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -174,7 +176,7 @@ class AxondProcessGroup(dist.ProcessGroup):
             s = stage(out, "reduce_scatter_tensor output", reduce=True)
             works.append(self.axond_group.reduce_scatter(x, op, async_op=True, out=s.array.reshape(1, -1)))
             staged.append(s)
-        return self._launch(works, _written(staged, outputs))
+        return self._launch("reduce_scatter_tensor_coalesced", works, _written(staged, outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
     _reduce_scatter_base = reduce_scatter_single
@@ -194,7 +196,7 @@ class AxondProcessGroup(dist.ProcessGroup):
                 copy_into(t, results[0][starts[i]:starts[i + 1]])
             return outputs
 
-        return self._launch([work], finish)
+        return self._launch("alltoall", [work], finish)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> Any:
@@ -207,7 +209,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         if outs is None and ins is not None:
             outs = [output.shape[0] // self._size] * self._size
         work = self.axond_group.all_to_all(x, async_op=True, input_split_sizes=ins, output_split_sizes=outs)
-        return self._launch([work], lambda results: _copied(output, results[0]))
+        return self._launch("all_to_all_single", [work], lambda results: _copied(output, results[0]))
 
     alltoall_base = all_to_all_single
 
@@ -218,8 +220,8 @@ class AxondProcessGroup(dist.ProcessGroup):
             self._check_list("gather", outputs[0], inputs[0])
         work = self.axond_group.gather(x, root, async_op=True)
         if self._rank != root:
-            return self._launch([work], lambda _: outputs)
-        return self._launch([work], lambda results: _scatter_rows([(outputs[0], results[0])], outputs))
+            return self._launch("gather", [work], lambda _: outputs)
+        return self._launch("gather", [work], lambda results: _scatter_rows([(outputs[0], results[0])], outputs))
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
         root = opts.rootRank
@@ -228,23 +230,23 @@ class AxondProcessGroup(dist.ProcessGroup):
             self._check_list("scatter", inputs[0], outputs[0])
             x = np.stack([readonly(t, "scatter input") for t in inputs[0]])
         work = self.axond_group.scatter(x, root, async_op=True)
-        return self._launch([work], lambda results: [_copied(outputs[0], results[0])])
+        return self._launch("scatter", [work], lambda results: [_copied(outputs[0], results[0])])
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         works = [self.axond_group.isend(readonly(t, "send tensor"), dst, tag) for t in tensors]
-        return self._launch(works, lambda _: tensors)
+        return self._launch("send", works, lambda _: tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         staged = [stage(t, "recv tensor") for t in tensors]
         works = [self.axond_group.irecv(s.array, src, tag) for s in staged]
-        return self._launch(works, _written(staged, tensors))
+        return self._launch("recv", works, _written(staged, tensors))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
         raise DistributedError(f"recv from any source on group '{self._group_name}': the axond backend needs the "
                                "source rank (pass src=)", op="recv", group=self._group_name, rank=self._rank)
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._launch([self.axond_group.barrier(async_op=True)], lambda _: [])
+        return self._launch("barrier", [self.axond_group.barrier(async_op=True)], lambda _: [])
 
     def _check_list(self, where: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
         if len(tensors) != self._size:
@@ -257,7 +259,8 @@ class AxondProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Close the axond group's sockets and threads (torch's destroy_process_group calls it)."""
-        self._completer.close(self._options.timeout)
+        if self._completer is not None:
+            self._completer.close(self._options.timeout)
         if self._group is not None:
             self._group.destroy()
 

@@ -1,0 +1,94 @@
+"""The torch.distributed backend "axond" (`axond.torch`) against gloo, in real processes on loopback.
+
+Every rank joins "axond" as the default group and a gloo group over the same ranks, runs the same
+collective, DDP or FSDP2 training on both and compares. With two ranks and the same reduction
+order, results must be bit-identical (float64 training included), so comparisons are exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install -e '.[torch]')")
+
+import torch_cases  # noqa: E402
+from axond.testing import collect_from_processes  # noqa: E402
+
+
+def _ranks(body: object, n: int = 2, timeout: float = 60.0) -> list[object]:
+    items, codes = collect_from_processes(functools.partial(torch_cases.run, body), n, expect=n, timeout=timeout)
+    failures = [res for _, ok, res in items if not ok]
+    assert not failures, failures[0]
+    assert codes == [0] * n, codes
+    return [res for _, _, res in sorted(items, key=lambda item: item[0])]
+
+
+def test_importing_axond_does_not_import_torch() -> None:
+    code = ("import sys, axond, axond.cli.main, axond.distributed.api; "
+            "print('torch' in sys.modules, 'axond.torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["False", "False"], out
+
+
+def test_collectives_match_gloo_for_every_dtype() -> None:
+    results = _ranks(torch_cases.collectives)
+    for rank, res in enumerate(results):
+        assert res[0].startswith("ok"), f"rank {rank}: " + "\n".join(res)
+        assert int(res[0].split()[1]) > 100, res  # every case ran
+
+
+def test_ddp_trains_like_gloo() -> None:
+    assert _ranks(torch_cases.ddp) == [[], []]
+
+
+def test_fsdp2_trains_like_gloo() -> None:
+    assert _ranks(torch_cases.fsdp) == [[], []]
+
+
+def test_dead_peer_raises_naming_the_op_within_the_timeout() -> None:
+    items, codes = collect_from_processes(torch_cases.dead_peer, 2, expect=1, timeout=60.0)
+    rank, kind, message, elapsed = items[0]
+    assert rank == 0 and kind != "no error", items
+    assert "all_reduce" in message and "peer" in message, message
+    assert elapsed < 4.0 + 5.0, f"took {elapsed:.1f} s for a 4 s timeout"
+    assert codes[1] == 3, codes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("example", ["torch_ddp", "torch_fsdp"])
+def test_examples_under_the_worker(example: str, tmp_path: Path) -> None:
+    port, token = _free_port(), "torch-test-token"
+    axond = [sys.executable, "-c", "from axond.cli.main import main; main()"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("AXOND_TOKEN", None)
+    coord = subprocess.Popen([*axond, "coordinator", "--host", "127.0.0.1", "--port", str(port), "--token", token],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while subprocess.run([*axond, "health", "--coordinator", f"127.0.0.1:{port}", "--token", token],
+                             capture_output=True, timeout=30, env=env).returncode != 0:
+            assert time.monotonic() < deadline and coord.poll() is None, "the coordinator did not come up"
+            time.sleep(0.2)
+        worker = subprocess.run([*axond, "worker", "--coordinator", f"127.0.0.1:{port}", "--token", token,
+                                 "--nproc-per-node", "2", "--", sys.executable, "-m", f"axond.examples.{example}",
+                                 "--steps", "5"], capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path)
+    finally:
+        coord.terminate()
+        coord.communicate(timeout=20)
+    assert worker.returncode == 0, f"stdout:\n{worker.stdout}\nstderr:\n{worker.stderr}"
+    assert "[rank 0] step 5/5 loss" in worker.stdout, worker.stdout
+    assert "Traceback" not in worker.stderr, worker.stderr

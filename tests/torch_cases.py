@@ -1,0 +1,247 @@
+"""Rank bodies of tests/test_torch_backend.py: each process joins "axond" as the default group and a
+gloo group over the same ranks, runs the same thing on both, and reports what differs."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16]
+
+
+def join(rank: int, n: int, store_dir: str, timeout: float = 20.0) -> Any:
+    """Default group over "axond" (torch's FileStore), plus a gloo group on the same ranks (the reference)."""
+    import axond.torch  # noqa: F401 -- registers the backend
+
+    store = dist.FileStore(os.path.join(store_dir, "torch-store"), n)
+    dist.init_process_group("axond", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
+    return dist.new_group(list(range(n)), backend="gloo")
+
+
+def run(body: Any, rank: int, n: int, store_dir: str, q: Any) -> None:
+    """Run `body(rank, n, gloo)` and put (rank, ok, result or traceback) on `q`."""
+    try:
+        gloo = join(rank, n, store_dir)
+        result = body(rank, n, gloo)
+        dist.destroy_process_group()
+        q.put((rank, True, result))
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))
+
+
+def _values(dtype: torch.dtype, shape: tuple[int, ...], rank: int, salt: int = 0) -> torch.Tensor:
+    """Small exact integers (products stay exact in every dtype), different per rank."""
+    base = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int64).reshape(shape)
+    return ((base * 3 + rank * 5 + salt) % 7 + 1).to(dtype)
+
+
+def collectives(rank: int, n: int, gloo: Any) -> list[str]:
+    """Every collective on both groups for every dtype; the list of cases whose results differ."""
+    bad: list[str] = []
+    checked = 0
+
+    def same(case: str, ours: Any, theirs: Any) -> None:
+        nonlocal checked
+        checked += 1
+        ours, theirs = list(ours), list(theirs)
+        if len(ours) != len(theirs) or not all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ours, theirs)):
+            bad.append(f"{case}: axond {ours} != gloo {theirs}")
+
+    def both(fn: Any) -> tuple[Any, Any]:
+        return fn(None), fn(gloo)
+
+    for dtype in DTYPES:
+        d = str(dtype).replace("torch.", "")
+        x = _values(dtype, (2 * n, 3), rank)
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+            def allreduce(g: Any, op: Any = op) -> list[torch.Tensor]:
+                t = x.clone()
+                dist.all_reduce(t, op=op, group=g)
+                return [t]
+            same(f"all_reduce {op} {d}", *both(allreduce))
+        if dtype.is_floating_point:
+            t = x.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+            s = x.clone()
+            dist.all_reduce(s, group=gloo)
+            same(f"all_reduce AVG {d} (gloo: SUM / n)", [t], [(s.float() / n).to(dtype)])
+        strided = x.t()  # non-contiguous: staged through a copy
+        same(f"all_reduce non-contiguous {d}", *both(lambda g: _inplace(dist.all_reduce, strided.clone().t().t(), g)))
+
+        def broadcast(g: Any) -> list[torch.Tensor]:
+            t = x.clone()
+            dist.broadcast(t, src=n - 1, group=g)
+            return [t]
+        same(f"broadcast {d}", *both(broadcast))
+
+        def all_gather(g: Any) -> list[torch.Tensor]:
+            out = [torch.empty_like(x) for _ in range(n)]
+            dist.all_gather(out, x, group=g)
+            return out
+        same(f"all_gather {d}", *both(all_gather))
+
+        def all_gather_single(g: Any) -> list[torch.Tensor]:
+            out = torch.empty((n * x.shape[0], 3), dtype=dtype)
+            dist.all_gather_single(out, x, group=g)
+            return [out]
+        same(f"all_gather_into_tensor {d}", *both(all_gather_single))
+
+        def reduce_scatter_tensor(g: Any) -> list[torch.Tensor]:
+            out = torch.empty((2, 3), dtype=dtype)
+            before = x.clone()
+            dist.reduce_scatter_single(out, x, group=g)
+            return [out, before - x]  # the input stays untouched
+        same(f"reduce_scatter_tensor {d}", *both(reduce_scatter_tensor))
+
+        def reduce_scatter(g: Any) -> list[torch.Tensor]:
+            out = torch.empty((2, 3), dtype=dtype)
+            dist.reduce_scatter(out, list(x.chunk(n)), group=g)
+            return [out]
+        same(f"reduce_scatter {d}", *both(reduce_scatter))
+
+        def all_to_all_single(g: Any) -> list[torch.Tensor]:
+            out = torch.empty_like(x)
+            dist.all_to_all_single(out, x, group=g)
+            return [out]
+        same(f"all_to_all_single {d}", *both(all_to_all_single))
+
+        sends = [i + 1 + rank for i in range(n)]  # uneven: rank r sends i + 1 + r rows to rank i
+        receives = [rank + 1 + j for j in range(n)]
+        y = _values(dtype, (sum(sends), 2), rank, salt=1)
+
+        def uneven(g: Any) -> list[torch.Tensor]:
+            out = torch.empty((sum(receives), 2), dtype=dtype)
+            dist.all_to_all_single(out, y, output_split_sizes=receives, input_split_sizes=sends, group=g)
+            return [out]
+        same(f"all_to_all_single uneven {d}", *both(uneven))
+
+        def all_to_all(g: Any) -> list[torch.Tensor]:
+            out = [torch.empty((receives[j], 2), dtype=dtype) for j in range(n)]
+            dist.all_to_all(out, list(y.split(sends)), group=g)
+            return out
+        same(f"all_to_all uneven lists {d} (gloo: all_to_all_single)", [torch.cat(all_to_all(None))], uneven(gloo))
+
+        def gather(g: Any) -> list[torch.Tensor]:
+            out = [torch.empty_like(x) for _ in range(n)] if rank == 0 else None
+            dist.gather(x, out, dst=0, group=g)
+            return out or []
+        same(f"gather {d}", *both(gather))
+
+        def scatter(g: Any) -> list[torch.Tensor]:
+            out = torch.empty_like(x)
+            dist.scatter(out, [_values(dtype, x.shape, i, salt=2) for i in range(n)] if rank == 1 else None, src=1,
+                         group=g)
+            return [out]
+        same(f"scatter {d}", *both(scatter))
+
+        def reduce(g: Any) -> list[torch.Tensor]:
+            t = x.clone()
+            dist.reduce(t, dst=1, op=dist.ReduceOp.MAX, group=g)
+            return [t] if rank == 1 else []
+        same(f"reduce {d}", *both(reduce))
+
+        def ring(g: Any) -> list[torch.Tensor]:
+            got = torch.empty_like(x)
+            ops = [dist.P2POp(dist.isend, x, (rank + 1) % n, g), dist.P2POp(dist.irecv, got, (rank - 1) % n, g)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            return [got]
+        same(f"batch_isend_irecv {d}", *both(ring))
+
+        def send_recv(g: Any) -> list[torch.Tensor]:
+            got = torch.empty_like(x)
+            if rank == 0:
+                dist.send(x, 1, group=g)
+            elif rank == 1:
+                dist.recv(got, 0, group=g)
+                return [got]
+            return []
+        same(f"send/recv {d}", *both(send_recv))
+
+    def objects(g: Any) -> list[torch.Tensor]:
+        got: list[Any] = [None] * n
+        dist.all_gather_object(got, {"rank": rank, "tag": "x" * rank}, group=g)
+        box = [{"from": rank}] if rank == 0 else [None]
+        dist.broadcast_object_list(box, src=0, group=g)
+        return [torch.tensor([len(repr(got)), len(repr(box))])]
+    same("object collectives", *both(objects))
+    works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3)]
+    for w in works:
+        w.wait()
+    dist.barrier()
+    return bad if bad else [f"ok {checked}"]
+
+
+def _inplace(fn: Any, t: torch.Tensor, g: Any) -> list[torch.Tensor]:
+    fn(t, group=g)
+    return [t]
+
+
+def mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).double()
+
+
+def _steps(model: torch.nn.Module, params: Any, rank: int, steps: int = 4) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(params, lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+        y = torch.randn(16, 4, generator=gen, dtype=torch.float64)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def ddp(rank: int, n: int, gloo: Any) -> list[str]:
+    """torch DDP over axond and over gloo from the same seeds: parameters must be identical."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    results = []
+    for group in (None, gloo):
+        model = DDP(mlp(seed=7 + rank), process_group=group, bucket_cap_mb=0.001)  # rank-dependent init: DDP syncs it
+        results.append(_steps(model, model.parameters(), rank))
+    return [f"{i}: max diff {float((a - b).abs().max())}" for i, (a, b) in enumerate(zip(*results)) if not torch.equal(a, b)]
+
+
+def fsdp(rank: int, n: int, gloo: Any) -> list[str]:
+    """FSDP2 fully_shard over a DeviceMesh of axond and of gloo: the same full parameters after training."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    results = []
+    for mesh in (init_device_mesh("cpu", (n,)), DeviceMesh.from_group(gloo, "cpu")):
+        model = mlp(seed=7)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        _steps(model, model.parameters(), rank)
+        results.append([p.full_tensor() for p in model.parameters()])
+    return [f"{i}: max diff {float((a - b).abs().max())}" for i, (a, b) in enumerate(zip(*results)) if not torch.equal(a, b)]
+
+
+def dead_peer(rank: int, n: int, store_dir: str, q: Any) -> None:
+    """Rank 1 dies after joining; rank 0's all_reduce must raise naming the op, within the group timeout."""
+    try:
+        join(rank, n, store_dir, timeout=4.0)
+        dist.barrier()
+        if rank == 1:
+            os._exit(3)
+        time.sleep(0.5)
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1 << 16))
+        except Exception as e:  # torch may wrap axond's error; its message must survive
+            q.put((rank, type(e).__name__, str(e), time.monotonic() - start))
+            return
+        q.put((rank, "no error", "", time.monotonic() - start))
+    except BaseException:
+        q.put((rank, "setup failed", traceback.format_exc(), 0.0))
