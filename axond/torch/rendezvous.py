@@ -24,6 +24,9 @@ from axond.torch.store import TorchStore
 
 SCHEME = "axond"
 
+_LIVE: list[TorchStore] = []
+"""Stores handed to torch: torch keeps only their C++ half, so the Python object (its methods) is kept here."""
+
 
 def _setting(query: dict[str, list[str]], key: str, env: str, default: str | None = None) -> str:
     if key in query and query[key][-1] not in ("", "-1"):
@@ -56,6 +59,7 @@ def coordinator_store(address: str, query: dict[str, list[str]], timeout: timede
     conn = client.connect(address)
     store = TorchStore(conn.store(job, generation), timeout)
     store.connection = conn  # type: ignore[attr-defined]  # the channel lives as long as the store
+    _LIVE.append(store)
     return store, rank, world_size
 
 
