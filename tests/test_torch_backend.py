@@ -92,3 +92,9 @@ def test_examples_under_the_worker(example: str, tmp_path: Path) -> None:
     assert worker.returncode == 0, f"stdout:\n{worker.stdout}\nstderr:\n{worker.stderr}"
     assert "[rank 0] step 5/5 loss" in worker.stdout, worker.stdout
     assert "Traceback" not in worker.stderr, worker.stderr
+
+
+def test_axond_collectives_take_torch_tensors() -> None:
+    from axond.testing import run_processes
+
+    assert run_processes(torch_cases.axond_api_with_tensors, 2, timeout=60.0) == [[], []]

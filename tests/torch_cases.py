@@ -245,3 +245,35 @@ def dead_peer(rank: int, n: int, store_dir: str, q: Any) -> None:
         q.put((rank, "no error", "", time.monotonic() - start))
     except BaseException:
         q.put((rank, "setup failed", traceback.format_exc(), 0.0))
+
+
+def axond_api_with_tensors() -> list[str]:
+    """axond's own collectives given torch tensors (run by axond.testing.run_processes after axond's init)."""
+    import axond
+
+    rank, n = axond.get_rank(), axond.get_world_size()
+    bad = []
+    for dtype in DTYPES:
+        t = _values(dtype, (4, 3), rank)
+        expected = sum(_values(dtype, (4, 3), r).double() for r in range(n)).to(dtype)
+        axond.all_reduce(t)
+        if not torch.equal(t, expected):
+            bad.append(f"all_reduce {dtype}: {t} != {expected}")
+        strided = _values(dtype, (3, 4), rank).t()
+        axond.all_reduce(strided, op=dist.ReduceOp.MAX)
+        if not torch.equal(strided, torch.maximum(*[_values(dtype, (3, 4), r) for r in range(n)]).t()):
+            bad.append(f"all_reduce non-contiguous MAX {dtype}: {strided}")
+        gathered = axond.all_gather(_values(dtype, (2,), rank))
+        if not (isinstance(gathered, torch.Tensor) and gathered.dtype == dtype
+                and torch.equal(gathered, torch.stack([_values(dtype, (2,), r) for r in range(n)]))):
+            bad.append(f"all_gather {dtype}: {gathered!r}")
+        b = _values(dtype, (5,), rank)
+        axond.broadcast(b, src=1)
+        if not torch.equal(b, _values(dtype, (5,), 1)):
+            bad.append(f"broadcast {dtype}: {b}")
+    t = torch.ones(8)
+    work = axond.all_reduce(t, async_op=True)
+    work.wait()
+    if not torch.equal(t, torch.full((8,), float(n))):
+        bad.append(f"async all_reduce: {t}")
+    return bad

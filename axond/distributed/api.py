@@ -15,6 +15,7 @@ from axond.distributed.backends.base import Array, BackendOptions
 from axond.distributed.backends.registry import available_backends
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.tensor_args import accepts_torch
 from axond.distributed.work import Work
 from axond.errors import DistributedError
 from axond.store import Store
@@ -189,18 +190,21 @@ def is_nccl_available() -> bool:
     return "nccl" in available_backends()
 
 
+@accepts_torch
 def all_reduce(x: Array, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce `x` in place over the group."""
     return _group(group).all_reduce(x, op, async_op=async_op)
 
 
+@accepts_torch
 def broadcast(x: Array, src: int = 0, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Copy `x` of global rank `src` into `x` on every member."""
     g = _group(group)
     return g.broadcast(x, g.group_rank(src), async_op=async_op)
 
 
+@accepts_torch
 def reduce(x: Array, dst: int = 0, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
            async_op: bool = False) -> Work | None:
     """Reduce `x` into `x` on global rank `dst`."""
@@ -208,29 +212,34 @@ def reduce(x: Array, dst: int = 0, op: ReduceOp = ReduceOp.SUM, group: ProcessGr
     return g.reduce(x, g.group_rank(dst), op, async_op=async_op)
 
 
+@accepts_torch
 def all_gather(x: Array, group: ProcessGroup | None = None, async_op: bool = False, out: Array | None = None) -> Any:
     """Return an array of shape (group size, *x.shape) (`out=` to fill a preallocated one)."""
     return _group(group).all_gather(x, async_op=async_op, out=out)
 
 
+@accepts_torch
 def reduce_scatter(x: Array, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                    async_op: bool = False, out: Array | None = None) -> Any:
     """Reduce `x` and return this rank's block of x.shape[0] // size rows (`out=` to fill a preallocated one)."""
     return _group(group).reduce_scatter(x, op, async_op=async_op, out=out)
 
 
+@accepts_torch
 def gather(x: Array, dst: int = 0, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
     """Return (size, *x.shape) on global rank `dst`, None elsewhere."""
     g = _group(group)
     return g.gather(x, g.group_rank(dst), async_op=async_op)
 
 
+@accepts_torch
 def scatter(x: Array | None, src: int = 0, group: ProcessGroup | None = None, async_op: bool = False) -> Any:
     """Return this rank's slice of the (size, ...) array held by global rank `src`."""
     g = _group(group)
     return g.scatter(x, g.group_rank(src), async_op=async_op)
 
 
+@accepts_torch
 def all_to_all(x: Array, group: ProcessGroup | None = None, async_op: bool = False,
                input_split_sizes: Sequence[int] | None = None, output_split_sizes: Sequence[int] | None = None) -> Any:
     """Row block i of `x` goes to member i; return the received blocks in rank order (uneven blocks:
@@ -239,24 +248,28 @@ def all_to_all(x: Array, group: ProcessGroup | None = None, async_op: bool = Fal
                                     output_split_sizes=output_split_sizes)
 
 
+@accepts_torch
 def send(x: Array, dst: int, tag: int = 0, group: ProcessGroup | None = None) -> None:
     """Send `x` to global rank `dst`."""
     g = _group(group)
     g.send(x, g.group_rank(dst), tag)
 
 
+@accepts_torch
 def recv(x: Array, src: int, tag: int = 0, group: ProcessGroup | None = None) -> None:
     """Receive into `x` from global rank `src`."""
     g = _group(group)
     g.recv(x, g.group_rank(src), tag)
 
 
+@accepts_torch
 def isend(x: Array, dst: int, tag: int = 0, group: ProcessGroup | None = None) -> Work:
     """Asynchronous `send`; the Work completes once the data left this process."""
     g = _group(group)
     return g.isend(x, g.group_rank(dst), tag)
 
 
+@accepts_torch
 def irecv(x: Array, src: int, tag: int = 0, group: ProcessGroup | None = None) -> Work:
     """Asynchronous `recv` into `x`."""
     g = _group(group)
