@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,3 +99,54 @@ def test_axond_collectives_take_torch_tensors() -> None:
     from axond.testing import run_processes
 
     assert run_processes(torch_cases.axond_api_with_tensors, 2, timeout=60.0) == [[], []]
+
+
+def _job_store(client: object, job: str, alive: threading.Event | None = None) -> object:
+    """A job of one node on the coordinator; its node heartbeats until `alive` is set (else it is declared dead)."""
+    node = client.register_node("h").node_id  # type: ignore[attr-defined]
+    gen = client.join(job, node, 1, 1, 1, 1, timeout=5.0).generation  # type: ignore[attr-defined]
+
+    def beat() -> None:
+        while alive is not None and not alive.wait(0.5):
+            client.heartbeat(node, job, gen)  # type: ignore[attr-defined]
+    threading.Thread(target=beat, daemon=True).start()
+    return client.store(job, gen)  # type: ignore[attr-defined]
+
+
+def test_coordinator_kv_as_a_torch_store(client: object) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from axond.errors import StoreTimeout
+    from axond.torch import TorchStore
+
+    store = TorchStore(_job_store(client, "kv"), timedelta(seconds=5))  # type: ignore[arg-type]
+    store.set("a", "1")
+    assert store.get("a") == b"1"
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert store.compare_set("c", "", "x") == b"x"  # empty expected: set when unset
+    assert store.compare_set("c", "y", "z") == b"x"  # mismatch: the current value
+    assert store.compare_set("c", "x", "z") == b"z"
+    assert store.check(["a", "c"]) and not store.check(["missing"])
+    assert store.delete_key("a") and not store.check(["a"])
+    start = time.monotonic()
+    with pytest.raises(StoreTimeout):
+        store.wait(["never"], timedelta(seconds=0.5))
+    assert time.monotonic() - start < 5
+    prefixed = dist.PrefixStore("p", store)  # as torch wraps it
+    prefixed.set("k", b"v")
+    assert store.get("p/k") == b"v" and prefixed.get("k") == b"v"
+
+
+def test_init_method_axond_url(coordinator: object, client: object) -> None:
+    stop = threading.Event()
+    _job_store(client, "torchjob", stop)
+    address = coordinator.address  # type: ignore[attr-defined]
+    try:
+        items, codes = collect_from_processes(functools.partial(torch_cases.over_axond_url, address), 2, expect=2,
+                                              timeout=60.0)
+    finally:
+        stop.set()
+    assert all(ok for _, ok, _ in items), items
+    assert [res for _, _, res in sorted(items, key=lambda i: i[0])] == [[[3.0] * 3, [2.0] * 2, "axond"]] * 2

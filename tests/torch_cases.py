@@ -277,3 +277,22 @@ def axond_api_with_tensors() -> list[str]:
     if not torch.equal(t, torch.full((8,), float(n))):
         bad.append(f"async all_reduce: {t}")
     return bad
+
+
+def over_axond_url(address: str, rank: int, n: int, store_dir: str, q: Any) -> None:
+    """Join with init_method="axond://HOST:PORT?job=torchjob" (no axond launcher), then all_reduce and new_group."""
+    try:
+        import axond.torch  # noqa: F401
+
+        dist.init_process_group("axond", init_method=f"axond://{address}?job=torchjob", rank=rank, world_size=n,
+                                timeout=timedelta(seconds=20))
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t)
+        sub = dist.new_group([0, 1])
+        s = torch.ones(2)
+        dist.all_reduce(s, group=sub)
+        result = [t.tolist(), s.tolist(), dist.get_backend()]
+        dist.destroy_process_group()
+        q.put((rank, True, result))
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))
