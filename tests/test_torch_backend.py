@@ -63,6 +63,14 @@ def test_dead_peer_raises_naming_the_op_within_the_timeout() -> None:
     assert codes[1] == 3, codes
 
 
+def test_mismatched_collectives_raise_naming_both_ops() -> None:
+    items, codes = collect_from_processes(torch_cases.mismatched_peer, 2, expect=2, timeout=60.0)
+    for rank, kind, message, elapsed in items:
+        assert kind == "DistributedError", items  # axond's own error type reaches torch code
+        assert "all_reduce" in message and "broadcast" in message, message
+        assert elapsed < 4.0 + 5.0, f"rank {rank} took {elapsed:.1f} s for a 4 s timeout"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -164,6 +164,26 @@ def collectives(rank: int, n: int, gloo: Any) -> list[str]:
             return []
         same(f"send/recv {d}", *both(send_recv))
 
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.bool, torch.complex64):  # gloo lacks some: local reference
+        d = str(dtype).replace("torch.", "")
+        xs = [_values(torch.int64, (2 * n, 3), r) for r in range(n)]
+        xs = [v > 3 for v in xs] if dtype == torch.bool else [v.to(dtype) for v in xs]
+        folds = {dist.ReduceOp.SUM: (lambda a, b: a | b) if dtype == torch.bool else torch.add}
+        if not dtype.is_complex:
+            folds[dist.ReduceOp.MIN] = torch.minimum
+            folds[dist.ReduceOp.MAX] = torch.maximum
+        for op, fold in folds.items():
+            expected = xs[0]
+            for v in xs[1:]:
+                expected = fold(expected, v)
+            same(f"all_reduce {op} {d}", _inplace(lambda t, group, op=op: dist.all_reduce(t, op=op, group=group),
+                                                   xs[rank].clone(), None), [expected])
+        same(f"broadcast {d}", _inplace(lambda t, group: dist.broadcast(t, 1, group=group), xs[rank].clone(), None),
+             [xs[1]])
+        out = [torch.empty_like(xs[0]) for _ in range(n)]
+        dist.all_gather(out, xs[rank])
+        same(f"all_gather {d}", out, xs)
+
     def objects(g: Any) -> list[torch.Tensor]:
         got: list[Any] = [None] * n
         dist.all_gather_object(got, {"rank": rank, "tag": "x" * rank}, group=g)
@@ -226,6 +246,24 @@ def fsdp(rank: int, n: int, gloo: Any) -> list[str]:
         _steps(model, model.parameters(), rank)
         results.append([p.full_tensor() for p in model.parameters()])
     return [f"{i}: max diff {float((a - b).abs().max())}" for i, (a, b) in enumerate(zip(*results)) if not torch.equal(a, b)]
+
+
+def mismatched_peer(rank: int, n: int, store_dir: str, q: Any) -> None:
+    """Rank 0 all_reduces while rank 1 broadcasts: both raise naming the ops, within the group timeout."""
+    try:
+        join(rank, n, store_dir, timeout=4.0)
+        start = time.monotonic()
+        try:
+            if rank == 0:
+                dist.all_reduce(torch.ones(8))
+            else:
+                dist.broadcast(torch.ones(8), src=0)
+        except Exception as e:
+            q.put((rank, type(e).__name__, str(e), time.monotonic() - start))
+            return
+        q.put((rank, "no error", "", time.monotonic() - start))
+    except BaseException:
+        q.put((rank, "setup failed", traceback.format_exc(), 0.0))
 
 
 def dead_peer(rank: int, n: int, store_dir: str, q: Any) -> None:

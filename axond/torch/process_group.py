@@ -280,7 +280,8 @@ def _written(staged: list[Staged], value: Any) -> Callable[[list[Any]], Any]:
     return finish
 
 
-def _scatter_rows(copies: list[tuple[Sequence[torch.Tensor], np.ndarray]], value: Any) -> Any:
+def _scatter_rows(copies: Sequence[tuple[Sequence[torch.Tensor], np.ndarray]], value: Any) -> Any:
+    """Copy row i of each gathered array into tensor i of its list; return `value`."""
     for outs, rows in copies:
         for i, t in enumerate(outs):
             copy_into(t, rows[i])
@@ -288,6 +289,7 @@ def _scatter_rows(copies: list[tuple[Sequence[torch.Tensor], np.ndarray]], value
 
 
 def _copied(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+    """Copy `src` into `dst`; return `dst`."""
     copy_into(dst, src)
     return dst
 
