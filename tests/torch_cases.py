@@ -21,7 +21,18 @@ def join(rank: int, n: int, store_dir: str, timeout: float = 20.0) -> Any:
 
     store = dist.FileStore(os.path.join(store_dir, "torch-store"), n)
     dist.init_process_group("axond", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
-    return dist.new_group(list(range(n)), backend="gloo")
+    gloo = dist.new_group(list(range(n)), backend="gloo")
+    _STORE_DIRS[id(gloo)] = store_dir
+    return gloo
+
+
+_STORE_DIRS: dict[int, str] = {}
+
+
+def _store_dir(gloo: Any) -> str:
+    path = os.path.join(_STORE_DIRS[id(gloo)], "axond-store")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def run(body: Any, rank: int, n: int, store_dir: str, q: Any) -> None:
@@ -285,11 +296,17 @@ def dead_peer(rank: int, n: int, store_dir: str, q: Any) -> None:
         q.put((rank, "setup failed", traceback.format_exc(), 0.0))
 
 
-def axond_api_with_tensors() -> list[str]:
-    """axond's own collectives given torch tensors (run by axond.testing.run_processes after axond's init)."""
+def parity(rank: int, n: int, gloo: Any) -> dict[str, list[str]]:
+    """Every comparison of one process launch (torch's start-up dominates the tests' time), by section."""
+    return {"collectives": collectives(rank, n, gloo), "ddp": ddp(rank, n, gloo), "fsdp": fsdp(rank, n, gloo),
+            "axond_api": axond_api_with_tensors(rank, n, gloo)}
+
+
+def axond_api_with_tensors(rank: int, n: int, gloo: Any) -> list[str]:
+    """axond's own collectives given torch tensors, on an axond default group beside torch's."""
     import axond
 
-    rank, n = axond.get_rank(), axond.get_world_size()
+    axond.init_process_group("tcp", 20.0, rank=rank, world_size=n, store=axond.FileStore(_store_dir(gloo)))
     bad = []
     for dtype in DTYPES:
         t = _values(dtype, (4, 3), rank)
@@ -314,6 +331,7 @@ def axond_api_with_tensors() -> list[str]:
     work.wait()
     if not torch.equal(t, torch.full((8,), float(n))):
         bad.append(f"async all_reduce: {t}")
+    axond.destroy_process_group()
     return bad
 
 
