@@ -60,6 +60,10 @@ def test_fsdp2_trains_like_gloo(parity: list[dict[str, list[str]]]) -> None:
     assert [res["fsdp"] for res in parity] == [[], []]
 
 
+def test_dtensor_tensor_parallel_matches_gloo_and_one_process(parity: list[dict[str, list[str]]]) -> None:
+    assert [res["tensor_parallel"] for res in parity] == [[], []]
+
+
 def test_axond_collectives_take_torch_tensors(parity: list[dict[str, list[str]]]) -> None:
     assert [res["axond_api"] for res in parity] == [[], []]
 

@@ -299,7 +299,29 @@ def dead_peer(rank: int, n: int, store_dir: str, q: Any) -> None:
 def parity(rank: int, n: int, gloo: Any) -> dict[str, list[str]]:
     """Every comparison of one process launch (torch's start-up dominates the tests' time), by section."""
     return {"collectives": collectives(rank, n, gloo), "ddp": ddp(rank, n, gloo), "fsdp": fsdp(rank, n, gloo),
-            "axond_api": axond_api_with_tensors(rank, n, gloo)}
+            "tensor_parallel": tensor_parallel(rank, n, gloo), "axond_api": axond_api_with_tensors(rank, n, gloo)}
+
+
+def tensor_parallel(rank: int, n: int, gloo: Any) -> list[str]:
+    """DTensor tensor parallelism (column- then row-parallel Linear) over axond and over gloo, and unsharded."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)  # the same on every rank
+    results = []
+    for mesh in (init_device_mesh("cpu", (n,)), DeviceMesh.from_group(gloo, "cpu"), None):
+        model = mlp(seed=3)
+        if mesh is not None:
+            parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        out = model(x)
+        out.sum().backward()
+        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+        results.append([out.detach(), *grads])
+    bad = [f"{i}: axond {a} != gloo {b}" for i, (a, b) in enumerate(zip(results[0], results[1])) if not torch.equal(a, b)]
+    # against one process: the row-parallel sum adds partial products in another order (float64, 1e-12 is ample)
+    bad += [f"{i}: axond {a} != unsharded {b}" for i, (a, b) in enumerate(zip(results[0], results[2]))
+            if not torch.allclose(a, b, rtol=1e-12, atol=1e-12)]
+    return bad
 
 
 def axond_api_with_tensors(rank: int, n: int, gloo: Any) -> list[str]:
