@@ -362,15 +362,16 @@ def over_axond_url(address: str, rank: int, n: int, store_dir: str, q: Any) -> N
     try:
         import axond.torch  # noqa: F401
 
-        dist.init_process_group("axond", init_method=f"axond://{address}?job=torchjob", rank=rank, world_size=n,
-                                timeout=timedelta(seconds=20))
-        t = torch.full((3,), float(rank + 1))
-        dist.all_reduce(t)
-        sub = dist.new_group([0, 1])
-        s = torch.ones(2)
-        dist.all_reduce(s, group=sub)
-        result = [t.tolist(), s.tolist(), dist.get_backend()]
-        dist.destroy_process_group()
+        for _ in range(2):  # a second init in the same process, after destroy, starts afresh
+            dist.init_process_group("axond", init_method=f"axond://{address}?job=torchjob", rank=rank, world_size=n,
+                                    timeout=timedelta(seconds=20))
+            t = torch.full((3,), float(rank + 1))
+            dist.all_reduce(t)
+            sub = dist.new_group([0, 1])
+            s = torch.ones(2)
+            dist.all_reduce(s, group=sub)
+            result = [t.tolist(), s.tolist(), dist.get_backend()]
+            dist.destroy_process_group()
         q.put((rank, True, result))
     except BaseException:
         q.put((rank, False, traceback.format_exc()))
