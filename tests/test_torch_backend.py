@@ -21,6 +21,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install -e '.[torch]')")
 
 import torch_cases  # noqa: E402
+from axond.control.client import CoordinatorClient  # noqa: E402
+from axond.control.store import CoordinatorStore  # noqa: E402
+from axond.coordinator.server import RunningCoordinator  # noqa: E402
 from axond.testing import collect_from_processes  # noqa: E402
 
 
@@ -117,19 +120,20 @@ def test_examples_under_the_worker(example: str, tmp_path: Path) -> None:
     assert "Traceback" not in worker.stderr, worker.stderr
 
 
-def _job_store(client: object, job: str, alive: threading.Event | None = None) -> object:
+def _job_store(client: CoordinatorClient, job: str, alive: threading.Event | None = None) -> CoordinatorStore:
     """A job of one node on the coordinator; its node heartbeats until `alive` is set (else it is declared dead)."""
-    node = client.register_node("h").node_id  # type: ignore[attr-defined]
-    gen = client.join(job, node, 1, 1, 1, 1, timeout=5.0).generation  # type: ignore[attr-defined]
+    node = client.register_node("h").node_id
+    gen = client.join(job, node, 1, 1, 1, 1, timeout=5.0).generation
 
-    def beat() -> None:
-        while alive is not None and not alive.wait(0.5):
-            client.heartbeat(node, job, gen)  # type: ignore[attr-defined]
-    threading.Thread(target=beat, daemon=True).start()
-    return client.store(job, gen)  # type: ignore[attr-defined]
+    def beat(alive: threading.Event) -> None:
+        while not alive.wait(0.5):
+            client.heartbeat(node, job, gen)
+    if alive is not None:
+        threading.Thread(target=beat, args=(alive,), daemon=True).start()
+    return client.store(job, gen)
 
 
-def test_coordinator_kv_as_a_torch_store(client: object) -> None:
+def test_coordinator_kv_as_a_torch_store(client: CoordinatorClient) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -137,7 +141,7 @@ def test_coordinator_kv_as_a_torch_store(client: object) -> None:
     from axond.errors import StoreTimeout
     from axond.torch import TorchStore
 
-    store = TorchStore(_job_store(client, "kv"), timedelta(seconds=5))  # type: ignore[arg-type]
+    store = TorchStore(_job_store(client, "kv"), timedelta(seconds=5))
     store.set("a", "1")
     assert store.get("a") == b"1"
     assert store.add("n", 2) == 2 and store.add("n", 3) == 5
@@ -155,10 +159,10 @@ def test_coordinator_kv_as_a_torch_store(client: object) -> None:
     assert store.get("p/k") == b"v" and prefixed.get("k") == b"v"
 
 
-def test_init_method_axond_url(coordinator: object, client: object) -> None:
+def test_init_method_axond_url(coordinator: RunningCoordinator, client: CoordinatorClient) -> None:
     stop = threading.Event()
     _job_store(client, "torchjob", stop)
-    address = coordinator.address  # type: ignore[attr-defined]
+    address = coordinator.address
     try:
         items, codes = collect_from_processes(functools.partial(torch_cases.over_axond_url, address), 2, expect=2,
                                               timeout=60.0)
