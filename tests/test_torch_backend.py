@@ -120,8 +120,12 @@ def test_examples_under_the_worker(example: str, tmp_path: Path) -> None:
     assert "Traceback" not in worker.stderr, worker.stderr
 
 
+_BEATS: list[threading.Thread] = []
+
+
 def _job_store(client: CoordinatorClient, job: str, alive: threading.Event | None = None) -> CoordinatorStore:
-    """A job of one node on the coordinator; its node heartbeats until `alive` is set (else it is declared dead)."""
+    """A job of one node on the coordinator; with `alive`, a thread heartbeats for its node until `alive` is set
+    (else the node is declared dead after a few seconds); the caller joins `_BEATS` before the client closes."""
     node = client.register_node("h").node_id
     gen = client.join(job, node, 1, 1, 1, 1, timeout=5.0).generation
 
@@ -129,7 +133,8 @@ def _job_store(client: CoordinatorClient, job: str, alive: threading.Event | Non
         while not alive.wait(0.5):
             client.heartbeat(node, job, gen)
     if alive is not None:
-        threading.Thread(target=beat, args=(alive,), daemon=True).start()
+        _BEATS.append(threading.Thread(target=beat, args=(alive,), daemon=True))
+        _BEATS[-1].start()
     return client.store(job, gen)
 
 
@@ -168,5 +173,7 @@ def test_init_method_axond_url(coordinator: RunningCoordinator, client: Coordina
                                               timeout=60.0)
     finally:
         stop.set()
+        while _BEATS:
+            _BEATS.pop().join(10)
     assert all(ok for _, ok, _ in items), items
     assert [res for _, _, res in sorted(items, key=lambda i: i[0])] == [[[3.0] * 3, [2.0] * 2, "axond"]] * 2
