@@ -82,6 +82,14 @@ def collectives(rank: int, n: int, gloo: Any) -> list[str]:
             s = x.clone()
             dist.all_reduce(s, group=gloo)
             same(f"all_reduce AVG {d} (gloo: SUM / n)", [t], [(s.float() / n).to(dtype)])
+            premul = dist._make_nccl_premul_sum(0.5)  # a power of two: 0.5 a + 0.5 b == 0.5 (a + b) exactly
+            t = x.clone()
+            dist.all_reduce(t, op=premul)
+            same(f"all_reduce PREMUL_SUM {d} (gloo: SUM * 0.5)", [t], [s * 0.5])
+            out = torch.empty((2, 3), dtype=dtype)
+            before = x.clone()
+            dist.reduce_scatter_single(out, x, op=premul)
+            same(f"reduce_scatter_single PREMUL_SUM {d} (gloo: SUM * 0.5)", [out, x], [s.chunk(n)[rank] * 0.5, before])
         strided = x.t()  # non-contiguous: staged through a copy
         same(f"all_reduce non-contiguous {d}", *both(lambda g: _inplace(dist.all_reduce, strided.clone().t().t(), g)))
 

@@ -36,8 +36,29 @@ def axond_op(op: Any, where: str) -> ReduceOp:
     for theirs, ours in _OPS:
         if op == theirs:
             return ours
-    raise ValueError(f"{where}: torch ReduceOp {op} is not supported by the axond backend "
-                     "(SUM, PRODUCT, MIN, MAX and AVG are); for PREMUL_SUM scale the tensor, then SUM")
+    raise ValueError(f"{where}: torch ReduceOp {op} is not supported here (SUM, PRODUCT, MIN, MAX and AVG are; "
+                     "the backend also takes PREMUL_SUM); for BAND/BOR/BXOR all_gather the tensors and combine them "
+                     "with torch.bitwise_and/or/xor")
+
+
+def reduction(op: Any, where: str) -> tuple[ReduceOp, float | None]:
+    """(axond op, factor to multiply every input by first): PREMUL_SUM(f) is SUM of f * x."""
+    if getattr(op, "op", None) == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        factor = op.factor
+        return ReduceOp.SUM, float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    return axond_op(op, where), None
+
+
+def _premultiplied(x: np.ndarray, factor: float | None, in_place: bool) -> np.ndarray:
+    """`x` times `factor` (None: `x` itself); in place only for arrays that are the op's output anyway."""
+    if factor is None:
+        return x
+    if x.dtype.kind not in "fc":
+        raise TypeError(f"PREMUL_SUM needs a floating-point tensor, got {x.dtype}")
+    if in_place:
+        np.multiply(x, x.dtype.type(factor), out=x)
+        return x
+    return np.multiply(x, x.dtype.type(factor))
 
 
 class AxondProcessGroup(dist.ProcessGroup):
@@ -96,9 +117,9 @@ class AxondProcessGroup(dist.ProcessGroup):
             raise TypeError(f"{where} on group '{self._group_name}': tensors have different dtypes {sorted(map(str, kinds))}")
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = axond_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
+        op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
         staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
-        works = [self.axond_group.all_reduce(s.array, op, async_op=True) for s in staged]
+        works = [self.axond_group.all_reduce(_premultiplied(s.array, factor, True), op, async_op=True) for s in staged]
         return self._launch("allreduce", works, _written(staged, tensors))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -111,9 +132,10 @@ class AxondProcessGroup(dist.ProcessGroup):
         return self._launch("broadcast", works, _written(staged, tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = axond_op(opts.reduceOp, "reduce")
+        op, factor = reduction(opts.reduceOp, "reduce")
         staged = [stage(t, "reduce tensor", reduce=True) for t in tensors]
-        works = [self.axond_group.reduce(s.array, opts.rootRank, op, async_op=True) for s in staged]
+        works = [self.axond_group.reduce(_premultiplied(s.array, factor, True), opts.rootRank, op, async_op=True)
+                 for s in staged]
         return self._launch("reduce", works, _written(staged if self._rank == opts.rootRank else [], tensors))
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
@@ -150,11 +172,12 @@ class AxondProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        op = axond_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
+        op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
         staged, works = [], []
         for out, ins in zip(outputs, inputs):
             self._check_list("reduce_scatter", ins, out)
             x = np.stack([readonly(t, "reduce_scatter input", reduce=True).reshape(-1) for t in ins])
+            x = _premultiplied(x, factor, True)  # the stacked copy is this op's own
             s = stage(out, "reduce_scatter output", reduce=True)
             works.append(self.axond_group.reduce_scatter(x, op, async_op=True, out=s.array.reshape(1, -1)))
             staged.append(s)
@@ -165,14 +188,15 @@ class AxondProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
-        op = axond_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
+        op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
         staged, works = [], []
         for out, t in zip(outputs, inputs):
             self._same_dtype("reduce_scatter_tensor", out, t)
             if t.numel() != out.numel() * self._size:
                 raise ValueError(f"reduce_scatter_tensor on group '{self._group_name}': input has {t.numel()} "
                                  f"elements, needs {self._size} x {out.numel()} (group size x output)")
-            x = readonly(t, "reduce_scatter_tensor input", reduce=True).reshape(self._size, -1)
+            x = _premultiplied(readonly(t, "reduce_scatter_tensor input", reduce=True).reshape(self._size, -1), factor,
+                               False)  # the caller's input stays as it was
             s = stage(out, "reduce_scatter_tensor output", reduce=True)
             works.append(self.axond_group.reduce_scatter(x, op, async_op=True, out=s.array.reshape(1, -1)))
             staged.append(s)
