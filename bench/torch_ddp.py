@@ -1,7 +1,8 @@
 """One training step of torch DDP and FSDP2 over the "axond" backend against gloo, same model, same processes.
 
 Every rank joins "axond" as the default group and a gloo group over the same ranks; the two wrappers
-alternate step by step (so both see the same machine load) and rank 0 reports the median step time.
+alternate step by step (so both see the same machine load) and rank 0 reports the median step time,
+then the median time of one small and one 1 MiB all_reduce through torch's API.
 Run: `python bench/torch_ddp.py --nproc 2 4`.
 """
 
@@ -69,6 +70,17 @@ def rank_main(rank: int, n: int, path: str, args: argparse.Namespace, q: Any) ->
         if rank == 0:
             q.put((kind, n, {name: statistics.median(t) for name, t in times.items()}))
         del models, opts
+    for nbytes in (8, 1 << 20):  # one all_reduce through torch's API: the per-op cost beside the step times
+        t = torch.zeros(nbytes // 4)
+        lat: dict[str, list[float]] = {name: [] for name in groups}
+        for i in range(220):
+            for name, g in groups.items():
+                start = time.perf_counter()
+                dist.all_reduce(t, group=g)
+                if i >= 20:
+                    lat[name].append(time.perf_counter() - start)
+        if rank == 0:
+            q.put((f"all_reduce {nbytes} B", n, {name: statistics.median(v) for name, v in lat.items()}))
     dist.destroy_process_group()
 
 
@@ -85,7 +97,7 @@ def main() -> None:
     params = sum(q.numel() for q in build(args.width, args.depth).parameters())
     print(f"MLP {args.depth} x {args.width}^2 ({params / 1e6:.1f} M parameters, float32), batch {args.batch} per rank, "
           f"median of {args.steps} steps after {args.warmup}, 1 thread per rank\n")
-    print("| wrapper | ranks | gloo step | axond step | gloo / axond |")
+    print("| wrapper or op | ranks | gloo | axond | gloo / axond |")
     print("|---|---|---|---|---|")
     ctx = mp.get_context("spawn")
     for n in args.nproc:
@@ -94,9 +106,9 @@ def main() -> None:
             procs = [ctx.Process(target=rank_main, args=(r, n, os.path.join(d, "store"), args, q)) for r in range(n)]
             for proc in procs:
                 proc.start()
-            for _ in args.kinds:
+            for _ in range(len(args.kinds) + 2):
                 kind, size, t = q.get(timeout=900)
-                print(f"| {kind} | {size} | {t['gloo'] * 1e3:.1f} ms | {t['axond'] * 1e3:.1f} ms | "
+                print(f"| {kind} | {size} | {t['gloo'] * 1e3:.3f} ms | {t['axond'] * 1e3:.3f} ms | "
                       f"{t['gloo'] / t['axond']:.2f}x |", flush=True)
             for proc in procs:
                 proc.join(60)
