@@ -48,15 +48,17 @@ def parity() -> list[dict[str, list[str]]]:
     return _ranks(torch_cases.parity)  # type: ignore[return-value]
 
 
-def test_collectives_match_gloo_for_every_dtype(parity: list[dict[str, list[str]]]) -> None:
+@pytest.mark.parametrize("path", ["", "_async"])  # small ops on the calling thread; every op asynchronous
+def test_collectives_match_gloo_for_every_dtype(parity: list[dict[str, list[str]]], path: str) -> None:
     for rank, res in enumerate(parity):
-        got = res["collectives"]
+        got = res["collectives" + path]
         assert got[0].startswith("ok"), f"rank {rank}: " + "\n".join(got)
         assert int(got[0].split()[1]) > 100, got  # every case ran
 
 
-def test_ddp_trains_like_gloo(parity: list[dict[str, list[str]]]) -> None:
-    assert [res["ddp"] for res in parity] == [[], []]
+@pytest.mark.parametrize("path", ["", "_async"])
+def test_ddp_trains_like_gloo(parity: list[dict[str, list[str]]], path: str) -> None:
+    assert [res["ddp" + path] for res in parity] == [[], []]
 
 
 def test_fsdp2_trains_like_gloo(parity: list[dict[str, list[str]]]) -> None:

@@ -306,7 +306,15 @@ def dead_peer(rank: int, n: int, store_dir: str, q: Any) -> None:
 
 def parity(rank: int, n: int, gloo: Any) -> dict[str, list[str]]:
     """Every comparison of one process launch (torch's start-up dominates the tests' time), by section."""
-    return {"collectives": collectives(rank, n, gloo), "ddp": ddp(rank, n, gloo), "fsdp": fsdp(rank, n, gloo),
+    from axond.torch import AxondProcessGroup
+
+    sync_bytes = AxondProcessGroup.SYNC_BYTES
+    AxondProcessGroup.SYNC_BYTES = -1  # every op through axond's async ops and the completion thread
+    try:
+        run_async = {"collectives_async": collectives(rank, n, gloo), "ddp_async": ddp(rank, n, gloo)}
+    finally:
+        AxondProcessGroup.SYNC_BYTES = sync_bytes
+    return {**run_async, "collectives": collectives(rank, n, gloo), "ddp": ddp(rank, n, gloo), "fsdp": fsdp(rank, n, gloo),
             "tensor_parallel": tensor_parallel(rank, n, gloo), "axond_api": axond_api_with_tensors(rank, n, gloo)}
 
 

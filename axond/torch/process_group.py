@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from itertools import accumulate
 from typing import Any
 
@@ -22,7 +23,7 @@ from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_g
 from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import Store
-from axond.torch.completion import Completer
+from axond.torch.completion import AxondWork, Completer
 from axond.torch.tensors import Staged, copy_into, readonly, stage
 
 BACKEND = "axond"
@@ -63,6 +64,9 @@ def _premultiplied(x: np.ndarray, factor: float | None, in_place: bool) -> np.nd
 
 class AxondProcessGroup(dist.ProcessGroup):
     """A torch ProcessGroup over one axond `ProcessGroup` (built from torch's store on first use)."""
+
+    SYNC_BYTES = 1 << 16
+    """Collectives moving at most this many bytes run on the calling thread (see `_launch`)."""
 
     def __init__(self, store: Store, rank: int, size: int, options: BackendOptions) -> None:
         super().__init__(rank, size)
@@ -107,7 +111,28 @@ class AxondProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"AxondProcessGroup({self._group_name!r}, rank={self._rank}, size={self._size})"
 
-    def _launch(self, op: str, works: Sequence[Any], finish: Callable[[list[Any]], Any]) -> Any:
+    def _launch(self, op: str, calls: Sequence[Callable[..., Any]], finish: Callable[[list[Any]], Any],
+                nbytes: int) -> AxondWork:
+        """Run axond `calls` (each takes `async_op=`) and `finish`; the torch Work of the op.
+
+        Ops up to SYNC_BYTES run at once on the calling thread (a completed Work: no thread hops, which
+        dominate small ops); larger ones run as axond async ops, so torch may overlap them with compute.
+        Either way a failure is raised by the Work's wait().
+        """
+        group = self.axond_group
+        if nbytes > self.SYNC_BYTES:
+            return self._launch_started(op, [call(async_op=True) for call in calls], finish)
+        work = AxondWork(op, group.name, self._options.timeout + ASYNC_MARGIN)
+        try:
+            value = finish([call(async_op=False) for call in calls])
+        except Exception as e:
+            work._finish(error=e)
+        else:
+            work._finish(value)
+        return work
+
+    def _launch_started(self, op: str, works: Sequence[Any], finish: Callable[[list[Any]], Any]) -> AxondWork:
+        """The torch Work of axond async `works`, completed (after `finish`) by the completion thread."""
         assert self._completer is not None  # works come from self.axond_group, which made it
         return self._completer.launch(op, works, finish)
 
@@ -119,8 +144,8 @@ class AxondProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
         staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
-        works = [self.axond_group.all_reduce(_premultiplied(s.array, factor, True), op, async_op=True) for s in staged]
-        return self._launch("allreduce", works, _written(staged, tensors))
+        calls = [partial(self.axond_group.all_reduce, _premultiplied(s.array, factor, True), op) for s in staged]
+        return self._launch("allreduce", calls, _written(staged, tensors), _nbytes(tensors))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
@@ -128,15 +153,15 @@ class AxondProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         staged = [stage(t, "broadcast tensor") for t in tensors]
-        works = [self.axond_group.broadcast(s.array, root, async_op=True) for s in staged]
-        return self._launch("broadcast", works, _written(staged, tensors))
+        calls = [partial(self.axond_group.broadcast, s.array, root) for s in staged]
+        return self._launch("broadcast", calls, _written(staged, tensors), _nbytes(tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, factor = reduction(opts.reduceOp, "reduce")
         staged = [stage(t, "reduce tensor", reduce=True) for t in tensors]
-        works = [self.axond_group.reduce(_premultiplied(s.array, factor, True), opts.rootRank, op, async_op=True)
-                 for s in staged]
-        return self._launch("reduce", works, _written(staged if self._rank == opts.rootRank else [], tensors))
+        calls = [partial(self.axond_group.reduce, _premultiplied(s.array, factor, True), opts.rootRank, op) for s in staged]
+        return self._launch("reduce", calls, _written(staged if self._rank == opts.rootRank else [], tensors),
+                            _nbytes(tensors))
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         works, copies = [], []
@@ -144,9 +169,9 @@ class AxondProcessGroup(dist.ProcessGroup):
             self._check_list("allgather", outs, t)
             x = readonly(t, "allgather input")
             gathered = np.empty((self._size, *x.shape), x.dtype)
-            works.append(self.axond_group.all_gather(x, async_op=True, out=gathered))
+            works.append(partial(self.axond_group.all_gather, x, out=gathered))
             copies.append((outs, gathered))
-        return self._launch("allgather", works, lambda _: _scatter_rows(copies, outputs))
+        return self._launch("allgather", works, lambda _: _scatter_rows(copies, outputs), _nbytes(inputs) * self._size)
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allgather(outputs, inputs, opts)
@@ -164,9 +189,9 @@ class AxondProcessGroup(dist.ProcessGroup):
                                  f"elements, needs {self._size} x {t.numel()} (group size x input)")
             x = readonly(t, "all_gather_into_tensor input").reshape(-1)
             s = stage(out, "all_gather_into_tensor output")
-            works.append(self.axond_group.all_gather(x, async_op=True, out=s.array.reshape(self._size, -1)))
+            works.append(partial(self.axond_group.all_gather, x, out=s.array.reshape(self._size, -1)))
             staged.append(s)
-        return self._launch("allgather_into_tensor_coalesced", works, _written(staged, outputs))
+        return self._launch("allgather_into_tensor_coalesced", works, _written(staged, outputs), _nbytes(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
     _allgather_base = all_gather_single
@@ -179,9 +204,9 @@ class AxondProcessGroup(dist.ProcessGroup):
             x = np.stack([readonly(t, "reduce_scatter input", reduce=True).reshape(-1) for t in ins])
             x = _premultiplied(x, factor, True)  # the stacked copy is this op's own
             s = stage(out, "reduce_scatter output", reduce=True)
-            works.append(self.axond_group.reduce_scatter(x, op, async_op=True, out=s.array.reshape(1, -1)))
+            works.append(partial(self.axond_group.reduce_scatter, x, op, out=s.array.reshape(1, -1)))
             staged.append(s)
-        return self._launch("reduce_scatter", works, _written(staged, outputs))
+        return self._launch("reduce_scatter", works, _written(staged, outputs), _nbytes(outputs) * self._size)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -198,9 +223,9 @@ class AxondProcessGroup(dist.ProcessGroup):
             x = _premultiplied(readonly(t, "reduce_scatter_tensor input", reduce=True).reshape(self._size, -1), factor,
                                False)  # the caller's input stays as it was
             s = stage(out, "reduce_scatter_tensor output", reduce=True)
-            works.append(self.axond_group.reduce_scatter(x, op, async_op=True, out=s.array.reshape(1, -1)))
+            works.append(partial(self.axond_group.reduce_scatter, x, op, out=s.array.reshape(1, -1)))
             staged.append(s)
-        return self._launch("reduce_scatter_tensor_coalesced", works, _written(staged, outputs))
+        return self._launch("reduce_scatter_tensor_coalesced", works, _written(staged, outputs), _nbytes(inputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
     _reduce_scatter_base = reduce_scatter_single
@@ -212,7 +237,7 @@ class AxondProcessGroup(dist.ProcessGroup):
                              f"tensors (one per rank), got {len(inputs)} and {len(outputs)}")
         x = np.concatenate([readonly(t, "all_to_all input").reshape(-1) for t in inputs])
         ins, outs = [t.numel() for t in inputs], [t.numel() for t in outputs]
-        work = self.axond_group.all_to_all(x, async_op=True, input_split_sizes=ins, output_split_sizes=outs)
+        work = partial(self.axond_group.all_to_all, x, input_split_sizes=ins, output_split_sizes=outs)
         starts = [0, *accumulate(outs)]
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -220,7 +245,7 @@ class AxondProcessGroup(dist.ProcessGroup):
                 copy_into(t, results[0][starts[i]:starts[i + 1]])
             return outputs
 
-        return self._launch("alltoall", [work], finish)
+        return self._launch("alltoall", [work], finish, _nbytes(inputs))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> Any:
@@ -232,8 +257,8 @@ class AxondProcessGroup(dist.ProcessGroup):
             ins = [input.shape[0] // self._size] * self._size
         if outs is None and ins is not None:
             outs = [output.shape[0] // self._size] * self._size
-        work = self.axond_group.all_to_all(x, async_op=True, input_split_sizes=ins, output_split_sizes=outs)
-        return self._launch("all_to_all_single", [work], lambda results: _copied(output, results[0]))
+        work = partial(self.axond_group.all_to_all, x, input_split_sizes=ins, output_split_sizes=outs)
+        return self._launch("all_to_all_single", [work], lambda results: _copied(output, results[0]), _nbytes([input]))
 
     alltoall_base = all_to_all_single
 
@@ -242,10 +267,11 @@ class AxondProcessGroup(dist.ProcessGroup):
         x = readonly(inputs[0], "gather input")
         if self._rank == root:
             self._check_list("gather", outputs[0], inputs[0])
-        work = self.axond_group.gather(x, root, async_op=True)
+        work = partial(self.axond_group.gather, x, root)
+        size = _nbytes(inputs) * self._size
         if self._rank != root:
-            return self._launch("gather", [work], lambda _: outputs)
-        return self._launch("gather", [work], lambda results: _scatter_rows([(outputs[0], results[0])], outputs))
+            return self._launch("gather", [work], lambda _: outputs, size)
+        return self._launch("gather", [work], lambda results: _scatter_rows([(outputs[0], results[0])], outputs), size)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
         root = opts.rootRank
@@ -253,24 +279,25 @@ class AxondProcessGroup(dist.ProcessGroup):
         if self._rank == root:
             self._check_list("scatter", inputs[0], outputs[0])
             x = np.stack([readonly(t, "scatter input") for t in inputs[0]])
-        work = self.axond_group.scatter(x, root, async_op=True)
-        return self._launch("scatter", [work], lambda results: [_copied(outputs[0], results[0])])
+        work = partial(self.axond_group.scatter, x, root)
+        return self._launch("scatter", [work], lambda results: [_copied(outputs[0], results[0])],
+                            _nbytes(outputs) * self._size)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         works = [self.axond_group.isend(readonly(t, "send tensor"), dst, tag) for t in tensors]
-        return self._launch("send", works, lambda _: tensors)
+        return self._launch_started("send", works, lambda _: tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         staged = [stage(t, "recv tensor") for t in tensors]
         works = [self.axond_group.irecv(s.array, src, tag) for s in staged]
-        return self._launch("recv", works, _written(staged, tensors))
+        return self._launch_started("recv", works, _written(staged, tensors))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
         raise DistributedError(f"recv from any source on group '{self._group_name}': the axond backend needs the "
                                "source rank (pass src=)", op="recv", group=self._group_name, rank=self._rank)
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._launch("barrier", [self.axond_group.barrier(async_op=True)], lambda _: [])
+        return self._launch("barrier", [self.axond_group.barrier], lambda _: [], 0)
 
     def _check_list(self, where: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
         if len(tensors) != self._size:
@@ -293,6 +320,10 @@ class AxondProcessGroup(dist.ProcessGroup):
         if self._group is not None:
             self._group.abort(f"rank {self._rank} aborted its torch process group")
         self.shutdown()
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _written(staged: list[Staged], value: Any) -> Callable[[list[Any]], Any]:
