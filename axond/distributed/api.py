@@ -19,6 +19,7 @@ from axond.distributed.init_method import OpenedStore, open_store, parse, second
 from axond.distributed.failure import install as install_failure_hook
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.tensor_args import accepts_torch
 from axond.distributed.work import Work
 from axond.errors import DistributedError
 from axond.store import Store
@@ -197,18 +198,21 @@ def is_nccl_available() -> bool:
     return "nccl" in available_backends()
 
 
+@accepts_torch
 def all_reduce(x: Array, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce `x` in place over the group."""
     return _group(group).all_reduce(x, op, async_op=async_op)
 
 
+@accepts_torch
 def broadcast(x: Array, src: int = 0, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Copy `x` of global rank `src` into `x` on every member."""
     g = _group(group)
     return g.broadcast(x, g.group_rank(src), async_op=async_op)
 
 
+@accepts_torch
 def reduce(x: Array, dst: int = 0, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
            async_op: bool = False) -> Work | None:
     """Reduce `x` into `x` on global rank `dst`."""
@@ -221,6 +225,7 @@ def all_gather(x: Array, group: ProcessGroup | None = None, async_op: bool = Fal
 @overload
 def all_gather(tensor_list: list[Array], tensor: Array, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None: ...
+@accepts_torch
 def all_gather(*args: Any, **kwargs: Any) -> Any:
     """Return an array of shape (group size, *x.shape) (`out=` to fill a preallocated one).
 
@@ -240,6 +245,7 @@ def reduce_scatter(x: Array, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | 
 @overload
 def reduce_scatter(output: Array, input_list: list[Array], op: ReduceOp = ReduceOp.SUM,
                    group: ProcessGroup | None = None, async_op: bool = False) -> Work | None: ...
+@accepts_torch
 def reduce_scatter(*args: Any, **kwargs: Any) -> Any:
     """Reduce `x` and return this rank's block of x.shape[0] // size rows (`out=` to fill a preallocated one).
 
@@ -258,6 +264,7 @@ def gather(x: Array, dst: int = 0, group: ProcessGroup | None = None, async_op: 
 @overload
 def gather(tensor: Array, gather_list: list[Array] | None, dst: int = 0, group: ProcessGroup | None = None,
            async_op: bool = False) -> Work | None: ...
+@accepts_torch
 def gather(*args: Any, **kwargs: Any) -> Any:
     """Return (size, *x.shape) on global rank `dst`, None elsewhere.
 
@@ -278,6 +285,7 @@ def scatter(x: Array | None, src: int = 0, group: ProcessGroup | None = None, as
 @overload
 def scatter(tensor: Array, scatter_list: list[Array] | None, src: int = 0, group: ProcessGroup | None = None,
             async_op: bool = False) -> Work | None: ...
+@accepts_torch
 def scatter(*args: Any, **kwargs: Any) -> Any:
     """Return this rank's slice of the (size, ...) array held by global rank `src`.
 
@@ -305,6 +313,7 @@ def scatter(*args: Any, **kwargs: Any) -> Any:
     return got
 
 
+@accepts_torch
 def all_to_all(*args: Any, **kwargs: Any) -> Any:
     """Row block i of `x` goes to member i; return the received blocks in rank order (uneven blocks:
     `input_split_sizes` / `output_split_sizes` rows, see `ProcessGroup.all_to_all`).
@@ -321,6 +330,7 @@ def all_to_all(*args: Any, **kwargs: Any) -> Any:
                                          output_split_sizes=a["output_split_sizes"])
 
 
+@accepts_torch
 def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None, group: ProcessGroup | None = None,
                       async_op: bool = False) -> Work | None:
@@ -328,18 +338,21 @@ def all_to_all_single(output: Array, input: Array, output_split_sizes: Sequence[
     return tf.all_to_all_single(_group(group), output, input, output_split_sizes, input_split_sizes, async_op)
 
 
+@accepts_torch
 def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: ProcessGroup | None = None,
                            async_op: bool = False) -> Work | None:
     """torch's `all_gather_into_tensor`: `output_tensor` ((size * n, ...) or (size, ...)) receives every member's input."""
     return tf.all_gather_into_tensor(_group(group), output_tensor, input_tensor, async_op)
 
 
+@accepts_torch
 def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                           async_op: bool = False) -> Work | None:
     """torch's `reduce_scatter_tensor`: `output` receives this member's block of the reduction of `input`."""
     return tf.reduce_scatter_tensor(_group(group), output, input, op, async_op)
 
 
+@accepts_torch
 def send(x: Array, dst: int, tag: Any = 0, group: Any = None) -> None:
     """Send `x` to global rank `dst` (torch's order `send(x, dst, group, tag)` works too)."""
     g, t = tf.p2p_group_and_tag(tag, group)
@@ -347,6 +360,7 @@ def send(x: Array, dst: int, tag: Any = 0, group: Any = None) -> None:
     pg.send(x, pg.group_rank(dst), t)
 
 
+@accepts_torch
 def recv(x: Array, src: int | None = None, tag: Any = 0, group: Any = None) -> int:
     """Receive into `x` from global rank `src`; returns `src` (torch returns the sender's rank)."""
     g, t = tf.p2p_group_and_tag(tag, group)
@@ -355,6 +369,7 @@ def recv(x: Array, src: int | None = None, tag: Any = 0, group: Any = None) -> i
     return int(src)  # type: ignore[arg-type]
 
 
+@accepts_torch
 def isend(x: Array, dst: int, tag: Any = 0, group: Any = None) -> Work:
     """Asynchronous `send`; the Work completes once the data left this process."""
     g, t = tf.p2p_group_and_tag(tag, group)
@@ -362,6 +377,7 @@ def isend(x: Array, dst: int, tag: Any = 0, group: Any = None) -> Work:
     return pg.isend(x, pg.group_rank(dst), t)
 
 
+@accepts_torch
 def irecv(x: Array, src: int | None = None, tag: Any = 0, group: Any = None) -> Work:
     """Asynchronous `recv` into `x`."""
     g, t = tf.p2p_group_and_tag(tag, group)

@@ -1,0 +1,356 @@
+"""`AxondProcessGroup`: a `torch.distributed.ProcessGroup` whose collectives run on an axond group.
+
+torch's wrappers (DDP, FSDP2, DTensor, pipelining, the object collectives) call these methods with
+their option structs; each one takes NumPy views of the tensors (see `axond.torch.tensors`),
+starts axond async ops and returns a torch `Work` completed by them (see `axond.torch.completion`).
+Ranks in the options (rootRank, dstRank, srcRank) are group ranks, as axond's group methods take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from functools import partial
+from itertools import accumulate
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from axond.distributed.backends.base import BackendOptions
+from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_group
+from axond.distributed.reduce_op import ReduceOp
+from axond.errors import DistributedError
+from axond.store import Store
+from axond.torch.completion import AxondWork, Completer
+from axond.torch.tensors import Staged, copy_into, readonly, stage
+
+BACKEND = "axond"
+
+_OPS = [(dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT), (dist.ReduceOp.MIN, ReduceOp.MIN),
+        (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.AVG, ReduceOp.AVG)]
+
+
+def axond_op(op: Any, where: str) -> ReduceOp:
+    """The axond ReduceOp of torch's `op`, or a clear error for the ones axond lacks."""
+    for theirs, ours in _OPS:
+        if op == theirs:
+            return ours
+    raise ValueError(f"{where}: torch ReduceOp {op} is not supported here (SUM, PRODUCT, MIN, MAX and AVG are; "
+                     "the backend also takes PREMUL_SUM); for BAND/BOR/BXOR all_gather the tensors and combine them "
+                     "with torch.bitwise_and/or/xor")
+
+
+def reduction(op: Any, where: str) -> tuple[ReduceOp, float | None]:
+    """(axond op, factor to multiply every input by first): PREMUL_SUM(f) is SUM of f * x."""
+    if getattr(op, "op", None) == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        factor = op.factor
+        return ReduceOp.SUM, float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    return axond_op(op, where), None
+
+
+def _premultiplied(x: np.ndarray, factor: float | None, in_place: bool) -> np.ndarray:
+    """`x` times `factor` (None: `x` itself); in place only for arrays that are the op's output anyway."""
+    if factor is None:
+        return x
+    if x.dtype.kind not in "fc":
+        raise TypeError(f"PREMUL_SUM needs a floating-point tensor, got {x.dtype}")
+    if in_place:
+        np.multiply(x, x.dtype.type(factor), out=x)
+        return x
+    return np.multiply(x, x.dtype.type(factor))
+
+
+class AxondProcessGroup(dist.ProcessGroup):
+    """A torch ProcessGroup over one axond `ProcessGroup` (built from torch's store on first use)."""
+
+    SYNC_BYTES = 1 << 16
+    """Collectives moving at most this many bytes run on the calling thread (see `_launch`)."""
+
+    def __init__(self, store: Store, rank: int, size: int, options: BackendOptions) -> None:
+        super().__init__(rank, size)
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._options = options
+        self._group: ProcessGroup | None = None
+        self._group_name = ""
+        self._completer: Completer | None = None
+
+    @property
+    def axond_group(self) -> ProcessGroup:
+        """The axond group doing the work; created (a rendezvous of every member) on first use."""
+        if self._group is None:
+            name = f"torch:{self._group_name}" if self._group_name else "torch"
+            self._group = create_group(self._store, self._rank, self._size, "tcp", self._options, name=name)
+            self._completer = Completer(name, self._options.timeout + ASYNC_MARGIN)
+        return self._group
+
+    def _set_group_name(self, name: str) -> None:
+        """torch names every group right after creating it; the axond group is created under that name."""
+        self._group_name = name
+        self.axond_group  # noqa: B018 -- rendezvous now, inside torch's init/new_group, like gloo does
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def name(self) -> str:
+        return BACKEND
+
+    def getBackendName(self) -> str:  # noqa: N802 -- torch's name
+        return BACKEND
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __repr__(self) -> str:
+        return f"AxondProcessGroup({self._group_name!r}, rank={self._rank}, size={self._size})"
+
+    def _launch(self, op: str, calls: Sequence[Callable[..., Any]], finish: Callable[[list[Any]], Any],
+                nbytes: int) -> AxondWork:
+        """Run axond `calls` (each takes `async_op=`) and `finish`; the torch Work of the op.
+
+        Ops up to SYNC_BYTES run at once on the calling thread (a completed Work: no thread hops, which
+        dominate small ops); larger ones run as axond async ops, so torch may overlap them with compute.
+        Either way a failure is raised by the Work's wait().
+        """
+        group = self.axond_group
+        if nbytes > self.SYNC_BYTES:
+            return self._launch_started(op, [call(async_op=True) for call in calls], finish)
+        work = AxondWork(op, group.name, self._options.timeout + ASYNC_MARGIN)
+        try:
+            value = finish([call(async_op=False) for call in calls])
+        except Exception as e:
+            work._finish(error=e)
+        else:
+            work._finish(value)
+        return work
+
+    def _launch_started(self, op: str, works: Sequence[Any], finish: Callable[[list[Any]], Any]) -> AxondWork:
+        """The torch Work of axond async `works`, completed (after `finish`) by the completion thread."""
+        assert self._completer is not None  # works come from self.axond_group, which made it
+        return self._completer.launch(op, works, finish)
+
+    def _same_dtype(self, where: str, *tensors: torch.Tensor) -> None:
+        kinds = {t.dtype for t in tensors}
+        if len(kinds) > 1:
+            raise TypeError(f"{where} on group '{self._group_name}': tensors have different dtypes {sorted(map(str, kinds))}")
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
+        staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
+        calls = [partial(self.axond_group.all_reduce, _premultiplied(s.array, factor, True), op) for s in staged]
+        return self._launch("allreduce", calls, _written(staged, tensors), _nbytes(tensors))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = opts.rootRank if opts is not None else 0
+        staged = [stage(t, "broadcast tensor") for t in tensors]
+        calls = [partial(self.axond_group.broadcast, s.array, root) for s in staged]
+        return self._launch("broadcast", calls, _written(staged, tensors), _nbytes(tensors))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op, factor = reduction(opts.reduceOp, "reduce")
+        staged = [stage(t, "reduce tensor", reduce=True) for t in tensors]
+        calls = [partial(self.axond_group.reduce, _premultiplied(s.array, factor, True), opts.rootRank, op) for s in staged]
+        return self._launch("reduce", calls, _written(staged if self._rank == opts.rootRank else [], tensors),
+                            _nbytes(tensors))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        works, copies = [], []
+        for outs, t in zip(outputs, inputs):
+            self._check_list("allgather", outs, t)
+            x = readonly(t, "allgather input")
+            gathered = np.empty((self._size, *x.shape), x.dtype)
+            works.append(partial(self.axond_group.all_gather, x, out=gathered))
+            copies.append((outs, gathered))
+        return self._launch("allgather", works, lambda _: _scatter_rows(copies, outputs), _nbytes(inputs) * self._size)
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.allgather(outputs, inputs, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        staged, works = [], []
+        for out, t in zip(outputs, inputs):
+            self._same_dtype("all_gather_into_tensor", out, t)
+            if out.numel() != t.numel() * self._size:
+                raise ValueError(f"all_gather_into_tensor on group '{self._group_name}': output has {out.numel()} "
+                                 f"elements, needs {self._size} x {t.numel()} (group size x input)")
+            x = readonly(t, "all_gather_into_tensor input").reshape(-1)
+            s = stage(out, "all_gather_into_tensor output")
+            works.append(partial(self.axond_group.all_gather, x, out=s.array.reshape(self._size, -1)))
+            staged.append(s)
+        return self._launch("allgather_into_tensor_coalesced", works, _written(staged, outputs), _nbytes(outputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    _allgather_base = all_gather_single
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
+        staged, works = [], []
+        for out, ins in zip(outputs, inputs):
+            self._check_list("reduce_scatter", ins, out)
+            x = np.stack([readonly(t, "reduce_scatter input", reduce=True).reshape(-1) for t in ins])
+            x = _premultiplied(x, factor, True)  # the stacked copy is this op's own
+            s = stage(out, "reduce_scatter output", reduce=True)
+            works.append(partial(self.axond_group.reduce_scatter, x, op, out=s.array.reshape(1, -1)))
+            staged.append(s)
+        return self._launch("reduce_scatter", works, _written(staged, outputs), _nbytes(outputs) * self._size)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
+        staged, works = [], []
+        for out, t in zip(outputs, inputs):
+            self._same_dtype("reduce_scatter_tensor", out, t)
+            if t.numel() != out.numel() * self._size:
+                raise ValueError(f"reduce_scatter_tensor on group '{self._group_name}': input has {t.numel()} "
+                                 f"elements, needs {self._size} x {out.numel()} (group size x output)")
+            x = _premultiplied(readonly(t, "reduce_scatter_tensor input", reduce=True).reshape(self._size, -1), factor,
+                               False)  # the caller's input stays as it was
+            s = stage(out, "reduce_scatter_tensor output", reduce=True)
+            works.append(partial(self.axond_group.reduce_scatter, x, op, out=s.array.reshape(1, -1)))
+            staged.append(s)
+        return self._launch("reduce_scatter_tensor_coalesced", works, _written(staged, outputs), _nbytes(inputs))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        self._same_dtype("all_to_all", *outputs, *inputs)
+        if len(outputs) != self._size or len(inputs) != self._size:
+            raise ValueError(f"all_to_all on group '{self._group_name}': needs {self._size} input and output "
+                             f"tensors (one per rank), got {len(inputs)} and {len(outputs)}")
+        x = np.concatenate([readonly(t, "all_to_all input").reshape(-1) for t in inputs])
+        ins, outs = [t.numel() for t in inputs], [t.numel() for t in outputs]
+        work = partial(self.axond_group.all_to_all, x, input_split_sizes=ins, output_split_sizes=outs)
+        starts = [0, *accumulate(outs)]
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            for i, t in enumerate(outputs):
+                copy_into(t, results[0][starts[i]:starts[i + 1]])
+            return outputs
+
+        return self._launch("alltoall", [work], finish, _nbytes(inputs))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> Any:
+        self._same_dtype("all_to_all_single", output, input)
+        x = readonly(input, "all_to_all_single input")
+        ins = list(input_split_sizes) or None
+        outs = list(output_split_sizes) or None
+        if ins is None and outs is not None:
+            ins = [input.shape[0] // self._size] * self._size
+        if outs is None and ins is not None:
+            outs = [output.shape[0] // self._size] * self._size
+        work = partial(self.axond_group.all_to_all, x, input_split_sizes=ins, output_split_sizes=outs)
+        return self._launch("all_to_all_single", [work], lambda results: _copied(output, results[0]), _nbytes([input]))
+
+    alltoall_base = all_to_all_single
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        root = opts.rootRank
+        x = readonly(inputs[0], "gather input")
+        if self._rank == root:
+            self._check_list("gather", outputs[0], inputs[0])
+        work = partial(self.axond_group.gather, x, root)
+        size = _nbytes(inputs) * self._size
+        if self._rank != root:
+            return self._launch("gather", [work], lambda _: outputs, size)
+        return self._launch("gather", [work], lambda results: _scatter_rows([(outputs[0], results[0])], outputs), size)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        root = opts.rootRank
+        x = None
+        if self._rank == root:
+            self._check_list("scatter", inputs[0], outputs[0])
+            x = np.stack([readonly(t, "scatter input") for t in inputs[0]])
+        work = partial(self.axond_group.scatter, x, root)
+        return self._launch("scatter", [work], lambda results: [_copied(outputs[0], results[0])],
+                            _nbytes(outputs) * self._size)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        works = [self.axond_group.isend(readonly(t, "send tensor"), dst, tag) for t in tensors]
+        return self._launch_started("send", works, lambda _: tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        staged = [stage(t, "recv tensor") for t in tensors]
+        works = [self.axond_group.irecv(s.array, src, tag) for s in staged]
+        return self._launch_started("recv", works, _written(staged, tensors))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
+        raise DistributedError(f"recv from any source on group '{self._group_name}': the axond backend needs the "
+                               "source rank (pass src=)", op="recv", group=self._group_name, rank=self._rank)
+
+    def barrier(self, opts: Any = None) -> Any:
+        return self._launch("barrier", [self.axond_group.barrier], lambda _: [], 0)
+
+    def _check_list(self, where: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
+        if len(tensors) != self._size:
+            raise ValueError(f"{where} on group '{self._group_name}': needs a list of {self._size} tensors "
+                             f"(one per rank), got {len(tensors)}")
+        for t in tensors:
+            if t.dtype != like.dtype or t.numel() != like.numel():
+                raise ValueError(f"{where} on group '{self._group_name}': list tensors must match the other tensor "
+                                 f"({like.dtype}, {like.numel()} elements), got {t.dtype} with {t.numel()}")
+
+    def shutdown(self) -> None:
+        """Close the axond group's sockets and threads (torch's destroy_process_group calls it)."""
+        if self._completer is not None:
+            self._completer.close(self._options.timeout)
+        if self._group is not None:
+            self._group.destroy()
+
+    def abort(self) -> None:
+        """Tell the peers this rank gave up, then close."""
+        if self._group is not None:
+            self._group.abort(f"rank {self._rank} aborted its torch process group")
+        self.shutdown()
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _written(staged: list[Staged], value: Any) -> Callable[[list[Any]], Any]:
+    """A finisher that copies each stand-in back into its tensor and returns `value`."""
+    def finish(_: list[Any]) -> Any:
+        for s in staged:
+            s.write_back()
+        return value
+    return finish
+
+
+def _scatter_rows(copies: Sequence[tuple[Sequence[torch.Tensor], np.ndarray]], value: Any) -> Any:
+    """Copy row i of each gathered array into tensor i of its list; return `value`."""
+    for outs, rows in copies:
+        for i, t in enumerate(outs):
+            copy_into(t, rows[i])
+    return value
+
+
+def _copied(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+    """Copy `src` into `dst`; return `dst`."""
+    copy_into(dst, src)
+    return dst
+
+
+def timeout_seconds(timeout: timedelta | float | None, default: float = 300.0) -> float:
+    """Seconds of torch's timeout argument (a timedelta, seconds, or None for axond's default)."""
+    if timeout is None:
+        return default
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)

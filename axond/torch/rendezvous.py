@@ -1,0 +1,91 @@
+"""`init_method` schemes: `axond://HOST:PORT`, and `env://` inside ranks started by `axond worker`/`axond run`.
+
+Both yield (a `TorchStore` over the coordinator's KV store of the job generation, rank, world size).
+`env://` keeps torch's own behaviour whenever MASTER_ADDR is set; only when it is missing and
+AXOND_COORDINATOR is set (an axond-launched rank) does it use the coordinator instead of failing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import torch.distributed as dist
+import sys
+
+import torch.distributed.rendezvous  # noqa: F401 -- the module, shadowed by its function on torch.distributed
+
+from axond.control import client
+from axond.errors import DistributedError
+from axond.torch.store import TorchStore
+
+SCHEME = "axond"
+
+_LIVE: list[TorchStore] = []
+"""Stores handed to torch: torch keeps only their C++ half, so the Python object (its methods) is kept here."""
+
+
+def _setting(query: dict[str, list[str]], key: str, env: str, default: str | None = None) -> str:
+    if key in query and query[key][-1] not in ("", "-1"):
+        return query[key][-1]
+    value = os.environ.get(env, default)
+    if value is None:
+        raise DistributedError(f"axond:// rendezvous: {env} is not set; launch with `axond worker`/`axond run`, "
+                               f"pass {key}= to init_process_group, or add ?{key}=... to the URL")
+    return value
+
+
+def _int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise DistributedError(f"axond:// rendezvous: {name}={raw!r} is not an integer") from e
+
+
+def coordinator_store(address: str, query: dict[str, list[str]], timeout: timedelta) -> tuple[dist.Store, int, int]:
+    """(TorchStore over the KV of the job's generation at `address`, rank, world size) from the query or env.
+
+    The query may carry rank, world_size, job and generation; AXOND_TOKEN and AXOND_TLS_CA give the credentials.
+    """
+    rank = _int("rank", _setting(query, "rank", "RANK"))
+    world_size = _int("world_size", _setting(query, "world_size", "WORLD_SIZE"))
+    job = _setting(query, "job", "AXOND_JOB", "default")
+    generation = _int("generation", _setting(query, "generation", "AXOND_GENERATION", "1"))
+    if not 0 <= rank < world_size:
+        raise DistributedError(f"axond:// rendezvous: rank {rank} is outside world size {world_size}")
+    conn = client.connect(address)
+    store = TorchStore(conn.store(job, generation), timeout)
+    store.connection = conn  # type: ignore[attr-defined]  # the channel lives as long as the store
+    _LIVE.append(store)
+    return store, rank, world_size
+
+
+def _axond_handler(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+    parsed = urlparse(url)
+    if not parsed.netloc:
+        raise DistributedError(f"init_method {url!r}: write axond://HOST:PORT (the coordinator's address)")
+    yield coordinator_store(parsed.netloc, parse_qs(parsed.query), timeout)
+    raise DistributedError("axond:// rendezvous cannot be restarted within one process; start the rank again")
+
+
+def _env_handler(torch_env: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    def handler(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any) -> Iterator[Any]:
+        coordinator = os.environ.get("AXOND_COORDINATOR")
+        if "MASTER_ADDR" in os.environ or not coordinator:
+            return torch_env(url, timeout=timeout, **kwargs)
+        return _axond_handler(f"{SCHEME}://{coordinator}?{urlparse(url).query}", timeout=timeout)
+    handler.axond = True  # type: ignore[attr-defined]
+    return handler
+
+
+def install() -> None:
+    """Register `axond://` and let `env://` fall back to the coordinator in axond-launched ranks; idempotent."""
+    handlers = sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers
+    if SCHEME not in handlers:
+        dist.register_rendezvous_handler(SCHEME, _axond_handler)
+    env = handlers.get("env")
+    if env is not None and not getattr(env, "axond", False):
+        handlers["env"] = _env_handler(env)

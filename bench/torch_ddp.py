@@ -1,0 +1,120 @@
+"""One training step of torch DDP and FSDP2 over the "axond" backend against gloo, same model, same processes.
+
+Every rank joins "axond" as the default group and a gloo group over the same ranks; the two wrappers
+alternate step by step (so both see the same machine load) and rank 0 reports the median step time,
+then the median time of one small and one 1 MiB all_reduce through torch's API.
+Run: `python bench/torch_ddp.py --nproc 2 4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def build(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def wrap(kind: str, model: torch.nn.Module, group: Any) -> torch.nn.Module:
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, process_group=group)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def rank_main(rank: int, n: int, path: str, args: argparse.Namespace, q: Any) -> None:
+    import axond.torch  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("axond", store=dist.FileStore(path, n), rank=rank, world_size=n,
+                            timeout=timedelta(seconds=120))
+    groups = {"axond": dist.group.WORLD, "gloo": dist.new_group(list(range(n)), backend="gloo")}
+    x = torch.randn(args.batch, args.width)
+    y = torch.randn(args.batch, 1)
+    for kind in args.kinds:
+        models = {name: wrap(kind, build(args.width, args.depth), g) for name, g in groups.items()}
+        opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
+        times: dict[str, list[float]] = {name: [] for name in models}
+        for step in range(args.warmup + args.steps):
+            for name, model in models.items():
+                dist.barrier(group=groups[name])
+                start = time.perf_counter()
+                opts[name].zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opts[name].step()
+                dist.barrier(group=groups[name])
+                if step >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+        if rank == 0:
+            q.put((kind, n, {name: statistics.median(t) for name, t in times.items()}))
+        del models, opts
+    for nbytes in (8, 1 << 20):  # one all_reduce through torch's API: the per-op cost beside the step times
+        t = torch.zeros(nbytes // 4)
+        lat: dict[str, list[float]] = {name: [] for name in groups}
+        for i in range(220):
+            for name, g in groups.items():
+                start = time.perf_counter()
+                dist.all_reduce(t, group=g)
+                if i >= 20:
+                    lat[name].append(time.perf_counter() - start)
+        if rank == 0:
+            q.put((f"all_reduce {nbytes} B", n, {name: statistics.median(v) for name, v in lat.items()}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--kinds", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=4, help="hidden layers of width x width (4: 4.2 M parameters)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args()
+    params = sum(q.numel() for q in build(args.width, args.depth).parameters())
+    print(f"MLP {args.depth} x {args.width}^2 ({params / 1e6:.1f} M parameters, float32), batch {args.batch} per rank, "
+          f"median of {args.steps} steps after {args.warmup}, 1 thread per rank\n")
+    print("| wrapper or op | ranks | gloo | axond | gloo / axond |")
+    print("|---|---|---|---|---|")
+    ctx = mp.get_context("spawn")
+    for n in args.nproc:
+        q = ctx.Queue()
+        with tempfile.TemporaryDirectory() as d:
+            procs = [ctx.Process(target=rank_main, args=(r, n, os.path.join(d, "store"), args, q)) for r in range(n)]
+            for proc in procs:
+                proc.start()
+            for _ in range(len(args.kinds) + 2):
+                kind, size, t = q.get(timeout=900)
+                print(f"| {kind} | {size} | {t['gloo'] * 1e3:.3f} ms | {t['axond'] * 1e3:.3f} ms | "
+                      f"{t['gloo'] / t['axond']:.2f}x |", flush=True)
+            for proc in procs:
+                proc.join(60)
+                if proc.is_alive():
+                    proc.kill()
+
+
+if __name__ == "__main__":
+    main()
