@@ -28,7 +28,7 @@ from axond.distributed.peer import (
     AUTO_INLINE_BYTES, AUTO_SPIN_SECONDS, Peer, PeerError, PeerTimeout, oversubscribed,
 )
 from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import check_reduce_op, finish_average
+from axond.distributed.reducers import accumulator, check_reduce_op, finish_average, narrow_into
 from axond.distributed.shm import ShmArena, ShmTuning
 from axond.distributed.shm_algorithms import ShmAlgorithms
 from axond.distributed.shm_plan import ShmPlan
@@ -160,6 +160,12 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         if type(x) is not np.ndarray:
             x = _numpy(x, "all_reduce input")
         op = check_reduce_op(op, x.dtype)
+        wide = accumulator(x.dtype, op)
+        if wide is not None:
+            acc = x.astype(wide)
+            self.all_reduce(acc, op)
+            narrow_into(x, acc)
+            return
         c = self._call(Op.ALL_REDUCE, x, op)
         if self.size == 1:
             return
@@ -210,6 +216,13 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         x = _numpy(x, "reduce input")
         op = check_reduce_op(op, x.dtype)
         dst = self._check_root(dst, "dst")
+        wide = accumulator(x.dtype, op)
+        if wide is not None:
+            acc = x.astype(wide)
+            self.reduce(acc, dst, op)
+            if self.rank == dst:
+                narrow_into(x, acc)
+            return
         c = self._call(Op.REDUCE, x, op, aux=dst)
         if self.size == 1:
             return
@@ -255,9 +268,13 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"reduce_scatter needs x.shape[0] divisible by the group size {self.size}; "
                              f"got shape {x.shape} (pad the first dimension)")
-        c = self._call(Op.REDUCE_SCATTER, x, op)
         rows = x.shape[0] // self.size
         out = self._out(out, (rows, *x.shape[1:]), x.dtype, "reduce_scatter")
+        wide = accumulator(x.dtype, op)
+        if wide is not None:
+            narrow_into(out, self.reduce_scatter(x.astype(wide), op))
+            return out
+        c = self._call(Op.REDUCE_SCATTER, x, op)
         if self.size == 1:
             np.copyto(out, x)
             if op is ReduceOp.AVG:
