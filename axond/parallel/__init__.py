@@ -2,7 +2,9 @@
 
 from axond.parallel.ddp import DDP, DDPConfig, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy
 from axond.parallel.fsdp import FSDP, CPUOffload, FSDPConfig, FullyShardedDataParallel, ShardingStrategy
+from axond.parallel.memory import memory_estimate, memory_savings
 from axond.parallel.mesh import DeviceMesh
+from axond.parallel.mixed_precision import MixedPrecision
 from axond.parallel.pipeline import Pipeline, PipelineSchedule
 from axond.parallel.sampler import DistributedSampler
 from axond.parallel.tensor import (
@@ -26,6 +28,7 @@ __all__ = [
     "GradSyncStrategy",
     "GradientBucket",
     "GatherFromParallelRegion",
+    "MixedPrecision",
     "GradientSynchronizer",
     "ParallelCausalSelfAttention",
     "ParallelMLP",
@@ -37,4 +40,6 @@ __all__ = [
     "ScatterToParallelRegion",
     "ShardingStrategy",
     "ZeroRedundancyOptimizer",
+    "memory_estimate",
+    "memory_savings",
 ]

@@ -18,6 +18,7 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.nn.device import Array, device_of, empty_on
 from axond.nn.module import Parameter
+from axond.parallel.mixed_precision import MixedPrecision
 
 
 class Work(Protocol):
@@ -40,13 +41,18 @@ class GroupLike(Protocol):
 class GradientBucket:
     """A flat buffer holding the gradients of a few parameters of one dtype, reduced as one message."""
 
-    def __init__(self, index: int, params: Sequence[Parameter], late: set[int]) -> None:
+    def __init__(self, index: int, params: Sequence[Parameter], late: set[int],
+                 mixed_precision: MixedPrecision | None = None) -> None:
         if not params:
             raise ValueError("a gradient bucket needs at least one parameter")
         self.index = index
         self.params = list(params)
         first = self.params[0].data
-        self.dtype = first.dtype
+        mp = mixed_precision or MixedPrecision()
+        self.dtype = mp.reduce(first.dtype)
+        """The dtype gradients are reduced in (packing casts into it)."""
+        self.grad_dtype = mp.grad(first.dtype)
+        """The dtype `.grad` has after the reduction."""
         self.offsets: list[int] = []
         total = 0
         for p in self.params:
@@ -124,7 +130,9 @@ class GradientBucket:
             view = self.buffer[off : off + p.size].reshape(p.shape)
             if p.grad is None:
                 if used != 0:
-                    p.grad = view.copy()
+                    p.grad = view.astype(self.grad_dtype)
+            elif p.grad.dtype != self.grad_dtype:
+                p.grad = view.astype(self.grad_dtype)  # low-precision gradient -> the masters' dtype, one copy
             else:
                 p.grad[...] = view
         self.work = None
@@ -162,6 +170,7 @@ class GradientSynchronizer:
         first_bucket_cap_mb: float | None = None,
         timeout: float | None = None,
         shared: set[int] | None = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         trainable = [p for p in params if p.requires_grad]
         late = shared or set()
@@ -169,7 +178,8 @@ class GradientSynchronizer:
         first = None if first_bucket_cap_mb is None else max(1, int(first_bucket_cap_mb * 2**20))
         self.group = group
         self.timeout = timeout
-        self.buckets = [GradientBucket(i, ps, late) for i, ps in enumerate(assign_buckets(trainable, cap, first))]
+        self.buckets = [GradientBucket(i, ps, late, mixed_precision)
+                        for i, ps in enumerate(assign_buckets(trainable, cap, first))]
         self._bucket_of: dict[int, GradientBucket] = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch = 0
         self._armed = False

@@ -20,6 +20,9 @@ from axond.nn.module import Module, RemovableHandle
 from axond.parallel.ddp.buckets import GradientSynchronizer, GroupLike
 from axond.parallel.ddp.comm import broadcast_coalesced, default_group
 from axond.parallel.ddp.config import DDPConfig, GradSyncStrategy
+from axond.parallel.ddp.working import WorkingParams
+from axond.parallel.memory import optimizer_state_bytes
+from axond.parallel.mixed_precision import MixedPrecision, cast_buffers, check_mixed_precision
 from axond.parallel.bypass import BackwardGuard
 from axond.parallel.no_sync import NoSync
 
@@ -37,12 +40,15 @@ class DistributedDataParallel(NoSync, Module):
         strategy: GradSyncStrategy = GradSyncStrategy.OVERLAPPED,
         broadcast_buffers: bool = True,
         timeout: float | None = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, Module):
             raise TypeError(f"DistributedDataParallel wraps an axond.nn.Module, got {type(module).__name__}")
         self.config = DDPConfig(bucket_cap_mb, first_bucket_cap_mb, strategy, broadcast_buffers, timeout)
         self.module = module
+        self.mixed_precision = check_mixed_precision(mixed_precision)
+        cast_buffers(module, self.mixed_precision)
         self.process_group: GroupLike = process_group if process_group is not None else default_group()
         self._sync_enabled = True
         self.sync_parameters()
@@ -60,8 +66,11 @@ class DistributedDataParallel(NoSync, Module):
             first_bucket_cap_mb=first_bucket_cap_mb,
             timeout=timeout,
             shared=shared,
+            mixed_precision=self.mixed_precision,
         )
         trainable = [p for p in module.parameters() if p.requires_grad]
+        self.working = WorkingParams(trainable, self.mixed_precision)
+        """The param_dtype copies forward/backward compute with (MixedPrecision); the masters stay float32."""
         self._hooks: list[RemovableHandle] = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
         self._hooks += self._guard.guard_steps(trainable)
 
@@ -101,13 +110,28 @@ class DistributedDataParallel(NoSync, Module):
         self._guard.check()
         if self.config.broadcast_buffers:
             self._sync_buffers()
-        return self.module(x)
+        if self.mixed_precision is None:
+            return self.module(x)
+        self.working.cast()
+        try:
+            return self.module(self.mixed_precision.cast_input(x))
+        finally:
+            if not self.module.training:
+                self.working.restore()  # no backward follows an eval forward
 
     def backward(self, grad_out: Array) -> Array:
         """The module's backward with gradients averaged over the group before it returns."""
         syncing = (
             self._sync_enabled and self.config.strategy is not GradSyncStrategy.NO_SYNC and self.process_group.size > 1
         )
+        if self.mixed_precision is not None:
+            grad_out = self.mixed_precision.cast_input(grad_out)
+        try:
+            return self._backward(grad_out, syncing)
+        finally:
+            self.working.restore()
+
+    def _backward(self, grad_out: Array, syncing: bool) -> Array:
         sync = self.synchronizer
         if not syncing:
             sync.disarm()
@@ -115,6 +139,7 @@ class DistributedDataParallel(NoSync, Module):
                 grad_in = self.module.backward(grad_out)
             if self._sync_enabled and self.config.strategy is not GradSyncStrategy.NO_SYNC:
                 self._guard.clear()  # one member: nothing to average, the gradients are final
+                self.working.cast_grads({id(p): b.grad_dtype for b in sync.buckets for p in b.params})
             return grad_in
         sync.prepare()
         if self.config.strategy is GradSyncStrategy.SYNCHRONOUS:
@@ -137,6 +162,21 @@ class DistributedDataParallel(NoSync, Module):
         if self.process_group.size > 1:
             self.synchronizer.sync_now()
         self._guard.clear()
+
+    def memory_stats(self, optimizer: Any = None) -> dict[str, int]:
+        """Bytes this rank holds: parameters (masters), gradients, optimizer_state (0 without `optimizer`),
+        working_parameters (MixedPrecision copies alive now), buckets (the flat reduction buffers), current."""
+        params = list(self.module.parameters())
+        working = self.working.nbytes()
+        stats = {
+            "parameters": sum(int(self.working.master(p).nbytes) for p in params),
+            "gradients": sum(int(p.grad.nbytes) for p in params if p.grad is not None),
+            "optimizer_state": optimizer_state_bytes(optimizer),
+            "working_parameters": working,
+            "buckets": sum(b.nbytes for b in self.buckets),
+        }
+        stats["current"] = sum(stats.values())
+        return stats
 
     def remove_hooks(self) -> None:
         """Detach DDP from the module's parameters (the module can then be used on its own again)."""

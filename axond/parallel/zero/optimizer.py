@@ -84,6 +84,18 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Parameter elements whose optimizer state this rank holds (ceil(numel / N) per bucket)."""
         return sum(b.shard.size for b in self.buckets)
 
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds: parameters (the flat buffers), gradients (`.grad`s and the shard's slice),
+        optimizer_state (this rank's shard of it), current (their sum)."""
+        grads = sum(int(p.grad.nbytes) for p in self.params if p.grad is not None)
+        stats = {
+            "parameters": sum(int(b.flat.nbytes) for b in self.buckets),
+            "gradients": grads + sum(int(b.grad.nbytes) for b in self.buckets if b.grad is not None),
+            "optimizer_state": sum(int(v.nbytes) for st in self.optim.state for v in st.values() if hasattr(v, "nbytes")),
+        }
+        stats["current"] = sum(stats.values())
+        return stats
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.optim.zero_grad(set_to_none)
