@@ -29,8 +29,8 @@ def memory_estimate(model: Any, strategy: str, world_size: int, mixed_precision:
     """Predicted bytes per rank of `model` under `strategy` ("ddp", "zero1", "fsdp", "shard_grad_op").
 
     `optimizer_states` arrays of the masters' size per parameter (AdamW 2, SGD with momentum 1, plain SGD 0).
-    Keys as `memory_stats()`: parameters, gradients, optimizer_state, transient (the largest buffers of a
-    step alive together) and peak (their sum).
+    Keys as the wrappers' `memory_stats()`: parameters, gradients, optimizer_state (buckets for DDP), current
+    (their sum, between steps) and peak (with the largest buffers of a step that are alive together).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -43,17 +43,21 @@ def memory_estimate(model: Any, strategy: str, world_size: int, mixed_precision:
     m, c = master.itemsize, mp.compute(master).itemsize
     r, g = mp.reduce(master).itemsize, mp.grad(master).itemsize
     shard = max(1, math.ceil(numel / world_size))
+    padded = shard * world_size
+    low = numel * c if mp.compute(master) != master else 0
     if strategy == "ddp":
         out = {"parameters": numel * m, "gradients": numel * g, "optimizer_state": optimizer_states * numel * m,
-               "transient": numel * r + (numel * c if c != m else 0)}
+               "buckets": (numel + len(params)) * r}
+        transient = 2 * low  # working copies and their low-precision gradients, from forward to the reduction
     elif strategy == "zero1":
-        out = {"parameters": shard * world_size * m, "gradients": numel * g + shard * m,
-               "optimizer_state": optimizer_states * shard * m, "transient": numel * r + (numel * c if c != m else 0)}
+        out = {"parameters": padded * m, "gradients": numel * g + shard * m,
+               "optimizer_state": optimizer_states * shard * m}
+        transient = padded * m  # the flat copy of the local gradients that is reduce-scattered
     else:
-        padded = shard * world_size
-        out = {"parameters": shard * m, "gradients": shard * g, "optimizer_state": optimizer_states * shard * m,
-               "transient": 2 * padded * c + (padded * r if r != c else 0)}
-    out["peak"] = sum(out.values())
+        out = {"parameters": shard * m, "gradients": shard * g, "optimizer_state": optimizer_states * shard * m}
+        transient = 2 * padded * c + (padded * r if r != c else 0)  # gathered unit, its gradient, a cast copy
+    out["current"] = sum(out.values())
+    out["peak"] = out["current"] + transient
     return out
 
 

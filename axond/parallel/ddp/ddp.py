@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from axond.nn.device import Array
 from axond.nn.module import Module, RemovableHandle
 from axond.parallel.ddp.buckets import GradientSynchronizer, GroupLike
@@ -165,7 +167,8 @@ class DistributedDataParallel(NoSync, Module):
 
     def memory_stats(self, optimizer: Any = None) -> dict[str, int]:
         """Bytes this rank holds: parameters (masters), gradients, optimizer_state (0 without `optimizer`),
-        working_parameters (MixedPrecision copies alive now), buckets (the flat reduction buffers), current."""
+        working_parameters (MixedPrecision copies alive now), buckets (the flat reduction buffers), current (their
+        sum) and peak (current with the working copies and their low-precision gradients, alive during a step)."""
         params = list(self.module.parameters())
         working = self.working.nbytes()
         stats = {
@@ -176,6 +179,9 @@ class DistributedDataParallel(NoSync, Module):
             "buckets": sum(b.nbytes for b in self.buckets),
         }
         stats["current"] = sum(stats.values())
+        itemsize = np.dtype(self.working.dtype).itemsize if self.working.params else 0
+        low = sum(p.size for p in self.working.params) * itemsize
+        stats["peak"] = stats["current"] - working + 2 * low  # working copies + their gradients until reduced
         return stats
 
     def remove_hooks(self) -> None:

@@ -90,6 +90,8 @@ class FSDPUnit:
         self.pending_reduce: tuple[Any, Array] | None = None
         """(Work or None, gradient) of a reduce-scatter started by `start_reduce`, finished by `finish_reduce`."""
         self._grad_views: list[Array] = []
+        self._reduce_src: Array | None = None
+        """The flat gradient cast to the reduce dtype, while its reduce-scatter runs."""
         self._empty = empty_on(like, 0, self.compute_dtype)
         self.free()
         if shard_group is None:
@@ -200,7 +202,10 @@ class FSDPUnit:
                 )
         if not sync:
             return
-        full = self.full_grad if self.reduce_dtype == self.compute_dtype else self.full_grad.astype(self.reduce_dtype)
+        full = self.full_grad
+        if self.reduce_dtype != self.compute_dtype:
+            full = self._reduce_src = full.astype(self.reduce_dtype)  # kept until the reduce-scatter is done
+            self.stats.add_full_grad(int(full.nbytes))
         if self.shard_group is None:
             self.pending_reduce = (None, full)
         else:
@@ -215,6 +220,7 @@ class FSDPUnit:
         (work, grad), self.pending_reduce = self.pending_reduce, None
         if work is not None:
             work.wait()
+        self._drop_reduce_src()
         all_reduce_mean(grad, self.replicate_group)
         if grad.dtype != self.grad_dtype:
             grad = grad.astype(self.grad_dtype)
@@ -226,8 +232,14 @@ class FSDPUnit:
             self.shard.grad += grad
         self.drop_full_grad()
 
+    def _drop_reduce_src(self) -> None:
+        if self._reduce_src is not None:
+            self.stats.full_grad_bytes -= int(self._reduce_src.nbytes)
+        self._reduce_src = None
+
     def drop_full_grad(self) -> None:
         """Forget the unsharded gradient (and the modules' views of it)."""
+        self._drop_reduce_src()
         if self.full_grad is not None:
             self.stats.full_grad_bytes -= int(self.full_grad.nbytes)
         self.full_grad = None

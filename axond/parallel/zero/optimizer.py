@@ -86,7 +86,8 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds: parameters (the flat buffers), gradients (`.grad`s and the shard's slice),
-        optimizer_state (this rank's shard of it), current (their sum)."""
+        optimizer_state (this rank's shard of it), current (their sum), peak (with the flat gradient copy
+        `average_gradients` reduce-scatters)."""
         grads = sum(int(p.grad.nbytes) for p in self.params if p.grad is not None)
         stats = {
             "parameters": sum(int(b.flat.nbytes) for b in self.buckets),
@@ -94,6 +95,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             "optimizer_state": sum(int(v.nbytes) for st in self.optim.state for v in st.values() if hasattr(v, "nbytes")),
         }
         stats["current"] = sum(stats.values())
+        stats["peak"] = stats["current"] + (sum(int(b.flat.nbytes) for b in self.buckets) if self.average_gradients else 0)
         return stats
 
     def zero_grad(self, set_to_none: bool = True) -> None:
