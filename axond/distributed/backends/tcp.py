@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from axond.distributed.backends.base import Array, Backend, BackendOptions
-from axond.distributed import two_level
+from axond.distributed import low_precision, two_level
 from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
 from axond.distributed.mailbox import Mailbox, MailboxAlgorithms
 from axond.distributed.mesh import Mesh
@@ -161,10 +161,14 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
             x = _numpy(x, "all_reduce input")
         op = check_reduce_op(op, x.dtype)
         wide = accumulator(x.dtype, op)
-        if wide is not None:
-            acc = x.astype(wide)
-            self.all_reduce(acc, op)
-            narrow_into(x, acc)
+        if wide is not None and self.size > 1:
+            if op is ReduceOp.PRODUCT:
+                acc = x.astype(wide)
+                self.all_reduce(acc, op)
+                narrow_into(x, acc)
+            else:
+                low_precision.all_reduce(x, op, wide, self.size, self.all_to_all,
+                                         lambda mine, rows: self.all_gather(mine, out=rows))
             return
         c = self._call(Op.ALL_REDUCE, x, op)
         if self.size == 1:
@@ -271,9 +275,11 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         rows = x.shape[0] // self.size
         out = self._out(out, (rows, *x.shape[1:]), x.dtype, "reduce_scatter")
         wide = accumulator(x.dtype, op)
-        if wide is not None:
-            narrow_into(out, self.reduce_scatter(x.astype(wide), op))
-            return out
+        if wide is not None and self.size > 1:
+            if op is ReduceOp.PRODUCT:
+                narrow_into(out, self.reduce_scatter(x.astype(wide), op))
+                return out
+            return low_precision.reduce_scatter(x, op, wide, self.size, self.all_to_all, out)
         c = self._call(Op.REDUCE_SCATTER, x, op)
         if self.size == 1:
             np.copyto(out, x)
