@@ -1,4 +1,4 @@
-"""Sums of low-precision arrays (bfloat16) that move them in their own dtype and round once.
+"""Sums of low-precision arrays (bfloat16, float16) that move them in their own dtype and round once.
 
 A ring or tree passes partial sums from rank to rank: in bfloat16 they would be rounded at every hop,
 in float32 they would double the bytes. Instead every rank receives the other ranks' values of its

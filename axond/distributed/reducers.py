@@ -19,7 +19,7 @@ Reducer = Callable[..., np.ndarray]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 """bfloat16: float32's exponent with an 8-bit mantissa; NumPy has no such dtype, ml_dtypes provides it."""
-ACCUMULATE = {BFLOAT16: np.dtype(np.float32)}
+ACCUMULATE = {BFLOAT16: np.dtype(np.float32), np.dtype(np.float16): np.dtype(np.float32)}
 """Low-precision dtypes whose SUM/AVG/PRODUCT run in a wider dtype (rounded once, at the end)."""
 
 UFUNCS: dict[ReduceOp, np.ufunc] = {

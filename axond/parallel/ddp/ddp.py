@@ -165,6 +165,16 @@ class DistributedDataParallel(NoSync, Module):
             self.synchronizer.sync_now()
         self._guard.clear()
 
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Reduce every gradient bucket with `hook(state, bucket) -> HookFuture` (torch's shape; see
+        `axond.parallel.ddp.hooks`: `bf16_compress_hook`, `fp16_compress_hook`). Once, before the first backward."""
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook needs a callable hook(state, bucket), got {hook!r}")
+        if any(b.hook is not None for b in self.buckets):
+            raise RuntimeError("a communication hook is already registered on this DDP (register it once)")
+        for b in self.buckets:
+            b.hook = (state, hook)
+
     def memory_stats(self, optimizer: Any = None) -> dict[str, int]:
         """Bytes this rank holds: parameters (masters), gradients, optimizer_state (0 without `optimizer`),
         working_parameters (MixedPrecision copies alive now), buckets (the flat reduction buffers), current (their
