@@ -106,6 +106,7 @@ def test_bfloat16_sums_accumulate_in_float32_and_round_once(groups: list[Process
         np.testing.assert_allclose(out[0][0].astype(np.float64), wide, rtol=2**-8, atol=1e-6)
         np.testing.assert_array_equal(out[0][2], out[0][0])
         block = (size - size % n) // n
+        assert all(rs.shape == (block,) and rs.dtype == bfloat16 for _, rs, _ in out)
         got = np.concatenate([rs for _, rs, _ in out]).astype(np.float64)
         np.testing.assert_allclose(got, wide[: block * n], rtol=2**-8, atol=1e-6)
 
