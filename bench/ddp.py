@@ -75,8 +75,9 @@ def rank_main(hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: fl
     cfg = replace(TrainConfig(), hidden=hidden, depth=depth, samples=max(4096, batch * 8))
     x, y, _, _ = make_dataset(cfg)
     model = build_model(cfg)
-    sync = DDP(model, group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.SYNCHRONOUS)
-    overlap = DDP(model, group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.OVERLAPPED)
+    # One model per mode: a DDP refuses steps after a backward that bypassed it, as another wrapper's would.
+    sync = DDP(build_model(cfg), group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.SYNCHRONOUS)
+    overlap = DDP(build_model(cfg), group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.OVERLAPPED)
     fn, width = HOOKS[hook]
     for ddp in (sync, overlap) if fn is not None else ():
         ddp.register_comm_hook(None, fn)
@@ -84,8 +85,8 @@ def rank_main(hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: fl
     wire = 2 * (n - 1) / n * sum(b.buffer.size for b in overlap.buckets) * width
     modes = {
         "local": _Stepper(model, model, x, y, batch),
-        "synchronous": _Stepper(model, sync, x, y, batch),
-        "overlapped": _Stepper(model, overlap, x, y, batch),
+        "synchronous": _Stepper(sync.module, sync, x, y, batch),
+        "overlapped": _Stepper(overlap.module, overlap, x, y, batch),
     }
     per_round = 5
     best = {name: float("inf") for name in modes}
