@@ -99,14 +99,16 @@ def train(g: ProcessGroup, wrap: Callable[[nn.Module, ProcessGroup], Any]) -> tu
 ATOL = 1e-5
 
 
-@pytest.mark.parametrize("which", ["ddp", "fsdp-full", "fsdp-grad-op"])
+@pytest.mark.parametrize("which", ["ddp", "fsdp-full", "fsdp-grad-op", "fsdp-no-shard", "fsdp-prefetch"])
 def test_bfloat16_training_matches_a_single_process_run(which: str) -> None:
     def wrap(m: nn.Module, g: ProcessGroup) -> Any:
         if which == "ddp":
             return DDP(m, g, mixed_precision=MP)
-        strategy = ShardingStrategy.FULL_SHARD if which == "fsdp-full" else ShardingStrategy.SHARD_GRAD_OP
-        return FSDP(m, group=g, sharding_strategy=strategy, mixed_precision=MP,
-                    wrap=lambda sub: isinstance(sub, nn.Linear))
+        strategy = {"fsdp-grad-op": ShardingStrategy.SHARD_GRAD_OP,
+                    "fsdp-no-shard": ShardingStrategy.NO_SHARD}.get(which, ShardingStrategy.FULL_SHARD)
+        prefetch = which == "fsdp-prefetch"  # the reduce-scatter of the cast gradient runs asynchronously
+        return FSDP(m, group=g, sharding_strategy=strategy, mixed_precision=MP, forward_prefetch=prefetch,
+                    backward_prefetch=prefetch, wrap=lambda sub: isinstance(sub, nn.Linear))
 
     want = reference()
     for state, seen, grads, masters, out_dtype in run_ranks(lambda g: train(g, wrap)):
@@ -198,3 +200,22 @@ def test_grad_scaler_unscales_before_the_step() -> None:
         np.testing.assert_allclose(p.grad, want, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="backoff_factor"):
         nn.GradScaler(backoff_factor=2.0)
+
+
+def test_fsdp_summons_and_saves_the_float32_masters() -> None:
+    def body(g: ProcessGroup) -> tuple[set[str], dict[str, np.ndarray], set[str]]:
+        fsdp = FSDP(model(), group=g, mixed_precision=MP)
+        with fsdp.summon_full_params():
+            managed = [p for u in fsdp.units for p in u.params]
+            inside = {str(p.data.dtype) for p in managed}
+            for p in managed:
+                p.data += np.float32(1e-4)  # below a bfloat16 ulp of these weights: survives only in float32
+        state = fsdp.state_dict()
+        fsdp(data(0, 2)[0])
+        return inside, state, {str(u.full_dtype) for u in fsdp.units}
+
+    want = {k: v + np.float32(1e-4) for k, v in model().state_dict().items() if k.endswith(("weight", "bias"))}
+    for inside, state, compute in run_ranks(body):
+        assert inside == {"float32"} and compute == {"bfloat16"}
+        for k, v in want.items():
+            np.testing.assert_array_equal(state[k], v)
