@@ -219,3 +219,29 @@ def test_fsdp_summons_and_saves_the_float32_masters() -> None:
         assert inside == {"float32"} and compute == {"bfloat16"}
         for k, v in want.items():
             np.testing.assert_array_equal(state[k], v)
+
+
+def test_grad_scaler_with_a_pipeline_skips_on_every_stage() -> None:
+    from axond.parallel import Pipeline
+
+    def body(g: ProcessGroup) -> tuple[list[bool], list[np.ndarray]]:
+        scaler = nn.GradScaler(init_scale=256.0, growth_interval=1, group=g)
+        pipe = Pipeline(model(), g, loss_fn=scaler.scale_loss(nn.MSELoss()), num_microbatches=2)
+        opt = SGD(list(pipe.parameters()), lr=0.05)
+        stepped, params = [], []
+        for step in range(3):
+            x, y = data(step, ROWS)
+            pipe.zero_grad()
+            pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            if step == 1 and g.rank == 0:
+                next(iter(pipe.parameters())).grad.reshape(-1)[0] = np.nan
+            params.append(np.concatenate([p.data.reshape(-1) for p in pipe.parameters()]))
+            stepped.append(scaler.step(opt))
+            scaler.update()
+        params.append(np.concatenate([p.data.reshape(-1) for p in pipe.parameters()]))
+        return stepped, params
+
+    for stepped, params in run_ranks(body):
+        assert stepped == [True, False, True]
+        np.testing.assert_array_equal(params[1], params[2])
+        assert not np.array_equal(params[2], params[3])

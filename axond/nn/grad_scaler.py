@@ -58,6 +58,11 @@ class GradScaler:
             return x
         return x * array_module(x).asarray(self._scale, dtype=np.float32).astype(x.dtype)
 
+    def scale_loss(self, loss_fn: Any) -> _ScaledLoss:
+        """`loss_fn` whose `backward()` returns the scaled loss gradient: for APIs that call the loss themselves
+        (`Pipeline(..., loss_fn=scaler.scale_loss(nn.CrossEntropyLoss()))`). The scale is read at each backward."""
+        return _ScaledLoss(loss_fn, self)
+
     def unscale_(self, optimizer: Optimizer) -> bool:
         """Divide `optimizer`'s gradients by the scale in place (once per step); whether any rank saw inf/nan.
 
@@ -119,3 +124,16 @@ class GradScaler:
         self.backoff_factor = float(state["backoff_factor"])
         self.growth_interval = int(state["growth_interval"])
         self._good_steps = int(state["_growth_tracker"])
+
+
+class _ScaledLoss:
+    """A loss whose `backward(scale)` multiplies by the scaler's current scale (see `GradScaler.scale_loss`)."""
+
+    def __init__(self, loss_fn: Any, scaler: GradScaler) -> None:
+        self.loss_fn, self.scaler = loss_fn, scaler
+
+    def __call__(self, pred: Array, target: Array) -> float:
+        return float(self.loss_fn(pred, target))
+
+    def backward(self, scale: float = 1.0) -> Array:
+        return self.loss_fn.backward(scale * self.scaler.get_scale())
