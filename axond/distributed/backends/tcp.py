@@ -28,7 +28,7 @@ from axond.distributed.peer import (
     AUTO_INLINE_BYTES, AUTO_SPIN_SECONDS, Peer, PeerError, PeerTimeout, oversubscribed,
 )
 from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import accumulator, check_reduce_op, finish_average, narrow_into
+from axond.distributed.reducers import check_reduce_op, finish_average
 from axond.distributed.shm import ShmArena, ShmTuning
 from axond.distributed.shm_algorithms import ShmAlgorithms
 from axond.distributed.shm_plan import ShmPlan
@@ -160,15 +160,7 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         if type(x) is not np.ndarray:
             x = _numpy(x, "all_reduce input")
         op = check_reduce_op(op, x.dtype)
-        wide = accumulator(x.dtype, op)
-        if wide is not None and self.size > 1:
-            if op is ReduceOp.PRODUCT:
-                acc = x.astype(wide)
-                self.all_reduce(acc, op)
-                narrow_into(x, acc)
-            else:
-                low_precision.all_reduce(x, op, wide, self.size, self.all_to_all,
-                                         lambda mine, rows: self.all_gather(mine, out=rows))
+        if self.size > 1 and low_precision.all_reduce(self, x, op):
             return
         c = self._call(Op.ALL_REDUCE, x, op)
         if self.size == 1:
@@ -220,12 +212,7 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         x = _numpy(x, "reduce input")
         op = check_reduce_op(op, x.dtype)
         dst = self._check_root(dst, "dst")
-        wide = accumulator(x.dtype, op)
-        if wide is not None:
-            acc = x.astype(wide)
-            self.reduce(acc, dst, op)
-            if self.rank == dst:
-                narrow_into(x, acc)
+        if low_precision.reduce(self, x, dst, op):
             return
         c = self._call(Op.REDUCE, x, op, aux=dst)
         if self.size == 1:
@@ -274,12 +261,8 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
                              f"got shape {x.shape} (pad the first dimension)")
         rows = x.shape[0] // self.size
         out = self._out(out, (rows, *x.shape[1:]), x.dtype, "reduce_scatter")
-        wide = accumulator(x.dtype, op)
-        if wide is not None and self.size > 1:
-            if op is ReduceOp.PRODUCT:
-                narrow_into(out, self.reduce_scatter(x.astype(wide), op))
-                return out
-            return low_precision.reduce_scatter(x, op, wide, self.size, self.all_to_all, out)
+        if self.size > 1 and low_precision.reduce_scatter(self, x, op, out):
+            return out
         c = self._call(Op.REDUCE_SCATTER, x, op)
         if self.size == 1:
             np.copyto(out, x)
