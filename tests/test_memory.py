@@ -110,3 +110,21 @@ def test_savings_against_ddp() -> None:
     assert memory_savings(model(), "ddp", 8)["saved"] == 0
     with pytest.raises(ValueError, match="strategy"):
         memory_estimate(model(), "tp", 2)
+
+
+def test_pipeline_memory_stats_count_its_stages() -> None:
+    from axond.parallel import Pipeline
+
+    def body(g: ProcessGroup) -> tuple[dict[str, int], int]:
+        pipe = Pipeline(model(), g, loss_fn=nn.MSELoss(), num_microbatches=2)
+        opt = AdamW(list(pipe.parameters()), lr=1e-3)
+        x = np.zeros((4, WIDTH), np.float32)
+        pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
+        opt.step()
+        return pipe.memory_stats(opt), sum(p.size for p in pipe.parameters())
+
+    res = run_threads(body, 2, 60.0, backend="mock", options=BackendOptions(timeout=20))
+    assert sum(n for _, n in res) == sum(p.size for p in model().parameters())
+    for stats, n in res:
+        assert stats["parameters"] == stats["gradients"] == 4 * n and stats["optimizer_state"] == 8 * n
+        assert stats["current"] == 16 * n
