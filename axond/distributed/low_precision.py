@@ -57,7 +57,8 @@ def sum_own_block(rows: np.ndarray, op: ReduceOp, wide: np.dtype, out: np.ndarra
 
 
 def all_reduce(b: Collectives, x: np.ndarray, op: ReduceOp) -> bool:
-    """All-reduce low-precision `x` in place as described above (PRODUCT: widened); False if `x` is not low precision."""
+    """All-reduce low-precision `x` in place as described above (PRODUCT: widened); False if `x` is not
+    low precision (the caller reduces it as usual)."""
     wide = accumulator(x.dtype, op)
     if wide is None:
         return False

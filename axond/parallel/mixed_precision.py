@@ -22,7 +22,8 @@ def _dtype(value: Any, field: str) -> np.dtype | None:
     try:
         dt = np.dtype(value)
     except TypeError as e:
-        raise TypeError(f"MixedPrecision.{field} must be a dtype such as axond.bfloat16 or np.float32, got {value!r}") from e
+        raise TypeError(f"MixedPrecision.{field} must be a dtype such as axond.bfloat16 or np.float32, "
+                        f"got {value!r}") from e
     if dt.kind != "f" and dt.name != "bfloat16":
         raise TypeError(f"MixedPrecision.{field} must be a floating-point dtype, got {dt}")
     return dt
@@ -45,7 +46,8 @@ class MixedPrecision:
         for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             object.__setattr__(self, field, _dtype(getattr(self, field), field))
         if not isinstance(self.keep_low_precision_grads, bool):
-            raise TypeError(f"MixedPrecision.keep_low_precision_grads must be a bool, got {self.keep_low_precision_grads!r}")
+            raise TypeError("MixedPrecision.keep_low_precision_grads must be a bool, "
+                            f"got {self.keep_low_precision_grads!r}")
 
     def compute(self, master: np.dtype) -> np.dtype:
         """Dtype forward/backward run in for masters of dtype `master`."""

@@ -122,7 +122,8 @@ class FSDPUnit:
         if self.shard_group is None or self.full is not None:
             return
         src = self._compute_shard()
-        self.pending_gather = all_gather_shards(src, self._alloc_full(self.compute_dtype), self.shard_group, async_op=True)
+        full = self._alloc_full(self.compute_dtype)
+        self.pending_gather = all_gather_shards(src, full, self.shard_group, async_op=True)
 
     def _wait_gather(self) -> bool:
         """Wait for a prefetch, if one runs; whether there was one."""

@@ -23,6 +23,7 @@ from axond.nn.module import Parameter
 from axond.nn.optim import AdamW, Optimizer
 from axond.parallel.fsdp.comm import GroupLike, all_gather_shards, default_group, reduce_scatter_shards
 from axond.parallel.fsdp.flat_param import FlatLayout
+from axond.parallel.memory import optimizer_state_bytes
 
 
 class _Bucket:
@@ -92,10 +93,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         stats = {
             "parameters": sum(int(b.flat.nbytes) for b in self.buckets),
             "gradients": grads + sum(int(b.grad.nbytes) for b in self.buckets if b.grad is not None),
-            "optimizer_state": sum(int(v.nbytes) for st in self.optim.state for v in st.values() if hasattr(v, "nbytes")),
+            "optimizer_state": optimizer_state_bytes(self.optim),
         }
         stats["current"] = sum(stats.values())
-        stats["peak"] = stats["current"] + (sum(int(b.flat.nbytes) for b in self.buckets) if self.average_gradients else 0)
+        flat_copy = sum(int(b.flat.nbytes) for b in self.buckets) if self.average_gradients else 0
+        stats["peak"] = stats["current"] + flat_copy
         return stats
 
     def zero_grad(self, set_to_none: bool = True) -> None:
