@@ -245,3 +245,12 @@ def test_grad_scaler_with_a_pipeline_skips_on_every_stage() -> None:
         assert stepped == [True, False, True]
         np.testing.assert_array_equal(params[1], params[2])
         assert not np.array_equal(params[2], params[3])
+
+
+def test_buffer_dtype_casts_floating_buffers_only() -> None:
+    m = model()
+    m.register_buffer("running", np.ones(3, F32))
+    m.register_buffer("steps", np.zeros(1, np.int64))
+    ddp = DDP(m, ProcessGroup.mock(), mixed_precision=MixedPrecision(buffer_dtype=bfloat16))
+    buffers = dict(ddp.module.named_buffers())
+    assert buffers["running"].dtype == bfloat16 and buffers["steps"].dtype == np.int64
