@@ -13,6 +13,7 @@ from axond.distributed.seed import (
     gather_tensor, is_main_process, rank, reduce_scatter_mean, reduce_scatter_sum, scatter_tensor, sync_gradient,
     sync_gradients, world_size,
 )
+from axond.distributed.reducers import BFLOAT16 as bfloat16
 from axond.distributed import failure as _failure
 from axond.distributed.failure import record
 from axond.errors import AxondError, BackendUnavailable, CoordinatorError, DistributedError, StoreError, StoreTimeout
@@ -27,7 +28,7 @@ __all__ = [
     "FileStore", "InMemoryStore", "P2POp", "PrefixStore", "ProcessGroup", "ReduceOp", "Store", "StoreError",
     "StoreTimeout", "TCPStore", "Work", "World", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_reduce_max",
     "all_reduce_mean", "all_reduce_min", "all_reduce_product", "all_reduce_sum", "all_to_all", "all_to_all_single",
-    "barrier",
+    "barrier", "bfloat16",
     "batch_isend_irecv", "broadcast", "broadcast_from", "broadcast_object_list", "create_group",
     "destroy_process_group", "gather", "gather_object", "gather_tensor", "get_backend", "get_global_rank",
     "get_group_rank", "get_local_rank", "get_process_group_ranks", "get_rank", "get_world_size", "init_process_group",

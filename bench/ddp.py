@@ -1,7 +1,7 @@
 """DDP benchmark (not a test): throughput of the example model on 1, 2 and 4 ranks, the share of
 communication hidden behind backward, and DDP's cost over plain training on the same per-rank batch.
 
-    python bench/ddp.py [--models 128x1 512x4] [--worlds 1 2 4] [--steps 60] [--batch-size 64]
+    python bench/ddp.py [--models 128x1 512x4] [--worlds 1 2 4] [--steps 60] [--batch-size 64] [--hook bf16]
 
 Ranks are real processes on loopback over the TCP backend (axond.testing.run_processes). Rows with
 more ranks than CPU cores are labelled "oversubscribed": they measure contention, not scaling.
@@ -15,6 +15,8 @@ Per rank and per configuration, after warm-up steps:
 - overlap: DDP with GradSyncStrategy.OVERLAPPED (buckets reduced while backward runs).
 hidden = (sync - overlap) / (sync - local): the fraction of the gradient communication that the
 overlap removes from the step time (1.0 = all of it hidden, 0 = none; noisy when comm is tiny).
+`--hook bf16|fp16` reduces the buckets through `bf16_compress_hook`/`fp16_compress_hook`; "wire MB" is what
+each rank sends per step for the gradients: 2 (n - 1) / n of the buckets' bytes in the dtype on the wire.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from axond.examples.train_mlp import TrainConfig, build_model, make_dataset
 from axond.nn import CrossEntropyLoss
 from axond.nn.optim import SGD
 from axond.parallel import DDP, GradSyncStrategy
+from axond.parallel.ddp import bf16_compress_hook, fp16_compress_hook
 from axond.testing import run_processes
 
 
@@ -55,7 +58,11 @@ class _Stepper:
         return time.perf_counter() - t0
 
 
-def rank_main(hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: float) -> dict[str, Any]:
+HOOKS = {"none": (None, 4), "bf16": (bf16_compress_hook, 2), "fp16": (fp16_compress_hook, 2)}
+"""--hook: the communication hook and the bytes per gradient element on the wire."""
+
+
+def rank_main(hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: float, hook: str = "none") -> dict[str, Any]:
     """One rank: step times of local, synchronous and overlapped training, interleaved in rounds.
 
     Interleaving (a few steps of each mode per round) and keeping the best round's median make
@@ -68,12 +75,18 @@ def rank_main(hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: fl
     cfg = replace(TrainConfig(), hidden=hidden, depth=depth, samples=max(4096, batch * 8))
     x, y, _, _ = make_dataset(cfg)
     model = build_model(cfg)
-    sync = DDP(model, group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.SYNCHRONOUS)
-    overlap = DDP(model, group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.OVERLAPPED)
+    # One model per mode: a DDP refuses steps after a backward that bypassed it, as another wrapper's would.
+    sync = DDP(build_model(cfg), group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.SYNCHRONOUS)
+    overlap = DDP(build_model(cfg), group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.OVERLAPPED)
+    fn, width = HOOKS[hook]
+    for ddp in (sync, overlap) if fn is not None else ():
+        ddp.register_comm_hook(None, fn)
+    n = group.size
+    wire = 2 * (n - 1) / n * sum(b.buffer.size for b in overlap.buckets) * width
     modes = {
         "local": _Stepper(model, model, x, y, batch),
-        "synchronous": _Stepper(model, sync, x, y, batch),
-        "overlapped": _Stepper(model, overlap, x, y, batch),
+        "synchronous": _Stepper(sync.module, sync, x, y, batch),
+        "overlapped": _Stepper(overlap.module, overlap, x, y, batch),
     }
     per_round = 5
     best = {name: float("inf") for name in modes}
@@ -83,7 +96,7 @@ def rank_main(hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: fl
             times = [stepper.step() for _ in range(per_round)]
             if r > 0:
                 best[name] = min(best[name], float(np.median(times)))
-    return {"params": sum(p.size for p in model.parameters()), "buckets": len(overlap.buckets), **best}
+    return {"params": sum(p.size for p in model.parameters()), "buckets": len(overlap.buckets), "wire": wire, **best}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,19 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--hook", choices=sorted(HOOKS), default="none", help="DDP communication hook")
     a = p.parse_args(argv)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")  # one BLAS thread per rank (as torchrun does); spawned ranks inherit it
     cores = os.cpu_count() or 1
     print(f"CPU cores: {cores}; TCP backend on loopback; per-rank batch {a.batch_size}; bucket cap {a.bucket_cap_mb} MiB; "
-          f"{a.steps} steps per mode, interleaved in rounds of 5, best round's median\n")
+          f"{a.steps} steps per mode, interleaved in rounds of 5, best round's median; hook {a.hook}\n")
     print("| model | params | ranks | buckets | samples/s (overlap) | step local ms | step sync ms | step overlap ms "
-          "| comm hidden | DDP cost vs local |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| comm hidden | DDP cost vs local | wire MB/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in a.models:
         hidden, depth = (int(v) for v in model.split("x"))
         for world in a.worlds:
-            res = run_processes(_Rank(hidden, depth, a.steps, a.batch_size, a.bucket_cap_mb), world, timeout=600)
+            res = run_processes(_Rank(hidden, depth, a.steps, a.batch_size, a.bucket_cap_mb, a.hook), world, timeout=600)
             slowest = {k: max(r[k] for r in res) for k in ("local", "synchronous", "overlapped")}
             comm = slowest["synchronous"] - slowest["local"]
             hidden_frac = (slowest["synchronous"] - slowest["overlapped"]) / comm if comm > 1e-5 and world > 1 else float("nan")
@@ -115,15 +129,16 @@ def main(argv: list[str] | None = None) -> int:
             rate = world * a.batch_size / slowest["overlapped"]
             print(f"| {model} | {res[0]['params']:,} | {label} | {res[0]['buckets']} | {rate:,.0f} | "
                   f"{slowest['local'] * 1e3:.2f} | {slowest['synchronous'] * 1e3:.2f} | {slowest['overlapped'] * 1e3:.2f} | "
-                  f"{'n/a' if np.isnan(hidden_frac) else f'{hidden_frac:.0%}'} | {cost:+.0%} |", flush=True)
+                  f"{'n/a' if np.isnan(hidden_frac) else f'{hidden_frac:.0%}'} | {cost:+.0%} | {res[0]['wire'] / 1e6:.2f} |",
+                  flush=True)
     return 0
 
 
 class _Rank:
     """Picklable per-rank entry point for run_processes (spawned children import this module)."""
 
-    def __init__(self, hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: float) -> None:
-        self.args = (hidden, depth, steps, batch, bucket_cap_mb)
+    def __init__(self, hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: float, hook: str) -> None:
+        self.args = (hidden, depth, steps, batch, bucket_cap_mb, hook)
 
     def __call__(self) -> dict[str, Any]:
         return rank_main(*self.args)

@@ -10,11 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from axond import DistributedError, ProcessGroup, ReduceOp
+from axond import DistributedError, ProcessGroup, ReduceOp, bfloat16
 from axond.distributed.shm import ShmTuning
 from axond.testing import thread_groups
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
+LOW_PRECISION = ["bfloat16"]
+"""ml_dtypes' dtypes (NumPy has no bfloat16), checked on the tcp and mock backends (NCCL: test_nccl_support)."""
 SHAPES = [(), (0,), (1,), (13,), (4, 7), (1031,), (40_009,)]
 """0-d, empty, one element, primes, 2-D, and one above the small-message threshold (for 4+ byte dtypes)."""
 
@@ -25,10 +27,14 @@ def make(rank: int, shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.nda
     if dtype == "bool":
         return rng.integers(0, 2, shape).astype(bool)
     low = 0 if dtype.startswith("uint") else -3
-    return rng.integers(low, 4, shape).astype(dtype)
+    return rng.integers(low, 4, shape).astype(bfloat16 if dtype == "bfloat16" else dtype)
 
 
 def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """NumPy's reduction of `inputs`; bfloat16 reduces in float32 and rounds once, as the backends do
+    (so bit-exact: small-integer sums and products are exact in float32 in any order, MIN/MAX exact anyway)."""
+    if inputs[0].dtype == bfloat16:
+        return reference([x.astype(np.float32) for x in inputs], op).astype(bfloat16)
     stack = np.stack(inputs)
     dtype = stack.dtype
     if op is ReduceOp.SUM:
@@ -45,7 +51,7 @@ def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
 
 def refused(dtype: str, op: ReduceOp) -> bool:
     """Whether the collectives refuse `op` on `dtype`: AVG on bool and integer arrays."""
-    return op is ReduceOp.AVG and np.dtype(dtype).kind in "biu"
+    return op is ReduceOp.AVG and dtype != "bfloat16" and np.dtype(dtype).kind in "biu"
 
 
 TRANSPORTS = {

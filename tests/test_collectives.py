@@ -16,7 +16,10 @@ import pytest
 
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.testing import run_on, thread_groups
-from collective_cases import DTYPES, EVERY_TRANSPORT, SHAPES, group_members, make, reference, refused
+from axond import bfloat16
+from collective_cases import (
+    DTYPES, EVERY_TRANSPORT, LOW_PRECISION, SHAPES, group_members, make, reference, refused,
+)
 
 
 @pytest.fixture(scope="module", params=EVERY_TRANSPORT, ids=[f"{n}-{t}" for n, t in EVERY_TRANSPORT])
@@ -33,7 +36,7 @@ def groups8() -> Iterator[list[ProcessGroup]]:
         g.destroy()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + LOW_PRECISION)
 @pytest.mark.parametrize("op", list(ReduceOp))
 def test_all_reduce_every_op_dtype_and_size(groups: list[ProcessGroup], op: ReduceOp, dtype: str) -> None:
     if refused(dtype, op):
@@ -78,6 +81,52 @@ def test_all_reduce_random_floats_agree_bitwise_across_ranks(groups: list[Proces
             assert got.tobytes() == out[0].tobytes()
         # float32 summation of n values in a different order than NumPy's: a few ulps of the total.
         np.testing.assert_allclose(out[0], np.sum(inputs, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG])
+def test_bfloat16_sums_accumulate_in_float32_and_round_once(groups: list[ProcessGroup], op: ReduceOp) -> None:
+    n = len(groups)
+    for size in (5, 300_007):
+        inputs = [np.random.default_rng(r).standard_normal(size).astype(bfloat16) for r in range(n)]
+        wide = np.sum([x.astype(np.float64) for x in inputs], axis=0) / (n if op is ReduceOp.AVG else 1)
+
+        def body(pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+            x = inputs[pg.rank].copy()
+            pg.all_reduce(x, op)
+            rs = pg.reduce_scatter(inputs[pg.rank][: size - size % n].copy(), op)
+            r = inputs[pg.rank].copy()
+            pg.reduce(r, 0, op)
+            return x, rs, r
+
+        out = run_on(groups, body)
+        for x, _, _ in out:
+            assert x.dtype == bfloat16 and x.tobytes() == out[0][0].tobytes()
+        # One rounding of a float32 sum: within half a bfloat16 ulp (2**-9 relative) plus float32's few ulps;
+        # rounding at every hop instead would drift by up to (n - 1) half-ulps.
+        np.testing.assert_allclose(out[0][0].astype(np.float64), wide, rtol=2**-8, atol=1e-6)
+        np.testing.assert_array_equal(out[0][2], out[0][0])
+        block = (size - size % n) // n
+        assert all(rs.shape == (block,) and rs.dtype == bfloat16 for _, rs, _ in out)
+        got = np.concatenate([rs for _, rs, _ in out]).astype(np.float64)
+        np.testing.assert_allclose(got, wide[: block * n], rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_moves_bit_exact(groups: list[ProcessGroup], dtype: str) -> None:
+    n = len(groups)
+    inputs = [make(r, (n * 3, 5), dtype) * 0.37 for r in range(n)]
+    inputs = [x.astype(bfloat16 if dtype == "bfloat16" else dtype) for x in inputs]
+
+    def body(pg: ProcessGroup) -> tuple[np.ndarray, ...]:
+        b = inputs[pg.rank].copy()
+        pg.broadcast(b, n - 1)
+        return b, pg.all_gather(inputs[pg.rank]), pg.all_to_all(inputs[pg.rank]), pg.scatter(
+            np.stack(inputs) if pg.rank == 0 else None, 0)
+
+    for r, (b, ag, a2a, sc) in enumerate(run_on(groups, body)):
+        assert b.tobytes() == inputs[n - 1].tobytes() and ag.tobytes() == np.stack(inputs).tobytes()
+        assert a2a.tobytes() == np.concatenate([x[r * 3 : (r + 1) * 3] for x in inputs]).tobytes()
+        assert sc.dtype == inputs[0].dtype and sc.tobytes() == inputs[r].tobytes()
 
 
 def test_all_reduce_non_contiguous_in_place(groups: list[ProcessGroup]) -> None:

@@ -15,11 +15,13 @@ TOP = """init_process_group get_rank get_world_size get_local_rank is_initialize
 broadcast reduce all_gather reduce_scatter gather scatter all_to_all send recv isend irecv barrier new_group ReduceOp
 ProcessGroup Work DistributedError all_reduce_sum all_reduce_mean all_reduce_min all_reduce_max all_reduce_product
 broadcast_from reduce_scatter_sum reduce_scatter_mean gather_tensor scatter_tensor sync_gradient sync_gradients rank
-world_size is_main_process World""".split()
-NN = """Module Parameter Linear Embedding LayerNorm ReLU GELU Tanh Dropout Sequential MSELoss CrossEntropyLoss""".split()
+world_size is_main_process World bfloat16""".split()
+NN = """Module Parameter Linear Embedding LayerNorm ReLU GELU Tanh Dropout Sequential MSELoss CrossEntropyLoss
+GradScaler""".split()
 MODULE_METHODS = "forward backward parameters named_parameters state_dict load_state_dict train eval zero_grad".split()
 PARALLEL = """DistributedDataParallel DDP DistributedSampler FullyShardedDataParallel FSDP ShardingStrategy CPUOffload
-ZeroRedundancyOptimizer Pipeline PipelineSchedule ColumnParallelLinear RowParallelLinear DeviceMesh""".split()
+ZeroRedundancyOptimizer Pipeline PipelineSchedule ColumnParallelLinear RowParallelLinear DeviceMesh
+MixedPrecision""".split()
 COLLECTIVES = "all_reduce broadcast reduce all_gather reduce_scatter gather scatter all_to_all send recv isend irecv barrier".split()
 
 
@@ -47,3 +49,17 @@ def test_parallel_names() -> None:
     assert [s for s in strategies if not hasattr(parallel.ShardingStrategy, s)] == []
     schedules = ("GPIPE", "ONE_F_ONE_B", "INTERLEAVED_1F1B")
     assert [s for s in schedules if not hasattr(parallel.PipelineSchedule, s)] == []
+
+
+def test_mixed_precision_surface() -> None:
+    import inspect
+
+    import numpy as np
+
+    assert np.dtype(axond.bfloat16).name == "bfloat16"
+    fields = ("param_dtype", "reduce_dtype", "buffer_dtype", "keep_low_precision_grads")
+    assert [f for f in fields if f not in inspect.signature(parallel.MixedPrecision).parameters] == []
+    for wrapper in (parallel.DDP, parallel.FSDP):
+        assert "mixed_precision" in inspect.signature(wrapper).parameters
+    for owner in (parallel.DDP, parallel.FSDP, parallel.ZeroRedundancyOptimizer):
+        assert hasattr(owner, "memory_stats")

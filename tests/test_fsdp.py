@@ -96,7 +96,7 @@ def train_fsdp(pg: ProcessGroup, make: Callable[[int], nn.Module], data: Callabl
                 loss(out, my[rows])
                 fsdp.backward(loss.backward(scale=1.0 / accum))
             if not sync:
-                unsynced.append((fsdp.memory_stats()["full_grad_numel"], all(p.grad is None for p in fsdp.parameters())))
+                unsynced.append((fsdp.memory_stats()["full_gradients"] // fsdp.units[0].dtype.itemsize, all(p.grad is None for p in fsdp.parameters())))
         if step == 0:
             grads = [(u.names, u.layout, np.array(u.shard.grad, copy=True)) for u in fsdp.units]
         opt.step()
@@ -245,10 +245,10 @@ def test_full_shard_holds_one_shard_per_rank() -> None:
             stats["local_arrays"] = sum(p.data.size for p in fsdp.parameters())
             stats["module_param_sizes"] = {n: p.data.size for m in model.modules() for n, p in m.__dict__.items()
                                            if isinstance(p, nn.Parameter)}
-            stats["optimizer_state"] = sum(v.size for st in opt.state for v in st.values() if hasattr(v, "size"))
+            stats["optimizer_numel"] = sum(v.size for st in opt.state for v in st.values() if hasattr(v, "size"))
             fsdp.eval()
             fsdp(x)
-            stats["gathered_after_eval_forward"] = fsdp.memory_stats()["gathered_numel"]
+            stats["gathered_after_eval_forward"] = fsdp.memory_stats()["gathered"]
             out[strategy.name] = stats
         return out
 
@@ -256,15 +256,17 @@ def test_full_shard_holds_one_shard_per_rank() -> None:
     for stats_by in run_ranks(3, body):
         full, zero2 = stats_by["FULL_SHARD"], stats_by["SHARD_GRAD_OP"]
         for stats in (full, zero2):
-            assert stats["unsharded_numel"] == total
-            assert stats["sharded_numel"] == stats["local_arrays"] == sum(math.ceil(n / 3) for n in stats["unit_numels"])
-            assert stats["sharded_numel"] <= math.ceil(total / 3) + len(stats["unit_numels"])
-            assert stats["gathered_numel"] == 0 and stats["full_grad_numel"] == 0
+            # memory_stats() is in bytes: float64 parameters, 8 bytes each
+            assert stats["unsharded_parameters"] == 8 * total
+            assert stats["parameters"] == 8 * stats["local_arrays"] == 8 * sum(math.ceil(n / 3) for n in stats["unit_numels"])
+            assert stats["parameters"] <= 8 * (math.ceil(total / 3) + len(stats["unit_numels"]))
+            assert stats["gathered"] == 0 and stats["full_gradients"] == 0
             assert set(stats["module_param_sizes"].values()) == {0}
-            assert stats["optimizer_state"] == 2 * stats["sharded_numel"]
+            assert stats["optimizer_numel"] == 2 * stats["parameters"] // 8
+            assert stats["optimizer_state"] == 0  # memory_stats() was not given the optimizer
             assert stats["gathered_after_eval_forward"] == 0
-        assert full["peak_gathered_numel"] < zero2["peak_gathered_numel"]
-        assert zero2["peak_gathered_numel"] >= total
+        assert full["peak_gathered"] < zero2["peak_gathered"]
+        assert zero2["peak_gathered"] >= 8 * total
 
 
 def frozen_mlp(seed: int) -> nn.Sequential:
@@ -477,7 +479,7 @@ def test_the_next_units_gather_and_the_last_units_reduce_run_while_this_unit_com
             fsdp.backward(_loss_grad(fsdp(x)))
             opt.step()
             fsdp.zero_grad()
-        assert fsdp.memory_stats()["gathered_numel"] == 0 and fsdp.memory_stats()["full_grad_numel"] == 0
+        assert fsdp.memory_stats()["gathered"] == 0 and fsdp.memory_stats()["full_gradients"] == 0
         return seen
 
     for seen in run_ranks(2, body):

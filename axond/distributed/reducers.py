@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
 from axond.distributed.reduce_op import ReduceOp
 
 Reducer = Callable[..., np.ndarray]
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+"""bfloat16: float32's exponent with an 8-bit mantissa; NumPy has no such dtype, ml_dtypes provides it."""
+ACCUMULATE = {BFLOAT16: np.dtype(np.float32), np.dtype(np.float16): np.dtype(np.float32)}
+"""Low-precision dtypes whose SUM/AVG/PRODUCT run in a wider dtype (rounded once, at the end)."""
 
 UFUNCS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add,
@@ -27,7 +33,8 @@ UFUNCS: dict[ReduceOp, np.ufunc] = {
 
 def check_reduce_op(op: ReduceOp, dtype: np.dtype) -> ReduceOp:
     """Validate `op` for `dtype`; accepts ReduceOp members or their names ("sum", "AVG")."""
-    if type(op) is ReduceOp and (dtype.kind == "f" or (dtype.kind in "iu" and op is not ReduceOp.AVG)):
+    if type(op) is ReduceOp and (dtype.kind == "f" or dtype == BFLOAT16
+                                 or (dtype.kind in "iu" and op is not ReduceOp.AVG)):
         return op
     if isinstance(op, str):
         try:
@@ -44,6 +51,18 @@ def check_reduce_op(op: ReduceOp, dtype: np.dtype) -> ReduceOp:
     if dtype.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise TypeError(f"ReduceOp.{op.name} is undefined on complex arrays ({dtype})")
     return op
+
+
+def accumulator(dtype: np.dtype, op: ReduceOp) -> np.dtype | None:
+    """The dtype a reduction of `dtype` with `op` accumulates in when it is not `dtype` itself, else None."""
+    if op is ReduceOp.MIN or op is ReduceOp.MAX:
+        return None
+    return ACCUMULATE.get(dtype)
+
+
+def narrow_into(x: np.ndarray, wide: np.ndarray) -> None:
+    """Round the accumulated `wide` result once into `x` (in place; round to nearest even)."""
+    np.copyto(x, wide.reshape(x.shape), casting="unsafe")
 
 
 def finish_average(x: np.ndarray, size: int) -> None:

@@ -11,6 +11,7 @@ import struct
 import zlib
 from enum import IntEnum
 
+import ml_dtypes
 import numpy as np
 
 HEADER = struct.Struct("<BBBBIIiqq")
@@ -66,8 +67,8 @@ DTYPES: list[np.dtype] = [
         "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
         "float16", "float32", "float64", "complex64", "complex128",
     )
-]
-"""Dtypes the TCP backend moves; the index (plus one) is the wire code."""
+] + [np.dtype(ml_dtypes.bfloat16)]
+"""Dtypes the TCP backend moves; the index (plus one) is the wire code (append only: codes are on the wire)."""
 DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(DTYPES)}
 REDUCE_CODES = {"sum": 1, "product": 2, "min": 3, "max": 4, "avg": 5}
 REDUCE_NAMES = {v: k.upper() for k, v in REDUCE_CODES.items()}

@@ -4,6 +4,7 @@ from axond.nn import init, optim, utils
 from axond.nn.activations import GELU, Dropout, ReLU, Tanh
 from axond.nn.container import Sequential
 from axond.nn.device import Device, array_module, parse_device, to_device
+from axond.nn.grad_scaler import GradScaler
 from axond.nn.linear import Embedding, Linear
 from axond.nn.loss import CrossEntropyLoss, MSELoss
 from axond.nn.module import Module, Parameter, RemovableHandle
@@ -12,6 +13,7 @@ from axond.nn.transformer import MLP, CausalSelfAttention, TransformerBlock
 
 __all__ = [
     "GELU",
+    "GradScaler",
     "MLP",
     "CausalSelfAttention",
     "CrossEntropyLoss",

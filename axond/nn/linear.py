@@ -9,6 +9,7 @@ import numpy as np
 from axond.nn import init
 from axond.nn.device import Array, array_module, scatter_add
 from axond.nn.module import Module, Parameter, require_ctx
+from axond.nn.precision import narrow, widen
 
 
 class Linear(Module):
@@ -39,19 +40,21 @@ class Linear(Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Linear expects inputs with last dim {self.in_features}, got shape {tuple(x.shape)}")
         self._ctx = x
-        y = x @ self.weight.data.T
+        w = self.weight.data
+        y = widen(x) @ widen(w).T  # low precision: float32 accumulation, one rounding below
         if self.bias is not None:
             y += self.bias.data
-        return y
+        return narrow(y, x.dtype)
 
     def backward(self, grad_out: Array) -> Array:
         x = require_ctx(self)
-        g2 = grad_out.reshape(-1, self.out_features)
-        self.weight.accumulate_grad(g2.T @ x.reshape(-1, self.in_features))
+        w = self.weight.data
+        g2 = widen(grad_out.reshape(-1, self.out_features))
+        self.weight.accumulate_grad(narrow(g2.T @ widen(x.reshape(-1, self.in_features)), w.dtype))
         if self.bias is not None:
-            self.bias.accumulate_grad(g2.sum(axis=0))
+            self.bias.accumulate_grad(narrow(g2.sum(axis=0), self.bias.data.dtype))
         self._ctx = None
-        return grad_out @ self.weight.data
+        return narrow(widen(grad_out) @ widen(w), grad_out.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

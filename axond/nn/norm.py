@@ -8,6 +8,7 @@ import numpy as np
 
 from axond.nn.device import Array, array_module
 from axond.nn.module import Module, Parameter, require_ctx
+from axond.nn.precision import narrow, widen
 
 
 class LayerNorm(Module):
@@ -33,6 +34,7 @@ class LayerNorm(Module):
         if x.shape[-1] != self.normalized_shape:
             raise ValueError(f"LayerNorm expects last dim {self.normalized_shape}, got shape {tuple(x.shape)}")
         xp = array_module(x)
+        dtype, x = x.dtype, widen(x)  # statistics of low-precision inputs in float32
         mean = x.mean(axis=-1, keepdims=True)
         centered = x - mean
         var = (centered * centered).mean(axis=-1, keepdims=True)
@@ -40,22 +42,24 @@ class LayerNorm(Module):
         xhat = centered * rstd
         self._ctx = (xhat, rstd)
         if self.weight is not None and self.bias is not None:
-            return xhat * self.weight.data + self.bias.data
-        return xhat
+            return narrow(xhat * self.weight.data + self.bias.data, dtype)
+        return narrow(xhat, dtype)
 
     def backward(self, grad_out: Array) -> Array:
         xhat, rstd = require_ctx(self)
         self._ctx = None
         n = self.normalized_shape
+        dtype, grad_out = grad_out.dtype, widen(grad_out)
         if self.weight is not None and self.bias is not None:
-            self.weight.accumulate_grad((grad_out * xhat).reshape(-1, n).sum(axis=0))
-            self.bias.accumulate_grad(grad_out.reshape(-1, n).sum(axis=0))
+            wdt = self.weight.data.dtype
+            self.weight.accumulate_grad(narrow((grad_out * xhat).reshape(-1, n).sum(axis=0), wdt))
+            self.bias.accumulate_grad(narrow(grad_out.reshape(-1, n).sum(axis=0), wdt))
             g = grad_out * self.weight.data
         else:
             g = grad_out
         mean_g = g.mean(axis=-1, keepdims=True)
         mean_gx = (g * xhat).mean(axis=-1, keepdims=True)
-        return (g - mean_g - xhat * mean_gx) * rstd
+        return narrow((g - mean_g - xhat * mean_gx) * rstd, dtype)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.weight is not None}"

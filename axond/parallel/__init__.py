@@ -3,7 +3,9 @@ sampler and the device mesh."""
 
 from axond.parallel.ddp import DDP, DDPConfig, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy
 from axond.parallel.fsdp import FSDP, CPUOffload, FSDPConfig, FullyShardedDataParallel, ShardingStrategy
+from axond.parallel.memory import memory_estimate, memory_savings
 from axond.parallel.mesh import DeviceMesh
+from axond.parallel.mixed_precision import MixedPrecision
 from axond.parallel.pipeline import Pipeline, PipelineSchedule
 from axond.parallel.ps import ParameterServer, PSMode
 from axond.parallel.sampler import DistributedSampler
@@ -28,6 +30,7 @@ __all__ = [
     "GradSyncStrategy",
     "GradientBucket",
     "GatherFromParallelRegion",
+    "MixedPrecision",
     "GradientSynchronizer",
     "ParallelCausalSelfAttention",
     "ParallelMLP",
@@ -41,4 +44,6 @@ __all__ = [
     "ScatterToParallelRegion",
     "ShardingStrategy",
     "ZeroRedundancyOptimizer",
+    "memory_estimate",
+    "memory_savings",
 ]

@@ -21,7 +21,7 @@ from axond.distributed.backends.host_arrays import numpy_array, output_array, sc
 from axond.distributed.chunking import binomial_children
 from axond.distributed.mock_hub import Call, HubError, Post, call_text, join
 from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import UFUNCS, check_reduce_op, finish_average
+from axond.distributed.reducers import UFUNCS, accumulator, check_reduce_op, finish_average, narrow_into
 from axond.distributed.splits import announcement, check_splits, offsets, settle
 from axond.distributed.wire import OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
 from axond.errors import DistributedError
@@ -39,6 +39,12 @@ def _flat_copy(x: np.ndarray) -> np.ndarray:
 
 def _reduce_rows(rows: Sequence[np.ndarray], out: np.ndarray, op: ReduceOp) -> None:
     """out <- the reduction of `rows` in order (rank order), as tcp's mailbox and shared-memory paths compute it."""
+    wide = accumulator(out.dtype, op)
+    if wide is not None:
+        acc = np.empty(out.shape, wide)
+        _reduce_rows([r.astype(wide) for r in rows], acc, op)
+        narrow_into(out, acc)
+        return
     ufunc = UFUNCS[op]
     if len(rows) == 1:
         np.copyto(out, rows[0])
@@ -150,14 +156,15 @@ class MockBackend(Backend):
         dst = self._check_root(dst, "dst")
         rows = self._meet(Op.REDUCE, x, _flat_copy(x), op, aux=dst)
         if self.rank == dst and self.size > 1:
-            self._into(x, lambda flat: np.copyto(flat, self._tree(rows, dst, op)))
+            self._into(x, lambda flat: np.copyto(flat, self._tree(rows, dst, op), casting="unsafe"))
 
     def _tree(self, rows: list[np.ndarray], dst: int, op: ReduceOp) -> np.ndarray:
         """The reduction in tcp's binomial-tree order: each member adds its children's partial results to its own."""
         ufunc = UFUNCS[op]
+        wide = accumulator(rows[0].dtype, op)
 
         def partial(v: int) -> np.ndarray:
-            acc: np.ndarray = rows[(v + dst) % self.size].copy()
+            acc: np.ndarray = rows[(v + dst) % self.size].astype(wide or rows[0].dtype)
             for child in binomial_children(v, self.size):
                 ufunc(acc, partial(child), out=acc)
             return acc

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from axond.distributed.backends.base import Array, Backend, BackendOptions
+from axond.distributed import low_precision, two_level
 from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
-from axond.distributed import two_level
 from axond.distributed.framing import Call, FramedGroup, TcpTuning, byte_view
 from axond.distributed.mailbox import Mailbox, MailboxAlgorithms
 from axond.distributed.mesh import Mesh
@@ -157,6 +157,8 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         if type(x) is not np.ndarray:
             x = _numpy(x, "all_reduce input")
         op = check_reduce_op(op, x.dtype)
+        if self.size > 1 and low_precision.all_reduce(self, x, op):
+            return
         c = self._call(Op.ALL_REDUCE, x, op)
         if self.size == 1:
             return
@@ -207,6 +209,8 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         x = _numpy(x, "reduce input")
         op = check_reduce_op(op, x.dtype)
         dst = self._check_root(dst, "dst")
+        if low_precision.reduce(self, x, dst, op):
+            return
         c = self._call(Op.REDUCE, x, op, aux=dst)
         if self.size == 1:
             return
@@ -244,8 +248,10 @@ class TcpBackend(TcpAlgorithms, ShmAlgorithms, MailboxAlgorithms, ShmPlan, Backe
         x = _numpy(x, "reduce_scatter input")
         op = check_reduce_op(op, x.dtype)
         rows = scatter_rows(x, self.size, "reduce_scatter")
-        c = self._call(Op.REDUCE_SCATTER, x, op)
         out = self._out(out, (rows, *x.shape[1:]), x.dtype, "reduce_scatter")
+        if self.size > 1 and low_precision.reduce_scatter(self, x, op, out):
+            return out
+        c = self._call(Op.REDUCE_SCATTER, x, op)
         if self.size == 1:
             np.copyto(out, x)
             if op is ReduceOp.AVG:

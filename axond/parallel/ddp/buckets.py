@@ -14,10 +14,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.nn.device import Array, device_of, empty_on
 from axond.nn.module import Parameter
+from axond.parallel.mixed_precision import MixedPrecision
 
 
 class Work(Protocol):
@@ -40,13 +43,18 @@ class GroupLike(Protocol):
 class GradientBucket:
     """A flat buffer holding the gradients of a few parameters of one dtype, reduced as one message."""
 
-    def __init__(self, index: int, params: Sequence[Parameter], late: set[int]) -> None:
+    def __init__(self, index: int, params: Sequence[Parameter], late: set[int],
+                 mixed_precision: MixedPrecision | None = None) -> None:
         if not params:
             raise ValueError("a gradient bucket needs at least one parameter")
         self.index = index
         self.params = list(params)
         first = self.params[0].data
-        self.dtype = first.dtype
+        mp = mixed_precision or MixedPrecision()
+        self.dtype = mp.reduce(first.dtype)
+        """The dtype gradients are reduced in (packing casts into it)."""
+        self.grad_dtype = mp.grad(first.dtype)
+        """The dtype `.grad` has after the reduction."""
         self.offsets: list[int] = []
         total = 0
         for p in self.params:
@@ -60,6 +68,11 @@ class GradientBucket:
         """A parameter here is shared between modules, so only the end of backward knows it is final."""
         self.ready: set[int] = set()
         self.work: Work | None = None
+        self.future: Any = None
+        """A communication hook's `HookFuture` for this pass (instead of `work`)."""
+        self.hook: tuple[Any, Any] | None = None
+        """(state, hook) registered with `DDP.register_comm_hook`, or None for the AVG all_reduce."""
+        self.last = False
         self.launched_at: float | None = None
         self._group_name: str | None = None
         self._group_rank: int | None = None
@@ -71,11 +84,12 @@ class GradientBucket:
     def reset(self) -> None:
         self.ready = set()
         self.work = None
+        self.future = None
         self.launched_at = None
 
     def mark_ready(self, param: Parameter) -> None:
         """Record that `param`'s gradient is final for this pass."""
-        if self.work is not None:
+        if self.work is not None or self.future is not None:
             raise RuntimeError(
                 f"a parameter of gradient bucket {self.index} got more gradient after the bucket was sent: "
                 "DDP needs each module's backward to run once per DDP.backward"
@@ -105,13 +119,27 @@ class GradientBucket:
         self._group_name = getattr(group, "name", None)
         self._group_rank = getattr(group, "rank", None)
         self.launched_at = time.perf_counter()
-        self.work = group.all_reduce(self.buffer, op=ReduceOp.AVG, async_op=True)
+        if self.hook is None:
+            self.work = group.all_reduce(self.buffer, op=ReduceOp.AVG, async_op=True)
+            return
+        from axond.parallel.ddp.hooks import GradBucket
+
+        state, hook = self.hook
+        self.future = hook(state, GradBucket(self.index, self.buffer, self.params, self.last, group))
 
     def wait_and_unpack(self, timeout: float | None) -> None:
         """Wait for the all-reduce, then write the averages back into every parameter's `.grad`."""
-        if self.work is None:
+        if self.work is None and self.future is None:
             raise RuntimeError(f"gradient bucket {self.index} was never launched")
-        if self.work.wait(timeout) is False:
+        if self.future is not None:
+            reduced = self.future.wait(timeout)
+            finished = reduced is not None
+            if finished and reduced is not self.buffer:
+                np.copyto(self.buffer, reduced, casting="unsafe")
+        else:
+            assert self.work is not None
+            finished = self.work.wait(timeout) is not False
+        if not finished:
             raise DistributedError(
                 f"all_reduce of DDP gradient bucket {self.index} ({self.nbytes} bytes) on group '{self._group_name}', "
                 f"rank {self._group_rank}: not finished within {timeout} s (a peer is slow, dead or in another op)",
@@ -124,10 +152,13 @@ class GradientBucket:
             view = self.buffer[off : off + p.size].reshape(p.shape)
             if p.grad is None:
                 if used != 0:
-                    p.grad = view.copy()
+                    p.grad = view.astype(self.grad_dtype)
+            elif p.grad.dtype != self.grad_dtype:
+                p.grad = view.astype(self.grad_dtype)  # low-precision gradient -> the masters' dtype, one copy
             else:
                 p.grad[...] = view
         self.work = None
+        self.future = None
 
 
 def assign_buckets(
@@ -162,6 +193,7 @@ class GradientSynchronizer:
         first_bucket_cap_mb: float | None = None,
         timeout: float | None = None,
         shared: set[int] | None = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         trainable = [p for p in params if p.requires_grad]
         late = shared or set()
@@ -169,7 +201,10 @@ class GradientSynchronizer:
         first = None if first_bucket_cap_mb is None else max(1, int(first_bucket_cap_mb * 2**20))
         self.group = group
         self.timeout = timeout
-        self.buckets = [GradientBucket(i, ps, late) for i, ps in enumerate(assign_buckets(trainable, cap, first))]
+        self.buckets = [GradientBucket(i, ps, late, mixed_precision)
+                        for i, ps in enumerate(assign_buckets(trainable, cap, first))]
+        if self.buckets:
+            self.buckets[-1].last = True
         self._bucket_of: dict[int, GradientBucket] = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch = 0
         self._armed = False

@@ -28,7 +28,9 @@ from axond.parallel.fsdp.flat_param import FlatLayout
 from axond.parallel.fsdp.unit import FSDPUnit, MemoryStats
 from axond.parallel.fsdp.wrap import UnitPlan, WrapPolicy, install, plan_units, select_unit_modules
 from axond.parallel.bypass import BackwardGuard
+from axond.parallel.memory import optimizer_state_bytes
 from axond.parallel.mesh import DeviceMesh
+from axond.parallel.mixed_precision import MixedPrecision, cast_buffers, check_mixed_precision
 from axond.parallel.no_sync import NoSync
 
 
@@ -94,6 +96,7 @@ class FullyShardedDataParallel(NoSync, Module):
         sync_module_states: bool = True,
         forward_prefetch: bool = False,
         backward_prefetch: bool = False,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, Module):
@@ -104,6 +107,8 @@ class FullyShardedDataParallel(NoSync, Module):
                                  forward_prefetch, backward_prefetch)
         self.shard_group, self.replicate_group, self.rank = resolve_groups(sharding_strategy, group, mesh)
         self.module = module
+        self.mixed_precision = check_mixed_precision(mixed_precision)
+        cast_buffers(module, self.mixed_precision)
         self._sync_enabled = True
         self.stats = MemoryStats()
         self._state_keys = list(module.state_dict().keys())
@@ -155,7 +160,7 @@ class FullyShardedDataParallel(NoSync, Module):
         managed = [Parameter(p.data) for p in plan.params]
         unit = FSDPUnit(
             len(self._units), plan.names, managed, self._initial(plan), self.shard_group, self.replicate_group,
-            self.config.cpu_offload.offload_params, self.stats,
+            self.config.cpu_offload.offload_params, self.stats, self.mixed_precision,
         )
         install(plan, managed)
         setattr(self, f"flat_param_{unit.index}", unit.shard)
@@ -200,6 +205,8 @@ class FullyShardedDataParallel(NoSync, Module):
     def forward(self, x: Array) -> Array:
         self._guard.check()
         self._forward_order.start()
+        if self.mixed_precision is not None:
+            x = self.mixed_precision.cast_input(x)
         try:
             return self.module(x)
         finally:
@@ -211,6 +218,8 @@ class FullyShardedDataParallel(NoSync, Module):
     def backward(self, grad_out: Array) -> Array:
         """The module's backward; each unit's gradient is reduced into its shard's `.grad` as its backward ends."""
         self._backward_order.start()
+        if self.mixed_precision is not None:
+            grad_out = self.mixed_precision.cast_input(grad_out)
         ok = False
         try:
             with self._guard.running():
@@ -312,7 +321,7 @@ class FullyShardedDataParallel(NoSync, Module):
     def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
         """Gather every unit's full parameters into the modules; with `writeback`, in-place edits are kept."""
         for u in self._units:
-            u.gather(refresh=True)
+            u.gather(refresh=True, master=True)
         try:
             yield
         finally:
@@ -321,18 +330,33 @@ class FullyShardedDataParallel(NoSync, Module):
                     u.write_back()
                 u.free()
 
-    def memory_stats(self) -> dict[str, int]:
-        """Parameter elements held per rank: persistent shards, and full buffers alive now / at peak."""
+    def memory_stats(self, optimizer: Any = None) -> dict[str, int]:
+        """Bytes this rank holds, from the wrapper's own accounting (see docs/mixed-precision.md).
+
+        parameters/gradients: the persistent shards and their `.grad`; optimizer_state: `optimizer`'s arrays
+        (0 without it); gathered/full_gradients: unsharded buffers alive now (peak_* since the last reset);
+        current and peak: their sum, the peak counting the transient buffers at their joint peak.
+        """
+        params = sum(int(u.shard.data.nbytes) for u in self._units)
+        grads = sum(int(u.shard.grad.nbytes) for u in self._units if u.shard.grad is not None)
+        state = optimizer_state_bytes(optimizer)
+        persistent = params + grads + state
         return {
-            "sharded_numel": sum(u.shard.size for u in self._units),
-            "unsharded_numel": sum(u.layout.numel for u in self._units),
-            "gathered_numel": self.stats.gathered_numel,
-            "peak_gathered_numel": self.stats.peak_gathered_numel,
-            "full_grad_numel": self.stats.full_grad_numel,
+            "parameters": params,
+            "gradients": grads,
+            "optimizer_state": state,
+            "gathered": self.stats.gathered_bytes,
+            "peak_gathered": self.stats.peak_gathered_bytes,
+            "full_gradients": self.stats.full_grad_bytes,
+            "unsharded_parameters": sum(u.layout.numel * u.dtype.itemsize for u in self._units),
+            "current": persistent + self.stats.gathered_bytes + self.stats.full_grad_bytes,
+            "peak": persistent + self.stats.peak_transient_bytes,
         }
 
     def reset_peak_memory_stats(self) -> None:
-        self.stats.peak_gathered_numel = self.stats.gathered_numel
+        """Start the peaks afresh from what is alive now."""
+        self.stats.peak_gathered_bytes = self.stats.gathered_bytes
+        self.stats.peak_transient_bytes = self.stats.gathered_bytes + self.stats.full_grad_bytes
 
     def to(self, device: Any = None, dtype: Any = None) -> Module:
         """Not supported: the shards and the modules' views would part ways. Move the module before wrapping."""

@@ -4,6 +4,9 @@ The modules keep computing with ordinary `Parameter`s whose `.data` are views in
 flat buffer while it is gathered, and empty arrays while it is freed. Their `.grad`s are views into
 one flat gradient buffer, so `accumulate_grad` writes straight into what is reduce-scattered.
 The trainable `shard` Parameter (1/N of the padded flat buffer) is what the optimizer sees.
+With `MixedPrecision`, the shard stays in the model's dtype (the master) and the gathered buffer, the
+flat gradient and the reduce-scatter use the compute and reduce dtypes; the casts happen on the
+shard-sized side of each collective where they can.
 """
 
 from __future__ import annotations
@@ -13,21 +16,32 @@ from typing import Any
 
 from axond.nn.device import Array, Device, array_module, device_of, empty_on, to_device
 from axond.nn.module import Parameter
+from axond.parallel.mixed_precision import MixedPrecision
 from axond.parallel.fsdp.comm import GroupLike, all_gather_shards, all_reduce_mean, reduce_scatter_shards
 from axond.parallel.fsdp.flat_param import FlatLayout
 
 
 @dataclass
 class MemoryStats:
-    """Elements of full (unsharded) parameter and gradient buffers alive now, and the peak since reset."""
+    """Bytes of full (unsharded) parameter and gradient buffers alive now, and their peaks since reset."""
 
-    gathered_numel: int = 0
-    peak_gathered_numel: int = 0
-    full_grad_numel: int = 0
+    gathered_bytes: int = 0
+    peak_gathered_bytes: int = 0
+    full_grad_bytes: int = 0
+    peak_transient_bytes: int = 0
+    """Peak of gathered + full-gradient bytes together."""
 
     def add_gathered(self, n: int) -> None:
-        self.gathered_numel += n
-        self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel)
+        self.gathered_bytes += n
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        self._peak()
+
+    def add_full_grad(self, n: int) -> None:
+        self.full_grad_bytes += n
+        self._peak()
+
+    def _peak(self) -> None:
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self.gathered_bytes + self.full_grad_bytes)
 
 
 class FSDPUnit:
@@ -43,6 +57,7 @@ class FSDPUnit:
         replicate_group: GroupLike | None,
         offload: bool,
         stats: MemoryStats,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         self.index = index
         self.names = names
@@ -55,6 +70,13 @@ class FSDPUnit:
         self.stats = stats
         like = initial[0]
         self.dtype = like.dtype
+        """The shard's (master) dtype."""
+        mp = mixed_precision or MixedPrecision()
+        self.compute_dtype = mp.compute(self.dtype)
+        self.reduce_dtype = mp.reduce(self.dtype)
+        self.grad_dtype = mp.grad(self.dtype)
+        self.full_dtype = self.compute_dtype
+        """Dtype of `full` while gathered: the compute dtype, or the master's for `gather(master=True)`."""
         self.compute_device: Device = device_of(like)
         self.layout = FlatLayout([tuple(a.shape) for a in initial], shard_group.size if shard_group else 1)
         self.shard_rank = shard_group.rank if shard_group else 0
@@ -68,7 +90,9 @@ class FSDPUnit:
         self.pending_reduce: tuple[Any, Array] | None = None
         """(Work or None, gradient) of a reduce-scatter started by `start_reduce`, finished by `finish_reduce`."""
         self._grad_views: list[Array] = []
-        self._empty = empty_on(like, 0, self.dtype)
+        self._reduce_src: Array | None = None
+        """The flat gradient cast to the reduce dtype, while its reduce-scatter runs."""
+        self._empty = empty_on(like, 0, self.compute_dtype)
         self.free()
         if shard_group is None:
             self.gather()
@@ -77,8 +101,17 @@ class FSDPUnit:
     def sharded(self) -> bool:
         return self.shard_group is not None
 
-    def _compute_shard(self) -> Array:
-        return to_device(self.shard.data, self.compute_device)
+    def _compute_shard(self, dtype: Any = None) -> Array:
+        """The shard on the compute device in `dtype` (default: the compute dtype); a copy only if either differs."""
+        src = to_device(self.shard.data, self.compute_device)
+        dtype = self.compute_dtype if dtype is None else dtype
+        return src if src.dtype == dtype else src.astype(dtype)
+
+    def _alloc_full(self, dtype: Any) -> Array:
+        self.full = empty_on(self._empty, self.layout.padded_numel, dtype)
+        self.full_dtype = self.full.dtype
+        self.stats.add_gathered(int(self.full.nbytes))
+        return self.full
 
     def prefetch(self) -> None:
         """Start gathering the full parameters in the background (async all_gather); `gather` waits for it.
@@ -89,9 +122,8 @@ class FSDPUnit:
         if self.shard_group is None or self.full is not None:
             return
         src = self._compute_shard()
-        self.full = empty_on(src, self.layout.padded_numel, self.dtype)
-        self.stats.add_gathered(self.layout.padded_numel)
-        self.pending_gather = all_gather_shards(src, self.full, self.shard_group, async_op=True)
+        full = self._alloc_full(self.compute_dtype)
+        self.pending_gather = all_gather_shards(src, full, self.shard_group, async_op=True)
 
     def _wait_gather(self) -> bool:
         """Wait for a prefetch, if one runs; whether there was one."""
@@ -101,19 +133,28 @@ class FSDPUnit:
         work.wait()
         return True
 
-    def gather(self, refresh: bool = False) -> None:
-        """Make the full parameters available to the modules (all_gather of the shards, or a prefetch's result)."""
+    def gather(self, refresh: bool = False, master: bool = False) -> None:
+        """Make the full parameters available to the modules (all_gather of the shards, or a prefetch's result).
+
+        In the compute dtype, or with `master` in the shard's own dtype (summon_full_params: edits written back
+        must not round the masters)."""
         if self._wait_gather():
             refresh = False  # the prefetch was issued after the last optimizer step: it is fresh
+        dtype = self.dtype if master else self.compute_dtype
+        if self.full is not None and self.full_dtype != dtype:
+            self._release_full()
+            refresh = True
         if self.full is None or refresh:
-            src = self._compute_shard()
+            src = self._compute_shard(dtype)
             if self.shard_group is None:
-                self.full = src
-            else:
+                if self.full is not None and src is not self.full:
+                    self._release_full()
                 if self.full is None:
-                    self.full = empty_on(src, self.layout.padded_numel, self.dtype)
-                    self.stats.add_gathered(self.layout.padded_numel)
-                all_gather_shards(src, self.full, self.shard_group)
+                    self.full, self.full_dtype = src, src.dtype
+                    self.stats.add_gathered(int(src.nbytes) if src is not self.shard.data else 0)
+            else:
+                full = self.full if self.full is not None else self._alloc_full(dtype)
+                all_gather_shards(src, full, self.shard_group)
         assert self.full is not None
         for p, view in zip(self.params, self.layout.views(self.full)):
             p.data = view
@@ -123,20 +164,23 @@ class FSDPUnit:
         if self.shard_group is None and self.full is not None:
             return
         self._wait_gather()  # never drop a buffer the group is still writing into
-        if self.full is not None:
-            self.stats.gathered_numel -= self.layout.padded_numel
-        self.full = None
+        self._release_full()
         for p in self.params:
             p.data = self._empty
+
+    def _release_full(self) -> None:
+        if self.full is not None and self.full is not self.shard.data:
+            self.stats.gathered_bytes -= int(self.full.nbytes)
+        self.full = None
 
     def prepare_grad(self) -> None:
         """Point every module parameter's `.grad` at its slice of the flat gradient (kept across no_sync)."""
         self.finish_reduce()  # a unit run twice in one step: its first reduce-scatter still reads full_grad
         if self.full_grad is None:
             xp = array_module(self._empty)
-            self.full_grad = xp.zeros(self.layout.padded_numel, dtype=self.dtype)
+            self.full_grad = xp.zeros(self.layout.padded_numel, dtype=self.compute_dtype)
             self._grad_views = self.layout.views(self.full_grad)
-            self.stats.full_grad_numel += self.layout.padded_numel
+            self.stats.add_full_grad(int(self.full_grad.nbytes))
         for p, view in zip(self.params, self._grad_views):
             if p.grad is not None and p.grad is not view:
                 view += p.grad
@@ -160,10 +204,13 @@ class FSDPUnit:
         if not sync:
             return
         full = self.full_grad
+        if self.reduce_dtype != self.compute_dtype:
+            full = self._reduce_src = full.astype(self.reduce_dtype)  # kept until the reduce-scatter is done
+            self.stats.add_full_grad(int(full.nbytes))
         if self.shard_group is None:
             self.pending_reduce = (None, full)
         else:
-            grad = empty_on(full, self.layout.shard_numel, self.dtype)
+            grad = empty_on(full, self.layout.shard_numel, self.reduce_dtype)
             work = reduce_scatter_shards(full, grad, self.shard_group, async_op=async_op)
             self.pending_reduce = (work if async_op else None, grad)
 
@@ -174,7 +221,10 @@ class FSDPUnit:
         (work, grad), self.pending_reduce = self.pending_reduce, None
         if work is not None:
             work.wait()
+        self._drop_reduce_src()
         all_reduce_mean(grad, self.replicate_group)
+        if grad.dtype != self.grad_dtype:
+            grad = grad.astype(self.grad_dtype)
         if self.offload:
             grad = to_device(grad, "cpu")
         if self.shard.grad is None:
@@ -183,10 +233,16 @@ class FSDPUnit:
             self.shard.grad += grad
         self.drop_full_grad()
 
+    def _drop_reduce_src(self) -> None:
+        if self._reduce_src is not None:
+            self.stats.full_grad_bytes -= int(self._reduce_src.nbytes)
+        self._reduce_src = None
+
     def drop_full_grad(self) -> None:
         """Forget the unsharded gradient (and the modules' views of it)."""
+        self._drop_reduce_src()
         if self.full_grad is not None:
-            self.stats.full_grad_numel -= self.layout.padded_numel
+            self.stats.full_grad_bytes -= int(self.full_grad.nbytes)
         self.full_grad = None
         self._grad_views = []
         for p in self.params:
@@ -194,7 +250,7 @@ class FSDPUnit:
 
     def full_copy(self) -> Array:
         """The unpadded full flat parameters as a new array (collective over the shard group)."""
-        src = self._compute_shard()
+        src = self._compute_shard(self.dtype)
         if self.shard_group is None:
             return src[: self.layout.numel].copy()
         full = empty_on(src, self.layout.padded_numel, self.dtype)

@@ -225,6 +225,22 @@ class Pipeline:
         for stage in self.stages:
             stage.zero_grad(set_to_none)
 
+    def memory_stats(self, optimizer: Any = None) -> dict[str, int]:
+        """Bytes this rank's stages hold: parameters, gradients, optimizer_state (0 without `optimizer`), current.
+
+        Activations stashed between a microbatch's forward and backward are not counted (`peak_stashed`
+        gives how many were alive at once)."""
+        from axond.parallel.memory import optimizer_state_bytes
+
+        params = list(self.parameters())
+        stats = {
+            "parameters": sum(int(p.data.nbytes) for p in params),
+            "gradients": sum(int(p.grad.nbytes) for p in params if p.grad is not None),
+            "optimizer_state": optimizer_state_bytes(optimizer),
+        }
+        stats["current"] = sum(stats.values())
+        return stats
+
     def train(self, mode: bool = True) -> Pipeline:
         """Set training mode on this rank's stages."""
         for stage in self.stages:

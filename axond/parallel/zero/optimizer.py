@@ -23,6 +23,7 @@ from axond.nn.module import Parameter
 from axond.nn.optim import AdamW, Optimizer
 from axond.parallel.fsdp.comm import GroupLike, all_gather_shards, default_group, reduce_scatter_shards
 from axond.parallel.fsdp.flat_param import FlatLayout
+from axond.parallel.memory import optimizer_state_bytes
 
 
 class _Bucket:
@@ -83,6 +84,21 @@ class ZeroRedundancyOptimizer(Optimizer):
     def local_numel(self) -> int:
         """Parameter elements whose optimizer state this rank holds (ceil(numel / N) per bucket)."""
         return sum(b.shard.size for b in self.buckets)
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds: parameters (the flat buffers), gradients (`.grad`s and the shard's slice),
+        optimizer_state (this rank's shard of it), current (their sum), peak (with the flat gradient copy
+        `average_gradients` reduce-scatters)."""
+        grads = sum(int(p.grad.nbytes) for p in self.params if p.grad is not None)
+        stats = {
+            "parameters": sum(int(b.flat.nbytes) for b in self.buckets),
+            "gradients": grads + sum(int(b.grad.nbytes) for b in self.buckets if b.grad is not None),
+            "optimizer_state": optimizer_state_bytes(self.optim),
+        }
+        stats["current"] = sum(stats.values())
+        flat_copy = sum(int(b.flat.nbytes) for b in self.buckets) if self.average_gradients else 0
+        stats["peak"] = stats["current"] + flat_copy
+        return stats
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
