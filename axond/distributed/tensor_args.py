@@ -11,6 +11,9 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from axond.distributed.failure import debug
+from axond.errors import DistributedError
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -22,12 +25,21 @@ def is_torch(x: Any) -> bool:
 
 
 def accepts_torch(fn: F) -> F:
-    """Route calls with torch arguments through the torch adapter; others run unchanged."""
+    """Route calls with torch arguments through the torch adapter; others run unchanged.
+
+    This is the public boundary of every module-level collective, so a `DistributedError` leaves it
+    without axond's internal frames: the user's frames and one line (AXOND_DEBUG=1 keeps them all).
+    """
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if any(is_torch(a) for a in args) or any(is_torch(v) for v in kwargs.values()):
-            from axond.torch.arguments import call_with_tensors
+        try:
+            if any(is_torch(a) for a in args) or any(is_torch(v) for v in kwargs.values()):
+                from axond.torch.arguments import call_with_tensors
 
-            return call_with_tensors(fn, args, kwargs)
-        return fn(*args, **kwargs)
+                return call_with_tensors(fn, args, kwargs)
+            return fn(*args, **kwargs)
+        except DistributedError as e:
+            if debug():
+                raise
+            raise e.with_traceback(None) from e.__cause__
     return wrapper  # type: ignore[return-value]
