@@ -46,6 +46,9 @@ class CoordinatorLimits:
     """Ranks listed per job in one GetStatus (the request's max_ranks is capped to it)."""
     default_status_ranks: int = 1_024
     """Ranks listed per job when GetStatus does not say (max_ranks = 0)."""
+    max_concurrent_calls: int = 50_000
+    """Calls served at once, long-polls included; past it a call is refused at once (RESOURCE_EXHAUSTED) and
+    clients retry it with jittered backoff."""
     status_retention_s: float = 600.0
     """Seconds finished jobs and dead nodes stay in the default status (GetStatus all=true shows them longer)."""
 

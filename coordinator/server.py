@@ -209,7 +209,8 @@ async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, r
     state.listen(hub.notify)
     interceptors: list[grpc.aio.ServerInterceptor] = [TokenInterceptor(running.token)] if running.token else []
     interceptors.append(DecodeGuard())
-    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS,
+                             maximum_concurrent_rpcs=config.limits.max_concurrent_calls)
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -21,7 +21,7 @@ from axond.control.client import CoordinatorClient, connect
 from axond.control.credentials import resolve_token
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.server import RunningCoordinator
-from axond.errors import CoordinatorError
+from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -307,3 +307,36 @@ def test_limits_are_set_from_the_command_line() -> None:
     for bad in ("max_jobs", "nope=1", "max_jobs=x", "max_jobs=0"):
         with pytest.raises(click.UsageError):
             parse_limits((bad,))
+
+
+def test_a_full_coordinator_turns_calls_away_at_once_and_clients_retry(
+        coordinator_factory: Callable[..., RunningCoordinator]) -> None:
+    running = coordinator_factory(limits=CoordinatorLimits(max_concurrent_calls=4))
+    import threading
+
+    with connect(running.address, call_timeout=10.0) as c:
+        node = c.register_node("h").node_id
+        c.join("j", node, 1, 1, 1, timeout=5.0)
+        store = c.store("j", 1)
+        expired: list[BaseException] = []
+
+        def park() -> None:
+            try:
+                store.get("never-set", timeout=1.5)
+            except StoreError as e:
+                expired.append(e)
+
+        waiters = [threading.Thread(target=park) for _ in range(4)]
+        for t in waiters:
+            t.start()
+        time.sleep(0.5)  # the four long-polls fill the coordinator
+        with grpc.insecure_channel(running.address) as ch:
+            auth = [("authorization", f"Bearer {running.token}")]
+            t0 = time.monotonic()
+            got, detail = code(pb_grpc.CoordinatorStub(ch).GetStatus, pb.GetStatusRequest(), metadata=auth)
+        assert got == C.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 1.0, (got, detail)
+        status = c.get_status()  # turned away until the long-polls end, then served within its deadline
+        assert [j.job for j in status.jobs] == ["j"]
+        for t in waiters:
+            t.join(20.0)
+        assert len(expired) == 4

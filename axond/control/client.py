@@ -8,6 +8,7 @@ safe to repeat are retried briefly (bounded) when the coordinator is UNAVAILABLE
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +29,14 @@ R = TypeVar("R")
 
 RETRY_BACKOFF_S = (0.1, 0.3, 0.9)
 """Sleeps between attempts of an idempotent call that found the coordinator UNAVAILABLE."""
+BUSY_BACKOFF_S = (0.05, 1.6)
+"""First and largest upper bound of the jittered, doubling sleeps between attempts of a call the coordinator
+turned away as busy; it is sent again until its deadline."""
+
+
+def _busy(e: grpc.RpcError) -> bool:
+    """Whether the coordinator refused the call for load (admission control), not for what it asked."""
+    return bool(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in (e.details() or ""))
 
 DEFAULT_CONNECT_WAIT_S = 30.0
 """How long the CLI waits for a coordinator that is not reachable yet (it may be starting)."""
@@ -110,13 +119,15 @@ class CoordinatorClient:
                     continue
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     self._reached = True
-                if (
-                    retry
-                    and e.code() == grpc.StatusCode.UNAVAILABLE
-                    and attempt < len(RETRY_BACKOFF_S)
-                    and time.monotonic() + RETRY_BACKOFF_S[attempt] < deadline
-                ):
-                    time.sleep(RETRY_BACKOFF_S[attempt])
+                if retry and e.code() == grpc.StatusCode.UNAVAILABLE:
+                    pause = RETRY_BACKOFF_S[attempt] if attempt < len(RETRY_BACKOFF_S) else None
+                elif _busy(e):  # every call may retry: a refused call did not run
+                    first, largest = BUSY_BACKOFF_S
+                    pause = random.uniform(0, min(largest, first * 2 ** min(attempt, 16)))
+                else:
+                    pause = None
+                if pause is not None and time.monotonic() + pause < deadline:
+                    time.sleep(pause)
                     attempt += 1
                     continue
                 raise translate(op, self.address, e, store=store) from e
