@@ -245,21 +245,7 @@ def _run_module(module: str, world_size: int, timeout: float, store_dir: str, ar
     for r in range(world_size):
         procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=_rank_env(r, world_size, store_dir, env),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    outputs: list[str] = []
-    try:
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, _ = p.communicate(timeout=5.0)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5.0)
+    outputs = [out for out, _ in _communicate_all(procs, timeout)]
     for r, p in enumerate(procs):
         if p.returncode != 0:
             raise RankFailed(f"rank {r} of {world_size} ({module}) exited with {p.returncode}:\n{outputs[r][-4000:]}", r)
@@ -279,22 +265,28 @@ def run_module_ranks(module: str, world_size: int, timeout: float = 60.0, *, arg
         procs = [subprocess.Popen([sys.executable, "-m", module, *args], env=_rank_env(r, world_size, store_dir, envs[r]),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(world_size)]
-        deadline = time.monotonic() + timeout
-        done: list[subprocess.CompletedProcess[str]] = []
-        try:
-            for p in procs:
-                try:
-                    out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    out, err = p.communicate(timeout=5.0)
-                done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(5.0)
-    return done
+        outputs = _communicate_all(procs, timeout)
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+def _communicate_all(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr) once it exits; those still running after `timeout` (shared) are killed."""
+    deadline = time.monotonic() + timeout
+    outputs: list[tuple[str, str]] = []
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate(timeout=5.0)
+            outputs.append((out or "", err or ""))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5.0)
+    return outputs
 
 
 def collect_from_processes(target: Callable[..., None], world_size: int, expect: int,

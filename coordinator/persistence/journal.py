@@ -129,11 +129,9 @@ def restore(state: CoordinatorState, snap: Snapshot, now: float) -> None:
         members.nodes[node.node_id] = node
     for r in snap.jobs:
         log = EventLog(state.limits.max_output_bytes_per_job)
-        first, events = snap.events.get(r["name"], (0, []))
-        log.base = first
+        log.base, events = snap.events.get(r["name"], (0, []))
         for e in events:
-            log.events.append(records.event_from(e))
-            log.bytes += len(e.get("text", e.get("message", ""))) + 64
+            log.append(records.event_from(e))
         j = records.job_from(r, now, log)
         j.kv = KvSpace(state.limits, state.budget)
         state.jobs[j.name] = j
