@@ -25,6 +25,8 @@ BLOCK_TIMEOUT = 100.0
 """Seconds one README block may take as a whole (the Quick start trains for one epoch: a few seconds)."""
 LEFTOVER_GRACE = 15.0
 """Seconds a block's processes get to exit after its shell did (a stopping coordinator drains for 1 s)."""
+QUIET_S = 0.5
+"""Seconds no process of a block may be seen before the block counts as stopped."""
 MARK = "DOCS_TEST_MARK"
 """Environment variable every process a block starts inherits, so leftovers are found even in their own sessions."""
 
@@ -96,18 +98,25 @@ def run_block(block: str, tmp: Path, timeout: float = BLOCK_TIMEOUT, grace: floa
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
             returncode = None
+    # One empty scan proves nothing (a process in the middle of exec shows no environment for a moment):
+    # the block is done when no process of it has been seen for QUIET_S, or the grace ran out.
     deadline = time.monotonic() + grace
     leftovers = marked_processes(mark)
-    while leftovers and time.monotonic() < deadline:
-        time.sleep(0.2)
+    quiet_since = None if leftovers else time.monotonic()
+    while time.monotonic() < deadline and (quiet_since is None or time.monotonic() - quiet_since < QUIET_S):
+        time.sleep(0.1)
         leftovers = marked_processes(mark)
-    for pid in leftovers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if leftovers:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = time.monotonic()
     deadline = time.monotonic() + 5.0
-    while marked_processes(mark) and time.monotonic() < deadline:
+    while (alive := marked_processes(mark)) and time.monotonic() < deadline:
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         time.sleep(0.1)
     return BlockRun(mark, returncode, log.read_text(errors="replace"), leftovers)
 
