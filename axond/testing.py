@@ -94,21 +94,24 @@ def run_threads(fn: Callable[[ProcessGroup], Any], world_size: int, timeout: flo
     return results
 
 
-def thread_groups(world_size: int, timeout: float = 10.0, options: BackendOptions | None = None,
+def thread_groups(world_size: int, timeout: float = 10.0, options: BackendOptions | Sequence[BackendOptions] | None = None,
                   backend: str = "tcp", hosts: Sequence[str] | None = None) -> list[ProcessGroup]:
     """Build the `world_size` members of one group in this process (one thread each), for explicit tests.
 
+    `options`: every member's, or one per rank (e.g. to give one member other settings than the rest).
+
     `hosts`: the address each rank listens on and advertises, e.g. `node_hosts(4, 2)`: ranks advertising
-    different loopback addresses count as members on different nodes (see `axond.distributed.topology`).
+    different loopback addresses count as members on different nodes (see `axond.distributed.backends.tcp.hierarchy.topology`).
     """
     store = InMemoryStore()
-    options = options or BackendOptions(timeout=timeout)
+    given = options or BackendOptions(timeout=timeout)
+    per_rank = [given] * world_size if isinstance(given, BackendOptions) else list(given)
     out: list[ProcessGroup | None] = [None] * world_size
     errors: list[BaseException] = []
 
     def make(rank: int) -> None:
         try:
-            mine = options if hosts is None else dataclasses.replace(options, host=hosts[rank])
+            mine = per_rank[rank] if hosts is None else dataclasses.replace(per_rank[rank], host=hosts[rank])
             out[rank] = create_group(store, rank, world_size, backend, mine)
         except BaseException as e:
             errors.append(e)
@@ -117,7 +120,7 @@ def thread_groups(world_size: int, timeout: float = 10.0, options: BackendOption
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout + 5.0)
+        t.join(per_rank[0].timeout + 5.0)
     if errors or any(g is None for g in out):
         for g in out:
             if g is not None:

@@ -17,7 +17,8 @@ import numpy as np
 
 import axond
 from axond.distributed.process_group import ProcessGroup
-from axond.distributed.shm import ShmTuning
+from axond.distributed import BackendOptions
+from axond.distributed.backends.tcp import TcpOptions
 from axond.testing import run_processes, run_threads
 
 
@@ -30,14 +31,11 @@ class _Rank:
     def __call__(self) -> float:
         from axond.distributed import api
 
-        count, dtype, reps, sockets = self.args
-        return timed(api.default_group(), count, np.dtype(axond.bfloat16 if dtype == "bfloat16" else dtype),
-                     reps, sockets)
+        count, dtype, reps, _ = self.args
+        return timed(api.default_group(), count, np.dtype(axond.bfloat16 if dtype == "bfloat16" else dtype), reps)
 
 
-def timed(g: ProcessGroup, count: int, dtype: np.dtype, reps: int, sockets: bool) -> float:
-    if sockets:
-        g.backend.shm = ShmTuning(enabled=False)  # type: ignore[union-attr]
+def timed(g: ProcessGroup, count: int, dtype: np.dtype, reps: int) -> float:
     x = np.ones(count, dtype)
     g.all_reduce(x)  # warm-up: connections, arenas
     times = []
@@ -64,9 +62,11 @@ def main() -> None:
     print("| dtype | elements | MiB | ms (median) |\n|---|---|---|---|")
     for dtype, count in ((f32, n32), (bf16, n32), (bf16, 2 * n32)):
         if a.processes:
-            ms = max(run_processes(_Rank(count, dtype.name, a.reps, a.sockets), a.nproc, 600.0))
+            ms = max(run_processes(_Rank(count, dtype.name, a.reps, a.sockets), a.nproc, 600.0,
+                                   env={"AXOND_SHM": "0"} if a.sockets else None))
         else:
-            ms = max(run_threads(lambda g: timed(g, count, dtype, a.reps, a.sockets), a.nproc, 600.0))
+            options = BackendOptions(timeout=600.0, tcp=TcpOptions(shm=False) if a.sockets else None)
+            ms = max(run_threads(lambda g: timed(g, count, dtype, a.reps), a.nproc, 600.0, options=options))
         print(f"| {dtype} | {count} | {count * dtype.itemsize / 2**20:.0f} | {ms:.1f} |")
 
 

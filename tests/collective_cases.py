@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -11,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from axond import DistributedError, ProcessGroup, ReduceOp, bfloat16
-from axond.distributed.shm import ShmTuning
+from axond.distributed import BackendOptions
+from axond.distributed.backends.tcp import TcpOptions
 from axond.testing import thread_groups
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
@@ -56,10 +58,10 @@ def refused(dtype: str, op: ReduceOp) -> bool:
 
 TRANSPORTS = {
     "auto": None,
-    "sockets": ShmTuning(enabled=False),
-    "shm": ShmTuning(min_bytes=0, arena_bytes=64 << 10, mailbox=False),
-    "nodes": ShmTuning(min_bytes=0, arena_bytes=64 << 10),
-    "spin": ShmTuning(min_bytes=0, arena_bytes=64 << 10),
+    "sockets": TcpOptions(shm=False),
+    "shm": TcpOptions(shm_min_bytes=0, shm_arena_bytes=64 << 10, shm_mailbox=False),
+    "nodes": TcpOptions(shm_min_bytes=0, shm_arena_bytes=64 << 10),
+    "spin": TcpOptions(shm_min_bytes=0, shm_arena_bytes=64 << 10),
     "mock": None,
 }
 """How a test group of threads moves data: the defaults (small ops through the mailbox, large ones from
@@ -76,12 +78,13 @@ def backend_of(transport: str) -> str:
     return "mock" if transport == "mock" else "tcp"
 
 
-def use_transport(groups: list[ProcessGroup], transport: str) -> list[ProcessGroup]:
-    """Set the tcp backends of fresh `groups` to `transport` (a key of TRANSPORTS), before their first op."""
-    tuning = TRANSPORTS[transport]
-    for g in groups if tuning is not None else ():
-        g.backend.shm = tuning  # type: ignore[union-attr]
-    return groups
+def transport_options(transport: str, timeout: float, oversubscribed: bool | None = None) -> BackendOptions:
+    """The options of a test group on `transport` (a key of TRANSPORTS); `oversubscribed` overrides whether the tcp
+    backends think this host's ranks outnumber its cores (it picks algorithms)."""
+    tcp = TRANSPORTS[transport]
+    if oversubscribed is not None:
+        tcp = dataclasses.replace(tcp or TcpOptions.from_env(), oversubscribed=oversubscribed)
+    return BackendOptions(timeout=timeout, tcp=tcp)
 
 
 EVERY_TRANSPORT = ([(n, "auto") for n in (1, 2, 3, 4)] + [(n, t) for t in ("sockets", "shm", "spin") for n in (2, 3, 4)]
@@ -98,7 +101,7 @@ def on_backend(make: Callable[..., list[ProcessGroup]], backend: str) -> Callabl
 
 def group_members(size: int, transport: str) -> Iterator[list[ProcessGroup]]:
     """Fixture body: the members of a group of `size` threads (20 s timeout) on `transport`, destroyed after."""
-    gs = use_transport(thread_groups(size, timeout=20.0, backend=backend_of(transport)), transport)
+    gs = thread_groups(size, options=transport_options(transport, 20.0), backend=backend_of(transport))
     yield gs
     for g in gs:
         g.destroy()

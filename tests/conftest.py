@@ -23,9 +23,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 from axond.control.client import CoordinatorClient, connect
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
-from axond.distributed import BackendOptions, ProcessGroup
+from axond.distributed import ProcessGroup
 from axond.testing import node_hosts, thread_groups
-from collective_cases import NODES, backend_of, group_members, use_transport
+from collective_cases import NODES, backend_of, group_members, transport_options
 
 
 @pytest.fixture
@@ -71,11 +71,9 @@ def make_groups() -> Iterator[Callable[..., list[ProcessGroup]]]:
 
     def make(n: int, timeout: float = 1.0, crowded: bool | None = None, transport: str = "auto") -> list[ProcessGroup]:
         hosts = node_hosts(n, NODES) if transport == "nodes" else None
-        groups = use_transport(thread_groups(n, options=BackendOptions(timeout=timeout), hosts=hosts,
-                                             backend=backend_of(transport)), transport)
+        groups = thread_groups(n, options=transport_options(transport, timeout, crowded), hosts=hosts,
+                               backend=backend_of(transport))
         made.extend(groups)
-        for g in groups if crowded is not None else ():
-            g.backend.crowded = crowded  # type: ignore[union-attr]  # as if the host had fewer (more) cores
         return groups
 
     try:

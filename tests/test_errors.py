@@ -21,7 +21,7 @@ from axond.errors import DistributedError
 from axond.testing import run_module_ranks, run_on, thread_groups
 
 CAUSE = "rank 1 failed: ValueError: bad batch shape (3, 5)"
-INTERNAL = ("framing.py", "peer.py", "mailbox.py", "tcp.py")
+INTERNAL = ("framing.py", "peer.py", "mailbox.py", "tcp/backend.py", "placement.py", "doubling.py", "ring.py")
 
 RANK_MAIN = """
 import numpy as np

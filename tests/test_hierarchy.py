@@ -22,8 +22,9 @@ import pytest
 
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
-from axond.distributed.shm import ShmArena, ShmTuning
-from axond.distributed.topology import RECORD_BYTES, Topology, describe
+from axond.distributed.backends.tcp import TcpOptions
+from axond.distributed.backends.tcp.shm.arena import ShmArena
+from axond.distributed.backends.tcp.hierarchy.topology import RECORD_BYTES, Topology, describe
 from axond.testing import collect_from_processes, node_hosts, run_on, thread_groups
 from collective_cases import all_reduce_until_killed, DTYPES, TRANSPORTS, make, reference, refused
 
@@ -32,16 +33,16 @@ SMALL_ARENA = TRANSPORTS["shm"]
 OPS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG]
 
 
-def spread(size: int, nodes: int, timeout: float = 20.0, shm: ShmTuning | None = SMALL_ARENA) -> list[ProcessGroup]:
-    """A tcp group of `size` threads, rank r on node r % nodes."""
-    gs = thread_groups(size, timeout, hosts=node_hosts(size, nodes))
-    for g in gs if shm is not None else ():
-        g.backend.shm = shm  # type: ignore[union-attr]
-    return gs
+def spread(size: int, nodes: int, timeout: float = 20.0, tcp: TcpOptions | list[TcpOptions | None] | None = SMALL_ARENA,
+           ) -> list[ProcessGroup]:
+    """A tcp group of `size` threads, rank r on node r % nodes, with `tcp` options (one per rank if a list)."""
+    each = tcp if isinstance(tcp, list) else [tcp] * size
+    return thread_groups(size, options=[BackendOptions(timeout=timeout, tcp=t) for t in each],
+                         hosts=node_hosts(size, nodes))
 
 
 def teams_of(pg: ProcessGroup) -> Any:
-    return pg.backend._teams  # type: ignore[union-attr]
+    return pg.backend.placement.levels  # type: ignore[union-attr]
 
 
 def leftovers() -> list[str]:
@@ -89,7 +90,7 @@ def test_every_dtype_and_op_matches_numpy(spread_groups: list[ProcessGroup], dty
     for got in run_on(spread_groups, body):
         for op, x in zip(ops, got):
             np.testing.assert_array_equal(x, reference(inputs[op], op), err_msg=f"{op} {dtype} {shape}")
-    assert all(teams_of(pg) is not None and pg.backend._arena is None for pg in spread_groups)  # type: ignore[union-attr]
+    assert all(teams_of(pg) is not None and pg.backend.placement.arena is None for pg in spread_groups)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -122,9 +123,7 @@ def test_broadcast_all_gather_and_reduce_scatter_match_numpy(spread_groups: list
 
 def test_nodes_of_consecutive_ranks_as_a_launcher_places_them() -> None:
     """Ranks 0-2 on one node and 3-5 on another (torchrun's and axond worker's layout)."""
-    gs = thread_groups(6, 20.0, hosts=["127.0.0.1"] * 3 + ["127.0.0.2"] * 3)
-    for g in gs:
-        g.backend.shm = SMALL_ARENA  # type: ignore[union-attr]
+    gs = thread_groups(6, options=BackendOptions(timeout=20.0, tcp=SMALL_ARENA), hosts=["127.0.0.1"] * 3 + ["127.0.0.2"] * 3)
     try:
         def body(pg: ProcessGroup) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             x = np.arange(30_000, dtype=np.float64) * (pg.rank + 1)
@@ -136,8 +135,8 @@ def test_nodes_of_consecutive_ranks_as_a_launcher_places_them() -> None:
             np.testing.assert_array_equal(x, np.arange(30_000, dtype=np.float64) * 21)
             assert (b == 4).all() and (gathered == np.arange(6)[:, None]).all()
             np.testing.assert_array_equal(block, 6 * np.arange(r * 1000.0, (r + 1) * 1000.0) + 15)
-        assert [teams_of(pg)[0].members for pg in gs] == [(0, 1, 2)] * 3 + [(3, 4, 5)] * 3
-        assert [teams_of(pg)[1].members for pg in gs] == [(0, 3), (1, 4), (2, 5)] * 2
+        assert [teams_of(pg).local.members for pg in gs] == [(0, 1, 2)] * 3 + [(3, 4, 5)] * 3
+        assert [teams_of(pg).across.members for pg in gs] == [(0, 3), (1, 4), (2, 5)] * 2
     finally:
         for g in gs:
             g.destroy()
@@ -148,10 +147,10 @@ def test_teams_are_each_node_and_each_index_across_nodes() -> None:
     try:
         run_on(gs, lambda pg: pg.all_reduce(np.ones(1000)))
         for pg in gs:
-            local, across = teams_of(pg)
-            assert local.members == tuple(r for r in range(6) if r % 3 == pg.rank % 3)
-            assert across.members == tuple(range(3)) if pg.rank < 3 else tuple(range(3, 6))
-            assert local._arena is not None and across._arena is None
+            levels = teams_of(pg)
+            assert levels.local.members == tuple(r for r in range(6) if r % 3 == pg.rank % 3)
+            assert levels.across.members == (tuple(range(3)) if pg.rank < 3 else tuple(range(3, 6)))
+            assert levels.arena is not None  # the node's; across the nodes is sockets only
         assert leftovers() == []  # each node's arena file was unlinked once its members mapped it
     finally:
         for g in gs:
@@ -187,7 +186,7 @@ def test_uneven_nodes_or_one_member_per_node_stay_on_sockets(size: int, nodes: i
     try:
         out = run_on(gs, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(10_001, pg.rank + 1.0)))
         assert all((x == size * (size + 1) / 2).all() for x in out)
-        assert all(teams_of(pg) is None and pg.backend._arena is None for pg in gs)  # type: ignore[union-attr]
+        assert all(teams_of(pg) is None and pg.backend.placement.arena is None for pg in gs)  # type: ignore[union-attr]
     finally:
         for g in gs:
             g.destroy()
@@ -214,30 +213,29 @@ def test_a_member_that_cannot_map_its_node_arena_keeps_every_node_on_sockets(mon
 
 
 def test_different_arena_sizes_or_shm_off_keep_the_group_on_sockets() -> None:
-    gs = spread(4, 2)
-    gs[3].backend.shm = dataclasses.replace(SMALL_ARENA, arena_bytes=128 << 10)  # type: ignore[union-attr]
+    gs = spread(4, 2, tcp=[SMALL_ARENA] * 3 + [dataclasses.replace(SMALL_ARENA, shm_arena_bytes=128 << 10)])
     try:
         out = run_on(gs, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(10_001, pg.rank + 1.0)))
         assert all((x == 10.0).all() for x in out) and all(teams_of(pg) is None for pg in gs)
     finally:
         for g in gs:
             g.destroy()
-    gs = spread(4, 2, shm=TRANSPORTS["sockets"])
+    gs = spread(4, 2, tcp=TRANSPORTS["sockets"])
     try:
         run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 20)))
-        assert all(teams_of(pg) is None and not pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+        assert all(teams_of(pg) is None and not pg.backend.placement.arena_tried for pg in gs)  # type: ignore[union-attr]
     finally:
         for g in gs:
             g.destroy()
 
 
 def test_small_ops_stay_on_sockets_and_the_first_large_one_sets_the_teams_up() -> None:
-    gs = spread(4, 2, shm=ShmTuning())  # defaults: 64 KiB threshold (or 256 KiB if crowded), twice for 2+ per node
+    gs = spread(4, 2, tcp=TcpOptions())  # defaults: 64 KiB threshold (or 256 KiB if crowded), twice for 2+ per node
     try:
-        crowded = gs[0].backend.crowded  # type: ignore[union-attr]
+        crowded = gs[0].backend.comm.oversubscribed  # type: ignore[union-attr]
         threshold = (256 << 10) if crowded else (64 << 10)
         run_on(gs, lambda pg: pg.all_reduce(np.ones(threshold // 8 - 1)))  # (gathers the topology: a node's arena
-        assert all(teams_of(pg) is None and not pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+        assert all(teams_of(pg) is None and not pg.backend.placement.arena_tried for pg in gs)  # type: ignore[union-attr]
         # would take it from 4 KiB, synchronized through the mailbox; the teams synchronize over the sockets)
         run_on(gs, lambda pg: pg.all_gather(np.ones(threshold // 4 // 8)))  # all_gather counts its output
         assert all(teams_of(pg) is not None for pg in gs)

@@ -6,7 +6,6 @@ Every small collective also runs through it in test_collectives (transport "auto
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import glob
 import os
@@ -19,8 +18,8 @@ import pytest
 
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
-from axond.distributed.mailbox import MAILBOX_BYTES, ORDERED_STORES
-from axond.distributed.shm import ShmTuning
+from axond.distributed.backends.tcp import TcpOptions
+from axond.distributed.backends.tcp.policy import MAILBOX_BYTES, ORDERED_STORES
 from axond.testing import collect_from_processes, run_on
 from collective_cases import all_reduce_until_killed
 
@@ -29,16 +28,20 @@ MakeGroups = Any
 
 
 def mailbox_of(pg: ProcessGroup) -> Any:
-    return pg.backend._mailbox  # type: ignore[union-attr]
+    return pg.backend.placement.mailbox  # type: ignore[union-attr]
+
+
+def mailbox_ops(pg: ProcessGroup) -> int:
+    return pg.backend.placement.mailbox.ops  # type: ignore[union-attr]
 
 
 def test_small_ops_use_the_mailbox_and_larger_ones_the_sockets(make_groups: MakeGroups) -> None:
     gs = make_groups(3, 10.0)
     out = run_on(gs, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(MAILBOX_BYTES // 8, pg.rank + 1.0)))
-    assert all(mailbox_of(pg) is not None and pg.backend._mailbox_ops == 1 for pg in gs)  # type: ignore[union-attr]
+    assert all(mailbox_of(pg) is not None and mailbox_ops(pg) == 1 for pg in gs)
     assert all((x == 6.0).all() for x in out)
     run_on(gs, lambda pg: pg.all_reduce(np.ones(MAILBOX_BYTES // 8 + 1)))
-    assert all(pg.backend._mailbox_ops == 1 for pg in gs)  # type: ignore[union-attr]
+    assert all(mailbox_ops(pg) == 1 for pg in gs)
     assert glob.glob(f"/dev/shm/axond-{os.getpid()}-*") == []  # unlinked once every member mapped it
 
 
@@ -47,12 +50,12 @@ def test_the_arena_steps_synchronize_through_the_mailbox(make_groups: MakeGroups
     """The arena maps the mailbox too, and each of its steps is one mailbox round (no system calls), whether or not
     the host's ranks outnumber its cores (with the mailbox off they synchronize over the sockets: transport "shm")."""
     gs = make_groups(2, 10.0, crowded=crowded)
-    slot = gs[0].backend.shm.arena_bytes // 6  # type: ignore[union-attr]  # 2 buffers of 3 slots, up to 4 MiB
+    slot = gs[0].backend.tcp_options.shm_arena_bytes // 6  # type: ignore[union-attr]  # 2 buffers of 3 slots, up to 4 MiB
     rows = 3 * min(slot, 4 << 20) // 8  # an all_gather in 3 steps (a slot per rank each)
     out = run_on(gs, lambda pg: pg.all_gather(np.full(rows, pg.rank + 1.0)))
     assert all((o == [[1.0], [2.0]]).all() for o in out)
-    assert all(pg.backend._arena is not None and mailbox_of(pg) is not None for pg in gs)  # type: ignore[union-attr]
-    assert all(pg.backend._mailbox_ops == 3 for pg in gs)  # type: ignore[union-attr]
+    assert all(pg.backend.placement.arena is not None and mailbox_of(pg) is not None for pg in gs)  # type: ignore[union-attr]
+    assert all(mailbox_ops(pg) == 3 for pg in gs)
 
 
 @pytest.mark.parametrize("setting", ["AXOND_SHM_MAILBOX=0", "AXOND_SHM=0"])
@@ -63,7 +66,7 @@ def test_the_mailbox_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, make_gro
     assert all(mailbox_of(pg) is None for pg in gs)
     monkeypatch.setenv("AXOND_SHM_MAILBOX", "sometimes")
     with pytest.raises(ValueError, match="AXOND_SHM_MAILBOX='sometimes'"):
-        ShmTuning.from_env()
+        TcpOptions.from_env()
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5])
@@ -98,8 +101,8 @@ def test_every_small_op_back_to_back_with_socket_ops_between(make_groups: MakeGr
             assert (gathered == (np.arange(size) + i)[:, None]).all()
             np.testing.assert_array_equal(scattered, np.arange(r * 3, r * 3 + 3) * size + i)
     assert want_sum.shape == (101,)
-    crowded = gs[0].backend.crowded  # type: ignore[union-attr]  # then broadcast keeps its socket tree
-    assert all(pg.backend._mailbox_ops == 30 * (4 if crowded else 5) for pg in gs)  # type: ignore[union-attr]
+    crowded = gs[0].backend.comm.oversubscribed  # type: ignore[union-attr]  # then broadcast keeps its socket tree
+    assert all(mailbox_ops(pg) == 30 * (4 if crowded else 5) for pg in gs)
 
 
 def test_mismatched_calls_raise_on_every_rank_naming_both_sides(make_groups: MakeGroups) -> None:
@@ -163,16 +166,18 @@ def test_a_peer_waiting_to_receive_in_a_socket_op_makes_both_raise_early(
 
 
 def test_different_mailbox_settings_raise_instead_of_waiting(make_groups: MakeGroups) -> None:
-    """A member whose mailbox is off (here: switched off after set-up) runs a small op on the sockets while the
-    others post it in the mailbox: it raises, saying the settings must match, and so do they."""
+    """A member whose mailbox is off (here: dropped after set-up, its watch kept) runs a small op on the sockets
+    while the others post it in the mailbox: it raises, saying the settings must match, and so do they."""
     gs = make_groups(2, 10.0)
     run_on(gs, lambda pg: pg.all_reduce(np.ones(2)))
-    gs[1].backend.shm = dataclasses.replace(gs[1].backend.shm, mailbox=False)  # type: ignore[union-attr]
+    placement = gs[1].backend.placement  # type: ignore[union-attr]
+    box, placement.mailbox = placement.mailbox, None
     t0 = time.monotonic()
     errors = run_on(gs, lambda pg: pg.all_reduce(np.ones(2)), return_exceptions=True)
     assert time.monotonic() - t0 < 2.5
     assert all(isinstance(e, DistributedError) for e in errors), errors
     assert all("AXOND_SHM_MAILBOX alike on every rank" in str(e) for e in errors), errors
+    box.close()
 
 
 def test_a_send_that_arrives_during_a_mailbox_wait_is_set_aside_for_its_receive(make_groups: MakeGroups) -> None:

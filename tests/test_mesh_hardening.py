@@ -8,6 +8,7 @@ that served connections one at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import socket
@@ -21,13 +22,13 @@ import pytest
 
 from axond import ProcessGroup
 from axond.distributed import BackendOptions, all_gather_object, broadcast_object_list
-from axond.distributed.handshake import ACCEPTED, CHALLENGE, HELLO, MAGIC, MAX_PENDING, REFUSED, Acceptor
-from axond.distributed.mesh import Mesh
+from axond.distributed.backends.tcp.transport.handshake import ACCEPTED, CHALLENGE, HELLO, MAGIC, MAX_PENDING, REFUSED, Acceptor
+from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.process_group import create_group
-from axond.distributed.wire import group_id
+from axond.distributed.backends.tcp.transport.wire import group_id
 from axond.store import InMemoryStore
 from axond.testing import run_on
-from collective_cases import use_transport
+from collective_cases import TRANSPORTS
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -301,10 +302,9 @@ def test_a_stranger_never_reaches_the_unpickler(stranger: Stranger) -> None:
         where.append(addr)
 
     PWNED.clear()
-    groups, _ = form(2, attack)
+    groups, _ = form(2, attack, dataclasses.replace(OPTIONS, tcp=TRANSPORTS["sockets"]))
     try:
         assert answers == [True]
-        use_transport(groups, "sockets")
         def gather(g: ProcessGroup) -> list[Any]:
             out: list[Any] = [None, None]
             all_gather_object(out, {"rank": g.rank}, group=g)

@@ -19,7 +19,6 @@ import axond
 from axond import DistributedError, InMemoryStore, ProcessGroup, ReduceOp, World
 from axond.distributed import BackendOptions, create_group
 from axond.testing import RankFailed, run_on, run_threads, thread_groups
-from collective_cases import use_transport
 
 
 def _every_op(pg: ProcessGroup) -> list[Any]:
@@ -96,7 +95,7 @@ def _random_ops(pg: ProcessGroup) -> list[bytes]:
 @pytest.mark.parametrize("n", [3, 4])
 def test_float_results_equal_tcp_bit_for_bit(make_groups: Any, n: int) -> None:
     """In rank order as tcp's shared-memory paths (all_reduce, reduce_scatter), in tcp's tree order (reduce)."""
-    tcp = run_on(use_transport(make_groups(n, 20.0), "spin"), _random_ops)
+    tcp = run_on(make_groups(n, 20.0, transport="spin"), _random_ops)
     mock = run_on(make_groups(n, 20.0, transport="mock"), _random_ops)
     again = run_threads(_random_ops, n, backend="mock")
     assert mock == tcp

@@ -153,11 +153,7 @@ def subgroups(groups: list[ProcessGroup]) -> Iterator[list[list[ProcessGroup]]]:
     """Per global rank: its world group and its handles of GROUPS[1:] (built by every rank, destroyed after);
     the subgroups move data as the world does (see conftest's `make_groups` transport)."""
     def build(world: ProcessGroup) -> list[ProcessGroup]:
-        subs = [world.new_group(ranks) for ranks in GROUPS[1:]]
-        for sub in subs:
-            if hasattr(sub.backend, "shm"):
-                sub.backend.shm = world.backend.shm  # type: ignore[union-attr]
-        return [world, *subs]
+        return [world, *(world.new_group(ranks) for ranks in GROUPS[1:])]  # with the world's options
     subs = run_on(groups, build)
     try:
         yield subs
@@ -221,7 +217,7 @@ def test_a_random_program_matches_numpy_on_every_rank(make_groups: Any, seed: in
     world = make_groups(4, 20.0, crowded, transport)
     out = run_program(world, steps)
     if transport == "nodes":
-        assert all(pg.backend._teams is not None for pg in world)  # the world all-reduced in two levels
+        assert all(pg.backend.placement.levels is not None for pg in world)  # the world all-reduced in two levels
     checked = 0
     for global_rank, results in enumerate(out):
         for step in steps:

@@ -21,17 +21,17 @@ import pytest
 import axond
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
-from axond.distributed.mailbox import ORDERED_STORES
-from axond.distributed.shm import AUTO_MIN_BYTES, MAILBOX_SYNC_MIN_BYTES, ShmArena, ShmTuning, chunk_bytes
-from axond.testing import collect_from_processes, run_on, run_processes
-from collective_cases import all_reduce_until_killed, TRANSPORTS
+from axond.distributed.backends.tcp import TcpOptions
+from axond.distributed.backends.tcp.policy import AUTO_MIN_BYTES, MAILBOX_SYNC_MIN_BYTES, ORDERED_STORES
+from axond.distributed.backends.tcp.shm.arena import ShmArena, chunk_bytes
+from axond.testing import collect_from_processes, run_on, run_processes, thread_groups
+from collective_cases import all_reduce_until_killed
 
 MakeGroups = Any
-SMALL_ARENA = TRANSPORTS["shm"]
 
 
 def arena_of(pg: ProcessGroup) -> Any:
-    return pg.backend._arena  # type: ignore[union-attr]
+    return pg.backend.placement.arena  # type: ignore[union-attr]
 
 
 def leftovers() -> list[str]:
@@ -49,10 +49,10 @@ def test_small_ops_stay_on_sockets_and_large_ones_set_the_arena_up_once(monkeypa
                                                                         make_groups: MakeGroups, mailbox: bool) -> None:
     monkeypatch.setenv("AXOND_SHM_MAILBOX", "1" if mailbox else "0")
     gs = make_groups(2, 10.0)
-    assert not any(pg.backend.crowded for pg in gs)  # type: ignore[union-attr]  # 2 threads, 2+ cores
+    assert not any(pg.backend.comm.oversubscribed for pg in gs)  # type: ignore[union-attr]  # 2 threads, 2+ cores
     least = least_bytes(False, mailbox)
     run_on(gs, lambda pg: pg.all_reduce(np.ones((least - 8) // 8)))
-    assert all(arena_of(pg) is None and not pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+    assert all(arena_of(pg) is None and not pg.backend.placement.arena_tried for pg in gs)  # type: ignore[union-attr]
     out = run_on(gs, lambda pg: pg.all_reduce(np.full(least // 8 + 1, pg.rank + 1.0)) or pg)  # 4 KiB: the mailbox's
     arenas = [arena_of(pg) for pg in out]
     assert all(a is not None for a in arenas) and len({a.path for a in arenas}) == 1
@@ -74,10 +74,10 @@ def test_crowded_hosts_broadcast_and_multi_rank_all_reduce_need_larger_ops(monke
     run_on(gs, lambda pg: pg.all_gather(np.ones(least // 3 // 8 - 1)))
     run_on(gs, lambda pg: pg.broadcast(np.ones(broadcast * least // 8 - 1), 0))
     run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * least // 8 - 1)))
-    assert all(arena_of(pg) is None and not pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+    assert all(arena_of(pg) is None and not pg.backend.placement.arena_tried for pg in gs)  # type: ignore[union-attr]
     run_on(gs, lambda pg: pg.all_reduce(np.ones(2 * least // 8)))
     assert all(arena_of(pg) is not None for pg in gs)
-    assert all((pg.backend._mailbox is not None) == (mailbox and ORDERED_STORES) for pg in gs)  # type: ignore[union-attr]
+    assert all((pg.backend.placement.mailbox is not None) == (mailbox and ORDERED_STORES) for pg in gs)  # type: ignore[union-attr]
 
 
 def test_axond_shm_0_keeps_every_op_on_sockets(monkeypatch: pytest.MonkeyPatch, make_groups: MakeGroups) -> None:
@@ -94,7 +94,7 @@ def test_bad_settings_say_what_to_set(monkeypatch: pytest.MonkeyPatch, setting: 
     name, value = setting.split("=")
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
-        ShmTuning.from_env()
+        TcpOptions.from_env()
 
 
 def test_slots_are_aligned_and_bounded() -> None:
@@ -170,13 +170,18 @@ def test_a_member_that_cannot_map_the_arena_keeps_the_whole_group_on_sockets(mak
     monkeypatch.setattr(ShmArena, "attach", staticmethod(refused_once))
     gs = make_groups(3, 10.0)
     out = run_on(gs, lambda pg: pg.all_reduce(np.full(1 << 20, pg.rank + 1.0)) or pg.all_gather(np.ones(1 << 18)))
-    assert len(calls) == 2 and all(arena_of(pg) is None and pg.backend._arena_tried for pg in gs)  # type: ignore[union-attr]
+    assert len(calls) == 2 and all(arena_of(pg) is None and pg.backend.placement.arena_tried for pg in gs)  # type: ignore[union-attr]
     assert out[0].shape == (3, 1 << 18)
     monkeypatch.setattr(ShmArena, "attach", attach)
-    gs2 = make_groups(2, 10.0)
-    gs2[1].backend.shm = dataclasses.replace(gs2[1].backend.shm, arena_bytes=1 << 20)  # type: ignore[union-attr]
-    x = run_on(gs2, lambda pg: (lambda a: pg.all_reduce(a) or a)(np.full(1 << 18, pg.rank + 1.0)))
-    assert all(arena_of(pg) is None for pg in gs2) and all((v == 3.0).all() for v in x)
+    tcp = TcpOptions.from_env()
+    gs2 = thread_groups(2, options=[BackendOptions(timeout=10.0, tcp=tcp),  # the members' arena sizes differ
+                                    BackendOptions(timeout=10.0, tcp=dataclasses.replace(tcp, shm_arena_bytes=1 << 20))])
+    try:
+        x = run_on(gs2, lambda pg: (lambda a: pg.all_reduce(a) or a)(np.full(1 << 18, pg.rank + 1.0)))
+        assert all(arena_of(pg) is None for pg in gs2) and all((v == 3.0).all() for v in x)
+    finally:
+        for g in gs2:
+            g.destroy()
     assert leftovers() == []
 
 
@@ -235,7 +240,7 @@ def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
     """Rank 1 kills itself after a few large all-reduces; the others keep going and must raise."""
     pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0))
     all_reduce_until_killed(pg, np.ones(3_000_000, np.float32), 50, 3, q, lambda pg: arena_of(pg) is not None and (
-        pg.backend._mailbox is not None) == (pg.backend.shm.mailbox and ORDERED_STORES))  # type: ignore[union-attr]
+        pg.backend.placement.mailbox is not None) == (pg.backend.tcp_options.shm_mailbox and ORDERED_STORES))  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("mailbox", [False, True])  # steps synchronized over the sockets / through the mailbox

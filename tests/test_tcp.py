@@ -6,7 +6,6 @@ failure case must raise `DistributedError` on every rank within a couple of seco
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import socket
@@ -20,12 +19,19 @@ import pytest
 
 from axond import DistributedError, InMemoryStore, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
-from axond.distributed.mesh import Mesh, interface_address
-from axond.distributed.wire import group_id
+from axond.distributed.backends.tcp import TcpOptions, policy
+from axond.distributed.backends.tcp.transport.mesh import Mesh, interface_address
+from axond.distributed.backends.tcp.transport.wire import Op, group_id
 from axond.testing import RankFailed, collect_from_processes, run_on, thread_groups
 
 SHORT = BackendOptions(timeout=1.0)
 MakeGroups = Callable[..., list[ProcessGroup]]
+
+
+def algorithm_of(pg: ProcessGroup, op: Op, options: TcpOptions | None = None) -> Callable[[int], str]:
+    """The socket schedule `pg`'s backend picks for `op` by bytes per rank (see `policy.socket_algorithm`)."""
+    b: Any = pg.backend
+    return lambda n: policy.socket_algorithm(op, n, b.size, b.comm.oversubscribed, options or b.tcp_options)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -285,7 +291,7 @@ def test_halving_doubling_all_reduce(monkeypatch: pytest.MonkeyPatch, n: int) ->
 def test_auto_all_reduce_algorithm_follows_the_cores(crowded: bool, make_groups: MakeGroups) -> None:
     """auto: on power-of-two groups with more ranks than cores, pairwise algorithms up to 2 MiB, then the ring."""
     gs = make_groups(4, 10.0, crowded=crowded)
-    pick = gs[0].backend._all_reduce_algorithm  # type: ignore[union-attr]
+    pick = algorithm_of(gs[0], Op.ALL_REDUCE)
     expected = {64 << 10: "doubling", 200 << 10: "doubling" if crowded else "ring",
                 1 << 20: "halving_doubling" if crowded else "ring", 8 << 20: "ring"}
     assert {size: pick(size) for size in expected} == expected
@@ -301,13 +307,10 @@ def test_two_ranks_move_up_to_1_mib_in_one_round(make_groups: MakeGroups) -> Non
     """With two ranks there is one hop and nothing to pipeline: all_reduce, broadcast and reduce_scatter up to
     1 MiB go as one frame each way (unless AXOND_TCP_ALGORITHM pins the all_reduce); the results are exact."""
     gs = make_groups(2, 10.0)
-    backend: Any = gs[0].backend
-    assert [backend._all_reduce_algorithm(n) for n in (1 << 20, (1 << 20) + 8)] == ["doubling", "ring"]
-    assert [backend._reduce_scatter_algorithm(n) for n in (1 << 20, (1 << 20) + 16)] == ["direct", "ring"]
-    assert backend._pair_round(1 << 20) and not backend._pair_round((1 << 20) + 1)
-    backend.tuning = dataclasses.replace(backend.tuning, algorithm="ring")
-    assert backend._all_reduce_algorithm(1 << 20) == "ring"
-    backend.tuning = dataclasses.replace(backend.tuning, algorithm="auto")
+    assert [algorithm_of(gs[0], Op.ALL_REDUCE)(n) for n in (1 << 20, (1 << 20) + 8)] == ["doubling", "ring"]
+    assert [algorithm_of(gs[0], Op.REDUCE_SCATTER)(n) for n in (1 << 20, (1 << 20) + 16)] == ["direct", "ring"]
+    assert [algorithm_of(gs[0], Op.BROADCAST)(n) for n in (1 << 20, (1 << 20) + 1)] == ["tree", "chain"]
+    assert algorithm_of(gs[0], Op.ALL_REDUCE, TcpOptions(algorithm="ring"))(1 << 20) == "ring"
     for count in (131_071, 131_072, 131_073):  # just under, at and over 1 MiB of float64
         inputs = [np.random.default_rng(r).integers(-9, 9, 2 * count).astype(np.float64) for r in range(2)]
 
@@ -329,7 +332,7 @@ def test_two_ranks_move_up_to_1_mib_in_one_round(make_groups: MakeGroups) -> Non
 def test_broadcast_uses_the_tree_longer_when_the_cores_are_crowded(crowded: bool, make_groups: MakeGroups) -> None:
     """Tree up to 128 KiB, or 4 MiB with more ranks than cores; then the chain. Both give the root's array."""
     gs = make_groups(3, 10.0, crowded=crowded)
-    pick: Any = gs[0].backend._broadcast_by_tree  # type: ignore[union-attr]
+    pick: Any = lambda n: algorithm_of(gs[0], Op.BROADCAST)(n) == "tree"  # noqa: E731
     assert [pick(n) for n in (128 << 10, 1 << 20, 4 << 20, (4 << 20) + 8)] == [True, crowded, crowded, False]
     for count in (131_071, 524_289):  # 1 and 4 MiB of float64 (odd lengths): each path once or twice
         data = [np.random.default_rng(r).standard_normal(count) for r in range(3)]
@@ -341,7 +344,8 @@ def test_broadcast_uses_the_tree_longer_when_the_cores_are_crowded(crowded: bool
 def test_all_gather_algorithm_follows_the_size_and_cores(crowded: bool, make_groups: MakeGroups) -> None:
     """Direct up to 4 MiB; above, recursive doubling on a crowded power-of-two group, else the ring."""
     gs = make_groups(4, 10.0, crowded=crowded)
-    pick = gs[0].backend._all_gather_algorithm  # type: ignore[union-attr]
+    per_rank = algorithm_of(gs[0], Op.ALL_GATHER)
+    pick = lambda n: "direct" if per_rank(n // 4) == "exchange" else per_rank(n // 4)  # noqa: E731  # n: the output
     big = "doubling" if crowded else "ring"
     assert [pick(n) for n in (1 << 10, 4 << 20, (4 << 20) + 8, 64 << 20)] == ["direct", "direct", big, big]
     for count in (262_147, 1_000_003):  # 4.0 and 15.3 MiB of float32 output, odd lengths
@@ -356,7 +360,7 @@ def test_reduce_scatter_algorithm_follows_the_size_and_cores(crowded: bool, size
     """Direct up to 128 KiB (1 MiB with two ranks); recursive halving up to 2 MiB on a crowded power-of-two
     group; else the ring. Every path gives the reference blocks and leaves the input untouched."""
     gs = make_groups(size, 10.0, crowded=crowded)
-    pick = gs[0].backend._reduce_scatter_algorithm  # type: ignore[union-attr]
+    pick = algorithm_of(gs[0], Op.REDUCE_SCATTER)
     mid = "halving" if crowded else "ring"
     one_mib = "direct" if size == 2 else mid
     assert [pick(n) for n in (128 << 10, 1 << 20, 2 << 20, 4 << 20)] == ["direct", one_mib, mid, "ring"]
@@ -372,11 +376,9 @@ def test_reduce_scatter_algorithm_follows_the_size_and_cores(crowded: bool, size
 
 
 def test_unknown_algorithm_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from axond.distributed.framing import TcpTuning
-
     monkeypatch.setenv("AXOND_TCP_ALGORITHM", "tree")
     with pytest.raises(ValueError, match="AXOND_TCP_ALGORITHM='tree': use auto, ring or halving_doubling"):
-        TcpTuning.from_env()
+        TcpOptions.from_env()
 
 
 def test_async_ops_complete_in_order_and_overlap(pair: list[ProcessGroup]) -> None:
@@ -526,7 +528,7 @@ def test_ring_reduce_scatter_reuses_two_blocks_of_scratch(world: int, monkeypatc
             for r, got in enumerate(outs):
                 np.testing.assert_allclose(got, want[r * rows : (r + 1) * rows], rtol=1e-12, atol=1e-12)
         for pg in groups:
-            bufs = pg.backend._bufs  # type: ignore[union-attr]
+            bufs = pg.backend.comm.scratch.named_buffers  # type: ignore[union-attr]
             assert "work" not in bufs and bufs["rolling"].nbytes == 2 * rows * 8
     finally:
         for g in groups:

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from axond.distributed.handshake import HANDSHAKE_TIMEOUT
+from axond.distributed.backends.tcp.options import TcpOptions
+from axond.distributed.backends.tcp.transport.handshake import HANDSHAKE_TIMEOUT
 from axond.distributed.reduce_op import ReduceOp
 from axond.store import Store
 
@@ -37,6 +38,8 @@ class BackendOptions:
     """Port the tcp backend listens on (0: chosen by the OS); only the default group uses it."""
     handshake_timeout: float = HANDSHAKE_TIMEOUT
     """Seconds an incoming tcp connection has, in all, to prove the job secret while a group forms; then it is dropped."""
+    tcp: TcpOptions | None = None
+    """The tcp backend's settings (None: `TcpOptions.from_env()` when the group is created)."""
 
 
 class Backend(ABC):

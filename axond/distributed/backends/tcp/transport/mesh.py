@@ -19,7 +19,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from axond.distributed.handshake import (
+from axond.distributed.backends.tcp.transport.handshake import (
     ACCEPTED, CHALLENGE, HANDSHAKE_TIMEOUT, HELLO, MAGIC, MAX_PENDING, REFUSED, Acceptor, proof, recv_exact,
 )
 from axond.errors import DistributedError, StoreError

@@ -1,4 +1,5 @@
-"""One authenticated TCP connection to a peer rank: framed, zero-copy sends and receives.
+"""One authenticated TCP connection to a peer rank, which alone reads and writes its socket: framed, zero-copy sends and
+receives.
 
 Small frames are sent inline from the calling thread; mid-sized ones are first written without
 blocking (whatever fits the socket buffer); the rest goes through a per-peer sender thread so that
@@ -10,8 +11,8 @@ this host's ranks outnumber its cores (`oversubscribed`): then spinning only ste
 from __future__ import annotations
 
 import os
+import select
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -19,22 +20,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from axond.distributed.wire import HEADER, HEADER_SIZE, Kind
+from axond.distributed.backends.tcp.transport.sockets import RECV_WAKEUP, tune_socket
+from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, Kind
 
 INLINE_SEND_BYTES = 64 << 10
 """Frames up to this size are sent from the calling thread (they fit the socket buffer)."""
 SMALL_FRAME = 4096
 """Payloads up to this size are received together with their header in one call."""
-SOCKET_BUFFER_BYTES = 4 << 20
-RECV_WAKEUP = 0.25
-"""A blocked receive wakes this often to check the op's deadline."""
-AUTO_SPIN_SECONDS = 50e-6
-"""Busy-poll time of small receives when this host's ranks do not outnumber its cores (else none)."""
-AUTO_INLINE_BYTES = (4 << 20, 256 << 10)
-"""Frames up to this size are first written without blocking from the op's thread: (cores to spare, oversubscribed).
-
-With a core per rank, writing from the op's thread beats waking the sender thread; with more ranks than
-cores, the sender thread keeps the op's thread receiving and reducing while the write waits for a core."""
 
 
 class PeerError(Exception):
@@ -51,47 +43,6 @@ class PeerClosed(PeerError):
 
 class PeerTimeout(PeerError):
     """The peer did not send or accept data in time."""
-
-
-def tune_socket(sock: socket.socket, timeout: float) -> None:
-    """Blocking socket with kernel-side timeouts, no Nagle delay and large buffers."""
-    sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(timeout, RECV_WAKEUP)))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
-
-
-def oversubscribed(socks: list[socket.socket]) -> bool:
-    """Whether the ranks on this host outnumber its cores (then busy-polling or writing big frames inline hurts).
-
-    Ranks on this host: the peers reached through a local address (plus this one), or LOCAL_WORLD_SIZE if larger.
-    """
-    local = 1 + sum(1 for s in socks if same_host(s))
-    try:
-        local = max(local, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    except ValueError:
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return local > cores
-
-
-def same_host(sock: socket.socket) -> bool:
-    try:
-        peer_host, local_host = sock.getpeername()[0], sock.getsockname()[0]
-    except OSError:
-        return False
-    return bool(peer_host == local_host or peer_host.startswith("127.") or peer_host == "::1")
-
-
-def _timeval(seconds: float) -> bytes:
-    seconds = max(min(seconds, 10**6), 0.001)
-    whole = int(seconds)
-    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
 class Peer:
@@ -170,12 +121,10 @@ class Peer:
         """Send what fits in the socket buffer right now (no thread hand-off); returns the bytes sent."""
         try:
             with self._lock:
-                return self.sock.sendmsg([header, payload], (), socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return 0
-        except OSError as e:
-            self._error = PeerClosed(f"send to peer {self.rank} failed: {e}", self.rank)
-            raise self._error from e
+                return self.send_some([memoryview(header), payload])
+        except PeerClosed as e:
+            self._error = e
+            raise
 
     def _write(self, header: bytes, payload: memoryview | None) -> None:
         try:
@@ -368,6 +317,41 @@ class Peer:
                 raise PeerTimeout(f"data from peer {self.rank} stopped arriving", self.rank)
         self._got = got
 
+    def send_some(self, buffers: list[memoryview]) -> int:
+        """Write what the socket takes of `buffers` right now (the caller holds `write_lock`); the bytes written."""
+        try:
+            return self.sock.sendmsg(buffers, (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            raise PeerClosed(f"send to peer {self.rank} failed: {e}", self.rank) from e
+
+    def recv_some(self, view: memoryview) -> int:
+        """Read what has arrived, up to `view`'s size, without blocking; 0 if nothing is there yet."""
+        try:
+            n = self.sock.recv_into(view, view.nbytes, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            raise PeerClosed(f"receive from peer {self.rank} failed: {e}", self.rank) from e
+        if n == 0:
+            raise PeerClosed(f"peer {self.rank} closed the connection", self.rank)
+        return n
+
+    def peek(self, limit: int) -> bytes:
+        """Up to `limit` unread bytes, left unread; never blocks (empty if none, or the link failed)."""
+        try:
+            return self.sock.recv(limit, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return b""
+
+    def readable(self) -> bool:
+        """Whether something (a frame, EOF) is there to read now."""
+        return bool(select.select([self.sock], [], [], 0)[0])
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
     def try_send_now(self, frame: bytes) -> None:
         """Best effort, never blocking for long: used to tell a peer that this rank aborts."""
         if self._lock.acquire(timeout=0.2):
@@ -398,3 +382,11 @@ class Peer:
         self.sock.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
+
+
+def wait_readable(peers: list[Peer], timeout: float) -> list[Peer]:
+    """The `peers` with something to read within `timeout` seconds (all of them idle: an empty list)."""
+    if not peers:
+        return []
+    ready, _, _ = select.select(peers, [], [], timeout)
+    return ready

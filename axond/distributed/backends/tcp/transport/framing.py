@@ -7,68 +7,23 @@ that all ranks raise instead of waiting for a timeout.
 
 from __future__ import annotations
 
-import os
-import select
-import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import numpy as np
 
-from axond.distributed.peer import RECV_WAKEUP as POLL_WAKEUP
-from axond.distributed.peer import SMALL_FRAME, Peer, PeerClosed, PeerError, PeerTimeout
+from axond.distributed.backends.tcp.transport.exchange import exchange
+from axond.distributed.backends.tcp.transport.peer import SMALL_FRAME, Peer, PeerClosed, PeerError
+from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe, uneven_back
 from axond.distributed.splits import disagreement
-from axond.distributed.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe, uneven_back
 from axond.errors import DistributedError
 
 T = TypeVar("T")
 MAX_ABORT_REASON = 4096
 FAILED = 1
 """The reduce-op field of an abort frame sent because the rank's process failed: its reason is the root cause."""
-
-
-@dataclass(frozen=True)
-class TcpTuning:
-    """Algorithm thresholds of the TCP backend (environment: AXOND_TCP_*)."""
-
-    small_bytes: int = 128 << 10
-    """All-reduce/broadcast up to this size use latency-optimal trees; above, pipelined rings/chains."""
-    chunk_bytes: int = 0
-    """Pipeline chunk size (0: a quarter of a block, clamped to 64 KiB..1 MiB)."""
-    spin_us: float = -1.0
-    """Microseconds a small receive busy-polls before blocking (0 disables; < 0: 50 unless the cores are oversubscribed)."""
-    inline_bytes: int = -1
-    """Frames up to this size are first sent without blocking from the op's thread (no hand-off; < 0: auto)."""
-    algorithm: Literal["auto", "ring", "halving_doubling"] = "auto"
-    """All-reduce above `small_bytes`: pipelined ring, halving-doubling (Rabenseifner) on power-of-two groups,
-    or auto: the ring, except on power-of-two groups whose host has fewer cores than ranks, where pairwise
-    exchanges keep the cores busier up to a few MiB (see `TcpBackend.all_reduce`)."""
-    spin_yield: bool = True
-    """Yield the CPU between polls (helps when ranks outnumber cores)."""
-
-    @classmethod
-    def from_env(cls) -> TcpTuning:
-        """Read AXOND_TCP_SMALL_BYTES, _CHUNK_BYTES, _SPIN_US, _SPIN_YIELD, _INLINE_BYTES and _ALGORITHM."""
-        try:
-            return cls(
-                small_bytes=int(os.environ.get("AXOND_TCP_SMALL_BYTES", cls.small_bytes)),
-                chunk_bytes=int(os.environ.get("AXOND_TCP_CHUNK_BYTES", cls.chunk_bytes)),
-                spin_us=float(os.environ.get("AXOND_TCP_SPIN_US", cls.spin_us)),
-                spin_yield=os.environ.get("AXOND_TCP_SPIN_YIELD", "1") != "0",
-                inline_bytes=int(os.environ.get("AXOND_TCP_INLINE_BYTES", cls.inline_bytes)),
-                algorithm=_algorithm(os.environ.get("AXOND_TCP_ALGORITHM", "auto")),
-            )
-        except ValueError as e:
-            raise ValueError(f"bad AXOND_TCP_* setting: {e}") from e
-
-
-def _algorithm(name: str) -> Literal["auto", "ring", "halving_doubling"]:
-    if name in ("auto", "ring", "halving_doubling"):
-        return name  # type: ignore[return-value]
-    raise ValueError(f"AXOND_TCP_ALGORITHM={name!r}: use auto, ring or halving_doubling")
 
 
 class Call:
@@ -95,65 +50,6 @@ def byte_view(a: np.ndarray) -> memoryview:
         return memoryview(a).cast("B")  # type: ignore[arg-type]
     except (TypeError, ValueError, NotImplementedError):
         return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-class Swap:
-    """One peer's part of `FramedGroup.exchange`: a frame to write and one to read, both non-blocking."""
-
-    def __init__(self, peer: Peer, header: bytes | None, payload: memoryview | None, view: memoryview | None,
-                 check: Callable[[tuple[int, ...]], bool] | None) -> None:
-        self.peer = peer
-        self.out = [memoryview(header), payload] if header is not None and payload is not None else []
-        self.out_left = sum(b.nbytes for b in self.out)
-        self.view = view
-        self.check = check
-        self.hdr = memoryview(bytearray(HEADER_SIZE))
-        self.in_total = HEADER_SIZE + view.nbytes if view is not None else 0
-        self.got = 0
-        self.registered = False
-
-    @property
-    def done(self) -> bool:
-        return self.out_left == 0 and self.got == self.in_total
-
-    def events(self) -> int:
-        return (select.POLLOUT if self.out_left else 0) | (select.POLLIN if self.got < self.in_total else 0)
-
-    def step(self) -> bool:
-        """Write and read what the socket takes and has right now; whether anything moved."""
-        sock, moved, rank = self.peer.sock, False, self.peer.rank
-        if self.out_left:
-            try:
-                n = sock.sendmsg(self.out, (), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                n = 0
-            except OSError as e:
-                raise PeerClosed(f"send to peer {rank} failed: {e}", rank) from e
-            if n:
-                moved, self.out_left = True, self.out_left - n
-                while self.out and n >= self.out[0].nbytes:
-                    n -= self.out.pop(0).nbytes
-                if n:
-                    self.out[0] = self.out[0][n:]
-        if self.got < self.in_total:
-            got = self.got
-            try:
-                if got < HEADER_SIZE:
-                    n = sock.recv_into(self.hdr[got:], HEADER_SIZE - got, socket.MSG_DONTWAIT)
-                else:
-                    assert self.view is not None
-                    n = sock.recv_into(self.view[got - HEADER_SIZE :], self.in_total - got, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return moved
-            except OSError as e:
-                raise PeerClosed(f"receive from peer {rank} failed: {e}", rank) from e
-            if n == 0:
-                raise PeerClosed(f"peer {rank} closed the connection", rank)
-            self.got = got + n
-            if got < HEADER_SIZE <= self.got and self.check is not None and not self.check(HEADER.unpack(self.hdr)):
-                self.got = 0  # a point-to-point frame the peer sent first, set aside: read the next header
-            moved = True
-        return moved
 
 
 class FramedGroup:
@@ -185,9 +81,9 @@ class FramedGroup:
         Only in the thread that runs the call: another thread waiting for an isend does not run it."""
         self._watch = check
         for peer in self.peers.values():
-            peer.idle = self._idle
+            peer.idle = self.on_idle
 
-    def _idle(self) -> None:
+    def on_idle(self) -> None:
         if self._watch is not None and self.current is not None and threading.get_ident() == self._current_thread:
             self._watch(self.current)
 
@@ -253,10 +149,7 @@ class FramedGroup:
         for p in self.peers.values():
             if p.rank != peer:
                 continue
-            try:
-                data = p.sock.recv(HEADER_SIZE + MAX_ABORT_REASON, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except OSError:
-                return None
+            data = p.peek(HEADER_SIZE + MAX_ABORT_REASON)
             if len(data) < HEADER_SIZE:
                 return None
             h = HEADER.unpack_from(data)
@@ -317,47 +210,11 @@ class FramedGroup:
         return p.small_array(like.dtype, like.size)
 
     def exchange(self, c: Call, sends: dict[int, memoryview], recvs: dict[int, memoryview]) -> None:
-        """Send one frame to each peer of `sends` and receive one from each of `recvs`, all from this thread.
+        """Send one frame to each peer of `sends` and receive one from each of `recvs`, all from this thread (see
+        `exchange.exchange`): no hand-off to sender threads; each received header is checked before its payload."""
+        exchange(self, c, sends, recvs)
 
-        Non-blocking writes and reads over every socket, polling only when none can progress: no
-        hand-off to sender threads. Each received header is checked before its payload is read.
-        """
-        swaps = [Swap(self.peers[p], self.header(c, sends[p].nbytes) if p in sends else None, sends.get(p),
-                      recvs.get(p), self._checker(c, p, recvs[p].nbytes) if p in recvs else None)
-                 for p in sorted(set(sends) | set(recvs))]
-        for sw in swaps:
-            sw.peer.flush(c.deadline)
-        poller = select.poll()
-        for sw in swaps:
-            sw.peer.write_lock.acquire()
-        try:
-            while True:
-                moved = pending = False
-                for sw in swaps:
-                    if not sw.done:
-                        moved |= sw.step()
-                        pending |= not sw.done
-                if not pending:
-                    return
-                if moved:
-                    continue
-                left = c.deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerTimeout(f"exchange with peer {swaps[0].peer.rank} stalled", swaps[0].peer.rank)
-                for sw in swaps:
-                    if not sw.done:
-                        poller.register(sw.peer.sock.fileno(), sw.events())
-                        sw.registered = True
-                    elif sw.registered:
-                        poller.unregister(sw.peer.sock.fileno())
-                        sw.registered = False
-                if not poller.poll(min(left, POLL_WAKEUP) * 1000):
-                    self._idle()
-        finally:
-            for sw in swaps:
-                sw.peer.write_lock.release()
-
-    def _checker(self, c: Call, peer: int, n: int) -> Callable[[tuple[int, ...]], bool]:
+    def checker(self, c: Call, peer: int, n: int) -> Callable[[tuple[int, ...]], bool]:
         """Check a header from `peer` in an exchange: whether it is the call's frame (False: a point-to-point frame
         the peer sent first, now set aside); anything else raises."""
         def check(h: tuple[int, ...]) -> bool:
@@ -388,7 +245,7 @@ class FramedGroup:
                     self._reject(c, index, h, None, memoryview(b""))
                 return False
             p.set_aside(h, memoryview(b""), c.deadline)
-            if not select.select([p.sock], [], [], 0)[0]:
+            if not p.readable():
                 return True
 
     def reject(self, c: Call, index: int, h: tuple[int, ...], nbytes: int | None) -> NoReturn:

@@ -1,0 +1,311 @@
+"""The tcp backend: checks, op numbering and one template that runs each op along the route `policy` picks.
+
+A group is a full mesh of authenticated sockets (`transport`). Each op checks its arguments, numbers its call
+(the frame header every message carries, so a peer in another op raises), asks `Placement.choose` for its path
+(the shared mailbox or arena of ranks on one host, two levels for ranks spread over hosts, or the sockets) and
+runs that path's schedule (`shm`, `hierarchy`, `schedules`) inside `FramedGroup.run`, which turns any transport
+failure into a `DistributedError` on every rank. Data moves straight from and into the arrays' buffers;
+reductions run in place with NumPy ufuncs, in rank order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from axond.distributed import low_precision
+from axond.distributed.backends.base import Array, Backend, BackendOptions
+from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
+from axond.distributed.backends.tcp import policy
+from axond.distributed.backends.tcp.hierarchy import two_level
+from axond.distributed.backends.tcp.options import TcpOptions
+from axond.distributed.backends.tcp.placement import Placement
+from axond.distributed.backends.tcp.policy import Path, Route
+from axond.distributed.backends.tcp.schedules import direct, doubling, sockets, trees
+from axond.distributed.backends.tcp.schedules.comm import Comm, Scratch
+from axond.distributed.backends.tcp.shm import arena_ops, mailbox_ops
+from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup, byte_view
+from axond.distributed.backends.tcp.transport.mesh import Mesh
+from axond.distributed.backends.tcp.transport.peer import Peer, PeerError, PeerTimeout
+from axond.distributed.backends.tcp.transport.sockets import oversubscribed
+from axond.distributed.backends.tcp.transport.wire import DTYPE_CODE, REDUCE_CODES, Kind, Op, dtype_code, group_id
+from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.reducers import check_reduce_op, finish_average
+from axond.distributed.splits import check_splits
+from axond.distributed.work import PendingSend
+from axond.store import Store
+
+
+def _numpy(x: Any, what: str) -> np.ndarray:
+    return numpy_array(x, what, "tcp")
+
+
+class TcpBackend(Backend):
+    """Collectives over TCP sockets (and shared memory between the ranks of one host) between the ranks of a group."""
+
+    name = "tcp"
+
+    def __init__(self, store: Store, rank: int, size: int, group_name: str, options: BackendOptions) -> None:
+        super().__init__(store, rank, size, group_name, options)
+        tcp = options.tcp if options.tcp is not None else TcpOptions.from_env()
+        gid = group_id(group_name)
+        where = f"group '{group_name}' (rank {rank} of {size})"
+        socks, host = {}, ""
+        if size > 1:
+            mesh = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port, options.timeout, where,
+                        options.handshake_timeout)
+            host, socks = mesh.host, mesh.connect_all()
+        crowded = tcp.oversubscribed if tcp.oversubscribed is not None else oversubscribed(list(socks.values()))
+        spin, inline = policy.spin_seconds(tcp, crowded), policy.inline_bytes(tcp, crowded)
+        self.g = FramedGroup(rank, size, group_name, gid, options.timeout,
+                             {p: Peer(s, p, options.timeout, spin, tcp.spin_yield, inline) for p, s in socks.items()})
+        self.comm = Comm(self.g, rank, size, tcp, crowded, Scratch())
+        self.placement = Placement(self.comm, host)
+        self._seq = 0
+        self._tx: dict[int, int] = {}
+        self._rx: dict[int, int] = {}
+
+    @property
+    def tcp_options(self) -> TcpOptions:
+        return self.comm.options
+
+    def route(self, op: Op, nbytes: int) -> Route:
+        """The route op `op` on `nbytes` per rank takes in this group as far as it knows its hosts (see `policy`)."""
+        return policy.route(op, nbytes, self.placement.shape, self.comm.options)
+
+    def explain_timeouts(self, describe_peer: Callable[[int], str],
+                         describe_peers: Callable[[str], str] | None = None) -> None:
+        self.g.explain = describe_peer
+
+    def _call(self, op: Op, x: np.ndarray, redop: ReduceOp | None = None, aux: int = 0) -> Call:
+        """Start op number `seq` (validated first, so that a rejected call does not advance it)."""
+        code = DTYPE_CODE.get(x.dtype) or dtype_code(x.dtype)
+        self._seq += 1
+        return self.g.call(op, Kind.COLLECTIVE, code, REDUCE_CODES[redop.value] if redop else 0, self._seq, aux, x.size)
+
+    def _inplace(self, x: np.ndarray, op_name: str, body: Callable[[np.ndarray], None]) -> None:
+        """Run `body` on a contiguous flat view of `x`, copying back if `x` was not contiguous."""
+        work = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        self.g.run(op_name, body, work if work.ndim == 1 else work.reshape(-1))
+        if work is not x:
+            np.copyto(x, work)
+
+    def _check_root(self, root: int, what: str) -> int:
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"{what}={root!r} is not a rank of group '{self.group_name}' (0..{self.size - 1})")
+        return int(root)
+
+    def _peer(self, peer: int, what: str, verb: str) -> int:
+        peer = self._check_root(peer, what)
+        if peer == self.rank:
+            raise ValueError(f"rank {self.rank} cannot {verb} itself")
+        return peer
+
+    def all_reduce(self, x: Array, op: ReduceOp) -> None:
+        if type(x) is not np.ndarray:
+            x = _numpy(x, "all_reduce input")
+        op = check_reduce_op(op, x.dtype)
+        if self.size > 1 and low_precision.all_reduce(self, x, op):
+            return
+        c = self._call(Op.ALL_REDUCE, x, op)
+        if self.size == 1:
+            return
+        path, on = self.placement.choose(c, Op.ALL_REDUCE, x.nbytes)
+        if path is Path.MAILBOX:
+            self._inplace(x, "all_reduce", lambda flat: mailbox_ops.all_reduce(on, c, flat, op))
+        elif path is Path.ARENA:
+            self._inplace(x, "all_reduce", lambda flat: arena_ops.all_reduce(self.comm, on, self.placement.sync, c,
+                                                                             flat, op))
+        elif path is Path.TWO_LEVEL:
+            self._inplace(x, "all_reduce", lambda flat: two_level.all_reduce(on, c, flat, op))
+        elif x.flags.c_contiguous:
+            self.g.run("all_reduce", sockets.all_reduce, self.comm, c, x if x.ndim == 1 else x.reshape(-1), op)
+        else:
+            self._inplace(x, "all_reduce", lambda flat: sockets.all_reduce(self.comm, c, flat, op))
+
+    def broadcast(self, x: Array, src: int) -> None:
+        x = _numpy(x, "broadcast input")
+        src = self._check_root(src, "src")
+        c = self._call(Op.BROADCAST, x, aux=src)
+        if self.size == 1:
+            return
+        path, on = self.placement.choose(c, Op.BROADCAST, x.nbytes)
+        body: Callable[[np.ndarray], None]
+        if path is Path.MAILBOX:
+            body = lambda flat: mailbox_ops.broadcast(on, c, flat, src)  # noqa: E731
+        elif path is Path.ARENA:
+            body = lambda flat: arena_ops.broadcast(self.comm, on, self.placement.sync, c, flat, src)  # noqa: E731
+        elif path is Path.TWO_LEVEL:
+            body = lambda flat: two_level.broadcast(on, c, flat, src)  # noqa: E731
+        else:
+            body = lambda flat: sockets.broadcast(self.comm, c, flat, src)  # noqa: E731
+        if x.flags.c_contiguous or self.rank != src:
+            self._inplace(x, "broadcast", body)
+        else:
+            self.g.run("broadcast", body, np.ascontiguousarray(x).reshape(-1))
+
+    def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
+        x = _numpy(x, "reduce input")
+        op = check_reduce_op(op, x.dtype)
+        dst = self._check_root(dst, "dst")
+        if low_precision.reduce(self, x, dst, op):
+            return
+        c = self._call(Op.REDUCE, x, op, aux=dst)
+        if self.size > 1:
+            self._inplace(x, "reduce", lambda flat: trees.tree_reduce(self.comm, c, flat, dst, op))
+
+    def all_gather(self, x: Array, out: Array | None = None) -> Array:
+        """As `Backend.all_gather`; `out` (C-contiguous, shape (size, *x.shape)) avoids a fresh allocation."""
+        x = _numpy(x, "all_gather input")
+        c = self._call(Op.ALL_GATHER, x)
+        out = output_array(out, (self.size, *x.shape), x.dtype, "all_gather", "tcp")
+        out[self.rank] = x
+        if self.size == 1:
+            return out
+        path, on = self.placement.choose(c, Op.ALL_GATHER, x.nbytes)
+        if path is Path.MAILBOX:
+            self.g.run("all_gather", mailbox_ops.all_gather, on, c, out)
+        elif path is Path.ARENA:
+            self.g.run("all_gather", arena_ops.all_gather, self.comm, on, self.placement.sync, c, out)
+        elif path is Path.TWO_LEVEL:
+            self.g.run("all_gather", two_level.all_gather, on, c, out)
+        else:
+            self.g.run("all_gather", sockets.all_gather, self.comm, c, out)
+        return out
+
+    def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
+        """As `Backend.reduce_scatter`; `out` (C-contiguous, the block's shape) avoids a fresh allocation."""
+        x = _numpy(x, "reduce_scatter input")
+        op = check_reduce_op(op, x.dtype)
+        rows = scatter_rows(x, self.size, "reduce_scatter")
+        out = output_array(out, (rows, *x.shape[1:]), x.dtype, "reduce_scatter", "tcp")
+        if self.size > 1 and low_precision.reduce_scatter(self, x, op, out):
+            return out
+        c = self._call(Op.REDUCE_SCATTER, x, op)
+        if self.size == 1:
+            np.copyto(out, x)
+            if op is ReduceOp.AVG:
+                finish_average(out, 1)
+            return out
+        src, dst = np.ascontiguousarray(x).reshape(-1), out.reshape(-1)
+        path, on = self.placement.choose(c, Op.REDUCE_SCATTER, src.nbytes)
+        if path is Path.MAILBOX:
+            self.g.run("reduce_scatter", mailbox_ops.reduce_scatter, on, c, src, dst, op)
+        elif path is Path.ARENA:
+            self.g.run("reduce_scatter", arena_ops.reduce_scatter, self.comm, on, self.placement.sync, c, src, dst, op)
+        elif path is Path.TWO_LEVEL:
+            self.g.run("reduce_scatter", two_level.reduce_scatter, on, c, src, dst, op)
+        else:
+            self.g.run("reduce_scatter", sockets.reduce_scatter, self.comm, c, src, dst, op)
+        return out
+
+    def gather(self, x: Array, dst: int) -> Array | None:
+        x = _numpy(x, "gather input")
+        dst = self._check_root(dst, "dst")
+        c = self._call(Op.GATHER, x, aux=dst)
+        out = np.empty((self.size, *x.shape), x.dtype) if self.rank == dst else None
+        self.g.run("gather", direct.gather, self.comm, c, x, out, dst)
+        return out
+
+    def scatter(self, x: Array | None, src: int) -> Array:
+        src = self._check_root(src, "src")
+        if self.rank != src:
+            self._seq += 1
+            return self.g.run("scatter", direct.receive_scattered, self.comm, self._seq, src)
+        x = _numpy(x, "scatter input on the source rank")
+        if x.ndim == 0 or x.shape[0] != self.size or x.ndim > direct.META - 2:
+            raise ValueError(f"scatter needs an array of shape ({self.size}, ...) on the source rank, got {x.shape}")
+        x = np.ascontiguousarray(x)
+        c = self._call(Op.SCATTER, x[0], aux=src)
+        self.g.run("scatter", direct.send_scattered, self.comm, c, x, src)
+        return x[src].copy()
+
+    def all_to_all(self, x: Array, input_split_sizes: Sequence[int] | None = None,
+                   output_split_sizes: Sequence[int] | None = None) -> Array:
+        """As `Backend.all_to_all`. With split sizes, each block's frame carries its element count and the count
+        going the other way, so both ranks of a pair whose split sizes disagree raise, naming the entries."""
+        x = _numpy(x, "all_to_all input")
+        if input_split_sizes is None and output_split_sizes is None:
+            if x.ndim == 0 or x.shape[0] % self.size:
+                raise ValueError(f"all_to_all needs x.shape[0] divisible by the group size {self.size}; got {x.shape} "
+                                 "(or pass input_split_sizes)")
+            ins = outs = [x.shape[0] // self.size] * self.size
+            c = self._call(Op.ALL_TO_ALL, x)
+        else:
+            ins, given = check_splits(x.shape, self.size, self.rank, input_split_sizes, output_split_sizes)
+            outs = given if given is not None else [int(v) for v in self.all_to_all(np.array(ins, np.int64))]
+            c = self._call(Op.ALL_TO_ALL, x, aux=direct.UNEVEN)
+        x = np.ascontiguousarray(x)
+        out = np.empty((sum(outs), *x.shape[1:]), x.dtype)
+        self.g.run("all_to_all", direct.all_to_all, self.comm, c, x, out, ins, outs)
+        return out
+
+    def _p2p(self, x: np.ndarray, peer: int, tag: int, counters: dict[int, int]) -> Call:
+        code = dtype_code(x.dtype)
+        counters[peer] = counters.get(peer, 0) + 1
+        return self.g.call(Op.SEND, Kind.P2P, code, 0, counters[peer], int(tag), x.size)
+
+    def send(self, x: Array, dst: int, tag: int) -> None:
+        x = _numpy(x, "send input")
+        dst = self._peer(dst, "dst", "send to")
+        c = self._p2p(x, dst, tag, self._tx)
+        xb = byte_view(np.ascontiguousarray(x))
+        self.g.run("send", lambda: self.g.wait_sent(c, dst, self.g.send(c, dst, xb)))
+
+    def post_send(self, x: Array, dst: int, tag: int) -> PendingSend:
+        """Start a send without waiting for it to leave (isend); the handle waits for it."""
+        x = _numpy(x, "isend input")
+        dst = self._peer(dst, "dst", "send to")
+        c = self._p2p(x, dst, tag, self._tx)
+        xb = byte_view(np.ascontiguousarray(x))
+        ticket = self.g.run("isend", self.g.send, c, dst, xb)
+        peer = self.g.peers[dst]
+
+        def wait(timeout: float, strict: bool) -> bool:
+            try:
+                peer.wait_sent(ticket, time.monotonic() + timeout)
+            except PeerTimeout:
+                if not strict:
+                    return False
+                self.g.run("isend", peer.wait_sent, ticket, time.monotonic())
+            except PeerError:
+                self.g.run("isend", peer.wait_sent, ticket, time.monotonic())
+            return True
+        return PendingSend(lambda: peer.sent_through(ticket), wait)
+
+    def recv(self, x: Array, src: int, tag: int) -> None:
+        x = _numpy(x, "recv buffer")
+        src = self._peer(src, "src", "receive from")
+        c = self._p2p(x, src, tag, self._rx)
+        self._inplace(x, "recv", lambda flat: self.g.recv(c, src, byte_view(flat)))
+
+    def barrier(self) -> None:
+        token = np.zeros(1, np.uint8)
+        self._seq += 1
+        c = self.g.call(Op.BARRIER, Kind.COLLECTIVE, dtype_code(token.dtype), 0, self._seq, 0, 1)
+        if self.size == 1:
+            return
+        path, on = self.placement.choose(c, Op.BARRIER, 0)
+        if path is Path.MAILBOX:
+            self.g.run("barrier", mailbox_ops.barrier, on, c)
+        else:
+            self.g.run("barrier", doubling.recursive_doubling, self.comm, c, token, ReduceOp.MAX)
+
+    def close(self) -> None:
+        self.g.close_peers()
+        self.placement.close()
+
+    def abort(self, reason: str) -> None:
+        """Send every peer an abort frame carrying `reason` (each raises `DistributedError` quoting it) and
+        shut down writing; the sockets stay open until `close` so that the frames are not lost to a reset."""
+        self.g.abort(reason)
+
+    def abort_failed(self, reason: str) -> None:
+        """`abort` with `reason` marked as the root cause: peers raise `DistributedError` saying just that."""
+        self.g.abort(reason, failed=True)
+
+
+BACKEND = TcpBackend

@@ -1,0 +1,107 @@
+"""Collectives of a group spread over hosts, in two levels (see `placement`): through each host's shared-memory
+arena, and between hosts over the sockets.
+
+`local` is this member's host (its members in rank order, sharing `arena`), `across` this member and its
+counterparts: the members with the same index on every host, in host order. A member's place is (host j,
+index i); `hosts[j][i]` is its group rank. Each op runs one level after the other, composing the one-level
+schedules: the sockets between hosts carry each byte once per host, split over the members' connections, and
+the rest moves through the host's shared memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from axond.distributed.backends.tcp.schedules import sockets
+from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.shm import arena_ops
+from axond.distributed.backends.tcp.shm.arena import ShmArena
+from axond.distributed.backends.tcp.transport.framing import Call
+from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.reducers import finish_average
+
+Hosts = tuple[tuple[int, ...], ...]
+BYTES = np.dtype(np.uint8)
+
+
+@dataclass(eq=False)
+class Levels:
+    """The two levels of one member of a group spread over hosts."""
+
+    local: Comm
+    across: Comm
+    arena: ShmArena
+    """This host's arena, mapped by every member of every host."""
+    hosts: Hosts
+
+    def __post_init__(self) -> None:
+        self.sync = arena_ops.Sync(self.local, None)
+        """A host's steps synchronize over its sockets (the mailbox is for groups on one host)."""
+
+    @property
+    def total(self) -> int:
+        return self.local.size * self.across.size
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+def all_reduce(lv: Levels, c: Call, x: np.ndarray, op: ReduceOp) -> None:
+    """x (flat, contiguous) <- the reduction over the group: each member reduces its part of every chunk on the host,
+    all-reduces it with its counterparts, and the host copies the results out (see `arena_ops.all_reduce`)."""
+    arena_ops.all_reduce(lv.local, lv.arena, lv.sync, c, x, op, lv.across, lv.total)
+
+
+def broadcast(lv: Levels, c: Call, x: np.ndarray, src: int) -> None:
+    """x (flat, contiguous) <- group rank `src`'s: first to its counterparts over the sockets, then on every host
+    from the member with src's index through the arena."""
+    j_src = next(j for j, host in enumerate(lv.hosts) if src in host)
+    i_src = lv.hosts[j_src].index(src)
+    if lv.local.rank == i_src:
+        sockets.broadcast(lv.across, c, x, j_src)
+    arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, i_src)
+
+
+def _order(hosts: Hosts) -> np.ndarray:
+    """Group rank of row (i, j) of a (per host, hosts) layout: member i of host j."""
+    return np.array(hosts, np.intp).T.reshape(-1)
+
+
+def all_gather(lv: Levels, c: Call, out: np.ndarray) -> None:
+    """out (size, ...) <- every member's row; out[rank] already holds this member's.
+
+    Across the hosts, this member gathers the rows of its counterparts; on its host, the members swap what
+    they gathered through the arena; then one copy puts the rows in group rank order.
+    """
+    k, per_host = lv.across.size, lv.local.size
+    rows = out.reshape(out.shape[0], -1).view(np.uint8)
+    width = rows.shape[1]
+    staged = lv.local.scratch.named("two_level", per_host * k * width, BYTES, per_host * k * width)
+    staged = staged.reshape(per_host, k, width)
+    me = staged[lv.local.rank]
+    np.copyto(me[lv.across.rank], rows[lv.hosts[lv.across.rank][lv.local.rank]])
+    sockets.all_gather(lv.across, c, me)
+    arena_ops.all_gather(lv.local, lv.arena, lv.sync, c, staged)
+    rows[_order(lv.hosts)] = staged.reshape(per_host * k, width)
+
+
+def reduce_scatter(lv: Levels, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+    """out (flat) <- block `rank` of the reduction of every member's src (flat, size blocks).
+
+    The blocks are first laid out so that member i's host holds, in row i, the blocks of every host's
+    member i; the host reduces row i into member i (through the arena), which then reduce-scatters those
+    k blocks with its counterparts over the sockets.
+    """
+    k, per_host = lv.across.size, lv.local.size
+    block = out.size
+    scratch = lv.local.scratch
+    laid = scratch.named("two_level", src.nbytes, src.dtype, src.size).reshape(per_host * k, block)
+    np.take(src.reshape(-1, block), _order(lv.hosts), axis=0, out=laid)
+    summed = scratch.named("two_level_sum", k * block * src.itemsize, src.dtype, k * block)
+    inner = ReduceOp.SUM if op is ReduceOp.AVG else op
+    arena_ops.reduce_scatter(lv.local, lv.arena, lv.sync, c, laid.reshape(-1), summed, inner)
+    sockets.reduce_scatter(lv.across, c, summed, out, inner)
+    if op is ReduceOp.AVG:
+        finish_average(out, lv.total)

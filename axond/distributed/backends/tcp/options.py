@@ -1,0 +1,103 @@
+"""Every knob of the tcp backend in one frozen dataclass; `TcpOptions.from_env` is the only reader of the environment.
+
+A group's options are fixed when it is created: pass `BackendOptions(tcp=TcpOptions(...))`, or leave `tcp` unset
+to read the AXOND_TCP_* and AXOND_SHM* variables then. `ENVIRONMENT` lists each variable with its field, default
+and meaning; docs/environment.md has the same table (a test checks it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Literal
+
+Algorithm = Literal["auto", "ring", "halving_doubling"]
+ALGORITHMS: tuple[Algorithm, ...] = ("auto", "ring", "halving_doubling")
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+NON_NEGATIVE = ("small_bytes", "chunk_bytes", "shm_arena_bytes")
+AUTO = ("spin_us", "inline_bytes", "shm_min_bytes")
+"""Fields whose negative default means "auto" (the environment may also say `auto`)."""
+
+
+@dataclass(frozen=True)
+class TcpOptions:
+    """How a tcp group moves data. Negative sizes and times mean "auto" (see `policy`)."""
+
+    small_bytes: int = 128 << 10
+    """All-reduce and broadcast up to this size use latency-optimal trees; above, pipelined rings and chains."""
+    chunk_bytes: int = 0
+    """Pipeline chunk size (0: a quarter of a block, clamped to 64 KiB..1 MiB)."""
+    spin_us: float = -1.0
+    """Microseconds a small receive busy-polls before blocking (0: never; < 0: 50 unless the host is oversubscribed)."""
+    spin_yield: bool = True
+    """Yield the CPU between polls (helps when ranks outnumber cores)."""
+    inline_bytes: int = -1
+    """Frames up to this size are first written without blocking from the op's thread (< 0: by oversubscription)."""
+    algorithm: Algorithm = "auto"
+    """All-reduce above `small_bytes`: "ring", "halving_doubling" (power-of-two groups) or "auto" (see `policy`)."""
+    shm: bool = True
+    """Use shared memory between the ranks of one host (False: everything through the sockets, as across hosts)."""
+    shm_min_bytes: int = -1
+    """Ops from this size go through the shared-memory arena (< 0: auto, see `policy.shm_min_bytes`)."""
+    shm_arena_bytes: int = 32 << 20
+    """Size of a group's arena; its slots (2 x (ranks + 1)) are the pipeline chunks of the path."""
+    shm_mailbox: bool = True
+    """Small ops of a group on one host through its shared mailbox (waits spin, yielding the CPU)."""
+    oversubscribed: bool | None = None
+    """Whether this host's ranks outnumber its cores (None: detected when the group forms); it picks algorithms."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={self.algorithm!r}: use auto, ring or halving_doubling")
+        for name in NON_NEGATIVE:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TcpOptions:
+        """The options the AXOND_TCP_* and AXOND_SHM* variables of `environ` (default: os.environ) set; ValueError
+        naming the variable and what it accepts for a bad value."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for var, (field, _, _) in ENVIRONMENT.items():
+            raw = env.get(var)
+            if raw is not None and raw.strip() != "":
+                values[field] = _parse(var, field, raw.strip())
+        return cls(**values)  # type: ignore[arg-type]
+
+
+ENVIRONMENT: dict[str, tuple[str, str, str]] = {
+    "AXOND_SHM": ("shm", "1", "shared memory between the ranks of one host (0: sockets only)"),
+    "AXOND_SHM_MAILBOX": ("shm_mailbox", "1", "small ops of a one-host group through a shared mailbox"),
+    "AXOND_SHM_MIN_BYTES": ("shm_min_bytes", "auto", "ops from this size go through the arena"),
+    "AXOND_SHM_ARENA_BYTES": ("shm_arena_bytes", "33554432", "size of a group's shared-memory arena"),
+    "AXOND_TCP_SMALL_BYTES": ("small_bytes", "131072", "all_reduce/broadcast up to this size use trees"),
+    "AXOND_TCP_CHUNK_BYTES": ("chunk_bytes", "0", "pipeline chunk size (0: auto, 64 KiB..1 MiB)"),
+    "AXOND_TCP_SPIN_US": ("spin_us", "auto", "microseconds a small receive busy-polls (0: never)"),
+    "AXOND_TCP_SPIN_YIELD": ("spin_yield", "1", "yield the CPU between polls"),
+    "AXOND_TCP_INLINE_BYTES": ("inline_bytes", "auto", "frames up to this size are written from the op's thread"),
+    "AXOND_TCP_ALGORITHM": ("algorithm", "auto", "large all_reduce: auto, ring or halving_doubling"),
+}
+"""variable -> (TcpOptions field, its default as docs/environment.md writes it: "auto" for a negative one, meaning)."""
+
+
+def _parse(var: str, field: str, raw: str) -> object:
+    kind = {f.name: f.type for f in fields(TcpOptions)}[field]
+    if kind == "bool":
+        if raw.lower() in TRUE + FALSE:
+            return raw.lower() in TRUE
+        raise ValueError(f"bad {var}={raw!r}: use 1 or 0 (true/false, yes/no, on/off)")
+    if kind == "Algorithm":
+        if raw not in ALGORITHMS:
+            raise ValueError(f"bad {var}={raw!r}: use auto, ring or halving_doubling")
+        return raw
+    if raw.lower() == "auto" and field in AUTO:
+        return -1 if kind == "int" else -1.0
+    try:
+        value = int(raw) if kind == "int" else float(raw)
+    except ValueError:
+        raise ValueError(f"bad {var}={raw!r}: use a number" + (" of bytes" if kind == "int" else "")) from None
+    if field in NON_NEGATIVE and value < 0:
+        raise ValueError(f"bad {var}={raw!r}: must not be negative")
+    return value

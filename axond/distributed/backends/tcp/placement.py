@@ -1,0 +1,153 @@
+"""Where a tcp group's members are and what shared memory they mapped, learned and decided by every member together.
+
+At the group's first op that could use shared memory (`policy.candidates` lists a shared-memory path while the
+hosts are unknown) the members exchange their addresses (the same address: the same host) and arena sizes over
+the sockets, so each derives the same `Topology`. Then:
+
+- Every member on one host: a mailbox for small ops and an arena for large ones, each mapped at the first op
+  that takes it (the arena's steps then synchronize through the mailbox).
+- Spread over hosts with as many members on each (two or more): an arena per host, mapped at the first op large
+  enough; from then on large ops run in two levels (`hierarchy.two_level`).
+- Otherwise (one member per host, hosts of different sizes, different arena sizes, or a member that cannot map
+  its host's arena): everything on the sockets.
+
+`choose` gives an op its path and the mapped resource it runs on: the first of the policy's candidates whose
+memory every member mapped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from axond.distributed.backends.tcp import policy
+from axond.distributed.backends.tcp.hierarchy.topology import RECORD_BYTES, Topology, describe
+from axond.distributed.backends.tcp.hierarchy.two_level import Levels
+from axond.distributed.backends.tcp.policy import Path, Shape
+from axond.distributed.backends.tcp.schedules import direct
+from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.shm.arena import ShmArena
+from axond.distributed.backends.tcp.shm.arena_ops import Sync
+from axond.distributed.backends.tcp.shm.mailbox import Mailbox
+from axond.distributed.backends.tcp.shm.mailbox import arena_bytes as mailbox_bytes
+from axond.distributed.backends.tcp.shm.setup import agree, map_arena
+from axond.distributed.backends.tcp.transport.framing import Call
+from axond.distributed.backends.tcp.transport.wire import OP_NAMES, Op
+
+CACHED_ROUTES = 256
+"""(op, size) pairs whose candidate paths are kept (a training loop asks for the same few every step)."""
+
+
+class Placement:
+    """One member's view of its group's hosts and shared memory."""
+
+    def __init__(self, comm: Comm, host: str) -> None:
+        self.comm = comm
+        self.host = host
+        """The address this member advertises to its peers: members advertising the same one share a host."""
+        self.topology: Topology | None = None
+        """The group's hosts once learned (None before, or if the members' shared-memory settings differ)."""
+        self.known = comm.size == 1
+        self.shape = Shape(comm.size, comm.oversubscribed, hosts=1 if self.known else None, per_host=comm.size)
+        self.mailbox: Mailbox | None = None
+        self.mailbox_tried = False
+        self.arena: ShmArena | None = None
+        """The arena of a group on one host, once mapped."""
+        self.levels: Levels | None = None
+        """The two levels of a group spread over hosts, once its hosts' arenas are mapped."""
+        self.arena_tried = False
+        """Whether the arena (one host) or the hosts' arenas (several) were set up, or tried."""
+        self.sync = Sync(comm, None)
+        """How the steps of the one-host arena synchronize (through the mailbox once it is mapped)."""
+        self._paths: dict[tuple[Op, int], tuple[Path, ...]] = {}
+
+    def choose(self, c: Call, op: Op, nbytes: int) -> tuple[Path, Any]:
+        """The path of op `op` on `nbytes` per rank (call `c`), and what it runs on: the mailbox, the arena, the
+        `Levels`, or None for the sockets. Learns the hosts or maps memory the first time an op needs it."""
+        paths = self._paths.get((op, nbytes))
+        if paths is None:
+            paths = policy.candidates(op, nbytes, self.shape, self.comm.options)
+            if len(paths) > 1 and not self.known:
+                self._learn(c)
+                paths = policy.candidates(op, nbytes, self.shape, self.comm.options)
+            if len(self._paths) >= CACHED_ROUTES:
+                self._paths.clear()
+            self._paths[(op, nbytes)] = paths
+        for path in paths:
+            if path is Path.MAILBOX:
+                box = self.mailbox if self.mailbox_tried else self._map_mailbox(c)
+                if box is not None:
+                    return path, box
+            elif path is Path.ARENA:
+                arena = self.arena if self.arena_tried else self._map_arena(c)
+                if arena is not None:
+                    return path, arena
+            elif path is Path.TWO_LEVEL:
+                levels = self.levels if self.arena_tried else self._map_levels(c)
+                if levels is not None:
+                    return path, levels
+        return Path.SOCKETS, None
+
+    def _learn(self, c: Call) -> None:
+        """Every member's address and arena size, gathered over the sockets: the same topology everywhere."""
+        records = np.zeros((self.comm.size, RECORD_BYTES), np.uint8)
+        records[self.comm.rank] = describe(self.host, self.comm.options.shm_arena_bytes)
+        self.comm.g.run(OP_NAMES[c.op], direct.direct_all_gather, self.comm, c, records)
+        topology = Topology.parse(records)
+        self.known, self._paths = True, {}
+        if not topology.same_settings:
+            self.shape = Shape(self.comm.size, self.comm.oversubscribed, hosts=0)
+            return
+        self.topology = topology
+        self.shape = Shape(self.comm.size, self.comm.oversubscribed, hosts=len(topology.nodes),
+                           per_host=topology.per_node)
+
+    def _map_mailbox(self, c: Call) -> Mailbox | None:
+        self.mailbox_tried = True
+        size = self.comm.size
+        arena = self.comm.g.run(OP_NAMES[c.op], map_arena, self.comm, c, mailbox_bytes(size))
+        if arena is not None:
+            self.mailbox = self.sync.mailbox = Mailbox(arena, self.comm.rank, size, self.comm.g)
+            self.comm.g.watch(self.mailbox.watch)
+        return self.mailbox
+
+    def _map_arena(self, c: Call) -> ShmArena | None:
+        self.arena_tried = True
+        self.arena = self.comm.g.run(OP_NAMES[c.op], map_arena, self.comm, c, self.comm.options.shm_arena_bytes)
+        if self.arena is not None and not self.mailbox_tried and policy.spins(self.comm.options, self.shape):
+            self._map_mailbox(c)  # the arena's steps synchronize through it
+        return self.arena
+
+    def _map_levels(self, c: Call) -> Levels | None:
+        self.arena_tried = True
+        self.levels = self.comm.g.run(OP_NAMES[c.op], self._two_levels, c)
+        return self.levels
+
+    def _two_levels(self, c: Call) -> Levels | None:
+        """Map this host's arena; every member of every host must have mapped its own, or none is used."""
+        topology, comm = self.topology, self.comm
+        assert topology is not None
+        local, across = comm.subset(topology.node_of(comm.rank)), comm.subset(topology.counterparts(comm.rank))
+        arena = map_arena(local, c, comm.options.shm_arena_bytes)
+        try:
+            mapped = agree(comm, c, arena is not None)
+        except BaseException:
+            if arena is not None:
+                arena.close()
+            raise
+        if not mapped or arena is None:
+            if arena is not None:
+                arena.close()
+            return None
+        return Levels(local, across, arena, topology.nodes)
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+        if self.levels is not None:
+            self.levels.close()
+        if self.mailbox is not None:
+            self.mailbox.close()
+        self.arena, self.levels, self.mailbox = None, None, None
+        self.arena_tried = self.mailbox_tried = True

@@ -1,0 +1,235 @@
+"""Which way each op of a tcp group goes: one pure decision per collective, holding every threshold.
+
+A route is a path and, on the sockets, an algorithm:
+
+- `MAILBOX`: small ops of a group on one host, in one round through a shared mailbox (`shm.mailbox`);
+- `ARENA`: large ops of a group on one host, through a shared-memory arena (`shm.arena_ops`);
+- `TWO_LEVEL`: large ops of a group spread over hosts with as many members (two or more) on each: through each
+  host's arena and between counterparts over the sockets (`hierarchy.two_level`);
+- `SOCKETS`: framed messages over the group's sockets, by the algorithm `socket_algorithm` picks (`schedules`).
+
+`candidates` lists the paths an op may take, best first; the backend takes the first whose shared memory every
+member mapped (the sockets always work). `route` answers "which path does a 1 MiB all_reduce on 4 ranks take?"
+for a group whose memory maps: `route(Op.ALL_REDUCE, 1 << 20, Shape(4))`. Sizes are the bytes of one rank's
+input; every rank of a group computes the same route from the same arguments.
+"""
+
+from __future__ import annotations
+
+import enum
+import platform
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from axond.distributed.backends.tcp.options import TcpOptions
+from axond.distributed.backends.tcp.transport.wire import Op
+
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+"""Whether stores become visible to other cores in program order (x86's TSO), which the mailbox relies on."""
+
+MAILBOX_BYTES = 4096
+"""Largest payload per rank that goes through the mailbox (all_gather: one block; reduce_scatter: the input)."""
+AUTO_MIN_BYTES = (64 << 10, 256 << 10)
+"""Default `shm_min_bytes` with (spare, oversubscribed) cores where the arena's steps synchronize over the sockets
+(groups of several hosts, no mailbox); all_reduce on more than two ranks and broadcast take twice that. Measured on
+2 cores, shared memory against sockets: at 2 ranks, reduce_scatter 32 KiB 47 / 43 us, 256 KiB 82 / 129 us; broadcast
+32 KiB 32 / 20 us, 256 KiB 50 / 60 us. At 4 ranks, all_reduce 256 KiB 467 / 454 us, 512 KiB 657 / 1022 us; broadcast
+256 KiB 262 / 179 us; all_gather 256 KiB 350 / 725 us."""
+MAILBOX_SYNC_MIN_BYTES = 4 << 10
+"""Default `shm_min_bytes` of a group whose arena steps synchronize through its mailbox (one host, x86, mailbox on):
+every op the mailbox does not take (all_reduce on more than two ranks and broadcast from twice that; broadcast on an
+oversubscribed host from 16 times, 64 KiB, as the socket tree's root need not wait for the others). Interleaved A/B on
+2 cores, arena against sockets, 8 and 32 KiB: at 2 ranks all_reduce 15-22 / 35-39 us and 23-24 / 40-46 us,
+reduce_scatter 22-29 / 29-36 us and 26-28 / 40-44 us; at 4 ranks all_reduce 129-161 / 164-196 us (8 KiB),
+reduce_scatter 98-111 / 247-307 us and 74-120 / 248-265 us, all_gather 32 KiB 65-102 / 239-283 us; broadcast at
+4 ranks 59-74 / 47-57 us (8 KiB), 51-81 / 51-61 us (16 KiB), 56-88 / 81-88 us (64 KiB)."""
+CROWDED_BROADCAST_ARENA_SCALE = 16
+"""On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB)."""
+CROWDED_DOUBLING_BYTES = 256 << 10
+"""With more ranks than cores on a power-of-two group, all-reduces up to this size use recursive doubling..."""
+CROWDED_HALVING_BYTES = 2 << 20
+"""...and up to this size halving-doubling: log2(n) pairwise steps keep the cores busier than a ring's
+n-1 dependent ones (bench busbw at n = 4 on 2 cores: 1.3-1.6x the ring's from 256 KiB to 2 MiB, no gain at 4 MiB)."""
+DIRECT_ALL_GATHER_BYTES = 4 << 20
+"""Output size up to which all_gather sends every block straight to every peer instead of around a ring."""
+CROWDED_TREE_BROADCAST_BYTES = 4 << 20
+"""With more ranks than cores, broadcasts up to this size use the binomial tree, not the pipelined chain: the
+same bytes in fewer, larger frames and a shallower critical path (A/B on 2 cores: 1.3-1.5x at 1 MiB and
+1.2-1.4x at 4 MiB with 3 and 4 ranks; the chain wins from 16 MiB)."""
+PAIR_ONE_ROUND_BYTES = 1 << 20
+"""With two ranks, all_reduce, broadcast and reduce_scatter up to this size send one frame each way (recursive
+doubling, one send, one direct round) instead of a pipelined ring or chain: two ranks have one hop, so the
+chunks only add calls (interleaved A/B at n = 2: 1.3-1.6x at 256 KiB, 1.05-1.6x at 1 MiB; the ring wins from 2 MiB)."""
+AUTO_INLINE_BYTES = (4 << 20, 256 << 10)
+"""Default `inline_bytes` with (spare, oversubscribed) cores: frames up to this size are first written without
+blocking from the op's thread. With a core per rank, writing from the op's thread beats waking the sender thread;
+with more ranks than cores, the sender thread keeps the op's thread receiving and reducing while the write waits."""
+AUTO_SPIN_SECONDS = 50e-6
+"""Default busy-poll time of small receives when this host's ranks do not outnumber its cores (else none)."""
+
+
+class Path(enum.Enum):
+    MAILBOX = "mailbox"
+    ARENA = "arena"
+    TWO_LEVEL = "two_level"
+    SOCKETS = "sockets"
+
+
+class Route(NamedTuple):
+    path: Path
+    algorithm: str = ""
+    """On the sockets: the schedule (`socket_algorithm`); else empty."""
+
+    def __str__(self) -> str:
+        return f"{self.path.value}:{self.algorithm}" if self.algorithm else self.path.value
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a route depends on besides the op, its size and the options: the group and where its members are."""
+
+    size: int
+    oversubscribed: bool = False
+    """Whether this host's ranks outnumber its cores."""
+    hosts: int | None = 1
+    """Hosts the members are on (None: not known yet: the members tell each other at the first op that could use
+    shared memory; 0: their shared-memory settings differ, so none is used)."""
+    per_host: int = 0
+    """Members on each host if every host has as many (else 0); with `hosts` 1, the size."""
+    ordered_stores: bool = ORDERED_STORES
+
+
+def shm_min_bytes(options: TcpOptions, oversubscribed: bool, spins: bool) -> int:
+    """The arena's threshold: `shm_min_bytes`, or by default MAILBOX_SYNC_MIN_BYTES if its steps synchronize through
+    the mailbox (`spins`), else AUTO_MIN_BYTES (every synchronization over the sockets costs a few context switches
+    on an oversubscribed host, so the path pays off only on larger ops)."""
+    if options.shm_min_bytes >= 0:
+        return options.shm_min_bytes
+    return MAILBOX_SYNC_MIN_BYTES if spins else AUTO_MIN_BYTES[oversubscribed]
+
+
+def spins(options: TcpOptions, shape: Shape) -> bool:
+    """Whether a one-host group's arena synchronizes its steps through the mailbox (mapped with it where it can be)."""
+    return options.shm_mailbox and shape.ordered_stores
+
+
+def inline_bytes(options: TcpOptions, oversubscribed: bool) -> int:
+    return options.inline_bytes if options.inline_bytes >= 0 else AUTO_INLINE_BYTES[oversubscribed]
+
+
+def spin_seconds(options: TcpOptions, oversubscribed: bool) -> float:
+    if options.spin_us >= 0:
+        return options.spin_us * 1e-6
+    return 0.0 if oversubscribed else AUTO_SPIN_SECONDS
+
+
+def _path_bytes(op: Op, nbytes: int, size: int) -> int:
+    """The bytes the arena and two-level thresholds are compared with: all_gather's output, else the input."""
+    return nbytes * size if op is Op.ALL_GATHER else nbytes
+
+
+def _large(nbytes: int, scale: int, threshold: int, options: TcpOptions, size: int) -> bool:
+    return size > 1 and options.shm and nbytes >= max(1, scale * threshold)
+
+
+def _mailbox(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
+    if shape.size == 1 or not (options.shm and options.shm_mailbox and shape.ordered_stores):
+        return False
+    if shape.hosts not in (None, 1) or nbytes > MAILBOX_BYTES:
+        return False
+    if op is Op.BARRIER:
+        return True
+    # On an oversubscribed host the socket tree wins a broadcast: its root need not wait for the others.
+    return nbytes > 0 and not (op is Op.BROADCAST and shape.oversubscribed)
+
+
+def _arena(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
+    if shape.hosts not in (None, 1) or op not in ARENA_OPS:
+        return False
+    spin = spins(options, shape)
+    scale = 1
+    if op is Op.ALL_REDUCE:
+        scale = 1 if shape.size == 2 else 2  # on more ranks its steps synchronize twice
+    elif op is Op.BROADCAST:
+        scale = CROWDED_BROADCAST_ARENA_SCALE if shape.oversubscribed and spin else 2  # one message per rank
+    threshold = shm_min_bytes(options, shape.oversubscribed, spin)
+    return _large(_path_bytes(op, nbytes, shape.size), scale, threshold, options, shape.size)
+
+
+def _two_level(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
+    if op not in ARENA_OPS or shape.hosts in (0, 1):
+        return False
+    total = _path_bytes(op, nbytes, shape.size)
+    threshold = shm_min_bytes(options, shape.oversubscribed, False)
+    if not _large(total, 1, threshold, options, shape.size):
+        return False
+    if shape.hosts is None:
+        return True  # may: the members' places decide
+    if shape.per_host < 2:
+        return False
+    scale = 2 if op is Op.BROADCAST else 1
+    if op is Op.ALL_REDUCE:
+        scale = 1 if shape.per_host == 2 else 2  # a host's steps synchronize twice with more than two members
+    return _large(total, scale, threshold, options, shape.size)
+
+
+ARENA_OPS = (Op.ALL_REDUCE, Op.BROADCAST, Op.ALL_GATHER, Op.REDUCE_SCATTER)
+
+
+def candidates(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> tuple[Path, ...]:
+    """The paths op `op` on `nbytes` per rank may take, best first; the last is always SOCKETS. With the hosts not
+    known yet (`shape.hosts` None), any shared-memory path in the list tells the backend to learn them first."""
+    paths = [path for path, fits in ((Path.MAILBOX, _mailbox), (Path.ARENA, _arena), (Path.TWO_LEVEL, _two_level))
+             if fits(op, nbytes, shape, options)]
+    return (*paths, Path.SOCKETS)
+
+
+def socket_algorithm(op: Op, nbytes: int, size: int, oversubscribed: bool, options: TcpOptions) -> str:
+    """The schedule of op `op` on `nbytes` per rank over the sockets of `size` ranks.
+
+    all_reduce: recursive "doubling" up to `small_bytes` (auto with two ranks: PAIR_ONE_ROUND_BYTES); above, the
+    `algorithm` option, where auto is the pipelined "ring" except on power-of-two groups of an oversubscribed host:
+    doubling to CROWDED_DOUBLING_BYTES, then "halving_doubling" to CROWDED_HALVING_BYTES.
+    broadcast: binomial "tree" up to `small_bytes` (two ranks: PAIR_ONE_ROUND_BYTES; oversubscribed:
+    CROWDED_TREE_BROADCAST_BYTES); above, the pipelined "chain". reduce: a binomial "tree".
+    all_gather: up to DIRECT_ALL_GATHER_BYTES of output, and always with two ranks, every block straight to every
+    peer ("direct"; "exchange" when a block is over `inline_bytes`: one non-blocking loop over every socket). Above,
+    a pipelined "ring"; on power-of-two groups of an oversubscribed host, recursive "doubling".
+    reduce_scatter: one "direct" round up to `small_bytes` (two ranks: PAIR_ONE_ROUND_BYTES); above, recursive
+    "halving" where all_reduce would use halving_doubling, else the pipelined "ring".
+    """
+    pow2, pair = size & (size - 1) == 0, size == 2 and nbytes <= PAIR_ONE_ROUND_BYTES
+    if op is Op.ALL_REDUCE:
+        return _all_reduce(nbytes, size, oversubscribed, options)
+    if op is Op.REDUCE_SCATTER:
+        if nbytes <= options.small_bytes or pair:
+            return "direct"
+        return "halving" if _all_reduce(nbytes, size, oversubscribed, options) == "halving_doubling" else "ring"
+    if op is Op.BROADCAST:
+        tree = nbytes <= options.small_bytes or pair or (oversubscribed and nbytes <= CROWDED_TREE_BROADCAST_BYTES)
+        return "tree" if tree else "chain"
+    if op is Op.ALL_GATHER:
+        if size == 2 or nbytes * size <= DIRECT_ALL_GATHER_BYTES:
+            return "exchange" if nbytes > inline_bytes(options, oversubscribed) else "direct"
+        return "doubling" if oversubscribed and pow2 and options.algorithm == "auto" else "ring"
+    return "tree" if op is Op.REDUCE else "direct"
+
+
+def _all_reduce(nbytes: int, size: int, oversubscribed: bool, options: TcpOptions) -> str:
+    auto, pow2 = options.algorithm == "auto", size & (size - 1) == 0
+    if nbytes <= options.small_bytes or (auto and size == 2 and nbytes <= PAIR_ONE_ROUND_BYTES):
+        return "doubling"
+    if auto and pow2 and oversubscribed:
+        if nbytes <= CROWDED_DOUBLING_BYTES:
+            return "doubling"
+        return "halving_doubling" if nbytes <= CROWDED_HALVING_BYTES else "ring"
+    return "halving_doubling" if options.algorithm == "halving_doubling" and pow2 else "ring"
+
+
+def route(op: Op, nbytes: int, shape: Shape, options: TcpOptions | None = None) -> Route:
+    """The route op `op` on `nbytes` per rank takes in a group of `shape` whose shared memory maps."""
+    options = options or TcpOptions()
+    path = candidates(op, nbytes, shape, options)[0]
+    if path is Path.SOCKETS:
+        return Route(path, socket_algorithm(op, nbytes, shape.size, shape.oversubscribed, options))
+    return Route(path)

@@ -1,0 +1,53 @@
+"""Socket options and host facts of the tcp transport: kernel timeouts and buffers, and whether this host's ranks
+outnumber its cores."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+SOCKET_BUFFER_BYTES = 4 << 20
+RECV_WAKEUP = 0.25
+"""A blocked receive wakes this often to check the op's deadline."""
+
+
+def tune_socket(sock: socket.socket, timeout: float) -> None:
+    """Blocking socket with kernel-side timeouts, no Nagle delay and large buffers."""
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(timeout, RECV_WAKEUP)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
+
+
+def oversubscribed(socks: list[socket.socket]) -> bool:
+    """Whether the ranks on this host outnumber its cores (then busy-polling or writing big frames inline hurts).
+
+    Ranks on this host: the peers reached through a local address (plus this one), or LOCAL_WORLD_SIZE if larger.
+    """
+    local = 1 + sum(1 for s in socks if same_host(s))
+    try:
+        local = max(local, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+    except ValueError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return local > cores
+
+
+def same_host(sock: socket.socket) -> bool:
+    try:
+        peer_host, local_host = sock.getpeername()[0], sock.getsockname()[0]
+    except OSError:
+        return False
+    return bool(peer_host == local_host or peer_host.startswith("127.") or peer_host == "::1")
+
+
+def _timeval(seconds: float) -> bytes:
+    seconds = max(min(seconds, 10**6), 0.001)
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))

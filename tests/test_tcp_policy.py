@@ -1,0 +1,148 @@
+"""The tcp backend's route policy and options: one call answers which path and schedule any op takes, every
+knob is a field of `TcpOptions` read from the environment in one place, and the documented table matches it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from axond.distributed import BackendOptions
+from axond.distributed.backends.tcp import TcpOptions
+from axond.distributed.backends.tcp.options import AUTO, ENVIRONMENT
+from axond.distributed.backends.tcp.policy import ORDERED_STORES, Path as P, Shape, candidates, route
+from axond.distributed.backends.tcp.transport.wire import Op
+from axond.testing import node_hosts, run_on, thread_groups
+
+KiB, MiB = 1 << 10, 1 << 20
+ONE_HOST = Shape(4)
+CROWDED = Shape(4, oversubscribed=True)
+PAIR = Shape(2)
+SPREAD = Shape(4, hosts=2, per_host=2)
+SOCKETS = TcpOptions(shm=False)
+NO_MAILBOX = TcpOptions(shm_mailbox=False)
+
+ROUTES = [
+    # op, bytes per rank, group, options -> route
+    (Op.ALL_REDUCE, 8, ONE_HOST, None, "mailbox"),
+    (Op.ALL_REDUCE, 4 * KiB, ONE_HOST, None, "mailbox"),
+    (Op.ALL_REDUCE, 4 * KiB + 8, ONE_HOST, None, "sockets:doubling"),  # arena from 2 x 4 KiB on 4 ranks
+    (Op.ALL_REDUCE, 8 * KiB, ONE_HOST, None, "arena"),
+    (Op.ALL_REDUCE, 1 * MiB, ONE_HOST, None, "arena"),
+    (Op.ALL_REDUCE, 8 * KiB, ONE_HOST, NO_MAILBOX, "sockets:doubling"),  # arena from 2 x 64 KiB without it
+    (Op.ALL_REDUCE, 128 * KiB, ONE_HOST, NO_MAILBOX, "arena"),
+    (Op.ALL_REDUCE, 1 * MiB, ONE_HOST, SOCKETS, "sockets:ring"),
+    (Op.ALL_REDUCE, 1 * MiB, CROWDED, SOCKETS, "sockets:halving_doubling"),
+    (Op.ALL_REDUCE, 200 * KiB, CROWDED, SOCKETS, "sockets:doubling"),
+    (Op.ALL_REDUCE, 8 * MiB, CROWDED, SOCKETS, "sockets:ring"),
+    (Op.ALL_REDUCE, 1 * MiB, PAIR, SOCKETS, "sockets:doubling"),  # two ranks: one round up to 1 MiB
+    (Op.ALL_REDUCE, 1 * MiB + 8, PAIR, SOCKETS, "sockets:ring"),
+    (Op.ALL_REDUCE, 1 * MiB, PAIR, TcpOptions(shm=False, algorithm="ring"), "sockets:ring"),
+    (Op.ALL_REDUCE, 1 * MiB, Shape(4, hosts=4, per_host=1), None, "sockets:ring"),  # one rank per host
+    (Op.ALL_REDUCE, 64 * KiB, SPREAD, None, "two_level"),  # two per host: from 1 x 64 KiB
+    (Op.ALL_REDUCE, 64 * KiB - 8, SPREAD, None, "sockets:doubling"),
+    (Op.ALL_REDUCE, 64 * KiB, Shape(6, hosts=2, per_host=3), None, "sockets:doubling"),  # three per host: 2 x 64 KiB
+    (Op.ALL_REDUCE, 128 * KiB, Shape(6, hosts=2, per_host=3), None, "two_level"),
+    (Op.ALL_REDUCE, 1 * MiB, Shape(6, hosts=3, per_host=0), None, "sockets:ring"),  # uneven hosts
+    (Op.ALL_REDUCE, 1 * MiB, Shape(4, hosts=0), None, "sockets:ring"),  # members' arena sizes differ
+    (Op.BROADCAST, 4 * KiB, ONE_HOST, None, "mailbox"),
+    (Op.BROADCAST, 4 * KiB, CROWDED, None, "sockets:tree"),  # the tree's root need not wait for the others
+    (Op.BROADCAST, 64 * KiB, CROWDED, None, "arena"),  # 16 x 4 KiB
+    (Op.BROADCAST, 64 * KiB - 8, CROWDED, None, "sockets:tree"),
+    (Op.BROADCAST, 4 * MiB, CROWDED, SOCKETS, "sockets:tree"),
+    (Op.BROADCAST, 4 * MiB + 8, CROWDED, SOCKETS, "sockets:chain"),
+    (Op.BROADCAST, 256 * KiB, ONE_HOST, SOCKETS, "sockets:chain"),
+    (Op.BROADCAST, 128 * KiB, SPREAD, None, "two_level"),  # 2 x 64 KiB
+    (Op.BROADCAST, 64 * KiB, SPREAD, None, "sockets:tree"),
+    (Op.ALL_GATHER, 1 * KiB, ONE_HOST, None, "mailbox"),
+    (Op.ALL_GATHER, 5 * KiB, ONE_HOST, None, "arena"),  # the arena counts the output: 20 KiB
+    (Op.ALL_GATHER, 16 * KiB, SPREAD, None, "two_level"),  # 64 KiB of output
+    (Op.ALL_GATHER, 1 * MiB, ONE_HOST, SOCKETS, "sockets:direct"),
+    (Op.ALL_GATHER, 1 * MiB + 8, ONE_HOST, SOCKETS, "sockets:ring"),  # over 4 MiB of output
+    (Op.ALL_GATHER, 1 * MiB + 8, CROWDED, SOCKETS, "sockets:doubling"),
+    (Op.ALL_GATHER, 8 * MiB, PAIR, SOCKETS, "sockets:exchange"),  # two ranks: always straight, past inline: exchange
+    (Op.REDUCE_SCATTER, 4 * KiB, ONE_HOST, None, "mailbox"),
+    (Op.REDUCE_SCATTER, 8 * KiB, ONE_HOST, None, "arena"),
+    (Op.REDUCE_SCATTER, 128 * KiB, ONE_HOST, SOCKETS, "sockets:direct"),
+    (Op.REDUCE_SCATTER, 1 * MiB, CROWDED, SOCKETS, "sockets:halving"),
+    (Op.REDUCE_SCATTER, 1 * MiB, ONE_HOST, SOCKETS, "sockets:ring"),
+    (Op.REDUCE_SCATTER, 1 * MiB, PAIR, SOCKETS, "sockets:direct"),
+    (Op.REDUCE, 1 * MiB, ONE_HOST, None, "sockets:tree"),
+    (Op.GATHER, 1 * MiB, ONE_HOST, None, "sockets:direct"),
+    (Op.ALL_TO_ALL, 1 * MiB, ONE_HOST, None, "sockets:direct"),
+    (Op.BARRIER, 0, ONE_HOST, None, "mailbox"),
+    (Op.BARRIER, 0, ONE_HOST, NO_MAILBOX, "sockets:direct"),
+    (Op.ALL_REDUCE, 8, Shape(1), None, "sockets:doubling"),
+]
+
+
+@pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox needs x86 store order")
+@pytest.mark.parametrize("op, nbytes, shape, options, want", ROUTES,
+                         ids=[f"{o.name.lower()}-{n}-{s.size}r{s.hosts}h-{i}" for i, (o, n, s, _, _) in enumerate(ROUTES)])
+def test_route_of_every_op_size_and_group(op: Op, nbytes: int, shape: Shape, options: TcpOptions | None,
+                                          want: str) -> None:
+    assert str(route(op, nbytes, shape, options)) == want
+
+
+def test_unknown_hosts_list_every_path_the_hosts_could_allow() -> None:
+    """Before the members tell each other where they are, a large op may take the arena or two levels: the backend
+    learns the hosts first. Small ops that only the sockets take never make it wait."""
+    unknown = Shape(4, hosts=None)
+    assert candidates(Op.ALL_REDUCE, 1 * MiB, unknown, TcpOptions()) == (P.ARENA, P.TWO_LEVEL, P.SOCKETS)
+    assert candidates(Op.ALL_REDUCE, 1 * MiB, unknown, SOCKETS) == (P.SOCKETS,)
+    assert candidates(Op.REDUCE, 1 * MiB, unknown, TcpOptions()) == (P.SOCKETS,)
+
+
+@pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox needs x86 store order")
+def test_the_backend_takes_the_route_the_policy_names() -> None:
+    """Real groups: the route each backend reports is the one its ops take (the memory they map says which)."""
+    one_host = thread_groups(2, options=BackendOptions(timeout=10.0, tcp=TcpOptions(oversubscribed=False)))
+    spread = thread_groups(4, options=BackendOptions(timeout=10.0, tcp=TcpOptions(oversubscribed=False)),
+                           hosts=node_hosts(4, 2))
+    try:
+        b = one_host[0].backend
+        assert str(b.route(Op.ALL_REDUCE, 8)) == "mailbox"  # type: ignore[union-attr]
+        run_on(one_host, lambda pg: pg.all_reduce(np.ones(1)))
+        assert all(pg.backend.placement.mailbox is not None and pg.backend.placement.arena is None  # type: ignore[union-attr]
+                   for pg in one_host)
+        assert str(b.route(Op.ALL_REDUCE, 1 * MiB)) == "arena"  # type: ignore[union-attr]
+        run_on(one_host, lambda pg: pg.all_reduce(np.ones(MiB // 8)))
+        assert all(pg.backend.placement.arena is not None for pg in one_host)  # type: ignore[union-attr]
+        run_on(spread, lambda pg: pg.all_reduce(np.ones(1)))  # learns the hosts
+        assert str(spread[0].backend.route(Op.ALL_REDUCE, 1 * MiB)) == "two_level"  # type: ignore[union-attr]
+        run_on(spread, lambda pg: pg.all_reduce(np.ones(MiB // 8)))
+        assert all(pg.backend.placement.levels is not None for pg in spread)  # type: ignore[union-attr]
+    finally:
+        for g in one_host + spread:
+            g.destroy()
+
+
+def test_options_from_the_environment() -> None:
+    env = {"AXOND_SHM": "off", "AXOND_TCP_SPIN_YIELD": "false", "AXOND_SHM_MIN_BYTES": "auto",
+           "AXOND_TCP_ALGORITHM": "ring", "AXOND_TCP_SPIN_US": "12.5", "AXOND_TCP_CHUNK_BYTES": " "}
+    assert TcpOptions.from_env(env) == TcpOptions(shm=False, spin_yield=False, algorithm="ring", spin_us=12.5)
+    assert TcpOptions.from_env({}) == TcpOptions()
+    for var, value, says in [("AXOND_TCP_SPIN_YIELD", "maybe", "use 1 or 0"), ("AXOND_TCP_SMALL_BYTES", "1k", "number"),
+                             ("AXOND_TCP_CHUNK_BYTES", "-5", "must not be negative")]:
+        with pytest.raises(ValueError, match=f"bad {var}='{value}': .*{says}"):
+            TcpOptions.from_env({var: value})
+    with pytest.raises(ValueError, match="algorithm='tree'"):
+        TcpOptions(algorithm="tree")  # type: ignore[arg-type]
+
+
+def test_every_option_has_a_variable_and_a_documented_row() -> None:
+    """ENVIRONMENT names every field but `oversubscribed` (detected), with the dataclass's default; the table in
+    docs/environment.md has the same rows."""
+    fields = {f.name: f.default for f in dataclasses.fields(TcpOptions)}
+    assert sorted(field for field, _, _ in ENVIRONMENT.values()) == sorted(set(fields) - {"oversubscribed"})
+    for var, (field, default, _) in ENVIRONMENT.items():
+        value = TcpOptions.from_env({var: default})
+        assert getattr(value, field) == fields[field], f"{var}: default {default!r} is not {fields[field]!r}"
+    page = (Path(__file__).resolve().parent.parent / "docs" / "environment.md").read_text()
+    rows = dict(re.findall(r"^\| `(AXOND_(?:TCP|SHM)\w*)` \| (`\w+` \| \S+) \|", page, flags=re.M))
+    want = {var: f"`{field}` | " + (default if field in AUTO else f"`{default}`")
+            for var, (field, default, _) in ENVIRONMENT.items()}
+    assert rows == want
