@@ -151,7 +151,9 @@ class JobLifecycle:
         self._check_join(j, node, min_nodes, max_nodes, max_restarts)
         pending = sum(x.nproc for nid, x in j.round.joiners.items() if nid != node_id)
         if pending + nproc > limits.max_world_size:
-            raise InvalidArgument(f"job {short(job)} would have more than {limits.max_world_size} ranks (max_world_size)")
+            raise InvalidArgument(
+                f"job {short(job)} would have more than {limits.max_world_size} ranks (max_world_size)"
+            )
         node.job = job
         self.members.mark(node)
         self.ctx.mark_job(job)
@@ -159,7 +161,9 @@ class JobLifecycle:
         if rnd.frozen:
             if rnd.member(node_id) is not None:
                 if node_id in j.exits:
-                    raise FailedPrecondition(f"node {node_id} already finished generation {j.generation} of job {job!r}")
+                    raise FailedPrecondition(
+                        f"node {node_id} already finished generation {j.generation} of job {job!r}"
+                    )
                 return self._assignment(j, node_id)
             self.waiting_next.setdefault(job, {})[node_id] = (node.order_key, nproc)
             if len(rnd.members or []) < j.max_nodes:
@@ -337,6 +341,8 @@ class JobLifecycle:
         self.members.mark(node)
         self.ctx.mark_job(job)
         if exit_code != 0:
-            self.finish(j, JobState.FAILED, exit_code, f"node {node_id} ({node.hostname}) exited with code {exit_code}", now)
+            self.finish(
+                j, JobState.FAILED, exit_code, f"node {node_id} ({node.hostname}) exited with code {exit_code}", now
+            )
         elif len(j.exits) == len(j.round.members or []):
             self.finish(j, JobState.SUCCEEDED, 0, "every rank exited 0", now)

@@ -92,7 +92,6 @@ class Scheduler:
             pending = self.deliveries.get(node_id, [])
             if job.name in pending:
                 pending.remove(job.name)
-        for node_id in list(job.assigned):
             self.ctx.notify("work", node_id)
 
     def take(self, node_id: str) -> tuple[list[str], list[str]]:

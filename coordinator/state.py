@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 from axond.coordinator.context import StateContext, Topic
 from axond.coordinator.errors import Unavailable
-from axond.coordinator.jobs import Event, Job, JobSpec
 from axond.coordinator.job_kv import JobKv
+from axond.coordinator.jobs import Event, Job, JobSpec
 from axond.coordinator.kv_space import ByteBudget
 from axond.coordinator.lifecycle import Assignment, HeartbeatResult, JobLifecycle
 from axond.coordinator.limits import CoordinatorLimits
@@ -42,8 +42,6 @@ from axond.coordinator.persistence.journal import Journal, TxLock, restore
 from axond.coordinator.scheduling import Scheduler
 from axond.coordinator.status import StatusSnapshot, snapshot
 from axond.coordinator.submitted import SubmittedJobs
-
-__all__ = ["Assignment", "CoordinatorState", "HeartbeatResult", "Topic"]
 
 
 class CoordinatorState:
@@ -142,10 +140,10 @@ class CoordinatorState:
     def tick(self, now: float) -> float | None:
         """Apply time-based transitions (dead nodes, settled rendezvous); returns the next deadline."""
         with self.lock:
-            live = self.members.liveness
+            interval = self.members.liveness.heartbeat_interval
             for node in self.members.newly_dead(now):
-                missed = live.dead_after_missed
-                self.lifecycle.node_lost(node, f"missed {missed} heartbeats ({missed * live.heartbeat_interval:.1f} s)", now)
+                missed = self.members.liveness.dead_after_missed
+                self.lifecycle.node_lost(node, f"missed {missed} heartbeats ({missed * interval:.1f} s)", now)
             return self.lifecycle.tick(now)
 
     def join(
