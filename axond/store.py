@@ -1,6 +1,6 @@
 """The key-value store interface the data plane builds on, and an in-process implementation.
 
-The coordinator's per-job, per-generation KV store (`axond.control.store.CoordinatorStore`) is the
+The coordinator's per-job, per-generation KV store (`axond.control.coordinator_store.CoordinatorStore`) is the
 real one; `InMemoryStore` serves groups of threads in one process (tests, benchmarks) with the
 same semantics. Keys are strings, values are opaque bytes.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from axond.coordinator.kv import KvSpace
+from axond.coordinator.kv_space import KvSpace
 from axond.coordinator.rendezvous import Round
 
 MAX_EVENTS = 100_000

@@ -63,7 +63,7 @@ class Liveness:
 
 
 class Membership:
-    """Registered nodes by id; the caller (CoordinatorState) holds the lock."""
+    """Registered nodes by id (plain; the caller holds the state's lock)."""
 
     def __init__(self, liveness: Liveness, limits: CoordinatorLimits | None = None) -> None:
         self.liveness = liveness
@@ -135,6 +135,14 @@ class Membership:
         if was_dead:
             self.mark(node)
         return node, was_dead
+
+    def heartbeat(self, node_id: str, now: float, local_pids: tuple[int, ...] = ()) -> Node:
+        """Record a heartbeat, with the pids of the node's local ranks if it sent them."""
+        node, _ = self.touch(node_id, now)
+        if local_pids:
+            check_at_most("local_pids", len(local_pids), self.limits.max_nproc_per_node, "max_nproc_per_node")
+            node.local_pids = tuple(local_pids)
+        return node
 
     def health(self, node: Node, now: float) -> Health:
         if node.dead:

@@ -1,4 +1,4 @@
-"""Placement of submitted jobs on worker daemons (plain; CoordinatorState holds the lock).
+"""Placement of submitted jobs on worker daemons (plain; the caller holds the state's lock).
 
 A queued job is placed on the first `nnodes` alive daemons, ordered by (hostname, registration
 order), that have `nproc_per_node` free slots; placement is all-or-nothing for a new job, and
@@ -8,6 +8,7 @@ once, on the daemon's next PollWork.
 
 from __future__ import annotations
 
+from axond.coordinator.context import StateContext
 from axond.coordinator.jobs import InfoEvent, Job
 from axond.coordinator.membership import Membership, Node
 
@@ -15,7 +16,9 @@ from axond.coordinator.membership import Membership, Node
 class Scheduler:
     """The queue of submitted jobs awaiting daemons, and per-daemon deliveries."""
 
-    def __init__(self) -> None:
+    def __init__(self, members: Membership, ctx: StateContext) -> None:
+        self.members = members
+        self.ctx = ctx
         self.queue: list[str] = []
         self.deliveries: dict[str, list[str]] = {}
         self.cancels: dict[str, list[str]] = {}
@@ -24,9 +27,9 @@ class Scheduler:
         if name not in self.queue:
             self.queue.append(name)
 
-    def free_slots(self, members: Membership, jobs: dict[str, Job]) -> dict[str, int]:
-        free = {n.node_id: n.slots for n in members.nodes.values() if n.daemon and not n.dead}
-        for job in jobs.values():
+    def free_slots(self) -> dict[str, int]:
+        free = {n.node_id: n.slots for n in self.members.nodes.values() if n.daemon and not n.dead}
+        for job in self.ctx.jobs.values():
             if job.spec is None or job.state.terminal:
                 continue
             for node_id in job.assigned:
@@ -34,8 +37,20 @@ class Scheduler:
                     free[node_id] -= job.spec.nproc_per_node
         return free
 
-    def place(self, members: Membership, jobs: dict[str, Job]) -> tuple[list[str], list[str]]:
+    def place(self) -> None:
+        """Place what fits, waking the daemons with a new delivery and the readers of jobs with a new notice."""
+        for name in self.queue:
+            self.ctx.mark_job(name)
+        self.ctx.mark_meta()
+        woken, noted = self._place()
+        for node_id in woken:
+            self.ctx.notify("work", node_id)
+        for name in noted:
+            self.ctx.notify("events", name)
+
+    def _place(self) -> tuple[list[str], list[str]]:
         """Place what fits; returns (node ids with a new delivery, jobs with a new notice)."""
+        members, jobs = self.members, self.ctx.jobs
         woken: list[str] = []
         noted: list[str] = []
         for name in list(self.queue):
@@ -48,7 +63,7 @@ class Scheduler:
             if need <= 0:
                 self.queue.remove(name)
                 continue
-            free = self.free_slots(members, jobs)
+            free = self.free_slots()
             candidates: list[Node] = sorted(
                 (members.nodes[i] for i, f in free.items() if f >= spec.nproc_per_node and i not in job.assigned),
                 key=lambda n: n.order_key,
@@ -70,14 +85,14 @@ class Scheduler:
                 self.queue.remove(name)
         return woken, noted
 
-    def cancel(self, job: Job) -> list[str]:
-        """Tell the job's daemons to stop it; returns their ids."""
+    def cancel(self, job: Job) -> None:
+        """Tell the job's daemons to stop it (on their next PollWork)."""
         for node_id in job.assigned:
             self.cancels.setdefault(node_id, []).append(job.name)
             pending = self.deliveries.get(node_id, [])
             if job.name in pending:
                 pending.remove(job.name)
-        return list(job.assigned)
+            self.ctx.notify("work", node_id)
 
     def take(self, node_id: str) -> tuple[list[str], list[str]]:
         """Pop the job names newly assigned to and cancelled on `node_id`."""

@@ -1,10 +1,8 @@
-"""The submitted-jobs half of CoordinatorState: `axond run` jobs, daemon work, output and cancel."""
+"""Submitted jobs (`axond run`): the queue for worker daemons, their work, the jobs' output and cancel."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Hashable
-
+from axond.coordinator.context import StateContext
 from axond.coordinator.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -16,10 +14,9 @@ from axond.coordinator.errors import (
     check_positive,
     short,
 )
-from axond.coordinator.jobs import CANCELLED_EXIT_CODE, Event, Job, JobSpec, JobState, OutputEvent
-from axond.coordinator.limits import CoordinatorLimits
+from axond.coordinator.jobs import CANCELLED_EXIT_CODE, Event, JobSpec, JobState, OutputEvent
+from axond.coordinator.lifecycle import JobLifecycle
 from axond.coordinator.membership import Membership
-from axond.coordinator.persistence.journal import TxLock
 from axond.coordinator.scheduling import Scheduler
 
 MAX_LINES_PER_PUSH = 10_000
@@ -27,35 +24,18 @@ MAX_LINE_CHARS = 64 * 1024
 
 
 class SubmittedJobs:
-    """Job submission and the daemon side; mixed into CoordinatorState."""
+    """Job submission and the daemon side (plain; the caller holds the lock)."""
 
-    lock: threading.RLock | TxLock
-    jobs: dict[str, Job]
-    members: Membership
-    scheduler: Scheduler
-    limits: CoordinatorLimits
-    _job_seq: int
-
-    def _job(self, name: str) -> Job:
-        raise NotImplementedError
-
-    def _notify(self, *topic: Hashable) -> None:
-        raise NotImplementedError
-
-    def _new_job(self, name: str, min_nodes: int, max_nodes: int, max_restarts: int) -> Job:
-        raise NotImplementedError
-
-    def _finish(self, j: Job, state: JobState, exit_code: int, message: str, now: float) -> None:
-        raise NotImplementedError
-
-    def _mark_job(self, name: str) -> None:
-        raise NotImplementedError
-
-    def _mark_meta(self) -> None:
-        raise NotImplementedError
+    def __init__(self, members: Membership, lifecycle: JobLifecycle, scheduler: Scheduler, ctx: StateContext) -> None:
+        self.members = members
+        self.lifecycle = lifecycle
+        self.scheduler = scheduler
+        self.ctx = ctx
+        self.job_seq = 0
+        """The number in the last generated job name (job-N)."""
 
     def _check_spec(self, spec: JobSpec) -> None:
-        limits = self.limits
+        limits = self.ctx.limits
         check_positive("nnodes", spec.nnodes)
         check_positive("nproc_per_node", spec.nproc_per_node)
         check_at_most("nnodes", spec.nnodes, limits.max_nnodes, "max_nnodes")
@@ -71,86 +51,69 @@ class SubmittedJobs:
 
     def submit_job(self, name: str, spec: JobSpec, now: float) -> str:
         """Queue a job for placement on worker daemons; returns its name (generated if empty)."""
-        with self.lock:
-            self._check_spec(spec)
-            if len(self.scheduler.queue) >= self.limits.max_queued_jobs:
-                raise ResourceExhausted(
-                    f"{len(self.scheduler.queue)} submitted jobs already wait for worker daemons (max_queued_jobs); "
-                    "start more `axond worker --slots K` daemons or cancel queued jobs"
-                )
-            if not name:
-                self._job_seq += 1
-                while f"job-{self._job_seq}" in self.jobs:
-                    self._job_seq += 1
-                name = f"job-{self._job_seq}"
-            check_name("job", name, self.limits.max_name_chars)
-            old = self.jobs.get(name)
-            if old is not None and not old.state.terminal:
-                raise AlreadyExists(f"job {short(name)} is still {old.state.name}; pick another name or cancel it")
-            j = self._new_job(name, spec.nnodes, spec.nnodes, spec.max_restarts)
-            j.spec = spec
-            self.scheduler.enqueue(name)
-            self._place()
-            return name
-
-    def _place(self) -> None:
-        for name in self.scheduler.queue:
-            self._mark_job(name)
-        self._mark_meta()
-        woken, noted = self.scheduler.place(self.members, self.jobs)
-        for node_id in woken:
-            self._notify("work", node_id)
-        for name in noted:
-            self._notify("events", name)
+        self._check_spec(spec)
+        if len(self.scheduler.queue) >= self.ctx.limits.max_queued_jobs:
+            raise ResourceExhausted(
+                f"{len(self.scheduler.queue)} submitted jobs already wait for worker daemons (max_queued_jobs); "
+                "start more `axond worker --slots K` daemons or cancel queued jobs"
+            )
+        if not name:
+            self.job_seq += 1
+            while f"job-{self.job_seq}" in self.ctx.jobs:
+                self.job_seq += 1
+            name = f"job-{self.job_seq}"
+        check_name("job", name, self.ctx.limits.max_name_chars)
+        old = self.ctx.jobs.get(name)
+        if old is not None and not old.state.terminal:
+            raise AlreadyExists(f"job {short(name)} is still {old.state.name}; pick another name or cancel it")
+        j = self.lifecycle.new_job(name, spec.nnodes, spec.nnodes, spec.max_restarts)
+        j.spec = spec
+        self.scheduler.enqueue(name)
+        self.scheduler.place()
+        return name
 
     def take_work(self, node_id: str, now: float) -> tuple[list[tuple[str, JobSpec]], list[str]]:
         """Assignments and cancellations for a daemon, each delivered once."""
-        with self.lock:
-            node, _ = self.members.touch(node_id, now)
-            if not node.daemon:
-                raise FailedPrecondition(
-                    f"node {node_id} did not register as a daemon (slots >= 1); it cannot take work"
-                )
-            self._place()
-            names, cancelled = self.scheduler.take(node_id)
-            self._mark_meta()
-            work = []
-            for name in names:
-                job = self.jobs.get(name)
-                if job is not None and job.spec is not None and not job.state.terminal:
-                    work.append((name, job.spec))
-            return work, cancelled
+        node, _ = self.members.touch(node_id, now)
+        if not node.daemon:
+            raise FailedPrecondition(f"node {node_id} did not register as a daemon (slots >= 1); it cannot take work")
+        self.scheduler.place()
+        names, cancelled = self.scheduler.take(node_id)
+        self.ctx.mark_meta()
+        work = []
+        for name in names:
+            job = self.ctx.jobs.get(name)
+            if job is not None and job.spec is not None and not job.state.terminal:
+                work.append((name, job.spec))
+        return work, cancelled
 
     def push_output(self, job: str, node_id: str, lines: list[tuple[int, str, str]]) -> None:
         """Append rank output lines to the job's event log; only the job's own nodes may."""
-        with self.lock:
-            j = self._job(job)
-            self.members.get(node_id)
-            if node_id not in j.assigned and j.round.member(node_id) is None:
-                raise PermissionDenied(f"node {short(node_id)} does not run job {short(job)}; it cannot push its output")
-            if len(lines) > MAX_LINES_PER_PUSH:
-                raise InvalidArgument(f"{len(lines)} output lines in one call; send at most {MAX_LINES_PER_PUSH}")
-            for rank, stream, text in lines:
-                if rank < -1:
-                    raise InvalidArgument(f"output line rank {rank}; it must be >= 0 (or -1 for the agent)")
-                if stream not in ("stdout", "stderr"):
-                    raise InvalidArgument(f"output stream {stream!r}; it must be 'stdout' or 'stderr'")
-                if len(text) > MAX_LINE_CHARS:
-                    raise InvalidArgument(f"an output line of {len(text)} characters; split it (limit {MAX_LINE_CHARS})")
-            for rank, stream, text in lines:
-                j.events.append(OutputEvent(rank, stream, text))
-            self._notify("events", job)
+        j = self.ctx.job(job)
+        self.members.get(node_id)
+        if node_id not in j.assigned and j.round.member(node_id) is None:
+            raise PermissionDenied(f"node {short(node_id)} does not run job {short(job)}; it cannot push its output")
+        if len(lines) > MAX_LINES_PER_PUSH:
+            raise InvalidArgument(f"{len(lines)} output lines in one call; send at most {MAX_LINES_PER_PUSH}")
+        for rank, stream, text in lines:
+            if rank < -1:
+                raise InvalidArgument(f"output line rank {rank}; it must be >= 0 (or -1 for the agent)")
+            if stream not in ("stdout", "stderr"):
+                raise InvalidArgument(f"output stream {stream!r}; it must be 'stdout' or 'stderr'")
+            if len(text) > MAX_LINE_CHARS:
+                raise InvalidArgument(f"an output line of {len(text)} characters; split it (limit {MAX_LINE_CHARS})")
+        for rank, stream, text in lines:
+            j.events.append(OutputEvent(rank, stream, text))
+        self.ctx.notify("events", job)
 
     def read_events(self, job: str, index: int) -> tuple[list[Event], int, int, bool]:
         """Events from `index`: (events, next index, dropped count, whether the job finished)."""
-        with self.lock:
-            j = self._job(job)
-            events, nxt, skipped = j.events.read(index)
-            return events, nxt, skipped, j.state.terminal
+        j = self.ctx.job(job)
+        events, nxt, skipped = j.events.read(index)
+        return events, nxt, skipped, j.state.terminal
 
     def cancel_job(self, job: str, now: float) -> None:
         """Cancel a job (idempotent): agents learn it on their next heartbeat, daemons on PollWork."""
-        with self.lock:
-            j = self._job(job)
-            if not j.state.terminal:
-                self._finish(j, JobState.CANCELLED, CANCELLED_EXIT_CODE, "cancelled", now)
+        j = self.ctx.job(job)
+        if not j.state.terminal:
+            self.lifecycle.finish(j, JobState.CANCELLED, CANCELLED_EXIT_CODE, "cancelled", now)

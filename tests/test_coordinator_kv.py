@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from axond.control.client import CoordinatorClient, connect
-from axond.control.store import CoordinatorStore
+from axond.control.coordinator_store import CoordinatorStore
 from axond.coordinator.server import RunningCoordinator
 from axond.errors import StoreError, StoreTimeout
 

@@ -6,7 +6,7 @@ import pytest
 
 from axond.coordinator.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from axond.coordinator.jobs import FinishedEvent, InfoEvent, JobSpec, JobState, OutputEvent
-from axond.coordinator.kv import MAX_SPACE_BYTES
+from axond.coordinator.kv_space import MAX_SPACE_BYTES
 from axond.coordinator.membership import Health
 from axond.coordinator.state import CoordinatorState
 from axond.store import MAX_VALUE_BYTES

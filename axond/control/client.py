@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from axond.control.channel import normalize_address, open_channel
 from axond.control.credentials import LocalToken, token_source
 from axond.control.errors import translate
-from axond.control.store import CoordinatorStore
+from axond.control.coordinator_store import CoordinatorStore
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc

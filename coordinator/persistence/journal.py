@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from axond.coordinator.jobs import EventLog
-from axond.coordinator.kv import ARRIVAL_OVERHEAD, KvSpace
+from axond.coordinator.kv_space import ARRIVAL_OVERHEAD, KvSpace
 from axond.coordinator.persistence import records
 from axond.coordinator.persistence.base import Changes, Snapshot
 
@@ -111,7 +111,7 @@ class Journal:
                 c.barriers[(job, name)] = (j.generation, records.barrier_record(barrier))
         if self.meta:
             s = state.scheduler
-            c.meta = records.scheduler_meta(s.queue, s.deliveries, s.cancels, state._job_seq, members._seq)
+            c.meta = records.scheduler_meta(s.queue, s.deliveries, s.cancels, state.submitted.job_seq, members._seq)
         self.jobs.clear()
         self.replaced_jobs.clear()
         self.cleared_stores.clear()
@@ -149,6 +149,6 @@ def restore(state: CoordinatorState, snap: Snapshot, now: float) -> None:
     state.scheduler.queue = list(meta.get("queue", []))
     state.scheduler.deliveries = {k: list(v) for k, v in meta.get("deliveries", {}).items()}
     state.scheduler.cancels = {k: list(v) for k, v in meta.get("cancels", {}).items()}
-    state._job_seq = int(meta.get("job_seq", 0))
+    state.submitted.job_seq = int(meta.get("job_seq", 0))
     members._seq = max([int(meta.get("node_seq", 0))] + [n.seq for n in members.nodes.values()])
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from axond.coordinator.jobs import Event, EventLog, FinishedEvent, InfoEvent, Job, JobSpec, JobState, OutputEvent
-from axond.coordinator.kv import BarrierState
+from axond.coordinator.kv_space import BarrierState
 from axond.coordinator.membership import Node
 from axond.coordinator.persistence.base import Record
 from axond.coordinator.rendezvous import Member, Round

@@ -1,0 +1,348 @@
+"""Jobs from rendezvous to their end: join, freeze, generations, restarts, failures and exits.
+
+Plain and non-blocking; the caller (`CoordinatorState`) holds the lock. A job's first rendezvous
+round opens when a node joins (or `axond run` submits it); a failure or a lost node opens the next
+generation, whose store starts empty, until restarts run out.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from axond.coordinator.context import StateContext
+from axond.coordinator.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    check_at_most,
+    check_name,
+    check_positive,
+    short,
+)
+from axond.coordinator.jobs import EventLog, FinishedEvent, InfoEvent, Job, JobState
+from axond.coordinator.membership import Membership, Node
+from axond.coordinator.rendezvous import Member, Round
+from axond.coordinator.scheduling import Scheduler
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What Join answers once the generation is frozen."""
+
+    generation: int
+    node_rank: int
+    nnodes: int
+    rank_offset: int
+    world_size: int
+    local_world_size: int
+    job_secret: bytes
+    restarts_left: int
+
+
+@dataclass(frozen=True)
+class HeartbeatResult:
+    generation: int
+    state: JobState | None
+    reason: str
+
+
+class JobLifecycle:
+    """Every job's rounds and generations, and the nodes waiting for a job's next generation."""
+
+    def __init__(self, members: Membership, scheduler: Scheduler, ctx: StateContext, settle_time: float) -> None:
+        self.members = members
+        self.scheduler = scheduler
+        self.ctx = ctx
+        self.settle_time = settle_time
+        self.waiting_next: dict[str, dict[str, tuple[tuple[str, int], int]]] = {}
+        """Per job: nodes that joined a frozen generation, by id -> (rank order key, nproc)."""
+
+    def new_job(self, name: str, min_nodes: int, max_nodes: int, max_restarts: int) -> Job:
+        """Record a new job at generation 1, first forgetting old records if the job table is full."""
+        ctx = self.ctx
+        old = ctx.jobs.pop(name, None)
+        if old is not None:
+            old.kv.release()
+        ctx.job_replaced(name)
+        if len(ctx.jobs) >= ctx.limits.max_jobs:
+            self._forget_jobs()
+        j = Job(
+            name, min_nodes, max_nodes, max_restarts, self._new_round(1, min_nodes, max_nodes), kv=ctx.new_space(),
+            events=EventLog(ctx.limits.max_output_bytes_per_job),
+        )
+        ctx.jobs[name] = j
+        return j
+
+    def _forget_jobs(self) -> None:
+        """Drop finished and abandoned jobs, oldest first, until there is room for one more."""
+        jobs, max_jobs = self.ctx.jobs, self.ctx.limits.max_jobs
+
+        def abandoned(j: Job) -> bool:
+            return j.spec is None and not j.round.frozen and not j.round.joiners and not self.waiting_next.get(j.name)
+
+        candidates = [j for j in jobs.values() if j.state.terminal or abandoned(j)]
+        candidates.sort(key=lambda j: (not j.state.terminal, j.finished_at or 0.0))
+        for j in candidates[: len(jobs) - max_jobs + 1]:
+            j.kv.release()
+            del jobs[j.name]
+            self.ctx.mark_job(j.name)
+            self.waiting_next.pop(j.name, None)
+        if len(jobs) >= max_jobs:
+            raise ResourceExhausted(
+                f"the coordinator holds {len(jobs)} active jobs, its limit (max_jobs); "
+                "cancel finished work or raise the limit"
+            )
+
+    def _new_round(self, generation: int, min_nodes: int, max_nodes: int) -> Round:
+        return Round(generation, min_nodes, max_nodes, self.settle_time, secrets.token_bytes(16))
+
+    def heartbeat(self, job: str) -> HeartbeatResult:
+        """What a heartbeat answers about `job` (empty: the node runs none)."""
+        if not job:
+            return HeartbeatResult(0, None, "")
+        j = self.ctx.job(job)
+        return HeartbeatResult(j.generation, j.state, j.reason)
+
+    def node_lost(self, node: Node, why: str, now: float) -> None:
+        """The node died or left: drop it from open rounds and restart the jobs it ran."""
+        for job in list(self.ctx.jobs.values()):
+            self.waiting_next.get(job.name, {}).pop(node.node_id, None)
+            if job.state.terminal:
+                continue
+            if job.round.remove(node.node_id):
+                self.ctx.notify("job", job.name)
+            lost_assigned = node.node_id in job.assigned and job.round.member(node.node_id) is None
+            if job.active_member(node.node_id) or lost_assigned:
+                if node.node_id in job.assigned:
+                    job.assigned.remove(node.node_id)
+                    self.scheduler.enqueue(job.name)
+                self._bump(job, f"node {node.node_id} ({node.hostname}) {why}", True, 1, now)
+        self.scheduler.place()
+
+    def tick(self, now: float) -> float | None:
+        """Freeze the rounds that settled; returns the next time a round freezes on its own."""
+        deadlines = []
+        for job in self.ctx.jobs.values():
+            self._maybe_freeze(job, now)
+            at = job.round.freeze_at()
+            if at is not None:
+                deadlines.append(at)
+        return min(deadlines) if deadlines else None
+
+    def join(
+        self, job: str, node_id: str, nproc: int, min_nodes: int, max_nodes: int, max_restarts: int, now: float
+    ) -> Assignment | None:
+        """Enter the job's rendezvous; returns the assignment once frozen, None while it is open."""
+        limits = self.ctx.limits
+        check_name("job", job, limits.max_name_chars)
+        check_positive("nproc", nproc)
+        check_positive("min_nodes", min_nodes)
+        check_at_most("nproc", nproc, limits.max_nproc_per_node, "max_nproc_per_node")
+        check_at_most("nnodes MAX", max_nodes, limits.max_nnodes, "max_nnodes")
+        if max_nodes < min_nodes:
+            raise InvalidArgument(f"nnodes {min_nodes}:{max_nodes}: MIN must be <= MAX")
+        if max_restarts < 0:
+            raise InvalidArgument(f"max_restarts is {max_restarts}; it must be >= 0")
+        node, _ = self.members.touch(node_id, now)
+        j = self.ctx.jobs.get(job)
+        if j is None or (j.state.terminal and j.spec is None):
+            j = self.new_job(job, min_nodes, max_nodes, max_restarts)
+        self._check_join(j, node, min_nodes, max_nodes, max_restarts)
+        pending = sum(x.nproc for nid, x in j.round.joiners.items() if nid != node_id)
+        if pending + nproc > limits.max_world_size:
+            raise InvalidArgument(
+                f"job {short(job)} would have more than {limits.max_world_size} ranks (max_world_size)"
+            )
+        node.job = job
+        self.members.mark(node)
+        self.ctx.mark_job(job)
+        rnd = j.round
+        if rnd.frozen:
+            if rnd.member(node_id) is not None:
+                if node_id in j.exits:
+                    raise FailedPrecondition(
+                        f"node {node_id} already finished generation {j.generation} of job {job!r}"
+                    )
+                return self._assignment(j, node_id)
+            self.waiting_next.setdefault(job, {})[node_id] = (node.order_key, nproc)
+            if len(rnd.members or []) < j.max_nodes:
+                self._bump(j, f"node {node_id} ({node.hostname}) joined; re-forming with more nodes", False, 0, now)
+            return None
+        rnd.add(node_id, node.order_key, nproc, now)
+        if rnd.freeze_at() is not None:
+            self.ctx.notify("timer")
+        self._maybe_freeze(j, now)
+        return self._assignment(j, node_id) if rnd.member(node_id) else None
+
+    @staticmethod
+    def _check_join(j: Job, node: Node, min_nodes: int, max_nodes: int, max_restarts: int) -> None:
+        if j.state.terminal:
+            raise FailedPrecondition(f"job {j.name!r} has finished ({j.state.name}); submit it again")
+        if (j.min_nodes, j.max_nodes) != (min_nodes, max_nodes) or j.max_restarts != max_restarts:
+            raise FailedPrecondition(
+                f"job {j.name!r} runs with nnodes {j.min_nodes}:{j.max_nodes} and max_restarts {j.max_restarts}, "
+                f"this worker asks {min_nodes}:{max_nodes} and {max_restarts}; pass the same options "
+                "to every worker or use another --job name"
+            )
+        if j.spec is not None and node.node_id not in j.assigned:
+            raise FailedPrecondition(
+                f"job {j.name!r} was submitted with `axond run` and runs only on its assigned daemons"
+            )
+
+    def join_result(self, job: str, node_id: str, now: float, since: int = 0) -> Assignment | None:
+        """Poll a pending Join: the assignment, None to keep waiting, or an error if dropped.
+
+        `since` is the generation the Join started in: if a generation >= since froze with this
+        node and then already moved on, its assignment is still returned (the node learns of the
+        newer generation from its heartbeat and joins again).
+        """
+        j = self.ctx.job(job)
+        if j.state.terminal:
+            raise FailedPrecondition(f"job {job!r} finished ({j.state.name}) while this node waited to join")
+        self._maybe_freeze(j, now)
+        if j.round.member(node_id) is not None and node_id not in j.exits:
+            return self._assignment(j, node_id)
+        for old in reversed(j.past_rounds):
+            m = old.member(node_id)
+            if old.generation >= since and m is not None:
+                return Assignment(
+                    old.generation, m.node_rank, len(old.members or []), m.rank_offset, old.world_size, m.nproc,
+                    old.secret, j.restarts_left,
+                )
+        if node_id in j.round.joiners or node_id in self.waiting_next.get(job, {}):
+            return None
+        raise FailedPrecondition(
+            f"node {node_id} is no longer in the rendezvous of job {job!r} (generation {j.generation}); "
+            "it was declared dead or the generation moved on: join again"
+        )
+
+    def leave_rendezvous(self, job: str, node_id: str) -> None:
+        """A Join gave up waiting: drop the node from the open round."""
+        j = self.ctx.jobs.get(job)
+        if j is not None:
+            self.waiting_next.get(job, {}).pop(node_id, None)
+            j.round.remove(node_id)
+            self.ctx.mark_job(job)
+
+    def rendezvous_progress(self, job: str) -> str:
+        """A short description of an open rendezvous, for timeout messages."""
+        j = self.ctx.jobs.get(job)
+        if j is None:
+            return "the job no longer exists"
+        return (
+            f"generation {j.generation}: {len(j.round.joiners)} node(s) joined, "
+            f"nnodes {j.min_nodes}:{j.max_nodes}, state {j.state.name}"
+        )
+
+    def _maybe_freeze(self, j: Job, now: float) -> None:
+        if j.state.terminal or not j.round.maybe_freeze(now):
+            return
+        j.state = JobState.RUNNING
+        left = self.waiting_next.setdefault(j.name, {})
+        for node_id, joiner in j.round.joiners.items():
+            if j.round.member(node_id) is None:
+                left[node_id] = (joiner.order_key, joiner.nproc)
+        j.events.append(InfoEvent(f"generation {j.generation}: {len(j.round.members or [])} nodes, world size {j.round.world_size}"))
+        self.ctx.notify("job", j.name)
+        self.ctx.notify("events", j.name)
+
+    @staticmethod
+    def _assignment(j: Job, node_id: str) -> Assignment:
+        m: Member | None = j.round.member(node_id)
+        if m is None:
+            raise FailedPrecondition(f"node {node_id} is not a member of generation {j.generation} of job {j.name!r}")
+        return Assignment(
+            j.generation, m.node_rank, len(j.round.members or []), m.rank_offset, j.round.world_size, m.nproc,
+            j.round.secret, j.restarts_left,
+        )
+
+    def _bump(self, j: Job, reason: str, count_restart: bool, exit_code: int, now: float) -> bool:
+        """Open the next generation (survivors re-join); fail the job when restarts run out."""
+        if count_restart and j.restarts >= j.max_restarts:
+            self.finish(
+                j, JobState.FAILED, exit_code or 1, f"{reason}; no restarts left (max_restarts {j.max_restarts})", now
+            )
+            return False
+        if count_restart:
+            j.restarts += 1
+        j.reason = reason
+        j.past_rounds = [*j.past_rounds[-3:], j.round]
+        j.round = self._new_round(j.generation + 1, j.min_nodes, j.max_nodes)
+        j.kv.release()
+        j.kv = self.ctx.new_space()
+        self.ctx.store_cleared(j.name)
+        j.exits.clear()
+        j.state = JobState.RESTARTING
+        now_waiting = self.waiting_next.pop(j.name, {})
+        for node_id, (key, nproc) in now_waiting.items():
+            j.round.add(node_id, key, nproc, now)
+        j.events.append(InfoEvent(f"restarting as generation {j.generation}: {reason}"))
+        self.ctx.notify("job", j.name)
+        self.ctx.notify("events", j.name)
+        self.ctx.notify("timer")
+        return True
+
+    def finish(self, j: Job, state: JobState, exit_code: int, message: str, now: float) -> None:
+        """End the job in `state`: its nodes are freed, a cancelled job's daemons told to stop it."""
+        if state is not JobState.SUCCEEDED:
+            j.round = self._new_round(j.generation + 1, j.min_nodes, j.max_nodes)
+            j.kv.release()
+            j.kv = self.ctx.new_space()
+            self.ctx.store_cleared(j.name)
+        j.state, j.exit_code, j.reason, j.finished_at = state, exit_code, message, now
+        self.waiting_next.pop(j.name, None)
+        j.events.append(FinishedEvent(exit_code, message))
+        for node in self.members.nodes.values():
+            if node.job == j.name:
+                node.job = ""
+                self.members.mark(node)
+        if state is JobState.CANCELLED:
+            self.scheduler.cancel(j)
+        self.ctx.notify("job", j.name)
+        self.ctx.notify("events", j.name)
+        self.scheduler.place()
+
+    @staticmethod
+    def _is_current(j: Job, node_id: str, generation: int) -> bool:
+        """Validate a report about `generation` of `j`: False if it is stale (older, or the job ended)."""
+        if generation > j.generation:
+            raise InvalidArgument(f"generation {generation} of job {j.name!r} does not exist (current {j.generation})")
+        if generation < j.generation or j.state.terminal:
+            return False
+        if j.round.member(node_id) is None:
+            raise FailedPrecondition(f"node {node_id} is not a member of generation {generation} of job {j.name!r}")
+        return True
+
+    def report_failure(
+        self, job: str, node_id: str, generation: int, rank: int, exit_code: int, message: str, now: float
+    ) -> tuple[int, bool]:
+        """A rank or agent failed: bump the generation; returns (new generation, will_restart)."""
+        j = self.ctx.job(job)
+        node, _ = self.members.touch(node_id, now)
+        if not self._is_current(j, node_id, generation):
+            return j.generation, not j.state.terminal
+        if not -1 <= rank < j.round.world_size:
+            raise InvalidArgument(f"rank {rank} is outside 0..{j.round.world_size - 1} (or -1 for the agent)")
+        who = f"rank {rank}" if rank >= 0 else "the agent"
+        detail = f": {message[:500]}" if message else ""
+        reason = f"{who} on node {node_id} ({node.hostname}) failed with exit code {exit_code}{detail}"
+        will = self._bump(j, reason, True, exit_code, now)
+        return j.generation, will
+
+    def report_exit(self, job: str, node_id: str, generation: int, exit_code: int, now: float) -> None:
+        """The node's local ranks of `generation` all exited; the job ends when every node did."""
+        j = self.ctx.job(job)
+        node, _ = self.members.touch(node_id, now)
+        if not self._is_current(j, node_id, generation):
+            return
+        j.exits[node_id] = exit_code
+        node.job = ""
+        self.members.mark(node)
+        self.ctx.mark_job(job)
+        if exit_code != 0:
+            self.finish(
+                j, JobState.FAILED, exit_code, f"node {node_id} ({node.hostname}) exited with code {exit_code}", now
+            )
+        elif len(j.exits) == len(j.round.members or []):
+            self.finish(j, JobState.SUCCEEDED, 0, "every rank exited 0", now)
