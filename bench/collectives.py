@@ -323,6 +323,7 @@ def main() -> None:
     ap.add_argument("--mpi-btl", default="tcp,self",
                     help="OpenMPI's transports (--mca btl): tcp,self (sockets, the default), or vader,self to compare "
                          "axond's shared memory with MPI's")
+    ap.add_argument("--json", help="also write axond's results here: {n: {op: {size: [median seconds, correct]}}}")
     ap.add_argument("--mpi-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = args.sizes or sizes_between(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
@@ -345,6 +346,7 @@ def main() -> None:
         print(f"(MPI runs with --mca btl {args.mpi_btl})")
     raw: float | None = None
     raw_sized: dict[int, float] = {}
+    results: dict[int, Result] = {}
     for n in args.nproc:
         ours: Result | None = None
         peers: dict[str, Result | None] = {}
@@ -368,12 +370,16 @@ def main() -> None:
                 if "mpi" in args.peers and _importable("mpi4py"):
                     peers["mpi"] = best(peers.get("mpi"), run_mpi(n, [op], sizes, args.timeout, args.mpi_btl))
         assert ours is not None
+        results[n] = ours
         report(n, ours, peers, raw if n == 2 else None)
         if n == 2 and raw is not None:
             report_raw(ours, raw, raw_sized)
         if raw is not None:
             adds = {size: add_rate(size) for size in raw_sized}
             report_bound(n, ours, peers, {size: max(raw, gbs) for size, gbs in raw_sized.items()}, adds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f)
 
 
 def _importable(module: str) -> bool:

@@ -31,7 +31,7 @@ def check_addresses(pg: axond.ProcessGroup) -> None:
     """This rank advertises its host's veth address, and every peer socket runs between two hosts' addresses."""
     mine = os.environ["NETNS_EXPECT_ADDR"]
     hosts = set(os.environ["NETNS_HOST_ADDRS"].split(","))
-    advertised = pg.backend.host  # type: ignore[union-attr]
+    advertised = pg.backend.placement.host  # type: ignore[union-attr]
     links = {p: (peer.sock.getsockname()[0], peer.sock.getpeername()[0])
              for p, peer in pg.backend.g.peers.items()}  # type: ignore[union-attr]
     print(f"NETNS-ADDR rank={pg.rank} advertised={advertised} links={links}", flush=True)

@@ -125,6 +125,7 @@ def test_options_from_the_environment() -> None:
            "AXOND_TCP_ALGORITHM": "ring", "AXOND_TCP_SPIN_US": "12.5", "AXOND_TCP_CHUNK_BYTES": " "}
     assert TcpOptions.from_env(env) == TcpOptions(shm=False, spin_yield=False, algorithm="ring", spin_us=12.5)
     assert TcpOptions.from_env({}) == TcpOptions()
+    assert TcpOptions.from_env({"LOCAL_WORLD_SIZE": "8"}).local_ranks == 8
     for var, value, says in [("AXOND_TCP_SPIN_YIELD", "maybe", "use 1 or 0"), ("AXOND_TCP_SMALL_BYTES", "1k", "number"),
                              ("AXOND_TCP_CHUNK_BYTES", "-5", "must not be negative")]:
         with pytest.raises(ValueError, match=f"bad {var}='{value}': .*{says}"):
@@ -134,10 +135,10 @@ def test_options_from_the_environment() -> None:
 
 
 def test_every_option_has_a_variable_and_a_documented_row() -> None:
-    """ENVIRONMENT names every field but `oversubscribed` (detected), with the dataclass's default; the table in
+    """ENVIRONMENT names every field but `oversubscribed` and `local_ranks` (detected; LOCAL_WORLD_SIZE), with the dataclass's default; the table in
     docs/environment.md has the same rows."""
     fields = {f.name: f.default for f in dataclasses.fields(TcpOptions)}
-    assert sorted(field for field, _, _ in ENVIRONMENT.values()) == sorted(set(fields) - {"oversubscribed"})
+    assert sorted(field for field, _, _ in ENVIRONMENT.values()) == sorted(set(fields) - {"oversubscribed", "local_ranks"})
     for var, (field, default, _) in ENVIRONMENT.items():
         value = TcpOptions.from_env({var: default})
         assert getattr(value, field) == fields[field], f"{var}: default {default!r} is not {fields[field]!r}"

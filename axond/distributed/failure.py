@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from axond.env_flags import flag_on
 from axond.errors import DistributedError
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class FailureSettings:
     @classmethod
     def from_env(cls) -> FailureSettings:
         """Read AXOND_DEBUG and AXOND_ERROR_FILE."""
-        return cls(debug=os.environ.get("AXOND_DEBUG", "0") not in ("", "0"),
+        return cls(debug=flag_on(os.environ.get("AXOND_DEBUG")),
                    error_file=os.environ.get("AXOND_ERROR_FILE") or None)
 
 

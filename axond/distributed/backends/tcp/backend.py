@@ -58,7 +58,8 @@ class TcpBackend(Backend):
             mesh = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port, options.timeout, where,
                         options.handshake_timeout)
             host, socks = mesh.host, mesh.connect_all()
-        crowded = tcp.oversubscribed if tcp.oversubscribed is not None else oversubscribed(list(socks.values()))
+        crowded = (tcp.oversubscribed if tcp.oversubscribed is not None
+                   else oversubscribed(list(socks.values()), tcp.local_ranks))
         spin, inline = policy.spin_seconds(tcp, crowded), policy.inline_bytes(tcp, crowded)
         self.g = FramedGroup(rank, size, group_name, gid, options.timeout,
                              {p: Peer(s, p, options.timeout, spin, tcp.spin_yield, inline) for p, s in socks.items()})

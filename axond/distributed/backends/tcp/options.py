@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from axond.env_flags import parse_flag
+
 Algorithm = Literal["auto", "ring", "halving_doubling"]
 ALGORITHMS: tuple[Algorithm, ...] = ("auto", "ring", "halving_doubling")
-TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 NON_NEGATIVE = ("small_bytes", "chunk_bytes", "shm_arena_bytes")
 AUTO = ("spin_us", "inline_bytes", "shm_min_bytes")
 """Fields whose negative default means "auto" (the environment may also say `auto`)."""
@@ -46,6 +47,8 @@ class TcpOptions:
     """Small ops of a group on one host through its shared mailbox (waits spin, yielding the CPU)."""
     oversubscribed: bool | None = None
     """Whether this host's ranks outnumber its cores (None: detected when the group forms); it picks algorithms."""
+    local_ranks: int = 0
+    """Ranks of the job on this host, if known (LOCAL_WORLD_SIZE): the detection counts at least these."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -56,10 +59,14 @@ class TcpOptions:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TcpOptions:
-        """The options the AXOND_TCP_* and AXOND_SHM* variables of `environ` (default: os.environ) set; ValueError
-        naming the variable and what it accepts for a bad value."""
+        """The options the AXOND_TCP_* and AXOND_SHM* variables of `environ` (default: os.environ) set, with
+        LOCAL_WORLD_SIZE (set by launchers) as `local_ranks`; ValueError naming the variable and what it accepts for a
+        bad value."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
+        local = env.get("LOCAL_WORLD_SIZE", "").strip()
+        if local.isdigit():
+            values["local_ranks"] = int(local)
         for var, (field, _, _) in ENVIRONMENT.items():
             raw = env.get(var)
             if raw is not None and raw.strip() != "":
@@ -85,9 +92,7 @@ ENVIRONMENT: dict[str, tuple[str, str, str]] = {
 def _parse(var: str, field: str, raw: str) -> object:
     kind = {f.name: f.type for f in fields(TcpOptions)}[field]
     if kind == "bool":
-        if raw.lower() in TRUE + FALSE:
-            return raw.lower() in TRUE
-        raise ValueError(f"bad {var}={raw!r}: use 1 or 0 (true/false, yes/no, on/off)")
+        return parse_flag(var, raw)
     if kind == "Algorithm":
         if raw not in ALGORITHMS:
             raise ValueError(f"bad {var}={raw!r}: use auto, ring or halving_doubling")

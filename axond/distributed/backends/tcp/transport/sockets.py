@@ -22,16 +22,12 @@ def tune_socket(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
 
 
-def oversubscribed(socks: list[socket.socket]) -> bool:
+def oversubscribed(socks: list[socket.socket], local_ranks: int = 0) -> bool:
     """Whether the ranks on this host outnumber its cores (then busy-polling or writing big frames inline hurts).
 
-    Ranks on this host: the peers reached through a local address (plus this one), or LOCAL_WORLD_SIZE if larger.
+    Ranks on this host: the peers reached through a local address (plus this one), or `local_ranks` if larger.
     """
-    local = 1 + sum(1 for s in socks if same_host(s))
-    try:
-        local = max(local, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    except ValueError:
-        pass
+    local = max(1 + sum(1 for s in socks if same_host(s)), local_ranks)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -1,0 +1,66 @@
+"""Interleaved A/B of the collectives of two versions of axond: a git revision against the working tree.
+
+    python bench/compare_trees.py --before REV [--rounds 4] -- --nproc 2 4 --sizes 8 4096 1048576 16777216
+
+Each round runs this tree's `bench/collectives.py` (with the arguments after `--`, peers off) once on REV's
+`axond` (a temporary git worktree on PYTHONPATH) and once on this tree's, alternating which goes first; the table
+gives, per n, op and size, the median over rounds of each side's median time per call, and after / before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(tree: Path, extra: list[str], out: Path) -> dict[str, dict[str, dict[str, list]]]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    cmd = [sys.executable, str(ROOT / "bench" / "collectives.py"), *extra, "--peers", "--no-raw", "--json", str(out)]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="git revision to compare against")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("rest", nargs=argparse.REMAINDER, help="-- then bench/collectives.py arguments")
+    a = ap.parse_args()
+    extra = [x for x in a.rest if x != "--"]
+    times: dict[str, dict[tuple[str, str, str], list[float]]] = {"before": {}, "after": {}}
+    with tempfile.TemporaryDirectory(prefix="axond-ab-") as tmp:
+        old = Path(tmp) / "before"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), a.before], check=True,
+                       capture_output=True, timeout=120)
+        try:
+            for r in range(a.rounds):
+                order = [("before", old), ("after", ROOT)]
+                for side, tree in order if r % 2 == 0 else order[::-1]:
+                    got = run(tree, extra, Path(tmp) / f"{side}.json")
+                    for n, ops in got.items():
+                        for op, sizes in ops.items():
+                            for size, (seconds, ok) in sizes.items():
+                                if not ok:
+                                    sys.exit(f"{side}: {op} at {size} B on {n} ranks gave wrong results")
+                                times[side].setdefault((n, op, size), []).append(seconds)
+                print(f"round {r + 1} of {a.rounds} done", file=sys.stderr)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True,
+                           timeout=120)
+    print(f"before: {a.before}; after: the working tree; {a.rounds} interleaved rounds, median of the rounds' medians")
+    print("\n| n | op | size (B) | before (us) | after (us) | after / before |\n|---|---|---:|---:|---:|---:|")
+    for key in sorted(times["after"], key=lambda k: (int(k[0]), k[1], int(k[2]))):
+        b, f = statistics.median(times["before"][key]) * 1e6, statistics.median(times["after"][key]) * 1e6
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {b:.1f} | {f:.1f} | {f / b:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
