@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from axond.distributed.backends.base import Array, Backend, BackendOptions, Completion, op_methods
+from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Completion, op_methods
 from axond.distributed.backends.registry import create_backend, resolve_backend
 from axond.distributed.failure import concise, debug, track, untrack
 from axond.distributed.inflight import REPORTER, describe, describe_others
@@ -257,7 +257,7 @@ class ProcessGroup:
                 works[i] = self.irecv(x, peer, tag)
         return works
 
-    def _start_batch(self, batch: list[tuple[str, Array, int, int]]) -> Completion | None:
+    def _start_batch(self, batch: list[P2P]) -> Completion | None:
         """The batch launched at once by a backend that tracks completion itself, else None (nothing started)."""
         if self.backend is None or self._destroyed or self._comm.pending:
             return None

@@ -7,8 +7,8 @@ return a new array. Every call is bounded by `options.timeout` and raises `Distr
 
 Besides the ops, three capabilities have defaults a backend may override: `post_send` (an isend that
 returns once the data is handed over), `start` (async ops whose completion the backend tracks itself)
-and `batch_p2p` (a batch of isends and irecvs in one launch). `op_methods` names every method
-`ProcessGroup` runs an op with; it uses nothing else but `explain_timeouts`, `abort` and `close`.
+and `batch_p2p` (a batch of isends and irecvs in one launch). `op_methods` names the method of every op
+`ProcessGroup` runs; besides those it calls only `start`, `explain_timeouts`, `abort` and `close`.
 """
 
 from __future__ import annotations
