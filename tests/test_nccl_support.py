@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from axond.distributed.backends.nccl_support import (
+from axond.distributed.backends.nccl.support import (
     META_SLOTS,
     ReductionPlan,
     check_p2p_header,
@@ -153,7 +153,7 @@ def test_installed_cupy_has_every_nccl_call_we_make() -> None:
     """Against the real `cupy.cuda.nccl` (no GPU needed): the communicator methods, module functions and
     NCCL_* constants the backend uses all exist, so a GPU run cannot fail on a misspelt name."""
     nccl = pytest.importorskip("cupy.cuda.nccl", reason="needs CuPy with NCCL (pip install 'axond[gpu]')")
-    import axond.distributed.backends.nccl_support as support
+    import axond.distributed.backends.nccl.support as support
 
     names = set(support._NATIVE_TYPES.values()) | set(support._COMPLEX_PARTS.values())
     names |= set(support._NCCL_OPS.values()) | set(support._BOOL_OPS.values()) | {"NCCL_INT64", "NCCL_INT32"}

@@ -17,7 +17,7 @@ import pytest
 
 from axond.control.client import CoordinatorClient, connect
 from axond.coordinator.server import RunningCoordinator
-from axond.distributed.backends.nccl_support import (
+from axond.distributed.backends.nccl.support import (
     UNIQUE_ID_BYTES,
     UNIQUE_ID_KEY,
     exchange_unique_id,

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from axond.distributed.backends.nccl_watchdog import Watchdog, WatchedOp
+from axond.distributed.backends.nccl.watchdog import Watchdog, WatchedOp
 from axond.errors import DistributedError
 
 

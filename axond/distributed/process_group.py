@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from axond.distributed.backends.base import Array, Backend, BackendOptions
+from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Completion, op_methods
 from axond.distributed.backends.registry import create_backend, resolve_backend
 from axond.distributed.failure import concise, debug, track, untrack
 from axond.distributed.inflight import REPORTER, describe, describe_others
@@ -35,6 +35,7 @@ class ProcessGroup:
     def __init__(self, backend: Backend | None, ranks: Sequence[int], name: str, global_rank: int,
                  options: BackendOptions, store: Store | None = None) -> None:
         self.backend = backend
+        self._methods = op_methods(backend) if backend is not None else None
         self.ranks = list(ranks)
         self.name = name
         self.global_rank = global_rank
@@ -99,41 +100,41 @@ class ProcessGroup:
         """Global rank of group-local `group_rank`."""
         return self.ranks[group_rank]
 
-    def _run(self, op: str, async_op: bool, *args: Any, method: str | None = None, **kwargs: Any) -> Any:
-        """Run backend method `method` (default: `op`) now, or queued in issue order when `async_op`.
+    def _run(self, op: str, async_op: bool, *args: Any, **kwargs: Any) -> Any:
+        """Run op `op` (a key of `op_methods`) now, or started in issue order when `async_op`.
 
-        A backend with its own completion tracking (`start`, e.g. CUDA events on the group's stream)
+        A backend that tracks completion itself (`Backend.start`, e.g. CUDA events on the group's stream)
         launches async ops itself; the others run them on the group's communication thread.
         """
         try:
-            return self._start(op, async_op, *args, method=method, **kwargs)
+            return self._start(op, async_op, *args, **kwargs)
         except DistributedError as e:
             if debug():
                 raise
             # the user's frames and one line (AXOND_DEBUG=1 keeps the transport's frames and chain)
             raise concise(e) from None
 
-    def _start(self, op: str, async_op: bool, *args: Any, method: str | None = None, **kwargs: Any) -> Any:
-        backend = self.backend
-        if not async_op and method is None and not self._comm.pending and not self._destroyed and backend is not None:
+    def _start(self, op: str, async_op: bool, *args: Any, **kwargs: Any) -> Any:
+        methods = self._methods
+        if not async_op and not self._comm.pending and not self._destroyed and methods is not None:
             self.inflight = op  # the common case, kept short: small ops are latency-bound
             self.inflight_seq += 1
             try:
-                return getattr(backend, op)(*args, **kwargs)
+                return methods[op](*args, **kwargs)
             finally:
                 self.inflight = None
         if self._destroyed:
             raise DistributedError(f"{op} on group '{self.name}': the group was destroyed; create a new one",
                                    op=op, group=self.name, rank=self.rank)
-        if backend is None:
+        if self.backend is None or methods is None:
             raise DistributedError(f"{op} on group '{self.name}': global rank {self.global_rank} is not a member "
                                    f"(ranks {self.ranks}); only members may use it", op=op, group=self.name)
-        call = getattr(backend, method or op)
+        call = methods[op]
         if async_op:
-            start = getattr(backend, "start", None)
-            if start is not None and method is None:
-                self._comm.drain()
-                return start(op, *args, **kwargs)
+            if not self._comm.pending:
+                started = self.backend.start(op, *args, **kwargs)
+                if started is not None:
+                    return started
             work = Work(op, self.name, self.options.timeout + ASYNC_MARGIN)
             return self._comm.submit(work, lambda: self._tracked(op, call, *args, **kwargs))
         self._comm.drain()
@@ -218,12 +219,11 @@ class ProcessGroup:
     def isend(self, x: Array, dst: int, tag: int = 0) -> Work:
         """Send asynchronously; the Work completes once the data left this process.
 
-        A transport with `post_send` only hands the data over on the comm thread, so later ops
-        (an irecv) run meanwhile.
+        A transport whose `post_send` only hands the data over does so on the comm thread, so later
+        ops (an irecv) run meanwhile.
         """
         refuse_scalar(x, "isend")
-        method = "post_send" if hasattr(self.backend, "post_send") else None
-        work: Work = self._run("isend" if method else "send", True, x, dst, tag, method=method)
+        work: Work = self._run("isend", True, x, dst, tag)
         return work
 
     def irecv(self, x: Array, src: int, tag: int = 0) -> Work:
@@ -236,7 +236,7 @@ class ProcessGroup:
         """Start every ("isend" | "irecv", array, group rank, tag) of `batch` so that no order of them deadlocks;
         their Works in the batch's order (see `axond.batch_isend_irecv`).
 
-        A backend with a batched launch (nccl: one NCCL group, one Work for all) gets the whole batch;
+        A backend whose `start` launches a batch (nccl: one NCCL group, one Work for all) gets the whole batch;
         otherwise every isend is posted first (they never wait for the receiver), then every irecv.
         """
         for kind, _, peer, _ in batch:  # checked before anything starts
@@ -245,9 +245,9 @@ class ProcessGroup:
             if not isinstance(peer, int) or not 0 <= peer < self.size or peer == self.rank:
                 raise ValueError(f"batch_isend_irecv on group '{self.name}': peer {peer!r} is not another member "
                                  f"(group ranks 0..{self.size - 1}, this one is {self.rank})")
-        if hasattr(self.backend, "batch_p2p"):  # nccl: the whole batch in one NCCL group
-            work = self._run("batch_p2p", True, list(batch))
-            return [work] * len(batch)
+        started = self._start_batch(list(batch))
+        if started is not None:  # nccl: the whole batch in one NCCL group
+            return [started] * len(batch)
         works: list[Any] = [None] * len(batch)
         for i, (kind, x, peer, tag) in enumerate(batch):
             if kind == "isend":
@@ -256,6 +256,17 @@ class ProcessGroup:
             if kind == "irecv":
                 works[i] = self.irecv(x, peer, tag)
         return works
+
+    def _start_batch(self, batch: list[P2P]) -> Completion | None:
+        """The batch launched at once by a backend that tracks completion itself, else None (nothing started)."""
+        if self.backend is None or self._destroyed or self._comm.pending:
+            return None
+        try:
+            return self.backend.start("batch_p2p", batch)
+        except DistributedError as e:
+            if debug():
+                raise
+            raise concise(e) from None
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every member entered the barrier."""

@@ -1,1 +1,1 @@
-"""Collective backends: one file per backend behind backends.base.Backend."""
+"""Collective backends: one module or package per backend behind backends.base.Backend."""

@@ -1,9 +1,14 @@
-"""The one interface every collective backend implements (one file per backend beside this one).
+"""The one interface every collective backend implements (one module or package per backend beside this one).
 
 A `Backend` is the communicator of one process group: ranks here are *group* ranks (0..size-1).
 Arrays are NumPy (tcp) or CuPy (nccl). In-place ops write into the array given; the others
 return a new array. Every call is bounded by `options.timeout` and raises `DistributedError`
 (naming op, group, rank and peer) instead of hanging.
+
+Besides the ops, three capabilities have defaults a backend may override: `post_send` (an isend that
+returns once the data is handed over), `start` (async ops whose completion the backend tracks itself)
+and `batch_p2p` (a batch of isends and irecvs in one launch). `op_methods` names the method of every op
+`ProcessGroup` runs; besides those it calls only `start`, `explain_timeouts`, `abort` and `close`.
 """
 
 from __future__ import annotations
@@ -11,15 +16,39 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from axond.distributed.backends.tcp.options import TcpOptions
 from axond.distributed.backends.tcp.transport.handshake import HANDSHAKE_TIMEOUT
 from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.work import PendingSend
 from axond.store import Store
 
 Array = Any
 """A NumPy or CuPy ndarray."""
+
+
+P2P = tuple[str, Array, int, int]
+"""One entry of a `batch_p2p`: ("isend" | "irecv", array, group rank of the peer, tag)."""
+
+
+class Completion(Protocol):
+    """Handle of an op launched by `Backend.start`: the surface of `axond.distributed.work.Work`."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the op (False if still running after `timeout` s); raise its failure."""
+
+    def result(self) -> Any:
+        """Wait, then return what the op's method returns."""
+
+    def is_completed(self) -> bool:
+        """Whether the op finished (or failed); never blocks."""
+
+    def is_success(self) -> bool:
+        """Whether the op finished without error."""
+
+    def exception(self) -> BaseException | None:
+        """The failure of a finished op, or None."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +134,40 @@ class Backend(ABC):
     def recv(self, x: Array, src: int, tag: int) -> None:
         """Receive into `x` from group rank `src` (same shape, dtype and tag as the send)."""
 
+    def post_send(self, x: Array, dst: int, tag: int) -> PendingSend | None:
+        """Hand `x` for `dst` to the transport and return: an isend (run on the group's communication thread).
+
+        Returns a `PendingSend` that completes once the bytes left this process, or None once they did. The
+        default is `send` (None: it returned after sending); a transport that queues its sends (tcp) overrides
+        it, so that later ops (an irecv) run while the data is still leaving.
+        """
+        self.send(x, dst, tag)
+        return None
+
+    def batch_p2p(self, batch: list[P2P]) -> None:
+        """Run every ("isend" | "irecv", array, peer, tag) of `batch` so that no order of them deadlocks.
+
+        The default posts every send (`post_send`), then receives every irecv in the batch's order, then waits
+        for the sends; nccl runs the whole batch in one NCCL group. `ProcessGroup` calls it only through `start`.
+        """
+        pending = [self.post_send(x, peer, tag) for kind, x, peer, tag in batch if kind == "isend"]
+        for kind, x, peer, tag in batch:
+            if kind == "irecv":
+                self.recv(x, peer, tag)
+        for sent in pending:
+            if sent is not None:
+                sent.wait(self.options.timeout, True)
+
+    def start(self, op: str, *args: Any, **kwargs: Any) -> Completion | None:
+        """Launch op `op` (a key of `op_methods`, with its method's arguments) without waiting, and return the
+        handle that tracks its completion; or None: this backend tracks none, run the op's method elsewhere.
+
+        The default returns None: `ProcessGroup` runs async ops on its communication thread, in issue order.
+        nccl overrides it (a CUDA event per op on the group's stream). `ProcessGroup` calls it only while its
+        communication thread has no op queued, so that ops still start in issue order.
+        """
+        return None
+
     @abstractmethod
     def barrier(self) -> None:
         """Return once every rank of the group has entered the barrier."""
@@ -134,3 +197,17 @@ class Backend(ABC):
         """`abort` because this rank's process failed: `reason` ("rank R failed: ExcType: message") is the
         root cause, which peers quote as it is. The default is `abort(reason)`."""
         self.abort(reason)
+
+
+def op_methods(backend: Backend) -> dict[str, Callable[..., Any]]:
+    """Every op `ProcessGroup` runs, by name, as the bound method of `backend` that runs it (the names `start` takes).
+
+    "isend" is `post_send` (on the communication thread) and "batch_p2p" runs a whole `batch_isend_irecv`;
+    the other names are the methods'.
+    """
+    b = backend
+    return {
+        "all_reduce": b.all_reduce, "broadcast": b.broadcast, "reduce": b.reduce, "all_gather": b.all_gather,
+        "reduce_scatter": b.reduce_scatter, "gather": b.gather, "scatter": b.scatter, "all_to_all": b.all_to_all,
+        "send": b.send, "isend": b.post_send, "recv": b.recv, "batch_p2p": b.batch_p2p, "barrier": b.barrier,
+    }

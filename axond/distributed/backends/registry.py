@@ -1,4 +1,4 @@
-"""A tiny registry of backends by name; the nccl backend registers only if its module imports."""
+"""A tiny registry of backends by name; the nccl backend registers only if its package imports."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from axond.store import Store
 
 _MODULES = {"tcp": "axond.distributed.backends.tcp", "nccl": "axond.distributed.backends.nccl",
             "mock": "axond.distributed.backends.mock"}
-"""Backend name -> module defining it; imported lazily so that CuPy is only touched when asked for. "mock" joins
+"""Backend name -> module or package defining it (its `BACKEND`); imported lazily so that CuPy is only touched when asked for. "mock" joins
 threads of one process without sockets, for tests (see `axond.testing`)."""
 
 
@@ -25,6 +25,11 @@ def backend_class(name: str) -> type[Backend]:
     if not ok:
         raise BackendUnavailable(f"backend {name!r} cannot run here: {why}")
     return cls
+
+
+def backend_classes() -> dict[str, type[Backend]]:
+    """Every registered backend class by name, whether or not it can run here (imports their modules, not CuPy)."""
+    return {name: importlib.import_module(module).BACKEND for name, module in _MODULES.items()}
 
 
 def create_backend(

@@ -1,6 +1,6 @@
 """The watchdog of an NCCL communicator: aborts it when an op hangs, so that no call waits forever.
 
-GPU-free: an op is watched through a `done()` callable (a CUDA event query in `nccl.py`), and the
+GPU-free: an op is watched through a `done()` callable (a CUDA event query in `backend.py`), and the
 abort is a callable (`NcclCommunicator.abort`), so CI tests the timing logic with real threads.
 """
 

@@ -1,7 +1,7 @@
 """The GPU-free half of the NCCL backend: unique-ID exchange, dtype/op plans, headers, device choice.
 
-Everything here runs without CuPy, so CI tests it for real; `nccl.py` combines it with CuPy calls.
-NCCL names (``"NCCL_FLOAT32"``, ``"NCCL_SUM"``) are resolved to CuPy's integer constants in `nccl.py`.
+Everything here runs without CuPy, so CI tests it for real; `backend.py` combines it with CuPy calls.
+NCCL names (``"NCCL_FLOAT32"``, ``"NCCL_SUM"``) are resolved to CuPy's integer constants in `backend.py`.
 """
 
 from __future__ import annotations

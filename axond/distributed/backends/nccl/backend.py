@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from axond.distributed.backends import nccl_ops
-from axond.distributed.backends.base import Array, Backend, BackendOptions
-from axond.distributed.backends.nccl_support import (
+from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions
+from axond.distributed.backends.nccl import ops
+from axond.distributed.backends.nccl.support import (
     NCCL_P2P_MIN_VERSION,
     choose_device,
     exchange_unique_id,
@@ -28,7 +28,8 @@ from axond.distributed.backends.nccl_support import (
     communicator_id_forms,
     unique_id_to_bytes,
 )
-from axond.distributed.backends.nccl_watchdog import Watchdog, WatchedOp
+from axond.distributed.backends.nccl.watchdog import Watchdog, WatchedOp
+from axond.distributed.backends.nccl.work import NcclWork
 from axond.distributed.reduce_op import ReduceOp
 from axond.errors import BackendUnavailable, DistributedError, StoreTimeout
 from axond.store import Store
@@ -44,71 +45,10 @@ class _Staged:
     host: bool
 
 
-class NcclWork:
-    """Completion of one NCCL op, backed by a CUDA event on the group's stream.
-
-    Same surface as `axond.distributed.work.Work`: `wait(timeout)`, `result()`, `is_completed()`.
-    """
-
-    def __init__(self, backend: NcclBackend, watched: WatchedOp, event: Any, finish: Callable[[], Any] | None) -> None:
-        self.op = watched.op
-        self.group = backend.group_name
-        self._backend = backend
-        self._watched = watched
-        self._event = event
-        self._finish = finish
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._finished = False
-
-    def is_completed(self) -> bool:
-        """True once the op has finished on the device or failed (never blocks)."""
-        return self._finished or self._watched.aborted or bool(self._event.done)
-
-    def is_success(self) -> bool:
-        """True if the op finished and its result is valid."""
-        return self._finished and self._error is None
-
-    def exception(self) -> BaseException | None:
-        """The failure of a finished op, or None."""
-        return self._error
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the op and run its host-side finish; raise its failure (`DistributedError` on abort).
-
-        With `timeout`, return False if it is still running then; without one, the group timeout bounds it.
-        """
-        if not self._finished:
-            watchdog = self._backend._watchdog
-            try:
-                if not watchdog.wait(self._watched, timeout):
-                    return False
-                watchdog.finished(self._watched)
-                with self._backend._device:
-                    self._backend._cp.cuda.get_current_stream().wait_event(self._event)
-                    if self._finish is not None:
-                        self._result = self._finish()
-            except BaseException as e:
-                self._error = e
-            self._finished = True
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def result(self) -> Any:
-        """Wait, then return the array the op produced (None for in-place ops)."""
-        self.wait()
-        return self._result
-
-
 class NcclBackend(Backend):
     """Communicator of one process group on NCCL; arrays are CuPy (NumPy arrays are staged through the GPU)."""
 
     name = "nccl"
-    _ASYNC_OPS = frozenset(
-        {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter",
-         "all_to_all", "send", "recv", "barrier", "batch_p2p"}
-    )
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -307,49 +247,49 @@ class NcclBackend(Backend):
             runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDeviceToDevice, stream.ptr)
 
     def start(self, op: str, *args: Any, **kwargs: Any) -> NcclWork:
-        """Launch Backend method `op` without waiting; `NcclWork.result()` returns what the method would."""
-        if op not in self._ASYNC_OPS:
-            raise ValueError(f"nccl: unknown op {op!r}; choose one of {sorted(self._ASYNC_OPS)}")
-        launched: NcclWork = getattr(nccl_ops, op)(self, *args, **kwargs)
-        return launched
+        """Launch op `op` (a key of `op_methods`) without waiting; `NcclWork.result()` returns what its method would."""
+        launch = ops.LAUNCHES.get(op)
+        if launch is None:
+            raise ValueError(f"nccl: unknown op {op!r}; choose one of {sorted(ops.LAUNCHES)}")
+        return launch(self, *args, **kwargs)
 
     def all_reduce(self, x: Array, op: ReduceOp) -> None:
-        nccl_ops.all_reduce(self, x, op).wait()
+        ops.all_reduce(self, x, op).wait()
 
     def broadcast(self, x: Array, src: int) -> None:
-        nccl_ops.broadcast(self, x, src).wait()
+        ops.broadcast(self, x, src).wait()
 
     def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
-        nccl_ops.reduce(self, x, dst, op).wait()
+        ops.reduce(self, x, dst, op).wait()
 
     def all_gather(self, x: Array, out: Array | None = None) -> Array:
-        return nccl_ops.all_gather(self, x, out).result()
+        return ops.all_gather(self, x, out).result()
 
     def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
-        return nccl_ops.reduce_scatter(self, x, op, out).result()
+        return ops.reduce_scatter(self, x, op, out).result()
 
     def gather(self, x: Array, dst: int) -> Array | None:
-        return nccl_ops.gather(self, x, dst).result()
+        return ops.gather(self, x, dst).result()
 
     def scatter(self, x: Array | None, src: int) -> Array:
-        return nccl_ops.scatter(self, x, src).result()
+        return ops.scatter(self, x, src).result()
 
     def all_to_all(self, x: Array, input_split_sizes: Sequence[int] | None = None,
                    output_split_sizes: Sequence[int] | None = None) -> Array:
-        return nccl_ops.all_to_all(self, x, input_split_sizes, output_split_sizes).result()
+        return ops.all_to_all(self, x, input_split_sizes, output_split_sizes).result()
 
     def send(self, x: Array, dst: int, tag: int) -> None:
-        nccl_ops.send(self, x, dst, tag).wait()
+        ops.send(self, x, dst, tag).wait()
 
     def recv(self, x: Array, src: int, tag: int) -> None:
-        nccl_ops.recv(self, x, src, tag).wait()
+        ops.recv(self, x, src, tag).wait()
 
     def barrier(self) -> None:
-        nccl_ops.barrier(self).wait()
+        ops.barrier(self).wait()
 
-    def batch_p2p(self, batch: list[tuple[str, Array, int, int]]) -> None:
-        """A batch_isend_irecv waited for at once (`ProcessGroup` normally starts it async)."""
-        nccl_ops.batch_p2p(self, batch).wait()
+    def batch_p2p(self, batch: list[P2P]) -> None:
+        """The whole batch in one NCCL group, waited for (`ProcessGroup` starts it async through `start`)."""
+        ops.batch_p2p(self, batch).wait()
 
     def abort(self, reason: str) -> None:
         """ncclCommAbort at once, without draining: peers blocked on this rank get NCCL's remote error, or
@@ -377,6 +317,3 @@ class NcclBackend(Backend):
                 self._comm.destroy()
             else:
                 self._comm.abort()
-
-
-BACKEND = NcclBackend

@@ -1,6 +1,6 @@
 """The NCCL backend's ops: each a short function that stages its arrays and hands `enqueue` to the template.
 
-`NcclBackend._launch` (in `nccl.py`) orders the op after the caller's stream, runs `enqueue(stream)`
+`NcclBackend._launch` (in `backend.py`) orders the op after the caller's stream, runs `enqueue(stream)`
 under the watchdog and returns an `NcclWork`; `finish` runs on the host after completion. Pure data
 movement goes as the native NCCL type when there is one and as bytes otherwise; point-to-point
 patterns (gather, scatter, all_to_all) are grouped send/recv.
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from axond.distributed.backends.base import Array
-from axond.distributed.backends.nccl_support import (
+from axond.distributed.backends.base import P2P, Array
+from axond.distributed.backends.nccl.support import (
     META_SLOTS,
     P2P_HEADER_SLOTS,
     check_p2p_header,
@@ -29,7 +29,8 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.splits import announcement, check_splits, offsets, settle
 
 if TYPE_CHECKING:
-    from axond.distributed.backends.nccl import NcclBackend, NcclWork
+    from axond.distributed.backends.nccl.backend import NcclBackend
+    from axond.distributed.backends.nccl.work import NcclWork
 
 _INT_MAX = 2**31 - 1
 """ncclBroadcast takes its count as a C int in CuPy; larger broadcasts go in chunks."""
@@ -299,7 +300,7 @@ def recv(b: NcclBackend, x: Array, src: int, tag: int) -> NcclWork:
     return b._launch("recv", src, enqueue, (s,), lambda: b._unstage(s))
 
 
-def batch_p2p(b: NcclBackend, batch: list[tuple[str, Array, int, int]]) -> NcclWork:
+def batch_p2p(b: NcclBackend, batch: list[P2P]) -> NcclWork:
     """Every ("isend" | "irecv", array, peer, tag) of a batch_isend_irecv in one NCCL group, so that no order of
     them deadlocks. Each send carries its usual header; the receives' headers are checked once all completed."""
     header_type = b._const("NCCL_INT64")
@@ -346,3 +347,11 @@ def barrier(b: NcclBackend) -> NcclWork:
         b._comm.allReduce(buf.data.ptr, buf.data.ptr, 1, b._const("NCCL_INT32"), b._const("NCCL_SUM"), stream.ptr)
 
     return b._launch("barrier", None, enqueue, (buf,))
+
+
+LAUNCHES: dict[str, Callable[..., NcclWork]] = {
+    "all_reduce": all_reduce, "broadcast": broadcast, "reduce": reduce, "all_gather": all_gather,
+    "reduce_scatter": reduce_scatter, "gather": gather, "scatter": scatter, "all_to_all": all_to_all,
+    "send": send, "isend": send, "recv": recv, "batch_p2p": batch_p2p, "barrier": barrier,
+}
+"""Each op of `axond.distributed.backends.base.op_methods` by name, as the function that launches it (`NcclBackend.start`)."""
