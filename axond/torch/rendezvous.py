@@ -7,6 +7,7 @@ AXOND_COORDINATOR is set (an axond-launched rank) does it use the coordinator in
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -20,11 +21,15 @@ import torch.distributed.rendezvous  # noqa: F401 -- the module, shadowed by its
 
 from axond.control import client
 from axond.errors import DistributedError
+from axond.store import PrefixStore
 from axond.torch.store import TorchStore
 
 SCHEME = "axond"
 
 _LIVE: list[TorchStore] = []
+_INITS = itertools.count(1)
+"""This process's rendezvous so far: the n-th of every rank meets under its own prefix, so that a re-init after
+destroy_process_group never reads the addresses an earlier one published (every rank of a job inits as often)."""
 """Stores handed to torch: torch keeps only their C++ half, so the Python object (its methods) is kept here."""
 
 
@@ -49,6 +54,7 @@ def coordinator_store(address: str, query: dict[str, list[str]], timeout: timede
     """(TorchStore over the KV of the job's generation at `address`, rank, world size) from the query or env.
 
     The query may carry rank, world_size, job and generation; AXOND_TOKEN and AXOND_TLS_CA give the credentials.
+    The keys of the n-th rendezvous of this process live under `init-n` (see `_INITS`).
     """
     rank = _int("rank", _setting(query, "rank", "RANK"))
     world_size = _int("world_size", _setting(query, "world_size", "WORLD_SIZE"))
@@ -57,7 +63,7 @@ def coordinator_store(address: str, query: dict[str, list[str]], timeout: timede
     if not 0 <= rank < world_size:
         raise DistributedError(f"axond:// rendezvous: rank {rank} is outside world size {world_size}")
     conn = client.connect(address)
-    store = TorchStore(conn.store(job, generation), timeout)
+    store = TorchStore(PrefixStore(f"init-{next(_INITS)}", conn.store(job, generation)), timeout)
     store.connection = conn  # type: ignore[attr-defined]  # the channel lives as long as the store
     _LIVE.append(store)
     return store, rank, world_size
