@@ -15,8 +15,9 @@ Per rank and per configuration, after warm-up steps:
 - overlap: DDP with GradSyncStrategy.OVERLAPPED (buckets reduced while backward runs).
 hidden = (sync - overlap) / (sync - local): the fraction of the gradient communication that the
 overlap removes from the step time (1.0 = all of it hidden, 0 = none; noisy when comm is tiny).
-`--hook bf16|fp16` reduces the buckets through `bf16_compress_hook`/`fp16_compress_hook`; "wire MB" is what
-each rank sends per step for the gradients: 2 (n - 1) / n of the buckets' bytes in the dtype on the wire.
+`--hook bf16|fp16|powersgd` reduces the buckets through `bf16_compress_hook`/`fp16_compress_hook`/`powerSGD_hook`
+(rank 4, from the first step); "wire MB" is what each rank sends per step for the gradients: 2 (n - 1) / n of the
+buckets' bytes in the dtype on the wire (PowerSGD: divided by its compression rate).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from axond.examples.train_mlp import TrainConfig, build_model, make_dataset
 from axond.nn import CrossEntropyLoss
 from axond.nn.optim import SGD
 from axond.parallel import DDP, GradSyncStrategy
-from axond.parallel.ddp import bf16_compress_hook, fp16_compress_hook
+from axond.parallel.ddp import PowerSGDState, bf16_compress_hook, fp16_compress_hook, powerSGD_hook
 from axond.testing import run_processes
 
 
@@ -58,8 +59,11 @@ class _Stepper:
         return time.perf_counter() - t0
 
 
-HOOKS = {"none": (None, 4), "bf16": (bf16_compress_hook, 2), "fp16": (fp16_compress_hook, 2)}
-"""--hook: the communication hook and the bytes per gradient element on the wire."""
+HOOKS = {"none": (None, 4), "bf16": (bf16_compress_hook, 2), "fp16": (fp16_compress_hook, 2), "powersgd": (powerSGD_hook, 4)}
+"""--hook: the communication hook and the bytes per gradient element on the wire (PowerSGD: divided by the
+compression rate it reports)."""
+POWERSGD_RANK = 4
+"""--hook powersgd: the approximation rank (PowerSGD from the first step: the benchmark measures its cost)."""
 
 
 def rank_main(hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: float, hook: str = "none") -> dict[str, Any]:
@@ -79,10 +83,11 @@ def rank_main(hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: fl
     sync = DDP(build_model(cfg), group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.SYNCHRONOUS)
     overlap = DDP(build_model(cfg), group, bucket_cap_mb=bucket_cap_mb, strategy=GradSyncStrategy.OVERLAPPED)
     fn, width = HOOKS[hook]
+    states = {}
     for ddp in (sync, overlap) if fn is not None else ():
-        ddp.register_comm_hook(None, fn)
+        states[id(ddp)] = PowerSGDState(None, POWERSGD_RANK, start_powerSGD_iter=0) if hook == "powersgd" else None
+        ddp.register_comm_hook(states[id(ddp)], fn)
     n = group.size
-    wire = 2 * (n - 1) / n * sum(b.buffer.size for b in overlap.buckets) * width
     modes = {
         "local": _Stepper(model, model, x, y, batch),
         "synchronous": _Stepper(sync.module, sync, x, y, batch),
@@ -96,6 +101,9 @@ def rank_main(hidden: int, depth: int, steps: int, batch: int, bucket_cap_mb: fl
             times = [stepper.step() for _ in range(per_round)]
             if r > 0:
                 best[name] = min(best[name], float(np.median(times)))
+    state = states.get(id(overlap))
+    rate = state.compression_stats()[0] if state is not None else 1.0
+    wire = 2 * (n - 1) / n * sum(b.buffer.size for b in overlap.buckets) * width / rate
     return {"params": sum(p.size for p in model.parameters()), "buckets": len(overlap.buckets), "wire": wire, **best}
 
 
