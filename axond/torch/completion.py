@@ -75,6 +75,47 @@ class AxondWork(dist._Work):
         self.wait()
 
 
+class DoneWork(dist._Work):
+    """The torch Work of an op that already ran on the calling thread: no event to wait on, its future made only
+    if asked for (small ops are mostly this bookkeeping)."""
+
+    def __init__(self, op: str, group: str, value: Any = None, error: BaseException | None = None) -> None:
+        super().__init__()
+        self.op, self.group = op, group
+        self._value, self._error = value, error
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = torch.futures.Future()
+            if self._error is not None:
+                self._future.set_exception(self._error)
+            else:
+                self._future.set_result(self._value)
+        return self._future
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
 def _seconds(timeout: Any) -> float:
     return timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
 

@@ -23,7 +23,7 @@ from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_g
 from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import Store
-from axond.torch.completion import AxondWork, Completer
+from axond.torch.completion import AxondWork, Completer, DoneWork
 from axond.torch.tensors import Staged, copy_into, readonly, stage
 
 BACKEND = "axond"
@@ -32,8 +32,15 @@ _OPS = [(dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.PRODUCT, ReduceOp.PROD
         (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.AVG, ReduceOp.AVG)]
 
 
+_BY_KIND = {theirs.op if hasattr(theirs, "op") else theirs: ours for theirs, ours in _OPS}
+"""torch's RedOpType -> axond's op (a dict lookup: ops come by the thousand)."""
+
+
 def axond_op(op: Any, where: str) -> ReduceOp:
     """The axond ReduceOp of torch's `op`, or a clear error for the ones axond lacks."""
+    ours = _BY_KIND.get(getattr(op, "op", op))
+    if ours is not None:
+        return ours
     for theirs, ours in _OPS:
         if op == theirs:
             return ours
@@ -44,7 +51,11 @@ def axond_op(op: Any, where: str) -> ReduceOp:
 
 def reduction(op: Any, where: str) -> tuple[ReduceOp, float | None]:
     """(axond op, factor to multiply every input by first): PREMUL_SUM(f) is SUM of f * x."""
-    if getattr(op, "op", None) == dist.ReduceOp.RedOpType.PREMUL_SUM:
+    kind = getattr(op, "op", op)
+    ours = _BY_KIND.get(kind)
+    if ours is not None:
+        return ours, None
+    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
         factor = op.factor
         return ReduceOp.SUM, float(factor.item() if isinstance(factor, torch.Tensor) else factor)
     return axond_op(op, where), None
@@ -112,7 +123,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         return f"AxondProcessGroup({self._group_name!r}, rank={self._rank}, size={self._size})"
 
     def _launch(self, op: str, calls: Sequence[Callable[..., Any]], finish: Callable[[list[Any]], Any],
-                nbytes: int) -> AxondWork:
+                nbytes: int) -> AxondWork | DoneWork:
         """Run axond `calls` (each takes `async_op=`) and `finish`; the torch Work of the op.
 
         Ops up to SYNC_BYTES run at once on the calling thread (a completed Work: no thread hops, which
@@ -122,14 +133,11 @@ class AxondProcessGroup(dist.ProcessGroup):
         group = self.axond_group
         if nbytes > self.SYNC_BYTES:
             return self._launch_started(op, [call(async_op=True) for call in calls], finish)
-        work = AxondWork(op, group.name, self._options.timeout + ASYNC_MARGIN)
         try:
             value = finish([call(async_op=False) for call in calls])
         except Exception as e:
-            work._finish(error=e)
-        else:
-            work._finish(value)
-        return work
+            return DoneWork(op, group.name, error=e)
+        return DoneWork(op, group.name, value)
 
     def _launch_started(self, op: str, works: Sequence[Any], finish: Callable[[list[Any]], Any]) -> AxondWork:
         """The torch Work of axond async `works`, completed (after `finish`) by the completion thread."""
