@@ -14,7 +14,9 @@ gathered buffers kept around), "peak" the most allocated at once during a step. 
 - fsdp-full-layers / fsdp-full-layers-prefetch: FULL_SHARD with one unit per Linear, without and with
   forward_prefetch + backward_prefetch (the next unit's all_gather and the last one's reduce_scatter run
   on the comm thread while this unit computes).
-Rows with more ranks than cores are labelled "oversubscribed".
+Rows with more ranks than cores are labelled "oversubscribed". The last two columns are the wrapper's own
+accounting (`memory_stats()`: parameters, gradients, optimizer state and its transient buffers, not activations
+or the optimizer's temporaries that tracemalloc also sees) and `memory_estimate`'s prediction of it.
 """
 
 from __future__ import annotations
@@ -33,13 +35,16 @@ import numpy as np
 from axond.examples.train_mlp import TrainConfig, build_model, make_dataset
 from axond.nn import CrossEntropyLoss, Linear
 from axond.nn.optim import AdamW
-from axond.parallel import DDP, FSDP, ShardingStrategy, ZeroRedundancyOptimizer
+from axond.parallel import DDP, FSDP, ShardingStrategy, ZeroRedundancyOptimizer, memory_estimate
 from axond.testing import run_processes
 
 MODES = ["ddp", "zero1", "fsdp-no-shard", "fsdp-grad-op", "fsdp-full", "fsdp-full-layers", "fsdp-full-layers-prefetch"]
 STRATEGIES = {"fsdp-no-shard": ShardingStrategy.NO_SHARD, "fsdp-grad-op": ShardingStrategy.SHARD_GRAD_OP,
               "fsdp-full": ShardingStrategy.FULL_SHARD, "fsdp-full-layers": ShardingStrategy.FULL_SHARD,
               "fsdp-full-layers-prefetch": ShardingStrategy.FULL_SHARD}
+ESTIMATED = {"ddp": "ddp", "fsdp-grad-op": "shard_grad_op", "fsdp-full": "fsdp", "fsdp-full-layers": "fsdp"}
+"""Modes `memory_estimate` predicts, by its strategy name: not NO_SHARD or prefetching, and not zero1 here (the
+estimate's "zero1" reduces the gradients itself; this bench runs ZeroRedundancyOptimizer behind DDP)."""
 
 
 def rank_main(mode: str, hidden: int, depth: int, steps: int, batch: int) -> dict[str, Any]:
@@ -82,8 +87,9 @@ def rank_main(mode: str, hidden: int, depth: int, steps: int, batch: int) -> dic
         states.append(current - base)
     tracemalloc.stop()
     warm = max(1, steps // 4)
+    own = opt.memory_stats() if mode == "zero1" else wrapper.memory_stats(opt)
     return {"params": params, "state": max(states[warm:]), "peak": max(peaks[warm:]),
-            "step": float(np.median(times[warm:]))}
+            "step": float(np.median(times[warm:])), "stats": own}
 
 
 class _Rank:
@@ -110,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     print(f"model {a.model} (float32, AdamW); per-rank batch {a.batch_size}; {a.steps} steps, median after warm-up; "
           f"NumPy memory per rank (tracemalloc), the largest rank\n")
-    print("| mode | ranks | params | state MiB | vs ddp | peak in step MiB | step ms | samples/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | ranks | params | state MiB | vs ddp | peak in step MiB | step ms | samples/s "
+          "| stats current / peak MiB | estimate current / peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for world in a.worlds:
         ddp_state = None
         for mode in a.modes:
@@ -122,8 +129,16 @@ def main(argv: list[str] | None = None) -> int:
             ddp_state = state if mode == "ddp" else ddp_state
             ratio = f"{state / ddp_state:.2f}x" if ddp_state else "n/a"
             label = f"{world} (oversubscribed)" if world > cores else str(world)
+            own = max((r["stats"] for r in res), key=lambda st: st["peak"])
+            est = "n/a"
+            if mode in ESTIMATED:
+                model = build_model(replace(TrainConfig(), hidden=hidden, depth=depth))
+                e = memory_estimate(model, ESTIMATED[mode], world,
+                                    wrap=(lambda m: isinstance(m, Linear)) if "-layers" in mode else None)
+                est = f"{e['current'] / 2**20:.1f} / {e['peak'] / 2**20:.1f}"
             print(f"| {mode} | {label} | {res[0]['params']:,} | {state:.1f} | {ratio} | {peak:.1f} | {step * 1e3:.1f} | "
-                  f"{world * a.batch_size / step:,.0f} |", flush=True)
+                  f"{world * a.batch_size / step:,.0f} | {own['current'] / 2**20:.1f} / {own['peak'] / 2**20:.1f} | "
+                  f"{est} |", flush=True)
     return 0
 
 

@@ -128,3 +128,28 @@ def test_pipeline_memory_stats_count_its_stages() -> None:
     for stats, n in res:
         assert stats["parameters"] == stats["gradients"] == 4 * n and stats["optimizer_state"] == 8 * n
         assert stats["current"] == 16 * n
+
+
+
+
+@pytest.mark.parametrize(("strategy", "sharding"), [("fsdp", ShardingStrategy.FULL_SHARD),
+                                                    ("shard_grad_op", ShardingStrategy.SHARD_GRAD_OP)])
+@pytest.mark.parametrize("mp", [None, MP], ids=["float32", "bf16"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_estimate_follows_fsdp_units(strategy: str, sharding: ShardingStrategy, mp: MixedPrecision | None,
+                                         world: int) -> None:
+    """One unit per Linear: FULL_SHARD holds one unit's gathered parameters and full gradient at a time (the
+    peak falls), SHARD_GRAD_OP every unit's gathered parameters; the estimate is within 10 % of the stats."""
+    def build(m: nn.Module, g: ProcessGroup) -> tuple[Any, Any, Callable[[], dict[str, int]]]:
+        w = FSDP(m, group=g, sharding_strategy=sharding, mixed_precision=mp, wrap=lambda mod: isinstance(mod, nn.Linear))
+        opt = AdamW(list(w.parameters()), lr=1e-3)
+        return w, opt, lambda: w.memory_stats(opt)
+
+    res = run_threads(lambda g: measured(g, build), world, 60.0, backend="mock", options=BackendOptions(timeout=20))
+    stats = res[0][0]
+    est = memory_estimate(model(), strategy, world, mp, wrap=lambda mod: isinstance(mod, nn.Linear))
+    for key in ("parameters", "gradients", "optimizer_state", "current", "peak"):
+        assert abs(est[key] - stats[key]) <= 0.10 * stats[key] + 64, (key, est[key], stats[key])
+    whole = memory_estimate(model(), strategy, world, mp)
+    if strategy == "fsdp" and world > 1:
+        assert est["peak"] < whole["peak"]  # per-layer units gather one layer at a time

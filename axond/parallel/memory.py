@@ -1,8 +1,10 @@
 """Memory in bytes: what a wrapper's optimizer holds, and the per-rank figures a strategy predicts.
 
-`memory_estimate` uses the same accounting as the wrappers' `memory_stats()` (whole model as one
-FSDP unit): parameters, gradients and optimizer state that persist, plus the transient buffers of
-one step (working low-precision copies, gradient buckets, gathered parameters and full gradients).
+`memory_estimate` uses the same accounting as the wrappers' `memory_stats()`: parameters, gradients and
+optimizer state that persist, plus the transient buffers of one step (working low-precision copies, gradient
+buckets, gathered parameters and full gradients). FSDP units are chosen as FSDP's `wrap=` chooses them (default:
+the whole model as one unit): a unit's gathered parameters and full gradient stay alive while the units inside it
+run, so the peak is that of the deepest chain of nested units.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 
 def memory_estimate(model: Any, strategy: str, world_size: int, mixed_precision: MixedPrecision | None = None,
-                    optimizer_states: int = 2) -> dict[str, int]:
+                    optimizer_states: int = 2, wrap: Any = None) -> dict[str, int]:
     """Predicted bytes per rank of `model` under `strategy` ("ddp", "zero1", "fsdp", "shard_grad_op").
 
     `optimizer_states` arrays of the masters' size per parameter (AdamW 2, SGD with momentum 1, plain SGD 0).
+    `wrap`: FSDP's units, as FSDP's `wrap=` takes them (None: the model as one unit; without prefetching).
     Keys as the wrappers' `memory_stats()`: parameters, gradients, optimizer_state (buckets for DDP), current
     (their sum, between steps) and peak (with the largest buffers of a step that are alive together).
     """
@@ -54,8 +57,10 @@ def memory_estimate(model: Any, strategy: str, world_size: int, mixed_precision:
                "optimizer_state": optimizer_states * shard * m}
         transient = padded * m  # the flat copy of the local gradients that is reduce-scattered
     else:
-        out = {"parameters": shard * m, "gradients": shard * g, "optimizer_state": optimizer_states * shard * m}
-        transient = 2 * padded * c + (padded * r if r != c else 0)  # gathered unit, its gradient, a cast copy
+        units = _fsdp_units(model, wrap, world_size)
+        shards = sum(p // world_size for p, _ in units)
+        out = {"parameters": shards * m, "gradients": shards * g, "optimizer_state": optimizer_states * shards * m}
+        transient = _fsdp_transient(units, c, r, keep_gathered=strategy == "shard_grad_op")
     out["current"] = sum(out.values())
     out["peak"] = out["current"] + transient
     return out
@@ -67,3 +72,33 @@ def memory_savings(model: Any, strategy: str, world_size: int, mixed_precision: 
     ddp = memory_estimate(model, "ddp", world_size, None, optimizer_states)["peak"]
     peak = memory_estimate(model, strategy, world_size, mixed_precision, optimizer_states)["peak"]
     return {"ddp_peak": ddp, "peak": peak, "saved": ddp - peak, "fraction_saved": (ddp - peak) / ddp if ddp else 0.0}
+
+
+def _fsdp_units(model: Any, wrap: Any, world_size: int) -> list[tuple[int, list[int]]]:
+    """Per FSDP unit (root first): its padded element count and the indices of the units it runs inside (itself
+    included), as `FullyShardedDataParallel(model, wrap=wrap)` would build them."""
+    from axond.parallel.fsdp.wrap import plan_units, select_unit_modules
+
+    plans = plan_units(model, select_unit_modules(model, wrap))  # units that own parameters
+    inside = [{id(d) for d in plan.module.modules()} for plan in plans]
+    units = []
+    for plan in plans:
+        numel = sum(int(p.size) for p in plan.params)
+        chain = [j for j in range(len(plans)) if id(plan.module) in inside[j]]
+        units.append((math.ceil(numel / world_size) * world_size, chain))
+    return units
+
+
+def _fsdp_transient(units: list[tuple[int, list[int]]], c: int, r: int, keep_gathered: bool) -> int:
+    """The most bytes of gathered parameters (c per element), full gradients (c) and reduce-dtype copies (r, when it
+    differs) alive at once in a step. FULL_SHARD: a unit's backward holds the gathered parameters and full gradients
+    of every unit it runs inside, plus its own cast copy while its reduce-scatter starts; SHARD_GRAD_OP keeps every
+    unit gathered from the forward into the backward."""
+    cast = r if r != c else 0
+    gathered_all = sum(p for p, _ in units) * c
+    worst = 0
+    for padded, chain in units:
+        held = sum(units[j][0] for j in chain)
+        gathered = gathered_all if keep_gathered else held * c
+        worst = max(worst, gathered + held * c + padded * cast)
+    return worst
