@@ -121,6 +121,8 @@ class RunningCoordinator:
         """The file the token was read from or generated into (None if it was given directly)."""
         self.state_dir: Path | None = None
         """Where the state is kept durably (None: in memory only)."""
+        self.commits: GroupCommit | None = None
+        """The durable state's group committer (None: in memory only)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_request: asyncio.Event | None = None
         self._grace = 1.0
@@ -214,13 +216,14 @@ async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, r
                 loop.create_task(health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
 
         commits = GroupCommit(state, state.persistence, loop, config.limits.max_commit_batch,
-                              config.limits.commit_timeout_s, on_failure=not_serving)
+                              config.limits.commit_timeout_s, writer_thread=config.fsync, on_failure=not_serving)
         commits.start()
+        running.commits = commits
     try:
         await _serve_grpc(config, running, running_box, ready, health_servicer, commits)
     finally:
         if commits is not None:
-            await asyncio.to_thread(commits.stop)
+            await commits.stop()
 
 
 async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, running_box: list[RunningCoordinator],

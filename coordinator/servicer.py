@@ -97,13 +97,13 @@ def _translated(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
             _check_decoded(request)
             if commits is None:
                 return await fn(self, request, context)
-            await commits.room(_wait_limit(context, commits.timeout))
+            await commits.room()
             try:
                 reply = await fn(self, request, context)
             except (StateError, _Deadline):
-                await commits.durable(_wait_limit(context, commits.timeout))
+                await commits.durable()
                 raise
-            await commits.durable(_wait_limit(context, commits.timeout))
+            await commits.durable()
             return reply
         except (StateError, _Deadline) as e:
             code, text = status_of(e)  # type: ignore[misc]
@@ -362,7 +362,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 await context.abort(code, text)
             if self.commits is not None and (events or skipped or finished):
                 try:
-                    await self.commits.durable(_wait_limit(context, self.commits.timeout))
+                    await self.commits.durable()
                 except StateError as e:
                     code, text = status_of(e)  # type: ignore[misc]
                     await context.abort(code, text)
