@@ -97,13 +97,15 @@ def _translated(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
             _check_decoded(request)
             if commits is None:
                 return await fn(self, request, context)
-            await commits.room()
+            if commits.pending_calls >= commits.max_batch or commits.failed is not None:
+                await commits.room()
             try:
                 reply = await fn(self, request, context)
             except (StateError, _Deadline):
                 await commits.durable()
                 raise
-            await commits.durable()
+            if commits.needed > commits.committed or commits.failed is not None:
+                await commits.durable()
             return reply
         except (StateError, _Deadline) as e:
             code, text = status_of(e)  # type: ignore[misc]

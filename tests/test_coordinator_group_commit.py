@@ -90,3 +90,39 @@ def test_a_failed_commit_answers_unavailable_and_never_acknowledges(tmp_path: Pa
             assert store.try_get("pending") is None, "the change whose commit failed is not there"
     finally:
         running.stop(grace=0.2)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_sets_share_transactions_and_a_clean_stop_keeps_them(tmp_path: Path) -> None:
+    config = CoordinatorConfig(host="127.0.0.1", port=0, token="t", state_dir=str(tmp_path / "state"))
+    running = start_coordinator(config)
+    try:
+        with connect(running.address, token="t", call_timeout=5.0) as c:
+            node = c.register_node("host-a").node_id
+            gen = c.join("j", node, 1, 1, 1, timeout=10.0).generation
+        auth = [("authorization", "Bearer t")]
+
+        async def sets() -> None:
+            async with grpc.aio.insecure_channel(running.address) as channel:
+                stub = pb_grpc.CoordinatorStub(channel)
+                await asyncio.gather(*(
+                    stub.KvSet(pb.KvSetRequest(job="j", generation=gen, key=f"k{i}", value=b"v"), timeout=10,
+                               metadata=auth)
+                    for i in range(400)))
+
+        commits = running.commits
+        assert commits is not None
+        before = commits.batches
+        asyncio.run(sets())
+        assert commits.batches - before < 400 and commits.largest_batch > 1, "calls share transactions"
+        running.state.kv_set("j", gen, "last", b"v")  # from this thread: nobody waits for its commit but stop
+    finally:
+        running.stop(grace=0.2)
+    running = start_coordinator(config)
+    try:
+        with connect(running.address, token="t", call_timeout=5.0) as c:
+            store = c.store("j", gen)
+            assert [store.try_get(f"k{i}") for i in range(400)] == [b"v"] * 400
+            assert store.try_get("last") == b"v"
+    finally:
+        running.stop(grace=0.2)

@@ -78,10 +78,12 @@ class GroupCommit:
         self.commit_seconds = 0.0
         """Time spent writing transactions."""
         self._scheduled = False
+        self._stopping = False
         self._last_commit = 0.0
         self._in_flight: asyncio.Future[None] | None = None
-        self._futures: dict[int, tuple[asyncio.Future[None], asyncio.TimerHandle]] = {}
-        """Per batch someone waits for: the future its commit completes, and the timer that gives up on it."""
+        self._futures: dict[int, tuple[list[asyncio.Future[None]], asyncio.TimerHandle]] = {}
+        """Per batch someone waits for: each waiter's future (completed by the commit), and the timer that
+        gives up on the batch."""
 
     def start(self) -> None:
         """Commit in batches from now on (call on the loop; the state stops committing at the end of each call)."""
@@ -90,10 +92,11 @@ class GroupCommit:
 
     async def stop(self) -> None:
         """Commit what is left (waits at most `timeout` seconds for a write in flight)."""
+        self._stopping = True
         if self._in_flight is not None:
             await asyncio.wait([self._in_flight], timeout=self.timeout)
         if self._in_flight is None:
-            self._commit()
+            self._commit(last=True)
         if self._in_flight is not None:
             await asyncio.wait([self._in_flight], timeout=self.timeout)
         if self._writer is not None:
@@ -134,9 +137,10 @@ class GroupCommit:
             raise Unavailable(self.failed)
         waiting = self._futures.get(batch)
         if waiting is None:
-            fut = self._loop.create_future()
-            waiting = self._futures[batch] = (fut, self._loop.call_later(self.timeout, self._expire, batch, fut))
-        await asyncio.shield(waiting[0])
+            waiting = self._futures[batch] = ([], self._loop.call_later(self.timeout, self._expire, batch))
+        fut = self._loop.create_future()
+        waiting[0].append(fut)
+        await fut
         if self.failed is not None:
             raise Unavailable(self.failed)
         if self.committed < batch:
@@ -145,16 +149,23 @@ class GroupCommit:
                 "it may or may not have been kept: check, then retry"
             )
 
-    def _expire(self, batch: int, fut: asyncio.Future[None]) -> None:
-        if self._futures.get(batch, (None,))[0] is fut:
-            del self._futures[batch]
-        if not fut.done():
-            fut.set_result(None)
+    def _expire(self, batch: int) -> None:
+        waiters, _ = self._futures.pop(batch, ([], None))
+        self._wake(waiters)
 
-    def _commit(self) -> None:
-        """On the loop: take every marked change as the next batch and write it (unless a write is in flight)."""
+    @staticmethod
+    def _wake(waiters: list[asyncio.Future[None]]) -> None:
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _commit(self, last: bool = False) -> None:
+        """On the loop: take every marked change as the next batch and write it (unless a write is in flight);
+        `last`: the one `stop` asks for (no spacing; no commit runs after it)."""
+        if self._stopping and not last:
+            return
         early = self._last_commit + COMMIT_SPACING_S - time.perf_counter()
-        if early > 0:
+        if early > 0 and not last:
             self._loop.call_later(early, self._commit)
             return
         self._scheduled = False
@@ -199,10 +210,9 @@ class GroupCommit:
         self.batches += 1
         self.largest_batch = max(self.largest_batch, calls)
         for b in [b for b in self._futures if b <= batch]:
-            fut, timer = self._futures.pop(b)
+            waiters, timer = self._futures.pop(b)
             timer.cancel()
-            if not fut.done():
-                fut.set_result(None)
+            self._wake(waiters)
 
     def _fail(self, e: BaseException) -> None:
         self.failed = (
@@ -211,10 +221,9 @@ class GroupCommit:
             "from what it had committed"
         )
         log.error("%s", self.failed)
-        for fut, timer in self._futures.values():
+        for waiters, timer in self._futures.values():
             timer.cancel()
-            if not fut.done():
-                fut.set_result(None)
+            self._wake(waiters)
         self._futures.clear()
         self._on_failure()
 
