@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("axond.coordinator")
 
 COMMIT_SPACING_S = 0.002
-"""A commit starts at once unless the previous one started less than this ago: then it waits out the rest,
-so under load one transaction holds the changes of many calls (each commit costs ~0.1 ms of the loop),
-while a lone call waits for no one."""
+"""Under load (this batch or the previous one holds more than one call) a commit starts no sooner than
+this after the previous one, so one transaction holds the changes of many calls (each commit costs
+~0.1 ms of the loop); a lone client's change is committed at once."""
 
 
 class GroupCommit:
@@ -77,6 +77,7 @@ class GroupCommit:
         """Most changed calls one transaction held."""
         self.commit_seconds = 0.0
         """Time spent writing transactions."""
+        self._last_calls = 0
         self._scheduled = False
         self._stopping = False
         self._last_commit = 0.0
@@ -165,7 +166,7 @@ class GroupCommit:
         if self._stopping and not last:
             return
         early = self._last_commit + COMMIT_SPACING_S - time.perf_counter()
-        if early > 0 and not last:
+        if early > 0 and not last and max(self.pending_calls, self._last_calls) > 1:
             self._loop.call_later(early, self._commit)
             return
         self._scheduled = False
@@ -176,6 +177,7 @@ class GroupCommit:
                 return
             changes = self._state.take_changes()
             calls, self.pending_calls = self.pending_calls, 0
+            self._last_calls = calls
             self.taken += 1
             batch = self.taken
         t0 = self._last_commit = time.perf_counter()
