@@ -67,7 +67,8 @@ class CoordinatorConfig:
     in_memory: bool = False
     """Keep nodes, jobs and stores in this process only: a restart forgets them (throw-away runs, tests)."""
     fsync: bool = False
-    """Flush every committed call to disk (survives power loss; default: survives the process being killed)."""
+    """Flush each group commit to disk before its answers leave (survives power loss; default: survives the process
+    being killed)."""
     tls_cert: str | None = None
     """PEM certificate file; with tls_key, serve TLS."""
     tls_key: str | None = None

@@ -9,9 +9,9 @@ when the answer was computed, so no client hears of a change, its own or another
 it is committed; answers that find nothing uncommitted leave at once.
 
 Where the transaction is written: on the event loop itself without fsync (a WAL append to the OS
-cache costs ~0.1 ms, less than handing it to a thread and back under the GIL, and commits are
-spaced by at least `COMMIT_SPACING_S`), on one writer thread with fsync (a disk flush takes
-milliseconds, during which the loop serves other calls and the next batch gathers).
+cache costs ~0.1 ms, less than handing it to a thread and back under the GIL; under load commits
+are `COMMIT_SPACING_S` apart), on one writer thread with fsync (a disk flush takes milliseconds,
+during which the loop serves other calls and the next batch gathers).
 
 Bounded: an answer waits at most `timeout` seconds (then UNAVAILABLE: the change may or may not
 have been kept); a call that finds `max_batch` changed calls waiting for the next batch waits for
