@@ -5,6 +5,13 @@ each with its own gRPC channel, and KV-store operations per second. Run:
 
     python bench/rendezvous.py --part a [--nodes 2,64,1024] [--server process|thread]
 
+Part (kv): KV throughput over gRPC: N concurrent clients (each its own connection, spread over several
+client processes) doing set/get, against a coordinator in memory, durable (SQLite, group commit) and
+durable with --fsync; ops/s and per-call latency percentiles:
+
+    python bench/rendezvous.py --part kv [--clients 100,500] [--client-procs 4] [--kv-seconds 5] [--kv-rounds 3]
+        [--kv-mix mixed|set|get|health] [--kv-stores memory,sqlite,fsync] [--kv-connections N]
+
 Part (b): wall time of a one-node job of N local ranks, `axond worker` against a running coordinator
 beside `torchrun --rdzv-backend=c10d` (when torch is importable), each rank doing init + barrier:
 
@@ -19,6 +26,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import itertools
+import json
 import os
 import shutil
 import socket
@@ -31,6 +39,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from axond.control.client import connect
 from axond.coordinator.server import CoordinatorConfig, start_coordinator
@@ -117,9 +126,10 @@ def _kv_rates(address: str, seconds: float) -> dict[str, float]:
         gen = c.join("kv", node, 1, 1, 1, timeout=10.0).generation
         store = c.store("kv", gen)
         value = b"x" * 64
+        keys = 1000
         ops: dict[str, Callable[[int], object]] = {
-            "set": lambda i: store.set(f"k{i % 1000}", value),
-            "get": lambda i: store.get(f"k{i % 1000}", timeout=1.0),
+            "set": lambda i: store.set(f"k{i % keys}", value),
+            "get": lambda i: store.get(f"k{i % keys}", timeout=1.0),
             "add": lambda i: store.add("counter", 1),
         }
         for name, op in ops.items():
@@ -128,6 +138,8 @@ def _kv_rates(address: str, seconds: float) -> dict[str, float]:
                 op(count)
                 count += 1
             out[f"{name} (1 client, sequential)"] = count / (time.perf_counter() - t0)
+            if name == "set":
+                keys = min(keys, count)  # get reads only keys that were set
 
     async def pipelined() -> float:
         async with grpc.aio.insecure_channel(address) as ch:
@@ -167,6 +179,113 @@ def part_a(nodes: list[int], repeats: int, server: str, nproc: int = 8, kv_secon
     print("|---|---:|---:|---:|")
     for name, rate in in_memory.items():
         print(f"| {name} | {rate:,.0f} | {durable[name]:,.0f} | {durable[name] / rate:.2f} |")
+
+
+def _kv_client_proc(address: str, job: str, gen: int, first: int, clients: int, start_at: float, seconds: float,
+                    mix: str, connections: int) -> dict[str, object]:
+    """One client process: `clients` callers over `connections` connections, each caller one call at a time."""
+    value = b"x" * 64
+
+    async def run() -> dict[str, object]:
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(min(clients, connections))]
+        latencies: list[float] = []
+        errors = 0
+        try:
+            stubs = [pb_grpc.CoordinatorStub(channels[i % len(channels)]) for i in range(clients)]
+            health_stubs = [health_pb2_grpc.HealthStub(channels[i % len(channels)]) for i in range(clients)]
+            await asyncio.gather(*(s.KvSet(pb.KvSetRequest(job=job, generation=gen, key=f"c{first + i}/0", value=value),
+                                           timeout=60, metadata=AUTH) for i, s in enumerate(stubs)))
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            end = time.perf_counter() + seconds
+
+            async def caller(i: int, stub: pb_grpc.CoordinatorStub) -> None:
+                nonlocal errors
+                n = 0
+                while True:
+                    key = f"c{first + i}/{n % 16}"
+                    t0 = time.perf_counter()
+                    if t0 >= end:
+                        return
+                    try:
+                        if mix == "health":
+                            await health_stubs[i].Check(health_pb2.HealthCheckRequest(), timeout=30)
+                        elif mix == "set" or (mix == "mixed" and n % 2 == 0):
+                            await stub.KvSet(pb.KvSetRequest(job=job, generation=gen, key=key, value=value),
+                                             timeout=30, metadata=AUTH)
+                        else:
+                            await stub.KvGet(pb.KvGetRequest(job=job, generation=gen, key=f"c{first + i}/0"),
+                                             timeout=30, metadata=AUTH)
+                        latencies.append(time.perf_counter() - t0)
+                    except grpc.aio.AioRpcError:
+                        errors += 1
+                    n += 1
+
+            await asyncio.gather(*(caller(i, s) for i, s in enumerate(stubs)))
+        finally:
+            await asyncio.gather(*(ch.close() for ch in channels))
+        return {"latencies": latencies, "errors": errors}
+
+    return asyncio.run(run())
+
+
+def _kv_load(address: str, clients: int, procs: int, seconds: float, mix: str,
+             connections: int) -> tuple[float, float, float, int]:
+    """(ops/s, p50 ms, p99 ms, failed calls) of `clients` callers spread over `procs` processes."""
+    with connect(address, token=BENCH_CONFIG.token, call_timeout=10.0) as c:
+        node = c.register_node("kv-load").node_id
+        job = f"kv-{clients}-{time.monotonic_ns()}"
+        gen = c.join(job, node, 1, 1, 1, timeout=10.0).generation
+    start_at = time.time() + 2.0 + clients / 250
+    shares = [clients // procs + (1 if p < clients % procs else 0) for p in range(procs)]
+    children = []
+    for p, share in enumerate(shares):
+        args = json.dumps([address, job, gen, sum(shares[:p]), share, start_at, seconds, mix, connections])
+        children.append(subprocess.Popen([sys.executable, __file__, "--kv-client", args], stdout=subprocess.PIPE))
+    latencies: list[float] = []
+    errors = 0
+    for child in children:
+        out, _ = child.communicate(timeout=seconds + 120)
+        if child.returncode != 0:
+            raise RuntimeError(f"a KV client process exited {child.returncode}")
+        got = json.loads(out)
+        latencies += got["latencies"]
+        errors += got["errors"]
+    latencies.sort()
+    if not latencies:
+        return 0.0, 0.0, 0.0, errors
+    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3  # noqa: E731
+    return len(latencies) / seconds, pick(0.50), pick(0.99), errors
+
+
+def part_kv(clients: list[int], procs: int, seconds: float, mix: str, stores: list[str], connections: int,
+            rounds: int) -> None:
+    """KV ops/s and latency over gRPC for each store and client count (median of `rounds` interleaved rounds)."""
+    labels = {"memory": "in memory", "sqlite": "SQLite", "fsync": "SQLite --fsync"}
+    got: dict[tuple[str, int], list[tuple[float, float, float, int]]] = {}
+    for _ in range(rounds):
+        for store in stores:
+            with tempfile.TemporaryDirectory(prefix="axond-bench-state-") as state_dir:
+                config = BENCH_CONFIG if store == "memory" else dataclasses.replace(
+                    BENCH_CONFIG, in_memory=False, state_dir=state_dir, fsync=store == "fsync")
+                with _coordinator("process", config) as address:
+                    for n in clients:
+                        got.setdefault((store, n), []).append(
+                            _kv_load(address, n, min(procs, n), seconds, mix, connections))
+    print(f"## (kv) KV store over gRPC: {mix} calls, 64-byte values, {procs} client processes, "
+          f"{'one connection per client' if connections >= max(clients) else f'{connections} connection(s) per process'}, "
+          f"{seconds:g} s per row, median of {rounds} interleaved rounds, coordinator in its own process "
+          f"({os.cpu_count()} CPUs)\n")
+    print("| store | clients | ops/s | vs in memory | p50 ms | p99 ms | failed calls |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for store in stores:
+        for n in clients:
+            rows = got[(store, n)]
+            rate, p50, p99 = (statistics.median(r[i] for r in rows) for i in range(3))
+            base = statistics.median(r[0] for r in got[("memory", n)]) if ("memory", n) in got else None
+            ratio = f"{rate / base:.2f}" if base else "-"
+            print(f"| {labels[store]} | {n} | {rate:,.0f} | {ratio} | {p50:.1f} | {p99:.1f} | "
+                  f"{sum(r[3] for r in rows)} |")
 
 
 AXOND_RANK = "import axond; axond.init_process_group(backend='tcp'); axond.barrier(); axond.destroy_process_group()"
@@ -244,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     parts: dict[str, Callable[[argparse.Namespace], None]] = {
         "a": lambda args: part_a([int(x) for x in args.nodes.split(",")], args.repeats, args.server),
         "b": lambda args: part_b([int(x) for x in args.nprocs.split(",")], args.repeats),
+        "kv": lambda args: part_kv([int(x) for x in args.clients.split(",")], args.client_procs, args.kv_seconds,
+                                   args.kv_mix, args.kv_stores.split(","), args.kv_connections, args.kv_rounds),
     }
+    if argv is None and sys.argv[1:2] == ["--kv-client"]:
+        print(json.dumps(_kv_client_proc(*json.loads(sys.argv[2]))))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=sorted(parts) + ["all"], default="all", help="which benchmark to run")
     parser.add_argument("--nodes", default="2,64,1024", help="(a) comma-separated simulated node counts")
@@ -254,8 +378,19 @@ def main(argv: list[str] | None = None) -> int:
         "--server", choices=["process", "thread"], default="process",
         help="(a) run the coordinator in its own process (default) or in a thread of this one",
     )
+    parser.add_argument("--clients", default="100,500", help="(kv) comma-separated concurrent client counts")
+    parser.add_argument("--client-procs", type=int, default=4, help="(kv) processes the clients are spread over")
+    parser.add_argument("--kv-connections", type=int, default=1_000_000,
+                        help="(kv) connections per client process (default: one per client)")
+    parser.add_argument("--kv-rounds", type=int, default=3, help="(kv) interleaved rounds (median reported)")
+    parser.add_argument("--kv-seconds", type=float, default=5.0, help="(kv) measured seconds per row")
+    parser.add_argument("--kv-mix", choices=["mixed", "set", "get", "health"], default="mixed",
+                        help="(kv) what each client does: alternate set and get (default), only set, only get, or "
+                        "only health checks (the gRPC server's own ceiling: no state, no commit)")
+    parser.add_argument("--kv-stores", default="memory,sqlite,fsync",
+                        help="(kv) comma-separated stores: memory, sqlite, fsync (SQLite with --fsync)")
     args = parser.parse_args(argv)
-    for name in sorted(parts) if args.part == "all" else [args.part]:
+    for name in ["a", "b"] if args.part == "all" else [args.part]:
         parts[name](args)
         print()
     return 0

@@ -49,6 +49,11 @@ class CoordinatorLimits:
     max_concurrent_calls: int = 50_000
     """Calls served at once, long-polls included; past it a call is refused at once (RESOURCE_EXHAUSTED) and
     clients retry it with jittered backoff."""
+    max_commit_batch: int = 5_000
+    """Durable state: changed calls one group commit gathers; a call that finds that many waiting for the next
+    commit waits for the one in flight before it runs."""
+    commit_timeout_s: float = 10.0
+    """Durable state: seconds an answer waits for the commit of its change; past it the call answers UNAVAILABLE."""
     status_retention_s: float = 600.0
     """Seconds finished jobs and dead nodes stay in the default status (GetStatus all=true shows them longer)."""
 

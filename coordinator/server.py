@@ -22,6 +22,7 @@ from axond.control.credentials import default_state_dir, ensure_token, read_toke
 from axond.coordinator.auth import TokenInterceptor
 from axond.coordinator.decoding import DecodeGuard
 from axond.coordinator.limits import CoordinatorLimits
+from axond.coordinator.persistence.group_commit import GroupCommit
 from axond.coordinator.persistence.sqlite import SqlitePersistence
 from axond.coordinator.servicer import CoordinatorServicer
 from axond.coordinator.state import CoordinatorState
@@ -66,7 +67,8 @@ class CoordinatorConfig:
     in_memory: bool = False
     """Keep nodes, jobs and stores in this process only: a restart forgets them (throw-away runs, tests)."""
     fsync: bool = False
-    """Flush every committed call to disk (survives power loss; default: survives the process being killed)."""
+    """Flush each group commit to disk before its answers leave (survives power loss; default: survives the process
+    being killed)."""
     tls_cert: str | None = None
     """PEM certificate file; with tls_key, serve TLS."""
     tls_key: str | None = None
@@ -120,6 +122,8 @@ class RunningCoordinator:
         """The file the token was read from or generated into (None if it was given directly)."""
         self.state_dir: Path | None = None
         """Where the state is kept durably (None: in memory only)."""
+        self.commits: GroupCommit | None = None
+        """The durable state's group committer (None: in memory only)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_request: asyncio.Event | None = None
         self._grace = 1.0
@@ -204,6 +208,29 @@ async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator
 async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, running_box: list[RunningCoordinator],
                        ready: threading.Event) -> None:
     loop = asyncio.get_running_loop()
+    state = running.state
+    health_servicer = health.aio.HealthServicer()
+    commits = None
+    if state.persistence is not None:
+        def not_serving() -> None:
+            for name in ("", SERVICE_NAME):
+                loop.create_task(health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+
+        commits = GroupCommit(state, state.persistence, loop, config.limits.max_commit_batch,
+                              config.limits.commit_timeout_s, writer_thread=config.fsync, on_failure=not_serving)
+        commits.start()
+        running.commits = commits
+    try:
+        await _serve_grpc(config, running, running_box, ready, health_servicer, commits)
+    finally:
+        if commits is not None:
+            await commits.stop()
+
+
+async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, running_box: list[RunningCoordinator],
+                      ready: threading.Event, health_servicer: health.aio.HealthServicer,
+                      commits: GroupCommit | None) -> None:
+    loop = asyncio.get_running_loop()
     hub = WaitHub(loop)
     state = running.state
     state.listen(hub.notify)
@@ -211,8 +238,7 @@ async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, r
     interceptors.append(DecodeGuard())
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS,
                              maximum_concurrent_rpcs=config.limits.max_concurrent_calls)
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub), server)
-    health_servicer = health.aio.HealthServicer()
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub, commits), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server

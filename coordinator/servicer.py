@@ -2,7 +2,8 @@
 
 Waiting RPCs (Join, KvGet with wait, KvWait, Barrier, PollWork, StreamJob) are coroutines parked
 on a `WaitHub`, so thousands of waiters cost no threads. Every wait is bounded by the request's
-own wait and by the call's deadline.
+own wait and by the call's deadline. With a durable state every answer (errors included) waits
+for the group commit of everything the state had changed when it was computed (`GroupCommit`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from axond.coordinator.errors import (
     check_wait,
 )
 from axond.coordinator.jobs import FinishedEvent, InfoEvent, JobSpec, JobState, OutputEvent
+from axond.coordinator.persistence.group_commit import GroupCommit
 from axond.coordinator.state import CoordinatorState
 from axond.coordinator.waiting import WaitHub
 from axond.v1 import coordinator_pb2 as pb
@@ -52,7 +54,7 @@ MAX_DETAIL_CHARS = 2000
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+Handler = Callable[["CoordinatorServicer", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 
 class _Deadline(Exception):
@@ -89,10 +91,22 @@ def _translated(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
     """Map domain exceptions to status codes; anything unexpected becomes INTERNAL, never a crash."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+    async def wrapper(self: CoordinatorServicer, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        commits = self.commits
         try:
             _check_decoded(request)
-            return await fn(self, request, context)
+            if commits is None:
+                return await fn(self, request, context)
+            if commits.pending_calls >= commits.max_batch or commits.failed is not None:
+                await commits.room()
+            try:
+                reply = await fn(self, request, context)
+            except (StateError, _Deadline):
+                await commits.durable()
+                raise
+            if commits.needed > commits.committed or commits.failed is not None:
+                await commits.durable()
+            return reply
         except (StateError, _Deadline) as e:
             code, text = status_of(e)  # type: ignore[misc]
             await context.abort(code, text)
@@ -134,9 +148,11 @@ def _event_pb(event: OutputEvent | InfoEvent | FinishedEvent) -> pb.JobEvent:
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Thin translation layer over `CoordinatorState`."""
 
-    def __init__(self, state: CoordinatorState, hub: WaitHub) -> None:
+    def __init__(self, state: CoordinatorState, hub: WaitHub, commits: GroupCommit | None = None) -> None:
+        """`commits`: the durable state's group committer (None: in memory, answers leave at once)."""
         self.state = state
         self.hub = hub
+        self.commits = commits
 
     @_translated
     async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Any) -> pb.RegisterNodeResponse:
@@ -346,6 +362,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             except StateError as e:
                 code, text = status_of(e)  # type: ignore[misc]
                 await context.abort(code, text)
+            if self.commits is not None and (events or skipped or finished):
+                try:
+                    await self.commits.durable()
+                except StateError as e:
+                    code, text = status_of(e)  # type: ignore[misc]
+                    await context.abort(code, text)
             if skipped:
                 yield pb.JobEvent(
                     info=f"{skipped} earlier events were dropped: the job's output exceeded the coordinator's "

@@ -37,7 +37,7 @@ from axond.coordinator.kv_space import ByteBudget
 from axond.coordinator.lifecycle import Assignment, HeartbeatResult, JobLifecycle
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.membership import Liveness, Membership, Node
-from axond.coordinator.persistence.base import Persistence
+from axond.coordinator.persistence.base import Changes, Persistence
 from axond.coordinator.persistence.journal import Journal, TxLock, restore
 from axond.coordinator.scheduling import Scheduler
 from axond.coordinator.status import StatusSnapshot, snapshot
@@ -56,8 +56,9 @@ class CoordinatorState:
         limits: CoordinatorLimits | None = None,
         persistence: Persistence | None = None,
     ) -> None:
-        """`persistence`: where every call's changes are committed before it returns, and from which the
-        state is restored here (None: kept in this process only)."""
+        """`persistence`: where every call's changes are committed before it returns (or, after
+        `commit_later`, by a group committer), and from which the state is restored here (None: kept in
+        this process only)."""
         if heartbeat_interval <= 0 or dead_after_missed < 1 or settle_time < 0:
             raise ValueError(
                 f"heartbeat_interval ({heartbeat_interval}) must be > 0, dead_after_missed "
@@ -95,8 +96,8 @@ class CoordinatorState:
 
     def _commit(self) -> None:
         """Write what the current call changed (under the lock, before the caller hears of it)."""
-        assert self.ctx.journal is not None and self.persistence is not None
-        changes = self.ctx.journal.changes(self, time.monotonic())
+        assert self.persistence is not None
+        changes = self.take_changes()
         if changes:
             try:
                 self.persistence.commit(changes)
@@ -105,6 +106,23 @@ class CoordinatorState:
                     f"the coordinator could not write its state ({type(e).__name__}: {e}); retry, and check "
                     "its state directory (disk full? permissions?)"
                 ) from e
+
+    def uncommitted(self) -> bool:
+        """Whether changes wait to be committed (call under `lock`; False when not durable)."""
+        journal = self.ctx.journal
+        return journal is not None and journal.marked(self)
+
+    def take_changes(self) -> Changes:
+        """Everything changed since the last call of this, read from the live objects (call under `lock`)."""
+        assert self.ctx.journal is not None, "take_changes needs a durable state"
+        return self.ctx.journal.changes(self, time.monotonic())
+
+    def commit_later(self, on_change: Callable[[], None]) -> None:
+        """Group commit: at the end of each call call `on_change` (under the lock) instead of committing;
+        whoever passes it commits `take_changes()` itself (see persistence/group_commit.py)."""
+        if not isinstance(self.lock, TxLock):
+            raise ValueError("commit_later needs a durable state (one made with a persistence)")
+        self.lock.on_release = on_change
 
     def listen(self, listener: Callable[[Topic], None]) -> None:
         """Report changed topics to `listener` (the servicer's wake-ups)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -11,6 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
+import grpc.aio
 import pytest
 
 from axond.control.client import connect
@@ -18,6 +21,8 @@ from axond.coordinator.jobs import JobSpec, JobState, OutputEvent
 from axond.coordinator.persistence import MemoryPersistence, Persistence, SqlitePersistence
 from axond.coordinator.state import CoordinatorState
 from axond.errors import CoordinatorError
+from axond.v1 import coordinator_pb2 as pb
+from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
 Reopen = Callable[[], Persistence]
 
@@ -157,6 +162,71 @@ def test_kill_9_and_restart_keep_nodes_jobs_and_the_store(tmp_path: Path) -> Non
             assert (job.generation, job.world_size, job.restarts) == (1, 2, 0)
             c.report_exit("train", node, 1, 0)
             assert c.get_status("train").jobs[0].state == 4  # SUCCEEDED
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+CLIENTS = 64
+"""Concurrent setters in the kill -9 burst (several changes per commit batch)."""
+
+
+def _token(state: Path) -> str:
+    path = state / "token"
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.read_text().strip()
+
+
+async def _burst(address: str, token: str, gen: int, proc: subprocess.Popen[bytes]) -> dict[str, bytes]:
+    """Concurrent KvSets until the coordinator is killed under them; returns every set it acknowledged."""
+    auth = [("authorization", f"Bearer {token}")]
+    acked: dict[str, bytes] = {}
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+
+        async def setter(w: int) -> None:
+            i = 0
+            while True:
+                key, value = f"w{w}/{i}", f"{w}:{i}".encode()
+                try:
+                    await stub.KvSet(pb.KvSetRequest(job="burst", generation=gen, key=key, value=value), timeout=5.0,
+                                     metadata=auth)
+                except grpc.aio.AioRpcError:
+                    return  # the coordinator is gone: this set was not acknowledged
+                acked[key] = value
+                i += 1
+
+        async def killer() -> None:
+            while len(acked) < 2000:
+                await asyncio.sleep(0.01)
+            proc.send_signal(signal.SIGKILL)
+
+        await asyncio.wait_for(asyncio.gather(killer(), *(setter(w) for w in range(CLIENTS))), 60.0)
+    return acked
+
+
+@pytest.mark.timeout(120)
+def test_every_acknowledged_set_survives_kill_9_during_a_burst(tmp_path: Path) -> None:
+    state, port = tmp_path / "state", _free_port()
+    address = f"127.0.0.1:{port}"
+    proc = _start(state, port)
+    try:
+        token = _token(state)
+        with connect(address, token=token, call_timeout=5.0, connect_wait=30.0) as c:
+            node = c.register_node("host-a").node_id
+            secret = c.node_secret(node)
+            gen = c.join("burst", node, 1, 1, 1, timeout=10.0).generation
+        acked = asyncio.run(_burst(address, token, gen, proc))
+        proc.wait(10)
+        assert len(acked) >= 2000
+        proc = _start(state, port)
+        with connect(address, token=token, call_timeout=5.0, connect_wait=30.0) as c:
+            c.adopt_node(node, secret)
+            store = c.store("burst", gen)
+            lost = [k for k, v in acked.items() if store.try_get(k) != v]
+        assert not lost, f"{len(lost)} of {len(acked)} acknowledged sets were lost, e.g. {lost[:5]}"
     finally:
         proc.kill()
         proc.wait(10)

@@ -1,9 +1,10 @@
-"""What changed during one call of the state machine, committed when the call releases the state's lock.
+"""What changed in the state machine since the last commit, and how a state is rebuilt from a commit.
 
-`TxLock` is the state's re-entrant lock: when the outermost holder releases it, the changes marked
-in the `Journal` are read from the live objects and committed in one transaction, before the call
-returns to the servicer (so before any client hears of them). `restore` rebuilds a state from what
-was committed.
+`TxLock` is the state's re-entrant lock: when the outermost holder releases it, it calls its
+`on_release`. Without the server's group commit that commits the changes marked in the `Journal`
+(read from the live objects) in one transaction before the call returns (state-level tests,
+`bench/rendezvous.py`); with it, it only tells the committer (`group_commit.py`) that a batch is
+due. `restore` rebuilds a state from what was committed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class TxLock:
     def __init__(self, on_release: Callable[[], None]) -> None:
         self._lock = threading.RLock()
         self._depth = 0
-        self._on_release = on_release
+        self.on_release = on_release
+        """Called at the end of every outermost hold, still under the lock."""
 
     def __enter__(self) -> TxLock:
         self._lock.acquire()
@@ -39,7 +41,7 @@ class TxLock:
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
         try:
             if self._depth == 1:
-                self._on_release()
+                self.on_release()
         finally:
             self._depth -= 1
             self._lock.release()
@@ -70,6 +72,12 @@ class Journal:
         self.cleared_stores.add(name)
         self.kv = {k for k in self.kv if k[0] != name}
         self.barriers = {k for k in self.barriers if k[0] != name}
+
+    def marked(self, state: CoordinatorState) -> bool:
+        """Whether anything changed since the last `changes` (cheap: called at the end of every call)."""
+        members = state.members
+        return bool(self.jobs or self.kv or self.barriers or self.meta or self.replaced_jobs or self.cleared_stores
+                    or members.changed or members.forgotten)
 
     def changes(self, state: CoordinatorState, now: float) -> Changes:
         """Read the marked objects from `state` into one `Changes`, and start over."""

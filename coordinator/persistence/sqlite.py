@@ -1,8 +1,9 @@
-"""State in SQLite (WAL) in the coordinator's state directory: what a call changed is one transaction.
+"""State in SQLite (WAL) in the coordinator's state directory: each commit is one transaction.
 
 With `synchronous=NORMAL` in WAL mode a committed transaction survives the process being killed
 (`kill -9`: the WAL is in the OS's cache); `fsync=True` (`synchronous=FULL`) also survives a power
-loss at the cost of one disk flush per call. One coordinator at a time may use a state directory:
+loss at the cost of one disk flush per commit (the server commits many calls at once: group_commit.py).
+One coordinator at a time may use a state directory:
 it holds an exclusive lock on `coordinator.lock` there.
 """
 
@@ -81,28 +82,30 @@ class SqlitePersistence:
 
     def commit(self, c: Changes) -> None:
         db = self._db
+
+        def many(sql: str, rows: list[tuple[object, ...]]) -> None:
+            if rows:
+                db.executemany(sql, rows)
+
         try:
             db.execute("BEGIN IMMEDIATE")
-            db.executemany("DELETE FROM nodes WHERE node_id = ?", [(n,) for n in c.deleted_nodes])
-            db.executemany("INSERT OR REPLACE INTO nodes VALUES (?, ?)",
-                           [(n, json.dumps(r)) for n, r in c.nodes.items()])
+            many("DELETE FROM nodes WHERE node_id = ?", [(n,) for n in c.deleted_nodes])
+            many("INSERT OR REPLACE INTO nodes VALUES (?, ?)", [(n, json.dumps(r)) for n, r in c.nodes.items()])
             for job in c.deleted_jobs | c.cleared_stores:
                 db.execute("DELETE FROM kv WHERE job = ?", (job,))
                 db.execute("DELETE FROM barriers WHERE job = ?", (job,))
             for job in c.deleted_jobs:
                 db.execute("DELETE FROM jobs WHERE name = ?", (job,))
                 db.execute("DELETE FROM events WHERE job = ?", (job,))
-            db.executemany("INSERT OR REPLACE INTO jobs VALUES (?, ?)",
-                           [(n, json.dumps(r)) for n, r in c.jobs.items()])
-            db.executemany("DELETE FROM kv WHERE job = ? AND key = ?",
-                           [k for k, (_, v) in c.kv.items() if v is None])
-            db.executemany("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?)",
-                           [(j, k, g, v) for (j, k), (g, v) in c.kv.items() if v is not None])
-            db.executemany("INSERT OR REPLACE INTO barriers VALUES (?, ?, ?, ?)",
-                           [(j, n, g, json.dumps(r)) for (j, n), (g, r) in c.barriers.items()])
+            many("INSERT OR REPLACE INTO jobs VALUES (?, ?)", [(n, json.dumps(r)) for n, r in c.jobs.items()])
+            many("DELETE FROM kv WHERE job = ? AND key = ?", [k for k, (_, v) in c.kv.items() if v is None])
+            many("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?)",
+                 [(j, k, g, v) for (j, k), (g, v) in c.kv.items() if v is not None])
+            many("INSERT OR REPLACE INTO barriers VALUES (?, ?, ?, ?)",
+                 [(j, n, g, json.dumps(r)) for (j, n), (g, r) in c.barriers.items()])
             for job, (first, events) in c.events.items():
-                db.executemany("INSERT OR REPLACE INTO events VALUES (?, ?, ?)",
-                               [(job, first + i, json.dumps(e)) for i, e in enumerate(events)])
+                many("INSERT OR REPLACE INTO events VALUES (?, ?, ?)",
+                     [(job, first + i, json.dumps(e)) for i, e in enumerate(events)])
                 base = c.jobs.get(job, {}).get("events_base")
                 if base is not None:
                     db.execute("DELETE FROM events WHERE job = ? AND idx < ?", (job, base))
