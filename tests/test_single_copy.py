@@ -58,7 +58,7 @@ def test_large_ops_take_it_once_set_up_and_small_ones_do_not(made: list[ProcessG
                                                               capfd: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("AXOND_DEBUG", "1")
     made += groups(2, TcpOptions())
-    run_on(made, lambda pg: pg.all_reduce(np.ones(1000)))
+    run_on(made, lambda pg: pg.all_reduce(np.ones(500)))  # the mailbox's
     assert all(single_copy_of(pg) is None and not pg.backend.placement.single_copy_tried for pg in made)  # type: ignore[union-attr]
     out = run_on(made, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(MiB // 8, pg.rank + 1.0)))
     assert all((x == 3.0).all() for x in out)
