@@ -22,8 +22,10 @@ from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
 
-CHUNK_BYTES = 256 << 10
-"""Bytes read from each peer before they are reduced (scratch: this per peer, cache-resident)."""
+CHUNK_BYTES = 1 << 20
+"""Bytes read from each peer before they are reduced (scratch: this per rank). Each process_vm_readv costs ~10 us
+besides its bytes; on 2 cores reading 16 MiB in 64 KiB calls ran at 4.5-5 GB/s, in 256 KiB ones 7-9, from 1 MiB
+10-11 (a memcpy of cache-resident data: 20-25)."""
 
 
 def all_gather(sc: SingleCopy, c: Call, out: np.ndarray) -> None:
