@@ -53,15 +53,15 @@ def made() -> Any:
         g.destroy()
 
 
-def test_large_ops_take_it_once_set_up_and_small_ones_do_not(made: list[ProcessGroup],
+def test_large_ops_take_it_by_default_once_set_up_and_small_ones_do_not(made: list[ProcessGroup],
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               capfd: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("AXOND_DEBUG", "1")
     made += groups(2, TcpOptions())
     run_on(made, lambda pg: pg.all_reduce(np.ones(500)))  # the mailbox's
     assert all(single_copy_of(pg) is None and not pg.backend.placement.single_copy_tried for pg in made)  # type: ignore[union-attr]
-    out = run_on(made, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(MiB // 8, pg.rank + 1.0)))
-    assert all((x == 3.0).all() for x in out)
+    out = run_on(made, lambda pg: (lambda x: pg.broadcast(x, 1) or x)(np.full(2 * MiB, pg.rank + 1.0)))  # 16 MiB
+    assert all((x == 2.0).all() for x in out)
     sc = [single_copy_of(pg) for pg in made]
     assert all(s is not None for s in sc) and all(pg.backend.placement.arena is None for pg in made)  # type: ignore[union-attr]
     assert all((pg.backend.placement.mailbox is not None) == ORDERED_STORES for pg in made)  # type: ignore[union-attr]
@@ -82,7 +82,7 @@ def test_a_member_that_cannot_read_keeps_the_whole_group_on_the_arena(made: list
         calls.append(1)
         return "Yama ptrace_scope is 2 (test)" if len(calls) == 1 else None
     monkeypatch.setattr(single_copy, "local_obstacle", refused_once)
-    made += groups(3, TcpOptions())
+    made += groups(3)
     out = run_on(made, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(MiB // 8, pg.rank + 1.0)))
     assert all((x == 6.0).all() for x in out) and len(calls) == 3
     assert all(single_copy_of(pg) is None and pg.backend.placement.arena is not None for pg in made)  # type: ignore[union-attr]
@@ -104,7 +104,7 @@ def test_yama_scope_above_one_rules_it_out(tmp_path: Path) -> None:
 def test_axond_shm_single_copy_0_keeps_the_arena(made: list[ProcessGroup], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AXOND_SHM_SINGLE_COPY", "0")
     made += thread_groups(2, timeout=10.0)
-    run_on(made, lambda pg: pg.all_reduce(np.ones(MiB)))
+    run_on(made, lambda pg: pg.broadcast(np.ones(2 * MiB), 0))  # 16 MiB
     assert all(single_copy_of(pg) is None and pg.backend.placement.arena is not None for pg in made)  # type: ignore[union-attr]
 
 
@@ -208,7 +208,7 @@ def test_a_silent_peer_times_out(made: list[ProcessGroup], mailbox: bool) -> Non
 
 def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
     """Rank 1 kills itself after a few large all-reduces; the others keep going and must raise."""
-    pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0))
+    pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0, tcp=EVERY_OP))
     all_reduce_until_killed(pg, np.ones(3_000_000, np.float32), 50, 3, q, lambda pg: single_copy_of(pg) is not None)
 
 
@@ -236,7 +236,7 @@ def _every_op() -> dict[str, Any]:
 
 
 def test_real_processes_read_each_other() -> None:
-    out = run_processes(_every_op, 3, timeout=60.0)
+    out = run_processes(_every_op, 3, timeout=60.0, env={"AXOND_SHM_MIN_BYTES": "0"})
     assert len({got["pid"] for got in out}) == 3
     for got in out:
         assert got["single_copy"]

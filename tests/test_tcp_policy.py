@@ -25,7 +25,6 @@ SPREAD = Shape(4, hosts=2, per_host=2)
 SOCKETS = TcpOptions(shm=False)
 NO_MAILBOX = TcpOptions(shm_mailbox=False)
 ARENA = TcpOptions(shm_single_copy=False)
-ARENA_NO_MAILBOX = TcpOptions(shm_single_copy=False, shm_mailbox=False)
 
 ROUTES = [
     # op, bytes per rank, group, options -> route
@@ -33,9 +32,9 @@ ROUTES = [
     (Op.ALL_REDUCE, 4 * KiB, ONE_HOST, None, "mailbox"),
     (Op.ALL_REDUCE, 4 * KiB + 8, ONE_HOST, None, "sockets:doubling"),  # arena from 2 x 4 KiB on 4 ranks
     (Op.ALL_REDUCE, 8 * KiB, ONE_HOST, None, "arena"),
-    (Op.ALL_REDUCE, 1 * MiB, ONE_HOST, ARENA, "arena"),
+    (Op.ALL_REDUCE, 1 * MiB, ONE_HOST, None, "arena"),
     (Op.ALL_REDUCE, 8 * KiB, ONE_HOST, NO_MAILBOX, "sockets:doubling"),  # arena from 2 x 64 KiB without it
-    (Op.ALL_REDUCE, 128 * KiB, ONE_HOST, ARENA_NO_MAILBOX, "arena"),
+    (Op.ALL_REDUCE, 128 * KiB, ONE_HOST, NO_MAILBOX, "arena"),
     (Op.ALL_REDUCE, 1 * MiB, ONE_HOST, SOCKETS, "sockets:ring"),
     (Op.ALL_REDUCE, 1 * MiB, CROWDED, SOCKETS, "sockets:halving_doubling"),
     (Op.ALL_REDUCE, 200 * KiB, CROWDED, SOCKETS, "sockets:doubling"),
@@ -52,7 +51,7 @@ ROUTES = [
     (Op.ALL_REDUCE, 1 * MiB, Shape(4, hosts=0), None, "sockets:ring"),  # members' arena sizes differ
     (Op.BROADCAST, 4 * KiB, ONE_HOST, None, "mailbox"),
     (Op.BROADCAST, 4 * KiB, CROWDED, None, "sockets:tree"),  # the tree's root need not wait for the others
-    (Op.BROADCAST, 64 * KiB, CROWDED, ARENA, "arena"),  # 16 x 4 KiB
+    (Op.BROADCAST, 64 * KiB, CROWDED, None, "arena"),  # 16 x 4 KiB
     (Op.BROADCAST, 64 * KiB - 8, CROWDED, None, "sockets:tree"),
     (Op.BROADCAST, 4 * MiB, CROWDED, SOCKETS, "sockets:tree"),
     (Op.BROADCAST, 4 * MiB + 8, CROWDED, SOCKETS, "sockets:chain"),
@@ -79,19 +78,27 @@ ROUTES = [
     (Op.BARRIER, 0, ONE_HOST, NO_MAILBOX, "sockets:direct"),
     (Op.ALL_REDUCE, 8, Shape(1), None, "sockets:doubling"),
     # the single-copy path: one host, from SINGLE_COPY_MIN_BYTES (all_gather: of the output) or `shm_min_bytes`
-    (Op.ALL_REDUCE, 64 * KiB, ONE_HOST, None, "single_copy"),
-    (Op.ALL_REDUCE, 64 * KiB - 8, ONE_HOST, None, "arena"),
-    (Op.ALL_REDUCE, 1 * MiB, PAIR, None, "single_copy"),
-    (Op.ALL_REDUCE, 1 * MiB, ONE_HOST, NO_MAILBOX, "single_copy"),
-    (Op.ALL_REDUCE, 1 * MiB, SPREAD, None, "two_level"),  # one host only
-    (Op.ALL_REDUCE, 1 * MiB, ONE_HOST, SOCKETS, "sockets:ring"),
-    (Op.BROADCAST, 64 * KiB, CROWDED, None, "single_copy"),
-    (Op.ALL_GATHER, 16 * KiB, ONE_HOST, None, "single_copy"),  # 64 KiB of output
-    (Op.ALL_GATHER, 16 * KiB - 8, ONE_HOST, None, "arena"),
-    (Op.REDUCE_SCATTER, 64 * KiB, PAIR, None, "single_copy"),
-    (Op.REDUCE_SCATTER, 64 * KiB, ONE_HOST, ARENA, "arena"),
+    (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, None, "single_copy"),
+    (Op.ALL_REDUCE, 16 * MiB - 8, ONE_HOST, None, "arena"),
+    (Op.ALL_REDUCE, 32 * MiB, PAIR, None, "single_copy"),  # two ranks: from 32 MiB (the arena's pair step)
+    (Op.ALL_REDUCE, 32 * MiB - 8, PAIR, None, "arena"),
+    (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, NO_MAILBOX, "single_copy"),
+    (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, ARENA, "arena"),
+    (Op.ALL_REDUCE, 16 * MiB, SPREAD, None, "two_level"),  # one host only
+    (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, SOCKETS, "sockets:ring"),
+    (Op.BROADCAST, 16 * MiB, CROWDED, None, "single_copy"),
+    (Op.BROADCAST, 16 * MiB, PAIR, None, "single_copy"),
+    (Op.BROADCAST, 16 * MiB - 8, PAIR, None, "arena"),
+    (Op.ALL_GATHER, 16 * MiB, PAIR, None, "single_copy"),  # 32 MiB of output
+    (Op.ALL_GATHER, 16 * MiB - 8, PAIR, None, "arena"),
+    (Op.ALL_GATHER, 8 * MiB, ONE_HOST, None, "single_copy"),
+    (Op.ALL_GATHER, 8 * MiB - 8, CROWDED, None, "arena"),
+    (Op.REDUCE_SCATTER, 16 * MiB, PAIR, None, "single_copy"),
+    (Op.REDUCE_SCATTER, 16 * MiB, ONE_HOST, None, "single_copy"),
+    (Op.REDUCE_SCATTER, 16 * MiB - 8, ONE_HOST, None, "arena"),
     (Op.REDUCE_SCATTER, 8 * KiB, ONE_HOST, TcpOptions(shm_min_bytes=0), "single_copy"),  # the threshold given
-    (Op.REDUCE, 1 * MiB, ONE_HOST, None, "sockets:tree"),
+    (Op.ALL_REDUCE, 8 * KiB, PAIR, TcpOptions(shm_min_bytes=0), "single_copy"),
+    (Op.REDUCE, 64 * MiB, ONE_HOST, None, "sockets:tree"),
 ]
 
 
@@ -107,8 +114,9 @@ def test_unknown_hosts_list_every_path_the_hosts_could_allow() -> None:
     """Before the members tell each other where they are, a large op may take the arena or two levels: the backend
     learns the hosts first. Small ops that only the sockets take never make it wait."""
     unknown = Shape(4, hosts=None)
-    assert candidates(Op.ALL_REDUCE, 1 * MiB, unknown, TcpOptions()) == (P.SINGLE_COPY, P.ARENA, P.TWO_LEVEL,
-                                                                         P.SOCKETS)
+    assert candidates(Op.ALL_REDUCE, 1 * MiB, unknown, TcpOptions()) == (P.ARENA, P.TWO_LEVEL, P.SOCKETS)
+    assert candidates(Op.ALL_REDUCE, 16 * MiB, unknown, TcpOptions()) == (P.SINGLE_COPY, P.ARENA, P.TWO_LEVEL,
+                                                                          P.SOCKETS)
     assert candidates(Op.ALL_REDUCE, 1 * MiB, unknown, SOCKETS) == (P.SOCKETS,)
     assert candidates(Op.REDUCE, 1 * MiB, unknown, TcpOptions()) == (P.SOCKETS,)
 
@@ -125,11 +133,11 @@ def test_the_backend_takes_the_route_the_policy_names() -> None:
         run_on(one_host, lambda pg: pg.all_reduce(np.ones(1)))
         assert all(pg.backend.placement.mailbox is not None and pg.backend.placement.arena is None  # type: ignore[union-attr]
                    for pg in one_host)
-        assert str(b.route(Op.ALL_REDUCE, 32 * KiB)) == "arena"  # type: ignore[union-attr]
-        run_on(one_host, lambda pg: pg.all_reduce(np.ones(32 * KiB // 8)))
-        assert all(pg.backend.placement.arena is not None for pg in one_host)  # type: ignore[union-attr]
-        assert str(b.route(Op.ALL_REDUCE, 1 * MiB)) == "single_copy"  # type: ignore[union-attr]
+        assert str(b.route(Op.ALL_REDUCE, 1 * MiB)) == "arena"  # type: ignore[union-attr]
         run_on(one_host, lambda pg: pg.all_reduce(np.ones(MiB // 8)))
+        assert all(pg.backend.placement.arena is not None for pg in one_host)  # type: ignore[union-attr]
+        assert str(b.route(Op.BROADCAST, 16 * MiB)) == "single_copy"  # type: ignore[union-attr]
+        run_on(one_host, lambda pg: pg.broadcast(np.ones(16 * MiB // 8), 0))
         assert all(pg.backend.placement.single_copy is not None for pg in one_host)  # type: ignore[union-attr]
         run_on(spread, lambda pg: pg.all_reduce(np.ones(1)))  # learns the hosts
         assert str(spread[0].backend.route(Op.ALL_REDUCE, 1 * MiB)) == "two_level"  # type: ignore[union-attr]

@@ -46,19 +46,20 @@ reduce_scatter 22-29 / 29-36 us and 26-28 / 40-44 us; at 4 ranks all_reduce 129-
 reduce_scatter 98-111 / 247-307 us and 74-120 / 248-265 us, all_gather 32 KiB 65-102 / 239-283 us; broadcast at
 4 ranks 59-74 / 47-57 us (8 KiB), 51-81 / 51-61 us (16 KiB), 56-88 / 81-88 us (64 KiB)."""
 SINGLE_COPY_MIN_BYTES: dict[Op, tuple[int | None, int | None]] = {
-    Op.ALL_GATHER: (16 << 20, None), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (16 << 20, 16 << 20),
-    Op.ALL_REDUCE: (None, 16 << 20)}
+    Op.ALL_GATHER: (32 << 20, 32 << 20), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (16 << 20, 16 << 20),
+    Op.ALL_REDUCE: (32 << 20, 16 << 20)}
 """Default size (all_gather: of the output) from which an op of a one-host group of (two, more) ranks takes the
-single-copy path instead of the arena, where every member can read the others' memory (None: never; an explicit
-`shm_min_bytes` replaces it). A process_vm_readv costs ~10 us a call and copies at 5-11 GB/s where a memcpy of
-cache-resident data runs at 20-25, so one copy wins only where the arena's two spill out of the caches.
-Interleaved A/B on 2 cores (bench/compare_trees.py, 4 rounds, two runs; single copy / arena time, ranks: 2, 4 on
-the crowded host): broadcast 16 MiB 0.72, 0.61 / 0.74, 0.58 and 64 MiB 0.66, 0.43 / 0.63, 0.40 (1 MiB 1.16, 0.73
-/ 1.37, 1.83); reduce_scatter 16 MiB 0.85, 1.18 / 1.04, 0.56 and 64 MiB 0.79, 0.78 / 0.73, 0.52 (1 MiB 0.99, 0.73
-/ 2.94, 1.53); all_gather at 2 ranks 16 MiB 0.55, 0.89 and 64 MiB 0.57, 0.84 (1 MiB 1.16, 1.32), at 4 ranks
-16 MiB 0.66, 1.23 and 64 MiB 0.85, 1.47; all_reduce at 4 ranks 16 MiB 0.65, 1.01 and 64 MiB 0.60, 1.04 (1 MiB
-0.93, 2.38), at 2 ranks (each reads half twice where the arena's pair step copies in once and reduces in cache)
-16 MiB 1.41, 1.27 and 64 MiB 1.08, 1.24."""
+single-copy path instead of the arena, where every member can read the others' memory (an explicit `shm_min_bytes`
+replaces it). A process_vm_readv costs ~10 us a call and copies at 5-11 GB/s where a memcpy of cache-resident data
+runs at 20-25, so one copy wins only once the arena's two spill out of the caches. Single copy / arena time on
+2 cores (the 4 ranks oversubscribed), from five interleaved A/B runs (three of bench/compare_trees.py, 4 rounds;
+two alternating the paths call by call in one job; bench/RESULTS.md, session 11); the spread is the machine's
+(other jobs ran): broadcast 16 MiB 0.61-0.78 at 2 ranks, 0.58-0.86 at 4 (once 1.28), 64 MiB 0.43-0.92 / 0.40-0.84,
+1 MiB 0.73-1.29 / 1.16-1.83; reduce_scatter 16 MiB 0.48-0.85 (once 1.18) / 0.56-0.89 (once 1.04), 64 MiB
+0.33-0.79 / 0.31-0.73, 4 MiB 0.73-0.77 / 0.89-1.30; all_reduce 16 MiB 0.77-0.84 in the one-job runs but 1.27-1.41
+in the first two tree runs at 2 ranks, 0.65-1.01 at 4, 64 MiB 0.61-0.73 (tree runs 1.08-1.24, then 0.72) /
+0.60-0.95, 4 MiB 0.95-1.25 / 1.27-1.38; all_gather 16 MiB 0.55-0.95 but 1.73-1.81 in one one-job run at 2 ranks,
+0.56-1.69 at 4, 64 MiB 0.57-0.84 / 0.75-1.00 (once 1.47), 1 MiB 1.16-1.32 / 1.15-1.75."""
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB)."""
 CROWDED_DOUBLING_BYTES = 256 << 10

@@ -50,8 +50,7 @@ def broadcast(sc: SingleCopy, c: Call, x: np.ndarray, src: int) -> None:
 
 def reduce_scatter(sc: SingleCopy, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """out (flat) <- block `rank` of the reduction of every rank's `src` (flat, size x block elements)."""
-    r, n = sc.comm.rank, sc.comm.size
-    per = out.size
+    r, per = sc.comm.rank, out.size
     table = sc.publish(c, src)
     _reduce_part(sc, c, table, src, r * per, (r + 1) * per, out, op)
     sc.done(c)
