@@ -69,8 +69,8 @@ TRANSPORTS = {
 AXOND_SHM_MIN_BYTES through the single-copy path or the arena), sockets only (as between hosts), shared memory for
 every op through a small arena (many steps per op, synchronized over the sockets; no mailbox), "spin": the same with
 the mailbox (the steps synchronize through it), "single_copy": every op on the single-copy path (each rank reads its
-peers' buffers; published and synchronized over the sockets), or "nodes": the same arena settings with rank r on simulated node r % 2
-(`node_hosts`), so 4 ranks run large ops in two levels. "mock" is not a tcp transport but the network-free
+peers' buffers; published and synchronized over the sockets), or "nodes": the same arena settings with rank r on
+simulated node r % 2 (`node_hosts`), so 4 ranks run large ops in two levels. "mock" is not a tcp transport but the network-free
 backend of that name (`axond.distributed.backends.mock`), held to the same contract."""
 NODES = 2
 

@@ -70,7 +70,8 @@ class Placement:
 
     def choose(self, c: Call, op: Op, nbytes: int) -> tuple[Path, Any]:
         """The path of op `op` on `nbytes` per rank (call `c`), and what it runs on: the mailbox, the `SingleCopy`,
-        the arena, the `Levels`, or None for the sockets. Learns the hosts or maps memory the first time an op needs it."""
+        the arena, the `Levels`, or None for the sockets. Learns the hosts or maps memory the first time an op needs
+        it."""
         paths = self._paths.get((op, nbytes))
         if paths is None:
             paths = policy.candidates(op, nbytes, self.shape, self.comm.options)

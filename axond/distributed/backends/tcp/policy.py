@@ -11,8 +11,9 @@ A route is a path and, on the sockets, an algorithm:
 - `SOCKETS`: framed messages over the group's sockets, by the algorithm `socket_algorithm` picks (`schedules`).
 
 `candidates` lists the paths an op may take, best first; the backend takes the first whose shared memory every
-member mapped, or (single copy) every member can read (the sockets always work). `route` answers "which path does a 1 MiB all_reduce on 4 ranks take?"
-for a group whose memory maps: `route(Op.ALL_REDUCE, 1 << 20, Shape(4))`. Sizes are the bytes of one rank's
+member mapped, or (single copy) whose memory every member can read (the sockets always work). `route` answers
+"which path does a 1 MiB all_reduce on 4 ranks take?" for a group whose memory maps:
+`route(Op.ALL_REDUCE, 1 << 20, Shape(4))`. Sizes are the bytes of one rank's
 input; every rank of a group computes the same route from the same arguments.
 """
 
@@ -45,7 +46,7 @@ oversubscribed host from 16 times, 64 KiB, as the socket tree's root need not wa
 reduce_scatter 22-29 / 29-36 us and 26-28 / 40-44 us; at 4 ranks all_reduce 129-161 / 164-196 us (8 KiB),
 reduce_scatter 98-111 / 247-307 us and 74-120 / 248-265 us, all_gather 32 KiB 65-102 / 239-283 us; broadcast at
 4 ranks 59-74 / 47-57 us (8 KiB), 51-81 / 51-61 us (16 KiB), 56-88 / 81-88 us (64 KiB)."""
-SINGLE_COPY_MIN_BYTES: dict[Op, tuple[int | None, int | None]] = {
+SINGLE_COPY_MIN_BYTES: dict[Op, tuple[int, int]] = {
     Op.ALL_GATHER: (32 << 20, 32 << 20), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (16 << 20, 16 << 20),
     Op.ALL_REDUCE: (32 << 20, 16 << 20)}
 """Default size (all_gather: of the output) from which an op of a one-host group of (two, more) ranks takes the
@@ -165,8 +166,6 @@ def _single_copy(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool
     if not options.shm_single_copy or shape.hosts not in (None, 1) or op not in ARENA_OPS:
         return False
     threshold = options.shm_min_bytes if options.shm_min_bytes >= 0 else SINGLE_COPY_MIN_BYTES[op][shape.size > 2]
-    if threshold is None:
-        return False
     return _large(_path_bytes(op, nbytes, shape.size), 1, threshold, options, shape.size)
 
 
