@@ -59,16 +59,18 @@ def refused(dtype: str, op: ReduceOp) -> bool:
 TRANSPORTS = {
     "auto": None,
     "sockets": TcpOptions(shm=False),
-    "shm": TcpOptions(shm_min_bytes=0, shm_arena_bytes=64 << 10, shm_mailbox=False),
+    "shm": TcpOptions(shm_min_bytes=0, shm_arena_bytes=64 << 10, shm_mailbox=False, shm_single_copy=False),
     "nodes": TcpOptions(shm_min_bytes=0, shm_arena_bytes=64 << 10),
-    "spin": TcpOptions(shm_min_bytes=0, shm_arena_bytes=64 << 10),
+    "spin": TcpOptions(shm_min_bytes=0, shm_arena_bytes=64 << 10, shm_single_copy=False),
+    "single_copy": TcpOptions(shm_min_bytes=0, shm_mailbox=False),
     "mock": None,
 }
 """How a test group of threads moves data: the defaults (small ops through the mailbox, large ones from
-AXOND_SHM_MIN_BYTES through the arena), sockets only (as between hosts), shared memory for every op through a
-small arena (many steps per op, synchronized over the sockets; no mailbox), "spin": the same with the mailbox (the
-steps synchronize through it), or "nodes": the same arena settings with rank r on simulated node r % 2
-(`node_hosts`), so 4 ranks run large ops in two levels. "mock" is not a tcp transport but the network-free
+AXOND_SHM_MIN_BYTES through the single-copy path or the arena), sockets only (as between hosts), shared memory for
+every op through a small arena (many steps per op, synchronized over the sockets; no mailbox), "spin": the same with
+the mailbox (the steps synchronize through it), "single_copy": every op on the single-copy path (each rank reads its
+peers' buffers; published and synchronized over the sockets), or "nodes": the same arena settings with rank r on
+simulated node r % 2 (`node_hosts`), so 4 ranks run large ops in two levels. "mock" is not a tcp transport but the network-free
 backend of that name (`axond.distributed.backends.mock`), held to the same contract."""
 NODES = 2
 
@@ -87,7 +89,8 @@ def transport_options(transport: str, timeout: float, oversubscribed: bool | Non
     return BackendOptions(timeout=timeout, tcp=tcp)
 
 
-EVERY_TRANSPORT = ([(n, "auto") for n in (1, 2, 3, 4)] + [(n, t) for t in ("sockets", "shm", "spin") for n in (2, 3, 4)]
+EVERY_TRANSPORT = ([(n, "auto") for n in (1, 2, 3, 4)] + [(n, t) for t in ("sockets", "shm", "spin", "single_copy")
+                                                            for n in (2, 3, 4)]
                    + [(n, "mock") for n in (1, 2, 3, 4)])
 """(world size, transport) of the groups the collective contract suite runs on."""
 

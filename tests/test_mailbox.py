@@ -46,9 +46,11 @@ def test_small_ops_use_the_mailbox_and_larger_ones_the_sockets(make_groups: Make
 
 
 @pytest.mark.parametrize("crowded", [False, True])
-def test_the_arena_steps_synchronize_through_the_mailbox(make_groups: MakeGroups, crowded: bool) -> None:
+def test_the_arena_steps_synchronize_through_the_mailbox(make_groups: MakeGroups, crowded: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The arena maps the mailbox too, and each of its steps is one mailbox round (no system calls), whether or not
     the host's ranks outnumber its cores (with the mailbox off they synchronize over the sockets: transport "shm")."""
+    monkeypatch.setenv("AXOND_SHM_SINGLE_COPY", "0")  # the arena, not the single-copy path
     gs = make_groups(2, 10.0, crowded=crowded)
     slot = gs[0].backend.tcp_options.shm_arena_bytes // 6  # type: ignore[union-attr]  # 2 buffers of 3 slots, up to 4 MiB
     rows = 3 * min(slot, 4 << 20) // 8  # an all_gather in 3 steps (a slot per rank each)

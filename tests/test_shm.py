@@ -30,6 +30,12 @@ from collective_cases import all_reduce_until_killed
 MakeGroups = Any
 
 
+@pytest.fixture(autouse=True)
+def arena_not_single_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large ops here take the arena, as where the single-copy path is unavailable (tests/test_single_copy.py)."""
+    monkeypatch.setenv("AXOND_SHM_SINGLE_COPY", "0")
+
+
 def arena_of(pg: ProcessGroup) -> Any:
     return pg.backend.placement.arena  # type: ignore[union-attr]
 

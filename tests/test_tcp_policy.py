@@ -24,6 +24,7 @@ PAIR = Shape(2)
 SPREAD = Shape(4, hosts=2, per_host=2)
 SOCKETS = TcpOptions(shm=False)
 NO_MAILBOX = TcpOptions(shm_mailbox=False)
+ARENA = TcpOptions(shm_single_copy=False)
 
 ROUTES = [
     # op, bytes per rank, group, options -> route
@@ -76,6 +77,28 @@ ROUTES = [
     (Op.BARRIER, 0, ONE_HOST, None, "mailbox"),
     (Op.BARRIER, 0, ONE_HOST, NO_MAILBOX, "sockets:direct"),
     (Op.ALL_REDUCE, 8, Shape(1), None, "sockets:doubling"),
+    # the single-copy path: one host, from SINGLE_COPY_MIN_BYTES (all_gather: of the output) or `shm_min_bytes`
+    (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, None, "single_copy"),
+    (Op.ALL_REDUCE, 16 * MiB - 8, ONE_HOST, None, "arena"),
+    (Op.ALL_REDUCE, 32 * MiB, PAIR, None, "single_copy"),  # two ranks: from 32 MiB (the arena's pair step)
+    (Op.ALL_REDUCE, 32 * MiB - 8, PAIR, None, "arena"),
+    (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, NO_MAILBOX, "single_copy"),
+    (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, ARENA, "arena"),
+    (Op.ALL_REDUCE, 16 * MiB, SPREAD, None, "two_level"),  # one host only
+    (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, SOCKETS, "sockets:ring"),
+    (Op.BROADCAST, 16 * MiB, CROWDED, None, "single_copy"),
+    (Op.BROADCAST, 16 * MiB, PAIR, None, "single_copy"),
+    (Op.BROADCAST, 16 * MiB - 8, PAIR, None, "arena"),
+    (Op.ALL_GATHER, 16 * MiB, PAIR, None, "single_copy"),  # 32 MiB of output
+    (Op.ALL_GATHER, 16 * MiB - 8, PAIR, None, "arena"),
+    (Op.ALL_GATHER, 8 * MiB, ONE_HOST, None, "single_copy"),
+    (Op.ALL_GATHER, 8 * MiB - 8, CROWDED, None, "arena"),
+    (Op.REDUCE_SCATTER, 16 * MiB, PAIR, None, "single_copy"),
+    (Op.REDUCE_SCATTER, 16 * MiB, ONE_HOST, None, "single_copy"),
+    (Op.REDUCE_SCATTER, 16 * MiB - 8, ONE_HOST, None, "arena"),
+    (Op.REDUCE_SCATTER, 8 * KiB, ONE_HOST, TcpOptions(shm_min_bytes=0), "single_copy"),  # the threshold given
+    (Op.ALL_REDUCE, 8 * KiB, PAIR, TcpOptions(shm_min_bytes=0), "single_copy"),
+    (Op.REDUCE, 64 * MiB, ONE_HOST, None, "sockets:tree"),
 ]
 
 
@@ -92,6 +115,8 @@ def test_unknown_hosts_list_every_path_the_hosts_could_allow() -> None:
     learns the hosts first. Small ops that only the sockets take never make it wait."""
     unknown = Shape(4, hosts=None)
     assert candidates(Op.ALL_REDUCE, 1 * MiB, unknown, TcpOptions()) == (P.ARENA, P.TWO_LEVEL, P.SOCKETS)
+    assert candidates(Op.ALL_REDUCE, 16 * MiB, unknown, TcpOptions()) == (P.SINGLE_COPY, P.ARENA, P.TWO_LEVEL,
+                                                                          P.SOCKETS)
     assert candidates(Op.ALL_REDUCE, 1 * MiB, unknown, SOCKETS) == (P.SOCKETS,)
     assert candidates(Op.REDUCE, 1 * MiB, unknown, TcpOptions()) == (P.SOCKETS,)
 
@@ -111,6 +136,9 @@ def test_the_backend_takes_the_route_the_policy_names() -> None:
         assert str(b.route(Op.ALL_REDUCE, 1 * MiB)) == "arena"  # type: ignore[union-attr]
         run_on(one_host, lambda pg: pg.all_reduce(np.ones(MiB // 8)))
         assert all(pg.backend.placement.arena is not None for pg in one_host)  # type: ignore[union-attr]
+        assert str(b.route(Op.BROADCAST, 16 * MiB)) == "single_copy"  # type: ignore[union-attr]
+        run_on(one_host, lambda pg: pg.broadcast(np.ones(16 * MiB // 8), 0))
+        assert all(pg.backend.placement.single_copy is not None for pg in one_host)  # type: ignore[union-attr]
         run_on(spread, lambda pg: pg.all_reduce(np.ones(1)))  # learns the hosts
         assert str(spread[0].backend.route(Op.ALL_REDUCE, 1 * MiB)) == "two_level"  # type: ignore[union-attr]
         run_on(spread, lambda pg: pg.all_reduce(np.ones(MiB // 8)))

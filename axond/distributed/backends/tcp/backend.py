@@ -2,8 +2,8 @@
 
 A group is a full mesh of authenticated sockets (`transport`). Each op checks its arguments, numbers its call
 (the frame header every message carries, so a peer in another op raises), asks `Placement.choose` for its path
-(the shared mailbox or arena of ranks on one host, two levels for ranks spread over hosts, or the sockets) and
-runs that path's schedule (`shm`, `hierarchy`, `schedules`) inside `FramedGroup.run`, which turns any transport
+(the shared mailbox, single-copy path or arena of ranks on one host, two levels for ranks spread over hosts, or
+the sockets) and runs that path's schedule (`shm`, `hierarchy`, `schedules`) inside `FramedGroup.run`, which turns any transport
 failure into a `DistributedError` on every rank. Data moves straight from and into the arrays' buffers;
 reductions run in place with NumPy ufuncs, in rank order.
 """
@@ -26,7 +26,7 @@ from axond.distributed.backends.tcp.placement import Placement
 from axond.distributed.backends.tcp.policy import Path, Route
 from axond.distributed.backends.tcp.schedules import direct, doubling, sockets, trees
 from axond.distributed.backends.tcp.schedules.comm import Comm, Scratch
-from axond.distributed.backends.tcp.shm import arena_ops, mailbox_ops
+from axond.distributed.backends.tcp.shm import arena_ops, mailbox_ops, single_copy_ops
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup, byte_view
 from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerError, PeerTimeout
@@ -117,6 +117,8 @@ class TcpBackend(Backend):
         path, on = self.placement.choose(c, Op.ALL_REDUCE, x.nbytes)
         if path is Path.MAILBOX:
             self._inplace(x, "all_reduce", lambda flat: mailbox_ops.all_reduce(on, c, flat, op))
+        elif path is Path.SINGLE_COPY:
+            self._inplace(x, "all_reduce", lambda flat: single_copy_ops.all_reduce(on, c, flat, op))
         elif path is Path.ARENA:
             self._inplace(x, "all_reduce", lambda flat: arena_ops.all_reduce(self.comm, on, self.placement.sync, c,
                                                                              flat, op))
@@ -137,6 +139,8 @@ class TcpBackend(Backend):
         body: Callable[[np.ndarray], None]
         if path is Path.MAILBOX:
             body = lambda flat: mailbox_ops.broadcast(on, c, flat, src)  # noqa: E731
+        elif path is Path.SINGLE_COPY:
+            body = lambda flat: single_copy_ops.broadcast(on, c, flat, src)  # noqa: E731
         elif path is Path.ARENA:
             body = lambda flat: arena_ops.broadcast(self.comm, on, self.placement.sync, c, flat, src)  # noqa: E731
         elif path is Path.TWO_LEVEL:
@@ -169,6 +173,8 @@ class TcpBackend(Backend):
         path, on = self.placement.choose(c, Op.ALL_GATHER, x.nbytes)
         if path is Path.MAILBOX:
             self.g.run("all_gather", mailbox_ops.all_gather, on, c, out)
+        elif path is Path.SINGLE_COPY:
+            self.g.run("all_gather", single_copy_ops.all_gather, on, c, out)
         elif path is Path.ARENA:
             self.g.run("all_gather", arena_ops.all_gather, self.comm, on, self.placement.sync, c, out)
         elif path is Path.TWO_LEVEL:
@@ -195,6 +201,8 @@ class TcpBackend(Backend):
         path, on = self.placement.choose(c, Op.REDUCE_SCATTER, src.nbytes)
         if path is Path.MAILBOX:
             self.g.run("reduce_scatter", mailbox_ops.reduce_scatter, on, c, src, dst, op)
+        elif path is Path.SINGLE_COPY:
+            self.g.run("reduce_scatter", single_copy_ops.reduce_scatter, on, c, src, dst, op)
         elif path is Path.ARENA:
             self.g.run("reduce_scatter", arena_ops.reduce_scatter, self.comm, on, self.placement.sync, c, src, dst, op)
         elif path is Path.TWO_LEVEL:

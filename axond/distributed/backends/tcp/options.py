@@ -40,11 +40,15 @@ class TcpOptions:
     shm: bool = True
     """Use shared memory between the ranks of one host (False: everything through the sockets, as across hosts)."""
     shm_min_bytes: int = -1
-    """Ops from this size go through the shared-memory arena (< 0: auto, see `policy.shm_min_bytes`)."""
+    """Ops from this size go through shared memory: the single-copy path or the arena (< 0: auto, per path, see
+    `policy.shm_min_bytes` and `policy.SINGLE_COPY_MIN_BYTES`)."""
     shm_arena_bytes: int = 32 << 20
     """Size of a group's arena; its slots (2 x (ranks + 1)) are the pipeline chunks of the path."""
     shm_mailbox: bool = True
     """Small ops of a group on one host through its shared mailbox (waits spin, yielding the CPU)."""
+    shm_single_copy: bool = True
+    """Large ops of a group on one host read the peers' buffers directly (process_vm_readv: one copy per byte) where
+    every member can; else (or False) through the arena (two copies)."""
     oversubscribed: bool | None = None
     """Whether this host's ranks outnumber its cores (None: detected when the group forms); it picks algorithms."""
     local_ranks: int = 0
@@ -78,6 +82,7 @@ ENVIRONMENT: dict[str, tuple[str, str, str]] = {
     "AXOND_SHM": ("shm", "1", "shared memory between the ranks of one host (0: sockets only)"),
     "AXOND_SHM_MAILBOX": ("shm_mailbox", "1", "small ops of a one-host group through a shared mailbox"),
     "AXOND_SHM_MIN_BYTES": ("shm_min_bytes", "auto", "ops from this size go through the arena"),
+    "AXOND_SHM_SINGLE_COPY": ("shm_single_copy", "1", "large ops on one host read peers' buffers directly (one copy)"),
     "AXOND_SHM_ARENA_BYTES": ("shm_arena_bytes", "33554432", "size of a group's shared-memory arena"),
     "AXOND_TCP_SMALL_BYTES": ("small_bytes", "131072", "all_reduce/broadcast up to this size use trees"),
     "AXOND_TCP_CHUNK_BYTES": ("chunk_bytes", "0", "pipeline chunk size (0: auto, 64 KiB..1 MiB)"),

@@ -4,8 +4,9 @@ At the group's first op that could use shared memory (`policy.candidates` lists 
 hosts are unknown) the members exchange their addresses (the same address: the same host) and arena sizes over
 the sockets, so each derives the same `Topology`. Then:
 
-- Every member on one host: a mailbox for small ops and an arena for large ones, each mapped at the first op
-  that takes it (the arena's steps then synchronize through the mailbox).
+- Every member on one host: a mailbox for small ops and, for large ones, the single-copy path (set up at the
+  first op that takes it, if every member can read the others' memory) or else an arena, each mapped at the first
+  op that takes it (the arena's steps and the single-copy path's publications go through the mailbox).
 - Spread over hosts with as many members on each (two or more): an arena per host, mapped at the first op large
   enough; from then on large ops run in two levels (`hierarchy.two_level`).
 - Otherwise (one member per host, hosts of different sizes, different arena sizes, or a member that cannot map
@@ -32,6 +33,8 @@ from axond.distributed.backends.tcp.shm.arena_ops import Sync
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox
 from axond.distributed.backends.tcp.shm.mailbox import arena_bytes as mailbox_bytes
 from axond.distributed.backends.tcp.shm.setup import agree, map_arena
+from axond.distributed.backends.tcp.shm.single_copy import SingleCopy
+from axond.distributed.backends.tcp.shm.single_copy import set_up as set_up_single_copy
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.backends.tcp.transport.wire import OP_NAMES, Op
 
@@ -52,6 +55,9 @@ class Placement:
         self.shape = Shape(comm.size, comm.oversubscribed, hosts=1 if self.known else None, per_host=comm.size)
         self.mailbox: Mailbox | None = None
         self.mailbox_tried = False
+        self.single_copy: SingleCopy | None = None
+        """The single-copy path of a group on one host, once every member found it works."""
+        self.single_copy_tried = False
         self.arena: ShmArena | None = None
         """The arena of a group on one host, once mapped."""
         self.levels: Levels | None = None
@@ -63,8 +69,9 @@ class Placement:
         self._paths: dict[tuple[Op, int], tuple[Path, ...]] = {}
 
     def choose(self, c: Call, op: Op, nbytes: int) -> tuple[Path, Any]:
-        """The path of op `op` on `nbytes` per rank (call `c`), and what it runs on: the mailbox, the arena, the
-        `Levels`, or None for the sockets. Learns the hosts or maps memory the first time an op needs it."""
+        """The path of op `op` on `nbytes` per rank (call `c`), and what it runs on: the mailbox, the `SingleCopy`,
+        the arena, the `Levels`, or None for the sockets. Learns the hosts or maps memory the first time an op needs
+        it."""
         paths = self._paths.get((op, nbytes))
         if paths is None:
             paths = policy.candidates(op, nbytes, self.shape, self.comm.options)
@@ -79,6 +86,10 @@ class Placement:
                 box = self.mailbox if self.mailbox_tried else self._map_mailbox(c)
                 if box is not None:
                     return path, box
+            elif path is Path.SINGLE_COPY:
+                single = self.single_copy if self.single_copy_tried else self._set_up_single_copy(c)
+                if single is not None:
+                    return path, single
             elif path is Path.ARENA:
                 arena = self.arena if self.arena_tried else self._map_arena(c)
                 if arena is not None:
@@ -111,6 +122,13 @@ class Placement:
             self.mailbox = self.sync.mailbox = Mailbox(arena, self.comm.rank, size, self.comm.g)
             self.comm.g.watch(self.mailbox.watch)
         return self.mailbox
+
+    def _set_up_single_copy(self, c: Call) -> SingleCopy | None:
+        self.single_copy_tried = True
+        if not self.mailbox_tried and policy.spins(self.comm.options, self.shape):
+            self._map_mailbox(c)  # publications and synchronizations go through it
+        self.single_copy = self.comm.g.run(OP_NAMES[c.op], set_up_single_copy, self.comm, self.sync, c)
+        return self.single_copy
 
     def _map_arena(self, c: Call) -> ShmArena | None:
         self.arena_tried = True
@@ -149,5 +167,5 @@ class Placement:
             self.levels.close()
         if self.mailbox is not None:
             self.mailbox.close()
-        self.arena, self.levels, self.mailbox = None, None, None
-        self.arena_tried = self.mailbox_tried = True
+        self.arena, self.levels, self.mailbox, self.single_copy = None, None, None, None
+        self.arena_tried = self.mailbox_tried = self.single_copy_tried = True

@@ -3,14 +3,17 @@
 A route is a path and, on the sockets, an algorithm:
 
 - `MAILBOX`: small ops of a group on one host, in one round through a shared mailbox (`shm.mailbox`);
-- `ARENA`: large ops of a group on one host, through a shared-memory arena (`shm.arena_ops`);
+- `SINGLE_COPY`: large ops of a group on one host, each rank reading its peers' buffers directly where the host
+  allows it (`shm.single_copy`: one copy per byte);
+- `ARENA`: large ops of a group on one host, through a shared-memory arena (`shm.arena_ops`: two copies per byte);
 - `TWO_LEVEL`: large ops of a group spread over hosts with as many members (two or more) on each: through each
   host's arena and between counterparts over the sockets (`hierarchy.two_level`);
 - `SOCKETS`: framed messages over the group's sockets, by the algorithm `socket_algorithm` picks (`schedules`).
 
 `candidates` lists the paths an op may take, best first; the backend takes the first whose shared memory every
-member mapped (the sockets always work). `route` answers "which path does a 1 MiB all_reduce on 4 ranks take?"
-for a group whose memory maps: `route(Op.ALL_REDUCE, 1 << 20, Shape(4))`. Sizes are the bytes of one rank's
+member mapped, or (single copy) whose memory every member can read (the sockets always work). `route` answers
+"which path does a 1 MiB all_reduce on 4 ranks take?" for a group whose memory maps:
+`route(Op.ALL_REDUCE, 1 << 20, Shape(4))`. Sizes are the bytes of one rank's
 input; every rank of a group computes the same route from the same arguments.
 """
 
@@ -43,6 +46,21 @@ oversubscribed host from 16 times, 64 KiB, as the socket tree's root need not wa
 reduce_scatter 22-29 / 29-36 us and 26-28 / 40-44 us; at 4 ranks all_reduce 129-161 / 164-196 us (8 KiB),
 reduce_scatter 98-111 / 247-307 us and 74-120 / 248-265 us, all_gather 32 KiB 65-102 / 239-283 us; broadcast at
 4 ranks 59-74 / 47-57 us (8 KiB), 51-81 / 51-61 us (16 KiB), 56-88 / 81-88 us (64 KiB)."""
+SINGLE_COPY_MIN_BYTES: dict[Op, tuple[int, int]] = {
+    Op.ALL_GATHER: (32 << 20, 32 << 20), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (16 << 20, 16 << 20),
+    Op.ALL_REDUCE: (32 << 20, 16 << 20)}
+"""Default size (all_gather: of the output) from which an op of a one-host group of (two, more) ranks takes the
+single-copy path instead of the arena, where every member can read the others' memory (an explicit `shm_min_bytes`
+replaces it). A process_vm_readv costs ~10 us a call and copies at 5-11 GB/s where a memcpy of cache-resident data
+runs at 20-25, so one copy wins only once the arena's two spill out of the caches. Single copy / arena time on
+2 cores (the 4 ranks oversubscribed), from five interleaved A/B runs (three of bench/compare_trees.py, 4 rounds;
+two alternating the paths call by call in one job; bench/RESULTS.md, session 11); the spread is the machine's
+(other jobs ran): broadcast 16 MiB 0.61-0.78 at 2 ranks, 0.58-0.86 at 4 (once 1.28), 64 MiB 0.43-0.92 / 0.40-0.84,
+1 MiB 0.73-1.29 / 1.16-1.83; reduce_scatter 16 MiB 0.48-0.85 (once 1.18) / 0.56-0.89 (once 1.04), 64 MiB
+0.33-0.79 / 0.31-0.73, 4 MiB 0.73-0.77 / 0.89-1.30; all_reduce 16 MiB 0.77-0.84 in the one-job runs but 1.27-1.41
+in the first two tree runs at 2 ranks, 0.65-1.01 at 4, 64 MiB 0.61-0.73 (tree runs 1.08-1.24, then 0.72) /
+0.60-0.95, 4 MiB 0.95-1.25 / 1.27-1.38; all_gather 16 MiB 0.55-0.95 but 1.73-1.81 in one one-job run at 2 ranks,
+0.56-1.69 at 4, 64 MiB 0.57-0.84 / 0.75-1.00 (once 1.47), 1 MiB 1.16-1.32 / 1.15-1.75."""
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB)."""
 CROWDED_DOUBLING_BYTES = 256 << 10
@@ -70,6 +88,7 @@ AUTO_SPIN_SECONDS = 50e-6
 
 class Path(enum.Enum):
     MAILBOX = "mailbox"
+    SINGLE_COPY = "single_copy"
     ARENA = "arena"
     TWO_LEVEL = "two_level"
     SOCKETS = "sockets"
@@ -143,6 +162,13 @@ def _mailbox(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
     return nbytes > 0 and not (op is Op.BROADCAST and shape.oversubscribed)
 
 
+def _single_copy(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
+    if not options.shm_single_copy or shape.hosts not in (None, 1) or op not in ARENA_OPS:
+        return False
+    threshold = options.shm_min_bytes if options.shm_min_bytes >= 0 else SINGLE_COPY_MIN_BYTES[op][shape.size > 2]
+    return _large(_path_bytes(op, nbytes, shape.size), 1, threshold, options, shape.size)
+
+
 def _arena(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
     if shape.hosts not in (None, 1) or op not in ARENA_OPS:
         return False
@@ -179,8 +205,8 @@ ARENA_OPS = (Op.ALL_REDUCE, Op.BROADCAST, Op.ALL_GATHER, Op.REDUCE_SCATTER)
 def candidates(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> tuple[Path, ...]:
     """The paths op `op` on `nbytes` per rank may take, best first; the last is always SOCKETS. With the hosts not
     known yet (`shape.hosts` None), any shared-memory path in the list tells the backend to learn them first."""
-    paths = [path for path, fits in ((Path.MAILBOX, _mailbox), (Path.ARENA, _arena), (Path.TWO_LEVEL, _two_level))
-             if fits(op, nbytes, shape, options)]
+    paths = [path for path, fits in ((Path.MAILBOX, _mailbox), (Path.SINGLE_COPY, _single_copy), (Path.ARENA, _arena),
+                                     (Path.TWO_LEVEL, _two_level)) if fits(op, nbytes, shape, options)]
     return (*paths, Path.SOCKETS)
 
 
