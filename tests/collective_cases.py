@@ -125,3 +125,37 @@ def all_reduce_until_killed(pg: ProcessGroup, x: np.ndarray, rounds: int, kill_a
     except DistributedError as e:
         q.put((pg.rank, str(e), time.monotonic() - t0, used(pg), os.getpid()))
     pg.destroy()
+
+
+def every_large_op(pg: ProcessGroup) -> dict[str, Any]:
+    """Rank processes' body: a large all_reduce (AVG), broadcast, all_gather and reduce_scatter (MAX) on `pg`."""
+    r, n = pg.rank, pg.size
+    x = np.arange(1_000_003, dtype=np.float64) + r
+    pg.all_reduce(x, ReduceOp.AVG)
+    y = np.full(300_001, r, np.int32) if r != 1 else np.arange(300_001, dtype=np.int32)
+    pg.broadcast(y, 1)
+    return {"avg": x, "bcast": y, "gather": pg.all_gather(np.full(200_000, r, np.uint8)),
+            "scatter": pg.reduce_scatter(np.ones((n * 70_001, 2), np.int64) * (r + 1), ReduceOp.MAX),
+            "pid": os.getpid()}
+
+
+def check_every_large_op(out: list[dict[str, Any]]) -> None:
+    """What `every_large_op` returns on 3 ranks, checked against NumPy."""
+    assert len({got["pid"] for got in out}) == 3
+    for got in out:
+        np.testing.assert_array_equal(got["avg"], np.arange(1_000_003, dtype=np.float64) + 1.0)
+        np.testing.assert_array_equal(got["bcast"], np.arange(300_001, dtype=np.int32))
+        assert (got["gather"] == np.arange(3, dtype=np.uint8)[:, None]).all()
+        assert (got["scatter"] == 3).all() and got["scatter"].shape == (70_001, 2)
+
+
+def check_killed_rank_1(items: list[Any], codes: list[Any], size: int) -> dict[int, tuple[str, float, bool, int]]:
+    """The survivors' reports of `all_reduce_until_killed` (rank 1 SIGKILLed): each raised within 2 s, naming
+    rank 1 and the op, on the path it checks (`used`); by rank: (message, seconds, used, pid)."""
+    got = {r: (m, t, used, pid) for r, m, t, used, pid in items}
+    assert sorted(got) == [r for r in range(size) if r != 1]
+    for msg, took, used, _ in got.values():
+        assert "rank 1" in msg and "all_reduce" in msg, msg
+        assert took < 2.0 and used
+    assert codes[1] == -signal.SIGKILL
+    return got
