@@ -230,7 +230,7 @@ def test_mismatched_calls_raise_on_every_rank_naming_both_sides(make_groups: Mak
     assert all(isinstance(e, DistributedError) and "broadcast" in str(e) and "all_reduce" in str(e) for e in errors)
 
 
-@pytest.mark.parametrize("transport", ["shm", "spin"])
+@pytest.mark.parametrize("transport", ["shm", "spin", "single_copy"])  # a silent peer on the single-copy path too
 def test_a_silent_peer_times_out_on_the_shared_memory_path(make_groups: MakeGroups, transport: str) -> None:
     gs = make_groups(2, 1.0, transport=transport)
     run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 16)))
