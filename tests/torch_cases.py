@@ -378,7 +378,9 @@ def over_axond_url(address: str, rank: int, n: int, store_dir: str, q: Any) -> N
     try:
         import axond.torch  # noqa: F401
 
-        for _ in range(2):  # a second init in the same process, after destroy, starts afresh
+        for i in range(2):  # a second init in the same process, after destroy, starts afresh
+            if i == 1 and rank == 0:
+                time.sleep(1.0)  # rank 1 looks up rank 0's address first: it must not find the first init's
             dist.init_process_group("axond", init_method=f"axond://{address}?job=torchjob", rank=rank, world_size=n,
                                     timeout=timedelta(seconds=20))
             t = torch.full((3,), float(rank + 1))
