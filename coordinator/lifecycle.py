@@ -45,6 +45,8 @@ class HeartbeatResult:
     generation: int
     state: JobState | None
     reason: str
+    interval: float = 0.0
+    """The heartbeat interval the node is told to keep (0: unchanged)."""
 
 
 class JobLifecycle:

@@ -18,6 +18,9 @@ class CoordinatorLimits:
 
     max_nodes: int = 20_000
     """Registered nodes; dead nodes are forgotten first when it is reached."""
+    max_heartbeat_rate: float = 500.0
+    """Heartbeats per second all nodes together are asked for: past this many nodes per heartbeat interval,
+    every node's interval (and so its lease) grows to nodes / rate."""
     max_jobs: int = 10_000
     """Job records; finished and abandoned jobs are forgotten (oldest first) when it is reached."""
     max_nnodes: int = 16_384

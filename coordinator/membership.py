@@ -43,6 +43,10 @@ class Node:
     """Proof of identity every node-scoped call carries (RegisterNodeResponse.node_secret)."""
     local_pids: tuple[int, ...] = ()
     """Pids of its local ranks as its last heartbeat reported them."""
+    interval: float = 0.0
+    """The heartbeat interval it was last told (0: the base interval)."""
+    told_before: float = 0.0
+    """The interval told before that: until its next heartbeat the node may still be pacing itself by it."""
 
     @property
     def order_key(self) -> tuple[str, int]:
@@ -57,9 +61,19 @@ class Liveness:
     heartbeat_interval: float
     dead_after_missed: int
 
+    max_heartbeat_rate: float = 0.0
+    """Heartbeats per second all nodes together may send (0: no bound, every node at `heartbeat_interval`)."""
+
     @property
     def dead_after(self) -> float:
         return self.heartbeat_interval * self.dead_after_missed
+
+    def interval_for(self, nodes: int) -> float:
+        """The heartbeat interval with `nodes` registered: the base, or longer so that they send at most
+        `max_heartbeat_rate` heartbeats per second together."""
+        if self.max_heartbeat_rate <= 0:
+            return self.heartbeat_interval
+        return max(self.heartbeat_interval, nodes / self.max_heartbeat_rate)
 
 
 class Membership:
@@ -105,6 +119,7 @@ class Membership:
         self._seq += 1
         node = Node(f"n{self._seq}-{self._epoch}", hostname, self._seq, slots, daemon, now, secret=secrets.token_hex(16))
         self.nodes[node.node_id] = node
+        node.interval = self.liveness.interval_for(len(self.nodes))
         self.mark(node)
         return node
 
@@ -139,15 +154,25 @@ class Membership:
     def heartbeat(self, node_id: str, now: float, local_pids: tuple[int, ...] = ()) -> Node:
         """Record a heartbeat, with the pids of the node's local ranks if it sent them."""
         node, _ = self.touch(node_id, now)
+        told = self.liveness.interval_for(len(self.nodes))
+        if told != node.interval:
+            node.told_before, node.interval = node.interval, told
+            self.mark(node)
+        else:
+            node.told_before = 0.0
         if local_pids:
             check_at_most("local_pids", len(local_pids), self.limits.max_nproc_per_node, "max_nproc_per_node")
             node.local_pids = tuple(local_pids)
         return node
 
+    def paced(self, node: Node) -> float:
+        """The longest interval the node may be heartbeating at: what it was told, or told before."""
+        return max(node.interval, node.told_before, self.liveness.heartbeat_interval)
+
     def health(self, node: Node, now: float) -> Health:
         if node.dead:
             return Health.DEAD
-        if now - node.last_seen > 1.5 * self.liveness.heartbeat_interval:
+        if now - node.last_seen > 1.5 * self.paced(node):
             return Health.SUSPECT
         return Health.ALIVE
 
@@ -156,7 +181,7 @@ class Membership:
         out = []
         for node in list(self.nodes.values()):
             silent = now - node.last_seen
-            if not node.dead and silent > self.liveness.dead_after:
+            if not node.dead and silent > self.paced(node) * self.liveness.dead_after_missed:
                 node.dead = True
                 self.mark(node)
                 out.append(node)

@@ -161,7 +161,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.RegisterNodeResponse(
             node_id=node.node_id,
             node_secret=node.secret,
-            heartbeat_interval_s=live.heartbeat_interval,
+            heartbeat_interval_s=node.interval or live.heartbeat_interval,
             dead_after_missed=live.dead_after_missed,
         )
 
@@ -171,7 +171,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         r = self.state.heartbeat(
             request.node_id, request.job, request.generation, time.monotonic(), tuple(request.local_pids)
         )
-        return pb.HeartbeatResponse(generation=r.generation, job_state=_job_state_pb(r.state), reason=r.reason)
+        return pb.HeartbeatResponse(generation=r.generation, job_state=_job_state_pb(r.state), reason=r.reason,
+                                    heartbeat_interval_s=r.interval)
 
     @_translated
     async def DeregisterNode(self, request: pb.DeregisterNodeRequest, context: Any) -> pb.DeregisterNodeResponse:

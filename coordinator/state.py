@@ -25,6 +25,7 @@ to a topic they care about:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -67,7 +68,8 @@ class CoordinatorState:
         self.limits = limits or CoordinatorLimits()
         self.limits.validate()
         self.ctx = StateContext(self.limits, listener)
-        self.members = Membership(Liveness(heartbeat_interval, dead_after_missed), self.limits)
+        self.members = Membership(Liveness(heartbeat_interval, dead_after_missed, self.limits.max_heartbeat_rate),
+                                  self.limits)
         self.scheduler = Scheduler(self.members, self.ctx)
         self.lifecycle = JobLifecycle(self.members, self.scheduler, self.ctx, settle_time)
         self.kv = JobKv(self.ctx)
@@ -145,8 +147,8 @@ class CoordinatorState:
         self, node_id: str, job: str, generation: int, now: float, local_pids: tuple[int, ...] = ()
     ) -> HeartbeatResult:
         with self.lock:
-            self.members.heartbeat(node_id, now, local_pids)
-            return self.lifecycle.heartbeat(job)
+            node = self.members.heartbeat(node_id, now, local_pids)
+            return dataclasses.replace(self.lifecycle.heartbeat(job), interval=node.interval)
 
     def deregister_node(self, node_id: str, now: float) -> None:
         with self.lock:
@@ -158,10 +160,10 @@ class CoordinatorState:
     def tick(self, now: float) -> float | None:
         """Apply time-based transitions (dead nodes, settled rendezvous); returns the next deadline."""
         with self.lock:
-            interval = self.members.liveness.heartbeat_interval
             for node in self.members.newly_dead(now):
                 missed = self.members.liveness.dead_after_missed
-                self.lifecycle.node_lost(node, f"missed {missed} heartbeats ({missed * interval:.1f} s)", now)
+                silent = missed * self.members.paced(node)
+                self.lifecycle.node_lost(node, f"missed {missed} heartbeats ({silent:.1f} s)", now)
             return self.lifecycle.tick(now)
 
     def join(

@@ -127,10 +127,22 @@ class Heartbeater:
             self.last_ok = time.monotonic()
             self.last_error = ""
             self._contact_back()
+            self._pace(resp.heartbeat_interval_s)
             with self._lock:
                 if job and self._jobs.get(job) == generation:
                     self._latest[job] = resp
             self.changed.set()
+
+    def _pace(self, interval: float) -> None:
+        """Heartbeat at the interval the coordinator asks for (it grows with the cluster), the lease with it."""
+        if interval > 0 and interval != self._interval:
+            self.lease *= interval / self._interval
+            self._interval = interval
+
+    @property
+    def interval(self) -> float:
+        """Seconds between heartbeats, as the coordinator last said."""
+        return self._interval
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):

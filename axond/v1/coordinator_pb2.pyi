@@ -72,14 +72,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., node_secret: _Optional[str] = ..., local_pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "job_state", "reason")
+    __slots__ = ("generation", "job_state", "reason", "heartbeat_interval_s")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     generation: int
     job_state: JobState
     reason: str
-    def __init__(self, generation: _Optional[int] = ..., job_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    heartbeat_interval_s: float
+    def __init__(self, generation: _Optional[int] = ..., job_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class DeregisterNodeRequest(_message.Message):
     __slots__ = ("node_id", "node_secret")

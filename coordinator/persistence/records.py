@@ -16,12 +16,12 @@ from axond.coordinator.rendezvous import Member, Round
 
 def node_record(n: Node) -> Record:
     return {"node_id": n.node_id, "hostname": n.hostname, "seq": n.seq, "slots": n.slots, "daemon": n.daemon,
-            "secret": n.secret, "job": n.job, "dead": n.dead}
+            "secret": n.secret, "job": n.job, "dead": n.dead, "interval": n.interval}
 
 
 def node_from(r: Record, now: float) -> Node:
     return Node(r["node_id"], r["hostname"], int(r["seq"]), int(r["slots"]), bool(r["daemon"]), now,
-                dead=bool(r["dead"]), job=r["job"], secret=r["secret"])
+                dead=bool(r["dead"]), job=r["job"], secret=r["secret"], interval=float(r.get("interval", 0.0)))
 
 
 def _round_record(rnd: Round) -> Record:
