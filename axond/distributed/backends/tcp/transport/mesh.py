@@ -52,7 +52,7 @@ def advertised_host(configured: str | None) -> str:
         return interface_address(ifname)
     coordinator = os.environ.get("AXOND_COORDINATOR")
     if coordinator:
-        host = urlsplit("//" + coordinator).hostname or ""
+        host = urlsplit("//" + coordinator.split(",")[0]).hostname or ""  # replicas: any one shows the route
         try:
             if host and not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
                 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
