@@ -16,13 +16,15 @@ import dataclasses
 import logging
 import socket
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from axond.coordinator.auth import TokenInterceptor
+from axond.coordinator.auth import TokenInterceptor, replace_handler
 from axond.coordinator.persistence.etcd import EtcdClient, EtcdError, EtcdPersistence, LeaderElection, Term
 from axond.coordinator.persistence.etcd import parse_state_url
 from axond.coordinator.server import (SERVER_OPTIONS, SERVICE_NAME, CoordinatorConfig, RunningCoordinator,
@@ -63,6 +65,30 @@ class _Redirect(grpc.GenericRpcHandler):
             trailing_metadata=((LEADER_METADATA, leader),),
         )
         return b""
+
+
+class _LeaderGate(grpc.aio.ServerInterceptor):
+    """Refuses every Coordinator call once the term may have ended (before the server has stopped)."""
+
+    def __init__(self, term: Term) -> None:
+        self._term = term
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        if handler is None or self._term.leads() or not method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        address = self._term.address
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"this coordinator replica ({address}) is no longer the leader; retry (clients given "
+                                "every replica's address find the new leader)")
+
+        return replace_handler(handler, behavior=refuse)
 
 
 def _advertise(config: CoordinatorConfig, port: int) -> str:
@@ -133,7 +159,8 @@ async def _lead(config: CoordinatorConfig, outer: RunningCoordinator, client: Et
     inner = RunningCoordinator(outer.port, outer.address, state, outer.token, outer.token_path)
     inner._stop_request = asyncio.Event()
     outer.state = state
-    serving = asyncio.create_task(_serve_state(config, inner, [], threading.Event(), on_commit_failure=ended.set))
+    serving = asyncio.create_task(_serve_state(config, inner, [], threading.Event(), on_commit_failure=ended.set,
+                                                gates=[_LeaderGate(term)]))
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(ended.wait())]
     await asyncio.wait([serving, *waits], return_when=asyncio.FIRST_COMPLETED)
     for w in waits:

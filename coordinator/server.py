@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -234,8 +234,10 @@ async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator
 
 
 async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, running_box: list[RunningCoordinator],
-                       ready: threading.Event, on_commit_failure: Callable[[], None] | None = None) -> None:
-    """Serve `running.state` until its stop is requested; `on_commit_failure` is told when a commit fails."""
+                       ready: threading.Event, on_commit_failure: Callable[[], None] | None = None,
+                       gates: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+    """Serve `running.state` until its stop is requested; `on_commit_failure` is told when a commit fails;
+    `gates` see every call before the token check (a replica's leadership check)."""
     loop = asyncio.get_running_loop()
     state = running.state
     health_servicer = health.aio.HealthServicer()
@@ -254,7 +256,7 @@ async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, r
         commits.start()
         running.commits = commits
     try:
-        await _serve_grpc(config, running, running_box, ready, health_servicer, commits)
+        await _serve_grpc(config, running, running_box, ready, health_servicer, commits, gates)
     finally:
         if commits is not None:
             await commits.stop()
@@ -262,12 +264,14 @@ async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, r
 
 async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, running_box: list[RunningCoordinator],
                       ready: threading.Event, health_servicer: health.aio.HealthServicer,
-                      commits: GroupCommit | None) -> None:
+                      commits: GroupCommit | None, gates: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
     loop = asyncio.get_running_loop()
     hub = WaitHub(loop)
     state = running.state
     state.listen(hub.notify)
-    interceptors: list[grpc.aio.ServerInterceptor] = [TokenInterceptor(running.token)] if running.token else []
+    interceptors: list[grpc.aio.ServerInterceptor] = list(gates)
+    if running.token:
+        interceptors.append(TokenInterceptor(running.token))
     interceptors.append(DecodeGuard())
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS,
                              maximum_concurrent_rpcs=config.limits.max_concurrent_calls)

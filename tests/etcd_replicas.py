@@ -36,6 +36,8 @@ class ReplicaSet:
     work_dir: Path
     url: str
     replicas: list[Replica] = field(default_factory=list)
+    paused: list[Replica] = field(default_factory=list)
+    """Replicas stopped with SIGSTOP (not asked by `leader`)."""
 
     @property
     def addresses(self) -> str:
@@ -62,6 +64,8 @@ class ReplicaSet:
                     pb.GetStatusRequest(), timeout=timeout, metadata=[("authorization", f"Bearer {TOKEN}")])
                 return "leader"
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return "down"
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 if "is a follower" not in (e.details() or ""):
@@ -73,7 +77,7 @@ class ReplicaSet:
         """The one replica that serves, once every live replica agrees on it."""
         deadline = time.monotonic() + timeout
         while True:
-            live = [r for r in self.replicas if r.process.poll() is None]
+            live = [r for r in self.replicas if r.process.poll() is None and r not in self.paused]
             answers = {r.address: self.ask(r) for r in live}
             leaders = [r for r in live if answers[r.address] == "leader"]
             if len(leaders) == 1 and all(a in ("leader", leaders[0].address) for a in answers.values()):
@@ -86,6 +90,8 @@ class ReplicaSet:
         return "\n".join(f"--- {r.address}\n{r.log.read_text(errors='replace')[-3000:]}" for r in self.replicas)
 
     def stop_all(self) -> None:
+        for r in self.paused:
+            r.process.send_signal(signal.SIGCONT)
         for r in self.replicas:
             if r.process.poll() is None:
                 r.process.send_signal(signal.SIGTERM)

@@ -56,6 +56,25 @@ def test_a_stopped_leader_hands_over_and_the_state_follows(replicas: ReplicaSet)
         assert replicas.leader() is not first
 
 
+def test_a_stalled_leader_stops_serving_when_it_wakes(replicas: ReplicaSet) -> None:
+    """SIGSTOP the leader past its lease: another replica takes over; the old one, woken, serves nothing more."""
+    for _ in range(2):
+        replicas.start()
+    old = replicas.leader()
+    old.process.send_signal(signal.SIGSTOP)
+    replicas.paused.append(old)
+    new = replicas.leader(timeout=20.0)
+    with connect(new.address, token=TOKEN, call_timeout=5.0) as client:
+        node = client.register_node("written-by-the-new-leader")
+    old.process.send_signal(signal.SIGCONT)
+    replicas.paused.remove(old)
+    assert replicas.ask(old) != "leader", "the woken replica refuses at once (its term may have ended)"
+    assert replicas.leader() is new
+    assert replicas.ask(old) == new.address, "and then follows, naming the new leader"
+    with connect(replicas.addresses, token=TOKEN, call_timeout=5.0) as client:
+        assert [n.node_id for n in client.get_status().nodes] == [node.node_id]
+
+
 RANK_SCRIPT = textwrap.dedent("""
     import os, sys, time
     from axond.control.client import CoordinatorClient, connect

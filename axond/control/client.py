@@ -42,7 +42,8 @@ def _busy(e: grpc.RpcError) -> bool:
 def _never_ran(e: grpc.RpcError) -> bool:
     """Whether the call surely did not run: nothing listened, or a follower replica turned it away."""
     details = (e.details() or "").lower()
-    return "is a follower" in details or any(text in details for text in _NOT_LISTENING_YET)
+    return ("is a follower" in details or "no longer the leader" in details
+            or any(text in details for text in _NOT_LISTENING_YET))
 
 
 DEFAULT_CONNECT_WAIT_S = 30.0
