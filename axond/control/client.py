@@ -105,6 +105,11 @@ class CoordinatorClient:
         """The token this client sends (None: none, or a local coordinator's token not written yet)."""
         return self._token() if isinstance(self._token, LocalToken) else self._token
 
+    @property
+    def active_address(self) -> str:
+        """Where calls go now (with several replicas: the leader, as far as this client knows)."""
+        return self._replicas.active_address if self._replicas is not None else self.address
+
     def node_secret(self, node_id: str) -> str:
         """The secret RegisterNode gave `node_id` through this client ("" if it did not)."""
         return self._node_secrets.get(node_id, "")
@@ -135,7 +140,8 @@ class CoordinatorClient:
                     self._replicas.answered()
                 return reply
             except grpc.RpcError as e:
-                if self._replicas is not None and e.code() == grpc.StatusCode.UNAVAILABLE:
+                if self._replicas is not None and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    # CANCELLED: a replica stopping (cleanly) cut the call short
                     pause = self._replicas.fail_over(e, retry or _never_ran(e))
                     if pause is not None and time.monotonic() + pause < deadline:
                         time.sleep(pause)

@@ -21,7 +21,7 @@ from axond.v1 import coordinator_pb2_grpc as pb_grpc
 LEADER_METADATA = "axond-leader"
 """Trailing metadata key naming the leader's HOST:PORT in a follower's answer."""
 FIRST_PAUSE_S = 0.05
-MAX_PAUSE_S = 0.5
+MAX_PAUSE_S = 0.25
 
 
 def leader_named(e: grpc.RpcError) -> str | None:
