@@ -84,7 +84,7 @@ def _coordinator(*flags: str, port: int = 0) -> tuple[str, subprocess.Popen[byte
 
 
 def _serving(address: str, timeout: float = 30.0) -> None:
-    with connect(address, token=TOKEN, call_timeout=timeout) as c:
+    with connect(address, token=TOKEN, call_timeout=timeout, connect_wait=timeout) as c:
         c.get_status()
 
 
@@ -140,6 +140,7 @@ def kv(endpoint: str, clients: list[int], procs: int, seconds: float, rounds: in
             with tempfile.TemporaryDirectory(prefix="axond-bench-state-") as state_dir:
                 flags = ("--state-dir", state_dir) if store == "sqlite" else (
                     "--state", f"etcd://{endpoint}/bench-kv-{time.monotonic_ns()}")
+                flags += ("--heartbeat-interval", "60")  # the load's node does not heartbeat
                 address, proc = _coordinator(*flags)
                 try:
                     _serving(address)
