@@ -82,3 +82,20 @@ def test_a_deposed_leader_cannot_write(etcd_server: EtcdServer) -> None:
     assert [key for _, _, key, _ in snap.kv] == ["k1"], "only the commit made while leading is kept"
     new_election.resign(new)
     client.close()
+
+
+def test_replica_flags_are_checked() -> None:
+    from click.testing import CliRunner
+
+    from axond.cli.main import main
+
+    runner = CliRunner()
+    cases = {
+        ("--state", "etcd://127.0.0.1:2379"): "share one token",
+        ("--state", "etcd://127.0.0.1:2379", "--token", "t", "--in-memory"): "drop --in-memory",
+        ("--advertise", "h:1"): "pass --state",
+        ("--state", "etcd://127.0.0.1", "--token", "t"): "has no port",
+    }
+    for flags, message in cases.items():
+        result = runner.invoke(main, ["coordinator", "--port", "0", *flags])
+        assert result.exit_code != 0 and message in result.output, (flags, result.output)
