@@ -39,6 +39,7 @@ def _busy(e: grpc.RpcError) -> bool:
     """Whether the coordinator refused the call for load (admission control), not for what it asked."""
     return bool(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in (e.details() or ""))
 
+
 def _never_ran(e: grpc.RpcError) -> bool:
     """Whether the call surely did not run: nothing listened, or a follower replica turned it away."""
     details = (e.details() or "").lower()
