@@ -167,12 +167,14 @@ async def _lead(config: CoordinatorConfig, outer: RunningCoordinator, client: Et
         w.cancel()
     inner._grace = outer._grace if stop.is_set() and term.leads() else 0.0
     inner._stop_request.set()
-    await serving
-    if term.leads():
-        await asyncio.to_thread(election.resign, term)
-    else:
-        term.ended.set()
-        log.error("replica %s stopped serving: no longer the leader", outer.address)
+    try:
+        await serving  # raises if the leader's server could not start: the term is given up all the same
+    finally:
+        if term.leads():
+            await asyncio.to_thread(election.resign, term)
+        else:
+            term.ended.set()
+            log.error("replica %s stopped serving: no longer the leader", outer.address)
 
 
 async def serve_replica(config: CoordinatorConfig, running_box: list[RunningCoordinator], ready: threading.Event) -> None:
