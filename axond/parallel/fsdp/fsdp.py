@@ -185,6 +185,9 @@ class FullyShardedDataParallel(NoSync, Module):
                 self._reducing.append(unit)
             while len(self._reducing) > int(overlap):  # at most one in flight: full gradients do not pile up
                 self._reducing.pop(0).finish_reduce()
+            for u in self._units:
+                if u.offload is not None:
+                    u.offload.poll()  # the device gradients of finished downloads go back to the pool
 
         m = plan.module
         self._hooks += [

@@ -225,7 +225,12 @@ class HostShard(Parameter):
         self._offload = offload
         self._grad: Array | None = None
         super().__init__(offload.host)
-        self.register_pre_step_hook(lambda _: offload.before_host_write())
+        self.register_pre_step_hook(lambda _: self._before_step())
+
+    def _before_step(self) -> None:
+        """The optimizer is about to update the host shard: no upload may read it, and the device copy goes stale."""
+        self._offload.before_host_write()
+        self._offload.mark_stale()
 
     @property  # type: ignore[override]
     def data(self) -> Array:

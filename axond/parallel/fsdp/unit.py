@@ -148,6 +148,8 @@ class FSDPUnit:
         if self._wait_gather():
             refresh = False  # the prefetch was issued after the last optimizer step: it is fresh
         dtype = self.dtype if master else self.compute_dtype
+        if master:
+            self.mark_stale()  # summon_full_params: the host shard as it is now
         if self.full is not None and self.full_dtype != dtype:
             self._release_full()
             refresh = True
@@ -257,6 +259,7 @@ class FSDPUnit:
 
     def full_copy(self) -> Array:
         """The unpadded full flat parameters as a new array (collective over the shard group)."""
+        self.mark_stale()  # the host shard may have been written (a checkpoint load) since the last upload
         src = self._compute_shard(self.dtype)
         if self.shard_group is None:
             out = src[: self.layout.numel].copy()
