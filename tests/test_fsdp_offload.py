@@ -131,7 +131,11 @@ def test_memory_stats_count_offloaded_bytes_as_host_bytes(host_copies: list[Host
             est = memory_estimate(mlp(0), "fsdp", 2, wrap=linears, cpu_offload=cfg, device="cuda")
             for key in ("parameters", "gradients", "optimizer_state", "offloaded", "device_current", "current"):
                 assert abs(est[key] - stats[key]) <= 0.10 * stats[key] + 64, (key, est[key], stats[key])
-            assert stats["device_peak"] <= est["device_peak"]  # the estimate takes the worst case of the downloads
+            # The estimate allows one upload and one download of the largest unit's shard (16 x 16 + 16 float64
+            # parameters over 2 ranks: 136 elements) in flight beside a unit's buffers. HostCopies finish every copy
+            # at once, so the measured peak may lack them, but never exceeds the estimate.
+            in_flight = 2 * 136 * 8
+            assert stats["device_peak"] <= est["device_peak"] <= stats["device_peak"] + in_flight, (est, stats)
         assert by_params["device_current"] == 0
         assert by_optim["device_current"] == by_optim["device_shards"] == by_optim["parameters"]
 

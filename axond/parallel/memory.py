@@ -77,9 +77,9 @@ def memory_estimate(model: Any, strategy: str, world_size: int, mixed_precision:
     if cpu_offload is not None and offloading and on_gpu:
         offloaded = out["parameters"] + out["gradients"] + out["optimizer_state"]
         largest = max((p // world_size for p, _ in units), default=0)
-        transient += shards * g  # gradient shards on the device until their download is done
+        transient += largest * g  # a gradient shard on the device until its download is done (at most one pending)
         if cpu_offload.offload_params:
-            transient += 2 * largest * m  # this unit's uploaded shard and the next one's, started early
+            transient += largest * m  # the next unit's shard, uploaded while this one computes
         else:
             out["device_shards"] = shards * m  # offload_optimizer keeps a device copy of every shard
     out["current"] = sum(out.values())
