@@ -209,6 +209,8 @@ class FullyShardedDataParallel(NoSync, Module):
             for u in self._units:
                 if u.pending_gather is not None:  # prefetched for a unit this forward did not run
                     u.free()
+                if u.full is None:
+                    u.release_upload()  # an upload started for a unit this forward did not run
 
     def backward(self, grad_out: Array) -> Array:
         """The module's backward; each unit's gradient is reduced into its shard's `.grad` as its backward ends."""

@@ -115,7 +115,8 @@ class FSDPUnit:
         if self.offload is not None:
             self.offload.mark_stale()
 
-    def _release_upload(self) -> None:
+    def release_upload(self) -> None:
+        """With offload_params: drop the shard's device copy (after the gather read it, or an unused upload)."""
         if self.offload is not None:
             self.offload.release()
 
@@ -137,7 +138,7 @@ class FSDPUnit:
         if work is None:
             return False
         work.wait()
-        self._release_upload()
+        self.release_upload()
         return True
 
     def gather(self, refresh: bool = False, master: bool = False) -> None:
@@ -164,7 +165,7 @@ class FSDPUnit:
             else:
                 full = self.full if self.full is not None else self._alloc_full(dtype)
                 all_gather_shards(src, full, self.shard_group)
-            self._release_upload()
+            self.release_upload()
         assert self.full is not None
         for p, view in zip(self.params, self.layout.views(self.full)):
             p.data = view
@@ -267,7 +268,7 @@ class FSDPUnit:
             full = empty_on(src, self.layout.padded_numel, self.dtype)
             all_gather_shards(src, full, self.shard_group)
             out = full[: self.layout.numel]
-        self._release_upload()
+        self.release_upload()
         return out
 
     def _before_host_write(self) -> None:
