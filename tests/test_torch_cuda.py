@@ -36,6 +36,13 @@ def test_importing_registers_cpu_only_here_without_importing_cupy() -> None:
     assert out.stdout.split() == ["['cpu']", "['cpu']", "False"], out
 
 
+def test_the_cuda_modules_import_without_cupy() -> None:
+    code = ("import sys, axond.torch.cuda, axond.torch.cuda_process_group, axond.torch.cuda_work; "
+            "print('cupy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False"], out
+
+
 def test_a_call_takes_the_path_of_its_tensors_device() -> None:
     assert route("allreduce", "g", {"cpu"}, cuda_registered=False) == "cpu"
     assert route("barrier", "g", set(), cuda_registered=True) == "cpu"

@@ -128,7 +128,7 @@ class CudaCollectives:
         def finish(_: list[Any]) -> Any:
             for _, gathered, outs in pairs:
                 for i, out in enumerate(outs):
-                    out.copy_(gathered[i])
+                    out.copy_(gathered[i].view(out.shape))
             return outputs
         return self._launch("allgather", inputs[0].device,
                             lambda g: [g.all_gather(as_cupy(x), async_op=True, out=as_cupy(gathered))
