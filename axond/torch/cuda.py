@@ -55,7 +55,8 @@ class CudaCollectives:
                                            name=name)
             except BackendUnavailable as e:
                 raise DistributedError(f"CUDA tensors on group '{o.group_name}': {e}; pip install 'axond[gpu]', or "
-                                       "move the tensors with .cpu()", group=o.group_name, rank=o._rank) from e
+                                       "move the tensors with .cpu()", op="nccl_init", group=o.group_name,
+                                       rank=o._rank) from e
             self._device, self._side = where, torch.cuda.Stream(where)
         elif where != self._device:
             raise ValueError(f"group '{o.group_name}' communicates on {self._device}, got a tensor on {where}; "
