@@ -1,4 +1,5 @@
-"""PyTorch on axond: `import axond.torch` registers the torch.distributed backend "axond" (CPU tensors).
+"""PyTorch on axond: `import axond.torch` registers the torch.distributed backend "axond" (CPU tensors, and
+CUDA tensors through axond's NCCL backend where torch sees a GPU and CuPy is installed: `axond.torch.cuda`).
 
 Inside a rank started by `axond worker`/`axond run`, `torch.distributed.init_process_group("axond")`
 needs nothing else; from any launcher, `init_method="axond://HOST:PORT"` rendezvouses over the
@@ -15,17 +16,27 @@ import torch.distributed as dist
 from axond.distributed.api import _secret
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.tcp.transport.mesh import route_address
+from axond.torch.devices import devices_here
 from axond.torch.process_group import BACKEND, AxondProcessGroup, axond_op, timeout_seconds
 from axond.torch.rendezvous import coordinator_store, install
 from axond.torch.store import AxondStoreOverTorch, TorchStore
 
-__all__ = ["BACKEND", "AxondProcessGroup", "AxondStoreOverTorch", "TorchStore", "axond_op", "coordinator_store",
+__all__ = ["BACKEND", "DEVICES", "AxondProcessGroup", "AxondStoreOverTorch", "TorchStore", "axond_op", "coordinator_store",
            "create_process_group"]
 
 
+DEVICES = devices_here()
+"""The device types "axond" is registered for in this process: ["cpu"], or ["cpu", "cuda"] (see `axond.torch.devices`)."""
+
+
 def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> AxondProcessGroup:
-    """torch's backend creator: one member of an axond group rendezvousing over torch's (prefixed) store."""
+    """torch's backend creator: one member of an axond group rendezvousing over torch's (prefixed) store; the
+    subclass that also takes CUDA tensors where they can run."""
     options = BackendOptions(timeout=timeout_seconds(timeout), job_secret=_secret(), host=_toward_store(store))
+    if "cuda" in DEVICES:
+        from axond.torch.cuda_process_group import AxondCudaProcessGroup
+
+        return AxondCudaProcessGroup(AxondStoreOverTorch(store), rank, size, options)
     return AxondProcessGroup(AxondStoreOverTorch(store), rank, size, options)
 
 
@@ -43,7 +54,7 @@ def _toward_store(store: dist.Store) -> str | None:
 
 def _register() -> None:
     if BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND, create_process_group, extended_api=False, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, create_process_group, extended_api=False, devices=DEVICES)
     install()
 
 

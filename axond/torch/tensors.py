@@ -13,15 +13,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from axond.torch.devices import cuda_refusal, why_no_cuda
+
 
 def check_cpu(t: torch.Tensor, what: str) -> None:
     """Refuse tensors axond's tcp data plane cannot touch, saying what to do."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
-        raise TypeError(f"{what} is on {t.device}; the axond backend moves CPU tensors (use .cpu(), or NCCL for CUDA)")
+        raise TypeError(_not_cpu(what, t.device))
     if t.is_sparse or t.layout != torch.strided:
         raise TypeError(f"{what} has layout {t.layout}; the axond backend moves dense (strided) tensors")
+
+
+def _not_cpu(what: str, device: torch.device) -> str:
+    """Why a tensor on `device` cannot go this (CPU) path, and what to do (probes CUDA only on this error path)."""
+    if device.type != "cuda":
+        return f"{what} is on {device}; the axond backend moves CPU tensors (and CUDA tensors where NCCL runs): use .cpu()"
+    why = why_no_cuda()
+    if why:
+        return cuda_refusal(what, device, why)
+    return (f"{what} is on {device}; axond's own collectives take CPU tensors or CuPy arrays (on a group of backend "
+            "'nccl'), and torch.distributed on \"axond\" takes CUDA tensors: use .cpu() or one of those")
 
 
 @dataclass

@@ -28,6 +28,13 @@ class NcclWork:
         self._error: BaseException | None = None
         self._finished = False
 
+    @property
+    def event(self) -> Any:
+        """The CUDA event recorded on the group's stream after the op: a caller's stream that waits on it
+        (`stream.wait_event(work.event)`) sees the op's result without blocking the host (the torch backend's
+        CUDA path does this). In-place ops on contiguous CuPy arrays need nothing more; staged ones need `wait()`."""
+        return self._event
+
     def is_completed(self) -> bool:
         """True once the op has finished on the device or failed (never blocks)."""
         return self._finished or self._watched.aborted or bool(self._event.done)
