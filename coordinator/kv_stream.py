@@ -6,7 +6,7 @@ batched). Each request (`KvOp`) is validated, bounded and answered exactly as it
 be (`kv_calls.py`), with its own status in its `KvResult`: an error fails that request only and
 the stream stays open. Requests that cannot wait run at once, in order; those that may wait (a get
 with a wait, KvWait, Barrier) run as tasks, so answers may come out of order. At most
-`max_stream_requests` requests are in flight per stream; past that a request is answered
+`MAX_STREAM_REQUESTS` requests are in flight per stream; past that a request is answered
 RESOURCE_EXHAUSTED. With a durable state a message's answers wait for the group commit of
 everything the state had changed when they were computed, while the stream reads on.
 """
@@ -29,6 +29,8 @@ from axond.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("axond.coordinator")
 
+MAX_STREAM_REQUESTS = 1_024
+"""Requests one KvStream may have in flight (accepted, not yet answered)."""
 MAX_RESULTS_PER_MESSAGE = 4_096
 """Answers sent in one KvStreamResponse at most (ready answers are coalesced up to this)."""
 
@@ -46,7 +48,7 @@ def _failed(op_id: int, e: BaseException) -> pb.KvResult:
 class KvStreamHandler:
     """Serves `KvStream` calls over the coordinator's `KvCalls`."""
 
-    def __init__(self, kv: KvCalls, commits: GroupCommit | None, max_in_flight: int) -> None:
+    def __init__(self, kv: KvCalls, commits: GroupCommit | None, max_in_flight: int = MAX_STREAM_REQUESTS) -> None:
         self.kv = kv
         self.commits = commits
         self.max_in_flight = max_in_flight
@@ -152,7 +154,7 @@ class KvStreamHandler:
                 now.append(pb.KvResult(
                     id=op.id, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
                     message=f"KvStream request {op.id}: {self.max_in_flight} requests are already in flight on "
-                    "this stream (max_stream_requests); wait for answers before sending more",
+                    "this stream; wait for answers before sending more",
                 ))
             elif may_wait(op):
                 spawn(self._waited(op))

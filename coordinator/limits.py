@@ -52,9 +52,6 @@ class CoordinatorLimits:
     max_concurrent_calls: int = 50_000
     """Calls served at once, long-polls included; past it a call is refused at once (RESOURCE_EXHAUSTED) and
     clients retry it with jittered backoff."""
-    max_stream_requests: int = 1_024
-    """KV requests one KvStream may have in flight (accepted, not yet answered); past it a request is answered
-    RESOURCE_EXHAUSTED at once (the stream stays open)."""
     max_commit_batch: int = 5_000
     """Durable state: changed calls one group commit gathers; a call that finds that many waiting for the next
     commit waits for the one in flight before it runs."""

@@ -89,7 +89,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.hub = hub
         self.commits = commits
         self.kv = KvCalls(state, hub)
-        self.kv_stream = KvStreamHandler(self.kv, commits, state.limits.max_stream_requests)
+        self.kv_stream = KvStreamHandler(self.kv, commits)
 
     @_translated
     async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Any) -> pb.RegisterNodeResponse:
