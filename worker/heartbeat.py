@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from axond.control.heartbeat_stream import HeartbeatStream
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 
@@ -21,12 +22,15 @@ class Heartbeater:
     `changed` is set whenever an answer arrives, so a runner can wake up at once. The lease is the
     coordinator's: a node not heard from for `lease` seconds is declared dead there, so a node whose
     heartbeats go unanswered that long must stop its ranks (`lease_lost`). Losing and regaining
-    contact is announced through `notice`.
+    contact is announced through `notice`. Heartbeats travel over one long-lived stream
+    (`HeartbeatStream`, far cheaper for the coordinator than a call each) unless `streamed` is False or
+    the coordinator does not serve it (then as unary calls).
     """
 
     def __init__(self, client: CoordinatorClient, node_id: str, interval: float, lease: float | None = None,
-                 notice: Callable[[str], None] | None = None) -> None:
+                 notice: Callable[[str], None] | None = None, streamed: bool = True) -> None:
         self._client = client
+        self._stream = HeartbeatStream(client, node_id) if streamed else None
         self._node_id = node_id
         self._interval = max(0.05, interval)
         self.lease = lease if lease is not None and lease > 0 else 5 * self._interval
@@ -83,6 +87,8 @@ class Heartbeater:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout)
+        if self._stream is not None:
+            self._stream.close()
 
     @property
     def lease_lost(self) -> bool:
@@ -114,11 +120,17 @@ class Heartbeater:
             pids = dict(self._pids)
         for job, generation in jobs.items():
             local_pids = pids[job]() if job in pids else ()
+            timeout = max(0.2, min(self._client.call_timeout, self.lease / 2))
             try:
-                resp = self._client.heartbeat(
-                    self._node_id, job=job, generation=generation, local_pids=local_pids,
-                    timeout=max(0.2, min(self._client.call_timeout, self.lease / 2)),
-                )
+                if self._stream is not None and not self._stream.unsupported:
+                    resp = self._stream.beat(pb.HeartbeatRequest(
+                        node_id=self._node_id, job=job, generation=generation,
+                        node_secret=self._client.node_secret(self._node_id), local_pids=list(local_pids),
+                    ), timeout)
+                else:
+                    resp = self._client.heartbeat(
+                        self._node_id, job=job, generation=generation, local_pids=local_pids, timeout=timeout,
+                    )
             except (CoordinatorError, ValueError) as e:
                 self.last_error = str(e)
                 self._contact_lost(str(e).split(" (")[0][-200:])
