@@ -181,9 +181,44 @@ def part_a(nodes: list[int], repeats: int, server: str, nproc: int = 8, kv_secon
         print(f"| {name} | {rate:,.0f} | {durable[name]:,.0f} | {durable[name] / rate:.2f} |")
 
 
+class _AioKvStream:
+    """One KvStream of a benchmark client process: callers' requests batched into messages, answers by id."""
+
+    def __init__(self, stub: pb_grpc.CoordinatorStub) -> None:
+        self._queue: asyncio.Queue[pb.KvOp] = asyncio.Queue()
+        self._waiting: dict[int, asyncio.Future[pb.KvResult]] = {}
+        self._ids = itertools.count(1)
+        self._call = stub.KvStream(metadata=AUTH, timeout=600)
+        self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
+
+    async def _write(self) -> None:
+        while True:
+            ops = [await self._queue.get()]
+            while not self._queue.empty() and len(ops) < 512:
+                ops.append(self._queue.get_nowait())
+            await self._call.write(pb.KvStreamRequest(ops=ops))
+
+    async def _read(self) -> None:
+        async for message in self._call:
+            for result in message.results:
+                self._waiting.pop(result.id).set_result(result)
+
+    async def call(self, op: pb.KvOp) -> pb.KvResult:
+        op.id = next(self._ids)
+        fut = self._waiting[op.id] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(op)
+        return await asyncio.wait_for(fut, 30)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._call.cancel()
+
+
 def _kv_client_proc(address: str, job: str, gen: int, first: int, clients: int, start_at: float, seconds: float,
-                    mix: str, connections: int) -> dict[str, object]:
-    """One client process: `clients` callers over `connections` connections, each caller one call at a time."""
+                    mix: str, connections: int, transport: str = "unary", streams: int = 0) -> dict[str, object]:
+    """One client process: `clients` callers over `connections` connections, each caller one call at a time
+    (`transport` unary: a call each; stream: over `streams` KV streams, 0 meaning one per caller)."""
     value = b"x" * 64
 
     async def run() -> dict[str, object]:
@@ -191,11 +226,14 @@ def _kv_client_proc(address: str, job: str, gen: int, first: int, clients: int, 
         channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(min(clients, connections))]
         latencies: list[float] = []
         errors = 0
+        kv_streams: list[_AioKvStream] = []
         try:
             stubs = [pb_grpc.CoordinatorStub(channels[i % len(channels)]) for i in range(clients)]
             health_stubs = [health_pb2_grpc.HealthStub(channels[i % len(channels)]) for i in range(clients)]
             await asyncio.gather(*(s.KvSet(pb.KvSetRequest(job=job, generation=gen, key=f"c{first + i}/0", value=value),
                                            timeout=60, metadata=AUTH) for i, s in enumerate(stubs)))
+            if transport == "stream":
+                kv_streams = [_AioKvStream(stubs[i]) for i in range(min(clients, streams or clients))]
             await asyncio.sleep(max(0.0, start_at - time.time()))
             end = time.perf_counter() + seconds
 
@@ -207,22 +245,30 @@ def _kv_client_proc(address: str, job: str, gen: int, first: int, clients: int, 
                     t0 = time.perf_counter()
                     if t0 >= end:
                         return
+                    setting = mix == "set" or (mix == "mixed" and n % 2 == 0)
                     try:
                         if mix == "health":
                             await health_stubs[i].Check(health_pb2.HealthCheckRequest(), timeout=30)
-                        elif mix == "set" or (mix == "mixed" and n % 2 == 0):
+                        elif kv_streams:
+                            op = (pb.KvOp(set=pb.KvSetRequest(job=job, generation=gen, key=key, value=value)) if setting
+                                  else pb.KvOp(get=pb.KvGetRequest(job=job, generation=gen, key=f"c{first + i}/0")))
+                            if (await kv_streams[i % len(kv_streams)].call(op)).code:
+                                raise RuntimeError("a KV stream request failed")
+                        elif setting:
                             await stub.KvSet(pb.KvSetRequest(job=job, generation=gen, key=key, value=value),
                                              timeout=30, metadata=AUTH)
                         else:
                             await stub.KvGet(pb.KvGetRequest(job=job, generation=gen, key=f"c{first + i}/0"),
                                              timeout=30, metadata=AUTH)
                         latencies.append(time.perf_counter() - t0)
-                    except grpc.aio.AioRpcError:
+                    except (grpc.aio.AioRpcError, RuntimeError, asyncio.TimeoutError):
                         errors += 1
                     n += 1
 
             await asyncio.gather(*(caller(i, s) for i, s in enumerate(stubs)))
         finally:
+            for kv_stream in kv_streams:
+                kv_stream.close()
             await asyncio.gather(*(ch.close() for ch in channels))
         return {"latencies": latencies, "errors": errors}
 
@@ -230,7 +276,7 @@ def _kv_client_proc(address: str, job: str, gen: int, first: int, clients: int, 
 
 
 def _kv_load(address: str, clients: int, procs: int, seconds: float, mix: str,
-             connections: int) -> tuple[float, float, float, int]:
+             connections: int, transport: str = "unary", streams: int = 0) -> tuple[float, float, float, int]:
     """(ops/s, p50 ms, p99 ms, failed calls) of `clients` callers spread over `procs` processes."""
     with connect(address, token=BENCH_CONFIG.token, call_timeout=10.0) as c:
         node = c.register_node("kv-load").node_id
@@ -240,7 +286,8 @@ def _kv_load(address: str, clients: int, procs: int, seconds: float, mix: str,
     shares = [clients // procs + (1 if p < clients % procs else 0) for p in range(procs)]
     children = []
     for p, share in enumerate(shares):
-        args = json.dumps([address, job, gen, sum(shares[:p]), share, start_at, seconds, mix, connections])
+        args = json.dumps([address, job, gen, sum(shares[:p]), share, start_at, seconds, mix, connections, transport,
+                           streams])
         children.append(subprocess.Popen([sys.executable, __file__, "--kv-client", args], stdout=subprocess.PIPE))
     latencies: list[float] = []
     errors = 0
@@ -259,33 +306,38 @@ def _kv_load(address: str, clients: int, procs: int, seconds: float, mix: str,
 
 
 def part_kv(clients: list[int], procs: int, seconds: float, mix: str, stores: list[str], connections: int,
-            rounds: int) -> None:
-    """KV ops/s and latency over gRPC for each store and client count (median of `rounds` interleaved rounds)."""
+            rounds: int, transports: tuple[str, ...] = ("unary",), streams: int = 0) -> None:
+    """KV ops/s and latency over gRPC for each transport, store and client count (median of `rounds` interleaved
+    rounds)."""
     labels = {"memory": "in memory", "sqlite": "SQLite", "fsync": "SQLite --fsync"}
-    got: dict[tuple[str, int], list[tuple[float, float, float, int]]] = {}
+    got: dict[tuple[str, str, int], list[tuple[float, float, float, int]]] = {}
     for _ in range(rounds):
         for store in stores:
             with tempfile.TemporaryDirectory(prefix="axond-bench-state-") as state_dir:
                 config = BENCH_CONFIG if store == "memory" else dataclasses.replace(
                     BENCH_CONFIG, in_memory=False, state_dir=state_dir, fsync=store == "fsync")
                 with _coordinator("process", config) as address:
-                    for n in clients:
-                        got.setdefault((store, n), []).append(
-                            _kv_load(address, n, min(procs, n), seconds, mix, connections))
+                    for transport in transports:
+                        for n in clients:
+                            got.setdefault((transport, store, n), []).append(
+                                _kv_load(address, n, min(procs, n), seconds, mix, connections, transport, streams))
+    shared = "one per client" if not streams else f"{streams} per client process, shared by its clients"
     print(f"## (kv) KV store over gRPC: {mix} calls, 64-byte values, {procs} client processes, "
           f"{'one connection per client' if connections >= max(clients) else f'{connections} connection(s) per process'}, "
-          f"{seconds:g} s per row, median of {rounds} interleaved rounds, coordinator in its own process "
-          f"({os.cpu_count()} CPUs)\n")
-    print("| store | clients | ops/s | vs in memory | p50 ms | p99 ms | failed calls |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for store in stores:
-        for n in clients:
-            rows = got[(store, n)]
-            rate, p50, p99 = (statistics.median(r[i] for r in rows) for i in range(3))
-            base = statistics.median(r[0] for r in got[("memory", n)]) if ("memory", n) in got else None
-            ratio = f"{rate / base:.2f}" if base else "-"
-            print(f"| {labels[store]} | {n} | {rate:,.0f} | {ratio} | {p50:.1f} | {p99:.1f} | "
-                  f"{sum(r[3] for r in rows)} |")
+          f"KV streams: {shared}; {seconds:g} s per row, median of {rounds} interleaved rounds, coordinator in its "
+          f"own process ({os.cpu_count()} CPUs)\n")
+    print("| transport | store | clients | ops/s | vs in memory | p50 ms | p99 ms | failed calls |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for transport in transports:
+        for store in stores:
+            for n in clients:
+                rows = got[(transport, store, n)]
+                rate, p50, p99 = (statistics.median(r[i] for r in rows) for i in range(3))
+                memory = got.get((transport, "memory", n))
+                base = statistics.median(r[0] for r in memory) if memory else None
+                ratio = f"{rate / base:.2f}" if base else "-"
+                print(f"| {transport} | {labels[store]} | {n} | {rate:,.0f} | {ratio} | {p50:.1f} | {p99:.1f} | "
+                      f"{sum(r[3] for r in rows)} |")
 
 
 AXOND_RANK = "import axond; axond.init_process_group(backend='tcp'); axond.barrier(); axond.destroy_process_group()"
@@ -364,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         "a": lambda args: part_a([int(x) for x in args.nodes.split(",")], args.repeats, args.server),
         "b": lambda args: part_b([int(x) for x in args.nprocs.split(",")], args.repeats),
         "kv": lambda args: part_kv([int(x) for x in args.clients.split(",")], args.client_procs, args.kv_seconds,
-                                   args.kv_mix, args.kv_stores.split(","), args.kv_connections, args.kv_rounds),
+                                   args.kv_mix, args.kv_stores.split(","), args.kv_connections, args.kv_rounds,
+                                   tuple(args.kv_transports.split(",")), args.kv_streams),
     }
     if argv is None and sys.argv[1:2] == ["--kv-client"]:
         print(json.dumps(_kv_client_proc(*json.loads(sys.argv[2]))))
@@ -387,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-mix", choices=["mixed", "set", "get", "health"], default="mixed",
                         help="(kv) what each client does: alternate set and get (default), only set, only get, or "
                         "only health checks (the gRPC server's own ceiling: no state, no commit)")
+    parser.add_argument("--kv-transports", default="unary,stream",
+                        help="(kv) comma-separated: unary (a call per request), stream (KvStream, batched)")
+    parser.add_argument("--kv-streams", type=int, default=0,
+                        help="(kv) KV streams per client process, shared by its clients (default 0: one per client)")
     parser.add_argument("--kv-stores", default="memory,sqlite,fsync",
                         help="(kv) comma-separated stores: memory, sqlite, fsync (SQLite with --fsync)")
     args = parser.parse_args(argv)
