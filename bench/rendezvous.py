@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "b": lambda args: part_b([int(x) for x in args.nprocs.split(",")], args.repeats),
         "scale": lambda args: part_scale([int(x) for x in args.scale_nodes.split(",")], args.scale_procs, 8,
                                          args.scale_heartbeats.split(","), args.scale_store, args.scale_hb_window,
-                                         args.scale_connections),
+                                         args.scale_connections, [float(x) for x in args.scale_spread.split(",")]),
         "kv": lambda args: part_kv([int(x) for x in args.clients.split(",")], args.client_procs, args.kv_seconds,
                                    args.kv_mix, args.kv_stores.split(","), args.kv_connections, args.kv_rounds,
                                    tuple(args.kv_transports.split(",")), args.kv_streams),
@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         help="(a) run the coordinator in its own process (default) or in a thread of this one",
     )
     parser.add_argument("--scale-nodes", default="1000,10000", help="(scale) comma-separated simulated node counts")
+    parser.add_argument("--scale-spread", default="0",
+                        help="(scale) comma-separated seconds over which the nodes send their Joins (0: all at once)")
     parser.add_argument("--scale-procs", type=int, default=4, help="(scale) processes the nodes are spread over")
     parser.add_argument("--scale-connections", type=int, default=64, help="(scale) connections per process")
     parser.add_argument("--scale-heartbeats", default="stream",

@@ -41,8 +41,11 @@ async def _retrying(counts: dict[str, int], what: str, call: Any, request: Any, 
         except grpc.aio.AioRpcError as e:
             if e.code() not in RETRIED or time.monotonic() > deadline - 0.2:
                 counts[f"{what} failed"] += 1
+                counts.setdefault(f"{what} {e.code().name}: {(e.details() or '')[:60]}", 0)
                 raise
             counts[f"{what} retried"] += 1
+            why = f"{what} retried {e.code().name}: {(e.details() or '')[:60]} {e.debug_error_string()[:90]}"
+            counts[why] = counts.get(why, 0) + 1
             await asyncio.sleep(random.uniform(0, min(1.6, 0.05 * 2 ** attempt)))
             attempt += 1
 
@@ -85,7 +88,7 @@ class _Node:
 
 
 def scale_client_proc(address: str, first: int, count: int, total: int, nproc: int, job: str, streamed: bool,
-                      channels: int) -> int:
+                      channels: int, spread: float) -> int:
     """One client process of `count` simulated nodes; talks to the parent by lines on stdin/stdout."""
     async def run() -> None:
         loop = asyncio.get_running_loop()
@@ -110,8 +113,10 @@ def scale_client_proc(address: str, first: int, count: int, total: int, nproc: i
         while (line := (await loop.run_in_executor(None, sys.stdin.readline)).strip()) == "mark":
             print(json.dumps({"heartbeats": counts["heartbeats"]}), flush=True)
         sent: list[float] = []
+        begun = time.time()
 
         async def join(node: _Node) -> pb.JoinResponse:
+            await asyncio.sleep(random.uniform(0, spread))
             req = pb.JoinRequest(job=job, node_id=node.reg.node_id, node_secret=node.reg.node_secret, nproc=nproc,
                                  min_nodes=total, max_nodes=total, timeout_s=120.0)
             sent.append(time.time())
@@ -122,7 +127,7 @@ def scale_client_proc(address: str, first: int, count: int, total: int, nproc: i
         answers = await asyncio.gather(*(join(n) for n in nodes), return_exceptions=True)
         answered = time.time()
         ranks = sum(a.local_world_size for a in answers if isinstance(a, pb.JoinResponse))
-        print(json.dumps({"last_sent": max(sent), "answered": answered, "ranks": ranks}), flush=True)
+        print(json.dumps({"begun": begun, "last_sent": max(sent), "answered": answered, "ranks": ranks}), flush=True)
         await loop.run_in_executor(None, sys.stdin.readline)
         stop.set()
         await asyncio.gather(*beating, return_exceptions=True)
@@ -156,14 +161,14 @@ def _ask(children: list[subprocess.Popen[str]], line: str | None) -> list[dict[s
 
 
 def scale_once(address: str, n: int, procs: int, nproc: int, streamed: bool, hb_window: float,
-               channels: int) -> dict[str, Any]:
+               channels: int, spread: float) -> dict[str, Any]:
     """One rendezvous of `n` simulated nodes; returns the row's figures."""
     job = f"scale-{n}-{time.monotonic_ns()}"
     shares = [n // procs + (1 if p < n % procs else 0) for p in range(procs)]
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rendezvous.py")
     children = [
         subprocess.Popen([sys.executable, script, "--scale-client",
-                          json.dumps([address, sum(shares[:p]), share, n, nproc, job, streamed, channels])],
+                          json.dumps([address, sum(shares[:p]), share, n, nproc, job, streamed, channels, spread])],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for p, share in enumerate(shares)
     ]
@@ -178,6 +183,7 @@ def scale_once(address: str, n: int, procs: int, nproc: int, streamed: bool, hb_
         beats1, cpu1, t1 = sum(r["heartbeats"] for r in _ask(children, "mark")), _cpu_seconds(pid), time.perf_counter()
         joined = _ask(children, "go")
         rendezvous_s = max(r["answered"] for r in joined) - max(r["last_sent"] for r in joined)
+        whole_s = max(r["answered"] for r in joined) - min(r["begun"] for r in joined)
         with connect(address, token=BENCH_CONFIG.token, call_timeout=30.0) as c:
             ts = time.perf_counter()
             status = c.get_status(job=job, max_ranks=1024)
@@ -193,11 +199,12 @@ def scale_once(address: str, n: int, procs: int, nproc: int, streamed: bool, hb_
             except subprocess.TimeoutExpired:
                 child.kill()
     beats = beats1 - beats0
+    print(f"  ... calls: {counts}", file=sys.stderr, flush=True)
     failed = sum(v for c in counts for k, v in c.items() if k.endswith("failed"))
     retried = sum(v for c in counts for k, v in c.items() if k.endswith("retried"))
     return {
         "nodes": n, "ranks": sum(r["ranks"] for r in joined), "registered_s": registered_s,
-        "rendezvous_s": rendezvous_s, "hb_per_s": beats / (t1 - t0),
+        "rendezvous_s": rendezvous_s, "whole_s": whole_s, "spread": spread, "hb_per_s": beats / (t1 - t0),
         "cpu_per_hb_us": (cpu1 - cpu0) / beats * 1e6 if beats else 0.0, "cpu_share": (cpu1 - cpu0) / (t1 - t0),
         "failed": failed, "retried": retried, "state": state, "nnodes": j.nnodes, "listed": len(j.ranks),
         "omitted": j.ranks_omitted, "status_ms": status_ms, "status_bytes": status_bytes,
@@ -205,7 +212,7 @@ def scale_once(address: str, n: int, procs: int, nproc: int, streamed: bool, hb_
 
 
 def part_scale(nodes: list[int], procs: int, nproc: int, transports: list[str], store: str, hb_window: float,
-               channels: int) -> None:
+               channels: int, spreads: list[float]) -> None:
     """The rendezvous table for each node count and heartbeat transport."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="axond-bench-state-") as state_dir:
@@ -214,18 +221,21 @@ def part_scale(nodes: list[int], procs: int, nproc: int, transports: list[str], 
         with coordinator("process", config) as address:
             for transport in transports:
                 for n in nodes:
-                    rows.append((transport, scale_once(address, n, procs, nproc, transport == "stream",
-                                                       hb_window, channels)))
+                    for spread in spreads:
+                        rows.append((transport, scale_once(address, n, procs, nproc, transport == "stream",
+                                                           hb_window, channels, spread)))
                     print(f"  ... {transport} {n}: {rows[-1][1]}", file=sys.stderr, flush=True)
     print(f"## (scale) rendezvous with heartbeats on: {nproc} ranks per node, {procs} client processes "
           f"({channels} connections each), coordinator in its own process ({store}, base heartbeat interval 1 s, "
           f"max_heartbeat_rate 500/s), {os.cpu_count()} CPUs\n")
-    print("| heartbeats | nodes | ranks | last Join -> all ranks s | heartbeats/s | coordinator CPU per heartbeat us "
+    print("| heartbeats | nodes | ranks | Joins sent over s | first Join -> all ranks s | last Join -> all ranks s "
+          "| heartbeats/s | coordinator CPU per heartbeat us "
           "| coordinator CPU (heartbeats only) | failed calls | retried calls | job state | GetStatus ms (ranks listed, "
           "omitted, bytes) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for transport, r in rows:
-        print(f"| {transport} | {r['nodes']:,} | {r['ranks']:,} | {r['rendezvous_s']:.2f} | {r['hb_per_s']:,.0f} | "
+        print(f"| {transport} | {r['nodes']:,} | {r['ranks']:,} | {r['spread']:g} | {r['whole_s']:.2f} | "
+              f"{r['rendezvous_s']:.2f} | {r['hb_per_s']:,.0f} | "
               f"{r['cpu_per_hb_us']:,.0f} | {r['cpu_share']:.0%} | {r['failed']} | {r['retried']} | "
               f"{r['state'].removeprefix('JOB_STATE_')} ({r['nnodes']:,} nodes) | {r['status_ms']:.0f} "
               f"({r['listed']:,}, {r['omitted']:,}, {r['status_bytes']:,}) |")
