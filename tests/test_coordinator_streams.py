@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from axond.control.client import connect
+from axond.control.coordinator_store import CoordinatorStore
 from axond.coordinator.kv_stream import MAX_STREAM_REQUESTS
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
 from axond.errors import StoreError, StoreTimeout
@@ -135,7 +136,7 @@ def test_a_store_of_a_finished_generation_fails_like_the_unary_calls(coordinator
     with connect(coordinator.address, token=coordinator.token, call_timeout=5.0) as c:
         node = c.register_node("h").node_id
         gen = c.join("r", node, 1, 1, 1, max_restarts=1, timeout=5.0).generation
-        streamed, unary = c.store("r", gen), type(c.store("r", gen))(c, "r", gen, streamed=False)
+        streamed, unary = c.store("r", gen), CoordinatorStore(c, "r", gen, streamed=False)
         streamed.set("k", b"v")
         c.report_failure("r", node, gen, 0, 1, "boom")
         for store in (streamed, unary):

@@ -86,6 +86,11 @@ class CoordinatorClient:
         """The token this client sends (None: none, or a local coordinator's token not written yet)."""
         return self._token() if isinstance(self._token, LocalToken) else self._token
 
+    @property
+    def reached(self) -> bool:
+        """Whether a call has got through to the coordinator (until then calls honour `connect_wait`)."""
+        return self._reached
+
     def node_secret(self, node_id: str) -> str:
         """The secret RegisterNode gave `node_id` through this client ("" if it did not)."""
         return self._node_secrets.get(node_id, "")

@@ -46,7 +46,9 @@ class CoordinatorStore(Store):
               retry: bool = False) -> Any:
         """`request` over the KV stream (the unary `method` without one), deadline `wait` + the call timeout."""
         stream = self._stream
-        if stream is not None and not stream.unsupported:
+        # Until a first call got through, unary calls: they wait for a coordinator that is still starting
+        # (the client's connect_wait).
+        if stream is not None and not stream.unsupported and self.client.reached:
             try:
                 return stream.call(kind, request, time.monotonic() + wait + self.client.call_timeout, retry)
             except KvStatus as e:
