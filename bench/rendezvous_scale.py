@@ -215,16 +215,16 @@ def part_scale(nodes: list[int], procs: int, nproc: int, transports: list[str], 
                channels: int, spreads: list[float]) -> None:
     """The rendezvous table for each node count and heartbeat transport."""
     rows = []
-    with tempfile.TemporaryDirectory(prefix="axond-bench-state-") as state_dir:
-        config = dataclasses.replace(BENCH_CONFIG, heartbeat_interval=1.0, in_memory=store == "memory",
-                                     state_dir=state_dir)
-        with coordinator("process", config) as address:
-            for transport in transports:
-                for n in nodes:
-                    for spread in spreads:
+    for transport in transports:
+        for n in nodes:
+            for spread in spreads:
+                with tempfile.TemporaryDirectory(prefix="axond-bench-state-") as state_dir:
+                    config = dataclasses.replace(BENCH_CONFIG, heartbeat_interval=1.0, in_memory=store == "memory",
+                                                 state_dir=state_dir)
+                    with coordinator("process", config) as address:  # a fresh one: no nodes left from a row before
                         rows.append((transport, scale_once(address, n, procs, nproc, transport == "stream",
                                                            hb_window, channels, spread)))
-                    print(f"  ... {transport} {n}: {rows[-1][1]}", file=sys.stderr, flush=True)
+                print(f"  ... {transport} {n}: {rows[-1][1]}", file=sys.stderr, flush=True)
     print(f"## (scale) rendezvous with heartbeats on: {nproc} ranks per node, {procs} client processes "
           f"({channels} connections each), coordinator in its own process ({store}, base heartbeat interval 1 s, "
           f"max_heartbeat_rate 500/s), {os.cpu_count()} CPUs\n")
