@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +15,9 @@ from axond.control.client import connect
 from axond.control.coordinator_store import CoordinatorStore
 from axond.coordinator.kv_stream import MAX_STREAM_REQUESTS
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
+from axond.coordinator.servicer import CoordinatorServicer
+from axond.coordinator.state import CoordinatorState
+from axond.coordinator.waiting import WaitHub
 from axond.errors import StoreError, StoreTimeout
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
@@ -208,3 +212,54 @@ def test_a_node_whose_heartbeat_stream_stops_is_declared_dead(
         while c.get_status(all=True).nodes[0].health != pb.NODE_HEALTH_DEAD:
             assert time.monotonic() < deadline, "the silent node was never declared dead"
             time.sleep(0.1)
+
+
+class _OldServicer(CoordinatorServicer):
+    """A coordinator from before the streams: both answer UNIMPLEMENTED (the generated base methods)."""
+
+    KvStream = pb_grpc.CoordinatorServicer.KvStream  # type: ignore[assignment]
+    HeartbeatStream = pb_grpc.CoordinatorServicer.HeartbeatStream  # type: ignore[assignment]
+
+
+@pytest.fixture
+def old_coordinator() -> Iterator[str]:
+    """A coordinator without the streams on a loopback port, served from a loop thread; yields its address."""
+    loop = asyncio.new_event_loop()
+    ready: list[tuple[grpc.aio.Server, int]] = []
+
+    async def serve() -> None:
+        state = CoordinatorState(heartbeat_interval=0.2)
+        hub = WaitHub(asyncio.get_running_loop())
+        state.listen(hub.notify)
+        server = grpc.aio.server()
+        pb_grpc.add_CoordinatorServicer_to_server(_OldServicer(state, hub), server)
+        ready.append((server, server.add_insecure_port("127.0.0.1:0")))
+        await server.start()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(serve(), loop).result(10)
+    server, port = ready[0]
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0.2), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_against_a_coordinator_without_the_streams_store_and_heartbeats_use_unary_calls(old_coordinator: str) -> None:
+    with connect(old_coordinator, call_timeout=5.0) as c:
+        reg = c.register_node("h")
+        gen = c.join("j", reg.node_id, 1, 1, 1, timeout=5.0).generation
+        store = c.store("j", gen)
+        store.set("k", b"v")
+        assert store.get("k", timeout=1.0) == b"v" and store.add("n", 2) == 2
+        hb = Heartbeater(c, reg.node_id, 0.1).start()
+        try:
+            time.sleep(0.5)
+            assert hb._stream is not None and hb._stream.unsupported and hb.last_error == ""
+            assert time.monotonic() - hb.last_ok < 0.5
+        finally:
+            hb.stop()
+        store.close()
