@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import grpc
+
 from axond.control.heartbeat_stream import HeartbeatStream
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
@@ -122,15 +124,7 @@ class Heartbeater:
             local_pids = pids[job]() if job in pids else ()
             timeout = max(0.2, min(self._client.call_timeout, self.lease / 2))
             try:
-                if self._stream is not None and not self._stream.unsupported:
-                    resp = self._stream.beat(pb.HeartbeatRequest(
-                        node_id=self._node_id, job=job, generation=generation,
-                        node_secret=self._client.node_secret(self._node_id), local_pids=list(local_pids),
-                    ), timeout)
-                else:
-                    resp = self._client.heartbeat(
-                        self._node_id, job=job, generation=generation, local_pids=local_pids, timeout=timeout,
-                    )
+                resp = self._send(job, generation, local_pids, timeout)
             except (CoordinatorError, ValueError) as e:
                 self.last_error = str(e)
                 self._contact_lost(str(e).split(" (")[0][-200:])
@@ -144,6 +138,25 @@ class Heartbeater:
                 if job and self._jobs.get(job) == generation:
                     self._latest[job] = resp
             self.changed.set()
+
+    def _send(self, job: str, generation: int, local_pids: Sequence[int], timeout: float) -> pb.HeartbeatResponse:
+        """One heartbeat over the stream; as a unary call without one, or when the stream failed (the unary
+        call retries, and fails over between coordinator replicas)."""
+        deadline = time.monotonic() + timeout
+        if self._stream is not None and not self._stream.unsupported:
+            try:
+                return self._stream.beat(pb.HeartbeatRequest(
+                    node_id=self._node_id, job=job, generation=generation,
+                    node_secret=self._client.node_secret(self._node_id), local_pids=list(local_pids),
+                ), timeout)
+            except CoordinatorError as e:
+                cause = e.__cause__
+                ended = isinstance(cause, grpc.RpcError) and cause.code() in (
+                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                if not ended and not self._stream.unsupported:
+                    raise
+        return self._client.heartbeat(self._node_id, job=job, generation=generation, local_pids=local_pids,
+                                      timeout=max(0.2, deadline - time.monotonic()))
 
     def _pace(self, interval: float) -> None:
         """Heartbeat at the interval the coordinator asks for (it grows with the cluster), the lease with it."""

@@ -50,9 +50,10 @@ class CoordinatorStore(Store):
         # (the client's connect_wait).
         if stream is not None and not stream.unsupported and self.client.reached:
             try:
-                return stream.call(kind, request, time.monotonic() + wait + self.client.call_timeout, retry)
+                return stream.call(kind, request, time.monotonic() + wait + self.client.call_timeout)
             except KvStatus as e:
-                if not stream.unsupported:
+                resend = retry and e.stream_ended and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                if not stream.unsupported and not resend:
                     raise translate(op, self.client.address, e, store=True) from e
         return self.client.call(op, method, request, wait=wait, retry=retry, store=True)
 

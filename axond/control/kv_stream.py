@@ -4,8 +4,9 @@ Callers hand a request to `KvStreamClient.call`, which gives it an id, queues it
 its own deadline) for the answer with that id. gRPC's sender thread drains the queue, batching what is
 queued into one message; a reader thread hands each answer to its caller. At most `max_in_flight`
 requests are outstanding (callers past that wait for a slot within their deadline). A stream that ends
-(coordinator restarted, connection lost) fails its outstanding requests with UNAVAILABLE; the next
-request opens a new one. A coordinator without the stream (UNIMPLEMENTED) sets `unsupported`, and
+(coordinator restarted, connection lost, a follower replica turned it away) fails its outstanding
+requests with UNAVAILABLE (`stream_ended`): the store sends those that are safe to repeat again as unary
+calls (which retry and fail over between replicas), and the next request opens a new stream. A coordinator without the stream (UNIMPLEMENTED) sets `unsupported`, and
 the store then uses the unary calls. A stream left idle is closed after `IDLE_CLOSE_S`.
 """
 
@@ -34,16 +35,16 @@ MAX_OPS_PER_MESSAGE = 512
 IDLE_CLOSE_S = 5.0
 """A stream with nothing outstanding and nothing sent for this long is closed (it would hold one of the
 coordinator's `max_concurrent_calls` for as long as the process lives); the next request opens another."""
-RETRY_BACKOFF_S = (0.1, 0.3, 0.9)
-"""Sleeps before sending a request again that is safe to repeat, after its stream ended without an answer."""
 
 
 class KvStatus(grpc.RpcError):
     """A request's status from the stream (or the stream's own), shaped like the unary call's RpcError."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, stream_ended: bool = False) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code, self._details = code, details
+        self.stream_ended = stream_ended
+        """The stream itself ended (or was refused) before the request was answered."""
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -94,7 +95,7 @@ class _Stream:
             yield pb.KvStreamRequest(ops=ops)
 
     def _read(self) -> None:
-        ended = KvStatus(grpc.StatusCode.UNAVAILABLE, "the KV stream ended before this request was answered")
+        ended = KvStatus(grpc.StatusCode.UNAVAILABLE, "the KV stream ended before this request was answered", True)
         try:
             for message in self.call:
                 self.answered = True
@@ -104,9 +105,9 @@ class _Stream:
                     if fut is not None:
                         fut.set_result(result)
         except grpc.RpcError as e:
-            ended = KvStatus(e.code(), e.details() or "")
+            ended = KvStatus(e.code(), e.details() or "", True)
         except ValueError as e:  # the client's channel was closed
-            ended = KvStatus(grpc.StatusCode.CANCELLED, f"the KV stream's channel was closed ({e})")
+            ended = KvStatus(grpc.StatusCode.CANCELLED, f"the KV stream's channel was closed ({e})", True)
         with self.lock:
             self.ended = self.ended or ended
             waiting, self.pending = self.pending, {}
@@ -152,7 +153,7 @@ class KvStreamClient:
                 self._stream = _Stream(self._client, self._name)
             return self._stream
 
-    def call(self, kind: str, request: Any, deadline: float, retry: bool) -> Any:
+    def call(self, kind: str, request: Any, deadline: float) -> Any:
         """The reply of `request` (a unary KV request message, `kind` its KvOp field) by `deadline`
         (time.monotonic()); raises KvStatus with the status the unary call would have had."""
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -166,7 +167,7 @@ class KvStreamClient:
                     if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                         self.unsupported = True
                         raise
-                    pause = self._pause(e, retry, attempt)
+                    pause = self._pause(e, attempt)
                     if pause is None or time.monotonic() + pause >= deadline:
                         raise
                     time.sleep(pause)
@@ -175,12 +176,10 @@ class KvStreamClient:
             self._slots.release()
 
     @staticmethod
-    def _pause(e: KvStatus, retry: bool, attempt: int) -> float | None:
+    def _pause(e: KvStatus, attempt: int) -> float | None:
         """How long to sleep before sending again (None: do not)."""
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in e.details():
             return random.uniform(0, min(1.6, 0.05 * 2 ** min(attempt, 16)))  # the stream was refused, nothing ran
-        if retry and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-            return RETRY_BACKOFF_S[attempt] if attempt < len(RETRY_BACKOFF_S) else None
         return None
 
     def _once(self, kind: str, request: Any, deadline: float) -> Any:
