@@ -3,13 +3,17 @@
 Every rank joins "axond" as the default group and a gloo group over the same ranks; the two wrappers
 alternate step by step (so both see the same machine load) and rank 0 reports the median step time,
 then the median time of one small and one 1 MiB all_reduce through torch's API.
-Run: `python bench/torch_ddp.py --nproc 2 4`.
+Run: `python bench/torch_ddp.py --nproc 2 4`; `--hosts 2` runs one rank in each of two network-namespace hosts
+instead (root; both backends join `tcp://HOST0:PORT` as a gloo script would, so bytes cross the veth links).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import statistics
 import tempfile
 import time
@@ -45,11 +49,13 @@ def wrap(kind: str, model: torch.nn.Module, group: Any) -> torch.nn.Module:
 
 
 def rank_main(rank: int, n: int, path: str, args: argparse.Namespace, q: Any) -> None:
+    """One rank: `path` is a FileStore file, or `tcp://HOST:PORT` between hosts; rank 0 reports through `q.put`."""
     import axond.torch  # noqa: F401
 
     torch.set_num_threads(1)
-    dist.init_process_group("axond", store=dist.FileStore(path, n), rank=rank, world_size=n,
-                            timeout=timedelta(seconds=120))
+    store = {} if path.startswith("tcp://") else {"store": dist.FileStore(path, n)}
+    dist.init_process_group("axond", init_method=path if not store else None, rank=rank, world_size=n,
+                            timeout=timedelta(seconds=120), **store)
     groups = {"axond": dist.group.WORLD, "gloo": dist.new_group(list(range(n)), backend="gloo")}
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, 1)
@@ -93,12 +99,21 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--hosts", type=int, default=0, help="one rank in each of this many network-namespace hosts (root)")
+    p.add_argument("--rank-in-host", nargs=3, metavar=("RANK", "N", "INIT"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.rank_in_host:
+        rank, n, init = args.rank_in_host
+        rank_main(int(rank), int(n), init, args, _Printer())
+        return
     params = sum(q.numel() for q in build(args.width, args.depth).parameters())
     print(f"MLP {args.depth} x {args.width}^2 ({params / 1e6:.1f} M parameters, float32), batch {args.batch} per rank, "
           f"median of {args.steps} steps after {args.warmup}, 1 thread per rank\n")
     print("| wrapper or op | ranks | gloo | axond | gloo / axond |")
     print("|---|---|---|---|---|")
+    if args.hosts:
+        _between_hosts(args)
+        return
     ctx = mp.get_context("spawn")
     for n in args.nproc:
         q = ctx.Queue()
@@ -108,12 +123,54 @@ def main() -> None:
                 proc.start()
             for _ in range(len(args.kinds) + 2):
                 kind, size, t = q.get(timeout=900)
-                print(f"| {kind} | {size} | {t['gloo'] * 1e3:.3f} ms | {t['axond'] * 1e3:.3f} ms | "
-                      f"{t['gloo'] / t['axond']:.2f}x |", flush=True)
+                _row(kind, size, t)
             for proc in procs:
                 proc.join(60)
                 if proc.is_alive():
                     proc.kill()
+
+
+def _row(kind: str, size: Any, t: dict[str, float]) -> None:
+    print(f"| {kind} | {size} | {t['gloo'] * 1e3:.3f} ms | {t['axond'] * 1e3:.3f} ms | {t['gloo'] / t['axond']:.2f}x |",
+          flush=True)
+
+
+class _Printer:
+    """Rank 0's report channel in a host: one JSON line per result on stdout."""
+
+    def put(self, item: Any) -> None:
+        print("RESULT " + json.dumps(item), flush=True)
+
+
+def _between_hosts(args: argparse.Namespace) -> None:
+    """Every rank in its own namespace host (axond/testing_netns.py), joined over `tcp://` at host 0."""
+    from axond.testing_netns import Network, unavailable
+
+    reason = unavailable()
+    if reason:
+        sys.exit(f"--hosts needs network namespaces: {reason}")
+    n = args.hosts
+    passed = [f"--{k}={v}" for k, v in (("width", args.width), ("depth", args.depth), ("batch", args.batch),
+                                        ("warmup", args.warmup), ("steps", args.steps))]
+    with Network.create(n) as net:
+        init = f"tcp://{net.hosts[0].addr}:29611"
+        procs = []
+        for rank, host in enumerate(net.hosts):
+            env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "PYTHONPATH") if k in os.environ}
+            env.update(GLOO_SOCKET_IFNAME=host.ifname, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            argv = [sys.executable, os.path.abspath(__file__), "--kinds", *args.kinds, *passed,
+                    "--rank-in-host", str(rank), str(n), init]
+            procs.append(host.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=1800)
+            if proc.returncode != 0:
+                sys.exit(f"a rank exited with code {proc.returncode}:\n{out[-3000:]}")
+            outs.append(out)
+    for line in outs[0].splitlines():
+        if line.startswith("RESULT "):
+            kind, size, t = json.loads(line[len("RESULT "):])
+            _row(kind, f"{size} ({n} hosts)", t)
 
 
 if __name__ == "__main__":

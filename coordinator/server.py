@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -22,6 +23,7 @@ from axond.control.credentials import default_state_dir, ensure_token, read_toke
 from axond.coordinator.auth import TokenInterceptor
 from axond.coordinator.decoding import DecodeGuard
 from axond.coordinator.limits import CoordinatorLimits
+from axond.coordinator.persistence.etcd import EtcdPersistence
 from axond.coordinator.persistence.group_commit import GroupCommit
 from axond.coordinator.persistence.sqlite import SqlitePersistence
 from axond.coordinator.servicer import CoordinatorServicer
@@ -71,6 +73,14 @@ class CoordinatorConfig:
     $XDG_STATE_HOME/axond or ~/.local/state/axond."""
     in_memory: bool = False
     """Keep nodes, jobs and stores in this process only: a restart forgets them (throw-away runs, tests)."""
+    state: str | None = None
+    """`etcd://HOST:PORT[,HOST:PORT...][/PREFIX]`: keep the state in etcd and run as one of several replicas,
+    one of which (elected through an etcd lease) serves while the others redirect clients to it."""
+    advertise: str | None = None
+    """With `state`: the HOST:PORT clients reach this replica at (told to them by the followers; default
+    host:port, with this machine's name when host is a wildcard)."""
+    leader_ttl: int = 3
+    """With `state`: seconds of the leader's etcd lease; a dead leader is replaced within about this long."""
     fsync: bool = False
     """Flush each group commit to disk before its answers leave (survives power loss; default: survives the process
     being killed)."""
@@ -100,6 +110,19 @@ class CoordinatorConfig:
             raise CoordinatorError("--insecure turns the token off: pass it or --token/--token-file, not both")
         if self.tls_client_ca and not self.tls_cert:
             raise CoordinatorError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if self.state is not None:
+            from axond.coordinator.persistence.etcd import parse_state_url
+
+            parse_state_url(self.state)
+            if self.in_memory:
+                raise CoordinatorError("--state etcd://... keeps the state in etcd: drop --in-memory")
+            if not (self.token or self.token_file or self.insecure):
+                raise CoordinatorError(
+                    "replicas on etcd must share one token: pass the same --token-file (or --token) to each, "
+                    "or --insecure"
+                )
+            if self.leader_ttl < 2:
+                raise CoordinatorError(f"--leader-ttl {self.leader_ttl}: etcd grants no lease under 2 s")
         try:
             self.limits.validate()
         except ValueError as e:
@@ -194,6 +217,11 @@ def _credentials(config: CoordinatorConfig) -> grpc.ServerCredentials | None:
 
 
 async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator], ready: threading.Event) -> None:
+    if config.state is not None:
+        from axond.coordinator.replica import serve_replica
+
+        await serve_replica(config, running_box, ready)
+        return
     token, token_path = resolve_server_token(config)
     state_dir = Path(config.state_dir) if config.state_dir else default_state_dir()
     persistence = None if config.in_memory else SqlitePersistence(state_dir, fsync=config.fsync)
@@ -211,7 +239,10 @@ async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator
 
 
 async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, running_box: list[RunningCoordinator],
-                       ready: threading.Event) -> None:
+                       ready: threading.Event, on_commit_failure: Callable[[], None] | None = None,
+                       gates: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+    """Serve `running.state` until its stop is requested; `on_commit_failure` is told when a commit fails;
+    `gates` see every call before the token check (a replica's leadership check)."""
     loop = asyncio.get_running_loop()
     state = running.state
     health_servicer = health.aio.HealthServicer()
@@ -220,13 +251,17 @@ async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, r
         def not_serving() -> None:
             for name in ("", SERVICE_NAME):
                 loop.create_task(health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+            if on_commit_failure is not None:
+                on_commit_failure()
 
+        remote = isinstance(state.persistence, EtcdPersistence)  # a network round trip: written off the loop
         commits = GroupCommit(state, state.persistence, loop, config.limits.max_commit_batch,
-                              config.limits.commit_timeout_s, writer_thread=config.fsync, on_failure=not_serving)
+                              config.limits.commit_timeout_s, writer_thread=config.fsync or remote,
+                              on_failure=not_serving)
         commits.start()
         running.commits = commits
     try:
-        await _serve_grpc(config, running, running_box, ready, health_servicer, commits)
+        await _serve_grpc(config, running, running_box, ready, health_servicer, commits, gates)
     finally:
         if commits is not None:
             await commits.stop()
@@ -234,12 +269,14 @@ async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, r
 
 async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, running_box: list[RunningCoordinator],
                       ready: threading.Event, health_servicer: health.aio.HealthServicer,
-                      commits: GroupCommit | None) -> None:
+                      commits: GroupCommit | None, gates: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
     loop = asyncio.get_running_loop()
     hub = WaitHub(loop)
     state = running.state
     state.listen(hub.notify)
-    interceptors: list[grpc.aio.ServerInterceptor] = [TokenInterceptor(running.token)] if running.token else []
+    interceptors: list[grpc.aio.ServerInterceptor] = list(gates)
+    if running.token:
+        interceptors.append(TokenInterceptor(running.token))
     interceptors.append(DecodeGuard())
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS,
                              maximum_concurrent_rpcs=config.limits.max_concurrent_calls)
@@ -264,7 +301,7 @@ async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, ru
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     running.port, running.address = port, _client_address(config.host, port)
     running._loop = loop
-    running._stop_request = asyncio.Event()
+    running._stop_request = running._stop_request or asyncio.Event()
     running_box.append(running)
     ticker = asyncio.create_task(_tick_loop(state, hub, min(0.25, config.heartbeat_interval / 2)))
     ready.set()
@@ -332,6 +369,8 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     else:
         auth = "token required"
     kept = f"state in {running.state_dir}" if running.state_dir is not None else "state in memory only"
+    if config.state is not None:
+        kept = f"state in {config.state}; replica reached at {running.address}, leading or redirecting to the leader"
     print(f"axond coordinator listening on {config.host}:{running.port} ({scheme}, {auth}; {kept})", file=sys.stderr,
           flush=True)
     if running.token is None:

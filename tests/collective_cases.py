@@ -23,6 +23,11 @@ SHAPES = [(), (0,), (1,), (13,), (4, 7), (1031,), (40_009,)]
 """0-d, empty, one element, primes, 2-D, and one above the small-message threshold (for 4+ byte dtypes)."""
 
 
+BITWISE_UFUNCS = {ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor}
+ARITHMETIC = [op for op in ReduceOp if op not in BITWISE_UFUNCS]
+INTEGRAL = [d for d in DTYPES if np.dtype(d).kind in "biu"]
+
+
 def make(rank: int, shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:
     """Deterministic per-rank input of small values (exact sums and products in every dtype)."""
     rng = np.random.default_rng([seed, rank, len(shape), int(np.prod(shape))])
@@ -47,13 +52,16 @@ def reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
         return np.minimum.reduce(stack, axis=0)
     if op is ReduceOp.MAX:
         return np.maximum.reduce(stack, axis=0)
+    if op in BITWISE_UFUNCS:
+        return BITWISE_UFUNCS[op].reduce(stack, axis=0)
     total = np.add.reduce(stack, axis=0, dtype=dtype)
     return np.true_divide(total, len(inputs)).astype(dtype)
 
 
 def refused(dtype: str, op: ReduceOp) -> bool:
-    """Whether the collectives refuse `op` on `dtype`: AVG on bool and integer arrays."""
-    return op is ReduceOp.AVG and dtype != "bfloat16" and np.dtype(dtype).kind in "biu"
+    """Whether the collectives refuse `op` on `dtype`: AVG on bool and integer arrays, bitwise ops on floats."""
+    integral = dtype != "bfloat16" and np.dtype(dtype).kind in "biu"
+    return (op is ReduceOp.AVG and integral) or (op in BITWISE_UFUNCS and not integral)
 
 
 TRANSPORTS = {

@@ -18,7 +18,8 @@ from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.testing import run_on, thread_groups
 from axond import bfloat16
 from collective_cases import (
-    DTYPES, EVERY_TRANSPORT, LOW_PRECISION, SHAPES, group_members, make, reference, refused,
+    ARITHMETIC, BITWISE_UFUNCS, DTYPES, EVERY_TRANSPORT, LOW_PRECISION, SHAPES, group_members, make, reference,
+    refused,
 )
 
 
@@ -37,7 +38,7 @@ def groups8() -> Iterator[list[ProcessGroup]]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES + LOW_PRECISION)
-@pytest.mark.parametrize("op", list(ReduceOp))
+@pytest.mark.parametrize("op", ARITHMETIC)
 def test_all_reduce_every_op_dtype_and_size(groups: list[ProcessGroup], op: ReduceOp, dtype: str) -> None:
     if refused(dtype, op):
         pytest.skip("AVG on bool and integers is refused (test_avg_on_bool_and_integers_is_refused)")
@@ -54,6 +55,28 @@ def test_all_reduce_every_op_dtype_and_size(groups: list[ProcessGroup], op: Redu
         for r, got in enumerate(run_on(groups, body)):
             assert got.shape == expected.shape and got.dtype == expected.dtype
             np.testing.assert_array_equal(got, expected, err_msg=f"rank {r} shape {shape} {op} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int64", "uint8", "bool"])
+@pytest.mark.parametrize("op", sorted(BITWISE_UFUNCS, key=lambda o: o.name))
+def test_bitwise_all_reduce_on_integers_and_bool(groups: list[ProcessGroup], op: ReduceOp, dtype: str) -> None:
+    n = len(groups)
+    for shape in [(), (13,), (40_009,)]:  # the mailbox, and past every path's threshold
+        inputs = [make(r, shape, dtype, seed=7) for r in range(n)]
+        expected = reference(inputs, op)
+        for r, got in enumerate(run_on(groups, lambda pg: _reduced(pg, inputs[pg.rank], op))):
+            np.testing.assert_array_equal(got, expected, err_msg=f"rank {r} shape {shape} {op} {dtype}")
+
+
+def _reduced(pg: ProcessGroup, x: np.ndarray, op: ReduceOp) -> np.ndarray:
+    x = x.copy()
+    pg.all_reduce(x, op)
+    return x
+
+
+def test_bitwise_ops_are_refused_on_floats(groups: list[ProcessGroup]) -> None:
+    with pytest.raises(TypeError, match=r"BXOR is bitwise: defined on integer and bool arrays only, not float32"):
+        groups[0].all_reduce(np.ones(3, np.float32), ReduceOp.BXOR)
 
 
 def test_avg_on_bool_and_integers_is_refused(groups: list[ProcessGroup]) -> None:

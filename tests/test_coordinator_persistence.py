@@ -23,16 +23,25 @@ from axond.coordinator.state import CoordinatorState
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
+from etcd_cluster import EtcdServer, etcd_server  # noqa: F401  (the session's etcd, for the "etcd" backing)
 
 Reopen = Callable[[], Persistence]
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "etcd"])
 def backing(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Reopen]:
-    """A factory that returns the same store each call (SQLite: closed and opened again, as on a restart)."""
+    """A factory that returns the same store each call (SQLite: closed and opened again, as on a restart;
+    etcd: a new leader term of a replica under a prefix of this test's own, skipped without etcd)."""
     if request.param == "memory":
         mem = MemoryPersistence()
         yield lambda: mem
+        return
+    if request.param == "etcd":
+        from etcd_persistence import etcd_reopener
+
+        server: EtcdServer = request.getfixturevalue("etcd_server")
+        with etcd_reopener(server) as reopen_etcd:
+            yield reopen_etcd
         return
     opened: list[SqlitePersistence] = []
 

@@ -43,6 +43,8 @@ NEW, OLD = 22104, 2906
         ("bool", ReduceOp.SUM, NEW, ReductionPlan("NCCL_UINT8", 1, "NCCL_MAX", False)),
         ("bool", ReduceOp.PRODUCT, NEW, ReductionPlan("NCCL_UINT8", 1, "NCCL_MIN", False)),
         ("bool", ReduceOp.MIN, NEW, ReductionPlan("NCCL_UINT8", 1, "NCCL_MIN", False)),
+        ("bool", ReduceOp.BAND, NEW, ReductionPlan("NCCL_UINT8", 1, "NCCL_MIN", False)),
+        ("bool", ReduceOp.BOR, NEW, ReductionPlan("NCCL_UINT8", 1, "NCCL_MAX", False)),
         ("complex64", ReduceOp.AVG, NEW, ReductionPlan("NCCL_FLOAT32", 2, "NCCL_SUM", True)),
         ("complex64", ReduceOp.SUM, NEW, ReductionPlan("NCCL_FLOAT32", 2, "NCCL_SUM", False)),
         ("complex128", ReduceOp.AVG, OLD, ReductionPlan("NCCL_FLOAT64", 2, "NCCL_SUM", True)),
@@ -70,6 +72,9 @@ def test_reduce_op_names_are_accepted_like_the_tcp_backend() -> None:
         ("uint64", ReduceOp.AVG, "SUM and divide"),
         ("complex64", ReduceOp.MAX, "undefined on complex"),
         ("complex64", ReduceOp.PRODUCT, "SUM or AVG only"),
+        ("int32", ReduceOp.BAND, "no bitwise reductions"),
+        ("bool", ReduceOp.BXOR, "no bitwise reductions"),
+        ("float32", ReduceOp.BOR, "integer and bool arrays only"),
     ],
 )
 def test_unsupported_reductions_say_what_to_do(dtype: str, op: ReduceOp, message: str) -> None:

@@ -76,6 +76,13 @@ def collectives(rank: int, n: int, gloo: Any) -> list[str]:
                 dist.all_reduce(t, op=op, group=g)
                 return [t]
             same(f"all_reduce {op} {d}", *both(allreduce))
+        if not dtype.is_floating_point and not dtype.is_complex:
+            for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+                def bitwise(g: Any, op: Any = op) -> list[torch.Tensor]:
+                    t = x.clone()
+                    dist.all_reduce(t, op=op, group=g)
+                    return [t]
+                same(f"all_reduce {op} {d}", *both(bitwise))
         if dtype.is_floating_point:
             t = x.clone()
             dist.all_reduce(t, op=dist.ReduceOp.AVG)
@@ -189,6 +196,8 @@ def collectives(rank: int, n: int, gloo: Any) -> list[str]:
         xs = [v > 3 for v in xs] if dtype == torch.bool else [v.to(dtype) for v in xs]
         folds = {dist.ReduceOp.SUM: (lambda a, b: a | b) if dtype == torch.bool else torch.add}
         if not dtype.is_complex:
+            folds.update({dist.ReduceOp.BAND: torch.bitwise_and, dist.ReduceOp.BOR: torch.bitwise_or,
+                          dist.ReduceOp.BXOR: torch.bitwise_xor})
             folds[dist.ReduceOp.MIN] = torch.minimum
             folds[dist.ReduceOp.MAX] = torch.maximum
         for op, fold in folds.items():

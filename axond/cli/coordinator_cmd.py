@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 @click.option("--in-memory", is_flag=True, default=False,
               help="Keep nodes, jobs and stores in this process only (a restart forgets them); the default keeps "
               "them in STATE_DIR/coordinator.db so a restarted coordinator carries on.")
+@click.option("--state", "state_url", envvar="AXOND_STATE", default=None, metavar="etcd://HOST:PORT[,...][/PREFIX]",
+              help="Keep the state in etcd and run as one of several replicas: one leads (elected through an etcd "
+              "lease), the others redirect clients to it [env AXOND_STATE]. Replicas share one --token-file.")
+@click.option("--advertise", envvar="AXOND_ADVERTISE", default=None, metavar="HOST:PORT",
+              help="With --state: the address clients reach this replica at [env AXOND_ADVERTISE; default "
+              "HOST:PORT, this machine's name when --host is a wildcard].")
+@click.option("--leader-ttl", type=click.IntRange(min=2), default=3, show_default=True,
+              help="With --state: seconds of the leader's etcd lease (a dead leader is replaced within about this).")
 @click.option("--fsync", is_flag=True, default=False,
               help="Flush every change to disk before answering (survives power loss; slower). Without it a change "
               "survives the coordinator being killed.")
@@ -56,7 +64,7 @@ if TYPE_CHECKING:
               help="Seconds an elastic rendezvous waits for late joiners once MIN nodes joined.")
 def coordinator(
     port: int, host: str, token: str | None, token_file: str | None, state_dir: str | None, in_memory: bool,
-    fsync: bool, insecure: bool,
+    state_url: str | None, advertise: str | None, leader_ttl: int, fsync: bool, insecure: bool,
     tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None,
     heartbeat_interval: float, dead_after_missed: int, limits: tuple[str, ...], settle_time: float,
 ) -> None:
@@ -69,10 +77,17 @@ def coordinator(
         raise click.UsageError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     if insecure and (token or token_file):
         raise click.UsageError("--insecure serves without a token: drop it, or drop --token/--token-file")
+    if state_url is not None and in_memory:
+        raise click.UsageError("--state etcd://... keeps the state in etcd: drop --in-memory")
+    if state_url is not None and not (token or token_file or insecure):
+        raise click.UsageError("replicas on etcd share one token: pass the same --token-file (or --token) to each")
+    if (advertise or leader_ttl != 3) and state_url is None:
+        raise click.UsageError("--advertise and --leader-ttl are for replicas: pass --state etcd://HOST:2379 too")
     _check_port_free(host, port)
     config = CoordinatorConfig(
         limits=parse_limits(limits),
         host=host, port=port, token=token, token_file=token_file, state_dir=state_dir, in_memory=in_memory, fsync=fsync,
+        state=state_url, advertise=advertise, leader_ttl=leader_ttl,
         insecure=insecure,
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
         heartbeat_interval=heartbeat_interval, dead_after_missed=dead_after_missed, settle_time=settle_time,

@@ -41,12 +41,23 @@ def _not_host_port(given: str) -> CoordinatorError:
     )
 
 
+def split_addresses(address: str) -> list[str]:
+    """The coordinator replicas' addresses in `H1:P1,H2:P2,...` (one address: a list of one), each normalized."""
+    parts = [a for a in address.split(",") if a.strip()]
+    if not parts:
+        return [normalize_address(address)]
+    return [normalize_address(a) for a in parts]
+
+
 def normalize_address(address: str) -> str:
-    """`HOST:PORT`, `[IPv6]:PORT`, `HOST` (port 29500), optionally as `grpc://...` or `http://...`.
+    """`HOST:PORT`, `[IPv6]:PORT`, `HOST` (port 29500), optionally as `grpc://...` or `http://...`; several
+    of them (coordinator replicas) separated by commas.
 
     Anything else raises CoordinatorError saying which form to use (gRPC would only say
     "Misformatted domain name" much later).
     """
+    if "," in address:
+        return ",".join(split_addresses(address))
     given = address
     address = address.strip()
     lowered = address.lower()

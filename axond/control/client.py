@@ -17,10 +17,11 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from axond.control.channel import normalize_address, open_channel
+from axond.control.channel import normalize_address, open_channel, split_addresses
 from axond.control.credentials import LocalToken, token_source
 from axond.control.errors import translate
 from axond.control.coordinator_store import CoordinatorStore
+from axond.control.replicas import Replicas
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
@@ -38,6 +39,14 @@ def _busy(e: grpc.RpcError) -> bool:
     """Whether the coordinator refused the call for load (admission control), not for what it asked."""
     return bool(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in (e.details() or ""))
 
+
+def _never_ran(e: grpc.RpcError) -> bool:
+    """Whether the call surely did not run: nothing listened, or a follower replica turned it away."""
+    details = (e.details() or "").lower()
+    return ("is a follower" in details or "no longer the leader" in details
+            or any(text in details for text in _NOT_LISTENING_YET))
+
+
 DEFAULT_CONNECT_WAIT_S = 30.0
 """How long the CLI waits for a coordinator that is not reachable yet (it may be starting)."""
 
@@ -53,7 +62,8 @@ def _non_negative(**counts: int) -> None:
 
 
 class CoordinatorClient:
-    """A connection to one coordinator. Thread-safe (gRPC channels are)."""
+    """A connection to one coordinator, or to its replicas (`H1:P1,H2:P2`: calls go to the leader, found
+    through the followers' redirects, and move on when it fails). Thread-safe (gRPC channels are)."""
 
     def __init__(
         self, address: str, token: str | LocalToken | None = None, tls_ca: str | None = None, call_timeout: float = 10.0,
@@ -68,6 +78,8 @@ class CoordinatorClient:
         if not connect_wait >= 0:
             raise CoordinatorError(f"connect_wait is {connect_wait}; it must be >= 0 seconds")
         self.address = normalize_address(address)
+        self.addresses = split_addresses(self.address)
+        """Every replica's address (one for a single coordinator)."""
         self.call_timeout = call_timeout
         self._token = token
         self.connect_wait = connect_wait
@@ -76,9 +88,17 @@ class CoordinatorClient:
         self._wait_until: float | None = None
         self._wait_lock = threading.Lock()
         self._backoff = 0.05
-        self._channel = open_channel(self.address, token, tls_ca, tls_cert, tls_key)
-        self.stub = pb_grpc.CoordinatorStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._replicas: Replicas | None = None
+        if len(self.addresses) > 1:
+            self._replicas = Replicas([open_channel(a, token, tls_ca, tls_cert, tls_key) for a in self.addresses],
+                                      self.addresses)
+            self._channel = self._replicas.channels[0]
+            self.stub: Any = self._replicas.stub
+            self._health: Any = self._replicas.health
+        else:
+            self._channel = open_channel(self.address, token, tls_ca, tls_cert, tls_key)
+            self.stub = pb_grpc.CoordinatorStub(self._channel)
+            self._health = health_pb2_grpc.HealthStub(self._channel)
         self._node_secrets: dict[str, str] = {}
 
     @property
@@ -90,6 +110,11 @@ class CoordinatorClient:
     def reached(self) -> bool:
         """Whether a call has got through to the coordinator (until then calls honour `connect_wait`)."""
         return self._reached
+
+    @property
+    def active_address(self) -> str:
+        """Where calls go now (with several replicas: the leader, as far as this client knows)."""
+        return self._replicas.active_address if self._replicas is not None else self.address
 
     def node_secret(self, node_id: str) -> str:
         """The secret RegisterNode gave `node_id` through this client ("" if it did not)."""
@@ -117,8 +142,16 @@ class CoordinatorClient:
             try:
                 reply = method(request, timeout=max(0.001, deadline - time.monotonic()))
                 self._reached = True
+                if self._replicas is not None:
+                    self._replicas.answered()
                 return reply
             except grpc.RpcError as e:
+                if self._replicas is not None and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    # CANCELLED: a replica stopping (cleanly) cut the call short
+                    pause = self._replicas.fail_over(e, retry or _never_ran(e))
+                    if pause is not None and time.monotonic() + pause < deadline:
+                        time.sleep(pause)
+                        continue
                 if self._wait_for_start(e):
                     deadline = time.monotonic() + wait + limit
                     continue
@@ -275,7 +308,10 @@ class CoordinatorClient:
         return CoordinatorStore(self, job, generation)
 
     def close(self) -> None:
-        self._channel.close()
+        if self._replicas is not None:
+            self._replicas.close()
+        else:
+            self._channel.close()
 
     def __enter__(self) -> CoordinatorClient:
         return self

@@ -9,7 +9,8 @@ class ReduceOp(Enum):
     """How `all_reduce`, `reduce` and `reduce_scatter` combine the ranks' arrays.
 
     AVG is defined on floating-point and complex arrays only (integers are refused: see
-    `axond.distributed.reducers`). AVERAGE is an alias of AVG (the seeds' name).
+    `axond.distributed.reducers`). AVERAGE is an alias of AVG (the seeds' name). The bitwise
+    BAND, BOR and BXOR are defined on integer and bool arrays only.
     """
 
     SUM = "sum"
@@ -18,3 +19,10 @@ class ReduceOp(Enum):
     MAX = "max"
     AVG = "avg"
     AVERAGE = "avg"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+
+BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+"""The ops defined on integer and bool arrays only."""

@@ -3,7 +3,8 @@
 AVG is a SUM followed by a true division by the group size, on floating-point and complex arrays.
 AVG on integers is refused (an integer array cannot hold the mean; torch's gloo refuses AVG too):
 use SUM and divide, or a float dtype. Integer sums wrap on overflow, like NumPy. On bool, SUM and
-MAX are logical or, PRODUCT and MIN logical and; AVG on bool is refused.
+MAX are logical or, PRODUCT and MIN logical and; AVG on bool is refused. BAND, BOR and BXOR are
+bitwise, on integer and bool arrays only (as in torch's gloo).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.reduce_op import BITWISE, ReduceOp
 
 Reducer = Callable[..., np.ndarray]
 
@@ -28,12 +29,15 @@ UFUNCS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.PRODUCT: np.multiply,
     ReduceOp.MIN: np.minimum,
     ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
 }
 
 
 def check_reduce_op(op: ReduceOp, dtype: np.dtype) -> ReduceOp:
     """Validate `op` for `dtype`; accepts ReduceOp members or their names ("sum", "AVG")."""
-    if type(op) is ReduceOp and (dtype.kind == "f" or dtype == BFLOAT16
+    if type(op) is ReduceOp and (((dtype.kind == "f" or dtype == BFLOAT16) and op not in BITWISE)
                                  or (dtype.kind in "iu" and op is not ReduceOp.AVG)):
         return op
     if isinstance(op, str):
@@ -50,12 +54,15 @@ def check_reduce_op(op: ReduceOp, dtype: np.dtype) -> ReduceOp:
                         "reduce with ReduceOp.SUM and divide the result yourself, or use a float dtype")
     if dtype.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise TypeError(f"ReduceOp.{op.name} is undefined on complex arrays ({dtype})")
+    if op in BITWISE and dtype.kind not in "biu":
+        raise TypeError(f"ReduceOp.{op.name} is bitwise: defined on integer and bool arrays only, not {dtype}; "
+                        "view the data as an integer dtype of the same width (x.view(np.uint32)) to combine the bits")
     return op
 
 
 def accumulator(dtype: np.dtype, op: ReduceOp) -> np.dtype | None:
     """The dtype a reduction of `dtype` with `op` accumulates in when it is not `dtype` itself, else None."""
-    if op is ReduceOp.MIN or op is ReduceOp.MAX:
+    if op is ReduceOp.MIN or op is ReduceOp.MAX or op in BITWISE:
         return None
     return ACCUMULATE.get(dtype)
 

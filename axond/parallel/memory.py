@@ -10,11 +10,15 @@ run, so the peak is that of the deepest chain of nested units.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from axond.nn.device import is_cupy_array, parse_device
 from axond.parallel.mixed_precision import MixedPrecision
+
+if TYPE_CHECKING:
+    from axond.parallel.fsdp.config import CPUOffload
 
 STRATEGIES = ("ddp", "zero1", "fsdp", "shard_grad_op")
 
@@ -27,13 +31,17 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 
 def memory_estimate(model: Any, strategy: str, world_size: int, mixed_precision: MixedPrecision | None = None,
-                    optimizer_states: int = 2, wrap: Any = None) -> dict[str, int]:
+                    optimizer_states: int = 2, wrap: Any = None, cpu_offload: CPUOffload | None = None,
+                    device: str | None = None) -> dict[str, int]:
     """Predicted bytes per rank of `model` under `strategy` ("ddp", "zero1", "fsdp", "shard_grad_op").
 
     `optimizer_states` arrays of the masters' size per parameter (AdamW 2, SGD with momentum 1, plain SGD 0).
     `wrap`: FSDP's units, as FSDP's `wrap=` takes them (None: the model as one unit; without prefetching).
+    `cpu_offload`: FSDP's `CPUOffload`; it moves bytes only for a model computing on a GPU (`device`, default:
+    where the model's parameters are now), as FSDP does.
     Keys as the wrappers' `memory_stats()`: parameters, gradients, optimizer_state (buckets for DDP), current
-    (their sum, between steps) and peak (with the largest buffers of a step that are alive together).
+    (their sum, between steps) and peak (with the largest buffers of a step that are alive together); offloaded
+    (the part in host memory because of CPU offload), device_current and device_peak (the rest).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -41,6 +49,10 @@ def memory_estimate(model: Any, strategy: str, world_size: int, mixed_precision:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     mp = mixed_precision or MixedPrecision()
     params = [p for p in model.parameters() if p.requires_grad]
+    offloading = cpu_offload is not None and cpu_offload.enabled
+    if offloading and strategy not in ("fsdp", "shard_grad_op"):
+        raise ValueError(f"cpu_offload applies to FSDP (strategy 'fsdp' or 'shard_grad_op'), not {strategy!r}")
+    on_gpu = parse_device(device).kind == "cuda" if device is not None else bool(params) and is_cupy_array(params[0].data)
     numel = sum(p.size for p in params)
     master = np.dtype(params[0].dtype) if params else np.dtype(np.float32)
     m, c = master.itemsize, mp.compute(master).itemsize
@@ -61,8 +73,20 @@ def memory_estimate(model: Any, strategy: str, world_size: int, mixed_precision:
         shards = sum(p // world_size for p, _ in units)
         out = {"parameters": shards * m, "gradients": shards * g, "optimizer_state": optimizer_states * shards * m}
         transient = _fsdp_transient(units, c, r, keep_gathered=strategy == "shard_grad_op")
+    offloaded = 0
+    if cpu_offload is not None and offloading and on_gpu:
+        offloaded = out["parameters"] + out["gradients"] + out["optimizer_state"]
+        largest = max((p // world_size for p, _ in units), default=0)
+        transient += largest * g  # a gradient shard on the device until its download is done (at most one pending)
+        if cpu_offload.offload_params:
+            transient += largest * m  # the next unit's shard, uploaded while this one computes
+        else:
+            out["device_shards"] = shards * m  # offload_optimizer keeps a device copy of every shard
     out["current"] = sum(out.values())
     out["peak"] = out["current"] + transient
+    out["offloaded"] = offloaded
+    out["device_current"] = out["current"] - offloaded
+    out["device_peak"] = out["peak"] - offloaded
     return out
 
 

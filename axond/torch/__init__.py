@@ -7,12 +7,14 @@ coordinator. torch's DDP, FSDP2, DTensor and the object collectives then run on 
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from axond.distributed.api import _secret
 from axond.distributed.backends.base import BackendOptions
+from axond.distributed.backends.tcp.transport.mesh import route_address
 from axond.torch.process_group import BACKEND, AxondProcessGroup, axond_op, timeout_seconds
 from axond.torch.rendezvous import coordinator_store, install
 from axond.torch.store import AxondStoreOverTorch, TorchStore
@@ -23,8 +25,20 @@ __all__ = ["BACKEND", "AxondProcessGroup", "AxondStoreOverTorch", "TorchStore", 
 
 def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> AxondProcessGroup:
     """torch's backend creator: one member of an axond group rendezvousing over torch's (prefixed) store."""
-    options = BackendOptions(timeout=timeout_seconds(timeout), job_secret=_secret())
+    options = BackendOptions(timeout=timeout_seconds(timeout), job_secret=_secret(), host=_toward_store(store))
     return AxondProcessGroup(AxondStoreOverTorch(store), rank, size, options)
+
+
+def _toward_store(store: dist.Store) -> str | None:
+    """This rank's address on the route to the host of torch's TCP store (`tcp://` or `env://` rendezvous), so
+    ranks on other machines reach it as gloo's would; None (the usual choice: AXOND_SOCKET_IFNAME, the route to
+    the coordinator or MASTER_ADDR, else loopback) for other stores, a store on this machine or when
+    AXOND_SOCKET_IFNAME picks the interface."""
+    if os.environ.get("AXOND_SOCKET_IFNAME"):
+        return None
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return route_address(store.host) if isinstance(store, dist.TCPStore) else None
 
 
 def _register() -> None:

@@ -29,7 +29,8 @@ from axond.torch.tensors import Staged, copy_into, readonly, stage
 BACKEND = "axond"
 
 _OPS = [(dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT), (dist.ReduceOp.MIN, ReduceOp.MIN),
-        (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.AVG, ReduceOp.AVG)]
+        (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.AVG, ReduceOp.AVG), (dist.ReduceOp.BAND, ReduceOp.BAND),
+        (dist.ReduceOp.BOR, ReduceOp.BOR), (dist.ReduceOp.BXOR, ReduceOp.BXOR)]
 
 
 _BY_KIND = {theirs.op if hasattr(theirs, "op") else theirs: ours for theirs, ours in _OPS}
@@ -44,9 +45,8 @@ def axond_op(op: Any, where: str) -> ReduceOp:
     for theirs, ours in _OPS:
         if op == theirs:
             return ours
-    raise ValueError(f"{where}: torch ReduceOp {op} is not supported here (SUM, PRODUCT, MIN, MAX and AVG are; "
-                     "the backend also takes PREMUL_SUM); for BAND/BOR/BXOR all_gather the tensors and combine them "
-                     "with torch.bitwise_and/or/xor")
+    raise ValueError(f"{where}: torch ReduceOp {op} is not supported here (SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR "
+                     "and BXOR are; the backend also takes PREMUL_SUM)")
 
 
 def reduction(op: Any, where: str) -> tuple[ReduceOp, float | None]:

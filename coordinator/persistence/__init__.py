@@ -1,4 +1,4 @@
-"""Durable coordinator state: one interface (`Persistence`), kept in memory or in SQLite."""
+"""Durable coordinator state: one interface (`Persistence`), kept in memory, in SQLite, or in etcd (`persistence.etcd`)."""
 
 from axond.coordinator.persistence.base import Changes, Persistence, Snapshot
 from axond.coordinator.persistence.memory import MemoryPersistence

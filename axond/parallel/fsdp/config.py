@@ -21,14 +21,28 @@ class ShardingStrategy(Enum):
 
 @dataclass(frozen=True)
 class CPUOffload:
-    """Where the parameter shards (and their gradients) live between uses."""
+    """What lives in host memory between uses, for models on a GPU (CuPy). A no-op for NumPy models: their compute
+    device is the host, so there is nothing to offload to (see docs/fsdp.md, "CPU offload")."""
 
     offload_params: bool = False
-    """Keep shards and gradient shards in host NumPy memory, copied to the compute device for the gather.
+    """torch's field: shards and gradient shards live in pinned host memory. Each shard is uploaded for its unit's
+    gathers (the next unit's upload overlapping this unit's compute) and dropped after them. The optimizer, built
+    over `fsdp.parameters()`, steps on the host and keeps its state there. Implies `offload_optimizer`."""
+    offload_optimizer: bool = False
+    """DeepSpeed's ZeRO-Offload: master shards, their gradients and the optimizer state live in pinned host memory
+    and the step runs on the host. A device copy of each shard stays on the GPU, uploaded again once per forward."""
+    pin_memory: bool = True
+    """Page-locked host buffers (`cupyx.empty_pinned`): the copies run asynchronously on a copy stream."""
 
-    On a CPU-only machine the compute device is the host too, so the copy is a no-op (the shards are
-    NumPy arrays either way); with CuPy parameters it is a device-to-host copy.
-    """
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is offloaded (on a GPU model)."""
+        return self.offload_params or self.offload_optimizer
+
+    def __post_init__(self) -> None:
+        for name in ("offload_params", "offload_optimizer", "pin_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"CPUOffload.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -38,7 +52,7 @@ class FSDPConfig:
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     """How parameters and gradients are sharded."""
     cpu_offload: CPUOffload = CPUOffload()
-    """Whether shards live in host memory."""
+    """Whether shards, gradient shards and optimizer state live in host memory (GPU models)."""
     sync_module_states: bool = True
     """Broadcast rank 0's parameters and buffers at wrap time, so every rank starts from the same model."""
     forward_prefetch: bool = False

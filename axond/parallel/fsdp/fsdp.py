@@ -24,8 +24,11 @@ from axond.nn.module import Module, Parameter, RemovableHandle
 from axond.parallel.ddp.comm import broadcast_coalesced
 from axond.parallel.fsdp.comm import GroupLike, broadcast_from_first, default_group
 from axond.parallel.fsdp.config import CPUOffload, FSDPConfig, ShardingStrategy
+from axond.parallel.fsdp import offload
 from axond.parallel.fsdp.flat_param import FlatLayout
-from axond.parallel.fsdp.unit import FSDPUnit, MemoryStats
+from axond.parallel.fsdp.order import RunOrder
+from axond.parallel.fsdp.stats import MemoryStats
+from axond.parallel.fsdp.unit import FSDPUnit
 from axond.parallel.fsdp.wrap import UnitPlan, WrapPolicy, install, plan_units, select_unit_modules
 from axond.parallel.bypass import BackwardGuard
 from axond.parallel.memory import optimizer_state_bytes
@@ -53,32 +56,6 @@ def resolve_groups(strategy: ShardingStrategy, group: ProcessGroup | None, mesh:
     if strategy is ShardingStrategy.NO_SHARD:
         return None, group, int(group.rank)
     return group, None, int(group.rank)
-
-
-class _Order:
-    """The order units ran in during the last forward (or backward), to prefetch the next one during this one.
-
-    Every rank runs the same hooks in the same order, so every rank prefetches the same units and
-    the collectives stay matched. A unit that runs twice is looked up by its first run.
-    """
-
-    def __init__(self) -> None:
-        self._next: dict[int, FSDPUnit] = {}
-        self._now: list[FSDPUnit] = []
-
-    def start(self) -> None:
-        self._now = []
-
-    def saw(self, unit: FSDPUnit) -> FSDPUnit | None:
-        """Record that `unit` runs now; return the unit that ran after it last time (None if none)."""
-        self._now.append(unit)
-        return self._next.get(id(unit))
-
-    def end(self) -> None:
-        nxt: dict[int, FSDPUnit] = {}
-        for a, b in zip(self._now, self._now[1:]):
-            nxt.setdefault(id(a), b)
-        self._next = nxt
 
 
 class FullyShardedDataParallel(NoSync, Module):
@@ -115,9 +92,10 @@ class FullyShardedDataParallel(NoSync, Module):
         plans = plan_units(module, select_unit_modules(module, wrap))
         if sync_module_states:
             self._broadcast_replicated()
+        self._copier = self._offload_copier(plans)
         self._units: list[FSDPUnit] = []
         self._hooks: list[RemovableHandle] = []
-        self._forward_order, self._backward_order = _Order(), _Order()
+        self._forward_order, self._backward_order = RunOrder(), RunOrder()
         self._reducing: list[FSDPUnit] = []
         self._guard = BackwardGuard("fsdp", "FullyShardedDataParallel",
                                     "the sharded gradients were not all reduced and may be incomplete or stale")
@@ -156,11 +134,19 @@ class FullyShardedDataParallel(NoSync, Module):
             broadcast_from_first(flat, g)
         return layout.views(flat)
 
+    def _offload_copier(self, plans: list[UnitPlan]) -> offload.Copier | None:
+        """The copier moving shards between host and GPU (one copy stream per wrapper), or None: no offload asked
+        for, or a NumPy model, whose compute device is the host already (CPUOffload is a no-op there)."""
+        if not self.config.cpu_offload.enabled or not any(plan.params for plan in plans):
+            return None
+        device = device_of(next(p.data for plan in plans for p in plan.params))
+        return offload.copier_for(device, self.config.cpu_offload.pin_memory)
+
     def _add_unit(self, plan: UnitPlan) -> None:
         managed = [Parameter(p.data) for p in plan.params]
         unit = FSDPUnit(
             len(self._units), plan.names, managed, self._initial(plan), self.shard_group, self.replicate_group,
-            self.config.cpu_offload.offload_params, self.stats, self.mixed_precision,
+            self._copier, self.stats, self.mixed_precision, keep_on_device=not self.config.cpu_offload.offload_params,
         )
         install(plan, managed)
         setattr(self, f"flat_param_{unit.index}", unit.shard)
@@ -172,8 +158,10 @@ class FullyShardedDataParallel(NoSync, Module):
         def pre_forward(m: Module, x: Array) -> None:
             unit.gather(refresh=True)
             nxt = forward.saw(unit)
-            if nxt is not None and self.config.forward_prefetch:
-                nxt.prefetch()
+            if nxt is not None:
+                nxt.start_upload()  # offload: the next shard's upload runs beside this unit's compute
+                if self.config.forward_prefetch:
+                    nxt.prefetch()
 
         def post_forward(m: Module, x: Array, out: Array) -> None:
             if reshard or not m.training:
@@ -183,8 +171,10 @@ class FullyShardedDataParallel(NoSync, Module):
             self._guard.noticed_backward()
             unit.gather()
             nxt = backward.saw(unit)
-            if nxt is not None and self.config.backward_prefetch and reshard:
-                nxt.prefetch()
+            if nxt is not None and reshard:
+                nxt.start_upload()
+                if self.config.backward_prefetch:
+                    nxt.prefetch()
             unit.prepare_grad()
 
         def post_backward(m: Module, grad_out: Array, grad_in: Array) -> None:
@@ -195,6 +185,9 @@ class FullyShardedDataParallel(NoSync, Module):
                 self._reducing.append(unit)
             while len(self._reducing) > int(overlap):  # at most one in flight: full gradients do not pile up
                 self._reducing.pop(0).finish_reduce()
+            for u in self._units:
+                if u.offload is not None:
+                    u.offload.poll()  # the device gradients of finished downloads go back to the pool
 
         m = plan.module
         self._hooks += [
@@ -205,6 +198,8 @@ class FullyShardedDataParallel(NoSync, Module):
     def forward(self, x: Array) -> Array:
         self._guard.check()
         self._forward_order.start()
+        for u in self._units:
+            u.mark_stale()  # offload: the host shards were stepped or loaded since the last forward
         if self.mixed_precision is not None:
             x = self.mixed_precision.cast_input(x)
         try:
@@ -214,6 +209,8 @@ class FullyShardedDataParallel(NoSync, Module):
             for u in self._units:
                 if u.pending_gather is not None:  # prefetched for a unit this forward did not run
                     u.free()
+                if u.full is None:
+                    u.release_upload()  # an upload started for a unit this forward did not run
 
     def backward(self, grad_out: Array) -> Array:
         """The module's backward; each unit's gradient is reduced into its shard's `.grad` as its backward ends."""
@@ -236,6 +233,8 @@ class FullyShardedDataParallel(NoSync, Module):
             self._reducing.clear()
             for u in self._units:
                 u.free()
+                if u.offload is not None:
+                    u.offload.poll()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale the shards' gradients so that the whole model's gradient norm is at most `max_norm`.
@@ -331,16 +330,22 @@ class FullyShardedDataParallel(NoSync, Module):
                 u.free()
 
     def memory_stats(self, optimizer: Any = None) -> dict[str, int]:
-        """Bytes this rank holds, from the wrapper's own accounting (see docs/mixed-precision.md).
+        """Bytes this rank holds, from the wrapper's own accounting (see docs/mixed-precision.md, docs/fsdp.md).
 
-        parameters/gradients: the persistent shards and their `.grad`; optimizer_state: `optimizer`'s arrays
-        (0 without it); gathered/full_gradients: unsharded buffers alive now (peak_* since the last reset);
-        current and peak: their sum, the peak counting the transient buffers at their joint peak.
+        parameters/gradients: the persistent shards and their `.grad` (with offload: the host buffers);
+        optimizer_state: `optimizer`'s arrays (0 without it); gathered/full_gradients: unsharded buffers alive
+        now (peak_* since the last reset); device_shards: device copies of offloaded shards and gradient shards
+        not downloaded yet; current and peak: their sum, the peak counting the transient buffers at their joint
+        peak. offloaded: the part of current in host memory because of CPUOffload (0 for NumPy models: nothing
+        to offload to); device_current/device_peak: current/peak minus it, what the compute device holds.
         """
         params = sum(int(u.shard.data.nbytes) for u in self._units)
-        grads = sum(int(u.shard.grad.nbytes) for u in self._units if u.shard.grad is not None)
+        grads = sum(_grad_bytes(u.shard) for u in self._units)
         state = optimizer_state_bytes(optimizer)
         persistent = params + grads + state
+        offloaded = self.stats.offloaded_bytes + (state if self._copier is not None else 0)
+        current = persistent + self.stats.transient_bytes()
+        peak = persistent + self.stats.peak_transient_bytes
         return {
             "parameters": params,
             "gradients": grads,
@@ -348,15 +353,18 @@ class FullyShardedDataParallel(NoSync, Module):
             "gathered": self.stats.gathered_bytes,
             "peak_gathered": self.stats.peak_gathered_bytes,
             "full_gradients": self.stats.full_grad_bytes,
+            "device_shards": self.stats.device_shard_bytes,
             "unsharded_parameters": sum(u.layout.numel * u.dtype.itemsize for u in self._units),
-            "current": persistent + self.stats.gathered_bytes + self.stats.full_grad_bytes,
-            "peak": persistent + self.stats.peak_transient_bytes,
+            "current": current,
+            "peak": peak,
+            "offloaded": offloaded,
+            "device_current": current - offloaded,
+            "device_peak": peak - offloaded,
         }
 
     def reset_peak_memory_stats(self) -> None:
         """Start the peaks afresh from what is alive now."""
-        self.stats.peak_gathered_bytes = self.stats.gathered_bytes
-        self.stats.peak_transient_bytes = self.stats.gathered_bytes + self.stats.full_grad_bytes
+        self.stats.reset_peaks()
 
     def to(self, device: Any = None, dtype: Any = None) -> Module:
         """Not supported: the shards and the modules' views would part ways. Move the module before wrapping."""
@@ -367,3 +375,10 @@ class FullyShardedDataParallel(NoSync, Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _grad_bytes(shard: Parameter) -> int:
+    """Gradient bytes of a shard, without waiting for an offloaded gradient's download."""
+    if isinstance(shard, offload.HostShard):
+        return shard.grad_bytes()
+    return int(shard.grad.nbytes) if shard.grad is not None else 0

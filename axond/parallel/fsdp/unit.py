@@ -6,12 +6,12 @@ one flat gradient buffer, so `accumulate_grad` writes straight into what is redu
 The trainable `shard` Parameter (1/N of the padded flat buffer) is what the optimizer sees.
 With `MixedPrecision`, the shard stays in the model's dtype (the master) and the gathered buffer, the
 flat gradient and the reduce-scatter use the compute and reduce dtypes; the casts happen on the
-shard-sized side of each collective where they can.
+shard-sized side of each collective where they can. With CPU offload (GPU models) the shard is a `HostShard`
+in host memory, uploaded for each gather and its gradient downloaded after each reduce-scatter (offload.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from axond.nn.device import Array, Device, array_module, device_of, empty_on, to_device
@@ -19,29 +19,10 @@ from axond.nn.module import Parameter
 from axond.parallel.mixed_precision import MixedPrecision
 from axond.parallel.fsdp.comm import GroupLike, all_gather_shards, all_reduce_mean, reduce_scatter_shards
 from axond.parallel.fsdp.flat_param import FlatLayout
+from axond.parallel.fsdp.offload import Copier, HostShard, ShardOffload
+from axond.parallel.fsdp.stats import MemoryStats
 
-
-@dataclass
-class MemoryStats:
-    """Bytes of full (unsharded) parameter and gradient buffers alive now, and their peaks since reset."""
-
-    gathered_bytes: int = 0
-    peak_gathered_bytes: int = 0
-    full_grad_bytes: int = 0
-    peak_transient_bytes: int = 0
-    """Peak of gathered + full-gradient bytes together."""
-
-    def add_gathered(self, n: int) -> None:
-        self.gathered_bytes += n
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        self._peak()
-
-    def add_full_grad(self, n: int) -> None:
-        self.full_grad_bytes += n
-        self._peak()
-
-    def _peak(self) -> None:
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self.gathered_bytes + self.full_grad_bytes)
+__all__ = ["FSDPUnit", "MemoryStats"]
 
 
 class FSDPUnit:
@@ -55,9 +36,10 @@ class FSDPUnit:
         initial: list[Array],
         shard_group: GroupLike | None,
         replicate_group: GroupLike | None,
-        offload: bool,
+        copier: Copier | None,
         stats: MemoryStats,
         mixed_precision: MixedPrecision | None = None,
+        keep_on_device: bool = False,
     ) -> None:
         self.index = index
         self.names = names
@@ -66,7 +48,6 @@ class FSDPUnit:
         """The Parameters the modules compute with (views into the gathered buffer)."""
         self.shard_group = shard_group
         self.replicate_group = replicate_group
-        self.offload = offload
         self.stats = stats
         like = initial[0]
         self.dtype = like.dtype
@@ -81,9 +62,13 @@ class FSDPUnit:
         self.layout = FlatLayout([tuple(a.shape) for a in initial], shard_group.size if shard_group else 1)
         self.shard_rank = shard_group.rank if shard_group else 0
         shard = self.layout.shard_of(initial, self.shard_rank, like)
-        self.shard = Parameter(to_device(shard, "cpu") if offload else shard)
+        self.offload = ShardOffload(copier, shard, keep_on_device, stats) if copier is not None else None
+        """The shard's host copy and transfers when CPU offload is on (GPU models), else None."""
+        self.shard: Parameter = HostShard(self.offload) if self.offload is not None else Parameter(shard)
         """This rank's shard: the only persistent copy of the unit's parameters on this rank."""
         self.full: Array | None = None
+        self._full_bytes = 0
+        """Bytes of `full` counted as gathered (0 when `full` is the shard itself or its kept device copy)."""
         self.full_grad: Array | None = None
         self.pending_gather: Any = None
         """The `Work` of a prefetch (async all_gather into `full`) not waited for yet."""
@@ -103,15 +88,37 @@ class FSDPUnit:
 
     def _compute_shard(self, dtype: Any = None) -> Array:
         """The shard on the compute device in `dtype` (default: the compute dtype); a copy only if either differs."""
-        src = to_device(self.shard.data, self.compute_device)
+        if self.offload is not None:
+            src = self.offload.on_device()
+        else:
+            src = to_device(self.shard.data, self.compute_device)
         dtype = self.compute_dtype if dtype is None else dtype
         return src if src.dtype == dtype else src.astype(dtype)
 
     def _alloc_full(self, dtype: Any) -> Array:
-        self.full = empty_on(self._empty, self.layout.padded_numel, dtype)
-        self.full_dtype = self.full.dtype
-        self.stats.add_gathered(int(self.full.nbytes))
-        return self.full
+        full = empty_on(self._empty, self.layout.padded_numel, dtype)
+        self._set_full(full, counted=True)
+        return full
+
+    def _set_full(self, full: Array, counted: bool) -> None:
+        self.full, self.full_dtype = full, full.dtype
+        self._full_bytes = int(full.nbytes) if counted else 0
+        self.stats.add_gathered(self._full_bytes)
+
+    def start_upload(self) -> None:
+        """With offload: start copying the shard to the device now (the next unit's, while this one computes)."""
+        if self.offload is not None:
+            self.offload.start_upload()
+
+    def mark_stale(self) -> None:
+        """With offload: a new forward, the host shard may have been stepped or loaded since the last upload."""
+        if self.offload is not None:
+            self.offload.mark_stale()
+
+    def release_upload(self) -> None:
+        """With offload_params: drop the shard's device copy (after the gather read it, or an unused upload)."""
+        if self.offload is not None:
+            self.offload.release()
 
     def prefetch(self) -> None:
         """Start gathering the full parameters in the background (async all_gather); `gather` waits for it.
@@ -131,6 +138,7 @@ class FSDPUnit:
         if work is None:
             return False
         work.wait()
+        self.release_upload()
         return True
 
     def gather(self, refresh: bool = False, master: bool = False) -> None:
@@ -141,6 +149,8 @@ class FSDPUnit:
         if self._wait_gather():
             refresh = False  # the prefetch was issued after the last optimizer step: it is fresh
         dtype = self.dtype if master else self.compute_dtype
+        if master:
+            self.mark_stale()  # summon_full_params: the host shard as it is now
         if self.full is not None and self.full_dtype != dtype:
             self._release_full()
             refresh = True
@@ -150,11 +160,12 @@ class FSDPUnit:
                 if self.full is not None and src is not self.full:
                     self._release_full()
                 if self.full is None:
-                    self.full, self.full_dtype = src, src.dtype
-                    self.stats.add_gathered(int(src.nbytes) if src is not self.shard.data else 0)
+                    kept = self.offload is not None and self.offload.keep_on_device and src is self.offload.device
+                    self._set_full(src, counted=src is not self.shard.data and not kept)
             else:
                 full = self.full if self.full is not None else self._alloc_full(dtype)
                 all_gather_shards(src, full, self.shard_group)
+            self.release_upload()
         assert self.full is not None
         for p, view in zip(self.params, self.layout.views(self.full)):
             p.data = view
@@ -169,9 +180,8 @@ class FSDPUnit:
             p.data = self._empty
 
     def _release_full(self) -> None:
-        if self.full is not None and self.full is not self.shard.data:
-            self.stats.gathered_bytes -= int(self.full.nbytes)
-        self.full = None
+        self.stats.gathered_bytes -= self._full_bytes
+        self.full, self._full_bytes = None, 0
 
     def prepare_grad(self) -> None:
         """Point every module parameter's `.grad` at its slice of the flat gradient (kept across no_sync)."""
@@ -225,9 +235,9 @@ class FSDPUnit:
         all_reduce_mean(grad, self.replicate_group)
         if grad.dtype != self.grad_dtype:
             grad = grad.astype(self.grad_dtype)
-        if self.offload:
-            grad = to_device(grad, "cpu")
-        if self.shard.grad is None:
+        if isinstance(self.shard, HostShard):
+            self.shard.receive_grad(grad)  # downloaded on the copy stream; the optimizer waits when it reads .grad
+        elif self.shard.grad is None:
             self.shard.grad = grad
         else:
             self.shard.grad += grad
@@ -250,22 +260,33 @@ class FSDPUnit:
 
     def full_copy(self) -> Array:
         """The unpadded full flat parameters as a new array (collective over the shard group)."""
+        self.mark_stale()  # the host shard may have been written (a checkpoint load) since the last upload
         src = self._compute_shard(self.dtype)
         if self.shard_group is None:
-            return src[: self.layout.numel].copy()
-        full = empty_on(src, self.layout.padded_numel, self.dtype)
-        all_gather_shards(src, full, self.shard_group)
-        return full[: self.layout.numel]
+            out = src[: self.layout.numel].copy()
+        else:
+            full = empty_on(src, self.layout.padded_numel, self.dtype)
+            all_gather_shards(src, full, self.shard_group)
+            out = full[: self.layout.numel]
+        self.release_upload()
+        return out
+
+    def _before_host_write(self) -> None:
+        if self.offload is not None:
+            self.offload.before_host_write()
+            self.offload.mark_stale()
 
     def load(self, arrays: list[Array]) -> None:
         """Set this rank's shard from the full arrays of every parameter (no communication)."""
         start, stop = self.layout.shard_range(self.shard_rank)
+        self._before_host_write()
         target = self.shard.data
-        self.layout.copy_range(arrays, start, stop, target)
+        self.layout.copy_range([to_device(a, device_of(target)) for a in arrays], start, stop, target)
 
     def write_back(self) -> None:
         """Copy this rank's part of the gathered full buffer into the shard (after in-place edits)."""
         if self.full is None or self.shard_group is None:
             return
         start, stop = self.layout.shard_range(self.shard_rank)
+        self._before_host_write()
         self.shard.data[...] = to_device(self.full[start:stop], device_of(self.shard.data))

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.reduce_op import BITWISE, ReduceOp
 from axond.distributed.reducers import check_reduce_op
 from axond.errors import BackendUnavailable, DistributedError, StoreTimeout
 from axond.store import Store
@@ -55,7 +55,8 @@ _NCCL_OPS = {
     ReduceOp.MIN: "NCCL_MIN",
     ReduceOp.MAX: "NCCL_MAX",
 }
-_BOOL_OPS = {ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.PRODUCT: "NCCL_MIN", ReduceOp.MIN: "NCCL_MIN"}
+_BOOL_OPS = {ReduceOp.SUM: "NCCL_MAX", ReduceOp.MAX: "NCCL_MAX", ReduceOp.PRODUCT: "NCCL_MIN", ReduceOp.MIN: "NCCL_MIN",
+             ReduceOp.BOR: "NCCL_MAX", ReduceOp.BAND: "NCCL_MIN"}
 """bool reduces as uint8 with NumPy's semantics: SUM is logical or, PRODUCT logical and."""
 
 
@@ -190,8 +191,11 @@ def reduction_plan(dtype: np.dtype[Any], op: ReduceOp, nccl_version: int) -> Red
     """
     op = check_reduce_op(op, dtype)
     name = dtype.name
-    if name == "bool":
+    if name == "bool" and op in _BOOL_OPS:
         return ReductionPlan("NCCL_UINT8", 1, _BOOL_OPS[op], False)
+    if op in BITWISE:
+        raise TypeError(f"NCCL has no bitwise reductions (ReduceOp.{op.name} on {name}); BAND and BOR work on bool "
+                        "arrays, otherwise all_gather the arrays and combine them with np.bitwise_and/or/xor")
     if name in _COMPLEX_PARTS:
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
             raise TypeError(f"NCCL reduces {name} arrays with SUM or AVG only, not {op.name}")

@@ -43,23 +43,31 @@ def interface_address(ifname: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
+def route_address(host: str) -> str | None:
+    """This machine's address on the route to `host` (no packet is sent); None for loopback or unresolvable hosts."""
+    try:
+        if not host or ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            return None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except (OSError, ValueError):
+        return None
+
+
 def advertised_host(configured: str | None) -> str:
-    """Address peers should reach this rank at: configured, else the interface, else the route to the coordinator."""
+    """Address peers should reach this rank at: configured, else the interface, else the route to the coordinator
+    (AXOND_COORDINATOR) or to the rendezvous host (MASTER_ADDR), else loopback."""
     if configured:
         return configured
     ifname = os.environ.get("AXOND_SOCKET_IFNAME")
     if ifname:
         return interface_address(ifname)
-    coordinator = os.environ.get("AXOND_COORDINATOR")
-    if coordinator:
-        host = urlsplit("//" + coordinator).hostname or ""
-        try:
-            if host and not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                    s.connect((host, 9))
-                    return str(s.getsockname()[0])
-        except OSError:
-            pass
+    coordinator = os.environ.get("AXOND_COORDINATOR", "").split(",")[0]  # replicas: any one shows the route
+    for toward in (urlsplit("//" + coordinator).hostname, os.environ.get("MASTER_ADDR")):
+        address = route_address(toward or "")
+        if address:
+            return address
     return "127.0.0.1"
 
 

@@ -70,7 +70,7 @@ DTYPES: list[np.dtype] = [
 ] + [np.dtype(ml_dtypes.bfloat16)]
 """Dtypes the TCP backend moves; the index (plus one) is the wire code (append only: codes are on the wire)."""
 DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(DTYPES)}
-REDUCE_CODES = {"sum": 1, "product": 2, "min": 3, "max": 4, "avg": 5}
+REDUCE_CODES = {"sum": 1, "product": 2, "min": 3, "max": 4, "avg": 5, "band": 6, "bor": 7, "bxor": 8}
 REDUCE_NAMES = {v: k.upper() for k, v in REDUCE_CODES.items()}
 
 

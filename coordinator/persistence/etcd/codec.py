@@ -1,0 +1,50 @@
+"""A `Changes` as bytes and back (JSON; KV values in base64), and the whole of `Tables` as one `Changes`.
+
+A snapshot is the `Changes` that rebuilds the tables from nothing, so the log and the snapshot share
+one format and one way to apply (`Tables.apply`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from axond.coordinator.persistence.base import Changes
+from axond.coordinator.persistence.tables import Tables
+
+
+def encode(c: Changes) -> bytes:
+    doc = {
+        "nodes": c.nodes, "deleted_nodes": sorted(c.deleted_nodes), "jobs": c.jobs,
+        "deleted_jobs": sorted(c.deleted_jobs), "cleared_stores": sorted(c.cleared_stores),
+        "kv": [[job, key, gen, None if value is None else base64.b64encode(value).decode()]
+               for (job, key), (gen, value) in c.kv.items()],
+        "barriers": [[job, name, gen, rec] for (job, name), (gen, rec) in c.barriers.items()],
+        "events": {job: [first, events] for job, (first, events) in c.events.items()},
+        "meta": c.meta,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode(blob: bytes) -> Changes:
+    doc = json.loads(blob)
+    return Changes(
+        nodes=doc["nodes"], deleted_nodes=set(doc["deleted_nodes"]), jobs=doc["jobs"],
+        deleted_jobs=set(doc["deleted_jobs"]), cleared_stores=set(doc["cleared_stores"]),
+        kv={(job, key): (int(gen), None if value is None else base64.b64decode(value))
+            for job, key, gen, value in doc["kv"]},
+        barriers={(job, name): (int(gen), rec) for job, name, gen, rec in doc["barriers"]},
+        events={job: (int(first), events) for job, (first, events) in doc["events"].items()},
+        meta=doc["meta"],
+    )
+
+
+def whole(tables: Tables) -> Changes:
+    """The `Changes` that, applied to empty tables, gives `tables`."""
+    snap = tables.snapshot()
+    return Changes(
+        nodes={r["node_id"]: r for r in snap.nodes}, jobs={r["name"]: r for r in snap.jobs},
+        kv={(job, key): (gen, value) for job, gen, key, value in snap.kv},
+        barriers={(job, name): (gen, rec) for job, gen, name, rec in snap.barriers},
+        events=dict(snap.events), meta=snap.meta,
+    )
