@@ -87,10 +87,10 @@ class Heartbeater:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the thread (bounded wait)."""
         self._stop.set()
+        if self._stream is not None:
+            self._stream.close()  # first: a heartbeat waiting on it ends at once
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout)
-        if self._stream is not None:
-            self._stream.close()
 
     @property
     def lease_lost(self) -> bool:
@@ -151,9 +151,8 @@ class Heartbeater:
                 ), timeout)
             except CoordinatorError as e:
                 cause = e.__cause__
-                ended = isinstance(cause, grpc.RpcError) and cause.code() in (
-                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-                if not ended and not self._stream.unsupported:
+                ended = isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.UNAVAILABLE
+                if self._stop.is_set() or (not ended and not self._stream.unsupported):
                     raise
         return self._client.heartbeat(self._node_id, job=job, generation=generation, local_pids=local_pids,
                                       timeout=max(0.2, deadline - time.monotonic()))

@@ -8,9 +8,11 @@ A coordinator without the stream (UNIMPLEMENTED) sets `unsupported`: use the una
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,16 @@ if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
 
 
+_OPEN: weakref.WeakSet[_Call] = weakref.WeakSet()
+"""Streams not closed yet: closed at exit, so that no gRPC call is in flight while the interpreter ends."""
+
+
+@atexit.register
+def _close_open_streams() -> None:
+    for call in list(_OPEN):
+        call.close()
+
+
 class _Call:
     """One open HeartbeatStream: requests in, answers (or the stream's end) out."""
 
@@ -33,7 +45,9 @@ class _Call:
         self.answered = False
         self.closed = False
         self.call: Any = client.stub.HeartbeatStream(self._messages())
-        threading.Thread(target=self._read, name=f"axond-heartbeat-stream-{node_id}", daemon=True).start()
+        self.reader = threading.Thread(target=self._read, name=f"axond-heartbeat-stream-{node_id}", daemon=True)
+        self.reader.start()
+        _OPEN.add(self)
 
     def _messages(self) -> Iterator[pb.HeartbeatRequest]:
         while True:
@@ -58,10 +72,14 @@ class _Call:
             ended = KvStatus(grpc.StatusCode.CANCELLED, f"the heartbeat stream's channel was closed ({e})")
         self.answers.put(ended)
 
-    def close(self) -> None:
+    def close(self, wait: float = 1.0) -> None:
+        """Cancel the call and wait (bounded) for its reader to end."""
+        _OPEN.discard(self)
         self.closed = True
         self.requests.put(None)
         self.call.cancel()
+        if self.reader is not threading.current_thread():
+            self.reader.join(wait)
 
 
 class HeartbeatStream:

@@ -12,11 +12,13 @@ the store then uses the unary calls. A stream left idle is closed after `IDLE_CL
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -53,6 +55,16 @@ class KvStatus(grpc.RpcError):
         return self._details
 
 
+_OPEN: weakref.WeakSet[_Stream] = weakref.WeakSet()
+"""Streams not closed yet: closed at exit, so that no gRPC call is in flight while the interpreter ends."""
+
+
+@atexit.register
+def _close_open_streams() -> None:
+    for stream in list(_OPEN):
+        stream.close()
+
+
 class _Stream:
     """One open KvStream call: its queue of requests, its outstanding answers and its reader thread."""
 
@@ -65,6 +77,7 @@ class _Stream:
         self.call: Any = client.stub.KvStream(self._messages())
         self.reader = threading.Thread(target=self._read, name=f"axond-kv-stream-{name}", daemon=True)
         self.reader.start()
+        _OPEN.add(self)
 
     def _messages(self) -> Iterator[pb.KvStreamRequest]:
         last = time.monotonic()
@@ -129,9 +142,13 @@ class _Stream:
         with self.lock:
             self.pending.pop(op_id, None)
 
-    def close(self) -> None:
+    def close(self, wait: float = 1.0) -> None:
+        """Cancel the call and wait (bounded) for its reader to end."""
+        _OPEN.discard(self)
         self.requests.put(None)
         self.call.cancel()
+        if self.reader is not threading.current_thread():
+            self.reader.join(wait)
 
 
 class KvStreamClient:
