@@ -11,6 +11,15 @@ durable with --fsync; ops/s and per-call latency percentiles:
 
     python bench/rendezvous.py --part kv [--clients 100,500] [--client-procs 4] [--kv-seconds 5] [--kv-rounds 3]
         [--kv-mix mixed|set|get|health] [--kv-stores memory,sqlite,fsync] [--kv-connections N]
+        [--kv-transports unary,stream] [--kv-streams N]
+
+(bench/rendezvous_kv.py.) Part (scale): N simulated nodes (8 ranks each) over several client processes,
+heartbeating at the interval the coordinator tells them, all joining one job; time from the last Join
+to every rank assigned, failed calls, coordinator CPU per heartbeat, GetStatus of the job
+(bench/rendezvous_scale.py):
+
+    python bench/rendezvous.py --part scale [--scale-nodes 1000,10000] [--scale-procs 4]
+        [--scale-heartbeats stream,unary] [--scale-store memory|sqlite]
 
 Part (b): wall time of a one-node job of N local ranks, `axond worker` against a running coordinator
 beside `torchrun --rdzv-backend=c10d` (when torch is importable), each rank doing init + barrier:
@@ -22,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -35,57 +43,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from axond.control.client import connect
 from axond.coordinator.server import CoordinatorConfig, start_coordinator
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
-
-BENCH_CONFIG = CoordinatorConfig(
-    host="127.0.0.1", port=0, token="bench", heartbeat_interval=60.0, settle_time=0.0, in_memory=True
-)
-"""Long heartbeat interval: the simulated nodes do not heartbeat during the measurement."""
-AUTH = [("authorization", f"Bearer {BENCH_CONFIG.token}")]
-
-
-@contextlib.contextmanager
-def _coordinator(where: str, config: CoordinatorConfig = BENCH_CONFIG) -> Iterator[str]:
-    """A coordinator on loopback, in this process (`thread`) or its own (`process`); yields its address."""
-    if where == "thread":
-        running = start_coordinator(config)
-        try:
-            yield running.address
-        finally:
-            running.stop(grace=0.5)
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = dataclasses.replace(config, port=port)
-    code = f"from axond.coordinator.server import *; raise SystemExit(run_coordinator({config!r}))"
-    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
-    try:
-        address = f"127.0.0.1:{port}"
-        with connect(address, token=BENCH_CONFIG.token, call_timeout=2.0) as c:
-            deadline = time.monotonic() + 30.0
-            while not c.health(timeout=1.0):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the benchmark coordinator did not start on port {port}")
-                time.sleep(0.1)
-        yield address
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5.0)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rendezvous_common import AUTH, BENCH_CONFIG, coordinator as _coordinator  # noqa: E402
+from rendezvous_kv import kv_client_proc, part_kv  # noqa: E402
+from rendezvous_scale import part_scale, scale_client_proc  # noqa: E402
 
 
 async def _rendezvous_once(address: str, n: int, job: str, nproc: int) -> float:
@@ -181,113 +152,6 @@ def part_a(nodes: list[int], repeats: int, server: str, nproc: int = 8, kv_secon
         print(f"| {name} | {rate:,.0f} | {durable[name]:,.0f} | {durable[name] / rate:.2f} |")
 
 
-def _kv_client_proc(address: str, job: str, gen: int, first: int, clients: int, start_at: float, seconds: float,
-                    mix: str, connections: int) -> dict[str, object]:
-    """One client process: `clients` callers over `connections` connections, each caller one call at a time."""
-    value = b"x" * 64
-
-    async def run() -> dict[str, object]:
-        options = [("grpc.use_local_subchannel_pool", 1)]
-        channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(min(clients, connections))]
-        latencies: list[float] = []
-        errors = 0
-        try:
-            stubs = [pb_grpc.CoordinatorStub(channels[i % len(channels)]) for i in range(clients)]
-            health_stubs = [health_pb2_grpc.HealthStub(channels[i % len(channels)]) for i in range(clients)]
-            await asyncio.gather(*(s.KvSet(pb.KvSetRequest(job=job, generation=gen, key=f"c{first + i}/0", value=value),
-                                           timeout=60, metadata=AUTH) for i, s in enumerate(stubs)))
-            await asyncio.sleep(max(0.0, start_at - time.time()))
-            end = time.perf_counter() + seconds
-
-            async def caller(i: int, stub: pb_grpc.CoordinatorStub) -> None:
-                nonlocal errors
-                n = 0
-                while True:
-                    key = f"c{first + i}/{n % 16}"
-                    t0 = time.perf_counter()
-                    if t0 >= end:
-                        return
-                    try:
-                        if mix == "health":
-                            await health_stubs[i].Check(health_pb2.HealthCheckRequest(), timeout=30)
-                        elif mix == "set" or (mix == "mixed" and n % 2 == 0):
-                            await stub.KvSet(pb.KvSetRequest(job=job, generation=gen, key=key, value=value),
-                                             timeout=30, metadata=AUTH)
-                        else:
-                            await stub.KvGet(pb.KvGetRequest(job=job, generation=gen, key=f"c{first + i}/0"),
-                                             timeout=30, metadata=AUTH)
-                        latencies.append(time.perf_counter() - t0)
-                    except grpc.aio.AioRpcError:
-                        errors += 1
-                    n += 1
-
-            await asyncio.gather(*(caller(i, s) for i, s in enumerate(stubs)))
-        finally:
-            await asyncio.gather(*(ch.close() for ch in channels))
-        return {"latencies": latencies, "errors": errors}
-
-    return asyncio.run(run())
-
-
-def _kv_load(address: str, clients: int, procs: int, seconds: float, mix: str,
-             connections: int) -> tuple[float, float, float, int]:
-    """(ops/s, p50 ms, p99 ms, failed calls) of `clients` callers spread over `procs` processes."""
-    with connect(address, token=BENCH_CONFIG.token, call_timeout=10.0) as c:
-        node = c.register_node("kv-load").node_id
-        job = f"kv-{clients}-{time.monotonic_ns()}"
-        gen = c.join(job, node, 1, 1, 1, timeout=10.0).generation
-    start_at = time.time() + 2.0 + clients / 250
-    shares = [clients // procs + (1 if p < clients % procs else 0) for p in range(procs)]
-    children = []
-    for p, share in enumerate(shares):
-        args = json.dumps([address, job, gen, sum(shares[:p]), share, start_at, seconds, mix, connections])
-        children.append(subprocess.Popen([sys.executable, __file__, "--kv-client", args], stdout=subprocess.PIPE))
-    latencies: list[float] = []
-    errors = 0
-    for child in children:
-        out, _ = child.communicate(timeout=seconds + 120)
-        if child.returncode != 0:
-            raise RuntimeError(f"a KV client process exited {child.returncode}")
-        got = json.loads(out)
-        latencies += got["latencies"]
-        errors += got["errors"]
-    latencies.sort()
-    if not latencies:
-        return 0.0, 0.0, 0.0, errors
-    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3  # noqa: E731
-    return len(latencies) / seconds, pick(0.50), pick(0.99), errors
-
-
-def part_kv(clients: list[int], procs: int, seconds: float, mix: str, stores: list[str], connections: int,
-            rounds: int) -> None:
-    """KV ops/s and latency over gRPC for each store and client count (median of `rounds` interleaved rounds)."""
-    labels = {"memory": "in memory", "sqlite": "SQLite", "fsync": "SQLite --fsync"}
-    got: dict[tuple[str, int], list[tuple[float, float, float, int]]] = {}
-    for _ in range(rounds):
-        for store in stores:
-            with tempfile.TemporaryDirectory(prefix="axond-bench-state-") as state_dir:
-                config = BENCH_CONFIG if store == "memory" else dataclasses.replace(
-                    BENCH_CONFIG, in_memory=False, state_dir=state_dir, fsync=store == "fsync")
-                with _coordinator("process", config) as address:
-                    for n in clients:
-                        got.setdefault((store, n), []).append(
-                            _kv_load(address, n, min(procs, n), seconds, mix, connections))
-    print(f"## (kv) KV store over gRPC: {mix} calls, 64-byte values, {procs} client processes, "
-          f"{'one connection per client' if connections >= max(clients) else f'{connections} connection(s) per process'}, "
-          f"{seconds:g} s per row, median of {rounds} interleaved rounds, coordinator in its own process "
-          f"({os.cpu_count()} CPUs)\n")
-    print("| store | clients | ops/s | vs in memory | p50 ms | p99 ms | failed calls |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for store in stores:
-        for n in clients:
-            rows = got[(store, n)]
-            rate, p50, p99 = (statistics.median(r[i] for r in rows) for i in range(3))
-            base = statistics.median(r[0] for r in got[("memory", n)]) if ("memory", n) in got else None
-            ratio = f"{rate / base:.2f}" if base else "-"
-            print(f"| {labels[store]} | {n} | {rate:,.0f} | {ratio} | {p50:.1f} | {p99:.1f} | "
-                  f"{sum(r[3] for r in rows)} |")
-
-
 AXOND_RANK = "import axond; axond.init_process_group(backend='tcp'); axond.barrier(); axond.destroy_process_group()"
 TORCH_RANK = (
     "import torch.distributed as dist; dist.init_process_group('gloo'); dist.barrier(); dist.destroy_process_group()"
@@ -363,12 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     parts: dict[str, Callable[[argparse.Namespace], None]] = {
         "a": lambda args: part_a([int(x) for x in args.nodes.split(",")], args.repeats, args.server),
         "b": lambda args: part_b([int(x) for x in args.nprocs.split(",")], args.repeats),
+        "scale": lambda args: part_scale([int(x) for x in args.scale_nodes.split(",")], args.scale_procs, 8,
+                                         args.scale_heartbeats.split(","), args.scale_store, args.scale_hb_window,
+                                         args.scale_connections, [float(x) for x in args.scale_spread.split(",")]),
         "kv": lambda args: part_kv([int(x) for x in args.clients.split(",")], args.client_procs, args.kv_seconds,
-                                   args.kv_mix, args.kv_stores.split(","), args.kv_connections, args.kv_rounds),
+                                   args.kv_mix, args.kv_stores.split(","), args.kv_connections, args.kv_rounds,
+                                   tuple(args.kv_transports.split(",")), args.kv_streams),
     }
     if argv is None and sys.argv[1:2] == ["--kv-client"]:
-        print(json.dumps(_kv_client_proc(*json.loads(sys.argv[2]))))
+        print(json.dumps(kv_client_proc(*json.loads(sys.argv[2]))))
         return 0
+    if argv is None and sys.argv[1:2] == ["--scale-client"]:
+        return scale_client_proc(*json.loads(sys.argv[2]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=sorted(parts) + ["all"], default="all", help="which benchmark to run")
     parser.add_argument("--nodes", default="2,64,1024", help="(a) comma-separated simulated node counts")
@@ -378,6 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         "--server", choices=["process", "thread"], default="process",
         help="(a) run the coordinator in its own process (default) or in a thread of this one",
     )
+    parser.add_argument("--scale-nodes", default="1000,10000", help="(scale) comma-separated simulated node counts")
+    parser.add_argument("--scale-spread", default="0",
+                        help="(scale) comma-separated seconds over which the nodes send their Joins (0: all at once)")
+    parser.add_argument("--scale-procs", type=int, default=4, help="(scale) processes the nodes are spread over")
+    parser.add_argument("--scale-connections", type=int, default=64, help="(scale) connections per process")
+    parser.add_argument("--scale-heartbeats", default="stream",
+                        help="(scale) comma-separated heartbeat transports: stream (HeartbeatStream), unary")
+    parser.add_argument("--scale-store", choices=["memory", "sqlite"], default="memory", help="(scale) coordinator state")
+    parser.add_argument("--scale-hb-window", type=float, default=5.0,
+                        help="(scale) seconds of heartbeats only before the coordinator's CPU is sampled, and the sample")
     parser.add_argument("--clients", default="100,500", help="(kv) comma-separated concurrent client counts")
     parser.add_argument("--client-procs", type=int, default=4, help="(kv) processes the clients are spread over")
     parser.add_argument("--kv-connections", type=int, default=1_000_000,
@@ -387,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-mix", choices=["mixed", "set", "get", "health"], default="mixed",
                         help="(kv) what each client does: alternate set and get (default), only set, only get, or "
                         "only health checks (the gRPC server's own ceiling: no state, no commit)")
+    parser.add_argument("--kv-transports", default="unary,stream",
+                        help="(kv) comma-separated: unary (a call per request), stream (KvStream, batched)")
+    parser.add_argument("--kv-streams", type=int, default=0,
+                        help="(kv) KV streams per client process, shared by its clients (default 0: one per client)")
     parser.add_argument("--kv-stores", default="memory,sqlite,fsync",
                         help="(kv) comma-separated stores: memory, sqlite, fsync (SQLite with --fsync)")
     args = parser.parse_args(argv)

@@ -13,7 +13,7 @@ import grpc
 import grpc.aio
 
 from axond.coordinator.auth import replace_handler
-from axond.coordinator.servicer import Undecodable
+from axond.coordinator.status_codes import Undecodable
 
 PREFIX = "/axond.v1.Coordinator/"
 
@@ -40,6 +40,6 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         method: str = handler_call_details.method  # type: ignore[attr-defined]
         if handler is None or not method.startswith(PREFIX) or handler.request_deserializer is None:
             return handler
-        if not (handler.unary_unary or handler.unary_stream):
+        if not (handler.unary_unary or handler.unary_stream or handler.stream_stream):
             return handler
         return replace_handler(handler, request_deserializer=_safe(method, handler.request_deserializer))

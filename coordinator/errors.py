@@ -69,7 +69,7 @@ def check_name(what: str, value: str, limit: int = MAX_NAME_CHARS) -> str:
         raise InvalidArgument(f"{what} must be a non-empty string")
     if len(value) > limit:
         raise InvalidArgument(f"{what} is {len(value)} characters; the limit is {limit}")
-    if any(c.isspace() or not c.isprintable() for c in value):
+    if not value.isprintable() or " " in value:  # (isprintable: no control or separator character but " ")
         raise InvalidArgument(f"{what} {short(value)} must not contain whitespace or control characters")
     return value
 

@@ -151,7 +151,8 @@ class JobLifecycle:
         if j is None or (j.state.terminal and j.spec is None):
             j = self.new_job(job, min_nodes, max_nodes, max_restarts)
         self._check_join(j, node, min_nodes, max_nodes, max_restarts)
-        pending = sum(x.nproc for nid, x in j.round.joiners.items() if nid != node_id)
+        again = j.round.joiners.get(node_id)
+        pending = j.round.joined_ranks - (again.nproc if again is not None else 0)
         if pending + nproc > limits.max_world_size:
             raise InvalidArgument(
                 f"job {short(job)} would have more than {limits.max_world_size} ranks (max_world_size)"

@@ -45,6 +45,9 @@ class Round:
         self.min_reached_at: float | None = None
         self.members: list[Member] | None = None
         self._by_node: dict[str, Member] = {}
+        self.joined_ranks = 0
+        """Ranks of the joiners so far (kept as they come and go: O(1) per Join at 10,000 nodes)."""
+        self._world: tuple[list[Member] | None, int] = (None, 0)
 
     @property
     def frozen(self) -> bool:
@@ -52,18 +55,30 @@ class Round:
 
     @property
     def world_size(self) -> int:
-        return sum(m.nproc for m in self.members or [])
+        """Ranks of the frozen generation (0 while open); summed once per membership, not per call."""
+        members = self.members
+        if members is None:
+            return 0
+        if self._world[0] is not members:
+            self._world = (members, sum(m.nproc for m in members))
+        return self._world[1]
 
     def add(self, node_id: str, order_key: tuple[str, int], nproc: int, now: float) -> None:
         """Add or update a joiner of this open round."""
+        old = self.joiners.get(node_id)
+        self.joined_ranks += nproc - (old.nproc if old is not None else 0)
         self.joiners[node_id] = _Joiner(order_key, order_key[0], nproc)
         if self.min_reached_at is None and len(self.joiners) >= self.min_nodes:
             self.min_reached_at = now
 
     def remove(self, node_id: str) -> bool:
         """Drop a joiner that left before the freeze."""
-        if self.frozen or self.joiners.pop(node_id, None) is None:
+        if self.frozen:
             return False
+        old = self.joiners.pop(node_id, None)
+        if old is None:
+            return False
+        self.joined_ranks -= old.nproc
         if len(self.joiners) < self.min_nodes:
             self.min_reached_at = None
         return True

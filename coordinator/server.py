@@ -45,6 +45,11 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.so_reuseport", 0),
+    # gRPC core cancels (CANCELLED, at random) calls that arrive while more than 1,000 wait for the Python
+    # server to pick them up (3,000: all of them); a burst of thousands of nodes registering or joining at once
+    # does that. Admission control is the coordinator's own (max_concurrent_calls: RESOURCE_EXHAUSTED, retried).
+    ("grpc.server.max_pending_requests", 1 << 20),
+    ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
 ]
 
 

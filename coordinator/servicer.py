@@ -17,69 +17,23 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from axond.coordinator.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    OutOfRange,
-    PermissionDenied,
-    ResourceExhausted,
-    StateError,
-    Unavailable,
-    check_wait,
-)
-from axond.coordinator.jobs import FinishedEvent, InfoEvent, JobSpec, JobState, OutputEvent
+from axond.coordinator.errors import InvalidArgument, StateError, check_wait
+from axond.coordinator.heartbeat_stream import heartbeat_reply, job_state_pb, serve_heartbeats
+from axond.coordinator.jobs import FinishedEvent, InfoEvent, JobSpec, OutputEvent
+from axond.coordinator.kv_calls import KvCalls, WaitExpired, bounded
+from axond.coordinator.kv_stream import KvStreamHandler
 from axond.coordinator.persistence.group_commit import GroupCommit
 from axond.coordinator.state import CoordinatorState
+from axond.coordinator.status_codes import MAX_DETAIL_CHARS, STATUS_OF, Undecodable, status_of
 from axond.coordinator.waiting import WaitHub
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("axond.coordinator")
 
-STATUS_OF: dict[type[StateError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-}
-
-MAX_DETAIL_CHARS = 2000
-"""Longest status detail sent back (details travel in metadata, which has a 16 KiB limit)."""
-
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[["CoordinatorServicer", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
-
-
-class _Deadline(Exception):
-    """A server-side wait ran out; becomes DEADLINE_EXCEEDED."""
-
-
-class Undecodable:
-    """A request body that did not parse (see `decoding_safely`); answered with INVALID_ARGUMENT."""
-
-    def __init__(self, method: str, error: str) -> None:
-        self.method, self.error = method, error
-
-
-def status_of(e: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    """The status a domain exception maps to (None: not a domain exception), detail cut to size."""
-    if isinstance(e, StateError):
-        code = STATUS_OF.get(type(e), grpc.StatusCode.FAILED_PRECONDITION)
-    elif isinstance(e, _Deadline):
-        code = grpc.StatusCode.DEADLINE_EXCEEDED
-    else:
-        return None
-    text = str(e)
-    if len(text) > MAX_DETAIL_CHARS:
-        text = text[:MAX_DETAIL_CHARS] + "..."
-    return code, text
 
 
 def _check_decoded(request: Any) -> None:
@@ -101,13 +55,13 @@ def _translated(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
                 await commits.room()
             try:
                 reply = await fn(self, request, context)
-            except (StateError, _Deadline):
+            except (StateError, WaitExpired):
                 await commits.durable()
                 raise
             if commits.needed > commits.committed or commits.failed is not None:
                 await commits.durable()
             return reply
-        except (StateError, _Deadline) as e:
+        except (StateError, WaitExpired) as e:
             code, text = status_of(e)  # type: ignore[misc]
             await context.abort(code, text)
         except Exception as e:
@@ -116,25 +70,6 @@ def _translated(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper
-
-
-def _wait_limit(context: grpc.aio.ServicerContext, wait_s: float) -> float:
-    remaining = context.time_remaining()
-    return wait_s if remaining is None else max(0.0, min(wait_s, remaining))
-
-
-JOB_STATE_PB: dict[JobState, pb.JobState] = {
-    JobState.PENDING: pb.JOB_STATE_PENDING,
-    JobState.RUNNING: pb.JOB_STATE_RUNNING,
-    JobState.RESTARTING: pb.JOB_STATE_RESTARTING,
-    JobState.SUCCEEDED: pb.JOB_STATE_SUCCEEDED,
-    JobState.FAILED: pb.JOB_STATE_FAILED,
-    JobState.CANCELLED: pb.JOB_STATE_CANCELLED,
-}
-
-
-def _job_state_pb(state: JobState | None) -> pb.JobState:
-    return JOB_STATE_PB[state] if state is not None else pb.JOB_STATE_UNSPECIFIED
 
 
 def _event_pb(event: OutputEvent | InfoEvent | FinishedEvent) -> pb.JobEvent:
@@ -153,6 +88,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.state = state
         self.hub = hub
         self.commits = commits
+        self.kv = KvCalls(state, hub)
+        self.kv_stream = KvStreamHandler(self.kv, commits)
 
     @_translated
     async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Any) -> pb.RegisterNodeResponse:
@@ -167,12 +104,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        self.state.authenticate(request.node_id, request.node_secret)
-        r = self.state.heartbeat(
-            request.node_id, request.job, request.generation, time.monotonic(), tuple(request.local_pids)
-        )
-        return pb.HeartbeatResponse(generation=r.generation, job_state=_job_state_pb(r.state), reason=r.reason,
-                                    heartbeat_interval_s=r.interval)
+        return heartbeat_reply(self.state, request)
 
     @_translated
     async def DeregisterNode(self, request: pb.DeregisterNodeRequest, context: Any) -> pb.DeregisterNodeResponse:
@@ -192,7 +124,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             since = self.state.jobs[job].generation
             try:
                 got = await self.hub.until(
-                    _wait_limit(context, timeout),
+                    bounded(timeout, context.time_remaining()),
                     lambda: self.state.join_result(job, node, time.monotonic(), since),
                     lambda: [("job", job)],
                 )
@@ -202,7 +134,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if got is None:
                 progress = self.state.rendezvous_progress(job)
                 self.state.leave_rendezvous(job, node)
-                raise _Deadline(
+                raise WaitExpired(
                     f"rendezvous of job {job!r} did not complete within {timeout:g} s "
                     f"({progress}); start the missing workers or lower --nnodes"
                 )
@@ -234,79 +166,43 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
-        self.state.kv_set(request.job, request.generation, request.key, request.value)
-        return pb.KvSetResponse()
+        return await self.kv.set(request, context.time_remaining())
 
     @_translated
     async def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
-        wait_s = check_wait("wait_s", request.wait_s)
-        job, gen, key = request.job, request.generation, request.key
-        value = self.state.kv_get(job, gen, key)
-        if value is None and wait_s > 0:
-            value = await self.hub.until(
-                _wait_limit(context, wait_s),
-                lambda: self.state.kv_get(job, gen, key),
-                lambda: [("key", job, gen, key), ("job", job)],
-            )
-            if value is None:
-                raise _Deadline(f"store key {key!r} of job {job!r} was not set within {wait_s:g} s")
-        if value is None:
-            raise NotFound(f"store key {key!r} of job {job!r} generation {gen} is not set")
-        return pb.KvGetResponse(value=value)
+        return await self.kv.get(request, context.time_remaining())
 
     @_translated
     async def KvAdd(self, request: pb.KvAddRequest, context: Any) -> pb.KvAddResponse:
-        return pb.KvAddResponse(value=self.state.kv_add(request.job, request.generation, request.key, request.delta))
+        return await self.kv.add(request, context.time_remaining())
 
     @_translated
     async def KvCompareAndSet(self, request: pb.KvCompareAndSetRequest, context: Any) -> pb.KvCompareAndSetResponse:
-        expected = None if request.expect_unset else request.expected
-        swapped, current = self.state.kv_compare_set(
-            request.job, request.generation, request.key, expected, request.desired
-        )
-        return pb.KvCompareAndSetResponse(swapped=swapped, is_set=current is not None, current=current or b"")
+        return await self.kv.compare_set(request, context.time_remaining())
 
     @_translated
     async def KvDelete(self, request: pb.KvDeleteRequest, context: Any) -> pb.KvDeleteResponse:
-        return pb.KvDeleteResponse(existed=self.state.kv_delete(request.job, request.generation, request.key))
+        return await self.kv.delete(request, context.time_remaining())
 
     @_translated
     async def KvWait(self, request: pb.KvWaitRequest, context: Any) -> pb.KvWaitResponse:
-        wait_s = check_wait("wait_s", request.wait_s)
-        job, gen, keys = request.job, request.generation, list(request.keys)
-        missing = self.state.kv_missing(job, gen, keys)
-        if missing:
-            done = await self.hub.until(
-                _wait_limit(context, wait_s),
-                lambda: True if not self.state.kv_missing(job, gen, keys) else None,
-                lambda: [("key", job, gen, self.state.kv_missing(job, gen, keys)[0]), ("job", job)],
-            )
-            if done is None:
-                missing = self.state.kv_missing(job, gen, keys)
-                raise _Deadline(f"store keys {missing[:4]} of job {job!r} were not set within {wait_s:g} s")
-        return pb.KvWaitResponse()
+        return await self.kv.wait(request, context.time_remaining())
 
     @_translated
     async def Barrier(self, request: pb.BarrierRequest, context: Any) -> pb.BarrierResponse:
-        wait_s = check_wait("wait_s", request.wait_s)
-        job, gen, name = request.job, request.generation, request.name
-        if request.arrival_id:
-            arrival = "id:" + request.arrival_id
-        elif request.participant < request.world_size:
-            arrival = f"participant:{request.participant}"
-        else:
-            raise InvalidArgument(
-                f"barrier {name!r}: participant {request.participant} is outside 0..{request.world_size - 1}"
-            )
-        if not self.state.barrier_arrive(job, gen, name, request.world_size, arrival):
-            done = await self.hub.until(
-                _wait_limit(context, wait_s),
-                lambda: True if self.state.barrier_done(job, gen, name) else None,
-                lambda: [("barrier", job, gen, name), ("job", job)],
-            )
-            if done is None:
-                raise _Deadline(f"barrier {name!r} of job {job!r} did not complete within {wait_s:g} s")
-        return pb.BarrierResponse()
+        return await self.kv.barrier(request, context.time_remaining())
+
+    async def KvStream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.KvStreamResponse]:
+        """The KV calls over one stream (see kv_stream.py)."""
+        async for response in self.kv_stream.serve(requests, context):
+            yield response
+
+    async def HeartbeatStream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+                              ) -> AsyncIterator[pb.HeartbeatResponse]:
+        """Heartbeats over one stream per node (see heartbeat_stream.py)."""
+        async for response in serve_heartbeats(self.state, self.commits, requests, context):
+            yield response
 
     @_translated
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Any) -> pb.SubmitJobResponse:
@@ -332,7 +228,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
         got = take()
         if got is None and wait_s > 0:
-            got = await self.hub.until(_wait_limit(context, wait_s), take, lambda: [("work", node)])
+            got = await self.hub.until(bounded(wait_s, context.time_remaining()), take, lambda: [("work", node)])
         work, cancelled = got or ([], [])
         return pb.PollWorkResponse(
             assignments=[
@@ -402,7 +298,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             ],
             jobs=[
                 pb.JobStatus(
-                    job=j.job, state=_job_state_pb(j.state), generation=j.generation, world_size=j.world_size,
+                    job=j.job, state=job_state_pb(j.state), generation=j.generation, world_size=j.world_size,
                     nnodes=j.nnodes, restarts=j.restarts, max_restarts=j.max_restarts, reason=j.reason,
                     ranks=[
                         pb.RankStatus(

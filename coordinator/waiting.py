@@ -42,9 +42,11 @@ class WaitHub:
         fut: asyncio.Future[None] = self._loop.create_future()
         for topic in topics:
             self._waiters.setdefault(topic, set()).add(fut)
+        timer = self._loop.call_later(max(0.0, timeout), _wake_one, fut)  # (cheaper than asyncio.wait per waiter)
         try:
-            await asyncio.wait([fut], timeout=max(0.0, timeout))
+            await fut
         finally:
+            timer.cancel()
             for topic in topics:
                 waiting = self._waiters.get(topic)
                 if waiting is not None:
@@ -65,3 +67,8 @@ class WaitHub:
             if left <= 0:
                 return None
             await self.wait(topics(), left)
+
+
+def _wake_one(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -317,14 +317,16 @@ def test_a_full_coordinator_turns_calls_away_at_once_and_clients_retry(
     with connect(running.address, call_timeout=10.0) as c:
         node = c.register_node("h").node_id
         c.join("j", node, 1, 1, 1, timeout=5.0)
-        store = c.store("j", 1)
         expired: list[BaseException] = []
 
         def park() -> None:
+            store = c.store("j", 1)  # a store each: each long-poll holds a call (one KV stream per store)
             try:
                 store.get("never-set", timeout=1.5)
             except StoreError as e:
                 expired.append(e)
+            finally:
+                store.close()
 
         waiters = [threading.Thread(target=park) for _ in range(4)]
         for t in waiters:

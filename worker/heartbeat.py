@@ -7,6 +7,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import grpc
+
+from axond.control.heartbeat_stream import HeartbeatStream
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 
@@ -21,12 +24,15 @@ class Heartbeater:
     `changed` is set whenever an answer arrives, so a runner can wake up at once. The lease is the
     coordinator's: a node not heard from for `lease` seconds is declared dead there, so a node whose
     heartbeats go unanswered that long must stop its ranks (`lease_lost`). Losing and regaining
-    contact is announced through `notice`.
+    contact is announced through `notice`. Heartbeats travel over one long-lived stream
+    (`HeartbeatStream`, far cheaper for the coordinator than a call each) unless `streamed` is False or
+    the coordinator does not serve it (then as unary calls).
     """
 
     def __init__(self, client: CoordinatorClient, node_id: str, interval: float, lease: float | None = None,
-                 notice: Callable[[str], None] | None = None) -> None:
+                 notice: Callable[[str], None] | None = None, streamed: bool = True) -> None:
         self._client = client
+        self._stream = HeartbeatStream(client, node_id) if streamed else None
         self._node_id = node_id
         self._interval = max(0.05, interval)
         self.lease = lease if lease is not None and lease > 0 else 5 * self._interval
@@ -81,6 +87,8 @@ class Heartbeater:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the thread (bounded wait)."""
         self._stop.set()
+        if self._stream is not None:
+            self._stream.close()  # first: a heartbeat waiting on it ends at once
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout)
 
@@ -114,11 +122,9 @@ class Heartbeater:
             pids = dict(self._pids)
         for job, generation in jobs.items():
             local_pids = pids[job]() if job in pids else ()
+            timeout = max(0.2, min(self._client.call_timeout, self.lease / 2))
             try:
-                resp = self._client.heartbeat(
-                    self._node_id, job=job, generation=generation, local_pids=local_pids,
-                    timeout=max(0.2, min(self._client.call_timeout, self.lease / 2)),
-                )
+                resp = self._send(job, generation, local_pids, timeout)
             except (CoordinatorError, ValueError) as e:
                 self.last_error = str(e)
                 self._contact_lost(str(e).split(" (")[0][-200:])
@@ -132,6 +138,24 @@ class Heartbeater:
                 if job and self._jobs.get(job) == generation:
                     self._latest[job] = resp
             self.changed.set()
+
+    def _send(self, job: str, generation: int, local_pids: Sequence[int], timeout: float) -> pb.HeartbeatResponse:
+        """One heartbeat over the stream; as a unary call without one, or when the stream failed (the unary
+        call retries, and fails over between coordinator replicas)."""
+        deadline = time.monotonic() + timeout
+        if self._stream is not None and not self._stream.unsupported:
+            try:
+                return self._stream.beat(pb.HeartbeatRequest(
+                    node_id=self._node_id, job=job, generation=generation,
+                    node_secret=self._client.node_secret(self._node_id), local_pids=list(local_pids),
+                ), timeout)
+            except CoordinatorError as e:
+                cause = e.__cause__
+                ended = isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.UNAVAILABLE
+                if self._stop.is_set() or (not ended and not self._stream.unsupported):
+                    raise
+        return self._client.heartbeat(self._node_id, job=job, generation=generation, local_pids=local_pids,
+                                      timeout=max(0.2, deadline - time.monotonic()))
 
     def _pace(self, interval: float) -> None:
         """Heartbeat at the interval the coordinator asks for (it grows with the cluster), the lease with it."""

@@ -99,7 +99,9 @@ class _CallDetails(
     pass
 
 
-class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _TokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClientInterceptor
+):
     """Adds `authorization: Bearer <token>` to every call."""
 
     def __init__(self, token: str | Callable[[], str | None]) -> None:
@@ -115,6 +117,10 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
 
     def intercept_unary_stream(self, continuation: Callable[..., Any], client_call_details: Any, request: Any) -> Any:
         return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_stream(self, continuation: Callable[..., Any], client_call_details: Any,
+                                request_iterator: Any) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
 
 
 def read_file(path: str, what: str) -> bytes:

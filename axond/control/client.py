@@ -107,6 +107,11 @@ class CoordinatorClient:
         return self._token() if isinstance(self._token, LocalToken) else self._token
 
     @property
+    def reached(self) -> bool:
+        """Whether a call has got through to the coordinator (until then calls honour `connect_wait`)."""
+        return self._reached
+
+    @property
     def active_address(self) -> str:
         """Where calls go now (with several replicas: the leader, as far as this client knows)."""
         return self._replicas.active_address if self._replicas is not None else self.address

@@ -1,13 +1,21 @@
-"""`CoordinatorStore`: the `axond.store.Store` of one job generation, kept by the coordinator."""
+"""`CoordinatorStore`: the `axond.store.Store` of one job generation, kept by the coordinator.
+
+Its calls travel over one KV stream per store (`kv_stream.py`: many callers' requests batched on one
+long-lived call, far cheaper for the coordinator than a call each), or as unary calls when the
+coordinator does not serve the stream or `streamed=False`.
+"""
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from axond.control.errors import translate
+from axond.control.kv_stream import KvStatus, KvStreamClient
 from axond.errors import StoreError, StoreTimeout
 from axond.store import MAX_VALUE_BYTES, Store
 from axond.v1 import coordinator_pb2 as pb
@@ -23,7 +31,8 @@ class CoordinatorStore(Store):
     generation must exit. An expired wait raises StoreTimeout.
     """
 
-    def __init__(self, client: CoordinatorClient, job: str, generation: int) -> None:
+    def __init__(self, client: CoordinatorClient, job: str, generation: int, streamed: bool = True) -> None:
+        """`streamed`: send the calls over one KV stream (False: one unary call each)."""
         if not job:
             raise StoreError("the store needs a job name (AXOND_JOB)")
         if generation < 1:
@@ -31,6 +40,27 @@ class CoordinatorStore(Store):
         self.client = client
         self.job = job
         self.generation = generation
+        self._stream = KvStreamClient(client, f"{job}-{generation}") if streamed else None
+
+    def _call(self, op: str, kind: str, method: Callable[..., Any], request: Any, wait: float = 0.0,
+              retry: bool = False) -> Any:
+        """`request` over the KV stream (the unary `method` without one), deadline `wait` + the call timeout."""
+        stream = self._stream
+        # Until a first call got through, unary calls: they wait for a coordinator that is still starting
+        # (the client's connect_wait).
+        if stream is not None and not stream.unsupported and self.client.reached:
+            try:
+                return stream.call(kind, request, time.monotonic() + wait + self.client.call_timeout)
+            except KvStatus as e:
+                resend = retry and e.stream_ended and e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                if not stream.unsupported and not resend:
+                    raise translate(op, self.client.address, e, store=True) from e
+        return self.client.call(op, method, request, wait=wait, retry=retry, store=True)
+
+    def close(self) -> None:
+        """End the store's KV stream (the coordinator keeps the keys)."""
+        if self._stream is not None:
+            self._stream.close()
 
     def _check_value(self, key: str, value: bytes) -> None:
         if len(value) > MAX_VALUE_BYTES:
@@ -45,13 +75,13 @@ class CoordinatorStore(Store):
     def set(self, key: str, value: bytes) -> None:
         self._check_value(key, value)
         req = pb.KvSetRequest(job=self.job, generation=self.generation, key=key, value=bytes(value))
-        self.client.call("KvSet", self.client.stub.KvSet, req, retry=True, store=True)
+        self._call("KvSet", "set", self.client.stub.KvSet, req, retry=True)
 
     def get(self, key: str, timeout: float) -> bytes:
         self._check_timeout(timeout)
         req = pb.KvGetRequest(job=self.job, generation=self.generation, key=key, wait_s=timeout)
         try:
-            return self.client.call("KvGet", self.client.stub.KvGet, req, wait=timeout, retry=True, store=True).value
+            return self._call("KvGet", "get", self.client.stub.KvGet, req, wait=timeout, retry=True).value
         except StoreError as e:
             if isinstance(e.__cause__, grpc.RpcError) and e.__cause__.code() == grpc.StatusCode.NOT_FOUND and timeout == 0:
                 raise StoreTimeout(f"store key {key!r} is not set (waited 0 s)") from e
@@ -60,7 +90,7 @@ class CoordinatorStore(Store):
     def try_get(self, key: str) -> bytes | None:
         req = pb.KvGetRequest(job=self.job, generation=self.generation, key=key, wait_s=0.0)
         try:
-            return self.client.call("KvGet", self.client.stub.KvGet, req, retry=True, store=True).value
+            return self._call("KvGet", "get", self.client.stub.KvGet, req, retry=True).value
         except StoreError as e:
             if isinstance(e.__cause__, grpc.RpcError) and e.__cause__.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -68,7 +98,7 @@ class CoordinatorStore(Store):
 
     def add(self, key: str, delta: int) -> int:
         req = pb.KvAddRequest(job=self.job, generation=self.generation, key=key, delta=delta)
-        return self.client.call("KvAdd", self.client.stub.KvAdd, req, store=True).value
+        return self._call("KvAdd", "add", self.client.stub.KvAdd, req).value
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
         self._check_value(key, desired)
@@ -76,17 +106,17 @@ class CoordinatorStore(Store):
             job=self.job, generation=self.generation, key=key, expect_unset=expected is None,
             expected=expected or b"", desired=bytes(desired),
         )
-        resp = self.client.call("KvCompareAndSet", self.client.stub.KvCompareAndSet, req, store=True)
+        resp = self._call("KvCompareAndSet", "compare_set", self.client.stub.KvCompareAndSet, req)
         return resp.swapped, (resp.current if resp.is_set else None)
 
     def delete(self, key: str) -> bool:
         req = pb.KvDeleteRequest(job=self.job, generation=self.generation, key=key)
-        return self.client.call("KvDelete", self.client.stub.KvDelete, req, store=True).existed
+        return self._call("KvDelete", "delete", self.client.stub.KvDelete, req).existed
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         self._check_timeout(timeout)
         req = pb.KvWaitRequest(job=self.job, generation=self.generation, keys=list(keys), wait_s=timeout)
-        self.client.call("KvWait", self.client.stub.KvWait, req, wait=timeout, retry=True, store=True)
+        self._call("KvWait", "wait", self.client.stub.KvWait, req, wait=timeout, retry=True)
 
     def barrier(self, name: str, world_size: int, timeout: float) -> None:
         """The coordinator's native barrier; each call is one arrival (retries reuse its id)."""
@@ -97,4 +127,4 @@ class CoordinatorStore(Store):
             job=self.job, generation=self.generation, name=name, world_size=world_size,
             wait_s=timeout, arrival_id=uuid.uuid4().hex,
         )
-        self.client.call("Barrier", self.client.stub.Barrier, req, wait=timeout, retry=True, store=True)
+        self._call("Barrier", "barrier", self.client.stub.Barrier, req, wait=timeout, retry=True)

@@ -311,6 +311,62 @@ class BarrierResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class KvOp(_message.Message):
+    __slots__ = ("id", "set", "get", "add", "compare_set", "delete", "wait", "barrier")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SET_FIELD_NUMBER: _ClassVar[int]
+    GET_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    COMPARE_SET_FIELD_NUMBER: _ClassVar[int]
+    DELETE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    set: KvSetRequest
+    get: KvGetRequest
+    add: KvAddRequest
+    compare_set: KvCompareAndSetRequest
+    delete: KvDeleteRequest
+    wait: KvWaitRequest
+    barrier: BarrierRequest
+    def __init__(self, id: _Optional[int] = ..., set: _Optional[_Union[KvSetRequest, _Mapping]] = ..., get: _Optional[_Union[KvGetRequest, _Mapping]] = ..., add: _Optional[_Union[KvAddRequest, _Mapping]] = ..., compare_set: _Optional[_Union[KvCompareAndSetRequest, _Mapping]] = ..., delete: _Optional[_Union[KvDeleteRequest, _Mapping]] = ..., wait: _Optional[_Union[KvWaitRequest, _Mapping]] = ..., barrier: _Optional[_Union[BarrierRequest, _Mapping]] = ...) -> None: ...
+
+class KvStreamRequest(_message.Message):
+    __slots__ = ("ops",)
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[KvOp]
+    def __init__(self, ops: _Optional[_Iterable[_Union[KvOp, _Mapping]]] = ...) -> None: ...
+
+class KvResult(_message.Message):
+    __slots__ = ("id", "code", "message", "set", "get", "add", "compare_set", "delete", "wait", "barrier")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SET_FIELD_NUMBER: _ClassVar[int]
+    GET_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    COMPARE_SET_FIELD_NUMBER: _ClassVar[int]
+    DELETE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    message: str
+    set: KvSetResponse
+    get: KvGetResponse
+    add: KvAddResponse
+    compare_set: KvCompareAndSetResponse
+    delete: KvDeleteResponse
+    wait: KvWaitResponse
+    barrier: BarrierResponse
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., set: _Optional[_Union[KvSetResponse, _Mapping]] = ..., get: _Optional[_Union[KvGetResponse, _Mapping]] = ..., add: _Optional[_Union[KvAddResponse, _Mapping]] = ..., compare_set: _Optional[_Union[KvCompareAndSetResponse, _Mapping]] = ..., delete: _Optional[_Union[KvDeleteResponse, _Mapping]] = ..., wait: _Optional[_Union[KvWaitResponse, _Mapping]] = ..., barrier: _Optional[_Union[BarrierResponse, _Mapping]] = ...) -> None: ...
+
+class KvStreamResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[KvResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[KvResult, _Mapping]]] = ...) -> None: ...
+
 class SubmitJobRequest(_message.Message):
     __slots__ = ("job", "nnodes", "nproc_per_node", "argv", "env", "max_restarts", "cwd")
     class EnvEntry(_message.Message):

@@ -49,6 +49,11 @@ class CoordinatorStub:
                 request_serializer=axond_dot_v1_dot_coordinator__pb2.DeregisterNodeRequest.SerializeToString,
                 response_deserializer=axond_dot_v1_dot_coordinator__pb2.DeregisterNodeResponse.FromString,
                 _registered_method=True)
+        self.HeartbeatStream = channel.stream_stream(
+                '/axond.v1.Coordinator/HeartbeatStream',
+                request_serializer=axond_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=axond_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.Join = channel.unary_unary(
                 '/axond.v1.Coordinator/Join',
                 request_serializer=axond_dot_v1_dot_coordinator__pb2.JoinRequest.SerializeToString,
@@ -98,6 +103,11 @@ class CoordinatorStub:
                 '/axond.v1.Coordinator/Barrier',
                 request_serializer=axond_dot_v1_dot_coordinator__pb2.BarrierRequest.SerializeToString,
                 response_deserializer=axond_dot_v1_dot_coordinator__pb2.BarrierResponse.FromString,
+                _registered_method=True)
+        self.KvStream = channel.stream_stream(
+                '/axond.v1.Coordinator/KvStream',
+                request_serializer=axond_dot_v1_dot_coordinator__pb2.KvStreamRequest.SerializeToString,
+                response_deserializer=axond_dot_v1_dot_coordinator__pb2.KvStreamResponse.FromString,
                 _registered_method=True)
         self.SubmitJob = channel.unary_unary(
                 '/axond.v1.Coordinator/SubmitJob',
@@ -149,6 +159,14 @@ class CoordinatorServicer:
 
     def DeregisterNode(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatStream(self, request_iterator, context):
+        """The same heartbeats over one long-lived stream per node: one answer per request, in order (far
+        cheaper for the coordinator than a call each). An error ends the stream with its status.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -217,6 +235,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvStream(self, request_iterator, context):
+        """The KV calls over one long-lived stream: each request carries a client-chosen id and is answered
+        with that id and its own status (the stream stays open); answers may come out of order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitJob(self, request, context):
         """Jobs submitted with `axond run` and run by worker daemons.
         """
@@ -273,6 +299,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=axond_dot_v1_dot_coordinator__pb2.DeregisterNodeRequest.FromString,
                     response_serializer=axond_dot_v1_dot_coordinator__pb2.DeregisterNodeResponse.SerializeToString,
             ),
+            'HeartbeatStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HeartbeatStream,
+                    request_deserializer=axond_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
+                    response_serializer=axond_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
+            ),
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
                     request_deserializer=axond_dot_v1_dot_coordinator__pb2.JoinRequest.FromString,
@@ -322,6 +353,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Barrier,
                     request_deserializer=axond_dot_v1_dot_coordinator__pb2.BarrierRequest.FromString,
                     response_serializer=axond_dot_v1_dot_coordinator__pb2.BarrierResponse.SerializeToString,
+            ),
+            'KvStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.KvStream,
+                    request_deserializer=axond_dot_v1_dot_coordinator__pb2.KvStreamRequest.FromString,
+                    response_serializer=axond_dot_v1_dot_coordinator__pb2.KvStreamResponse.SerializeToString,
             ),
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
@@ -435,6 +471,33 @@ class Coordinator:
             '/axond.v1.Coordinator/DeregisterNode',
             axond_dot_v1_dot_coordinator__pb2.DeregisterNodeRequest.SerializeToString,
             axond_dot_v1_dot_coordinator__pb2.DeregisterNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/axond.v1.Coordinator/HeartbeatStream',
+            axond_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+            axond_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -705,6 +768,33 @@ class Coordinator:
             '/axond.v1.Coordinator/Barrier',
             axond_dot_v1_dot_coordinator__pb2.BarrierRequest.SerializeToString,
             axond_dot_v1_dot_coordinator__pb2.BarrierResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/axond.v1.Coordinator/KvStream',
+            axond_dot_v1_dot_coordinator__pb2.KvStreamRequest.SerializeToString,
+            axond_dot_v1_dot_coordinator__pb2.KvStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
