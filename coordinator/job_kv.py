@@ -33,18 +33,34 @@ class JobKv:
     def get(self, job: str, generation: int, key: str) -> bytes | None:
         return self.space(job, generation).get(key)
 
-    def add(self, job: str, generation: int, key: str, delta: int) -> int:
-        value = self.space(job, generation).add(key, delta)
+    def add(self, job: str, generation: int, key: str, delta: int, request_id: str = "") -> int:
+        space = self.space(job, generation)
+        if request_id:
+            answer = space.answer_of(request_id)
+            if answer is not None:  # a retry of an add that happened: its first answer, nothing added again
+                return int(answer)
+        value = space.add(key, delta)
         self.ctx.notify("key", job, generation, key)
+        if request_id:
+            self._keep(job, space, request_id, str(value).encode())
         return value
 
     def compare_set(
-        self, job: str, generation: int, key: str, expected: bytes | None, desired: bytes
+        self, job: str, generation: int, key: str, expected: bytes | None, desired: bytes, request_id: str = ""
     ) -> tuple[bool, bytes | None]:
-        swapped, current = self.space(job, generation).compare_set(key, expected, desired)
+        space = self.space(job, generation)
+        if request_id and space.answer_of(request_id) is not None:
+            return True, space.get(key)  # a retry of a swap that happened (a failed one changed nothing: re-run)
+        swapped, current = space.compare_set(key, expected, desired)
         if swapped:
             self.ctx.notify("key", job, generation, key)
+            if request_id:
+                self._keep(job, space, request_id, b"swapped")
         return swapped, current
+
+    def _keep(self, job: str, space: KvSpace, request_id: str, answer: bytes) -> None:
+        for changed in space.keep_answer(request_id, answer):
+            self.ctx.mark_kv(job, changed)
 
     def delete(self, job: str, generation: int, key: str) -> bool:
         existed = self.space(job, generation).delete(key)

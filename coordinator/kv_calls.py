@@ -50,13 +50,14 @@ class KvCalls:
         return pb.KvGetResponse(value=value)
 
     async def add(self, request: pb.KvAddRequest, remaining: float | None = None) -> pb.KvAddResponse:
-        return pb.KvAddResponse(value=self.state.kv_add(request.job, request.generation, request.key, request.delta))
+        return pb.KvAddResponse(value=self.state.kv_add(request.job, request.generation, request.key, request.delta,
+                                                        request.request_id))
 
     async def compare_set(self, request: pb.KvCompareAndSetRequest,
                           remaining: float | None = None) -> pb.KvCompareAndSetResponse:
         expected = None if request.expect_unset else request.expected
         swapped, current = self.state.kv_compare_set(
-            request.job, request.generation, request.key, expected, request.desired
+            request.job, request.generation, request.key, expected, request.desired, request.request_id
         )
         return pb.KvCompareAndSetResponse(swapped=swapped, is_set=current is not None, current=current or b"")
 

@@ -25,9 +25,19 @@ ARRIVAL_OVERHEAD = 64
 """Bytes charged per barrier (and per arrival) on top of its name or id."""
 
 
+ANSWERED_PREFIX = "\x00answered:"
+"""Where a space keeps the answers of requests that carried a request id (a retry gets the first answer): keys
+like any other, so they are charged, committed and restored with the store. User keys cannot start with NUL."""
+MAX_ANSWERED = 1024
+"""Answers kept per (job, generation); the oldest go first."""
+MAX_REQUEST_ID_CHARS = 64
+
+
 def check_key(key: str, limit: int = MAX_KEY_CHARS) -> str:
     if not key:
         raise InvalidArgument("store key must be a non-empty string")
+    if key[0] == "\x00":
+        raise InvalidArgument("store keys cannot start with a NUL character (reserved for the coordinator)")
     if len(key) > limit:
         raise InvalidArgument(f"store key of {len(key)} characters; the limit is {limit}")
     return key
@@ -71,6 +81,8 @@ class KvSpace:
         self.data: dict[str, bytes] = {}
         self.barriers: dict[str, BarrierState] = {}
         self._bytes = 0
+        self._answered: list[str] | None = None
+        """Keys of the kept answers, oldest first (built from `data` on first use: a restored space has them)."""
 
     def _charge(self, grow: int) -> None:
         """Account `grow` more bytes (negative: fewer), refusing growth past either limit."""
@@ -87,6 +99,28 @@ class KvSpace:
                 )
         self._bytes += grow
         self.budget.used += grow
+
+    def answer_of(self, request_id: str) -> bytes | None:
+        """The answer kept for `request_id` (validated), or None if it was not answered (or was forgotten)."""
+        if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+        return self.data.get(ANSWERED_PREFIX + request_id)
+
+    def keep_answer(self, request_id: str, answer: bytes) -> list[str]:
+        """Keep `answer` for `request_id`; the keys changed (it, and the oldest answers dropped past MAX_ANSWERED)."""
+        if self._answered is None:
+            self._answered = [k for k in self.data if k.startswith(ANSWERED_PREFIX)]
+        key = ANSWERED_PREFIX + request_id
+        self._put(key, answer)
+        self._answered.append(key)
+        changed = [key]
+        while len(self._answered) > MAX_ANSWERED:
+            old = self._answered.pop(0)
+            value = self.data.pop(old, None)
+            if value is not None:
+                self._charge(-(len(old) + len(value)))
+                changed.append(old)
+        return changed
 
     def release(self) -> None:
         """Give this space's bytes back to the budget (the generation or job is gone)."""

@@ -224,15 +224,15 @@ class CoordinatorState:
         with self.lock:
             return self.kv.get(job, generation, key)
 
-    def kv_add(self, job: str, generation: int, key: str, delta: int) -> int:
+    def kv_add(self, job: str, generation: int, key: str, delta: int, request_id: str = "") -> int:
         with self.lock:
-            return self.kv.add(job, generation, key, delta)
+            return self.kv.add(job, generation, key, delta, request_id)
 
     def kv_compare_set(
-        self, job: str, generation: int, key: str, expected: bytes | None, desired: bytes
+        self, job: str, generation: int, key: str, expected: bytes | None, desired: bytes, request_id: str = ""
     ) -> tuple[bool, bytes | None]:
         with self.lock:
-            return self.kv.compare_set(job, generation, key, expected, desired)
+            return self.kv.compare_set(job, generation, key, expected, desired, request_id)
 
     def kv_delete(self, job: str, generation: int, key: str) -> bool:
         with self.lock:

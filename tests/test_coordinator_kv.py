@@ -6,12 +6,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from axond.control.client import CoordinatorClient, connect
 from axond.control.coordinator_store import CoordinatorStore
 from axond.coordinator.server import RunningCoordinator
 from axond.errors import StoreError, StoreTimeout
+from axond.v1 import coordinator_pb2 as pb
 
 
 def job_store(client: CoordinatorClient, job: str = "j", max_restarts: int = 1) -> tuple[str, CoordinatorStore]:
@@ -60,6 +62,30 @@ def test_add_cas_delete_wait(client: CoordinatorClient) -> None:
     with pytest.raises(StoreTimeout, match=r"\['c'\]"):
         store.wait(["a", "c"], timeout=0.3)
     assert time.monotonic() - t0 < 3.0
+
+
+def test_a_retried_add_or_swap_with_its_request_id_gets_the_first_answer(client: CoordinatorClient) -> None:
+    _, store = job_store(client)
+    add = pb.KvAddRequest(job="j", generation=store.generation, key="n", delta=5, request_id="retry-1")
+    assert client.stub.KvAdd(add, timeout=5).value == 5
+    assert client.stub.KvAdd(add, timeout=5).value == 5, "a repeated request id must not add again"
+    add.request_id = "retry-2"
+    assert client.stub.KvAdd(add, timeout=5).value == 10
+    assert store.add("n", 0) == 10
+    swap = pb.KvCompareAndSetRequest(job="j", generation=store.generation, key="lock", expect_unset=True,
+                                     desired=b"r0", request_id="swap-1")
+    assert client.stub.KvCompareAndSet(swap, timeout=5).swapped
+    again = client.stub.KvCompareAndSet(swap, timeout=5)
+    assert again.swapped and again.current == b"r0", "the retry of a swap that happened says it swapped"
+    swap.request_id = "swap-2"
+    assert not client.stub.KvCompareAndSet(swap, timeout=5).swapped
+    for bad in ("x" * 65,):
+        add.request_id = bad
+        with pytest.raises(grpc.RpcError) as e:
+            client.stub.KvAdd(add, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+    with pytest.raises(StoreError, match="cannot start with a NUL"):
+        store.set("\x00answered:retry-1", b"forged")
 
 
 def test_barrier_releases_all_participants_together(client: CoordinatorClient) -> None:

@@ -69,7 +69,7 @@ def test_everything_a_client_was_told_is_restored(backing: Reopen) -> None:
     assert s.join("train", b.node_id, 2, 2, 2, 1, now) is not None
     s.kv_set("train", 1, "addr/0", b"10.0.0.1:1234")
     s.kv_add("train", 1, "counter", 41)
-    s.kv_add("train", 1, "counter", 1)
+    s.kv_add("train", 1, "counter", 1, request_id="once")
     s.kv_set("train", 1, "gone", b"x")
     s.kv_delete("train", 1, "gone")
     s.barrier_arrive("train", 1, "start", 2, "participant:0")
@@ -87,6 +87,7 @@ def test_everything_a_client_was_told_is_restored(backing: Reopen) -> None:
     assert [(m.node_id, m.rank_offset) for m in job.round.members or []] == [(a.node_id, 0), (b.node_id, 2)]
     assert r.kv_get("train", 1, "addr/0") == b"10.0.0.1:1234"
     assert r.kv_get("train", 1, "counter") == b"42" and r.kv_get("train", 1, "gone") is None
+    assert r.kv_add("train", 1, "counter", 1, request_id="once") == 42, "an answered request id survives a restart"
     assert not r.barrier_arrive("train", 1, "start", 2, "participant:0"), "the arrival was kept, not doubled"
     assert r.barrier_arrive("train", 1, "start", 2, "participant:1")
     events, _, _, _ = r.read_events(submitted, 0)

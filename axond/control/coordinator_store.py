@@ -7,6 +7,7 @@ coordinator does not serve the stream or `streamed=False`.
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -97,16 +98,19 @@ class CoordinatorStore(Store):
             raise
 
     def add(self, key: str, delta: int) -> int:
-        req = pb.KvAddRequest(job=self.job, generation=self.generation, key=key, delta=delta)
-        return self._call("KvAdd", "add", self.client.stub.KvAdd, req).value
+        # The request id makes the add safe to send again (a lost answer, a restarted coordinator, another
+        # replica): the coordinator answers a repeated id with the first answer and adds nothing.
+        req = pb.KvAddRequest(job=self.job, generation=self.generation, key=key, delta=delta,
+                              request_id=secrets.token_hex(12))
+        return self._call("KvAdd", "add", self.client.stub.KvAdd, req, retry=True).value
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
         self._check_value(key, desired)
         req = pb.KvCompareAndSetRequest(
             job=self.job, generation=self.generation, key=key, expect_unset=expected is None,
-            expected=expected or b"", desired=bytes(desired),
+            expected=expected or b"", desired=bytes(desired), request_id=secrets.token_hex(12),
         )
-        resp = self._call("KvCompareAndSet", "compare_set", self.client.stub.KvCompareAndSet, req)
+        resp = self._call("KvCompareAndSet", "compare_set", self.client.stub.KvCompareAndSet, req, retry=True)
         return resp.swapped, (resp.current if resp.is_set else None)
 
     def delete(self, key: str) -> bool:

@@ -214,16 +214,18 @@ class KvGetResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ...) -> None: ...
 
 class KvAddRequest(_message.Message):
-    __slots__ = ("job", "generation", "key", "delta")
+    __slots__ = ("job", "generation", "key", "delta", "request_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     key: str
     delta: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., key: _Optional[str] = ..., delta: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., key: _Optional[str] = ..., delta: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class KvAddResponse(_message.Message):
     __slots__ = ("value",)
@@ -232,20 +234,22 @@ class KvAddResponse(_message.Message):
     def __init__(self, value: _Optional[int] = ...) -> None: ...
 
 class KvCompareAndSetRequest(_message.Message):
-    __slots__ = ("job", "generation", "key", "expect_unset", "expected", "desired")
+    __slots__ = ("job", "generation", "key", "expect_unset", "expected", "desired", "request_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     EXPECT_UNSET_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     DESIRED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     key: str
     expect_unset: bool
     expected: bytes
     desired: bytes
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., key: _Optional[str] = ..., expect_unset: _Optional[bool] = ..., expected: _Optional[bytes] = ..., desired: _Optional[bytes] = ...) -> None: ...
+    request_id: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., key: _Optional[str] = ..., expect_unset: _Optional[bool] = ..., expected: _Optional[bytes] = ..., desired: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class KvCompareAndSetResponse(_message.Message):
     __slots__ = ("swapped", "is_set", "current")
