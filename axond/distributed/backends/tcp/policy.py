@@ -48,7 +48,7 @@ reduce_scatter 98-111 / 247-307 us and 74-120 / 248-265 us, all_gather 32 KiB 65
 4 ranks 59-74 / 47-57 us (8 KiB), 51-81 / 51-61 us (16 KiB), 56-88 / 81-88 us (64 KiB)."""
 SINGLE_COPY_MIN_BYTES: dict[Op, tuple[int, int]] = {
     Op.ALL_GATHER: (32 << 20, 32 << 20), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (16 << 20, 16 << 20),
-    Op.ALL_REDUCE: (32 << 20, 16 << 20)}
+    Op.ALL_REDUCE: (4 << 20, 16 << 20)}
 """Default size (all_gather: of the output) from which an op of a one-host group of (two, more) ranks takes the
 single-copy path instead of the arena, where every member can read the others' memory (an explicit `shm_min_bytes`
 replaces it). A process_vm_readv costs ~10 us a call and copies at 5-11 GB/s where a memcpy of cache-resident data
@@ -60,7 +60,10 @@ two alternating the paths call by call in one job; bench/RESULTS.md, session 11)
 0.33-0.79 / 0.31-0.73, 4 MiB 0.73-0.77 / 0.89-1.30; all_reduce 16 MiB 0.77-0.84 in the one-job runs but 1.27-1.41
 in the first two tree runs at 2 ranks, 0.65-1.01 at 4, 64 MiB 0.61-0.73 (tree runs 1.08-1.24, then 0.72) /
 0.60-0.95, 4 MiB 0.95-1.25 / 1.27-1.38; all_gather 16 MiB 0.55-0.95 but 1.73-1.81 in one one-job run at 2 ranks,
-0.56-1.69 at 4, 64 MiB 0.57-0.84 / 0.75-1.00 (once 1.47), 1 MiB 1.16-1.32 / 1.15-1.75."""
+0.56-1.69 at 4, 64 MiB 0.57-0.84 / 0.75-1.00 (once 1.47), 1 MiB 1.16-1.32 / 1.15-1.75. all_reduce of 2 ranks from
+4 MiB (session 12, a quiet machine, compare_trees 4 rounds, median / best of rounds): 2 MiB 1.74 / 1.74 (so not
+there), 4 MiB 0.85 / 0.66 and 0.73 / 0.62, 6 MiB 0.74 / 0.61 and 0.59 / 0.79, 8 MiB 0.87 / 0.82, 12 MiB 0.92 / 0.76,
+16 MiB 0.82 / 0.82, 24 MiB 0.90 / 0.89; rows with the same path on both sides read 0.77-0.99."""
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB)."""
 CROWDED_DOUBLING_BYTES = 256 << 10
