@@ -47,7 +47,7 @@ reduce_scatter 22-29 / 29-36 us and 26-28 / 40-44 us; at 4 ranks all_reduce 129-
 reduce_scatter 98-111 / 247-307 us and 74-120 / 248-265 us, all_gather 32 KiB 65-102 / 239-283 us; broadcast at
 4 ranks 59-74 / 47-57 us (8 KiB), 51-81 / 51-61 us (16 KiB), 56-88 / 81-88 us (64 KiB)."""
 SINGLE_COPY_MIN_BYTES: dict[Op, tuple[int, int]] = {
-    Op.ALL_GATHER: (32 << 20, 32 << 20), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (16 << 20, 16 << 20),
+    Op.ALL_GATHER: (8 << 20, 32 << 20), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (4 << 20, 16 << 20),
     Op.ALL_REDUCE: (4 << 20, 16 << 20)}
 """Default size (all_gather: of the output) from which an op of a one-host group of (two, more) ranks takes the
 single-copy path instead of the arena, where every member can read the others' memory (an explicit `shm_min_bytes`
@@ -63,7 +63,11 @@ in the first two tree runs at 2 ranks, 0.65-1.01 at 4, 64 MiB 0.61-0.73 (tree ru
 0.56-1.69 at 4, 64 MiB 0.57-0.84 / 0.75-1.00 (once 1.47), 1 MiB 1.16-1.32 / 1.15-1.75. all_reduce of 2 ranks from
 4 MiB (session 12, a quiet machine, compare_trees 4 rounds, median / best of rounds): 2 MiB 1.74 / 1.74 (so not
 there), 4 MiB 0.85 / 0.66 and 0.73 / 0.62, 6 MiB 0.74 / 0.61 and 0.59 / 0.79, 8 MiB 0.87 / 0.82, 12 MiB 0.92 / 0.76,
-16 MiB 0.82 / 0.82, 24 MiB 0.90 / 0.89; rows with the same path on both sides read 0.77-0.99."""
+16 MiB 0.82 / 0.82, 24 MiB 0.90 / 0.89; rows with the same path on both sides read 0.77-0.99. Two ranks, all_gather
+from 8 MiB of output and reduce_scatter from 4 MiB (session 12, two A/Bs each): all_gather 8 MiB 0.75 / 0.43 and
+0.75 / 0.60, 16 MiB 0.63 / 0.61 and 0.68 / 0.64 (4 MiB 1.17 / 0.92: not there); reduce_scatter 4 MiB 0.76 / 0.74
+and 0.74 / 0.85, 8 MiB 0.70 / 0.61 and 0.77 / 0.75 (2 MiB: same path, 1.32 / 1.27); broadcast stays at 16 MiB
+(4 MiB 1.30 / 1.39, 8 MiB 0.96 / 1.13)."""
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB)."""
 CROWDED_DOUBLING_BYTES = 256 << 10
