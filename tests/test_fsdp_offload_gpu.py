@@ -8,7 +8,6 @@ NCCL group of one; `test_two_gpus_match` runs one process per GPU as tests/test_
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import sys
@@ -20,13 +19,13 @@ import pytest
 
 import axond.nn as nn
 from axond.distributed.backends.base import BackendOptions
-from axond.distributed.backends.nccl import NcclBackend
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.nn.optim import AdamW
 from axond.parallel.fsdp import FSDP, CPUOffload
 from axond.parallel.fsdp.offload import HostShard
 from axond.store import InMemoryStore
 from axond.testing import run_processes
+from gpu_cases import need_nccl  # noqa: F401 - the fixture
 from parity_models import mlp, mlp_data
 
 pytestmark = pytest.mark.gpu
@@ -42,18 +41,9 @@ OFFLOADS = {
 TOL = 1e-10
 
 
-@functools.lru_cache(maxsize=1)
-def gpu_reason() -> str:
-    """Empty if CuPy and NCCL can run here, else why not (evaluated lazily, at test time)."""
-    ok, why = NcclBackend.is_available()
-    return "" if ok else f"needs a CUDA GPU with CuPy and NCCL: {why}"
-
-
 @pytest.fixture(autouse=True)
-def need_gpu() -> None:
-    reason = gpu_reason()
-    if reason:
-        pytest.skip(reason)
+def need_gpu(need_nccl: None) -> None:
+    """Every test here needs NCCL (skipped with the reason elsewhere)."""
 
 
 def cupy_module() -> Any:

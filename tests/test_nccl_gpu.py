@@ -9,7 +9,6 @@ tcp suite's (`test_collectives.make`, `reference`), so both backends answer the 
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -30,22 +29,14 @@ from axond.errors import BackendUnavailable, DistributedError
 from axond.store import InMemoryStore
 from axond.testing import run_processes
 from collective_cases import ARITHMETIC, DTYPES, SHAPES, make, reference, refused
+from gpu_cases import need_nccl  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.gpu
 
 
-@functools.lru_cache(maxsize=1)
-def gpu_reason() -> str:
-    """Empty if NCCL can run here, else why not (evaluated lazily, at test time)."""
-    ok, why = NcclBackend.is_available()
-    return "" if ok else f"needs a CUDA GPU with CuPy and NCCL: {why}"
-
-
 @pytest.fixture(autouse=True)
-def need_gpu() -> None:
-    reason = gpu_reason()
-    if reason:
-        pytest.skip(reason)
+def need_gpu(need_nccl: None) -> None:
+    """Every test here needs NCCL (skipped with the reason elsewhere)."""
 
 
 def gpu_count() -> int:
