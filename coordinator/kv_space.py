@@ -84,9 +84,9 @@ class KvSpace:
         self._answered: list[str] | None = None
         """Keys of the kept answers, oldest first (built from `data` on first use: a restored space has them)."""
 
-    def _charge(self, grow: int) -> None:
-        """Account `grow` more bytes (negative: fewer), refusing growth past either limit."""
-        if grow > 0:
+    def _charge(self, grow: int, check: bool = True) -> None:
+        """Account `grow` more bytes (negative: fewer), refusing growth past either limit (unless not `check`)."""
+        if grow > 0 and check:
             if self._bytes + grow > self.limits.max_store_bytes_per_job:
                 raise ResourceExhausted(
                     f"the job's store would exceed {self.limits.max_store_bytes_per_job} bytes "
@@ -111,7 +111,9 @@ class KvSpace:
         if self._answered is None:
             self._answered = [k for k in self.data if k.startswith(ANSWERED_PREFIX)]
         key = ANSWERED_PREFIX + request_id
-        self._put(key, answer)
+        # Never refused for space: the change it answers is made already. Bounded by MAX_ANSWERED instead.
+        self._charge(len(key) + len(answer), check=False)
+        self.data[key] = answer
         self._answered.append(key)
         changed = [key]
         while len(self._answered) > MAX_ANSWERED:
@@ -135,6 +137,11 @@ class KvSpace:
     def _put(self, key: str, value: bytes) -> None:
         old = self.data.get(key)
         self._charge(len(key) + len(value) - (0 if old is None else len(key) + len(old)))
+        self.data[key] = value
+
+    def restore(self, key: str, value: bytes) -> None:
+        """Put back a committed key (at start): charged, never refused, as it was accepted once."""
+        self._charge(len(key) + len(value), check=False)
         self.data[key] = value
 
     def set(self, key: str, value: bytes) -> None:

@@ -259,3 +259,26 @@ def test_lost_daemon_is_replaced_when_restarts_are_left() -> None:
     assert state.join(name, d1, 1, 1, 1, 1, now=2.6) is not None
     state.tick(10.0)
     assert job.state is JobState.FAILED and "no restarts left" in job.reason
+
+
+def test_request_ids_answer_retries_once_even_at_the_store_limit_and_stay_bounded() -> None:
+    from axond.coordinator.kv_space import ANSWERED_PREFIX, MAX_ANSWERED
+    from axond.coordinator.limits import CoordinatorLimits
+
+    limit = 256 << 10  # room for MAX_ANSWERED answers (~100 KB) once "fill" is gone
+    state, _ = make(limits=CoordinatorLimits(max_store_bytes_per_job=limit))  # type: ignore[arg-type]
+    (a,) = nodes(state, ["a"])
+    state.join("j", a, 1, 1, 1, 0, now=1.0)
+    state.kv_set("j", 1, "fill", b"x" * (limit - len("fill") - len("n") - 2))  # the store is full but for "n"
+    assert state.kv_add("j", 1, "n", 7, request_id="r1") == 7  # its kept answer is not refused for space
+    assert state.kv_add("j", 1, "n", 7, request_id="r1") == 7, "a retry adds nothing"
+    with pytest.raises(ResourceExhausted):
+        state.kv_set("j", 1, "more", b"y")
+    state.kv_delete("j", 1, "fill")
+    for i in range(MAX_ANSWERED + 5):
+        state.kv_add("j", 1, "n", 1, request_id=f"id{i}")
+    space = state.jobs["j"].kv
+    assert sum(k.startswith(ANSWERED_PREFIX) for k in space.data) == MAX_ANSWERED
+    assert state.kv_add("j", 1, "n", 1, request_id=f"id{MAX_ANSWERED + 4}") == 7 + MAX_ANSWERED + 5
+    with pytest.raises(InvalidArgument, match="request_id"):
+        state.kv_add("j", 1, "n", 1, request_id="x" * 65)

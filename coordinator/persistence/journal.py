@@ -147,12 +147,13 @@ def restore(state: CoordinatorState, snap: Snapshot, now: float) -> None:
     for job, gen, key, value in snap.kv:
         j = state.jobs.get(job)
         if j is not None and j.generation == gen:
-            j.kv._put(key, value)
+            j.kv.restore(key, value)
     for job, gen, name, r in snap.barriers:
         j = state.jobs.get(job)
         if j is not None and j.generation == gen:
             barrier = j.kv.barriers[name] = records.barrier_from(r)
-            j.kv._charge(len(name) + ARRIVAL_OVERHEAD + sum(len(a) + ARRIVAL_OVERHEAD for a in barrier.arrivals))
+            j.kv._charge(len(name) + ARRIVAL_OVERHEAD + sum(len(a) + ARRIVAL_OVERHEAD for a in barrier.arrivals),
+                         check=False)
     meta = snap.meta or {}
     state.scheduler.queue = list(meta.get("queue", []))
     state.scheduler.deliveries = {k: list(v) for k, v in meta.get("deliveries", {}).items()}
