@@ -148,10 +148,7 @@ class CudaCollectives:
         o, size = self._owner, self._owner.size()
         pairs = []
         for out, t in zip(outputs, inputs):
-            o._same_dtype("all_gather_into_tensor", out, t)
-            if out.numel() != t.numel() * size:
-                raise ValueError(f"all_gather_into_tensor on group '{o.group_name}': output has {out.numel()} "
-                                 f"elements, needs {size} x {t.numel()} (group size x input)")
+            o._check_whole_and_part("all_gather_into_tensor", out, t, "output", "input")
             pairs.append((stage(t, "all_gather_into_tensor input").buf.reshape(-1),
                           stage(out, "all_gather_into_tensor output")))
         return self._run("allgather_into_tensor_coalesced", [s for _, s in pairs],
@@ -179,10 +176,7 @@ class CudaCollectives:
         o, size = self._owner, self._owner.size()
         pairs = []
         for out, t in zip(outputs, inputs):
-            o._same_dtype("reduce_scatter_tensor", out, t)
-            if t.numel() != out.numel() * size:
-                raise ValueError(f"reduce_scatter_tensor on group '{o.group_name}': input has {t.numel()} "
-                                 f"elements, needs {size} x {out.numel()} (group size x output)")
+            o._check_whole_and_part("reduce_scatter_tensor", t, out, "input", "output")
             x = stage(t, "reduce_scatter_tensor input", reduce=True).buf.reshape(size, -1)
             x = x if factor is None else premultiply(x.clone(), factor)  # the caller's input stays as it was
             pairs.append((x, stage(out, "reduce_scatter_tensor output", reduce=True)))

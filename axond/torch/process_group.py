@@ -149,6 +149,14 @@ class AxondProcessGroup(dist.ProcessGroup):
         if len(kinds) > 1:
             raise TypeError(f"{where} on group '{self._group_name}': tensors have different dtypes {sorted(map(str, kinds))}")
 
+    def _check_whole_and_part(self, op: str, whole: torch.Tensor, part: torch.Tensor, whole_name: str,
+                              part_name: str) -> None:
+        """The group-sized tensor of a flat all_gather / reduce_scatter holds `size` parts, in the part's dtype."""
+        self._same_dtype(op, whole, part)
+        if whole.numel() != part.numel() * self._size:
+            raise ValueError(f"{op} on group '{self._group_name}': {whole_name} has {whole.numel()} elements, needs "
+                             f"{self._size} x {part.numel()} (group size x {part_name})")
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
         staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
@@ -191,10 +199,7 @@ class AxondProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> Any:
         staged, works = [], []
         for out, t in zip(outputs, inputs):
-            self._same_dtype("all_gather_into_tensor", out, t)
-            if out.numel() != t.numel() * self._size:
-                raise ValueError(f"all_gather_into_tensor on group '{self._group_name}': output has {out.numel()} "
-                                 f"elements, needs {self._size} x {t.numel()} (group size x input)")
+            self._check_whole_and_part("all_gather_into_tensor", out, t, "output", "input")
             x = readonly(t, "all_gather_into_tensor input").reshape(-1)
             s = stage(out, "all_gather_into_tensor output")
             works.append(partial(self.axond_group.all_gather, x, out=s.array.reshape(self._size, -1)))
@@ -224,10 +229,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
         staged, works = [], []
         for out, t in zip(outputs, inputs):
-            self._same_dtype("reduce_scatter_tensor", out, t)
-            if t.numel() != out.numel() * self._size:
-                raise ValueError(f"reduce_scatter_tensor on group '{self._group_name}': input has {t.numel()} "
-                                 f"elements, needs {self._size} x {out.numel()} (group size x output)")
+            self._check_whole_and_part("reduce_scatter_tensor", t, out, "input", "output")
             x = _premultiplied(readonly(t, "reduce_scatter_tensor input", reduce=True).reshape(self._size, -1), factor,
                                False)  # the caller's input stays as it was
             s = stage(out, "reduce_scatter_tensor output", reduce=True)
