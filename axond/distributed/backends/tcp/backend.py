@@ -19,6 +19,7 @@ import numpy as np
 from axond.distributed import low_precision
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
+from axond.distributed.backends.host_copy import copy
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.hierarchy import two_level
 from axond.distributed.backends.tcp.options import TcpOptions
@@ -92,7 +93,7 @@ class TcpBackend(Backend):
         work = x if x.flags.c_contiguous else np.ascontiguousarray(x)
         self.g.run(op_name, body, work if work.ndim == 1 else work.reshape(-1))
         if work is not x:
-            np.copyto(x, work)
+            np.copyto(x, work)  # x is not contiguous: NumPy's strided loop
 
     def _check_root(self, root: int, what: str) -> int:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
@@ -167,7 +168,10 @@ class TcpBackend(Backend):
         x = _numpy(x, "all_gather input")
         c = self._call(Op.ALL_GATHER, x)
         out = output_array(out, (self.size, *x.shape), x.dtype, "all_gather", "tcp")
-        out[self.rank] = x
+        if x.ndim:
+            copy(out[self.rank], x)  # a fresh out= sits 16 bytes after x modulo the page: see host_copy
+        else:
+            out[self.rank] = x
         if self.size == 1:
             return out
         path, on = self.placement.choose(c, Op.ALL_GATHER, x.nbytes)

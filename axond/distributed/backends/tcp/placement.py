@@ -28,7 +28,7 @@ from axond.distributed.backends.tcp.hierarchy.two_level import Levels
 from axond.distributed.backends.tcp.policy import Path, Shape
 from axond.distributed.backends.tcp.schedules import direct
 from axond.distributed.backends.tcp.schedules.comm import Comm
-from axond.distributed.backends.tcp.shm.arena import ShmArena
+from axond.distributed.backends.tcp.shm.arena import SLOT_SHIFT, ShmArena
 from axond.distributed.backends.tcp.shm.arena_ops import Sync
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox
 from axond.distributed.backends.tcp.shm.mailbox import arena_bytes as mailbox_bytes
@@ -132,7 +132,8 @@ class Placement:
 
     def _map_arena(self, c: Call) -> ShmArena | None:
         self.arena_tried = True
-        self.arena = self.comm.g.run(OP_NAMES[c.op], map_arena, self.comm, c, self.comm.options.shm_arena_bytes)
+        self.arena = self.comm.g.run(OP_NAMES[c.op], map_arena, self.comm, c, self.comm.options.shm_arena_bytes,
+                                     SLOT_SHIFT)
         if self.arena is not None and not self.mailbox_tried and policy.spins(self.comm.options, self.shape):
             self._map_mailbox(c)  # the arena's steps synchronize through it
         return self.arena
@@ -147,7 +148,7 @@ class Placement:
         topology, comm = self.topology, self.comm
         assert topology is not None
         local, across = comm.subset(topology.node_of(comm.rank)), comm.subset(topology.counterparts(comm.rank))
-        arena = map_arena(local, c, comm.options.shm_arena_bytes)
+        arena = map_arena(local, c, comm.options.shm_arena_bytes, SLOT_SHIFT)
         try:
             mapped = agree(comm, c, arena is not None)
         except BaseException:

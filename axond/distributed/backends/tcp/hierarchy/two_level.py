@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from axond.distributed.backends.host_copy import copy
 from axond.distributed.backends.tcp.schedules import sockets
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.shm import arena_ops
@@ -81,7 +82,7 @@ def all_gather(lv: Levels, c: Call, out: np.ndarray) -> None:
     staged = lv.local.scratch.named("two_level", per_host * k * width, BYTES, per_host * k * width)
     staged = staged.reshape(per_host, k, width)
     me = staged[lv.local.rank]
-    np.copyto(me[lv.across.rank], rows[lv.hosts[lv.across.rank][lv.local.rank]])
+    copy(me[lv.across.rank], rows[lv.hosts[lv.across.rank][lv.local.rank]])
     sockets.all_gather(lv.across, c, me)
     arena_ops.all_gather(lv.local, lv.arena, lv.sync, c, staged)
     rows[_order(lv.hosts)] = staged.reshape(per_host * k, width)

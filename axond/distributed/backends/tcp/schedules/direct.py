@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from axond.distributed.backends.host_copy import copy
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.backends.tcp.transport.wire import DTYPES, UNEVEN_ALL_TO_ALL, Kind, Op, dtype_code, uneven_aux
@@ -57,7 +58,7 @@ def direct_reduce_scatter(comm: Comm, c: Call, src: np.ndarray, out: np.ndarray,
             g.recv(c, s, byte_view(tmp))
             block = tmp
         if s == 0:
-            np.copyto(out, block)
+            copy(out, block)
         else:
             ufunc(out, block, out=out)
     if op is ReduceOp.AVG:
@@ -109,7 +110,7 @@ def all_to_all(comm: Comm, c: Call, x: np.ndarray, out: np.ndarray, ins: Sequenc
     split sizes (c.aux UNEVEN), each frame carries its block's rows and those going the other way."""
     g, r, n = comm.g, comm.rank, comm.size
     src_at, dst_at = offsets(list(ins)), offsets(list(outs))
-    out[dst_at[r] : dst_at[r + 1]] = x[src_at[r] : src_at[r + 1]]
+    copy(out[dst_at[r] : dst_at[r + 1]], x[src_at[r] : src_at[r + 1]])
     row = math.prod(x.shape[1:])
 
     def frame(count: int, back: int) -> Call:

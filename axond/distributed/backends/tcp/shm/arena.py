@@ -11,6 +11,11 @@ The arena is created by group rank 0 under a random name with mode 0600, reserve
 by every member, and unlinked as soon as everyone has mapped it: nothing is left behind if a
 process dies. Layout: two buffers used in turn, each holding one slot per rank plus one result
 slot of `chunk` bytes.
+
+The data arena starts each slot SLOT_SHIFT bytes into a page, where glibc puts the arrays it maps for NumPy
+(large ones, past malloc's mmap threshold): a copy between such an array and a slot then runs at equal page
+offsets. A page-aligned slot would start 16 bytes before such an array, the distance at which AMD's string copy
+(`rep movsb`) runs 10x slower for 4-512 KiB (see `host_copy`): an all_gather of 256 KiB on 2 ranks took 2x longer.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ SHM_DIR = "/dev/shm"
 NAME_BYTES = 64
 """Size of the frame that carries the arena's file name from rank 0 to the others."""
 ALIGN = 64
+PAGE = 4096
+SLOT_SHIFT = 16
+"""Where the data arena's slots start in a page (`shift`): where glibc's mmap'd arrays start (after its 16-byte
+chunk header)."""
 
 
 def chunk_bytes(arena_bytes: int, size: int) -> int:
@@ -40,9 +49,11 @@ def available() -> bool:
 class ShmArena:
     """One group's mapping of the shared file: `slots(buf, dtype, count)` and `result(buf, ...)` views."""
 
-    def __init__(self, path: str, size: int, chunk: int, create: bool) -> None:
+    def __init__(self, path: str, size: int, chunk: int, create: bool, shift: int = 0) -> None:
         self.path, self.size, self.chunk = path, size, chunk
-        nbytes = 2 * (size + 1) * chunk
+        stride = -(-(chunk + shift) // PAGE) * PAGE if shift else chunk
+        """Bytes from one slot to the next: whole pages when slots start `shift` bytes into one."""
+        nbytes = 2 * (size + 1) * stride
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
@@ -57,22 +68,22 @@ class ShmArena:
                 unlink(path)
             raise
         os.close(fd)
-        self._bytes = np.frombuffer(self._map, np.uint8).reshape(2, size + 1, chunk)
+        self._bytes = np.frombuffer(self._map, np.uint8).reshape(2, size + 1, stride)[:, :, shift : shift + chunk]
         self.turn = 0
         """Which buffer the next step uses; every member flips it at the same steps."""
 
     @classmethod
-    def create(cls, size: int, arena_bytes: int) -> ShmArena:
+    def create(cls, size: int, arena_bytes: int, shift: int = 0) -> ShmArena:
         path = os.path.join(SHM_DIR, f"axond-{os.getpid()}-{secrets.token_hex(12)}")
-        return cls(path, size, chunk_bytes(arena_bytes, size), create=True)
+        return cls(path, size, chunk_bytes(arena_bytes, size), create=True, shift=shift)
 
     @classmethod
-    def attach(cls, name: np.ndarray, size: int, arena_bytes: int) -> ShmArena:
+    def attach(cls, name: np.ndarray, size: int, arena_bytes: int, shift: int = 0) -> ShmArena:
         """Map the arena whose file name rank 0 sent (`name`, NUL-padded); raises OSError/ValueError if absent."""
         base = bytes(name).rstrip(b"\0").decode()
         if not base.startswith("axond-") or "/" in base:
             raise ValueError(f"not an axond arena name: {base!r}")
-        return cls(os.path.join(SHM_DIR, base), size, chunk_bytes(arena_bytes, size), create=False)
+        return cls(os.path.join(SHM_DIR, base), size, chunk_bytes(arena_bytes, size), create=False, shift=shift)
 
     def name(self) -> np.ndarray:
         out = np.zeros(NAME_BYTES, np.uint8)

@@ -19,8 +19,9 @@ def agree(comm: Comm, c: Call, ok: bool) -> bool:
     return bool(flag[0])
 
 
-def map_arena(comm: Comm, c: Call, nbytes: int) -> ShmArena | None:
-    """An arena of `nbytes` mapped by every member of `comm`, or None for all if any member could not map it.
+def map_arena(comm: Comm, c: Call, nbytes: int, shift: int = 0) -> ShmArena | None:
+    """An arena of `nbytes` (slots `shift` bytes into a page: `ShmArena`) mapped by every member of `comm`, or None
+    for all if any member could not map it.
 
     Rank 0 unlinks the file once everyone has answered (or the set-up failed), so it never outlives
     the processes that map it.
@@ -30,14 +31,14 @@ def map_arena(comm: Comm, c: Call, nbytes: int) -> ShmArena | None:
     try:
         if comm.rank == 0 and available():
             try:
-                arena = ShmArena.create(comm.size, nbytes)
+                arena = ShmArena.create(comm.size, nbytes, shift)
                 name = arena.name()
             except OSError:
                 arena = None
         trees.tree_broadcast(comm, c, name, 0)
         if comm.rank != 0 and name.any():
             try:
-                arena = ShmArena.attach(name, comm.size, nbytes)
+                arena = ShmArena.attach(name, comm.size, nbytes, shift)
             except (OSError, ValueError):
                 arena = None
         mapped = agree(comm, c, arena is not None)
