@@ -121,6 +121,69 @@ def test_mismatched_calls_raise_on_every_rank_naming_both_sides(make_groups: Mak
     assert all("broadcast" in str(e) and "all_reduce" in str(e) for e in errors), errors
 
 
+def prepared(pg: ProcessGroup) -> int:
+    return len(pg.backend._small)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("dtype, op", [(np.float64, ReduceOp.SUM), (np.float32, ReduceOp.AVG), (np.int32, ReduceOp.MAX),
+                                       (np.uint8, ReduceOp.BXOR)])
+def test_a_repeated_small_all_reduce_runs_prepared_with_the_same_numbers(make_groups: MakeGroups, dtype: type,
+                                                                          op: ReduceOp) -> None:
+    """The first small all_reduce of a dtype, size and op prepares it; the next ones skip the checks and the route and
+    give the numbers of one process reducing in rank order, with other ops and shapes between them."""
+    gs = make_groups(3, 10.0)
+    rng = np.random.default_rng(7)
+    data = [(rng.standard_normal((20, 5)) * 50).astype(dtype) for _ in range(3)]
+    ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MAX: np.maximum, ReduceOp.BXOR: np.bitwise_xor}[op]
+
+    def body(pg: ProcessGroup) -> list[np.ndarray]:
+        got = []
+        for i in range(12):
+            x = data[pg.rank] + dtype(i % 3)
+            pg.all_reduce(x, op)
+            got.append(x)
+            if i % 4 == 1:
+                pg.all_reduce(np.ones(3, np.float32))  # another prepared form in between
+                pg.barrier()
+        return got
+
+    for got in run_on(gs, body):
+        for i, x in enumerate(got):
+            want = functools.reduce(lambda a, b: ufunc(a, b), [d + dtype(i % 3) for d in data])
+            if op is ReduceOp.AVG:
+                want = want / dtype(3)
+            np.testing.assert_array_equal(x, want.astype(dtype))
+    assert all(prepared(pg) == 2 for pg in gs)
+
+
+def test_a_mismatch_with_a_prepared_all_reduce_raises_on_every_rank(make_groups: MakeGroups) -> None:
+    """Rank 0 runs its prepared all_reduce, the others another op of the same size: all raise, naming both."""
+    gs = make_groups(3, 5.0)
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(4, np.float32)))
+    assert all(prepared(pg) == 1 for pg in gs)
+
+    def body(pg: ProcessGroup) -> None:
+        if pg.rank == 0:
+            pg.all_reduce(np.ones(4, np.float32))
+        else:
+            pg.all_reduce(np.ones(4, np.float32), ReduceOp.MAX)
+    errors = run_on(gs, body, return_exceptions=True)
+    assert all(isinstance(e, DistributedError) for e in errors), errors
+    assert all("all_reduce" in str(e) and "MAX" in str(e) for e in errors), errors
+
+
+def test_a_silent_peer_times_out_in_a_prepared_all_reduce(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 1.0)
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(3)))
+    t0 = time.monotonic()
+    errors = run_on(gs[:2], lambda pg: pg.all_reduce(np.ones(3)), return_exceptions=True)
+    assert 0.9 < time.monotonic() - t0 < 3.0
+    assert all(isinstance(e, DistributedError) for e in errors), errors
+    assert any("timed out after 1.0 s waiting for peer 2" in str(e) for e in errors), errors
+    with pytest.raises(DistributedError, match="aborted"):
+        gs[0].all_reduce(np.ones(3))  # the failure aborted the group: the prepared form is not taken
+
+
 def test_a_peer_in_a_socket_op_makes_both_raise(make_groups: MakeGroups) -> None:
     """A small op against a large one. When the large one sends first, the mailbox side sees the frame of another op
     on its socket and raises at once."""

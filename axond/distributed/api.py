@@ -202,7 +202,7 @@ def is_nccl_available() -> bool:
 def all_reduce(x: Array, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce `x` in place over the group."""
-    return _group(group).all_reduce(x, op, async_op=async_op)
+    return (default_group() if group is None else group).all_reduce(x, op, async_op)
 
 
 @accepts_torch

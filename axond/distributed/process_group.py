@@ -36,6 +36,8 @@ class ProcessGroup:
                  options: BackendOptions, store: Store | None = None) -> None:
         self.backend = backend
         self._methods = op_methods(backend) if backend is not None else None
+        self._quick_all_reduce = backend.quick_all_reduce if backend is not None else None
+        """The backend's `quick_all_reduce` while the group lives (None once destroyed)."""
         self.ranks = list(ranks)
         self.name = name
         self.global_rank = global_rank
@@ -107,6 +109,14 @@ class ProcessGroup:
         launches async ops itself; the others run them on the group's communication thread.
         """
         try:
+            methods = self._methods
+            if not async_op and methods is not None and not self._comm.pending and not self._destroyed:
+                self.inflight = op  # the common case, kept short: small ops are latency-bound
+                self.inflight_seq += 1
+                try:
+                    return methods[op](*args, **kwargs)
+                finally:
+                    self.inflight = None
             return self._start(op, async_op, *args, **kwargs)
         except DistributedError as e:
             if debug():
@@ -115,14 +125,8 @@ class ProcessGroup:
             raise concise(e) from None
 
     def _start(self, op: str, async_op: bool, *args: Any, **kwargs: Any) -> Any:
+        """`_run` past its common case (a blocking op with nothing pending): async, destroyed or not a member."""
         methods = self._methods
-        if not async_op and not self._comm.pending and not self._destroyed and methods is not None:
-            self.inflight = op  # the common case, kept short: small ops are latency-bound
-            self.inflight_seq += 1
-            try:
-                return methods[op](*args, **kwargs)
-            finally:
-                self.inflight = None
         if self._destroyed:
             raise DistributedError(f"{op} on group '{self.name}': the group was destroyed; create a new one",
                                    op=op, group=self.name, rank=self.rank)
@@ -150,6 +154,19 @@ class ProcessGroup:
 
     def all_reduce(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` in place over the group."""
+        quick = self._quick_all_reduce
+        if quick is not None and not async_op and not self._comm.pending:
+            self.inflight = "all_reduce"  # `_run`'s common case, shorter still: small ops are latency-bound
+            self.inflight_seq += 1
+            try:
+                if quick(x, op):
+                    return None
+            except DistributedError as e:
+                if debug():
+                    raise
+                raise concise(e) from None
+            finally:
+                self.inflight = None
         if type(x) is not np.ndarray:
             refuse_scalar(x, "all_reduce")
         return self._run("all_reduce", async_op, x, op)
@@ -330,6 +347,7 @@ class ProcessGroup:
     def destroy(self) -> None:
         """Finish queued async ops, then close sockets and threads; idempotent."""
         self._destroyed = True
+        self._quick_all_reduce = None
         untrack(self)
         self._comm.close(self.options.timeout + ASYNC_MARGIN)
         if self.backend is not None:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from axond.distributed.failure import debug
+from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -21,6 +22,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _PLAIN = (np.ndarray, int, float, str, type(None))
 """Argument types that are never torch's: checked first, so NumPy calls pay almost nothing."""
+_NEVER_TORCH = frozenset((*_PLAIN, bool, ReduceOp))
+"""Exact argument types the wrapper passes without a look (a set lookup: small ops are mostly overhead)."""
 
 
 def is_torch(x: Any) -> bool:
@@ -41,13 +44,22 @@ def accepts_torch(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            if any(is_torch(a) for a in args) or any(is_torch(v) for v in kwargs.values()):
-                from axond.torch.arguments import call_with_tensors
-
-                return call_with_tensors(fn, args, kwargs)
+            for a in args:
+                if type(a) not in _NEVER_TORCH and is_torch(a):
+                    return _with_tensors(fn, args, kwargs)
+            if kwargs:
+                for v in kwargs.values():
+                    if type(v) not in _NEVER_TORCH and is_torch(v):
+                        return _with_tensors(fn, args, kwargs)
             return fn(*args, **kwargs)
         except DistributedError as e:
             if debug():
                 raise
             raise e.with_traceback(None) from e.__cause__
     return wrapper  # type: ignore[return-value]
+
+
+def _with_tensors(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from axond.torch.arguments import call_with_tensors
+
+    return call_with_tensors(fn, args, kwargs)

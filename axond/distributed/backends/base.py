@@ -158,6 +158,15 @@ class Backend(ABC):
             if sent is not None:
                 sent.wait(self.options.timeout, True)
 
+    def quick_all_reduce(self, x: Array, op: ReduceOp) -> bool:
+        """Run a blocking all_reduce that this backend prepared for (a small one it ran before) and return True, or
+        return False at once, having done nothing: `ProcessGroup.all_reduce` then takes the full way.
+
+        The default prepares nothing. tcp overrides it for ops through its shared mailbox (latency is most of
+        their cost); it is called only for a blocking op with no async op queued.
+        """
+        return False
+
     def start(self, op: str, *args: Any, **kwargs: Any) -> Completion | None:
         """Launch op `op` (a key of `op_methods`, with its method's arguments) without waiting, and return the
         handle that tracks its completion; or None: this backend tracks none, run the op's method elsewhere.

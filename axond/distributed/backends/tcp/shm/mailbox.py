@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -53,6 +54,8 @@ CHECK_SECONDS = 0.0005
 """How often a spinning wait looks at the sockets for aborts, dead peers and mismatched calls."""
 SLEEP_SECONDS = 0.001
 """How often a sleeping wait re-checks the mailbox (it wakes at once on anything arriving on a socket)."""
+QUICK_TURNS = 32
+"""Turns (`sched_yield`) a wait takes for a member's post before the full wait (`_wait`: clocks, socket checks)."""
 
 
 def arena_bytes(size: int) -> int:
@@ -104,20 +107,39 @@ class Mailbox:
         self.ops += 1
         k = self.ops
         buf = k & 1
-        base, words, raw = self.base[buf], self.words, self.raw
-        me = base[self.rank]
+        me = self.base[buf][self.rank]
         nbytes = 0 if payload is None else payload.nbytes
-        HEAD.pack_into(raw, me + 8, *c.expect, nbytes)
+        HEAD.pack_into(self.raw, me + 8, *c.expect, nbytes)
         if payload is not None and nbytes:
             self.payloads(buf, np.dtype(np.uint8), nbytes)[self.rank] = payload.view(np.uint8)
-        words[me // 8] = k  # last: a peer that sees the sequence number sees the rest (x86 store order)
-        if self._missing(buf, k):
-            self._wait(c, buf, k)
+        self.words[me // 8] = k  # last: a peer that sees the sequence number sees the rest (x86 store order)
+        self.settle(buf, k, nbytes, lambda: c)
+        return buf
+
+    def settle(self, buf: int, k: int, nbytes: int, call: Callable[[], Call]) -> None:
+        """Wait until every member posted op `k` (in buffer `buf`), then compare their calls with this rank's.
+
+        `call()` gives this rank's `Call`; a prepared op (`mailbox_ops.SmallAllReduce`) makes it only if the wait
+        is longer than a few turns or a member posted another call."""
+        if not self._quick(buf, k):
+            self._wait(call(), buf, k)
+        base, raw = self.base[buf], self.raw
+        me = base[self.rank]
         mine = raw[me + 8 : me + 72]  # the calls; the payload sizes differ in a broadcast
         for p in self.others:
             if raw[base[p] + 8 : base[p] + 72] != mine:
-                self.g.reject(c, p, HEAD.unpack_from(raw, base[p] + 8), nbytes)
-        return buf
+                self.g.reject(call(), p, HEAD.unpack_from(raw, base[p] + 8), nbytes)
+
+    def _quick(self, buf: int, k: int) -> bool:
+        """Whether every member posted op `k` within QUICK_TURNS turns."""
+        words, turns = self.words, QUICK_TURNS
+        for at, _ in self.peer_seqs[buf]:
+            while words[at] < k:
+                if not turns:
+                    return False
+                os.sched_yield()
+                turns -= 1
+        return True
 
     def watch(self, c: Call) -> None:
         """Run by waits on the sockets in call `c` (see `FramedGroup.watch`): raise if a member posted `c`'s op

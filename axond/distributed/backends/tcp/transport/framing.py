@@ -118,30 +118,35 @@ class FramedGroup:
         """Run one op body, turning any transport failure into `DistributedError` and aborting the group."""
         try:
             return fn(*args)
-        except DistributedError as e:
+        except (DistributedError, PeerError) as e:
+            self.failed(op_name, e)
+
+    def failed(self, op_name: str, e: DistributedError | PeerError) -> NoReturn:
+        """`run`'s handling of a failure of op `op_name`: abort the group (telling every peer) and raise
+        `DistributedError` (`e` itself if it is one)."""
+        if isinstance(e, DistributedError):
             if e.root_cause is not None:
                 self.abort(e.root_cause, failed=True)  # peers learn the root cause, not this rank's view of it
             else:
                 self.abort(str(e))
-            raise
-        except PeerError as e:
-            where = self.where(op_name)
-            left = self._abort_left_by(e.peer) if isinstance(e, PeerClosed) else None
-            if left is not None:  # the peer said why before it closed (this rank was sending, not reading)
-                reason, failed = left
-                root = reason if failed else None
-                msg = f"{where}: {reason}" if failed else f"{where}: peer rank {e.peer} gave up: {reason}"
-                self.abort(root or msg, failed=failed)
-                raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer,
-                                       root_cause=root) from e
-            if isinstance(e, PeerClosed):
-                msg = f"{where}: peer rank {e.peer} closed the connection (did it die?)"
-            else:
-                msg = f"{where}: timed out after {self._timeout:.1f} s waiting for peer {e.peer}"
-                if self.explain is not None:
-                    msg += f"; {self.explain(e.peer)}"
-            self.abort(msg)
-            raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer) from e
+            raise e
+        where = self.where(op_name)
+        left = self._abort_left_by(e.peer) if isinstance(e, PeerClosed) else None
+        if left is not None:  # the peer said why before it closed (this rank was sending, not reading)
+            reason, failed = left
+            root = reason if failed else None
+            msg = f"{where}: {reason}" if failed else f"{where}: peer rank {e.peer} gave up: {reason}"
+            self.abort(root or msg, failed=failed)
+            raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer,
+                                   root_cause=root) from e
+        if isinstance(e, PeerClosed):
+            msg = f"{where}: peer rank {e.peer} closed the connection (did it die?)"
+        else:
+            msg = f"{where}: timed out after {self._timeout:.1f} s waiting for peer {e.peer}"
+            if self.explain is not None:
+                msg += f"; {self.explain(e.peer)}"
+        self.abort(msg)
+        raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer) from e
 
     def _abort_left_by(self, peer: int) -> tuple[str, bool] | None:
         """(reason, failed) of an abort frame that peer `peer` (group rank) sent before its connection failed, if
