@@ -33,11 +33,11 @@ def build(width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
-def wrap(kind: str, model: torch.nn.Module, group: Any) -> torch.nn.Module:
+def wrap(kind: str, model: torch.nn.Module, group: Any, bucket_view: bool = False) -> torch.nn.Module:
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, process_group=group)
+        return DDP(model, process_group=group, gradient_as_bucket_view=bucket_view)
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -60,7 +60,7 @@ def rank_main(rank: int, n: int, path: str, args: argparse.Namespace, q: Any) ->
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, 1)
     for kind in args.kinds:
-        models = {name: wrap(kind, build(args.width, args.depth), g) for name, g in groups.items()}
+        models = {name: wrap(kind, build(args.width, args.depth), g, args.bucket_view) for name, g in groups.items()}
         opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
         times: dict[str, list[float]] = {name: [] for name in models}
         for step in range(args.warmup + args.steps):
@@ -99,6 +99,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--bucket-view", action="store_true",
+                   help="DDP(gradient_as_bucket_view=True) for both backends: gradients live in DDP's buckets, no copies")
     p.add_argument("--hosts", type=int, default=0, help="one rank in each of this many network-namespace hosts (root)")
     p.add_argument("--rank-in-host", nargs=3, metavar=("RANK", "N", "INIT"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -107,8 +109,9 @@ def main() -> None:
         rank_main(int(rank), int(n), init, args, _Printer())
         return
     params = sum(q.numel() for q in build(args.width, args.depth).parameters())
+    view = ", DDP gradient_as_bucket_view" if args.bucket_view else ""
     print(f"MLP {args.depth} x {args.width}^2 ({params / 1e6:.1f} M parameters, float32), batch {args.batch} per rank, "
-          f"median of {args.steps} steps after {args.warmup}, 1 thread per rank\n")
+          f"median of {args.steps} steps after {args.warmup}, 1 thread per rank{view}\n")
     print("| wrapper or op | ranks | gloo | axond | gloo / axond |")
     print("|---|---|---|---|---|")
     if args.hosts:
@@ -152,6 +155,7 @@ def _between_hosts(args: argparse.Namespace) -> None:
     n = args.hosts
     passed = [f"--{k}={v}" for k, v in (("width", args.width), ("depth", args.depth), ("batch", args.batch),
                                         ("warmup", args.warmup), ("steps", args.steps))]
+    passed += ["--bucket-view"] if args.bucket_view else []
     with Network.create(n) as net:
         init = f"tcp://{net.hosts[0].addr}:29611"
         procs = []

@@ -277,9 +277,11 @@ def fsdp(rank: int, n: int, gloo: Any) -> list[str]:
 
 
 def mismatched_peer(rank: int, n: int, store_dir: str, q: Any) -> None:
-    """Rank 0 all_reduces while rank 1 broadcasts: both raise naming the ops, within the group timeout."""
+    """Rank 0 all_reduces while rank 1 broadcasts: both raise naming the ops, within the group timeout (after one
+    all_reduce of the same shape together: rank 0's is the prepared one, see `mailbox_ops.SmallAllReduce`)."""
     try:
         join(rank, n, store_dir, timeout=4.0)
+        dist.all_reduce(torch.ones(8))
         start = time.monotonic()
         try:
             if rank == 0:

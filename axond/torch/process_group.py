@@ -27,6 +27,9 @@ from axond.torch.completion import AxondWork, Completer, DoneWork
 from axond.torch.tensors import Staged, copy_into, readonly, stage
 
 BACKEND = "axond"
+_PLAIN_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool))
+"""Dtypes whose CPU tensors are NumPy arrays as they are (`t.numpy()`: no bfloat16 widening, no conjugation)."""
 
 _OPS = [(dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT), (dist.ReduceOp.MIN, ReduceOp.MIN),
         (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.AVG, ReduceOp.AVG), (dist.ReduceOp.BAND, ReduceOp.BAND),
@@ -159,6 +162,17 @@ class AxondProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
+        if len(tensors) == 1 and factor is None:
+            t = tensors[0]
+            if (type(t) is torch.Tensor and t.dtype in _PLAIN_DTYPES and t.is_cpu and t.layout is torch.strided
+                    and not t.requires_grad and t.nbytes <= self.SYNC_BYTES and t.is_contiguous()):
+                # the common small op, kept short (latency is most of its cost): a view, run here, a done Work
+                group = self.axond_group
+                try:
+                    group.all_reduce(t.numpy(), op)
+                except Exception as e:
+                    return DoneWork("allreduce", group.name, error=e)
+                return DoneWork("allreduce", group.name, tensors)
         staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
         calls = [partial(self.axond_group.all_reduce, _premultiplied(s.array, factor, True), op) for s in staged]
         return self._launch("allreduce", calls, _written(staged, tensors), _nbytes(tensors))
