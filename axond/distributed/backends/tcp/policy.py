@@ -30,8 +30,21 @@ from axond.distributed.backends.tcp.transport.wire import Op
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 """Whether stores become visible to other cores in program order (x86's TSO), which the mailbox relies on."""
 
-MAILBOX_BYTES = 4096
-"""Largest payload per rank that goes through the mailbox (all_gather: one block; reduce_scatter: the input)."""
+MAILBOX_BYTES = 64 << 10
+"""Largest payload per rank that goes through the mailbox (all_gather: one block; reduce_scatter: the input) in groups
+of up to 11 ranks (`mailbox_bytes`). Interleaved A/B on 2 cores against 4 KiB (the arena above it), 8-64 KiB:
+all_reduce 0.22-0.49x the time at 2 ranks, 0.34-0.67x at 4 (a small all_reduce runs prepared); broadcast 0.61-0.84x
+at 2; all_gather and reduce_scatter 0.77-0.94x at 2, 0.54-0.92x at 4 (bench/RESULTS.md, session 13)."""
+MAILBOX_MIN_BYTES = 4 << 10
+MAILBOX_GROUP_BYTES = 3 << 19
+"""The most /dev/shm a group's mailbox takes (two buffers of size + 1 slots) before its slots shrink."""
+
+
+def mailbox_bytes(size: int) -> int:
+    """Largest payload per rank through the mailbox of a group of `size`: MAILBOX_BYTES, less in groups so large that
+    the mailbox would take over MAILBOX_GROUP_BYTES (whole pages), never under MAILBOX_MIN_BYTES."""
+    per = MAILBOX_GROUP_BYTES // (2 * (size + 1)) // 4096 * 4096
+    return max(MAILBOX_MIN_BYTES, min(MAILBOX_BYTES, per))
 AUTO_MIN_BYTES = (64 << 10, 256 << 10)
 """Default `shm_min_bytes` with (spare, oversubscribed) cores where the arena's steps synchronize over the sockets
 (groups of several hosts, no mailbox); all_reduce on more than two ranks and broadcast take twice that. Measured on
@@ -161,7 +174,7 @@ def _large(nbytes: int, scale: int, threshold: int, options: TcpOptions, size: i
 def _mailbox(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
     if shape.size == 1 or not (options.shm and options.shm_mailbox and shape.ordered_stores):
         return False
-    if shape.hosts not in (None, 1) or nbytes > MAILBOX_BYTES:
+    if shape.hosts not in (None, 1) or nbytes > mailbox_bytes(shape.size):
         return False
     if op is Op.BARRIER:
         return True

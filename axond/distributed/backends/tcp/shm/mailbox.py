@@ -2,7 +2,7 @@
 
 Over loopback every small op costs a send and a receive per round, and on a host with more ranks than
 cores the kernel's wake-ups between them are most of its latency. The mailbox is a tiny arena (two
-buffers of one slot per rank: a sequence word, the op's frame header, up to MAILBOX_BYTES of payload).
+buffers of one slot per rank: a sequence word, the op's frame header, up to `policy.mailbox_bytes` of payload).
 A small all_reduce, broadcast, all_gather, reduce_scatter or barrier writes this rank's payload and
 header into its slot, then its sequence number; it waits until every member's sequence number reaches
 the op's, compares their headers with its own (a peer in another op, dtype or size raises on every
@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from axond.distributed.backends.tcp.policy import MAILBOX_BYTES
+from axond.distributed.backends.tcp.policy import mailbox_bytes
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup
 from axond.distributed.backends.tcp.transport.peer import PeerTimeout, wait_readable
@@ -47,7 +47,6 @@ from axond.distributed.backends.tcp.transport.wire import Kind
 
 HEAD_WORDS = 16
 """int64 words before the payload: the sequence number, then the op's 9 header fields."""
-SLOT_BYTES = HEAD_WORDS * 8 + MAILBOX_BYTES
 SPIN_SECONDS = 0.01
 """How long a wait spins before it sleeps on the sockets instead."""
 CHECK_SECONDS = 0.0005
@@ -59,8 +58,13 @@ QUICK_TURNS = 32
 
 
 def arena_bytes(size: int) -> int:
-    """The `ShmArena` size whose slots are SLOT_BYTES: two buffers of size + 1 slots."""
-    return 2 * (size + 1) * SLOT_BYTES
+    """The `ShmArena` size whose slots are `slot_bytes(size)`: two buffers of size + 1 slots."""
+    return 2 * (size + 1) * slot_bytes(size)
+
+
+def slot_bytes(size: int) -> int:
+    """Bytes of one slot of the mailbox of a group of `size`: the header words, then the largest payload."""
+    return HEAD_WORDS * 8 + mailbox_bytes(size)
 
 
 SAME_SETTINGS = "set AXOND_SHM and AXOND_SHM_MAILBOX alike on every rank"
@@ -75,7 +79,8 @@ class Mailbox:
     posts and waits of its ops over group `g` (whose sockets a wait watches)."""
 
     def __init__(self, arena: ShmArena, rank: int, size: int, g: FramedGroup) -> None:
-        assert arena.chunk == SLOT_BYTES and arena.size == size
+        slot = slot_bytes(size)
+        assert arena.chunk == slot and arena.size == size
         self.g = g
         self.ops = 0
         """Mailbox ops run so far in this group: the next one's sequence number minus one."""
@@ -83,7 +88,8 @@ class Mailbox:
         self.raw = arena.buffer()
         self.words = self.raw.cast("q")
         self.rank, self.size = rank, size
-        self.base = [[(b * (size + 1) + p) * SLOT_BYTES for p in range(size)] for b in (0, 1)]
+        self.slot = slot
+        self.base = [[(b * (size + 1) + p) * slot for p in range(size)] for b in (0, 1)]
         """Byte offset of each rank's slot in each buffer."""
         self.others = [p for p in range(size) if p != rank]
         self.peer_seqs = [[(self.base[b][p] // 8, p) for p in self.others] for b in (0, 1)]
@@ -97,7 +103,7 @@ class Mailbox:
         if view is None:
             if len(self._payloads) >= 64:
                 self._payloads.clear()
-            slots = self.arena.slots(buf, np.dtype(np.uint8), SLOT_BYTES)
+            slots = self.arena.slots(buf, np.dtype(np.uint8), self.slot)
             view = self._payloads[key] = slots[:, HEAD_WORDS * 8 : HEAD_WORDS * 8 + count * dtype.itemsize].view(dtype)
         return view
 
