@@ -174,6 +174,33 @@ def test_a_mismatch_with_a_prepared_all_reduce_raises_on_every_rank(make_groups:
     assert all("all_reduce" in str(e) and "MAX" in str(e) for e in errors), errors
 
 
+def test_a_repeated_small_broadcast_runs_prepared_from_every_root(make_groups: MakeGroups) -> None:
+    """Two ranks (on a host with fewer cores than ranks broadcast keeps its socket tree, not the mailbox)."""
+    gs = make_groups(2, 10.0)
+
+    def body(pg: ProcessGroup) -> list[np.ndarray]:
+        got = []
+        for i in range(8):
+            x = np.full((4, 3), pg.rank * 10 + i, np.int16)
+            pg.broadcast(x, i % 2)
+            got.append(x)
+        return got
+
+    for got in run_on(gs, body):
+        for i, x in enumerate(got):
+            assert (x == (i % 2) * 10 + i).all()
+    assert all(prepared(pg) == 2 for pg in gs)  # one per root
+
+
+def test_a_mismatch_with_a_prepared_broadcast_raises_on_every_rank(make_groups: MakeGroups) -> None:
+    """Rank 0 runs its prepared broadcast from rank 0, the other broadcasts from rank 1: both raise."""
+    gs = make_groups(2, 5.0)
+    run_on(gs, lambda pg: pg.broadcast(np.ones(4, np.float32), 0))
+    errors = run_on(gs, lambda pg: pg.broadcast(np.ones(4, np.float32), 0 if pg.rank == 0 else 1),
+                    return_exceptions=True)
+    assert all(isinstance(e, DistributedError) and "broadcast" in str(e) for e in errors), errors
+
+
 def test_a_silent_peer_times_out_in_a_prepared_all_reduce(make_groups: MakeGroups) -> None:
     gs = make_groups(3, 1.0)
     run_on(gs, lambda pg: pg.all_reduce(np.ones(3)))

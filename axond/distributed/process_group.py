@@ -7,7 +7,7 @@ module-level functions in `axond.distributed.api` take global ranks and translat
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -37,7 +37,9 @@ class ProcessGroup:
         self.backend = backend
         self._methods = op_methods(backend) if backend is not None else None
         self._quick_all_reduce = backend.quick_all_reduce if backend is not None else None
-        """The backend's `quick_all_reduce` while the group lives (None once destroyed)."""
+        self._quick_broadcast = backend.quick_broadcast if backend is not None else None
+        """The backend's prepared forms (`quick_all_reduce`, `quick_broadcast`) while the group lives (None once
+        destroyed)."""
         self.ranks = list(ranks)
         self.name = name
         self.global_rank = global_rank
@@ -124,6 +126,23 @@ class ProcessGroup:
             # the user's frames and one line (AXOND_DEBUG=1 keeps the transport's frames and chain)
             raise concise(e) from None
 
+    def _quickly(self, op: str, quick: Callable[..., bool] | None, *args: Any) -> bool:
+        """Run blocking op `op` through the backend's prepared form (`quick`, e.g. `Backend.quick_all_reduce`) if
+        it has one for these arguments and no async op is queued: `_run`'s common case, shorter still (small ops
+        are latency-bound). False: nothing ran."""
+        if quick is None or self._comm.pending:
+            return False
+        self.inflight = op
+        self.inflight_seq += 1
+        try:
+            return quick(*args)
+        except DistributedError as e:
+            if debug():
+                raise
+            raise concise(e) from None
+        finally:
+            self.inflight = None
+
     def _start(self, op: str, async_op: bool, *args: Any, **kwargs: Any) -> Any:
         """`_run` past its common case (a blocking op with nothing pending): async, destroyed or not a member."""
         methods = self._methods
@@ -154,25 +173,16 @@ class ProcessGroup:
 
     def all_reduce(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` in place over the group."""
-        quick = self._quick_all_reduce
-        if quick is not None and not async_op and not self._comm.pending:
-            self.inflight = "all_reduce"  # `_run`'s common case, shorter still: small ops are latency-bound
-            self.inflight_seq += 1
-            try:
-                if quick(x, op):
-                    return None
-            except DistributedError as e:
-                if debug():
-                    raise
-                raise concise(e) from None
-            finally:
-                self.inflight = None
+        if not async_op and self._quickly("all_reduce", self._quick_all_reduce, x, op):
+            return None
         if type(x) is not np.ndarray:
             refuse_scalar(x, "all_reduce")
         return self._run("all_reduce", async_op, x, op)
 
     def broadcast(self, x: Array, src: int = 0, async_op: bool = False) -> Work | None:
         """Copy `x` of group rank `src` into `x` everywhere."""
+        if not async_op and self._quickly("broadcast", self._quick_broadcast, x, src):
+            return None
         refuse_scalar(x, "broadcast")
         return self._run("broadcast", async_op, x, src)
 
@@ -347,7 +357,7 @@ class ProcessGroup:
     def destroy(self) -> None:
         """Finish queued async ops, then close sockets and threads; idempotent."""
         self._destroyed = True
-        self._quick_all_reduce = None
+        self._quick_all_reduce = self._quick_broadcast = None
         untrack(self)
         self._comm.close(self.options.timeout + ASYNC_MARGIN)
         if self.backend is not None:

@@ -167,6 +167,10 @@ class Backend(ABC):
         """
         return False
 
+    def quick_broadcast(self, x: Array, src: int) -> bool:
+        """As `quick_all_reduce`, for a blocking broadcast from group rank `src`."""
+        return False
+
     def start(self, op: str, *args: Any, **kwargs: Any) -> Completion | None:
         """Launch op `op` (a key of `op_methods`, with its method's arguments) without waiting, and return the
         handle that tracks its completion; or None: this backend tracks none, run the op's method elsewhere.

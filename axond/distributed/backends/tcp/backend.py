@@ -42,7 +42,7 @@ from axond.store import Store
 
 
 SMALL_PLANS = 64
-"""Prepared small all_reduces kept per group (dtype, size and op combinations); all dropped when full."""
+"""Prepared small mailbox ops kept per group (op, dtype, size and op or root combinations); all dropped when full."""
 
 
 def _numpy(x: Any, what: str) -> np.ndarray:
@@ -72,8 +72,8 @@ class TcpBackend(Backend):
         self.comm = Comm(self.g, rank, size, tcp, crowded, Scratch())
         self.placement = Placement(self.comm, host)
         self._seq = 0
-        self._small: dict[tuple[np.dtype, int, int], mailbox_ops.SmallAllReduce] = {}
-        """Prepared small all_reduces by dtype, size and op (`_prepare_small`)."""
+        self._small: dict[tuple[Any, ...], Any] = {}
+        """Prepared small mailbox ops by op name, dtype, size and op or root (`_prepare`)."""
         self._tx: dict[int, int] = {}
         self._rx: dict[int, int] = {}
 
@@ -115,17 +115,27 @@ class TcpBackend(Backend):
 
     def quick_all_reduce(self, x: Array, op: ReduceOp) -> bool:
         """A small all_reduce of a dtype, size and op that went through the mailbox before (every check passed
-        then): straight to its prepared form (`_prepare_small`)."""
+        then): straight to its prepared form (`mailbox_ops.SmallAllReduce`)."""
         if type(x) is not np.ndarray or type(op) is not ReduceOp:
             return False
-        small = self._small.get((x.dtype, x.size, id(op)))  # id: ReduceOp's own hash is Python code
+        return self._run_prepared("all_reduce", self._small.get(("all_reduce", x.dtype, x.size, id(op))), x)
+
+    def quick_broadcast(self, x: Array, src: int) -> bool:
+        """As `quick_all_reduce`, for a small broadcast from group rank `src` (`mailbox_ops.SmallBroadcast`)."""
+        if type(x) is not np.ndarray or type(src) is not int:
+            return False
+        return self._run_prepared("broadcast", self._small.get(("broadcast", x.dtype, x.size, src)), x)
+
+    def _run_prepared(self, name: str, small: Any, x: np.ndarray) -> bool:
+        """Run `small` on `x` as the group's next op (True), or nothing (False: not prepared, not contiguous, the
+        mailbox changed or the group was aborted; the full way then checks and raises as it should)."""
         if small is None or small.box is not self.placement.mailbox or not x.flags.c_contiguous or self.g.aborted:
             return False
         self._seq += 1
         try:
             small.run(x if x.ndim == 1 else x.reshape(-1), self._seq)
         except (DistributedError, PeerError) as e:
-            self.g.failed("all_reduce", e)
+            self.g.failed(name, e)
         return True
 
     def all_reduce(self, x: Array, op: ReduceOp) -> None:
@@ -142,7 +152,8 @@ class TcpBackend(Backend):
         path, on = self.placement.choose(c, Op.ALL_REDUCE, x.nbytes)
         if path is Path.MAILBOX:
             self._inplace(x, "all_reduce", lambda flat: mailbox_ops.all_reduce(on, c, flat, op))
-            self._prepare_small(on, c, x, op)
+            self._prepare(("all_reduce", x.dtype, x.size, id(op)), on, c,
+                          lambda make_call: mailbox_ops.SmallAllReduce(on, c, x, op, make_call))
         elif path is Path.SINGLE_COPY:
             self._inplace(x, "all_reduce", lambda flat: single_copy_ops.all_reduce(on, c, flat, op))
         elif path is Path.ARENA:
@@ -155,24 +166,23 @@ class TcpBackend(Backend):
         else:
             self._inplace(x, "all_reduce", lambda flat: sockets.all_reduce(self.comm, c, flat, op))
 
-    def _prepare_small(self, box: Any, c: Call, x: np.ndarray, op: ReduceOp) -> None:
-        """Keep a prepared mailbox all_reduce for x's dtype, size and op (`mailbox_ops.SmallAllReduce`): the next
-        such call skips the checks, the route and the `Call` (made only if it waits long or fails)."""
-        key = (x.dtype, x.size, id(op))
+    def _prepare(self, key: tuple[Any, ...], box: Any, c: Call, build: Callable[[Callable[[int], Call]], Any]) -> None:
+        """Keep the prepared form of a mailbox op (`mailbox_ops.Prepared`) under `key`: the next call of that shape
+        skips the checks, the route and the `Call` (made only if it waits long or fails, by `make_call`)."""
         known = self._small.get(key)
         if known is not None and known.box is box:
             return  # a caller whose array is not contiguous: prepared already, for the contiguous ones
         if len(self._small) >= SMALL_PLANS:
             self._small.clear()
-        code, redop = c.dtype, c.redop
-        count = c.count
 
         def make_call(seq: int) -> Call:
-            return self.g.call(Op.ALL_REDUCE, Kind.COLLECTIVE, code, redop, seq, 0, count)
+            return self.g.call(c.op, c.kind, c.dtype, c.redop, seq, c.aux, c.count)
 
-        self._small[key] = mailbox_ops.SmallAllReduce(box, c, x, op, make_call)
+        self._small[key] = build(make_call)
 
     def broadcast(self, x: Array, src: int) -> None:
+        if self.quick_broadcast(x, src):
+            return
         x = _numpy(x, "broadcast input")
         src = self._check_root(src, "src")
         c = self._call(Op.BROADCAST, x, aux=src)
@@ -194,6 +204,9 @@ class TcpBackend(Backend):
             self._inplace(x, "broadcast", body)
         else:
             self.g.run("broadcast", body, np.ascontiguousarray(x).reshape(-1))
+        if path is Path.MAILBOX:
+            self._prepare(("broadcast", x.dtype, x.size, src), on, c,
+                          lambda make_call: mailbox_ops.SmallBroadcast(on, c, x, src, make_call))
 
     def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
         x = _numpy(x, "reduce input")

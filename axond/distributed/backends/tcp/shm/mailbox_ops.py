@@ -29,44 +29,81 @@ def all_reduce(box: Mailbox, c: Call, x: np.ndarray, op: ReduceOp) -> None:
     reduce_rows(box.payloads(box.post(c, x), x.dtype, x.size), x, op)
 
 
-class SmallAllReduce:
-    """A mailbox all_reduce of one dtype, size and op, prepared by its first call: the frame header's fixed fields,
-    this rank's payload and every member's row in both buffers, the ufunc. A later call (`run`, inside the group's
-    `run`) writes the header and payload, posts, waits and reduces; it makes its `Call` only when the wait is long
-    or a member posted another call (`Mailbox.settle`). The tcp backend keeps one per dtype, size and op."""
+class Prepared:
+    """A mailbox op of one call shape (op, dtype, size, root or reduction), prepared by its first call: the frame
+    header's fixed fields and the payload views of both buffers. A later call (`post`, inside the group's `run`)
+    writes the header with its sequence number, its payload and its sequence word, waits and compares the members'
+    calls; it makes its `Call` only when the wait is long or a member posted another call (`Mailbox.settle`). The
+    tcp backend keeps the prepared forms by shape (`TcpBackend.quick_all_reduce`, `quick_broadcast`)."""
 
-    __slots__ = ("box", "head", "nbytes", "mine", "rows", "ufunc", "average", "make_call")
+    __slots__ = ("box", "head", "make_call")
 
-    def __init__(self, box: Mailbox, c: Call, x: np.ndarray, op: ReduceOp, make_call: Callable[[int], Call]) -> None:
+    def __init__(self, box: Mailbox, c: Call, make_call: Callable[[int], Call]) -> None:
         self.box = box
         self.head = c.expect
-        self.nbytes = x.nbytes
-        views = [box.payloads(buf, x.dtype, x.size) for buf in (0, 1)]
-        self.mine = [view[box.rank] for view in views]
-        self.rows = [list(view) for view in views]
-        self.ufunc: Callable[..., np.ndarray] = UFUNCS[op]
-        self.average = op is ReduceOp.AVG
         self.make_call = make_call
         """Makes this call's `Call` from its sequence number (`FramedGroup.call`)."""
 
-    def run(self, x: np.ndarray, seq: int) -> None:
-        """x (flat, contiguous, of the prepared dtype and size) <- the reduction over the group, as `all_reduce`."""
+    def post(self, seq: int, payload: np.ndarray | None, slots: list[np.ndarray], nbytes: int) -> int:
+        """As `Mailbox.post` for call number `seq`: `payload` goes into this rank's slot of the buffer (`slots`: one
+        view per buffer); returns the buffer."""
         box = self.box
         box.ops += 1
         k = box.ops
         buf = k & 1
         me = box.base[buf][box.rank]
         kind, op, dtype, redop, _, gid, aux, count = self.head
-        HEAD.pack_into(box.raw, me + 8, kind, op, dtype, redop, seq & 0xFFFFFFFF, gid, aux, count, self.nbytes)
-        np.copyto(self.mine[buf], x)
+        HEAD.pack_into(box.raw, me + 8, kind, op, dtype, redop, seq & 0xFFFFFFFF, gid, aux, count, nbytes)
+        if payload is not None:
+            np.copyto(slots[buf], payload)
         box.words[me // 8] = k  # last: a peer that sees the sequence number sees the rest (x86 store order)
-        box.settle(buf, k, self.nbytes, lambda: self.make_call(seq))
-        rows, ufunc = self.rows[buf], self.ufunc
+        box.settle(buf, k, nbytes, lambda: self.make_call(seq))
+        return buf
+
+
+class SmallAllReduce(Prepared):
+    """A prepared mailbox all_reduce (see `Prepared`): this rank's payload and every member's row in both buffers,
+    the ufunc."""
+
+    __slots__ = ("nbytes", "mine", "rows", "ufunc", "average")
+
+    def __init__(self, box: Mailbox, c: Call, x: np.ndarray, op: ReduceOp, make_call: Callable[[int], Call]) -> None:
+        super().__init__(box, c, make_call)
+        self.nbytes = x.nbytes
+        views = [box.payloads(buf, x.dtype, x.size) for buf in (0, 1)]
+        self.mine = [view[box.rank] for view in views]
+        self.rows = [list(view) for view in views]
+        self.ufunc: Callable[..., np.ndarray] = UFUNCS[op]
+        self.average = op is ReduceOp.AVG
+
+    def run(self, x: np.ndarray, seq: int) -> None:
+        """x (flat, contiguous, of the prepared dtype and size) <- the reduction over the group, as `all_reduce`."""
+        rows, ufunc = self.rows[self.post(seq, x, self.mine, self.nbytes)], self.ufunc
         ufunc(rows[0], rows[1], out=x)
         for p in range(2, len(rows)):
             ufunc(x, rows[p], out=x)
         if self.average:
             finish_average(x, len(rows))
+
+
+class SmallBroadcast(Prepared):
+    """A prepared mailbox broadcast from one root (see `Prepared`): the root's row in both buffers, as bytes."""
+
+    __slots__ = ("nbytes", "root", "rows")
+
+    def __init__(self, box: Mailbox, c: Call, x: np.ndarray, src: int, make_call: Callable[[int], Call]) -> None:
+        super().__init__(box, c, make_call)
+        self.nbytes = x.nbytes
+        self.root = box.rank == src
+        self.rows = [box.payloads(buf, BYTES, x.nbytes)[src] for buf in (0, 1)]
+
+    def run(self, x: np.ndarray, seq: int) -> None:
+        """x (flat, contiguous, of the prepared dtype and size) <- the root's x, as `broadcast`."""
+        data = x.view(np.uint8)
+        if self.root:
+            self.post(seq, data, self.rows, self.nbytes)
+        else:
+            np.copyto(data, self.rows[self.post(seq, None, self.rows, 0)])
 
 
 def broadcast(box: Mailbox, c: Call, x: np.ndarray, src: int) -> None:
