@@ -201,6 +201,37 @@ def test_a_mismatch_with_a_prepared_broadcast_raises_on_every_rank(make_groups: 
     assert all(isinstance(e, DistributedError) and "broadcast" in str(e) for e in errors), errors
 
 
+def test_a_repeated_small_all_gather_runs_prepared_into_fresh_and_given_outputs(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 10.0)
+
+    def body(pg: ProcessGroup) -> list[np.ndarray]:
+        got = []
+        for i in range(6):
+            x = np.full((2, 5), pg.rank * 10 + i, np.float32)
+            if i % 2:
+                out = np.zeros((3, 2, 5), np.float32)
+                assert pg.all_gather(x, out=out) is out
+            else:
+                out = pg.all_gather(x)
+            got.append(out)
+        with pytest.raises(ValueError, match="out= must be"):  # a wrong out= still gets the full way's error
+            pg.all_gather(np.ones((2, 5), np.float32), out=np.zeros((3, 10), np.float32))
+        return got
+
+    for got in run_on(gs, body):
+        for i, out in enumerate(got):
+            assert out.shape == (3, 2, 5) and all((out[r] == r * 10 + i).all() for r in range(3))
+    assert all(prepared(pg) == 1 for pg in gs)
+
+
+def test_a_mismatch_with_a_prepared_all_gather_raises_on_every_rank(make_groups: MakeGroups) -> None:
+    gs = make_groups(3, 5.0)
+    run_on(gs, lambda pg: pg.all_gather(np.ones(4, np.float32)))
+    errors = run_on(gs, lambda pg: pg.all_gather(np.ones(4 if pg.rank == 0 else 5, np.float32)),
+                    return_exceptions=True)
+    assert all(isinstance(e, DistributedError) and "all_gather" in str(e) for e in errors), errors
+
+
 def test_a_silent_peer_times_out_in_a_prepared_all_reduce(make_groups: MakeGroups) -> None:
     gs = make_groups(3, 1.0)
     run_on(gs, lambda pg: pg.all_reduce(np.ones(3)))

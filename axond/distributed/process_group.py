@@ -38,8 +38,9 @@ class ProcessGroup:
         self._methods = op_methods(backend) if backend is not None else None
         self._quick_all_reduce = backend.quick_all_reduce if backend is not None else None
         self._quick_broadcast = backend.quick_broadcast if backend is not None else None
-        """The backend's prepared forms (`quick_all_reduce`, `quick_broadcast`) while the group lives (None once
-        destroyed)."""
+        self._quick_all_gather = backend.quick_all_gather if backend is not None else None
+        """The backend's prepared forms (`quick_all_reduce`, `quick_broadcast`, `quick_all_gather`) while the group
+        lives (None once destroyed)."""
         self.ranks = list(ranks)
         self.name = name
         self.global_rank = global_rank
@@ -126,10 +127,10 @@ class ProcessGroup:
             # the user's frames and one line (AXOND_DEBUG=1 keeps the transport's frames and chain)
             raise concise(e) from None
 
-    def _quickly(self, op: str, quick: Callable[..., bool] | None, *args: Any) -> bool:
+    def _quickly(self, op: str, quick: Callable[..., Any] | None, *args: Any) -> Any:
         """Run blocking op `op` through the backend's prepared form (`quick`, e.g. `Backend.quick_all_reduce`) if
         it has one for these arguments and no async op is queued: `_run`'s common case, shorter still (small ops
-        are latency-bound). False: nothing ran."""
+        are latency-bound). Returns what `quick` returns (False or None: nothing ran)."""
         if quick is None or self._comm.pending:
             return False
         self.inflight = op
@@ -196,6 +197,10 @@ class ProcessGroup:
 
         `out=` (shape (size, *x.shape)) is filled and returned instead of a new array: no allocation.
         """
+        if not async_op:
+            gathered = self._quickly("all_gather", self._quick_all_gather, x, out)
+            if gathered is not None and gathered is not False:
+                return gathered
         refuse_scalar(x, "all_gather")
         if out is None:
             return self._run("all_gather", async_op, x)
@@ -357,7 +362,7 @@ class ProcessGroup:
     def destroy(self) -> None:
         """Finish queued async ops, then close sockets and threads; idempotent."""
         self._destroyed = True
-        self._quick_all_reduce = self._quick_broadcast = None
+        self._quick_all_reduce = self._quick_broadcast = self._quick_all_gather = None
         untrack(self)
         self._comm.close(self.options.timeout + ASYNC_MARGIN)
         if self.backend is not None:

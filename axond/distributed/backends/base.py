@@ -171,6 +171,11 @@ class Backend(ABC):
         """As `quick_all_reduce`, for a blocking broadcast from group rank `src`."""
         return False
 
+    def quick_all_gather(self, x: Array, out: Array | None) -> Array | None:
+        """As `quick_all_reduce`, for a blocking all_gather: the gathered array (`out` if given), or None having
+        done nothing."""
+        return None
+
     def start(self, op: str, *args: Any, **kwargs: Any) -> Completion | None:
         """Launch op `op` (a key of `op_methods`, with its method's arguments) without waiting, and return the
         handle that tracks its completion; or None: this backend tracks none, run the op's method elsewhere.

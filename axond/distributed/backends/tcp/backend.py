@@ -126,6 +126,30 @@ class TcpBackend(Backend):
             return False
         return self._run_prepared("broadcast", self._small.get(("broadcast", x.dtype, x.size, src)), x)
 
+    def quick_all_gather(self, x: Array, out: Array | None) -> Array | None:
+        """As `quick_all_reduce`, for a small all_gather into `out` (checked here) or a fresh array
+        (`mailbox_ops.SmallAllGather`); None having done nothing."""
+        if type(x) is not np.ndarray:
+            return None
+        small = self._small.get(("all_gather", x.dtype, x.size))
+        if small is None or small.box is not self.placement.mailbox or self.g.aborted:
+            return None
+        shape = (self.size, *x.shape)
+        if out is None:
+            out = np.empty(shape, x.dtype)
+        elif not (type(out) is np.ndarray and out.shape == shape and out.dtype == x.dtype and out.flags.c_contiguous):
+            return None  # the full way says what is wrong with it
+        self._seq += 1
+        if x.ndim:
+            copy(out[self.rank], x)
+        else:
+            out[self.rank] = x
+        try:
+            small.run(out, self._seq)
+        except (DistributedError, PeerError) as e:
+            self.g.failed("all_gather", e)
+        return out
+
     def _run_prepared(self, name: str, small: Any, x: np.ndarray) -> bool:
         """Run `small` on `x` as the group's next op (True), or nothing (False: not prepared, not contiguous, the
         mailbox changed or the group was aborted; the full way then checks and raises as it should)."""
@@ -220,6 +244,9 @@ class TcpBackend(Backend):
 
     def all_gather(self, x: Array, out: Array | None = None) -> Array:
         """As `Backend.all_gather`; `out` (C-contiguous, shape (size, *x.shape)) avoids a fresh allocation."""
+        gathered = self.quick_all_gather(x, out)
+        if gathered is not None:
+            return gathered
         x = _numpy(x, "all_gather input")
         c = self._call(Op.ALL_GATHER, x)
         out = output_array(out, (self.size, *x.shape), x.dtype, "all_gather", "tcp")
@@ -232,6 +259,8 @@ class TcpBackend(Backend):
         path, on = self.placement.choose(c, Op.ALL_GATHER, x.nbytes)
         if path is Path.MAILBOX:
             self.g.run("all_gather", mailbox_ops.all_gather, on, c, out)
+            self._prepare(("all_gather", x.dtype, x.size), on, c,
+                          lambda make_call: mailbox_ops.SmallAllGather(on, c, x, make_call))
         elif path is Path.SINGLE_COPY:
             self.g.run("all_gather", single_copy_ops.all_gather, on, c, out)
         elif path is Path.ARENA:

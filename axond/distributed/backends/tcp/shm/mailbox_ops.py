@@ -106,6 +106,25 @@ class SmallBroadcast(Prepared):
             np.copyto(data, self.rows[self.post(seq, None, self.rows, 0)])
 
 
+class SmallAllGather(Prepared):
+    """A prepared mailbox all_gather (see `Prepared`): this rank's slot and every member's in both buffers, as
+    bytes."""
+
+    __slots__ = ("nbytes", "mine", "rows")
+
+    def __init__(self, box: Mailbox, c: Call, x: np.ndarray, make_call: Callable[[int], Call]) -> None:
+        super().__init__(box, c, make_call)
+        self.nbytes = x.nbytes
+        self.rows = [box.payloads(buf, BYTES, x.nbytes) for buf in (0, 1)]
+        self.mine = [rows[box.rank] for rows in self.rows]
+
+    def run(self, out: np.ndarray, seq: int) -> None:
+        """out (size, ...; contiguous, of the prepared dtype and block size; row `rank` filled) <- every member's
+        block, as `all_gather`."""
+        rows = out.reshape(self.box.size, -1).view(np.uint8)
+        np.copyto(rows, self.rows[self.post(seq, rows[self.box.rank], self.mine, self.nbytes)])
+
+
 def broadcast(box: Mailbox, c: Call, x: np.ndarray, src: int) -> None:
     buf = box.post(c, x if box.rank == src else None)
     if box.rank != src:
