@@ -178,42 +178,30 @@ def test_a_repeated_small_broadcast_runs_prepared_from_every_root(make_groups: M
     """Two ranks (on a host with fewer cores than ranks broadcast keeps its socket tree, not the mailbox)."""
     gs = make_groups(2, 10.0)
 
-    def body(pg: ProcessGroup) -> list[np.ndarray]:
-        got = []
-        for i in range(8):
-            x = np.full((4, 3), pg.rank * 10 + i, np.int16)
-            pg.broadcast(x, i % 2)
-            got.append(x)
-        return got
+    def step(pg: ProcessGroup, i: int) -> np.ndarray:
+        x = np.full((4, 3), pg.rank * 10 + i, np.int16)
+        pg.broadcast(x, i % 2)
+        return x
 
-    for got in run_on(gs, body):
+    for got in run_on(gs, lambda pg: [step(pg, i) for i in range(8)]):
         for i, x in enumerate(got):
             assert (x == (i % 2) * 10 + i).all()
     assert all(prepared(pg) == 2 for pg in gs)  # one per root
 
 
-def test_a_mismatch_with_a_prepared_broadcast_raises_on_every_rank(make_groups: MakeGroups) -> None:
-    """Rank 0 runs its prepared broadcast from rank 0, the other broadcasts from rank 1: both raise."""
-    gs = make_groups(2, 5.0)
-    run_on(gs, lambda pg: pg.broadcast(np.ones(4, np.float32), 0))
-    errors = run_on(gs, lambda pg: pg.broadcast(np.ones(4, np.float32), 0 if pg.rank == 0 else 1),
-                    return_exceptions=True)
-    assert all(isinstance(e, DistributedError) and "broadcast" in str(e) for e in errors), errors
-
-
 def test_a_repeated_small_all_gather_runs_prepared_into_fresh_and_given_outputs(make_groups: MakeGroups) -> None:
     gs = make_groups(3, 10.0)
 
+    def step(pg: ProcessGroup, i: int) -> np.ndarray:
+        x = np.full((2, 5), pg.rank * 10 + i, np.float32)
+        if i % 2 == 0:
+            return pg.all_gather(x)
+        out = np.zeros((3, 2, 5), np.float32)
+        assert pg.all_gather(x, out=out) is out
+        return out
+
     def body(pg: ProcessGroup) -> list[np.ndarray]:
-        got = []
-        for i in range(6):
-            x = np.full((2, 5), pg.rank * 10 + i, np.float32)
-            if i % 2:
-                out = np.zeros((3, 2, 5), np.float32)
-                assert pg.all_gather(x, out=out) is out
-            else:
-                out = pg.all_gather(x)
-            got.append(out)
+        got = [step(pg, i) for i in range(6)]
         with pytest.raises(ValueError, match="out= must be"):  # a wrong out= still gets the full way's error
             pg.all_gather(np.ones((2, 5), np.float32), out=np.zeros((3, 10), np.float32))
         return got
@@ -224,12 +212,23 @@ def test_a_repeated_small_all_gather_runs_prepared_into_fresh_and_given_outputs(
     assert all(prepared(pg) == 1 for pg in gs)
 
 
-def test_a_mismatch_with_a_prepared_all_gather_raises_on_every_rank(make_groups: MakeGroups) -> None:
-    gs = make_groups(3, 5.0)
-    run_on(gs, lambda pg: pg.all_gather(np.ones(4, np.float32)))
-    errors = run_on(gs, lambda pg: pg.all_gather(np.ones(4 if pg.rank == 0 else 5, np.float32)),
-                    return_exceptions=True)
-    assert all(isinstance(e, DistributedError) and "all_gather" in str(e) for e in errors), errors
+FIRST_AND_MISMATCHED = {
+    "broadcast": (lambda pg: pg.broadcast(np.ones(4, np.float32), 0),
+                  lambda pg: pg.broadcast(np.ones(4, np.float32), 0 if pg.rank == 0 else 1)),
+    "all_gather": (lambda pg: pg.all_gather(np.ones(4, np.float32)),
+                   lambda pg: pg.all_gather(np.ones(4 if pg.rank == 0 else 5, np.float32))),
+}
+
+
+@pytest.mark.parametrize("op", sorted(FIRST_AND_MISMATCHED))
+def test_a_mismatch_with_a_prepared_broadcast_or_all_gather_raises_on_every_rank(make_groups: MakeGroups,
+                                                                                  op: str) -> None:
+    """Rank 0 runs its prepared op again; the other calls it with another root or size: both raise."""
+    first, mismatched = FIRST_AND_MISMATCHED[op]
+    gs = make_groups(2, 5.0)
+    run_on(gs, first)
+    errors = run_on(gs, mismatched, return_exceptions=True)
+    assert all(isinstance(e, DistributedError) and op in str(e) for e in errors), errors
 
 
 def test_a_silent_peer_times_out_in_a_prepared_all_reduce(make_groups: MakeGroups) -> None:
