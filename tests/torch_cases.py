@@ -219,9 +219,13 @@ def collectives(rank: int, n: int, gloo: Any) -> list[str]:
         dist.broadcast_object_list(box, src=0, group=g)
         return [torch.tensor([len(repr(got)), len(repr(box))])]
     same("object collectives", *both(objects))
-    works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3)]
-    for w in works:
+    outs = [torch.full((4,), float(rank + k)) for k in range(3)]
+    works = [dist.all_reduce(t, async_op=True) for t in outs]
+    for w in reversed(works):  # the last first: the waiting thread may complete it only after the ones before it
         w.wait()
+    expect = [torch.full((4,), float(sum(range(n)) + n * k)) for k in range(3)]
+    if not all(torch.equal(a, b) for a, b in zip(outs, expect)):
+        bad.append(f"async all_reduces waited last first: {outs}")
     dist.barrier()
     return bad if bad else [f"ok {checked}"]
 
@@ -315,18 +319,43 @@ def dead_peer(rank: int, n: int, store_dir: str, q: Any) -> None:
         q.put((rank, "setup failed", traceback.format_exc(), 0.0))
 
 
+def waited_at_once(rank: int, n: int, gloo: Any) -> list[str]:
+    """Ops torch waits for at once (its options' asyncOp False, as `dist.all_reduce(t)` sets) run on the calling
+    thread whatever their size: the Work comes back completed. With asyncOp True a large op runs asynchronously,
+    and a wait completes it, its future too."""
+    from axond.torch import AxondProcessGroup
+
+    pg = dist.group.WORLD
+    assert isinstance(pg, AxondProcessGroup)
+    bad: list[str] = []
+    big = AxondProcessGroup.SYNC_BYTES  # float32 elements: 4x the bytes that run on the calling thread anyway
+    for kind, options in (("allreduce", dist.AllreduceOptions()), ("broadcast", dist.BroadcastOptions())):
+        for at_once in (True, False):
+            t = torch.full((big,), float(rank + 1))
+            options.asyncOp = not at_once
+            work = pg.allreduce([t], options) if kind == "allreduce" else pg.broadcast([t], options)
+            if at_once and not work.is_completed():
+                bad.append(f"{kind} of {t.nbytes} bytes with asyncOp False came back not completed")
+            work.wait()
+            want = float(n * (n + 1) // 2) if kind == "allreduce" else 1.0
+            if not torch.equal(t, torch.full((big,), want)) or not work.get_future().done():
+                bad.append(f"{kind} asyncOp {not at_once}: {t[:4]}, future done {work.get_future().done()}")
+    return bad
+
+
 def parity(rank: int, n: int, gloo: Any) -> dict[str, list[str]]:
     """Every comparison of one process launch (torch's start-up dominates the tests' time), by section."""
     from axond.torch import AxondProcessGroup
 
     sync_bytes = AxondProcessGroup.SYNC_BYTES
-    AxondProcessGroup.SYNC_BYTES = -1  # every op through axond's async ops and the completion thread
-    try:
+    AxondProcessGroup.SYNC_BYTES, AxondProcessGroup.SYNC_WHEN_WAITED = -1, False  # every op through axond's async
+    try:  # ops, then completed on the waiting thread (Completer.complete) or the completion thread (DDP's buckets)
         run_async = {"collectives_async": collectives(rank, n, gloo), "ddp_async": ddp(rank, n, gloo)}
     finally:
-        AxondProcessGroup.SYNC_BYTES = sync_bytes
+        AxondProcessGroup.SYNC_BYTES, AxondProcessGroup.SYNC_WHEN_WAITED = sync_bytes, True
     return {**run_async, "collectives": collectives(rank, n, gloo), "ddp": ddp(rank, n, gloo), "fsdp": fsdp(rank, n, gloo),
-            "tensor_parallel": tensor_parallel(rank, n, gloo), "axond_api": axond_api_with_tensors(rank, n, gloo)}
+            "tensor_parallel": tensor_parallel(rank, n, gloo), "axond_api": axond_api_with_tensors(rank, n, gloo),
+            "waited_at_once": waited_at_once(rank, n, gloo)}
 
 
 def tensor_parallel(rank: int, n: int, gloo: Any) -> list[str]:

@@ -159,7 +159,7 @@ class ProcessGroup:
                 started = self.backend.start(op, *args, **kwargs)
                 if started is not None:
                     return started
-            work = Work(op, self.name, self.options.timeout + ASYNC_MARGIN)
+            work = Work(op, self.name, self.options.timeout + ASYNC_MARGIN, self._comm)
             return self._comm.submit(work, lambda: self._tracked(op, call, *args, **kwargs))
         self._comm.drain()
         return self._tracked(op, call, *args, **kwargs)

@@ -27,13 +27,15 @@ class PendingSend:
 class Work:
     """Handle of an async op: `wait()` blocks until it finished and re-raises its failure."""
 
-    def __init__(self, op: str, group: str, limit: float) -> None:
+    def __init__(self, op: str, group: str, limit: float, comm: CommThread | None = None) -> None:
         self.op = op
         self.group = group
         self._limit = limit
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        self._comm = comm
+        """The communication thread that runs the op (`wait` may run it instead, see `CommThread.help`)."""
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result = result
@@ -54,10 +56,13 @@ class Work:
         """Wait for the op; re-raise its failure. With `timeout` (seconds or a timedelta), return False if it
         is still running then.
 
-        Without one, wait at most the group timeout plus a margin (the op itself is bounded by it).
+        Without one, wait at most the group timeout plus a margin (the op itself is bounded by it); an op that
+        has not started yet then runs on the calling thread (`CommThread.help`).
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
+        if timeout is None and self._comm is not None and not self._done.is_set():
+            self._comm.help(self)
         limit = self._limit if timeout is None else timeout
         if not self._done.wait(limit):
             if timeout is not None:
@@ -85,7 +90,12 @@ class Work:
 
 
 class CommThread:
-    """Runs a group's async ops one after another on one thread; started on first use."""
+    """Runs a group's async ops one after another on one thread; started on first use.
+
+    A caller that waits for an op the thread has not started (`Work.wait` without a timeout, `drain`) runs the ops
+    queued up to it itself (`help`): `wait()` right after an async op (every blocking op of torch's API over axond
+    that is not small) then costs no thread hops. Either way one op runs at a time, in issue order.
+    """
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -94,6 +104,8 @@ class CommThread:
         self._pending: deque[Work] = deque()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._running = False
+        """Whether an op runs now, on this thread or a helping caller's."""
 
     def submit(self, work: Work, fn: Callable[[], Any]) -> Work:
         with self._cond:
@@ -127,24 +139,50 @@ class CommThread:
                 if not self._pending:
                     return
                 work = self._pending[0]
+            self.help(work)
             work._done.wait(work._limit)
             if not work._done.is_set():
                 raise DistributedError(f"{work.op} on group '{work.group}': an earlier async op is stuck",
                                        op=work.op, group=work.group)
 
+    def help(self, work: Work) -> None:
+        """Run the queued ops up to `work` on the calling thread, one by one, while no op is running (the thread
+        has not picked them up yet); return once `work` finished or another thread runs an op."""
+        while not work._done.is_set():
+            with self._cond:
+                if self._running or not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._running = True
+            try:
+                self._run_one(*item)
+            finally:
+                del item
+                self._ran()
+
+    def _ran(self) -> None:
+        """After an op: let the next one start; forget the finished Works (their results) until the next drain."""
+        with self._cond:
+            self._running = False
+            while self._pending and self._pending[0]._done.is_set():
+                self._pending.popleft()
+            if self._queue or self._closed:  # the thread waits for the next op, or to stop
+                self._cond.notify_all()
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while self._running or not self._queue:
+                    if self._closed and not self._queue:
+                        return
                     self._cond.wait(1.0)
-                if not self._queue:
-                    return
                 item = self._queue.popleft()
-            self._run_one(*item)
-            del item  # an idle thread must not keep the last op's arrays alive (FSDP frees them at once)
-            with self._cond:  # nor the finished Works (their results), until the next drain
-                while self._pending and self._pending[0]._done.is_set():
-                    self._pending.popleft()
+                self._running = True
+            try:
+                self._run_one(*item)
+            finally:
+                del item  # an idle thread must not keep the last op's arrays alive (FSDP frees them at once)
+                self._ran()
 
     @staticmethod
     def _run_one(work: Work, fn: Callable[[], Any]) -> None:

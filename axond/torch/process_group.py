@@ -81,6 +81,9 @@ class AxondProcessGroup(dist.ProcessGroup):
 
     SYNC_BYTES = 1 << 16
     """Collectives moving at most this many bytes run on the calling thread (see `_launch`)."""
+    SYNC_WHEN_WAITED = True
+    """Collectives torch waits for at once (its options' `asyncOp` False) run on the calling thread whatever their
+    size (see `_launch`)."""
 
     def __init__(self, store: Store, rank: int, size: int, options: BackendOptions) -> None:
         super().__init__(rank, size)
@@ -126,21 +129,26 @@ class AxondProcessGroup(dist.ProcessGroup):
         return f"AxondProcessGroup({self._group_name!r}, rank={self._rank}, size={self._size})"
 
     def _launch(self, op: str, calls: Sequence[Callable[..., Any]], finish: Callable[[list[Any]], Any],
-                nbytes: int) -> AxondWork | DoneWork:
+                nbytes: int, opts: Any) -> AxondWork | DoneWork:
         """Run axond `calls` (each takes `async_op=`) and `finish`; the torch Work of the op.
 
-        Ops up to SYNC_BYTES run at once on the calling thread (a completed Work: no thread hops, which
-        dominate small ops); larger ones run as axond async ops, so torch may overlap them with compute.
-        Either way a failure is raised by the Work's wait().
+        Ops the caller waits for at once (torch's options say `asyncOp` False: `dist.all_reduce(t)` without
+        `async_op=True`, FSDP2's default unshard) and ops up to SYNC_BYTES run at once on the calling thread (a
+        completed Work: no thread hops, which cost ~50-200 us on a busy host); the others run as axond async ops,
+        so torch may overlap them with compute (DDP's buckets). Either way a failure is raised by the Work's wait().
         """
         group = self.axond_group
-        if nbytes > self.SYNC_BYTES:
+        if nbytes > self.SYNC_BYTES and not self._waited_at_once(opts):
             return self._launch_started(op, [call(async_op=True) for call in calls], finish)
         try:
             value = finish([call(async_op=False) for call in calls])
         except Exception as e:
             return DoneWork(op, group.name, error=e)
         return DoneWork(op, group.name, value)
+
+    def _waited_at_once(self, opts: Any) -> bool:
+        """Whether torch waits for the op as soon as it is launched (`dist.all_reduce(t)` without `async_op=True`)."""
+        return self.SYNC_WHEN_WAITED and getattr(opts, "asyncOp", True) is False
 
     def _launch_started(self, op: str, works: Sequence[Any], finish: Callable[[list[Any]], Any]) -> AxondWork:
         """The torch Work of axond async `works`, completed (after `finish`) by the completion thread."""
@@ -165,7 +173,8 @@ class AxondProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1 and factor is None:
             t = tensors[0]
             if (type(t) is torch.Tensor and t.dtype in _PLAIN_DTYPES and t.is_cpu and t.layout is torch.strided
-                    and not t.requires_grad and t.nbytes <= self.SYNC_BYTES and t.is_contiguous()):
+                    and not t.requires_grad and t.is_contiguous()
+                    and (t.nbytes <= self.SYNC_BYTES or self._waited_at_once(opts))):
                 # the common small op, kept short (latency is most of its cost): a view, run here, a done Work
                 group = self.axond_group
                 try:
@@ -175,7 +184,7 @@ class AxondProcessGroup(dist.ProcessGroup):
                 return DoneWork("allreduce", group.name, tensors)
         staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
         calls = [partial(self.axond_group.all_reduce, _premultiplied(s.array, factor, True), op) for s in staged]
-        return self._launch("allreduce", calls, _written(staged, tensors), _nbytes(tensors))
+        return self._launch("allreduce", calls, _written(staged, tensors), _nbytes(tensors), opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
@@ -184,14 +193,14 @@ class AxondProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         staged = [stage(t, "broadcast tensor") for t in tensors]
         calls = [partial(self.axond_group.broadcast, s.array, root) for s in staged]
-        return self._launch("broadcast", calls, _written(staged, tensors), _nbytes(tensors))
+        return self._launch("broadcast", calls, _written(staged, tensors), _nbytes(tensors), opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, factor = reduction(opts.reduceOp, "reduce")
         staged = [stage(t, "reduce tensor", reduce=True) for t in tensors]
         calls = [partial(self.axond_group.reduce, _premultiplied(s.array, factor, True), opts.rootRank, op) for s in staged]
         return self._launch("reduce", calls, _written(staged if self._rank == opts.rootRank else [], tensors),
-                            _nbytes(tensors))
+                            _nbytes(tensors), opts)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         works, copies = [], []
@@ -201,7 +210,8 @@ class AxondProcessGroup(dist.ProcessGroup):
             gathered = np.empty((self._size, *x.shape), x.dtype)
             works.append(partial(self.axond_group.all_gather, x, out=gathered))
             copies.append((outs, gathered))
-        return self._launch("allgather", works, lambda _: _scatter_rows(copies, outputs), _nbytes(inputs) * self._size)
+        return self._launch("allgather", works, lambda _: _scatter_rows(copies, outputs), _nbytes(inputs) * self._size,
+                            opts)
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allgather(outputs, inputs, opts)
@@ -218,7 +228,8 @@ class AxondProcessGroup(dist.ProcessGroup):
             s = stage(out, "all_gather_into_tensor output")
             works.append(partial(self.axond_group.all_gather, x, out=s.array.reshape(self._size, -1)))
             staged.append(s)
-        return self._launch("allgather_into_tensor_coalesced", works, _written(staged, outputs), _nbytes(outputs))
+        return self._launch("allgather_into_tensor_coalesced", works, _written(staged, outputs), _nbytes(outputs),
+                            opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
     _allgather_base = all_gather_single
@@ -233,7 +244,7 @@ class AxondProcessGroup(dist.ProcessGroup):
             s = stage(out, "reduce_scatter output", reduce=True)
             works.append(partial(self.axond_group.reduce_scatter, x, op, out=s.array.reshape(1, -1)))
             staged.append(s)
-        return self._launch("reduce_scatter", works, _written(staged, outputs), _nbytes(outputs) * self._size)
+        return self._launch("reduce_scatter", works, _written(staged, outputs), _nbytes(outputs) * self._size, opts)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -249,7 +260,8 @@ class AxondProcessGroup(dist.ProcessGroup):
             s = stage(out, "reduce_scatter_tensor output", reduce=True)
             works.append(partial(self.axond_group.reduce_scatter, x, op, out=s.array.reshape(1, -1)))
             staged.append(s)
-        return self._launch("reduce_scatter_tensor_coalesced", works, _written(staged, outputs), _nbytes(inputs))
+        return self._launch("reduce_scatter_tensor_coalesced", works, _written(staged, outputs), _nbytes(inputs),
+                            opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
     _reduce_scatter_base = reduce_scatter_single
@@ -269,7 +281,7 @@ class AxondProcessGroup(dist.ProcessGroup):
                 copy_into(t, results[0][starts[i]:starts[i + 1]])
             return outputs
 
-        return self._launch("alltoall", [work], finish, _nbytes(inputs))
+        return self._launch("alltoall", [work], finish, _nbytes(inputs), opts)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> Any:
@@ -282,7 +294,8 @@ class AxondProcessGroup(dist.ProcessGroup):
         if outs is None and ins is not None:
             outs = [output.shape[0] // self._size] * self._size
         work = partial(self.axond_group.all_to_all, x, input_split_sizes=ins, output_split_sizes=outs)
-        return self._launch("all_to_all_single", [work], lambda results: _copied(output, results[0]), _nbytes([input]))
+        return self._launch("all_to_all_single", [work], lambda results: _copied(output, results[0]),
+                            _nbytes([input]), opts)
 
     alltoall_base = all_to_all_single
 
@@ -294,8 +307,9 @@ class AxondProcessGroup(dist.ProcessGroup):
         work = partial(self.axond_group.gather, x, root)
         size = _nbytes(inputs) * self._size
         if self._rank != root:
-            return self._launch("gather", [work], lambda _: outputs, size)
-        return self._launch("gather", [work], lambda results: _scatter_rows([(outputs[0], results[0])], outputs), size)
+            return self._launch("gather", [work], lambda _: outputs, size, opts)
+        return self._launch("gather", [work], lambda results: _scatter_rows([(outputs[0], results[0])], outputs),
+                            size, opts)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
         root = opts.rootRank
@@ -305,7 +319,7 @@ class AxondProcessGroup(dist.ProcessGroup):
             x = np.stack([readonly(t, "scatter input") for t in inputs[0]])
         work = partial(self.axond_group.scatter, x, root)
         return self._launch("scatter", [work], lambda results: [_copied(outputs[0], results[0])],
-                            _nbytes(outputs) * self._size)
+                            _nbytes(outputs) * self._size, opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         works = [self.axond_group.isend(readonly(t, "send tensor"), dst, tag) for t in tensors]
@@ -321,7 +335,7 @@ class AxondProcessGroup(dist.ProcessGroup):
                                "source rank (pass src=)", op="recv", group=self._group_name, rank=self._rank)
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._launch("barrier", [self.axond_group.barrier], lambda _: [], 0)
+        return self._launch("barrier", [self.axond_group.barrier], lambda _: [], 0, opts)
 
     def _check_list(self, where: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
         if len(tensors) != self._size:
