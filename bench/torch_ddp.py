@@ -2,7 +2,8 @@
 
 Every rank joins "axond" as the default group and a gloo group over the same ranks; the two wrappers
 alternate step by step (so both see the same machine load) and rank 0 reports the median step time,
-then the median time of one small and one 1 MiB all_reduce through torch's API.
+then the median time of one small and one 1 MiB all_reduce through torch's API. For DDP it also times DDP's
+step without communication (`no_sync`): gloo's step over that one is the most any backend's ratio could reach.
 Run: `python bench/torch_ddp.py --nproc 2 4`; `--hosts 2` runs one rank in each of two network-namespace hosts
 instead (root; both backends join `tcp://HOST0:PORT` as a gloo script would, so bytes cross the veth links).
 """
@@ -10,6 +11,7 @@ instead (root; both backends join `tcp://HOST0:PORT` as a gloo script would, so 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -61,16 +63,20 @@ def rank_main(rank: int, n: int, path: str, args: argparse.Namespace, q: Any) ->
     y = torch.randn(args.batch, 1)
     for kind in args.kinds:
         models = {name: wrap(kind, build(args.width, args.depth), g, args.bucket_view) for name, g in groups.items()}
+        if kind == "ddp":  # DDP's step without communication (no_sync): the floor of any backend's step
+            models["floor"] = wrap(kind, build(args.width, args.depth), groups["axond"], args.bucket_view)
         opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
         times: dict[str, list[float]] = {name: [] for name in models}
         for step in range(args.warmup + args.steps):
             for name, model in models.items():
-                dist.barrier(group=groups[name])
+                g = groups.get(name, groups["axond"])
+                dist.barrier(group=g)
                 start = time.perf_counter()
                 opts[name].zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
+                with model.no_sync() if name == "floor" else contextlib.nullcontext():
+                    torch.nn.functional.mse_loss(model(x), y).backward()
                 opts[name].step()
-                dist.barrier(group=groups[name])
+                dist.barrier(group=g)
                 if step >= args.warmup:
                     times[name].append(time.perf_counter() - start)
         if rank == 0:
@@ -112,8 +118,8 @@ def main() -> None:
     view = ", DDP gradient_as_bucket_view" if args.bucket_view else ""
     print(f"MLP {args.depth} x {args.width}^2 ({params / 1e6:.1f} M parameters, float32), batch {args.batch} per rank, "
           f"median of {args.steps} steps after {args.warmup}, 1 thread per rank{view}\n")
-    print("| wrapper or op | ranks | gloo | axond | gloo / axond |")
-    print("|---|---|---|---|---|")
+    print("| wrapper or op | ranks | gloo | axond | gloo / axond | DDP without communication | gloo / that |")
+    print("|---|---|---|---|---|---|---|")
     if args.hosts:
         _between_hosts(args)
         return
@@ -134,8 +140,11 @@ def main() -> None:
 
 
 def _row(kind: str, size: Any, t: dict[str, float]) -> None:
-    print(f"| {kind} | {size} | {t['gloo'] * 1e3:.3f} ms | {t['axond'] * 1e3:.3f} ms | {t['gloo'] / t['axond']:.2f}x |",
-          flush=True)
+    """One line of the table; for DDP also its step without communication (`no_sync`: the same model's forward,
+    backward, DDP hooks and optimizer step), and gloo's step over that: the most any backend's ratio could be."""
+    floor = f"{t['floor'] * 1e3:.3f} ms | {t['gloo'] / t['floor']:.2f}x" if "floor" in t else "- | -"
+    print(f"| {kind} | {size} | {t['gloo'] * 1e3:.3f} ms | {t['axond'] * 1e3:.3f} ms | {t['gloo'] / t['axond']:.2f}x "
+          f"| {floor} |", flush=True)
 
 
 class _Printer:
