@@ -155,7 +155,7 @@ def test_a_repeated_small_all_reduce_runs_prepared_with_the_same_numbers(make_gr
             if op is ReduceOp.AVG:
                 want = want / dtype(3)
             np.testing.assert_array_equal(x, want.astype(dtype))
-    assert all(prepared(pg) == 2 for pg in gs)
+    assert all(prepared(pg) == 3 for pg in gs)  # both all_reduces and the barrier
 
 
 def test_a_mismatch_with_a_prepared_all_reduce_raises_on_every_rank(make_groups: MakeGroups) -> None:
@@ -212,18 +212,58 @@ def test_a_repeated_small_all_gather_runs_prepared_into_fresh_and_given_outputs(
     assert all(prepared(pg) == 1 for pg in gs)
 
 
+@pytest.mark.parametrize("dtype, op", [(np.float64, ReduceOp.SUM), (np.float32, ReduceOp.AVG),
+                                       (np.int32, ReduceOp.MAX)])
+def test_a_repeated_small_reduce_scatter_runs_prepared_with_the_same_numbers(make_groups: MakeGroups, dtype: type,
+                                                                              op: ReduceOp) -> None:
+    """Into fresh and given outputs, with other ops between; the numbers of one process reducing in rank order."""
+    gs = make_groups(3, 10.0)
+    rng = np.random.default_rng(11)
+    data = [(rng.standard_normal((6, 4)) * 50).astype(dtype) for _ in range(3)]
+    ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MAX: np.maximum}[op]
+
+    def step(pg: ProcessGroup, i: int) -> np.ndarray:
+        x = data[pg.rank] + dtype(i)
+        if i % 2 == 0:
+            return pg.reduce_scatter(x, op)
+        out = np.zeros((2, 4), dtype)
+        assert pg.reduce_scatter(x, op, out=out) is out
+        if i % 3 == 1:
+            pg.all_reduce(np.ones(3, np.float32))
+        return out
+
+    def body(pg: ProcessGroup) -> list[np.ndarray]:
+        got = [step(pg, i) for i in range(6)]
+        with pytest.raises(ValueError, match="out= must be"):  # a wrong out= still gets the full way's error
+            pg.reduce_scatter(data[pg.rank], op, out=np.zeros((3, 4), dtype))
+        return got
+
+    for r, got in enumerate(run_on(gs, body)):
+        for i, out in enumerate(got):
+            want = functools.reduce(lambda a, b: ufunc(a, b), [d + dtype(i) for d in data])
+            if op is ReduceOp.AVG:
+                want = want / dtype(3)
+            np.testing.assert_array_equal(out, want.astype(dtype)[2 * r : 2 * r + 2])
+    assert all(prepared(pg) == 2 for pg in gs)  # the reduce_scatter and the all_reduce
+
+
 FIRST_AND_MISMATCHED = {
     "broadcast": (lambda pg: pg.broadcast(np.ones(4, np.float32), 0),
                   lambda pg: pg.broadcast(np.ones(4, np.float32), 0 if pg.rank == 0 else 1)),
     "all_gather": (lambda pg: pg.all_gather(np.ones(4, np.float32)),
                    lambda pg: pg.all_gather(np.ones(4 if pg.rank == 0 else 5, np.float32))),
+    "reduce_scatter": (lambda pg: pg.reduce_scatter(np.ones(4, np.float32)),
+                       lambda pg: pg.reduce_scatter(np.ones(4, np.float32),
+                                                    ReduceOp.SUM if pg.rank == 0 else ReduceOp.MAX)),
+    "barrier": (lambda pg: pg.barrier(),
+                lambda pg: pg.barrier() if pg.rank == 0 else pg.all_reduce(np.ones(1, np.uint8))),
 }
 
 
 @pytest.mark.parametrize("op", sorted(FIRST_AND_MISMATCHED))
-def test_a_mismatch_with_a_prepared_broadcast_or_all_gather_raises_on_every_rank(make_groups: MakeGroups,
-                                                                                  op: str) -> None:
-    """Rank 0 runs its prepared op again; the other calls it with another root or size: both raise."""
+def test_a_mismatch_with_a_prepared_op_raises_on_every_rank(make_groups: MakeGroups, op: str) -> None:
+    """Rank 0 runs its prepared op again; the other calls it with another root, size or reduction, or calls another
+    op: both raise."""
     first, mismatched = FIRST_AND_MISMATCHED[op]
     gs = make_groups(2, 5.0)
     run_on(gs, first)
@@ -231,11 +271,13 @@ def test_a_mismatch_with_a_prepared_broadcast_or_all_gather_raises_on_every_rank
     assert all(isinstance(e, DistributedError) and op in str(e) for e in errors), errors
 
 
-def test_a_silent_peer_times_out_in_a_prepared_all_reduce(make_groups: MakeGroups) -> None:
+@pytest.mark.parametrize("op", ["all_reduce", "barrier"])
+def test_a_silent_peer_times_out_in_a_prepared_op(make_groups: MakeGroups, op: str) -> None:
     gs = make_groups(3, 1.0)
-    run_on(gs, lambda pg: pg.all_reduce(np.ones(3)))
+    call = (lambda pg: pg.all_reduce(np.ones(3))) if op == "all_reduce" else (lambda pg: pg.barrier())
+    run_on(gs, call)
     t0 = time.monotonic()
-    errors = run_on(gs[:2], lambda pg: pg.all_reduce(np.ones(3)), return_exceptions=True)
+    errors = run_on(gs[:2], call, return_exceptions=True)
     assert 0.9 < time.monotonic() - t0 < 3.0
     assert all(isinstance(e, DistributedError) for e in errors), errors
     assert any("timed out after 1.0 s waiting for peer 2" in str(e) for e in errors), errors

@@ -39,8 +39,10 @@ class ProcessGroup:
         self._quick_all_reduce = backend.quick_all_reduce if backend is not None else None
         self._quick_broadcast = backend.quick_broadcast if backend is not None else None
         self._quick_all_gather = backend.quick_all_gather if backend is not None else None
-        """The backend's prepared forms (`quick_all_reduce`, `quick_broadcast`, `quick_all_gather`) while the group
-        lives (None once destroyed)."""
+        self._quick_reduce_scatter = backend.quick_reduce_scatter if backend is not None else None
+        self._quick_barrier = backend.quick_barrier if backend is not None else None
+        """The backend's prepared forms (`quick_all_reduce`, `quick_broadcast`, `quick_all_gather`,
+        `quick_reduce_scatter`, `quick_barrier`) while the group lives (None once destroyed)."""
         self.ranks = list(ranks)
         self.name = name
         self.global_rank = global_rank
@@ -209,6 +211,10 @@ class ProcessGroup:
     def reduce_scatter(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
                        out: Array | None = None) -> Any:
         """Reduce `x` and return this rank's block of x.shape[0] // size rows (into `out=` if given)."""
+        if not async_op:
+            scattered = self._quickly("reduce_scatter", self._quick_reduce_scatter, x, op, out)
+            if scattered is not None and scattered is not False:
+                return scattered
         refuse_scalar(x, "reduce_scatter")
         if out is None:
             return self._run("reduce_scatter", async_op, x, op)
@@ -302,6 +308,8 @@ class ProcessGroup:
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every member entered the barrier."""
+        if not async_op and self._quickly("barrier", self._quick_barrier):
+            return None
         return self._run("barrier", async_op)
 
     def monitored_barrier(self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False) -> None:
@@ -363,6 +371,7 @@ class ProcessGroup:
         """Finish queued async ops, then close sockets and threads; idempotent."""
         self._destroyed = True
         self._quick_all_reduce = self._quick_broadcast = self._quick_all_gather = None
+        self._quick_reduce_scatter = self._quick_barrier = None
         untrack(self)
         self._comm.close(self.options.timeout + ASYNC_MARGIN)
         if self.backend is not None:

@@ -176,6 +176,14 @@ class Backend(ABC):
         done nothing."""
         return None
 
+    def quick_reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None) -> Array | None:
+        """As `quick_all_gather`, for a blocking reduce_scatter: this rank's block (`out` if given)."""
+        return None
+
+    def quick_barrier(self) -> bool:
+        """As `quick_all_reduce`, for a blocking barrier."""
+        return False
+
     def start(self, op: str, *args: Any, **kwargs: Any) -> Completion | None:
         """Launch op `op` (a key of `op_methods`, with its method's arguments) without waiting, and return the
         handle that tracks its completion; or None: this backend tracks none, run the op's method elsewhere.

@@ -150,6 +150,37 @@ class TcpBackend(Backend):
             self.g.failed("all_gather", e)
         return out
 
+    def quick_reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None) -> Array | None:
+        """As `quick_all_gather`, for a small reduce_scatter (`mailbox_ops.SmallReduceScatter`)."""
+        if type(x) is not np.ndarray or type(op) is not ReduceOp:
+            return None
+        small = self._small.get(("reduce_scatter", x.dtype, x.shape, id(op)))
+        if small is None or small.box is not self.placement.mailbox or not x.flags.c_contiguous or self.g.aborted:
+            return None
+        shape = (x.shape[0] // self.size, *x.shape[1:])
+        if out is None:
+            out = np.empty(shape, x.dtype)
+        elif not (type(out) is np.ndarray and out.shape == shape and out.dtype == x.dtype and out.flags.c_contiguous):
+            return None  # the full way says what is wrong with it
+        self._seq += 1
+        try:
+            small.run(x.reshape(-1), out.reshape(-1), self._seq)
+        except (DistributedError, PeerError) as e:
+            self.g.failed("reduce_scatter", e)
+        return out
+
+    def quick_barrier(self) -> bool:
+        """As `quick_all_reduce`, for a barrier (`mailbox_ops.SmallBarrier`)."""
+        small = self._small.get(("barrier",))
+        if small is None or small.box is not self.placement.mailbox or self.g.aborted:
+            return False
+        self._seq += 1
+        try:
+            small.run(self._seq)
+        except (DistributedError, PeerError) as e:
+            self.g.failed("barrier", e)
+        return True
+
     def _run_prepared(self, name: str, small: Any, x: np.ndarray) -> bool:
         """Run `small` on `x` as the group's next op (True), or nothing (False: not prepared, not contiguous, the
         mailbox changed or the group was aborted; the full way then checks and raises as it should)."""
@@ -273,6 +304,9 @@ class TcpBackend(Backend):
 
     def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
         """As `Backend.reduce_scatter`; `out` (C-contiguous, the block's shape) avoids a fresh allocation."""
+        scattered = self.quick_reduce_scatter(x, op, out)
+        if scattered is not None:
+            return scattered
         x = _numpy(x, "reduce_scatter input")
         op = check_reduce_op(op, x.dtype)
         rows = scatter_rows(x, self.size, "reduce_scatter")
@@ -289,6 +323,8 @@ class TcpBackend(Backend):
         path, on = self.placement.choose(c, Op.REDUCE_SCATTER, src.nbytes)
         if path is Path.MAILBOX:
             self.g.run("reduce_scatter", mailbox_ops.reduce_scatter, on, c, src, dst, op)
+            self._prepare(("reduce_scatter", x.dtype, x.shape, id(op)), on, c,
+                          lambda make_call: mailbox_ops.SmallReduceScatter(on, c, src, dst.size, op, make_call))
         elif path is Path.SINGLE_COPY:
             self.g.run("reduce_scatter", single_copy_ops.reduce_scatter, on, c, src, dst, op)
         elif path is Path.ARENA:
@@ -380,6 +416,8 @@ class TcpBackend(Backend):
         self._inplace(x, "recv", lambda flat: self.g.recv(c, src, byte_view(flat)))
 
     def barrier(self) -> None:
+        if self.quick_barrier():
+            return
         token = np.zeros(1, np.uint8)
         self._seq += 1
         c = self.g.call(Op.BARRIER, Kind.COLLECTIVE, dtype_code(token.dtype), 0, self._seq, 0, 1)
@@ -388,6 +426,7 @@ class TcpBackend(Backend):
         path, on = self.placement.choose(c, Op.BARRIER, 0)
         if path is Path.MAILBOX:
             self.g.run("barrier", mailbox_ops.barrier, on, c)
+            self._prepare(("barrier",), on, c, lambda make_call: mailbox_ops.SmallBarrier(on, c, make_call))
         else:
             self.g.run("barrier", doubling.recursive_doubling, self.comm, c, token, ReduceOp.MAX)
 

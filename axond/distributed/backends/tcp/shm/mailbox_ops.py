@@ -34,7 +34,7 @@ class Prepared:
     header's fixed fields and the payload views of both buffers. A later call (`post`, inside the group's `run`)
     writes the header with its sequence number, its payload and its sequence word, waits and compares the members'
     calls; it makes its `Call` only when the wait is long or a member posted another call (`Mailbox.settle`). The
-    tcp backend keeps the prepared forms by shape (`TcpBackend.quick_all_reduce`, `quick_broadcast`)."""
+    tcp backend keeps the prepared forms by shape (`TcpBackend.quick_all_reduce`, `quick_broadcast`, ...)."""
 
     __slots__ = ("box", "head", "make_call")
 
@@ -123,6 +123,42 @@ class SmallAllGather(Prepared):
         block, as `all_gather`."""
         rows = out.reshape(self.box.size, -1).view(np.uint8)
         np.copyto(rows, self.rows[self.post(seq, rows[self.box.rank], self.mine, self.nbytes)])
+
+
+class SmallReduceScatter(Prepared):
+    """A prepared mailbox reduce_scatter (see `Prepared`): this rank's slot and, in both buffers, every member's
+    part `rank` of its input, the ufunc."""
+
+    __slots__ = ("nbytes", "mine", "parts", "ufunc", "average")
+
+    def __init__(self, box: Mailbox, c: Call, src: np.ndarray, per: int, op: ReduceOp,
+                 make_call: Callable[[int], Call]) -> None:
+        super().__init__(box, c, make_call)
+        self.nbytes = src.nbytes
+        views = [box.payloads(buf, src.dtype, src.size) for buf in (0, 1)]
+        self.mine = [view[box.rank] for view in views]
+        self.parts = [list(view[:, box.rank * per : (box.rank + 1) * per]) for view in views]
+        self.ufunc: Callable[..., np.ndarray] = UFUNCS[op]
+        self.average = op is ReduceOp.AVG
+
+    def run(self, src: np.ndarray, out: np.ndarray, seq: int) -> None:
+        """out (flat, contiguous) <- part `rank` of the reduction of every member's src (flat, contiguous, of the
+        prepared dtype and size), as `reduce_scatter`."""
+        parts, ufunc = self.parts[self.post(seq, src, self.mine, self.nbytes)], self.ufunc
+        ufunc(parts[0], parts[1], out=out)
+        for p in range(2, len(parts)):
+            ufunc(out, parts[p], out=out)
+        if self.average:
+            finish_average(out, len(parts))
+
+
+class SmallBarrier(Prepared):
+    """A prepared mailbox barrier (see `Prepared`): a post without payload."""
+
+    __slots__ = ()
+
+    def run(self, seq: int) -> None:
+        self.post(seq, None, [], 0)
 
 
 def broadcast(box: Mailbox, c: Call, x: np.ndarray, src: int) -> None:
