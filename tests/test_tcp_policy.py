@@ -52,9 +52,9 @@ ROUTES = [
     (Op.ALL_REDUCE, 1 * MiB, Shape(6, hosts=3, per_host=0), None, "sockets:ring"),  # uneven hosts
     (Op.ALL_REDUCE, 1 * MiB, Shape(4, hosts=0), None, "sockets:ring"),  # members' arena sizes differ
     (Op.BROADCAST, 4 * KiB, ONE_HOST, None, "mailbox"),
-    (Op.BROADCAST, 4 * KiB, CROWDED, None, "sockets:tree"),  # the tree's root need not wait for the others
-    (Op.BROADCAST, 64 * KiB, CROWDED, None, "arena"),  # 16 x 4 KiB
-    (Op.BROADCAST, 64 * KiB - 8, CROWDED, None, "sockets:tree"),
+    (Op.BROADCAST, 4 * KiB, CROWDED, None, "mailbox"),
+    (Op.BROADCAST, 64 * KiB, CROWDED, None, "mailbox"),
+    (Op.BROADCAST, 64 * KiB + 8, CROWDED, None, "arena"),  # 16 x 4 KiB
     (Op.BROADCAST, 4 * MiB, CROWDED, SOCKETS, "sockets:tree"),
     (Op.BROADCAST, 4 * MiB + 8, CROWDED, SOCKETS, "sockets:chain"),
     (Op.BROADCAST, 256 * KiB, ONE_HOST, SOCKETS, "sockets:chain"),

@@ -34,7 +34,9 @@ MAILBOX_BYTES = 64 << 10
 """Largest payload per rank that goes through the mailbox (all_gather: one block; reduce_scatter: the input) in groups
 of up to 11 ranks (`mailbox_bytes`). Interleaved A/B on 2 cores against 4 KiB (the arena above it), 8-64 KiB:
 all_reduce 0.22-0.49x the time at 2 ranks, 0.34-0.67x at 4 (a small all_reduce runs prepared); broadcast 0.61-0.84x
-at 2; all_gather and reduce_scatter 0.77-0.94x at 2, 0.54-0.92x at 4 (bench/RESULTS.md, session 13)."""
+at 2; all_gather and reduce_scatter 0.77-0.94x at 2, 0.54-0.92x at 4 (bench/RESULTS.md, session 13). On a host whose
+ranks outnumber its cores broadcast takes it too, against the socket tree (prepared, two interleaved A/Bs at 3 and 4
+ranks on 2 cores, 8 B-64 KiB): 0.44-0.95x the time, 0.26-0.61x at 64 KiB (session 14)."""
 MAILBOX_MIN_BYTES = 4 << 10
 MAILBOX_GROUP_BYTES = 3 << 19
 """The most /dev/shm a group's mailbox takes (two buffers of size + 1 slots) before its slots shrink."""
@@ -178,8 +180,7 @@ def _mailbox(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
         return False
     if op is Op.BARRIER:
         return True
-    # On an oversubscribed host the socket tree wins a broadcast: its root need not wait for the others.
-    return nbytes > 0 and not (op is Op.BROADCAST and shape.oversubscribed)
+    return nbytes > 0
 
 
 def _single_copy(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
