@@ -91,18 +91,14 @@ def all_gather(lv: Levels, c: Call, out: np.ndarray) -> None:
 def reduce_scatter(lv: Levels, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """out (flat) <- block `rank` of the reduction of every member's src (flat, size blocks).
 
-    The blocks are first laid out so that member i's host holds, in row i, the blocks of every host's
-    member i; the host reduces row i into member i (through the arena), which then reduce-scatters those
-    k blocks with its counterparts over the sockets.
+    The host reduces its input as if its blocks were laid out so that row i holds the blocks of every host's
+    member i (straight from `src` into the arena, no copy so laid out): member i gets row i reduced over the
+    host, and then reduce-scatters those k blocks with its counterparts over the sockets.
     """
-    k, per_host = lv.across.size, lv.local.size
-    block = out.size
-    scratch = lv.local.scratch
-    laid = scratch.named("two_level", src.nbytes, src.dtype, src.size).reshape(per_host * k, block)
-    np.take(src.reshape(-1, block), _order(lv.hosts), axis=0, out=laid)
-    summed = scratch.named("two_level_sum", k * block * src.itemsize, src.dtype, k * block)
+    k, block = lv.across.size, out.size
+    summed = lv.local.scratch.named("two_level_sum", k * block * src.itemsize, src.dtype, k * block)
     inner = ReduceOp.SUM if op is ReduceOp.AVG else op
-    arena_ops.reduce_scatter(lv.local, lv.arena, lv.sync, c, laid.reshape(-1), summed, inner)
+    arena_ops.reduce_scatter(lv.local, lv.arena, lv.sync, c, src, summed, inner, _order(lv.hosts))
     sockets.reduce_scatter(lv.across, c, summed, out, inner)
     if op is ReduceOp.AVG:
         finish_average(out, lv.total)

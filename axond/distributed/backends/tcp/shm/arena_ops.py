@@ -130,17 +130,24 @@ def all_gather(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Cal
 
 
 def reduce_scatter(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, src: np.ndarray,
-                   out: np.ndarray, op: ReduceOp) -> None:
-    """out (flat) <- block `rank` of the reduction of every rank's `src` (flat, size x block elements)."""
+                   out: np.ndarray, op: ReduceOp, order: np.ndarray | None = None) -> None:
+    """out (flat) <- block `rank` of the reduction of every rank's `src` (flat, size x block elements).
+
+    With `order` (two levels, see `hierarchy.two_level`), `src` holds len(order) equal blocks and is reduced as if
+    laid out in that order (row t: block order[t]), without a copy of it so laid out."""
     r, n = comm.rank, comm.size
     ufunc = UFUNCS[op]
-    blocks = src.reshape(n, -1)
+    width = src.size // n
+    blocks = src.reshape(n, width) if order is None else src.reshape(len(order), -1)
     per = max(1, arena.chunk // n // src.itemsize)
-    for s in range(0, blocks.shape[1], per):
-        e = min(s + per, blocks.shape[1])
+    for s in range(0, width, per):
+        e = min(s + per, width)
         m = e - s
         slots = arena.slots(arena.flip(), src.dtype, n * m)
-        np.copyto(slots[r].reshape(n, m), blocks[:, s:e])
+        if order is None:
+            np.copyto(slots[r].reshape(n, m), blocks[:, s:e])
+        else:
+            _copy_laid(slots[r].reshape(n, m), blocks, order, s)
         sync(c)
         part = slots[:, r * m : (r + 1) * m]
         dest = out[s:e]
@@ -149,6 +156,20 @@ def reduce_scatter(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c:
             ufunc(dest, part[k], out=dest)
         if op is ReduceOp.AVG:
             finish_average(dest, n)
+
+
+def _copy_laid(dst: np.ndarray, blocks: np.ndarray, order: np.ndarray, s: int) -> None:
+    """dst (n, m) <- columns s..s+m of the rows of `blocks` laid out in `order`: row i is blocks order[i * k],
+    ..., order[i * k + k - 1] end to end (k = len(order) // n)."""
+    n, m = dst.shape
+    k, block = len(order) // n, blocks.shape[1]
+    for i in range(n):
+        pos, e = s, s + m
+        while pos < e:
+            j, off = divmod(pos, block)
+            take = min(e, (j + 1) * block) - pos
+            np.copyto(dst[i, pos - s : pos - s + take], blocks[order[i * k + j], off : off + take])
+            pos += take
 
 
 def broadcast(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray, src: int) -> None:
