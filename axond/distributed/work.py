@@ -93,8 +93,8 @@ class CommThread:
     """Runs a group's async ops one after another on one thread; started on first use.
 
     A caller that waits for an op the thread has not started (`Work.wait` without a timeout, `drain`) runs the ops
-    queued up to it itself (`help`): `wait()` right after an async op (every blocking op of torch's API over axond
-    that is not small) then costs no thread hops. Either way one op runs at a time, in issue order.
+    queued up to it itself (`help`), so a `wait()` right after `async_op=True` does not wait for the thread to wake.
+    Either way one op runs at a time, in issue order.
     """
 
     def __init__(self, name: str) -> None:
