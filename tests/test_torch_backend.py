@@ -69,6 +69,10 @@ def test_dtensor_tensor_parallel_matches_gloo_and_one_process(parity: list[dict[
     assert [res["tensor_parallel"] for res in parity] == [[], []]
 
 
+def test_a_ddp_comm_hook_may_wait_for_another_collective_in_its_callback(parity: list[dict[str, list[str]]]) -> None:
+    assert [res["hook_waiting_in_callback"] for res in parity] == [[], []]
+
+
 def test_ops_waited_at_once_run_on_the_calling_thread(parity: list[dict[str, list[str]]]) -> None:
     assert [res["waited_at_once"] for res in parity] == [[], []]
 

@@ -75,3 +75,17 @@ def test_drain_runs_the_queued_ops_before_returning(comm: CommThread) -> None:
     works = [_submit(comm, f"op{k}", lambda k=k: ran.append(k)) for k in range(5)]
     comm.drain()
     assert ran == list(range(5)) and all(w.is_completed() for w in works) and not comm.pending
+
+
+def test_done_callbacks_run_once_on_the_finishing_thread_or_at_once(comm: CommThread) -> None:
+    gate = threading.Event()
+    seen: list[tuple[str, int]] = []
+    work = _submit(comm, "op", lambda: gate.wait(5.0))
+    work.add_done_callback(lambda w: seen.append((w.op, threading.get_ident())))
+    assert seen == []
+    gate.set()
+    work.wait()
+    ran_on = {threading.get_ident(), comm._thread.ident if comm._thread is not None else 0}
+    assert len(seen) == 1 and seen[0][0] == "op" and seen[0][1] in ran_on  # whichever thread ran the op
+    work.add_done_callback(lambda w: seen.append(("late", threading.get_ident())))  # already done: at once, here
+    assert seen[-1] == ("late", threading.get_ident()) and len(seen) == 2

@@ -24,6 +24,10 @@ class PendingSend:
         return self._wait(timeout, strict)
 
 
+_CALLBACKS = threading.Lock()
+"""Guards every Work's callbacks against its finishing (held for a few attribute writes)."""
+
+
 class Work:
     """Handle of an async op: `wait()` blocks until it finished and re-raises its failure."""
 
@@ -36,11 +40,27 @@ class Work:
         self._error: BaseException | None = None
         self._comm = comm
         """The communication thread that runs the op (`wait` may run it instead, see `CommThread.help`)."""
+        self._callbacks: list[Callable[[Work], None]] | None = None
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result = result
         self._error = error
-        self._done.set()
+        with _CALLBACKS:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            fn(self)
+
+    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
+        """Call `fn(work)` once the op finished (successfully or not): at once if it has, else on the thread that
+        finishes it, before that thread starts the next op. `fn` must not raise."""
+        with _CALLBACKS:
+            if not self._done.is_set():
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def is_completed(self) -> bool:
         """True once the op finished (successfully or not); never blocks."""

@@ -1,18 +1,17 @@
 """torch `Work` objects completed by axond's async `Work`s.
 
 Each torch op starts one or more axond async ops (run in issue order on the axond group's communication thread).
-One completion thread per group waits for them in issue order, runs the op's copy-back, then completes the op's
-`AxondWork`. A thread that waits for the oldest op does all of that itself instead, running the axond ops too if
-they have not started (`Completer.complete`): `dist.all_reduce(t)` then costs no thread hops. `wait()` re-raises
-axond's own exception (a `DistributedError` naming op, group and peer), and `get_future()` (what DDP's reducer and
-comm hooks chain on) completes with the output tensors or that exception.
+A collective's `AxondWork` is done as soon as its last axond op finished: the thread that finished it runs the
+op's copy-back and records the outcome, so `wait()` costs no thread hop (and a `wait()` on ops not started yet runs
+them on the waiting thread). Its torch future, which DDP's reducer and comm hooks chain on, is completed on a
+completion thread (see `Completer`). `wait()` re-raises axond's own exception (a `DistributedError` naming op,
+group and peer), and the future completes with the output tensors or that exception.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,15 +39,18 @@ class AxondWork(dist._Work):
         self._future: torch.futures.Future = torch.futures.Future()
         self._completer = completer
         self._works: Sequence[AxondAsync] = ()
-        self._then: Finish | None = None
 
     def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Record the outcome (what `wait` returns or raises); the future is completed apart (`_complete_future`),
+        as completing it runs torch's callbacks, which may block on later ops."""
         self._value, self._error = value, error
         self._done.set()
-        if error is not None:
-            self._future.set_exception(error)
+
+    def _complete_future(self) -> None:
+        if self._error is not None:
+            self._future.set_exception(self._error)
         else:
-            self._future.set_result(value)
+            self._future.set_result(self._value)
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until the op finished (at most the group timeout plus a margin); re-raise its failure."""
@@ -129,78 +131,131 @@ def _seconds(timeout: Any) -> float:
 
 
 class Completer:
-    """Completes one group's torch Works, in issue order, on one daemon thread; or on the thread that waits for
-    the oldest one (`complete`), which then runs its axond ops too if the group's communication thread has not
-    started them (`CommThread.help`): a torch op waited for at once costs no thread hops."""
+    """Completes one group's torch Works.
+
+    A collective's Work (`follow`) is completed by the thread that finishes its last axond op: the group's
+    communication thread, or a thread that waits for the Work and runs the ops itself if they have not started
+    (`complete`, `CommThread.help`). A send's or receive's Work (`launch`) is completed once its axond ops finished
+    (a send's bytes left), on a completion thread. Futures are completed on completion threads: that runs torch's
+    callbacks (DDP's reducer, comm hooks), which may start further ops of the group and block on them (PowerSGD
+    does), so a callback must never block the thread that completes those. A completion thread is started whenever
+    a job arrives and none is free (at most MAX_THREADS); those beyond the first end after IDLE_SECONDS without work.
+    """
+
+    MAX_THREADS = 8
+    IDLE_SECONDS = 2.0
 
     def __init__(self, name: str, limit: float) -> None:
         self._name = name
         self._limit = limit
-        self._queue: queue.SimpleQueue[AxondWork | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._order: deque[AxondWork] = deque()
-        """The launched Works not completed yet, oldest first: only the oldest may complete."""
+        self._threads: list[threading.Thread] = []
+        self._free = 0
+        """Completion threads waiting for a job."""
+        self._closed = False
+
+    def follow(self, op: str, works: Sequence[AxondAsync], finish: Finish) -> AxondWork:
+        """The torch Work of collective `works`: done (after `finish`, the copy-back) as soon as the last of them
+        finished, on the thread that finished it, before that thread starts the next op: no thread hop for
+        `wait()`. Not for sends, whose completion waits for their bytes to leave (`launch`)."""
+        if not all(isinstance(w, AxondAsync) for w in works):
+            return self.launch(op, works, finish)
+        work = AxondWork(op, self._name, self._limit, self)
+        work._works = works
+
+        def settle(_: object) -> None:
+            try:  # every op has finished (they run in issue order): their results, or the first failure
+                value = finish([w.result() for w in works])
+            except BaseException as e:
+                work._finish(error=e)
+            else:
+                work._finish(value)
+            work._works = ()
+            self._submit(work._complete_future)
+
+        if works:
+            works[-1].add_done_callback(settle)
+        else:
+            settle(None)
+        return work
 
     def launch(self, op: str, works: Sequence[AxondAsync], finish: Finish) -> AxondWork:
-        """The torch Work that completes once every one of `works` did and `finish` ran."""
+        """The torch Work that completes, on a completion thread, once every one of `works` did (`wait()`: a send's
+        bytes left) and `finish` ran."""
         work = AxondWork(op, self._name, self._limit, self)
-        work._works, work._then = works, finish
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"axond-torch-{self._name}", daemon=True)
-                self._thread.start()
-            self._order.append(work)
-        self._queue.put(work)
+
+        def job() -> None:
+            try:
+                value = finish([w.result() for w in works])
+            except BaseException as e:
+                work._finish(error=e)
+            else:
+                work._finish(value)
+            work._complete_future()
+
+        self._submit(job)
         return work
 
     def complete(self, work: AxondWork) -> None:
-        """On a thread that waits for `work`: if it is the oldest Work not completed, wait for its axond ops
-        (running them here if not started), run its copy-back and complete it; else leave it to the thread."""
-        if not self._order or self._order[0] is not work:
-            return
-        try:
-            outcome: list[Any] | BaseException = [w.result() for w in work._works]  # runs them if not started
-        except BaseException as e:
-            outcome = e
-        self._finish(work, outcome)
+        """On a thread that waits for `work`: run its axond ops here if they have not started (`CommThread.help`);
+        a collective's Work then completes here too."""
+        for w in work._works:
+            try:
+                w.wait()
+            except BaseException:  # noqa: S112 -- its failure completes `work`
+                continue
 
-    def _finish(self, work: AxondWork, outcome: list[Any] | BaseException) -> None:
-        """Complete `work` with its axond ops' results (or failure) unless another thread did."""
+    def _submit(self, job: Callable[[], None]) -> None:
         with self._lock:
-            if not self._order or self._order[0] is not work:
-                return  # the other thread took it
-            self._order.popleft()
-        finish = work._then
-        work._works, work._then = (), None  # a completed Work must not keep the op's tensors alive
-        try:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            assert finish is not None
-            value = finish(outcome)
-        except BaseException as e:
-            work._finish(error=e)
-        else:
-            work._finish(value)
+            if self._closed:
+                start = None
+            elif self._free == 0 and len(self._threads) < self.MAX_THREADS:
+                start = threading.Thread(target=self._loop, args=(not self._threads,),
+                                         name=f"axond-torch-{self._name}-{len(self._threads)}", daemon=True)
+                self._threads.append(start)
+                self._free += 1
+            else:
+                start = None
+        self._jobs.put(job)
+        if start is not None:
+            start.start()
+        elif self._closed:
+            job()  # after close: nobody else will (the group's ops have finished)
 
-    def _loop(self) -> None:
+    def _loop(self, first: bool) -> None:
+        me = threading.current_thread()
         while True:
-            work = self._queue.get()
-            if work is None:
+            try:
+                job = self._jobs.get(timeout=None if first else self.IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if self._jobs.empty():
+                        self._free -= 1
+                        self._threads.remove(me)
+                        return
+                continue
+            with self._lock:
+                self._free -= 1
+            if job is None:
+                with self._lock:
+                    self._threads.remove(me)
                 return
             try:
-                for w in work._works:  # a bounded wait does not run the op here: the communication thread does
-                    if not w.wait(w._limit):
-                        raise DistributedError(f"{w.op} on group '{w.group}': async op did not finish within "
-                                               f"{w._limit:.1f} s", op=w.op, group=w.group)
-                outcome: list[Any] | BaseException = [w.result() for w in work._works]
-            except BaseException as e:
-                outcome = e
-            self._finish(work, outcome)
-            del work, outcome  # an idle thread must not keep the last op's tensors alive
+                job()
+            except BaseException:  # noqa: S110 -- a job records its own failure; a torch callback's is torch's
+                pass
+            del job  # an idle thread must not keep the last op's tensors alive
+            with self._lock:
+                self._free += 1
 
     def close(self, timeout: float) -> None:
-        """Stop once the queued ops completed (bounded by `timeout`)."""
-        self._queue.put(None)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        """Stop once the queued jobs ran (bounded by `timeout`)."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._jobs.put(None)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout)

@@ -139,7 +139,8 @@ class AxondProcessGroup(dist.ProcessGroup):
         """
         group = self.axond_group
         if nbytes > self.SYNC_BYTES and not self._waited_at_once(opts):
-            return self._launch_started(op, [call(async_op=True) for call in calls], finish)
+            assert self._completer is not None  # made with the axond group
+            return self._completer.follow(op, [call(async_op=True) for call in calls], finish)
         try:
             value = finish([call(async_op=False) for call in calls])
         except Exception as e:
