@@ -29,6 +29,16 @@ def all_reduce(box: Mailbox, c: Call, x: np.ndarray, op: ReduceOp) -> None:
     reduce_rows(box.payloads(box.post(c, x), x.dtype, x.size), x, op)
 
 
+def _reduce_listed(rows: list[np.ndarray], out: np.ndarray, ufunc: Callable[..., np.ndarray], average: bool) -> None:
+    """out <- every member's row of `rows` reduced in rank order with `ufunc` (then averaged): a prepared op's
+    reduction."""
+    ufunc(rows[0], rows[1], out=out)
+    for p in range(2, len(rows)):
+        ufunc(out, rows[p], out=out)
+    if average:
+        finish_average(out, len(rows))
+
+
 class Prepared:
     """A mailbox op of one call shape (op, dtype, size, root or reduction), prepared by its first call: the frame
     header's fixed fields and the payload views of both buffers. A later call (`post`, inside the group's `run`)
@@ -78,12 +88,7 @@ class SmallAllReduce(Prepared):
 
     def run(self, x: np.ndarray, seq: int) -> None:
         """x (flat, contiguous, of the prepared dtype and size) <- the reduction over the group, as `all_reduce`."""
-        rows, ufunc = self.rows[self.post(seq, x, self.mine, self.nbytes)], self.ufunc
-        ufunc(rows[0], rows[1], out=x)
-        for p in range(2, len(rows)):
-            ufunc(x, rows[p], out=x)
-        if self.average:
-            finish_average(x, len(rows))
+        _reduce_listed(self.rows[self.post(seq, x, self.mine, self.nbytes)], x, self.ufunc, self.average)
 
 
 class SmallBroadcast(Prepared):
@@ -144,12 +149,7 @@ class SmallReduceScatter(Prepared):
     def run(self, src: np.ndarray, out: np.ndarray, seq: int) -> None:
         """out (flat, contiguous) <- part `rank` of the reduction of every member's src (flat, contiguous, of the
         prepared dtype and size), as `reduce_scatter`."""
-        parts, ufunc = self.parts[self.post(seq, src, self.mine, self.nbytes)], self.ufunc
-        ufunc(parts[0], parts[1], out=out)
-        for p in range(2, len(parts)):
-            ufunc(out, parts[p], out=out)
-        if self.average:
-            finish_average(out, len(parts))
+        _reduce_listed(self.parts[self.post(seq, src, self.mine, self.nbytes)], out, self.ufunc, self.average)
 
 
 class SmallBarrier(Prepared):
