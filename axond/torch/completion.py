@@ -217,20 +217,23 @@ class Completer:
                 self._free += 1
             else:
                 start = None
+        if start is None and self._closed:
+            job()  # after close: nobody else will (the group's ops have finished)
+            return
         self._jobs.put(job)
         if start is not None:
             start.start()
-        elif self._closed:
-            job()  # after close: nobody else will (the group's ops have finished)
 
     def _loop(self, first: bool) -> None:
+        """A completion thread: runs jobs; the first one stays until `close`, the others end after IDLE_SECONDS
+        without a job."""
         me = threading.current_thread()
         while True:
             try:
-                job = self._jobs.get(timeout=None if first else self.IDLE_SECONDS)
+                job = self._jobs.get(timeout=self.IDLE_SECONDS)
             except queue.Empty:
                 with self._lock:
-                    if self._jobs.empty():
+                    if not (first and not self._closed) and self._jobs.empty():
                         self._free -= 1
                         self._threads.remove(me)
                         return
