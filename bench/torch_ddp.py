@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import subprocess
 import sys
 import statistics
@@ -131,12 +132,26 @@ def main() -> None:
             for proc in procs:
                 proc.start()
             for _ in range(len(args.kinds) + 2):
-                kind, size, t = q.get(timeout=900)
+                kind, size, t = _next_result(q, procs)
                 _row(kind, size, t)
             for proc in procs:
                 proc.join(60)
                 if proc.is_alive():
                     proc.kill()
+
+
+def _next_result(q: Any, procs: list[Any], timeout: float = 900.0) -> Any:
+    """Rank 0's next report; exits at once, with the exit codes, if a rank has died instead of waiting it out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            return q.get(timeout=1.0)
+        dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if dead:
+            for proc in procs:
+                proc.kill()
+            sys.exit(f"a rank exited with code {dead[0]} (its traceback is above)")
+    sys.exit(f"no result from rank 0 within {timeout:.0f} s")
 
 
 def _row(kind: str, size: Any, t: dict[str, float]) -> None:

@@ -65,7 +65,7 @@ class Prepared:
         kind, op, dtype, redop, _, gid, aux, count = self.head
         HEAD.pack_into(box.raw, me + 8, kind, op, dtype, redop, seq & 0xFFFFFFFF, gid, aux, count, nbytes)
         if payload is not None:
-            np.copyto(slots[buf], payload)
+            slots[buf][...] = payload  # same dtype and size: a third of np.copyto's cost on a few bytes
         box.words[me // 8] = k  # last: a peer that sees the sequence number sees the rest (x86 store order)
         box.settle(buf, k, nbytes, lambda: self.make_call(seq))
         return buf
@@ -108,7 +108,7 @@ class SmallBroadcast(Prepared):
         if self.root:
             self.post(seq, data, self.rows, self.nbytes)
         else:
-            np.copyto(data, self.rows[self.post(seq, None, self.rows, 0)])
+            data[...] = self.rows[self.post(seq, None, self.rows, 0)]
 
 
 class SmallAllGather(Prepared):
@@ -127,7 +127,7 @@ class SmallAllGather(Prepared):
         """out (size, ...; contiguous, of the prepared dtype and block size; row `rank` filled) <- every member's
         block, as `all_gather`."""
         rows = out.reshape(self.box.size, -1).view(np.uint8)
-        np.copyto(rows, self.rows[self.post(seq, rows[self.box.rank], self.mine, self.nbytes)])
+        rows[...] = self.rows[self.post(seq, rows[self.box.rank], self.mine, self.nbytes)]
 
 
 class SmallReduceScatter(Prepared):
