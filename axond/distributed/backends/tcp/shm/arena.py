@@ -105,6 +105,11 @@ class ShmArena:
         assert self._map is not None
         return memoryview(self._map)
 
+    def mapping(self) -> mmap.mmap:
+        """The mapping itself: its slices are bytes, which compare in half the time of a memoryview's."""
+        assert self._map is not None
+        return self._map
+
     def result(self, buf: int, dtype: np.dtype, count: int) -> np.ndarray:
         return self._bytes[buf, self.size, : count * dtype.itemsize].view(dtype)
 

@@ -86,6 +86,8 @@ class Mailbox:
         """Mailbox ops run so far in this group: the next one's sequence number minus one."""
         self.arena = arena
         self.raw = arena.buffer()
+        self.mapping = arena.mapping()
+        """The same bytes, sliced to compare the members' calls (see `settle`)."""
         self.words = self.raw.cast("q")
         self.rank, self.size = rank, size
         self.slot = slot
@@ -129,12 +131,12 @@ class Mailbox:
         is longer than a few turns or a member posted another call."""
         if not self._quick(buf, k):
             self._wait(call(), buf, k)
-        base, raw = self.base[buf], self.raw
+        base, mapping = self.base[buf], self.mapping
         me = base[self.rank]
-        mine = raw[me + 8 : me + 72]  # the calls; the payload sizes differ in a broadcast
+        mine = mapping[me + 8 : me + 72]  # the calls; the payload sizes differ in a broadcast
         for p in self.others:
-            if raw[base[p] + 8 : base[p] + 72] != mine:
-                self.g.reject(call(), p, HEAD.unpack_from(raw, base[p] + 8), nbytes)
+            if mapping[base[p] + 8 : base[p] + 72] != mine:
+                self.g.reject(call(), p, HEAD.unpack_from(self.raw, base[p] + 8), nbytes)
 
     def _quick(self, buf: int, k: int) -> bool:
         """Whether every member posted op `k` within QUICK_TURNS turns."""
