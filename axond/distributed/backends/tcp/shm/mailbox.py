@@ -72,6 +72,8 @@ SAME_SETTINGS = "set AXOND_SHM and AXOND_SHM_MAILBOX alike on every rank"
 
 HEAD = struct.Struct("<9q")
 """Words 1-9 of a slot: the op's header fields (`Call.expect`) and the payload's size."""
+SEQ_FIELD = 4
+"""The field of HEAD that holds the call's sequence number (`Call.expect`'s fifth)."""
 
 
 class Mailbox:
@@ -121,22 +123,22 @@ class Mailbox:
         if payload is not None and nbytes:
             self.payloads(buf, np.dtype(np.uint8), nbytes)[self.rank] = payload.view(np.uint8)
         self.words[me // 8] = k  # last: a peer that sees the sequence number sees the rest (x86 store order)
-        self.settle(buf, k, nbytes, lambda: c)
+        self.settle(buf, k, nbytes, lambda _: c, 0)
         return buf
 
-    def settle(self, buf: int, k: int, nbytes: int, call: Callable[[], Call]) -> None:
+    def settle(self, buf: int, k: int, nbytes: int, make_call: Callable[[int], Call], seq: int) -> None:
         """Wait until every member posted op `k` (in buffer `buf`), then compare their calls with this rank's.
 
-        `call()` gives this rank's `Call`; a prepared op (`mailbox_ops.SmallAllReduce`) makes it only if the wait
-        is longer than a few turns or a member posted another call."""
+        `make_call(seq)` gives this rank's `Call`; a prepared op (`mailbox_ops.SmallAllReduce`) makes it only if the
+        wait is longer than a few turns or a member posted another call."""
         if not self._quick(buf, k):
-            self._wait(call(), buf, k)
+            self._wait(make_call(seq), buf, k)
         base, mapping = self.base[buf], self.mapping
         me = base[self.rank]
         mine = mapping[me + 8 : me + 72]  # the calls; the payload sizes differ in a broadcast
         for p in self.others:
             if mapping[base[p] + 8 : base[p] + 72] != mine:
-                self.g.reject(call(), p, HEAD.unpack_from(self.raw, base[p] + 8), nbytes)
+                self.g.reject(make_call(seq), p, HEAD.unpack_from(self.raw, base[p] + 8), nbytes)
 
     def _quick(self, buf: int, k: int) -> bool:
         """Whether every member posted op `k` within QUICK_TURNS turns."""
