@@ -36,13 +36,20 @@ _OPS = [(dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.PRODUCT, ReduceOp.PROD
         (dist.ReduceOp.BOR, ReduceOp.BOR), (dist.ReduceOp.BXOR, ReduceOp.BXOR)]
 
 
-_BY_KIND = {theirs.op if hasattr(theirs, "op") else theirs: ours for theirs, ours in _OPS}
-"""torch's RedOpType -> axond's op (a dict lookup: ops come by the thousand)."""
+_BY_VALUE = {(theirs.op if hasattr(theirs, "op") else theirs).value: ours for theirs, ours in _OPS}
+"""torch's RedOpType's value -> axond's op. Ops come by the thousand, and hashing or comparing the (pybind11) enum
+itself costs about 1 us each; its `.value` costs 0.1."""
+
+
+def _known(op: Any) -> ReduceOp | None:
+    """axond's op for torch's ReduceOp or RedOpType `op`, if it is one of _OPS."""
+    kind = op.op if type(op) is dist.ReduceOp else op
+    return _BY_VALUE.get(getattr(kind, "value", None))
 
 
 def axond_op(op: Any, where: str) -> ReduceOp:
     """The axond ReduceOp of torch's `op`, or a clear error for the ones axond lacks."""
-    ours = _BY_KIND.get(getattr(op, "op", op))
+    ours = _known(op)
     if ours is not None:
         return ours
     for theirs, ours in _OPS:
@@ -54,11 +61,10 @@ def axond_op(op: Any, where: str) -> ReduceOp:
 
 def reduction(op: Any, where: str) -> tuple[ReduceOp, float | None]:
     """(axond op, factor to multiply every input by first): PREMUL_SUM(f) is SUM of f * x."""
-    kind = getattr(op, "op", op)
-    ours = _BY_KIND.get(kind)
+    ours = _known(op)
     if ours is not None:
         return ours, None
-    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+    if getattr(op, "op", op) == dist.ReduceOp.RedOpType.PREMUL_SUM:
         factor = op.factor
         return ReduceOp.SUM, float(factor.item() if isinstance(factor, torch.Tensor) else factor)
     return axond_op(op, where), None
