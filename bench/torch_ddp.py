@@ -2,8 +2,9 @@
 
 Every rank joins "axond" as the default group and a gloo group over the same ranks; the two wrappers
 alternate step by step (so both see the same machine load) and rank 0 reports the median step time,
-then the median time of one small and one 1 MiB all_reduce through torch's API. For DDP it also times DDP's
-step without communication (`no_sync`): gloo's step over that one is the most any backend's ratio could reach.
+then the median time of one small and one 1 MiB all_reduce through torch's API (alternating between the backends)
+and of an 8-byte one back to back. For DDP it also times DDP's step without communication (`no_sync`): gloo's step
+over that one is the most any backend's ratio could reach.
 Run: `python bench/torch_ddp.py --nproc 2 4`; `--hosts 2` runs one rank in each of two network-namespace hosts
 instead (root; both backends join `tcp://HOST0:PORT` as a gloo script would, so bytes cross the veth links).
 """
@@ -94,6 +95,18 @@ def rank_main(rank: int, n: int, path: str, args: argparse.Namespace, q: Any) ->
                     lat[name].append(time.perf_counter() - start)
         if rank == 0:
             q.put((f"all_reduce {nbytes} B", n, {name: statistics.median(v) for name, v in lat.items()}))
+    t = torch.zeros(2)  # then 8 bytes back to back, one backend at a time: a small op's cost alone
+    alone: dict[str, float] = {}
+    for name, g in groups.items():
+        dist.barrier(group=g)
+        times = []
+        for i in range(2200):
+            start = time.perf_counter()
+            dist.all_reduce(t, group=g)
+            times.append(time.perf_counter() - start)
+        alone[name] = statistics.median(times[200:])
+    if rank == 0:
+        q.put(("all_reduce 8 B, back to back", n, alone))
     dist.destroy_process_group()
 
 
@@ -131,7 +144,7 @@ def main() -> None:
             procs = [ctx.Process(target=rank_main, args=(r, n, os.path.join(d, "store"), args, q)) for r in range(n)]
             for proc in procs:
                 proc.start()
-            for _ in range(len(args.kinds) + 2):
+            for _ in range(len(args.kinds) + 3):
                 kind, size, t = _next_result(q, procs)
                 _row(kind, size, t)
             for proc in procs:
