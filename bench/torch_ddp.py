@@ -99,12 +99,12 @@ def rank_main(rank: int, n: int, path: str, args: argparse.Namespace, q: Any) ->
     alone: dict[str, float] = {}
     for name, g in groups.items():
         dist.barrier(group=g)
-        times = []
-        for i in range(2200):
+        calls = []
+        for _ in range(2200):
             start = time.perf_counter()
             dist.all_reduce(t, group=g)
-            times.append(time.perf_counter() - start)
-        alone[name] = statistics.median(times[200:])
+            calls.append(time.perf_counter() - start)
+        alone[name] = statistics.median(calls[200:])
     if rank == 0:
         q.put(("all_reduce 8 B, back to back", n, alone))
     dist.destroy_process_group()
