@@ -46,6 +46,9 @@ class TcpOptions:
     """Size of a group's arena; its slots (2 x (ranks + 1)) are the pipeline chunks of the path."""
     shm_mailbox: bool = True
     """Small ops of a group on one host through its shared mailbox (waits spin, yielding the CPU)."""
+    shm_native: bool = True
+    """Repeated small mailbox ops run in axond's compiled helper where the install built it (False: in Python; both
+    speak the same protocol, so ranks may differ)."""
     shm_single_copy: bool = True
     """Large ops of a group on one host read the peers' buffers directly (process_vm_readv: one copy per byte) where
     every member can; else (or False) through the arena (two copies)."""
@@ -81,6 +84,7 @@ class TcpOptions:
 ENVIRONMENT: dict[str, tuple[str, str, str]] = {
     "AXOND_SHM": ("shm", "1", "shared memory between the ranks of one host (0: sockets only)"),
     "AXOND_SHM_MAILBOX": ("shm_mailbox", "1", "small ops of a one-host group through a shared mailbox"),
+    "AXOND_SHM_NATIVE": ("shm_native", "1", "repeated small mailbox ops in the compiled helper (0: in Python)"),
     "AXOND_SHM_MIN_BYTES": ("shm_min_bytes", "auto", "ops from this size go through the arena"),
     "AXOND_SHM_SINGLE_COPY": ("shm_single_copy", "1", "large ops on one host read peers' buffers directly (one copy)"),
     "AXOND_SHM_ARENA_BYTES": ("shm_arena_bytes", "33554432", "size of a group's shared-memory arena"),

@@ -119,7 +119,8 @@ class Placement:
         size = self.comm.size
         arena = self.comm.g.run(OP_NAMES[c.op], map_arena, self.comm, c, mailbox_bytes(size))
         if arena is not None:
-            self.mailbox = self.sync.mailbox = Mailbox(arena, self.comm.rank, size, self.comm.g)
+            self.mailbox = self.sync.mailbox = Mailbox(arena, self.comm.rank, size, self.comm.g,
+                                                       native=self.comm.options.shm_native)
             self.comm.g.watch(self.mailbox.watch)
         return self.mailbox
 

@@ -45,6 +45,11 @@ from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup
 from axond.distributed.backends.tcp.transport.peer import PeerTimeout, wait_readable
 from axond.distributed.backends.tcp.transport.wire import Kind
 
+try:
+    from axond.distributed.backends.tcp.shm import _fastbox
+except ImportError:  # pragma: no cover - built without a C compiler: the Python path runs alone
+    _fastbox = None  # type: ignore[assignment]
+
 HEAD_WORDS = 16
 """int64 words before the payload: the sequence number, then the op's 9 header fields."""
 SPIN_SECONDS = 0.01
@@ -76,20 +81,36 @@ SEQ_FIELD = 4
 """The field of HEAD that holds the call's sequence number (`Call.expect`'s fifth)."""
 
 
+class _Count:
+    """The op counter of a mailbox without the compiled helper (`_fastbox.Box` keeps it otherwise)."""
+
+    __slots__ = ("ops",)
+
+    def __init__(self) -> None:
+        self.ops = 0
+
+    def close(self) -> None:
+        pass
+
+
 class Mailbox:
     """A group's mapped mailbox, with the offsets and views every op reuses (small ops are mostly overhead), and the
-    posts and waits of its ops over group `g` (whose sockets a wait watches)."""
+    posts and waits of its ops over group `g` (whose sockets a wait watches). With `native` (and the compiled helper
+    built), prepared ops run in C (`_fastbox`, see `mailbox_ops.Prepared`)."""
 
-    def __init__(self, arena: ShmArena, rank: int, size: int, g: FramedGroup) -> None:
+    def __init__(self, arena: ShmArena, rank: int, size: int, g: FramedGroup, native: bool = True) -> None:
         slot = slot_bytes(size)
         assert arena.chunk == slot and arena.size == size
         self.g = g
-        self.ops = 0
-        """Mailbox ops run so far in this group: the next one's sequence number minus one."""
         self.arena = arena
         self.raw = arena.buffer()
         self.mapping = arena.mapping()
         """The same bytes, sliced to compare the members' calls (see `settle`)."""
+        self.native = (_fastbox.Box(self.mapping, QUICK_TURNS)
+                       if native and _fastbox is not None and size <= _fastbox.MAX_SIZE else None)
+        """The mapping and op counter as the compiled prepared ops see them (None: the Python path alone)."""
+        self.count: _fastbox.Box | _Count = self.native if self.native is not None else _Count()
+        """`count.ops`: mailbox ops run so far in this group, the next one's sequence number minus one."""
         self.words = self.raw.cast("q")
         self.rank, self.size = rank, size
         self.slot = slot
@@ -99,6 +120,11 @@ class Mailbox:
         self.peer_seqs = [[(self.base[b][p] // 8, p) for p in self.others] for b in (0, 1)]
         """(index in `words` of the sequence word, rank) of each peer's slot in each buffer."""
         self._payloads: dict[tuple[int, np.dtype, int], np.ndarray] = {}
+
+    @property
+    def ops(self) -> int:
+        """Mailbox ops run so far in this group."""
+        return self.count.ops
 
     def payloads(self, buf: int, dtype: np.dtype, count: int) -> np.ndarray:
         """Every rank's payload in buffer `buf` as a (size, count) array of `dtype` (cached)."""
@@ -114,8 +140,9 @@ class Mailbox:
     def post(self, c: Call, payload: np.ndarray | None) -> int:
         """Write `payload` (flat, contiguous, or None) to this rank's slot and wait for every member's slot of
         this op; returns the buffer the op used (its payloads stay valid until this rank's op after next)."""
-        self.ops += 1
-        k = self.ops
+        count = self.count
+        count.ops += 1
+        k = count.ops
         buf = k & 1
         me = self.base[buf][self.rank]
         nbytes = 0 if payload is None else payload.nbytes
@@ -207,6 +234,7 @@ class Mailbox:
         return False
 
     def close(self) -> None:
+        self.count.close()  # the compiled ops' hold on the mapping, before the arena unmaps it
         self._payloads.clear()
         self.words.release()
         self.raw.release()

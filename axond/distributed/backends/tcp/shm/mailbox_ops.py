@@ -4,15 +4,25 @@ payload, then reads what it needs from every member's slot. Reductions run in ra
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from axond.distributed.backends.tcp.shm.mailbox import HEAD, SEQ_FIELD, Mailbox
+from axond.distributed.backends.tcp.shm.mailbox import HEAD, SEQ_FIELD, Mailbox, _fastbox
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
 
 BYTES = np.dtype(np.uint8)
+NATIVE_DTYPES = {} if _fastbox is None else {
+    np.dtype(np.float32): _fastbox.FLOAT32, np.dtype(np.float64): _fastbox.FLOAT64,
+    np.dtype(np.int32): _fastbox.INT32, np.dtype(np.int64): _fastbox.INT64,
+}
+"""The dtypes whose reductions the compiled ops run (others reduce in NumPy, on the Python path)."""
+NATIVE_REDUCTIONS = {} if _fastbox is None else {
+    ReduceOp.SUM: _fastbox.SUM, ReduceOp.AVG: _fastbox.SUM, ReduceOp.PRODUCT: _fastbox.PRODUCT,
+    ReduceOp.MIN: _fastbox.MIN, ReduceOp.MAX: _fastbox.MAX,
+}
 
 
 def reduce_rows(rows: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
@@ -45,9 +55,13 @@ class Prepared:
     the group's `run`) writes the header, its sequence number, its payload and its sequence word, waits and compares
     the members' calls; it makes its `Call` only when the wait is long or a member posted another call
     (`Mailbox.settle`). The tcp backend keeps the prepared forms by shape (`TcpBackend.quick_all_reduce`,
-    `quick_broadcast`, ...)."""
+    `quick_broadcast`, ...).
 
-    __slots__ = ("box", "header", "posted", "make_call")
+    Where the compiled helper is built (`_fastbox`, the same protocol in C), `native` runs the whole call in one C
+    call when every member posted the same call within the wait's first turns; otherwise it hands back the buffer it
+    posted in, and `settled` waits and compares as `Mailbox.settle` does, then lets it read the result."""
+
+    __slots__ = ("box", "header", "posted", "make_call", "native")
 
     def __init__(self, box: Mailbox, c: Call, make_call: Callable[[int], Call], posted: int = 0) -> None:
         self.box = box
@@ -58,13 +72,41 @@ class Prepared:
         """Payload bytes this rank posts (a broadcast's other ranks post none)."""
         self.make_call = make_call
         """Makes this call's `Call` from its sequence number (`FramedGroup.call`)."""
+        self.native: Any = None
+        """The compiled form of this op (`_fastbox.Op`, made by `compile`), or None: the Python path."""
+
+    def compile(self, kind: str, nbytes: int, root: int = 0, dtype: np.dtype | None = None,
+                op: ReduceOp | None = None, count: int = 0, part: int = 0, out_bytes: int = 0) -> None:
+        """Make `native` where the box has the compiled helper and it runs this op (a reduction: of a dtype and op
+        in NATIVE_DTYPES and NATIVE_REDUCTIONS). `kind` names a `_fastbox` kind; `nbytes`: the bytes of the array
+        its `run` takes."""
+        box = self.box
+        if box.native is None:
+            return
+        code = _fastbox.NO_DTYPE
+        if op is not None:
+            if dtype not in NATIVE_DTYPES or op not in NATIVE_REDUCTIONS:
+                return
+            code = NATIVE_DTYPES[dtype]
+        self.native = _fastbox.Op(box.native, getattr(_fastbox, kind), box.rank, box.size,
+                                  [at for base in box.base for at in base], self.header, self.posted, nbytes, root,
+                                  code, 0 if op is None else NATIVE_REDUCTIONS[op], op is ReduceOp.AVG, count, part,
+                                  out_bytes)
+
+    def settled(self, buf: int, seq: int, a: np.ndarray | None = None, b: np.ndarray | None = None) -> bool:
+        """After `native.run` posted call `seq` in buffer `buf` but did not finish it: wait for the members and
+        compare their calls (`Mailbox.settle`: raises naming the peer), then read the result (True)."""
+        self.box.settle(buf, self.box.count.ops, self.posted, self.make_call, seq)
+        self.native.finish(buf, a, b)
+        return True
 
     def post(self, seq: int, payload: np.ndarray | None, slots: list[np.ndarray]) -> int:
         """As `Mailbox.post` for call number `seq`: `payload` goes into this rank's slot of the buffer (`slots`: one
         view per buffer); returns the buffer."""
         box = self.box
-        box.ops += 1
-        k = box.ops
+        count = box.count
+        count.ops += 1
+        k = count.ops
         buf = k & 1
         me = box.base[buf][box.rank]
         words = box.words
@@ -90,9 +132,15 @@ class SmallAllReduce(Prepared):
         self.rows = [list(view) for view in views]
         self.ufunc: Callable[..., np.ndarray] = UFUNCS[op]
         self.average = op is ReduceOp.AVG
+        self.compile("ALL_REDUCE", x.nbytes, dtype=x.dtype, op=op, count=x.size)
 
     def run(self, x: np.ndarray, seq: int) -> None:
         """x (flat, contiguous, of the prepared dtype and size) <- the reduction over the group, as `all_reduce`."""
+        native = self.native
+        if native is not None:
+            buf = native.run(seq, x)
+            if buf is None or (buf >= 0 and self.settled(buf, seq, x)):
+                return
         _reduce_listed(self.rows[self.post(seq, x, self.mine)], x, self.ufunc, self.average)
 
 
@@ -105,9 +153,15 @@ class SmallBroadcast(Prepared):
         self.root = box.rank == src
         super().__init__(box, c, make_call, x.nbytes if self.root else 0)
         self.rows = [box.payloads(buf, BYTES, x.nbytes)[src] for buf in (0, 1)]
+        self.compile("BROADCAST_ROOT" if self.root else "BROADCAST_LEAF", x.nbytes, root=src)
 
     def run(self, x: np.ndarray, seq: int) -> None:
         """x (flat, contiguous, of the prepared dtype and size) <- the root's x, as `broadcast`."""
+        native = self.native
+        if native is not None:
+            buf = native.run(seq, x)
+            if buf is None or (buf >= 0 and self.settled(buf, seq, x)):
+                return
         data = x.view(np.uint8)
         if self.root:
             self.post(seq, data, self.rows)
@@ -125,10 +179,16 @@ class SmallAllGather(Prepared):
         super().__init__(box, c, make_call, x.nbytes)
         self.rows = [box.payloads(buf, BYTES, x.nbytes) for buf in (0, 1)]
         self.mine = [rows[box.rank] for rows in self.rows]
+        self.compile("ALL_GATHER", box.size * x.nbytes)
 
     def run(self, out: np.ndarray, seq: int) -> None:
         """out (size, ...; contiguous, of the prepared dtype and block size; row `rank` filled) <- every member's
         block, as `all_gather`."""
+        native = self.native
+        if native is not None:
+            buf = native.run(seq, out)
+            if buf is None or (buf >= 0 and self.settled(buf, seq, out)):
+                return
         rows = out.reshape(self.box.size, -1).view(np.uint8)
         rows[...] = self.rows[self.post(seq, rows[self.box.rank], self.mine)]
 
@@ -147,10 +207,17 @@ class SmallReduceScatter(Prepared):
         self.parts = [list(view[:, box.rank * per : (box.rank + 1) * per]) for view in views]
         self.ufunc: Callable[..., np.ndarray] = UFUNCS[op]
         self.average = op is ReduceOp.AVG
+        self.compile("REDUCE_SCATTER", src.nbytes, dtype=src.dtype, op=op, count=per,
+                     part=box.rank * per * src.dtype.itemsize, out_bytes=per * src.dtype.itemsize)
 
     def run(self, src: np.ndarray, out: np.ndarray, seq: int) -> None:
         """out (flat, contiguous) <- part `rank` of the reduction of every member's src (flat, contiguous, of the
         prepared dtype and size), as `reduce_scatter`."""
+        native = self.native
+        if native is not None:
+            buf = native.run(seq, src, out)
+            if buf is None or (buf >= 0 and self.settled(buf, seq, src, out)):
+                return
         _reduce_listed(self.parts[self.post(seq, src, self.mine)], out, self.ufunc, self.average)
 
 
@@ -159,7 +226,16 @@ class SmallBarrier(Prepared):
 
     __slots__ = ()
 
+    def __init__(self, box: Mailbox, c: Call, make_call: Callable[[int], Call]) -> None:
+        super().__init__(box, c, make_call)
+        self.compile("BARRIER", 0)
+
     def run(self, seq: int) -> None:
+        native = self.native
+        if native is not None:
+            buf = native.run(seq)
+            if buf is None or (buf >= 0 and self.settled(buf, seq)):
+                return
         self.post(seq, None, [])
 
 

@@ -1,0 +1,522 @@
+/* The prepared mailbox ops (mailbox_ops.Prepared) in C: post, a short wait, the call check and the copies or the
+ * reduction of one small op in one call, where the Python path runs about ten.
+ *
+ * It speaks exactly the protocol of mailbox.py (one slot per rank and buffer: the sequence word, the 9 header
+ * fields, the payload; payload and header first, then the sequence word), so ranks with and without it share a
+ * mailbox. It does only the common case: every member posted within the wait's turns and posted the same call. In
+ * any other case it returns the buffer it posted in, and the Python side waits as mailbox.Mailbox.settle does
+ * (clocks, sockets, timeouts, errors naming the peer) and then calls `finish`. Reductions are in rank order, as
+ * NumPy's ufuncs in mailbox_ops: out = row0 op row1, then out op row2, ...; integer sums and products wrap;
+ * minimum and maximum propagate NaN as np.minimum and np.maximum do; AVG divides the float sum by the group size.
+ * Built as an optional extension: without it (no compiler) the Python path runs alone.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <math.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HEAD_OFF 8        /* the header fields follow the sequence word */
+#define HEAD_BYTES 72     /* mailbox.HEAD: 9 int64 fields */
+#define CALL_BYTES 64     /* its first 8 fields: the call, without the payload size */
+#define SEQ_OFF (HEAD_OFF + 4 * 8)   /* mailbox.SEQ_FIELD */
+#define PAYLOAD_OFF 128   /* mailbox.HEAD_WORDS * 8 */
+#define MAX_SIZE 64       /* members of a group with a mailbox (policy.mailbox_bytes gives none past it) */
+
+enum { K_ALL_REDUCE, K_BCAST_ROOT, K_BCAST_LEAF, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER, K_KINDS };
+enum { R_SUM, R_PRODUCT, R_MIN, R_MAX, R_OPS };
+enum { D_NONE, D_F32, D_F64, D_I32, D_I64 };
+
+/* ---------------------------------------------------------------- Box: the mapping and the op counter */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer map;
+    int open;
+    long long ops;  /* mailbox ops run so far in this group (Mailbox.ops) */
+    int turns;      /* sched_yield turns a wait takes before it returns to the Python wait */
+} Box;
+
+static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"mapping", "turns", NULL};
+    PyObject *mapping;
+    int turns;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi", names, &mapping, &turns))
+        return -1;
+    if (self->open) {
+        PyErr_SetString(PyExc_RuntimeError, "Box is initialised already");
+        return -1;
+    }
+    if (turns < 0) {
+        PyErr_SetString(PyExc_ValueError, "turns must not be negative");
+        return -1;
+    }
+    if (PyObject_GetBuffer(mapping, &self->map, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (((uintptr_t)self->map.buf) % 8) {
+        PyBuffer_Release(&self->map);
+        PyErr_SetString(PyExc_ValueError, "the mapping must be 8-byte aligned");
+        return -1;
+    }
+    self->open = 1;
+    self->turns = turns;
+    return 0;
+}
+
+static PyObject *Box_close(Box *self, PyObject *Py_UNUSED(unused)) {
+    if (self->open) {
+        self->open = 0;
+        PyBuffer_Release(&self->map);
+    }
+    Py_RETURN_NONE;
+}
+
+static void Box_dealloc(Box *self) {
+    if (self->open)
+        PyBuffer_Release(&self->map);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef Box_members[] = {
+    {"ops", T_LONGLONG, offsetof(Box, ops), 0, "mailbox ops run so far in this group"},
+    {"turns", T_INT, offsetof(Box, turns), READONLY, "turns a wait takes before the Python wait"},
+    {NULL},
+};
+
+static PyMethodDef Box_methods[] = {
+    {"close", (PyCFunction)Box_close, METH_NOARGS, "Release the mapping (every op of this box then refuses to run)."},
+    {NULL},
+};
+
+static PyTypeObject BoxType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "axond.distributed.backends.tcp.shm._fastbox.Box",
+    .tp_basicsize = sizeof(Box),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Box(mapping, turns): a group's mapped mailbox (a writable buffer) and its op counter `ops`.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Box_init,
+    .tp_dealloc = (destructor)Box_dealloc,
+    .tp_members = Box_members,
+    .tp_methods = Box_methods,
+};
+
+/* ---------------------------------------------------------------- reductions */
+
+typedef void (*reducer)(char *out, char **rows, int n, Py_ssize_t count, int op, int average);
+
+#define FMIN(a, b) (((a) < (b) || isnan(a)) ? (a) : (b))
+#define FMAX(a, b) (((a) > (b) || isnan(a)) ? (a) : (b))
+#define IMIN(a, b) ((a) < (b) ? (a) : (b))
+#define IMAX(a, b) ((a) > (b) ? (a) : (b))
+/* Every member's row reduced into `out` in rank order; `out` (the caller's array) never overlaps the slots. */
+#define LOOP(T, F)                                                               \
+    do {                                                                         \
+        T *restrict o = out;                                                     \
+        const T *restrict a = (const T *)rows[0], *restrict b = (const T *)rows[1]; \
+        for (Py_ssize_t i = 0; i < count; i++) o[i] = F(a[i], b[i]);             \
+        for (int p = 2; p < n; p++) {                                            \
+            const T *restrict r = (const T *)rows[p];                            \
+            for (Py_ssize_t i = 0; i < count; i++) o[i] = F(o[i], r[i]);         \
+        }                                                                        \
+    } while (0)
+
+#define SUM_F(a, b) ((a) + (b))
+#define MUL_F(a, b) ((a) * (b))
+
+static void reduce_f32(char *outp, char **rows, int n, Py_ssize_t count, int op, int average) {
+    float *out = (float *)outp;
+    switch (op) {
+    case R_SUM: LOOP(float, SUM_F); break;
+    case R_PRODUCT: LOOP(float, MUL_F); break;
+    case R_MIN: LOOP(float, FMIN); break;
+    case R_MAX: LOOP(float, FMAX); break;
+    }
+    if (average) {
+        const float d = (float)n;  /* np.true_divide(x, n): n cast to float32 (NEP 50) */
+        for (Py_ssize_t i = 0; i < count; i++) out[i] = out[i] / d;
+    }
+}
+
+static void reduce_f64(char *outp, char **rows, int n, Py_ssize_t count, int op, int average) {
+    double *out = (double *)outp;
+    switch (op) {
+    case R_SUM: LOOP(double, SUM_F); break;
+    case R_PRODUCT: LOOP(double, MUL_F); break;
+    case R_MIN: LOOP(double, FMIN); break;
+    case R_MAX: LOOP(double, FMAX); break;
+    }
+    if (average) {
+        const double d = (double)n;
+        for (Py_ssize_t i = 0; i < count; i++) out[i] = out[i] / d;
+    }
+}
+
+#define SUM_I32(a, b) ((int32_t)((uint32_t)(a) + (uint32_t)(b)))
+#define MUL_I32(a, b) ((int32_t)((uint32_t)(a) * (uint32_t)(b)))
+#define SUM_I64(a, b) ((int64_t)((uint64_t)(a) + (uint64_t)(b)))
+#define MUL_I64(a, b) ((int64_t)((uint64_t)(a) * (uint64_t)(b)))
+
+static void reduce_i32(char *outp, char **rows, int n, Py_ssize_t count, int op, int average) {
+    int32_t *out = (int32_t *)outp;
+    (void)average;  /* refused on integers (reducers.check_reduce_op) */
+    switch (op) {
+    case R_SUM: LOOP(int32_t, SUM_I32); break;
+    case R_PRODUCT: LOOP(int32_t, MUL_I32); break;
+    case R_MIN: LOOP(int32_t, IMIN); break;
+    case R_MAX: LOOP(int32_t, IMAX); break;
+    }
+}
+
+static void reduce_i64(char *outp, char **rows, int n, Py_ssize_t count, int op, int average) {
+    int64_t *out = (int64_t *)outp;
+    (void)average;
+    switch (op) {
+    case R_SUM: LOOP(int64_t, SUM_I64); break;
+    case R_PRODUCT: LOOP(int64_t, MUL_I64); break;
+    case R_MIN: LOOP(int64_t, IMIN); break;
+    case R_MAX: LOOP(int64_t, IMAX); break;
+    }
+}
+
+static const reducer REDUCERS[] = {NULL, reduce_f32, reduce_f64, reduce_i32, reduce_i64};
+static const int ITEMSIZE[] = {1, 4, 8, 4, 8};
+
+/* ---------------------------------------------------------------- Op: one prepared call shape */
+
+typedef struct {
+    PyObject_HEAD
+    Box *box;
+    int kind, rank, size, root, dtype, redop, average;
+    Py_ssize_t slots[2][MAX_SIZE];  /* byte offset of every rank's slot in each buffer */
+    char header[HEAD_BYTES];        /* this call shape's header fields, the sequence number 0 */
+    Py_ssize_t posted;              /* payload bytes this rank posts */
+    Py_ssize_t nbytes;              /* bytes of the array `run` takes (all_gather: the whole output) */
+    Py_ssize_t out_bytes;           /* reduce_scatter: bytes of its output */
+    Py_ssize_t count;               /* elements a reduction reduces */
+    Py_ssize_t part;                /* reduce_scatter: byte offset of this rank's part in a payload */
+} Op;
+
+static int Op_init(Op *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"box", "kind", "rank", "size", "slots", "header", "posted", "nbytes", "root", "dtype",
+                            "redop", "average", "count", "part", "out_bytes", NULL};
+    PyObject *box, *slots;
+    const char *header;
+    Py_ssize_t header_len;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!iiiOy#nniiiinnn", names, &BoxType, &box, &self->kind,
+                                     &self->rank, &self->size, &slots, &header, &header_len, &self->posted,
+                                     &self->nbytes, &self->root, &self->dtype, &self->redop, &self->average,
+                                     &self->count, &self->part, &self->out_bytes))
+        return -1;
+    if (self->kind < 0 || self->kind >= K_KINDS || self->size < 2 || self->size > MAX_SIZE || self->rank < 0 ||
+        self->rank >= self->size || self->root < 0 || self->root >= self->size || header_len != HEAD_BYTES ||
+        self->dtype < D_NONE || self->dtype > D_I64 || self->redop < 0 || self->redop >= R_OPS ||
+        self->posted < 0 || self->nbytes < 0 || self->count < 0 || self->part < 0 || self->out_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "Op: a field is out of range");
+        return -1;
+    }
+    Py_ssize_t reduced = self->count * ITEMSIZE[self->dtype];
+    int fits;  /* the sizes agree with each other, as mailbox_ops makes them */
+    switch (self->kind) {
+    case K_ALL_REDUCE: fits = self->dtype != D_NONE && reduced == self->posted && self->nbytes == self->posted; break;
+    case K_REDUCE_SCATTER:
+        fits = self->dtype != D_NONE && reduced == self->out_bytes && self->nbytes == self->posted &&
+               self->part + reduced <= self->posted;
+        break;
+    case K_BCAST_ROOT: fits = self->nbytes == self->posted; break;
+    case K_BCAST_LEAF: fits = self->posted == 0; break;
+    case K_ALL_GATHER: fits = self->nbytes == self->size * self->posted; break;
+    default: fits = self->posted == 0; break;
+    }
+    if (!fits) {
+        PyErr_SetString(PyExc_ValueError, "Op: the sizes do not fit the kind");
+        return -1;
+    }
+    Py_ssize_t span = self->kind == K_BCAST_LEAF ? self->nbytes : self->posted;  /* payload bytes read or written */
+    PyObject *seq = PySequence_Fast(slots, "slots must be a sequence");
+    if (seq == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != 2 * self->size) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "slots: one offset per rank and buffer (2 * size)");
+        return -1;
+    }
+    Box *b = (Box *)box;
+    for (int i = 0; i < 2 * self->size; i++) {
+        Py_ssize_t at = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i));
+        if (at == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        if (at < 0 || at % 8 || at + PAYLOAD_OFF + span > b->map.len) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "slots: an offset outside the mapping or unaligned");
+            return -1;
+        }
+        self->slots[i / self->size][i % self->size] = at;
+    }
+    Py_DECREF(seq);
+    memcpy(self->header, header, HEAD_BYTES);
+    Py_INCREF(box);
+    Py_XSETREF(self->box, b);
+    return 0;
+}
+
+static void Op_dealloc(Op *self) {
+    Py_XDECREF(self->box);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The array argument of `run` or `finish`: a C-contiguous buffer of `len` bytes, writable if `writable`, aligned
+ * for a reduction. 1: taken; 0: not for the C path (nothing done; the Python path runs instead); -1: error. */
+static int take(Op *self, PyObject *obj, Py_buffer *view, Py_ssize_t len, int writable) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        /* not contiguous, read-only, no buffer: the Python path runs the call and says what is wrong */
+        if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_ValueError) ||
+            PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    if (view->len != len || ((uintptr_t)view->buf) % ITEMSIZE[self->dtype]) {
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+/* Read what the op needs from every member's slot of buffer `buf`. */
+static void consume(Op *self, int buf, char *a, char *b) {
+    char *base = (char *)self->box->map.buf;
+    char *rows[MAX_SIZE];
+    int n = self->size;
+    switch (self->kind) {
+    case K_ALL_REDUCE:
+        for (int p = 0; p < n; p++) rows[p] = base + self->slots[buf][p] + PAYLOAD_OFF;
+        REDUCERS[self->dtype](a, rows, n, self->count, self->redop, self->average);
+        break;
+    case K_REDUCE_SCATTER:
+        for (int p = 0; p < n; p++) rows[p] = base + self->slots[buf][p] + PAYLOAD_OFF + self->part;
+        REDUCERS[self->dtype](b, rows, n, self->count, self->redop, self->average);
+        break;
+    case K_BCAST_LEAF:
+        memcpy(a, base + self->slots[buf][self->root] + PAYLOAD_OFF, self->nbytes);
+        break;
+    case K_ALL_GATHER:
+        for (int p = 0; p < n; p++)
+            if (p != self->rank)
+                memcpy(a + p * self->posted, base + self->slots[buf][p] + PAYLOAD_OFF, self->posted);
+        break;
+    default:
+        break;
+    }
+}
+
+/* Whether every member posted op `k` within the box's turns (yielding the CPU, without the GIL, between looks). */
+static int arrived(Op *self, int buf, long long k) {
+    char *base = (char *)self->box->map.buf;
+    int turns = self->box->turns;
+    PyThreadState *released = NULL;
+    int all = 1;
+    for (int p = 0; p < self->size && all; p++) {
+        if (p == self->rank)
+            continue;
+        const int64_t *word = (const int64_t *)(base + self->slots[buf][p]);
+        while (__atomic_load_n(word, __ATOMIC_ACQUIRE) < k) {
+            if (!turns--) {
+                all = 0;
+                break;
+            }
+            if (released == NULL)
+                released = PyEval_SaveThread();
+            sched_yield();
+        }
+    }
+    if (released != NULL)
+        PyEval_RestoreThread(released);
+    return all;
+}
+
+/* Whether every member posted this rank's call (the header's first 8 fields) in buffer `buf`. */
+static int same_calls(Op *self, int buf) {
+    char *base = (char *)self->box->map.buf;
+    const char *mine = base + self->slots[buf][self->rank] + HEAD_OFF;
+    for (int p = 0; p < self->size; p++)
+        if (p != self->rank && memcmp(base + self->slots[buf][p] + HEAD_OFF, mine, CALL_BYTES) != 0)
+            return 0;
+    return 1;
+}
+
+/* The arrays of a call of this kind: `a` (the op's array: all_reduce's x, broadcast's x, all_gather's output,
+ * reduce_scatter's input) and `b` (reduce_scatter's output). */
+static int take_arrays(Op *self, PyObject *a_obj, PyObject *b_obj, Py_buffer *a, Py_buffer *b, int *have_a,
+                       int *have_b) {
+    *have_a = *have_b = 0;
+    if (self->kind == K_BARRIER)
+        return 1;
+    if (a_obj == NULL || a_obj == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "this op takes an array");
+        return -1;
+    }
+    int writable = self->kind != K_BCAST_ROOT && self->kind != K_REDUCE_SCATTER;
+    int got = take(self, a_obj, a, self->nbytes, writable);
+    if (got <= 0)
+        return got;
+    *have_a = 1;
+    if (self->kind == K_REDUCE_SCATTER) {
+        if (b_obj == NULL || b_obj == Py_None) {
+            PyBuffer_Release(a);
+            *have_a = 0;
+            PyErr_SetString(PyExc_TypeError, "reduce_scatter takes an output array");
+            return -1;
+        }
+        got = take(self, b_obj, b, self->out_bytes, 1);
+        if (got <= 0) {
+            PyBuffer_Release(a);
+            *have_a = 0;
+            return got;
+        }
+        *have_b = 1;
+    }
+    return 1;
+}
+
+static void release(Py_buffer *a, Py_buffer *b, int have_a, int have_b) {
+    if (have_a)
+        PyBuffer_Release(a);
+    if (have_b)
+        PyBuffer_Release(b);
+}
+
+/* run(seq, a=None, b=None): this shape's call number `seq`. None: done. -1: nothing done (an array the C path
+ * does not take: the Python path runs the call). 0 or 1: posted in that buffer, but a member was late or posted
+ * another call: the caller settles (Mailbox.settle) and then calls finish(buf, a, b). */
+static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "run(seq, a=None, b=None)");
+        return NULL;
+    }
+    long long seq = PyLong_AsLongLong(args[0]);
+    if (seq == -1 && PyErr_Occurred())
+        return NULL;
+    Box *box = self->box;
+    if (!box->open)
+        return PyLong_FromLong(-1);
+    Py_buffer a, b;
+    int have_a, have_b;
+    int got = take_arrays(self, nargs > 1 ? args[1] : NULL, nargs > 2 ? args[2] : NULL, &a, &b, &have_a, &have_b);
+    if (got <= 0)
+        return got < 0 ? NULL : PyLong_FromLong(-1);
+    char *base = (char *)box->map.buf;
+    long long k = ++box->ops;
+    int buf = (int)(k & 1);
+    char *me = base + self->slots[buf][self->rank];
+    memcpy(me + HEAD_OFF, self->header, HEAD_BYTES);
+    *(int64_t *)(me + SEQ_OFF) = seq & 0xFFFFFFFFLL;
+    if (self->posted) {
+        const char *src = (const char *)a.buf;
+        if (self->kind == K_ALL_GATHER)
+            src += (Py_ssize_t)self->rank * self->posted;
+        memcpy(me + PAYLOAD_OFF, src, self->posted);
+    }
+    /* last: a peer that sees the sequence number sees the rest (x86 store order; the release keeps the compiler's
+     * order too) */
+    __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
+    if (!arrived(self, buf, k) || !same_calls(self, buf)) {
+        release(&a, &b, have_a, have_b);
+        return PyLong_FromLong(buf);
+    }
+    consume(self, buf, have_a ? (char *)a.buf : NULL, have_b ? (char *)b.buf : NULL);
+    release(&a, &b, have_a, have_b);
+    Py_RETURN_NONE;
+}
+
+/* finish(buf, a=None, b=None): read what the op needs from buffer `buf`, after the caller settled it. */
+static PyObject *Op_finish(Op *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "finish(buf, a=None, b=None)");
+        return NULL;
+    }
+    long buf = PyLong_AsLong(args[0]);
+    if (buf == -1 && PyErr_Occurred())
+        return NULL;
+    if (buf != 0 && buf != 1) {
+        PyErr_SetString(PyExc_ValueError, "buf is 0 or 1");
+        return NULL;
+    }
+    if (!self->box->open) {
+        PyErr_SetString(PyExc_RuntimeError, "the mailbox was closed");
+        return NULL;
+    }
+    Py_buffer a, b;
+    int have_a, have_b;
+    int got = take_arrays(self, nargs > 1 ? args[1] : NULL, nargs > 2 ? args[2] : NULL, &a, &b, &have_a, &have_b);
+    if (got <= 0) {
+        if (got == 0)
+            PyErr_SetString(PyExc_ValueError, "finish: not the arrays this op ran with");
+        return NULL;
+    }
+    consume(self, (int)buf, have_a ? (char *)a.buf : NULL, have_b ? (char *)b.buf : NULL);
+    release(&a, &b, have_a, have_b);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Op_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))Op_run, METH_FASTCALL,
+     "run(seq, a=None, b=None): None (done), -1 (not taken: run it in Python) or the buffer to settle, then finish."},
+    {"finish", (PyCFunction)(void (*)(void))Op_finish, METH_FASTCALL,
+     "finish(buf, a=None, b=None): read the op's result from buffer `buf` once it is settled."},
+    {NULL},
+};
+
+static PyMemberDef Op_members[] = {
+    {"box", T_OBJECT, offsetof(Op, box), READONLY, "the Box this op posts in"},
+    {NULL},
+};
+
+static PyTypeObject OpType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "axond.distributed.backends.tcp.shm._fastbox.Op",
+    .tp_basicsize = sizeof(Op),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A prepared mailbox op of one call shape (see mailbox_ops.Prepared).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Op_init,
+    .tp_dealloc = (destructor)Op_dealloc,
+    .tp_methods = Op_methods,
+    .tp_members = Op_members,
+};
+
+static struct PyModuleDef module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_fastbox",
+    .m_doc = "The prepared mailbox ops in C (see mailbox_ops.Prepared).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__fastbox(void) {
+    if (PyType_Ready(&BoxType) < 0 || PyType_Ready(&OpType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&BoxType);
+    Py_INCREF(&OpType);
+    if (PyModule_AddObject(m, "Box", (PyObject *)&BoxType) < 0 || PyModule_AddObject(m, "Op", (PyObject *)&OpType) < 0)
+        return NULL;
+    struct { const char *name; int value; } constants[] = {
+        {"ALL_REDUCE", K_ALL_REDUCE}, {"BROADCAST_ROOT", K_BCAST_ROOT}, {"BROADCAST_LEAF", K_BCAST_LEAF},
+        {"ALL_GATHER", K_ALL_GATHER}, {"REDUCE_SCATTER", K_REDUCE_SCATTER}, {"BARRIER", K_BARRIER},
+        {"SUM", R_SUM}, {"PRODUCT", R_PRODUCT}, {"MIN", R_MIN}, {"MAX", R_MAX},
+        {"FLOAT32", D_F32}, {"FLOAT64", D_F64}, {"INT32", D_I32}, {"INT64", D_I64}, {"NO_DTYPE", D_NONE},
+        {"MAX_SIZE", MAX_SIZE}, {"HEAD_BYTES", HEAD_BYTES}, {"PAYLOAD_OFFSET", PAYLOAD_OFF},
+    };
+    for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++)
+        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0)
+            return NULL;
+    return m;
+}

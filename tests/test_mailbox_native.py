@@ -1,0 +1,226 @@
+"""The compiled prepared mailbox ops (`_fastbox`): built by the install, the same numbers bit for bit as one process
+reducing in rank order, the same protocol as the Python path (ranks with and without it share a mailbox), the Python
+wait when a member is late, and their argument checks.
+
+test_mailbox's prepared-op tests (mismatches, silent peers) run through it too wherever it is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import shutil
+import sysconfig
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from axond import ProcessGroup, ReduceOp
+from axond.distributed import BackendOptions
+from axond.distributed.backends.tcp import TcpOptions
+from axond.distributed.backends.tcp.policy import ORDERED_STORES
+from axond.distributed.backends.tcp.shm import mailbox
+from axond.distributed.reducers import accumulator
+from axond.testing import run_on, thread_groups
+
+pytestmark = [pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox needs x86 store order"),
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]  # the wrapping inputs
+fastbox = mailbox._fastbox
+needs_fastbox = pytest.mark.skipif(fastbox is None, reason="the compiled helper was not built (no C compiler)")
+
+UFUNCS: dict[ReduceOp, Callable[..., Any]] = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add,
+                                               ReduceOp.PRODUCT: np.multiply, ReduceOp.MIN: np.minimum,
+                                               ReduceOp.MAX: np.maximum, ReduceOp.BXOR: np.bitwise_xor}
+
+
+def test_the_install_built_the_compiled_helper() -> None:
+    """`pip install -e .` builds it wherever a C compiler and Python's headers exist (it is optional elsewhere)."""
+    compiler = sysconfig.get_config_var("CC") or "cc"
+    if shutil.which(compiler.split()[0]) is None:
+        pytest.skip(f"no C compiler ({compiler}): the install skips the helper and the Python path runs alone")
+    assert fastbox is not None, "the C compiler exists but the install did not build _fastbox: see pip's output"
+
+
+def groups_with(natives: list[bool], timeout: float = 10.0) -> list[ProcessGroup]:
+    """A group of threads whose rank r uses the compiled ops if natives[r]."""
+    return thread_groups(len(natives), options=[BackendOptions(timeout=timeout, tcp=TcpOptions(shm_native=n))
+                                                 for n in natives])
+
+
+def data_for(dtype: type, op: ReduceOp, rank: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Rank `rank`'s input: random values and, on floats, NaN, infinities and both zeros; on integers, values whose
+    sum or product wraps."""
+    rng = np.random.default_rng(100 + rank)
+    if np.dtype(dtype).kind == "f":
+        big = np.finfo(dtype).max / np.asarray(2, dtype)
+        x = (rng.standard_normal(shape) * 10).astype(dtype)
+        flat = x.reshape(-1)
+        flat[0] = np.nan if rank == 1 else 1.0
+        flat[1] = -0.0 if rank % 2 else 0.0
+        flat[2] = np.inf if rank == 0 else -1.0
+        flat[3] = big if op is ReduceOp.SUM else 2.0  # the sum overflows
+        return x
+    info = np.iinfo(dtype)
+    x = rng.integers(info.min, info.max, shape, endpoint=True).astype(dtype)
+    flat = x.reshape(-1)
+    flat[0] = info.max - rank
+    flat[1] = info.min + rank
+    return x
+
+
+def rank_order(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """What one process gets reducing every rank's input in rank order (float16 sums in float32, rounded once)."""
+    wide = accumulator(inputs[0].dtype, op) or inputs[0].dtype
+    with np.errstate(all="ignore"):
+        out = functools.reduce(lambda a, b: UFUNCS[op](a, b), [x.astype(wide) for x in inputs])
+        if op is ReduceOp.AVG:
+            out = np.true_divide(out, len(inputs), dtype=out.dtype)
+        return out.astype(inputs[0].dtype)
+
+
+def same_bits(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes(), (got, want)
+
+
+CASES = [(dtype, op) for dtype in (np.float32, np.float64)
+         for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)]
+CASES += [(dtype, op) for dtype in (np.int32, np.int64)
+          for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)]
+CASES += [(np.float16, ReduceOp.SUM), (np.uint8, ReduceOp.BXOR)]  # reduced in NumPy on every rank
+
+
+@pytest.mark.parametrize("dtype, op", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_compiled_and_python_ranks_share_a_mailbox_with_the_numbers_of_one_process(dtype: type, op: ReduceOp) -> None:
+    """Ranks 0 and 2 run the compiled ops, rank 1 the Python ones: every prepared all_reduce and reduce_scatter
+    gives, on every rank, the bits one process gets reducing in rank order (NaN, both zeros, infinities, wrapping
+    integers), and broadcast, all_gather and barrier run between them."""
+    natives = [True, False, True]
+    gs = groups_with(natives)
+    try:
+        inputs = [data_for(dtype, op, r, (6, 5)) for r in range(3)]
+        want = rank_order(inputs, op)
+
+        def body(pg: ProcessGroup) -> list[np.ndarray]:
+            got = []
+            for i in range(4):  # the first call prepares; the next ones run prepared
+                x = inputs[pg.rank].copy()
+                pg.all_reduce(x, op)
+                got.append(x)
+                got.append(pg.reduce_scatter(inputs[pg.rank].copy(), op))
+                b = inputs[pg.rank][0].copy()
+                pg.broadcast(b, i % 3)
+                got.append(b)
+                got.append(pg.all_gather(inputs[pg.rank][1]))
+                pg.barrier()
+            return got
+
+        results = run_on(gs, body)
+        for rank, got in enumerate(results):
+            for i in range(4):
+                all_reduced, scattered, broadcast, gathered = got[4 * i : 4 * i + 4]
+                same_bits(all_reduced, want)
+                same_bits(scattered, want[2 * rank : 2 * rank + 2])
+                same_bits(broadcast, inputs[i % 3][0])
+                same_bits(gathered, np.stack([inputs[r][1] for r in range(3)]))
+        compiled = NATIVE_REDUCTIONS_OF.get(np.dtype(dtype), ())
+        for pg, native in zip(gs, natives):
+            small = pg.backend._small  # type: ignore[union-attr]
+            reductions = [p for key, p in small.items() if key[0] in ("all_reduce", "reduce_scatter")]
+            others = [p for key, p in small.items() if key[0] not in ("all_reduce", "reduce_scatter")]
+            if accumulator(np.dtype(dtype), op) is None:  # float16 sums take low_precision's ops instead
+                assert len(reductions) == 2 and len(others) == 5  # 3 broadcast roots, the all_gather, the barrier
+            assert all((p.native is not None) == (native and op in compiled) for p in reductions)
+            assert all((p.native is not None) == native for p in others)
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+NATIVE_REDUCTIONS_OF = {np.dtype(t): (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
+                        for t in (np.float32, np.float64)}
+NATIVE_REDUCTIONS_OF.update({np.dtype(t): (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
+                             for t in (np.int32, np.int64)})
+
+
+@needs_fastbox
+def test_a_late_member_makes_the_compiled_op_take_the_python_wait() -> None:
+    """Rank 1 comes 20 ms late to every prepared op: the others' compiled ops post, give up after their turns, wait
+    as the Python path does and then read the result."""
+    gs = groups_with([True, True, True])
+    try:
+        def body(pg: ProcessGroup) -> list[np.ndarray]:
+            got = []
+            for i in range(3):
+                if pg.rank == 1:
+                    time.sleep(0.02)
+                x = np.full(4, pg.rank + 1 + i, np.float32)
+                pg.all_reduce(x)
+                got.append(x)
+                got.append(pg.reduce_scatter(np.arange(6, dtype=np.int64) * (pg.rank + 1), ReduceOp.MAX))
+                got.append(pg.all_gather(np.full(2, pg.rank + i, np.float64)))
+                b = np.full(3, pg.rank, np.int32)
+                pg.broadcast(b, 1)
+                got.append(b)
+                pg.barrier()
+            return got
+
+        for rank, got in enumerate(run_on(gs, body)):
+            for i in range(3):
+                np.testing.assert_array_equal(got[4 * i], np.full(4, 6 + 3 * i, np.float32))
+                np.testing.assert_array_equal(got[4 * i + 1], np.arange(6)[2 * rank : 2 * rank + 2] * 3)
+                np.testing.assert_array_equal(got[4 * i + 2], [[r + i] * 2 for r in range(3)])
+                np.testing.assert_array_equal(got[4 * i + 3], [1, 1, 1])
+        assert all(p.native is not None for pg in gs for p in pg.backend._small.values())  # type: ignore[union-attr]
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+@needs_fastbox
+def test_a_read_only_or_strided_array_leaves_the_compiled_op_untouched() -> None:
+    """An array the compiled op cannot take (not contiguous, read-only where it writes) is not posted: `run` answers
+    -1 and the Python path runs the call, raising what it raises."""
+    mapping = mmap.mmap(-1, 4096)
+    box = fastbox.Box(mapping, 4)
+    header = bytes(72)
+    op = fastbox.Op(box, fastbox.ALL_REDUCE, 0, 2, [0, 256, 512, 768], header, 16, 16, 0, fastbox.FLOAT32,
+                    fastbox.SUM, False, 4, 0, 0)
+    frozen = np.ones(4, np.float32)
+    frozen.flags.writeable = False
+    assert op.run(1, frozen) == -1
+    assert op.run(1, np.ones(8, np.float32)[::2]) == -1
+    assert op.run(1, np.ones(5, np.float32)) == -1  # another size
+    assert box.ops == 0  # none of them was posted
+    assert op.run(1, np.ones(4, np.float32)) == 1  # posted in buffer 1; no peer within 4 turns: the caller settles
+    assert box.ops == 1
+    box.close()
+    assert op.run(2, np.ones(4, np.float32)) == -1  # a closed box posts nothing
+    with pytest.raises(RuntimeError, match="closed"):
+        op.finish(1, np.ones(4, np.float32))
+    mapping.close()  # the box let go of it
+
+
+@needs_fastbox
+@pytest.mark.parametrize("change, match", [
+    ({"kind": 99}, "out of range"), ({"size": 1}, "out of range"), ({"rank": 2}, "out of range"),
+    ({"header": bytes(8)}, "out of range"), ({"posted": 12}, "do not fit"), ({"dtype": 0}, "do not fit"),
+    ({"slots": [0, 256, 512]}, "2 \\* size"), ({"slots": [0, 256, 512, 4090]}, "outside the mapping"),
+    ({"slots": [0, 4, 512, 768]}, "unaligned"),
+])
+def test_an_op_with_fields_that_do_not_fit_is_refused(change: dict[str, Any], match: str) -> None:
+    mapping = mmap.mmap(-1, 4096)
+    box = fastbox.Box(mapping, 4)
+    fields: dict[str, Any] = dict(box=box, kind=fastbox.ALL_REDUCE, rank=0, size=2, slots=[0, 256, 512, 768],
+                                  header=bytes(72), posted=16, nbytes=16, root=0, dtype=fastbox.FLOAT32,
+                                  redop=fastbox.SUM, average=False, count=4, part=0, out_bytes=0)
+    fields.update(change)
+    with pytest.raises(ValueError, match=match):
+        fastbox.Op(**fields)
+    with pytest.raises(BufferError):
+        fastbox.Box(b"read-only bytes", 4)
+    box.close()
+    mapping.close()
