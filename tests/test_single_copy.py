@@ -141,7 +141,7 @@ def test_back_to_back_ops_and_async_queues_never_read_a_reused_buffer(made: list
         r, n = pg.rank, pg.size
         rng = np.random.default_rng(r)
         got: list[Any] = []
-        a = np.empty(9_001, np.int64)
+        a = np.empty(40_001, np.int64)  # past the mailbox: the single-copy path
         for i in range(rounds):
             if rng.random() < 0.3:
                 time.sleep(0.01)

@@ -29,10 +29,12 @@ ARENA = TcpOptions(shm_single_copy=False)
 ROUTES = [
     # op, bytes per rank, group, options -> route
     (Op.ALL_REDUCE, 8, ONE_HOST, None, "mailbox"),
-    (Op.ALL_REDUCE, 64 * KiB, ONE_HOST, None, "mailbox"),  # up to 64 KiB per rank in groups of up to 11
-    (Op.ALL_REDUCE, 64 * KiB + 8, ONE_HOST, None, "arena"),
-    (Op.ALL_REDUCE, 8 * KiB, Shape(64), None, "mailbox"),  # larger groups: smaller slots (mailbox_bytes)
-    (Op.ALL_REDUCE, 8 * KiB + 8, Shape(64), None, "arena"),
+    (Op.ALL_REDUCE, 256 * KiB, ONE_HOST, None, "mailbox"),  # up to 256 KiB per rank in groups of up to 5
+    (Op.ALL_REDUCE, 256 * KiB + 8, ONE_HOST, None, "arena"),
+    (Op.ALL_REDUCE, 128 * KiB, Shape(11), None, "mailbox"),  # larger groups: smaller slots (mailbox_bytes)
+    (Op.ALL_REDUCE, 128 * KiB + 8, Shape(11), None, "arena"),
+    (Op.ALL_REDUCE, 20 * KiB, Shape(64), None, "mailbox"),
+    (Op.ALL_REDUCE, 20 * KiB + 8, Shape(64), None, "arena"),
     (Op.ALL_REDUCE, 4 * KiB + 8, Shape(256), None, "sockets:doubling"),  # 4 KiB slots; arena from 2 x 4 KiB
     (Op.ALL_REDUCE, 1 * MiB, ONE_HOST, None, "arena"),
     (Op.ALL_REDUCE, 8 * KiB, ONE_HOST, NO_MAILBOX, "sockets:doubling"),  # arena from 2 x 64 KiB without it
@@ -53,22 +55,22 @@ ROUTES = [
     (Op.ALL_REDUCE, 1 * MiB, Shape(4, hosts=0), None, "sockets:ring"),  # members' arena sizes differ
     (Op.BROADCAST, 4 * KiB, ONE_HOST, None, "mailbox"),
     (Op.BROADCAST, 4 * KiB, CROWDED, None, "mailbox"),
-    (Op.BROADCAST, 64 * KiB, CROWDED, None, "mailbox"),
-    (Op.BROADCAST, 64 * KiB + 8, CROWDED, None, "arena"),  # 16 x 4 KiB
+    (Op.BROADCAST, 256 * KiB, CROWDED, None, "mailbox"),
+    (Op.BROADCAST, 256 * KiB + 8, CROWDED, None, "arena"),  # past the mailbox (and 16 x 4 KiB)
     (Op.BROADCAST, 4 * MiB, CROWDED, SOCKETS, "sockets:tree"),
     (Op.BROADCAST, 4 * MiB + 8, CROWDED, SOCKETS, "sockets:chain"),
     (Op.BROADCAST, 256 * KiB, ONE_HOST, SOCKETS, "sockets:chain"),
     (Op.BROADCAST, 128 * KiB, SPREAD, None, "two_level"),  # 2 x 64 KiB
     (Op.BROADCAST, 64 * KiB, SPREAD, None, "sockets:tree"),
     (Op.ALL_GATHER, 1 * KiB, ONE_HOST, None, "mailbox"),
-    (Op.ALL_GATHER, 64 * KiB + 8, ONE_HOST, None, "arena"),  # the arena counts the output
+    (Op.ALL_GATHER, 256 * KiB + 8, ONE_HOST, None, "arena"),  # the arena counts the output
     (Op.ALL_GATHER, 16 * KiB, SPREAD, None, "two_level"),  # 64 KiB of output
     (Op.ALL_GATHER, 1 * MiB, ONE_HOST, SOCKETS, "sockets:direct"),
     (Op.ALL_GATHER, 1 * MiB + 8, ONE_HOST, SOCKETS, "sockets:ring"),  # over 4 MiB of output
     (Op.ALL_GATHER, 1 * MiB + 8, CROWDED, SOCKETS, "sockets:doubling"),
     (Op.ALL_GATHER, 8 * MiB, PAIR, SOCKETS, "sockets:exchange"),  # two ranks: always straight, past inline: exchange
     (Op.REDUCE_SCATTER, 4 * KiB, ONE_HOST, None, "mailbox"),
-    (Op.REDUCE_SCATTER, 64 * KiB + 8, ONE_HOST, None, "arena"),
+    (Op.REDUCE_SCATTER, 256 * KiB + 8, ONE_HOST, None, "arena"),
     (Op.REDUCE_SCATTER, 128 * KiB, ONE_HOST, SOCKETS, "sockets:direct"),
     (Op.REDUCE_SCATTER, 1 * MiB, CROWDED, SOCKETS, "sockets:halving"),
     (Op.REDUCE_SCATTER, 1 * MiB, ONE_HOST, SOCKETS, "sockets:ring"),
@@ -100,8 +102,8 @@ ROUTES = [
     (Op.REDUCE_SCATTER, 16 * MiB, PAIR, None, "single_copy"),
     (Op.REDUCE_SCATTER, 16 * MiB, ONE_HOST, None, "single_copy"),
     (Op.REDUCE_SCATTER, 16 * MiB - 8, ONE_HOST, None, "arena"),
-    (Op.REDUCE_SCATTER, 64 * KiB + 8, ONE_HOST, TcpOptions(shm_min_bytes=0), "single_copy"),  # the threshold given
-    (Op.ALL_REDUCE, 64 * KiB + 8, PAIR, TcpOptions(shm_min_bytes=0), "single_copy"),
+    (Op.REDUCE_SCATTER, 256 * KiB + 8, ONE_HOST, TcpOptions(shm_min_bytes=0), "single_copy"),  # the threshold given
+    (Op.ALL_REDUCE, 256 * KiB + 8, PAIR, TcpOptions(shm_min_bytes=0), "single_copy"),
     (Op.REDUCE, 64 * MiB, ONE_HOST, None, "sockets:tree"),
 ]
 

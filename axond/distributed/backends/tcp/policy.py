@@ -30,15 +30,19 @@ from axond.distributed.backends.tcp.transport.wire import Op
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 """Whether stores become visible to other cores in program order (x86's TSO), which the mailbox relies on."""
 
-MAILBOX_BYTES = 64 << 10
+MAILBOX_BYTES = 256 << 10
 """Largest payload per rank that goes through the mailbox (all_gather: one block; reduce_scatter: the input) in groups
-of up to 11 ranks (`mailbox_bytes`). Interleaved A/B on 2 cores against 4 KiB (the arena above it), 8-64 KiB:
+of up to 5 ranks (`mailbox_bytes`). With the compiled prepared ops, against 64 KiB (the arena above it; bench/
+compare_trees.py, 3 rounds, best of the rounds' medians, session 16), 128 and 256 KiB: at 2 ranks all_gather 0.92 /
+0.59x the time, broadcast 0.68 / 0.56, reduce_scatter 0.56 / 0.69, all_reduce 0.76 / 1.09 (the arena's pair all_reduce
+splits the reduction); at 4 ranks all_reduce 0.57 / 0.65, broadcast 0.54 / 0.68, reduce_scatter 0.39 / 0.46,
+all_gather 1.10 / 0.99. Earlier, against 4 KiB, 8-64 KiB:
 all_reduce 0.22-0.49x the time at 2 ranks, 0.34-0.67x at 4 (a small all_reduce runs prepared); broadcast 0.61-0.84x
 at 2; all_gather and reduce_scatter 0.77-0.94x at 2, 0.54-0.92x at 4 (bench/RESULTS.md, session 13). On a host whose
 ranks outnumber its cores broadcast takes it too, against the socket tree (prepared, two interleaved A/Bs at 3 and 4
 ranks on 2 cores, 8 B-64 KiB): 0.44-0.95x the time, 0.26-0.61x at 64 KiB (session 14)."""
 MAILBOX_MIN_BYTES = 4 << 10
-MAILBOX_GROUP_BYTES = 3 << 19
+MAILBOX_GROUP_BYTES = 3 << 20
 """The most /dev/shm a group's mailbox takes (two buffers of size + 1 slots) before its slots shrink."""
 
 
@@ -84,7 +88,8 @@ from 8 MiB of output and reduce_scatter from 4 MiB (session 12, two A/Bs each): 
 and 0.74 / 0.85, 8 MiB 0.70 / 0.61 and 0.77 / 0.75 (2 MiB: same path, 1.32 / 1.27); broadcast stays at 16 MiB
 (4 MiB 1.30 / 1.39, 8 MiB 0.96 / 1.13)."""
 CROWDED_BROADCAST_ARENA_SCALE = 16
-"""On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB)."""
+"""On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB; in groups
+whose mailbox takes more, from past the mailbox)."""
 CROWDED_DOUBLING_BYTES = 256 << 10
 """With more ranks than cores on a power-of-two group, all-reduces up to this size use recursive doubling..."""
 CROWDED_HALVING_BYTES = 2 << 20
