@@ -224,3 +224,26 @@ def test_an_op_with_fields_that_do_not_fit_is_refused(change: dict[str, Any], ma
         fastbox.Box(b"read-only bytes", 4)
     box.close()
     mapping.close()
+
+
+@needs_fastbox
+def test_closing_the_box_waits_for_an_op_that_waits_without_the_gil() -> None:
+    """An op spinning (without the GIL) for a member that never posts, while another thread closes the box: the close
+    waits until the op's turns are over, so the op never reads an unmapped mailbox, and then lets go of it."""
+    import threading
+
+    mapping = mmap.mmap(-1, 4096)
+    box = fastbox.Box(mapping, 200_000)  # turns enough to be mid-wait when the close comes
+    op = fastbox.Op(box, fastbox.BARRIER, 0, 2, [0, 256, 512, 768], bytes(72), 0, 0, 0, fastbox.NO_DTYPE, 0, False, 0,
+                    0, 0)
+    got: list[Any] = []
+    waiting = threading.Thread(target=lambda: got.append(op.run(1)))
+    waiting.start()
+    deadline = time.monotonic() + 10.0
+    while box.ops == 0 and time.monotonic() < deadline:  # until it has posted: it is spinning now
+        time.sleep(0.0005)
+    box.close()
+    assert got == [1]  # the op was over (its member never came) before the close returned
+    waiting.join(10.0)
+    assert op.run(2) == -1
+    mapping.close()

@@ -38,6 +38,7 @@ typedef struct {
     int open;
     long long ops;  /* mailbox ops run so far in this group (Mailbox.ops) */
     int turns;      /* sched_yield turns a wait takes before it returns to the Python wait */
+    int busy;       /* ops inside `run` (one may wait without the GIL): `close` lets them finish first */
 } Box;
 
 static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
@@ -67,6 +68,11 @@ static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
 }
 
 static PyObject *Box_close(Box *self, PyObject *Py_UNUSED(unused)) {
+    while (self->busy) {  /* another thread's op waits without the GIL; it ends within its turns */
+        Py_BEGIN_ALLOW_THREADS
+        sched_yield();
+        Py_END_ALLOW_THREADS
+    }
     if (self->open) {
         self->open = 0;
         PyBuffer_Release(&self->map);
@@ -411,6 +417,7 @@ static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
     int got = take_arrays(self, nargs > 1 ? args[1] : NULL, nargs > 2 ? args[2] : NULL, &a, &b, &have_a, &have_b);
     if (got <= 0)
         return got < 0 ? NULL : PyLong_FromLong(-1);
+    box->busy++;
     char *base = (char *)box->map.buf;
     long long k = ++box->ops;
     int buf = (int)(k & 1);
@@ -426,12 +433,13 @@ static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
     /* last: a peer that sees the sequence number sees the rest (x86 store order; the release keeps the compiler's
      * order too) */
     __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
-    if (!arrived(self, buf, k) || !same_calls(self, buf)) {
-        release(&a, &b, have_a, have_b);
-        return PyLong_FromLong(buf);
-    }
-    consume(self, buf, have_a ? (char *)a.buf : NULL, have_b ? (char *)b.buf : NULL);
+    int done = arrived(self, buf, k) && same_calls(self, buf);
+    if (done)
+        consume(self, buf, have_a ? (char *)a.buf : NULL, have_b ? (char *)b.buf : NULL);
+    box->busy--;
     release(&a, &b, have_a, have_b);
+    if (!done)
+        return PyLong_FromLong(buf);
     Py_RETURN_NONE;
 }
 
