@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from axond import ProcessGroup, ReduceOp
+from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions
 from axond.distributed.backends.tcp import TcpOptions
 from axond.distributed.backends.tcp.policy import ORDERED_STORES
@@ -247,3 +247,49 @@ def test_closing_the_box_waits_for_an_op_that_waits_without_the_gil() -> None:
     waiting.join(10.0)
     assert op.run(2) == -1
     mapping.close()
+
+
+@needs_fastbox
+@pytest.mark.parametrize("late_root", [False, True])
+def test_a_large_broadcast_is_copied_out_while_the_root_writes_it(late_root: bool) -> None:
+    """A compiled root publishes a broadcast of more than a chunk (16 KiB) chunk by chunk and its members copy out
+    what is there; a root on the Python path (rank 1) publishes it whole, and a late root sends its members to the
+    Python wait: every member gets the root's bytes either way."""
+    gs = groups_with([True, False, True])
+    try:
+        def body(pg: ProcessGroup) -> list[np.ndarray]:
+            got = []
+            for i in range(6):
+                root = i % 3
+                if late_root and pg.rank == root:
+                    time.sleep(0.02)
+                x = np.full(50_000, pg.rank * 100 + i, np.float32)  # 200 KB: 13 chunks
+                x[::997] = -i
+                pg.broadcast(x, root)
+                got.append(x)
+            return got
+
+        for got in run_on(gs, body):
+            for i, x in enumerate(got):
+                want = np.full(50_000, (i % 3) * 100 + i, np.float32)
+                want[::997] = -i
+                same_bits(x, want)
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+@needs_fastbox
+def test_a_large_broadcast_against_another_call_raises_on_every_rank() -> None:
+    """The members check the root's call before they copy a byte: a root broadcasting another size raises on every
+    rank, naming the broadcast."""
+    gs = groups_with([True, True, True], timeout=5.0)
+    try:
+        for size in (50_000, 60_000):  # both prepared on every rank: the root publishes the other one chunk by chunk
+            run_on(gs, lambda pg: pg.broadcast(np.zeros(size, np.float32), 0))
+        errors = run_on(gs, lambda pg: pg.broadcast(np.zeros(50_000 if pg.rank else 60_000, np.float32), 0),
+                        return_exceptions=True)
+        assert all(isinstance(e, DistributedError) and "broadcast" in str(e) for e in errors), errors
+    finally:
+        for g in gs:
+            g.destroy()

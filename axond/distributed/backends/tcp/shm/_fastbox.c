@@ -23,8 +23,10 @@
 #define HEAD_BYTES 72     /* mailbox.HEAD: 9 int64 fields */
 #define CALL_BYTES 64     /* its first 8 fields: the call, without the payload size */
 #define SEQ_OFF (HEAD_OFF + 4 * 8)   /* mailbox.SEQ_FIELD */
+#define PROGRESS_OFF 80   /* word 10 of a slot, which the Python path leaves alone: a broadcast root's progress */
 #define PAYLOAD_OFF 128   /* mailbox.HEAD_WORDS * 8 */
-#define MAX_SIZE 64       /* members of a group with a mailbox (policy.mailbox_bytes gives none past it) */
+#define CHUNK (16 << 10)  /* a broadcast root publishes its payload in chunks of this size */
+#define MAX_SIZE 64       /* the most members the compiled ops serve; larger groups keep the Python path */
 
 enum { K_ALL_REDUCE, K_BCAST_ROOT, K_BCAST_LEAF, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER, K_KINDS };
 enum { R_SUM, R_PRODUCT, R_MIN, R_MAX, R_OPS };
@@ -347,6 +349,46 @@ static int arrived(Op *self, int buf, long long k) {
     return all;
 }
 
+/* A broadcast member's copy of the root's payload of op `k` (buffer `buf`) into `out` while the root still writes
+ * it: whatever its progress word (or, from a root on the Python path, its sequence word: everything) says is there,
+ * once the root's call is checked to be this rank's. Whether it copied everything within the box's turns (a turn is
+ * spent only on a look that found nothing new); if not (a late or mismatched root), the caller settles and
+ * `finish` copies it all. Without the GIL: it touches only the mapping and `out`. */
+static int pipelined(Op *self, int buf, long long k, char *out) {
+    char *base = (char *)self->box->map.buf;
+    char *root = base + self->slots[buf][self->root];
+    const char *mine = base + self->slots[buf][self->rank] + HEAD_OFF;
+    const int64_t *seq = (const int64_t *)root, *progress = (const int64_t *)(root + PROGRESS_OFF);
+    Py_ssize_t copied = 0, total = self->nbytes;
+    int turns = self->box->turns, ok = 1;
+    PyThreadState *released = PyEval_SaveThread();
+    while (copied < total) {
+        Py_ssize_t there = 0;
+        if (__atomic_load_n(seq, __ATOMIC_ACQUIRE) >= k) {
+            there = total;
+        } else {
+            uint64_t p = (uint64_t)__atomic_load_n(progress, __ATOMIC_ACQUIRE);
+            if ((long long)(p >> 32) == k)
+                there = (Py_ssize_t)(p & 0xFFFFFFFFu) < total ? (Py_ssize_t)(p & 0xFFFFFFFFu) : total;
+        }
+        if (there > copied) {
+            if (copied == 0 && memcmp(root + HEAD_OFF, mine, CALL_BYTES) != 0) {
+                ok = 0;  /* another call: the Python wait raises, naming both */
+                break;
+            }
+            memcpy(out + copied, root + PAYLOAD_OFF + copied, there - copied);
+            copied = there;
+        } else if (!turns--) {
+            ok = 0;
+            break;
+        } else {
+            sched_yield();
+        }
+    }
+    PyEval_RestoreThread(released);
+    return ok;
+}
+
 /* Whether every member posted this rank's call (the header's first 8 fields) in buffer `buf`. */
 static int same_calls(Op *self, int buf) {
     char *base = (char *)self->box->map.buf;
@@ -424,7 +466,16 @@ static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
     char *me = base + self->slots[buf][self->rank];
     memcpy(me + HEAD_OFF, self->header, HEAD_BYTES);
     *(int64_t *)(me + SEQ_OFF) = seq & 0xFFFFFFFFLL;
-    if (self->posted) {
+    if (self->kind == K_BCAST_ROOT && self->posted > CHUNK) {
+        /* chunk by chunk, each followed by the progress word (op number, bytes written): the members copy out what
+         * is there while the rest comes in (see `pipelined`) */
+        int64_t *progress = (int64_t *)(me + PROGRESS_OFF);
+        for (Py_ssize_t at = 0; at < self->posted; at += CHUNK) {
+            Py_ssize_t n = self->posted - at < CHUNK ? self->posted - at : CHUNK;
+            memcpy(me + PAYLOAD_OFF + at, (const char *)a.buf + at, n);
+            __atomic_store_n(progress, (int64_t)(((uint64_t)k << 32) | (uint64_t)(at + n)), __ATOMIC_RELEASE);
+        }
+    } else if (self->posted) {
         const char *src = (const char *)a.buf;
         if (self->kind == K_ALL_GATHER)
             src += (Py_ssize_t)self->rank * self->posted;
@@ -433,8 +484,10 @@ static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
     /* last: a peer that sees the sequence number sees the rest (x86 store order; the release keeps the compiler's
      * order too) */
     __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
-    int done = arrived(self, buf, k) && same_calls(self, buf);
-    if (done)
+    int done;
+    if (self->kind == K_BCAST_LEAF && self->nbytes > CHUNK)
+        done = pipelined(self, buf, k, (char *)a.buf) && arrived(self, buf, k) && same_calls(self, buf);
+    else if ((done = arrived(self, buf, k) && same_calls(self, buf)))
         consume(self, buf, have_a ? (char *)a.buf : NULL, have_b ? (char *)b.buf : NULL);
     box->busy--;
     release(&a, &b, have_a, have_b);

@@ -26,6 +26,9 @@ rank order, as everywhere.
 - **Point-to-point frames** that a member sent before it posted are set aside for their receives (see
   `FramedGroup.only_early`), not taken for another call.
 - **The arena's steps** synchronize through the mailbox too: a post without payload (`arena_ops.Sync`).
+- **Compiled ops:** where the install built `_fastbox` (C, the same protocol), a prepared op (`mailbox_ops.Prepared`)
+  posts, takes the first QUICK_TURNS turns of the wait, compares the calls and reads or reduces in one C call; any
+  longer wait or mismatch comes back here (`settle`). Ranks with and without it share a mailbox.
 - **Memory order:** payload, then sequence number: an x86 store order that every x86 core observes in
   that order (TSO). Other architectures keep small ops on the sockets.
 """
