@@ -429,6 +429,14 @@ static int take_arrays(Op *self, PyObject *a_obj, PyObject *b_obj, Py_buffer *a,
             return got;
         }
         *have_b = 1;
+    } else if (self->kind == K_ALL_GATHER && b_obj != NULL && b_obj != Py_None) {
+        got = take(self, b_obj, b, self->posted, 0);  /* this rank's block, which `run` copies into its row */
+        if (got <= 0) {
+            PyBuffer_Release(a);
+            *have_a = 0;
+            return got;
+        }
+        *have_b = 1;
     }
     return 1;
 }
@@ -440,7 +448,8 @@ static void release(Py_buffer *a, Py_buffer *b, int have_a, int have_b) {
         PyBuffer_Release(b);
 }
 
-/* run(seq, a=None, b=None): this shape's call number `seq`. None: done. -1: nothing done (an array the C path
+/* run(seq, a=None, b=None): this shape's call number `seq` (all_gather: `a` the output, `b` this rank's block or
+ * None if it is in its row already; reduce_scatter: `a` the input, `b` the output). None: done. -1: nothing done (an array the C path
  * does not take: the Python path runs the call). 0 or 1: posted in that buffer, but a member was late or posted
  * another call: the caller settles (Mailbox.settle) and then calls finish(buf, a, b). */
 static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -477,8 +486,15 @@ static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
         }
     } else if (self->posted) {
         const char *src = (const char *)a.buf;
-        if (self->kind == K_ALL_GATHER)
-            src += (Py_ssize_t)self->rank * self->posted;
+        if (self->kind == K_ALL_GATHER) {
+            char *row = (char *)a.buf + (Py_ssize_t)self->rank * self->posted;
+            if (have_b) {  /* the block given apart: into this rank's row too */
+                memcpy(row, b.buf, self->posted);
+                src = (const char *)b.buf;
+            } else {
+                src = row;
+            }
+        }
         memcpy(me + PAYLOAD_OFF, src, self->posted);
     }
     /* last: a peer that sees the sequence number sees the rest (x86 store order; the release keeps the compiler's

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from axond.distributed.backends.host_copy import copy
 from axond.distributed.backends.tcp.shm.mailbox import HEAD, SEQ_FIELD, Mailbox, _fastbox
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.reduce_op import ReduceOp
@@ -181,14 +182,19 @@ class SmallAllGather(Prepared):
         self.mine = [rows[box.rank] for rows in self.rows]
         self.compile("ALL_GATHER", box.size * x.nbytes)
 
-    def run(self, out: np.ndarray, seq: int) -> None:
-        """out (size, ...; contiguous, of the prepared dtype and block size; row `rank` filled) <- every member's
-        block, as `all_gather`."""
+    def run(self, out: np.ndarray, seq: int, x: np.ndarray | None = None) -> None:
+        """out (size, ...; contiguous, of the prepared dtype and block size) <- every member's block, as
+        `all_gather`: this rank's is `x`, or row `rank` of `out` already if `x` is None."""
         native = self.native
         if native is not None:
-            buf = native.run(seq, out)
+            buf = native.run(seq, out, x)
             if buf is None or (buf >= 0 and self.settled(buf, seq, out)):
                 return
+        if x is not None:
+            if x.ndim:
+                copy(out[self.box.rank], x)
+            else:
+                out[self.box.rank] = x
         rows = out.reshape(self.box.size, -1).view(np.uint8)
         rows[...] = self.rows[self.post(seq, rows[self.box.rank], self.mine)]
 
