@@ -486,20 +486,15 @@ static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
         }
     } else if (self->posted) {
         const char *src = (const char *)a.buf;
-        if (self->kind == K_ALL_GATHER) {
-            char *row = (char *)a.buf + (Py_ssize_t)self->rank * self->posted;
-            if (have_b) {  /* the block given apart: into this rank's row too */
-                memcpy(row, b.buf, self->posted);
-                src = (const char *)b.buf;
-            } else {
-                src = row;
-            }
-        }
+        if (self->kind == K_ALL_GATHER)
+            src = have_b ? (const char *)b.buf : (const char *)a.buf + (Py_ssize_t)self->rank * self->posted;
         memcpy(me + PAYLOAD_OFF, src, self->posted);
     }
     /* last: a peer that sees the sequence number sees the rest (x86 store order; the release keeps the compiler's
      * order too) */
     __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
+    if (self->kind == K_ALL_GATHER && have_b)  /* the block given apart, into this rank's row: while the peers read */
+        memcpy((char *)a.buf + (Py_ssize_t)self->rank * self->posted, b.buf, self->posted);
     int done;
     if (self->kind == K_BCAST_LEAF && self->nbytes > CHUNK)
         done = pipelined(self, buf, k, (char *)a.buf) && arrived(self, buf, k) && same_calls(self, buf);
