@@ -293,3 +293,34 @@ def test_a_large_broadcast_against_another_call_raises_on_every_rank() -> None:
     finally:
         for g in gs:
             g.destroy()
+
+
+@pytest.mark.parametrize("natives", [[True, True], [True, False]])
+def test_an_all_gather_whose_input_is_a_view_of_its_output(natives: list[bool]) -> None:
+    """torch's all_gather_into_tensor passes a view of the output's own row as the input (FSDP2 does): the
+    prepared op takes it on both paths; an input that overlaps the row only in part works too."""
+    gs = groups_with(natives)
+    try:
+        def body(pg: ProcessGroup) -> list[np.ndarray]:
+            got = []
+            for i in range(4):
+                out = np.zeros((2, 1000), np.float32)
+                x = out[pg.rank]
+                x[...] = pg.rank + 1 + i
+                assert pg.all_gather(x, out=out) is out
+                got.append(out.copy())
+                flat = np.zeros(2 * 1000 + 4, np.float32)
+                out2 = flat[:2000].reshape(2, 1000)
+                shifted = flat[pg.rank * 1000 + 4 : pg.rank * 1000 + 1004]  # overlaps row `rank` in part
+                shifted[...] = 10 * (pg.rank + 1) + i
+                pg.all_gather(shifted.copy() if i % 2 else shifted, out=out2)
+                got.append(out2.copy())
+            return got
+
+        for got in run_on(gs, body):
+            for i in range(4):
+                np.testing.assert_array_equal(got[2 * i], [[1 + i] * 1000, [2 + i] * 1000])
+                np.testing.assert_array_equal(got[2 * i + 1], [[10 + i] * 1000, [20 + i] * 1000])
+    finally:
+        for g in gs:
+            g.destroy()

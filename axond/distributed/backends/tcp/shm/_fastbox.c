@@ -493,8 +493,11 @@ static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
     /* last: a peer that sees the sequence number sees the rest (x86 store order; the release keeps the compiler's
      * order too) */
     __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
-    if (self->kind == K_ALL_GATHER && have_b)  /* the block given apart, into this rank's row: while the peers read */
-        memcpy((char *)a.buf + (Py_ssize_t)self->rank * self->posted, b.buf, self->posted);
+    if (self->kind == K_ALL_GATHER && have_b) {  /* the block given apart, into this rank's row: while the peers read */
+        char *row = (char *)a.buf + (Py_ssize_t)self->rank * self->posted;
+        if (row != (char *)b.buf)  /* the block may be a view of the output (torch's all_gather_into_tensor) */
+            memmove(row, b.buf, self->posted);
+    }
     int done;
     if (self->kind == K_BCAST_LEAF && self->nbytes > CHUNK)
         done = pipelined(self, buf, k, (char *)a.buf) && arrived(self, buf, k) && same_calls(self, buf);
