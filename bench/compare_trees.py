@@ -3,8 +3,8 @@
     python bench/compare_trees.py --before REV [--rounds 4] -- --nproc 2 4 --sizes 8 4096 1048576 16777216
 
 Each round runs this tree's `bench/collectives.py` (with the arguments after `--`, peers off) once on REV's
-`axond` (a temporary git worktree on PYTHONPATH, its C extensions built in place) and once on this tree's, alternating which goes first; the table
-gives, per n, op and size, the median over rounds of each side's median time per call, and after / before.
+`axond` (a temporary git worktree on PYTHONPATH, its C extensions built in place) and once on this tree's,
+alternating which goes first; the table gives, per n, op and size, the median over rounds of each side's median time per call, and after / before.
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ def main() -> None:
         old = Path(tmp) / "before"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), a.before], check=True,
                        capture_output=True, timeout=120)
-        # REV's compiled extensions (the mailbox's `_fastbox`), built in place as `pip install -e .` builds this tree's
-        built = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "build_ext", "--inplace"],
-                               cwd=old, capture_output=True, text=True, timeout=600)
-        if built.returncode != 0:
-            print(f"{a.before}'s extensions did not build; it runs without them:\n{built.stderr[-2000:]}", file=sys.stderr)
         try:
+            # REV's compiled extensions (the mailbox's `_fastbox`), built in place as `pip install -e .` builds ours
+            built = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "build_ext",
+                                    "--inplace"], cwd=old, capture_output=True, text=True, timeout=600)
+            if built.returncode != 0:
+                print(f"{a.before}'s extensions did not build; it runs without them:\n{built.stderr[-2000:]}",
+                      file=sys.stderr)
             for r in range(a.rounds):
                 order = [("before", old), ("after", ROOT)]
                 for side, tree in order if r % 2 == 0 else order[::-1]:

@@ -449,8 +449,8 @@ static void release(Py_buffer *a, Py_buffer *b, int have_a, int have_b) {
 }
 
 /* run(seq, a=None, b=None): this shape's call number `seq` (all_gather: `a` the output, `b` this rank's block or
- * None if it is in its row already; reduce_scatter: `a` the input, `b` the output). None: done. -1: nothing done (an array the C path
- * does not take: the Python path runs the call). 0 or 1: posted in that buffer, but a member was late or posted
+ * None if it is in its row already; reduce_scatter: `a` the input, `b` the output). None: done. -1: nothing done
+ * (an array the C path does not take: the Python path runs the call). 0 or 1: posted in that buffer, but a member was late or posted
  * another call: the caller settles (Mailbox.settle) and then calls finish(buf, a, b). */
 static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 3) {

@@ -82,6 +82,8 @@ HEAD = struct.Struct("<9q")
 """Words 1-9 of a slot: the op's header fields (`Call.expect`) and the payload's size."""
 SEQ_FIELD = 4
 """The field of HEAD that holds the call's sequence number (`Call.expect`'s fifth)."""
+if _fastbox is not None and (_fastbox.PAYLOAD_OFFSET, _fastbox.HEAD_BYTES) != (HEAD_WORDS * 8, HEAD.size):
+    _fastbox = None  # type: ignore[assignment]  # pragma: no cover - built from another slot layout (stale)
 
 
 class _Count:
