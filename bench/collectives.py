@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bounds import add_rate, bus_factor, cores, host_bound  # noqa: E402
 from collectives_runners import AxondRunner, GlooRunner, MpiRunner, Runner  # noqa: E402
+from cross_core import probe  # noqa: E402
 
 OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter"]
 Result = dict[str, dict[int, tuple[float, bool]]]
@@ -350,12 +351,14 @@ def main() -> None:
     for n in args.nproc:
         ours: Result | None = None
         peers: dict[str, Result | None] = {}
+        probes: list[tuple[str, float | None]] = []  # the cross-core probe before each run (bench/cross_core.py)
         for _ in range(args.repeat):
             if not args.no_raw:  # measured again each round, between the libraries: the best of all rounds counts
                 raw = max(raw or 0.0, raw_duplex())
                 for size, gbs in raw_at_sizes(sizes).items():
                     raw_sized[size] = max(raw_sized.get(size, 0.0), gbs)
             for op in args.ops:
+                probes.append((f"axond {op}", probe(0.3)))
                 with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
                     got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes, True, args.nodes), args.timeout)
                 if got is None:
@@ -366,8 +369,10 @@ def main() -> None:
                         peers["sockets"] = best(peers.get("sockets"), _spawn(
                             _axond_rank, n, (store_dir, args.backend, [op], sizes, False, args.nodes), args.timeout))
                 if "gloo" in args.peers and _importable("torch.distributed"):
+                    probes.append((f"gloo {op}", probe(0.3)))
                     peers["gloo"] = best(peers.get("gloo"), _spawn(_gloo_rank, n, (free_port(), [op], sizes), args.timeout))
                 if "mpi" in args.peers and _importable("mpi4py"):
+                    probes.append((f"mpi {op}", probe(0.3)))
                     peers["mpi"] = best(peers.get("mpi"), run_mpi(n, [op], sizes, args.timeout, args.mpi_btl))
         assert ours is not None
         results[n] = ours
@@ -377,9 +382,22 @@ def main() -> None:
         if raw is not None:
             adds = {size: add_rate(size) for size in raw_sized}
             report_bound(n, ours, peers, {size: max(raw, gbs) for size, gbs in raw_sized.items()}, adds)
+        report_probes(probes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f)
+
+
+def report_probes(probes: list[tuple[str, float | None]]) -> None:
+    """The cross-core probe taken before each run: its range, and the runs it found the machine slow for (over
+    twice the fastest probe: shared-memory cells of those runs are the machine's, not the library's)."""
+    got = [(what, ms) for what, ms in probes if ms is not None]
+    if not got:
+        return
+    fast = min(ms for _, ms in got)
+    slow = [f"{what} ({ms:.2f} ms)" for what, ms in got if ms > 2 * fast]
+    print(f"\ncross-core probe before each run (bench/cross_core.py): {fast:.2f}-{max(ms for _, ms in got):.2f} ms; "
+          + (f"slow before: {', '.join(slow)}" if slow else "no slow stretch"))
 
 
 def _importable(module: str) -> bool:

@@ -5,7 +5,8 @@ alternate step by step (so both see the same machine load) and rank 0 reports th
 then the median time of one small and one 1 MiB all_reduce through torch's API (alternating between the backends)
 and of an 8-byte one back to back. For DDP it also times DDP's step without communication (`no_sync`): gloo's step
 over that one is the most any backend's ratio could reach.
-Run: `python bench/torch_ddp.py --nproc 2 4`; `--hosts 2` runs one rank in each of two network-namespace hosts
+Run: `python bench/torch_ddp.py --nproc 2 4`; several `--width`s time one model each in the same run
+(`--batch 1 --bucket-view --width 256 1024`: communication-bound); `--hosts 2` runs one rank in each of two network-namespace hosts
 instead (root; both backends join `tcp://HOST0:PORT` as a gloo script would, so bytes cross the veth links).
 """
 
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from cross_core import describe, probe
 
 
 def build(width: int, depth: int) -> torch.nn.Module:
@@ -61,12 +64,12 @@ def rank_main(rank: int, n: int, path: str, args: argparse.Namespace, q: Any) ->
     dist.init_process_group("axond", init_method=path if not store else None, rank=rank, world_size=n,
                             timeout=timedelta(seconds=120), **store)
     groups = {"axond": dist.group.WORLD, "gloo": dist.new_group(list(range(n)), backend="gloo")}
-    x = torch.randn(args.batch, args.width)
-    y = torch.randn(args.batch, 1)
-    for kind in args.kinds:
-        models = {name: wrap(kind, build(args.width, args.depth), g, args.bucket_view) for name, g in groups.items()}
+    for width, kind in [(w, k) for w in args.width for k in args.kinds]:
+        torch.manual_seed(1)
+        x, y = torch.randn(args.batch, width), torch.randn(args.batch, 1)
+        models = {name: wrap(kind, build(width, args.depth), g, args.bucket_view) for name, g in groups.items()}
         if kind == "ddp":  # DDP's step without communication (no_sync): the floor of any backend's step
-            models["floor"] = wrap(kind, build(args.width, args.depth), groups["axond"], args.bucket_view)
+            models["floor"] = wrap(kind, build(width, args.depth), groups["axond"], args.bucket_view)
         opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
         times: dict[str, list[float]] = {name: [] for name in models}
         for step in range(args.warmup + args.steps):
@@ -82,7 +85,8 @@ def rank_main(rank: int, n: int, path: str, args: argparse.Namespace, q: Any) ->
                 if step >= args.warmup:
                     times[name].append(time.perf_counter() - start)
         if rank == 0:
-            q.put((kind, n, {name: statistics.median(t) for name, t in times.items()}))
+            label = f"{kind} {args.depth}x{width}^2" if len(args.width) > 1 else kind
+            q.put((label, n, {name: statistics.median(t) for name, t in times.items()}))
         del models, opts
     for nbytes in (8, 1 << 20):  # one all_reduce through torch's API: the per-op cost beside the step times
         t = torch.zeros(nbytes // 4)
@@ -114,7 +118,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     p.add_argument("--kinds", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
-    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--width", type=int, nargs="+", default=[1024], help="one model per width, in the same run")
     p.add_argument("--depth", type=int, default=4, help="hidden layers of width x width (4: 4.2 M parameters)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
@@ -128,14 +132,17 @@ def main() -> None:
         rank, n, init = args.rank_in_host
         rank_main(int(rank), int(n), init, args, _Printer())
         return
-    params = sum(q.numel() for q in build(args.width, args.depth).parameters())
+    params = ", ".join(f"{args.depth} x {w}^2: {sum(q.numel() for q in build(w, args.depth).parameters()) / 1e6:.1f} M"
+                       for w in args.width)
     view = ", DDP gradient_as_bucket_view" if args.bucket_view else ""
-    print(f"MLP {args.depth} x {args.width}^2 ({params / 1e6:.1f} M parameters, float32), batch {args.batch} per rank, "
-          f"median of {args.steps} steps after {args.warmup}, 1 thread per rank{view}\n")
+    print(f"MLP ({params} parameters, float32), batch {args.batch} per rank, "
+          f"median of {args.steps} steps after {args.warmup}, 1 thread per rank{view}")
+    print(describe(probe()) + "\n")
     print("| wrapper or op | ranks | gloo | axond | gloo / axond | DDP without communication | gloo / that |")
     print("|---|---|---|---|---|---|---|")
     if args.hosts:
         _between_hosts(args)
+        print("\n" + describe(probe()))
         return
     ctx = mp.get_context("spawn")
     for n in args.nproc:
@@ -144,13 +151,14 @@ def main() -> None:
             procs = [ctx.Process(target=rank_main, args=(r, n, os.path.join(d, "store"), args, q)) for r in range(n)]
             for proc in procs:
                 proc.start()
-            for _ in range(len(args.kinds) + 3):
+            for _ in range(len(args.kinds) * len(args.width) + 3):
                 kind, size, t = _next_result(q, procs)
                 _row(kind, size, t)
             for proc in procs:
                 proc.join(60)
                 if proc.is_alive():
                     proc.kill()
+    print("\n" + describe(probe()))
 
 
 def _next_result(q: Any, procs: list[Any], timeout: float = 900.0) -> Any:
@@ -190,8 +198,9 @@ def _between_hosts(args: argparse.Namespace) -> None:
     if reason:
         sys.exit(f"--hosts needs network namespaces: {reason}")
     n = args.hosts
-    passed = [f"--{k}={v}" for k, v in (("width", args.width), ("depth", args.depth), ("batch", args.batch),
-                                        ("warmup", args.warmup), ("steps", args.steps))]
+    passed = [f"--{k}={v}" for k, v in (("depth", args.depth), ("batch", args.batch), ("warmup", args.warmup),
+                                        ("steps", args.steps))]
+    passed += ["--width", *map(str, args.width)]
     passed += ["--bucket-view"] if args.bucket_view else []
     with Network.create(n) as net:
         init = f"tcp://{net.hosts[0].addr}:29611"

@@ -77,6 +77,23 @@ def test_ops_waited_at_once_run_on_the_calling_thread(parity: list[dict[str, lis
     assert [res["waited_at_once"] for res in parity] == [[], []]
 
 
+def test_async_ops_overlap_only_where_the_host_has_cores_to_spare(parity: list[dict[str, list[str]]]) -> None:
+    assert [res["overlap_policy"] for res in parity] == [[], []]
+
+
+def test_overlap_decision_and_setting() -> None:
+    from axond.torch.process_group import overlap_setting, overlaps
+
+    assert not overlaps(2, 2, 1)  # one core per rank: the communication thread would take the backward pass's core
+    assert not overlaps(2, 3, 1)
+    assert overlaps(2, 4, 1)  # a spare core per rank
+    assert not overlaps(2, 8, 4) and overlaps(2, 10, 4)  # the compute threads count too
+    assert [overlap_setting(env) for env in ({}, {"AXOND_TORCH_OVERLAP": "auto"}, {"AXOND_TORCH_OVERLAP": " 1"},
+                                              {"AXOND_TORCH_OVERLAP": "off"})] == [None, None, True, False]
+    with pytest.raises(ValueError, match="AXOND_TORCH_OVERLAP='sometimes': use auto, 1"):
+        overlap_setting({"AXOND_TORCH_OVERLAP": "sometimes"})
+
+
 def test_axond_collectives_take_torch_tensors(parity: list[dict[str, list[str]]]) -> None:
     assert [res["axond_api"] for res in parity] == [[], []]
 

@@ -95,12 +95,14 @@ def _routing_body(rank: int, n: int, gloo: Any) -> dict[str, Any]:
             errors.append("no error")
         except TypeError as e:
             errors.append(str(e))
-    sync_bytes = type(pg).SYNC_BYTES
+    sync_bytes, overlap = type(pg).SYNC_BYTES, pg.overlap
     type(pg).SYNC_BYTES, type(pg).SYNC_WHEN_WAITED = -1, False  # every op through axond's async ops too
+    pg.overlap = True
     try:
         collectives_async = torch_cases.collectives(rank, n, gloo)
     finally:
         type(pg).SYNC_BYTES, type(pg).SYNC_WHEN_WAITED = sync_bytes, True
+        pg.overlap = overlap
     return {"class": type(pg).__name__, "errors": errors, "collectives": torch_cases.collectives(rank, n, gloo),
             "collectives_async": collectives_async, "ddp": torch_cases.ddp(rank, n, gloo),
             "fsdp": torch_cases.fsdp(rank, n, gloo)}

@@ -369,19 +369,57 @@ def waited_at_once(rank: int, n: int, gloo: Any) -> list[str]:
     return bad
 
 
+def overlap_policy(rank: int, n: int, gloo: Any) -> list[str]:
+    """By default async collectives over SYNC_BYTES overlap (the communication thread) only where every rank on the
+    host has a core to spare; without overlap they run on the calling thread and come back completed, with it
+    they come back as the communication thread's Work; the results are the same either way."""
+    from axond.torch import AxondProcessGroup
+    from axond.torch.process_group import overlaps
+
+    pg = dist.group.WORLD
+    assert isinstance(pg, AxondProcessGroup)
+    bad: list[str] = []
+    backend = pg.axond_group.backend
+    if backend.host_ranks != n:  # type: ignore[union-attr]
+        bad.append(f"host_ranks {backend.host_ranks}, want {n}")  # type: ignore[union-attr]
+    want = overlaps(n, len(os.sched_getaffinity(0)), torch.get_num_threads())
+    if pg.overlap != want:
+        bad.append(f"overlap {pg.overlap} by default, want {want}")
+    saved = pg.overlap
+    options = dist.AllreduceOptions()
+    options.asyncOp = True
+    try:
+        for overlap, kind in ((False, "DoneWork"), (True, "AxondWork")):
+            pg.overlap = overlap
+            t = torch.full((AxondProcessGroup.SYNC_BYTES,), float(rank + 1))  # 4x SYNC_BYTES bytes
+            work = pg.allreduce([t], options)
+            if type(work).__name__ != kind or (not overlap and not work.is_completed()):
+                bad.append(f"overlap {overlap}: {type(work).__name__}, completed {work.is_completed()}, want {kind}")
+            work.wait()
+            if not torch.equal(t, torch.full_like(t, float(n * (n + 1) // 2))):
+                bad.append(f"overlap {overlap}: {t[:4]}")
+    finally:
+        pg.overlap = saved
+    return bad
+
+
 def parity(rank: int, n: int, gloo: Any) -> dict[str, list[str]]:
     """Every comparison of one process launch (torch's start-up dominates the tests' time), by section."""
     from axond.torch import AxondProcessGroup
 
-    sync_bytes = AxondProcessGroup.SYNC_BYTES
+    pg = dist.group.WORLD
+    assert isinstance(pg, AxondProcessGroup)
+    sync_bytes, overlap = AxondProcessGroup.SYNC_BYTES, pg.overlap
     AxondProcessGroup.SYNC_BYTES, AxondProcessGroup.SYNC_WHEN_WAITED = -1, False  # every op through axond's async
-    try:  # ops, then completed on the waiting thread (Completer.complete) or the completion thread (DDP's buckets)
+    pg.overlap = True  # ops (whatever the host's cores), then completed on the waiting thread (Completer.complete)
+    try:  # or the completion thread (DDP's buckets)
         run_async = {"collectives_async": collectives(rank, n, gloo), "ddp_async": ddp(rank, n, gloo)}
     finally:
         AxondProcessGroup.SYNC_BYTES, AxondProcessGroup.SYNC_WHEN_WAITED = sync_bytes, True
+        pg.overlap = overlap
     return {**run_async, "collectives": collectives(rank, n, gloo), "ddp": ddp(rank, n, gloo), "fsdp": fsdp(rank, n, gloo),
             "tensor_parallel": tensor_parallel(rank, n, gloo), "axond_api": axond_api_with_tensors(rank, n, gloo),
-            "waited_at_once": waited_at_once(rank, n, gloo),
+            "waited_at_once": waited_at_once(rank, n, gloo), "overlap_policy": overlap_policy(rank, n, gloo),
             "hook_waiting_in_callback": ddp_hook_waiting_in_its_callback(rank, n, gloo)}
 
 

@@ -8,6 +8,7 @@ Ranks in the options (rootRank, dstRank, srcRank) are group ranks, as axond's gr
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
@@ -27,6 +28,9 @@ from axond.torch.completion import AxondWork, Completer, DoneWork
 from axond.torch.tensors import Staged, copy_into, readonly, stage
 
 BACKEND = "axond"
+OVERLAP_ENV = "AXOND_TORCH_OVERLAP"
+"""`auto` (default), `1` or `0`: whether async collectives over 64 KiB run on a communication thread (see
+`overlap_setting`)."""
 _PLAIN_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
                            torch.int8, torch.uint8, torch.bool))
 """Dtypes whose CPU tensors are NumPy arrays as they are (`t.numpy()`: no bfloat16 widening, no conjugation)."""
@@ -82,11 +86,34 @@ def _premultiplied(x: np.ndarray, factor: float | None, in_place: bool) -> np.nd
     return np.multiply(x, x.dtype.type(factor))
 
 
+def overlap_setting(environ: Any = None) -> bool | None:
+    """AXOND_TORCH_OVERLAP: True (`1`), False (`0`) or None (`auto`, the default: decided per group by
+    `overlaps`)."""
+    value = (os.environ if environ is None else environ).get(OVERLAP_ENV, "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{OVERLAP_ENV}={value!r}: use auto, 1 (async collectives on a communication thread) or 0 "
+                     "(on the calling thread)")
+
+
+def overlaps(host_ranks: int, host_cores: int, threads: int) -> bool:
+    """Whether a communication thread can overlap collectives with computation: only if every rank on the host
+    has a core for it beside its `threads` compute threads. Without one, the thread takes the core from the
+    backward pass it was to overlap (a 4 MiB all-reduce then took 4.4 ms against 0.5 alone on a 2-core host), and
+    running the op on the calling thread is faster (bench/RESULTS.md, session 17)."""
+    return host_cores >= host_ranks * (max(threads, 1) + 1)
+
+
 class AxondProcessGroup(dist.ProcessGroup):
     """A torch ProcessGroup over one axond `ProcessGroup` (built from torch's store on first use)."""
 
     SYNC_BYTES = 1 << 16
-    """Collectives moving at most this many bytes run on the calling thread (see `_launch`)."""
+    """Collectives moving at most this many bytes run on the calling thread (see `_launch`); larger ones too
+    where the host has no core to spare for a communication thread (`overlaps`)."""
     SYNC_WHEN_WAITED = True
     """Collectives torch waits for at once (its options' `asyncOp` False) run on the calling thread whatever their
     size (see `_launch`)."""
@@ -100,6 +127,8 @@ class AxondProcessGroup(dist.ProcessGroup):
         self._group: ProcessGroup | None = None
         self._group_name = ""
         self._completer: Completer | None = None
+        self._overlap = overlap_setting()
+        """Whether async collectives over SYNC_BYTES run on the communication thread (None: decided with the group)."""
 
     @property
     def axond_group(self) -> ProcessGroup:
@@ -108,7 +137,24 @@ class AxondProcessGroup(dist.ProcessGroup):
             name = f"torch:{self._group_name}" if self._group_name else "torch"
             self._group = create_group(self._store, self._rank, self._size, "tcp", self._options, name=name)
             self._completer = Completer(name, self._options.timeout + ASYNC_MARGIN)
+            if self._overlap is None:
+                backend = self._group.backend
+                self._overlap = overlaps(getattr(backend, "host_ranks", 1), getattr(backend, "host_cores", 1 << 16),
+                                         torch.get_num_threads())
         return self._group
+
+    @property
+    def overlap(self) -> bool:
+        """Whether async collectives over SYNC_BYTES run on the communication thread, overlapping the caller's
+        computation (AXOND_TORCH_OVERLAP; by default only where every rank on the host has a core to spare beside
+        its torch threads, `overlaps`); else they run on the calling thread and come back completed."""
+        self.axond_group  # noqa: B018 -- decided with the group
+        return bool(self._overlap)
+
+    @overlap.setter
+    def overlap(self, value: bool) -> None:
+        self.axond_group  # noqa: B018
+        self._overlap = bool(value)
 
     def _set_group_name(self, name: str) -> None:
         """torch names every group right after creating it; the axond group is created under that name."""
@@ -140,11 +186,12 @@ class AxondProcessGroup(dist.ProcessGroup):
 
         Ops the caller waits for at once (torch's options say `asyncOp` False: `dist.all_reduce(t)` without
         `async_op=True`, FSDP2's default unshard) and ops up to SYNC_BYTES run at once on the calling thread (a
-        completed Work: no thread hops, which cost ~50-200 us on a busy host); the others run as axond async ops,
-        so torch may overlap them with compute (DDP's buckets). Either way a failure is raised by the Work's wait().
+        completed Work: no thread hops, which cost ~50-200 us on a busy host), as do all of them where the host has
+        no core to spare (`overlap`); the others run as axond async ops, so torch may overlap them with compute
+        (DDP's buckets). Either way a failure is raised by the Work's wait().
         """
         group = self.axond_group
-        if nbytes > self.SYNC_BYTES and not self._waited_at_once(opts):
+        if nbytes > self.SYNC_BYTES and self._overlap and not self._waited_at_once(opts):
             assert self._completer is not None  # made with the axond group
             return self._completer.follow(op, [call(async_op=True) for call in calls], finish)
         try:
@@ -181,7 +228,7 @@ class AxondProcessGroup(dist.ProcessGroup):
             t = tensors[0]
             if (type(t) is torch.Tensor and t.dtype in _PLAIN_DTYPES and t.is_cpu and t.layout is torch.strided
                     and not t.requires_grad and t.is_contiguous()
-                    and (t.nbytes <= self.SYNC_BYTES or self._waited_at_once(opts))):
+                    and (t.nbytes <= self.SYNC_BYTES or not self._overlap or self._waited_at_once(opts))):
                 # the common small op, kept short (latency is most of its cost): a view, run here, a done Work
                 group = self.axond_group
                 try:

@@ -22,17 +22,17 @@ def tune_socket(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
 
 
-def oversubscribed(socks: list[socket.socket], local_ranks: int = 0) -> bool:
-    """Whether the ranks on this host outnumber its cores (then busy-polling or writing big frames inline hurts).
+def host_ranks(socks: list[socket.socket], local_ranks: int = 0) -> int:
+    """Ranks on this host: the peers reached through a local address (plus this one), or `local_ranks` if larger."""
+    return max(1 + sum(1 for s in socks if same_host(s)), local_ranks)
 
-    Ranks on this host: the peers reached through a local address (plus this one), or `local_ranks` if larger.
-    """
-    local = max(1 + sum(1 for s in socks if same_host(s)), local_ranks)
+
+def host_cores() -> int:
+    """The cores this process may run on."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return local > cores
+        return os.cpu_count() or 1
 
 
 def same_host(sock: socket.socket) -> bool:
