@@ -84,8 +84,8 @@ ROUTES = [
     # the single-copy path: one host, from SINGLE_COPY_MIN_BYTES (all_gather: of the output) or `shm_min_bytes`
     (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, None, "single_copy"),
     (Op.ALL_REDUCE, 16 * MiB - 8, ONE_HOST, None, "arena"),
-    (Op.ALL_REDUCE, 4 * MiB, PAIR, None, "single_copy"),  # two ranks: from 4 MiB
-    (Op.ALL_REDUCE, 4 * MiB - 8, PAIR, None, "arena"),
+    (Op.ALL_REDUCE, 6 * MiB, PAIR, None, "single_copy"),  # two ranks: from 6 MiB
+    (Op.ALL_REDUCE, 6 * MiB - 8, PAIR, None, "arena"),
     (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, NO_MAILBOX, "single_copy"),
     (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, ARENA, "arena"),
     (Op.ALL_REDUCE, 16 * MiB, SPREAD, None, "two_level"),  # one host only

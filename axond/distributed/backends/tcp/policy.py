@@ -67,7 +67,7 @@ reduce_scatter 98-111 / 247-307 us and 74-120 / 248-265 us, all_gather 32 KiB 65
 4 ranks 59-74 / 47-57 us (8 KiB), 51-81 / 51-61 us (16 KiB), 56-88 / 81-88 us (64 KiB)."""
 SINGLE_COPY_MIN_BYTES: dict[Op, tuple[int, int]] = {
     Op.ALL_GATHER: (8 << 20, 32 << 20), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (4 << 20, 16 << 20),
-    Op.ALL_REDUCE: (4 << 20, 16 << 20)}
+    Op.ALL_REDUCE: (6 << 20, 16 << 20)}
 """Default size (all_gather: of the output) from which an op of a one-host group of (two, more) ranks takes the
 single-copy path instead of the arena, where every member can read the others' memory (an explicit `shm_min_bytes`
 replaces it). A process_vm_readv costs ~10 us a call and copies at 5-11 GB/s where a memcpy of cache-resident data
@@ -86,7 +86,10 @@ there), 4 MiB 0.85 / 0.66 and 0.73 / 0.62, 6 MiB 0.74 / 0.61 and 0.59 / 0.79, 8 
 from 8 MiB of output and reduce_scatter from 4 MiB (session 12, two A/Bs each): all_gather 8 MiB 0.75 / 0.43 and
 0.75 / 0.60, 16 MiB 0.63 / 0.61 and 0.68 / 0.64 (4 MiB 1.17 / 0.92: not there); reduce_scatter 4 MiB 0.76 / 0.74
 and 0.74 / 0.85, 8 MiB 0.70 / 0.61 and 0.77 / 0.75 (2 MiB: same path, 1.32 / 1.27); broadcast stays at 16 MiB
-(4 MiB 1.30 / 1.39, 8 MiB 0.96 / 1.13)."""
+(4 MiB 1.30 / 1.39, 8 MiB 0.96 / 1.13). all_reduce of 2 ranks from 6 MiB since session 17, against the arena
+synchronized through the mailbox (three alternating rounds of bench/collectives.py, the cross-core probe fast
+before each): 4 MiB 1.07-1.14, 5 MiB 1.19-1.37, 6 MiB 0.98-1.13, 7 MiB 0.79-0.90; in a DDP step (the 4.2 MB
+gradient bucket, out of the caches) 0.91-1.28 ms against 0.76-0.89 ms."""
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB; in groups
 whose mailbox takes more, from past the mailbox)."""
