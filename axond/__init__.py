@@ -6,7 +6,7 @@ from axond.distributed import (
     destroy_process_group, gather, gather_object, get_backend, get_global_rank, get_group_rank, get_local_rank,
     get_process_group_ranks, get_rank, get_world_size, init_process_group, irecv, is_available, is_initialized,
     is_nccl_available, isend, monitored_barrier, new_group, recv, reduce, reduce_scatter, reduce_scatter_tensor,
-    scatter, scatter_object_list, send,
+    scatter, scatter_object_list, send, shared_empty,
 )
 from axond.distributed.seed import (
     World, all_reduce_max, all_reduce_mean, all_reduce_min, all_reduce_product, all_reduce_sum, broadcast_from,
@@ -35,7 +35,7 @@ __all__ = [
     "irecv", "is_available", "is_initialized", "is_main_process", "is_nccl_available", "isend", "monitored_barrier",
     "new_group", "rank", "record", "recv", "reduce", "reduce_scatter", "reduce_scatter_mean", "reduce_scatter_sum",
     "reduce_scatter_tensor", "scatter",
-    "scatter_object_list", "scatter_tensor", "send", "sync_gradient", "sync_gradients", "world_size",
+    "scatter_object_list", "scatter_tensor", "send", "shared_empty", "sync_gradient", "sync_gradients", "world_size",
 ]
 
 

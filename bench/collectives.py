@@ -97,7 +97,7 @@ def run_suite(runner: Runner, ops: list[str], sizes: list[int]) -> Result:
 
 
 def _axond_rank(rank: int, n: int, store_dir: str, backend: str, ops: list[str], sizes: list[int], shm: bool,
-                nodes: int, q: Any) -> None:
+                nodes: int, q: Any, shared: bool = False) -> None:
     if not shm:
         os.environ["AXOND_SHM"] = "0"  # sockets only, as between hosts
     import axond
@@ -108,7 +108,7 @@ def _axond_rank(rank: int, n: int, store_dir: str, backend: str, ops: list[str],
     axond.init_process_group(backend, 120.0, rank=rank, world_size=n, store=FileStore(store_dir),
                              local_rank=rank, host=host)  # one GPU per rank with --backend nccl
     try:
-        res = run_suite(AxondRunner(backend), ops, sizes)
+        res = run_suite(AxondRunner(backend, shared), ops, sizes)
     finally:
         axond.destroy_process_group()
     if rank == 0:
@@ -127,10 +127,11 @@ def _gloo_rank(rank: int, n: int, port: int, ops: list[str], sizes: list[int], q
         q.put(res)
 
 
-def _spawn(target: Callable[..., None], n: int, args: tuple[Any, ...], timeout: float) -> Result | None:
+def _spawn(target: Callable[..., None], n: int, args: tuple[Any, ...], timeout: float,
+           **kwargs: Any) -> Result | None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, n, *args, q), daemon=True) for r in range(n)]
+    procs = [ctx.Process(target=target, args=(r, n, *args, q), kwargs=kwargs, daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -324,6 +325,9 @@ def main() -> None:
     ap.add_argument("--mpi-btl", default="tcp,self",
                     help="OpenMPI's transports (--mca btl): tcp,self (sockets, the default), or vader,self to compare "
                          "axond's shared memory with MPI's")
+    ap.add_argument("--shared-arrays", action="store_true",
+                    help="axond's buffers come from axond.shared_empty (the single-copy path then reads peers' "
+                         "buffers with plain copies); the sockets peer keeps NumPy's")
     ap.add_argument("--json", help="also write axond's results here: {n: {op: {size: [median seconds, correct]}}}")
     ap.add_argument("--mpi-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -360,7 +364,8 @@ def main() -> None:
             for op in args.ops:
                 probes.append((f"axond {op}", probe(0.3)))
                 with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
-                    got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes, True, args.nodes), args.timeout)
+                    got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes, True, args.nodes),
+                                 args.timeout, shared=args.shared_arrays)
                 if got is None:
                     sys.exit(f"axond benchmark failed at n = {n}")
                 ours = best(ours, got)

@@ -36,7 +36,8 @@ class Runner:
 
 
 class AxondRunner(Runner):
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, shared: bool = False) -> None:
+        """`shared`: the ops' buffers come from `axond.shared_empty` (read by the peers on one host at memory speed)."""
         import axond
 
         self.ax = axond
@@ -47,11 +48,17 @@ class AxondRunner(Runner):
             import cupy
 
             self.xp = cupy
+        self.shared = shared and backend != "nccl"
+
+    def _zeros(self, shape: Any) -> Any:
+        if self.shared:
+            return self.ax.shared_empty(shape, np.float32)  # zero-filled
+        return self.xp.zeros(shape, self.xp.float32)
 
     def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
         pg, xp, n, r = self.pg, self.xp, self.size, self.rank
         count = counts(op, nbytes, n)
-        x = xp.zeros(count, xp.float32)
+        x = self._zeros(count)
         total = n * (n + 1) / 2
         if op == "all_reduce":
             def check() -> bool:
@@ -66,14 +73,15 @@ class AxondRunner(Runner):
                 return bool((x == 1).all())
             return (lambda: pg.broadcast(x, 0)), check_b
         if op == "all_gather":
-            gathered = xp.empty((n, count), xp.float32)
+            gathered = self._zeros((n, count))
 
             def check_g() -> bool:
                 x[...] = r + 1
                 out = pg.all_gather(x, out=gathered)
                 return all(bool((out[i] == i + 1).all()) for i in range(n))
             return (lambda: pg.all_gather(x, out=gathered)), check_g
-        y = xp.full(count, r + 1, xp.float32)
+        y = self._zeros(count)
+        y[...] = r + 1
         block = xp.empty(count // n, xp.float32)
         return (lambda: pg.reduce_scatter(y, out=block)), (
             lambda: bool((pg.reduce_scatter(y, out=block) == total).all()))

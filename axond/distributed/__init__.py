@@ -7,6 +7,7 @@ from axond.distributed.api import (
     recv, reduce, reduce_scatter, reduce_scatter_tensor, scatter, send,
 )
 from axond.distributed.backends.base import Backend, BackendOptions
+from axond.distributed.backends.tcp.shm.shared_arrays import shared_empty
 from axond.distributed.batch_p2p import P2POp, batch_isend_irecv
 from axond.distributed.file_store import FileStore
 from axond.distributed.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
@@ -21,5 +22,5 @@ __all__ = [
     "broadcast_object_list", "create_group", "default_group", "destroy_process_group", "gather", "gather_object",
     "get_backend", "get_global_rank", "get_group_rank", "get_local_rank", "get_process_group_ranks", "get_rank",
     "get_world_size", "init_process_group", "irecv", "is_available", "is_initialized", "is_nccl_available", "isend",
-    "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+    "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "shared_empty",
 ]

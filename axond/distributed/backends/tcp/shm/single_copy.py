@@ -30,17 +30,19 @@ import sys
 import numpy as np
 
 from axond.distributed import failure
-from axond.distributed.backends.host_copy import PAGE, address, copy, slow_distance
+from axond.distributed.backends.host_copy import PAGE, address, copy, large_copy, slow_distance
 from axond.distributed.backends.tcp.schedules import direct
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.shm.arena_ops import Sync
+from axond.distributed.backends.tcp.shm.shared_arrays import Mappings, find
 from axond.distributed.backends.tcp.transport.framing import Call
 
 YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
-WORDS = 3
-"""Published per buffer: pid, address, bytes."""
+WORDS = 6
+"""Published per buffer: pid, address, bytes, and for an array from `shared_empty` its memfd, token and offset in
+the segment (memfd -1 for other arrays)."""
 BOUNCE_BYTES = 1 << 20
 """Bytes per read through the bounce buffer (its size)."""
 BOUNCE_MIN_BYTES = 64 << 10
@@ -143,20 +145,41 @@ class SingleCopy:
         self.comm, self.sync = comm, sync
         self.reader = Reader()
         self.pid = os.getpid()
+        self.mappings = Mappings()
         self._words = np.zeros(WORDS, np.int64)
 
     def publish(self, c: Call, buffer: np.ndarray) -> np.ndarray:
-        """(size, 3) int64: every member's (pid, address, bytes) of its buffer for call `c` (a synchronization)."""
-        self._words[:] = (self.pid, address(buffer), buffer.nbytes)
+        """(size, WORDS) int64: every member's (pid, address, bytes, memfd, token, offset) of its buffer for call `c`
+        (a synchronization)."""
+        base = address(buffer)
+        shared = find(base, buffer.nbytes)
+        self._words[:] = (self.pid, base, buffer.nbytes, *(shared or (-1, 0, 0)))
         return exchange(self.comm, self.sync, c, self._words)
+
+    def _check(self, c: Call, table: np.ndarray, peer: int, offset: int, nbytes: int) -> None:
+        if offset + nbytes > int(table[peer, 2]):
+            raise self.comm.g.error(c, peer, f"peer rank {peer} published {int(table[peer, 2])} bytes, this rank "
+                                             f"reads {offset + nbytes}")
+
+    def view(self, c: Call, table: np.ndarray, peer: int, offset: int, nbytes: int) -> np.ndarray | None:
+        """Bytes offset..offset+nbytes of peer `peer`'s buffer mapped read-only, if the peer's buffer is an array
+        from `shared_empty` that this rank can map; else None (read it with `read`)."""
+        self._check(c, table, peer, offset, nbytes)
+        pid, _, _, fd, token, start = (int(v) for v in table[peer])
+        if fd < 0:
+            return None
+        mapped = self.mappings.view(pid, fd, token, start + offset + nbytes)
+        return None if mapped is None else mapped[start + offset : start + offset + nbytes]
 
     def read(self, c: Call, table: np.ndarray, peer: int, offset: int, dest: np.ndarray) -> None:
         """dest <- peer `peer`'s buffer (`table` from `publish`) from byte `offset`; raises `DistributedError`
-        naming the peer if it cannot be read (it died or gave up) or is smaller than asked."""
-        pid, base, nbytes = (int(v) for v in table[peer])
-        if offset + dest.nbytes > nbytes:
-            raise self.comm.g.error(c, peer, f"peer rank {peer} published {nbytes} bytes, this rank reads "
-                                             f"{offset + dest.nbytes}")
+        naming the peer if it cannot be read (it died or gave up) or is smaller than asked. A buffer from
+        `shared_empty` is copied from its mapping, any other through the kernel."""
+        source = self.view(c, table, peer, offset, dest.nbytes)
+        if source is not None:
+            large_copy(dest.reshape(-1).view(np.uint8), source)
+            return
+        pid, base = int(table[peer, 0]), int(table[peer, 1])
         try:
             self.reader.read(pid, base + offset, dest)
         except OSError as e:

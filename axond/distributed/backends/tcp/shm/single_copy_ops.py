@@ -8,7 +8,8 @@ buffer, reads what it needs straight from its peers' buffers, and synchronizes o
   then every rank reads the other reduced parts from their owners.
 
 Reductions run in rank order on one rank per part, so every rank gets the same numbers. Scratch stays bounded:
-CHUNK_BYTES per peer.
+CHUNK_BYTES per peer. A peer's buffer from `shared_empty` is read from its mapping (a memcpy), and reduced from it
+without the scratch.
 """
 
 from __future__ import annotations
@@ -85,7 +86,11 @@ def _reduce_part(sc: SingleCopy, c: Call, table: np.ndarray, mine: np.ndarray, l
         parts = [mine[s:e] if p == r else scratch[p, :m] for p in range(n)]
         for p in range(n):
             if p != r:
-                sc.read(c, table, p, s * mine.itemsize, parts[p])
+                mapped = sc.view(c, table, p, s * mine.itemsize, m * mine.itemsize)
+                if mapped is not None:  # an array from shared_empty: reduced straight from the peer's memory
+                    parts[p] = mapped.view(mine.dtype)
+                else:
+                    sc.read(c, table, p, s * mine.itemsize, parts[p])
         target, acc = dest[s - lo : e - lo], scratch[r, :m]
         prev = parts[0]
         for k in range(1, n):

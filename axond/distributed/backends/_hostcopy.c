@@ -1,0 +1,59 @@
+/* Large host copies with x86's `rep movsb` (see host_copy.large_copy).
+ *
+ * On this project's AMD EPYC VM glibc's memcpy copies arrays of tens of MiB with its vector loop at about two
+ * thirds of the speed `rep movsb` reaches (64 MiB: 3.4 against 5.6 ms between two cores), except at the page
+ * distances where `rep movsb` itself is slow (host_copy.SLOW_DISTANCE): the caller picks. Elsewhere than x86-64
+ * this is memcpy. The GIL is released during the copy.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+static void copy_bytes(void *dst, const void *src, size_t n) {
+#if defined(__x86_64__)
+    __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+static PyObject *hostcopy_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy(dst_address, src_address, nbytes) takes 3 integers");
+        return NULL;
+    }
+    void *dst = PyLong_AsVoidPtr(args[0]);
+    if (dst == NULL && PyErr_Occurred())
+        return NULL;
+    void *src = PyLong_AsVoidPtr(args[1]);
+    if (src == NULL && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0 || (n > 0 && (dst == NULL || src == NULL))) {
+        PyErr_SetString(PyExc_ValueError, "copy: nbytes must be >= 0 and the addresses non-null");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_bytes(dst, src, (size_t)n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy", (PyCFunction)(void (*)(void))hostcopy_copy, METH_FASTCALL,
+     "copy(dst_address, src_address, nbytes): copy nbytes bytes with rep movsb (memcpy off x86-64), without the GIL."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_hostcopy",
+    .m_doc = "Large host copies with rep movsb (see host_copy.large_copy).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__hostcopy(void) { return PyModule_Create(&module); }

@@ -1,0 +1,3 @@
+"""Large host copies with rep movsb (`_hostcopy.c`; see `host_copy.large_copy`)."""
+
+def copy(dst_address: int, src_address: int, nbytes: int) -> None: ...
