@@ -19,7 +19,7 @@ import numpy as np
 from axond.distributed import low_precision
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
-from axond.distributed.backends.host_copy import copy
+from axond.distributed.backends.host_copy import copy, large_copy
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.hierarchy import two_level
 from axond.distributed.backends.tcp.options import TcpOptions
@@ -279,7 +279,7 @@ class TcpBackend(Backend):
         c = self._call(Op.ALL_GATHER, x)
         out = output_array(out, (self.size, *x.shape), x.dtype, "all_gather", "tcp")
         if x.ndim:
-            copy(out[self.rank], x)  # a fresh out= sits 16 bytes after x modulo the page: see host_copy
+            large_copy(out[self.rank], x)  # a fresh out= sits 16 bytes after x modulo the page: see host_copy
         else:
             out[self.rank] = x
         if self.size == 1:
