@@ -35,6 +35,7 @@ from axond.distributed.backends.tcp.shm.mailbox import arena_bytes as mailbox_by
 from axond.distributed.backends.tcp.shm.setup import agree, map_arena
 from axond.distributed.backends.tcp.shm.single_copy import SingleCopy
 from axond.distributed.backends.tcp.shm.single_copy import set_up as set_up_single_copy
+from axond.distributed.backends.tcp.shm.spread import spread
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.backends.tcp.transport.wire import OP_NAMES, Op
 
@@ -122,6 +123,7 @@ class Placement:
             self.mailbox = self.sync.mailbox = Mailbox(arena, self.comm.rank, size, self.comm.g,
                                                        native=self.comm.options.shm_native)
             self.comm.g.watch(self.mailbox.watch)
+            self.comm.g.run(OP_NAMES[c.op], spread, self.comm, c)  # members spinning on one core: move apart
         return self.mailbox
 
     def _set_up_single_copy(self, c: Call) -> SingleCopy | None:

@@ -1,0 +1,60 @@
+"""Ranks of one host left on one core by the scheduler are moved apart when their mailbox is mapped
+(`shm.spread`): the plan every member computes, and the move itself (the core each member reads faked, the
+affinity calls real)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from axond import ProcessGroup
+from axond.distributed import BackendOptions
+from axond.distributed.backends.tcp.policy import ORDERED_STORES
+from axond.distributed.backends.tcp.shm import spread as spread_module
+from axond.distributed.backends.tcp.shm.spread import plan
+from axond.testing import run_on, thread_groups
+
+
+def test_members_on_a_taken_core_move_in_rank_order_to_free_cores_of_their_own_masks() -> None:
+    every = {0, 1, 2, 3}
+    assert plan([0, 1], [every, every]) == {}
+    assert plan([0, 0], [every, every]) == {1: 1}
+    assert plan([2, 2, 2, 0], [every] * 4) == {1: 1, 2: 3}
+    assert plan([1, 1], [every, {1}]) == {}  # its mask has no other core: it stays
+    assert plan([-1, 0], [every, every]) == {0: 1}  # a member that could not tell its core counts as on none
+    assert plan([0, 0, 0], [{0, 1}, {0, 1}, {0, 1}]) == {1: 1}  # more members than cores: the rest stay
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores this process may run on")
+@pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox (and the spreading with it) needs x86's ordered stores")
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_higher_rank_on_a_shared_core_moves_and_stays_unpinned(monkeypatch: pytest.MonkeyPatch,
+                                                                   capfd: pytest.CaptureFixture[str],
+                                                                   shared: bool) -> None:
+    """Two ranks (threads) told they run on one core (or on two) when their mailbox is mapped: rank 1 moves to
+    the other core of its mask, once, and its mask is whole again afterwards; rank 0 stays."""
+    mask = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("AXOND_DEBUG", "1")
+    cores = iter([mask[0], mask[0]] if shared else mask[:2])  # what the two members read, one call each
+    monkeypatch.setattr(spread_module, "current_cpu", lambda: next(cores))
+    groups = thread_groups(2, options=BackendOptions(timeout=10.0))
+    try:
+        def body(pg: ProcessGroup) -> tuple[float, list[int]]:
+            x = np.ones(2, np.float32)
+            pg.all_reduce(x)  # maps the mailbox: the spreading
+            pg.all_reduce(x)  # once only
+            return float(x[0]), sorted(os.sched_getaffinity(0))
+        out = run_on(groups, body)
+    finally:
+        for g in groups:
+            g.destroy()
+    assert out == [(4.0, mask), (4.0, mask)]
+    err = capfd.readouterr().err
+    moved = [line for line in err.splitlines() if "moved from core" in line]
+    if shared:
+        assert len(moved) == 1 and "rank 1 of 2" in moved[0] and f"to core {mask[1]}" in moved[0], err
+    else:
+        assert moved == [], err
