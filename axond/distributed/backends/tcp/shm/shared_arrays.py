@@ -111,11 +111,10 @@ class Mappings:
         if got is not None and got.size >= end:
             self._maps.move_to_end(key)
             return got
-        path = f"/proc/{pid}/fd/{fd}"
+        if min(pid, fd, token, end) < 0 or not _names(pid, fd, token):
+            return None  # the number names another file now: the owner freed that array
         try:
-            if os.readlink(path) != f"/memfd:{NAME}-{token:x} (deleted)":
-                return None  # the number names another file now: the owner freed that array
-            own = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
         try:
@@ -137,12 +136,16 @@ class Mappings:
         """Drop the mappings of `pid`'s segments that it freed (their memfd number no longer names their token), so
         that a freed segment's memory is not kept alive here."""
         for key in [k for k in self._maps if k[0] == pid]:
-            try:
-                alive = os.readlink(f"/proc/{pid}/fd/{key[1]}") == f"/memfd:{NAME}-{key[2]:x} (deleted)"
-            except OSError:
-                alive = False
-            if not alive:
+            if not _names(*key):
                 del self._maps[key]
 
     def clear(self) -> None:
         self._maps.clear()
+
+
+def _names(pid: int, fd: int, token: int) -> bool:
+    """Whether descriptor `fd` of process `pid` is the memfd of a `shared_empty` segment holding `token`."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}") == f"/memfd:{NAME}-{token:x} (deleted)"
+    except OSError:
+        return False

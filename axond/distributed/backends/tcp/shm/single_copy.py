@@ -166,7 +166,7 @@ class SingleCopy:
         from `shared_empty` that this rank can map; else None (read it with `read`)."""
         self._check(c, table, peer, offset, nbytes)
         pid, _, _, fd, token, start = (int(v) for v in table[peer])
-        if fd < 0:
+        if fd < 0 or start < 0:
             return None
         mapped = self.mappings.view(pid, fd, token, start + offset + nbytes)
         return None if mapped is None else mapped[start + offset : start + offset + nbytes]
