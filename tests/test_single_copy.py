@@ -214,3 +214,30 @@ def test_real_processes_read_each_other() -> None:
     out = run_processes(_every_op, 3, timeout=60.0, env={"AXOND_SHM_MIN_BYTES": "0"})
     check_every_large_op(out)
     assert all(got["single_copy"] for got in out)
+
+
+@pytest.mark.parametrize("form", ["separate", "row of out", "strided"])
+def test_all_gather_reads_each_block_from_wherever_it_is(made: list[ProcessGroup], form: str) -> None:
+    """The peers read a rank's input itself (then it fills its row meanwhile), or its row of `out` where the input
+    is that row (torch's all_gather_into_tensor) or not contiguous."""
+    made += groups(3)
+    count = 70_001
+
+    def body(pg: ProcessGroup) -> np.ndarray:
+        out = np.zeros((pg.size, count), np.float64)
+        if form == "row of out":
+            out[pg.rank] = np.arange(count) + 1000.0 * pg.rank
+            x = out[pg.rank]
+        elif form == "strided":
+            x = np.repeat(np.arange(count) + 1000.0 * pg.rank, 2)[::2]  # every other element: not contiguous
+            assert not x.flags.c_contiguous
+        else:
+            x = np.arange(count) + 1000.0 * pg.rank
+        got = pg.all_gather(x, out=out)
+        assert got is out
+        return out
+
+    want = np.stack([np.arange(count) + 1000.0 * r for r in range(3)])
+    for got in run_on(made, body):
+        np.testing.assert_array_equal(got, want)
+    assert all(single_copy_of(pg) is not None for pg in made)
