@@ -97,8 +97,8 @@ ROUTES = [
     (Op.ALL_GATHER, 4 * MiB - 8, PAIR, None, "arena"),
     (Op.REDUCE_SCATTER, 4 * MiB, PAIR, None, "single_copy"),  # two ranks: from 4 MiB
     (Op.REDUCE_SCATTER, 4 * MiB - 8, PAIR, None, "arena"),
-    (Op.ALL_GATHER, 1 * MiB, ONE_HOST, None, "single_copy"),  # more ranks: from 4 MiB of output
-    (Op.ALL_GATHER, 1 * MiB - 8, CROWDED, None, "arena"),
+    (Op.ALL_GATHER, 2 * MiB, ONE_HOST, None, "single_copy"),  # more ranks: from 8 MiB of output
+    (Op.ALL_GATHER, 2 * MiB - 8, CROWDED, None, "arena"),
     (Op.REDUCE_SCATTER, 16 * MiB, PAIR, None, "single_copy"),
     (Op.REDUCE_SCATTER, 16 * MiB, ONE_HOST, None, "single_copy"),
     (Op.REDUCE_SCATTER, 16 * MiB - 8, ONE_HOST, None, "arena"),

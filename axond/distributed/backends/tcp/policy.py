@@ -66,7 +66,7 @@ reduce_scatter 22-29 / 29-36 us and 26-28 / 40-44 us; at 4 ranks all_reduce 129-
 reduce_scatter 98-111 / 247-307 us and 74-120 / 248-265 us, all_gather 32 KiB 65-102 / 239-283 us; broadcast at
 4 ranks 59-74 / 47-57 us (8 KiB), 51-81 / 51-61 us (16 KiB), 56-88 / 81-88 us (64 KiB)."""
 SINGLE_COPY_MIN_BYTES: dict[Op, tuple[int, int]] = {
-    Op.ALL_GATHER: (8 << 20, 4 << 20), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (4 << 20, 16 << 20),
+    Op.ALL_GATHER: (8 << 20, 8 << 20), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (4 << 20, 16 << 20),
     Op.ALL_REDUCE: (6 << 20, 16 << 20)}
 """Default size (all_gather: of the output) from which an op of a one-host group of (two, more) ranks takes the
 single-copy path instead of the arena, where every member can read the others' memory (an explicit `shm_min_bytes`
@@ -89,9 +89,11 @@ and 0.74 / 0.85, 8 MiB 0.70 / 0.61 and 0.77 / 0.75 (2 MiB: same path, 1.32 / 1.2
 (4 MiB 1.30 / 1.39, 8 MiB 0.96 / 1.13). all_reduce of 2 ranks from 6 MiB since session 17, against the arena
 synchronized through the mailbox (three alternating rounds of bench/collectives.py, the cross-core probe fast
 before each): 4 MiB 1.07-1.14, 5 MiB 1.19-1.37, 6 MiB 0.98-1.13, 7 MiB 0.79-0.90; in a DDP step (the 4.2 MB
-gradient bucket, out of the caches) 0.91-1.28 ms against 0.76-0.89 ms. all_gather of more than two ranks from 4 MiB
+gradient bucket, out of the caches) 0.91-1.28 ms against 0.76-0.89 ms. all_gather of more than two ranks from 8 MiB
 of output since session 17, once the peers read each rank's input itself (4 ranks on 2 cores, bench/compare_trees.py,
-4 rounds, median / best): 4 MiB 0.41 / 0.70, 8 MiB 0.51 / 0.56, 16 MiB 0.54 / 0.55 (2 MiB: same path, 1.31 / 0.95)."""
+4 rounds, median / best): 4 MiB 0.41 / 0.70, 8 MiB 0.51 / 0.56, 16 MiB 0.54 / 0.55; but where the input is the
+rank's row of the output (torch FSDP2's all-gathers), which the peers read as it was just written, single copy /
+arena at 4 ranks: 4 MiB 646-1487 / 461-660 us, 8 MiB 1352-1504 / 2309-2419, 16 MiB 2981-3304 / 4086-4920."""
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB; in groups
 whose mailbox takes more, from past the mailbox)."""
