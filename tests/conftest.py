@@ -89,3 +89,12 @@ def groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
 
     A module can override it with (size, transport) parameters, e.g. EVERY_TRANSPORT (see test_collectives)."""
     yield from group_members(request.param, "auto")
+
+
+@pytest.fixture
+def made() -> Iterator[list[ProcessGroup]]:
+    """Groups made by a test (appended to this list), destroyed after it."""
+    out: list[ProcessGroup] = []
+    yield out
+    for g in out:
+        g.destroy()

@@ -36,14 +36,6 @@ def _mapped(pg: ProcessGroup) -> int:
     return len(sc.mappings._maps)
 
 
-@pytest.fixture
-def made() -> Any:
-    out: list[ProcessGroup] = []
-    yield out
-    for g in out:
-        g.destroy()
-
-
 def test_an_array_like_numpy_empty_in_shared_memory_freed_with_its_last_view() -> None:
     live = len(shared_arrays._segments)
     a = axond.shared_empty((3, 5), np.int32)

@@ -43,15 +43,6 @@ def groups(n: int, tcp: TcpOptions = EVERY_OP, timeout: float = 10.0) -> list[Pr
     return thread_groups(n, options=BackendOptions(timeout=timeout, tcp=tcp))
 
 
-@pytest.fixture
-def made() -> Any:
-    """Groups made by a test, destroyed after it."""
-    out: list[ProcessGroup] = []
-    yield out
-    for g in out:
-        g.destroy()
-
-
 def test_large_ops_take_it_by_default_once_set_up_and_small_ones_do_not(made: list[ProcessGroup],
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               capfd: pytest.CaptureFixture[str]) -> None:
