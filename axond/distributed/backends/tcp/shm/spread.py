@@ -11,6 +11,7 @@ pinned). Members whose mask has no such core stay where they are. With AXOND_DEB
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -81,7 +82,8 @@ def spread(comm: Comm, c: Call) -> int | None:
     except OSError:
         return None
     finally:
-        os.sched_setaffinity(0, allowed)  # and it stays there unpinned
+        with contextlib.suppress(OSError):  # a mask this thread had a moment ago: never refused in practice
+            os.sched_setaffinity(0, allowed)  # and it stays there unpinned
     if failure.debug():
         print(f"axond: {comm.g.where('set-up')}: moved from core {table[comm.rank, 0]}, shared with another rank of the "
               f"group, to core {target}", file=sys.stderr, flush=True)
