@@ -97,6 +97,10 @@ ROUTES = [
     (Op.ALL_GATHER, 4 * MiB - 8, PAIR, None, "arena"),
     (Op.REDUCE_SCATTER, 4 * MiB, PAIR, None, "single_copy"),  # two ranks: from 4 MiB
     (Op.REDUCE_SCATTER, 4 * MiB - 8, PAIR, None, "arena"),
+    (Op.ALL_REDUCE, 2 * MiB, PAIR, TcpOptions(shm_single_copy_min_bytes=2 * MiB), "single_copy"),  # its own threshold
+    (Op.ALL_REDUCE, 2 * MiB - 8, PAIR, TcpOptions(shm_single_copy_min_bytes=2 * MiB), "arena"),
+    (Op.ALL_GATHER, MiB // 2, PAIR, TcpOptions(shm_single_copy_min_bytes=MiB, shm_min_bytes=8 * MiB), "single_copy"),
+    (Op.ALL_GATHER, 128 * KiB, PAIR, TcpOptions(shm_single_copy_min_bytes=0), "mailbox"),  # the mailbox first
     (Op.ALL_GATHER, 2 * MiB, ONE_HOST, None, "single_copy"),  # more ranks: from 8 MiB of output
     (Op.ALL_GATHER, 2 * MiB - 8, CROWDED, None, "arena"),
     (Op.REDUCE_SCATTER, 16 * MiB, PAIR, None, "single_copy"),

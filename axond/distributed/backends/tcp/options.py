@@ -17,7 +17,7 @@ from axond.env_flags import parse_flag
 Algorithm = Literal["auto", "ring", "halving_doubling"]
 ALGORITHMS: tuple[Algorithm, ...] = ("auto", "ring", "halving_doubling")
 NON_NEGATIVE = ("small_bytes", "chunk_bytes", "shm_arena_bytes")
-AUTO = ("spin_us", "inline_bytes", "shm_min_bytes")
+AUTO = ("spin_us", "inline_bytes", "shm_min_bytes", "shm_single_copy_min_bytes")
 """Fields whose negative default means "auto" (the environment may also say `auto`)."""
 
 
@@ -52,6 +52,10 @@ class TcpOptions:
     shm_single_copy: bool = True
     """Large ops of a group on one host read the peers' buffers directly (process_vm_readv: one copy per byte) where
     every member can; else (or False) through the arena (two copies)."""
+    shm_single_copy_min_bytes: int = -1
+    """Ops from this size (all_gather: of the output) take the single-copy path (< 0: `shm_min_bytes` where set, else
+    `policy.SINGLE_COPY_MIN_BYTES` by op and group size). Jobs whose large buffers all come from `axond.shared_empty`
+    gain from 2 MiB (docs/collectives.md)."""
     oversubscribed: bool | None = None
     """Whether this host's ranks outnumber its cores (None: detected when the group forms); it picks algorithms."""
     local_ranks: int = 0
@@ -87,6 +91,8 @@ ENVIRONMENT: dict[str, tuple[str, str, str]] = {
     "AXOND_SHM_NATIVE": ("shm_native", "1", "repeated small mailbox ops in the compiled helper (0: in Python)"),
     "AXOND_SHM_MIN_BYTES": ("shm_min_bytes", "auto", "ops from this size go through the arena"),
     "AXOND_SHM_SINGLE_COPY": ("shm_single_copy", "1", "large ops on one host read peers' buffers directly (one copy)"),
+    "AXOND_SHM_SINGLE_COPY_MIN_BYTES": ("shm_single_copy_min_bytes", "auto",
+                                        "ops from this size read peers' buffers directly"),
     "AXOND_SHM_ARENA_BYTES": ("shm_arena_bytes", "33554432", "size of a group's shared-memory arena"),
     "AXOND_TCP_SMALL_BYTES": ("small_bytes", "131072", "all_reduce/broadcast up to this size use trees"),
     "AXOND_TCP_CHUNK_BYTES": ("chunk_bytes", "0", "pipeline chunk size (0: auto, 64 KiB..1 MiB)"),

@@ -198,7 +198,8 @@ def _mailbox(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
 def _single_copy(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
     if not options.shm_single_copy or shape.hosts not in (None, 1) or op not in ARENA_OPS:
         return False
-    threshold = options.shm_min_bytes if options.shm_min_bytes >= 0 else SINGLE_COPY_MIN_BYTES[op][shape.size > 2]
+    threshold = next((v for v in (options.shm_single_copy_min_bytes, options.shm_min_bytes) if v >= 0),
+                     SINGLE_COPY_MIN_BYTES[op][shape.size > 2])
     return _large(_path_bytes(op, nbytes, shape.size), 1, threshold, options, shape.size)
 
 
