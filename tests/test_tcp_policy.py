@@ -185,3 +185,41 @@ def test_every_option_has_a_variable_and_a_documented_row() -> None:
     want = {var: f"`{field}` | " + (default if field in AUTO else f"`{default}`")
             for var, (field, default, _) in ENVIRONMENT.items()}
     assert rows == want
+
+
+def test_socket_buffers_are_set_only_where_the_kernel_allows_the_size() -> None:
+    """auto: 4 MiB where net.core.{r,w}mem_max allow it, else the kernel's autotuning (a set size would be capped
+    and stop the autotuning); an explicit size is used as given, 0 is autotuning."""
+    from axond.distributed.backends.tcp.policy import SOCKET_BUFFER_BYTES, socket_buffer_bytes
+    auto = TcpOptions()
+    assert socket_buffer_bytes(auto, SOCKET_BUFFER_BYTES) == SOCKET_BUFFER_BYTES
+    assert socket_buffer_bytes(auto, 8 * SOCKET_BUFFER_BYTES) == SOCKET_BUFFER_BYTES
+    assert socket_buffer_bytes(auto, 212992) == 0  # a stock kernel's limit
+    assert socket_buffer_bytes(auto, 0) == 0  # the limit is not known
+    assert socket_buffer_bytes(TcpOptions(socket_buffer_bytes=1 * MiB), 212992) == 1 * MiB
+    assert socket_buffer_bytes(TcpOptions(socket_buffer_bytes=0), 64 * MiB) == 0
+    assert TcpOptions.from_env({"AXOND_TCP_SOCKET_BUFFER_BYTES": "0"}).socket_buffer_bytes == 0
+    with pytest.raises(ValueError, match="AXOND_TCP_SOCKET_BUFFER_BYTES='big'"):
+        TcpOptions.from_env({"AXOND_TCP_SOCKET_BUFFER_BYTES": "big"})
+
+
+@pytest.mark.parametrize("size", [0, 256 * KiB])
+def test_a_group_sets_its_sockets_buffers(size: int) -> None:
+    """The option reaches every socket of a real group: a set size is what the kernel reports (it doubles it for
+    its bookkeeping; 256 KiB is under any limit), 0 leaves the kernel's default (autotuned) buffers, which differ."""
+    import socket
+    gs = thread_groups(2, options=BackendOptions(timeout=10.0, tcp=TcpOptions(socket_buffer_bytes=size)))
+    try:
+        with socket.socket() as fresh:
+            default = fresh.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        for pg in gs:
+            sock = pg.backend.g.peers[1 - pg.rank].sock  # type: ignore[union-attr]
+            got = [sock.getsockopt(socket.SOL_SOCKET, opt) for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF)]
+            if size:
+                assert got == [2 * size, 2 * size]
+            else:
+                assert got[1] != 2 * 256 * KiB and got[1] >= default
+        run_on(gs, lambda pg: pg.all_reduce(np.ones(4)))
+    finally:
+        for g in gs:
+            g.destroy()

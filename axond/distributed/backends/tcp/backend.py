@@ -31,7 +31,7 @@ from axond.distributed.backends.tcp.shm import arena_ops, mailbox_ops, single_co
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup, byte_view
 from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerError, PeerTimeout
-from axond.distributed.backends.tcp.transport.sockets import host_cores, host_ranks
+from axond.distributed.backends.tcp.transport.sockets import buffer_limit, host_cores, host_ranks
 from axond.distributed.backends.tcp.transport.wire import DTYPE_CODE, REDUCE_CODES, Kind, Op, dtype_code, group_id
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import check_reduce_op, finish_average
@@ -68,8 +68,10 @@ class TcpBackend(Backend):
         """Ranks of the group on this host (or the job's, `local_ranks`, if more) and the cores this rank may use."""
         crowded = tcp.oversubscribed if tcp.oversubscribed is not None else self.host_ranks > self.host_cores
         spin, inline = policy.spin_seconds(tcp, crowded), policy.inline_bytes(tcp, crowded)
+        buffers = policy.socket_buffer_bytes(tcp, buffer_limit())
         self.g = FramedGroup(rank, size, group_name, gid, options.timeout,
-                             {p: Peer(s, p, options.timeout, spin, tcp.spin_yield, inline) for p, s in socks.items()})
+                             {p: Peer(s, p, options.timeout, spin, tcp.spin_yield, inline, buffers)
+                              for p, s in socks.items()})
         self.comm = Comm(self.g, rank, size, tcp, crowded, Scratch())
         self.placement = Placement(self.comm, host)
         self._seq = 0

@@ -17,7 +17,7 @@ from axond.env_flags import parse_flag
 Algorithm = Literal["auto", "ring", "halving_doubling"]
 ALGORITHMS: tuple[Algorithm, ...] = ("auto", "ring", "halving_doubling")
 NON_NEGATIVE = ("small_bytes", "chunk_bytes", "shm_arena_bytes")
-AUTO = ("spin_us", "inline_bytes", "shm_min_bytes", "shm_single_copy_min_bytes")
+AUTO = ("spin_us", "inline_bytes", "shm_min_bytes", "shm_single_copy_min_bytes", "socket_buffer_bytes")
 """Fields whose negative default means "auto" (the environment may also say `auto`)."""
 
 
@@ -35,6 +35,9 @@ class TcpOptions:
     """Yield the CPU between polls (helps when ranks outnumber cores)."""
     inline_bytes: int = -1
     """Frames up to this size are first written without blocking from the op's thread (< 0: by oversubscription)."""
+    socket_buffer_bytes: int = -1
+    """Send and receive buffer of each socket (0: the kernel's autotuning; < 0: auto, see
+    `policy.socket_buffer_bytes`). The kernel caps a set size at net.core.wmem_max / rmem_max."""
     algorithm: Algorithm = "auto"
     """All-reduce above `small_bytes`: "ring", "halving_doubling" (power-of-two groups) or "auto" (see `policy`)."""
     shm: bool = True
@@ -99,6 +102,8 @@ ENVIRONMENT: dict[str, tuple[str, str, str]] = {
     "AXOND_TCP_SPIN_US": ("spin_us", "auto", "microseconds a small receive busy-polls (0: never)"),
     "AXOND_TCP_SPIN_YIELD": ("spin_yield", "1", "yield the CPU between polls"),
     "AXOND_TCP_INLINE_BYTES": ("inline_bytes", "auto", "frames up to this size are written from the op's thread"),
+    "AXOND_TCP_SOCKET_BUFFER_BYTES": ("socket_buffer_bytes", "auto",
+                                      "each socket's send and receive buffer (0: the kernel's autotuning)"),
     "AXOND_TCP_ALGORITHM": ("algorithm", "auto", "large all_reduce: auto, ring or halving_doubling"),
 }
 """variable -> (TcpOptions field, its default as docs/environment.md writes it: "auto" for a negative one, meaning)."""

@@ -116,6 +116,15 @@ AUTO_INLINE_BYTES = (4 << 20, 256 << 10)
 """Default `inline_bytes` with (spare, oversubscribed) cores: frames up to this size are first written without
 blocking from the op's thread. With a core per rank, writing from the op's thread beats waking the sender thread;
 with more ranks than cores, the sender thread keeps the op's thread receiving and reducing while the write waits."""
+SOCKET_BUFFER_BYTES = 4 << 20
+"""Auto `socket_buffer_bytes` where the kernel lets a process set it (net.core.rmem_max and wmem_max at least
+this), else the kernel's autotuning: a larger request is capped at those limits (212992 on a stock kernel) and turns
+the socket's autotuning off, so it would end up smaller than autotuning makes it. Between two namespace hosts (veth,
+MTU 1500, four alternating runs of bench/collectives.py --hosts 2, session 18) 4 MiB against autotuning: every op
+and size from 1 to 64 MiB within the runs' spread (median ratios 0.91-1.12) except broadcast of 4 MiB, 1.5x as fast
+with 4 MiB (the whole frame fits in the socket, so the root's send completes at once). With the limits at a stock
+kernel's, the capped 4 MiB (416 KiB) and autotuning were level in the collectives (0.81-1.34, within the spread); a
+raw duplex stream ran 1.19-1.30 GB/s per direction capped against 1.63-1.68 autotuned."""
 AUTO_SPIN_SECONDS = 50e-6
 """Default busy-poll time of small receives when this host's ranks do not outnumber its cores (else none)."""
 
@@ -168,6 +177,14 @@ def spins(options: TcpOptions, shape: Shape) -> bool:
 
 def inline_bytes(options: TcpOptions, oversubscribed: bool) -> int:
     return options.inline_bytes if options.inline_bytes >= 0 else AUTO_INLINE_BYTES[oversubscribed]
+
+
+def socket_buffer_bytes(options: TcpOptions, limit: int) -> int:
+    """Each socket's buffer size (0: the kernel's autotuning) on a host that lets a process set at most `limit`
+    (`sockets.buffer_limit`)."""
+    if options.socket_buffer_bytes >= 0:
+        return options.socket_buffer_bytes
+    return SOCKET_BUFFER_BYTES if limit >= SOCKET_BUFFER_BYTES else 0
 
 
 def spin_seconds(options: TcpOptions, oversubscribed: bool) -> float:

@@ -49,7 +49,7 @@ class Peer:
     """Framed connection to group rank `rank`; one per peer, owned by one backend."""
 
     def __init__(self, sock: socket.socket, rank: int, timeout: float, spin: float, spin_yield: bool = True,
-                 try_inline_bytes: int = 0) -> None:
+                 try_inline_bytes: int = 0, buffer_bytes: int = 0) -> None:
         self.sock = sock
         self.try_inline_bytes = try_inline_bytes
         """Larger frames up to this size are first written without blocking from the calling thread."""
@@ -78,7 +78,7 @@ class Peer:
         them first, this rank receives them after the collective. Later receives from this peer take them first."""
         self.idle: Callable[[], None] | None = None
         """Run each time a blocking wait wakes up without progress (every RECV_WAKEUP); may raise to end it."""
-        tune_socket(sock, timeout)
+        tune_socket(sock, timeout, buffer_bytes)
 
     def send(self, header: bytes, payload: memoryview | None) -> int:
         """Queue one frame; small ones go out now. Returns a ticket for `wait_sent`.

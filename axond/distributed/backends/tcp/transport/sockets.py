@@ -7,17 +7,20 @@ import os
 import socket
 import struct
 
-SOCKET_BUFFER_BYTES = 4 << 20
 RECV_WAKEUP = 0.25
 """A blocked receive wakes this often to check the op's deadline."""
+BUFFER_LIMITS = ("/proc/sys/net/core/wmem_max", "/proc/sys/net/core/rmem_max")
+"""The most a process may set SO_SNDBUF / SO_RCVBUF to (the kernel silently clamps larger requests)."""
 
 
-def tune_socket(sock: socket.socket, timeout: float) -> None:
-    """Blocking socket with kernel-side timeouts, no Nagle delay and large buffers."""
+def tune_socket(sock: socket.socket, timeout: float, buffer_bytes: int = 0) -> None:
+    """Blocking socket with kernel-side timeouts and no Nagle delay; send and receive buffers of `buffer_bytes`
+    each, or (0) sized by the kernel's autotuning."""
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+    if buffer_bytes > 0:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(timeout, RECV_WAKEUP)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
 
@@ -33,6 +36,18 @@ def host_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def buffer_limit() -> int:
+    """The largest socket buffer this process may set, both ways (0 if the kernel does not say)."""
+    limits = []
+    for path in BUFFER_LIMITS:
+        try:
+            with open(path) as f:
+                limits.append(int(f.read().split()[0]))
+        except (OSError, ValueError, IndexError):
+            return 0
+    return min(limits)
 
 
 def same_host(sock: socket.socket) -> bool:
