@@ -12,6 +12,8 @@ axond/sockets is that path's gain; gloo, and MPI with `--mca btl tcp,self`, use 
 too). The raw limit is two processes streaming through plain sockets in both directions at once:
 its peak (one cache-resident 4 MiB buffer each way) and, for sizes >= 1 MiB, streaming arrays of that size.
 `--mpi-btl vader,self` runs MPI over its shared-memory transport instead, the peer of axond's defaults.
+`--fresh-inputs` has every rank write its input before each call (untimed), as a training step does: a library
+that reads a peer's buffer in place otherwise finds the unchanged buffer in its own cache after the first call.
 `--hosts 2 [--ranks-per-host K]` runs between network-namespace hosts instead (root; bench/collectives_hosts.py).
 
 When the ranks are at least as many as the cores, a last table per n gives each library's busbw as a
@@ -71,8 +73,9 @@ def iterations(nbytes: int) -> int:
     return max(5, min(200, (64 << 20) // max(nbytes, 1)))
 
 
-def run_suite(runner: Runner, ops: list[str], sizes: list[int]) -> Result:
-    """Time every op and size; the same on every rank (all ranks must agree on the loop)."""
+def run_suite(runner: Runner, ops: list[str], sizes: list[int], fresh: bool = False) -> Result:
+    """Time every op and size; the same on every rank (all ranks must agree on the loop). `fresh`: each rank writes
+    its input before every call, outside the timed part (`Runner.touch`)."""
     results: Result = {}
     for op in ops:
         results[op] = {}
@@ -86,7 +89,10 @@ def run_suite(runner: Runner, ops: list[str], sizes: list[int]) -> Result:
                 call()
             runner.barrier()
             times = np.empty(iters)
+            touch = runner.touch if fresh else None
             for i in range(iters):
+                if touch is not None:
+                    touch()
                 t0 = time.perf_counter()
                 call()
                 times[i] = time.perf_counter() - t0
@@ -97,7 +103,7 @@ def run_suite(runner: Runner, ops: list[str], sizes: list[int]) -> Result:
 
 
 def _axond_rank(rank: int, n: int, store_dir: str, backend: str, ops: list[str], sizes: list[int], shm: bool,
-                nodes: int, q: Any, shared: bool = False) -> None:
+                nodes: int, q: Any, shared: bool = False, fresh: bool = False) -> None:
     if not shm:
         os.environ["AXOND_SHM"] = "0"  # sockets only, as between hosts
     import axond
@@ -108,19 +114,19 @@ def _axond_rank(rank: int, n: int, store_dir: str, backend: str, ops: list[str],
     axond.init_process_group(backend, 120.0, rank=rank, world_size=n, store=FileStore(store_dir),
                              local_rank=rank, host=host)  # one GPU per rank with --backend nccl
     try:
-        res = run_suite(AxondRunner(backend, shared), ops, sizes)
+        res = run_suite(AxondRunner(backend, shared), ops, sizes, fresh)
     finally:
         axond.destroy_process_group()
     if rank == 0:
         q.put(res)
 
 
-def _gloo_rank(rank: int, n: int, port: int, ops: list[str], sizes: list[int], q: Any) -> None:
+def _gloo_rank(rank: int, n: int, port: int, ops: list[str], sizes: list[int], q: Any, fresh: bool = False) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     try:
-        res = run_suite(GlooRunner(), ops, sizes)
+        res = run_suite(GlooRunner(), ops, sizes, fresh)
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -159,14 +165,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float, btl: str = "tcp,self") -> Result | None:
+def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float, btl: str = "tcp,self",
+            fresh: bool = False) -> Result | None:
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         return None
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--mca", "btl", btl, "-np", str(n),
                sys.executable, os.path.abspath(__file__), "--mpi-worker", out.name, "--ops", *ops,
-               "--sizes", *map(str, sizes)]
+               "--sizes", *map(str, sizes), *(["--fresh-inputs"] if fresh else [])]
         try:
             subprocess.run(cmd, check=True, timeout=timeout, capture_output=True)
         except (subprocess.SubprocessError, OSError) as e:
@@ -328,18 +335,24 @@ def main() -> None:
     ap.add_argument("--shared-arrays", action="store_true",
                     help="axond's buffers come from axond.shared_empty (the single-copy path then reads peers' "
                          "buffers with plain copies); the sockets peer keeps NumPy's")
+    ap.add_argument("--fresh-inputs", action="store_true",
+                    help="every rank writes its input before each call, outside the timed part, as a training "
+                         "step's compute does (else the same unchanged buffers go round, which a peer that reads "
+                         "another rank's buffer in place finds in its own cache after the first call)")
     ap.add_argument("--json", help="also write axond's results here: {n: {op: {size: [median seconds, correct]}}}")
     ap.add_argument("--mpi-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = args.sizes or sizes_between(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
     if args.mpi_worker:
         runner = MpiRunner()
-        res = run_suite(runner, args.ops, sizes)
+        res = run_suite(runner, args.ops, sizes, args.fresh_inputs)
         if runner.rank == 0:
             with open(args.mpi_worker, "w") as f:
                 json.dump(res, f)
         return
     if args.hosts:
+        if args.fresh_inputs:
+            ap.error("--fresh-inputs is for one host (the hosts' runs keep their buffers)")
         if args.hosts < 2 or args.ranks_per_host < 1:
             ap.error(f"--hosts needs at least 2 hosts and --ranks-per-host at least 1 (got {args.hosts}, "
                      f"{args.ranks_per_host})")
@@ -365,20 +378,23 @@ def main() -> None:
                 probes.append((f"axond {op}", probe(0.3)))
                 with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
                     got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes, True, args.nodes),
-                                 args.timeout, shared=args.shared_arrays)
+                                 args.timeout, shared=args.shared_arrays, fresh=args.fresh_inputs)
                 if got is None:
                     sys.exit(f"axond benchmark failed at n = {n}")
                 ours = best(ours, got)
                 if "sockets" in args.peers and args.backend == "tcp":
                     with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
                         peers["sockets"] = best(peers.get("sockets"), _spawn(
-                            _axond_rank, n, (store_dir, args.backend, [op], sizes, False, args.nodes), args.timeout))
+                            _axond_rank, n, (store_dir, args.backend, [op], sizes, False, args.nodes), args.timeout,
+                            fresh=args.fresh_inputs))
                 if "gloo" in args.peers and _importable("torch.distributed"):
                     probes.append((f"gloo {op}", probe(0.3)))
-                    peers["gloo"] = best(peers.get("gloo"), _spawn(_gloo_rank, n, (free_port(), [op], sizes), args.timeout))
+                    peers["gloo"] = best(peers.get("gloo"), _spawn(_gloo_rank, n, (free_port(), [op], sizes), args.timeout,
+                                                                      fresh=args.fresh_inputs))
                 if "mpi" in args.peers and _importable("mpi4py"):
                     probes.append((f"mpi {op}", probe(0.3)))
-                    peers["mpi"] = best(peers.get("mpi"), run_mpi(n, [op], sizes, args.timeout, args.mpi_btl))
+                    peers["mpi"] = best(peers.get("mpi"), run_mpi(n, [op], sizes, args.timeout, args.mpi_btl,
+                                                                    args.fresh_inputs))
         assert ours is not None
         results[n] = ours
         report(n, ours, peers, raw if n == 2 else None)

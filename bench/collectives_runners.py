@@ -23,6 +23,9 @@ class Runner:
 
     rank: int
     size: int
+    touch: Callable[[], Any] = staticmethod(lambda: None)
+    """Set by `prepare`: writes the op's input anew, as a training step's compute does between two collectives
+    (`--fresh-inputs`); every rank writes as many bytes (broadcast: its x), so the ranks stay in step."""
 
     def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
         """Return (one call, check after a fresh call with known data)."""
@@ -60,6 +63,7 @@ class AxondRunner(Runner):
         count = counts(op, nbytes, n)
         x = self._zeros(count)
         total = n * (n + 1) / 2
+        self.touch = lambda: x.fill(0.0)
         if op == "all_reduce":
             def check() -> bool:
                 x[...] = r + 1
@@ -82,6 +86,7 @@ class AxondRunner(Runner):
             return (lambda: pg.all_gather(x, out=gathered)), check_g
         y = self._zeros(count)
         y[...] = r + 1
+        self.touch = lambda: y.fill(r + 1)
         block = xp.empty(count // n, xp.float32)
         return (lambda: pg.reduce_scatter(y, out=block)), (
             lambda: bool((pg.reduce_scatter(y, out=block) == total).all()))
@@ -106,6 +111,7 @@ class GlooRunner(Runner):
         count = counts(op, nbytes, n)
         x = torch.zeros((count,), dtype=torch.float32)
         total = n * (n + 1) / 2
+        self.touch = lambda: x.fill_(0.0)
         if op == "all_reduce":
             def check() -> bool:
                 x.fill_(r + 1)
@@ -126,7 +132,9 @@ class GlooRunner(Runner):
                 return all(bool((outs[i] == i + 1).all()) for i in range(n))
             return (lambda: dist.all_gather(outs, x)), check_g
         out = torch.empty(count // n, dtype=torch.float32)
-        inputs = list(torch.full((count,), float(r + 1)).chunk(n))
+        whole = torch.full((count,), float(r + 1))
+        inputs = list(whole.chunk(n))
+        self.touch = lambda: whole.fill_(float(r + 1))
         def rs() -> None:
             dist.reduce_scatter(out, inputs)
 
@@ -156,6 +164,7 @@ class MpiRunner(Runner):
         count = counts(op, nbytes, n)
         x = np.zeros(count, np.float32)
         total = n * (n + 1) / 2
+        self.touch = lambda: x.fill(0.0)
         if op == "all_reduce":
             def check() -> bool:
                 x[...] = r + 1
@@ -176,6 +185,7 @@ class MpiRunner(Runner):
                 return all(bool((out[i * count : (i + 1) * count] == i + 1).all()) for i in range(n))
             return (lambda: comm.Allgather(x, out)), check_g
         x[...] = r + 1
+        self.touch = lambda: x.fill(r + 1)
         out = np.empty(count // n, np.float32)
 
         def check_rs() -> bool:
