@@ -25,6 +25,7 @@ from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.backends.tcp import TcpOptions
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.hierarchy.topology import RECORD_BYTES, Topology, describe
+from axond.distributed.backends.tcp.transport.wire import Op
 from axond.testing import collect_from_processes, node_hosts, run_on, thread_groups
 from collective_cases import all_reduce_until_killed, DTYPES, TRANSPORTS, make, reference, refused
 
@@ -180,8 +181,70 @@ def test_non_contiguous_floats_are_identical_on_every_rank_and_every_run() -> No
             g.destroy()
 
 
-@pytest.mark.parametrize("size,nodes", [(3, 2), (3, 3), (4, 4)])
-def test_uneven_nodes_or_one_member_per_node_stay_on_sockets(size: int, nodes: int) -> None:
+UNEVEN = {
+    "2+1": node_hosts(3, 2),  # rank r on node r % 2: (0, 2), (1,)
+    "3+2": node_hosts(5, 2),  # (0, 2, 4), (1, 3)
+    "2+1+1": node_hosts(4, 3),  # (0, 3), (1,), (2,)
+    "3+1": ["127.0.0.1"] * 3 + ["127.0.0.2"],  # consecutive, as a launcher places them
+}
+
+
+@pytest.mark.parametrize("layout", UNEVEN, ids=list(UNEVEN))
+def test_hosts_of_different_sizes_all_reduce_and_broadcast_through_their_leaders(layout: str) -> None:
+    """Hosts of different sizes: all_reduce and broadcast in two levels (each host's arena, its first member across),
+    exact in every op and from every root; all_gather and reduce_scatter stay on the sockets; every member gets the
+    same bits."""
+    hosts = UNEVEN[layout]
+    n = len(hosts)
+    gs = thread_groups(n, options=BackendOptions(timeout=20.0, tcp=SMALL_ARENA), hosts=hosts)
+    ops = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX, ReduceOp.PRODUCT]
+    inputs = {op: [make(r, (30_011,), "float64", seed=k) for r in range(n)] for k, op in enumerate(ops)}
+    rng = np.random.default_rng(3)
+    floats = [rng.standard_normal(20_000).astype(np.float32) for _ in range(n)]
+    try:
+        def body(pg: ProcessGroup) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+            reduced = []
+            for op in ops:
+                x = inputs[op][pg.rank].copy()
+                pg.all_reduce(x, op)
+                reduced.append(x)
+            sent = []
+            for root in range(n):
+                b = np.full(12_345, pg.rank, np.int32)
+                pg.broadcast(b, root)
+                sent.append(b)
+            f = floats[pg.rank].copy()
+            pg.all_reduce(f)
+            return reduced, sent, f, pg.all_gather(np.full(5_000, pg.rank)), pg.reduce_scatter(np.ones(n * 4_000))
+
+        got = run_on(gs, body)
+        for r, (reduced, sent, f, gathered, block) in enumerate(got):
+            for op, x in zip(ops, reduced):
+                np.testing.assert_array_equal(x, reference(inputs[op], op), err_msg=f"{op} on rank {r}")
+            for root, b in enumerate(sent):
+                assert (b == root).all(), f"broadcast from {root} on rank {r}"
+            assert np.array_equal(f, got[0][2])  # the leaders' bits everywhere
+            np.testing.assert_allclose(f, sum(floats), rtol=1e-5, atol=1e-5)
+            assert (gathered == np.arange(n)[:, None]).all() and (block == n).all()
+        nodes = {h: tuple(r for r in range(n) if hosts[r] == h) for h in dict.fromkeys(hosts)}
+        for pg in gs:
+            levels = teams_of(pg)
+            assert levels is not None and not levels.even
+            assert levels.local.members == nodes[hosts[pg.rank]]
+            leaders = tuple(node[0] for node in nodes.values())
+            assert (levels.across.members if pg.rank in leaders else None) == (leaders if pg.rank in leaders else None)
+            assert (levels.arena is None) == (len(levels.local.members) == 1)
+            route = pg.backend.route  # type: ignore[union-attr]
+            assert [str(route(op, 1 << 20)) for op in (Op.ALL_REDUCE, Op.BROADCAST)] == ["two_level"] * 2
+            assert [route(op, 1 << 20).path.value for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER)] == ["sockets"] * 2
+        assert leftovers() == []
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+@pytest.mark.parametrize("size,nodes", [(3, 3), (4, 4)])
+def test_one_member_per_node_stays_on_sockets(size: int, nodes: int) -> None:
     gs = spread(size, nodes)
     try:
         out = run_on(gs, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(10_001, pg.rank + 1.0)))
@@ -246,13 +309,14 @@ def test_small_ops_stay_on_sockets_and_the_first_large_one_sets_the_teams_up() -
             g.destroy()
 
 
-def test_mismatched_calls_raise_on_every_rank_naming_both_sides() -> None:
-    gs = spread(4, 2, timeout=5.0)
+@pytest.mark.parametrize("size", [4, 3], ids=["even", "uneven"])
+def test_mismatched_calls_raise_on_every_rank_naming_both_sides(size: int) -> None:
+    gs = spread(size, 2, timeout=5.0)
     try:
         run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 16)))  # the teams are up
 
         def body(pg: ProcessGroup) -> None:
-            pg.all_reduce(np.ones((1 << 16) + (pg.rank == 3)))
+            pg.all_reduce(np.ones((1 << 16) + (pg.rank == size - 1)))
         errors = run_on(gs, body, return_exceptions=True)
         assert all(isinstance(e, DistributedError) for e in errors), errors
         assert any("65537" in str(e) and "65536" in str(e) for e in errors), errors

@@ -22,6 +22,7 @@ ONE_HOST = Shape(4)
 CROWDED = Shape(4, oversubscribed=True)
 PAIR = Shape(2)
 SPREAD = Shape(4, hosts=2, per_host=2)
+UNEVEN = Shape(3, hosts=2, per_host=0, largest_host=2)
 SOCKETS = TcpOptions(shm=False)
 NO_MAILBOX = TcpOptions(shm_mailbox=False)
 ARENA = TcpOptions(shm_single_copy=False)
@@ -48,6 +49,15 @@ ROUTES = [
     (Op.ALL_REDUCE, 1 * MiB, PAIR, TcpOptions(shm=False, algorithm="ring"), "sockets:ring"),
     (Op.ALL_REDUCE, 1 * MiB, Shape(4, hosts=4, per_host=1), None, "sockets:ring"),  # one rank per host
     (Op.ALL_REDUCE, 64 * KiB, SPREAD, None, "two_level"),  # two per host: from 1 x 64 KiB
+    (Op.ALL_REDUCE, 128 * KiB, UNEVEN, None, "two_level"),  # hosts of 2 and 1: through the leaders, from 2 x 64 KiB
+    (Op.ALL_REDUCE, 128 * KiB - 8, UNEVEN, None, "sockets:doubling"),
+    (Op.BROADCAST, 256 * KiB, UNEVEN, None, "two_level"),  # 4 x 64 KiB
+    (Op.BROADCAST, 256 * KiB - 8, UNEVEN, None, "sockets:chain"),
+    (Op.BROADCAST, 1 * MiB, dataclasses.replace(UNEVEN, oversubscribed=True), None, "two_level"),  # 4 x 256 KiB
+    (Op.ALL_REDUCE, 512 * KiB - 8, dataclasses.replace(UNEVEN, oversubscribed=True), None, "sockets:ring"),
+    (Op.ALL_GATHER, 4 * MiB, UNEVEN, None, "sockets:ring"),  # blocks per host of different sizes: sockets
+    (Op.REDUCE_SCATTER, 1 * MiB, UNEVEN, None, "sockets:ring"),
+    (Op.ALL_REDUCE, 1 * MiB, Shape(3, hosts=3, per_host=1, largest_host=1), None, "sockets:ring"),
     (Op.ALL_REDUCE, 64 * KiB - 8, SPREAD, None, "sockets:doubling"),
     (Op.ALL_REDUCE, 64 * KiB, Shape(6, hosts=2, per_host=3), None, "sockets:doubling"),  # three per host: 2 x 64 KiB
     (Op.ALL_REDUCE, 128 * KiB, Shape(6, hosts=2, per_host=3), None, "two_level"),

@@ -8,9 +8,10 @@ the sockets, so each derives the same `Topology`. Then:
   first op that takes it, if every member can read the others' memory) or else an arena, each mapped at the first
   op that takes it (the arena's steps and the single-copy path's publications go through the mailbox).
 - Spread over hosts with as many members on each (two or more): an arena per host, mapped at the first op large
-  enough; from then on large ops run in two levels (`hierarchy.two_level`).
-- Otherwise (one member per host, hosts of different sizes, different arena sizes, or a member that cannot map
-  its host's arena): everything on the sockets.
+  enough; from then on large ops run in two levels (`hierarchy.two_level`). On hosts of different sizes, one of
+  them with two or more members, the same for all_reduce and broadcast, through each host's first member.
+- Otherwise (one member per host, different arena sizes, or a member that cannot map its host's arena):
+  everything on the sockets.
 
 `choose` gives an op its path and the mapped resource it runs on: the first of the policy's candidates whose
 memory every member mapped.
@@ -113,7 +114,7 @@ class Placement:
             return
         self.topology = topology
         self.shape = Shape(self.comm.size, self.comm.oversubscribed, hosts=len(topology.nodes),
-                           per_host=topology.per_node)
+                           per_host=topology.per_node, largest_host=max(len(node) for node in topology.nodes))
 
     def _map_mailbox(self, c: Call) -> Mailbox | None:
         self.mailbox_tried = True
@@ -150,19 +151,25 @@ class Placement:
         """Map this host's arena; every member of every host must have mapped its own, or none is used."""
         topology, comm = self.topology, self.comm
         assert topology is not None
-        local, across = comm.subset(topology.node_of(comm.rank)), comm.subset(topology.counterparts(comm.rank))
-        arena = map_arena(local, c, comm.options.shm_arena_bytes, SLOT_SHIFT)
+        local = comm.subset(topology.node_of(comm.rank))
+        even = topology.per_node > 0
+        if even:
+            across: Comm | None = comm.subset(topology.counterparts(comm.rank))
+        else:  # hosts of different sizes: only each host's first member works across
+            leaders = tuple(node[0] for node in topology.nodes)
+            across = comm.subset(leaders) if comm.rank in leaders else None
+        arena = map_arena(local, c, comm.options.shm_arena_bytes, SLOT_SHIFT) if local.size > 1 else None
         try:
-            mapped = agree(comm, c, arena is not None)
+            mapped = agree(comm, c, arena is not None or local.size == 1)
         except BaseException:
             if arena is not None:
                 arena.close()
             raise
-        if not mapped or arena is None:
+        if not mapped:
             if arena is not None:
                 arena.close()
             return None
-        return Levels(local, across, arena, topology.nodes)
+        return Levels(local, across, arena, topology.nodes, even)
 
     def close(self) -> None:
         if self.arena is not None:

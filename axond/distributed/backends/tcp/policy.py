@@ -7,7 +7,8 @@ A route is a path and, on the sockets, an algorithm:
   allows it (`shm.single_copy`: one copy per byte);
 - `ARENA`: large ops of a group on one host, through a shared-memory arena (`shm.arena_ops`: two copies per byte);
 - `TWO_LEVEL`: large ops of a group spread over hosts with as many members (two or more) on each: through each
-  host's arena and between counterparts over the sockets (`hierarchy.two_level`);
+  host's arena and between counterparts over the sockets; on hosts of different sizes (one with two or more),
+  all_reduce and broadcast: through each host's arena and between the hosts' first members (`hierarchy.two_level`);
 - `SOCKETS`: framed messages over the group's sockets, by the algorithm `socket_algorithm` picks (`schedules`).
 
 `candidates` lists the paths an op may take, best first; the backend takes the first whose shared memory every
@@ -158,6 +159,9 @@ class Shape:
     shared memory; 0: their shared-memory settings differ, so none is used)."""
     per_host: int = 0
     """Members on each host if every host has as many (else 0); with `hosts` 1, the size."""
+    largest_host: int = 0
+    """Members on the host with the most (hosts of different sizes run all_reduce and broadcast in two levels
+    through each host's first member where one host has two or more)."""
     ordered_stores: bool = ORDERED_STORES
 
 
@@ -242,6 +246,9 @@ def _two_level(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
         return False
     if shape.hosts is None:
         return True  # may: the members' places decide
+    if shape.per_host == 0:  # hosts of different sizes: through each host's first member ("leader")
+        return (op in LEADER_OPS and shape.largest_host >= 2
+                and _large(total, LEADER_SCALE[op], threshold, options, shape.size))
     if shape.per_host < 2:
         return False
     scale = 2 if op is Op.BROADCAST else 1
@@ -251,6 +258,17 @@ def _two_level(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
 
 
 ARENA_OPS = (Op.ALL_REDUCE, Op.BROADCAST, Op.ALL_GATHER, Op.REDUCE_SCATTER)
+LEADER_OPS = (Op.ALL_REDUCE, Op.BROADCAST)
+"""The ops a group on hosts of different sizes runs in two levels (through each host's leader); its all_gather and
+reduce_scatter, whose blocks per host would differ in size, stay on the sockets."""
+LEADER_SCALE = {Op.ALL_REDUCE: 2, Op.BROADCAST: 4}
+"""Hosts of different sizes take the leaders' two levels from this many times `shm_min_bytes` (with the ranks
+outnumbering the cores: all_reduce from 512 KiB, broadcast from 1 MiB). Simulated nodes on loopback (2 cores,
+`bench/collectives.py --nproc 3|5 --nodes 2 --repeat 3 --peers sockets`: hosts of 2 + 1 and 3 + 2 members), two
+levels / flat over the sockets, busbw: all_reduce 512 KiB 1.41 / 1.69x, 1 MiB 1.48-1.57 / 1.46-1.55x, 2 MiB
+1.98 / 1.26x, 4-16 MiB 1.00-1.04 / 1.26-1.43x; broadcast 512 KiB 0.99 / 1.18x, 1 MiB 0.77-2.23 / 1.76-1.79x, 2 MiB
+1.25 / 2.27x, 4-16 MiB 1.28-1.31 / 1.91-2.04x. Between real hosts the leaders' level also carries fewer bytes
+across than a flat ring or chain (each host sends and receives the data once)."""
 
 
 def candidates(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> tuple[Path, ...]:

@@ -6,6 +6,12 @@ counterparts: the members with the same index on every host, in host order. A me
 index i); `hosts[j][i]` is its group rank. Each op runs one level after the other, composing the one-level
 schedules: the sockets between hosts carry each byte once per host, split over the members' connections, and
 the rest moves through the host's shared memory.
+
+On hosts of different sizes (`Levels.even` False) there are no counterparts: `across` is the hosts' first members
+(their leaders, in host order; None on the others), and all_reduce and broadcast go through them: all_reduce
+reduces on each host, all-reduces between the leaders, and broadcasts on each host from its leader; broadcast
+reaches the source's leader, then the other leaders, then each host's members. A host of one member has no arena
+and skips its host steps.
 """
 
 from __future__ import annotations
@@ -32,10 +38,13 @@ class Levels:
     """The two levels of one member of a group spread over hosts."""
 
     local: Comm
-    across: Comm
-    arena: ShmArena
-    """This host's arena, mapped by every member of every host."""
+    across: Comm | None
+    """This member's counterparts (with `even`), or the hosts' leaders if this member is its host's (else None)."""
+    arena: ShmArena | None
+    """This host's arena, mapped by every member of every host (None on a host of one member)."""
     hosts: Hosts
+    even: bool = True
+    """Whether every host has as many members."""
 
     def __post_init__(self) -> None:
         self.sync = arena_ops.Sync(self.local, None)
@@ -43,15 +52,20 @@ class Levels:
 
     @property
     def total(self) -> int:
-        return self.local.size * self.across.size
+        return sum(len(host) for host in self.hosts)
 
     def close(self) -> None:
-        self.arena.close()
+        if self.arena is not None:
+            self.arena.close()
 
 
 def all_reduce(lv: Levels, c: Call, x: np.ndarray, op: ReduceOp) -> None:
     """x (flat, contiguous) <- the reduction over the group: each member reduces its part of every chunk on the host,
     all-reduces it with its counterparts, and the host copies the results out (see `arena_ops.all_reduce`)."""
+    if not lv.even:
+        _leader_all_reduce(lv, c, x, op)
+        return
+    assert lv.arena is not None and lv.across is not None
     arena_ops.all_reduce(lv.local, lv.arena, lv.sync, c, x, op, lv.across, lv.total)
 
 
@@ -60,9 +74,40 @@ def broadcast(lv: Levels, c: Call, x: np.ndarray, src: int) -> None:
     from the member with src's index through the arena."""
     j_src = next(j for j, host in enumerate(lv.hosts) if src in host)
     i_src = lv.hosts[j_src].index(src)
+    if not lv.even:
+        _leader_broadcast(lv, c, x, j_src, i_src)
+        return
+    assert lv.arena is not None and lv.across is not None
     if lv.local.rank == i_src:
         sockets.broadcast(lv.across, c, x, j_src)
     arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, i_src)
+
+
+def _leader_all_reduce(lv: Levels, c: Call, x: np.ndarray, op: ReduceOp) -> None:
+    """Hosts of different sizes: the host's reduction (in rank order), then between the leaders, then from each
+    leader to its host. Every member ends with the leaders' bits."""
+    inner = ReduceOp.SUM if op is ReduceOp.AVG else op
+    if lv.arena is not None:
+        arena_ops.all_reduce(lv.local, lv.arena, lv.sync, c, x, inner)
+    if lv.across is not None:
+        sockets.all_reduce(lv.across, c, x, inner)
+        if op is ReduceOp.AVG:
+            finish_average(x, lv.total)
+    if lv.arena is not None:
+        arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, 0)
+
+
+def _leader_broadcast(lv: Levels, c: Call, x: np.ndarray, j_src: int, i_src: int) -> None:
+    """Hosts of different sizes, source member `i_src` of host `j_src`: to that host's leader (through its arena,
+    which reaches the whole host), between the leaders, then from each other leader to its host. A source that
+    leads its host sends to the other leaders first."""
+    home = lv.local.members == lv.hosts[j_src]
+    if home and i_src != 0 and lv.arena is not None:
+        arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, i_src)
+    if lv.across is not None:
+        sockets.broadcast(lv.across, c, x, j_src)
+    if (not home or i_src == 0) and lv.arena is not None:
+        arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, 0)
 
 
 def _order(hosts: Hosts) -> np.ndarray:
@@ -76,6 +121,7 @@ def all_gather(lv: Levels, c: Call, out: np.ndarray) -> None:
     Across the hosts, this member gathers the rows of its counterparts; on its host, the members swap what
     they gathered through the arena; then one copy puts the rows in group rank order.
     """
+    assert lv.even and lv.across is not None and lv.arena is not None
     k, per_host = lv.across.size, lv.local.size
     rows = out.reshape(out.shape[0], -1).view(np.uint8)
     width = rows.shape[1]
@@ -95,6 +141,7 @@ def reduce_scatter(lv: Levels, c: Call, src: np.ndarray, out: np.ndarray, op: Re
     member i (straight from `src` into the arena, no copy so laid out): member i gets row i reduced over the
     host, and then reduce-scatters those k blocks with its counterparts over the sockets.
     """
+    assert lv.even and lv.across is not None and lv.arena is not None
     k, block = lv.across.size, out.size
     summed = lv.local.scratch.named("two_level_sum", k * block * src.itemsize, src.dtype, k * block)
     inner = ReduceOp.SUM if op is ReduceOp.AVG else op
