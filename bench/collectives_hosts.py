@@ -36,7 +36,8 @@ RAW_PEAK_BYTES = 1 << 30
 def _env(**extra: str) -> dict[str, str]:
     """The explicit environment of processes in the hosts (this interpreter's, plus `extra`)."""
     keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "OMP_NUM_THREADS")
-    return {**{k: os.environ[k] for k in keep if k in os.environ}, "PYTHONUNBUFFERED": "1", **extra}
+    axond = {k: v for k, v in os.environ.items() if k.startswith("AXOND_")}  # the run's settings reach its ranks
+    return {**{k: os.environ[k] for k in keep if k in os.environ}, **axond, "PYTHONUNBUFFERED": "1", **extra}
 
 
 def _finish(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> list[str]:

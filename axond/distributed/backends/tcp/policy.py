@@ -120,12 +120,11 @@ with more ranks than cores, the sender thread keeps the op's thread receiving an
 SOCKET_BUFFER_BYTES = 4 << 20
 """Auto `socket_buffer_bytes` where the kernel lets a process set it (net.core.rmem_max and wmem_max at least
 this), else the kernel's autotuning: a larger request is capped at those limits (212992 on a stock kernel) and turns
-the socket's autotuning off, so it would end up smaller than autotuning makes it. Between two namespace hosts (veth,
-MTU 1500, four alternating runs of bench/collectives.py --hosts 2, session 18) 4 MiB against autotuning: every op
-and size from 1 to 64 MiB within the runs' spread (median ratios 0.91-1.12) except broadcast of 4 MiB, 1.5x as fast
-with 4 MiB (the whole frame fits in the socket, so the root's send completes at once). With the limits at a stock
-kernel's, the capped 4 MiB (416 KiB) and autotuning were level in the collectives (0.81-1.34, within the spread); a
-raw duplex stream ran 1.19-1.30 GB/s per direction capped against 1.63-1.68 autotuned."""
+the socket's autotuning off. Two ranks over loopback sockets (AXOND_SHM=0, three alternating runs of
+bench/collectives.py, session 18), busbw: with the limits at 4 MiB, 4 MiB buffers against autotuning 1.02-1.16x
+from 1 MiB (broadcast 1.8-2.7x, its chain's frames wait less for the reader); with a stock kernel's limits, the
+capped request against autotuning 0.36-0.84x for all_reduce, all_gather and reduce_scatter of 1-16 MiB (broadcast
+0.93-1.05). Between two namespace hosts (four alternating runs) 4 MiB and autotuning are level (0.84-1.13)."""
 AUTO_SPIN_SECONDS = 50e-6
 """Default busy-poll time of small receives when this host's ranks do not outnumber its cores (else none)."""
 
