@@ -19,7 +19,8 @@ import pytest
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.backends.tcp import TcpOptions
-from axond.distributed.backends.tcp.policy import ORDERED_STORES, mailbox_bytes
+from axond.distributed.backends.tcp.policy import ORDERED_STORES, mailbox_limit
+from axond.distributed.backends.tcp.transport.wire import Op
 from axond.testing import collect_from_processes, run_on
 from collective_cases import all_reduce_until_killed
 
@@ -39,10 +40,10 @@ def test_small_ops_use_the_mailbox_and_larger_ones_the_sockets(make_groups: Make
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AXOND_SHM_MIN_BYTES", str(1 << 40))  # no arena (its steps would post in the mailbox too)
     gs = make_groups(3, 10.0)
-    out = run_on(gs, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(mailbox_bytes(3) // 8, pg.rank + 1.0)))
+    out = run_on(gs, lambda pg: (lambda x: pg.all_reduce(x) or x)(np.full(mailbox_limit(Op.ALL_REDUCE, 3) // 8, pg.rank + 1.0)))
     assert all(mailbox_of(pg) is not None and mailbox_ops(pg) == 1 for pg in gs)
     assert all((x == 6.0).all() for x in out)
-    run_on(gs, lambda pg: pg.all_reduce(np.ones(mailbox_bytes(3) // 8 + 1)))
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(mailbox_limit(Op.ALL_REDUCE, 3) // 8 + 1)))
     assert all(mailbox_ops(pg) == 1 for pg in gs)
     assert glob.glob(f"/dev/shm/axond-{os.getpid()}-*") == []  # unlinked once every member mapped it
 

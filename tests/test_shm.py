@@ -21,7 +21,8 @@ import axond
 from axond import DistributedError, ProcessGroup
 from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.backends.tcp import TcpOptions
-from axond.distributed.backends.tcp.policy import AUTO_MIN_BYTES, MAILBOX_SYNC_MIN_BYTES, ORDERED_STORES, mailbox_bytes
+from axond.distributed.backends.tcp.policy import AUTO_MIN_BYTES, MAILBOX_SYNC_MIN_BYTES, ORDERED_STORES, mailbox_limit
+from axond.distributed.backends.tcp.transport.wire import Op
 from axond.distributed.backends.tcp.shm.arena import ShmArena, chunk_bytes
 from axond.testing import collect_from_processes, run_on, run_processes, thread_groups
 from collective_cases import all_reduce_until_killed, check_every_large_op, check_killed_rank_1, every_large_op
@@ -57,7 +58,7 @@ def test_small_ops_stay_on_sockets_and_large_ones_set_the_arena_up_once(monkeypa
     assert not any(pg.backend.comm.oversubscribed for pg in gs)  # type: ignore[union-attr]  # 2 threads, 2+ cores
     least = least_bytes(False, mailbox)
     if mailbox and ORDERED_STORES:
-        least = max(least, mailbox_bytes(2))  # what the mailbox takes (64 KiB) stays off the arena
+        least = max(least, mailbox_limit(Op.ALL_REDUCE, 2))  # what the mailbox takes (64 KiB) stays off the arena
     run_on(gs, lambda pg: pg.all_reduce(np.ones((least - 8) // 8)))
     assert all(arena_of(pg) is None and not pg.backend.placement.arena_tried for pg in gs)  # type: ignore[union-attr]
     out = run_on(gs, lambda pg: pg.all_reduce(np.full(least // 8 + 1, pg.rank + 1.0)) or pg)
@@ -82,7 +83,7 @@ def test_crowded_hosts_broadcast_and_multi_rank_all_reduce_need_larger_ops(monke
     run_on(gs, lambda pg: pg.broadcast(np.ones(broadcast * least // 8 - 1), 0))
     reduced = 2 * least
     if mailbox and ORDERED_STORES:
-        reduced = max(reduced, mailbox_bytes(3) + 8)  # the mailbox takes all_reduce up to its slot size
+        reduced = max(reduced, mailbox_limit(Op.ALL_REDUCE, 3) + 8)  # the mailbox takes all_reduce up to its slot size
     run_on(gs, lambda pg: pg.all_reduce(np.ones(reduced // 8 - 1)))
     assert all(arena_of(pg) is None and not pg.backend.placement.arena_tried for pg in gs)  # type: ignore[union-attr]
     run_on(gs, lambda pg: pg.all_reduce(np.ones(reduced // 8)))
