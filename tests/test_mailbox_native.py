@@ -324,3 +324,53 @@ def test_an_all_gather_whose_input_is_a_view_of_its_output(natives: list[bool]) 
     finally:
         for g in gs:
             g.destroy()
+
+
+@pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox needs x86's store order")
+@pytest.mark.parametrize("natives", [[True, False], [False, True, True]], ids=["2ranks", "3ranks"])
+def test_ops_of_a_whole_slot_run_through_the_mailbox_in_both_forms(natives: list[bool]) -> None:
+    """Each op at the largest payload the mailbox takes on this many ranks (512 KiB per rank on two, 384 KiB on
+    three, all_reduce 256 KiB), compiled and Python ranks together, prepared calls included: the bits of one process
+    reducing in rank order, and the route says mailbox (one byte more would not)."""
+    from axond.distributed.backends.tcp.policy import mailbox_limit
+    from axond.distributed.backends.tcp.transport.wire import Op
+
+    n = len(natives)
+    gs = groups_with(natives)
+    limit = {op: mailbox_limit(op, n) for op in (Op.ALL_REDUCE, Op.BROADCAST, Op.ALL_GATHER, Op.REDUCE_SCATTER)}
+    assert limit[Op.ALL_REDUCE] == 256 << 10 and limit[Op.BROADCAST] == (512 << 10 if n == 2 else 384 << 10)
+    per = {op: nbytes // 8 for op, nbytes in limit.items()}
+    reduce_in = [data_for(np.float64, ReduceOp.SUM, r, (per[Op.ALL_REDUCE],)) for r in range(n)]
+    scatter_in = [data_for(np.float64, ReduceOp.MAX, r, (per[Op.REDUCE_SCATTER] // n * n,)) for r in range(n)]
+    blocks = [np.full(per[Op.ALL_GATHER], r, np.float64) for r in range(n)]
+    try:
+        for pg in gs:
+            route = pg.backend.route  # type: ignore[union-attr]
+            for op, nbytes in limit.items():
+                assert str(route(op, nbytes)) == "mailbox" and str(route(op, nbytes + 8)) != "mailbox", op
+
+        def body(pg: ProcessGroup) -> list[np.ndarray]:
+            got = []
+            for i in range(3):  # the first call prepares; the next ones run prepared
+                x = reduce_in[pg.rank].copy()
+                pg.all_reduce(x)
+                got.append(x)
+                got.append(pg.reduce_scatter(scatter_in[pg.rank].copy(), ReduceOp.MAX))
+                b = np.full(per[Op.BROADCAST], pg.rank + 10 * i, np.float64)
+                pg.broadcast(b, i % n)
+                got.append(b)
+                got.append(pg.all_gather(blocks[pg.rank]))
+            return got
+
+        for rank, got in enumerate(run_on(gs, body)):
+            for i in range(3):
+                reduced, scattered, sent, gathered = got[4 * i : 4 * i + 4]
+                same_bits(reduced, rank_order(reduce_in, ReduceOp.SUM))
+                part = len(scattered)
+                same_bits(scattered, rank_order(scatter_in, ReduceOp.MAX)[rank * part : (rank + 1) * part])
+                assert (sent == i % n + 10 * i).all()
+                same_bits(gathered, np.stack(blocks))
+        assert all(pg.backend.placement.arena is None for pg in gs)  # type: ignore[union-attr]
+    finally:
+        for g in gs:
+            g.destroy()
