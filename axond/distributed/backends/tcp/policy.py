@@ -67,6 +67,8 @@ def mailbox_limit(op: Op, size: int) -> int:
     """Largest payload per rank of op `op` through the mailbox of a group of `size`."""
     slot = mailbox_bytes(size)
     return min(slot, MAILBOX_ALL_REDUCE_BYTES) if op is Op.ALL_REDUCE else slot
+
+
 AUTO_MIN_BYTES = (64 << 10, 256 << 10)
 """Default `shm_min_bytes` with (spare, oversubscribed) cores where the arena's steps synchronize over the sockets
 (groups of several hosts, no mailbox); all_reduce on more than two ranks and broadcast take twice that. Measured on
