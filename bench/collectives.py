@@ -14,7 +14,7 @@ its peak (one cache-resident 4 MiB buffer each way) and, for sizes >= 1 MiB, str
 `--mpi-btl vader,self` runs MPI over its shared-memory transport instead, the peer of axond's defaults.
 `--fresh-inputs` has every rank write its input before each call (untimed), as a training step does: a library
 that reads a peer's buffer in place otherwise finds the unchanged buffer in its own cache after the first call.
-`--hosts 2 [--ranks-per-host K]` runs between network-namespace hosts instead (root; bench/collectives_hosts.py).
+`--hosts 2 [--ranks-per-host K | K0 K1]` runs between network-namespace hosts instead (root; bench/collectives_hosts.py).
 
 When the ranks are at least as many as the cores, a last table per n gives each library's busbw as a
 share of the host bound (bench/bounds.py): the busbw the machine's cores allow at the raw socket copy
@@ -324,7 +324,8 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=0,
                     help="run between this many network-namespace hosts (root; bench/collectives_hosts.py) "
                          "instead of on loopback; --nproc is then ignored")
-    ap.add_argument("--ranks-per-host", type=int, default=1, help="with --hosts: ranks in each host")
+    ap.add_argument("--ranks-per-host", type=int, nargs="+", default=[1],
+                    help="with --hosts: ranks in each host, or one count per host (2 1: hosts of different sizes)")
     ap.add_argument("--mtu", type=int, default=1500, help="with --hosts: MTU of the hosts' links (1500, 9000)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--repeat", type=int, default=1,
@@ -353,9 +354,9 @@ def main() -> None:
     if args.hosts:
         if args.fresh_inputs:
             ap.error("--fresh-inputs is for one host (the hosts' runs keep their buffers)")
-        if args.hosts < 2 or args.ranks_per_host < 1:
-            ap.error(f"--hosts needs at least 2 hosts and --ranks-per-host at least 1 (got {args.hosts}, "
-                     f"{args.ranks_per_host})")
+        if args.hosts < 2 or min(args.ranks_per_host) < 1 or len(args.ranks_per_host) not in (1, args.hosts):
+            ap.error(f"--hosts needs at least 2 hosts and --ranks-per-host one count of at least 1, or one per host "
+                     f"(got {args.hosts}, {args.ranks_per_host})")
         from collectives_hosts import run_hosts
 
         run_hosts(args, sizes)

@@ -3,7 +3,8 @@
 Each host is a network namespace with its own veth address on one bridge, so the ranks of different hosts
 talk over the veth links at the addresses they advertise, as between machines (the links cost the same
 kernel copies as loopback: this measures the software, not a NIC). Ranks r*K .. r*K+K-1 run in host r
-(`--ranks-per-host K`); members of a host share its address and, by default, its memory. In the same run:
+(`--ranks-per-host K`; `K0 K1 ...`: so many in each host, hosts of different sizes); members of a host share its
+address and, by default, its memory. In the same run:
 axond with AXOND_SHM=0 as peer "sockets" (when K > 1), gloo when torch imports, and the raw limit: two
 processes in hosts 0 and 1 streaming through plain sockets both ways at once over the veth link.
 
@@ -91,20 +92,27 @@ def _raw_role(role: str, addr: str, port: int, nbytes: int, chunk: int) -> None:
         print(_duplex(sock, nbytes, chunk))
 
 
-def run_ranks(net: Any, per_host: int, library: str, op: str, sizes: list[int], backend: str, shm: bool,
+def places(layout: list[int]) -> list[tuple[int, int]]:
+    """(host, local rank) of each rank: ranks of host 0 first, then host 1's, ... (`layout`: ranks per host)."""
+    return [(h, i) for h, k in enumerate(layout) for i in range(k)]
+
+
+def run_ranks(net: Any, layout: list[int], library: str, op: str, sizes: list[int], backend: str, shm: bool,
               timeout: float) -> Result:
-    """One launch of every rank over the hosts (`library`: axond or gloo) timing `op`; rank 0's results."""
-    n = len(net.hosts) * per_host
+    """One launch of every rank over the hosts (`library`: axond or gloo; `layout`: ranks per host) timing `op`;
+    rank 0's results."""
+    where = places(layout)
+    n = len(where)
     with tempfile.TemporaryDirectory(prefix="axond-bench-hosts-") as tmp:
         out = os.path.join(tmp, "result.json")
         procs = []
-        for r in range(n):
-            host = net.hosts[r // per_host]
-            spec = {"library": library, "rank": r, "n": n, "local_rank": r % per_host, "addr": host.addr,
+        for r, (h, local) in enumerate(where):
+            host = net.hosts[h]
+            spec = {"library": library, "rank": r, "n": n, "local_rank": local, "addr": host.addr,
                     "master": net.hosts[0].addr, "store": tmp, "backend": backend, "op": op, "sizes": sizes,
                     "out": out}
             env = _env(GLOO_SOCKET_IFNAME=host.ifname, **({} if shm else {"AXOND_SHM": "0"}),
-                       **({"OMP_NUM_THREADS": "1"} if per_host > 1 else {}))
+                       **({"OMP_NUM_THREADS": "1"} if max(layout) > 1 else {}))
             procs.append(host.popen([sys.executable, HERE, "rank", json.dumps(spec)], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         _finish(procs, timeout, f"{library} {op} on {n} ranks")
@@ -149,12 +157,13 @@ def run_hosts(args: argparse.Namespace, sizes: list[int]) -> None:
     reason = unavailable()
     if reason:
         sys.exit(f"--hosts needs network namespaces: {reason}")
-    per_host = args.ranks_per_host
-    n = args.hosts * per_host
+    layout = args.ranks_per_host * args.hosts if len(args.ranks_per_host) == 1 else list(args.ranks_per_host)
+    n = sum(layout)
     gloo = "gloo" in args.peers and _importable("torch.distributed")
     with Network.create(args.hosts, mtu=args.mtu) as net:
         print(f"# {args.hosts} namespace hosts ({', '.join(h.addr for h in net.hosts)}), MTU {args.mtu}, "
-              f"{per_host} rank(s) per host" + ("" if gloo else "; gloo: torch is not installed, axond only"))
+              f"ranks per host {' + '.join(map(str, layout))}"
+              + ("" if gloo else "; gloo: torch is not installed, axond only"))
         raw, raw_sized = 0.0, {}
         ours: Result | None = None
         peers: dict[str, Result | None] = {}
@@ -166,13 +175,13 @@ def run_hosts(args: argparse.Namespace, sizes: list[int]) -> None:
                     got = raw_between(a, b, size * max(4, (256 << 20) // size), size)
                     raw_sized[size] = max(raw_sized.get(size, 0.0), got)
             for op in args.ops:
-                ours = best(ours, run_ranks(net, per_host, "axond", op, sizes, args.backend, True, args.timeout))
-                if per_host > 1 and "sockets" in args.peers:
+                ours = best(ours, run_ranks(net, layout, "axond", op, sizes, args.backend, True, args.timeout))
+                if max(layout) > 1 and "sockets" in args.peers:
                     peers["sockets"] = best(peers.get("sockets"), run_ranks(
-                        net, per_host, "axond", op, sizes, args.backend, False, args.timeout))
+                        net, layout, "axond", op, sizes, args.backend, False, args.timeout))
                 if gloo:
                     peers["gloo"] = best(peers.get("gloo"), run_ranks(
-                        net, per_host, "gloo", op, sizes, args.backend, True, args.timeout))
+                        net, layout, "gloo", op, sizes, args.backend, True, args.timeout))
     assert ours is not None
     report(n, ours, peers, raw or None)
     if raw:
