@@ -352,8 +352,6 @@ def main() -> None:
                 json.dump(res, f)
         return
     if args.hosts:
-        if args.fresh_inputs:
-            ap.error("--fresh-inputs is for one host (the hosts' runs keep their buffers)")
         if args.hosts < 2 or min(args.ranks_per_host) < 1 or len(args.ranks_per_host) not in (1, args.hosts):
             ap.error(f"--hosts needs at least 2 hosts and --ranks-per-host one count of at least 1, or one per host "
                      f"(got {args.hosts}, {args.ranks_per_host})")

@@ -98,7 +98,7 @@ def places(layout: list[int]) -> list[tuple[int, int]]:
 
 
 def run_ranks(net: Any, layout: list[int], library: str, op: str, sizes: list[int], backend: str, shm: bool,
-              timeout: float) -> Result:
+              timeout: float, fresh: bool = False) -> Result:
     """One launch of every rank over the hosts (`library`: axond or gloo; `layout`: ranks per host) timing `op`;
     rank 0's results."""
     where = places(layout)
@@ -110,7 +110,7 @@ def run_ranks(net: Any, layout: list[int], library: str, op: str, sizes: list[in
             host = net.hosts[h]
             spec = {"library": library, "rank": r, "n": n, "local_rank": local, "addr": host.addr,
                     "master": net.hosts[0].addr, "store": tmp, "backend": backend, "op": op, "sizes": sizes,
-                    "out": out}
+                    "out": out, "fresh": fresh}
             env = _env(GLOO_SOCKET_IFNAME=host.ifname, **({} if shm else {"AXOND_SHM": "0"}),
                        **({"OMP_NUM_THREADS": "1"} if max(layout) > 1 else {}))
             procs.append(host.popen([sys.executable, HERE, "rank", json.dumps(spec)], env=env,
@@ -131,7 +131,7 @@ def _rank(spec: dict[str, Any]) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}:29401", rank=spec["rank"],
                                 world_size=spec["n"])
         try:
-            res = run_suite(GlooRunner(), [spec["op"]], spec["sizes"])
+            res = run_suite(GlooRunner(), [spec["op"]], spec["sizes"], spec["fresh"])
         finally:
             dist.destroy_process_group()
     else:
@@ -142,7 +142,7 @@ def _rank(spec: dict[str, Any]) -> None:
         axond.init_process_group(spec["backend"], 120.0, rank=spec["rank"], world_size=spec["n"],
                                  store=FileStore(spec["store"]), local_rank=spec["local_rank"], host=spec["addr"])
         try:
-            res = run_suite(AxondRunner(spec["backend"]), [spec["op"]], spec["sizes"])
+            res = run_suite(AxondRunner(spec["backend"]), [spec["op"]], spec["sizes"], spec["fresh"])
         finally:
             axond.destroy_process_group()
     if spec["rank"] == 0:
@@ -175,13 +175,14 @@ def run_hosts(args: argparse.Namespace, sizes: list[int]) -> None:
                     got = raw_between(a, b, size * max(4, (256 << 20) // size), size)
                     raw_sized[size] = max(raw_sized.get(size, 0.0), got)
             for op in args.ops:
-                ours = best(ours, run_ranks(net, layout, "axond", op, sizes, args.backend, True, args.timeout))
+                ours = best(ours, run_ranks(net, layout, "axond", op, sizes, args.backend, True, args.timeout,
+                                            args.fresh_inputs))
                 if max(layout) > 1 and "sockets" in args.peers:
                     peers["sockets"] = best(peers.get("sockets"), run_ranks(
-                        net, layout, "axond", op, sizes, args.backend, False, args.timeout))
+                        net, layout, "axond", op, sizes, args.backend, False, args.timeout, args.fresh_inputs))
                 if gloo:
                     peers["gloo"] = best(peers.get("gloo"), run_ranks(
-                        net, layout, "gloo", op, sizes, args.backend, True, args.timeout))
+                        net, layout, "gloo", op, sizes, args.backend, True, args.timeout, args.fresh_inputs))
     assert ours is not None
     report(n, ours, peers, raw or None)
     if raw:
