@@ -329,7 +329,7 @@ def test_an_all_gather_whose_input_is_a_view_of_its_output(natives: list[bool]) 
 @pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox needs x86's store order")
 @pytest.mark.parametrize("natives", [[True, False], [False, True, True]], ids=["2ranks", "3ranks"])
 def test_ops_of_a_whole_slot_run_through_the_mailbox_in_both_forms(natives: list[bool]) -> None:
-    """Each op at the largest payload the mailbox takes on this many ranks (512 KiB per rank on two, 384 KiB on
+    """Each op at the largest payload the mailbox takes on this many ranks (512 KiB per rank on two, 256 KiB on
     three, all_reduce 256 KiB), compiled and Python ranks together, prepared calls included: the bits of one process
     reducing in rank order, and the route says mailbox (one byte more would not)."""
     from axond.distributed.backends.tcp.policy import mailbox_limit
@@ -338,7 +338,7 @@ def test_ops_of_a_whole_slot_run_through_the_mailbox_in_both_forms(natives: list
     n = len(natives)
     gs = groups_with(natives)
     limit = {op: mailbox_limit(op, n) for op in (Op.ALL_REDUCE, Op.BROADCAST, Op.ALL_GATHER, Op.REDUCE_SCATTER)}
-    assert limit[Op.ALL_REDUCE] == 256 << 10 and limit[Op.BROADCAST] == (512 << 10 if n == 2 else 384 << 10)
+    assert limit[Op.ALL_REDUCE] == 256 << 10 and limit[Op.BROADCAST] == (512 << 10 if n == 2 else 256 << 10)
     per = {op: nbytes // 8 for op, nbytes in limit.items()}
     reduce_in = [data_for(np.float64, ReduceOp.SUM, r, (per[Op.ALL_REDUCE],)) for r in range(n)]
     scatter_in = [data_for(np.float64, ReduceOp.MAX, r, (per[Op.REDUCE_SCATTER] // n * n,)) for r in range(n)]

@@ -65,8 +65,8 @@ ROUTES = [
     (Op.ALL_REDUCE, 1 * MiB, Shape(4, hosts=0), None, "sockets:ring"),  # members' arena sizes differ
     (Op.BROADCAST, 4 * KiB, ONE_HOST, None, "mailbox"),
     (Op.BROADCAST, 4 * KiB, CROWDED, None, "mailbox"),
-    (Op.BROADCAST, 304 * KiB, CROWDED, None, "mailbox"),  # 4 ranks: 304 KiB slots
-    (Op.BROADCAST, 304 * KiB + 8, CROWDED, None, "arena"),  # past the mailbox (and 16 x 4 KiB)
+    (Op.BROADCAST, 256 * KiB, CROWDED, None, "mailbox"),
+    (Op.BROADCAST, 256 * KiB + 8, CROWDED, None, "arena"),  # past the mailbox (and 16 x 4 KiB)
     (Op.BROADCAST, 512 * KiB, PAIR, None, "mailbox"),  # 2 ranks: 512 KiB slots
     (Op.BROADCAST, 512 * KiB + 8, PAIR, None, "arena"),
     (Op.ALL_REDUCE, 256 * KiB + 8, PAIR, None, "arena"),  # all_reduce: at most 256 KiB through the mailbox
@@ -76,14 +76,14 @@ ROUTES = [
     (Op.BROADCAST, 128 * KiB, SPREAD, None, "two_level"),  # 2 x 64 KiB
     (Op.BROADCAST, 64 * KiB, SPREAD, None, "sockets:tree"),
     (Op.ALL_GATHER, 1 * KiB, ONE_HOST, None, "mailbox"),
-    (Op.ALL_GATHER, 304 * KiB + 8, ONE_HOST, None, "arena"),  # the arena counts the output
+    (Op.ALL_GATHER, 256 * KiB + 8, ONE_HOST, None, "arena"),  # the arena counts the output
     (Op.ALL_GATHER, 16 * KiB, SPREAD, None, "two_level"),  # 64 KiB of output
     (Op.ALL_GATHER, 1 * MiB, ONE_HOST, SOCKETS, "sockets:direct"),
     (Op.ALL_GATHER, 1 * MiB + 8, ONE_HOST, SOCKETS, "sockets:ring"),  # over 4 MiB of output
     (Op.ALL_GATHER, 1 * MiB + 8, CROWDED, SOCKETS, "sockets:doubling"),
     (Op.ALL_GATHER, 8 * MiB, PAIR, SOCKETS, "sockets:exchange"),  # two ranks: always straight, past inline: exchange
     (Op.REDUCE_SCATTER, 4 * KiB, ONE_HOST, None, "mailbox"),
-    (Op.REDUCE_SCATTER, 304 * KiB + 8, ONE_HOST, None, "arena"),
+    (Op.REDUCE_SCATTER, 256 * KiB + 8, ONE_HOST, None, "arena"),
     (Op.REDUCE_SCATTER, 128 * KiB, ONE_HOST, SOCKETS, "sockets:direct"),
     (Op.REDUCE_SCATTER, 1 * MiB, CROWDED, SOCKETS, "sockets:halving"),
     (Op.REDUCE_SCATTER, 1 * MiB, ONE_HOST, SOCKETS, "sockets:ring"),
@@ -119,7 +119,7 @@ ROUTES = [
     (Op.REDUCE_SCATTER, 16 * MiB, PAIR, None, "single_copy"),
     (Op.REDUCE_SCATTER, 16 * MiB, ONE_HOST, None, "single_copy"),
     (Op.REDUCE_SCATTER, 16 * MiB - 8, ONE_HOST, None, "arena"),
-    (Op.REDUCE_SCATTER, 304 * KiB + 8, ONE_HOST, TcpOptions(shm_min_bytes=0), "single_copy"),  # the threshold given
+    (Op.REDUCE_SCATTER, 256 * KiB + 8, ONE_HOST, TcpOptions(shm_min_bytes=0), "single_copy"),  # the threshold given
     (Op.ALL_REDUCE, 256 * KiB + 8, PAIR, TcpOptions(shm_min_bytes=0), "single_copy"),
     (Op.REDUCE, 64 * MiB, ONE_HOST, None, "sockets:tree"),
 ]

@@ -31,16 +31,19 @@ from axond.distributed.backends.tcp.transport.wire import Op
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 """Whether stores become visible to other cores in program order (x86's TSO), which the mailbox relies on."""
 
-MAILBOX_BYTES = 512 << 10
+MAILBOX_BYTES = 256 << 10
 """Largest payload per rank that goes through the mailbox (all_gather: one block; reduce_scatter: the input) in groups
-of up to 2 ranks, less in larger ones (`mailbox_bytes`), all_reduce at most MAILBOX_ALL_REDUCE_BYTES. 512 KiB against
-256 KiB (the arena above it; bench/compare_trees.py, 4 rounds, median / best of the rounds' medians, session 18):
+of 3 to 5 ranks, less in larger ones (`mailbox_bytes`); two ranks: MAILBOX_PAIR_BYTES."""
+MAILBOX_PAIR_BYTES = 512 << 10
+"""Largest payload per rank through the mailbox of two ranks, all_reduce at most MAILBOX_ALL_REDUCE_BYTES. 512 KiB
+against 256 KiB (the arena above it; bench/compare_trees.py, 4 rounds, median / best of the rounds' medians, session 18):
 at 2 ranks broadcast 304 KiB 0.72 / 0.80x the time, 384 KiB 0.60 / 0.68 and 0.72 / 0.81, 512 KiB 0.45 / 0.49;
 reduce_scatter 304 KiB 0.67 / 0.65, 384 KiB 0.66 / 0.67 and 0.28 / 0.63, 512 KiB 0.68 / 0.68; all_gather of 768 KiB /
 1 MiB output 0.69 / 0.67, 0.73 / 0.72; at 4 ranks (304 KiB slots) broadcast 304 KiB 0.58 / 0.57, reduce_scatter
 0.55 / 0.47, all_gather of 1216 KiB output 0.69 / 0.69; ops that took the mailbox before 0.96-1.02 (best). But
 all_reduce at 2 ranks 384 KiB 1.44 / 1.43, 512 KiB 1.71 / 1.78 (3 rounds; the arena's pair all_reduce splits the
-reduction): it stays at 256 KiB. Up to 256 KiB, with the compiled prepared ops, against 64 KiB (the arena above it; bench/
+reduction): it stays at 256 KiB; and with 4 ranks the larger slots (304 KiB) made all_reduce of 64 KiB-1 MiB
+1.13-1.45x slower (best of two 4-round A/Bs), so groups of more ranks keep 256 KiB. Up to 256 KiB, with the compiled prepared ops, against 64 KiB (the arena above it; bench/
 compare_trees.py, 3 rounds, best of the rounds' medians, session 16), 128 and 256 KiB: at 2 ranks all_gather 0.92 /
 0.59x the time, broadcast 0.68 / 0.56, reduce_scatter 0.56 / 0.69, all_reduce 0.76 / 1.09 (the arena's pair all_reduce
 splits the reduction); at 4 ranks all_reduce 0.57 / 0.65, broadcast 0.54 / 0.68, reduce_scatter 0.39 / 0.46,
@@ -57,10 +60,11 @@ MAILBOX_GROUP_BYTES = 3 << 20
 
 
 def mailbox_bytes(size: int) -> int:
-    """Largest payload per rank through the mailbox of a group of `size`: MAILBOX_BYTES, less in groups so large that
-    the mailbox would take over MAILBOX_GROUP_BYTES (whole pages), never under MAILBOX_MIN_BYTES."""
+    """Largest payload per rank through the mailbox of a group of `size` (its slots): MAILBOX_PAIR_BYTES for two,
+    else MAILBOX_BYTES, less in groups so large that the mailbox would take over MAILBOX_GROUP_BYTES (whole pages),
+    never under MAILBOX_MIN_BYTES."""
     per = MAILBOX_GROUP_BYTES // (2 * (size + 1)) // 4096 * 4096
-    return max(MAILBOX_MIN_BYTES, min(MAILBOX_BYTES, per))
+    return max(MAILBOX_MIN_BYTES, min(MAILBOX_PAIR_BYTES if size == 2 else MAILBOX_BYTES, per))
 
 
 def mailbox_limit(op: Op, size: int) -> int:
