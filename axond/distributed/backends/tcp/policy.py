@@ -33,27 +33,27 @@ ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686
 
 MAILBOX_BYTES = 256 << 10
 """Largest payload per rank that goes through the mailbox (all_gather: one block; reduce_scatter: the input) in groups
-of 3 to 5 ranks, less in larger ones (`mailbox_bytes`); two ranks: MAILBOX_PAIR_BYTES."""
-MAILBOX_PAIR_BYTES = 512 << 10
-"""Largest payload per rank through the mailbox of two ranks, all_reduce at most MAILBOX_ALL_REDUCE_BYTES. 512 KiB
-against 256 KiB (the arena above it; bench/compare_trees.py, 4 rounds, median / best of the rounds' medians, session 18):
-at 2 ranks broadcast 304 KiB 0.72 / 0.80x the time, 384 KiB 0.60 / 0.68 and 0.72 / 0.81, 512 KiB 0.45 / 0.49;
-reduce_scatter 304 KiB 0.67 / 0.65, 384 KiB 0.66 / 0.67 and 0.28 / 0.63, 512 KiB 0.68 / 0.68; all_gather of 768 KiB /
-1 MiB output 0.69 / 0.67, 0.73 / 0.72; at 4 ranks (304 KiB slots) broadcast 304 KiB 0.58 / 0.57, reduce_scatter
-0.55 / 0.47, all_gather of 1216 KiB output 0.69 / 0.69; ops that took the mailbox before 0.96-1.02 (best). But
-all_reduce at 2 ranks 384 KiB 1.44 / 1.43, 512 KiB 1.71 / 1.78 (3 rounds; the arena's pair all_reduce splits the
-reduction): it stays at 256 KiB; and with 4 ranks the larger slots (304 KiB) made all_reduce of 64 KiB-1 MiB
-1.13-1.45x slower (best of two 4-round A/Bs), so groups of more ranks keep 256 KiB. Up to 256 KiB, with the compiled prepared ops, against 64 KiB (the arena above it; bench/
-compare_trees.py, 3 rounds, best of the rounds' medians, session 16), 128 and 256 KiB: at 2 ranks all_gather 0.92 /
-0.59x the time, broadcast 0.68 / 0.56, reduce_scatter 0.56 / 0.69, all_reduce 0.76 / 1.09 (the arena's pair all_reduce
+of 3 to 5 ranks, less in larger ones (`mailbox_bytes`); two ranks: MAILBOX_PAIR_BYTES. With the compiled prepared
+ops, against 64 KiB (the arena above it; bench/compare_trees.py, 3 rounds, best of the rounds' medians, session 16),
+128 and 256 KiB: at 2 ranks all_gather 0.92 / 0.59x the time, broadcast 0.68 / 0.56, reduce_scatter 0.56 / 0.69, all_reduce 0.76 / 1.09 (the arena's pair all_reduce
 splits the reduction); at 4 ranks all_reduce 0.57 / 0.65, broadcast 0.54 / 0.68, reduce_scatter 0.39 / 0.46,
 all_gather 1.10 / 0.99. Earlier, against 4 KiB, 8-64 KiB:
 all_reduce 0.22-0.49x the time at 2 ranks, 0.34-0.67x at 4 (a small all_reduce runs prepared); broadcast 0.61-0.84x
 at 2; all_gather and reduce_scatter 0.77-0.94x at 2, 0.54-0.92x at 4 (bench/RESULTS.md, session 13). On a host whose
 ranks outnumber its cores broadcast takes it too, against the socket tree (prepared, two interleaved A/Bs at 3 and 4
 ranks on 2 cores, 8 B-64 KiB): 0.44-0.95x the time, 0.26-0.61x at 64 KiB (session 14)."""
+MAILBOX_PAIR_BYTES = 512 << 10
+"""Largest payload per rank through the mailbox of two ranks, all_reduce at most MAILBOX_ALL_REDUCE_BYTES. 512 KiB
+against 256 KiB (the arena above it; bench/compare_trees.py, 4 rounds, median / best of the rounds' medians, session
+18): at 2 ranks broadcast 304 KiB 0.72 / 0.80x the time, 384 KiB 0.60 / 0.68 and 0.72 / 0.81, 512 KiB 0.45 / 0.49;
+reduce_scatter 304 KiB 0.67 / 0.65, 384 KiB 0.66 / 0.67 and 0.28 / 0.63, 512 KiB 0.68 / 0.68; all_gather of 768 KiB /
+1 MiB output 0.69 / 0.67, 0.73 / 0.72; ops that took the mailbox before 0.96-1.02 (best). But all_reduce at 2 ranks
+384 KiB 1.44 / 1.43, 512 KiB 1.71 / 1.78 (3 rounds; the arena's pair all_reduce splits the reduction): it stays at
+256 KiB. Four ranks with 304 KiB slots (what 3 MiB allows) gained at 304 KiB (broadcast 0.58 / 0.57, reduce_scatter
+0.55 / 0.47, all_gather of 1216 KiB output 0.69 / 0.69), but their all_reduce of 64 KiB-1 MiB ran 1.13-1.45x slower
+(best of two 4-round A/Bs), so groups of more than two keep MAILBOX_BYTES."""
 MAILBOX_ALL_REDUCE_BYTES = 256 << 10
-"""Largest all_reduce payload per rank through the mailbox (see MAILBOX_BYTES)."""
+"""Largest all_reduce payload per rank through the mailbox (see MAILBOX_PAIR_BYTES)."""
 MAILBOX_MIN_BYTES = 4 << 10
 MAILBOX_GROUP_BYTES = 3 << 20
 """The most /dev/shm a group's mailbox takes (two buffers of size + 1 slots) before its slots shrink."""
