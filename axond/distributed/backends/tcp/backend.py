@@ -220,6 +220,12 @@ class TcpBackend(Backend):
         else:
             self._inplace(x, "all_reduce", lambda flat: sockets.all_reduce(self.comm, c, flat, op))
 
+    def _compiled_single_copy(self, sc: Any, op: Op, nbytes: int) -> bool:
+        """Whether an op on the single-copy path (`sc`) runs prepared from its next call on: where it takes the path
+        only in its compiled form (larger ones keep the Python path, which reads arrays from `shared_empty` through
+        their mappings)."""
+        return bool(sc.compiled) and policy.needs_compiled(op, nbytes, self.placement.shape, self.tcp_options)
+
     def _prepare(self, key: tuple[Any, ...], box: Any, c: Call, build: Callable[[Callable[[int], Call]], Any]) -> None:
         """Keep the prepared form of a mailbox op (`mailbox_ops.Prepared`) under `key`: the next call of that shape
         skips the checks, the route and the `Call` (made only if it waits long or fails, by `make_call`)."""
@@ -261,6 +267,9 @@ class TcpBackend(Backend):
         if path is Path.MAILBOX:
             self._prepare(("broadcast", x.dtype, x.size, src), on, c,
                           lambda make_call: mailbox_ops.SmallBroadcast(on, c, x, src, make_call))
+        elif path is Path.SINGLE_COPY and self._compiled_single_copy(on, Op.BROADCAST, x.nbytes):
+            self._prepare(("broadcast", x.dtype, x.size, src), on.sync.mailbox, c,
+                          lambda make_call: single_copy_ops.PreparedBroadcast(on, c, x, src, make_call))
 
     def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
         x = _numpy(x, "reduce input")
@@ -281,6 +290,11 @@ class TcpBackend(Backend):
         c = self._call(Op.ALL_GATHER, x)
         out = output_array(out, (self.size, *x.shape), x.dtype, "all_gather", "tcp")
         path, on = self.placement.choose(c, Op.ALL_GATHER, x.nbytes) if self.size > 1 else (Path.SOCKETS, None)
+        if path is Path.SINGLE_COPY and self._compiled_single_copy(on, Op.ALL_GATHER, x.nbytes):
+            sc = on
+            assert sc is not None
+            self._prepare(("all_gather", x.dtype, x.size), sc.sync.mailbox, c,
+                          lambda make_call: single_copy_ops.PreparedAllGather(sc, c, x, make_call))
         if path is Path.SINGLE_COPY and x.flags.c_contiguous and not np.may_share_memory(x, out):
             # the peers read x itself (64 MiB of output on two ranks: 0.54-0.59x the time of reading the row this
             # rank had just written, bench/RESULTS.md), while this rank copies it into its row

@@ -6,7 +6,9 @@ the sockets, so each derives the same `Topology`. Then:
 
 - Every member on one host: a mailbox for small ops and, for large ones, the single-copy path (set up at the
   first op that takes it, if every member can read the others' memory) or else an arena, each mapped at the first
-  op that takes it (the arena's steps and the single-copy path's publications go through the mailbox).
+  op that takes it (the arena's steps and the single-copy path's publications go through the mailbox). Sizes that
+  take the single-copy path only in its compiled form (`policy.needs_compiled`) take the mailbox unless every
+  member runs it.
 - Spread over hosts with as many members on each (two or more): an arena per host, mapped at the first op large
   enough; from then on large ops run in two levels (`hierarchy.two_level`). On hosts of different sizes, one of
   them with two or more members, the same for all_reduce and broadcast, through each host's first member.
@@ -90,7 +92,8 @@ class Placement:
                     return path, box
             elif path is Path.SINGLE_COPY:
                 single = self.single_copy if self.single_copy_tried else self._set_up_single_copy(c)
-                if single is not None:
+                if single is not None and (single.compiled or not policy.needs_compiled(op, nbytes, self.shape,
+                                                                                         self.comm.options)):
                     return path, single
             elif path is Path.ARENA:
                 arena = self.arena if self.arena_tried else self._map_arena(c)

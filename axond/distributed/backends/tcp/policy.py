@@ -116,6 +116,20 @@ of output since session 17, once the peers read each rank's input itself (4 rank
 4 rounds, median / best): 4 MiB 0.41 / 0.70, 8 MiB 0.51 / 0.56, 16 MiB 0.54 / 0.55; but where the input is the
 rank's row of the output (torch FSDP2's all-gathers), which the peers read as it was just written, single copy /
 arena at 4 ranks: 4 MiB 646-1487 / 461-660 us, 8 MiB 1352-1504 / 2309-2419, 16 MiB 2981-3304 / 4086-4920."""
+COMPILED_SINGLE_COPY_BYTES: dict[tuple[Op, bool], tuple[int, int]] = {
+    (Op.BROADCAST, False): (48 << 10, 256 << 10), (Op.ALL_GATHER, False): (128 << 10, 512 << 10),
+    (Op.BROADCAST, True): (384 << 10, 8 << 20),
+}
+"""Sizes (all_gather: of the output; from, to) at which an op of a one-host group of (two: False, more: True) ranks
+takes the single-copy path in its compiled form (`_fastbox`: one C call publishes, reads with process_vm_readv and
+synchronizes; a two-rank broadcast's root writes half of the member's buffer meanwhile), ahead of the mailbox's two
+copies or the arena, where every member runs the compiled ops. Against them (bench/compare_trees.py, 3 rounds,
+median / best of the rounds' medians, session 19): at 2 ranks broadcast 48 KiB 0.87 / 0.87x the time, 64 KiB 0.74 /
+0.75, 128 KiB 0.53 / 0.54, 256 KiB 0.45 / 0.45, but 32 KiB 1.34 / 1.09 and 512 KiB 0.99 / 1.02; all_gather of 128 KiB
+output 0.86 / 0.88, 256 KiB 0.76 / 0.79, 512 KiB 0.92 / 0.93, but 64 KiB 1.11 / 1.13 and 1 MiB 1.01 / 1.16. At 4
+ranks (on 2 cores) broadcast 384 KiB 0.59 / 0.58, 512 KiB 0.64 / 0.64 and 0.42 / 0.67, 1 MiB 0.78 / 0.77 and 0.70 /
+0.99, 2 MiB 0.85 / 0.87, 4 MiB 0.75 / 0.58, 8 MiB 0.82 / 0.79, but 64-256 KiB 0.99-1.53; all_gather 64 KiB-1 MiB of
+output 1.09-1.88: not there."""
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB; in groups
 whose mailbox takes more, from past the mailbox)."""
@@ -241,7 +255,20 @@ def _single_copy(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool
         return False
     threshold = next((v for v in (options.shm_single_copy_min_bytes, options.shm_min_bytes) if v >= 0),
                      SINGLE_COPY_MIN_BYTES[op][shape.size > 2])
-    return _large(_path_bytes(op, nbytes, shape.size), 1, threshold, options, shape.size)
+    return (_large(_path_bytes(op, nbytes, shape.size), 1, threshold, options, shape.size)
+            or needs_compiled(op, nbytes, shape, options))
+
+
+def needs_compiled(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
+    """Whether op `op` on `nbytes` per rank takes the single-copy path only in its compiled form, ahead of the
+    mailbox (COMPILED_SINGLE_COPY_BYTES, with the default thresholds): a group takes it there only if every member
+    runs the compiled ops (`single_copy.SingleCopy.compiled`), else the next path."""
+    window = COMPILED_SINGLE_COPY_BYTES.get((op, shape.size > 2))
+    if (window is None or not (options.shm_single_copy and options.shm_native and options.shm_mailbox)
+            or options.shm_single_copy_min_bytes >= 0 or options.shm_min_bytes >= 0 or not shape.ordered_stores
+            or shape.size == 1 or shape.hosts not in (None, 1) or not options.shm):
+        return False
+    return window[0] <= _path_bytes(op, nbytes, shape.size) <= window[1]
 
 
 def _arena(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
@@ -296,6 +323,9 @@ def candidates(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> tuple[
     known yet (`shape.hosts` None), any shared-memory path in the list tells the backend to learn them first."""
     paths = [path for path, fits in ((Path.MAILBOX, _mailbox), (Path.SINGLE_COPY, _single_copy), (Path.ARENA, _arena),
                                      (Path.TWO_LEVEL, _two_level)) if fits(op, nbytes, shape, options)]
+    if Path.SINGLE_COPY in paths and needs_compiled(op, nbytes, shape, options):
+        paths.remove(Path.SINGLE_COPY)
+        paths.insert(0, Path.SINGLE_COPY)  # ahead of the mailbox, where every member runs the compiled ops
     return (*paths, Path.SOCKETS)
 
 

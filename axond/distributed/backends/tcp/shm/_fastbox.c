@@ -8,16 +8,24 @@
  * (clocks, sockets, timeouts, errors naming the peer) and then calls `finish`. Reductions are in rank order, as
  * NumPy's ufuncs in mailbox_ops: out = row0 op row1, then out op row2, ...; integer sums and products wrap;
  * minimum and maximum propagate NaN as np.minimum and np.maximum do; AVG divides the float sum by the group size.
+ *
+ * It also runs the single-copy ops of single_copy_ops (broadcast and all_gather) through the same mailbox, in their
+ * protocol: a post of the call with this rank's (pid, address, bytes, -1, 0, 0), the reads of the peers' buffers with
+ * process_vm_readv, a second post of the call without payload (every member finished reading).
  * Built as an optional extension: without it (no compiler) the Python path runs alone.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 
+#include <errno.h>
 #include <math.h>
 #include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 #define HEAD_OFF 8        /* the header fields follow the sequence word */
 #define HEAD_BYTES 72     /* mailbox.HEAD: 9 int64 fields */
@@ -27,8 +35,16 @@
 #define PAYLOAD_OFF 128   /* mailbox.HEAD_WORDS * 8 */
 #define CHUNK (16 << 10)  /* a broadcast root publishes its payload in chunks of this size */
 #define MAX_SIZE 64       /* the most members the compiled ops serve; larger groups keep the Python path */
+#define POSTED_OFF (HEAD_OFF + 8 * 8)  /* the header's last field: the payload's size */
+#define SC_WORDS 6        /* single_copy.WORDS: pid, address, bytes, memfd, token, offset */
+#define SC_POSTED (SC_WORDS * 8)
+#define PAGE 4096
+#define SLOW_DISTANCE 32  /* host_copy.SLOW_DISTANCE: a string copy to 1..31 bytes after its source (mod PAGE) */
+#define BOUNCE_BYTES (1 << 20)  /* single_copy.BOUNCE_BYTES */
+#define BOUNCE_MIN (64 << 10)   /* single_copy.BOUNCE_MIN_BYTES */
 
-enum { K_ALL_REDUCE, K_BCAST_ROOT, K_BCAST_LEAF, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER, K_KINDS };
+enum { K_ALL_REDUCE, K_BCAST_ROOT, K_BCAST_LEAF, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER, K_SC_BCAST,
+       K_SC_ALL_GATHER, K_KINDS };
 enum { R_SUM, R_PRODUCT, R_MIN, R_MAX, R_OPS };
 enum { D_NONE, D_F32, D_F64, D_I32, D_I64 };
 
@@ -206,6 +222,9 @@ typedef struct {
     Py_ssize_t out_bytes;           /* reduce_scatter: bytes of its output */
     Py_ssize_t count;               /* elements a reduction reduces */
     Py_ssize_t part;                /* reduce_scatter: byte offset of this rank's part in a payload */
+    int64_t pid;                    /* single copy: this process, as the peers read it */
+    int failed;                     /* single copy: the peer whose buffer the last failed read was of */
+    char *bounce;                   /* single copy: reads at a slow distance go through it (allocated on first use) */
 } Op;
 
 static int Op_init(Op *self, PyObject *args, PyObject *kwds) {
@@ -237,6 +256,8 @@ static int Op_init(Op *self, PyObject *args, PyObject *kwds) {
     case K_BCAST_ROOT: fits = self->nbytes == self->posted; break;
     case K_BCAST_LEAF: fits = self->posted == 0; break;
     case K_ALL_GATHER: fits = self->nbytes == self->size * self->posted; break;
+    case K_SC_BCAST: fits = self->posted == SC_POSTED; break;
+    case K_SC_ALL_GATHER: fits = self->posted == SC_POSTED && self->nbytes % self->size == 0; break;
     default: fits = self->posted == 0; break;
     }
     if (!fits) {
@@ -268,12 +289,15 @@ static int Op_init(Op *self, PyObject *args, PyObject *kwds) {
     }
     Py_DECREF(seq);
     memcpy(self->header, header, HEAD_BYTES);
+    self->pid = (int64_t)getpid();
+    self->failed = -1;
     Py_INCREF(box);
     Py_XSETREF(self->box, b);
     return 0;
 }
 
 static void Op_dealloc(Op *self) {
+    free(self->bounce);
     Py_XDECREF(self->box);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -410,7 +434,8 @@ static int take_arrays(Op *self, PyObject *a_obj, PyObject *b_obj, Py_buffer *a,
         PyErr_SetString(PyExc_TypeError, "this op takes an array");
         return -1;
     }
-    int writable = self->kind != K_BCAST_ROOT && self->kind != K_REDUCE_SCATTER;
+    int writable = self->kind != K_BCAST_ROOT && self->kind != K_REDUCE_SCATTER &&
+                   !(self->kind == K_SC_BCAST && self->rank == self->root);
     int got = take(self, a_obj, a, self->nbytes, writable);
     if (got <= 0)
         return got;
@@ -429,8 +454,9 @@ static int take_arrays(Op *self, PyObject *a_obj, PyObject *b_obj, Py_buffer *a,
             return got;
         }
         *have_b = 1;
-    } else if (self->kind == K_ALL_GATHER && b_obj != NULL && b_obj != Py_None) {
-        got = take(self, b_obj, b, self->posted, 0);  /* this rank's block, which `run` copies into its row */
+    } else if ((self->kind == K_ALL_GATHER || self->kind == K_SC_ALL_GATHER) && b_obj != NULL && b_obj != Py_None) {
+        /* this rank's block, which `run` copies into its row */
+        got = take(self, b_obj, b, self->kind == K_ALL_GATHER ? self->posted : self->nbytes / self->size, 0);
         if (got <= 0) {
             PyBuffer_Release(a);
             *have_a = 0;
@@ -448,10 +474,195 @@ static void release(Py_buffer *a, Py_buffer *b, int have_a, int have_b) {
         PyBuffer_Release(b);
 }
 
+/* ---------------------------------------------------------------- single copy (single_copy_ops in C) */
+
+/* dst <- len bytes at `remote` in process `pid`, as single_copy.Reader.read: through the bounce buffer at half a page
+ * from the source where the kernel's string copy would take its slow case. 0, or -1 with errno set. */
+static int cma_read(Op *self, int64_t pid, uintptr_t remote, char *dst, Py_ssize_t len) {
+    Py_ssize_t done = 0;
+    if (len >= BOUNCE_MIN && ((uintptr_t)dst - remote) % PAGE != 0 && ((uintptr_t)dst - remote) % PAGE < SLOW_DISTANCE) {
+        if (self->bounce == NULL && (self->bounce = aligned_alloc(PAGE, BOUNCE_BYTES + PAGE)) == NULL) {
+            errno = ENOMEM;
+            return -1;
+        }
+        char *bounce = self->bounce + (remote + PAGE / 2 - (uintptr_t)self->bounce) % PAGE;
+        while (done < len) {
+            Py_ssize_t m = len - done < BOUNCE_BYTES ? len - done : BOUNCE_BYTES;
+            if (cma_read(self, pid, remote + done, bounce, m) < 0)
+                return -1;
+            memcpy(dst + done, bounce, m);
+            done += m;
+        }
+        return 0;
+    }
+    while (done < len) {
+        struct iovec local = {dst + done, (size_t)(len - done)}, far = {(void *)(remote + done), (size_t)(len - done)};
+        ssize_t got = process_vm_readv((pid_t)pid, &local, 1, &far, 1, 0);
+        if (got <= 0) {
+            if (got == 0)
+                errno = EFAULT;
+            return -1;
+        }
+        done += got;
+    }
+    return 0;
+}
+
+/* len bytes from `src` to `remote` in process `pid` (process_vm_writev), through the bounce buffer at half a page
+ * from the destination where the kernel's string copy would take its slow case. 0, or -1 with errno set. */
+static int cma_write(Op *self, int64_t pid, uintptr_t remote, const char *src, Py_ssize_t len) {
+    Py_ssize_t done = 0;
+    if (len >= BOUNCE_MIN && (remote - (uintptr_t)src) % PAGE != 0 && (remote - (uintptr_t)src) % PAGE < SLOW_DISTANCE) {
+        if (self->bounce == NULL && (self->bounce = aligned_alloc(PAGE, BOUNCE_BYTES + PAGE)) == NULL) {
+            errno = ENOMEM;
+            return -1;
+        }
+        char *bounce = self->bounce + (remote + PAGE / 2 - (uintptr_t)self->bounce) % PAGE;
+        while (done < len) {
+            Py_ssize_t m = len - done < BOUNCE_BYTES ? len - done : BOUNCE_BYTES;
+            memcpy(bounce, src + done, m);
+            if (cma_write(self, pid, remote + done, bounce, m) < 0)
+                return -1;
+            done += m;
+        }
+        return 0;
+    }
+    while (done < len) {
+        struct iovec local = {(void *)(src + done), (size_t)(len - done)};
+        struct iovec far = {(void *)(remote + done), (size_t)(len - done)};
+        ssize_t got = process_vm_writev((pid_t)pid, &local, 1, &far, 1, 0);
+        if (got <= 0) {
+            if (got == 0)
+                errno = EFAULT;
+            return -1;
+        }
+        done += got;
+    }
+    return 0;
+}
+
+/* Peer `p`'s publication in buffer `buf`: pid, address, bytes, memfd, token, offset. */
+static const int64_t *published(Op *self, int buf, int p) {
+    return (const int64_t *)((char *)self->box->map.buf + self->slots[buf][p] + PAYLOAD_OFF);
+}
+
+/* Bytes `from`..`to` of peer `p`'s buffer published in buffer `buf` into `dst`. 0, or -1 with errno set (EMSGSIZE:
+ * it published fewer bytes). */
+static int sc_read_peer(Op *self, int buf, int p, char *dst, Py_ssize_t from, Py_ssize_t to) {
+    const int64_t *words = published(self, buf, p);
+    self->failed = p;
+    if (words[2] < to) {
+        errno = EMSGSIZE;
+        return -1;
+    }
+    return cma_read(self, words[0], (uintptr_t)words[1] + from, dst + from, to - from);
+}
+
+/* A two-rank broadcast's member publishes SPLIT as its token (with memfd -1): the root writes the second part of each
+ * such member's buffer while the member reads the first (both cores copy); a root that published it writes the part,
+ * a member that published it has it written. Members on the Python path publish token 0 (memfd -1) and read all. */
+#define SPLIT 0x53504c4954LL
+
+static int splits(const int64_t *words) { return words[3] == -1 && words[4] == SPLIT; }
+
+/* Where the root's part of a split broadcast starts in the member's buffer at `address`: the middle, at a cache line. */
+static Py_ssize_t split_at(uintptr_t address, Py_ssize_t nbytes) {
+    return (Py_ssize_t)(((address + (uintptr_t)nbytes / 2) & ~(uintptr_t)63) - address);
+}
+
+/* The reads of a single-copy op whose publications (buffer `buf`) every member posted: broadcast, the root's buffer
+ * into `a`; all_gather, every peer's block into its row of `a` (starting at the next rank's, as single_copy_ops).
+ * Without the GIL. 0, or -1 with an OSError set (the peer in `failed`). */
+static int sc_reads(Op *self, int buf, char *a) {
+    int rc = 0, n = self->size;
+    PyThreadState *released = PyEval_SaveThread();
+    if (self->kind == K_SC_BCAST && self->rank != self->root) {
+        int split = splits(published(self, buf, self->root)) && splits(published(self, buf, self->rank));
+        rc = sc_read_peer(self, buf, self->root, a, 0, split ? split_at((uintptr_t)a, self->nbytes) : self->nbytes);
+    } else if (self->kind == K_SC_BCAST) {
+        for (int p = 0; p < n && rc == 0; p++) {
+            const int64_t *words = published(self, buf, p);
+            if (p == self->rank || !splits(published(self, buf, self->rank)) || !splits(words))
+                continue;
+            self->failed = p;
+            Py_ssize_t at = split_at((uintptr_t)words[1], self->nbytes);
+            if (words[2] < self->nbytes) {
+                errno = EMSGSIZE;
+                rc = -1;
+            } else {
+                rc = cma_write(self, words[0], (uintptr_t)words[1] + at, a + at, self->nbytes - at);
+            }
+        }
+    } else {
+        Py_ssize_t block = self->nbytes / n;
+        for (int k = 1; k < n && rc == 0; k++) {
+            int p = (self->rank + k) % n;
+            rc = sc_read_peer(self, buf, p, a + p * block, 0, block);
+        }
+    }
+    PyEval_RestoreThread(released);
+    if (rc < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->failed = -1;
+    return 0;
+}
+
+/* A single-copy op (see run): publish, read, post again. */
+static PyObject *sc_run(Op *self, long long seq, Py_buffer *a, Py_buffer *b, int have_b) {
+    Box *box = self->box;
+    char *base = (char *)box->map.buf;
+    long long k = ++box->ops;
+    int buf = (int)(k & 1);
+    char *me = base + self->slots[buf][self->rank];
+    Py_ssize_t block = self->nbytes / self->size;
+    char *row = (char *)a->buf + (Py_ssize_t)self->rank * block;
+    const char *mine = (const char *)a->buf;
+    if (self->kind == K_SC_ALL_GATHER) {
+        mine = row;
+        if (have_b && b->buf != row) {
+            char *start = (char *)a->buf, *end = start + self->nbytes, *given = (char *)b->buf;
+            if (given + block <= start || given >= end)
+                mine = given;  /* the peers read the block given apart while this rank copies it into its row */
+            else
+                memmove(row, given, block);  /* inside the output, elsewhere: into the row first */
+        }
+    }
+    memcpy(me + HEAD_OFF, self->header, HEAD_BYTES);
+    *(int64_t *)(me + SEQ_OFF) = seq & 0xFFFFFFFFLL;
+    int64_t *words = (int64_t *)(me + PAYLOAD_OFF);
+    words[0] = self->pid;
+    words[1] = (int64_t)(uintptr_t)mine;
+    words[2] = self->kind == K_SC_BCAST ? self->nbytes : block;
+    words[3] = -1;
+    words[4] = self->kind == K_SC_BCAST && self->size == 2 ? SPLIT : 0;
+    words[5] = 0;
+    __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
+    if (mine != row && self->kind == K_SC_ALL_GATHER)
+        memcpy(row, mine, block);
+    if (!(arrived(self, buf, k) && same_calls(self, buf)))
+        return PyLong_FromLong(buf);
+    if (sc_reads(self, buf, (char *)a->buf) < 0)
+        return NULL;
+    k = ++box->ops;  /* every member finished reading: the same call, without payload */
+    buf = (int)(k & 1);
+    me = base + self->slots[buf][self->rank];
+    memcpy(me + HEAD_OFF, self->header, HEAD_BYTES);
+    *(int64_t *)(me + SEQ_OFF) = seq & 0xFFFFFFFFLL;
+    *(int64_t *)(me + POSTED_OFF) = 0;
+    __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
+    if (!(arrived(self, buf, k) && same_calls(self, buf)))
+        return PyLong_FromLong(2 + buf);
+    Py_RETURN_NONE;
+}
+
 /* run(seq, a=None, b=None): this shape's call number `seq` (all_gather: `a` the output, `b` this rank's block or
  * None if it is in its row already; reduce_scatter: `a` the input, `b` the output). None: done. -1: nothing done
- * (an array the C path does not take: the Python path runs the call). 0 or 1: posted in that buffer, but a member was late or posted
- * another call: the caller settles (Mailbox.settle) and then calls finish(buf, a, b). */
+ * (an array the C path does not take: the Python path runs the call). 0 or 1: posted in that buffer, but a member was
+ * late or posted another call: the caller settles (Mailbox.settle) and then calls finish(buf, a, b) (single copy:
+ * which reads; the caller then posts the second time). Single copy only: 2 or 3, the second post (in buffer 0 or 1)
+ * waits for a member: the caller settles it. A failed read raises OSError (the peer: `failed`). */
 static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 3) {
         PyErr_SetString(PyExc_TypeError, "run(seq, a=None, b=None)");
@@ -469,6 +680,12 @@ static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
     if (got <= 0)
         return got < 0 ? NULL : PyLong_FromLong(-1);
     box->busy++;
+    if (self->kind == K_SC_BCAST || self->kind == K_SC_ALL_GATHER) {
+        PyObject *result = sc_run(self, seq, &a, &b, have_b);
+        box->busy--;
+        release(&a, &b, have_a, have_b);
+        return result;
+    }
     char *base = (char *)box->map.buf;
     long long k = ++box->ops;
     int buf = (int)(k & 1);
@@ -535,8 +752,14 @@ static PyObject *Op_finish(Op *self, PyObject *const *args, Py_ssize_t nargs) {
             PyErr_SetString(PyExc_ValueError, "finish: not the arrays this op ran with");
         return NULL;
     }
-    consume(self, (int)buf, have_a ? (char *)a.buf : NULL, have_b ? (char *)b.buf : NULL);
+    int rc = 0;
+    if (self->kind == K_SC_BCAST || self->kind == K_SC_ALL_GATHER)
+        rc = sc_reads(self, (int)buf, (char *)a.buf);
+    else
+        consume(self, (int)buf, have_a ? (char *)a.buf : NULL, have_b ? (char *)b.buf : NULL);
     release(&a, &b, have_a, have_b);
+    if (rc < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -550,6 +773,7 @@ static PyMethodDef Op_methods[] = {
 
 static PyMemberDef Op_members[] = {
     {"box", T_OBJECT, offsetof(Op, box), READONLY, "the Box this op posts in"},
+    {"failed", T_INT, offsetof(Op, failed), READONLY, "single copy: the peer whose read failed last (-1: none)"},
     {NULL},
 };
 
@@ -586,6 +810,7 @@ PyMODINIT_FUNC PyInit__fastbox(void) {
     struct { const char *name; int value; } constants[] = {
         {"ALL_REDUCE", K_ALL_REDUCE}, {"BROADCAST_ROOT", K_BCAST_ROOT}, {"BROADCAST_LEAF", K_BCAST_LEAF},
         {"ALL_GATHER", K_ALL_GATHER}, {"REDUCE_SCATTER", K_REDUCE_SCATTER}, {"BARRIER", K_BARRIER},
+        {"SC_BROADCAST", K_SC_BCAST}, {"SC_ALL_GATHER", K_SC_ALL_GATHER}, {"SC_POSTED", SC_POSTED},
         {"SUM", R_SUM}, {"PRODUCT", R_PRODUCT}, {"MIN", R_MIN}, {"MAX", R_MAX},
         {"FLOAT32", D_F32}, {"FLOAT64", D_F64}, {"INT32", D_I32}, {"INT64", D_I64}, {"NO_DTYPE", D_NONE},
         {"MAX_SIZE", MAX_SIZE}, {"HEAD_BYTES", HEAD_BYTES}, {"PAYLOAD_OFFSET", PAYLOAD_OFF},

@@ -13,6 +13,10 @@ The kernel copies 7-8x slower when the destination starts 1-31 bytes after the s
 `rep movsb`, see `host_copy`), so such a read goes through a bounce buffer at half a page from the source instead
 (two fast copies: a 1 MiB read takes ~120 us that way against ~585 straight).
 
+Where the mailbox is mapped and every member runs the compiled ops, a prepared broadcast or all_gather runs all of
+this in one C call (`_fastbox`, the same protocol; `single_copy_ops.PreparedBroadcast`); the policy sends the sizes
+where one copy beats the mailbox's two only there (`policy.needs_compiled`).
+
 Availability is decided once per group (`set_up`) and agreed by every member (a MIN): the system call exists, Yama's
 ptrace_scope allows it (1: this process first lets any process of its user read it, `PR_SET_PTRACER_ANY`; 2 or 3:
 not available) and a test read of every peer works (ranks that are threads of one process read their own pid).
@@ -141,8 +145,11 @@ def local_obstacle(scope_path: str = YAMA_SCOPE) -> str | None:
 class SingleCopy:
     """A group's single-copy path, set up: publishes this rank's buffer of an op, reads peers', synchronizes."""
 
-    def __init__(self, comm: Comm, sync: Sync) -> None:
+    def __init__(self, comm: Comm, sync: Sync, compiled: bool = False) -> None:
         self.comm, self.sync = comm, sync
+        self.compiled = compiled and sync.mailbox is not None and sync.mailbox.native is not None
+        """Whether every member runs the compiled single-copy ops (`_fastbox`, through the mailbox): agreed by all, so
+        the ops that take the path only in that form (`policy.needs_compiled`) take it on every member or on none."""
         self.reader = Reader()
         self.pid = os.getpid()
         self.mappings = Mappings()
@@ -207,7 +214,8 @@ def set_up(comm: Comm, sync: Sync, c: Call, scope_path: str = YAMA_SCOPE) -> Sin
     Each member publishes a random token and reads every peer's."""
     obstacle = local_obstacle(scope_path)
     token = np.array([secrets.randbits(62)], np.int64)
-    words = np.array([os.getpid(), address(token), token.nbytes, obstacle is None, int(token[0])], np.int64)
+    compiled = sync.mailbox is not None and sync.mailbox.native is not None
+    words = np.array([os.getpid(), address(token), token.nbytes, obstacle is None, int(token[0]), compiled], np.int64)
     table = exchange(comm, sync, c, words)
     if obstacle is None and not table[:, 3].all():
         obstacle = "a peer cannot use it"
@@ -228,4 +236,4 @@ def set_up(comm: Comm, sync: Sync, c: Call, scope_path: str = YAMA_SCOPE) -> Sin
     if failure.debug():
         which = "the single-copy path (process_vm_readv)" if obstacle is None else f"the arena ({obstacle})"
         print(f"axond: {comm.g.where('set-up')}: large ops on one host take {which}", file=sys.stderr, flush=True)
-    return SingleCopy(comm, sync) if obstacle is None else None
+    return SingleCopy(comm, sync, bool(table[:, 5].all())) if obstacle is None else None

@@ -10,6 +10,10 @@ buffer, reads what it needs straight from its peers' buffers, and synchronizes o
 Reductions run in rank order on one rank per part, so every rank gets the same numbers. Scratch stays bounded:
 CHUNK_BYTES per peer. A peer's buffer from `shared_empty` is read from its mapping (a memcpy), and reduced from it
 without the scratch.
+
+A broadcast or all_gather of a shape that took the path through the mailbox once runs prepared after that
+(`PreparedBroadcast`, `PreparedAllGather`): one C call (`_fastbox`) posts the publication, reads and posts again,
+where every member runs the compiled ops.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from collections.abc import Callable
 import numpy as np
 
 from axond.distributed.backends.host_copy import large_copy
-from axond.distributed.backends.tcp.shm.single_copy import SingleCopy
+from axond.distributed.backends.tcp.shm.mailbox_ops import Prepared
+from axond.distributed.backends.tcp.shm.single_copy import WORDS, SingleCopy
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
@@ -103,3 +108,84 @@ def _reduce_part(sc: SingleCopy, c: Call, table: np.ndarray, mine: np.ndarray, l
             prev = into
         if op is ReduceOp.AVG:
             finish_average(target, n)
+
+
+class _PreparedSingleCopy(Prepared):
+    """A single-copy op of one call shape in its compiled form (see `Prepared`; `_fastbox.SC_*`): its `run` is one C
+    call where every member posts within the wait's first turns; otherwise `_rest` finishes it as the Python path
+    does."""
+
+    __slots__ = ("sc",)
+
+    def __init__(self, sc: SingleCopy, c: Call, make_call: Callable[[int], Call]) -> None:
+        assert sc.sync.mailbox is not None
+        super().__init__(sc.sync.mailbox, c, make_call, WORDS * 8)
+        self.sc = sc
+
+    def _rest(self, code: int, seq: int, a: np.ndarray, b: np.ndarray | None) -> None:
+        """After `native.run` returned `code` (not None, not -1): the publications (0, 1) or the last post (2, 3)
+        in that buffer wait for a member; settle them as `Mailbox.settle` does (raising naming a late or mismatched
+        peer), read and post the last time."""
+        box = self.box
+        if code < 2:
+            box.settle(code, box.count.ops, self.posted, self.make_call, seq)
+            self._native("finish", seq, code, a, b)
+            box.post(self.make_call(seq), None)
+        else:
+            box.settle(code - 2, box.count.ops, 0, self.make_call, seq)
+
+    def _native(self, method: str, seq: int, *args: object) -> int | None:
+        """`native.run` or `native.finish`; a failed read raises `DistributedError` naming the peer."""
+        try:
+            result: int | None = getattr(self.native, method)(*args)
+            return result
+        except OSError as e:
+            peer = self.native.failed
+            raise self.box.g.error(self.make_call(seq), peer, f"reading peer rank {peer}'s buffer failed: "
+                                                              f"{e.strerror} (did it die?)") from e
+
+
+class PreparedBroadcast(_PreparedSingleCopy):
+    """broadcast from group rank `src` on the single-copy path, prepared (see `_PreparedSingleCopy`)."""
+
+    __slots__ = ("src",)
+
+    def __init__(self, sc: SingleCopy, c: Call, x: np.ndarray, src: int, make_call: Callable[[int], Call]) -> None:
+        super().__init__(sc, c, make_call)
+        self.src = src
+        self.compile("SC_BROADCAST", x.nbytes, root=src)
+
+    def run(self, x: np.ndarray, seq: int) -> None:
+        """x (flat, contiguous, of the prepared dtype and size) <- the root's x, as `broadcast`."""
+        code = None if self.native is None else self._native("run", seq, seq, x)
+        if self.native is None or code == -1:
+            broadcast(self.sc, self.make_call(seq), x, self.src)
+        elif code is not None:
+            self._rest(code, seq, x, None)
+
+
+class PreparedAllGather(_PreparedSingleCopy):
+    """all_gather on the single-copy path, prepared (see `_PreparedSingleCopy`)."""
+
+    __slots__ = ()
+
+    def __init__(self, sc: SingleCopy, c: Call, x: np.ndarray, make_call: Callable[[int], Call]) -> None:
+        super().__init__(sc, c, make_call)
+        self.compile("SC_ALL_GATHER", sc.comm.size * x.nbytes)
+
+    def run(self, out: np.ndarray, seq: int, x: np.ndarray | None = None) -> None:
+        """out (size, ...; contiguous, of the prepared dtype and block size) <- every member's block, as
+        `all_gather`: this rank's is `x`, or row `rank` of `out` already if `x` is None."""
+        code = None if self.native is None else self._native("run", seq, seq, out, x)
+        if self.native is None or code == -1:
+            shares = x is not None and np.may_share_memory(x, out)
+            if x is not None and (shares or not x.flags.c_contiguous):
+                copy_in = x
+                x = None
+                if copy_in.ndim:
+                    large_copy(out[self.sc.comm.rank], copy_in)
+                else:
+                    out[self.sc.comm.rank] = copy_in
+            all_gather(self.sc, self.make_call(seq), out, x)
+        elif code is not None:
+            self._rest(code, seq, out, x)

@@ -1,0 +1,205 @@
+"""The single-copy path in its compiled form (`_fastbox.SC_BROADCAST`, `SC_ALL_GATHER`): the sizes that take it only
+where every member runs the compiled ops (`policy.needs_compiled`), ahead of the mailbox. Real ranks (threads of this
+process, and processes), the same bytes as one process; the two-rank broadcast's split (the root writes the second
+part of the member's buffer while the member reads the first), reads and writes at a slow distance (the bounce
+buffer), a member without the compiled ops, a mismatched call, a killed peer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from axond import DistributedError, ProcessGroup
+from axond.distributed import BackendOptions, FileStore, create_group
+from axond.distributed.backends.tcp import TcpOptions
+from axond.distributed.backends.tcp.policy import ORDERED_STORES, Path, Shape, route
+from axond.distributed.backends.tcp.shm import mailbox, single_copy
+from axond.distributed.backends.tcp.shm.single_copy_ops import PreparedAllGather, PreparedBroadcast
+from axond.distributed.backends.tcp.transport.wire import Op
+from axond.testing import collect_from_processes, run_on, thread_groups
+
+KiB = 1 << 10
+
+needs_it = pytest.mark.skipif(
+    mailbox._fastbox is None or not ORDERED_STORES or single_copy.local_obstacle() is not None,
+    reason="the compiled single copy needs the compiled helper, x86 and process_vm_readv "
+           f"({single_copy.local_obstacle() or 'no compiled helper or not x86'})")
+
+
+def test_the_policy_sends_the_measured_sizes_there_and_only_with_the_defaults() -> None:
+    two, four = Shape(2), Shape(4, oversubscribed=True)
+    assert route(Op.BROADCAST, 64 * KiB, two).path is Path.SINGLE_COPY
+    assert route(Op.BROADCAST, 256 * KiB, two).path is Path.SINGLE_COPY
+    assert route(Op.BROADCAST, 32 * KiB, two).path is Path.MAILBOX
+    assert route(Op.BROADCAST, 512 * KiB, two).path is Path.MAILBOX
+    assert route(Op.ALL_GATHER, 64 * KiB, two).path is Path.SINGLE_COPY  # 128 KiB of output
+    assert route(Op.ALL_GATHER, 32 * KiB, two).path is Path.MAILBOX
+    assert route(Op.BROADCAST, 1 << 20, four).path is Path.SINGLE_COPY
+    assert route(Op.BROADCAST, 256 * KiB, four).path is Path.MAILBOX
+    assert route(Op.ALL_GATHER, 64 * KiB, four).path is Path.MAILBOX
+    assert route(Op.ALL_REDUCE, 128 * KiB, two).path is Path.MAILBOX
+    for options in (TcpOptions(shm_native=False), TcpOptions(shm_single_copy=False), TcpOptions(shm_mailbox=False),
+                    TcpOptions(shm_min_bytes=4096)):
+        assert route(Op.BROADCAST, 64 * KiB, two, options).path is not Path.SINGLE_COPY, options
+    assert route(Op.BROADCAST, 64 * KiB, Shape(2, ordered_stores=False)).path is not Path.SINGLE_COPY
+    assert route(Op.BROADCAST, 64 * KiB, Shape(4, hosts=2, per_host=2)).path is not Path.SINGLE_COPY
+
+
+def _placed(raw: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+    """`nbytes` of `raw` starting at `offset` bytes into a page."""
+    start = (offset - raw.ctypes.data) % 4096
+    return raw[start : start + nbytes]
+
+
+def _prepared(pg: ProcessGroup) -> list[Any]:
+    return list(pg.backend._small.values())  # type: ignore[union-attr]
+
+
+@needs_it
+@pytest.mark.parametrize("size", [2, 4])
+def test_broadcast_from_every_root_gives_the_roots_bytes_prepared_in_one_c_call(made: list[ProcessGroup],
+                                                                             size: int) -> None:
+    made += thread_groups(size, timeout=10.0)
+    nbytes = 100_003 if size == 2 else 1_000_003  # odd sizes, inside the windows
+
+    def body(pg: ProcessGroup) -> list[bytes]:
+        x = np.empty(nbytes, np.uint8)
+        got = []
+        for i in range(2 * size):
+            root = i % size
+            x[...] = np.arange(nbytes) * (pg.rank + 1) + i if pg.rank == root else 7
+            box = pg.backend.placement.mailbox  # type: ignore[union-attr]
+            ops = box.ops if box is not None else 0
+            pg.broadcast(x, root)
+            if i >= size:  # prepared by its first call from this root: publications and the last post, in C
+                assert pg.backend.placement.mailbox.ops == ops + 2  # type: ignore[union-attr]
+            got.append(x.tobytes())
+        return got
+
+    for got in run_on(made, body, timeout=60.0):
+        for i, data in enumerate(got):
+            want = (np.arange(nbytes) * (i % size + 1) + i).astype(np.uint8)
+            assert data == want.tobytes(), i
+    for pg in made:
+        sc = pg.backend.placement.single_copy  # type: ignore[union-attr]
+        assert sc is not None and sc.compiled
+        assert sum(isinstance(p, PreparedBroadcast) and p.native is not None for p in _prepared(pg)) == size
+
+
+@needs_it
+@pytest.mark.parametrize("distance", [0, 8, 16, 2048])
+def test_the_split_broadcast_and_its_bounces_at_every_distance(made: list[ProcessGroup], distance: int) -> None:
+    """Two ranks: the member reads the first part, the root writes the second; buffers `distance` bytes apart modulo
+    the page (8 and 16: the kernel's slow string copy, through the bounce buffer both ways)."""
+    made += thread_groups(2, timeout=10.0)
+    nbytes = 200 * KiB + 40
+    raws = [np.zeros(nbytes + 8192, np.uint8) for _ in range(2)]
+
+    def body(pg: ProcessGroup) -> list[bytes]:
+        x = _placed(raws[pg.rank], 256 + distance * pg.rank, nbytes)
+        got = []
+        for i in range(4):
+            x[...] = (np.arange(nbytes) + 3 * i) % 251 if pg.rank == 0 else 0
+            pg.broadcast(x, 0)
+            got.append(x.tobytes())
+        return got
+
+    got = run_on(made, body, timeout=60.0)
+    for i in range(4):
+        want = ((np.arange(nbytes) + 3 * i) % 251).astype(np.uint8).tobytes()
+        assert got[0][i] == want and got[1][i] == want, i
+
+
+@needs_it
+@pytest.mark.parametrize("form", ["separate", "row of out", "inside out", "strided"])
+def test_all_gather_in_every_form_gives_every_block(made: list[ProcessGroup], form: str) -> None:
+    made += thread_groups(2, timeout=10.0)
+    count = 20_001  # 160 KiB of float64 output
+
+    def body(pg: ProcessGroup) -> list[np.ndarray]:
+        got = []
+        for i in range(4):
+            out = np.zeros((2, count), np.float64)
+            block = np.arange(count) + 1000.0 * pg.rank + i
+            if form == "row of out":
+                out[pg.rank] = block
+                x = out[pg.rank]
+            elif form == "inside out":  # a view of the other row: copied into its own row first
+                out[1 - pg.rank] = block
+                x = out[1 - pg.rank]
+            elif form == "strided":
+                x = np.repeat(block, 2)[::2]
+            else:
+                x = block
+            assert pg.all_gather(x, out=out) is out
+            got.append(out)
+        return got
+
+    for got in run_on(made, body, timeout=60.0):
+        for i, out in enumerate(got):
+            np.testing.assert_array_equal(out, np.stack([np.arange(count) + 1000.0 * r + i for r in range(2)]))
+    assert all(any(isinstance(p, PreparedAllGather) for p in _prepared(pg)) for pg in made)
+
+
+@needs_it
+def test_a_member_without_the_compiled_ops_keeps_the_group_on_the_mailbox(made: list[ProcessGroup]) -> None:
+    made += thread_groups(2, options=[BackendOptions(timeout=10.0, tcp=TcpOptions(shm_native=n)) for n in (True, False)])
+    big = np.full(1 << 20, 3.0)  # 8 MiB: the single-copy set-up
+    run_on(made, lambda pg: pg.all_reduce(big.copy()))
+
+    def body(pg: ProcessGroup) -> bytes:
+        x = np.full(64 * KiB, pg.rank + 1, np.uint8)
+        for _ in range(3):
+            pg.broadcast(x, 1)
+        return x.tobytes()
+
+    assert run_on(made, body) == [bytes([2]) * (64 * KiB)] * 2
+    for pg in made:
+        sc = pg.backend.placement.single_copy  # type: ignore[union-attr]
+        assert sc is not None and not sc.compiled
+        assert not any(isinstance(p, PreparedBroadcast) for p in _prepared(pg))
+
+
+@needs_it
+def test_a_mismatched_call_raises_on_every_rank_naming_both(made: list[ProcessGroup]) -> None:
+    made += thread_groups(2, timeout=5.0)
+    x = [np.zeros(64 * KiB, np.uint8) for _ in range(2)]
+    run_on(made, lambda pg: [pg.broadcast(x[pg.rank], 0) for _ in range(3)])  # prepared
+
+    def body(pg: ProcessGroup) -> None:
+        pg.broadcast(x[pg.rank], pg.rank)  # each its own root
+
+    errors = run_on(made, body, return_exceptions=True)
+    assert all(isinstance(e, DistributedError) and "broadcast" in str(e) for e in errors), errors
+    assert all("broadcast src=0" in str(e) and "broadcast src=1" in str(e) for e in errors), errors
+
+
+def _killed_mid_broadcasts(rank: int, size: int, store_dir: str, q: Any) -> None:
+    """Rank 1 SIGKILLs itself after a few prepared 128 KiB broadcasts; the others must raise."""
+    pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0))
+    x = np.zeros(128 * KiB, np.uint8)
+    t0 = time.monotonic()
+    try:
+        for i in range(200):
+            if rank == 1 and i == 20:
+                os.kill(os.getpid(), signal.SIGKILL)
+            pg.broadcast(x, i % size)
+            t0 = time.monotonic()
+        q.put((rank, "no error", 0.0))
+    except DistributedError as e:
+        q.put((rank, str(e), time.monotonic() - t0))
+    pg.destroy()
+
+
+@needs_it
+def test_a_killed_member_makes_the_other_raise_promptly() -> None:
+    items, codes = collect_from_processes(_killed_mid_broadcasts, 2, expect=1)
+    (rank, msg, took), = items
+    assert rank == 0 and "rank 1" in msg and "broadcast" in msg, msg
+    assert took < 2.0
+    assert codes[1] == -signal.SIGKILL
