@@ -37,6 +37,10 @@ def test_the_policy_sends_the_measured_sizes_there_and_only_with_the_defaults() 
     assert route(Op.BROADCAST, 256 * KiB, two).path is Path.SINGLE_COPY
     assert route(Op.BROADCAST, 32 * KiB, two).path is Path.MAILBOX
     assert route(Op.BROADCAST, 512 * KiB, two).path is Path.MAILBOX
+    assert route(Op.BROADCAST, 2 << 20, two).path is Path.ARENA
+    assert route(Op.BROADCAST, 4 << 20, two).path is Path.SINGLE_COPY
+    assert route(Op.ALL_GATHER, 2 << 20, two).path is Path.SINGLE_COPY  # 4 MiB of output
+    assert route(Op.ALL_GATHER, 8 << 20, two).path is Path.SINGLE_COPY  # 16 MiB: the Python path's size anyway
     assert route(Op.ALL_GATHER, 64 * KiB, two).path is Path.SINGLE_COPY  # 128 KiB of output
     assert route(Op.ALL_GATHER, 32 * KiB, two).path is Path.MAILBOX
     assert route(Op.BROADCAST, 1 << 20, four).path is Path.SINGLE_COPY
@@ -91,13 +95,24 @@ def test_broadcast_from_every_root_gives_the_roots_bytes_prepared_in_one_c_call(
         assert sum(isinstance(p, PreparedBroadcast) and p.native is not None for p in _prepared(pg)) == size
 
 
+def test_a_group_without_the_compiled_ops_keeps_the_python_single_copy_where_it_always_took_it() -> None:
+    from axond.distributed.backends.tcp.policy import compiled_single_copy, needs_compiled
+    two = Shape(2)
+    assert compiled_single_copy(Op.BROADCAST, 64 << 20, two, TcpOptions())
+    assert not needs_compiled(Op.BROADCAST, 64 << 20, two, TcpOptions())  # the Python path takes it too
+    assert needs_compiled(Op.BROADCAST, 8 << 20, two, TcpOptions())
+    assert route(Op.BROADCAST, 64 << 20, two, TcpOptions(shm_native=False)).path is Path.SINGLE_COPY
+
+
 @needs_it
+@pytest.mark.parametrize("nbytes", [200 * KiB + 40, 5 * (1 << 20) + 40])
 @pytest.mark.parametrize("distance", [0, 8, 16, 2048])
-def test_the_split_broadcast_and_its_bounces_at_every_distance(made: list[ProcessGroup], distance: int) -> None:
+def test_the_split_broadcast_and_its_bounces_at_every_distance(made: list[ProcessGroup], distance: int,
+                                                               nbytes: int) -> None:
     """Two ranks: the member reads the first part, the root writes the second; buffers `distance` bytes apart modulo
-    the page (8 and 16: the kernel's slow string copy, through the bounce buffer both ways)."""
+    the page (8 and 16: the kernel's slow string copy, through the bounce buffer both ways, in several rounds of it
+    at 5 MiB)."""
     made += thread_groups(2, timeout=10.0)
-    nbytes = 200 * KiB + 40
     raws = [np.zeros(nbytes + 8192, np.uint8) for _ in range(2)]
 
     def body(pg: ProcessGroup) -> list[bytes]:

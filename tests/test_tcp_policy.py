@@ -105,9 +105,10 @@ ROUTES = [
     (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, SOCKETS, "sockets:ring"),
     (Op.BROADCAST, 16 * MiB, CROWDED, None, "single_copy"),
     (Op.BROADCAST, 16 * MiB, PAIR, None, "single_copy"),
-    (Op.BROADCAST, 16 * MiB - 8, PAIR, None, "arena"),
+    (Op.BROADCAST, 16 * MiB - 8, PAIR, None, "single_copy"),  # two ranks: compiled from 4 MiB (test_single_copy_native)
+    (Op.BROADCAST, 4 * MiB - 8, PAIR, None, "arena"),
     (Op.ALL_GATHER, 4 * MiB, PAIR, None, "single_copy"),  # two ranks: from 8 MiB of output
-    (Op.ALL_GATHER, 4 * MiB - 8, PAIR, None, "arena"),
+    (Op.ALL_GATHER, 2 * MiB - 8, PAIR, None, "arena"),  # compiled from 4 MiB of output
     (Op.REDUCE_SCATTER, 4 * MiB, PAIR, None, "single_copy"),  # two ranks: from 4 MiB
     (Op.REDUCE_SCATTER, 4 * MiB - 8, PAIR, None, "arena"),
     (Op.ALL_REDUCE, 2 * MiB, PAIR, TcpOptions(shm_single_copy_min_bytes=2 * MiB), "single_copy"),  # its own threshold

@@ -221,10 +221,10 @@ class TcpBackend(Backend):
             self._inplace(x, "all_reduce", lambda flat: sockets.all_reduce(self.comm, c, flat, op))
 
     def _compiled_single_copy(self, sc: Any, op: Op, nbytes: int) -> bool:
-        """Whether an op on the single-copy path (`sc`) runs prepared from its next call on: where it takes the path
-        only in its compiled form (larger ones keep the Python path, which reads arrays from `shared_empty` through
+        """Whether an op on the single-copy path (`sc`) runs prepared, in its compiled form, from its next call on
+        (`policy.compiled_single_copy`; others keep the Python path, which reads arrays from `shared_empty` through
         their mappings)."""
-        return bool(sc.compiled) and policy.needs_compiled(op, nbytes, self.placement.shape, self.tcp_options)
+        return bool(sc.compiled) and policy.compiled_single_copy(op, nbytes, self.placement.shape, self.tcp_options)
 
     def _prepare(self, key: tuple[Any, ...], box: Any, c: Call, build: Callable[[Callable[[int], Call]], Any]) -> None:
         """Keep the prepared form of a mailbox op (`mailbox_ops.Prepared`) under `key`: the next call of that shape

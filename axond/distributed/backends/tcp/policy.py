@@ -116,9 +116,10 @@ of output since session 17, once the peers read each rank's input itself (4 rank
 4 rounds, median / best): 4 MiB 0.41 / 0.70, 8 MiB 0.51 / 0.56, 16 MiB 0.54 / 0.55; but where the input is the
 rank's row of the output (torch FSDP2's all-gathers), which the peers read as it was just written, single copy /
 arena at 4 ranks: 4 MiB 646-1487 / 461-660 us, 8 MiB 1352-1504 / 2309-2419, 16 MiB 2981-3304 / 4086-4920."""
-COMPILED_SINGLE_COPY_BYTES: dict[tuple[Op, bool], tuple[int, int]] = {
-    (Op.BROADCAST, False): (48 << 10, 256 << 10), (Op.ALL_GATHER, False): (128 << 10, 512 << 10),
-    (Op.BROADCAST, True): (384 << 10, 8 << 20),
+COMPILED_SINGLE_COPY_BYTES: dict[tuple[Op, bool], tuple[tuple[int, int], ...]] = {
+    (Op.BROADCAST, False): ((48 << 10, 256 << 10), (4 << 20, 1 << 62)),
+    (Op.ALL_GATHER, False): ((128 << 10, 512 << 10), (4 << 20, 8 << 20)),
+    (Op.BROADCAST, True): ((384 << 10, 8 << 20),),
 }
 """Sizes (all_gather: of the output; from, to) at which an op of a one-host group of (two: False, more: True) ranks
 takes the single-copy path in its compiled form (`_fastbox`: one C call publishes, reads with process_vm_readv and
@@ -129,7 +130,10 @@ median / best of the rounds' medians, session 19): at 2 ranks broadcast 48 KiB 0
 output 0.86 / 0.88, 256 KiB 0.76 / 0.79, 512 KiB 0.92 / 0.93, but 64 KiB 1.11 / 1.13 and 1 MiB 1.01 / 1.16. At 4
 ranks (on 2 cores) broadcast 384 KiB 0.59 / 0.58, 512 KiB 0.64 / 0.64 and 0.42 / 0.67, 1 MiB 0.78 / 0.77 and 0.70 /
 0.99, 2 MiB 0.85 / 0.87, 4 MiB 0.75 / 0.58, 8 MiB 0.82 / 0.79, but 64-256 KiB 0.99-1.53; all_gather 64 KiB-1 MiB of
-output 1.09-1.88: not there."""
+output 1.09-1.88: not there. From 4 MiB on two ranks (against the arena, then the Python single copy from 16 MiB,
+4 rounds): broadcast 4 MiB 0.94 / 0.93, 8 MiB 0.77 / 0.78, 16 MiB 0.52 / 0.50, 32 MiB 0.55 / 0.53 (3 rounds: 64 MiB
+0.57 / 0.58, 256 MiB 0.54 / 0.54; but 1-2 MiB 0.83-1.30); all_gather 4 MiB 0.77 / 0.89, 8 MiB 0.81 / 0.93, but
+16 MiB 0.99 / 0.98 and 64 MiB 1.20 / 1.29 (the own block's memcpy against the Python path's `rep movsb`)."""
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB; in groups
 whose mailbox takes more, from past the mailbox)."""
@@ -259,16 +263,24 @@ def _single_copy(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool
             or needs_compiled(op, nbytes, shape, options))
 
 
+def compiled_single_copy(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
+    """Whether op `op` on `nbytes` per rank takes the single-copy path in its compiled form where every member runs
+    the compiled ops (COMPILED_SINGLE_COPY_BYTES, with the default thresholds)."""
+    windows = COMPILED_SINGLE_COPY_BYTES.get((op, shape.size > 2))
+    if (windows is None or not (options.shm and options.shm_single_copy and options.shm_native and options.shm_mailbox)
+            or options.shm_single_copy_min_bytes >= 0 or options.shm_min_bytes >= 0 or not shape.ordered_stores
+            or shape.size == 1 or shape.hosts not in (None, 1)):
+        return False
+    total = _path_bytes(op, nbytes, shape.size)
+    return any(lo <= total <= hi for lo, hi in windows)
+
+
 def needs_compiled(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
     """Whether op `op` on `nbytes` per rank takes the single-copy path only in its compiled form, ahead of the
-    mailbox (COMPILED_SINGLE_COPY_BYTES, with the default thresholds): a group takes it there only if every member
-    runs the compiled ops (`single_copy.SingleCopy.compiled`), else the next path."""
-    window = COMPILED_SINGLE_COPY_BYTES.get((op, shape.size > 2))
-    if (window is None or not (options.shm_single_copy and options.shm_native and options.shm_mailbox)
-            or options.shm_single_copy_min_bytes >= 0 or options.shm_min_bytes >= 0 or not shape.ordered_stores
-            or shape.size == 1 or shape.hosts not in (None, 1) or not options.shm):
-        return False
-    return window[0] <= _path_bytes(op, nbytes, shape.size) <= window[1]
+    mailbox or the arena (`compiled_single_copy`, below SINGLE_COPY_MIN_BYTES): a group takes it there only if every
+    member runs the compiled ops (`single_copy.SingleCopy.compiled`), else the next path."""
+    return (compiled_single_copy(op, nbytes, shape, options)
+            and _path_bytes(op, nbytes, shape.size) < SINGLE_COPY_MIN_BYTES[op][shape.size > 2])
 
 
 def _arena(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
