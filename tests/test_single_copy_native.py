@@ -46,6 +46,8 @@ def test_the_policy_sends_the_measured_sizes_there_and_only_with_the_defaults() 
     assert route(Op.BROADCAST, 1 << 20, four).path is Path.SINGLE_COPY
     assert route(Op.BROADCAST, 256 * KiB, four).path is Path.MAILBOX
     assert route(Op.ALL_GATHER, 64 * KiB, four).path is Path.MAILBOX
+    assert route(Op.ALL_GATHER, 384 * KiB, four).path is Path.ARENA  # 1.5 MiB of output
+    assert route(Op.ALL_GATHER, 512 * KiB, four).path is Path.SINGLE_COPY  # 2 MiB
     assert route(Op.ALL_REDUCE, 128 * KiB, two).path is Path.MAILBOX
     for options in (TcpOptions(shm_native=False), TcpOptions(shm_single_copy=False), TcpOptions(shm_mailbox=False),
                     TcpOptions(shm_min_bytes=4096)):
@@ -131,22 +133,23 @@ def test_the_split_broadcast_and_its_bounces_at_every_distance(made: list[Proces
 
 
 @needs_it
+@pytest.mark.parametrize("size,count", [(2, 20_001), (4, 70_001)])  # 160 KiB, 2.1 MiB of float64 output
 @pytest.mark.parametrize("form", ["separate", "row of out", "inside out", "strided"])
-def test_all_gather_in_every_form_gives_every_block(made: list[ProcessGroup], form: str) -> None:
-    made += thread_groups(2, timeout=10.0)
-    count = 20_001  # 160 KiB of float64 output
+def test_all_gather_in_every_form_gives_every_block(made: list[ProcessGroup], form: str, size: int,
+                                                    count: int) -> None:
+    made += thread_groups(size, timeout=10.0)
 
     def body(pg: ProcessGroup) -> list[np.ndarray]:
         got = []
         for i in range(4):
-            out = np.zeros((2, count), np.float64)
+            out = np.zeros((size, count), np.float64)
             block = np.arange(count) + 1000.0 * pg.rank + i
             if form == "row of out":
                 out[pg.rank] = block
                 x = out[pg.rank]
-            elif form == "inside out":  # a view of the other row: copied into its own row first
-                out[1 - pg.rank] = block
-                x = out[1 - pg.rank]
+            elif form == "inside out":  # a view of another row: copied into its own row first
+                out[(pg.rank + 1) % size] = block
+                x = out[(pg.rank + 1) % size]
             elif form == "strided":
                 x = np.repeat(block, 2)[::2]
             else:
@@ -157,7 +160,7 @@ def test_all_gather_in_every_form_gives_every_block(made: list[ProcessGroup], fo
 
     for got in run_on(made, body, timeout=60.0):
         for i, out in enumerate(got):
-            np.testing.assert_array_equal(out, np.stack([np.arange(count) + 1000.0 * r + i for r in range(2)]))
+            np.testing.assert_array_equal(out, np.stack([np.arange(count) + 1000.0 * r + i for r in range(size)]))
     assert all(any(isinstance(p, PreparedAllGather) for p in _prepared(pg)) for pg in made)
 
 
