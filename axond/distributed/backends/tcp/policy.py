@@ -118,7 +118,7 @@ rank's row of the output (torch FSDP2's all-gathers), which the peers read as it
 arena at 4 ranks: 4 MiB 646-1487 / 461-660 us, 8 MiB 1352-1504 / 2309-2419, 16 MiB 2981-3304 / 4086-4920."""
 COMPILED_SINGLE_COPY_BYTES: dict[tuple[Op, bool], tuple[tuple[int, int], ...]] = {
     (Op.BROADCAST, False): ((48 << 10, 256 << 10), (4 << 20, 1 << 62)),
-    (Op.ALL_GATHER, False): ((128 << 10, 512 << 10), (4 << 20, 8 << 20)),
+    (Op.ALL_GATHER, False): ((128 << 10, 512 << 10), (4 << 20, 1 << 62)),
     (Op.BROADCAST, True): ((384 << 10, 8 << 20),), (Op.ALL_GATHER, True): ((2 << 20, 1 << 62),),
 }
 """Sizes (all_gather: of the output; from, to) at which an op of a one-host group of (two: False, more: True) ranks
@@ -133,7 +133,8 @@ ranks (on 2 cores) broadcast 384 KiB 0.59 / 0.58, 512 KiB 0.64 / 0.64 and 0.42 /
 output 1.09-1.88: not there. From 4 MiB on two ranks (against the arena, then the Python single copy from 16 MiB,
 4 rounds): broadcast 4 MiB 0.94 / 0.93, 8 MiB 0.77 / 0.78, 16 MiB 0.52 / 0.50, 32 MiB 0.55 / 0.53 (3 rounds: 64 MiB
 0.57 / 0.58, 256 MiB 0.54 / 0.54; but 1-2 MiB 0.83-1.30); all_gather 4 MiB 0.77 / 0.89, 8 MiB 0.81 / 0.93, but
-16 MiB 0.99 / 0.98 and 64 MiB 1.20 / 1.29 (the own block's memcpy against the Python path's `rep movsb`). all_gather
+16 MiB 0.99 / 0.98 and 64 MiB 1.20 / 1.29 with glibc's memcpy for the own block; with `rep movsb` there, as the Python
+path (`large_copy`), against the Python path: 16 MiB 0.94 / 1.07, 64 MiB 0.89 / 0.90 (4 rounds). all_gather
 from 2 MiB of output on more ranks (4 on 2 cores, against the arena, then the Python single copy from 8 MiB, 3
 rounds): 2 MiB 0.25 / 0.76, 4 MiB 0.32 / 0.40, 8 MiB 0.96 / 0.77, 32 MiB 0.72 / 0.99; where the input is the rank's
 row of the output, written just before (torch FSDP2's all-gathers; two alternating runs of 40 calls): 2 MiB 443-538

@@ -476,6 +476,21 @@ static void release(Py_buffer *a, Py_buffer *b, int have_a, int have_b) {
 
 /* ---------------------------------------------------------------- single copy (single_copy_ops in C) */
 
+/* dst <- n bytes of src (not overlapping), as host_copy.large_copy: x86's `rep movsb` from STRING_MIN bytes at the
+ * page distances where it is fast (glibc's memcpy streams past the caches at such sizes), else memcpy. */
+#define STRING_MIN (1 << 20)  /* host_copy.STRING_MIN_BYTES */
+static void large_copy(char *dst, const char *src, Py_ssize_t n) {
+#if defined(__x86_64__)
+    uintptr_t distance = ((uintptr_t)dst - (uintptr_t)src) % PAGE;
+    if (n >= STRING_MIN && (distance == 0 || distance >= SLOW_DISTANCE)) {
+        size_t count = (size_t)n;
+        __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(count) : : "memory");
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 /* dst <- len bytes at `remote` in process `pid`, as single_copy.Reader.read: through the bounce buffer at half a page
  * from the source where the kernel's string copy would take its slow case. 0, or -1 with errno set. */
 static int cma_read(Op *self, int64_t pid, uintptr_t remote, char *dst, Py_ssize_t len) {
@@ -490,7 +505,7 @@ static int cma_read(Op *self, int64_t pid, uintptr_t remote, char *dst, Py_ssize
             Py_ssize_t m = len - done < BOUNCE_BYTES ? len - done : BOUNCE_BYTES;
             if (cma_read(self, pid, remote + done, bounce, m) < 0)
                 return -1;
-            memcpy(dst + done, bounce, m);
+            large_copy(dst + done, bounce, m);
             done += m;
         }
         return 0;
@@ -520,7 +535,7 @@ static int cma_write(Op *self, int64_t pid, uintptr_t remote, const char *src, P
         char *bounce = self->bounce + (remote + PAGE / 2 - (uintptr_t)self->bounce) % PAGE;
         while (done < len) {
             Py_ssize_t m = len - done < BOUNCE_BYTES ? len - done : BOUNCE_BYTES;
-            memcpy(bounce, src + done, m);
+            large_copy(bounce, src + done, m);
             if (cma_write(self, pid, remote + done, bounce, m) < 0)
                 return -1;
             done += m;
@@ -640,7 +655,7 @@ static PyObject *sc_run(Op *self, long long seq, Py_buffer *a, Py_buffer *b, int
     words[5] = 0;
     __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
     if (mine != row && self->kind == K_SC_ALL_GATHER)
-        memcpy(row, mine, block);
+        large_copy(row, mine, block);
     if (!(arrived(self, buf, k) && same_calls(self, buf)))
         return PyLong_FromLong(buf);
     if (sc_reads(self, buf, (char *)a->buf) < 0)
