@@ -1,5 +1,5 @@
 """The single-copy path in its compiled form (`_fastbox.SC_BROADCAST`, `SC_ALL_GATHER`): the sizes that take it only
-where every member runs the compiled ops (`policy.needs_compiled`), ahead of the mailbox. Real ranks (threads of this
+where every member runs the compiled ops (`policy.needs_compiled`), ahead of the mailbox or the arena. Real ranks (threads of this
 process, and processes), the same bytes as one process; the two-rank broadcast's split (the root writes the second
 part of the member's buffer while the member reads the first), reads and writes at a slow distance (the bounce
 buffer), a member without the compiled ops, a mismatched call, a killed peer."""
@@ -17,8 +17,10 @@ import pytest
 from axond import DistributedError, ProcessGroup
 from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.backends.tcp import TcpOptions
-from axond.distributed.backends.tcp.policy import ORDERED_STORES, Path, Shape, route
+from axond.distributed.backends.tcp.policy import (ORDERED_STORES, Path, Shape, compiled_single_copy, needs_compiled,
+                                                   route)
 from axond.distributed.backends.tcp.shm import mailbox, single_copy
+from axond.distributed.backends.tcp.shm.mailbox_ops import SmallAllGather
 from axond.distributed.backends.tcp.shm.single_copy_ops import PreparedAllGather, PreparedBroadcast
 from axond.distributed.backends.tcp.transport.wire import Op
 from axond.testing import collect_from_processes, run_on, thread_groups
@@ -33,27 +35,33 @@ needs_it = pytest.mark.skipif(
 
 def test_the_policy_sends_the_measured_sizes_there_and_only_with_the_defaults() -> None:
     two, four = Shape(2), Shape(4, oversubscribed=True)
-    assert route(Op.BROADCAST, 64 * KiB, two).path is Path.SINGLE_COPY
-    assert route(Op.BROADCAST, 256 * KiB, two).path is Path.SINGLE_COPY
-    assert route(Op.BROADCAST, 32 * KiB, two).path is Path.MAILBOX
-    assert route(Op.BROADCAST, 512 * KiB, two).path is Path.MAILBOX
-    assert route(Op.BROADCAST, 2 << 20, two).path is Path.ARENA
-    assert route(Op.BROADCAST, 4 << 20, two).path is Path.SINGLE_COPY
-    assert route(Op.ALL_GATHER, 2 << 20, two).path is Path.SINGLE_COPY  # 4 MiB of output
-    assert route(Op.ALL_GATHER, 8 << 20, two).path is Path.SINGLE_COPY  # 16 MiB of output
     assert route(Op.ALL_GATHER, 64 * KiB, two).path is Path.SINGLE_COPY  # 128 KiB of output
+    assert route(Op.ALL_GATHER, 256 * KiB, two).path is Path.SINGLE_COPY
     assert route(Op.ALL_GATHER, 32 * KiB, two).path is Path.MAILBOX
-    assert route(Op.BROADCAST, 1 << 20, four).path is Path.SINGLE_COPY
-    assert route(Op.BROADCAST, 256 * KiB, four).path is Path.MAILBOX
+    assert route(Op.ALL_GATHER, 768 * KiB, two).path is Path.ARENA  # 1.5 MiB
+    assert route(Op.ALL_GATHER, 2 << 20, two).path is Path.SINGLE_COPY  # 4 MiB
     assert route(Op.ALL_GATHER, 64 * KiB, four).path is Path.MAILBOX
-    assert route(Op.ALL_GATHER, 384 * KiB, four).path is Path.ARENA  # 1.5 MiB of output
+    assert route(Op.ALL_GATHER, 384 * KiB, four).path is Path.ARENA  # 1.5 MiB
     assert route(Op.ALL_GATHER, 512 * KiB, four).path is Path.SINGLE_COPY  # 2 MiB
+    assert route(Op.BROADCAST, 64 * KiB, two).path is Path.MAILBOX  # one copy loses where the input was just written
+    assert route(Op.BROADCAST, 4 << 20, two).path is Path.ARENA
+    assert route(Op.BROADCAST, 8 << 20, two).path is Path.SINGLE_COPY
+    assert route(Op.BROADCAST, 1 << 20, four).path is Path.ARENA
     assert route(Op.ALL_REDUCE, 128 * KiB, two).path is Path.MAILBOX
     for options in (TcpOptions(shm_native=False), TcpOptions(shm_single_copy=False), TcpOptions(shm_mailbox=False),
                     TcpOptions(shm_min_bytes=4096)):
-        assert route(Op.BROADCAST, 64 * KiB, two, options).path is not Path.SINGLE_COPY, options
-    assert route(Op.BROADCAST, 64 * KiB, Shape(2, ordered_stores=False)).path is not Path.SINGLE_COPY
-    assert route(Op.BROADCAST, 64 * KiB, Shape(4, hosts=2, per_host=2)).path is not Path.SINGLE_COPY
+        assert route(Op.ALL_GATHER, 64 * KiB, two, options).path is not Path.SINGLE_COPY, options
+    assert route(Op.ALL_GATHER, 64 * KiB, Shape(2, ordered_stores=False)).path is not Path.SINGLE_COPY
+    assert route(Op.ALL_GATHER, 64 * KiB, Shape(4, hosts=2, per_host=2)).path is not Path.SINGLE_COPY
+
+
+def test_a_group_without_the_compiled_ops_keeps_the_python_single_copy_where_it_always_took_it() -> None:
+    two = Shape(2)
+    assert compiled_single_copy(Op.BROADCAST, 64 << 20, two, TcpOptions())
+    assert not needs_compiled(Op.BROADCAST, 64 << 20, two, TcpOptions())  # the Python path takes it too
+    assert needs_compiled(Op.BROADCAST, 8 << 20, two, TcpOptions())
+    assert route(Op.BROADCAST, 64 << 20, two, TcpOptions(shm_native=False)).path is Path.SINGLE_COPY
+    assert route(Op.BROADCAST, 8 << 20, two, TcpOptions(shm_native=False)).path is Path.ARENA
 
 
 def _placed(raw: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
@@ -67,11 +75,10 @@ def _prepared(pg: ProcessGroup) -> list[Any]:
 
 
 @needs_it
-@pytest.mark.parametrize("size", [2, 4])
-def test_broadcast_from_every_root_gives_the_roots_bytes_prepared_in_one_c_call(made: list[ProcessGroup],
-                                                                             size: int) -> None:
+def test_broadcast_from_every_root_gives_the_roots_bytes_prepared_in_one_c_call(made: list[ProcessGroup]) -> None:
+    size = 2
     made += thread_groups(size, timeout=10.0)
-    nbytes = 100_003 if size == 2 else 1_000_003  # odd sizes, inside the windows
+    nbytes = (8 << 20) + 3  # an odd size, inside the window
 
     def body(pg: ProcessGroup) -> list[bytes]:
         x = np.empty(nbytes, np.uint8)
@@ -97,24 +104,13 @@ def test_broadcast_from_every_root_gives_the_roots_bytes_prepared_in_one_c_call(
         assert sum(isinstance(p, PreparedBroadcast) and p.native is not None for p in _prepared(pg)) == size
 
 
-def test_a_group_without_the_compiled_ops_keeps_the_python_single_copy_where_it_always_took_it() -> None:
-    from axond.distributed.backends.tcp.policy import compiled_single_copy, needs_compiled
-    two = Shape(2)
-    assert compiled_single_copy(Op.BROADCAST, 64 << 20, two, TcpOptions())
-    assert not needs_compiled(Op.BROADCAST, 64 << 20, two, TcpOptions())  # the Python path takes it too
-    assert needs_compiled(Op.BROADCAST, 8 << 20, two, TcpOptions())
-    assert route(Op.BROADCAST, 64 << 20, two, TcpOptions(shm_native=False)).path is Path.SINGLE_COPY
-
-
 @needs_it
-@pytest.mark.parametrize("nbytes", [200 * KiB + 40, 5 * (1 << 20) + 40])
 @pytest.mark.parametrize("distance", [0, 8, 16, 2048])
-def test_the_split_broadcast_and_its_bounces_at_every_distance(made: list[ProcessGroup], distance: int,
-                                                               nbytes: int) -> None:
+def test_the_split_broadcast_and_its_bounces_at_every_distance(made: list[ProcessGroup], distance: int) -> None:
     """Two ranks: the member reads the first part, the root writes the second; buffers `distance` bytes apart modulo
-    the page (8 and 16: the kernel's slow string copy, through the bounce buffer both ways, in several rounds of it
-    at 5 MiB)."""
+    the page (8 and 16: the kernel's slow string copy, through the bounce buffer both ways, in several rounds)."""
     made += thread_groups(2, timeout=10.0)
+    nbytes = (8 << 20) + 40
     raws = [np.zeros(nbytes + 8192, np.uint8) for _ in range(2)]
 
     def body(pg: ProcessGroup) -> list[bytes]:
@@ -171,22 +167,23 @@ def test_a_member_without_the_compiled_ops_keeps_the_group_on_the_mailbox(made: 
     run_on(made, lambda pg: pg.all_reduce(big.copy()))
 
     def body(pg: ProcessGroup) -> bytes:
-        x = np.full(64 * KiB, pg.rank + 1, np.uint8)
+        x = np.full(96 * KiB, pg.rank + 1, np.uint8)  # 192 KiB of output
         for _ in range(3):
-            pg.broadcast(x, 1)
-        return x.tobytes()
+            out = pg.all_gather(x)
+        return bytes(out.tobytes())
 
-    assert run_on(made, body) == [bytes([2]) * (64 * KiB)] * 2
+    assert run_on(made, body) == [bytes([1]) * (96 * KiB) + bytes([2]) * (96 * KiB)] * 2
     for pg in made:
         sc = pg.backend.placement.single_copy  # type: ignore[union-attr]
         assert sc is not None and not sc.compiled
-        assert not any(isinstance(p, PreparedBroadcast) for p in _prepared(pg))
+        assert not any(isinstance(p, PreparedAllGather) for p in _prepared(pg))
+        assert any(isinstance(p, SmallAllGather) for p in _prepared(pg))  # the mailbox's, on both
 
 
 @needs_it
 def test_a_mismatched_call_raises_on_every_rank_naming_both(made: list[ProcessGroup]) -> None:
     made += thread_groups(2, timeout=5.0)
-    x = [np.zeros(64 * KiB, np.uint8) for _ in range(2)]
+    x = [np.zeros(8 << 20, np.uint8) for _ in range(2)]
     run_on(made, lambda pg: [pg.broadcast(x[pg.rank], 0) for _ in range(3)])  # prepared
 
     def body(pg: ProcessGroup) -> None:
@@ -197,8 +194,8 @@ def test_a_mismatched_call_raises_on_every_rank_naming_both(made: list[ProcessGr
     assert all("broadcast src=0" in str(e) and "broadcast src=1" in str(e) for e in errors), errors
 
 
-def _killed_mid_broadcasts(rank: int, size: int, store_dir: str, q: Any) -> None:
-    """Rank 1 SIGKILLs itself after a few prepared 128 KiB broadcasts; the others must raise."""
+def _killed_mid_all_gathers(rank: int, size: int, store_dir: str, q: Any) -> None:
+    """Rank 1 SIGKILLs itself after a few prepared all_gathers of 256 KiB of output; the others must raise."""
     pg = create_group(FileStore(store_dir), rank, size, "tcp", BackendOptions(timeout=5.0))
     x = np.zeros(128 * KiB, np.uint8)
     t0 = time.monotonic()
@@ -206,7 +203,7 @@ def _killed_mid_broadcasts(rank: int, size: int, store_dir: str, q: Any) -> None
         for i in range(200):
             if rank == 1 and i == 20:
                 os.kill(os.getpid(), signal.SIGKILL)
-            pg.broadcast(x, i % size)
+            pg.all_gather(x)
             t0 = time.monotonic()
         q.put((rank, "no error", 0.0))
     except DistributedError as e:
@@ -216,8 +213,8 @@ def _killed_mid_broadcasts(rank: int, size: int, store_dir: str, q: Any) -> None
 
 @needs_it
 def test_a_killed_member_makes_the_other_raise_promptly() -> None:
-    items, codes = collect_from_processes(_killed_mid_broadcasts, 2, expect=1)
+    items, codes = collect_from_processes(_killed_mid_all_gathers, 2, expect=1)
     (rank, msg, took), = items
-    assert rank == 0 and "rank 1" in msg and "broadcast" in msg, msg
+    assert rank == 0 and "rank 1" in msg and "all_gather" in msg, msg
     assert took < 2.0
     assert codes[1] == -signal.SIGKILL

@@ -117,28 +117,31 @@ of output since session 17, once the peers read each rank's input itself (4 rank
 rank's row of the output (torch FSDP2's all-gathers), which the peers read as it was just written, single copy /
 arena at 4 ranks: 4 MiB 646-1487 / 461-660 us, 8 MiB 1352-1504 / 2309-2419, 16 MiB 2981-3304 / 4086-4920."""
 COMPILED_SINGLE_COPY_BYTES: dict[tuple[Op, bool], tuple[tuple[int, int], ...]] = {
-    (Op.BROADCAST, False): ((48 << 10, 256 << 10), (4 << 20, 1 << 62)),
+    (Op.BROADCAST, False): ((8 << 20, 1 << 62),),
     (Op.ALL_GATHER, False): ((128 << 10, 512 << 10), (4 << 20, 1 << 62)),
-    (Op.BROADCAST, True): ((384 << 10, 8 << 20),), (Op.ALL_GATHER, True): ((2 << 20, 1 << 62),),
+    (Op.ALL_GATHER, True): ((2 << 20, 1 << 62),),
 }
 """Sizes (all_gather: of the output; from, to) at which an op of a one-host group of (two: False, more: True) ranks
 takes the single-copy path in its compiled form (`_fastbox`: one C call publishes, reads with process_vm_readv and
-synchronizes; a two-rank broadcast's root writes half of the member's buffer meanwhile), ahead of the mailbox's two
-copies or the arena, where every member runs the compiled ops. Against them (bench/compare_trees.py, 3 rounds,
-median / best of the rounds' medians, session 19): at 2 ranks broadcast 48 KiB 0.87 / 0.87x the time, 64 KiB 0.74 /
-0.75, 128 KiB 0.53 / 0.54, 256 KiB 0.45 / 0.45, but 32 KiB 1.34 / 1.09 and 512 KiB 0.99 / 1.02; all_gather of 128 KiB
-output 0.86 / 0.88, 256 KiB 0.76 / 0.79, 512 KiB 0.92 / 0.93, but 64 KiB 1.11 / 1.13 and 1 MiB 1.01 / 1.16. At 4
-ranks (on 2 cores) broadcast 384 KiB 0.59 / 0.58, 512 KiB 0.64 / 0.64 and 0.42 / 0.67, 1 MiB 0.78 / 0.77 and 0.70 /
-0.99, 2 MiB 0.85 / 0.87, 4 MiB 0.75 / 0.58, 8 MiB 0.82 / 0.79, but 64-256 KiB 0.99-1.53; all_gather 64 KiB-1 MiB of
-output 1.09-1.88: not there. From 4 MiB on two ranks (against the arena, then the Python single copy from 16 MiB,
-4 rounds): broadcast 4 MiB 0.94 / 0.93, 8 MiB 0.77 / 0.78, 16 MiB 0.52 / 0.50, 32 MiB 0.55 / 0.53 (3 rounds: 64 MiB
-0.57 / 0.58, 256 MiB 0.54 / 0.54; but 1-2 MiB 0.83-1.30); all_gather 4 MiB 0.77 / 0.89, 8 MiB 0.81 / 0.93, but
-16 MiB 0.99 / 0.98 and 64 MiB 1.20 / 1.29 with glibc's memcpy for the own block; with `rep movsb` there, as the Python
-path (`large_copy`), against the Python path: 16 MiB 0.94 / 1.07, 64 MiB 0.89 / 0.90 (4 rounds). all_gather
-from 2 MiB of output on more ranks (4 on 2 cores, against the arena, then the Python single copy from 8 MiB, 3
-rounds): 2 MiB 0.25 / 0.76, 4 MiB 0.32 / 0.40, 8 MiB 0.96 / 0.77, 32 MiB 0.72 / 0.99; where the input is the rank's
-row of the output, written just before (torch FSDP2's all-gathers; two alternating runs of 40 calls): 2 MiB 443-538
-against 518-557 us, 4 MiB 463-502 against 1002-1380, 8 MiB 973-1083 against 1548-1659."""
+synchronizes; a two-rank broadcast's root writes half of the other rank's buffer meanwhile), ahead of the mailbox or
+the arena, where every member runs the compiled ops. Kept where it won both with unchanged inputs and with inputs
+written before every call (`bench/collectives.py --fresh-inputs`, as in training); bench/compare_trees.py, 3-4
+rounds, median / best of the rounds' medians, after / before, session 19:
+
+- all_gather, two ranks: unchanged 128 KiB 0.86 / 0.88, 256 KiB 0.76 / 0.79, 512 KiB 0.92 / 0.93, 4 MiB 0.77 / 0.89,
+  8 MiB 0.81 / 0.93, 64 MiB 0.89 / 0.90 (its own block with `rep movsb`, as the Python path); fresh 128 KiB 1.19 /
+  0.97, 256 KiB 0.83 / 0.83, 4 MiB 0.86 / 0.88, 16 MiB 0.88 / 0.91, 64 MiB 0.74 / 0.61. Not 64 KiB (1.11 / 1.13)
+  nor 1 MiB (1.01 / 1.16).
+- all_gather, four ranks (on 2 cores): unchanged 2 MiB 0.25 / 0.76, 4 MiB 0.32 / 0.40, 8 MiB 0.96 / 0.77, 32 MiB
+  0.72 / 0.99; fresh 4 MiB 0.38 / 0.55, 16 MiB 0.62 / 0.77, 64 MiB 1.07 / 0.99; where the input is the rank's row of
+  the output, written before each call (torch FSDP2's all-gathers), 2 MiB 443-538 against 518-557 us, 4 MiB 463-502
+  against 1002-1380, 8 MiB 973-1083 against 1548-1659. Not 64 KiB-1 MiB (1.09-1.88).
+- broadcast, two ranks: unchanged 8 MiB 0.77 / 0.78, 16 MiB 0.52 / 0.50, 32 MiB 0.55 / 0.53, 64 MiB 0.57 / 0.58, 256
+  MiB 0.54 / 0.54; fresh 8 MiB 0.47 / 0.31, 16 MiB 0.80 / 0.60 and 0.82 / 0.76, 64 MiB 0.82 / 0.69. Not 48-256 KiB:
+  unchanged 0.45-0.87, but fresh 1.49-2.04 / 2.10-2.42 (also without the split: 1.66-2.05 best), the kernel's copy
+  slower than the mailbox's where the root's data was just written; nor 4 MiB (unchanged 0.93, fresh 0.88-1.80).
+- broadcast, four ranks: unchanged 384 KiB-8 MiB 0.58-0.87, but fresh 512 KiB-2 MiB 1.05-1.38: not taken.
+"""
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB; in groups
 whose mailbox takes more, from past the mailbox)."""
