@@ -24,8 +24,15 @@ class Runner:
     rank: int
     size: int
     touch: Callable[[], Any] = staticmethod(lambda: None)
-    """Set by `prepare`: writes the op's input anew, as a training step's compute does between two collectives
-    (`--fresh-inputs`); every rank writes as many bytes (broadcast: its x), so the ranks stay in step."""
+    """Set by `prepare`: writes the op's input anew with values it did not hold before (`stamp`), as a training
+    step's compute does between two collectives (`--fresh-inputs`); every rank writes as many bytes (broadcast: its
+    x), so the ranks stay in step."""
+    stamps: int = 0
+
+    def stamp(self) -> float:
+        """A value new at every call (1, 2, ... 1000, then again; the same sequence on every rank)."""
+        self.stamps += 1
+        return float(self.stamps % 1000 + 1)
 
     def prepare(self, op: str, nbytes: int) -> tuple[Callable[[], Any], Callable[[], bool]]:
         """Return (one call, check after a fresh call with known data)."""
@@ -63,7 +70,7 @@ class AxondRunner(Runner):
         count = counts(op, nbytes, n)
         x = self._zeros(count)
         total = n * (n + 1) / 2
-        self.touch = lambda: x.fill(0.0)
+        self.touch = lambda: x.fill(self.stamp())
         if op == "all_reduce":
             def check() -> bool:
                 x[...] = r + 1
@@ -86,10 +93,12 @@ class AxondRunner(Runner):
             return (lambda: pg.all_gather(x, out=gathered)), check_g
         y = self._zeros(count)
         y[...] = r + 1
-        self.touch = lambda: y.fill(r + 1)
+        self.touch = lambda: y.fill(self.stamp())
         block = xp.empty(count // n, xp.float32)
-        return (lambda: pg.reduce_scatter(y, out=block)), (
-            lambda: bool((pg.reduce_scatter(y, out=block) == total).all()))
+        def check_rs() -> bool:
+            y[...] = r + 1
+            return bool((pg.reduce_scatter(y, out=block) == total).all())
+        return (lambda: pg.reduce_scatter(y, out=block)), check_rs
 
     def max_times(self, times: np.ndarray) -> np.ndarray:
         return np.asarray(self.pg.all_gather(times)).max(axis=0)
@@ -111,7 +120,7 @@ class GlooRunner(Runner):
         count = counts(op, nbytes, n)
         x = torch.zeros((count,), dtype=torch.float32)
         total = n * (n + 1) / 2
-        self.touch = lambda: x.fill_(0.0)
+        self.touch = lambda: x.fill_(self.stamp())
         if op == "all_reduce":
             def check() -> bool:
                 x.fill_(r + 1)
@@ -134,11 +143,12 @@ class GlooRunner(Runner):
         out = torch.empty(count // n, dtype=torch.float32)
         whole = torch.full((count,), float(r + 1))
         inputs = list(whole.chunk(n))
-        self.touch = lambda: whole.fill_(float(r + 1))
+        self.touch = lambda: whole.fill_(self.stamp())
         def rs() -> None:
             dist.reduce_scatter(out, inputs)
 
         def check_rs() -> bool:
+            whole.fill_(float(r + 1))
             rs()
             return bool((out == total).all())
         return rs, check_rs
@@ -164,7 +174,7 @@ class MpiRunner(Runner):
         count = counts(op, nbytes, n)
         x = np.zeros(count, np.float32)
         total = n * (n + 1) / 2
-        self.touch = lambda: x.fill(0.0)
+        self.touch = lambda: x.fill(self.stamp())
         if op == "all_reduce":
             def check() -> bool:
                 x[...] = r + 1
@@ -185,10 +195,11 @@ class MpiRunner(Runner):
                 return all(bool((out[i * count : (i + 1) * count] == i + 1).all()) for i in range(n))
             return (lambda: comm.Allgather(x, out)), check_g
         x[...] = r + 1
-        self.touch = lambda: x.fill(r + 1)
+        self.touch = lambda: x.fill(self.stamp())
         out = np.empty(count // n, np.float32)
 
         def check_rs() -> bool:
+            x[...] = r + 1
             comm.Reduce_scatter_block(x, out)
             return bool((out == total).all())
         return (lambda: comm.Reduce_scatter_block(x, out)), check_rs

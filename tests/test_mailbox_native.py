@@ -374,3 +374,39 @@ def test_ops_of_a_whole_slot_run_through_the_mailbox_in_both_forms(natives: list
     finally:
         for g in gs:
             g.destroy()
+
+
+@needs_fastbox
+@pytest.mark.parametrize("size", [2, 3])
+def test_inputs_that_change_in_one_byte_between_calls_reach_every_rank(made: list[ProcessGroup], size: int) -> None:
+    """A post skips the blocks its slot already holds (unchanged since this rank's post two ops ago): an input that
+    changes in a single byte, in the first block, a middle one or the last partial one, must still arrive."""
+    made += groups_with([True] * size)
+    nbytes = 3 * 4096 + 100  # three whole blocks and a partial one, under every slot size here
+    spots = [0, 4095, 4096 + 7, 2 * 4096 + 4095, 3 * 4096, nbytes - 1]
+
+    def body(pg: ProcessGroup) -> list[tuple[bytes, bytes, bytes, bytes]]:
+        r, n = pg.rank, pg.size
+        base = np.zeros(nbytes, np.uint8)
+        got = []
+        for i, spot in enumerate(spots * 2):  # each twice: the same input two ops apart, then a changed one
+            base[spot] = (base[spot] + 1 + r) % 251
+            x = base.view(np.uint8).copy()
+            pg.broadcast(x, i % n)
+            y = base.astype(np.int32)
+            pg.all_reduce(y)
+            gathered = pg.all_gather(base)
+            scattered = pg.reduce_scatter(np.tile(base, n).astype(np.int64))
+            got.append((x.tobytes(), y.tobytes(), gathered.tobytes(), scattered.tobytes()))
+        return got
+
+    results = run_on(made, body, timeout=60.0)
+    bases = [np.zeros(nbytes, np.uint8) for _ in range(size)]
+    for i, spot in enumerate(spots * 2):
+        for r in range(size):
+            bases[r][spot] = (bases[r][spot] + 1 + r) % 251
+        want = (bases[i % size].tobytes(), sum(b.astype(np.int32) for b in bases).tobytes(),
+                np.stack(bases).tobytes(), sum(b.astype(np.int64) for b in bases).tobytes())
+        for r in range(size):
+            assert results[r][i] == want, (r, i, spot)
+    assert all(pg.backend.placement.mailbox.native is not None for pg in made)  # type: ignore[union-attr]
