@@ -118,7 +118,7 @@ rank's row of the output (torch FSDP2's all-gathers), which the peers read as it
 arena at 4 ranks: 4 MiB 646-1487 / 461-660 us, 8 MiB 1352-1504 / 2309-2419, 16 MiB 2981-3304 / 4086-4920."""
 COMPILED_SINGLE_COPY_BYTES: dict[tuple[Op, bool], tuple[tuple[int, int], ...]] = {
     (Op.BROADCAST, False): ((8 << 20, 1 << 62),),
-    (Op.ALL_GATHER, False): ((128 << 10, 512 << 10), (4 << 20, 1 << 62)),
+    (Op.ALL_GATHER, False): ((4 << 20, 1 << 62),),
     (Op.ALL_GATHER, True): ((2 << 20, 1 << 62),),
 }
 """Sizes (all_gather: of the output; from, to) at which an op of a one-host group of (two: False, more: True) ranks
@@ -128,10 +128,10 @@ the arena, where every member runs the compiled ops. Kept where it won both with
 written before every call (`bench/collectives.py --fresh-inputs`, as in training); bench/compare_trees.py, 3-4
 rounds, median / best of the rounds' medians, after / before, session 19:
 
-- all_gather, two ranks: unchanged 128 KiB 0.86 / 0.88, 256 KiB 0.76 / 0.79, 512 KiB 0.92 / 0.93, 4 MiB 0.77 / 0.89,
-  8 MiB 0.81 / 0.93, 64 MiB 0.89 / 0.90 (its own block with `rep movsb`, as the Python path); fresh 128 KiB 1.19 /
-  0.97, 256 KiB 0.83 / 0.83, 4 MiB 0.86 / 0.88, 16 MiB 0.88 / 0.91, 64 MiB 0.74 / 0.61. Not 64 KiB (1.11 / 1.13)
-  nor 1 MiB (1.01 / 1.16).
+- all_gather, two ranks: unchanged 4 MiB 0.77 / 0.89, 8 MiB 0.81 / 0.93, 64 MiB 0.89 / 0.90 (its own block with
+  `rep movsb`, as the Python path); fresh 4 MiB 0.86 / 0.88, 16 MiB 0.88 / 0.91, 64 MiB 0.74 / 0.61. Not 1 MiB (1.01
+  / 1.16), nor 128-512 KiB once the mailbox's compiled post skips unchanged blocks: the mailbox against the single
+  copy there, unchanged 0.51-0.74, fresh 1.10-1.14 at 128-256 KiB and 0.74 at 512 KiB (4 rounds).
 - all_gather, four ranks (on 2 cores): unchanged 2 MiB 0.25 / 0.76, 4 MiB 0.32 / 0.40, 8 MiB 0.96 / 0.77, 32 MiB
   0.72 / 0.99; fresh 4 MiB 0.38 / 0.55, 16 MiB 0.62 / 0.77, 64 MiB 1.07 / 0.99; where the input is the rank's row of
   the output, written before each call (torch FSDP2's all-gathers), 2 MiB 443-538 against 518-557 us, 4 MiB 463-502
