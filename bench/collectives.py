@@ -12,8 +12,9 @@ axond/sockets is that path's gain; gloo, and MPI with `--mca btl tcp,self`, use 
 too). The raw limit is two processes streaming through plain sockets in both directions at once:
 its peak (one cache-resident 4 MiB buffer each way) and, for sizes >= 1 MiB, streaming arrays of that size.
 `--mpi-btl vader,self` runs MPI over its shared-memory transport instead, the peer of axond's defaults.
-`--fresh-inputs` has every rank write its input before each call (untimed), as a training step does: a library
-that reads a peer's buffer in place otherwise finds the unchanged buffer in its own cache after the first call.
+`--fresh-inputs` has every rank write its input with new values before each call (untimed), as a training step
+does: otherwise a library that reads a peer's buffer in place finds the unchanged buffer in its own cache after the
+first call, and axond's mailbox skips writing the blocks its slot already holds.
 `--hosts 2 [--ranks-per-host K | K0 K1]` runs between network-namespace hosts instead (root; bench/collectives_hosts.py).
 
 When the ranks are at least as many as the cores, a last table per n gives each library's busbw as a
@@ -337,7 +338,8 @@ def main() -> None:
                     help="axond's buffers come from axond.shared_empty (the single-copy path then reads peers' "
                          "buffers with plain copies); the sockets peer keeps NumPy's")
     ap.add_argument("--fresh-inputs", action="store_true",
-                    help="every rank writes its input before each call, outside the timed part, as a training "
+                    help="every rank writes its input with new values before each call, outside the timed part, "
+                         "as a training "
                          "step's compute does (else the same unchanged buffers go round, which a peer that reads "
                          "another rank's buffer in place finds in its own cache after the first call)")
     ap.add_argument("--json", help="also write axond's results here: {n: {op: {size: [median seconds, correct]}}}")
