@@ -508,11 +508,14 @@ static void large_copy(char *dst, const char *src, Py_ssize_t n) {
     memcpy(dst, src, n);
 }
 
-/* dst <- len bytes at `remote` in process `pid`, as single_copy.Reader.read: through the bounce buffer at half a page
- * from the source where the kernel's string copy would take its slow case. 0, or -1 with errno set. */
-static int cma_read(Op *self, int64_t pid, uintptr_t remote, char *dst, Py_ssize_t len) {
+/* len bytes between `local` and `remote` in process `pid`: read into `local` (process_vm_readv, as
+ * single_copy.Reader.read) or, with `write`, written from it (process_vm_writev). Where the kernel's string copy would
+ * take its slow case (the destination 1..31 bytes after the source, mod PAGE), through the bounce buffer at half a
+ * page from `remote`. 0, or -1 with errno set. */
+static int cma(Op *self, int write, int64_t pid, uintptr_t remote, char *local, Py_ssize_t len) {
     Py_ssize_t done = 0;
-    if (len >= BOUNCE_MIN && ((uintptr_t)dst - remote) % PAGE != 0 && ((uintptr_t)dst - remote) % PAGE < SLOW_DISTANCE) {
+    uintptr_t distance = (write ? remote - (uintptr_t)local : (uintptr_t)local - remote) % PAGE;
+    if (len >= BOUNCE_MIN && distance != 0 && distance < SLOW_DISTANCE) {
         if (self->bounce == NULL && (self->bounce = aligned_alloc(PAGE, BOUNCE_BYTES + PAGE)) == NULL) {
             errno = ENOMEM;
             return -1;
@@ -520,49 +523,20 @@ static int cma_read(Op *self, int64_t pid, uintptr_t remote, char *dst, Py_ssize
         char *bounce = self->bounce + (remote + PAGE / 2 - (uintptr_t)self->bounce) % PAGE;
         while (done < len) {
             Py_ssize_t m = len - done < BOUNCE_BYTES ? len - done : BOUNCE_BYTES;
-            if (cma_read(self, pid, remote + done, bounce, m) < 0)
+            if (write)
+                large_copy(bounce, local + done, m);
+            if (cma(self, write, pid, remote + done, bounce, m) < 0)  /* half a page apart: no bounce again */
                 return -1;
-            large_copy(dst + done, bounce, m);
+            if (!write)
+                large_copy(local + done, bounce, m);
             done += m;
         }
         return 0;
     }
     while (done < len) {
-        struct iovec local = {dst + done, (size_t)(len - done)}, far = {(void *)(remote + done), (size_t)(len - done)};
-        ssize_t got = process_vm_readv((pid_t)pid, &local, 1, &far, 1, 0);
-        if (got <= 0) {
-            if (got == 0)
-                errno = EFAULT;
-            return -1;
-        }
-        done += got;
-    }
-    return 0;
-}
-
-/* len bytes from `src` to `remote` in process `pid` (process_vm_writev), through the bounce buffer at half a page
- * from the destination where the kernel's string copy would take its slow case. 0, or -1 with errno set. */
-static int cma_write(Op *self, int64_t pid, uintptr_t remote, const char *src, Py_ssize_t len) {
-    Py_ssize_t done = 0;
-    if (len >= BOUNCE_MIN && (remote - (uintptr_t)src) % PAGE != 0 && (remote - (uintptr_t)src) % PAGE < SLOW_DISTANCE) {
-        if (self->bounce == NULL && (self->bounce = aligned_alloc(PAGE, BOUNCE_BYTES + PAGE)) == NULL) {
-            errno = ENOMEM;
-            return -1;
-        }
-        char *bounce = self->bounce + (remote + PAGE / 2 - (uintptr_t)self->bounce) % PAGE;
-        while (done < len) {
-            Py_ssize_t m = len - done < BOUNCE_BYTES ? len - done : BOUNCE_BYTES;
-            large_copy(bounce, src + done, m);
-            if (cma_write(self, pid, remote + done, bounce, m) < 0)
-                return -1;
-            done += m;
-        }
-        return 0;
-    }
-    while (done < len) {
-        struct iovec local = {(void *)(src + done), (size_t)(len - done)};
-        struct iovec far = {(void *)(remote + done), (size_t)(len - done)};
-        ssize_t got = process_vm_writev((pid_t)pid, &local, 1, &far, 1, 0);
+        struct iovec near = {local + done, (size_t)(len - done)}, far = {(void *)(remote + done), (size_t)(len - done)};
+        ssize_t got = write ? process_vm_writev((pid_t)pid, &near, 1, &far, 1, 0)
+                            : process_vm_readv((pid_t)pid, &near, 1, &far, 1, 0);
         if (got <= 0) {
             if (got == 0)
                 errno = EFAULT;
@@ -587,7 +561,7 @@ static int sc_read_peer(Op *self, int buf, int p, char *dst, Py_ssize_t from, Py
         errno = EMSGSIZE;
         return -1;
     }
-    return cma_read(self, words[0], (uintptr_t)words[1] + from, dst + from, to - from);
+    return cma(self, 0, words[0], (uintptr_t)words[1] + from, dst + from, to - from);
 }
 
 /* A two-rank broadcast's member publishes SPLIT as its token (with memfd -1): the root writes the second part of each
@@ -622,7 +596,7 @@ static int sc_reads(Op *self, int buf, char *a) {
                 errno = EMSGSIZE;
                 rc = -1;
             } else {
-                rc = cma_write(self, words[0], (uintptr_t)words[1] + at, a + at, self->nbytes - at);
+                rc = cma(self, 1, words[0], (uintptr_t)words[1] + at, a + at, self->nbytes - at);
             }
         }
     } else {

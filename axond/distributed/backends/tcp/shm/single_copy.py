@@ -14,8 +14,8 @@ The kernel copies 7-8x slower when the destination starts 1-31 bytes after the s
 (two fast copies: a 1 MiB read takes ~120 us that way against ~585 straight).
 
 Where the mailbox is mapped and every member runs the compiled ops, a prepared broadcast or all_gather runs all of
-this in one C call (`_fastbox`, the same protocol; `single_copy_ops.PreparedBroadcast`); the policy sends the sizes
-where one copy beats the mailbox's two only there (`policy.needs_compiled`).
+this in one C call (`_fastbox`, the same protocol; `single_copy_ops.PreparedBroadcast`); the policy sends some
+sizes below SINGLE_COPY_MIN_BYTES to the path only in that form (`policy.needs_compiled`).
 
 Availability is decided once per group (`set_up`) and agreed by every member (a MIN): the system call exists, Yama's
 ptrace_scope allows it (1: this process first lets any process of its user read it, `PR_SET_PTRACER_ANY`; 2 or 3:
