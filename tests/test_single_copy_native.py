@@ -127,9 +127,11 @@ def test_the_split_broadcast_and_its_bounces_at_every_distance(made: list[Proces
 
 @needs_it
 @pytest.mark.parametrize("size,count", [(2, 300_001), (4, 70_001)])  # output 4.6, 2.1 MiB
-@pytest.mark.parametrize("form", ["separate", "row of out", "inside out", "strided"])
+@pytest.mark.parametrize("form", ["separate", "row of out", "inside out", "strided", "strided on rank 0"])
 def test_all_gather_in_every_form_gives_every_block(made: list[ProcessGroup], form: str, size: int,
                                                     count: int) -> None:
+    """The input apart from the output, its own row, another row, not contiguous (the Python path on every rank), and
+    not contiguous on rank 0 alone: rank 0 on the Python path, the others in C, in the same ops."""
     made += thread_groups(size, timeout=10.0)
 
     def body(pg: ProcessGroup) -> list[np.ndarray]:
@@ -143,8 +145,8 @@ def test_all_gather_in_every_form_gives_every_block(made: list[ProcessGroup], fo
             elif form == "inside out":  # a view of another row: copied into its own row first
                 out[(pg.rank + 1) % size] = block
                 x = out[(pg.rank + 1) % size]
-            elif form == "strided":
-                x = np.repeat(block, 2)[::2]
+            elif form == "strided" or (form == "strided on rank 0" and pg.rank == 0):
+                x = np.repeat(block, 2)[::2]  # not for the C call: this rank runs the op on the Python path
             else:
                 x = block
             assert pg.all_gather(x, out=out) is out
