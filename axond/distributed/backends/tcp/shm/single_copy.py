@@ -147,8 +147,9 @@ class SingleCopy:
 
     def __init__(self, comm: Comm, sync: Sync, compiled: bool = False) -> None:
         self.comm, self.sync = comm, sync
-        self.compiled = compiled and sync.mailbox is not None and sync.mailbox.native is not None
-        """Whether every member runs the compiled single-copy ops (`_fastbox`, through the mailbox): agreed by all, so
+        self.compiled = compiled
+        """Whether every member runs the compiled single-copy ops (`_fastbox`, through the mailbox): agreed by all
+        (`set_up`), so
         the ops that take the path only in that form (`policy.needs_compiled`) take it on every member or on none."""
         self.reader = Reader()
         self.pid = os.getpid()

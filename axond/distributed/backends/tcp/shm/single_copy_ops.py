@@ -178,14 +178,9 @@ class PreparedAllGather(_PreparedSingleCopy):
         `all_gather`: this rank's is `x`, or row `rank` of `out` already if `x` is None."""
         code = None if self.native is None else self._native("run", seq, seq, out, x)
         if self.native is None or code == -1:
-            shares = x is not None and np.may_share_memory(x, out)
-            if x is not None and (shares or not x.flags.c_contiguous):
-                copy_in = x
+            if x is not None and (not x.flags.c_contiguous or np.may_share_memory(x, out)):
+                large_copy(out[self.sc.comm.rank], x)  # the peers read it from this rank's row instead
                 x = None
-                if copy_in.ndim:
-                    large_copy(out[self.sc.comm.rank], copy_in)
-                else:
-                    out[self.sc.comm.rank] = copy_in
             all_gather(self.sc, self.make_call(seq), out, x)
         elif code is not None:
             self._rest(code, seq, out, x)
