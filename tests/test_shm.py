@@ -21,7 +21,9 @@ import axond
 from axond import DistributedError, ProcessGroup
 from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.backends.tcp import TcpOptions
-from axond.distributed.backends.tcp.policy import AUTO_MIN_BYTES, MAILBOX_SYNC_MIN_BYTES, ORDERED_STORES, mailbox_limit
+from axond.distributed.backends.tcp.policy import (AUTO_MIN_BYTES, MAILBOX_SYNC_MIN_BYTES, ORDERED_STORES,
+                                                   PAIR_BROADCAST_STEP_MIN_BYTES, PAIR_STEP_BYTES, arena_step,
+                                                   mailbox_limit)
 from axond.distributed.backends.tcp.transport.wire import Op
 from axond.distributed.backends.tcp.shm.arena import ShmArena, chunk_bytes
 from axond.testing import collect_from_processes, run_on, run_processes, thread_groups
@@ -131,6 +133,32 @@ def test_sums_are_those_of_one_process_adding_in_rank_order(make_groups: MakeGro
         assert got.tobytes() == want.tobytes()
         assert block.tobytes() == functools.reduce(np.add, [inputs[r] for r in range(size)]).tobytes()
     assert all(arena_of(pg).chunk < 100_003 * 4 // 8 for pg in gs)  # many steps per op
+
+
+def test_a_pair_steps_its_all_reduce_and_large_broadcast_a_mebibyte_at_a_time(make_groups: MakeGroups) -> None:
+    """Two ranks: all_reduce, and broadcast from 4 MiB, move PAIR_STEP_BYTES per arena step, not a whole slot (the
+    buffers alternate per step, so the arena's turn tells the count); the sums keep rank order."""
+    gs = make_groups(2, 20.0)
+    count = (3 * PAIR_STEP_BYTES // 2) // 4 + 3  # two steps of float32; one 4 MiB slot would hold it all
+    inputs = [np.random.default_rng(r).standard_normal(count).astype(np.float32) for r in range(2)]
+    size = 5 * PAIR_STEP_BYTES - 8  # five steps; two slots
+    assert arena_step(Op.BROADCAST, size, 2) == PAIR_STEP_BYTES and arena_step(Op.BROADCAST, size, 3) == 0
+    assert arena_step(Op.BROADCAST, PAIR_BROADCAST_STEP_MIN_BYTES - 8, 2) == 0
+
+    def body(pg: ProcessGroup) -> tuple[np.ndarray, int, np.ndarray, int]:
+        x = inputs[pg.rank].copy()
+        pg.all_reduce(x)
+        after_reduce = arena_of(pg).turn
+        b = np.arange(size, dtype=np.uint8) if pg.rank == 1 else np.zeros(size, np.uint8)
+        pg.broadcast(b, 1)
+        return x, after_reduce, b, arena_of(pg).turn
+
+    want = inputs[0] + inputs[1]
+    for x, after_reduce, b, after_broadcast in run_on(gs, body):
+        assert x.tobytes() == want.tobytes()
+        assert arena_of(gs[0]).chunk == 4 << 20
+        assert (after_reduce, after_broadcast) == (0, 1)  # 2 steps, then 5 (whole slots: 1, then 2)
+        assert (b == np.arange(size, dtype=np.uint8)).all()
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])

@@ -97,8 +97,8 @@ ROUTES = [
     # the single-copy path: one host, from SINGLE_COPY_MIN_BYTES (all_gather: of the output) or `shm_min_bytes`
     (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, None, "single_copy"),
     (Op.ALL_REDUCE, 16 * MiB - 8, ONE_HOST, None, "arena"),
-    (Op.ALL_REDUCE, 6 * MiB, PAIR, None, "single_copy"),  # two ranks: from 6 MiB
-    (Op.ALL_REDUCE, 6 * MiB - 8, PAIR, None, "arena"),
+    (Op.ALL_REDUCE, 256 * MiB, PAIR, None, "arena"),  # two ranks: the arena in 1 MiB steps at every size
+    (Op.ALL_REDUCE, 6 * MiB, PAIR, TcpOptions(shm_single_copy_min_bytes=6 * MiB), "single_copy"),
     (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, NO_MAILBOX, "single_copy"),
     (Op.ALL_REDUCE, 16 * MiB, ONE_HOST, ARENA, "arena"),
     (Op.ALL_REDUCE, 16 * MiB, SPREAD, None, "two_level"),  # one host only

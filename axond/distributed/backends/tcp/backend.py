@@ -211,8 +211,9 @@ class TcpBackend(Backend):
         elif path is Path.SINGLE_COPY:
             self._inplace(x, "all_reduce", lambda flat: single_copy_ops.all_reduce(on, c, flat, op))
         elif path is Path.ARENA:
+            step = policy.arena_step(Op.ALL_REDUCE, x.nbytes, self.size)
             self._inplace(x, "all_reduce", lambda flat: arena_ops.all_reduce(self.comm, on, self.placement.sync, c,
-                                                                             flat, op))
+                                                                             flat, op, step=step))
         elif path is Path.TWO_LEVEL:
             self._inplace(x, "all_reduce", lambda flat: two_level.all_reduce(on, c, flat, op))
         elif x.flags.c_contiguous:
@@ -255,7 +256,8 @@ class TcpBackend(Backend):
         elif path is Path.SINGLE_COPY:
             body = lambda flat: single_copy_ops.broadcast(on, c, flat, src)  # noqa: E731
         elif path is Path.ARENA:
-            body = lambda flat: arena_ops.broadcast(self.comm, on, self.placement.sync, c, flat, src)  # noqa: E731
+            step = policy.arena_step(Op.BROADCAST, x.nbytes, self.size)
+            body = lambda flat: arena_ops.broadcast(self.comm, on, self.placement.sync, c, flat, src, step)  # noqa: E731
         elif path is Path.TWO_LEVEL:
             body = lambda flat: two_level.broadcast(on, c, flat, src)  # noqa: E731
         else:

@@ -89,10 +89,11 @@ reduce_scatter 98-111 / 247-307 us and 74-120 / 248-265 us, all_gather 32 KiB 65
 4 ranks 59-74 / 47-57 us (8 KiB), 51-81 / 51-61 us (16 KiB), 56-88 / 81-88 us (64 KiB)."""
 SINGLE_COPY_MIN_BYTES: dict[Op, tuple[int, int]] = {
     Op.ALL_GATHER: (8 << 20, 8 << 20), Op.BROADCAST: (16 << 20, 16 << 20), Op.REDUCE_SCATTER: (4 << 20, 16 << 20),
-    Op.ALL_REDUCE: (6 << 20, 16 << 20)}
+    Op.ALL_REDUCE: (1 << 62, 16 << 20)}
 """Default size (all_gather: of the output) from which an op of a one-host group of (two, more) ranks takes the
 single-copy path instead of the arena, where every member can read the others' memory (an explicit `shm_min_bytes`
-replaces it). A process_vm_readv costs ~10 us a call and copies at 5-11 GB/s where a memcpy of cache-resident data
+replaces it). A two-rank all_reduce never takes it by default: the arena's, in PAIR_STEP_BYTES steps, beats it at
+every size measured. A process_vm_readv costs ~10 us a call and copies at 5-11 GB/s where a memcpy of cache-resident data
 runs at 20-25, so one copy wins only once the arena's two spill out of the caches. Single copy / arena time on
 2 cores (the 4 ranks oversubscribed), from five interleaved A/B runs (three of bench/compare_trees.py, 4 rounds;
 two alternating the paths call by call in one job; bench/RESULTS.md, session 11); the spread is the machine's
@@ -142,6 +143,26 @@ rounds, median / best of the rounds' medians, after / before, session 19:
   slower than the mailbox's where the root's data was just written; nor 4 MiB (unchanged 0.93, fresh 0.88-1.80).
 - broadcast, four ranks: unchanged 384 KiB-8 MiB 0.58-0.87, but fresh 512 KiB-2 MiB 1.05-1.38: not taken.
 """
+PAIR_STEP_BYTES = 1 << 20
+"""Bytes per step of a two-rank all_reduce (and broadcast from PAIR_BROADCAST_STEP_MIN_BYTES) through the arena; other
+ops take a whole slot (up to 4 MiB) per step. In 1 MiB steps each step's data stays in the cores' 2 MiB L2 caches
+between the copy in and the reduction or copy out, and a broadcast's root copies step k + 1 in while the other rank
+copies step k out. Measured on 2 cores (session 20), 1 MiB steps against whole slots:
+
+- bench/compare_trees.py, 4 rounds, median / best of the rounds' medians: all_reduce with unchanged inputs 3 MiB
+  0.82 / 0.87, 4 MiB 0.64 / 0.65, 1-2 MiB 0.96-1.01; with inputs written before every call (`--fresh-inputs`) 3 MiB
+  0.89 / 0.88, 4 MiB 0.78 / 0.67. broadcast unchanged 4 MiB 0.99 / 1.00, 6 MiB 0.78 / 0.81; fresh 4 MiB 0.89 / 0.82,
+  6 MiB 0.65 / 0.68; at 2-3 MiB fresh 0.68-0.80 / 0.90-0.99 but unchanged 1.08-1.10 (so not there).
+- Interleaved in one job (six rounds, inputs written before every call, median of the rounds): all_reduce 4 MiB
+  0.68 (512 KiB steps 0.76, 2 MiB steps 0.71); broadcast 4 MiB 0.60.
+- Against the single-copy path (which took a pair's all_reduce from 6 MiB before): the arena's all_reduce in 1 MiB
+  steps in 0.71-0.73 the time at 6 MiB, 0.72-0.78 at 8 MiB, 0.75 at 16 MiB, 0.79 at 64 MiB, 0.85 at 256 MiB (in one
+  job); compare_trees unchanged 6 MiB 0.74 / 0.71, 8 MiB 0.72 / 0.73. So a pair's all_reduce stays on the arena
+  (SINGLE_COPY_MIN_BYTES). A two-rank broadcast from 8 MiB keeps the compiled single copy, in 0.60-0.80 the time of
+  the arena's 1 MiB steps.
+- Not on more ranks: at 4 ranks on 2 cores 1 MiB steps took the all_reduce of 2-8 MiB 1.22-1.48x the time (each step
+  synchronizes every rank twice, and the ranks share the cores)."""
+PAIR_BROADCAST_STEP_MIN_BYTES = 4 << 20
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB; in groups
 whose mailbox takes more, from past the mailbox)."""
@@ -243,6 +264,14 @@ def spin_seconds(options: TcpOptions, oversubscribed: bool) -> float:
     return 0.0 if oversubscribed else AUTO_SPIN_SECONDS
 
 
+def arena_step(op: Op, nbytes: int, size: int) -> int:
+    """Bytes per step of op `op` on `nbytes` per rank through the arena of a one-host group of `size` (0: a whole
+    slot): PAIR_STEP_BYTES for a two-rank all_reduce, and broadcast from PAIR_BROADCAST_STEP_MIN_BYTES."""
+    if size != 2 or not (op is Op.ALL_REDUCE or (op is Op.BROADCAST and nbytes >= PAIR_BROADCAST_STEP_MIN_BYTES)):
+        return 0
+    return PAIR_STEP_BYTES
+
+
 def _path_bytes(op: Op, nbytes: int, size: int) -> int:
     """The bytes the arena and two-level thresholds are compared with: all_gather's output, else the input."""
     return nbytes * size if op is Op.ALL_GATHER else nbytes
@@ -273,9 +302,11 @@ def _single_copy(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool
 
 def compiled_single_copy(op: Op, nbytes: int, shape: Shape, options: TcpOptions) -> bool:
     """Whether op `op` on `nbytes` per rank takes the single-copy path in its compiled form where every member runs
-    the compiled ops (COMPILED_SINGLE_COPY_BYTES, with the default thresholds)."""
+    the compiled ops (COMPILED_SINGLE_COPY_BYTES, with the default thresholds). Not a matter of this rank's
+    `shm_native`, which may differ between members: every member lists the path alike, sets it up at the same op,
+    and takes it only if the set-up found every member compiled (`single_copy.SingleCopy.compiled`)."""
     windows = COMPILED_SINGLE_COPY_BYTES.get((op, shape.size > 2))
-    if (windows is None or not (options.shm and options.shm_single_copy and options.shm_native and options.shm_mailbox)
+    if (windows is None or not (options.shm and options.shm_single_copy and options.shm_mailbox)
             or options.shm_single_copy_min_bytes >= 0 or options.shm_min_bytes >= 0 or not shape.ordered_stores
             or shape.size == 1 or shape.hosts not in (None, 1)):
         return False
@@ -392,9 +423,13 @@ def _all_reduce(nbytes: int, size: int, oversubscribed: bool, options: TcpOption
 
 
 def route(op: Op, nbytes: int, shape: Shape, options: TcpOptions | None = None) -> Route:
-    """The route op `op` on `nbytes` per rank takes in a group of `shape` whose shared memory maps."""
+    """The route op `op` on `nbytes` per rank takes in a group of `shape` whose shared memory maps (and whose members
+    run the compiled ops unless `options.shm_native` is off)."""
     options = options or TcpOptions()
-    path = candidates(op, nbytes, shape, options)[0]
+    paths = candidates(op, nbytes, shape, options)
+    if paths[0] is Path.SINGLE_COPY and not options.shm_native and needs_compiled(op, nbytes, shape, options):
+        paths = paths[1:]
+    path = paths[0]
     if path is Path.SOCKETS:
         return Route(path, socket_algorithm(op, nbytes, shape.size, shape.oversubscribed, options))
     return Route(path)

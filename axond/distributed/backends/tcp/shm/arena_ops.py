@@ -51,20 +51,26 @@ class Sync:
             doubling.recursive_doubling(self.comm, c, self.token, ReduceOp.MAX)
 
 
+def _step(arena: ShmArena, step: int) -> int:
+    """Bytes per step: a whole slot, or `step` if smaller and not 0."""
+    return min(arena.chunk, step) if step > 0 else arena.chunk
+
+
 def all_reduce(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray, op: ReduceOp,
-               across: Comm | None = None, total: int = 0) -> None:
-    """x (flat, contiguous) <- the reduction over ranks, a slot-sized chunk per step.
+               across: Comm | None = None, total: int = 0, step: int = 0) -> None:
+    """x (flat, contiguous) <- the reduction over ranks, a slot-sized chunk per step (`step` bytes if smaller and
+    not 0: `policy.arena_step`).
 
     With `across` (two levels: `comm` is a host's members, `across` this member and its counterparts on the
     other hosts, `total` the group's size), each part reduced here is then all-reduced with the parts of
     the same index on the other hosts, over the sockets, before anyone copies the result out.
     """
     if comm.size == 2 and across is None:
-        _pair_all_reduce(comm, arena, sync, c, x, op)
+        _pair_all_reduce(comm, arena, sync, c, x, op, step)
         return
     r, n = comm.rank, comm.size
     ufunc = UFUNCS[op]
-    per = arena.chunk // x.itemsize
+    per = _step(arena, step) // x.itemsize
     pending: tuple[np.ndarray, int, int] | None = None
     for s in range(0, x.size, per):
         e = min(s + per, x.size)
@@ -95,12 +101,12 @@ def all_reduce(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Cal
 
 
 def _pair_all_reduce(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray,
-                     op: ReduceOp) -> None:
+                     op: ReduceOp, step: int) -> None:
     """Two ranks: each reduces the whole chunk itself (rank 0's data first, so both get the same numbers);
     that costs no more memory traffic than splitting it and needs one synchronization per step, not two."""
     r = comm.rank
     ufunc = UFUNCS[op]
-    per = arena.chunk // x.itemsize
+    per = _step(arena, step) // x.itemsize
     for s in range(0, x.size, per):
         e = min(s + per, x.size)
         slots = arena.slots(arena.flip(), x.dtype, e - s)
@@ -172,10 +178,12 @@ def _copy_laid(dst: np.ndarray, blocks: np.ndarray, order: np.ndarray, s: int) -
             pos += take
 
 
-def broadcast(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray, src: int) -> None:
-    """x (flat, contiguous) <- the source rank's x, a slot per step."""
+def broadcast(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray, src: int,
+              step: int = 0) -> None:
+    """x (flat, contiguous) <- the source rank's x, a slot per step (`step` bytes if smaller and not 0). The buffers
+    alternate, so the root copies step k + 1 in while the others copy step k out."""
     data = x.view(np.uint8)
-    per = arena.chunk
+    per = _step(arena, step)
     for s in range(0, data.size, per):
         e = min(s + per, data.size)
         slot = arena.slots(arena.flip(), BYTES, e - s)[src]
