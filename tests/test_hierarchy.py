@@ -23,6 +23,7 @@ import pytest
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.backends.tcp import TcpOptions
+from axond.distributed.backends.tcp.policy import TWO_LEVEL_STEP_BYTES
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.hierarchy.topology import RECORD_BYTES, Topology, describe
 from axond.distributed.backends.tcp.transport.wire import Op
@@ -176,6 +177,36 @@ def test_non_contiguous_floats_are_identical_on_every_rank_and_every_run() -> No
         first = got[0][0]
         assert all(np.array_equal(o, first) for outs in got for o in outs)
         np.testing.assert_allclose(first, sum(i[:, ::2] for i in inputs), rtol=1e-5, atol=1e-5)
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_each_node_moves_a_mebibyte_per_step_of_its_default_arena() -> None:
+    """With the default arena (4 MiB slots for two members per node), every op moves TWO_LEVEL_STEP_BYTES per step on
+    its node (the buffers alternate per step, so the arena's turn tells the count) and matches NumPy."""
+    gs = spread(4, 2, tcp=TcpOptions())
+    count = 3 * TWO_LEVEL_STEP_BYTES // 8 + 1  # int64: four steps of an all_reduce, one of a whole slot
+    try:
+        def body(pg: ProcessGroup) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
+            x = np.arange(count, dtype=np.int64) * (pg.rank + 1)
+            pg.all_reduce(x)
+            turn = teams_of(pg).arena.turn
+            b = np.arange(count, dtype=np.int64) if pg.rank == 3 else np.zeros(count, np.int64)
+            pg.broadcast(b, 3)
+            gathered = pg.all_gather(np.full(count // 4, pg.rank, np.int64))
+            scattered = pg.reduce_scatter(np.arange(4 * (count // 4), dtype=np.int64) + pg.rank)
+            return x, turn, b, gathered, scattered
+
+        block = count // 4
+        full = sum(np.arange(4 * block, dtype=np.int64) + r for r in range(4))
+        for r, (x, turn, b, gathered, scattered) in enumerate(run_on(gs, body, timeout=60.0)):
+            assert teams_of(gs[r]).arena.chunk == 4 << 20
+            np.testing.assert_array_equal(x, np.arange(count, dtype=np.int64) * 10)
+            assert turn == 0  # four steps (a whole slot: one)
+            np.testing.assert_array_equal(b, np.arange(count, dtype=np.int64))
+            np.testing.assert_array_equal(gathered, np.repeat(np.arange(4), block).reshape(4, block))
+            np.testing.assert_array_equal(scattered, full[r * block : (r + 1) * block])
     finally:
         for g in gs:
             g.destroy()

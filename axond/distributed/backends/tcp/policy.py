@@ -163,6 +163,15 @@ copies step k out. Measured on 2 cores (session 20), 1 MiB steps against whole s
 - Not on more ranks: at 4 ranks on 2 cores 1 MiB steps took the all_reduce of 2-8 MiB 1.22-1.48x the time (each step
   synchronizes every rank twice, and the ranks share the cores)."""
 PAIR_BROADCAST_STEP_MIN_BYTES = 4 << 20
+TWO_LEVEL_STEP_BYTES = 1 << 20
+"""Bytes per step of a host's part of an op in two levels (`hierarchy.two_level`; else a whole slot of the host's
+arena, 4 MiB with two members). Two namespace hosts of two ranks each on 2 cores (`bench/collectives.py --hosts 2
+--ranks-per-host 2 --fresh-inputs`, three interleaved A/Bs of 3-6 rounds, session 20; 1 MiB steps / whole slots,
+median of the rounds; the first two through a smaller arena): all_reduce 4 MiB 0.87-0.91, 16 MiB 0.81-0.95, 64 MiB
+0.88-0.89; broadcast 4-16 MiB 0.81-0.98 (64 MiB 1.02-1.11); all_gather 16 MiB 0.89-0.90 (4 and 64 MiB 0.94-1.07);
+reduce_scatter 4 MiB 0.77-0.95, 16 MiB 0.91-0.92, 64 MiB 0.82-0.92. Steps of 2 MiB gained about as much on all_reduce
+(0.88-0.91). This tree against the last one, six rounds: all_reduce 1-64 MiB 0.85-0.91, reduce_scatter 4-64 MiB
+0.79-0.88, broadcast 0.87-1.01, all_gather 0.96-1.06."""
 CROWDED_BROADCAST_ARENA_SCALE = 16
 """On an oversubscribed host with a mailbox, broadcast takes the arena from 16 x `shm_min_bytes` (64 KiB; in groups
 whose mailbox takes more, from past the mailbox)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from axond.distributed.backends.host_copy import copy
+from axond.distributed.backends.tcp.policy import TWO_LEVEL_STEP_BYTES
 from axond.distributed.backends.tcp.schedules import sockets
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.shm import arena_ops
@@ -30,6 +31,8 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import finish_average
 
 Hosts = tuple[tuple[int, ...], ...]
+STEP = TWO_LEVEL_STEP_BYTES
+"""Bytes per step of a host's part of every op (`policy.TWO_LEVEL_STEP_BYTES`)."""
 BYTES = np.dtype(np.uint8)
 
 
@@ -66,7 +69,7 @@ def all_reduce(lv: Levels, c: Call, x: np.ndarray, op: ReduceOp) -> None:
         _leader_all_reduce(lv, c, x, op)
         return
     assert lv.arena is not None and lv.across is not None
-    arena_ops.all_reduce(lv.local, lv.arena, lv.sync, c, x, op, lv.across, lv.total)
+    arena_ops.all_reduce(lv.local, lv.arena, lv.sync, c, x, op, lv.across, lv.total, STEP)
 
 
 def broadcast(lv: Levels, c: Call, x: np.ndarray, src: int) -> None:
@@ -80,7 +83,7 @@ def broadcast(lv: Levels, c: Call, x: np.ndarray, src: int) -> None:
     assert lv.arena is not None and lv.across is not None
     if lv.local.rank == i_src:
         sockets.broadcast(lv.across, c, x, j_src)
-    arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, i_src)
+    arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, i_src, STEP)
 
 
 def _leader_all_reduce(lv: Levels, c: Call, x: np.ndarray, op: ReduceOp) -> None:
@@ -88,13 +91,13 @@ def _leader_all_reduce(lv: Levels, c: Call, x: np.ndarray, op: ReduceOp) -> None
     leader to its host. Every member ends with the leaders' bits."""
     inner = ReduceOp.SUM if op is ReduceOp.AVG else op
     if lv.arena is not None:
-        arena_ops.all_reduce(lv.local, lv.arena, lv.sync, c, x, inner)
+        arena_ops.all_reduce(lv.local, lv.arena, lv.sync, c, x, inner, step=STEP)
     if lv.across is not None:
         sockets.all_reduce(lv.across, c, x, inner)
         if op is ReduceOp.AVG:
             finish_average(x, lv.total)
     if lv.arena is not None:
-        arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, 0)
+        arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, 0, STEP)
 
 
 def _leader_broadcast(lv: Levels, c: Call, x: np.ndarray, j_src: int, i_src: int) -> None:
@@ -103,11 +106,11 @@ def _leader_broadcast(lv: Levels, c: Call, x: np.ndarray, j_src: int, i_src: int
     leads its host sends to the other leaders first."""
     home = lv.local.members == lv.hosts[j_src]
     if home and i_src != 0 and lv.arena is not None:
-        arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, i_src)
+        arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, i_src, STEP)
     if lv.across is not None:
         sockets.broadcast(lv.across, c, x, j_src)
     if (not home or i_src == 0) and lv.arena is not None:
-        arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, 0)
+        arena_ops.broadcast(lv.local, lv.arena, lv.sync, c, x, 0, STEP)
 
 
 def _order(hosts: Hosts) -> np.ndarray:
@@ -130,7 +133,7 @@ def all_gather(lv: Levels, c: Call, out: np.ndarray) -> None:
     me = staged[lv.local.rank]
     copy(me[lv.across.rank], rows[lv.hosts[lv.across.rank][lv.local.rank]])
     sockets.all_gather(lv.across, c, me)
-    arena_ops.all_gather(lv.local, lv.arena, lv.sync, c, staged)
+    arena_ops.all_gather(lv.local, lv.arena, lv.sync, c, staged, STEP)
     rows[_order(lv.hosts)] = staged.reshape(per_host * k, width)
 
 
@@ -145,7 +148,7 @@ def reduce_scatter(lv: Levels, c: Call, src: np.ndarray, out: np.ndarray, op: Re
     k, block = lv.across.size, out.size
     summed = lv.local.scratch.named("two_level_sum", k * block * src.itemsize, src.dtype, k * block)
     inner = ReduceOp.SUM if op is ReduceOp.AVG else op
-    arena_ops.reduce_scatter(lv.local, lv.arena, lv.sync, c, src, summed, inner, _order(lv.hosts))
+    arena_ops.reduce_scatter(lv.local, lv.arena, lv.sync, c, src, summed, inner, _order(lv.hosts), STEP)
     sockets.reduce_scatter(lv.across, c, summed, out, inner)
     if op is ReduceOp.AVG:
         finish_average(out, lv.total)

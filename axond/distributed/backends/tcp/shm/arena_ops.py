@@ -121,11 +121,13 @@ def _pair_all_reduce(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], 
             finish_average(mine, 2)
 
 
-def all_gather(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, out: np.ndarray) -> None:
-    """out (size, ...) <- every rank's block; out[rank] already holds this rank's."""
+def all_gather(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, out: np.ndarray,
+               step: int = 0) -> None:
+    """out (size, ...) <- every rank's block; out[rank] already holds this rank's. A slot per step (`step` bytes
+    if smaller and not 0)."""
     r, n = comm.rank, comm.size
     blocks = out.reshape(n, -1).view(np.uint8)
-    per = arena.chunk
+    per = _step(arena, step)
     for s in range(0, blocks.shape[1], per):
         e = min(s + per, blocks.shape[1])
         slots = arena.slots(arena.flip(), BYTES, e - s)
@@ -136,8 +138,9 @@ def all_gather(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Cal
 
 
 def reduce_scatter(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, src: np.ndarray,
-                   out: np.ndarray, op: ReduceOp, order: np.ndarray | None = None) -> None:
-    """out (flat) <- block `rank` of the reduction of every rank's `src` (flat, size x block elements).
+                   out: np.ndarray, op: ReduceOp, order: np.ndarray | None = None, step: int = 0) -> None:
+    """out (flat) <- block `rank` of the reduction of every rank's `src` (flat, size x block elements), a slot per
+    step (`step` bytes if smaller and not 0).
 
     With `order` (two levels, see `hierarchy.two_level`), `src` holds len(order) equal blocks and is reduced as if
     laid out in that order (row t: block order[t]), without a copy of it so laid out."""
@@ -145,7 +148,7 @@ def reduce_scatter(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c:
     ufunc = UFUNCS[op]
     width = src.size // n
     blocks = src.reshape(n, width) if order is None else src.reshape(len(order), -1)
-    per = max(1, arena.chunk // n // src.itemsize)
+    per = max(1, _step(arena, step) // n // src.itemsize)
     for s in range(0, width, per):
         e = min(s + per, width)
         m = e - s
