@@ -25,6 +25,7 @@ from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.backends.tcp import TcpOptions
 from axond.distributed.backends.tcp.policy import TWO_LEVEL_STEP_BYTES
 from axond.distributed.backends.tcp.shm.arena import ShmArena
+from axond.distributed.backends.tcp.hierarchy.two_level import _member_rows
 from axond.distributed.backends.tcp.hierarchy.topology import RECORD_BYTES, Topology, describe
 from axond.distributed.backends.tcp.transport.wire import Op
 from axond.testing import collect_from_processes, node_hosts, run_on, thread_groups
@@ -142,6 +143,38 @@ def test_nodes_of_consecutive_ranks_as_a_launcher_places_them() -> None:
     finally:
         for g in gs:
             g.destroy()
+
+
+@pytest.mark.parametrize("layout", [
+    ["127.0.0.1", "127.0.0.2"] * 3,  # round robin: each member's rows contiguous, gathered in place
+    ["127.0.0.1"] * 3 + ["127.0.0.2"] * 3,  # consecutive, two nodes: rows a stride apart, in place
+    ["127.0.0.1"] * 2 + ["127.0.0.2"] * 2 + ["127.0.0.3"] * 2,  # consecutive, three nodes: the ring needs scratch
+    ["127.0.0.1", "127.0.0.2", "127.0.0.2", "127.0.0.1"],  # neither: through scratch, then reordered
+], ids=["round-robin", "consecutive-2", "consecutive-3", "scrambled"])
+def test_all_gather_puts_every_row_in_rank_order_in_any_layout(layout: list[str]) -> None:
+    n = len(layout)
+    gs = thread_groups(n, options=BackendOptions(timeout=20.0, tcp=SMALL_ARENA), hosts=layout)
+    try:
+        def body(pg: ProcessGroup) -> np.ndarray:
+            return pg.all_gather(np.arange(20_001, dtype=np.int32) + 100_000 * pg.rank)
+
+        want = np.arange(20_001, dtype=np.int32) + 100_000 * np.arange(n)[:, None]
+        for got in run_on(gs, body):
+            np.testing.assert_array_equal(got, want)
+        assert teams_of(gs[0]) is not None
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+def test_member_rows_are_views_where_the_layout_allows() -> None:
+    rows = np.arange(6 * 4, dtype=np.uint8).reshape(6, 4)
+    consecutive = _member_rows(rows, ((0, 1, 2), (3, 4, 5)))
+    assert consecutive is not None and np.shares_memory(consecutive, rows)
+    assert [[int(consecutive[i, j, 0]) // 4 for j in range(2)] for i in range(3)] == [[0, 3], [1, 4], [2, 5]]
+    robin = _member_rows(rows, ((0, 2, 4), (1, 3, 5)))
+    assert robin is not None and robin[1].flags.c_contiguous and [int(v) // 4 for v in robin[1, :, 0]] == [2, 3]
+    assert _member_rows(rows, ((0, 3, 4), (1, 2, 5))) is None
 
 
 def test_teams_are_each_node_and_each_index_across_nodes() -> None:

@@ -122,12 +122,19 @@ def all_gather(lv: Levels, c: Call, out: np.ndarray) -> None:
     """out (size, ...) <- every member's row; out[rank] already holds this member's.
 
     Across the hosts, this member gathers the rows of its counterparts; on its host, the members swap what
-    they gathered through the arena; then one copy puts the rows in group rank order.
+    they gathered through the arena. Where hosts hold consecutive ranks, or ranks round robin, each member's rows
+    lie a fixed stride apart in `out`, and both levels move them in place (`_member_rows`); otherwise through
+    scratch, and one copy puts the rows in group rank order.
     """
     assert lv.even and lv.across is not None and lv.arena is not None
     k, per_host = lv.across.size, lv.local.size
     rows = out.reshape(out.shape[0], -1).view(np.uint8)
     width = rows.shape[1]
+    placed = _member_rows(rows, lv.hosts)
+    if placed is not None and (k == 2 or placed[lv.local.rank].flags.c_contiguous):  # (ring, doubling: contiguous)
+        sockets.all_gather(lv.across, c, placed[lv.local.rank])
+        arena_ops.all_gather(lv.local, lv.arena, lv.sync, c, placed, STEP)
+        return
     staged = lv.local.scratch.named("two_level", per_host * k * width, BYTES, per_host * k * width)
     staged = staged.reshape(per_host, k, width)
     me = staged[lv.local.rank]
@@ -135,6 +142,17 @@ def all_gather(lv: Levels, c: Call, out: np.ndarray) -> None:
     sockets.all_gather(lv.across, c, me)
     arena_ops.all_gather(lv.local, lv.arena, lv.sync, c, staged, STEP)
     rows[_order(lv.hosts)] = staged.reshape(per_host * k, width)
+
+
+def _member_rows(rows: np.ndarray, hosts: Hosts) -> np.ndarray | None:
+    """A (per host, hosts, width) view of `rows` (group rank order) whose [i, j] is member i of host j's row, if
+    the hosts hold consecutive ranks or ranks round robin; else None."""
+    k, per_host = len(hosts), len(hosts[0])
+    if all(hosts[j][i] == j * per_host + i for j in range(k) for i in range(per_host)):
+        return rows.reshape(k, per_host, -1).transpose(1, 0, 2)
+    if all(hosts[j][i] == i * k + j for j in range(k) for i in range(per_host)):
+        return rows.reshape(per_host, k, -1)
+    return None
 
 
 def reduce_scatter(lv: Levels, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:

@@ -124,17 +124,22 @@ def _pair_all_reduce(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], 
 def all_gather(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, out: np.ndarray,
                step: int = 0) -> None:
     """out (size, ...) <- every rank's block; out[rank] already holds this rank's. A slot per step (`step` bytes
-    if smaller and not 0)."""
+    if smaller and not 0).
+
+    `out` may also be a (size, rows, width) uint8 view whose blocks are rows apart (each row contiguous: a two-level
+    all_gather's rows in group rank order, see `hierarchy.two_level`): each step moves the same columns of every row.
+    """
     r, n = comm.rank, comm.size
-    blocks = out.reshape(n, -1).view(np.uint8)
-    per = _step(arena, step)
-    for s in range(0, blocks.shape[1], per):
-        e = min(s + per, blocks.shape[1])
-        slots = arena.slots(arena.flip(), BYTES, e - s)
-        np.copyto(slots[r], blocks[r, s:e])
+    blocks = out.reshape(n, 1, -1).view(np.uint8) if out.flags.c_contiguous else out
+    k, width = blocks.shape[1], blocks.shape[2]
+    per = max(1, _step(arena, step) // k)
+    for s in range(0, width, per):
+        e = min(s + per, width)
+        slots = arena.slots(arena.flip(), BYTES, k * (e - s)).reshape(n, k, e - s)
+        np.copyto(slots[r], blocks[r, :, s:e])
         sync(c)
-        np.copyto(blocks[:r, s:e], slots[:r])
-        np.copyto(blocks[r + 1 :, s:e], slots[r + 1 :])
+        np.copyto(blocks[:r, :, s:e], slots[:r])
+        np.copyto(blocks[r + 1 :, :, s:e], slots[r + 1 :])
 
 
 def reduce_scatter(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, src: np.ndarray,
