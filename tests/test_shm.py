@@ -26,6 +26,7 @@ from axond.distributed.backends.tcp.policy import (AUTO_MIN_BYTES, MAILBOX_SYNC_
                                                    mailbox_limit)
 from axond.distributed.backends.tcp.transport.wire import Op
 from axond.distributed.backends.tcp.shm.arena import ShmArena, chunk_bytes
+from axond.distributed.backends.tcp.shm.arena_ops import _copy_laid
 from axond.testing import collect_from_processes, run_on, run_processes, thread_groups
 from collective_cases import all_reduce_until_killed, check_every_large_op, check_killed_rank_1, every_large_op
 
@@ -113,6 +114,20 @@ def test_bad_settings_say_what_to_set(monkeypatch: pytest.MonkeyPatch, setting: 
 def test_slots_are_aligned_and_bounded() -> None:
     assert chunk_bytes(32 << 20, 2) == 4 << 20 and chunk_bytes(32 << 20, 4) == (32 << 20) // 10 // 64 * 64
     assert chunk_bytes(0, 8) == 64
+
+
+def test_a_laid_out_copy_skips_the_own_row_where_it_is_one_block() -> None:
+    """reduce_scatter's laid-out copy (two levels) leaves row `own` to be read in place where its columns lie in one
+    block, and copies it like the others where they straddle two."""
+    blocks = np.arange(4 * 10, dtype=np.int64).reshape(4, 10)
+    order = np.array([2, 0, 3, 1])  # row 0: blocks 2, 0; row 1: blocks 3, 1
+    laid = blocks[order].reshape(2, 20)
+    dst = np.full((2, 4), -1, np.int64)
+    own = _copy_laid(dst, blocks, order, 3, 1)  # columns 3..7 of row 1: all in block 3
+    assert np.shares_memory(own, blocks) and (own == laid[1, 3:7]).all()
+    assert (dst[0] == laid[0, 3:7]).all() and (dst[1] == -1).all()
+    own = _copy_laid(dst, blocks, order, 8, 0)  # columns 8..12: blocks 2 and 0
+    assert not np.shares_memory(own, blocks) and (own == laid[0, 8:12]).all() and (dst == laid[:, 8:12]).all()
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])

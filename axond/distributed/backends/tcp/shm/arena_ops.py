@@ -148,7 +148,9 @@ def reduce_scatter(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c:
     step (`step` bytes if smaller and not 0).
 
     With `order` (two levels, see `hierarchy.two_level`), `src` holds len(order) equal blocks and is reduced as if
-    laid out in that order (row t: block order[t]), without a copy of it so laid out."""
+    laid out in that order (row t: block order[t]), without a copy of it so laid out.
+
+    This rank's own share of the part it reduces is read from `src`, not copied into its slot (no peer reads it)."""
     r, n = comm.rank, comm.size
     ufunc = UFUNCS[op]
     width = src.size // n
@@ -158,32 +160,41 @@ def reduce_scatter(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c:
         e = min(s + per, width)
         m = e - s
         slots = arena.slots(arena.flip(), src.dtype, n * m)
+        mine = slots[r].reshape(n, m)
         if order is None:
-            np.copyto(slots[r].reshape(n, m), blocks[:, s:e])
+            np.copyto(mine[:r], blocks[:r, s:e])
+            np.copyto(mine[r + 1 :], blocks[r + 1 :, s:e])
+            own = blocks[r, s:e]
         else:
-            _copy_laid(slots[r].reshape(n, m), blocks, order, s)
+            own = _copy_laid(mine, blocks, order, s, r)
         sync(c)
-        part = slots[:, r * m : (r + 1) * m]
+        parts = [own if p == r else slots[p, r * m : (r + 1) * m] for p in range(n)]
         dest = out[s:e]
-        ufunc(part[0], part[1], out=dest)
+        ufunc(parts[0], parts[1], out=dest)
         for k in range(2, n):
-            ufunc(dest, part[k], out=dest)
+            ufunc(dest, parts[k], out=dest)
         if op is ReduceOp.AVG:
             finish_average(dest, n)
 
 
-def _copy_laid(dst: np.ndarray, blocks: np.ndarray, order: np.ndarray, s: int) -> None:
+def _copy_laid(dst: np.ndarray, blocks: np.ndarray, order: np.ndarray, s: int, own: int) -> np.ndarray:
     """dst (n, m) <- columns s..s+m of the rows of `blocks` laid out in `order`: row i is blocks order[i * k],
-    ..., order[i * k + k - 1] end to end (k = len(order) // n)."""
+    ..., order[i * k + k - 1] end to end (k = len(order) // n). Row `own`'s columns are returned instead, as a view
+    of `blocks` where they lie in one block (else copied into dst[own] as the others)."""
     n, m = dst.shape
     k, block = len(order) // n, blocks.shape[1]
+    j, off = divmod(s, block)
+    view = blocks[order[own * k + j], off : off + m] if off + m <= block else None
     for i in range(n):
+        if i == own and view is not None:
+            continue
         pos, e = s, s + m
         while pos < e:
             j, off = divmod(pos, block)
             take = min(e, (j + 1) * block) - pos
             np.copyto(dst[i, pos - s : pos - s + take], blocks[order[i * k + j], off : off + take])
             pos += take
+    return dst[own] if view is None else view
 
 
 def broadcast(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray, src: int,
