@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from axond.distributed.backends.host_copy import copy
-from axond.distributed.backends.tcp.policy import TWO_LEVEL_STEP_BYTES
+from axond.distributed.backends.tcp.policy import TWO_LEVEL_STEP_BYTES as STEP
 from axond.distributed.backends.tcp.schedules import sockets
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.shm import arena_ops
@@ -31,8 +31,6 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import finish_average
 
 Hosts = tuple[tuple[int, ...], ...]
-STEP = TWO_LEVEL_STEP_BYTES
-"""Bytes per step of a host's part of every op (`policy.TWO_LEVEL_STEP_BYTES`)."""
 BYTES = np.dtype(np.uint8)
 
 
@@ -131,7 +129,9 @@ def all_gather(lv: Levels, c: Call, out: np.ndarray) -> None:
     rows = out.reshape(out.shape[0], -1).view(np.uint8)
     width = rows.shape[1]
     placed = _member_rows(rows, lv.hosts)
-    if placed is not None and (k == 2 or placed[lv.local.rank].flags.c_contiguous):  # (ring, doubling: contiguous)
+    fits = k <= lv.arena.chunk  # a step moves at least one column of each of the k rows
+    flat = k == 2 or (placed is not None and placed[lv.local.rank].flags.c_contiguous)  # the ring and doubling need it
+    if placed is not None and fits and flat:
         sockets.all_gather(lv.across, c, placed[lv.local.rank])
         arena_ops.all_gather(lv.local, lv.arena, lv.sync, c, placed, STEP)
         return
