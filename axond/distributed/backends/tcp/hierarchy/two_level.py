@@ -16,6 +16,7 @@ and skips its host steps.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,10 +149,23 @@ def _member_rows(rows: np.ndarray, hosts: Hosts) -> np.ndarray | None:
     """A (per host, hosts, width) view of `rows` (group rank order) whose [i, j] is member i of host j's row, if
     the hosts hold consecutive ranks or ranks round robin; else None."""
     k, per_host = len(hosts), len(hosts[0])
-    if all(hosts[j][i] == j * per_host + i for j in range(k) for i in range(per_host)):
+    layout = _layout(hosts)
+    if layout == "consecutive":
         return rows.reshape(k, per_host, -1).transpose(1, 0, 2)
-    if all(hosts[j][i] == i * k + j for j in range(k) for i in range(per_host)):
+    if layout == "round robin":
         return rows.reshape(per_host, k, -1)
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(hosts: Hosts) -> str | None:
+    """How the hosts hold the group's ranks: "consecutive", "round robin" or neither (None); worked out once per
+    layout, not at every op."""
+    k, per_host = len(hosts), len(hosts[0])
+    if all(hosts[j][i] == j * per_host + i for j in range(k) for i in range(per_host)):
+        return "consecutive"
+    if all(hosts[j][i] == i * k + j for j in range(k) for i in range(per_host)):
+        return "round robin"
     return None
 
 
