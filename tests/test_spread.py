@@ -58,3 +58,29 @@ def test_the_higher_rank_on_a_shared_core_moves_and_stays_unpinned(monkeypatch: 
         assert len(moved) == 1 and "rank 1 of 2" in moved[0] and f"to core {mask[1]}" in moved[0], err
     else:
         assert moved == [], err
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores this process may run on")
+@pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox (and the spreading with it) needs x86's ordered stores")
+def test_a_member_pinned_to_one_core_still_takes_part_in_the_exchange() -> None:
+    """Rank 1 runs pinned to one core (a launcher's binding), rank 0 may run anywhere: both exchange their cores when
+    the mailbox is mapped (a member that left it out made its peer read its op as the exchange: a mismatch), and the
+    op runs."""
+    mask = sorted(os.sched_getaffinity(0))
+    groups = thread_groups(2, options=BackendOptions(timeout=10.0))
+    try:
+        def body(pg: ProcessGroup) -> tuple[float, list[int]]:
+            if pg.rank == 1:
+                os.sched_setaffinity(0, {mask[0]})
+            try:
+                x = np.ones(2, np.float32)
+                pg.all_reduce(x)  # maps the mailbox: the exchange
+                return float(x[0]), sorted(os.sched_getaffinity(0))
+            finally:
+                os.sched_setaffinity(0, mask)
+        out = run_on(groups, body)
+    finally:
+        for g in groups:
+            g.destroy()
+    assert out == [(2.0, mask), (2.0, [mask[0]])]

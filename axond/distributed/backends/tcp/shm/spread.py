@@ -65,14 +65,14 @@ def spread(comm: Comm, c: Call) -> int | None:
     try:
         allowed = os.sched_getaffinity(0)
     except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return None
-    if len(allowed) < 2:
-        return None
+        allowed = set()
     table = np.full((comm.size, 1 + 64), -1, np.int64)  # this member's core, then its allowed cores (up to 64)
     table[comm.rank, 0] = current_cpu()
     mask = sorted(allowed)[:64]
     table[comm.rank, 1 : 1 + len(mask)] = mask
-    direct.direct_all_gather(comm, c, table)
+    direct.direct_all_gather(comm, c, table)  # every member takes part, even one that cannot move (a pinned rank)
+    if len(allowed) < 2:
+        return None
     moves = plan([int(v) for v in table[:, 0]], [{int(v) for v in row[1:] if v >= 0} for row in table])
     target = moves.get(comm.rank)
     if target is None:
