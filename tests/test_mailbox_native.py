@@ -23,6 +23,7 @@ from axond.distributed import BackendOptions
 from axond.distributed.backends.tcp import TcpOptions
 from axond.distributed.backends.tcp.policy import ORDERED_STORES
 from axond.distributed.backends.tcp.shm import mailbox
+from axond.distributed.backends.tcp.transport.wire import Op
 from axond.distributed.reducers import accumulator
 from axond.testing import run_on, thread_groups
 
@@ -410,3 +411,57 @@ def test_inputs_that_change_in_one_byte_between_calls_reach_every_rank(made: lis
         for r in range(size):
             assert results[r][i] == want, (r, i, spot)
     assert all(pg.backend.placement.mailbox.native is not None for pg in made)  # type: ignore[union-attr]
+
+
+@needs_fastbox
+@pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox needs x86's store order")
+@pytest.mark.parametrize("natives", [[True, True], [True, False], [False, True, True, True]],
+                         ids=["compiled", "mixed2", "mixed4"])
+def test_arena_steps_synchronize_through_compiled_posts_beside_python_ones(natives: list[bool]) -> None:
+    """Large ops through the arena (several steps each) whose synchronizations compiled ranks post in C and Python
+    ranks in Python: the numbers of one process, the compiled ranks' posts prepared once per call shape, none on the
+    Python ranks; then a member in another call raises on every rank, from the compiled wait too."""
+    n = len(natives)
+    gs = thread_groups(n, options=[BackendOptions(timeout=5.0, tcp=TcpOptions(shm_native=native, shm_single_copy=False))
+                                   for native in natives])
+    inputs = [data_for(np.float64, ReduceOp.SUM, r, ((6 << 20) // 8,)) for r in range(n)]  # 6 MiB: two steps or more
+    try:
+        for pg in gs:
+            assert str(pg.backend.route(Op.ALL_REDUCE, 6 << 20)) == "arena"  # type: ignore[union-attr]
+
+        def body(pg: ProcessGroup) -> tuple[list[np.ndarray], int]:
+            got = []
+            for i in range(3):  # every call of a shape after the first reuses its prepared post
+                x = inputs[pg.rank].copy()
+                pg.all_reduce(x)
+                got.append(x)
+                b = np.full((6 << 20) // 8, pg.rank + 10 * i, np.float64)
+                pg.broadcast(b, i % n)
+                got.append(b)
+                got.append(pg.reduce_scatter(inputs[pg.rank][: len(inputs[pg.rank]) // n * n].copy()))
+            return got, len(pg.backend.placement.sync._posts)  # type: ignore[union-attr]
+
+        results = run_on(gs, body)
+        again = run_on(gs, body)  # the same call shapes: no new prepared post
+        total = rank_order(inputs, ReduceOp.SUM)
+        for rank, (got, posts) in enumerate(results):
+            assert (posts > 0) == natives[rank] and again[rank][1] == posts, (rank, posts, again[rank][1])
+            for i in range(3):
+                reduced, sent, scattered = got[3 * i : 3 * i + 3]
+                same_bits(reduced, total)
+                assert (sent == i % n + 10 * i).all()
+                part = len(scattered)
+                same_bits(scattered, rank_order([x[: len(x) // n * n] for x in inputs], ReduceOp.SUM)[
+                    rank * part : (rank + 1) * part])
+
+        def other(pg: ProcessGroup) -> None:
+            if pg.rank == 0:
+                pg.all_reduce(np.ones(1 << 20, np.float32))
+            else:
+                pg.broadcast(np.ones(1 << 20, np.float32), 0)
+        errors = run_on(gs, other, return_exceptions=True)
+        assert all(isinstance(e, DistributedError) and "broadcast" in str(e) and "all_reduce" in str(e)
+                   for e in errors), errors
+    finally:
+        for g in gs:
+            g.destroy()

@@ -27,28 +27,50 @@ from axond.distributed.backends.tcp.schedules import doubling, sockets
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox
+from axond.distributed.backends.tcp.shm.mailbox_ops import SmallBarrier
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
 
 BYTES = np.dtype(np.uint8)
+POSTS = 64
+"""Call shapes whose compiled synchronization a `Sync` keeps (a training loop runs the same few)."""
 
 
 class Sync:
     """One synchronization of every member between two steps of an arena op: through the mailbox where it is mapped,
     without system calls (interleaved A/B on 2 cores, 1 MiB ops: 1.1-1.5x at 2 ranks, 1.2-1.5x at 4, with spin
     yielding the CPU; 1.1-1.2x at 16 MiB with 4 ranks), else a one-byte exchange over the sockets. Either way the
-    headers are compared: a peer in another call raises."""
+    headers are compared: a peer in another call raises.
+
+    Where the mailbox runs compiled ops, each synchronization is one C call (`mailbox_ops.SmallBarrier` with the
+    arena op's header, prepared once per call shape): back-to-back calls interleaved in one job, eight rounds, after /
+    before at 4 ranks on 2 cores, 1 and 4 MiB: all_reduce 0.94 / 0.97-1.00, broadcast 0.92 / 0.96, reduce_scatter
+    0.95 / 0.91; at 2 ranks 0.96-1.00."""
 
     def __init__(self, comm: Comm, mailbox: Mailbox | None) -> None:
         self.comm, self.mailbox = comm, mailbox
         self.token = np.zeros(1, np.uint8)
+        self._posts: dict[tuple[int, ...], SmallBarrier] = {}
+        """The compiled posts by call shape (the call's header without its number)."""
 
     def __call__(self, c: Call) -> None:
-        if self.mailbox is not None:
-            self.mailbox.post(c, None)
-        else:
+        box = self.mailbox
+        if box is None:
             doubling.recursive_doubling(self.comm, c, self.token, ReduceOp.MAX)
+        elif box.native is None:
+            box.post(c, None)
+        else:
+            make_call: Callable[[int], Call] = lambda _: c  # noqa: E731 - this call, for a wait's errors
+            shape = c.expect[:4] + c.expect[5:]
+            post = self._posts.get(shape)
+            if post is None:
+                if len(self._posts) >= POSTS:
+                    self._posts.clear()
+                post = self._posts[shape] = SmallBarrier(box, c, make_call)
+            else:
+                post.make_call = make_call
+            post.run(c.seq)
 
 
 def _step(arena: ShmArena, step: int) -> int:

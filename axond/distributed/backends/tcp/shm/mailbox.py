@@ -25,7 +25,8 @@ rank order, as everywhere.
   this rank runs now, called something else, and this rank raises (the member then sees its abort frame).
 - **Point-to-point frames** that a member sent before it posted are set aside for their receives (see
   `FramedGroup.only_early`), not taken for another call.
-- **The arena's steps** synchronize through the mailbox too: a post without payload (`arena_ops.Sync`).
+- **The arena's steps** synchronize through the mailbox too: a post without payload (`arena_ops.Sync`; compiled
+  where the ops are, as a prepared barrier with the arena op's header).
 - **Compiled ops:** where the install built `_fastbox` (C, the same protocol), a prepared op (`mailbox_ops.Prepared`)
   posts, takes the first QUICK_TURNS turns of the wait, compares the calls and reads or reduces in one C call; any
   longer wait or mismatch comes back here (`settle`). Ranks with and without it share a mailbox.
