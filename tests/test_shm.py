@@ -22,7 +22,7 @@ from axond import DistributedError, ProcessGroup
 from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.backends.tcp import TcpOptions
 from axond.distributed.backends.tcp.policy import (AUTO_MIN_BYTES, MAILBOX_SYNC_MIN_BYTES, ORDERED_STORES,
-                                                   PAIR_BROADCAST_STEP_MIN_BYTES, PAIR_STEP_BYTES, arena_step,
+                                                   PAIR_BROADCAST_STEP_MIN_BYTES, STEP_BYTES, arena_step,
                                                    mailbox_limit)
 from axond.distributed.backends.tcp.transport.wire import Op
 from axond.distributed.backends.tcp.shm.arena import ShmArena, chunk_bytes
@@ -151,13 +151,13 @@ def test_sums_are_those_of_one_process_adding_in_rank_order(make_groups: MakeGro
 
 
 def test_a_pair_steps_its_all_reduce_and_large_broadcast_a_mebibyte_at_a_time(make_groups: MakeGroups) -> None:
-    """Two ranks: all_reduce, and broadcast from 4 MiB, move PAIR_STEP_BYTES per arena step, not a whole slot (the
+    """Two ranks: all_reduce, and broadcast from 4 MiB, move STEP_BYTES per arena step, not a whole slot (the
     buffers alternate per step, so the arena's turn tells the count); the sums keep rank order."""
     gs = make_groups(2, 20.0)
-    count = (3 * PAIR_STEP_BYTES // 2) // 4 + 3  # two steps of float32; one 4 MiB slot would hold it all
+    count = (3 * STEP_BYTES // 2) // 4 + 3  # two steps of float32; one 4 MiB slot would hold it all
     inputs = [np.random.default_rng(r).standard_normal(count).astype(np.float32) for r in range(2)]
-    size = 5 * PAIR_STEP_BYTES - 8  # five steps; two slots
-    assert arena_step(Op.BROADCAST, size, 2) == PAIR_STEP_BYTES and arena_step(Op.BROADCAST, size, 3) == 0
+    size = 5 * STEP_BYTES - 8  # five steps; two slots
+    assert arena_step(Op.BROADCAST, size, 2) == STEP_BYTES and arena_step(Op.BROADCAST, size, 3) == 0
     assert arena_step(Op.BROADCAST, PAIR_BROADCAST_STEP_MIN_BYTES - 8, 2) == 0
 
     def body(pg: ProcessGroup) -> tuple[np.ndarray, int, np.ndarray, int]:
@@ -174,6 +174,33 @@ def test_a_pair_steps_its_all_reduce_and_large_broadcast_a_mebibyte_at_a_time(ma
         assert arena_of(gs[0]).chunk == 4 << 20
         assert (after_reduce, after_broadcast) == (0, 1)  # 2 steps, then 5 (whole slots: 1, then 2)
         assert (b == np.arange(size, dtype=np.uint8)).all()
+
+
+def test_more_ranks_step_their_all_reduce_a_mebibyte_at_a_time(make_groups: MakeGroups) -> None:
+    """Four ranks: all_reduce moves STEP_BYTES per arena step, though a slot would hold 3.2 MiB (each step flips the
+    arena's turn: 2 MiB takes two steps and leaves it as it was, 3 MiB three and flips it, where whole slots would
+    flip it for both); the sums keep rank order. Other ops keep whole slots."""
+    gs = make_groups(4, 20.0)
+    assert arena_step(Op.ALL_REDUCE, 8 << 20, 4) == STEP_BYTES and arena_step(Op.REDUCE_SCATTER, 8 << 20, 4) == 0
+    run_on(gs, lambda pg: pg.all_reduce(np.ones(STEP_BYTES // 4, np.float32)))  # the arena is up (one step)
+    assert all(arena_of(pg).chunk > 3 * STEP_BYTES for pg in gs)
+    inputs = {k: [np.random.default_rng(r).standard_normal(k * STEP_BYTES // 4).astype(np.float32) for r in range(4)]
+              for k in (2, 3)}
+
+    def body(pg: ProcessGroup) -> list[tuple[np.ndarray, int]]:
+        out = []
+        for k in (2, 3):
+            x = inputs[k][pg.rank].copy()
+            turn = arena_of(pg).turn
+            pg.all_reduce(x)
+            out.append((x, arena_of(pg).turn ^ turn))
+        return out
+
+    for got in run_on(gs, body):
+        for k, (x, flipped) in zip((2, 3), got):
+            a = inputs[k]
+            assert x.tobytes() == (((a[0] + a[1]) + a[2]) + a[3]).tobytes()
+            assert flipped == k % 2, (k, flipped)
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])

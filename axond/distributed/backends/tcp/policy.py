@@ -92,7 +92,7 @@ SINGLE_COPY_MIN_BYTES: dict[Op, tuple[int, int]] = {
     Op.ALL_REDUCE: (1 << 62, 16 << 20)}
 """Default size (all_gather: of the output) from which an op of a one-host group of (two, more) ranks takes the
 single-copy path instead of the arena, where every member can read the others' memory (an explicit `shm_min_bytes`
-replaces it). A two-rank all_reduce never takes it by default: the arena's, in PAIR_STEP_BYTES steps, beats it at
+replaces it). A two-rank all_reduce never takes it by default: the arena's, in STEP_BYTES steps, beats it at
 every size measured. A process_vm_readv costs ~10 us a call and copies at 5-11 GB/s where a memcpy of cache-resident data
 runs at 20-25, so one copy wins only once the arena's two spill out of the caches. Single copy / arena time on
 2 cores (the 4 ranks oversubscribed), from five interleaved A/B runs (three of bench/compare_trees.py, 4 rounds;
@@ -143,9 +143,9 @@ rounds, median / best of the rounds' medians, after / before, session 19:
   slower than the mailbox's where the root's data was just written; nor 4 MiB (unchanged 0.93, fresh 0.88-1.80).
 - broadcast, four ranks: unchanged 384 KiB-8 MiB 0.58-0.87, but fresh 512 KiB-2 MiB 1.05-1.38: not taken.
 """
-PAIR_STEP_BYTES = 1 << 20
-"""Bytes per step of a two-rank all_reduce (and broadcast from PAIR_BROADCAST_STEP_MIN_BYTES) through the arena; other
-ops take a whole slot (up to 4 MiB) per step. In 1 MiB steps each step's data stays in the cores' 2 MiB L2 caches
+STEP_BYTES = 1 << 20
+"""Bytes per step of an all_reduce (and a two-rank broadcast from PAIR_BROADCAST_STEP_MIN_BYTES) through the arena;
+other ops take a whole slot (up to 4 MiB) per step. In 1 MiB steps each step's data stays in the cores' 2 MiB L2 caches
 between the copy in and the reduction or copy out, and a broadcast's root copies step k + 1 in while the other rank
 copies step k out. Measured on 2 cores (session 20), 1 MiB steps against whole slots:
 
@@ -160,8 +160,12 @@ copies step k out. Measured on 2 cores (session 20), 1 MiB steps against whole s
   job); compare_trees unchanged 6 MiB 0.74 / 0.71, 8 MiB 0.72 / 0.73. So a pair's all_reduce stays on the arena
   (SINGLE_COPY_MIN_BYTES). A two-rank broadcast from 8 MiB keeps the compiled single copy, in 0.60-0.80 the time of
   the arena's 1 MiB steps.
-- Not on more ranks: at 4 ranks on 2 cores 1 MiB steps took the all_reduce of 2-8 MiB 1.22-1.48x the time (each step
-  synchronizes every rank twice, and the ranks share the cores)."""
+- More ranks: at 4 ranks on 2 cores 1 MiB steps took the all_reduce of 2-8 MiB 1.22-1.48x the time while each step's
+  synchronization ran in Python (session 20); since it is one C call (`arena_ops.Sync`), 0.69-0.71 (unchanged inputs)
+  and 0.74-0.83 (`--fresh-inputs`) at 2-8 MiB, best of four compare_trees rounds; in one job 0.80-0.91 back to back
+  (x at page offsets 64 and 320 too), 0.87-1.07 with a barrier and a fill before each call; 3 ranks 0.80-0.99;
+  torch's DDP step with one 4.2 MB bucket level. Where each call's input was first copied in from another array in
+  one job, 0.91-1.56 (bench/RESULTS.md, session 21)."""
 PAIR_BROADCAST_STEP_MIN_BYTES = 4 << 20
 TWO_LEVEL_STEP_BYTES = 1 << 20
 """Bytes per step of a host's part of an op in two levels (`hierarchy.two_level`; else a whole slot of the host's
@@ -275,10 +279,10 @@ def spin_seconds(options: TcpOptions, oversubscribed: bool) -> float:
 
 def arena_step(op: Op, nbytes: int, size: int) -> int:
     """Bytes per step of op `op` on `nbytes` per rank through the arena of a one-host group of `size` (0: a whole
-    slot): PAIR_STEP_BYTES for a two-rank all_reduce, and broadcast from PAIR_BROADCAST_STEP_MIN_BYTES."""
-    if size != 2 or not (op is Op.ALL_REDUCE or (op is Op.BROADCAST and nbytes >= PAIR_BROADCAST_STEP_MIN_BYTES)):
-        return 0
-    return PAIR_STEP_BYTES
+    slot): STEP_BYTES for an all_reduce, and for a two-rank broadcast from PAIR_BROADCAST_STEP_MIN_BYTES."""
+    if op is Op.ALL_REDUCE or (size == 2 and op is Op.BROADCAST and nbytes >= PAIR_BROADCAST_STEP_MIN_BYTES):
+        return STEP_BYTES
+    return 0
 
 
 def _path_bytes(op: Op, nbytes: int, size: int) -> int:
