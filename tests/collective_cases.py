@@ -14,7 +14,7 @@ import numpy as np
 from axond import DistributedError, ProcessGroup, ReduceOp, bfloat16
 from axond.distributed import BackendOptions
 from axond.distributed.backends.tcp import TcpOptions
-from axond.testing import thread_groups
+from axond.testing import run_on, thread_groups
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
 LOW_PRECISION = ["bfloat16"]
@@ -167,3 +167,15 @@ def check_killed_rank_1(items: list[Any], codes: list[Any], size: int) -> dict[i
         assert took < 2.0 and used
     assert codes[1] == -signal.SIGKILL
     return got
+
+
+def check_other_call_raises(groups: list[ProcessGroup], count: int) -> None:
+    """Rank 0 all-reduces `count` float32 while the others broadcast as many: every rank raises, naming both calls."""
+    def other(pg: ProcessGroup) -> None:
+        if pg.rank == 0:
+            pg.all_reduce(np.ones(count, np.float32))
+        else:
+            pg.broadcast(np.ones(count, np.float32), 0)
+    errors = run_on(groups, other, return_exceptions=True)
+    assert all(isinstance(e, DistributedError) and "broadcast" in str(e) and "all_reduce" in str(e)
+               for e in errors), errors

@@ -26,6 +26,7 @@ from axond.distributed.backends.tcp.shm import mailbox
 from axond.distributed.backends.tcp.transport.wire import Op
 from axond.distributed.reducers import accumulator
 from axond.testing import run_on, thread_groups
+from collective_cases import check_other_call_raises
 
 pytestmark = [pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox needs x86 store order"),
               pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]  # the wrapping inputs
@@ -454,14 +455,7 @@ def test_arena_steps_synchronize_through_compiled_posts_beside_python_ones(nativ
                 same_bits(scattered, rank_order([x[: len(x) // n * n] for x in inputs], ReduceOp.SUM)[
                     rank * part : (rank + 1) * part])
 
-        def other(pg: ProcessGroup) -> None:
-            if pg.rank == 0:
-                pg.all_reduce(np.ones(1 << 20, np.float32))
-            else:
-                pg.broadcast(np.ones(1 << 20, np.float32), 0)
-        errors = run_on(gs, other, return_exceptions=True)
-        assert all(isinstance(e, DistributedError) and "broadcast" in str(e) and "all_reduce" in str(e)
-                   for e in errors), errors
+        check_other_call_raises(gs, 1 << 20)
     finally:
         for g in gs:
             g.destroy()

@@ -28,7 +28,8 @@ from axond.distributed.backends.tcp.transport.wire import Op
 from axond.distributed.backends.tcp.shm.arena import ShmArena, chunk_bytes
 from axond.distributed.backends.tcp.shm.arena_ops import _copy_laid
 from axond.testing import collect_from_processes, run_on, run_processes, thread_groups
-from collective_cases import all_reduce_until_killed, check_every_large_op, check_killed_rank_1, every_large_op
+from collective_cases import (all_reduce_until_killed, check_every_large_op, check_killed_rank_1,
+                              check_other_call_raises, every_large_op)
 
 MakeGroups = Any
 
@@ -297,13 +298,7 @@ def test_mismatched_calls_raise_on_every_rank_naming_both_sides(make_groups: Mak
     gs = make_groups(2, 5.0, transport=transport)
     run_on(gs, lambda pg: pg.all_reduce(np.ones(1 << 16)))
 
-    def other(pg: ProcessGroup) -> None:
-        if pg.rank == 0:
-            pg.all_reduce(np.ones(1 << 16, np.float32))
-        else:
-            pg.broadcast(np.ones(1 << 16, np.float32), 0)
-    errors = run_on(gs, other, return_exceptions=True)
-    assert all(isinstance(e, DistributedError) and "broadcast" in str(e) and "all_reduce" in str(e) for e in errors)
+    check_other_call_raises(gs, 1 << 16)
 
 
 @pytest.mark.parametrize("transport", ["shm", "spin", "single_copy"])  # a silent peer on the single-copy path too
