@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from axond.distributed.backends import host_copy
-from axond.distributed.backends.host_copy import PAGE, address, copy, slow_distance
+from axond.distributed.backends.host_copy import PAGE, address, copy, copy_changed, slow_distance
 from axond.distributed.backends.tcp.shm import arena as arena_mod
 from axond.distributed.backends.tcp.shm import single_copy
 
@@ -126,3 +126,45 @@ def test_single_copy_read_at_a_slow_distance_goes_through_the_bounce_buffer(nbyt
     bounced = slow_distance(address(dst), address(src)) and nbytes >= single_copy.BOUNCE_MIN_BYTES
     assert (reader._bounce is not None) is bounced
 
+
+
+@pytest.mark.parametrize("nbytes", [100, 4096, 3 * 4096 + 5, 1 << 20])
+def test_copy_changed_skips_the_blocks_it_holds_up_to_the_first_that_differs(nbytes: int) -> None:
+    pool = np.zeros(4 * nbytes + 4 * PAGE, np.uint8)
+    src = at(pool, 0, nbytes)
+    dst = at(pool, past(nbytes, 2048), nbytes)  # not at a slow distance (malloc's arrays may be)
+    src[...] = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    assert copy_changed(dst, src) == nbytes and np.array_equal(dst, src)
+    assert copy_changed(dst, src) == 0 and np.array_equal(dst, src)  # unchanged: nothing written
+    for where in (nbytes - 1, nbytes // 2, 0):
+        src[where] ^= 0xFF
+        first = where // 4096 * 4096
+        assert copy_changed(dst, src) == nbytes - first, where
+        assert np.array_equal(dst, src)
+
+
+def test_copy_changed_falls_back_to_a_plain_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the compiled helper, at a slow distance and for other layouts: every byte written, all right."""
+    nbytes = 1 << 16
+    pool = np.zeros(4 * nbytes + 4 * PAGE, np.uint8)
+    src = at(pool, 0, nbytes)
+    dst = at(pool, past(nbytes, 16), nbytes)
+    src[...] = np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8)
+    assert slow_distance(address(dst), address(src))
+    assert copy_changed(dst, src) == nbytes and np.array_equal(dst, src)
+    a = np.arange(40000, dtype=np.float32)
+    out = np.zeros(20000, np.float32)
+    assert copy_changed(out, a[::2]) == out.nbytes and np.array_equal(out, a[::2])
+    monkeypatch.setattr(host_copy, "_CHANGED", None)
+    b = np.arange(5000, dtype=np.float64)
+    dest = b.copy()
+    assert copy_changed(dest, b) == b.nbytes  # no helper to tell what it holds
+
+
+@pytest.mark.skipif(host_copy._CHANGED is None, reason="the compiled helper was not built")
+def test_the_compiled_copy_changed_refuses_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="takes 3 integers"):
+        host_copy._CHANGED(0, 0)
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        host_copy._CHANGED(0, 0, -1)
+    assert host_copy._CHANGED(0, 0, 0) == 0

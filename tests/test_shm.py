@@ -26,6 +26,8 @@ from axond.distributed.backends.tcp.policy import (AUTO_MIN_BYTES, MAILBOX_SYNC_
                                                    mailbox_limit)
 from axond.distributed.backends.tcp.transport.wire import Op
 from axond.distributed.backends.tcp.shm.arena import ShmArena, chunk_bytes
+from axond.distributed.backends.host_copy import copy_changed
+from axond.distributed.backends.tcp.shm import arena_ops
 from axond.distributed.backends.tcp.shm.arena_ops import _copy_laid
 from axond.testing import collect_from_processes, run_on, run_processes, thread_groups
 from collective_cases import (all_reduce_until_killed, check_every_large_op, check_killed_rank_1,
@@ -202,6 +204,45 @@ def test_more_ranks_step_their_all_reduce_a_mebibyte_at_a_time(make_groups: Make
             a = inputs[k]
             assert x.tobytes() == (((a[0] + a[1]) + a[2]) + a[3]).tobytes()
             assert flipped == k % 2, (k, flipped)
+
+
+def test_a_broadcasts_root_writes_only_what_its_slot_lacks(monkeypatch: pytest.MonkeyPatch,
+                                                          make_groups: MakeGroups) -> None:
+    """Three ranks broadcast through the arena: the root's copy into its slot skips the 4 KiB blocks the slot already
+    holds up to the first that differs (the buffers alternate, so the third call finds the first call's bytes), and
+    every rank gets the root's bits each time: unchanged, changed in one block, changed in the last byte, all new."""
+    written: list[int] = []
+
+    def spy(dst: np.ndarray, src: np.ndarray) -> int:
+        n = copy_changed(dst, src)
+        written.append(n)
+        return n
+
+    monkeypatch.setattr(arena_ops, "copy_changed", spy)
+    gs = make_groups(3, 20.0)
+    size = 600_000
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 256, size, dtype=np.uint8)
+    changed = base.copy()
+    changed[300_000] ^= 0xFF
+    last = base.copy()
+    last[-1] ^= 0xFF
+    calls = [base, base, base, changed, last, rng.integers(0, 256, size, dtype=np.uint8)]
+
+    def body(pg: ProcessGroup) -> list[bytes]:
+        got = []
+        for data in calls:
+            b = data.copy() if pg.rank == 1 else np.zeros(size, np.uint8)
+            pg.broadcast(b, 1)
+            got.append(b.tobytes())
+        return got
+
+    for got in run_on(gs, body):
+        assert got == [data.tobytes() for data in calls]
+    assert all(arena_of(pg).chunk >= size for pg in gs)  # one step per call: one copy into the root's slot
+    block = 300_000 // 4096 * 4096
+    # calls 3-5 find calls 1-3's bytes (base) in their buffer's slot; the last finds call 4's
+    assert written[2:] == [0, size - block, size - (size - 1) // 4096 * 4096, size], written
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
