@@ -18,25 +18,36 @@ static void copy_bytes(void *dst, const void *src, size_t n) {
 #endif
 }
 
+/* The (dst_address, src_address, nbytes) arguments of `name`; 0, or -1 with an exception set. */
+static int parse_copy(const char *name, PyObject *const *args, Py_ssize_t nargs, void **dst, const void **src,
+                      Py_ssize_t *n) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "%s(dst_address, src_address, nbytes) takes 3 integers", name);
+        return -1;
+    }
+    *dst = PyLong_AsVoidPtr(args[0]);
+    if (*dst == NULL && PyErr_Occurred())
+        return -1;
+    *src = PyLong_AsVoidPtr(args[1]);
+    if (*src == NULL && PyErr_Occurred())
+        return -1;
+    *n = PyLong_AsSsize_t(args[2]);
+    if (*n == -1 && PyErr_Occurred())
+        return -1;
+    if (*n < 0 || (*n > 0 && (*dst == NULL || *src == NULL))) {
+        PyErr_Format(PyExc_ValueError, "%s: nbytes must be >= 0 and the addresses non-null", name);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *hostcopy_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "copy(dst_address, src_address, nbytes) takes 3 integers");
+    void *dst;
+    const void *src;
+    Py_ssize_t n;
+    if (parse_copy("copy", args, nargs, &dst, &src, &n) < 0)
         return NULL;
-    }
-    void *dst = PyLong_AsVoidPtr(args[0]);
-    if (dst == NULL && PyErr_Occurred())
-        return NULL;
-    void *src = PyLong_AsVoidPtr(args[1]);
-    if (src == NULL && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
-    if (n < 0 || (n > 0 && (dst == NULL || src == NULL))) {
-        PyErr_SetString(PyExc_ValueError, "copy: nbytes must be >= 0 and the addresses non-null");
-        return NULL;
-    }
     Py_BEGIN_ALLOW_THREADS
     copy_bytes(dst, src, (size_t)n);
     Py_END_ALLOW_THREADS
@@ -62,23 +73,11 @@ static size_t copy_changed_bytes(char *dst, const char *src, size_t n) {
 
 static PyObject *hostcopy_copy_changed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "copy_changed(dst_address, src_address, nbytes) takes 3 integers");
+    void *dst;
+    const void *src;
+    Py_ssize_t n;
+    if (parse_copy("copy_changed", args, nargs, &dst, &src, &n) < 0)
         return NULL;
-    }
-    char *dst = PyLong_AsVoidPtr(args[0]);
-    if (dst == NULL && PyErr_Occurred())
-        return NULL;
-    const char *src = PyLong_AsVoidPtr(args[1]);
-    if (src == NULL && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
-    if (n < 0 || (n > 0 && (dst == NULL || src == NULL))) {
-        PyErr_SetString(PyExc_ValueError, "copy_changed: nbytes must be >= 0 and the addresses non-null");
-        return NULL;
-    }
     size_t written;
     Py_BEGIN_ALLOW_THREADS
     written = copy_changed_bytes(dst, src, (size_t)n);
