@@ -228,7 +228,7 @@ def broadcast(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call
     In groups of more than two the root writes only from the first 4 KiB block its slot does not already hold
     (`copy_changed`, as the mailbox's compiled post skips blocks): where the data did not change, the slot's lines
     stay in the readers' caches. bench/compare_trees.py, 4 rounds, best of the rounds' medians, after / before, 4 ranks
-    on 2 cores, 512 KiB-8 MiB: unchanged inputs 0.66-0.84, `--fresh-inputs` 0.83-0.98; at 2 ranks unchanged 1-2 MiB
+    on 2 cores, 512 KiB-8 MiB: unchanged inputs 0.66-0.84, `--fresh-inputs` 0.83-1.00; at 2 ranks unchanged 1-2 MiB
     1.11-1.13 (two reads of the data cost more than the copy there), so a pair copies plainly."""
     data = x.view(np.uint8)
     per = _step(arena, step)
