@@ -21,8 +21,8 @@ import pytest
 from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions
 from axond.distributed.backends.tcp import TcpOptions
-from axond.distributed.backends.tcp.policy import ORDERED_STORES
-from axond.distributed.backends.tcp.shm import mailbox
+from axond.distributed.backends.tcp.policy import MAILBOX_BROADCAST_SLOTS, ORDERED_STORES
+from axond.distributed.backends.tcp.shm import mailbox, mailbox_ops
 from axond.distributed.backends.tcp.transport.wire import Op
 from axond.distributed.reducers import accumulator
 from axond.testing import run_on, thread_groups
@@ -297,6 +297,79 @@ def test_a_large_broadcast_against_another_call_raises_on_every_rank() -> None:
             g.destroy()
 
 
+def test_a_broadcast_past_the_slot_is_cut_into_whole_blocks_of_at_most_a_slot() -> None:
+    slot = 256 << 10
+    assert mailbox_ops.broadcast_chunks(1000, slot) == [(0, 1000)]
+    assert mailbox_ops.broadcast_chunks(slot, slot) == [(0, slot)]
+    assert mailbox_ops.broadcast_chunks(300_000, slot) == [(0, 151_552), (151_552, 300_000)]  # 37 blocks, then less
+    assert mailbox_ops.broadcast_chunks(3 * slot - 4, slot) == [(0, slot), (slot, 2 * slot), (2 * slot, 3 * slot - 4)]
+    for nbytes in (slot + 1, 4 * slot, 5 * slot - 8, 1 << 20):
+        chunks = mailbox_ops.broadcast_chunks(nbytes, slot)
+        assert chunks[0][0] == 0 and chunks[-1][1] == nbytes and len(chunks) == -(-nbytes // slot)
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        assert all(e - s <= slot and (e - s) % 4096 == 0 for s, e in chunks[:-1]) and chunks[-1][1] > chunks[-1][0]
+
+
+@pytest.mark.parametrize("natives", [[True, False, True], [False, True, False, True]], ids=["3ranks", "4ranks"])
+def test_a_broadcast_past_the_slot_runs_through_the_mailbox_in_chunks(natives: list[bool]) -> None:
+    """Broadcasts of one, two and three slots' worth (the last chunk short) from every root, compiled and Python ranks
+    together, prepared calls included: every rank gets the root's bytes, each call takes one mailbox round per chunk,
+    and no arena is mapped."""
+    n = len(natives)
+    gs = groups_with(natives)
+    sizes = [(300_000 - 4) // 4, (3 * (256 << 10) - 4) // 4, 2 * (256 << 10) // 4]
+    try:
+        for pg in gs:
+            assert all(str(pg.backend.route(Op.BROADCAST, 4 * count)) == "mailbox" for count in sizes)  # type: ignore[union-attr]
+
+        def body(pg: ProcessGroup) -> list[tuple[np.ndarray, int]]:
+            got = []
+            for i in range(2 * n):  # the first call of each shape prepares; the next ones run prepared
+                for count in sizes:
+                    x = np.arange(count, dtype=np.float32) * (pg.rank + 1) + i
+                    before = pg.backend.placement.mailbox.ops if i else 0  # type: ignore[union-attr]
+                    pg.broadcast(x, i % n)
+                    got.append((x, pg.backend.placement.mailbox.ops - before))  # type: ignore[union-attr]
+            return got
+
+        for got in run_on(gs, body):
+            for j, (x, rounds) in enumerate(got):
+                i, count = divmod(j, len(sizes))
+                count = sizes[count]
+                same_bits(x, np.arange(count, dtype=np.float32) * (i % n + 1) + i)
+                if i:
+                    assert rounds == -(-4 * count // (256 << 10))
+        assert all(pg.backend.placement.arena is None for pg in gs)  # type: ignore[union-attr]
+    finally:
+        for g in gs:
+            g.destroy()
+
+
+@pytest.mark.parametrize("natives", [[True, True, True], [True, False, True]])
+def test_a_chunked_broadcast_against_another_call_raises_on_every_rank(natives: list[bool]) -> None:
+    """Members in a broadcast of three chunks, the root in one of two (another size): every rank raises naming the
+    broadcast, at the first chunk, where the calls differ; and a member in another root's broadcast alike."""
+    gs = groups_with(natives, timeout=5.0)
+    try:
+        big, small = 3 * (256 << 10) // 4, (256 << 10) + 1024
+        for count in (big, small):
+            run_on(gs, lambda pg: pg.broadcast(np.zeros(count, np.float32), 0))
+        errors = run_on(gs, lambda pg: pg.broadcast(np.zeros(big if pg.rank else small, np.float32), 0),
+                        return_exceptions=True)
+        assert all(isinstance(e, DistributedError) and "broadcast" in str(e) for e in errors), errors
+    finally:
+        for g in gs:
+            g.destroy()
+    gs = groups_with(natives, timeout=5.0)
+    try:
+        errors = run_on(gs, lambda pg: pg.broadcast(np.zeros(big, np.float32), 1 if pg.rank == 2 else 0),
+                        return_exceptions=True)
+        assert all(isinstance(e, DistributedError) and "broadcast" in str(e) for e in errors), errors
+    finally:
+        for g in gs:
+            g.destroy()
+
+
 @pytest.mark.parametrize("natives", [[True, True], [True, False]])
 def test_an_all_gather_whose_input_is_a_view_of_its_output(natives: list[bool]) -> None:
     """torch's all_gather_into_tensor passes a view of the output's own row as the input (FSDP2 does): the
@@ -340,7 +413,8 @@ def test_ops_of_a_whole_slot_run_through_the_mailbox_in_both_forms(natives: list
     n = len(natives)
     gs = groups_with(natives)
     limit = {op: mailbox_limit(op, n) for op in (Op.ALL_REDUCE, Op.BROADCAST, Op.ALL_GATHER, Op.REDUCE_SCATTER)}
-    assert limit[Op.ALL_REDUCE] == 256 << 10 and limit[Op.BROADCAST] == (512 << 10 if n == 2 else 256 << 10)
+    chunked = MAILBOX_BROADCAST_SLOTS * (256 << 10)  # past a slot in chunks of a slot
+    assert limit[Op.ALL_REDUCE] == 256 << 10 and limit[Op.BROADCAST] == (512 << 10 if n == 2 else chunked)
     per = {op: nbytes // 8 for op, nbytes in limit.items()}
     reduce_in = [data_for(np.float64, ReduceOp.SUM, r, (per[Op.ALL_REDUCE],)) for r in range(n)]
     scatter_in = [data_for(np.float64, ReduceOp.MAX, r, (per[Op.REDUCE_SCATTER] // n * n,)) for r in range(n)]

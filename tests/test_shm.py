@@ -20,7 +20,7 @@ import pytest
 import axond
 from axond import DistributedError, ProcessGroup
 from axond.distributed import BackendOptions, FileStore, create_group
-from axond.distributed.backends.tcp import TcpOptions
+from axond.distributed.backends.tcp import TcpOptions, policy
 from axond.distributed.backends.tcp.policy import (AUTO_MIN_BYTES, MAILBOX_SYNC_MIN_BYTES, ORDERED_STORES,
                                                    PAIR_BROADCAST_STEP_MIN_BYTES, STEP_BYTES, arena_step,
                                                    mailbox_limit)
@@ -219,6 +219,7 @@ def test_a_broadcasts_root_writes_only_what_its_slot_lacks(monkeypatch: pytest.M
         return n
 
     monkeypatch.setattr(arena_ops, "copy_changed", spy)
+    monkeypatch.setattr(policy, "MAILBOX_BROADCAST_SLOTS", 1)  # past one slot: the arena, not the mailbox's chunks
     gs = make_groups(3, 20.0)
     size = 600_000
     rng = np.random.default_rng(5)

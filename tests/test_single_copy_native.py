@@ -43,7 +43,8 @@ def test_the_policy_sends_the_measured_sizes_there_and_only_with_the_defaults() 
     assert route(Op.BROADCAST, 64 * KiB, two).path is Path.MAILBOX  # one copy loses where the input was just written
     assert route(Op.BROADCAST, 4 << 20, two).path is Path.ARENA
     assert route(Op.BROADCAST, 8 << 20, two).path is Path.SINGLE_COPY
-    assert route(Op.BROADCAST, 1 << 20, four).path is Path.ARENA
+    assert route(Op.BROADCAST, 1 << 20, four).path is Path.MAILBOX  # in chunks of a slot
+    assert route(Op.BROADCAST, 8 << 20, four).path is Path.ARENA
     assert route(Op.ALL_REDUCE, 128 * KiB, two).path is Path.MAILBOX
     for options in (TcpOptions(shm_native=False), TcpOptions(shm_single_copy=False), TcpOptions(shm_mailbox=False),
                     TcpOptions(shm_min_bytes=8 << 20)):

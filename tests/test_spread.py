@@ -12,6 +12,7 @@ import pytest
 from axond import ProcessGroup
 from axond.distributed import BackendOptions
 from axond.distributed.backends.tcp.policy import ORDERED_STORES
+from axond.distributed.backends.tcp.shm import mailbox
 from axond.distributed.backends.tcp.shm import spread as spread_module
 from axond.distributed.backends.tcp.shm.spread import plan
 from axond.testing import run_on, thread_groups
@@ -24,7 +25,12 @@ def test_members_on_a_taken_core_move_in_rank_order_to_free_cores_of_their_own_m
     assert plan([2, 2, 2, 0], [every] * 4) == {1: 1, 2: 3}
     assert plan([1, 1], [every, {1}]) == {}  # its mask has no other core: it stays
     assert plan([-1, 0], [every, every]) == {0: 1}  # a member that could not tell its core counts as on none
-    assert plan([0, 0, 0], [{0, 1}, {0, 1}, {0, 1}]) == {1: 1}  # more members than cores: the rest stay
+    two = {0, 1}
+    assert plan([0, 0, 0], [two, two, two]) == {1: 1}  # more members than cores: member r to core r mod 2
+    assert plan([1, 1, 1, 0], [two] * 4) == {0: 0, 2: 0, 3: 1}  # whatever the cores read (stale by then)
+    assert plan([0, 1, 0, 1], [two] * 4) == {}  # there already
+    assert plan([0, 0, 0, 0], [two, two, two, {0}]) == {1: 1}  # the pinned one stays
+    assert plan([5, 5, 5], [{4, 5}] * 3) == {0: 4, 2: 4}  # the cores of their masks, in order
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -84,3 +90,52 @@ def test_a_member_pinned_to_one_core_still_takes_part_in_the_exchange() -> None:
         for g in groups:
             g.destroy()
     assert out == [(2.0, mask), (2.0, [mask[0]])]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not 2 <= len(os.sched_getaffinity(0)) <= 4,
+                    reason="needs two to four cores this process may run on (one more rank than cores)")
+@pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox (and the spreading with it) needs x86's ordered stores")
+def test_more_ranks_than_cores_get_a_home_core_each() -> None:
+    """One rank more than cores: rank r's home is core r mod cores (`Mailbox.home`, the compiled ops' too), and every
+    mask is whole afterwards."""
+    mask = sorted(os.sched_getaffinity(0))
+    n = len(mask) + 1
+    groups = thread_groups(n, options=BackendOptions(timeout=10.0))
+    try:
+        def body(pg: ProcessGroup) -> tuple[int | None, int, list[int]]:
+            pg.barrier()  # maps the mailbox: the spreading
+            box = pg.backend.placement.mailbox  # type: ignore[union-attr]
+            return box.home, box.native.home if box.native is not None else -2, sorted(os.sched_getaffinity(0))
+        out = run_on(groups, body)
+    finally:
+        for g in groups:
+            g.destroy()
+    homes = [mask[r % len(mask)] for r in range(n)]
+    assert [home for home, _, _ in out] == homes and all(cores == mask for *_, cores in out)
+    assert all(native in (home, -2) for home, native, _ in out)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores this process may run on")
+@pytest.mark.skipif(getattr(mailbox, "_fastbox", None) is None, reason="the compiled helper was not built")
+def test_the_compiled_ops_move_a_rank_back_to_its_home_core() -> None:
+    """A thread that the kernel moved off its home core (here: its mask narrowed to another core and set back) is
+    moved back by `Box.go_home` (what every 64th compiled op runs), unpinned; at home, or without a home, it stays."""
+    import mmap
+
+    mask = sorted(os.sched_getaffinity(0))
+    mapping = mmap.mmap(-1, 4096)
+    box = mailbox._fastbox.Box(mapping, 4)
+    try:
+        assert box.home == -1 and not box.go_home()  # no home: nothing to do
+        box.home = mask[0]
+        os.sched_setaffinity(0, {mask[1]})
+        os.sched_setaffinity(0, set(mask))
+        assert spread_module.current_cpu() == mask[1]
+        assert box.go_home() and box.moves == 1
+        assert spread_module.current_cpu() == mask[0] and sorted(os.sched_getaffinity(0)) == mask
+        assert not box.go_home() and box.moves == 1  # home already
+    finally:
+        os.sched_setaffinity(0, set(mask))
+        box.close()
+        mapping.close()

@@ -66,7 +66,13 @@ ROUTES = [
     (Op.BROADCAST, 4 * KiB, ONE_HOST, None, "mailbox"),
     (Op.BROADCAST, 4 * KiB, CROWDED, None, "mailbox"),
     (Op.BROADCAST, 256 * KiB, CROWDED, None, "mailbox"),
-    (Op.BROADCAST, 256 * KiB + 8, CROWDED, None, "arena"),  # past the mailbox (and 16 x 4 KiB)
+    (Op.BROADCAST, 256 * KiB + 8, CROWDED, None, "mailbox"),  # past a slot: in chunks of a slot
+    (Op.BROADCAST, 6 * MiB, CROWDED, None, "mailbox"),  # up to 24 slots
+    (Op.BROADCAST, 6 * MiB + 8, CROWDED, None, "arena"),  # past the mailbox (and 16 x 4 KiB)
+    (Op.BROADCAST, 6 * MiB, ONE_HOST, None, "mailbox"),
+    (Op.BROADCAST, 3 * MiB, Shape(11), None, "mailbox"),  # larger groups: smaller slots (24 x 128 KiB)
+    (Op.BROADCAST, 3 * MiB + 8, Shape(11), None, "arena"),
+    (Op.BROADCAST, 16 * MiB, ONE_HOST, None, "single_copy"),
     (Op.BROADCAST, 512 * KiB, PAIR, None, "mailbox"),  # 2 ranks: 512 KiB slots
     (Op.BROADCAST, 512 * KiB + 8, PAIR, None, "arena"),
     (Op.ALL_REDUCE, 256 * KiB + 8, PAIR, None, "arena"),  # all_reduce: at most 256 KiB through the mailbox

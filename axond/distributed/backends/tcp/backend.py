@@ -268,7 +268,7 @@ class TcpBackend(Backend):
             self.g.run("broadcast", body, np.ascontiguousarray(x).reshape(-1))
         if path is Path.MAILBOX:
             self._prepare(("broadcast", x.dtype, x.size, src), on, c,
-                          lambda make_call: mailbox_ops.SmallBroadcast(on, c, x, src, make_call))
+                          lambda make_call: mailbox_ops.prepared_broadcast(on, c, x.nbytes, src, make_call))
         elif path is Path.SINGLE_COPY and self._compiled_single_copy(on, Op.BROADCAST, x.nbytes):
             self._prepare(("broadcast", x.dtype, x.size, src), on.sync.mailbox, c,
                           lambda make_call: single_copy_ops.PreparedBroadcast(on, c, x, src, make_call))

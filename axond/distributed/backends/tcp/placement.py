@@ -127,7 +127,8 @@ class Placement:
             self.mailbox = self.sync.mailbox = Mailbox(arena, self.comm.rank, size, self.comm.g,
                                                        native=self.comm.options.shm_native)
             self.comm.g.watch(self.mailbox.watch)
-            self.comm.g.run(OP_NAMES[c.op], spread, self.comm, c)  # members spinning on one core: move apart
+            # members spinning on one core: move apart
+            self.mailbox.home = self.comm.g.run(OP_NAMES[c.op], spread, self.comm, c)
         return self.mailbox
 
     def _set_up_single_copy(self, c: Call) -> SingleCopy | None:

@@ -57,6 +57,9 @@ typedef struct {
     long long ops;  /* mailbox ops run so far in this group (Mailbox.ops) */
     int turns;      /* sched_yield turns a wait takes before it returns to the Python wait */
     int busy;       /* ops inside `run` (one may wait without the GIL): `close` lets them finish first */
+    int home;       /* this rank's core where the group's ranks outnumber their cores (Mailbox.home), else -1 */
+    unsigned ticks; /* ops since the last look at the core this rank runs on */
+    long long moves;  /* times an op found this rank off its home core and moved it back */
 } Box;
 
 static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
@@ -82,7 +85,37 @@ static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
     }
     self->open = 1;
     self->turns = turns;
+    self->home = -1;
     return 0;
+}
+
+#define HOME_EVERY 64  /* ops between two looks at the core this rank runs on (Box.home) */
+
+/* Every HOME_EVERY ops, move this rank back to its home core if the kernel moved it: its balancer moves a spinning
+ * rank off a core another process used for a while, and a rank that slept wakes wherever the kernel puts it. As
+ * spread.move_to: narrow the mask to the core (the kernel migrates the thread now), then set it back. */
+static int go_home(Box *box) {
+    if (box->home < 0 || box->home >= CPU_SETSIZE || sched_getcpu() == box->home)
+        return 0;
+    cpu_set_t allowed, one;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || !CPU_ISSET(box->home, &allowed))
+        return 0;
+    CPU_ZERO(&one);
+    CPU_SET(box->home, &one);
+    if (sched_setaffinity(0, sizeof one, &one) != 0)
+        return 0;
+    sched_setaffinity(0, sizeof allowed, &allowed);
+    box->moves++;
+    return 1;
+}
+
+static void keep_home(Box *box) {
+    if (box->home >= 0 && ++box->ticks % HOME_EVERY == 0)
+        go_home(box);
+}
+
+static PyObject *Box_go_home(Box *self, PyObject *Py_UNUSED(unused)) {
+    return PyBool_FromLong(go_home(self));
 }
 
 static PyObject *Box_close(Box *self, PyObject *Py_UNUSED(unused)) {
@@ -107,11 +140,16 @@ static void Box_dealloc(Box *self) {
 static PyMemberDef Box_members[] = {
     {"ops", T_LONGLONG, offsetof(Box, ops), 0, "mailbox ops run so far in this group"},
     {"turns", T_INT, offsetof(Box, turns), READONLY, "turns a wait takes before the Python wait"},
+    {"home", T_INT, offsetof(Box, home), 0, "this rank's core, which the ops keep it on (-1: none)"},
+    {"moves", T_LONGLONG, offsetof(Box, moves), READONLY, "times an op moved this rank back to its home core"},
     {NULL},
 };
 
 static PyMethodDef Box_methods[] = {
     {"close", (PyCFunction)Box_close, METH_NOARGS, "Release the mapping (every op of this box then refuses to run)."},
+    {"go_home", (PyCFunction)Box_go_home, METH_NOARGS,
+     "Move the calling thread to core `home` now if it runs elsewhere and its mask has it (what every 64th op does); "
+     "whether it moved."},
     {NULL},
 };
 
@@ -685,6 +723,7 @@ static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
     int got = take_arrays(self, nargs > 1 ? args[1] : NULL, nargs > 2 ? args[2] : NULL, &a, &b, &have_a, &have_b);
     if (got <= 0)
         return got < 0 ? NULL : PyLong_FromLong(-1);
+    keep_home(box);
     box->busy++;
     if (self->kind == K_SC_BCAST || self->kind == K_SC_ALL_GATHER) {
         PyObject *result = sc_run(self, seq, &a, &b, have_b);

@@ -25,8 +25,11 @@ PAYLOAD_OFFSET: int
 class Box:
     ops: int
     turns: int
+    home: int
+    moves: int
     def __init__(self, mapping: Any, turns: int) -> None: ...
     def close(self) -> None: ...
+    def go_home(self) -> bool: ...
 
 class Op:
     box: Box

@@ -7,7 +7,8 @@ A small all_reduce, broadcast, all_gather, reduce_scatter or barrier writes this
 header into its slot, then its sequence number; it waits until every member's sequence number reaches
 the op's, compares their headers with its own (a peer in another op, dtype or size raises on every
 rank, naming both calls, as on sockets), and reads what it needs from their slots. Reductions run in
-rank order, as everywhere.
+rank order, as everywhere. A broadcast past one slot (groups of three or more) runs one such round per
+slot-sized chunk (`mailbox_ops.broadcast_chunks`).
 
 - **Reuse:** consecutive mailbox ops alternate buffers, and a rank writes op m + 2 only after op m + 1
   saw every member's sequence number, i.e. after every member finished reading op m.
@@ -23,6 +24,8 @@ rank order, as everywhere.
   while a group has a mailbox, every wake-up of a wait on its sockets (every RECV_WAKEUP) looks at the
   members' slots: one that posted the mailbox op this rank would run next, under the number of the op
   this rank runs now, called something else, and this rank raises (the member then sees its abort frame).
+- **Cores:** with more ranks than cores each rank has a home core (`spread.home`); long waits and every 64th
+  compiled op move it back there when the kernel moved it (`home`).
 - **Point-to-point frames** that a member sent before it posted are set aside for their receives (see
   `FramedGroup.only_early`), not taken for another call.
 - **The arena's steps** synchronize through the mailbox too: a post without payload (`arena_ops.Sync`; compiled
@@ -45,6 +48,7 @@ import numpy as np
 
 from axond.distributed.backends.tcp.policy import mailbox_bytes
 from axond.distributed.backends.tcp.shm.arena import ShmArena
+from axond.distributed.backends.tcp.shm.spread import current_cpu, move_to
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup
 from axond.distributed.backends.tcp.transport.peer import PeerTimeout, wait_readable
 from axond.distributed.backends.tcp.transport.wire import Kind
@@ -120,12 +124,29 @@ class Mailbox:
         self.words = self.raw.cast("q")
         self.rank, self.size = rank, size
         self.slot = slot
+        self.payload_bytes = slot - HEAD_WORDS * 8
+        """The most payload bytes a rank posts in one op (a broadcast past it runs in chunks, `mailbox_ops`)."""
         self.base = [[(b * (size + 1) + p) * slot for p in range(size)] for b in (0, 1)]
         """Byte offset of each rank's slot in each buffer."""
         self.others = [p for p in range(size) if p != rank]
         self.peer_seqs = [[(self.base[b][p] // 8, p) for p in self.others] for b in (0, 1)]
         """(index in `words` of the sequence word, rank) of each peer's slot in each buffer."""
         self._payloads: dict[tuple[int, np.dtype, int], np.ndarray] = {}
+        self._home: int | None = None
+
+    @property
+    def home(self) -> int | None:
+        """This rank's core where the group's ranks outnumber their cores (`spread.home`), else None. The kernel wakes
+        a sleeper wherever it likes, and its balancer moves spinning ranks off a core another process used for a
+        while: a long wait (`_wait`) that finds this rank elsewhere moves it back, and so does every 64th compiled op
+        (`_fastbox.Box.home`)."""
+        return self._home
+
+    @home.setter
+    def home(self, core: int | None) -> None:
+        self._home = core
+        if self.native is not None:
+            self.native.home = -1 if core is None else core
 
     @property
     def ops(self) -> int:
@@ -217,8 +238,10 @@ class Mailbox:
                 os.sched_yield()
                 continue
             if self._check_sockets(c, buf, k, 0.0 if now < spin_until else SLEEP_SECONDS):
-                return
+                break
             check_at = now + CHECK_SECONDS
+        if self.home is not None and current_cpu() != self.home:
+            move_to(self.home)  # the kernel moved it (balancing, or waking it from a sleep): back to its core
 
     def _check_sockets(self, c: Call, buf: int, k: int, sleep: float) -> bool:
         """Look at (or sleep up to `sleep` on) the group's sockets: raise for an abort, a dead peer or a frame of

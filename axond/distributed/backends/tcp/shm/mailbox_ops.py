@@ -146,15 +146,16 @@ class SmallAllReduce(Prepared):
 
 
 class SmallBroadcast(Prepared):
-    """A prepared mailbox broadcast from one root (see `Prepared`): the root's row in both buffers, as bytes."""
+    """A prepared mailbox broadcast of `nbytes` (at most a slot) from one root (see `Prepared`): the root's row in both
+    buffers, as bytes."""
 
     __slots__ = ("root", "rows")
 
-    def __init__(self, box: Mailbox, c: Call, x: np.ndarray, src: int, make_call: Callable[[int], Call]) -> None:
+    def __init__(self, box: Mailbox, c: Call, nbytes: int, src: int, make_call: Callable[[int], Call]) -> None:
         self.root = box.rank == src
-        super().__init__(box, c, make_call, x.nbytes if self.root else 0)
-        self.rows = [box.payloads(buf, BYTES, x.nbytes)[src] for buf in (0, 1)]
-        self.compile("BROADCAST_ROOT" if self.root else "BROADCAST_LEAF", x.nbytes, root=src)
+        super().__init__(box, c, make_call, nbytes if self.root else 0)
+        self.rows = [box.payloads(buf, BYTES, nbytes)[src] for buf in (0, 1)]
+        self.compile("BROADCAST_ROOT" if self.root else "BROADCAST_LEAF", nbytes, root=src)
 
     def run(self, x: np.ndarray, seq: int) -> None:
         """x (flat, contiguous, of the prepared dtype and size) <- the root's x, as `broadcast`."""
@@ -168,6 +169,49 @@ class SmallBroadcast(Prepared):
             self.post(seq, data, self.rows)
         else:
             data[...] = self.rows[self.post(seq, None, self.rows)]
+
+
+class ChunkedBroadcast:
+    """A prepared mailbox broadcast past one slot (`policy.MAILBOX_BROADCAST_SLOTS`): a `SmallBroadcast` per chunk
+    size of `broadcast_chunks`, run chunk by chunk under the call's one number (each chunk one mailbox round)."""
+
+    __slots__ = ("box", "plan")
+
+    def __init__(self, box: Mailbox, c: Call, nbytes: int, src: int, make_call: Callable[[int], Call]) -> None:
+        self.box = box
+        parts: dict[int, SmallBroadcast] = {}
+        self.plan = [(s, e, parts.get(e - s) or parts.setdefault(e - s, SmallBroadcast(box, c, e - s, src, make_call)))
+                     for s, e in broadcast_chunks(nbytes, box.payload_bytes)]
+        """(start, end, prepared op) of each chunk of the bytes."""
+
+    def run(self, x: np.ndarray, seq: int) -> None:
+        """x (flat, contiguous, of the prepared dtype and size) <- the root's x, as `broadcast`."""
+        data = x.view(np.uint8)
+        for s, e, part in self.plan:
+            part.run(data[s:e], seq)
+
+
+def prepared_broadcast(box: Mailbox, c: Call, nbytes: int, src: int,
+                       make_call: Callable[[int], Call]) -> SmallBroadcast | ChunkedBroadcast:
+    """The prepared form of a mailbox broadcast of `nbytes`: in one round up to a slot, else in chunks."""
+    if nbytes <= box.payload_bytes:
+        return SmallBroadcast(box, c, nbytes, src, make_call)
+    return ChunkedBroadcast(box, c, nbytes, src, make_call)
+
+
+CHUNK_ALIGN = 4096
+"""A chunked broadcast's chunks are whole 4 KiB blocks (but the last): the blocks the root's compiled post skips
+when unchanged are the data's own."""
+
+
+def broadcast_chunks(nbytes: int, slot: int) -> list[tuple[int, int]]:
+    """The byte ranges (start, end) a broadcast of `nbytes` runs in through a mailbox of `slot` bytes of payload per
+    rank (a multiple of CHUNK_ALIGN): as few as fit, of one size of whole blocks but the last."""
+    if nbytes <= slot:
+        return [(0, nbytes)]
+    chunks = -(-nbytes // slot)
+    per = -(-nbytes // chunks // CHUNK_ALIGN) * CHUNK_ALIGN  # at most `slot`: ceil(nbytes / chunks) <= slot
+    return [(s, min(s + per, nbytes)) for s in range(0, nbytes, per)]
 
 
 class SmallAllGather(Prepared):
@@ -246,9 +290,13 @@ class SmallBarrier(Prepared):
 
 
 def broadcast(box: Mailbox, c: Call, x: np.ndarray, src: int) -> None:
-    buf = box.post(c, x if box.rank == src else None)
-    if box.rank != src:
-        x.view(np.uint8)[...] = box.payloads(buf, BYTES, x.nbytes)[src]
+    """x (flat, contiguous) <- the root's x, one mailbox round per chunk (`broadcast_chunks`)."""
+    data = x.view(np.uint8)
+    root = box.rank == src
+    for s, e in broadcast_chunks(data.size, box.payload_bytes):
+        buf = box.post(c, data[s:e] if root else None)
+        if not root:
+            data[s:e] = box.payloads(buf, BYTES, e - s)[src]
 
 
 def all_gather(box: Mailbox, c: Call, out: np.ndarray) -> None:

@@ -7,6 +7,11 @@ its mailbox, every member tells the others the core it is on (over the sockets);
 member of lower rank move themselves, in rank order, to cores of their affinity mask that no member is on, by
 narrowing the mask to that core and setting it back at once (so the kernel migrates the thread, and nothing stays
 pinned). Members whose mask has no such core stay where they are. With AXOND_DEBUG=1 a moved rank says so.
+
+With more members than cores the kernel also leaves them unevenly, three of four on one of two cores for the whole
+run (each spins, so every core looks busy): a four-rank broadcast of 384 KiB on 2 cores took 51-62 us so and 31-38 us
+with two ranks on each core (bench/RESULTS.md, session 23). There member r moves to core r mod cores (of the cores of
+all their masks, where its own has it), the same way: two per core on 2 cores.
 """
 
 from __future__ import annotations
@@ -41,9 +46,25 @@ def current_cpu() -> int:
     return int(_SCHED_GETCPU())  # type: ignore[operator]
 
 
+def home(rank: int, allowed: list[set[int]]) -> int | None:
+    """Member `rank`'s core where the members outnumber the cores of all their masks (`allowed`, one per member): the
+    (rank mod cores)-th of those cores if its own mask has it; else None (and where the cores suffice)."""
+    cores = sorted(set().union(*allowed)) if allowed else []
+    if not len(allowed) > len(cores) > 0:
+        return None
+    core = cores[rank % len(cores)]
+    return core if core in allowed[rank] else None
+
+
 def plan(cpus: list[int], allowed: list[set[int]]) -> dict[int, int]:
-    """{rank: core} for the members to move: each one on the core of a member of lower rank (or on no known core)
-    goes, in rank order, to the lowest core of its own `allowed` set that no member is on or was given."""
+    """{rank: core} for the members to move. Where the cores of all their masks suffice, each member on the core of a
+    member of lower rank (or on no known core) goes, in rank order, to the lowest core of its own `allowed` set that no
+    member is on or was given. With more members than cores, each member not on its `home` goes there: the cores the
+    members read are stale by the time the others read them (one waiting on a socket in the exchange wakes wherever
+    the kernel puts it), so that plan does not rest on them."""
+    homes = [home(rank, allowed) for rank in range(len(cpus))]
+    if any(core is not None for core in homes):
+        return {rank: core for rank, core in enumerate(homes) if core is not None and cpus[rank] != core}
     taken: set[int] = set()
     movers: list[int] = []
     for rank, cpu in enumerate(cpus):
@@ -60,8 +81,21 @@ def plan(cpus: list[int], allowed: list[set[int]]) -> dict[int, int]:
     return moves
 
 
+def move_to(core: int) -> bool:
+    """Move the calling thread to `core` now and leave it unpinned (its mask as it was); whether it moved."""
+    try:
+        allowed = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {core})  # the kernel migrates the thread now
+    except OSError:
+        return False
+    with contextlib.suppress(OSError):  # a mask this thread had a moment ago: never refused in practice
+        os.sched_setaffinity(0, allowed)  # and it stays there unpinned
+    return True
+
+
 def spread(comm: Comm, c: Call) -> int | None:
-    """Move this member off a core it shares with a member of lower rank (see the module); the core it moved to."""
+    """Move this member off a core it shares with a member of lower rank, or to its home core where the members
+    outnumber their cores (see the module); that home core (`Mailbox.home`), else None."""
     try:
         allowed = os.sched_getaffinity(0)
     except (AttributeError, OSError):  # pragma: no cover - not Linux
@@ -73,18 +107,9 @@ def spread(comm: Comm, c: Call) -> int | None:
     direct.direct_all_gather(comm, c, table)  # every member takes part, even one that cannot move (a pinned rank)
     if len(allowed) < 2:
         return None
-    moves = plan([int(v) for v in table[:, 0]], [{int(v) for v in row[1:] if v >= 0} for row in table])
-    target = moves.get(comm.rank)
-    if target is None:
-        return None
-    try:
-        os.sched_setaffinity(0, {target})  # the kernel migrates the thread now
-    except OSError:
-        return None
-    finally:
-        with contextlib.suppress(OSError):  # a mask this thread had a moment ago: never refused in practice
-            os.sched_setaffinity(0, allowed)  # and it stays there unpinned
-    if failure.debug():
-        print(f"axond: {comm.g.where('set-up')}: moved from core {table[comm.rank, 0]}, shared with another rank of the "
-              f"group, to core {target}", file=sys.stderr, flush=True)
-    return target
+    masks = [{int(v) for v in row[1:] if v >= 0} for row in table]
+    target = plan([int(v) for v in table[:, 0]], masks).get(comm.rank)
+    if target is not None and move_to(target) and failure.debug():
+        print(f"axond: {comm.g.where('set-up')}: moved from core {table[comm.rank, 0]} to core {target}, spreading "
+              f"the group's ranks over their cores", file=sys.stderr, flush=True)
+    return home(comm.rank, masks)
