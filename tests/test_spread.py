@@ -139,3 +139,36 @@ def test_the_compiled_ops_move_a_rank_back_to_its_home_core() -> None:
         os.sched_setaffinity(0, set(mask))
         box.close()
         mapping.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) != 2,
+                    reason="needs exactly two cores this process may run on (three ranks, a pair of them)")
+@pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox (and the spreading with it) needs x86's ordered stores")
+def test_a_subgroup_keeps_the_home_its_rank_got_from_the_first_group(monkeypatch: pytest.MonkeyPatch,
+                                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    """Three ranks on two cores get homes 0, 1, 0 (of their mask); a subgroup of ranks 0 and 2, which share core 0,
+    would move rank 2 to the free core, away from its home: it keeps the home and moves nothing, and the home is
+    given up once both mailboxes closed."""
+    mask = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("AXOND_DEBUG", "1")
+    groups = thread_groups(3, options=BackendOptions(timeout=10.0))
+    try:
+        def body(pg: ProcessGroup) -> tuple[int | None, int | None]:
+            pg.barrier()  # the world's mailbox: homes
+            sub = pg.new_group([0, 2])
+            if pg.rank == 1:
+                return pg.backend.placement.mailbox.home, None  # type: ignore[union-attr]
+            try:
+                monkeypatch.setattr(spread_module, "current_cpu", lambda: mask[0])  # both report core 0
+                sub.barrier()  # the subgroup's mailbox
+                return pg.backend.placement.mailbox.home, sub.backend.placement.mailbox.home  # type: ignore[union-attr]
+            finally:
+                sub.destroy()
+        out = run_on(groups, body)
+    finally:
+        for g in groups:
+            g.destroy()
+    assert out == [(mask[0], mask[0]), (mask[1], None), (mask[0], mask[0])]
+    err = capfd.readouterr().err
+    assert "rank 1 of 2" not in err, err  # the subgroup's rank 2 did not move
+    assert not spread_module._HOMES, dict(spread_module._HOMES)

@@ -41,14 +41,16 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import numpy as np
 
 from axond.distributed.backends.tcp.policy import mailbox_bytes
 from axond.distributed.backends.tcp.shm.arena import ShmArena
-from axond.distributed.backends.tcp.shm.spread import current_cpu, move_to
+from axond.distributed.backends.tcp.shm.spread import current_cpu, move_to, release
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup
 from axond.distributed.backends.tcp.transport.peer import PeerTimeout, wait_readable
 from axond.distributed.backends.tcp.transport.wire import Kind
@@ -133,6 +135,8 @@ class Mailbox:
         """(index in `words` of the sequence word, rank) of each peer's slot in each buffer."""
         self._payloads: dict[tuple[int, np.dtype, int], np.ndarray] = {}
         self._home: int | None = None
+        self._home_thread: weakref.ref[threading.Thread] | None = None
+        """The thread `spread` gave the home (released on closing)."""
 
     @property
     def home(self) -> int | None:
@@ -144,7 +148,9 @@ class Mailbox:
 
     @home.setter
     def home(self, core: int | None) -> None:
+        """Set by the thread `spread` ran on, which holds the home until this mailbox closes."""
         self._home = core
+        self._home_thread = weakref.ref(threading.current_thread()) if core is not None else None
         if self.native is not None:
             self.native.home = -1 if core is None else core
 
@@ -263,6 +269,9 @@ class Mailbox:
         return False
 
     def close(self) -> None:
+        if self._home_thread is not None:
+            release(self._home_thread())
+            self._home_thread = None
         self.count.close()  # the compiled ops' hold on the mapping, before the arena unmaps it
         self._payloads.clear()
         self.words.release()

@@ -11,7 +11,8 @@ pinned). Members whose mask has no such core stay where they are. With AXOND_DEB
 With more members than cores the kernel also leaves them unevenly, three of four on one of two cores for the whole
 run (each spins, so every core looks busy): a four-rank broadcast of 384 KiB on 2 cores took 51-62 us so and 31-38 us
 with two ranks on each core (bench/RESULTS.md, session 23). There member r moves to core r mod cores (of the cores of
-all their masks, where its own has it), the same way: two per core on 2 cores.
+all their masks, where its own has it), the same way: two per core on 2 cores. That is the thread's home from then
+on: its later groups (subgroups of the job, say) keep it and move nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import contextlib
 import ctypes
 import os
 import sys
+import threading
+import weakref
 
 import numpy as np
 
@@ -93,9 +96,25 @@ def move_to(core: int) -> bool:
     return True
 
 
+_HOMES: weakref.WeakKeyDictionary[threading.Thread, list[int]] = weakref.WeakKeyDictionary()
+"""Per thread (a rank's, or a test's thread-rank): [its home core, the mailboxes keeping it there]. The first group
+that gives the thread a home sets it; its later groups keep it and move nothing, so that the groups of a rank never
+pull it between cores."""
+
+
+def release(thread: threading.Thread | None) -> None:
+    """A mailbox that kept `thread` on its home closed: once none does, a later group may give it another."""
+    held = _HOMES.get(thread) if thread is not None else None
+    if held is not None:
+        held[1] -= 1
+        if held[1] <= 0:
+            del _HOMES[thread]  # type: ignore[arg-type]
+
+
 def spread(comm: Comm, c: Call) -> int | None:
     """Move this member off a core it shares with a member of lower rank, or to its home core where the members
-    outnumber their cores (see the module); that home core (`Mailbox.home`), else None."""
+    outnumber their cores (see the module); that home core (`Mailbox.home`, which `release`s it on closing), else
+    None. A thread that has a home from an earlier group keeps it and moves nothing."""
     try:
         allowed = os.sched_getaffinity(0)
     except (AttributeError, OSError):  # pragma: no cover - not Linux
@@ -105,6 +124,11 @@ def spread(comm: Comm, c: Call) -> int | None:
     mask = sorted(allowed)[:64]
     table[comm.rank, 1 : 1 + len(mask)] = mask
     direct.direct_all_gather(comm, c, table)  # every member takes part, even one that cannot move (a pinned rank)
+    thread = threading.current_thread()
+    held = _HOMES.get(thread)
+    if held is not None:
+        held[1] += 1
+        return held[0]
     if len(allowed) < 2:
         return None
     masks = [{int(v) for v in row[1:] if v >= 0} for row in table]
@@ -112,4 +136,7 @@ def spread(comm: Comm, c: Call) -> int | None:
     if target is not None and move_to(target) and failure.debug():
         print(f"axond: {comm.g.where('set-up')}: moved from core {table[comm.rank, 0]} to core {target}, spreading "
               f"the group's ranks over their cores", file=sys.stderr, flush=True)
-    return home(comm.rank, masks)
+    core = home(comm.rank, masks)
+    if core is not None:
+        _HOMES[thread] = [core, 1]
+    return core
