@@ -320,7 +320,8 @@ def test_a_broadcast_past_the_slot_runs_through_the_mailbox_in_chunks(natives: l
     sizes = [(300_000 - 4) // 4, (3 * (256 << 10) - 4) // 4, 2 * (256 << 10) // 4]
     try:
         for pg in gs:
-            assert all(str(pg.backend.route(Op.BROADCAST, 4 * count)) == "mailbox" for count in sizes)  # type: ignore[union-attr]
+            route = pg.backend.route  # type: ignore[union-attr]
+            assert all(str(route(Op.BROADCAST, 4 * count)) == "mailbox" for count in sizes)
 
         def body(pg: ProcessGroup) -> list[tuple[np.ndarray, int]]:
             got = []

@@ -73,9 +73,9 @@ ranks), in chunks of at most a slot, each one mailbox round (`mailbox_ops.broadc
 k + 1 in the other buffer while the others copy chunk k out, and the rounds run in C without the arena's per-step
 Python. bench/compare_trees.py, 4 rounds, best of the rounds' medians, 4 ranks on 2 cores, inputs unchanged / written
 before every call (`--fresh-inputs`): 4 slots and the homes of `spread` against the arena without them 0.29-0.53 at
-384 KiB-1 MiB (unchanged); 16 slots against 4 (the arena above) at 1.5-4 MiB 0.53-0.59 / 0.51-0.61; 24 against 16 at 5 and 6 MiB 0.77 and 0.93 / 0.62 and 0.64; 32
-against 24 at 8 MiB 1.14 / 0.63 (so not there). 3 ranks, against the arena: 384 KiB-4 MiB 0.37-0.56, 6 MiB 0.96
-(unchanged)."""
+384 KiB-1 MiB (unchanged); 16 slots against 4 (the arena above) at 1.5-4 MiB 0.53-0.59 / 0.51-0.61; 24 against 16
+at 5 and 6 MiB 0.77 and 0.93 / 0.62 and 0.64; 32 against 24 at 8 MiB 1.14 / 0.63 (so not there). 3 ranks, against
+the arena: 384 KiB-4 MiB 0.37-0.56, 6 MiB 0.96 (unchanged inputs)."""
 
 
 def mailbox_limit(op: Op, size: int) -> int:
