@@ -1,8 +1,9 @@
 """Where `init_process_group` finds the job's KV store: torch's `init_method` URLs and axond's environment.
 
 `env://` (the default) takes the first of: the coordinator (AXOND_COORDINATOR, what `axond worker` sets),
-a FileStore directory (AXOND_FILE_STORE), or a `TCPStore` at MASTER_ADDR:MASTER_PORT served by rank 0
-(what torchrun sets). `tcp://host:port` is that TCPStore at an explicit address, `file://path` a
+a FileStore directory (AXOND_FILE_STORE), or a store at MASTER_ADDR:MASTER_PORT: the launcher's own torch
+TCPStore when TORCHELASTIC_USE_AGENT_STORE=True (what torchrun and `axond worker` set; every rank is a client),
+else a `TCPStore` served by rank 0. `tcp://host:port` is that TCPStore at an explicit address, `file://path` a
 FileStore in directory `path`, `axond://host:port` the coordinator at that address. Timeouts may be
 seconds or a `datetime.timedelta`, as torch's are.
 """
@@ -16,6 +17,7 @@ from datetime import timedelta
 from urllib.parse import parse_qs, urlsplit
 
 from axond.errors import DistributedError
+from axond.distributed.tcp_store_torch import use_agent_store
 from axond.store import Store
 
 SCHEMES = ("env", "tcp", "file", "axond")
@@ -110,6 +112,8 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
             number = int(port)
         except ValueError as e:
             raise DistributedError(f"init_process_group: MASTER_PORT={port!r} is not a port number") from e
+        if use_agent_store():
+            return _agent_store(addr, number, size, timeout)
         return _tcp_store(addr, number, rank, timeout, secret, f"MASTER_ADDR:MASTER_PORT ({addr}:{port})")
     missing = "MASTER_PORT" if addr else "MASTER_ADDR" if port else "MASTER_ADDR and MASTER_PORT"
     raise DistributedError("init_process_group: no store; set AXOND_COORDINATOR (what `axond worker` does), "
@@ -124,12 +128,25 @@ def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, w
     try:
         store = TCPStore(host, port, is_server=rank == 0, timeout=timeout, secret=secret)
     except OSError as e:
-        raise DistributedError(f"init_process_group: rank 0 cannot serve the store on {where}: {e}; "
-                               "pick a free MASTER_PORT") from e
+        raise DistributedError(f"init_process_group: rank 0 cannot serve the store on {where}: {e}; if a launcher "
+                               "serves a store there, it sets TORCHELASTIC_USE_AGENT_STORE=True (torchrun and "
+                               "`axond worker` do); else pick a free MASTER_PORT") from e
     except StoreError as e:
         raise DistributedError(f"init_process_group: rank {rank} cannot reach the store on {where}: {e}") from e
     if rank == 0:
         return OpenedStore(store, [lambda: store.close(linger=min(timeout, SERVER_LINGER))])
+    return OpenedStore(store, [store.close])
+
+
+def _agent_store(host: str, port: int, size: int, timeout: float) -> OpenedStore:
+    """A client of the torch TCPStore the launcher (torchrun's agent, `axond worker`) serves on MASTER_PORT."""
+    from axond.distributed.tcp_store_torch import TorchAgentStore, agent_prefix
+    from axond.errors import StoreError
+
+    try:
+        store = TorchAgentStore(host, port, size, timeout, prefix=agent_prefix())
+    except StoreError as e:
+        raise DistributedError(f"init_process_group: {e}") from e
     return OpenedStore(store, [store.close])
 
 
