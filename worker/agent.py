@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from axond.errors import CoordinatorError
+from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
 from axond.worker.launcher import LocalRanks, OutputSink, RankSpec, print_sink, start_ranks
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.spec import ConnectOptions, JobSpec
+from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
 
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
@@ -154,7 +155,7 @@ class JobRunner:
             self._error_dir = tempfile.mkdtemp(prefix="axond-errors-")
         return os.path.join(self._error_dir, f"g{generation}-rank{rank}.json")
 
-    def _rank_specs(self, joined: pb.JoinResponse) -> list[RankSpec]:
+    def _rank_specs(self, joined: pb.JoinResponse, master: str = "") -> list[RankSpec]:
         base = dict(os.environ)
         base.update(self._spec.env or {})
         base.setdefault("PYTHONUNBUFFERED", "1")
@@ -168,15 +169,14 @@ class JobRunner:
             AXOND_GENERATION=str(joined.generation),
             AXOND_JOB_SECRET=joined.job_secret.hex(),
             AXOND_NODE_ID=self._node_id,
-            WORLD_SIZE=str(joined.world_size),
-            LOCAL_WORLD_SIZE=str(joined.local_world_size),
             NODE_RANK=str(joined.node_rank),
         )
+        base.update(torchrun_env(joined, self._spec.job, self._spec.max_restarts, master))
         specs = []
         for local_rank in range(joined.local_world_size):
             rank = joined.rank_offset + local_rank
             error_file = self._error_file(joined.generation, rank)
-            env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank), AXOND_ERROR_FILE=error_file)
+            env = dict(base, AXOND_ERROR_FILE=error_file, **rank_env(rank, local_rank))
             specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env, error_file=error_file))
         return specs
 
@@ -189,13 +189,22 @@ class JobRunner:
             f"ranks {first}..{last} of world size {joined.world_size}, restarts left {joined.restarts_left}"
         )
         self._hb.track(spec.job, gen)
-        specs = self._rank_specs(joined)
-        ranks = start_ranks(spec.argv, specs, cwd=spec.cwd, sink=self._sink)
-        self._hb.report_pids(spec.job, ranks.local_pids)
+        agent_store = AgentStore()
         try:
-            return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs])
+            master = agent_store.open(self._client, spec.job, joined, self._conn.address)
+        except (CoordinatorError, StoreError, RuntimeError, OSError) as e:
+            self._notice(f"job {spec.job!r}: no torch store for the ranks (MASTER_ADDR/MASTER_PORT unset): {e}")
+            master = ""
+        try:
+            specs = self._rank_specs(joined, master)
+            ranks = start_ranks(spec.argv, specs, cwd=spec.cwd, sink=self._sink)
+            self._hb.report_pids(spec.job, ranks.local_pids)
+            try:
+                return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs])
+            finally:
+                ranks.stop(grace=spec.stop_grace)
         finally:
-            ranks.stop(grace=spec.stop_grace)
+            agent_store.close()
 
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int]) -> JobOutcome | None:
         spec = self._spec
