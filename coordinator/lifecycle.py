@@ -8,6 +8,7 @@ generation, whose store starts empty, until restarts run out.
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass
 
 from axond.coordinator.context import StateContext
@@ -24,6 +25,10 @@ from axond.coordinator.jobs import EventLog, FinishedEvent, InfoEvent, Job, JobS
 from axond.coordinator.membership import Membership, Node
 from axond.coordinator.rendezvous import Member, Round
 from axond.coordinator.scheduling import Scheduler
+
+
+REFUSED = "refused a worker"
+"""How a pending job's reason starts after a worker asking for other options was refused (cleared at freeze)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,9 @@ class JobLifecycle:
                 continue
             if job.round.remove(node.node_id):
                 self.ctx.notify("job", job.name)
+                self._expire_if_abandoned(job, node.node_id, now)
+                if job.state.terminal:
+                    continue
             lost_assigned = node.node_id in job.assigned and job.round.member(node.node_id) is None
             if job.active_member(node.node_id) or lost_assigned:
                 if node.node_id in job.assigned:
@@ -151,6 +159,11 @@ class JobLifecycle:
         if j is None or (j.state.terminal and j.spec is None):
             j = self.new_job(job, min_nodes, max_nodes, max_restarts)
         self._check_join(j, node, min_nodes, max_nodes, max_restarts)
+        if j.round.frozen and j.round.member(node_id) is None and len(j.round.members or []) >= j.max_nodes:
+            raise FailedPrecondition(
+                f"job {job!r} is running with all its {j.max_nodes} node(s) (generation {j.generation}), so this "
+                "worker cannot join it: use another --job name, or start this worker once the job ended"
+            )
         again = j.round.joiners.get(node_id)
         pending = j.round.joined_ranks - (again.nproc if again is not None else 0)
         if pending + nproc > limits.max_world_size:
@@ -178,11 +191,16 @@ class JobLifecycle:
         self._maybe_freeze(j, now)
         return self._assignment(j, node_id) if rnd.member(node_id) else None
 
-    @staticmethod
-    def _check_join(j: Job, node: Node, min_nodes: int, max_nodes: int, max_restarts: int) -> None:
+    def _check_join(self, j: Job, node: Node, min_nodes: int, max_nodes: int, max_restarts: int) -> None:
         if j.state.terminal:
             raise FailedPrecondition(f"job {j.name!r} has finished ({j.state.name}); submit it again")
         if (j.min_nodes, j.max_nodes) != (min_nodes, max_nodes) or j.max_restarts != max_restarts:
+            why = (f"it asked nnodes {min_nodes}:{max_nodes} and max_restarts {max_restarts}, the job has "
+                   f"{j.min_nodes}:{j.max_nodes} and {j.max_restarts}")
+            if not j.round.frozen:  # the workers waiting in the rendezvous see it in the job's reason
+                j.reason = f"{REFUSED} on {node.hostname} ({node.node_id}): {why}"
+                self.ctx.mark_job(j.name)
+                self.ctx.notify("job", j.name)
             raise FailedPrecondition(
                 f"job {j.name!r} runs with nnodes {j.min_nodes}:{j.max_nodes} and max_restarts {j.max_restarts}, "
                 f"this worker asks {min_nodes}:{max_nodes} and {max_restarts}; pass the same options "
@@ -220,13 +238,24 @@ class JobLifecycle:
             "it was declared dead or the generation moved on: join again"
         )
 
-    def leave_rendezvous(self, job: str, node_id: str) -> None:
+    def leave_rendezvous(self, job: str, node_id: str, now: float | None = None) -> None:
         """A Join gave up waiting: drop the node from the open round."""
         j = self.ctx.jobs.get(job)
         if j is not None:
             self.waiting_next.get(job, {}).pop(node_id, None)
             j.round.remove(node_id)
             self.ctx.mark_job(job)
+            self._expire_if_abandoned(j, node_id, time.monotonic() if now is None else now)
+
+    def _expire_if_abandoned(self, j: Job, gone: str, now: float) -> None:
+        """A pending job (joined by workers, not submitted) that no live node waits for any more ends, instead of
+        staying pending for ever; `gone` is the node that just left."""
+        if j.state.terminal or j.spec is not None or j.round.frozen or j.round.joiners or self.waiting_next.get(j.name):
+            return
+        if any(n.job == j.name and not n.dead and n.node_id != gone for n in self.members.nodes.values()):
+            return
+        self.finish(j, JobState.CANCELLED, 1, "no live node waits in its rendezvous any more (the last one left or "
+                    "died before it completed)", now)
 
     def rendezvous_progress(self, job: str) -> str:
         """A short description of an open rendezvous, for timeout messages."""
@@ -242,6 +271,8 @@ class JobLifecycle:
         if j.state.terminal or not j.round.maybe_freeze(now):
             return
         j.state = JobState.RUNNING
+        if j.reason.startswith(REFUSED):
+            j.reason = ""
         left = self.waiting_next.setdefault(j.name, {})
         for node_id, joiner in j.round.joiners.items():
             if j.round.member(node_id) is None:
