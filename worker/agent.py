@@ -13,16 +13,17 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
+from axond.distributed.inflight import Blocked, read_report
 from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
-from axond.worker.launcher import LocalRanks, OutputSink, RankSpec, print_sink, start_ranks
+from axond.worker.launcher import CAUSE_GRACE_S, LocalRanks, OutputSink, RankSpec, print_sink, start_ranks
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.spec import ConnectOptions, JobSpec
 from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
@@ -188,6 +189,10 @@ class JobRunner:
             f"job {spec.job!r} generation {gen}: node rank {joined.node_rank} of {joined.nnodes}, "
             f"ranks {first}..{last} of world size {joined.world_size}, restarts left {joined.restarts_left}"
         )
+        if spec.node_rank is not None and spec.node_rank != joined.node_rank:
+            self._notice(f"--node-rank {spec.node_rank} was given, but the rendezvous made this node rank "
+                         f"{joined.node_rank} (axond orders the nodes by host name); GROUP_RANK and NODE_RANK say "
+                         f"{joined.node_rank}")
         self._hb.track(spec.job, gen)
         agent_store = AgentStore()
         try:
@@ -208,7 +213,7 @@ class JobRunner:
 
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int]) -> JobOutcome | None:
         spec = self._spec
-        early = EarlyExitWatch(spec.job, self._notice)
+        early = EarlyExitWatch(spec.job, self._notice, blocked=self._blocked_reader(gen))
         while True:
             result = ranks.poll()
             if result is not None and result.ok:
@@ -219,10 +224,13 @@ class JobRunner:
                 # done neither misses a restart nor exits (ending `docker compose up`) while others still work.
                 return self._exit_barrier(gen) if spec.max_restarts > 0 or nnodes > 1 else JobOutcome(0)
             if result is not None and result.first_failure is not None:
-                failure = result.first_failure
+                failure = ranks.root_cause(min(CAUSE_GRACE_S, max(spec.stop_grace, 0.5))) or result.first_failure
                 message = failure.describe()
                 self._notice(f"{message}; stopping the other local ranks")
                 ranks.stop(grace=spec.stop_grace)
+                oldest = ranks.root_cause(0.0)  # every local rank exited now: one may have failed earlier still
+                if oldest is not None and oldest.failed_at < failure.failed_at:
+                    failure, message = oldest, oldest.describe()
                 self._flush()
                 try:
                     reply = self._within_lease(lambda: self._client.report_failure(
@@ -257,6 +265,24 @@ class JobRunner:
             early.check(ranks.exits(), local)
             self._hb.changed.wait(_MONITOR_TICK)
             self._hb.changed.clear()
+
+    def _blocked_reader(self, gen: int) -> Callable[[Sequence[int]], dict[int, Blocked] | None]:
+        """Reads what ranks report being blocked in, from the generation's coordinator store (where the native
+        API's ranks publish it; see `axond.distributed.inflight`)."""
+        store = self._client.store(self._spec.job, gen)
+
+        def read(ranks: Sequence[int]) -> dict[int, Blocked] | None:
+            out: dict[int, Blocked] = {}
+            for rank in ranks:
+                try:
+                    out[rank] = read_report(store, rank)[0]
+                except ValueError:
+                    out[rank] = []
+                except (CoordinatorError, StoreError):
+                    return None
+            return out
+
+        return read
 
     def _exit_barrier(self, gen: int) -> JobOutcome | None:
         """After local success, stay until the whole job ended: if another node fails first, the

@@ -36,15 +36,30 @@ RANK_EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_exec.
 MAX_CAUSE_CHARS = 500
 """A failed rank's cause (error-file message or last stderr line) is cut to this length in messages."""
 
+CAUSE_GRACE_S = 2.0
+"""Seconds the worker waits, once a local rank failed, for the other local ranks' exits and error files, to name
+the oldest failure (the root cause) rather than the first exit it saw."""
+
+CAUSE_SETTLE_S = 0.5
+"""Seconds the worker waits at least (when other local ranks still run) for an older error file to appear."""
+
 _POLL_INTERVAL = 0.02
 _print_lock = threading.Lock()
 
 
+def prefixed(rank: int, text: str) -> str:
+    """`[rank N] text`, or `text` as is when it already starts with torch's own prefix for that rank (`[rankN]:`,
+    which torch puts on its log and traceback lines), so that no line carries two prefixes."""
+    if text.startswith(f"[rank{rank}]:"):
+        return text
+    return f"[rank {rank}] {text}"
+
+
 def print_sink(rank: int, stream: str, text: str) -> None:
-    """Print a rank's line as `[rank N] text` on the worker's own stdout or stderr."""
+    """Print a rank's line as `[rank N] text` (see `prefixed`) on the worker's own stdout or stderr."""
     out = sys.stdout if stream == "stdout" else sys.stderr
     with _print_lock:
-        out.write(f"[rank {rank}] {text}\n")
+        out.write(prefixed(rank, text) + "\n")
         out.flush()
 
 
@@ -82,6 +97,9 @@ class RankExit:
     """Process id of the rank (0 if it never started)."""
     hostname: str = ""
     """Host the rank ran on."""
+    failed_at: float = 0.0
+    """When it failed (wall-clock seconds): the time in its error file, else when the worker saw it exit. The
+    oldest failure is the root cause; the others are ranks that failed because of it."""
 
     def describe(self) -> str:
         """One line naming the rank, where it ran, its exit code and its cause, like
@@ -98,18 +116,24 @@ class RankExit:
 
 def read_error_file(path: str | None) -> str:
     """`Type: message` from a rank's error file (see `RankSpec.error_file`), or "" if it wrote none."""
+    return read_error_record(path)[0]
+
+
+def read_error_record(path: str | None) -> tuple[str, float | None]:
+    """(`Type: message`, the failure's wall-clock time) from a rank's error file; ("", None) if it wrote none."""
     if not path:
-        return ""
+        return "", None
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             data = json.loads(f.read(1 << 20))
     except (OSError, ValueError):
-        return ""
+        return "", None
     if not isinstance(data, dict):
-        return ""
+        return "", None
     kind, message = str(data.get("type") or ""), str(data.get("message") or "")
     text = f"{kind}: {message}" if kind and message else kind or message
-    return _one_line(text)
+    when = data.get("time")
+    return _one_line(text), float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None
 
 
 def _one_line(text: str) -> str:
@@ -260,9 +284,12 @@ class LocalRanks:
                 code = r.returncode()
                 if code is None:
                     continue
+                seen_at = time.time()
+                when = read_error_record(r.spec.error_file)[1] if code != 0 else None
                 ex = RankExit(
                     r.spec.rank, r.spec.local_rank, code, r.cause() if code != 0 else "",
                     pid=r.proc.pid if r.proc is not None else 0, hostname=self.hostname,
+                    failed_at=min(when, seen_at) if when is not None else seen_at,
                 )
                 self._exits.append(ex)
                 if code != 0 and self._first_failure is None:
@@ -270,6 +297,29 @@ class LocalRanks:
             if self._first_failure is None and len(self._exits) < len(self._ranks):
                 return None
             return GroupResult(tuple(self._exits), self._first_failure)
+
+    def root_cause(self, grace: float = CAUSE_GRACE_S) -> RankExit | None:
+        """The oldest failure among the local ranks (see `RankExit.failed_at`), once a rank failed.
+
+        A rank that fails because of another often exits first (the root cause may still be writing its error
+        file or tearing down), so this waits up to `grace` seconds for the other ranks to exit, or for every
+        still-running rank to have written no error file older than the oldest failure seen (after at least
+        `CAUSE_SETTLE_S`: the root cause aborts its groups before it writes its file)."""
+        start = time.monotonic()
+        while True:
+            self.poll()
+            with self._lock:
+                failures = [e for e in self._exits if e.exit_code != 0]
+                done = {e.local_rank for e in self._exits}
+            if not failures:
+                return None
+            oldest = min(failures, key=lambda e: e.failed_at)
+            running = [r for r in self._ranks if r.spec.local_rank not in done]
+            older = [r for r in running if (read_error_record(r.spec.error_file)[1] or float("inf")) < oldest.failed_at]
+            elapsed = time.monotonic() - start
+            if not running or elapsed >= grace or (not older and elapsed >= min(CAUSE_SETTLE_S, grace)):
+                return oldest
+            time.sleep(_POLL_INTERVAL)
 
     def wait(self, timeout: float) -> GroupResult | None:
         """Like `poll`, waiting up to `timeout` seconds for a result."""

@@ -6,11 +6,13 @@ before `init_process_group` leaves the others waiting for their full timeout in 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from axond.distributed.inflight import Blocked, blocked_text
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.launcher import RankExit
@@ -21,8 +23,17 @@ if TYPE_CHECKING:
 PROGRESS_EVERY_S = 5.0
 """Seconds between two rendezvous progress lines (and before the first)."""
 
+PROGRESS_REPEAT_S = 60.0
+"""Seconds after which an unchanged progress line is said again (with the time left)."""
+
 EARLY_EXIT_NOTICE_S = 5.0
-"""Seconds a local rank may have exited 0 while others still run before the worker says so (once)."""
+"""Seconds a local rank may have exited 0 while others still run before the worker says so."""
+
+WAIT_NOTICE_S = 60.0
+"""Seconds between two "still waiting" notices while ranks wait (AXOND_WAIT_NOTICE_S overrides it)."""
+
+POLL_REPORTS_S = 10.0
+"""Seconds between two reads of the ranks' in-flight reports while every rank runs."""
 
 _OPEN_STATES = (pb.JOB_STATE_PENDING, pb.JOB_STATE_RESTARTING)
 """Job states in which a rendezvous may be open."""
@@ -41,12 +52,14 @@ def progress_line(job: str, status: pb.JobStatus | None, min_nodes: int, max_nod
     wanted = f"{hi}" if lo == hi else f"{lo}..{hi}"
     more = max(lo - joined, 0)
     waiting = f"waiting for {more} more" if more else "waiting for late joiners"
-    return f"job {job!r}: {joined}/{wanted} nodes joined{hosts}; {waiting}, up to {max(left_s, 0):.0f} s"
+    note = f" [{status.reason}]" if status is not None and status.reason else ""
+    return f"job {job!r}: {joined}/{wanted} nodes joined{hosts}; {waiting}{note}, up to {max(left_s, 0):.0f} s"
 
 
 class JoinProgress:
-    """While `join` long-polls, ask the coordinator for the job's status every `every` seconds and
-    pass a progress line to `notice`. Use as a context manager around the join."""
+    """While `join` long-polls, ask the coordinator for the job's status every `every` seconds and pass a
+    progress line to `notice` when it changed (who joined, how many are missing), or when it has said the same
+    for `PROGRESS_REPEAT_S`. Use as a context manager around the join."""
 
     def __init__(
         self, client: CoordinatorClient, job: str, min_nodes: int, max_nodes: int, timeout: float,
@@ -69,6 +82,7 @@ class JoinProgress:
             self._thread.join(timeout=self._client.call_timeout + 1.0)
 
     def _main(self) -> None:
+        last, said = "", 0.0
         while not self._stop.wait(self._every):
             try:
                 jobs = self._client.get_status(self._job).jobs
@@ -77,33 +91,117 @@ class JoinProgress:
             status = next((j for j in jobs if j.job == self._job), None)
             if status is not None and status.state not in _OPEN_STATES:
                 continue
+            line = progress_line(self._job, status, *self._bounds, self._deadline - time.monotonic())
+            same = line.rsplit(", up to ", 1)[0]
+            now = time.monotonic()
+            if same == last and now - said < PROGRESS_REPEAT_S:
+                continue  # nothing changed: say it again only after a while
             if not self._stop.is_set():
-                self._notice(progress_line(self._job, status, *self._bounds, self._deadline - time.monotonic()))
+                last, said = same, now
+                self._notice(line)
+
+
+def wait_notice_every() -> float:
+    """Seconds between two "still waiting" notices (AXOND_WAIT_NOTICE_S, default `WAIT_NOTICE_S`; 0: never)."""
+    try:
+        return max(float(os.environ.get("AXOND_WAIT_NOTICE_S", WAIT_NOTICE_S)), 0.0)
+    except ValueError:
+        return WAIT_NOTICE_S
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks))
+
+
+def _ago(seconds: float) -> str:
+    return f"{seconds:.0f} s"
 
 
 class EarlyExitWatch:
-    """Says once per generation when local ranks exited 0 a while ago but others still run: if those
-    wait for them (in `init_process_group` or a collective), they will wait until their timeout."""
+    """Tells the user, while a generation runs, when ranks wait for others:
 
-    def __init__(self, job: str, notice: Callable[[str], None], after: float = EARLY_EXIT_NOTICE_S) -> None:
-        self._job, self._notice, self._after = job, notice, after
+    - local ranks exited 0 while others still run: said once after `after` seconds (if those wait for them, in
+      `init_process_group` or a collective, they fail at their timeout), then every `every` seconds with how long
+      ago they exited, how long the others have run, and what those report being blocked in;
+    - every rank still runs but one reports being blocked in a collective for `every` seconds or more: said every
+      `every` seconds, naming the op, its group and for how long, and the ranks that report no op (outside axond:
+      computing, or stuck in their own code).
+
+    `blocked` reads what each given global rank reports being blocked in (`axond.distributed.inflight`); it is
+    called at most every `min(every, POLL_REPORTS_S)` seconds, and may return None when it cannot tell.
+    """
+
+    def __init__(self, job: str, notice: Callable[[str], None], after: float = EARLY_EXIT_NOTICE_S,
+                 every: float | None = None,
+                 blocked: Callable[[Sequence[int]], dict[int, Blocked] | None] | None = None) -> None:
+        self._job, self._notice = job, notice
+        self._every = wait_notice_every() if every is None else every
+        self._after = min(after, self._every) if self._every > 0 else after
+        self._blocked = blocked
+        self._started = time.monotonic()
         self._first_seen: float | None = None
         self._told = False
+        self._last_notice = 0.0
+        self._last_poll = time.monotonic()
 
     def check(self, exits: Sequence[RankExit], all_ranks: Sequence[int]) -> None:
         """Call on each monitor tick with the exits so far and every local rank's global rank."""
-        if self._told or not exits or len(exits) == len(all_ranks):
-            return
         now = time.monotonic()
+        if len(exits) == len(all_ranks):
+            return
+        if exits:
+            self._check_early(exits, all_ranks, now)
+        elif self._every > 0 and self._blocked is not None and now - self._last_poll >= min(self._every, POLL_REPORTS_S):
+            self._last_poll = now
+            self._check_blocked(all_ranks, now)
+
+    def _reports(self, ranks: Sequence[int]) -> dict[int, Blocked]:
+        if self._blocked is None:
+            return {}
+        try:
+            return self._blocked(ranks) or {}
+        except Exception:  # noqa: BLE001 - the notice is a courtesy; the store may be gone
+            return {}
+
+    def _check_early(self, exits: Sequence[RankExit], all_ranks: Sequence[int], now: float) -> None:
         if self._first_seen is None:
             self._first_seen = now
-        if now - self._first_seen < self._after:
+        if not self._told:
+            if now - self._first_seen < self._after:
+                return
+            self._told, self._last_notice = True, now
+            done = {e.rank for e in exits}
+            self._notice(
+                f"job {self._job!r}: rank(s) {_ranks(done)} exited with code 0 but rank(s) "
+                f"{_ranks([r for r in all_ranks if r not in done])} still run; if those wait for them "
+                "(init_process_group, a collective), they fail at their timeout"
+            )
             return
-        self._told = True
-        gone = ", ".join(str(e.rank) for e in sorted(exits, key=lambda e: e.rank))
+        if self._every <= 0 or now - self._last_notice < self._every:
+            return
+        self._last_notice = now
         done = {e.rank for e in exits}
-        running = ", ".join(str(r) for r in all_ranks if r not in done)
+        running = [r for r in all_ranks if r not in done]
+        reports = self._reports(running)
+        what = "; ".join(f"rank {r} blocked in {blocked_text(ops)}" for r, ops in sorted(reports.items()) if ops)
         self._notice(
-            f"job {self._job!r}: rank(s) {gone} exited with code 0 but rank(s) {running} still run; if those "
-            "wait for them (init_process_group, a collective), they fail at their timeout"
+            f"job {self._job!r}: still waiting: rank(s) {_ranks(done)} exited with code 0 "
+            f"{_ago(now - self._first_seen)} ago; rank(s) {_ranks(running)} still run, for "
+            f"{_ago(now - self._started)}" + (f" ({what})" if what else "")
         )
+
+    def _check_blocked(self, all_ranks: Sequence[int], now: float) -> None:
+        if now - self._last_notice < self._every:
+            return
+        reports = self._reports(all_ranks)
+        wall = time.time()
+        longest = max((wall - since for ops in reports.values() for _, _, since in ops), default=0.0)
+        if longest < self._every:
+            return
+        self._last_notice = now
+        parts = [f"rank {r} blocked in {blocked_text(reports[r])}" for r in sorted(reports) if reports[r]]
+        outside = [r for r in all_ranks if not reports.get(r)]
+        if outside:
+            parts.append(f"rank(s) {_ranks(outside)} report no blocked op (outside axond: computing, or stuck in "
+                         "their own code)")
+        self._notice(f"job {self._job!r}: still waiting: " + "; ".join(parts))

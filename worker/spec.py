@@ -74,6 +74,8 @@ class JobSpec:
     """Seconds to wait for the rendezvous to freeze before giving up."""
     stop_grace: float = 5.0
     """Seconds between SIGTERM and SIGKILL when stopping ranks."""
+    node_rank: int | None = None
+    """torchrun's --node-rank, if given: the rendezvous assigns node ranks; a different one is reported."""
 
     def __post_init__(self) -> None:
         if not self.argv:

@@ -37,6 +37,11 @@ EXIT_CODES_HELP = (
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def examples(*lines: str) -> str:
+    """An "Examples:" block for a command's --help epilog, kept as written (click's `\\b`), then a blank line."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines) + "\n\n"
+
+
 def _client_credentials(func: F) -> F:
     """Fold `--token-file` into `token` and export a client certificate for connect() and the ranks."""
 
@@ -59,6 +64,15 @@ def _client_credentials(func: F) -> F:
 def coordinator_options(func: F) -> F:
     """Add `--coordinator`, `--token`, `--token-file`, `--tls-ca` and the mutual-TLS client certificate
     (`--tls-cert`, `--tls-key`), each also from its AXOND_* variable."""
+    return _coordinator_options(func, ())
+
+
+def coordinator_options_torchrun(func: F) -> F:
+    """`coordinator_options`, with torchrun's `--rdzv-endpoint` / `--rdzv_endpoint` as names of `--coordinator`."""
+    return _coordinator_options(func, ("--rdzv-endpoint", "--rdzv_endpoint"))
+
+
+def _coordinator_options(func: F, aliases: tuple[str, ...]) -> F:
     func = _client_credentials(func)
     func = click.option(
         "--tls-key", envvar="AXOND_TLS_KEY", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -82,7 +96,7 @@ def coordinator_options(func: F) -> F:
         help="Shared token the coordinator was started with [env AXOND_TOKEN].",
     )(func)
     func = click.option(
-        "--coordinator", "address", envvar="AXOND_COORDINATOR", default=None, metavar="HOST:PORT",
+        "--coordinator", *aliases, "address", envvar="AXOND_COORDINATOR", default=None, metavar="HOST:PORT",
         callback=_check_address, help="Address of the coordinator [env AXOND_COORDINATOR; required].",
     )(func)
     return func
@@ -98,10 +112,10 @@ def _check_address(ctx: click.Context, param: click.Parameter, value: str | None
         raise click.BadParameter(str(e)) from e
 
 
-def need_address(address: str | None) -> str:
-    """The --coordinator value, or a usage error saying how to give it."""
+def need_address(address: str | None, alternative: str = "") -> str:
+    """The --coordinator value, or a usage error saying how to give it (and `alternative`, if given)."""
     if not address:
-        raise click.UsageError("Missing option '--coordinator' HOST:PORT (or set AXOND_COORDINATOR)")
+        raise click.UsageError("Missing option '--coordinator' HOST:PORT (or set AXOND_COORDINATOR)" + alternative)
     return address
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from axond import __version__
-from axond.cli.common import EXIT_CODES_HELP
+from axond.cli.common import EXIT_CODES_HELP, examples
 from axond.cli.coordinator_cmd import coordinator
 from axond.cli.run_cmd import run
 from axond.cli.status_cmd import health, status
@@ -14,7 +14,10 @@ from axond.cli.worker_cmd import worker
 
 @click.group(
     context_settings={"help_option_names": ["-h", "--help"]},
-    epilog=EXIT_CODES_HELP + " See docs/cli.md.",
+    epilog=examples("axond worker --standalone --nproc-per-node 2 -- python train.py",
+                    "axond coordinator --port 29500 &  axond worker --coordinator HOST:29500 -- python train.py",
+                    "axond COMMAND --help               # each command's options and examples")
+    + EXIT_CODES_HELP + " See docs/cli.md.",
 )
 @click.version_option(__version__, prog_name="axond")
 def main() -> None:

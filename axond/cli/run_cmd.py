@@ -13,11 +13,12 @@ from types import FrameType
 import click
 
 from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, connect_wait_option
-from axond.cli.common import coordinator_options, explain, fail, fail_coordinator, is_connection_error, need_address
+from axond.cli.common import coordinator_options, examples, explain, fail, fail_coordinator, is_connection_error, need_address
 from axond.cli.common import waiting_notice
 from axond.control.client import CoordinatorClient, connect
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
+from axond.worker.launcher import prefixed
 
 CANCEL_WAIT_S = 20.0
 """After Ctrl-C, how long to wait for the cancelled job's final event before giving up."""
@@ -58,8 +59,7 @@ def _print_event(event: pb.JobEvent) -> pb.JobFinished | None:
     if kind == "output":
         line = event.output
         out = sys.stderr if line.stream == "stderr" else sys.stdout
-        prefix = f"[rank {line.rank}] " if line.rank >= 0 else ""
-        out.write(f"{prefix}{line.text}\n")
+        out.write((prefixed(line.rank, line.text) if line.rank >= 0 else line.text) + "\n")
         out.flush()
     elif kind == "info":
         click.echo(f"axond run: {event.info}", err=True)
@@ -72,15 +72,17 @@ def _print_event(event: pb.JobEvent) -> pb.JobFinished | None:
     "run",
     short_help="Submit a job to the worker daemons and stream its output.",
     context_settings={"allow_interspersed_args": False},
-    epilog="Ctrl-C cancels the job (exit code 130). " + EXIT_CODES_HELP,
+    epilog=examples("axond run --coordinator HOST:29500 --nnodes 2 --nproc-per-node 4 -- python train.py",
+                    "axond run --coordinator HOST:29500 --attach my-job")
+    + "Ctrl-C cancels the job (exit code 130). " + EXIT_CODES_HELP,
 )
 @coordinator_options
 @connect_wait_option
 @click.option("--nnodes", type=click.IntRange(min=1), default=None, help="Worker daemons to run the job on [required].")
-@click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--nproc-per-node", "--nproc_per_node", type=click.IntRange(min=1), default=1, show_default=True,
               help="Rank processes on each node.")
 @click.option("--job", default="", help="Job name [default: chosen by the coordinator].")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--max-restarts", "--max_restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Restart the whole job this many times after a failure.")
 @click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="Extra environment for the ranks.")
 @click.option("--cwd", default=None, metavar="DIR",

@@ -9,7 +9,7 @@ import click
 
 from grpc_health.v1 import health_pb2
 
-from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, connect_wait_option, coordinator_options, fail
+from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, connect_wait_option, coordinator_options, examples, fail
 from axond.cli.common import fail_coordinator, need_address, waiting_notice
 from axond.control.client import CoordinatorClient, connect
 from axond.distributed.inflight import blocked_text, read_report
@@ -67,7 +67,9 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
 @click.command(
     "status",
     short_help="Show nodes, jobs and ranks as tables.",
-    epilog=EXIT_CODES_HELP,
+    epilog=examples("axond status --coordinator HOST:29500",
+                    "axond status --coordinator 127.0.0.1:29500 --token-file ~/.local/state/axond/token --job my-job")
+    + EXIT_CODES_HELP,
 )
 @coordinator_options
 @connect_wait_option
@@ -122,7 +124,8 @@ def _blocked(client: CoordinatorClient, status: pb.GetStatusResponse) -> dict[tu
 @click.command(
     "health",
     short_help="Exit 0 if the coordinator is serving.",
-    epilog="It exits 1 if the coordinator answers anything but SERVING. " + EXIT_CODES_HELP,
+    epilog=examples("axond health --coordinator HOST:29500 --timeout 2    # e.g. a compose healthcheck")
+    + "It exits 1 if the coordinator answers anything but SERVING. " + EXIT_CODES_HELP,
 )
 @coordinator_options
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,

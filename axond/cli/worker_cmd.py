@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import secrets
+import shutil
 import signal
+import tempfile
 import threading
 from types import FrameType
 
@@ -11,14 +14,14 @@ import click
 from click.core import ParameterSource
 
 from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, connect_wait_option
-from axond.cli.common import coordinator_options, error_kind, fail, fail_coordinator, need_address, server_detail
+from axond.cli.common import coordinator_options_torchrun, error_kind, examples, fail, fail_coordinator, need_address, server_detail
 from axond.cli.common import waiting_notice
 from axond.errors import CoordinatorError
 from axond.worker.agent import JobOutcome, start_agent
 from axond.worker.daemon import DaemonConfig, start_daemon
 from axond.worker.spec import ConnectOptions, JobSpec, parse_nnodes
 
-_AGENT_ONLY = ("nnodes", "nproc_per_node", "job", "max_restarts")
+_AGENT_ONLY = ("nnodes", "nproc_per_node", "job", "max_restarts", "node_rank")
 _NOT_STANDALONE = ("address", "token", "tls_ca")
 
 
@@ -40,7 +43,12 @@ class _Signals:
     "worker",
     short_help="Run a job's ranks on this node, or serve submitted jobs (daemon).",
     context_settings={"allow_interspersed_args": False},
-    epilog=(
+    epilog=examples(
+        "axond worker --standalone --nproc-per-node 2 -- python train.py        # one machine, no coordinator",
+        "axond worker --coordinator HOST:29500 --nnodes 2 --nproc-per-node 4 --job run1 -- python train.py",
+        "axond worker --coordinator HOST:29500 --slots 8                        # daemon for `axond run`",
+        "axond worker --rdzv_endpoint HOST:29500 --nnodes 2 --nproc_per_node 4 -- python train.py  # torchrun's names",
+    ) + (
         "With CMD: join job NAME, start --nproc-per-node ranks of CMD and exit 0 only if every rank of the job "
         "exited 0; if one failed (here or on another node), exit 1 with a last line naming it, its host and "
         "pid, its exit code and its error. --standalone: a one-machine job with its own coordinator "
@@ -48,18 +56,22 @@ class _Signals:
         "with `axond run`. " + EXIT_CODES_HELP
     ),
 )
-@coordinator_options
+@coordinator_options_torchrun
 @connect_wait_option
 @click.option("--standalone", is_flag=True,
               help="Run a one-machine job: start an in-process coordinator on 127.0.0.1 (random port and "
                    "token) for it and stop it at the end; no --coordinator.")
 @click.option("--nnodes", default="1", show_default=True, metavar="N|MIN:MAX",
               help="Nodes in the job: exactly N, or elastic between MIN and MAX.")
-@click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--nproc-per-node", "--nproc_per_node", type=click.IntRange(min=1), default=1, show_default=True,
               help="Rank processes to start on this node.")
-@click.option("--job", default="default", show_default=True, help="Name of the job to join.")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--job", "--rdzv-id", "--rdzv_id", "job", default="default", show_default=True,
+              help="Name of the job to join (torchrun's --rdzv-id; also its TORCHELASTIC_RUN_ID).")
+@click.option("--max-restarts", "--max_restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Restart the whole job this many times after a failure anywhere.")
+@click.option("--node-rank", "--node_rank", "node_rank", type=click.IntRange(min=0), default=None,
+              help="Accepted for torchrun's command lines and checked against the rank the rendezvous assigns "
+                   "(axond orders nodes by host name; it does not take a node rank from the command line).")
 @click.option("--slots", type=click.IntRange(min=1), default=None,
               help="Daemon mode (no CMD): rank processes this node offers [default: 1].")
 @click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
@@ -70,14 +82,15 @@ class _Signals:
 @click.pass_context
 def worker(
     ctx: click.Context, address: str | None, token: str | None, tls_ca: str | None, connect_wait: float,
-    standalone: bool, nnodes: str, nproc_per_node: int, job: str, max_restarts: int, slots: int | None,
-    join_timeout: float, stop_grace: float, cmd: tuple[str, ...],
+    standalone: bool, nnodes: str, nproc_per_node: int, job: str, max_restarts: int, node_rank: int | None,
+    slots: int | None, join_timeout: float, stop_grace: float, cmd: tuple[str, ...],
 ) -> None:
     """Run ranks of a job on this node (agent), or wait for submitted jobs (daemon)."""
     if standalone:
         _check_standalone(ctx, cmd, nnodes, slots)
     else:
-        address = need_address(address)
+        address = need_address(address, "; or run a one-machine job with its own coordinator: "
+                                         "`axond worker --standalone --nproc-per-node K -- CMD`")
     conn = ConnectOptions(address or "", token=token, tls_ca=tls_ca, connect_wait=connect_wait,
                           on_wait=waiting_notice("worker"))
     if not cmd:
@@ -96,7 +109,7 @@ def worker(
         lo, hi = parse_nnodes(nnodes)
         spec = JobSpec(
             argv=cmd, job=job, nproc_per_node=nproc_per_node, min_nodes=lo, max_nodes=hi,
-            max_restarts=max_restarts, join_timeout=join_timeout, stop_grace=stop_grace,
+            max_restarts=max_restarts, join_timeout=join_timeout, stop_grace=stop_grace, node_rank=node_rank,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
@@ -124,14 +137,24 @@ def _run_standalone(spec: JobSpec) -> None:
     from axond.coordinator.server import CoordinatorConfig, start_coordinator
 
     token = secrets.token_hex(16)
+    private = tempfile.mkdtemp(prefix="axond-standalone-")  # 0700: only this user reads the token
+    token_file = os.path.join(private, "token")
     try:
-        coordinator = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, token=token, in_memory=True))
-    except CoordinatorError as e:
-        fail("worker", f"--standalone could not start its coordinator: {e}", EXIT_FAILED)
-    try:
-        _run_agent(ConnectOptions(coordinator.address, token=token), spec)
+        with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(token + "\n")
+        try:
+            coordinator = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, token=token, in_memory=True))
+        except CoordinatorError as e:
+            fail("worker", f"--standalone could not start its coordinator: {e}", EXIT_FAILED)
+        try:
+            click.echo(f"axond worker: --standalone coordinator at {coordinator.address} (token in {token_file}, "
+                       "both gone when this job ends); see the job with: axond status --coordinator "
+                       f"{coordinator.address} --token-file {token_file} --job {spec.job}", err=True)
+            _run_agent(ConnectOptions(coordinator.address, token=token), spec)
+        finally:
+            coordinator.stop(grace=0.5)
     finally:
-        coordinator.stop(grace=0.5)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def _run_agent(conn: ConnectOptions, spec: JobSpec) -> None:
