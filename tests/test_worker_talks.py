@@ -138,16 +138,34 @@ def test_standalone_says_how_to_reach_its_coordinator(procs: Procs, tmp_path: Pa
     assert procs.finish(proc).code == 0
 
 
-def test_torchrun_spellings_and_torch_rank_prefixes(procs: Procs) -> None:
-    script = "import os; r = os.environ['RANK']; print(f'[rank{r}]: from torch'); print('plain')"
+RECORDED = """
+import os
+from torch.distributed.elastic.multiprocessing.errors import record
+r = os.environ["RANK"]
+print(f"[rank{r}]: from torch", flush=True)
+print("plain", flush=True)
+
+@record
+def main():
+    if r == "1":
+        raise RuntimeError("first line\\nsecond line")
+
+main()
+"""
+
+
+def test_torchrun_spellings_prefixes_and_torch_error_files(procs: Procs) -> None:
+    """torchrun's flag names; torch's `[rankN]:` prefix kept single; torch's `@record` error file is the cause."""
+    pytest.importorskip("torch")
     res = procs.run("worker", "--standalone", "--nproc_per_node", "2", "--max_restarts", "0", "--node_rank", "0",
-                    "--rdzv_id", "spelled", "--", PY, "-c", script)
-    assert res.code == 0, res.stderr
+                    "--rdzv_id", "spelled", "--", PY, "-c", RECORDED)
+    assert res.code == 1, res.stderr
     lines = res.stdout.splitlines()
     for rank in (0, 1):
         assert f"[rank{rank}]: from torch" in lines and f"[rank {rank}] plain" in lines, lines
     assert "[rank 0] [rank0]:" not in res.stdout
     assert "job 'spelled' generation 1" in res.stderr
+    assert last_line(res.stderr).endswith("exited with code 1: RuntimeError: first line second line"), res.stderr
 
 
 def test_every_command_shows_an_example_and_a_missing_coordinator_mentions_standalone() -> None:

@@ -23,7 +23,7 @@ from axond.distributed.inflight import Blocked, read_report
 from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
-from axond.worker.launcher import CAUSE_GRACE_S, LocalRanks, OutputSink, RankSpec, print_sink, start_ranks
+from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink, start_ranks
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.spec import ConnectOptions, JobSpec
 from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
@@ -177,7 +177,8 @@ class JobRunner:
         for local_rank in range(joined.local_world_size):
             rank = joined.rank_offset + local_rank
             error_file = self._error_file(joined.generation, rank)
-            env = dict(base, AXOND_ERROR_FILE=error_file, **rank_env(rank, local_rank))
+            env = dict(base, AXOND_ERROR_FILE=error_file, TORCHELASTIC_ERROR_FILE=error_file + TORCH_ERROR_SUFFIX,
+                       **rank_env(rank, local_rank))
             specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env, error_file=error_file))
         return specs
 

@@ -119,17 +119,30 @@ def read_error_file(path: str | None) -> str:
     return read_error_record(path)[0]
 
 
-def read_error_record(path: str | None) -> tuple[str, float | None]:
-    """(`Type: message`, the failure's wall-clock time) from a rank's error file; ("", None) if it wrote none."""
-    if not path:
-        return "", None
+TORCH_ERROR_SUFFIX = ".torchelastic"
+"""Suffix of the path given to a rank as TORCHELASTIC_ERROR_FILE (torch's `record` writes there), next to its
+axond error file."""
+
+
+def _load(path: str) -> object:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            data = json.loads(f.read(1 << 20))
+            return json.loads(f.read(1 << 20))
     except (OSError, ValueError):
+        return None
+
+
+def read_error_record(path: str | None) -> tuple[str, float | None]:
+    """(`Type: message`, the failure's wall-clock time) from a rank's error file, else from the file torch's
+    `@record` wrote (TORCHELASTIC_ERROR_FILE: the message, no precise time); ("", None) if it wrote none."""
+    if not path:
         return "", None
+    data = _load(path)
     if not isinstance(data, dict):
-        return "", None
+        torch_data = _load(path + TORCH_ERROR_SUFFIX)
+        inner = torch_data.get("message") if isinstance(torch_data, dict) else None
+        text = inner.get("message") if isinstance(inner, dict) else inner
+        return (_one_line(str(text)), None) if text else ("", None)
     kind, message = str(data.get("type") or ""), str(data.get("message") or "")
     text = f"{kind}: {message}" if kind and message else kind or message
     when = data.get("time")

@@ -80,8 +80,9 @@ class AgentStore:
                 self.address = ""
             return self.address
         if wanted():
-            self._listener = socket.create_server(("0.0.0.0", 0), backlog=1024)
-            self.address = f"{route_host(coordinator)}:{self._listener.getsockname()[1]}"
+            host = route_host(coordinator)  # only that address: loopback for a coordinator on this machine
+            self._listener = socket.create_server((host, 0), backlog=1024)
+            self.address = f"{host}:{self._listener.getsockname()[1]}"
             self._thread = threading.Thread(target=self._serve_on_demand, name="axond-torch-store", daemon=True)
             self._thread.start()
         kv.set(MASTER_KEY, self.address.encode())  # "" tells the other nodes not to wait for a store
@@ -99,7 +100,7 @@ class AgentStore:
         try:
             from torch.distributed import TCPStore
 
-            self._store = TCPStore("0.0.0.0", listener.getsockname()[1], None, True, wait_for_workers=False,
+            self._store = TCPStore(listener.getsockname()[0], listener.getsockname()[1], None, True, wait_for_workers=False,
                                    master_listen_fd=listener.fileno())
             listener.detach()  # torch's server owns the descriptor now
         except Exception as e:  # noqa: BLE001 - a broken torch must not take the worker down; the ranks time out
