@@ -2,8 +2,8 @@
 
 torchrun's agent serves a torch TCPStore on MASTER_PORT and sets TORCHELASTIC_USE_AGENT_STORE=True: every rank
 must be a client of it (rank 0 may not serve a store of its own there). Checked in both of torchrun's modes:
-`--standalone` and the static rendezvous (`--master-addr/--master-port --nnodes 2 --node-rank`), with the
-torch-compat page's own snippet.
+the static rendezvous (`--master-addr/--master-port --nnodes 2 --node-rank`) with the torch-compat page's own
+snippet, and `--standalone` with `-m axond.examples.train_mlp`.
 """
 
 from __future__ import annotations
@@ -68,12 +68,6 @@ def _check_results(where: Path) -> None:
         assert (where / f"result-{rank}").read_text() == "([1.0], [[1.0], [1.0]])"
 
 
-def test_docs_snippet_under_torchrun_standalone(tmp_path: Path) -> None:
-    script = _compat_snippet(tmp_path)
-    _finish(_torchrun("--standalone", "--nproc-per-node", "2", str(script), cwd=tmp_path))
-    _check_results(tmp_path)
-
-
 def test_docs_snippet_under_torchrun_static_rendezvous(tmp_path: Path) -> None:
     script = _compat_snippet(tmp_path)
     port = str(_free_port())
@@ -84,7 +78,8 @@ def test_docs_snippet_under_torchrun_static_rendezvous(tmp_path: Path) -> None:
     _check_results(tmp_path)
 
 
-def test_example_module_under_torchrun(tmp_path: Path) -> None:
+def test_example_module_under_torchrun_standalone(tmp_path: Path) -> None:
+    """`--standalone` (the agent's store on a port torchrun picked) with `-m`: the same `env://` path as the snippet."""
     out = _finish(_torchrun("--standalone", "--nproc-per-node", "2", "-m", "axond.examples.train_mlp",
                             "--epochs", "1", "--samples", "256", "--checkpoint", "", cwd=tmp_path))
     assert "epoch 1/1 loss" in out, out
