@@ -56,6 +56,17 @@ def test_the_failure_line_names_the_root_cause_not_the_first_exit(procs: Procs, 
                         r"ValueError: bad batch on rank 1", last_line(res.stderr)), res.stderr[-3000:]
 
 
+@pytest.mark.parametrize("run", range(REPEAT))
+def test_every_node_names_the_root_cause_on_another_node(coord: RunningCoordinator, procs: Procs, run: int) -> None:
+    args = ["worker", "--coordinator", coord.address, "--job", f"cause2-{run}", "--nnodes", "2", "--stop-grace", "3", "--",
+            PY, "-c", ROOT_CAUSE]
+    a, b = procs.axond(*args), procs.axond(*args)
+    for res in (procs.finish(a), procs.finish(b)):
+        assert res.code == 1, res.stderr
+        assert re.search(r"failed: rank 1 .*exited with code 1: ValueError: bad batch on rank 1(;|$)", last_line(res.stderr)), \
+            res.stderr[-3000:]
+
+
 def test_a_rank_blocked_in_a_collective_is_reported_while_it_waits(procs: Procs) -> None:
     script = ("import time, numpy as np, axond\naxond.init_process_group('tcp', timeout=6)\n"
               "if axond.get_rank() == 1:\n    time.sleep(4.5)\naxond.all_reduce(np.ones(2))\n")

@@ -13,17 +13,17 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from axond.distributed.inflight import Blocked, read_report
 from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
 from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink, start_ranks
+from axond.worker.causes import Elsewhere, blocked_reader, caused_elsewhere
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.spec import ConnectOptions, JobSpec
 from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
@@ -214,7 +214,7 @@ class JobRunner:
 
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int]) -> JobOutcome | None:
         spec = self._spec
-        early = EarlyExitWatch(spec.job, self._notice, blocked=self._blocked_reader(gen))
+        early = EarlyExitWatch(spec.job, self._notice, blocked=blocked_reader(self._client, spec.job, gen))
         while True:
             result = ranks.poll()
             if result is not None and result.ok:
@@ -233,6 +233,10 @@ class JobRunner:
                 if oldest is not None and oldest.failed_at < failure.failed_at:
                     failure, message = oldest, oldest.describe()
                 self._flush()
+                if nnodes > 1 and caused_elsewhere(failure, local):
+                    told = self._told_of_other_failure(gen)
+                    if told is not None:
+                        return told.outcome
                 try:
                     reply = self._within_lease(lambda: self._client.report_failure(
                         spec.job, self._node_id, gen, failure.rank, failure.exit_code, message
@@ -267,23 +271,22 @@ class JobRunner:
             self._hb.changed.wait(_MONITOR_TICK)
             self._hb.changed.clear()
 
-    def _blocked_reader(self, gen: int) -> Callable[[Sequence[int]], dict[int, Blocked] | None]:
-        """Reads what ranks report being blocked in, from the generation's coordinator store (where the native
-        API's ranks publish it; see `axond.distributed.inflight`)."""
-        store = self._client.store(self._spec.job, gen)
-
-        def read(ranks: Sequence[int]) -> dict[int, Blocked] | None:
-            out: dict[int, Blocked] = {}
-            for rank in ranks:
-                try:
-                    out[rank] = read_report(store, rank)[0]
-                except ValueError:
-                    out[rank] = []
-                except (CoordinatorError, StoreError):
-                    return None
-            return out
-
-        return read
+    def _told_of_other_failure(self, gen: int) -> Elsewhere | None:
+        """After a local rank failed because of a rank on another node: wait (up to CAUSE_GRACE_S) for that node's
+        report to move the job on, so that the job's reason is the root cause, not this node's consequence of it.
+        None if nobody did (then this node reports its own failure)."""
+        deadline = time.monotonic() + CAUSE_GRACE_S
+        while time.monotonic() < deadline and not self._stop.is_set():
+            self._hb.beat_now()
+            beat = self._hb.latest(self._spec.job)
+            if beat is not None and beat.job_state in _TERMINAL_STATES:
+                return Elsewhere(JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, beat.reason or "the job failed elsewhere"))
+            if beat is not None and beat.generation > gen:
+                self._notice(f"job {self._spec.job!r} moved to generation {beat.generation} ({beat.reason}); "
+                             "re-joining")
+                return Elsewhere(None)
+            time.sleep(0.1)
+        return None
 
     def _exit_barrier(self, gen: int) -> JobOutcome | None:
         """After local success, stay until the whole job ended: if another node fails first, the
