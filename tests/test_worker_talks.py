@@ -58,13 +58,13 @@ def test_the_failure_line_names_the_root_cause_not_the_first_exit(procs: Procs, 
 
 @pytest.mark.parametrize("run", range(REPEAT))
 def test_every_node_names_the_root_cause_on_another_node(coord: RunningCoordinator, procs: Procs, run: int) -> None:
-    args = ["worker", "--coordinator", coord.address, "--job", f"cause2-{run}", "--nnodes", "2", "--stop-grace", "3", "--",
-            PY, "-c", ROOT_CAUSE]
+    args = ["worker", "--coordinator", coord.address, "--job", f"cause2-{run}", "--nnodes", "2", "--stop-grace", "3",
+            "--", PY, "-c", ROOT_CAUSE]
     a, b = procs.axond(*args), procs.axond(*args)
     for res in (procs.finish(a), procs.finish(b)):
         assert res.code == 1, res.stderr
-        assert re.search(r"failed: rank 1 .*exited with code 1: ValueError: bad batch on rank 1(;|$)", last_line(res.stderr)), \
-            res.stderr[-3000:]
+        cause = r"failed: rank 1 .*exited with code 1: ValueError: bad batch on rank 1(;|$)"
+        assert re.search(cause, last_line(res.stderr)), res.stderr[-3000:]
 
 
 def test_a_rank_blocked_in_a_collective_is_reported_while_it_waits(procs: Procs) -> None:
@@ -104,7 +104,7 @@ def test_a_worker_with_other_options_is_refused_and_the_waiting_one_told(coord: 
         assert len(progress) == 1, f"an unchanged line is not repeated every 5 s: {progress}"
         assert "[refused a worker on" in progress[0] and "it asked nnodes 3:3" in progress[0], progress
         job = _job(client, "mixed")
-        assert job is not None and job.state == pb.JOB_STATE_CANCELLED, "no live node waits for it: the pending job ends"
+        assert job is not None and job.state == pb.JOB_STATE_CANCELLED, "no live node waits: the pending job ends"
         assert "no live node waits in its rendezvous" in job.reason
     finally:
         client.close()

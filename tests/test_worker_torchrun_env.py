@@ -28,10 +28,12 @@ if sys.argv[1] == "axond":
 dist.init_process_group(sys.argv[1])
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
-print("RESULT " + json.dumps({{"sum": t.item(), "env": {{k: os.environ.get(k) for k in {TORCHRUN_VARS!r}}}}}), flush=True)
+env = {{k: os.environ.get(k) for k in {TORCHRUN_VARS!r}}}
+print("RESULT " + json.dumps({{"sum": t.item(), "env": env}}), flush=True)
 dist.destroy_process_group()
 """
-ENV_ONLY = f"import json, os; print('RESULT ' + json.dumps({{'env': {{k: os.environ.get(k) for k in {TORCHRUN_VARS!r}}}}}))"
+ENV_ONLY = (f"import json, os; env = {{k: os.environ.get(k) for k in {TORCHRUN_VARS!r}}}; "
+            "print('RESULT ' + json.dumps({'env': env}))")
 
 
 def _results(stdout: str) -> dict[int, dict]:  # type: ignore[type-arg]

@@ -151,7 +151,8 @@ class EarlyExitWatch:
             return
         if exits:
             self._check_early(exits, all_ranks, now)
-        elif self._every > 0 and self._blocked is not None and now - self._last_poll >= min(self._every, POLL_REPORTS_S):
+        elif self._every > 0 and self._blocked is not None and now - self._last_poll >= min(self._every,
+                                                                                            POLL_REPORTS_S):
             self._last_poll = now
             self._check_blocked(all_ranks, now)
 

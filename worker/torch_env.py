@@ -100,8 +100,8 @@ class AgentStore:
         try:
             from torch.distributed import TCPStore
 
-            self._store = TCPStore(listener.getsockname()[0], listener.getsockname()[1], None, True, wait_for_workers=False,
-                                   master_listen_fd=listener.fileno())
+            host, port = listener.getsockname()[:2]
+            self._store = TCPStore(host, port, None, True, wait_for_workers=False, master_listen_fd=listener.fileno())
             listener.detach()  # torch's server owns the descriptor now
         except Exception as e:  # noqa: BLE001 - a broken torch must not take the worker down; the ranks time out
             self.error = f"torch's TCPStore could not start: {type(e).__name__}: {e}"

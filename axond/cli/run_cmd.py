@@ -13,7 +13,8 @@ from types import FrameType
 import click
 
 from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, connect_wait_option
-from axond.cli.common import coordinator_options, examples, explain, fail, fail_coordinator, is_connection_error, need_address
+from axond.cli.common import coordinator_options, examples, explain, fail, fail_coordinator, is_connection_error
+from axond.cli.common import need_address
 from axond.cli.common import waiting_notice
 from axond.control.client import CoordinatorClient, connect
 from axond.errors import CoordinatorError

@@ -9,7 +9,8 @@ import click
 
 from grpc_health.v1 import health_pb2
 
-from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, connect_wait_option, coordinator_options, examples, fail
+from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, connect_wait_option, coordinator_options, examples
+from axond.cli.common import fail
 from axond.cli.common import fail_coordinator, need_address, waiting_notice
 from axond.control.client import CoordinatorClient, connect
 from axond.distributed.inflight import blocked_text, read_report

@@ -14,7 +14,8 @@ import click
 from click.core import ParameterSource
 
 from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, connect_wait_option
-from axond.cli.common import coordinator_options_torchrun, error_kind, examples, fail, fail_coordinator, need_address, server_detail
+from axond.cli.common import coordinator_options_torchrun, error_kind, examples, fail, fail_coordinator, need_address
+from axond.cli.common import server_detail
 from axond.cli.common import waiting_notice
 from axond.errors import CoordinatorError
 from axond.worker.agent import JobOutcome, start_agent
