@@ -32,9 +32,6 @@ EARLY_EXIT_NOTICE_S = 5.0
 WAIT_NOTICE_S = 60.0
 """Seconds between two "still waiting" notices while ranks wait (AXOND_WAIT_NOTICE_S overrides it)."""
 
-POLL_REPORTS_S = 10.0
-"""Seconds between two reads of the ranks' in-flight reports while every rank runs."""
-
 _OPEN_STATES = (pb.JOB_STATE_PENDING, pb.JOB_STATE_RESTARTING)
 """Job states in which a rendezvous may be open."""
 
@@ -128,7 +125,8 @@ class EarlyExitWatch:
       computing, or stuck in their own code).
 
     `blocked` reads what each given global rank reports being blocked in (`axond.distributed.inflight`); it is
-    called at most every `min(every, POLL_REPORTS_S)` seconds, and may return None when it cannot tell.
+    called at most every `every` seconds (one store read per local rank: light on the coordinator), and may
+    return None when it cannot tell.
     """
 
     def __init__(self, job: str, notice: Callable[[str], None], after: float = EARLY_EXIT_NOTICE_S,
@@ -151,8 +149,7 @@ class EarlyExitWatch:
             return
         if exits:
             self._check_early(exits, all_ranks, now)
-        elif self._every > 0 and self._blocked is not None and now - self._last_poll >= min(self._every,
-                                                                                            POLL_REPORTS_S):
+        elif self._every > 0 and self._blocked is not None and now - self._last_poll >= self._every:
             self._last_poll = now
             self._check_blocked(all_ranks, now)
 
