@@ -1,13 +1,14 @@
 """What the timeline and the metrics cost a DDP step (not a test).
 
-    python bench/observe_overhead.py [--rounds 5] [--steps 80] [--hidden 512] [--depth 4] [--batch-size 64]
+    python bench/observe_overhead.py [--pairs 150] [--hidden 512] [--depth 4] [--batch-size 64] [--bucket-mb 1]
 
-Each round runs one 2-rank job per mode (`axond worker --standalone --nproc-per-node 2`), the modes in turn, so
-that load on the machine hits them alike: `off` (nothing set), `timeline` (AXOND_TIMELINE), `metrics`
-(AXOND_METRICS_DIR, as a worker with --metrics-port sets it) and `both`. A rank trains the train_mlp model with
-DDP (synchronous buckets of 1 MiB, so each step has several all_reduces), times each step after warm-up, and
-also times a 4 KiB all_reduce alone (the per-call cost where collectives are smallest). Printed: per mode the
-median over rounds of rank 0's median step time, its ratio to `off`, and the small all_reduce's median.
+One 2-rank job (`axond worker --standalone --nproc-per-node 2`) trains the train_mlp model with two DDP
+wrappers of the same model over two process groups of the same ranks: one plain (as every group is when
+neither AXOND_TIMELINE nor AXOND_METRICS_DIR is set), one whose collectives are timed into the timeline
+and the metrics (as every group is when both are set), with the DDP bucket events on. Steps alternate
+between the two (A B A B ...), so load on the machine hits both alike. Printed: rank 0's median step
+time of each, the median of the per-pair ratios (observed / plain), and the timed events per step.
+`--control` times neither (an A/A run). Off, the cost is nil by construction: a plain group runs its class's methods, with no check per call.
 """
 
 from __future__ import annotations
@@ -21,93 +22,88 @@ import sys
 import tempfile
 import time
 
-MODES = ("off", "timeline", "metrics", "both")
-
 
 def rank_main(args: argparse.Namespace) -> None:
-    import numpy as np
-
     import axond
+    from axond.distributed import new_group
     from axond.examples.train_mlp import TrainConfig, build_model, make_dataset
     from axond.nn import CrossEntropyLoss
     from axond.nn.optim import SGD
+    from axond.observe import timeline
+    from axond.observe.collectives import wrap_group
+    from axond.observe.rank_metrics import RankMetrics
     from axond.parallel import DDP, GradSyncStrategy
 
-    group = axond.init_process_group("tcp")
+    world = axond.init_process_group("tcp")
+    plain, observed = new_group(list(range(world.size))), new_group(list(range(world.size)))
+    tracer = timeline.Tracer(args.scratch, str(world.rank))
+    metrics = RankMetrics(args.scratch, str(world.rank), "bench", "1")
+    if not args.control:
+        wrap_group(observed, metrics, tracer)
     cfg = TrainConfig(hidden=args.hidden, depth=args.depth, samples=4096)
     x, y, _, _ = make_dataset(cfg)
-    model = build_model(cfg)
-    ddp = DDP(model, group, bucket_cap_mb=1.0, strategy=GradSyncStrategy.SYNCHRONOUS)
-    opt, loss = SGD(list(model.parameters()), lr=1e-4), CrossEntropyLoss()
-    times = []
-    for i in range(args.steps + 10):
+    runs = []
+    for group in (plain, observed):
+        model = build_model(cfg)
+        ddp = DDP(model, group, bucket_cap_mb=args.bucket_mb, strategy=GradSyncStrategy.OVERLAPPED)
+        runs.append((ddp, SGD(list(model.parameters()), lr=1e-4), CrossEntropyLoss()))
+    times: list[list[float]] = [[], []]
+    for i in range(args.pairs + 10):
         lo = (i * args.batch_size) % (len(x) - args.batch_size)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss(ddp(x[lo:lo + args.batch_size]), y[lo:lo + args.batch_size])
-        ddp.backward(loss.backward())
-        opt.step()
-        if i >= 10:
-            times.append(time.perf_counter() - t0)
-    small = np.ones(1024, np.float32)
-    calls = []
-    for i in range(2000):
-        t0 = time.perf_counter()
-        axond.all_reduce(small)
-        if i >= 200:
-            calls.append(time.perf_counter() - t0)
-    if group.rank == 0:
-        print("RESULT " + json.dumps({"step": statistics.median(times), "small": statistics.median(calls),
-                                      "buckets": len(ddp.buckets)}), flush=True)
+        for which in ((0, 1) if i % 2 else (1, 0)):  # A B, B A: neither always goes first
+            ddp, opt, loss = runs[which]
+            timeline.TRACER = tracer if which else None  # DDP's bucket events only for the observed run
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss(ddp(x[lo:lo + args.batch_size]), y[lo:lo + args.batch_size])
+            ddp.backward(loss.backward())
+            opt.step()
+            if i >= 10:
+                times[which].append(time.perf_counter() - t0)
+    timeline.TRACER = None
+    tracer.flush()
+    events = sum(1 for line in open(tracer.path) if '"ph":"X"' in line)
+    if world.rank == 0:
+        ratios = [b / a for a, b in zip(*times)]
+        print("RESULT " + json.dumps({
+            "plain": statistics.median(times[0]), "observed": statistics.median(times[1]),
+            "ratio": statistics.median(ratios), "buckets": len(runs[0][0].buckets),
+            "events_per_step": events / (args.pairs + 10)}), flush=True)
     axond.destroy_process_group()
-
-
-def run_mode(mode: str, args: argparse.Namespace, scratch: str) -> dict[str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in ("AXOND_TIMELINE", "AXOND_METRICS_DIR")}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    if mode in ("timeline", "both"):
-        env["AXOND_TIMELINE"] = tempfile.mkdtemp(dir=scratch)
-    if mode in ("metrics", "both"):
-        env["AXOND_METRICS_DIR"] = tempfile.mkdtemp(dir=scratch)
-    cmd = ["axond", "worker", "--standalone", "--nproc-per-node", "2", "--", sys.executable, __file__, "--rank",
-           "--steps", str(args.steps), "--hidden", str(args.hidden), "--depth", str(args.depth),
-           "--batch-size", str(args.batch_size)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise SystemExit(f"{mode}: the job failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    line = next(l for l in out.stdout.splitlines() if "RESULT " in l)
-    return json.loads(line.split("RESULT ", 1)[1])  # type: ignore[no-any-return]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--scratch", default="", help=argparse.SUPPRESS)
+    p.add_argument("--pairs", type=int, default=150)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--control", action="store_true",
+                   help="time neither group (an A/A run: the ratio shows what the pairing alone gives)")
     args = p.parse_args()
     if args.rank:
         rank_main(args)
         return
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    env = {k: v for k, v in os.environ.items() if k not in ("AXOND_TIMELINE", "AXOND_METRICS_DIR")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="axond-observe-bench-") as scratch:
-        for r in range(args.rounds):
-            for mode in MODES:
-                results[mode].append(run_mode(mode, args, scratch))
-            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    base = statistics.median(x["step"] for x in results["off"])
-    buckets = int(results["off"][0]["buckets"])
-    print(f"2 ranks, train_mlp {args.hidden}x{args.depth}, batch {args.batch_size}, {buckets} DDP buckets per step, "
-          f"{args.rounds} rounds x {args.steps} steps; medians over rounds of rank 0's medians")
-    print("| mode | DDP step (ms) | vs off | 4 KiB all_reduce (us) |")
+        cmd = ["axond", "worker", "--standalone", "--nproc-per-node", "2", "--", sys.executable, __file__, "--rank",
+               "--scratch", scratch, "--pairs", str(args.pairs), "--hidden", str(args.hidden), "--depth",
+               str(args.depth), "--batch-size", str(args.batch_size), "--bucket-mb", str(args.bucket_mb)]
+        cmd += ["--control"] if args.control else []
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"the job failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    r = json.loads(next(line for line in out.stdout.splitlines() if "RESULT " in line).split("RESULT ", 1)[1])
+    print(f"2 ranks, train_mlp {args.hidden}x{args.depth}, batch {args.batch_size}, {r['buckets']} DDP buckets of "
+          f"{args.bucket_mb:g} MiB per step, {args.pairs} alternating pairs of steps; rank 0")
+    print("| DDP step, plain group (ms) | timeline + metrics on (ms) | median pair ratio | events per step |")
     print("|---|---|---|---|")
-    for mode in MODES:
-        step = statistics.median(x["step"] for x in results[mode])
-        small = statistics.median(x["small"] for x in results[mode])
-        print(f"| {mode} | {step * 1e3:.2f} | {step / base:.3f} | {small * 1e6:.1f} |")
+    print(f"| {r['plain'] * 1e3:.2f} | {r['observed'] * 1e3:.2f} | {r['ratio']:.3f} | {r['events_per_step']:.1f} |")
 
 
 if __name__ == "__main__":

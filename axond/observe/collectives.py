@@ -93,8 +93,11 @@ def instrument(group: Any) -> None:
     """Time `group`'s collectives (a no-op unless metrics or the timeline are on, or for a non-member)."""
     if not SETTINGS.active or getattr(group, "backend", None) is None:
         return
-    metrics = rank_metrics()
-    tracer = timeline.start(SETTINGS.timeline_dir) if SETTINGS.timeline_dir else None
+    wrap_group(group, rank_metrics(), timeline.start(SETTINGS.timeline_dir) if SETTINGS.timeline_dir else None)
+
+
+def wrap_group(group: Any, metrics: RankMetrics | None, tracer: timeline.Tracer | None) -> None:
+    """Time `group`'s collectives into `metrics` and `tracer` (either may be None)."""
     probe = _PathProbe(group.backend)
     name = str(group.name)
     tid = tracer.tid(name) if tracer is not None else 0

@@ -87,18 +87,22 @@ class Tracer:
             if self._closed or not events:
                 return
             out = []
+            pid, dumps = self.pid, json.dumps
             for e in events:
                 if e[0] == "M":
-                    out.append({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": e[1], "ts": 0,
-                                "args": {"name": f"group {e[2]}"}})
-                else:
+                    out.append(dumps({"name": "thread_name", "ph": "M", "pid": pid, "tid": e[1], "ts": 0,
+                                      "args": {"name": f"group {e[2]}"}}))
+                else:  # name and cat are axond's own identifiers: only args need escaping
                     _, name, cat, tid, start, end, args = e
-                    out.append({"name": name, "cat": cat, "ph": "X", "pid": self.pid, "tid": tid,
-                                "ts": start / 1000, "dur": (end - start) / 1000, "args": args})
-            self._write(out)
+                    out.append(f'{{"name":"{name}","cat":"{cat}","ph":"X","pid":{pid},"tid":{tid},'
+                               f'"ts":{start / 1000:.3f},"dur":{(end - start) / 1000:.3f},'
+                               f'"args":{dumps(args, separators=(",", ":"))}}}')
+            self._write_text(",\n".join(out))
 
     def _write(self, events: list[dict[str, Any]], first: bool = False) -> None:
-        text = ",\n".join(json.dumps(e, separators=(",", ":")) for e in events)
+        self._write_text(",\n".join(json.dumps(e, separators=(",", ":")) for e in events), first)
+
+    def _write_text(self, text: str, first: bool = False) -> None:
         try:
             self._file.write(("[\n" if first else ",\n") + text)
             self._file.flush()
