@@ -1,7 +1,8 @@
-"""A rank's collective counters, written to a small file its worker reads when /metrics is scraped.
+"""A rank's collective counters, written to a small file its worker reads when /metrics is scraped
+(`DIR/rank-JOB-RANK.json`).
 
 Per (op, group): calls, bytes, a latency histogram and the time the caller was blocked. Recording takes a lock
-and a few additions; a background thread rewrites `DIR/rank-RANK.json` (atomically: a temporary file renamed
+and a few additions; a background thread rewrites the file (atomically: a temporary file renamed
 over it) at most once per FLUSH_INTERVAL_S when something changed, and once more at exit.
 """
 
@@ -11,6 +12,7 @@ import atexit
 import bisect
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -37,7 +39,9 @@ class RankMetrics:
     """The counters of this rank; `record` is thread-safe."""
 
     def __init__(self, directory: str, rank: str, job: str, generation: str) -> None:
-        self.path = Path(directory) / f"rank-{rank}.json"
+        safe_job = re.sub(r"[^A-Za-z0-9_.-]", "_", job)[:64]
+        self.path = Path(directory) / f"rank-{safe_job}-{rank}.json"
+        """One file per job and rank (a daemon runs ranks of several jobs); a restarted rank takes it over."""
         self.rank, self.job, self.generation = rank, job, generation
         self._stats: dict[tuple[str, str], OpStats] = {}
         self._lock = threading.Lock()

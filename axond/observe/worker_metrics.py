@@ -1,7 +1,7 @@
 """The worker's /metrics: the collective counters its ranks write into its metrics directory.
 
 A worker started with `--metrics-port` gives its ranks `AXOND_METRICS_DIR` (a private directory it made);
-each rank keeps `rank-RANK.json` there up to date (see rank_metrics), and a scrape turns those files into
+each rank keeps `rank-JOB-RANK.json` there up to date (see rank_metrics), and a scrape turns those files into
 per-rank families labelled job, rank, op and group.
 """
 
