@@ -141,3 +141,9 @@ def test_a_killed_ranks_open_file_still_merges_on_one_clock(tmp_path: Path) -> N
     events = validate_trace(merge(tmp_path))
     starts = {e["pid"]: e["ts"] for e in events if e["ph"] == "X"}
     assert starts == {0: 0.0, 1: 20.0}
+
+
+def test_merge_says_what_is_missing(procs: Procs, tmp_path: Path) -> None:  # noqa: F811
+    res = procs.run("timeline", "merge", str(tmp_path), "-o", str(tmp_path / "out.json"))
+    assert res.code == 1 and "holds no rank-*.json timeline files" in res.stderr
+    assert not (tmp_path / "out.json").exists()
