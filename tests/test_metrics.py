@@ -150,7 +150,12 @@ def test_the_coordinator_command_serves_metrics(procs: Procs) -> None:  # noqa: 
                     "--metrics-port", str(port))
     assert c.stderr is not None
     lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-    threading.Thread(target=lambda: [lines.put(line) for line in c.stderr or ()], daemon=True).start()
+
+    def read() -> None:
+        for line in c.stderr or ():
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
     seen = ""
     while "metrics at" not in seen:
         seen += lines.get(timeout=30)  # queue.Empty fails the test if the line does not come
