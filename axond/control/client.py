@@ -22,6 +22,7 @@ from axond.control.credentials import LocalToken, token_source
 from axond.control.errors import translate
 from axond.control.coordinator_store import CoordinatorStore
 from axond.control.replicas import Replicas
+from axond.control.sniff import speaks_tls
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
@@ -56,6 +57,8 @@ _NOT_LISTENING_YET = ("connection refused", "errors resolving", "dns resolution 
 """UNAVAILABLE details meaning the request never reached a server (safe to send again, even if not idempotent):
 gRPC says "failed to connect to all addresses" for every connection attempt that failed (refused, timed
 out, reset during the handshake) before it sent anything."""
+_MISCONFIGURED = ("handshake failed", "ssl_error", "certificate")
+"""Connect failures that waiting does not mend (TLS set up differently on the two ends): reported at once."""
 
 
 def _non_negative(**counts: int) -> None:
@@ -95,6 +98,8 @@ class CoordinatorClient:
         self._wait_until: float | None = None
         self._wait_lock = threading.Lock()
         self._backoff = 0.05
+        self._tls = bool(tls_ca)
+        self._sniffed: bool | None = None
         self._replicas: Replicas | None = None
         if len(self.addresses) > 1:
             self._replicas = Replicas([open_channel(a, token, tls_ca, tls_cert, tls_key, self.connect_timeout)
@@ -175,6 +180,11 @@ class CoordinatorClient:
                     time.sleep(pause)
                     attempt += 1
                     continue
+                if self._sniffed:
+                    raise CoordinatorError(
+                        f"{op} at coordinator {self.address} failed: it serves TLS and this client speaks plaintext; "
+                        "pass --tls-ca CA.pem (or set AXOND_TLS_CA) with the CA that signed its certificate"
+                    ) from e
                 raise translate(op, self.address, e, store=store) from e
 
     def _wait_for_start(self, e: grpc.RpcError, retry: bool) -> bool:
@@ -187,6 +197,10 @@ class CoordinatorClient:
         details = (e.details() or "").lower()
         if not retry and not any(text in details for text in _NOT_LISTENING_YET):
             return False
+        if any(text in details for text in _MISCONFIGURED):
+            return False
+        if "socket closed" in details and not self._tls and self._serves_tls():
+            return False  # a TLS coordinator closing on a plaintext client: say so now (pass --tls-ca)
         now = time.monotonic()
         with self._wait_lock:
             if self._wait_until is None:
@@ -201,6 +215,12 @@ class CoordinatorClient:
         self._backoff = min(0.5, self._backoff * 2)
         time.sleep(min(self._backoff, left))
         return True
+
+    def _serves_tls(self) -> bool:
+        """Whether the coordinator answers TLS (asked once, for a plaintext client whose connections are closed)."""
+        if self._sniffed is None:
+            self._sniffed = speaks_tls(self.active_address, timeout=2.0)
+        return self._sniffed
 
     def register_node(self, hostname: str, slots: int = 0, daemon: bool = False) -> pb.RegisterNodeResponse:
         _non_negative(slots=slots)
