@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import numbers
+import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -147,3 +149,15 @@ def test_merge_says_what_is_missing(procs: Procs, tmp_path: Path) -> None:  # no
     res = procs.run("timeline", "merge", str(tmp_path), "-o", str(tmp_path / "out.json"))
     assert res.code == 1 and "holds no rank-*.json timeline files" in res.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+def test_an_unwritable_timeline_directory_is_reported_not_fatal(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = ("import numpy as np; from axond.testing import run_threads; "
+            "print(run_threads(lambda g: float(g.all_reduce(np.ones(2)) or 1), 2))")
+    env = {**os.environ, "AXOND_TIMELINE": str(blocker / "timeline")}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "[1.0, 1.0]" in res.stdout
+    assert "cannot write a timeline there" in res.stderr

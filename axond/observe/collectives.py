@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -93,7 +94,24 @@ def instrument(group: Any) -> None:
     """Time `group`'s collectives (a no-op unless metrics or the timeline are on, or for a non-member)."""
     if not SETTINGS.active or getattr(group, "backend", None) is None:
         return
-    wrap_group(group, rank_metrics(), timeline.start(SETTINGS.timeline_dir) if SETTINGS.timeline_dir else None)
+    wrap_group(group, rank_metrics(), _tracer())
+
+
+_tracer_failed = False
+
+
+def _tracer() -> timeline.Tracer | None:
+    """The timeline's tracer, or None when it is off or its directory cannot be written (said once)."""
+    global _tracer_failed
+    if not SETTINGS.timeline_dir or _tracer_failed:
+        return None
+    try:
+        return timeline.start(SETTINGS.timeline_dir)
+    except OSError as e:
+        _tracer_failed = True
+        warnings.warn(f"AXOND_TIMELINE={SETTINGS.timeline_dir}: cannot write a timeline there ({e.strerror}); "
+                      "this rank runs without one", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def wrap_group(group: Any, metrics: RankMetrics | None, tracer: timeline.Tracer | None) -> None:
