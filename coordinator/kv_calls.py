@@ -30,10 +30,12 @@ class KvCalls:
         self.hub = hub
 
     async def set(self, request: pb.KvSetRequest, remaining: float | None = None) -> pb.KvSetResponse:
+        self.state.kv_ops["set"] += 1
         self.state.kv_set(request.job, request.generation, request.key, request.value)
         return pb.KvSetResponse()
 
     async def get(self, request: pb.KvGetRequest, remaining: float | None = None) -> pb.KvGetResponse:
+        self.state.kv_ops["get"] += 1
         wait_s = check_wait("wait_s", request.wait_s)
         job, gen, key = request.job, request.generation, request.key
         value = self.state.kv_get(job, gen, key)
@@ -50,11 +52,13 @@ class KvCalls:
         return pb.KvGetResponse(value=value)
 
     async def add(self, request: pb.KvAddRequest, remaining: float | None = None) -> pb.KvAddResponse:
+        self.state.kv_ops["add"] += 1
         return pb.KvAddResponse(value=self.state.kv_add(request.job, request.generation, request.key, request.delta,
                                                         request.request_id))
 
     async def compare_set(self, request: pb.KvCompareAndSetRequest,
                           remaining: float | None = None) -> pb.KvCompareAndSetResponse:
+        self.state.kv_ops["compare_set"] += 1
         expected = None if request.expect_unset else request.expected
         swapped, current = self.state.kv_compare_set(
             request.job, request.generation, request.key, expected, request.desired, request.request_id
@@ -62,9 +66,11 @@ class KvCalls:
         return pb.KvCompareAndSetResponse(swapped=swapped, is_set=current is not None, current=current or b"")
 
     async def delete(self, request: pb.KvDeleteRequest, remaining: float | None = None) -> pb.KvDeleteResponse:
+        self.state.kv_ops["delete"] += 1
         return pb.KvDeleteResponse(existed=self.state.kv_delete(request.job, request.generation, request.key))
 
     async def wait(self, request: pb.KvWaitRequest, remaining: float | None = None) -> pb.KvWaitResponse:
+        self.state.kv_ops["wait"] += 1
         wait_s = check_wait("wait_s", request.wait_s)
         job, gen, keys = request.job, request.generation, list(request.keys)
         missing = self.state.kv_missing(job, gen, keys)
@@ -80,6 +86,7 @@ class KvCalls:
         return pb.KvWaitResponse()
 
     async def barrier(self, request: pb.BarrierRequest, remaining: float | None = None) -> pb.BarrierResponse:
+        self.state.kv_ops["barrier"] += 1
         wait_s = check_wait("wait_s", request.wait_s)
         job, gen, name = request.job, request.generation, request.name
         if request.arrival_id:

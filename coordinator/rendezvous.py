@@ -1,13 +1,23 @@
 """One rendezvous round: collect joiners, freeze the membership and assign ranks.
 
-Ranks are deterministic: members are ordered by (hostname, registration order of the node), node
-ranks follow that order, and each node gets a contiguous block of global ranks of its `nproc` size.
+Ranks are deterministic: members are ordered by (hostname, registration order of the node), hostnames
+in natural order (`w-2` before `w-10`: Kubernetes Indexed Job pods `JOB-INDEX` get their completion
+index as node rank), node ranks follow that order, and each node gets a contiguous block of global ranks of its `nproc` size.
 The same set of registered nodes therefore always gets the same ranks, whatever order they join in.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_order(key: tuple[str, int]) -> tuple[tuple[str | int, ...], int]:
+    """`(hostname, seq)` with the hostname's digit runs compared as numbers."""
+    parts = _DIGITS.split(key[0])
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), key[1]
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,7 @@ class Round:
         at = self.freeze_at()
         if at is None or now < at:
             return False
-        ordered = sorted(self.joiners.items(), key=lambda kv: kv[1].order_key)[: self.max_nodes]
+        ordered = sorted(self.joiners.items(), key=lambda kv: natural_order(kv[1].order_key))[: self.max_nodes]
         members, offset = [], 0
         for node_rank, (node_id, j) in enumerate(ordered):
             members.append(Member(node_id, j.hostname, j.nproc, node_rank, offset))

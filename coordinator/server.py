@@ -30,6 +30,8 @@ from axond.coordinator.servicer import CoordinatorServicer
 from axond.coordinator.state import CoordinatorState
 from axond.coordinator.waiting import WaitHub
 from axond.errors import CoordinatorError
+from axond.observe.coordinator_metrics import render_coordinator
+from axond.observe.http import MetricsServer
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -98,6 +100,8 @@ class CoordinatorConfig:
     """MIN:MAX rendezvous: how long to wait after MIN nodes joined for late joiners."""
     limits: CoordinatorLimits = field(default_factory=CoordinatorLimits)
     """Bounds on everything a caller can make the coordinator hold (see coordinator/limits.py)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics at http://host:PORT/metrics (0: an OS-chosen port); None: no metrics."""
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -157,10 +161,14 @@ class RunningCoordinator:
         self._grace = 1.0
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self.metrics: MetricsServer | None = None
+        """The /metrics server (CoordinatorConfig.metrics_port), or None."""
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving (in-flight calls get `grace` seconds) and wait for the server thread."""
         self._grace = grace
+        if self.metrics is not None:
+            self.metrics.stop()
         loop, request = self._loop, self._stop_request
         if loop is not None and request is not None and not self._stopped.is_set():
             try:
@@ -342,6 +350,12 @@ def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
         raise CoordinatorError(f"the coordinator failed to start: {err!r}") from err
     running = box[0]
     running._thread = thread
+    if config.metrics_port is not None:
+        try:
+            running.metrics = MetricsServer(config.host, config.metrics_port, lambda: render_coordinator(running))
+        except CoordinatorError:
+            running.stop(grace=0.2)
+            raise
     return running
 
 
@@ -373,6 +387,9 @@ def run_coordinator(config: CoordinatorConfig) -> int:
         kept = f"state in {config.state}; replica reached at {running.address}, leading or redirecting to the leader"
     print(f"axond coordinator listening on {config.host}:{running.port} ({scheme}, {auth}; {kept})", file=sys.stderr,
           flush=True)
+    if running.metrics is not None:
+        print(f"axond coordinator: metrics at http://{config.host}:{running.metrics.port}/metrics", file=sys.stderr,
+              flush=True)
     if running.token is None:
         print(
             "axond coordinator: WARNING: --insecure: anyone who can reach this port can run commands on every "

@@ -26,6 +26,7 @@ to a topic they care about:
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 import threading
 import time
 from collections.abc import Callable
@@ -67,6 +68,8 @@ class CoordinatorState:
             )
         self.limits = limits or CoordinatorLimits()
         self.limits.validate()
+        self.kv_ops: Counter[str] = Counter()
+        """KV and barrier calls served, by operation (for /metrics; counted by KvCalls)."""
         self.ctx = StateContext(self.limits, listener)
         self.members = Membership(Liveness(heartbeat_interval, dead_after_missed, self.limits.max_heartbeat_rate),
                                   self.limits)

@@ -126,6 +126,8 @@ class Heartbeater:
             try:
                 resp = self._send(job, generation, local_pids, timeout)
             except (CoordinatorError, ValueError) as e:
+                if self._stop.is_set():  # stop() cancelled this beat's stream: no contact was lost
+                    return
                 self.last_error = str(e)
                 self._contact_lost(str(e).split(" (")[0][-200:])
                 self.changed.set()

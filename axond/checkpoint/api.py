@@ -27,6 +27,7 @@ from axond.checkpoint.sharded import Box, ShardedTensor, as_sharded, intersect, 
 from axond.checkpoint.storage import commit, data_file, read_metadata, read_piece, temp_dir, write_pieces
 from axond.distributed.process_group import ProcessGroup
 from axond.nn.device import Array, is_cupy_array
+from axond.observe import timeline
 
 
 class Comm:
@@ -115,6 +116,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group
     alone) calls it with its own shards; `path` must be on a file system they all see. Atomic: the
     checkpoint appears at `path` complete or not at all. Returns `path`.
     """
+    traced = timeline.span_start() if timeline.TRACER is not None else 0
     comm = Comm(process_group)
     target = Path(path)
     plan = SavePlan(state_dict, comm)
@@ -127,6 +129,8 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group
     if comm.rank == 0:
         status = _guard(lambda: commit(tmp, target, plan.metadata([w for w, _ in written])))
     first_error([comm.broadcast(status)], f"checkpoint save to {target} failed")
+    if traced and timeline.TRACER is not None:
+        timeline.TRACER.since("checkpoint.save", "checkpoint", traced, path=str(target))
     return str(target)
 
 

@@ -64,11 +64,14 @@ if TYPE_CHECKING:
               "in the Security page of the docs).")
 @click.option("--settle-time", type=click.FloatRange(min=0), default=0.5, show_default=True,
               help="Seconds an elastic rendezvous waits for late joiners once MIN nodes joined.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="AXOND_METRICS_PORT",
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics (nodes, jobs, rendezvous, KV ops).")
 def coordinator(
     port: int, host: str, token: str | None, token_file: str | None, state_dir: str | None, in_memory: bool,
     state_url: str | None, advertise: str | None, leader_ttl: int, fsync: bool, insecure: bool,
     tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None,
     heartbeat_interval: float, dead_after_missed: int, limits: tuple[str, ...], settle_time: float,
+    metrics_port: int | None,
 ) -> None:
     """Run the coordinator: node registry, rendezvous, KV store, jobs and status."""
     from axond.coordinator.server import CoordinatorConfig, run_coordinator
@@ -93,6 +96,7 @@ def coordinator(
         insecure=insecure,
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
         heartbeat_interval=heartbeat_interval, dead_after_missed=dead_after_missed, settle_time=settle_time,
+        metrics_port=metrics_port,
     )
     sys.exit(run_coordinator(config))
 

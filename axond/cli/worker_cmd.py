@@ -79,14 +79,18 @@ class _Signals:
               help="Seconds to wait for the rendezvous to complete.")
 @click.option("--stop-grace", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="AXOND_WORKER_METRICS_PORT",
+              help="Serve the local ranks' collective metrics (Prometheus) at http://0.0.0.0:PORT/metrics.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="[-- CMD ARGS...]")
 @click.pass_context
 def worker(
     ctx: click.Context, address: str | None, token: str | None, tls_ca: str | None, connect_wait: float,
     standalone: bool, nnodes: str, nproc_per_node: int, job: str, max_restarts: int, node_rank: int | None,
-    slots: int | None, join_timeout: float, stop_grace: float, cmd: tuple[str, ...],
+    slots: int | None, join_timeout: float, stop_grace: float, metrics_port: int | None, cmd: tuple[str, ...],
 ) -> None:
     """Run ranks of a job on this node (agent), or wait for submitted jobs (daemon)."""
+    if metrics_port is not None:
+        _serve_metrics(metrics_port)
     if standalone:
         _check_standalone(ctx, cmd, nnodes, slots)
     else:
@@ -118,6 +122,20 @@ def worker(
         _run_standalone(spec)
     else:
         _run_agent(conn, spec)
+
+
+def _serve_metrics(port: int) -> None:
+    """Serve the ranks' metrics until this process exits (the ranks inherit the directory they report into)."""
+    import atexit
+
+    from axond.observe.worker_metrics import WorkerMetrics
+
+    try:
+        metrics = WorkerMetrics("0.0.0.0", port)
+    except CoordinatorError as e:
+        fail("worker", str(e), EXIT_FAILED)
+    atexit.register(metrics.stop)
+    click.echo(f"axond worker: metrics at http://0.0.0.0:{metrics.port}/metrics", err=True)
 
 
 def _check_standalone(ctx: click.Context, cmd: tuple[str, ...], nnodes: str, slots: int | None) -> None:

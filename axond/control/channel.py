@@ -13,6 +13,10 @@ from axond.errors import CoordinatorError
 
 DEFAULT_PORT = 29500
 
+DEFAULT_CONNECT_TIMEOUT_S = 20.0
+"""How long one connection attempt (TCP connect, TLS and HTTP/2 handshakes) may take when the caller gives
+no connect timeout (gRPC's own default)."""
+
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 8 << 20),
     ("grpc.max_send_message_length", 8 << 20),
@@ -23,9 +27,21 @@ CHANNEL_OPTIONS = [
     # Reconnect soon after a failed attempt (gRPC's default backoff grows to 120 s): a client waiting
     # for a coordinator that is starting sees it within ~1 s of it listening.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+"""Options of every channel to the coordinator, except the connect timeout (see channel_options)."""
+
+
+def channel_options(connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> list[tuple[str, int]]:
+    """CHANNEL_OPTIONS with the time one connection attempt may take.
+
+    gRPC takes that time from `grpc.min_reconnect_backoff_ms` (an attempt's deadline is the larger of it
+    and the current backoff), so it is set from the connect timeout, never from the reconnect backoff: a
+    short value there fails every handshake slower than it (a link with 50 ms of latency each way).
+    """
+    if not connect_timeout > 0:
+        raise CoordinatorError(f"connect timeout is {connect_timeout}; it must be > 0 seconds")
+    return [*CHANNEL_OPTIONS, ("grpc.min_reconnect_backoff_ms", max(1, int(connect_timeout * 1000)))]
 
 
 SCHEMES = ("grpc://", "http://")
@@ -134,10 +150,12 @@ def read_file(path: str, what: str) -> bytes:
 
 def open_channel(
     address: str, token: str | Callable[[], str | None] | None, tls_ca: str | None, tls_cert: str | None = None,
-    tls_key: str | None = None,
+    tls_key: str | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
 ) -> grpc.Channel:
     """A channel to `address`: TLS verified against `tls_ca` if given (with a client certificate for mutual
-    TLS when `tls_cert`/`tls_key` are given), the token (or what a token source returns) on every call."""
+    TLS when `tls_cert`/`tls_key` are given), the token (or what a token source returns) on every call; one
+    connection attempt (handshakes included) may take `connect_timeout` seconds."""
+    options = channel_options(connect_timeout)
     if (tls_cert is None) != (tls_key is None):
         raise CoordinatorError("a client certificate needs both --tls-cert and --tls-key")
     if tls_cert and not tls_ca:
@@ -147,9 +165,9 @@ def open_channel(
         cert = read_file(tls_cert, "TLS client certificate") if tls_cert else None
         key = read_file(tls_key, "TLS client key") if tls_key else None
         creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-        channel = grpc.secure_channel(address, creds, CHANNEL_OPTIONS)
+        channel = grpc.secure_channel(address, creds, options)
     else:
-        channel = grpc.insecure_channel(address, CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(address, options)
     if token:
         channel = grpc.intercept_channel(channel, _TokenInterceptor(token))
     return channel

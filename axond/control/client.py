@@ -17,11 +17,12 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from axond.control.channel import normalize_address, open_channel, split_addresses
+from axond.control.channel import DEFAULT_CONNECT_TIMEOUT_S, normalize_address, open_channel, split_addresses
 from axond.control.credentials import LocalToken, token_source
 from axond.control.errors import translate
 from axond.control.coordinator_store import CoordinatorStore
 from axond.control.replicas import Replicas
+from axond.control.sniff import speaks_tls
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
@@ -51,8 +52,13 @@ DEFAULT_CONNECT_WAIT_S = 30.0
 """How long the CLI waits for a coordinator that is not reachable yet (it may be starting)."""
 
 _NOT_LISTENING_YET = ("connection refused", "errors resolving", "dns resolution failed", "domain name not found",
-                      "name or service not known", "no route to host", "network is unreachable")
-"""UNAVAILABLE details meaning the request never reached a server (safe to send again, even if not idempotent)."""
+                      "name or service not known", "no route to host", "network is unreachable",
+                      "failed to connect to all addresses")
+"""UNAVAILABLE details meaning the request never reached a server (safe to send again, even if not idempotent):
+gRPC says "failed to connect to all addresses" for every connection attempt that failed (refused, timed
+out, reset during the handshake) before it sent anything."""
+_MISCONFIGURED = ("handshake failed", "ssl_error", "certificate")
+"""Connect failures that waiting does not mend (TLS set up differently on the two ends): reported at once."""
 
 
 def _non_negative(**counts: int) -> None:
@@ -70,9 +76,10 @@ class CoordinatorClient:
         tls_cert: str | None = None, tls_key: str | None = None,
         connect_wait: float = 0.0, on_wait: Callable[[str], None] | None = None,
     ) -> None:
-        """`connect_wait`: until a first call got through, calls that find nothing listening at `address`
-        are sent again for up to this many seconds (the coordinator may still be starting); `on_wait`
-        receives one line saying so when that wait begins."""
+        """`connect_wait`: until a first call got through, calls that could not connect to `address` (nothing
+        listening yet, a handshake cut short or timed out) are sent again for up to this many seconds (the
+        coordinator may still be starting, the link may be slow); it also bounds each connection attempt.
+        `on_wait` receives one line saying so when that wait begins."""
         if not call_timeout > 0:
             raise CoordinatorError(f"call_timeout is {call_timeout}; it must be > 0 seconds")
         if not connect_wait >= 0:
@@ -83,20 +90,25 @@ class CoordinatorClient:
         self.call_timeout = call_timeout
         self._token = token
         self.connect_wait = connect_wait
+        self.connect_timeout = connect_wait if connect_wait > 0 else DEFAULT_CONNECT_TIMEOUT_S
+        """How long one connection attempt (TCP, TLS and HTTP/2 handshakes) may take: the connect wait, or
+        gRPC's default when there is none; never the reconnect backoff (slow links need whole round trips)."""
         self._on_wait = on_wait
         self._reached = False
         self._wait_until: float | None = None
         self._wait_lock = threading.Lock()
         self._backoff = 0.05
+        self._tls = bool(tls_ca)
+        self._sniffed: bool | None = None
         self._replicas: Replicas | None = None
         if len(self.addresses) > 1:
-            self._replicas = Replicas([open_channel(a, token, tls_ca, tls_cert, tls_key) for a in self.addresses],
-                                      self.addresses)
+            self._replicas = Replicas([open_channel(a, token, tls_ca, tls_cert, tls_key, self.connect_timeout)
+                                       for a in self.addresses], self.addresses)
             self._channel = self._replicas.channels[0]
             self.stub: Any = self._replicas.stub
             self._health: Any = self._replicas.health
         else:
-            self._channel = open_channel(self.address, token, tls_ca, tls_cert, tls_key)
+            self._channel = open_channel(self.address, token, tls_ca, tls_cert, tls_key, self.connect_timeout)
             self.stub = pb_grpc.CoordinatorStub(self._channel)
             self._health = health_pb2_grpc.HealthStub(self._channel)
         self._node_secrets: dict[str, str] = {}
@@ -152,7 +164,7 @@ class CoordinatorClient:
                     if pause is not None and time.monotonic() + pause < deadline:
                         time.sleep(pause)
                         continue
-                if self._wait_for_start(e):
+                if self._wait_for_start(e, retry):
                     deadline = time.monotonic() + wait + limit
                     continue
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
@@ -168,16 +180,27 @@ class CoordinatorClient:
                     time.sleep(pause)
                     attempt += 1
                     continue
+                if self._sniffed:
+                    raise CoordinatorError(
+                        f"{op} at coordinator {self.address} failed: it serves TLS and this client speaks plaintext; "
+                        "pass --tls-ca CA.pem (or set AXOND_TLS_CA) with the CA that signed its certificate"
+                    ) from e
                 raise translate(op, self.address, e, store=store) from e
 
-    def _wait_for_start(self, e: grpc.RpcError) -> bool:
-        """Before the first call got through: sleep (backing off) and return True if `e` says nothing
-        listens at the address yet and the connect wait has time left."""
+    def _wait_for_start(self, e: grpc.RpcError, retry: bool) -> bool:
+        """Before the first call got through: sleep (backing off) and return True if `e` is a transient
+        connect failure and the connect wait has time left. Any UNAVAILABLE is one for a call safe to
+        repeat (`retry`); for others only a failure that surely sent nothing (nothing listening, a
+        connection attempt that failed)."""
         if self._reached or self.connect_wait <= 0 or e.code() != grpc.StatusCode.UNAVAILABLE:
             return False
         details = (e.details() or "").lower()
-        if not any(text in details for text in _NOT_LISTENING_YET):
+        if not retry and not any(text in details for text in _NOT_LISTENING_YET):
             return False
+        if any(text in details for text in _MISCONFIGURED):
+            return False
+        if "socket closed" in details and not self._tls and self._serves_tls():
+            return False  # a TLS coordinator closing on a plaintext client: say so now (pass --tls-ca)
         now = time.monotonic()
         with self._wait_lock:
             if self._wait_until is None:
@@ -192,6 +215,12 @@ class CoordinatorClient:
         self._backoff = min(0.5, self._backoff * 2)
         time.sleep(min(self._backoff, left))
         return True
+
+    def _serves_tls(self) -> bool:
+        """Whether the coordinator answers TLS (asked once, for a plaintext client whose connections are closed)."""
+        if self._sniffed is None:
+            self._sniffed = speaks_tls(self.active_address, timeout=2.0)
+        return self._sniffed
 
     def register_node(self, hostname: str, slots: int = 0, daemon: bool = False) -> pb.RegisterNodeResponse:
         _non_negative(slots=slots)

@@ -18,6 +18,8 @@ from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions,
 from axond.distributed.backends.registry import create_backend, resolve_backend
 from axond.distributed.failure import concise, debug, track, untrack
 from axond.distributed.inflight import REPORTER, describe, describe_others
+from axond.observe import SETTINGS as OBSERVE
+from axond.observe.collectives import instrument
 from axond.distributed.init_method import seconds
 from axond.distributed.monitored_barrier import monitored_barrier
 from axond.distributed.reduce_op import ReduceOp
@@ -60,6 +62,8 @@ class ProcessGroup:
         self._monitored = 0
         if backend is not None:
             track(self)
+            if OBSERVE.active:  # metrics or timeline on: time this group's collectives
+                instrument(self)
         if backend is not None and store is not None:
             REPORTER.register(store, global_rank, self)
             backend.explain_timeouts(self._describe_peer, self._describe_peers)

@@ -20,6 +20,7 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.nn.device import Array, device_of, empty_on
 from axond.nn.module import Parameter
+from axond.observe import timeline
 from axond.parallel.mixed_precision import MixedPrecision
 
 
@@ -256,6 +257,8 @@ class GradientSynchronizer:
         for b in self.buckets:
             b.wait_and_unpack(self.timeout)
             self.record("reduced", b.index)
+            if timeline.TRACER is not None and b.launched_at is not None:
+                timeline.TRACER.since("ddp.bucket", "ddp", int(b.launched_at * 1e9), index=b.index, bytes=b.nbytes)
 
     def sync_now(self) -> None:
         """Reduce every bucket right now (outside backward)."""

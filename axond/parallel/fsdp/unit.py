@@ -16,6 +16,7 @@ from typing import Any
 
 from axond.nn.device import Array, Device, array_module, device_of, empty_on, to_device
 from axond.nn.module import Parameter
+from axond.observe import timeline
 from axond.parallel.mixed_precision import MixedPrecision
 from axond.parallel.fsdp.comm import GroupLike, all_gather_shards, all_reduce_mean, reduce_scatter_shards
 from axond.parallel.fsdp.flat_param import FlatLayout
@@ -73,6 +74,8 @@ class FSDPUnit:
         self.pending_gather: Any = None
         """The `Work` of a prefetch (async all_gather into `full`) not waited for yet."""
         self.pending_reduce: tuple[Any, Array] | None = None
+        self._reduce_traced = 0
+        """When the reduce-scatter started (timeline on), for the fsdp.reduce event."""
         """(Work or None, gradient) of a reduce-scatter started by `start_reduce`, finished by `finish_reduce`."""
         self._grad_views: list[Array] = []
         self._reduce_src: Array | None = None
@@ -146,6 +149,7 @@ class FSDPUnit:
 
         In the compute dtype, or with `master` in the shard's own dtype (summon_full_params: edits written back
         must not round the masters)."""
+        traced = timeline.span_start() if timeline.TRACER is not None else 0
         if self._wait_gather():
             refresh = False  # the prefetch was issued after the last optimizer step: it is fresh
         dtype = self.dtype if master else self.compute_dtype
@@ -169,6 +173,8 @@ class FSDPUnit:
         assert self.full is not None
         for p, view in zip(self.params, self.layout.views(self.full)):
             p.data = view
+        if traced and timeline.TRACER is not None:
+            timeline.TRACER.since("fsdp.unshard", "fsdp", traced, unit=self.index)
 
     def free(self) -> None:
         """Drop the full parameters (sharded strategies only: NO_SHARD keeps them)."""
@@ -213,6 +219,7 @@ class FSDPUnit:
                 )
         if not sync:
             return
+        self._reduce_traced = timeline.span_start() if timeline.TRACER is not None else 0
         full = self.full_grad
         if self.reduce_dtype != self.compute_dtype:
             full = self._reduce_src = full.astype(self.reduce_dtype)  # kept until the reduce-scatter is done
@@ -242,6 +249,8 @@ class FSDPUnit:
         else:
             self.shard.grad += grad
         self.drop_full_grad()
+        if self._reduce_traced and timeline.TRACER is not None:
+            timeline.TRACER.since("fsdp.reduce", "fsdp", self._reduce_traced, unit=self.index)
 
     def _drop_reduce_src(self) -> None:
         if self._reduce_src is not None:

@@ -1,0 +1,59 @@
+"""A tiny HTTP server answering GET /metrics with what a render function returns (stdlib only)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from axond.errors import CoordinatorError
+from axond.observe.exposition import CONTENT_TYPE
+
+log = logging.getLogger("axond.metrics")
+
+
+class MetricsServer:
+    """Serves `render()` at /metrics on `host:port` from a daemon thread; `port` is the bound one (0: OS-chosen)."""
+
+    def __init__(self, host: str, port: int, render: Callable[[], str]) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                if self.path.split("?", 1)[0] not in ("/metrics", "/metrics/"):
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                try:
+                    body = outer._render().encode()
+                except Exception as e:  # noqa: BLE001 - a failed scrape must not stop the server
+                    log.exception("metrics: rendering failed")
+                    self.send_error(500, f"rendering the metrics failed: {type(e).__name__}")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._render = render
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as e:
+            raise CoordinatorError(f"cannot serve metrics on {host}:{port}: {e.strerror}; pick another "
+                                   "--metrics-port") from e
+        self._server.daemon_threads = True
+        self.host = host
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name=f"axond-metrics-{self.port}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving (bounded)."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

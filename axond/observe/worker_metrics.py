@@ -1,0 +1,83 @@
+"""The worker's /metrics: the collective counters its ranks write into its metrics directory.
+
+A worker started with `--metrics-port` gives its ranks `AXOND_METRICS_DIR` (a private directory it made);
+each rank keeps `rank-JOB-RANK.json` there up to date (see rank_metrics), and a scrape turns those files into
+per-rank families labelled job, rank, op and group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from axond.observe.exposition import Family, render
+from axond.observe.http import MetricsServer
+from axond.observe.settings import METRICS_DIR_ENV
+
+
+def _rank_files(directory: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(directory.glob("rank-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced, or not one of ours
+        if isinstance(data, dict) and isinstance(data.get("ops"), list):
+            out.append(data)
+    return out
+
+
+def worker_families(directory: Path) -> list[Family]:
+    """The families of the rank files in `directory`, now."""
+    calls = Family("axond_collective_calls_total", "counter", "Collective calls finished, by rank, op and group.")
+    nbytes = Family("axond_collective_bytes_total", "counter",
+                    "Bytes of the arrays passed to collectives, by rank, op and group.")
+    seconds = Family("axond_collective_seconds", "histogram",
+                     "Collective latency from the call to its completion (async ops: to their Work's completion).")
+    blocked = Family("axond_collective_blocked_seconds_total", "counter",
+                     "Time the rank's threads were blocked in collectives and in waits for their Work.")
+    ranks = Family("axond_worker_ranks_reporting", "gauge", "Local ranks whose collective counters this worker has.")
+    files = _rank_files(directory)
+    for data in files:
+        bounds = [float(b) for b in data.get("bounds", [])]
+        base = {"job": str(data.get("job", "")), "rank": str(data.get("rank", ""))}
+        for op in data["ops"]:
+            try:
+                labels = {**base, "op": str(op["op"]), "group": str(op["group"])}
+                calls.add(float(op["calls"]), **labels)
+                nbytes.add(float(op["bytes"]), **labels)
+                blocked.add(float(op["blocked"]), **labels)
+                buckets = [int(c) for c in op["buckets"]]
+                if len(buckets) == len(bounds) + 1:
+                    seconds.add_histogram(bounds, buckets, float(op["seconds"]), **labels)
+            except (KeyError, TypeError, ValueError):
+                continue
+    ranks.add(len(files))
+    return [calls, nbytes, seconds, blocked, ranks]
+
+
+class WorkerMetrics:
+    """A worker's metrics: the directory its ranks report into (set in this process's environment, which the
+    ranks inherit) and the HTTP server; `stop` removes both."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="axond-metrics-"))
+        try:
+            self.server = MetricsServer(host, port, lambda: render(worker_families(self.directory)))
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+        os.environ[METRICS_DIR_ENV] = str(self.directory)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self) -> None:
+        self.server.stop()
+        os.environ.pop(METRICS_DIR_ENV, None)
+        shutil.rmtree(self.directory, ignore_errors=True)
