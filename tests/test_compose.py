@@ -59,8 +59,7 @@ def localize(args: list[str], services: list[str], port: int, state_dir: str = S
             arg = sys.executable
         for host in [*services, "localhost"]:
             arg = arg.replace(f"{host}:{COMPOSE_PORT}", f"127.0.0.1:{port}")
-        if arg == COMPOSE_PORT:
-            arg = str(port)
+        arg = re.sub(rf"\b{COMPOSE_PORT}\b", str(port), arg)  # a bare port, and the one in the health check
         if EXAMPLE_OVERRIDE is not None:
             arg = arg.replace(EXAMPLE_MODULE, EXAMPLE_OVERRIDE)
         out.append(arg)
