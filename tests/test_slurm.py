@@ -83,6 +83,7 @@ def test_allocation_says_what_is_wrong() -> None:
     cases = [
         ({"SLURM_JOB_ID": ""}, "inside a Slurm job"),
         ({"SLURM_NODEID": ""}, "start `axond slurm` with srun"),
+        ({"SLURM_STEP_ID": ""}, "not directly in the batch script"),
         ({"SLURM_STEP_NODELIST": "", "SLURM_JOB_NODELIST": ""}, "SLURM_STEP_NODELIST"),
         ({"SLURM_NODEID": "2"}, "outside the 2 nodes"),
         ({"SLURM_STEP_NODELIST": "", "SLURM_STEP_NUM_NODES": "", "SLURM_NNODES": "3"}, "names 2 nodes"),

@@ -153,7 +153,7 @@ class Allocation:
     job_name: str
     """SLURM_JOB_NAME ("" if unset)."""
     step_id: str
-    """SLURM_STEP_ID ("" outside a step)."""
+    """SLURM_STEP_ID."""
     nodes: tuple[str, ...]
     """The step's nodes in Slurm's order (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST / SLURM_NODELIST)."""
     node_id: int
@@ -173,16 +173,18 @@ class Allocation:
         if not job_id:
             raise SlurmError("SLURM_JOB_ID is not set: run this inside a Slurm job, e.g. in an sbatch script: "
                              "srun --ntasks-per-node=1 axond slurm -- python train.py")
+        step = _first(env, "SLURM_STEP_ID", "SLURM_STEPID")
+        if step is None or not env.get("SLURM_NODEID", "").strip():
+            raise SlurmError("this is not a job step (no SLURM_STEP_ID or SLURM_NODEID): start `axond slurm` with "
+                             "srun, one task per node, not directly in the batch script: "
+                             "srun --ntasks-per-node=1 axond slurm -- CMD")
         found = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
         if found is None:
             raise SlurmError("none of SLURM_STEP_NODELIST, SLURM_JOB_NODELIST, SLURM_NODELIST is set")
         nodes = tuple(expand_hostlist(found[1]))
         if len(set(nodes)) != len(nodes):
             raise SlurmError(f"{found[0]}={found[1]!r} names a node twice")
-        node_id = _int(env, "SLURM_NODEID")
-        if node_id is None:
-            raise SlurmError("SLURM_NODEID is not set: start `axond slurm` with srun (one task per node), not "
-                             "directly in the batch script: srun --ntasks-per-node=1 axond slurm -- CMD")
+        node_id = _int(env, "SLURM_NODEID") or 0
         counted = _first(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
         if counted is not None and found[0] != "SLURM_STEP_NODELIST" and int(counted[1]) != len(nodes):
             raise SlurmError(f"{counted[0]}={counted[1]} but {found[0]}={found[1]!r} names {len(nodes)} nodes")
@@ -199,7 +201,7 @@ class Allocation:
             )
         cpus = _int(env, "SLURM_CPUS_PER_TASK") or _int(env, "SLURM_CPUS_ON_NODE") or 1
         return cls(
-            job_id=job_id, job_name=env.get("SLURM_JOB_NAME", "").strip(), step_id=env.get("SLURM_STEP_ID", "").strip(),
+            job_id=job_id, job_name=env.get("SLURM_JOB_NAME", "").strip(), step_id=step[1],
             nodes=nodes, node_id=node_id, gpus_on_node=_int(env, "SLURM_GPUS_ON_NODE") or 0, cpus_on_node=cpus,
             restart_count=_int(env, "SLURM_RESTART_COUNT") or 0,
         )
@@ -324,7 +326,7 @@ def default_token_path(alloc: Allocation, home: str | None = None) -> Path:
     """~/.axond/slurm/<job>.<step>[.r<restarts>].token: private to the user, on the home directory every node of
     most clusters shares."""
     base = Path(home or os.path.expanduser("~")) / ".axond" / "slurm"
-    name = alloc.job_id + (f".{alloc.step_id}" if alloc.step_id else "")
+    name = f"{alloc.job_id}.{alloc.step_id}"
     if alloc.restart_count:
         name += f".r{alloc.restart_count}"
     return base / f"{name}.token"
