@@ -29,6 +29,12 @@ srun --ntasks-per-node=1 {axond} slurm --nproc-per-node 2 --linger 20 -- \\
 """
 
 
+def axond_command() -> str:
+    """`axond` for a shell line: the console script beside this interpreter, else the interpreter running the CLI."""
+    script = Path(sys.executable).with_name("axond")
+    return str(script) if script.is_file() else f"{sys.executable} -c 'from axond.cli.main import main; main()'"
+
+
 @pytest.fixture
 def cluster(netns, tmp_path: Path) -> Iterator[SlurmCluster]:  # noqa: F811 - the fixture of that name
     reason = slurm_cluster.unavailable()
@@ -46,7 +52,7 @@ def cluster(netns, tmp_path: Path) -> Iterator[SlurmCluster]:  # noqa: F811 - th
 
 @pytest.mark.timeout(300)
 def test_two_node_sbatch_job_trains(cluster: SlurmCluster, tmp_path: Path) -> None:
-    axond = Path(sys.executable).with_name("axond")
+    axond = axond_command()
     out = tmp_path / "job.out"
     script = tmp_path / "train.sbatch"
     script.write_text(BATCH.format(out=out, axond=axond, python=sys.executable, ckpt=tmp_path / "final.npz"))
@@ -81,7 +87,7 @@ srun --ntasks-per-node=1 {axond} slurm --nproc-per-node 2 --linger 20 -- \\
 def test_a_failed_rank_fails_the_slurm_job(cluster: SlurmCluster, tmp_path: Path) -> None:
     out = tmp_path / "job.out"
     script = tmp_path / "fail.sbatch"
-    script.write_text(FAILING.format(out=out, axond=Path(sys.executable).with_name("axond"), python=sys.executable))
+    script.write_text(FAILING.format(out=out, axond=axond_command(), python=sys.executable))
     _, state, code = cluster.submit_and_wait(script, tmp_path, timeout=240)
     text = _read(out)
     assert (state, code) == ("FAILED", 1), f"job {state} with exit code {code} although rank 3 exited 7:\n{text}"
