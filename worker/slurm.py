@@ -196,8 +196,9 @@ class Allocation:
         if local_id > 0 or (tasks is not None and tasks > len(nodes)) or (per_node is not None and per_node > 1):
             raise SlurmError(
                 f"this step runs more than one task per node (SLURM_NTASKS={tasks}, SLURM_STEP_TASKS_PER_NODE="
-                f"{env.get('SLURM_STEP_TASKS_PER_NODE', '')!r}, SLURM_LOCALID={local_id}); `axond slurm` starts the ranks itself: run it once per "
-                "node with `srun --ntasks-per-node=1 axond slurm --nproc-per-node N -- CMD`"
+                f"{env.get('SLURM_STEP_TASKS_PER_NODE', '')!r}, SLURM_LOCALID={local_id}); `axond slurm` starts the "
+                "ranks itself: run it once per node with "
+                "`srun --ntasks-per-node=1 axond slurm --nproc-per-node N -- CMD`"
             )
         cpus = _int(env, "SLURM_CPUS_PER_TASK") or _int(env, "SLURM_CPUS_ON_NODE") or 1
         return cls(

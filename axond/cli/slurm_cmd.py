@@ -76,7 +76,8 @@ def slurm(
     address = f"{host}:{port}"
     path = Path(token_file) if token_file else default_token_path(alloc)
     where = "started here" if alloc.is_head else f"on {alloc.head}"
-    click.echo(f"axond slurm: Slurm job {alloc.job_id}: node {alloc.node_id} of {alloc.nnodes} ({alloc.nodes[alloc.node_id]}), "
+    here = alloc.nodes[alloc.node_id]
+    click.echo(f"axond slurm: Slurm job {alloc.job_id}: node {alloc.node_id} of {alloc.nnodes} ({here}), "
                f"coordinator at {address} ({where}), job {spec.job!r}, {nproc} ranks per node", err=True)
     notice = alloc.rank_order_notice()
     if notice:
@@ -107,19 +108,23 @@ def slurm(
     _run_head(conn, spec, host, port, linger, path if published else None)
 
 
-def _run_head(conn: ConnectOptions, spec: JobSpec, host: str, port: int, linger: float, token_path: Path | None) -> None:
+def _run_head(
+    conn: ConnectOptions, spec: JobSpec, host: str, port: int, linger: float, token_path: Path | None
+) -> None:
     """Serve the coordinator in this process while this node's ranks run, then until the other nodes left."""
     from axond.coordinator.server import CoordinatorConfig, start_coordinator
 
     try:
-        coordinator = start_coordinator(CoordinatorConfig(host=host, port=port, token=conn.token, in_memory=True))
-    except CoordinatorError as e:
-        fail(_PROG, f"cannot start the coordinator on {host}:{port}: {e}; pass another --port", EXIT_FAILED)
-    try:
-        _run_agent(conn, spec)
+        try:
+            coordinator = start_coordinator(CoordinatorConfig(host=host, port=port, token=conn.token, in_memory=True))
+        except CoordinatorError as e:
+            fail(_PROG, f"cannot start the coordinator on {host}:{port}: {e}; pass another --port", EXIT_FAILED)
+        try:
+            _run_agent(conn, spec)
+        finally:
+            _wait_for_others(conn, linger)
+            coordinator.stop(grace=1.0)
     finally:
-        _wait_for_others(conn, linger)
-        coordinator.stop(grace=1.0)
         if token_path is not None:
             token_path.unlink(missing_ok=True)
 
