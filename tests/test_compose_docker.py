@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -136,8 +137,20 @@ LONG_JOB = """services:
 """
 
 
+def _crash(p: Project, service: str) -> None:
+    """SIGKILL the service's main process from the host, as a crash would end it (`docker kill` would count as a
+    deliberate stop, which the restart policy leaves stopped)."""
+    pid = int(p.container(service)["State"]["Pid"])
+    if pid <= 0 or not Path(f"/proc/{pid}").exists():
+        pytest.skip("the engine's processes are not visible from here (remote or virtualised engine)")
+    os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.timeout(900)
-def test_compose_job_survives_coordinator_restart(project, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("how", ["restart", "crash"])
+def test_compose_job_survives_coordinator_restart(  # type: ignore[no-untyped-def]
+    project, tmp_path: Path, how: str
+) -> None:
     override = tmp_path / "long-job.yaml"
     override.write_text(LONG_JOB)
     p = project([override])
@@ -154,9 +167,14 @@ def test_compose_job_survives_coordinator_restart(project, tmp_path: Path) -> No
         found = p("exec", "-T", name, "find", "/", "-path", "/proc", "-prune", "-o", "-name", "coordinator.db",
                   "-print", check=False).stdout
         assert "coordinator.db" not in found, f"{name} can see {found}"
-    p("restart", "--timeout", "5", "coordinator", timeout=120)
+    if how == "restart":
+        p("restart", "--timeout", "5", "coordinator", timeout=120)
+    else:
+        _crash(p, "coordinator")
     assert p("ps", "-q", "--status", "running", "worker-0").stdout.strip(), "the job ended before the restart"
     code = p("wait", "worker-0", timeout=600, check=False).returncode
     assert code == 0, f"the job did not survive the coordinator's restart (worker-0 exited {code}):\n{p.logs()}"
     status = p("exec", "-T", "coordinator", "axond", "status").stdout
     assert "train-mlp  succeeded  1 " in status, f"the job finished in its first generation:\n{status}"
+    if how == "crash":
+        assert p.container("coordinator")["RestartCount"] == 1, "the restart policy brought the coordinator back"
