@@ -13,7 +13,8 @@ import pytest
 
 from axond.worker.slurm import Allocation, SlurmError, default_token_path, expand_hostlist, publish_token
 from axond.worker.slurm import wait_for_token
-from test_worker_support import axond_argv
+from axond.coordinator.server import RunningCoordinator
+from test_worker_support import axond_argv, coord, free_port  # noqa: F401 - coord is a fixture
 
 
 @pytest.mark.parametrize("text, hosts", [
@@ -137,8 +138,7 @@ def test_cli_refuses_to_run_outside_srun() -> None:
 
 
 def test_cli_dry_run_prints_the_plan(tmp_path: Path) -> None:
-    env = slurm_env(SLURM_STEP_NODELIST="localhost", SLURM_NNODES="1", SLURM_STEP_NUM_NODES="1",
-                    SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_TASKS_PER_NODE="1", HOME=str(tmp_path))
+    env = slurm_env(**ONE_NODE, HOME=str(tmp_path))
     res = _slurm(["--dry-run", "--nproc-per-node", "2", "--", "python", "train.py"], env)
     assert res.returncode == 0, res.stderr
     assert (f"job=train-job-4242 nnodes=1 node_id=0 head=localhost coordinator=127.0.0.1:{29500 + 242} "
@@ -149,12 +149,28 @@ def test_cli_dry_run_prints_the_plan(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_one_node_job_runs_under_srun_variables(tmp_path: Path) -> None:
     """A real job: the head starts its coordinator, publishes the token, runs 2 ranks and cleans up."""
-    env = slurm_env(SLURM_STEP_NODELIST="localhost", SLURM_NNODES="1", SLURM_STEP_NUM_NODES="1",
-                    SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_TASKS_PER_NODE="1", HOME=str(tmp_path))
-    from test_worker_support import free_port
-
+    env = slurm_env(**ONE_NODE, HOME=str(tmp_path))
     res = _slurm(["--nproc-per-node", "2", "--port", str(free_port()), "--linger", "5", "--", "python", "-m",
                   "axond.examples.hello"], env, timeout=150)
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     assert "node 0 of 1 (localhost)" in res.stderr and "ranks 0..1 of world size 2" in res.stderr
     assert not list((tmp_path / ".axond" / "slurm").iterdir()), "the head removes the token it published"
+
+
+ONE_NODE = dict(SLURM_STEP_NODELIST="localhost", SLURM_NNODES="1", SLURM_STEP_NUM_NODES="1", SLURM_NTASKS="1",
+                SLURM_STEP_NUM_TASKS="1", SLURM_STEP_TASKS_PER_NODE="1")
+
+
+@pytest.mark.timeout(180)
+def test_joins_a_running_coordinator(coord: RunningCoordinator, tmp_path: Path) -> None:
+    """--coordinator: no coordinator is started, no token file written; the job runs on the one given."""
+    env = slurm_env(**ONE_NODE, HOME=str(tmp_path))
+    res = _slurm(["--coordinator", coord.address, "--", "true"], env)
+    assert res.returncode == 2 and "pass that coordinator's token" in res.stderr
+    token_file = tmp_path / "token"
+    token_file.write_text(str(coord.token))
+    res = _slurm(["--coordinator", coord.address, "--token-file", str(token_file), "--job", "given", "--", "python",
+                  "-m", "axond.examples.hello"], env, timeout=150)
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    assert f"coordinator at {coord.address} (given)" in res.stderr
+    assert not (tmp_path / ".axond").exists()

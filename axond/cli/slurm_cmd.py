@@ -8,8 +8,9 @@ from pathlib import Path
 import click
 
 from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_UNREACHABLE, connect_wait_option, fail
-from axond.cli.common import waiting_notice
+from axond.cli.common import _check_address, waiting_notice
 from axond.cli.worker_cmd import _run_agent
+from axond.control.credentials import read_token_file
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.slurm import Allocation, SlurmError, default_token_path, head_address, publish_token
@@ -35,6 +36,9 @@ _PROG = "slurm"
               help="Ranks per node: a number, gpu (SLURM_GPUS_ON_NODE), cpu (the task's CPUs) or auto (the GPUs "
                    "if Slurm gave the node any, else 1).")
 @click.option("--job", default=None, help="Job name [default: SLURM_JOB_NAME-SLURM_JOB_ID].")
+@click.option("--coordinator", "address", default=None, metavar="HOST:PORT", callback=_check_address,
+              help="Join this running coordinator instead of starting one on the first node (pass its --token or "
+                   "--token-file too).")
 @click.option("--port", type=click.IntRange(1, 65535), default=None,
               help="Port of the coordinator on the first node [default: 29500 + SLURM_JOB_ID % 1000].")
 @click.option("--token", envvar="AXOND_TOKEN", default=None,
@@ -55,9 +59,9 @@ _PROG = "slurm"
 @click.option("--dry-run", is_flag=True, help="Print what this node would do and exit (nothing is started).")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="-- CMD ARGS...")
 def slurm(
-    nproc_per_node: str, job: str | None, port: int | None, token: str | None, token_file: str | None,
-    connect_wait: float, max_restarts: int, join_timeout: float, stop_grace: float, linger: float, dry_run: bool,
-    cmd: tuple[str, ...],
+    nproc_per_node: str, job: str | None, address: str | None, port: int | None, token: str | None,
+    token_file: str | None, connect_wait: float, max_restarts: int, join_timeout: float, stop_grace: float,
+    linger: float, dry_run: bool, cmd: tuple[str, ...],
 ) -> None:
     """Run CMD as one job over the nodes of this Slurm step (the first node runs the coordinator)."""
     try:
@@ -68,6 +72,9 @@ def slurm(
                        stop_grace=stop_grace)
     except ValueError as e:  # SlurmError included
         raise click.UsageError(str(e)) from e
+    if address is not None:
+        _join_existing(alloc, spec, address, token, token_file, connect_wait, dry_run)
+        return
     port = port or alloc.default_port()
     try:
         host = head_address(alloc)
@@ -75,17 +82,9 @@ def slurm(
         fail(_PROG, str(e), EXIT_UNREACHABLE)
     address = f"{host}:{port}"
     path = Path(token_file) if token_file else default_token_path(alloc)
-    where = "started here" if alloc.is_head else f"on {alloc.head}"
-    here = alloc.nodes[alloc.node_id]
-    click.echo(f"axond slurm: Slurm job {alloc.job_id}: node {alloc.node_id} of {alloc.nnodes} ({here}), "
-               f"coordinator at {address} ({where}), job {spec.job!r}, {nproc} ranks per node", err=True)
-    notice = alloc.rank_order_notice()
-    if notice:
-        click.echo(f"axond slurm: {notice}", err=True)
+    _announce(alloc, spec, address, "started here" if alloc.is_head else f"on {alloc.head}")
     if dry_run:
-        source = "--token/AXOND_TOKEN" if token else str(path)
-        click.echo(f"job={spec.job} nnodes={alloc.nnodes} node_id={alloc.node_id} head={alloc.head} "
-                   f"coordinator={address} nproc_per_node={nproc} token={source}")
+        _print_plan(alloc, spec, address, "--token/AXOND_TOKEN" if token else str(path))
         return
     published = False
     if not token:
@@ -106,6 +105,40 @@ def slurm(
         _run_agent(conn, spec)
         return
     _run_head(conn, spec, host, port, linger, path if published else None)
+
+
+def _announce(alloc: Allocation, spec: JobSpec, address: str, where: str) -> None:
+    here = alloc.nodes[alloc.node_id]
+    click.echo(f"axond slurm: Slurm job {alloc.job_id}: node {alloc.node_id} of {alloc.nnodes} ({here}), "
+               f"coordinator at {address} ({where}), job {spec.job!r}, {spec.nproc_per_node} ranks per node",
+               err=True)
+    notice = alloc.rank_order_notice()
+    if notice:
+        click.echo(f"axond slurm: {notice}", err=True)
+
+
+def _print_plan(alloc: Allocation, spec: JobSpec, address: str, token_source: str) -> None:
+    click.echo(f"job={spec.job} nnodes={alloc.nnodes} node_id={alloc.node_id} head={alloc.head} "
+               f"coordinator={address} nproc_per_node={spec.nproc_per_node} token={token_source}")
+
+
+def _join_existing(
+    alloc: Allocation, spec: JobSpec, address: str, token: str | None, token_file: str | None, connect_wait: float,
+    dry_run: bool,
+) -> None:
+    """Every node joins the coordinator at `address` with the token given for it."""
+    if not token and not token_file:
+        raise click.UsageError("--coordinator: pass that coordinator's token (--token, AXOND_TOKEN or --token-file)")
+    _announce(alloc, spec, address, "given")
+    if dry_run:
+        _print_plan(alloc, spec, address, "--token/AXOND_TOKEN" if token else str(token_file))
+        return
+    if not token:
+        try:
+            token = read_token_file(str(token_file))
+        except CoordinatorError as e:
+            raise click.UsageError(str(e)) from e
+    _run_agent(ConnectOptions(address, token=token, connect_wait=connect_wait, on_wait=waiting_notice(_PROG)), spec)
 
 
 def _run_head(
