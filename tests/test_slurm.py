@@ -174,3 +174,27 @@ def test_joins_a_running_coordinator(coord: RunningCoordinator, tmp_path: Path) 
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     assert f"coordinator at {coord.address} (given)" in res.stderr
     assert not (tmp_path / ".axond").exists()
+
+
+def test_head_address_never_hands_out_loopback_for_several_nodes() -> None:
+    from axond.worker.slurm import head_address
+
+    one = Allocation.from_env(slurm_env(**ONE_NODE))
+    assert head_address(one) == "127.0.0.1", "a one-node job may stay on loopback"
+    env = slurm_env(SLURM_STEP_NODELIST="localhost,127.0.0.2", SLURM_JOB_NODELIST="localhost,127.0.0.2")
+    with pytest.raises(SlurmError, match="no route to '127.0.0.2' shows another address"):
+        head_address(Allocation.from_env(env))
+    with pytest.raises(SlurmError, match="fix the name resolution"):
+        head_address(Allocation.from_env(dict(env, SLURM_NODEID="1")))
+    with pytest.raises(SlurmError, match="cannot resolve the head node"):
+        head_address(Allocation.from_env(slurm_env(SLURM_STEP_NODELIST="no-such-host.invalid,b")))
+
+
+def test_tasks_per_node_lists() -> None:
+    for text in ("1(x16)", "1", "1,1(x3)"):
+        Allocation.from_env(slurm_env(SLURM_STEP_TASKS_PER_NODE=text))
+    for text in ("2(x3),1", "1,2"):
+        with pytest.raises(SlurmError, match="more than one task per node"):
+            Allocation.from_env(slurm_env(SLURM_STEP_TASKS_PER_NODE=text))
+    with pytest.raises(SlurmError, match="is not a list like"):
+        Allocation.from_env(slurm_env(SLURM_STEP_TASKS_PER_NODE="two"))
