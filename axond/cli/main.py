@@ -8,6 +8,7 @@ from axond import __version__
 from axond.cli.common import EXIT_CODES_HELP, examples
 from axond.cli.coordinator_cmd import coordinator
 from axond.cli.run_cmd import run
+from axond.cli.slurm_cmd import slurm
 from axond.cli.status_cmd import health, status
 from axond.cli.timeline_cmd import timeline
 from axond.cli.worker_cmd import worker
@@ -31,3 +32,4 @@ main.add_command(run)
 main.add_command(status)
 main.add_command(health)
 main.add_command(timeline)
+main.add_command(slurm)
