@@ -101,9 +101,11 @@ def test_allocation_says_what_is_wrong() -> None:
             alloc.nproc(choice)
 
 
-def test_unpadded_names_get_a_rank_order_notice() -> None:
+def test_unpadded_names_keep_slurms_order_and_others_get_a_notice() -> None:
     alloc = Allocation.from_env(slurm_env(SLURM_STEP_NODELIST="n[9-10]"))
     assert alloc.nodes == ("n9", "n10")
+    assert alloc.rank_order_notice() is None, "the coordinator compares the digit runs as numbers, as Slurm does"
+    alloc = Allocation.from_env(slurm_env(SLURM_STEP_NODELIST="b1,a1", SLURM_NNODES="2"))
     assert "SLURM_NODEID" in (alloc.rank_order_notice() or "")
 
 

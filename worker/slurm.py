@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from axond.coordinator.rendezvous import natural_order
+
 __all__ = ["Allocation", "SlurmError", "default_token_path", "expand_hostlist", "head_address", "publish_token",
            "wait_for_token"]
 
@@ -252,11 +254,16 @@ class Allocation:
 
     def rank_order_notice(self) -> str | None:
         """A line saying node ranks differ from SLURM_NODEID, or None when they agree: the coordinator numbers
-        nodes by host name, which matches Slurm's order whenever the names sort as the list does."""
-        if list(self.nodes) == sorted(self.nodes):
+        nodes by host name with digit runs compared as numbers, which matches Slurm's order of a sorted list."""
+        ordered = sorted(self.nodes, key=_host_order)
+        if list(self.nodes) == ordered:
             return None
-        return (f"node ranks follow host names ({', '.join(sorted(self.nodes)[:4])}...), which differs from Slurm's "
-                "node order here; NODE_RANK may differ from SLURM_NODEID (zero-padded node names avoid this)")
+        return (f"node ranks follow host names ({', '.join(ordered[:4])}...), which differs from Slurm's "
+                "node order here; NODE_RANK may differ from SLURM_NODEID")
+
+
+def _host_order(host: str) -> tuple[tuple[str | int, ...], int]:
+    return natural_order((host, 0))
 
 
 def _resolve(name: str) -> list[str]:
