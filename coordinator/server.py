@@ -27,6 +27,7 @@ from axond.coordinator.persistence.etcd import EtcdPersistence
 from axond.coordinator.persistence.group_commit import GroupCommit
 from axond.coordinator.persistence.sqlite import SqlitePersistence
 from axond.coordinator.servicer import CoordinatorServicer
+from axond.coordinator.stall import StallWatch
 from axond.coordinator.state import CoordinatorState
 from axond.coordinator.waiting import WaitHub
 from axond.errors import CoordinatorError
@@ -37,6 +38,10 @@ log = logging.getLogger("axond.coordinator")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MAX_MESSAGE_BYTES = 8 << 20
+
+RECONNECT_ALLOWANCE_S = 1.5
+"""Seconds added to every restored node's lease when the coordinator starts serving: its clients' reconnect backoff
+(at most 1 s, axond/control/channel.py) and one heartbeat call."""
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -152,6 +157,8 @@ class RunningCoordinator:
         """Where the state is kept durably (None: in memory only)."""
         self.commits: GroupCommit | None = None
         """The durable state's group committer (None: in memory only)."""
+        self.stalls: StallWatch | None = None
+        """Detects the server's own stalls and re-arms the leases (set once serving)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_request: asyncio.Event | None = None
         self._grace = 1.0
@@ -183,9 +190,10 @@ def _client_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def _tick_loop(state: CoordinatorState, hub: WaitHub, max_sleep: float) -> None:
+async def _tick_loop(state: CoordinatorState, hub: WaitHub, max_sleep: float, stalls: StallWatch) -> None:
     while True:
         now = time.monotonic()
+        stalls.observe(now)
         try:
             nxt = state.tick(now)
         except Exception:
@@ -280,7 +288,10 @@ async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, ru
     interceptors.append(DecodeGuard())
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS,
                              maximum_concurrent_rpcs=config.limits.max_concurrent_calls)
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub, commits), server)
+    tick = min(0.25, config.heartbeat_interval / 2)
+    stalls = StallWatch(state, tick, quiet=min(0.5, config.heartbeat_interval))
+    running.stalls = stalls
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub, commits, stalls), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
@@ -297,13 +308,16 @@ async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, ru
     if port == 0:
         raise CoordinatorError(f"cannot listen on {bind}; is another coordinator using the port?")
     await server.start()
+    # Leases start now, whatever the time since the state was saved or loaded: nodes kept running while the
+    # coordinator was away, and their clients may take a reconnect backoff to find it again.
+    state.rearm_leases(float("inf"), time.monotonic() + RECONNECT_ALLOWANCE_S)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     running.port, running.address = port, _client_address(config.host, port)
     running._loop = loop
     running._stop_request = running._stop_request or asyncio.Event()
     running_box.append(running)
-    ticker = asyncio.create_task(_tick_loop(state, hub, min(0.25, config.heartbeat_interval / 2)))
+    ticker = asyncio.create_task(_tick_loop(state, hub, tick, stalls))
     ready.set()
     try:
         await running._stop_request.wait()

@@ -144,11 +144,18 @@ class CoordinatorState:
             self.members.authenticate(node_id, secret)
 
     def heartbeat(
-        self, node_id: str, job: str, generation: int, now: float, local_pids: tuple[int, ...] = ()
+        self, node_id: str, job: str, generation: int, now: float, local_pids: tuple[int, ...] = (),
+        renew: bool = True,
     ) -> HeartbeatResult:
+        """Renew the node's lease (unless not `renew`) and answer what it runs."""
         with self.lock:
-            node = self.members.heartbeat(node_id, now, local_pids)
+            node = self.members.heartbeat(node_id, now, local_pids, renew)
             return dataclasses.replace(self.lifecycle.heartbeat(job), interval=node.interval)
+
+    def rearm_leases(self, away: float, now: float) -> int:
+        """The coordinator was not running for `away` seconds: count none of it against any lease."""
+        with self.lock:
+            return self.members.rearm(away, now)
 
     def deregister_node(self, node_id: str, now: float) -> None:
         with self.lock:

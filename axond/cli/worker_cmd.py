@@ -16,7 +16,7 @@ from axond.cli.common import waiting_notice
 from axond.errors import CoordinatorError
 from axond.worker.agent import JobOutcome, start_agent
 from axond.worker.daemon import DaemonConfig, start_daemon
-from axond.worker.spec import ConnectOptions, JobSpec, parse_nnodes
+from axond.worker.spec import DEFAULT_OUTAGE_GRACE_S, ConnectOptions, JobSpec, parse_nnodes
 
 _AGENT_ONLY = ("nnodes", "nproc_per_node", "job", "max_restarts")
 _NOT_STANDALONE = ("address", "token", "tls_ca")
@@ -66,12 +66,15 @@ class _Signals:
               help="Seconds to wait for the rendezvous to complete.")
 @click.option("--stop-grace", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+@click.option("--outage-grace", type=click.FloatRange(min=0), default=DEFAULT_OUTAGE_GRACE_S, show_default=True,
+              help="Seconds the ranks keep running while the coordinator does not answer (stopped, restarting, "
+                   "failing over); a node cut off from it and from the job's other nodes stops at the lease.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="[-- CMD ARGS...]")
 @click.pass_context
 def worker(
     ctx: click.Context, address: str | None, token: str | None, tls_ca: str | None, connect_wait: float,
     standalone: bool, nnodes: str, nproc_per_node: int, job: str, max_restarts: int, slots: int | None,
-    join_timeout: float, stop_grace: float, cmd: tuple[str, ...],
+    join_timeout: float, stop_grace: float, outage_grace: float, cmd: tuple[str, ...],
 ) -> None:
     """Run ranks of a job on this node (agent), or wait for submitted jobs (daemon)."""
     if standalone:
@@ -88,7 +91,8 @@ def worker(
                 f"{flags} only apply with a command (`axond worker ... -- CMD`); in daemon mode "
                 "the job's shape comes from `axond run`"
             )
-        _run_daemon(conn, DaemonConfig(slots=slots or 1, stop_grace=stop_grace, join_timeout=join_timeout))
+        _run_daemon(conn, DaemonConfig(slots=slots or 1, stop_grace=stop_grace, join_timeout=join_timeout,
+                                        outage_grace=outage_grace))
         return
     if slots is not None:
         raise click.UsageError("--slots is for daemon mode (no CMD); with a command use --nproc-per-node")
@@ -96,7 +100,7 @@ def worker(
         lo, hi = parse_nnodes(nnodes)
         spec = JobSpec(
             argv=cmd, job=job, nproc_per_node=nproc_per_node, min_nodes=lo, max_nodes=hi,
-            max_restarts=max_restarts, join_timeout=join_timeout, stop_grace=stop_grace,
+            max_restarts=max_restarts, join_timeout=join_timeout, stop_grace=stop_grace, outage_grace=outage_grace,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
