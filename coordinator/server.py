@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from axond.control.channel import read_file
 from axond.control.credentials import default_state_dir, ensure_token, read_token_file
+from axond.coordinator.admission import Admission, AdmissionInterceptor
 from axond.coordinator.auth import TokenInterceptor
 from axond.coordinator.decoding import DecodeGuard
 from axond.coordinator.limits import CoordinatorLimits
@@ -157,6 +158,8 @@ class RunningCoordinator:
         """Where the state is kept durably (None: in memory only)."""
         self.commits: GroupCommit | None = None
         """The durable state's group committer (None: in memory only)."""
+        self.admission: Admission | None = None
+        """Counts the calls running per client and pool (set once serving)."""
         self.stalls: StallWatch | None = None
         """Detects the server's own stalls and re-arms the leases (set once serving)."""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -286,8 +289,11 @@ async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, ru
     if running.token:
         interceptors.append(TokenInterceptor(running.token))
     interceptors.append(DecodeGuard())
-    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS,
-                             maximum_concurrent_rpcs=config.limits.max_concurrent_calls)
+    running.admission = Admission(config.limits)
+    interceptors.append(AdmissionInterceptor(running.admission))
+    limits = config.limits
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS,  # gRPC's own cap: a backstop
+                             maximum_concurrent_rpcs=limits.max_concurrent_calls + limits.max_liveness_calls + 1_000)
     tick = min(0.25, config.heartbeat_interval / 2)
     stalls = StallWatch(state, tick, quiet=min(0.5, config.heartbeat_interval))
     running.stalls = stalls

@@ -93,7 +93,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.hub = hub
         self.commits = commits
         self.kv = KvCalls(state, hub)
-        self.kv_stream = KvStreamHandler(self.kv, commits)
+        self.kv_stream = KvStreamHandler(self.kv, commits, idle_s=state.limits.stream_idle_s)
 
     @_translated
     async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Any) -> pb.RegisterNodeResponse:
