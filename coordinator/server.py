@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -193,10 +194,20 @@ def _client_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def _tick_loop(state: CoordinatorState, hub: WaitHub, max_sleep: float, stalls: StallWatch) -> None:
+async def _tick_loop(state: CoordinatorState, hub: WaitHub, max_sleep: float, stalls: StallWatch,
+                     commits: GroupCommit | None) -> None:
+    last = time.monotonic()
     while True:
         now = time.monotonic()
         stalls.observe(now)
+        if commits is not None and commits.failed is not None:
+            # Not serving (its state cannot be written): heartbeats are turned away, so the time counts against
+            # no lease, and nothing is declared dead until it serves again.
+            state.rearm_leases(now - last, now)
+            last = now
+            await hub.wait([("timer",)], max_sleep)
+            continue
+        last = now
         try:
             nxt = state.tick(now)
         except Exception:
@@ -237,10 +248,16 @@ async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator
     state_dir = Path(config.state_dir) if config.state_dir else default_state_dir()
     persistence = None if config.in_memory else SqlitePersistence(state_dir, fsync=config.fsync)
     try:
-        state = CoordinatorState(
-            config.heartbeat_interval, config.dead_after_missed, config.settle_time,
-            limits=config.limits, persistence=persistence,
-        )
+        try:
+            state = CoordinatorState(
+                config.heartbeat_interval, config.dead_after_missed, config.settle_time,
+                limits=config.limits, persistence=persistence,
+            )
+        except (ValueError, KeyError, TypeError, sqlite3.DatabaseError) as e:
+            raise CoordinatorError(
+                f"the coordinator's state in {str(state_dir)!r} cannot be read ({type(e).__name__}: {e}); restore it "
+                "from a backup, or move coordinator.db and its -wal and -shm files aside to start with an empty state"
+            ) from e
         running = RunningCoordinator(0, "", state, token, token_path)
         running.state_dir = None if persistence is None else state_dir
         await _serve_state(config, running, running_box, ready)
@@ -265,10 +282,14 @@ async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, r
             if on_commit_failure is not None:
                 on_commit_failure()
 
+        def serving_again() -> None:
+            for name in ("", SERVICE_NAME):
+                loop.create_task(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
+
         remote = isinstance(state.persistence, EtcdPersistence)  # a network round trip: written off the loop
         commits = GroupCommit(state, state.persistence, loop, config.limits.max_commit_batch,
                               config.limits.commit_timeout_s, writer_thread=config.fsync or remote,
-                              on_failure=not_serving)
+                              on_failure=not_serving, on_recover=serving_again)
         commits.start()
         running.commits = commits
     try:
@@ -323,7 +344,7 @@ async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, ru
     running._loop = loop
     running._stop_request = running._stop_request or asyncio.Event()
     running_box.append(running)
-    ticker = asyncio.create_task(_tick_loop(state, hub, tick, stalls))
+    ticker = asyncio.create_task(_tick_loop(state, hub, tick, stalls, commits))
     ready.set()
     try:
         await running._stop_request.wait()
