@@ -312,6 +312,7 @@ class JobLifecycle:
         self.waiting_next.pop(j.name, None)
         j.events.append(FinishedEvent(exit_code, message))
         for node in self.members.nodes.values():
+            node.pids.pop(j.name, None)
             if node.job == j.name:
                 node.job = ""
                 self.members.mark(node)

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 
 from axond.coordinator.context import StateContext, Topic
-from axond.coordinator.errors import Unavailable
+from axond.coordinator.errors import StateError, Unavailable
 from axond.coordinator.job_kv import JobKv
 from axond.coordinator.jobs import Event, Job, JobSpec
 from axond.coordinator.kv_space import ByteBudget
@@ -149,8 +149,14 @@ class CoordinatorState:
     ) -> HeartbeatResult:
         """Renew the node's lease (unless not `renew`) and answer what it runs."""
         with self.lock:
-            node = self.members.heartbeat(node_id, now, local_pids, renew)
-            return dataclasses.replace(self.lifecycle.heartbeat(job), interval=node.interval)
+            try:
+                answer = self.lifecycle.heartbeat(job)  # validates the job first: pids are kept only for real ones
+            except StateError:
+                self.members.heartbeat(node_id, now, (), renew)
+                raise
+            pids = local_pids if answer.state is not None and not answer.state.terminal else ()
+            node = self.members.heartbeat(node_id, now, pids, renew, job, generation)
+            return dataclasses.replace(answer, interval=node.interval)
 
     def rearm_leases(self, away: float, now: float) -> int:
         """The coordinator was not running for `away` seconds: count none of it against any lease."""

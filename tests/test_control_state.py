@@ -77,3 +77,22 @@ def test_the_server_rearms_leases_after_it_was_stalled(coordinator_factory: Call
         client.heartbeat(node)
         status = client.get_status()
         assert [n.health for n in status.nodes] == [Health.ALIVE.value], status
+
+
+def test_status_shows_each_job_its_own_pids_and_none_once_finished() -> None:
+    state = CoordinatorState(heartbeat_interval=1.0, dead_after_missed=3, settle_time=0.0)
+    node = state.register_node("a", 2, True, 0.0).node_id
+    for job in ("first", "second", "third"):
+        assert state.join(job, node, 2, 1, 1, 0, now=0.0) is not None
+    state.heartbeat(node, "first", 1, now=0.1, local_pids=(11, 12))
+    state.heartbeat(node, "second", 1, now=0.2, local_pids=(21, 22))
+    state.report_exit("first", node, 1, 0, now=0.3)
+    state.heartbeat(node, "third", 1, now=0.4, local_pids=(31, 32))
+
+    def pids(now: float) -> dict[str, list[int]]:
+        return {j.job: [r.pid for r in j.ranks] for j in state.status("", now, all=True).jobs}
+
+    assert pids(0.5) == {"first": [0, 0], "second": [21, 22], "third": [31, 32]}
+    state.report_exit("second", node, 1, 0, now=0.6)
+    state.report_exit("third", node, 1, 3, now=0.7)
+    assert pids(0.8) == {"first": [0, 0], "second": [0, 0], "third": []}  # a failed job lists no ranks
