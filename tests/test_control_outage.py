@@ -84,3 +84,24 @@ def test_two_node_job_runs_through_a_coordinator_pause_and_a_kill_9_restart(proc
         assert "CONTROL-READY rank=0 generation=2" not in out and "re-joining" not in out, out
     status = _status(procs, port)
     assert f"{JOB}  succeeded" in status, status
+
+
+@pytest.mark.timeout(60)
+def test_a_job_rides_out_an_outage_only_for_the_outage_grace(procs: Procs, tmp_path: Path) -> None:
+    """A one-node job (no peer to ask): the coordinator killed and not restarted refuses connections, so its
+    process is down and the worker rides it out, but only for --outage-grace, then stops its ranks and exits 3."""
+    port = free_port()
+    coordinator = procs.coordinator("coordinator", port, "--heartbeat-interval", str(HEARTBEAT),
+                                    "--dead-after-missed", str(MISSED), "--in-memory")
+    grace = 3 * LEASE
+    worker = procs.worker("worker", port, "--job", JOB, "--outage-grace", str(grace), "--stop-grace", "1",
+                          cmd=[sys.executable, str(HERE / "control_job.py")],
+                          env={"CONTROL_DONE_FILE": str(tmp_path / "never"), "CONTROL_TIMEOUT": "100"})
+    worker.wait_for("CONTROL-READY", timeout=60)
+    coordinator.popen.kill()
+    killed = time.monotonic()
+    worker.wait_for("its machine answers at the TCP level", timeout=LEASE + 10)
+    assert worker.wait(grace + 20) == 3, worker.text()
+    took = time.monotonic() - killed
+    out = worker.text()
+    assert took >= grace and "longer than the outage grace" in out, (took, out)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 PROBE_TIMEOUT_S = 0.5
 """Seconds one probe of one peer (connect, ask, answer) may take."""
-MAX_PROBED = 8
+MAX_PROBED = 4
 """Peers each node learns the address of and asks (the next ones by node rank): enough to tell an outage
 from a partition, at a cost that does not grow with the job."""
 _MAX_LINE = 1024
@@ -116,7 +116,7 @@ class PeerLink:
         """Publish this node's address in the generation's store and read the others' (bounded, retried)."""
         from axond.control.coordinator_store import CoordinatorStore
 
-        store = CoordinatorStore(self._client, self.job, self.generation, streamed=False)
+        store = CoordinatorStore(self._client, self.job, self.generation)  # one KV stream: cheap for the coordinator
         deadline = time.monotonic() + self._wait_s
         published = False
         try:
@@ -127,7 +127,7 @@ class PeerLink:
                         store.set(_KEY.format(self.node_rank), f"{self.address[0]} {self.address[1]}".encode())
                         published = True
                     missing = [r for r in wanted if r not in self.peers]
-                    store.wait([_KEY.format(r) for r in missing], timeout=1.0)
+                    store.wait([_KEY.format(r) for r in missing], timeout=5.0)
                     for rank in missing:
                         host, port = store.get(_KEY.format(rank), timeout=0).decode().split()
                         self.peers[rank] = (host, int(port))
@@ -190,10 +190,7 @@ class PeerLink:
     def close(self) -> None:
         """Stop answering (peers asking from now on hear nothing)."""
         self._closed.set()
-        self._listener.close()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(1.5)
+        self._listener.close()  # its threads end by themselves (daemons, within a call's time): no wait here
 
 
 def _read_line(conn: socket.socket) -> bytes:
