@@ -23,7 +23,7 @@ from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
 from axond.worker.launcher import LocalRanks, OutputSink, RankSpec, print_sink, start_ranks
-from axond.worker.outage import OutageGuard
+from axond.worker.outage import DECIDE_AHEAD_S, OutageGuard
 from axond.worker.peers import PeerLink
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.spec import ConnectOptions, JobSpec
@@ -247,7 +247,8 @@ class JobRunner:
                 return JobOutcome(failure.exit_code, message)
             if self._stop.is_set():
                 return JobOutcome(self._stop_code, self._stop_reason)
-            if self._hb.lease_lost:
+            lease = self._hb.lease
+            if self._hb.silent_for > max(lease / 2, lease - DECIDE_AHEAD_S):  # decided by the time the lease runs out
                 why = guard.stop_reason()
                 if why is not None:
                     ranks.stop(grace=spec.stop_grace)
@@ -332,7 +333,10 @@ class RunningAgent:
             self._outcome = JobOutcome(1, f"agent error: {type(e).__name__}: {e}")
         finally:
             self._hb.stop()
-            leave(self._client, self.node_id)
+            if self._outcome is not None and self._outcome.lease_lost:
+                self._client.close()  # cut off or gone: the coordinator has declared the node dead already
+            else:
+                leave(self._client, self.node_id)
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> JobOutcome | None:

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from axond.worker.heartbeat import Heartbeater
-from axond.worker.peers import PeerLink, coordinator_host_answers
+from axond.worker.peers import PROBE_TIMEOUT_S, PeerLink, coordinator_host_answers
 
 Notice = Callable[[str], None]
 
+DECIDE_AHEAD_S = PROBE_TIMEOUT_S + 0.1
+"""Seconds before its lease runs out that a silent node starts deciding (asking its peers takes up to a probe's
+timeout), so that a node that is cut off stops its ranks when its lease runs out, not later."""
 RECONNECT_S = 1.5
 """Seconds a client may take to reconnect to a coordinator that is back (its reconnect backoff, and a call)."""
 
@@ -40,7 +44,7 @@ class OutageGuard:
 
     def stop_reason(self) -> str | None:
         """None while the ranks may keep running (checked again at most every heartbeat interval); otherwise why
-        they must stop. Call only while the lease is lost."""
+        they must stop. Call only once the lease is (about to be) lost."""
         silent = self._hb.silent_for
         lost = (f"no heartbeat was answered for {silent:.1f} s (lease {self._hb.lease:g} s; "
                 f"{self._hb.last_error or 'no answer'})")
@@ -58,8 +62,10 @@ class OutageGuard:
         stop = f"lost the coordinator's lease: {lost}; "
         if self._hb.refused:
             return stop + "the coordinator answers but refuses this node, so its ranks were stopped"
-        views = self._link.probe() if self._link is not None else []
-        reached = [v for v in views if v is not None]
+        with ThreadPoolExecutor(1) as pool:  # both at once: the decision takes one probe's time at most
+            host_answers = pool.submit(coordinator_host_answers, self._coordinator)
+            views = self._link.probe() if self._link is not None else []
+            reached = [v for v in views if v is not None]
         generation = self._link.generation if self._link is not None else 0
         for v in reached:
             if v.generation != generation:
@@ -78,7 +84,7 @@ class OutageGuard:
             return None  # it is up (just back?) and has not moved the generation on: this node's heartbeat may be next
         if reached:
             why = f"{len(reached)} of the job's other nodes lost it too"
-        elif coordinator_host_answers(self._coordinator):
+        elif host_answers.result():
             why = "its machine answers at the TCP level but its server does not (stopped or restarting)"
         else:
             return stop + ("neither the coordinator nor any other node of the job answers: this node is cut off and "
@@ -91,6 +97,7 @@ class OutageGuard:
 
     def back(self) -> None:
         """The coordinator answers again."""
+        self._peer_in_contact_since = None
         if self._riding:
             self._riding = False
             self._next_check = 0.0
