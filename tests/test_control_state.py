@@ -11,6 +11,7 @@ from axond.coordinator.jobs import JobState
 from axond.coordinator.membership import Health
 from axond.coordinator.server import RunningCoordinator
 from axond.coordinator.state import CoordinatorState
+from axond.v1 import coordinator_pb2 as pb
 
 
 def two_node_job(max_restarts: int) -> tuple[CoordinatorState, str, str]:
@@ -66,7 +67,8 @@ def test_the_server_rearms_leases_after_it_was_stalled(coordinator_factory: Call
     lease = 0.5
     with connect(running.address, call_timeout=5.0) as client:
         node = client.register_node("h").node_id
-        client.heartbeat(node)
+        client.join("j", node, 1, 1, 1, timeout=5.0)
+        client.heartbeat(node, job="j", generation=1)
         assert running.stalls is not None
         with running.state.lock:
             time.sleep(3 * lease)
@@ -74,9 +76,10 @@ def test_the_server_rearms_leases_after_it_was_stalled(coordinator_factory: Call
         while running.stalls.stalls == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert running.stalls.stalls >= 1
-        client.heartbeat(node)
+        client.heartbeat(node, job="j", generation=1)
         status = client.get_status()
-        assert [n.health for n in status.nodes] == [Health.ALIVE.value], status
+        # Not declared dead for the stall: its job (no restarts) still runs its first generation.
+        assert [(j.state, j.generation) for j in status.jobs] == [(pb.JOB_STATE_RUNNING, 1)], status
 
 
 def test_status_shows_each_job_its_own_pids_and_none_once_finished() -> None:
