@@ -5,7 +5,8 @@ heartbeats x 5), two `axond worker`s of one rank each running tests/control_job.
 until the test creates its done file. The collectives never need the coordinator, so neither outage may
 stop them: the workers ride it out (each sees the other lost the coordinator too), the coordinator
 counts none of the time it was away against their leases, the job stays in generation 1 and both
-workers exit 0. CONTROL_OUTAGE_PAUSE (seconds, default 3.5 leases) sets how long each outage lasts.
+workers exit 0. CONTROL_OUTAGE_PAUSE (seconds, default 3.5 leases) sets how long each outage lasts,
+CONTROL_OUTAGE_HEARTBEAT the heartbeat interval (default 0.2 s; the lease is 5 of them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from control_procs import HERE, TOKEN, Procs, free_port, procs  # noqa: F401 - procs is the fixture
 
-HEARTBEAT = 0.2
+HEARTBEAT = float(os.environ.get("CONTROL_OUTAGE_HEARTBEAT", "0.2"))
 MISSED = 5
 LEASE = HEARTBEAT * MISSED
 PAUSE = float(os.environ.get("CONTROL_OUTAGE_PAUSE", str(3.5 * LEASE)))
