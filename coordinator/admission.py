@@ -83,6 +83,8 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        """By method: (the handler, its wrapped version), built once, not per call."""
 
     async def intercept_service(
         self,
@@ -93,11 +95,18 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method: str = handler_call_details.method  # type: ignore[attr-defined]
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
         liveness = method in LIVENESS_METHODS
         inner = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
         if inspect.isasyncgenfunction(inner):
-            return replace_handler(handler, behavior=self._streaming(inner, liveness))
-        return replace_handler(handler, behavior=self._unary(inner, liveness))  # streams written with context.write too
+            wrapped = replace_handler(handler, behavior=self._streaming(inner, liveness))
+        else:  # unary, and streams written with context.write
+            wrapped = replace_handler(handler, behavior=self._unary(inner, liveness))
+        if len(self._wrapped) < 1_000:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
     def _unary(self, inner: Callable[[Any, Any], Awaitable[Any]], liveness: bool) -> Callable[..., Awaitable[Any]]:
         admission = self.admission
