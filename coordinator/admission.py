@@ -58,7 +58,8 @@ class Admission:
         if self.running[pool] >= cap:
             self.refused += 1
             limit = "max_liveness_calls" if liveness else "max_concurrent_calls"
-            return f"{BUSY}: the coordinator serves {self.running[pool]} calls at once, its limit ({limit}); retry later"
+            return (f"{BUSY}: the coordinator serves {self.running[pool]} calls at once, its limit ({limit}); "
+                    "retry later")
         if mine is None:
             mine = self._clients[client] = [0, 0]
         mine[pool] += 1

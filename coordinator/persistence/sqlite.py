@@ -93,7 +93,7 @@ class SqlitePersistence:
             self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
             self._db.executescript(SCHEMA)
             _check_intact(self._db, self.directory)
-            self._db.execute("BEGIN IMMEDIATE")  # takes the write lock: fails now, not at the first commit, if read-only
+            self._db.execute("BEGIN IMMEDIATE")  # the write lock: read-only fails here, not at the first commit
             self._db.execute("ROLLBACK")
             os.chmod(self.directory / DB_NAME, 0o600)
         except CoordinatorError:
