@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from control_procs import HERE, TOKEN, Procs, free_port, procs  # noqa: F401 - procs is the fixture
+from control_procs import AXOND, HERE, TOKEN, Procs, free_port, procs  # noqa: F401 - procs is the fixture
 
 HEARTBEAT = float(os.environ.get("CONTROL_OUTAGE_HEARTBEAT", "0.2"))
 MISSED = 5
@@ -107,3 +107,33 @@ def test_a_job_rides_out_an_outage_only_for_the_outage_grace(procs: Procs, tmp_p
     out = worker.text()
     # The grace runs from the last answered heartbeat, up to one interval before the kill.
     assert took >= grace - 2 * HEARTBEAT and "longer than the outage grace" in out, (took, out)
+
+
+@pytest.mark.timeout(120)
+def test_a_submitted_job_and_its_axond_run_outlive_a_coordinator_restart(procs: Procs, tmp_path: Path) -> None:
+    """Daemon mode: `axond run` on two worker daemons; the coordinator is killed and restarted several leases
+    later. The daemons ride it out, `axond run` follows the job's events again (none repeated) and exits 0."""
+    port = free_port()
+    flags = ("--heartbeat-interval", str(HEARTBEAT), "--dead-after-missed", str(MISSED),
+             "--state-dir", str(tmp_path / "state"))
+    coordinator = procs.coordinator("coordinator", port, *flags)
+    daemons = [procs.start(f"daemon{i}", [*AXOND, "worker", "--coordinator", f"127.0.0.1:{port}", "--token", TOKEN,
+                                          "--slots", "1", "--outage-grace", "60"]) for i in range(2)]
+    for d in daemons:
+        d.wait_for("registered as node", timeout=30)
+    done = tmp_path / "done"
+    run = procs.start("run", [*AXOND, "run", "--coordinator", f"127.0.0.1:{port}", "--token", TOKEN, "--nnodes", "2",
+                              "--env", f"CONTROL_DONE_FILE={done}", "--", sys.executable, str(HERE / "control_job.py")])
+    run.wait_for("CONTROL-READY", timeout=60, times=2)
+    coordinator.popen.kill()
+    coordinator.popen.wait(10)
+    for d in daemons:
+        d.wait_for("the coordinator is away", timeout=LEASE + 10)
+    time.sleep(PAUSE)
+    procs.coordinator("coordinator2", port, *flags)
+    for d in daemons:
+        d.wait_for("the coordinator answers again", timeout=10 * LEASE)
+    done.touch()
+    assert run.wait(60) == 0, run.text()
+    out = run.text()
+    assert out.count("CONTROL-READY") == 2 and out.count("CONTROL-DONE") == 2, out
