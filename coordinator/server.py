@@ -289,7 +289,7 @@ async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, r
         remote = isinstance(state.persistence, EtcdPersistence)  # a network round trip: written off the loop
         commits = GroupCommit(state, state.persistence, loop, config.limits.max_commit_batch,
                               config.limits.commit_timeout_s, writer_thread=config.fsync or remote,
-                              on_failure=not_serving, on_recover=serving_again)
+                              on_failure=not_serving, on_recover=serving_again, retry_failed=not remote)
         commits.start()
         running.commits = commits
     try:

@@ -56,9 +56,10 @@ class GroupCommit:
     def __init__(self, state: CoordinatorState, persistence: Persistence, loop: asyncio.AbstractEventLoop,
                  max_batch: int, timeout: float, writer_thread: bool = False,
                  on_failure: Callable[[], None] | None = None, on_recover: Callable[[], None] | None = None,
-                 retry_interval: float | None = None) -> None:
+                 retry_interval: float | None = None, retry_failed: bool = True) -> None:
         """`writer_thread`: write each transaction on a thread of its own (for fsync) instead of on the loop;
-        `on_failure` / `on_recover`: told when a commit fails, and when the failed batch was written after all."""
+        `on_failure` / `on_recover`: told when a commit fails, and when the failed batch was written after all;
+        `retry_failed` False: a failed commit is final (a replica on etcd steps down instead, another takes over)."""
         self._state = state
         self._persistence = persistence
         self._loop = loop
@@ -70,6 +71,7 @@ class GroupCommit:
         self._on_failure = on_failure or (lambda: None)
         self._on_recover = on_recover or (lambda: None)
         self.retry_interval = RETRY_INTERVAL_S if retry_interval is None else retry_interval
+        self.retry_failed = retry_failed
         self._retry: tuple[int, int, Changes] | None = None
         """The batch whose write failed (number, calls, changes): written again until it succeeds."""
         self._retry_timer: asyncio.TimerHandle | None = None
@@ -257,12 +259,11 @@ class GroupCommit:
     def _fail(self, e: BaseException, batch: int, calls: int, changes: Changes) -> None:
         first = self.failed is None
         self.failures += 1
-        self.failed = (
-            f"the coordinator could not write its state ({type(e).__name__}: {e}); it writes it again every "
-            f"{self.retry_interval:g} s and answers calls again once that succeeds: free space in its state "
-            "directory (disk full?) or fix its permissions"
-        )
-        self._retry = (batch, calls, changes)
+        then = (f"it writes it again every {self.retry_interval:g} s and answers calls again once that succeeds: "
+                "free space in its state directory (disk full?) or fix its permissions") if self.retry_failed else (
+                "it answers no call any more; another replica takes over from what was committed")
+        self.failed = f"the coordinator could not write its state ({type(e).__name__}: {e}); {then}"
+        self._retry = (batch, calls, changes) if self.retry_failed else None
         if first:
             log.error("%s", self.failed)
             for waiters, timer in self._futures.values():
@@ -270,7 +271,7 @@ class GroupCommit:
                 self._wake(waiters)
             self._futures.clear()
             self._on_failure()
-        if not self._stopping:
+        if not self._stopping and self._retry is not None:
             self._retry_timer = self._loop.call_later(self.retry_interval, self._write_again)
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
