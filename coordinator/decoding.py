@@ -31,6 +31,9 @@ def _safe(method: str, parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 class DecodeGuard(grpc.aio.ServerInterceptor):
     """Wraps the request deserializer of every Coordinator method (see the module doc)."""
 
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -42,4 +45,10 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
             return handler
         if not (handler.unary_unary or handler.unary_stream or handler.stream_stream):
             return handler
-        return replace_handler(handler, request_deserializer=_safe(method, handler.request_deserializer))
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]  # built once per method, not per call
+        wrapped = replace_handler(handler, request_deserializer=_safe(method, handler.request_deserializer))
+        if len(self._wrapped) < 1_000:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped

@@ -20,6 +20,7 @@ import grpc.aio
 from axond.coordinator.errors import InvalidArgument, StateError
 from axond.coordinator.jobs import JobState
 from axond.coordinator.persistence.group_commit import GroupCommit
+from axond.coordinator.stall import StallWatch
 from axond.coordinator.state import CoordinatorState
 from axond.coordinator.status_codes import MAX_DETAIL_CHARS, Undecodable, status_of
 from axond.v1 import coordinator_pb2 as pb
@@ -40,16 +41,21 @@ def job_state_pb(state: JobState | None) -> pb.JobState:
     return JOB_STATE_PB[state] if state is not None else pb.JOB_STATE_UNSPECIFIED
 
 
-def heartbeat_reply(state: CoordinatorState, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-    """Renew the node's lease and tell it its job's generation and the interval to beat at."""
+def heartbeat_reply(state: CoordinatorState, request: pb.HeartbeatRequest,
+                    stalls: StallWatch | None = None) -> pb.HeartbeatResponse:
+    """Renew the node's lease and tell it its job's generation and the interval to beat at (a heartbeat answered
+    just after a stall of the coordinator renews nothing: see stall.py)."""
     state.authenticate(request.node_id, request.node_secret)
-    r = state.heartbeat(request.node_id, request.job, request.generation, time.monotonic(), tuple(request.local_pids))
+    now = time.monotonic()
+    renew = stalls is None or stalls.renews(now)
+    r = state.heartbeat(request.node_id, request.job, request.generation, now, tuple(request.local_pids), renew)
     return pb.HeartbeatResponse(generation=r.generation, job_state=job_state_pb(r.state), reason=r.reason,
                                 heartbeat_interval_s=r.interval)
 
 
 async def serve_heartbeats(state: CoordinatorState, commits: GroupCommit | None, requests: AsyncIterator[Any],
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.HeartbeatResponse]:
+                           context: grpc.aio.ServicerContext,
+                           stalls: StallWatch | None = None) -> AsyncIterator[pb.HeartbeatResponse]:
     """Answer each heartbeat of the stream in order; a domain error ends the stream with its status."""
     try:
         async for request in requests:
@@ -58,7 +64,7 @@ async def serve_heartbeats(state: CoordinatorState, commits: GroupCommit | None,
             if commits is not None and (commits.pending_calls >= commits.max_batch or commits.failed is not None):
                 await commits.room()
             try:
-                reply = heartbeat_reply(state, request)
+                reply = heartbeat_reply(state, request, stalls)
             finally:
                 if commits is not None and (commits.needed > commits.committed or commits.failed is not None):
                     await commits.durable()

@@ -35,6 +35,10 @@ MAX_RESULTS_PER_MESSAGE = 4_096
 """Answers sent in one KvStreamResponse at most (ready answers are coalesced up to this)."""
 
 
+class IdleStream(Exception):
+    """A stream that stayed idle too long (ended UNAVAILABLE)."""
+
+
 def _failed(op_id: int, e: BaseException) -> pb.KvResult:
     mapped = status_of(e)
     if mapped is None:
@@ -48,8 +52,10 @@ def _failed(op_id: int, e: BaseException) -> pb.KvResult:
 class KvStreamHandler:
     """Serves `KvStream` calls over the coordinator's `KvCalls`."""
 
-    def __init__(self, kv: KvCalls, commits: GroupCommit | None, max_in_flight: int = MAX_STREAM_REQUESTS) -> None:
+    def __init__(self, kv: KvCalls, commits: GroupCommit | None, max_in_flight: int = MAX_STREAM_REQUESTS,
+                 idle_s: float = 60.0) -> None:
         self.kv = kv
+        self.idle_s = idle_s
         self.commits = commits
         self.max_in_flight = max_in_flight
         self._calls: dict[str, Callable[[Any], Awaitable[Any]]] = {
@@ -100,7 +106,7 @@ class KvStreamHandler:
 
         async def read() -> None:
             try:
-                async for message in requests:
+                async for message in self._until_idle(requests, lambda: in_flight[0] > 0 or bool(tasks)):
                     if isinstance(message, Undecodable):
                         raise InvalidArgument(f"a KvStream request does not parse: {message.error[:200]}")
                     await self._accept(message.ops, in_flight, spawn, out)
@@ -128,12 +134,36 @@ class KvStreamHandler:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
-        if isinstance(error, StateError):
+        if isinstance(error, IdleStream):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        elif isinstance(error, StateError):
             code, text = status_of(error)  # type: ignore[misc]
             await context.abort(code, text)
         elif error is not None:
             log.error("KvStream failed", exc_info=error)
             await context.abort(grpc.StatusCode.INTERNAL, f"coordinator error in KvStream: {error!r}"[:MAX_DETAIL_CHARS])
+
+    async def _until_idle(self, requests: AsyncIterator[Any], busy: Callable[[], bool]) -> AsyncIterator[Any]:
+        """The stream's messages; raises `IdleStream` once none came for `idle_s` seconds while nothing was in
+        flight (an idle stream holds a call of its client's share and memory for nothing)."""
+        it = requests.__aiter__()
+        nxt: asyncio.Future[Any] = asyncio.ensure_future(it.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait([nxt], timeout=self.idle_s)
+                if not done:
+                    if not busy():
+                        raise IdleStream(f"the coordinator closed this KV stream: no request for {self.idle_s:g} s "
+                                         "(stream_idle_s); open another when needed")
+                    continue
+                try:
+                    message = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield message
+                nxt = asyncio.ensure_future(it.__anext__())
+        finally:
+            nxt.cancel()
 
     async def _accept(self, ops: Any, in_flight: list[int],
                       spawn: Callable[[Awaitable[list[pb.KvResult]]], None],

@@ -112,23 +112,38 @@ class JobLifecycle:
         return HeartbeatResult(j.generation, j.state, j.reason)
 
     def node_lost(self, node: Node, why: str, now: float) -> None:
-        """The node died or left: drop it from open rounds and restart the jobs it ran."""
+        """The node died or left: drop it from open rounds and restart the jobs it ran; a restarting job left
+        with no node to restart it fails, saying so."""
         for job in list(self.ctx.jobs.values()):
+            ran = node.job == job.name
             self.waiting_next.get(job.name, {}).pop(node.node_id, None)
             if job.state.terminal:
                 continue
             if job.round.remove(node.node_id):
                 self.ctx.notify("job", job.name)
+                ran = True
                 self._expire_if_abandoned(job, node.node_id, now)
                 if job.state.terminal:
                     continue
             lost_assigned = node.node_id in job.assigned and job.round.member(node.node_id) is None
             if job.active_member(node.node_id) or lost_assigned:
+                ran = True
                 if node.node_id in job.assigned:
                     job.assigned.remove(node.node_id)
                     self.scheduler.enqueue(job.name)
                 self._bump(job, f"node {node.node_id} ({node.hostname}) {why}", True, 1, now)
+            if ran and self._orphaned(job, node):
+                self.finish(job, JobState.FAILED, 1, (
+                    f"generation {job.generation} has no node left to run it (the last, {node.node_id} "
+                    f"({node.hostname}), {why}); start its workers again to rerun it"), now)
         self.scheduler.place()
+
+    def _orphaned(self, j: Job, lost: Node) -> bool:
+        """Whether `j` (started by `axond worker`s, not submitted) waits for a generation no live node will join:
+        restarting, with nobody in its round or waiting for it and no live node still running it."""
+        if j.spec is not None or j.state is not JobState.RESTARTING or j.round.joiners or self.waiting_next.get(j.name):
+            return False
+        return not any(n.job == j.name and not n.dead and n is not lost for n in self.members.nodes.values())
 
     def tick(self, now: float) -> float | None:
         """Freeze the rounds that settled; returns the next time a round freezes on its own."""
@@ -328,6 +343,7 @@ class JobLifecycle:
         self.waiting_next.pop(j.name, None)
         j.events.append(FinishedEvent(exit_code, message))
         for node in self.members.nodes.values():
+            node.pids.pop(j.name, None)
             if node.job == j.name:
                 node.job = ""
                 self.members.mark(node)

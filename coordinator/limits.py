@@ -50,8 +50,18 @@ class CoordinatorLimits:
     default_status_ranks: int = 1_024
     """Ranks listed per job when GetStatus does not say (max_ranks = 0)."""
     max_concurrent_calls: int = 50_000
-    """Calls served at once, long-polls included; past it a call is refused at once (RESOURCE_EXHAUSTED) and
-    clients retry it with jittered backoff."""
+    """Calls served at once, long-polls and streams included, besides the liveness calls (below); past it a call
+    is refused at once (RESOURCE_EXHAUSTED) and clients retry it with jittered backoff."""
+    max_calls_per_client: int = 2_000
+    """Calls and streams of the general pool one client connection may hold at once (see coordinator/admission.py)."""
+    max_liveness_calls: int = 25_000
+    """Calls served at once from the pool reserved for health checks, status, heartbeats (one stream per node)
+    and a node's reports: floods of other calls never take it."""
+    max_liveness_calls_per_client: int = 1_000
+    """Liveness calls one client connection may hold at once."""
+    stream_idle_s: float = 60.0
+    """Seconds a KvStream may stay open with no request and nothing in flight before the coordinator ends it
+    (UNAVAILABLE; the client opens another when it next needs one)."""
     max_commit_batch: int = 5_000
     """Durable state: changed calls one group commit gathers; a call that finds that many waiting for the next
     commit waits for the one in flight before it runs."""

@@ -41,8 +41,8 @@ class Node:
     job: str = ""
     secret: str = field(default="", repr=False)
     """Proof of identity every node-scoped call carries (RegisterNodeResponse.node_secret)."""
-    local_pids: tuple[int, ...] = ()
-    """Pids of its local ranks as its last heartbeat reported them."""
+    pids: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    """Per job it runs: (generation, pids of its local ranks) as its last heartbeat for that job reported them."""
     interval: float = 0.0
     """The heartbeat interval it was last told (0: the base interval)."""
     told_before: float = 0.0
@@ -152,19 +152,31 @@ class Membership:
             self.mark(node)
         return node, was_dead
 
-    def heartbeat(self, node_id: str, now: float, local_pids: tuple[int, ...] = ()) -> Node:
-        """Record a heartbeat, with the pids of the node's local ranks if it sent them."""
-        node, _ = self.touch(node_id, now)
+    def heartbeat(self, node_id: str, now: float, local_pids: tuple[int, ...] = (), renew: bool = True,
+                  job: str = "", generation: int = 0) -> Node:
+        """Record a heartbeat, with the pids of the node's local ranks of `generation` of `job` if it sent them;
+        `renew` False: answer it without renewing the lease (a heartbeat queued while the coordinator was stalled)."""
+        node, _ = self.touch(node_id, now) if renew else (self.get(node_id), False)
         told = self.liveness.interval_for(len(self.nodes))
         if told != node.interval:
             node.told_before, node.interval = node.interval, told
             self.mark(node)
         else:
             node.told_before = 0.0
-        if local_pids:
+        if local_pids and job:
             check_at_most("local_pids", len(local_pids), self.limits.max_nproc_per_node, "max_nproc_per_node")
-            node.local_pids = tuple(local_pids)
+            node.pids[job] = (generation, tuple(local_pids))
         return node
+
+    def rearm(self, away: float, now: float) -> int:
+        """The coordinator did not run for `away` seconds (stopped, stalled): that time counts against no node's
+        lease. Returns how many live nodes were re-armed."""
+        count = 0
+        for node in self.nodes.values():
+            if not node.dead:
+                node.last_seen = min(now, node.last_seen + away)
+                count += 1
+        return count
 
     def paced(self, node: Node) -> float:
         """The longest interval the node may be heartbeating at: what it was told, or told before."""

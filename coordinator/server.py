@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from axond.control.channel import read_file
 from axond.control.credentials import default_state_dir, ensure_token, read_token_file
+from axond.coordinator.admission import Admission, AdmissionInterceptor
 from axond.coordinator.auth import TokenInterceptor
 from axond.coordinator.decoding import DecodeGuard
 from axond.coordinator.limits import CoordinatorLimits
@@ -27,6 +29,7 @@ from axond.coordinator.persistence.etcd import EtcdPersistence
 from axond.coordinator.persistence.group_commit import GroupCommit
 from axond.coordinator.persistence.sqlite import SqlitePersistence
 from axond.coordinator.servicer import CoordinatorServicer
+from axond.coordinator.stall import StallWatch
 from axond.coordinator.state import CoordinatorState
 from axond.coordinator.waiting import WaitHub
 from axond.errors import CoordinatorError
@@ -39,6 +42,10 @@ log = logging.getLogger("axond.coordinator")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MAX_MESSAGE_BYTES = 8 << 20
+
+RECONNECT_ALLOWANCE_S = 1.5
+"""Seconds added to every restored node's lease when the coordinator starts serving: its clients' reconnect backoff
+(at most 1 s, axond/control/channel.py) and one heartbeat call."""
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -156,6 +163,10 @@ class RunningCoordinator:
         """Where the state is kept durably (None: in memory only)."""
         self.commits: GroupCommit | None = None
         """The durable state's group committer (None: in memory only)."""
+        self.admission: Admission | None = None
+        """Counts the calls running per client and pool (set once serving)."""
+        self.stalls: StallWatch | None = None
+        """Detects the server's own stalls and re-arms the leases (set once serving)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_request: asyncio.Event | None = None
         self._grace = 1.0
@@ -191,9 +202,20 @@ def _client_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def _tick_loop(state: CoordinatorState, hub: WaitHub, max_sleep: float) -> None:
+async def _tick_loop(state: CoordinatorState, hub: WaitHub, max_sleep: float, stalls: StallWatch,
+                     commits: GroupCommit | None) -> None:
+    last = time.monotonic()
     while True:
         now = time.monotonic()
+        stalls.observe(now)
+        if commits is not None and commits.failed is not None:
+            # Not serving (its state cannot be written): heartbeats are turned away, so the time counts against
+            # no lease, and nothing is declared dead until it serves again.
+            state.rearm_leases(now - last, now)
+            last = now
+            await hub.wait([("timer",)], max_sleep)
+            continue
+        last = now
         try:
             nxt = state.tick(now)
         except Exception:
@@ -234,10 +256,16 @@ async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator
     state_dir = Path(config.state_dir) if config.state_dir else default_state_dir()
     persistence = None if config.in_memory else SqlitePersistence(state_dir, fsync=config.fsync)
     try:
-        state = CoordinatorState(
-            config.heartbeat_interval, config.dead_after_missed, config.settle_time,
-            limits=config.limits, persistence=persistence,
-        )
+        try:
+            state = CoordinatorState(
+                config.heartbeat_interval, config.dead_after_missed, config.settle_time,
+                limits=config.limits, persistence=persistence,
+            )
+        except (ValueError, KeyError, TypeError, sqlite3.DatabaseError) as e:
+            raise CoordinatorError(
+                f"the coordinator's state in {str(state_dir)!r} cannot be read ({type(e).__name__}: {e}); restore it "
+                "from a backup, or move coordinator.db and its -wal and -shm files aside to start with an empty state"
+            ) from e
         running = RunningCoordinator(0, "", state, token, token_path)
         running.state_dir = None if persistence is None else state_dir
         await _serve_state(config, running, running_box, ready)
@@ -262,10 +290,14 @@ async def _serve_state(config: CoordinatorConfig, running: RunningCoordinator, r
             if on_commit_failure is not None:
                 on_commit_failure()
 
+        def serving_again() -> None:
+            for name in ("", SERVICE_NAME):
+                loop.create_task(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
+
         remote = isinstance(state.persistence, EtcdPersistence)  # a network round trip: written off the loop
         commits = GroupCommit(state, state.persistence, loop, config.limits.max_commit_batch,
                               config.limits.commit_timeout_s, writer_thread=config.fsync or remote,
-                              on_failure=not_serving)
+                              on_failure=not_serving, on_recover=serving_again, retry_failed=not remote)
         commits.start()
         running.commits = commits
     try:
@@ -286,9 +318,15 @@ async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, ru
     if running.token:
         interceptors.append(TokenInterceptor(running.token))
     interceptors.append(DecodeGuard())
-    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS,
-                             maximum_concurrent_rpcs=config.limits.max_concurrent_calls)
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub, commits), server)
+    running.admission = Admission(config.limits)
+    interceptors.append(AdmissionInterceptor(running.admission))
+    limits = config.limits
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS,  # gRPC's own cap: a backstop
+                             maximum_concurrent_rpcs=limits.max_concurrent_calls + limits.max_liveness_calls + 1_000)
+    tick = min(0.25, config.heartbeat_interval / 2)
+    stalls = StallWatch(state, tick, quiet=min(0.5, config.heartbeat_interval))
+    running.stalls = stalls
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub, commits, stalls), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
@@ -305,13 +343,16 @@ async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, ru
     if port == 0:
         raise CoordinatorError(f"cannot listen on {bind}; is another coordinator using the port?")
     await server.start()
+    # Leases start now, whatever the time since the state was saved or loaded: nodes kept running while the
+    # coordinator was away, and their clients may take a reconnect backoff to find it again.
+    state.rearm_leases(float("inf"), time.monotonic() + RECONNECT_ALLOWANCE_S)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     running.port, running.address = port, _client_address(config.host, port)
     running._loop = loop
     running._stop_request = running._stop_request or asyncio.Event()
     running_box.append(running)
-    ticker = asyncio.create_task(_tick_loop(state, hub, min(0.25, config.heartbeat_interval / 2)))
+    ticker = asyncio.create_task(_tick_loop(state, hub, tick, stalls, commits))
     ready.set()
     try:
         await running._stop_request.wait()

@@ -23,6 +23,7 @@ from axond.coordinator.jobs import FinishedEvent, InfoEvent, JobSpec, OutputEven
 from axond.coordinator.kv_calls import KvCalls, WaitExpired, bounded
 from axond.coordinator.kv_stream import KvStreamHandler
 from axond.coordinator.persistence.group_commit import GroupCommit
+from axond.coordinator.stall import StallWatch
 from axond.coordinator.state import CoordinatorState
 from axond.coordinator.status_codes import MAX_DETAIL_CHARS, STATUS_OF, Undecodable, status_of
 from axond.coordinator.waiting import WaitHub
@@ -83,13 +84,16 @@ def _event_pb(event: OutputEvent | InfoEvent | FinishedEvent) -> pb.JobEvent:
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Thin translation layer over `CoordinatorState`."""
 
-    def __init__(self, state: CoordinatorState, hub: WaitHub, commits: GroupCommit | None = None) -> None:
-        """`commits`: the durable state's group committer (None: in memory, answers leave at once)."""
+    def __init__(self, state: CoordinatorState, hub: WaitHub, commits: GroupCommit | None = None,
+                 stalls: StallWatch | None = None) -> None:
+        """`commits`: the durable state's group committer (None: in memory, answers leave at once); `stalls`:
+        the server's stall detector (heartbeats just after a stall renew no lease)."""
         self.state = state
+        self.stalls = stalls
         self.hub = hub
         self.commits = commits
         self.kv = KvCalls(state, hub)
-        self.kv_stream = KvStreamHandler(self.kv, commits)
+        self.kv_stream = KvStreamHandler(self.kv, commits, idle_s=state.limits.stream_idle_s)
 
     @_translated
     async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Any) -> pb.RegisterNodeResponse:
@@ -104,7 +108,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        return heartbeat_reply(self.state, request)
+        return heartbeat_reply(self.state, request, self.stalls)
 
     @_translated
     async def DeregisterNode(self, request: pb.DeregisterNodeRequest, context: Any) -> pb.DeregisterNodeResponse:
@@ -201,7 +205,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def HeartbeatStream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
                               ) -> AsyncIterator[pb.HeartbeatResponse]:
         """Heartbeats over one stream per node (see heartbeat_stream.py)."""
-        async for response in serve_heartbeats(self.state, self.commits, requests, context):
+        async for response in serve_heartbeats(self.state, self.commits, requests, context, self.stalls):
             yield response
 
     @_translated

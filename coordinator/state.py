@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from axond.coordinator.context import StateContext, Topic
-from axond.coordinator.errors import Unavailable
+from axond.coordinator.errors import StateError, Unavailable
 from axond.coordinator.job_kv import JobKv
 from axond.coordinator.jobs import Event, Job, JobSpec
 from axond.coordinator.kv_space import ByteBudget
@@ -147,11 +147,24 @@ class CoordinatorState:
             self.members.authenticate(node_id, secret)
 
     def heartbeat(
-        self, node_id: str, job: str, generation: int, now: float, local_pids: tuple[int, ...] = ()
+        self, node_id: str, job: str, generation: int, now: float, local_pids: tuple[int, ...] = (),
+        renew: bool = True,
     ) -> HeartbeatResult:
+        """Renew the node's lease (unless not `renew`) and answer what it runs."""
         with self.lock:
-            node = self.members.heartbeat(node_id, now, local_pids)
-            return dataclasses.replace(self.lifecycle.heartbeat(job), interval=node.interval)
+            try:
+                answer = self.lifecycle.heartbeat(job)  # validates the job first: pids are kept only for real ones
+            except StateError:
+                self.members.heartbeat(node_id, now, (), renew)
+                raise
+            pids = local_pids if answer.state is not None and not answer.state.terminal else ()
+            node = self.members.heartbeat(node_id, now, pids, renew, job, generation)
+            return dataclasses.replace(answer, interval=node.interval)
+
+    def rearm_leases(self, away: float, now: float) -> int:
+        """The coordinator was not running for `away` seconds: count none of it against any lease."""
+        with self.lock:
+            return self.members.rearm(away, now)
 
     def deregister_node(self, node_id: str, now: float) -> None:
         with self.lock:

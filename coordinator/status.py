@@ -65,7 +65,11 @@ def _ranks(members: Membership, job: Job, limit: int) -> tuple[RankView, ...]:
         if len(out) >= limit:
             break
         node = members.nodes.get(m.node_id)
-        pids = node.local_pids if node is not None else ()
+        # Only the pids of this job's running generation: a finished job's ranks have none, and a node's other
+        # jobs (or later generations) have their own.
+        gen, pids = node.pids.get(job.name, (0, ())) if node is not None else (0, ())
+        if job.state.terminal or gen != job.generation:
+            pids = ()
         for i in range(min(m.nproc, limit - len(out))):
             out.append(RankView(m.rank_offset + i, m.node_id, i, m.node_rank, m.hostname, pids[i] if i < len(pids) else 0))
     return tuple(out)

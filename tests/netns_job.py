@@ -113,10 +113,16 @@ def main() -> int:
         pg.all_reduce(x)
         print(f"NETNS-READY rank={pg.rank} node={node} addr={os.environ['NETNS_EXPECT_ADDR']}", flush=True)
         deadline = time.monotonic() + float(os.environ.get("NETNS_LOOP_SECONDS", "8"))
-        while time.monotonic() < deadline:
+        while True:
             x[...] = 1
             pg.all_reduce(x)
             assert x[0] == pg.size
+            # Every rank stops at the same step (each one's own deadline would let one exit while another
+            # starts one more all_reduce with it).
+            done = np.array([time.monotonic() >= deadline], np.int32)
+            pg.all_reduce(done, op=axond.ReduceOp.MAX)
+            if done[0]:
+                break
             time.sleep(0.02)
         axond.destroy_process_group()
         print(f"NETNS-DONE rank={pg.rank}", flush=True)

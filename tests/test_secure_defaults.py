@@ -334,11 +334,17 @@ def test_a_full_coordinator_turns_calls_away_at_once_and_clients_retry(
         time.sleep(0.5)  # the four long-polls fill the coordinator
         with grpc.insecure_channel(running.address) as ch:
             auth = [("authorization", f"Bearer {running.token}")]
+            stub = pb_grpc.CoordinatorStub(ch)
             t0 = time.monotonic()
-            got, detail = code(pb_grpc.CoordinatorStub(ch).GetStatus, pb.GetStatusRequest(), metadata=auth)
-        assert got == C.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 1.0, (got, detail)
-        status = c.get_status()  # turned away until the long-polls end, then served within its deadline
-        assert [j.job for j in status.jobs] == ["j"]
+            got, detail = code(stub.KvSet, pb.KvSetRequest(job="j", generation=1, key="k", value=b"v"), metadata=auth)
+            assert got == C.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 1.0, (got, detail)
+            # Status (like health and heartbeats) is served from a reserved pool: a full coordinator still answers it.
+            got, detail = code(stub.GetStatus, pb.GetStatusRequest(), metadata=auth)
+            assert got == C.OK and time.monotonic() - t0 < 1.0, (got, detail)
+        store = c.store("j", 1)
+        store.set("k", b"v")  # turned away until the long-polls end, then served within its deadline
+        assert store.get("k", timeout=0) == b"v"
+        store.close()
         for t in waiters:
             t.join(20.0)
         assert len(expired) == 4

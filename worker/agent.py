@@ -22,9 +22,11 @@ import grpc
 from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
+from axond.worker.causes import Elsewhere, blocked_reader, caused_elsewhere
 from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
-from axond.worker.causes import Elsewhere, blocked_reader, caused_elsewhere
+from axond.worker.outage import DECIDE_AHEAD_S, OutageGuard
+from axond.worker.peers import PeerLink
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.spec import ConnectOptions, JobSpec
 from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
@@ -206,14 +208,32 @@ class JobRunner:
             specs = self._rank_specs(joined, master)
             ranks = start_ranks(spec.argv, specs, cwd=spec.cwd, sink=self._sink)
             self._hb.report_pids(spec.job, ranks.local_pids)
+            link: PeerLink | None = None
             try:
-                return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs])
+                link = self._peer_link(joined)
+                guard = OutageGuard(self._hb, link, self._client.address, spec.outage_grace, self._notice)
+                return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs], guard)
             finally:
+                if link is not None:
+                    link.close()
                 ranks.stop(grace=spec.stop_grace)
         finally:
             agent_store.close()
 
-    def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int]) -> JobOutcome | None:
+    def _peer_link(self, joined: pb.JoinResponse) -> PeerLink | None:
+        """This node's listener for its peers' checks during an outage (None if it cannot listen: it then
+        rides out an outage only when the coordinator's machine answers)."""
+        try:
+            return PeerLink(self._client, self._spec.job, joined.generation, joined.node_rank, joined.nnodes,
+                            joined.job_secret, lambda: self._hb.silent_for, lambda: self._hb.lease,
+                            env=dict(self._spec.env or {}), wait_s=self._spec.join_timeout)
+        except OSError as e:
+            self._notice(f"cannot listen for the job's other nodes ({e}); riding out a coordinator outage then "
+                         "relies on reaching the coordinator's machine")
+            return None
+
+    def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int],
+                 guard: OutageGuard) -> JobOutcome | None:
         spec = self._spec
         early = EarlyExitWatch(spec.job, self._notice, blocked=blocked_reader(self._client, spec.job, gen))
         while True:
@@ -251,13 +271,15 @@ class JobRunner:
                 return JobOutcome(failure.exit_code, message)
             if self._stop.is_set():
                 return JobOutcome(self._stop_code, self._stop_reason)
-            if self._hb.lease_lost:
-                ranks.stop(grace=spec.stop_grace)
-                why = (f"lost the coordinator's lease: no heartbeat was answered for {self._hb.lease:g} s "
-                       f"({self._hb.last_error or 'no answer'}); the coordinator has declared this node dead, so its "
-                       "ranks were stopped")
-                self._notice(why)
-                return JobOutcome(LEASE_LOST_EXIT_CODE, why, lease_lost=True)
+            lease = self._hb.lease
+            if self._hb.silent_for > max(lease / 2, lease - DECIDE_AHEAD_S):  # decided by the time the lease runs out
+                why = guard.stop_reason()
+                if why is not None:
+                    ranks.stop(grace=spec.stop_grace)
+                    self._notice(why)
+                    return JobOutcome(LEASE_LOST_EXIT_CODE, why, lease_lost=True)
+            else:
+                guard.back()
             beat = self._hb.latest(spec.job)
             if beat is not None and (beat.generation > gen or beat.job_state in _TERMINAL_STATES):
                 ranks.stop(grace=spec.stop_grace)
@@ -311,15 +333,16 @@ class JobRunner:
         return JobOutcome(0)
 
     def _within_lease(self, call: Callable[[], R]) -> R:
-        """`call()`, sent again while the coordinator is unreachable, for at most one lease (a restart of
-        the coordinator within that time disturbs nothing)."""
-        deadline = time.monotonic() + self._hb.lease
+        """`call()`, sent again while the coordinator is unreachable, for at most one lease or the outage grace
+        (a restart of the coordinator within that time disturbs nothing)."""
+        deadline = time.monotonic() + max(self._hb.lease, self._spec.outage_grace)
         while True:
             try:
                 return call()
             except CoordinatorError as e:
                 code = getattr(e.__cause__, "code", None)
-                unreachable = callable(code) and code() == grpc.StatusCode.UNAVAILABLE
+                unreachable = callable(code) and code() in (grpc.StatusCode.UNAVAILABLE,
+                                                             grpc.StatusCode.DEADLINE_EXCEEDED)
                 if not unreachable or time.monotonic() + 0.5 > deadline or self._stop.is_set():
                     raise
                 time.sleep(0.5)
@@ -351,7 +374,10 @@ class RunningAgent:
             self._outcome = JobOutcome(1, f"agent error: {type(e).__name__}: {e}")
         finally:
             self._hb.stop()
-            leave(self._client, self.node_id)
+            if self._outcome is not None and self._outcome.lease_lost:
+                self._client.close()  # cut off or gone: the coordinator has declared the node dead already
+            else:
+                leave(self._client, self.node_id)
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> JobOutcome | None:

@@ -27,7 +27,7 @@ from axond.worker.agent import (
     register,
 )
 from axond.worker.heartbeat import Heartbeater
-from axond.worker.spec import ConnectOptions, JobSpec
+from axond.worker.spec import DEFAULT_OUTAGE_GRACE_S, ConnectOptions, JobSpec
 
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
@@ -51,6 +51,8 @@ class DaemonConfig:
     """Seconds between SIGTERM and SIGKILL when stopping ranks."""
     join_timeout: float = 300.0
     """Seconds a job's rendezvous may take before the node gives up on it."""
+    outage_grace: float = DEFAULT_OUTAGE_GRACE_S
+    """Seconds a job's ranks keep running while the coordinator is away (see worker/outage.py)."""
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -212,7 +214,7 @@ class RunningDaemon:
                 argv=tuple(work.argv), job=work.job, nproc_per_node=work.nproc_per_node,
                 min_nodes=work.nnodes, max_nodes=work.nnodes, max_restarts=work.max_restarts,
                 env=dict(work.env), cwd=cwd, join_timeout=self._config.join_timeout,
-                stop_grace=self._config.stop_grace,
+                stop_grace=self._config.stop_grace, outage_grace=self._config.outage_grace,
             )
         except ValueError as e:
             self._notice(f"job {work.job!r} rejected: {e}")

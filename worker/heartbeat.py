@@ -17,6 +17,16 @@ if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
 
 
+_NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def _answered(e: Exception) -> bool:
+    """Whether a failed heartbeat was refused by a coordinator that is up (not lost on the way or unanswered)."""
+    cause = e.__cause__
+    return isinstance(cause, grpc.RpcError) and cause.code() not in _NO_ANSWER
+
+
 class Heartbeater:
     """Sends one heartbeat per tracked job (or an idle one) every `interval` seconds, renewing the node's lease.
 
@@ -48,6 +58,9 @@ class Heartbeater:
         self.changed = threading.Event()
         self.last_ok = time.monotonic()
         self.last_error: str = ""
+        self.refused = False
+        """The last heartbeat failed with an answer from the coordinator (it is up and rejects this node, e.g. it
+        forgot it), not for want of one: no reason to ride out an outage."""
         self._thread = threading.Thread(target=self._loop, name=f"axond-heartbeat-{node_id}", daemon=True)
 
     def start(self) -> Heartbeater:
@@ -93,6 +106,11 @@ class Heartbeater:
             self._thread.join(timeout=timeout)
 
     @property
+    def silent_for(self) -> float:
+        """Seconds since the last answered heartbeat."""
+        return time.monotonic() - self.last_ok
+
+    @property
     def lease_lost(self) -> bool:
         """Whether no heartbeat was answered for a whole lease (the coordinator has declared this node dead)."""
         return time.monotonic() - self.last_ok > self.lease
@@ -103,10 +121,10 @@ class Heartbeater:
             self._lost_since = self._last_notice = now
             self._notice(
                 f"lost contact with the coordinator at {self._client.address} ({error}); retrying every "
-                f"{self._interval:g} s, the ranks are stopped if it does not answer within the lease "
-                f"({self.lease:g} s)"
+                f"{self._interval:g} s; past the lease ({self.lease:g} s) the ranks keep running only while the "
+                "coordinator itself is away (its machine answers, or the job's other nodes lost it too)"
             )
-        elif now - self._last_notice >= max(1.0, self.lease / 4):
+        elif now - self._last_notice >= max(5.0, self.lease / 4):
             self._last_notice = now
             self._notice(f"still no answer from the coordinator after {now - self._lost_since:.1f} s "
                          f"(lease {self.lease:g} s)")
@@ -129,11 +147,13 @@ class Heartbeater:
                 if self._stop.is_set():  # stop() cancelled this beat's stream: no contact was lost
                     return
                 self.last_error = str(e)
+                self.refused = _answered(e)
                 self._contact_lost(str(e).split(" (")[0][-200:])
                 self.changed.set()
                 continue
             self.last_ok = time.monotonic()
             self.last_error = ""
+            self.refused = False
             self._contact_back()
             self._pace(resp.heartbeat_interval_s)
             with self._lock:

@@ -10,6 +10,10 @@ if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
 
 
+DEFAULT_OUTAGE_GRACE_S = 60.0
+"""How long a job's ranks keep running, by default, while the coordinator does not answer."""
+
+
 @dataclass(frozen=True)
 class ConnectOptions:
     """How to reach the coordinator; also handed on to the rank processes."""
@@ -76,6 +80,8 @@ class JobSpec:
     """Seconds between SIGTERM and SIGKILL when stopping ranks."""
     node_rank: int | None = None
     """torchrun's --node-rank, if given: the rendezvous assigns node ranks; a different one is reported."""
+    outage_grace: float = DEFAULT_OUTAGE_GRACE_S
+    """Seconds the ranks keep running while the coordinator is away (not while this node is cut off from it)."""
 
     def __post_init__(self) -> None:
         if not self.argv:
@@ -93,6 +99,8 @@ class JobSpec:
             raise ValueError(f"max-restarts must be >= 0, got {self.max_restarts}")
         if self.join_timeout <= 0 or self.stop_grace < 0:
             raise ValueError("join timeout must be > 0 and stop grace >= 0")
+        if not self.outage_grace >= 0:
+            raise ValueError(f"--outage-grace must be >= 0 seconds, got {self.outage_grace}")
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from axond.cli.common import waiting_notice
 from axond.errors import CoordinatorError
 from axond.worker.agent import JobOutcome, start_agent
 from axond.worker.daemon import DaemonConfig, start_daemon
-from axond.worker.spec import ConnectOptions, JobSpec, parse_nnodes
+from axond.worker.spec import DEFAULT_OUTAGE_GRACE_S, ConnectOptions, JobSpec, parse_nnodes
 
 _AGENT_ONLY = ("nnodes", "nproc_per_node", "job", "max_restarts", "node_rank")
 _NOT_STANDALONE = ("address", "token", "tls_ca")
@@ -81,12 +81,16 @@ class _Signals:
               help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="AXOND_WORKER_METRICS_PORT",
               help="Serve the local ranks' collective metrics (Prometheus) at http://0.0.0.0:PORT/metrics.")
+@click.option("--outage-grace", type=click.FloatRange(min=0), default=DEFAULT_OUTAGE_GRACE_S, show_default=True,
+              help="Seconds the ranks keep running while the coordinator does not answer (stopped, restarting, "
+                   "failing over); a node cut off from it and from the job's other nodes stops at the lease.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="[-- CMD ARGS...]")
 @click.pass_context
 def worker(
     ctx: click.Context, address: str | None, token: str | None, tls_ca: str | None, connect_wait: float,
     standalone: bool, nnodes: str, nproc_per_node: int, job: str, max_restarts: int, node_rank: int | None,
-    slots: int | None, join_timeout: float, stop_grace: float, metrics_port: int | None, cmd: tuple[str, ...],
+    slots: int | None, join_timeout: float, stop_grace: float, metrics_port: int | None, outage_grace: float,
+    cmd: tuple[str, ...],
 ) -> None:
     """Run ranks of a job on this node (agent), or wait for submitted jobs (daemon)."""
     if metrics_port is not None:
@@ -106,7 +110,8 @@ def worker(
                 f"{flags} only apply with a command (`axond worker ... -- CMD`); in daemon mode "
                 "the job's shape comes from `axond run`"
             )
-        _run_daemon(conn, DaemonConfig(slots=slots or 1, stop_grace=stop_grace, join_timeout=join_timeout))
+        _run_daemon(conn, DaemonConfig(slots=slots or 1, stop_grace=stop_grace, join_timeout=join_timeout,
+                                        outage_grace=outage_grace))
         return
     if slots is not None:
         raise click.UsageError("--slots is for daemon mode (no CMD); with a command use --nproc-per-node")
@@ -115,6 +120,7 @@ def worker(
         spec = JobSpec(
             argv=cmd, job=job, nproc_per_node=nproc_per_node, min_nodes=lo, max_nodes=hi,
             max_restarts=max_restarts, join_timeout=join_timeout, stop_grace=stop_grace, node_rank=node_rank,
+            outage_grace=outage_grace,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e

@@ -29,6 +29,8 @@ from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
 R = TypeVar("R")
 
+STREAM_RECONNECT_S = 60.0
+"""Seconds a job's event stream is opened again after the coordinator went away (as long as workers ride it out)."""
 RETRY_BACKOFF_S = (0.1, 0.3, 0.9)
 """Sleeps between attempts of an idempotent call that found the coordinator UNAVAILABLE."""
 BUSY_BACKOFF_S = (0.05, 1.6)
@@ -292,20 +294,37 @@ class CoordinatorClient:
         req = pb.PushOutputRequest(job=job, node_id=node_id, lines=lines, node_secret=self.node_secret(node_id))
         self.call("PushOutput", self.stub.PushOutput, req)
 
-    def stream_job(self, job: str, timeout: float | None = None) -> Iterator[pb.JobEvent]:
+    def stream_job(self, job: str, timeout: float | None = None,
+                   reconnect_for: float = STREAM_RECONNECT_S) -> Iterator[pb.JobEvent]:
         """The job's events from its start until JobFinished.
 
         With `timeout=None` the stream has no deadline (jobs run for hours); channel keepalives
-        still detect a dead coordinator within ~15 s.
+        still detect a dead coordinator within ~15 s. A stream that was delivering events and breaks
+        because the coordinator went away (restarted, failing over) is opened again for up to
+        `reconnect_for` seconds, the events already delivered skipped (the coordinator keeps them).
         """
-        call = self.stub.StreamJob(pb.StreamJobRequest(job=job), timeout=timeout)
-        try:
-            for event in call:
-                yield event
-        except grpc.RpcError as e:
-            raise translate("StreamJob", self.address, e) from e
-        finally:
-            call.cancel()
+        delivered = 0
+        lost_at: float | None = None
+        while True:
+            call = self.stub.StreamJob(pb.StreamJobRequest(job=job), timeout=timeout)
+            seen = 0
+            try:
+                for event in call:
+                    seen += 1
+                    if seen <= delivered:
+                        continue
+                    delivered, lost_at = seen, None
+                    yield event
+                return
+            except grpc.RpcError as e:
+                now = time.monotonic()
+                gone = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and delivered > 0
+                lost_at = lost_at if lost_at is not None else now
+                if not gone or now - lost_at > reconnect_for:
+                    raise translate("StreamJob", self.address, e) from e
+                time.sleep(0.5)
+            finally:
+                call.cancel()
 
     def cancel_job(self, job: str) -> None:
         self.call("CancelJob", self.stub.CancelJob, pb.CancelJobRequest(job=job), retry=True)

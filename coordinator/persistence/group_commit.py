@@ -15,9 +15,11 @@ during which the loop serves other calls and the next batch gathers).
 
 Bounded: an answer waits at most `timeout` seconds (then UNAVAILABLE: the change may or may not
 have been kept); a call that finds `max_batch` changed calls waiting for the next batch waits for
-the commit in flight before it runs. A failed commit is final: the in-memory state then holds
-changes the disk does not, so every later call answers UNAVAILABLE until the coordinator is
-restarted (from what was committed) rather than tell a client something a restart would forget.
+the commit in flight before it runs. A failed commit (a full disk, say) is written again every
+`retry_interval` seconds, later changes gathering behind it: meanwhile the in-memory state holds
+changes the disk does not, so every call answers UNAVAILABLE rather than tell a client something a
+restart would forget; once the write succeeds the coordinator serves again by itself (`on_recover`),
+and no answer it gave before was lost.
 """
 
 from __future__ import annotations
@@ -44,13 +46,20 @@ this after the previous one, so one transaction holds the changes of many calls 
 ~0.1 ms of the loop); a lone client's change is committed at once."""
 
 
+RETRY_INTERVAL_S = 1.0
+"""Seconds between attempts to write a batch whose write failed."""
+
+
 class GroupCommit:
     """Commits a durable `CoordinatorState` in batches on the server's event loop; answers wait on it there."""
 
     def __init__(self, state: CoordinatorState, persistence: Persistence, loop: asyncio.AbstractEventLoop,
                  max_batch: int, timeout: float, writer_thread: bool = False,
-                 on_failure: Callable[[], None] | None = None) -> None:
-        """`writer_thread`: write each transaction on a thread of its own (for fsync) instead of on the loop."""
+                 on_failure: Callable[[], None] | None = None, on_recover: Callable[[], None] | None = None,
+                 retry_interval: float | None = None, retry_failed: bool = True) -> None:
+        """`writer_thread`: write each transaction on a thread of its own (for fsync) instead of on the loop;
+        `on_failure` / `on_recover`: told when a commit fails, and when the failed batch was written after all;
+        `retry_failed` False: a failed commit is final (a replica on etcd steps down instead, another takes over)."""
         self._state = state
         self._persistence = persistence
         self._loop = loop
@@ -60,6 +69,14 @@ class GroupCommit:
         self.timeout = timeout
         """Seconds an answer waits for its batch."""
         self._on_failure = on_failure or (lambda: None)
+        self._on_recover = on_recover or (lambda: None)
+        self.retry_interval = RETRY_INTERVAL_S if retry_interval is None else retry_interval
+        self.retry_failed = retry_failed
+        self._retry: tuple[int, int, Changes] | None = None
+        """The batch whose write failed (number, calls, changes): written again until it succeeds."""
+        self._retry_timer: asyncio.TimerHandle | None = None
+        self.failures = 0
+        """Failed writes so far (statistics)."""
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "axond-commit") if writer_thread else None
         self.taken = 0
         """Batches taken from the state (changed under the state's lock)."""
@@ -70,7 +87,7 @@ class GroupCommit:
         self.committed = 0
         """Batches written."""
         self.failed: str | None = None
-        """Why a commit failed; once set, every call answers UNAVAILABLE."""
+        """Why a commit failed; while set (until the batch is written after all), every call answers UNAVAILABLE."""
         self.batches = 0
         """Transactions written (statistics, like the two below)."""
         self.largest_batch = 0
@@ -94,8 +111,14 @@ class GroupCommit:
     async def stop(self) -> None:
         """Commit what is left (waits at most `timeout` seconds for a write in flight)."""
         self._stopping = True
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
         if self._in_flight is not None:
             await asyncio.wait([self._in_flight], timeout=self.timeout)
+        if self._in_flight is None and self._retry is not None:
+            self._write_batch(*self._retry)  # a last try for the batch whose write failed
+            if self._in_flight is not None:
+                await asyncio.wait([self._in_flight], timeout=self.timeout)
         if self._in_flight is None:
             self._commit(last=True)
         if self._in_flight is not None:
@@ -180,31 +203,48 @@ class GroupCommit:
             self._last_calls = calls
             self.taken += 1
             batch = self.taken
+        self._write_batch(batch, calls, changes)
+
+    def _write_batch(self, batch: int, calls: int, changes: Changes) -> None:
         t0 = self._last_commit = time.perf_counter()
         if self._writer is None:
             try:
                 self._persistence.commit(changes)
             except Exception as e:
-                self._fail(e)
+                self._fail(e, batch, calls, changes)
                 return
-            self._done(batch, calls, t0)
+            self._written_ok(batch, calls, t0)
             return
         self._in_flight = asyncio.wrap_future(self._writer.submit(self._write, changes))
-        self._in_flight.add_done_callback(lambda f: self._written(f, batch, calls, t0))
+        self._in_flight.add_done_callback(lambda f: self._written(f, batch, calls, t0, changes))
 
     def _write(self, changes: Changes) -> None:
         self._persistence.commit(changes)
 
-    def _written(self, fut: asyncio.Future[None], batch: int, calls: int, t0: float) -> None:
+    def _written(self, fut: asyncio.Future[None], batch: int, calls: int, t0: float, changes: Changes) -> None:
         self._in_flight = None
         e = fut.exception()
         if e is not None:
-            self._fail(e)
+            self._fail(e, batch, calls, changes)
             return
+        self._written_ok(batch, calls, t0)
+
+    def _written_ok(self, batch: int, calls: int, t0: float) -> None:
+        recovered = self.failed is not None
+        if recovered:
+            log.warning("the coordinator wrote its state again after %d failed attempts; serving again", self.failures)
+            self.failed, self._retry = None, None
         self._done(batch, calls, t0)
-        if not self._scheduled and self.pending_calls:
+        if recovered:
+            self._on_recover()
+        if not self._scheduled and (self.pending_calls or recovered) and not self._stopping:
             self._scheduled = True
             self._loop.call_soon(self._commit)
+
+    def _write_again(self) -> None:
+        self._retry_timer = None
+        if self._retry is not None and not self._stopping and self._in_flight is None:
+            self._write_batch(*self._retry)
 
     def _done(self, batch: int, calls: int, t0: float) -> None:
         self.committed = batch
@@ -216,18 +256,23 @@ class GroupCommit:
             timer.cancel()
             self._wake(waiters)
 
-    def _fail(self, e: BaseException) -> None:
-        self.failed = (
-            f"the coordinator could not write its state ({type(e).__name__}: {e}); it answers no call until "
-            "restarted: check its state directory (disk full? permissions?) and restart it, and it carries on "
-            "from what it had committed"
-        )
-        log.error("%s", self.failed)
-        for waiters, timer in self._futures.values():
-            timer.cancel()
-            self._wake(waiters)
-        self._futures.clear()
-        self._on_failure()
+    def _fail(self, e: BaseException, batch: int, calls: int, changes: Changes) -> None:
+        first = self.failed is None
+        self.failures += 1
+        then = (f"it writes it again every {self.retry_interval:g} s and answers calls again once that succeeds: "
+                "free space in its state directory (disk full?) or fix its permissions") if self.retry_failed else (
+                "it answers no call any more; another replica takes over from what was committed")
+        self.failed = f"the coordinator could not write its state ({type(e).__name__}: {e}); {then}"
+        self._retry = (batch, calls, changes) if self.retry_failed else None
+        if first:
+            log.error("%s", self.failed)
+            for waiters, timer in self._futures.values():
+                timer.cancel()
+                self._wake(waiters)
+            self._futures.clear()
+            self._on_failure()
+        if not self._stopping and self._retry is not None:
+            self._retry_timer = self._loop.call_later(self.retry_interval, self._write_again)
 
     def _call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
         try:

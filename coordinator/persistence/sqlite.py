@@ -9,6 +9,7 @@ it holds an exclusive lock on `coordinator.lock` there.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -34,6 +35,34 @@ CREATE TABLE IF NOT EXISTS meta (id INTEGER PRIMARY KEY CHECK (id = 0), record T
 """
 
 
+def _read_only(directory: Path, e: BaseException) -> str:
+    return (f"the state directory {str(directory)!r} is read-only ({e}): the coordinator must write every change "
+            "it acknowledges; make it writable, or pass another --state-dir (or --in-memory)")
+
+
+def _corrupt(directory: Path, e: BaseException) -> str:
+    return (f"the coordinator's state in {str(directory / DB_NAME)!r} is corrupt ({e}); restore it from a backup, "
+            f"or move {DB_NAME} and its -wal and -shm files aside to start with an empty state")
+
+
+def _check_writable(directory: Path) -> None:
+    """Raise OSError unless a file can be created, written and removed in `directory`."""
+    probe = directory / f".write-check-{os.getpid()}"
+    fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def _check_intact(db: sqlite3.Connection, directory: Path) -> None:
+    """Raise CoordinatorError if SQLite's own check finds the database damaged."""
+    problems = [row[0] for row in db.execute("PRAGMA quick_check(5)")]
+    if problems != ["ok"]:
+        raise CoordinatorError(_corrupt(directory, RuntimeError("; ".join(problems))))
+
+
 class SqlitePersistence:
     """The `Persistence` contract in `<state_dir>/coordinator.db`."""
 
@@ -45,6 +74,8 @@ class SqlitePersistence:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._lock: IO[bytes] | None = open(self.directory / LOCK_NAME, "ab")
         except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise CoordinatorError(_read_only(self.directory, e)) from e
             raise CoordinatorError(f"cannot use the state directory {str(self.directory)!r}: {e.strerror}") from e
         try:
             fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -56,13 +87,27 @@ class SqlitePersistence:
                 "--state-dir (or --in-memory)"
             ) from e
         try:
+            _check_writable(self.directory)
             self._db = sqlite3.connect(self.directory / DB_NAME, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
             self._db.executescript(SCHEMA)
+            _check_intact(self._db, self.directory)
+            self._db.execute("BEGIN IMMEDIATE")  # the write lock: read-only fails here, not at the first commit
+            self._db.execute("ROLLBACK")
             os.chmod(self.directory / DB_NAME, 0o600)
-        except (sqlite3.Error, OSError) as e:
+        except CoordinatorError:
             self.close()
+            raise
+        except sqlite3.DatabaseError as e:
+            self.close()
+            if "readonly" in str(e) or "read-only" in str(e):
+                raise CoordinatorError(_read_only(self.directory, e)) from e
+            raise CoordinatorError(_corrupt(self.directory, e)) from e
+        except OSError as e:
+            self.close()
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise CoordinatorError(_read_only(self.directory, e)) from e
             raise CoordinatorError(f"cannot open the coordinator's database in {str(self.directory)!r}: {e}") from e
 
     def load(self) -> Snapshot:

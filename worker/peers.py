@@ -1,0 +1,205 @@
+"""The nodes of one job generation vouch for each other while the coordinator does not answer.
+
+Each node of a running generation listens on a small TCP port (`PeerLink`) and publishes its address in
+the generation's store; the others read the addresses as soon as they are there. When a node's
+heartbeats go unanswered for a whole lease it asks its peers (`probe`): each answers, authenticated with
+the generation's secret, which generation it runs and how long its own heartbeats have gone unanswered.
+A peer in the same generation that lost the coordinator too says the coordinator is away (an outage:
+keep training); a peer that still reaches the coordinator, or no answer at all, says this node is the one
+cut off (stop its ranks). `coordinator_host_answers` tells whether the coordinator's address still
+answers at the TCP level (its process is stopped, restarting or hung, but not cut off from this node).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from axond.errors import CoordinatorError, StoreError
+
+if TYPE_CHECKING:
+    from axond.control.client import CoordinatorClient
+
+PROBE_TIMEOUT_S = 0.5
+"""Seconds one probe of one peer (connect, ask, answer) may take."""
+MAX_PROBED = 4
+"""Peers each node learns the address of and asks (the next ones by node rank): enough to tell an outage
+from a partition, at a cost that does not grow with the job."""
+_MAX_LINE = 1024
+_KEY = "axond/peer/{}"
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """One peer's answer to a probe."""
+
+    node_rank: int
+    generation: int
+    """The generation of the job it runs (0: none, or it has stopped running the one asked about)."""
+    silent_for: float
+    """Seconds since its last answered heartbeat."""
+    lease: float
+    """Its lease: silent_for above half of it means it too lost the coordinator."""
+
+    @property
+    def lost_coordinator(self) -> bool:
+        return self.silent_for >= self.lease / 2
+
+
+def _mac(secret: bytes, *parts: object) -> str:
+    return hmac.new(secret, "|".join(str(p) for p in parts).encode(), hashlib.sha256).hexdigest()
+
+
+def _advertised_host(coordinator: str, env: dict[str, str]) -> str:
+    """Where peers reach this node: AXOND_SOCKET_IFNAME's address, else the route to the coordinator, else loopback."""
+    from axond.distributed.backends.tcp.transport.mesh import interface_address, route_address
+
+    ifname = env.get("AXOND_SOCKET_IFNAME") or os.environ.get("AXOND_SOCKET_IFNAME")
+    if ifname:
+        return interface_address(ifname)
+    host = urlsplit("//" + coordinator.split(",")[0]).hostname or ""
+    return route_address(host) or "127.0.0.1"
+
+
+def coordinator_host_answers(address: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the coordinator's address is accepted or refused (its machine answers);
+    False when it times out or the network is unreachable (this node is cut off from it)."""
+    for one in address.split(","):
+        parts = urlsplit("//" + one)
+        if parts.hostname is None or parts.port is None:
+            continue
+        try:
+            socket.create_connection((parts.hostname, parts.port), timeout=timeout).close()
+            return True
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            continue
+    return False
+
+
+class PeerLink:
+    """This node's part in one generation's mutual checks: the listener, and the peers' addresses."""
+
+    def __init__(self, client: CoordinatorClient, job: str, generation: int, node_rank: int, nnodes: int,
+                 secret: bytes, silent_for: Callable[[], float], lease: Callable[[], float],
+                 env: dict[str, str] | None = None, wait_s: float = 300.0) -> None:
+        self._client, self.job, self.generation = client, job, generation
+        self.node_rank, self.nnodes, self._secret = node_rank, nnodes, secret
+        self._silent_for, self._lease = silent_for, lease
+        self._wait_s = wait_s
+        self._closed = threading.Event()
+        self.peers: dict[int, tuple[str, int]] = {}
+        """The other nodes' addresses, by node rank, as far as they are known yet."""
+        host = _advertised_host(client.address, env or {})
+        self._listener = socket.create_server((host, 0))
+        self._listener.settimeout(0.5)
+        self.address = (host, self._listener.getsockname()[1])
+        self._threads = [threading.Thread(target=self._serve, name=f"axond-peers-{job}", daemon=True)]
+        if nnodes > 1:
+            self._threads.append(threading.Thread(target=self._exchange, name=f"axond-peer-addrs-{job}", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def _exchange(self) -> None:
+        """Publish this node's address in the generation's store and read the others' (bounded, retried)."""
+        from axond.control.coordinator_store import CoordinatorStore
+
+        store = CoordinatorStore(self._client, self.job, self.generation)  # one KV stream: cheap for the coordinator
+        deadline = time.monotonic() + self._wait_s
+        published = False
+        try:
+            wanted = [(self.node_rank + i) % self.nnodes for i in range(1, min(self.nnodes, MAX_PROBED + 1))]
+            while not self._closed.is_set() and time.monotonic() < deadline and len(self.peers) < len(wanted):
+                try:
+                    if not published:
+                        store.set(_KEY.format(self.node_rank), f"{self.address[0]} {self.address[1]}".encode())
+                        published = True
+                    missing = [r for r in wanted if r not in self.peers]
+                    store.wait([_KEY.format(r) for r in missing], timeout=5.0)
+                    for rank in missing:
+                        host, port = store.get(_KEY.format(rank), timeout=0).decode().split()
+                        self.peers[rank] = (host, int(port))
+                except (StoreError, CoordinatorError, ValueError):
+                    self._closed.wait(0.5)
+        finally:
+            store.close()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    self._answer(conn)
+                except (OSError, ValueError, KeyError, TypeError):
+                    pass
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(PROBE_TIMEOUT_S)
+        req = json.loads(_read_line(conn))
+        job, gen, nonce = str(req["job"]), int(req["generation"]), str(req["nonce"])
+        if not hmac.compare_digest(str(req["mac"]), _mac(self._secret, "ask", job, gen, nonce)):
+            return
+        running = self.generation if (job, gen) == (self.job, self.generation) and not self._closed.is_set() else 0
+        silent, lease = round(self._silent_for(), 3), round(self._lease(), 3)
+        reply = {"generation": running, "silent_for": silent, "lease": lease,
+                 "mac": _mac(self._secret, "tell", nonce, running, silent, lease)}
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    def _ask(self, rank: int, address: tuple[str, int]) -> PeerView | None:
+        nonce = secrets.token_hex(8)
+        req = {"job": self.job, "generation": self.generation, "nonce": nonce,
+               "mac": _mac(self._secret, "ask", self.job, self.generation, nonce)}
+        try:
+            with socket.create_connection(address, timeout=PROBE_TIMEOUT_S) as conn:
+                conn.settimeout(PROBE_TIMEOUT_S)
+                conn.sendall(json.dumps(req).encode() + b"\n")
+                rep = json.loads(_read_line(conn))
+            gen, silent, lease = int(rep["generation"]), float(rep["silent_for"]), float(rep["lease"])
+            if not hmac.compare_digest(str(rep["mac"]), _mac(self._secret, "tell", nonce, gen, silent, lease)):
+                return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return PeerView(rank, gen, silent, lease)
+
+    def probe(self) -> list[PeerView | None]:
+        """Ask the known peers (up to `MAX_PROBED`: the next node ranks after this one) at once: their answers,
+        None for each that did not answer."""
+        known = list(self.peers.items())
+        if not known:
+            return []
+        with ThreadPoolExecutor(len(known)) as pool:
+            return list(pool.map(lambda kv: self._ask(*kv), known))
+
+    def close(self) -> None:
+        """Stop answering (peers asking from now on hear nothing)."""
+        self._closed.set()
+        self._listener.close()  # its threads end by themselves (daemons, within a call's time): no wait here
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(_MAX_LINE - len(data))
+        if not chunk:
+            raise ValueError("closed before a whole line")
+        data += chunk
+        if len(data) >= _MAX_LINE:
+            raise ValueError("line too long")
+    return data
