@@ -20,13 +20,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from axond.distributed.backends.tcp.policy import INLINE_SEND_BYTES, SMALL_FRAME
 from axond.distributed.backends.tcp.transport.sockets import RECV_WAKEUP, tune_socket
 from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, Kind
 
-INLINE_SEND_BYTES = 64 << 10
-"""Frames up to this size are sent from the calling thread (they fit the socket buffer)."""
-SMALL_FRAME = 4096
-"""Payloads up to this size are received together with their header in one call."""
 
 
 class PeerError(Exception):
