@@ -48,7 +48,7 @@ def probe(seconds: float = 1.0) -> float | None:
                 go.clear()
                 np.copyto(dst, src)
                 done.set()
-        except BaseException as e:  # noqa: BLE001 -- reported by the caller
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
             failed.append(e)
             done.set()
 

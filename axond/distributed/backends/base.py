@@ -8,7 +8,8 @@ return a new array. Every call is bounded by `options.timeout` and raises `Distr
 Besides the ops, three capabilities have defaults a backend may override: `post_send` (an isend that
 returns once the data is handed over), `start` (async ops whose completion the backend tracks itself)
 and `batch_p2p` (a batch of isends and irecvs in one launch); `PreparedOps` is an optional one (ops prepared
-for, run past the checks). A backend declares its own options class (`options_class`); the registry checks them. `op_methods` names the method of every op
+for, run past the checks). A backend declares its own options class (`options_class`); the registry checks them.
+`op_methods` names the method of every op
 `ProcessGroup` runs; besides those it calls only `start`, `explain_timeouts`, `abort` and `close`.
 """
 

@@ -11,7 +11,8 @@ from axond.store import Store
 
 _MODULES = {"tcp": "axond.distributed.backends.tcp", "nccl": "axond.distributed.backends.nccl",
             "mock": "axond.distributed.backends.mock"}
-"""Backend name -> module or package defining it (its `BACKEND`); imported lazily so that CuPy is only touched when asked for. "mock" joins
+"""Backend name -> module or package defining it (its `BACKEND`); imported lazily so that CuPy is only touched when
+asked for. "mock" joins
 threads of one process without sockets, for tests (see `axond.testing`)."""
 
 

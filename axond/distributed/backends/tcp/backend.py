@@ -3,7 +3,8 @@
 A group is a full mesh of authenticated sockets (`transport`). Each op checks its arguments, numbers its call
 (the frame header every message carries, so a peer in another op raises), asks `Placement.choose` for its path
 (the shared mailbox, single-copy path or arena of ranks on one host, two levels for ranks spread over hosts, or
-the sockets) and runs that path's schedule (`shm`, `hierarchy`, `schedules`) inside `FramedGroup.run`, which turns any transport
+the sockets) and runs that path's schedule (`shm`, `hierarchy`, `schedules`) inside `FramedGroup.run`, which turns
+any transport
 failure into a `DistributedError` on every rank. Data moves straight from and into the arrays' buffers;
 reductions run in place with NumPy ufuncs, in rank order.
 """

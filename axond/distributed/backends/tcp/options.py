@@ -1,7 +1,8 @@
 """Every knob of the tcp backend in one frozen dataclass; `TcpOptions.from_env` is the only reader of the environment.
 
 A group's options are fixed when it is created: pass `BackendOptions(tcp=TcpOptions(...))` (the tcp backend's
-`options_class`, checked by the registry), or leave `tcp` unset to read the AXOND_TCP_* and AXOND_SHM* variables then. `ENVIRONMENT` lists each variable with its field, default
+`options_class`, checked by the registry), or leave `tcp` unset to read the AXOND_TCP_* and AXOND_SHM* variables
+then. `ENVIRONMENT` lists each variable with its field, default
 and meaning; docs/environment.md has the same table (a test checks it).
 """
 

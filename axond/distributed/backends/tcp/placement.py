@@ -29,7 +29,9 @@ import numpy as np
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.hierarchy.topology import RECORD_BYTES, Topology, describe
 from axond.distributed.backends.tcp.hierarchy.two_level import Levels
-from axond.distributed.backends.tcp.paths import ArenaPath, DataPath, MailboxPath, SingleCopyPath, SocketsPath, TwoLevelPath
+from axond.distributed.backends.tcp.paths import (
+    ArenaPath, DataPath, MailboxPath, SingleCopyPath, SocketsPath, TwoLevelPath,
+)
 from axond.distributed.backends.tcp.policy import Path, Shape
 from axond.distributed.backends.tcp.schedules import direct
 from axond.distributed.backends.tcp.schedules.comm import Comm

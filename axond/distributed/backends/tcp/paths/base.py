@@ -77,7 +77,7 @@ class DataPath(ABC):
         return None
 
     def prepare_reduce_scatter(self, c: Call, src: np.ndarray, per: int, op: ReduceOp, make_call: MakeCall) -> Any:
-        """As `prepare_all_reduce`, for a reduce_scatter of `per` elements per block (`run(flat src, flat out, seq)`)."""
+        """As `prepare_all_reduce`, for a reduce_scatter of `per` elements a block (`run(flat src, flat out, seq)`)."""
         return None
 
     def prepare_barrier(self, c: Call, make_call: MakeCall) -> Any:

@@ -2,7 +2,8 @@
 
 Each op moves in steps of at most one slot per rank. In a step every rank writes its part into its
 own slot of the arena's current buffer, all ranks synchronize (`Sync`: a post without payload through the
-group's mailbox where it has one, else a one-byte recursive-doubling exchange over the group's sockets, framed with the op's header, so a peer in a different op,
+group's mailbox where it has one, else a one-byte recursive-doubling exchange over the group's sockets, framed with
+the op's header, so a peer in a different op,
 dtype or size raises as on sockets), then each rank reads what it needs straight from its peers'
 slots. All-reduce adds one stage: rank r reduces the r-th part of the chunk from every slot into
 the result slot, and after the next synchronization every rank copies the whole result out.

@@ -39,7 +39,7 @@ from axond.distributed.backends.host_copy import PAGE, address, copy, large_copy
 from axond.distributed.backends.tcp.schedules import direct
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.shm.arena_ops import Sync
-from axond.distributed.backends.tcp.shm.shared_arrays import Mappings, find
+from axond.distributed.backends.shared_arrays import Mappings, find
 from axond.distributed.backends.tcp.transport.framing import Call
 
 YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"

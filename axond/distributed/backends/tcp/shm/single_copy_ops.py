@@ -8,8 +8,8 @@ buffer, reads what it needs straight from its peers' buffers, and synchronizes o
   then every rank reads the other reduced parts from their owners.
 
 Reductions run in rank order on one rank per part, so every rank gets the same numbers. Scratch stays bounded:
-SINGLE_COPY_CHUNK_BYTES per peer. A peer's buffer from `shared_empty` is read from its mapping (a memcpy), and reduced from it
-without the scratch.
+SINGLE_COPY_CHUNK_BYTES per peer. A peer's buffer from `shared_empty` is read from its mapping (a memcpy), and
+reduced from it without the scratch.
 
 A broadcast or all_gather of a shape that took the path through the mailbox once runs prepared after that
 (`PreparedBroadcast`, `PreparedAllGather`): one C call (`_fastbox`) posts the publication, reads and posts again,

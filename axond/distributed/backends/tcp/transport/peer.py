@@ -158,7 +158,7 @@ class Peer:
             try:
                 with self._lock:
                     self._write(header, payload)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - the sender thread's failure, raised by the op waiting on it
                 self._fail(e)
                 return
             header, payload = b"", None  # drop the sent buffer: an idle thread must not keep the caller's array alive
