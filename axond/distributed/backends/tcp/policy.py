@@ -50,6 +50,15 @@ MAILBOX_GROUP_BYTES = 3 << 20
 MAILBOX_BROADCAST_SLOTS = 24
 """How many slots' worth a broadcast of more than two ranks takes through the mailbox, in slot-sized chunks
 (#mailbox_broadcast_slots)."""
+MAILBOX_QUICK_TURNS = 32
+"""Turns (`sched_yield`) a mailbox wait takes for the members' posts before its full wait (#mailbox_quick_turns)."""
+MAILBOX_SPIN_SECONDS = 0.01
+"""How long a mailbox wait spins before it sleeps on the sockets (#mailbox_spin_seconds)."""
+MAILBOX_CHECK_SECONDS = 0.0005
+"""How often a spinning mailbox wait looks at the sockets for aborts, dead peers and mismatched calls
+(#mailbox_check_seconds)."""
+MAILBOX_SLEEP_SECONDS = 0.001
+"""How often a sleeping mailbox wait re-checks the mailbox; it wakes at once on a socket (#mailbox_sleep_seconds)."""
 
 AUTO_MIN_BYTES = (64 << 10, 256 << 10)
 """Default arena threshold where its steps synchronize over the sockets (spare, oversubscribed cores)
