@@ -10,7 +10,7 @@ from axond.distributed import chunking
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
-from axond.distributed.backends.tcp.transport.peer import SMALL_FRAME
+from axond.distributed.backends.tcp.policy import SMALL_FRAME
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
 
