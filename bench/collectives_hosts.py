@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bounds import add_rate  # noqa: E402
-from collectives import (  # noqa: E402
+from bounds import add_rate
+from collectives import (
     Result, _duplex, _importable, best, fmt_size, report, report_bound, report_raw, run_suite,
 )
 

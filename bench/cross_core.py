@@ -2,7 +2,7 @@
 
 One thread writes a 12 MiB buffer on one core, another copies it on a second core, hand-off after hand-off
 (NumPy copies without the GIL). On some VMs the time of that hand-off moves in steps while the copies on one
-core alone do not: on the 2-core VM of bench/RESULTS.md it is about 0.9 ms for stretches of seconds to minutes, then
+core alone do not: on the 2-core VM of bench/results/ it is about 0.9 ms for stretches of seconds to minutes, then
 3.5-5.5 ms for others (session 17). Ranks on one host exchange data exactly this way, so a shared-memory
 collective measured in the slow stretch runs several times slower; the benchmarks print this probe beside
 their tables so that a slow cell can be told from a slow machine.
@@ -48,7 +48,7 @@ def probe(seconds: float = 1.0) -> float | None:
                 go.clear()
                 np.copyto(dst, src)
                 done.set()
-        except BaseException as e:  # noqa: BLE001 -- reported by the caller
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
             failed.append(e)
             done.set()
 

@@ -28,10 +28,10 @@ import time
 from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import rendezvous  # noqa: E402  (bench/rendezvous.py: the KV load)
+import rendezvous  # bench/rendezvous.py: the KV load
 
-from axond.control.client import connect  # noqa: E402
-from axond.coordinator.persistence.etcd import EtcdClient, EtcdError  # noqa: E402
+from axond.control.client import connect
+from axond.coordinator.persistence.etcd import EtcdClient, EtcdError
 
 TOKEN = rendezvous.BENCH_CONFIG.token or "bench"
 AXOND = [sys.executable, "-c", "from axond.cli.main import main; main()"]

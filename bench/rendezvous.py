@@ -54,9 +54,9 @@ from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rendezvous_common import AUTH, BENCH_CONFIG, coordinator as _coordinator  # noqa: E402
-from rendezvous_kv import kv_client_proc, part_kv  # noqa: E402
-from rendezvous_scale import part_scale, scale_client_proc  # noqa: E402
+from rendezvous_common import AUTH, BENCH_CONFIG, coordinator as _coordinator
+from rendezvous_kv import kv_client_proc, part_kv
+from rendezvous_scale import part_scale, scale_client_proc
 
 
 async def _rendezvous_once(address: str, n: int, job: str, nproc: int) -> float:

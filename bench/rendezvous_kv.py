@@ -147,7 +147,7 @@ def kv_load(address: str, clients: int, procs: int, seconds: float, mix: str,
     latencies.sort()
     if not latencies:
         return 0.0, 0.0, 0.0, errors
-    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3  # noqa: E731
+    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3
     return len(latencies) / seconds, pick(0.50), pick(0.99), errors
 
 

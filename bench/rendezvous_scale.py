@@ -110,7 +110,7 @@ def scale_client_proc(address: str, first: int, count: int, total: int, nproc: i
         stop = asyncio.Event()
         beating = [asyncio.ensure_future(n.heartbeats(streamed, counts, stop)) for n in nodes]
         print(json.dumps({"ready": True}), flush=True)
-        while (line := (await loop.run_in_executor(None, sys.stdin.readline)).strip()) == "mark":
+        while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "mark":
             print(json.dumps({"heartbeats": counts["heartbeats"]}), flush=True)
         sent: list[float] = []
         begun = time.time()

@@ -57,7 +57,7 @@ def wrap(kind: str, model: torch.nn.Module, group: Any, bucket_view: bool = Fals
 
 def rank_main(rank: int, n: int, path: str, args: argparse.Namespace, q: Any) -> None:
     """One rank: `path` is a FileStore file, or `tcp://HOST:PORT` between hosts; rank 0 reports through `q.put`."""
-    import axond.torch  # noqa: F401
+    import axond.torch
 
     torch.set_num_threads(1)
     store = {} if path.startswith("tcp://") else {"store": dist.FileStore(path, n)}

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axond.distributed import chunking
+from axond.distributed.backends.tcp.policy import PIPELINE_CHUNK_BYTES
 
 
 @given(st.integers(0, 10**7), st.integers(1, 64))
@@ -72,5 +73,6 @@ def test_largest_power_of_two(n: int) -> None:
 
 @given(st.integers(0, 1 << 32))
 def test_pipeline_chunk_is_clamped(block: int) -> None:
-    c = chunking.pipeline_chunk_bytes(block)
-    assert chunking.MIN_CHUNK_BYTES <= c <= chunking.MAX_CHUNK_BYTES
+    least, most = PIPELINE_CHUNK_BYTES
+    c = chunking.pipeline_chunk_bytes(block, 0, least, most)
+    assert least <= c <= most

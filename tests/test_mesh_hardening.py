@@ -22,6 +22,7 @@ import pytest
 
 from axond import ProcessGroup
 from axond.distributed import BackendOptions, all_gather_object, broadcast_object_list
+from axond.distributed.backends.tcp.options import TcpOptions
 from axond.distributed.backends.tcp.transport.handshake import ACCEPTED, CHALLENGE, HELLO, MAGIC, MAX_PENDING, REFUSED, Acceptor
 from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.process_group import create_group
@@ -37,7 +38,7 @@ HANDSHAKE = 2.0
 MARGIN = 1.5
 """Slack for thread start-up and a loaded machine."""
 SECRET = b"0123456789abcdef"
-OPTIONS = BackendOptions(timeout=15.0, job_secret=SECRET, handshake_timeout=HANDSHAKE)
+OPTIONS = BackendOptions(timeout=15.0, job_secret=SECRET, tcp=TcpOptions(handshake_timeout=HANDSHAKE))
 WORLD = group_id("world")
 REFUSED_HELLO = (MAGIC + bytes([REFUSED]), CHALLENGE.size)
 """The answer to a HELLO that does not belong: a CHALLENGE with status REFUSED."""
@@ -302,7 +303,7 @@ def test_a_stranger_never_reaches_the_unpickler(stranger: Stranger) -> None:
         where.append(addr)
 
     PWNED.clear()
-    groups, _ = form(2, attack, dataclasses.replace(OPTIONS, tcp=TRANSPORTS["sockets"]))
+    groups, _ = form(2, attack, dataclasses.replace(OPTIONS, tcp=dataclasses.replace(TRANSPORTS["sockets"], handshake_timeout=HANDSHAKE)))
     try:
         assert answers == [True]
         def gather(g: ProcessGroup) -> list[Any]:
@@ -329,7 +330,7 @@ def test_a_stranger_never_reaches_the_unpickler(stranger: Stranger) -> None:
 
 def test_handshake_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="handshake_timeout must be positive"):
-        create_group(InMemoryStore(), 0, 2, "tcp", BackendOptions(timeout=1.0, handshake_timeout=0.0))
+        create_group(InMemoryStore(), 0, 2, "tcp", BackendOptions(timeout=1.0, tcp=TcpOptions(handshake_timeout=0.0)))
 
 
 def test_a_member_cut_off_mid_handshake_connects_again() -> None:

@@ -17,9 +17,10 @@ from axond import ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions
 from axond.distributed.backends.host_copy import address
 from axond.distributed.backends.tcp import TcpOptions
-from axond.distributed.backends.tcp.shm import shared_arrays, single_copy
-from axond.distributed.backends.tcp.shm.shared_arrays import Mappings, find, shared_empty
-from axond.distributed.backends.tcp.shm.single_copy_ops import CHUNK_BYTES
+from axond.distributed.backends import shared_arrays
+from axond.distributed.backends.shared_arrays import Mappings, find, shared_empty
+from axond.distributed.backends.tcp.shm import single_copy
+from axond.distributed.backends.tcp.policy import SINGLE_COPY_CHUNK_BYTES as CHUNK_BYTES
 from axond.testing import run_on, run_processes, thread_groups
 
 pytestmark = pytest.mark.skipif(single_copy.local_obstacle() is not None or not hasattr(os, "memfd_create"),

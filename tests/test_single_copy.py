@@ -23,7 +23,7 @@ from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.backends.tcp import TcpOptions
 from axond.distributed.backends.tcp.policy import ORDERED_STORES
 from axond.distributed.backends.tcp.shm import single_copy
-from axond.distributed.backends.tcp.shm.single_copy_ops import CHUNK_BYTES
+from axond.distributed.backends.tcp.policy import SINGLE_COPY_CHUNK_BYTES as CHUNK_BYTES
 from axond.testing import collect_from_processes, run_on, run_processes, thread_groups
 from collective_cases import all_reduce_until_killed, check_every_large_op, check_killed_rank_1, every_large_op
 

@@ -12,7 +12,7 @@ import pytest
 
 from axond.distributed import BackendOptions
 from axond.distributed.backends.tcp import TcpOptions
-from axond.distributed.backends.tcp.options import AUTO, ENVIRONMENT
+from axond.distributed.backends.tcp.options import AUTO, ENVIRONMENT, NOT_FROM_ENV
 from axond.distributed.backends.tcp.policy import ORDERED_STORES, Path as P, Shape, candidates, route
 from axond.distributed.backends.tcp.transport.wire import Op
 from axond.testing import node_hosts, run_on, thread_groups
@@ -193,10 +193,10 @@ def test_options_from_the_environment() -> None:
 
 
 def test_every_option_has_a_variable_and_a_documented_row() -> None:
-    """ENVIRONMENT names every field but `oversubscribed` and `local_ranks` (detected; LOCAL_WORLD_SIZE), with the dataclass's default; the table in
-    docs/environment.md has the same rows."""
+    """ENVIRONMENT names every field but NOT_FROM_ENV (detected, LOCAL_WORLD_SIZE, or given in code), with the dataclass's
+    default; the table in docs/environment.md has the same rows."""
     fields = {f.name: f.default for f in dataclasses.fields(TcpOptions)}
-    assert sorted(field for field, _, _ in ENVIRONMENT.values()) == sorted(set(fields) - {"oversubscribed", "local_ranks"})
+    assert sorted(field for field, _, _ in ENVIRONMENT.values()) == sorted(set(fields) - set(NOT_FROM_ENV))
     for var, (field, default, _) in ENVIRONMENT.items():
         value = TcpOptions.from_env({var: default})
         assert getattr(value, field) == fields[field], f"{var}: default {default!r} is not {fields[field]!r}"

@@ -7,7 +7,7 @@ from axond.distributed.api import (
     recv, reduce, reduce_scatter, reduce_scatter_tensor, scatter, send,
 )
 from axond.distributed.backends.base import Backend, BackendOptions
-from axond.distributed.backends.tcp.shm.shared_arrays import shared_empty
+from axond.distributed.backends.shared_arrays import shared_empty
 from axond.distributed.batch_p2p import P2POp, batch_isend_irecv
 from axond.distributed.file_store import FileStore
 from axond.distributed.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, overload
 
 from axond.distributed import torch_forms as tf
 from axond.distributed.backends.base import Array, BackendOptions
-from axond.distributed.backends.registry import available_backends
+from axond.distributed.backends.registry import available_backends, options_class
 from axond.distributed.init_method import OpenedStore, open_store, parse, seconds
 from axond.distributed.failure import install as install_failure_hook
 from axond.distributed.process_group import ProcessGroup, create_group
@@ -98,7 +99,8 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
         if not 0 <= r < n:
             raise DistributedError(f"init_process_group: RANK={r} is outside WORLD_SIZE={n}")
         secret = job_secret if job_secret is not None else _secret()
-        options = BackendOptions(timeout=limit, job_secret=secret, host=host, port=port, device=local_rank)
+        options = BackendOptions(timeout=limit, job_secret=secret, host=host, device=local_rank,
+                                 tcp=replace(options_class("tcp").from_env(), port=port) if port else None)
         owned = open_store(method, r, n, limit, secret) if store is None else None
         try:
             _default = create_group(store if store is not None else owned.store, r, n, name, options)  # type: ignore[union-attr]

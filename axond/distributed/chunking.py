@@ -6,10 +6,6 @@ the same schedule from the same (count, size) without talking to the others.
 
 from __future__ import annotations
 
-MIN_CHUNK_BYTES = 64 << 10
-MAX_CHUNK_BYTES = 1 << 20
-
-
 def split_even(count: int, parts: int) -> list[tuple[int, int]]:
     """Split range(count) into `parts` contiguous (start, stop) blocks whose sizes differ by at most one."""
     if parts <= 0:
@@ -31,11 +27,12 @@ def chunk_count(max_block_bytes: int, chunk_bytes: int) -> int:
     return max(1, -(-max_block_bytes // chunk_bytes))
 
 
-def pipeline_chunk_bytes(block_bytes: int, target: int = 0) -> int:
-    """Chunk size for pipelining a block: about a quarter of it, clamped to [64 KiB, 1 MiB] unless `target` is set."""
+def pipeline_chunk_bytes(block_bytes: int, target: int, least: int, most: int) -> int:
+    """Chunk size for pipelining a block: `target` if set, else about a quarter of the block, clamped to
+    [least, most] (the tcp backend's bounds: `policy.PIPELINE_CHUNK_BYTES`)."""
     if target > 0:
         return target
-    return min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, block_bytes // 4))
+    return min(most, max(least, block_bytes // 4))
 
 
 def block_chunks(count: int, size: int, itemsize: int, chunk_bytes: int) -> list[list[tuple[int, int]]]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from axond.errors import DistributedError, StoreTimeout
-from axond.distributed.backends.tcp.transport.wire import describe
+from axond.distributed.ops import describe
 from axond.store import Store
 
 Call = tuple[int, int, int, int, int]

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
-from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Completion, op_methods
+from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Completion, PreparedOps, op_methods
 from axond.distributed.backends.registry import create_backend, resolve_backend
 from axond.distributed.failure import concise, debug, track, untrack
 from axond.distributed.inflight import REPORTER, describe, describe_others
@@ -38,13 +37,13 @@ class ProcessGroup:
                  options: BackendOptions, store: Store | None = None) -> None:
         self.backend = backend
         self._methods = op_methods(backend) if backend is not None else None
-        self._quick_all_reduce = backend.quick_all_reduce if backend is not None else None
-        self._quick_broadcast = backend.quick_broadcast if backend is not None else None
-        self._quick_all_gather = backend.quick_all_gather if backend is not None else None
-        self._quick_reduce_scatter = backend.quick_reduce_scatter if backend is not None else None
-        self._quick_barrier = backend.quick_barrier if backend is not None else None
-        """The backend's prepared forms (`quick_all_reduce`, `quick_broadcast`, `quick_all_gather`,
-        `quick_reduce_scatter`, `quick_barrier`) while the group lives (None once destroyed)."""
+        prepared = backend if isinstance(backend, PreparedOps) else None
+        self._quick_all_reduce = prepared.quick_all_reduce if prepared is not None else None
+        self._quick_broadcast = prepared.quick_broadcast if prepared is not None else None
+        self._quick_all_gather = prepared.quick_all_gather if prepared is not None else None
+        self._quick_reduce_scatter = prepared.quick_reduce_scatter if prepared is not None else None
+        self._quick_barrier = prepared.quick_barrier if prepared is not None else None
+        """The backend's prepared forms if it has them (`PreparedOps`) while the group lives (None once destroyed)."""
         self.ranks = list(ranks)
         self.name = name
         self.global_rank = global_rank
@@ -134,7 +133,7 @@ class ProcessGroup:
             raise concise(e) from None
 
     def _quickly(self, op: str, quick: Callable[..., Any] | None, *args: Any) -> Any:
-        """Run blocking op `op` through the backend's prepared form (`quick`, e.g. `Backend.quick_all_reduce`) if
+        """Run blocking op `op` through the backend's prepared form (`quick`, e.g. `PreparedOps.quick_all_reduce`) if
         it has one for these arguments and no async op is queued: `_run`'s common case, shorter still (small ops
         are latency-bound). Returns what `quick` returns (False or None: nothing ran)."""
         if quick is None or self._comm.pending:
@@ -353,7 +352,7 @@ class ProcessGroup:
         if len(wanted) > 8:
             members = f"{len(wanted)} ranks {zlib.crc32(members.encode()):08x}"
         name = f"{self.name}/{self._subgroups}[{members}]"
-        options = replace(self.options, port=0, timeout=float(timeout) if timeout is not None else self.options.timeout)
+        options = self.options.for_new_group(float(timeout) if timeout is not None else None)
         if self.global_rank not in wanted:
             return ProcessGroup(None, wanted, name, self.global_rank, options)
         kind = backend or self.backend_name

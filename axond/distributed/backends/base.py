@@ -7,19 +7,19 @@ return a new array. Every call is bounded by `options.timeout` and raises `Distr
 
 Besides the ops, three capabilities have defaults a backend may override: `post_send` (an isend that
 returns once the data is handed over), `start` (async ops whose completion the backend tracks itself)
-and `batch_p2p` (a batch of isends and irecvs in one launch). `op_methods` names the method of every op
+and `batch_p2p` (a batch of isends and irecvs in one launch); `PreparedOps` is an optional one (ops prepared
+for, run past the checks). A backend declares its own options class (`options_class`); the registry checks them.
+`op_methods` names the method of every op
 `ProcessGroup` runs; besides those it calls only `start`, `explain_timeouts`, `abort` and `close`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
-from axond.distributed.backends.tcp.options import TcpOptions
-from axond.distributed.backends.tcp.transport.handshake import HANDSHAKE_TIMEOUT
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import PendingSend
 from axond.store import Store
@@ -51,9 +51,22 @@ class Completion(Protocol):
         """The failure of a finished op, or None."""
 
 
-@dataclass(frozen=True)
+class BackendSettings(Protocol):
+    """What a backend's own options class provides (tcp: `TcpOptions`): a frozen dataclass it declares as its
+    `Backend.options_class`, read from the environment unless given in `BackendOptions`."""
+
+    @classmethod
+    def from_env(cls) -> Any:
+        """The options the environment sets (the defaults where it sets none)."""
+
+    def for_new_group(self) -> Any:
+        """These options for a group made by `new_group` (settings only the default group has, like a fixed port,
+        reset)."""
+
+
+@dataclass(frozen=True, init=False)
 class BackendOptions:
-    """Settings shared by every backend of a process group."""
+    """Settings of a process group's backend: the ones every backend shares, and each backend's own by its name."""
 
     timeout: float = 300.0
     """Seconds any blocking call may take before it raises `DistributedError`."""
@@ -63,18 +76,38 @@ class BackendOptions:
     """Address to listen on and advertise (None: from AXOND_SOCKET_IFNAME, else the hostname's)."""
     device: int | None = None
     """GPU index for device backends (None: LOCAL_RANK)."""
-    port: int = 0
-    """Port the tcp backend listens on (0: chosen by the OS); only the default group uses it."""
-    handshake_timeout: float = HANDSHAKE_TIMEOUT
-    """Seconds an incoming tcp connection has, in all, to prove the job secret while a group forms; then it is dropped."""
-    tcp: TcpOptions | None = None
-    """The tcp backend's settings (None: `TcpOptions.from_env()` when the group is created)."""
+    per_backend: Mapping[str, BackendSettings] = field(default_factory=dict)
+    """Backend name -> that backend's own options, an instance of its `options_class` (`BackendOptions(tcp=TcpOptions(
+    ...))`); a backend not named reads its own from the environment when the group is created. Checked by
+    `registry.check_options`."""
+
+    def __init__(self, timeout: float = 300.0, job_secret: bytes = b"", host: str | None = None,
+                 device: int | None = None, per_backend: Mapping[str, BackendSettings] | None = None,
+                 **by_name: BackendSettings | None) -> None:
+        """`by_name` adds per-backend options by backend name (`tcp=TcpOptions(...)`); None entries are left out."""
+        merged = dict(per_backend or {})
+        merged.update({name: value for name, value in by_name.items() if value is not None})
+        for name, value in (("timeout", float(timeout)), ("job_secret", job_secret), ("host", host),
+                            ("device", device), ("per_backend", merged)):
+            object.__setattr__(self, name, value)
+
+    def options_of(self, backend: str) -> BackendSettings | None:
+        """The options given for backend `backend`, or None (it reads its own from the environment)."""
+        return self.per_backend.get(backend)
+
+    def for_new_group(self, timeout: float | None = None) -> BackendOptions:
+        """These options for a group made by `new_group`: each backend's through its `for_new_group`, and `timeout`
+        if given."""
+        return replace(self, timeout=self.timeout if timeout is None else float(timeout),
+                       per_backend={name: value.for_new_group() for name, value in self.per_backend.items()})
 
 
 class Backend(ABC):
     """Communicator of one process group; built by `create_backend` from the registry."""
 
     name: ClassVar[str]
+    options_class: ClassVar[type[BackendSettings] | None] = None
+    """This backend's own options (given as `BackendOptions(<name>=...)`), or None: it takes none."""
 
     def __init__(self, store: Store, rank: int, size: int, group_name: str, options: BackendOptions) -> None:
         self.store = store
@@ -83,6 +116,14 @@ class Backend(ABC):
         self.size = size
         self.group_name = group_name
         self.options = options
+
+    def own_options(self) -> Any:
+        """This backend's own options: those given in `options`, else its `options_class` read from the environment
+        (None for a backend without any)."""
+        given = self.options.options_of(self.name)
+        if given is not None or self.options_class is None:
+            return given
+        return self.options_class.from_env()
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -158,32 +199,6 @@ class Backend(ABC):
             if sent is not None:
                 sent.wait(self.options.timeout, True)
 
-    def quick_all_reduce(self, x: Array, op: ReduceOp) -> bool:
-        """Run a blocking all_reduce that this backend prepared for (a small one it ran before) and return True, or
-        return False at once, having done nothing: `ProcessGroup.all_reduce` then takes the full way.
-
-        The default prepares nothing. tcp overrides it for ops through its shared mailbox (latency is most of
-        their cost); it is called only for a blocking op with no async op queued.
-        """
-        return False
-
-    def quick_broadcast(self, x: Array, src: int) -> bool:
-        """As `quick_all_reduce`, for a blocking broadcast from group rank `src`."""
-        return False
-
-    def quick_all_gather(self, x: Array, out: Array | None) -> Array | None:
-        """As `quick_all_reduce`, for a blocking all_gather: the gathered array (`out` if given), or None having
-        done nothing."""
-        return None
-
-    def quick_reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None) -> Array | None:
-        """As `quick_all_gather`, for a blocking reduce_scatter: this rank's block (`out` if given)."""
-        return None
-
-    def quick_barrier(self) -> bool:
-        """As `quick_all_reduce`, for a blocking barrier."""
-        return False
-
     def start(self, op: str, *args: Any, **kwargs: Any) -> Completion | None:
         """Launch op `op` (a key of `op_methods`, with its method's arguments) without waiting, and return the
         handle that tracks its completion; or None: this backend tracks none, run the op's method elsewhere.
@@ -223,6 +238,37 @@ class Backend(ABC):
         """`abort` because this rank's process failed: `reason` ("rank R failed: ExcType: message") is the
         root cause, which peers quote as it is. The default is `abort(reason)`."""
         self.abort(reason)
+
+
+class PreparedOps(ABC):
+    """An optional capability: blocking ops a backend prepared for run straight away, past the checks and the route.
+
+    A backend that has it (tcp, for small ops through its shared mailbox, whose cost is mostly latency) inherits this
+    beside `Backend`; `ProcessGroup` asks `isinstance(backend, PreparedOps)` and calls these only for a blocking op
+    with no async op queued. Each runs the op and says so, or does nothing and says that (False or None).
+    """
+
+    @abstractmethod
+    def quick_all_reduce(self, x: Array, op: ReduceOp) -> bool:
+        """Run a blocking all_reduce that this backend prepared for (a small one it ran before) and return True, or
+        return False at once, having done nothing: `ProcessGroup.all_reduce` then takes the full way."""
+
+    @abstractmethod
+    def quick_broadcast(self, x: Array, src: int) -> bool:
+        """As `quick_all_reduce`, for a blocking broadcast from group rank `src`."""
+
+    @abstractmethod
+    def quick_all_gather(self, x: Array, out: Array | None) -> Array | None:
+        """As `quick_all_reduce`, for a blocking all_gather: the gathered array (`out` if given), or None having
+        done nothing."""
+
+    @abstractmethod
+    def quick_reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None) -> Array | None:
+        """As `quick_all_gather`, for a blocking reduce_scatter: this rank's block (`out` if given)."""
+
+    @abstractmethod
+    def quick_barrier(self) -> bool:
+        """As `quick_all_reduce`, for a blocking barrier."""
 
 
 def op_methods(backend: Backend) -> dict[str, Callable[..., Any]]:

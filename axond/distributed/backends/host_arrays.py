@@ -22,7 +22,8 @@ def output_array(out: Any, shape: tuple[int, ...], dtype: np.dtype, op: str, bac
         return np.empty(shape, dtype)
     out = numpy_array(out, f"{op} out", backend)
     if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
-        raise ValueError(f"{op} out= must be a C-contiguous {dtype} array of shape {shape}; got {out.dtype} {out.shape}")
+        raise ValueError(f"{op} out= must be a C-contiguous {dtype} array of shape {shape}; "
+                         f"got {out.dtype} {out.shape}")
     return out
 
 

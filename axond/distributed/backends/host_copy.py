@@ -23,13 +23,12 @@ PAGE = 4096
 SLOW_DISTANCE = 32
 """A copy is slow when (destination - source) modulo PAGE is 1 to SLOW_DISTANCE - 1."""
 MIN_BYTES = 8192
-"""Smaller copies gain less than the check costs (~1-2 us; a 4 KiB copy takes 3 us at a slow distance, 1 at others)."""
+"""Smallest copy `copy` checks for a slow distance (docs/design/tuning.md#host_copy_min_bytes)."""
 
 
 MAX_BYTES = (512 << 10) - 1
-"""Larger copies do not take `rep movsb` in glibc on AMD (its upper bound there derives from the L2 size: measured
-here, 500 KiB at a slow distance 329 us, 512 KiB 16 us, as at any other), and the vector loop is no faster than
-memcpy's own path for them, so `np.copyto` keeps them. The kernel's copies have no such bound (`slow_distance`)."""
+"""Largest copy `copy` runs as NumPy's vector loop at a slow distance; larger ones do not take glibc's `rep movsb` on
+AMD (docs/design/tuning.md#host_copy_max_bytes)."""
 
 
 def _slow_address(a: np.ndarray) -> int:
@@ -108,9 +107,8 @@ def _compiled(name: str) -> Any:
 _MOVSB = _compiled("copy")
 _CHANGED = _compiled("copy_changed")
 STRING_MIN_BYTES = 1 << 20
-"""From this size `large_copy` copies with `rep movsb` where the page distance allows: 64 MiB between two cores
-3.4 ms against glibc's 5.6 (its vector loop; at 16 MiB 0.80 against 1.04 ms, at 1-4 MiB level;
-bench/RESULTS.md, session 17)."""
+"""Size from which `large_copy` copies with `rep movsb` where the page distance allows
+(docs/design/tuning.md#string_min_bytes)."""
 
 
 def large_copy(dst: np.ndarray, src: np.ndarray) -> None:

@@ -23,7 +23,7 @@ from axond.distributed.mock_hub import Call, HubError, Post, call_text, join
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, accumulator, check_reduce_op, finish_average, narrow_into
 from axond.distributed.splits import announcement, check_splits, offsets, settle
-from axond.distributed.backends.tcp.transport.wire import OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
+from axond.distributed.ops import OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
 from axond.errors import DistributedError
 from axond.store import Store
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from axond.distributed.backends.base import Backend, BackendOptions
 from axond.errors import BackendUnavailable
@@ -10,7 +11,8 @@ from axond.store import Store
 
 _MODULES = {"tcp": "axond.distributed.backends.tcp", "nccl": "axond.distributed.backends.nccl",
             "mock": "axond.distributed.backends.mock"}
-"""Backend name -> module or package defining it (its `BACKEND`); imported lazily so that CuPy is only touched when asked for. "mock" joins
+"""Backend name -> module or package defining it (its `BACKEND`); imported lazily so that CuPy is only touched when
+asked for. "mock" joins
 threads of one process without sockets, for tests (see `axond.testing`)."""
 
 
@@ -32,10 +34,36 @@ def backend_classes() -> dict[str, type[Backend]]:
     return {name: importlib.import_module(module).BACKEND for name, module in _MODULES.items()}
 
 
+def check_options(options: BackendOptions) -> None:
+    """Raise TypeError unless each backend's own options in `options` name a registered backend that declares an
+    options class, and are an instance of it (`BackendOptions(tcp=TcpOptions(...))`)."""
+    for name, given in options.per_backend.items():
+        module_name = _MODULES.get(name)
+        if module_name is None:
+            raise TypeError(f"BackendOptions({name}=...): no backend is named {name!r}; a backend's own options go "
+                            f"by its name ({', '.join(f'{n}=...' for n in sorted(_MODULES))}), and tcp's port and "
+                            "handshake timeout are TcpOptions fields")
+        wanted = importlib.import_module(module_name).BACKEND.options_class
+        if wanted is None:
+            raise TypeError(f"BackendOptions({name}=...): the {name} backend takes no options of its own")
+        if not isinstance(given, wanted):
+            raise TypeError(f"BackendOptions({name}=...) must be a {wanted.__module__}.{wanted.__name__}, "
+                            f"got {type(given).__name__}")
+
+
+def options_class(name: str) -> Any:
+    """The options class the backend registered as `name` declares (None: it takes none); imports no CuPy."""
+    module_name = _MODULES.get(name)
+    if module_name is None:
+        raise BackendUnavailable(f"unknown backend {name!r}; choose one of {sorted(_MODULES)}")
+    return importlib.import_module(module_name).BACKEND.options_class
+
+
 def create_backend(
     name: str, store: Store, rank: int, size: int, group_name: str, options: BackendOptions
 ) -> Backend:
-    """Build the communicator of one group member with the backend registered as `name`."""
+    """Build the communicator of one group member with the backend registered as `name` (`options` checked first)."""
+    check_options(options)
     return backend_class(name)(store, rank, size, group_name, options)
 
 

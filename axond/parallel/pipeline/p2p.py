@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from axond.distributed.process_group import ProcessGroup
-from axond.distributed.backends.tcp.transport.wire import DTYPES, dtype_code
+from axond.distributed.ops import DTYPES, dtype_code
 from axond.distributed.work import Work
 from axond.nn.device import Array
 from axond.parallel.pipeline.schedules import Action, stage_rank

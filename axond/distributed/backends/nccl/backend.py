@@ -57,24 +57,24 @@ class NcclBackend(Backend):
             import cupy
         except ImportError:
             return False, "CuPy is not installed: pip install 'axond[gpu]'"
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure to load means unavailable, said with its cause
             return False, f"CuPy failed to import ({type(e).__name__}: {e}); reinstall cupy-cuda12x"
         try:
             count = int(cupy.cuda.runtime.getDeviceCount())
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure to load means unavailable, said with its cause
             return False, f"no CUDA device visible (CUDA says {type(e).__name__}: {e}); check the driver"
         if count < 1:
             return False, "no CUDA device visible (check the driver and CUDA_VISIBLE_DEVICES)"
         preload_nccl_wheel()
         try:
             from cupy.cuda import nccl
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure to load means unavailable, said with its cause
             return False, f"CuPy has no NCCL (cupy.cuda.nccl: {e}): install the nvidia-nccl-cu12 wheel"
         if not getattr(nccl, "available", False):
             return False, "CuPy has no NCCL (cupy.cuda.nccl unavailable): install the nvidia-nccl-cu12 wheel"
         try:
             version = int(nccl.get_version())
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure to load means unavailable, said with its cause
             return False, f"the NCCL library does not load ({type(e).__name__}: {e}): install nvidia-nccl-cu12"
         if version < NCCL_P2P_MIN_VERSION:
             return False, f"NCCL {version} is too old: axond needs NCCL >= 2.7 (pip install -U nvidia-nccl-cu12)"

@@ -335,7 +335,8 @@ def batch_p2p(b: NcclBackend, batch: list[P2P]) -> NcclWork:
                 b._unstage(s)
 
     keep = tuple(x for part in parts for x in (part[1], part[4]))
-    launched.append(b._launch("batch_isend_irecv", None, lambda stream: _grouped(b, lambda: calls(stream)), keep, finish))
+    launched.append(b._launch("batch_isend_irecv", None, lambda stream: _grouped(b, lambda: calls(stream)), keep,
+                              finish))
     return launched[0]
 
 
@@ -354,4 +355,5 @@ LAUNCHES: dict[str, Callable[..., NcclWork]] = {
     "reduce_scatter": reduce_scatter, "gather": gather, "scatter": scatter, "all_to_all": all_to_all,
     "send": send, "isend": send, "recv": recv, "batch_p2p": batch_p2p, "barrier": barrier,
 }
-"""Each op of `axond.distributed.backends.base.op_methods` by name, as the function that launches it (`NcclBackend.start`)."""
+"""Each op of `axond.distributed.backends.base.op_methods` by name, as the function that launches it
+(`NcclBackend.start`)."""

@@ -283,5 +283,6 @@ def check_p2p_header(header: np.ndarray, tag: int, nbytes: int, dtype: np.dtype[
     if not problems:
         return None
     return (
-        "the peer sent " + ", ".join(problems) + "; NCCL matches sends and recvs in order, so post them in the same order"
+        "the peer sent " + ", ".join(problems)
+        + "; NCCL matches sends and recvs in order, so post them in the same order"
     )

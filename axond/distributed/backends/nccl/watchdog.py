@@ -103,7 +103,7 @@ class Watchdog:
             try:
                 if op.done() and not op.aborted:
                     return True
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the device's failure fails the op, naming it
                 self.fail(op, f"the device reported {type(e).__name__}: {e}")
                 continue
             now = time.monotonic()
@@ -142,7 +142,7 @@ class Watchdog:
             self._ops.clear()
         try:
             self._abort()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the abort's own failure is added to the message
             message += f" (ncclCommAbort itself failed: {type(e).__name__}: {e})"
         self._failure = DistributedError(message, op=op.op, group=self.group, rank=self.rank, peer=op.peer)
         self._failed.set()
@@ -186,7 +186,7 @@ class Watchdog:
         for op in ops:
             try:
                 finished = op.done()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the device's failure fails the op, naming it
                 self.fail(op, f"the device reported {type(e).__name__}: {e}")
                 return
             if finished:

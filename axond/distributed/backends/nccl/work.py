@@ -62,7 +62,7 @@ class NcclWork:
                     self._backend._cp.cuda.get_current_stream().wait_event(self._event)
                     if self._finish is not None:
                         self._result = self._finish()
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - kept, and raised by wait()
                 self._error = e
             self._finished = True
         if self._error is not None:

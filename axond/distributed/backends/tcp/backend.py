@@ -3,7 +3,8 @@
 A group is a full mesh of authenticated sockets (`transport`). Each op checks its arguments, numbers its call
 (the frame header every message carries, so a peer in another op raises), asks `Placement.choose` for its path
 (the shared mailbox, single-copy path or arena of ranks on one host, two levels for ranks spread over hosts, or
-the sockets) and runs that path's schedule (`shm`, `hierarchy`, `schedules`) inside `FramedGroup.run`, which turns any transport
+the sockets) and runs that path's schedule (`shm`, `hierarchy`, `schedules`) inside `FramedGroup.run`, which turns
+any transport
 failure into a `DistributedError` on every rank. Data moves straight from and into the arrays' buffers;
 reductions run in place with NumPy ufuncs, in rank order.
 """
@@ -17,17 +18,15 @@ from typing import Any
 import numpy as np
 
 from axond.distributed import low_precision
-from axond.distributed.backends.base import Array, Backend, BackendOptions
+from axond.distributed.backends.base import Array, Backend, BackendOptions, PreparedOps
 from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
-from axond.distributed.backends.host_copy import copy, large_copy
 from axond.distributed.backends.tcp import policy
-from axond.distributed.backends.tcp.hierarchy import two_level
 from axond.distributed.backends.tcp.options import TcpOptions
 from axond.distributed.backends.tcp.placement import Placement
-from axond.distributed.backends.tcp.policy import Path, Route
-from axond.distributed.backends.tcp.schedules import direct, doubling, sockets, trees
+from axond.distributed.backends.tcp.paths.base import DataPath, own_row
+from axond.distributed.backends.tcp.policy import Route
+from axond.distributed.backends.tcp.schedules import direct, trees
 from axond.distributed.backends.tcp.schedules.comm import Comm, Scratch
-from axond.distributed.backends.tcp.shm import arena_ops, mailbox_ops, single_copy_ops
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup, byte_view
 from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerError, PeerTimeout
@@ -41,6 +40,8 @@ from axond.errors import DistributedError
 from axond.store import Store
 
 
+BARRIER_TOKEN = np.dtype(np.uint8)
+"""The dtype a barrier's call names (one element)."""
 SMALL_PLANS = 64
 """Prepared small mailbox ops kept per group (op, dtype, size and op or root combinations); all dropped when full."""
 
@@ -49,20 +50,21 @@ def _numpy(x: Any, what: str) -> np.ndarray:
     return numpy_array(x, what, "tcp")
 
 
-class TcpBackend(Backend):
+class TcpBackend(Backend, PreparedOps):
     """Collectives over TCP sockets (and shared memory between the ranks of one host) between the ranks of a group."""
 
     name = "tcp"
+    options_class = TcpOptions
 
     def __init__(self, store: Store, rank: int, size: int, group_name: str, options: BackendOptions) -> None:
         super().__init__(store, rank, size, group_name, options)
-        tcp = options.tcp if options.tcp is not None else TcpOptions.from_env()
+        tcp: TcpOptions = self.own_options()
         gid = group_id(group_name)
         where = f"group '{group_name}' (rank {rank} of {size})"
         socks, host = {}, ""
         if size > 1:
-            mesh = Mesh(store, rank, size, gid, options.job_secret, options.host, options.port, options.timeout, where,
-                        options.handshake_timeout)
+            mesh = Mesh(store, rank, size, gid, options.job_secret, options.host, tcp.port, options.timeout, where,
+                        tcp.handshake_timeout)
             host, socks = mesh.host, mesh.connect_all()
         self.host_ranks, self.host_cores = host_ranks(list(socks.values()), tcp.local_ranks), host_cores()
         """Ranks of the group on this host (or the job's, `local_ranks`, if more) and the cores this rank may use."""
@@ -102,6 +104,13 @@ class TcpBackend(Backend):
         """Run `body` on a contiguous flat view of `x`, copying back if `x` was not contiguous."""
         work = x if x.flags.c_contiguous else np.ascontiguousarray(x)
         self.g.run(op_name, body, work if work.ndim == 1 else work.reshape(-1))
+        if work is not x:
+            np.copyto(x, work)  # x is not contiguous: NumPy's strided loop
+
+    def _in_place(self, x: np.ndarray, op_name: str, body: Callable[..., None], c: Call, *rest: Any) -> None:
+        """`_inplace` for a path method: `body(c, flat, *rest)`."""
+        work = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        self.g.run(op_name, body, c, work if work.ndim == 1 else work.reshape(-1), *rest)
         if work is not x:
             np.copyto(x, work)  # x is not contiguous: NumPy's strided loop
 
@@ -203,33 +212,18 @@ class TcpBackend(Backend):
         c = self._call(Op.ALL_REDUCE, x, op)
         if self.size == 1:
             return
-        path, on = self.placement.choose(c, Op.ALL_REDUCE, x.nbytes)
-        if path is Path.MAILBOX:
-            self._inplace(x, "all_reduce", lambda flat: mailbox_ops.all_reduce(on, c, flat, op))
-            self._prepare(("all_reduce", x.dtype, x.size, id(op)), on, c,
-                          lambda make_call: mailbox_ops.SmallAllReduce(on, c, x, op, make_call))
-        elif path is Path.SINGLE_COPY:
-            self._inplace(x, "all_reduce", lambda flat: single_copy_ops.all_reduce(on, c, flat, op))
-        elif path is Path.ARENA:
-            step = policy.arena_step(Op.ALL_REDUCE, x.nbytes, self.size)
-            self._inplace(x, "all_reduce", lambda flat: arena_ops.all_reduce(self.comm, on, self.placement.sync, c,
-                                                                             flat, op, step=step))
-        elif path is Path.TWO_LEVEL:
-            self._inplace(x, "all_reduce", lambda flat: two_level.all_reduce(on, c, flat, op))
-        elif x.flags.c_contiguous:
-            self.g.run("all_reduce", sockets.all_reduce, self.comm, c, x if x.ndim == 1 else x.reshape(-1), op)
-        else:
-            self._inplace(x, "all_reduce", lambda flat: sockets.all_reduce(self.comm, c, flat, op))
+        path = self.placement.choose(c, Op.ALL_REDUCE, x.nbytes)
+        self._in_place(x, "all_reduce", path.all_reduce, c, op)
+        self._prepare(("all_reduce", x.dtype, x.size, id(op)), path, c,
+                      lambda make_call: path.prepare_all_reduce(c, x, op, make_call))
 
-    def _compiled_single_copy(self, sc: Any, op: Op, nbytes: int) -> bool:
-        """Whether an op on the single-copy path (`sc`) runs prepared, in its compiled form, from its next call on
-        (`policy.compiled_single_copy`; others keep the Python path, which reads arrays from `shared_empty` through
-        their mappings)."""
-        return bool(sc.compiled) and policy.compiled_single_copy(op, nbytes, self.placement.shape, self.tcp_options)
-
-    def _prepare(self, key: tuple[Any, ...], box: Any, c: Call, build: Callable[[Callable[[int], Call]], Any]) -> None:
-        """Keep the prepared form of a mailbox op (`mailbox_ops.Prepared`) under `key`: the next call of that shape
-        skips the checks, the route and the `Call` (made only if it waits long or fails, by `make_call`)."""
+    def _prepare(self, key: tuple[Any, ...], path: DataPath, c: Call,
+                 build: Callable[[Callable[[int], Call]], Any]) -> None:
+        """Keep the prepared form of an op that `path` keeps (`mailbox_ops.Prepared`) under `key`: the next call of
+        that shape skips the checks, the route and the `Call` (made only if it waits long or fails, by `make_call`)."""
+        box = path.prepares_through
+        if box is None:
+            return
         known = self._small.get(key)
         if known is not None and known.box is box:
             return  # a caller whose array is not contiguous: prepared already, for the contiguous ones
@@ -239,7 +233,9 @@ class TcpBackend(Backend):
         def make_call(seq: int) -> Call:
             return self.g.call(c.op, c.kind, c.dtype, c.redop, seq, c.aux, c.count)
 
-        self._small[key] = build(make_call)
+        prepared = build(make_call)
+        if prepared is not None:
+            self._small[key] = prepared
 
     def broadcast(self, x: Array, src: int) -> None:
         if self.quick_broadcast(x, src):
@@ -249,29 +245,13 @@ class TcpBackend(Backend):
         c = self._call(Op.BROADCAST, x, aux=src)
         if self.size == 1:
             return
-        path, on = self.placement.choose(c, Op.BROADCAST, x.nbytes)
-        body: Callable[[np.ndarray], None]
-        if path is Path.MAILBOX:
-            body = lambda flat: mailbox_ops.broadcast(on, c, flat, src)  # noqa: E731
-        elif path is Path.SINGLE_COPY:
-            body = lambda flat: single_copy_ops.broadcast(on, c, flat, src)  # noqa: E731
-        elif path is Path.ARENA:
-            step = policy.arena_step(Op.BROADCAST, x.nbytes, self.size)
-            body = lambda flat: arena_ops.broadcast(self.comm, on, self.placement.sync, c, flat, src, step)  # noqa: E731
-        elif path is Path.TWO_LEVEL:
-            body = lambda flat: two_level.broadcast(on, c, flat, src)  # noqa: E731
-        else:
-            body = lambda flat: sockets.broadcast(self.comm, c, flat, src)  # noqa: E731
+        path = self.placement.choose(c, Op.BROADCAST, x.nbytes)
         if x.flags.c_contiguous or self.rank != src:
-            self._inplace(x, "broadcast", body)
+            self._in_place(x, "broadcast", path.broadcast, c, src)
         else:
-            self.g.run("broadcast", body, np.ascontiguousarray(x).reshape(-1))
-        if path is Path.MAILBOX:
-            self._prepare(("broadcast", x.dtype, x.size, src), on, c,
-                          lambda make_call: mailbox_ops.prepared_broadcast(on, c, x.nbytes, src, make_call))
-        elif path is Path.SINGLE_COPY and self._compiled_single_copy(on, Op.BROADCAST, x.nbytes):
-            self._prepare(("broadcast", x.dtype, x.size, src), on.sync.mailbox, c,
-                          lambda make_call: single_copy_ops.PreparedBroadcast(on, c, x, src, make_call))
+            self.g.run("broadcast", path.broadcast, c, np.ascontiguousarray(x).reshape(-1), src)
+        self._prepare(("broadcast", x.dtype, x.size, src), path, c,
+                      lambda make_call: path.prepare_broadcast(c, x, src, make_call))
 
     def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
         x = _numpy(x, "reduce input")
@@ -281,7 +261,10 @@ class TcpBackend(Backend):
             return
         c = self._call(Op.REDUCE, x, op, aux=dst)
         if self.size > 1:
-            self._inplace(x, "reduce", lambda flat: trees.tree_reduce(self.comm, c, flat, dst, op))
+            self._in_place(x, "reduce", self._tree_reduce, c, dst, op)
+
+    def _tree_reduce(self, c: Call, x: np.ndarray, dst: int, op: ReduceOp) -> None:
+        trees.tree_reduce(self.comm, c, x, dst, op)
 
     def all_gather(self, x: Array, out: Array | None = None) -> Array:
         """As `Backend.all_gather`; `out` (C-contiguous, shape (size, *x.shape)) avoids a fresh allocation."""
@@ -291,36 +274,13 @@ class TcpBackend(Backend):
         x = _numpy(x, "all_gather input")
         c = self._call(Op.ALL_GATHER, x)
         out = output_array(out, (self.size, *x.shape), x.dtype, "all_gather", "tcp")
-        path, on = self.placement.choose(c, Op.ALL_GATHER, x.nbytes) if self.size > 1 else (Path.SOCKETS, None)
-        if path is Path.SINGLE_COPY and self._compiled_single_copy(on, Op.ALL_GATHER, x.nbytes):
-            sc = on
-            assert sc is not None
-            self._prepare(("all_gather", x.dtype, x.size), sc.sync.mailbox, c,
-                          lambda make_call: single_copy_ops.PreparedAllGather(sc, c, x, make_call))
-        if path is Path.SINGLE_COPY and x.flags.c_contiguous and not np.may_share_memory(x, out):
-            # the peers read x itself (64 MiB of output on two ranks: 0.54-0.59x the time of reading the row this
-            # rank had just written, bench/RESULTS.md), while this rank copies it into its row
-            self.g.run("all_gather", single_copy_ops.all_gather, on, c, out, x)
-            return out
-        if x.ndim:
-            large_copy(out[self.rank], x)  # a fresh out= sits 16 bytes after x modulo the page: see host_copy
-        else:
-            out[self.rank] = x
         if self.size == 1:
+            own_row(out, x, 0)
             return out
-        if path is Path.MAILBOX:
-            assert on is not None
-            self.g.run("all_gather", mailbox_ops.all_gather, on, c, out)
-            self._prepare(("all_gather", x.dtype, x.size), on, c,
-                          lambda make_call: mailbox_ops.SmallAllGather(on, c, x, make_call))
-        elif path is Path.SINGLE_COPY:
-            self.g.run("all_gather", single_copy_ops.all_gather, on, c, out)
-        elif path is Path.ARENA:
-            self.g.run("all_gather", arena_ops.all_gather, self.comm, on, self.placement.sync, c, out)
-        elif path is Path.TWO_LEVEL:
-            self.g.run("all_gather", two_level.all_gather, on, c, out)
-        else:
-            self.g.run("all_gather", sockets.all_gather, self.comm, c, out)
+        path = self.placement.choose(c, Op.ALL_GATHER, x.nbytes)
+        self.g.run("all_gather", path.all_gather, c, out, x)
+        self._prepare(("all_gather", x.dtype, x.size), path, c,
+                      lambda make_call: path.prepare_all_gather(c, x, make_call))
         return out
 
     def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
@@ -341,19 +301,10 @@ class TcpBackend(Backend):
                 finish_average(out, 1)
             return out
         src, dst = np.ascontiguousarray(x).reshape(-1), out.reshape(-1)
-        path, on = self.placement.choose(c, Op.REDUCE_SCATTER, src.nbytes)
-        if path is Path.MAILBOX:
-            self.g.run("reduce_scatter", mailbox_ops.reduce_scatter, on, c, src, dst, op)
-            self._prepare(("reduce_scatter", x.dtype, x.shape, id(op)), on, c,
-                          lambda make_call: mailbox_ops.SmallReduceScatter(on, c, src, dst.size, op, make_call))
-        elif path is Path.SINGLE_COPY:
-            self.g.run("reduce_scatter", single_copy_ops.reduce_scatter, on, c, src, dst, op)
-        elif path is Path.ARENA:
-            self.g.run("reduce_scatter", arena_ops.reduce_scatter, self.comm, on, self.placement.sync, c, src, dst, op)
-        elif path is Path.TWO_LEVEL:
-            self.g.run("reduce_scatter", two_level.reduce_scatter, on, c, src, dst, op)
-        else:
-            self.g.run("reduce_scatter", sockets.reduce_scatter, self.comm, c, src, dst, op)
+        path = self.placement.choose(c, Op.REDUCE_SCATTER, src.nbytes)
+        self.g.run("reduce_scatter", path.reduce_scatter, c, src, dst, op)
+        self._prepare(("reduce_scatter", x.dtype, x.shape, id(op)), path, c,
+                      lambda make_call: path.prepare_reduce_scatter(c, src, dst.size, op, make_call))
         return out
 
     def gather(self, x: Array, dst: int) -> Array | None:
@@ -439,17 +390,13 @@ class TcpBackend(Backend):
     def barrier(self) -> None:
         if self.quick_barrier():
             return
-        token = np.zeros(1, np.uint8)
         self._seq += 1
-        c = self.g.call(Op.BARRIER, Kind.COLLECTIVE, dtype_code(token.dtype), 0, self._seq, 0, 1)
+        c = self.g.call(Op.BARRIER, Kind.COLLECTIVE, dtype_code(BARRIER_TOKEN), 0, self._seq, 0, 1)
         if self.size == 1:
             return
-        path, on = self.placement.choose(c, Op.BARRIER, 0)
-        if path is Path.MAILBOX:
-            self.g.run("barrier", mailbox_ops.barrier, on, c)
-            self._prepare(("barrier",), on, c, lambda make_call: mailbox_ops.SmallBarrier(on, c, make_call))
-        else:
-            self.g.run("barrier", doubling.recursive_doubling, self.comm, c, token, ReduceOp.MAX)
+        path = self.placement.choose(c, Op.BARRIER, 0)
+        self.g.run("barrier", path.barrier, c)
+        self._prepare(("barrier",), path, c, lambda make_call: path.prepare_barrier(c, make_call))
 
     def close(self) -> None:
         self.g.close_peers()

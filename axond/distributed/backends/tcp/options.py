@@ -1,7 +1,8 @@
 """Every knob of the tcp backend in one frozen dataclass; `TcpOptions.from_env` is the only reader of the environment.
 
-A group's options are fixed when it is created: pass `BackendOptions(tcp=TcpOptions(...))`, or leave `tcp` unset
-to read the AXOND_TCP_* and AXOND_SHM* variables then. `ENVIRONMENT` lists each variable with its field, default
+A group's options are fixed when it is created: pass `BackendOptions(tcp=TcpOptions(...))` (the tcp backend's
+`options_class`, checked by the registry), or leave `tcp` unset to read the AXOND_TCP_* and AXOND_SHM* variables
+then. `ENVIRONMENT` lists each variable with its field, default
 and meaning; docs/environment.md has the same table (a test checks it).
 """
 
@@ -9,14 +10,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
+from axond.distributed.backends.tcp.transport.handshake import HANDSHAKE_TIMEOUT
 from axond.env_flags import parse_flag
 
 Algorithm = Literal["auto", "ring", "halving_doubling"]
 ALGORITHMS: tuple[Algorithm, ...] = ("auto", "ring", "halving_doubling")
 NON_NEGATIVE = ("small_bytes", "chunk_bytes", "shm_arena_bytes")
+NOT_FROM_ENV = ("oversubscribed", "local_ranks", "port", "handshake_timeout")
+"""Fields no AXOND_TCP_*/AXOND_SHM* variable sets: detected when the group forms, or given in code."""
 AUTO = ("spin_us", "inline_bytes", "shm_min_bytes", "shm_single_copy_min_bytes", "socket_buffer_bytes")
 """Fields whose negative default means "auto" (the environment may also say `auto`)."""
 
@@ -63,6 +67,10 @@ class TcpOptions:
     """Whether this host's ranks outnumber its cores (None: detected when the group forms); it picks algorithms."""
     local_ranks: int = 0
     """Ranks of the job on this host, if known (LOCAL_WORLD_SIZE): the detection counts at least these."""
+    port: int = 0
+    """Port this member listens on (0: chosen by the OS); only the default group uses it (`for_new_group`)."""
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+    """Seconds an incoming connection has, in all, to prove the job secret while a group forms; then it is dropped."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -70,6 +78,10 @@ class TcpOptions:
         for name in NON_NEGATIVE:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+
+    def for_new_group(self) -> TcpOptions:
+        """These options for a group made by `new_group`: any free port (the fixed one is the default group's)."""
+        return replace(self, port=0) if self.port else self
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TcpOptions:

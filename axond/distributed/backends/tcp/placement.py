@@ -15,12 +15,13 @@ the sockets, so each derives the same `Topology`. Then:
 - Otherwise (one member per host, different arena sizes, or a member that cannot map its host's arena):
   everything on the sockets.
 
-`choose` gives an op its path and the mapped resource it runs on: the first of the policy's candidates whose
-memory every member mapped.
+`choose` gives an op its path object (`paths`): the first of the policy's candidates whose memory every member
+mapped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,9 @@ import numpy as np
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.hierarchy.topology import RECORD_BYTES, Topology, describe
 from axond.distributed.backends.tcp.hierarchy.two_level import Levels
+from axond.distributed.backends.tcp.paths import (
+    ArenaPath, DataPath, MailboxPath, SingleCopyPath, SocketsPath, TwoLevelPath,
+)
 from axond.distributed.backends.tcp.policy import Path, Shape
 from axond.distributed.backends.tcp.schedules import direct
 from axond.distributed.backends.tcp.schedules.comm import Comm
@@ -71,39 +75,66 @@ class Placement:
         self.sync = Sync(comm, None)
         """How the steps of the one-host arena synchronize (through the mailbox once it is mapped)."""
         self._paths: dict[tuple[Op, int], tuple[Path, ...]] = {}
+        """Candidate paths by (op, bytes per rank), as `policy.candidates` lists them."""
+        self.sockets = SocketsPath(comm)
+        self._objects: dict[Path, tuple[Any, DataPath]] = {}
+        """The path object of each kind, with what it runs on."""
+        self._builders: dict[Path, Callable[[Call], DataPath | None]] = {
+            Path.MAILBOX: self._mailbox_path, Path.SINGLE_COPY: self._single_copy_path, Path.ARENA: self._arena_path,
+            Path.TWO_LEVEL: self._two_level_path, Path.SOCKETS: self._sockets_path,
+        }
+        """Each kind's path object, set up with every member at the first op that takes it (None: a member could
+        not)."""
 
-    def choose(self, c: Call, op: Op, nbytes: int) -> tuple[Path, Any]:
-        """The path of op `op` on `nbytes` per rank (call `c`), and what it runs on: the mailbox, the `SingleCopy`,
-        the arena, the `Levels`, or None for the sockets. Learns the hosts or maps memory the first time an op needs
-        it."""
-        paths = self._paths.get((op, nbytes))
-        if paths is None:
-            paths = policy.candidates(op, nbytes, self.shape, self.comm.options)
-            if len(paths) > 1 and not self.known:
+    def choose(self, c: Call, op: Op, nbytes: int) -> DataPath:
+        """The path object op `op` on `nbytes` per rank (call `c`) runs on: the first of the policy's candidates that
+        every member set up and that takes it, else the sockets. Learns the hosts or maps memory the first time an op
+        needs it."""
+        kinds = self._paths.get((op, nbytes))
+        if kinds is None:
+            kinds = policy.candidates(op, nbytes, self.shape, self.comm.options)
+            if len(kinds) > 1 and not self.known:
                 self._learn(c)
-                paths = policy.candidates(op, nbytes, self.shape, self.comm.options)
+                kinds = policy.candidates(op, nbytes, self.shape, self.comm.options)
             if len(self._paths) >= CACHED_ROUTES:
                 self._paths.clear()
-            self._paths[(op, nbytes)] = paths
-        for path in paths:
-            if path is Path.MAILBOX:
-                box = self.mailbox if self.mailbox_tried else self._map_mailbox(c)
-                if box is not None:
-                    return path, box
-            elif path is Path.SINGLE_COPY:
-                single = self.single_copy if self.single_copy_tried else self._set_up_single_copy(c)
-                if single is not None and (single.compiled or not policy.needs_compiled(op, nbytes, self.shape,
-                                                                                         self.comm.options)):
-                    return path, single
-            elif path is Path.ARENA:
-                arena = self.arena if self.arena_tried else self._map_arena(c)
-                if arena is not None:
-                    return path, arena
-            elif path is Path.TWO_LEVEL:
-                levels = self.levels if self.arena_tried else self._map_levels(c)
-                if levels is not None:
-                    return path, levels
-        return Path.SOCKETS, None
+            self._paths[(op, nbytes)] = kinds
+        for kind in kinds:
+            path = self._builders[kind](c)
+            if path is not None and path.takes(op, nbytes):
+                return path
+        return self.sockets
+
+    def _wrap(self, kind: Path, on: Any, make: Callable[[Any], DataPath]) -> DataPath | None:
+        """The path object of `kind` running on `on` (the mailbox, `SingleCopy`, arena or `Levels` this member
+        mapped; None: not mapped, no path), made once per mapping."""
+        if on is None:
+            return None
+        known = self._objects.get(kind)
+        if known is not None and known[0] is on:
+            return known[1]
+        path = make(on)
+        self._objects[kind] = (on, path)
+        return path
+
+    def _mailbox_path(self, c: Call) -> DataPath | None:
+        box = self.mailbox if self.mailbox_tried else self._map_mailbox(c)
+        return self._wrap(Path.MAILBOX, box, lambda on: MailboxPath(self.comm, on))
+
+    def _single_copy_path(self, c: Call) -> DataPath | None:
+        single = self.single_copy if self.single_copy_tried else self._set_up_single_copy(c)
+        return self._wrap(Path.SINGLE_COPY, single, lambda on: SingleCopyPath(self.comm, on, lambda: self.shape))
+
+    def _arena_path(self, c: Call) -> DataPath | None:
+        arena = self.arena if self.arena_tried else self._map_arena(c)
+        return self._wrap(Path.ARENA, arena, lambda on: ArenaPath(self.comm, on, self.sync))
+
+    def _two_level_path(self, c: Call) -> DataPath | None:
+        levels = self.levels if self.arena_tried else self._map_levels(c)
+        return self._wrap(Path.TWO_LEVEL, levels, lambda on: TwoLevelPath(self.comm, on))
+
+    def _sockets_path(self, c: Call) -> DataPath:
+        return self.sockets
 
     def _learn(self, c: Call) -> None:
         """Every member's address and arena size, gathered over the sockets: the same topology everywhere."""
@@ -184,3 +215,4 @@ class Placement:
             self.mailbox.close()
         self.arena, self.levels, self.mailbox, self.single_copy = None, None, None, None
         self.arena_tried = self.mailbox_tried = self.single_copy_tried = True
+        self._objects.clear()

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from axond.distributed import chunking
+from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
-from axond.distributed.backends.tcp.transport.peer import SMALL_FRAME
+from axond.distributed.backends.tcp.policy import SMALL_FRAME
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
 
@@ -67,7 +68,7 @@ def doubling_all_gather(comm: Comm, c: Call, out: np.ndarray) -> None:
 
 def _pieces(comm: Comm, lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
     nbytes = (hi - lo) * itemsize
-    n = chunking.chunk_count(nbytes, chunking.pipeline_chunk_bytes(nbytes, comm.options.chunk_bytes))
+    n = chunking.chunk_count(nbytes, policy.pipeline_chunk_bytes(nbytes, comm.options))
     return [(lo + a, lo + b) for a, b in chunking.split_even(hi - lo, n)]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from axond.distributed import chunking
+from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.reduce_op import ReduceOp
@@ -18,7 +19,7 @@ Chunks = list[list[tuple[int, int]]]
 def chunks(comm: Comm, count: int, itemsize: int) -> Chunks:
     block_bytes = -(-count // comm.size) * itemsize
     return chunking.block_chunks(count, comm.size, itemsize,
-                                 chunking.pipeline_chunk_bytes(block_bytes, comm.options.chunk_bytes))
+                                 policy.pipeline_chunk_bytes(block_bytes, comm.options))
 
 
 def ring_reduce_scatter(comm: Comm, c: Call, src: np.ndarray, work: np.ndarray | None, final: np.ndarray, base: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from axond.distributed import chunking
+from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.reduce_op import ReduceOp
@@ -25,7 +26,7 @@ def tree_broadcast(comm: Comm, c: Call, x: np.ndarray, src: int) -> None:
 
 def chain_broadcast(comm: Comm, c: Call, x: np.ndarray, src: int) -> None:
     g, n, v = comm.g, comm.size, (comm.rank - src) % comm.size
-    nchunks = chunking.chunk_count(x.nbytes, chunking.pipeline_chunk_bytes(x.nbytes // 4, comm.options.chunk_bytes))
+    nchunks = chunking.chunk_count(x.nbytes, policy.pipeline_chunk_bytes(x.nbytes // 4, comm.options))
     nxt = comm.real(v + 1, src) if v < n - 1 else None
     prev = comm.real(v - 1, src) if v > 0 else None
     for s, e in chunking.split_even(x.size, nchunks):

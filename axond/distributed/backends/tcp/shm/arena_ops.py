@@ -2,7 +2,8 @@
 
 Each op moves in steps of at most one slot per rank. In a step every rank writes its part into its
 own slot of the arena's current buffer, all ranks synchronize (`Sync`: a post without payload through the
-group's mailbox where it has one, else a one-byte recursive-doubling exchange over the group's sockets, framed with the op's header, so a peer in a different op,
+group's mailbox where it has one, else a one-byte recursive-doubling exchange over the group's sockets, framed with
+the op's header, so a peer in a different op,
 dtype or size raises as on sockets), then each rank reads what it needs straight from its peers'
 slots. All-reduce adds one stage: rank r reduces the r-th part of the chunk from every slot into
 the result slot, and after the next synchronization every rank copies the whole result out.
@@ -40,14 +41,10 @@ POSTS = 64
 
 class Sync:
     """One synchronization of every member between two steps of an arena op: through the mailbox where it is mapped,
-    without system calls (interleaved A/B on 2 cores, 1 MiB ops: 1.1-1.5x at 2 ranks, 1.2-1.5x at 4, with spin
-    yielding the CPU; 1.1-1.2x at 16 MiB with 4 ranks), else a one-byte exchange over the sockets. Either way the
-    headers are compared: a peer in another call raises.
-
-    Where the mailbox runs compiled ops, each synchronization is one C call (`mailbox_ops.SmallBarrier` with the
-    arena op's header, prepared once per call shape): back-to-back calls interleaved in one job, eight rounds, after /
-    before at 4 ranks on 2 cores, 1 and 4 MiB: all_reduce 0.94 / 0.97-1.00, broadcast 0.92 / 0.96, reduce_scatter
-    0.95 / 0.91; at 2 ranks 0.96-1.00."""
+    without system calls, else a one-byte exchange over the sockets. Either way the headers are compared: a peer in
+    another call raises. Where the mailbox runs compiled ops, each synchronization is one C call
+    (`mailbox_ops.SmallBarrier` with the arena op's header, prepared once per call shape). Measurements:
+    docs/design/tuning.md#arena-synchronization."""
 
     def __init__(self, comm: Comm, mailbox: Mailbox | None) -> None:
         self.comm, self.mailbox = comm, mailbox
@@ -227,9 +224,8 @@ def broadcast(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call
 
     In groups of more than two the root writes only from the first 4 KiB block its slot does not already hold
     (`copy_changed`, as the mailbox's compiled post skips blocks): where the data did not change, the slot's lines
-    stay in the readers' caches. bench/compare_trees.py, 4 rounds, best of the rounds' medians, after / before, 4 ranks
-    on 2 cores, 512 KiB-8 MiB: unchanged inputs 0.66-0.84, `--fresh-inputs` 0.83-1.00; at 2 ranks unchanged 1-2 MiB
-    1.11-1.13 (two reads of the data cost more than the copy there), so a pair copies plainly."""
+    stay in the readers' caches. A pair copies plainly: two reads of the data cost more than the copy there
+    (docs/design/tuning.md#changed-blocks-only)."""
     data = x.view(np.uint8)
     per = _step(arena, step)
     copy_in = copy_changed if comm.size > 2 else np.copyto

@@ -13,9 +13,9 @@ slot-sized chunk (`mailbox_ops.broadcast_chunks`).
 - **Reuse:** consecutive mailbox ops alternate buffers, and a rank writes op m + 2 only after op m + 1
   saw every member's sequence number, i.e. after every member finished reading op m.
 - **Waiting:** spinning, yielding the CPU (`sched_yield`) on each turn, so a crowded host runs the peers
-  instead. After SPIN_SECONDS the wait sleeps on the group's sockets instead, re-checking every
-  SLEEP_SECONDS.
-- **Failures:** every CHECK_SECONDS of spinning (and on every wake-up after that) the wait looks at the
+  instead. After MAILBOX_SPIN_SECONDS the wait sleeps on the group's sockets instead, re-checking every
+  MAILBOX_SLEEP_SECONDS.
+- **Failures:** every MAILBOX_CHECK_SECONDS of spinning (and on every wake-up after that) the wait looks at the
   group's sockets. There an abort frame, a closed connection (a dead peer), or a frame of some other op
   (a peer that called something else) raises as on sockets, and the deadline raises a timeout naming
   the first member that is missing.
@@ -31,8 +31,8 @@ slot-sized chunk (`mailbox_ops.broadcast_chunks`).
 - **The arena's steps** synchronize through the mailbox too: a post without payload (`arena_ops.Sync`; compiled
   where the ops are, as a prepared barrier with the arena op's header).
 - **Compiled ops:** where the install built `_fastbox` (C, the same protocol), a prepared op (`mailbox_ops.Prepared`)
-  posts, takes the first QUICK_TURNS turns of the wait, compares the calls and reads or reduces in one C call; any
-  longer wait or mismatch comes back here (`settle`). Ranks with and without it share a mailbox.
+  posts, takes the first MAILBOX_QUICK_TURNS turns of the wait, compares the calls and reads or reduces in one C
+  call; any longer wait or mismatch comes back here (`settle`). Ranks with and without it share a mailbox.
 - **Memory order:** payload, then sequence number: an x86 store order that every x86 core observes in
   that order (TSO). Other architectures keep small ops on the sockets.
 """
@@ -48,7 +48,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from axond.distributed.backends.tcp.policy import mailbox_bytes
+from axond.distributed.backends.tcp.policy import (
+    MAILBOX_CHECK_SECONDS, MAILBOX_QUICK_TURNS, MAILBOX_SLEEP_SECONDS, MAILBOX_SPIN_SECONDS, mailbox_bytes,
+)
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.spread import current_cpu, move_to, release
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup
@@ -62,14 +64,6 @@ except ImportError:  # pragma: no cover - built without a C compiler: the Python
 
 HEAD_WORDS = 16
 """int64 words before the payload: the sequence number, then the op's 9 header fields."""
-SPIN_SECONDS = 0.01
-"""How long a wait spins before it sleeps on the sockets instead."""
-CHECK_SECONDS = 0.0005
-"""How often a spinning wait looks at the sockets for aborts, dead peers and mismatched calls."""
-SLEEP_SECONDS = 0.001
-"""How often a sleeping wait re-checks the mailbox (it wakes at once on anything arriving on a socket)."""
-QUICK_TURNS = 32
-"""Turns (`sched_yield`) a wait takes for a member's post before the full wait (`_wait`: clocks, socket checks)."""
 
 
 def arena_bytes(size: int) -> int:
@@ -118,7 +112,7 @@ class Mailbox:
         self.raw = arena.buffer()
         self.mapping = arena.mapping()
         """The same bytes, sliced to compare the members' calls (see `settle`)."""
-        self.native = (_fastbox.Box(self.mapping, QUICK_TURNS)
+        self.native = (_fastbox.Box(self.mapping, MAILBOX_QUICK_TURNS)
                        if native and _fastbox is not None and size <= _fastbox.MAX_SIZE else None)
         """The mapping and op counter as the compiled prepared ops see them (None: the Python path alone)."""
         self.count: _fastbox.Box | _Count = self.native if self.native is not None else _Count()
@@ -201,8 +195,8 @@ class Mailbox:
                 self.g.reject(make_call(seq), p, HEAD.unpack_from(self.raw, base[p] + 8), nbytes)
 
     def _quick(self, buf: int, k: int) -> bool:
-        """Whether every member posted op `k` within QUICK_TURNS turns."""
-        words, turns = self.words, QUICK_TURNS
+        """Whether every member posted op `k` within MAILBOX_QUICK_TURNS turns."""
+        words, turns = self.words, MAILBOX_QUICK_TURNS
         for at, _ in self.peer_seqs[buf]:
             while words[at] < k:
                 if not turns:
@@ -237,15 +231,15 @@ class Mailbox:
 
     def _wait(self, c: Call, buf: int, k: int) -> None:
         now = time.perf_counter()
-        spin_until, check_at = now + SPIN_SECONDS, now + CHECK_SECONDS
+        spin_until, check_at = now + MAILBOX_SPIN_SECONDS, now + MAILBOX_CHECK_SECONDS
         while self._missing(buf, k):
             now = time.perf_counter()
             if now < spin_until and now < check_at:
                 os.sched_yield()
                 continue
-            if self._check_sockets(c, buf, k, 0.0 if now < spin_until else SLEEP_SECONDS):
+            if self._check_sockets(c, buf, k, 0.0 if now < spin_until else MAILBOX_SLEEP_SECONDS):
                 break
-            check_at = now + CHECK_SECONDS
+            check_at = now + MAILBOX_CHECK_SECONDS
         if self.home is not None and current_cpu() != self.home:
             move_to(self.home)  # the kernel moved it (balancing, or waking it from a sleep): back to its core
 

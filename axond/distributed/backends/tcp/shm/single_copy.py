@@ -34,11 +34,12 @@ import sys
 import numpy as np
 
 from axond.distributed import failure
+from axond.distributed.backends.tcp.policy import BOUNCE_BYTES, BOUNCE_MIN_BYTES
 from axond.distributed.backends.host_copy import PAGE, address, copy, large_copy, slow_distance
 from axond.distributed.backends.tcp.schedules import direct
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.shm.arena_ops import Sync
-from axond.distributed.backends.tcp.shm.shared_arrays import Mappings, find
+from axond.distributed.backends.shared_arrays import Mappings, find
 from axond.distributed.backends.tcp.transport.framing import Call
 
 YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
@@ -47,10 +48,6 @@ PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 WORDS = 6
 """Published per buffer: pid, address, bytes, and for an array from `shared_empty` its memfd, token and offset in
 the segment (memfd -1 for other arrays)."""
-BOUNCE_BYTES = 1 << 20
-"""Bytes per read through the bounce buffer (its size)."""
-BOUNCE_MIN_BYTES = 64 << 10
-"""Smaller reads at a slow distance gain nothing from the bounce (16 KiB: 18 us straight, 21 bounced)."""
 
 
 class _IoVec(ctypes.Structure):

@@ -8,8 +8,8 @@ buffer, reads what it needs straight from its peers' buffers, and synchronizes o
   then every rank reads the other reduced parts from their owners.
 
 Reductions run in rank order on one rank per part, so every rank gets the same numbers. Scratch stays bounded:
-CHUNK_BYTES per peer. A peer's buffer from `shared_empty` is read from its mapping (a memcpy), and reduced from it
-without the scratch.
+SINGLE_COPY_CHUNK_BYTES per peer. A peer's buffer from `shared_empty` is read from its mapping (a memcpy), and
+reduced from it without the scratch.
 
 A broadcast or all_gather of a shape that took the path through the mailbox once runs prepared after that
 (`PreparedBroadcast`, `PreparedAllGather`): one C call (`_fastbox`) posts the publication, reads and posts again,
@@ -24,15 +24,12 @@ import numpy as np
 
 from axond.distributed.backends.host_copy import large_copy
 from axond.distributed.backends.tcp.shm.mailbox_ops import Prepared
+from axond.distributed.backends.tcp.policy import SINGLE_COPY_CHUNK_BYTES
 from axond.distributed.backends.tcp.shm.single_copy import WORDS, SingleCopy
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.reducers import UFUNCS, finish_average
 
-CHUNK_BYTES = 1 << 20
-"""Bytes read from each peer before they are reduced (scratch: this per rank). Each process_vm_readv costs ~10 us
-besides its bytes; on 2 cores reading 16 MiB in 64 KiB calls ran at 4.5-5 GB/s, in 256 KiB ones 7-9, from 1 MiB
-10-11 (a memcpy of cache-resident data: 20-25)."""
 
 
 def all_gather(sc: SingleCopy, c: Call, out: np.ndarray, x: np.ndarray | None = None) -> None:
@@ -87,7 +84,7 @@ def _reduce_part(sc: SingleCopy, c: Call, table: np.ndarray, mine: np.ndarray, l
     at a time. `dest` may be mine[lo:hi]: each step writes it only once this rank's operand is used."""
     r, n = sc.comm.rank, sc.comm.size
     ufunc: Callable[..., np.ndarray] = UFUNCS[op]
-    per = max(1, CHUNK_BYTES // mine.itemsize)
+    per = max(1, SINGLE_COPY_CHUNK_BYTES // mine.itemsize)
     scratch = sc.comm.scratch.named("single_copy", n * per * mine.itemsize, mine.dtype, n * per).reshape(n, per)
     for s in range(lo, hi, per):
         e = min(s + per, hi)

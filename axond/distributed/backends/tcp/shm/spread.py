@@ -2,15 +2,15 @@
 
 Two processes started together often begin on the same core, and while they spin on the mailbox (yielding) the
 kernel's balancer may leave them there for seconds: every small op then waits for a time slice, an 8-byte
-all_reduce on two ranks took 43-44 us instead of 3 (bench/RESULTS.md, session 17). So when a one-host group maps
+all_reduce on two ranks took over ten times as long (docs/design/tuning.md#home-cores). So when a one-host group maps
 its mailbox, every member tells the others the core it is on (over the sockets); members that share a core with a
 member of lower rank move themselves, in rank order, to cores of their affinity mask that no member is on, by
 narrowing the mask to that core and setting it back at once (so the kernel migrates the thread, and nothing stays
 pinned). Members whose mask has no such core stay where they are. With AXOND_DEBUG=1 a moved rank says so.
 
 With more members than cores the kernel also leaves them unevenly, three of four on one of two cores for the whole
-run (each spins, so every core looks busy): a four-rank broadcast of 384 KiB on 2 cores took 51-62 us so and 31-38 us
-with two ranks on each core (bench/RESULTS.md, session 23). There member r moves to core r mod cores (of the cores of
+run (each spins, so every core looks busy), which slows their ops as much (docs/design/tuning.md#home-cores). There
+member r moves to core r mod cores (of the cores of
 all their masks, where its own has it), the same way: two per core on 2 cores. That is the thread's home from then
 on: its later groups (subgroups of the job, say) keep it and move nothing.
 """

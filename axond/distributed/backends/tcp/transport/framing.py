@@ -15,7 +15,8 @@ from typing import NoReturn, TypeVar
 import numpy as np
 
 from axond.distributed.backends.tcp.transport.exchange import exchange
-from axond.distributed.backends.tcp.transport.peer import SMALL_FRAME, Peer, PeerClosed, PeerError
+from axond.distributed.backends.tcp.policy import SMALL_FRAME
+from axond.distributed.backends.tcp.transport.peer import Peer, PeerClosed, PeerError
 from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe, uneven_back
 from axond.distributed.splits import disagreement
 from axond.errors import DistributedError

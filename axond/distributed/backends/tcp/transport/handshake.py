@@ -41,7 +41,8 @@ POLL = 0.1
 
 
 def proof(secret: bytes, role: bytes, first: bytes, second: bytes, gid: int, a: int, b: int) -> bytes:
-    """HMAC of one side of the handshake: role (b"A" acceptor, b"C" connector), nonces, group, connector a, acceptor b."""
+    """HMAC of one side of the handshake: role (b"A" acceptor, b"C" connector), nonces, group, connector a,
+    acceptor b."""
     return hmac.new(secret, role + first + second + struct.pack("<Iii", gid, a, b), hashlib.sha256).digest()
 
 

@@ -108,7 +108,7 @@ class Mesh:
         def accept() -> None:
             try:
                 acceptor.run(set(range(self.rank + 1, self.size)), socks, deadline, stop)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - handed to the connecting thread, which raises it
                 accept_error.append(e)
 
         try:
@@ -128,7 +128,8 @@ class Mesh:
                 raise accept_error[0]
             missing = [p for p in range(self.rank + 1, self.size) if p not in socks]
             if missing:
-                raise self._err(f"timed out after {self.timeout:.1f} s waiting for peer ranks {missing} to connect", missing[0])
+                raise self._err(f"timed out after {self.timeout:.1f} s waiting for peer ranks {missing} to connect",
+                                missing[0])
         except BaseException:
             for s in socks.values():
                 s.close()

@@ -20,13 +20,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from axond.distributed.backends.tcp.policy import INLINE_SEND_BYTES, SMALL_FRAME
 from axond.distributed.backends.tcp.transport.sockets import RECV_WAKEUP, tune_socket
 from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, Kind
 
-INLINE_SEND_BYTES = 64 << 10
-"""Frames up to this size are sent from the calling thread (they fit the socket buffer)."""
-SMALL_FRAME = 4096
-"""Payloads up to this size are received together with their header in one call."""
 
 
 class PeerError(Exception):
@@ -161,7 +158,7 @@ class Peer:
             try:
                 with self._lock:
                     self._write(header, payload)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - the sender thread's failure, raised by the op waiting on it
                 self._fail(e)
                 return
             header, payload = b"", None  # drop the sent buffer: an idle thread must not keep the caller's array alive

@@ -1,7 +1,8 @@
 """Arrays in shared memory from the start (`axond.shared_empty`), which the ranks of one host read with a plain
 memory copy instead of `process_vm_readv`.
 
-The single-copy path (`single_copy`) reads a peer's buffer through the kernel, which copies at 11-13 GB/s on this
+The tcp backend's single-copy path (`tcp.shm.single_copy`) reads a peer's buffer through the kernel, which copies at
+11-13 GB/s on this
 project's VM where a memcpy runs at 20-45. An array from `shared_empty` lives in a memfd of its own (never a file
 in /dev/shm: nothing outlives the process); when one is a collective's buffer, the rank publishes the memfd's
 number and a random token beside the usual (pid, address, bytes), and a peer on the path opens
