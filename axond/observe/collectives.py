@@ -57,9 +57,9 @@ class _PathProbe:
             choose = placement.choose
 
             def choose_and_note(*args: Any, **kwargs: Any) -> Any:
-                path, on = choose(*args, **kwargs)
-                self.local.path = path
-                return path, on
+                path = choose(*args, **kwargs)
+                self.local.path = path.kind
+                return path
 
             placement.choose = choose_and_note
 
