@@ -8,7 +8,8 @@ neither AXOND_TIMELINE nor AXOND_METRICS_DIR is set), one whose collectives are 
 and the metrics (as every group is when both are set), with the DDP bucket events on. Steps alternate
 between the two (A B A B ...), so load on the machine hits both alike. Printed: rank 0's median step
 time of each, the median of the per-pair ratios (observed / plain), and the timed events per step.
-`--control` times neither (an A/A run). Off, the cost is nil by construction: a plain group runs its class's methods, with no check per call.
+`--control` times neither (an A/A run). Off, the cost is nil by construction: a plain group runs its class's
+methods, with no check per call.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Ranks are deterministic: members are ordered by (hostname, registration order of the node), hostnames
 in natural order (`w-2` before `w-10`: Kubernetes Indexed Job pods `JOB-INDEX` get their completion
-index as node rank), node ranks follow that order, and each node gets a contiguous block of global ranks of its `nproc` size.
+index as node rank), node ranks follow that order, and each node gets a contiguous block of global ranks of its
+`nproc` size.
 The same set of registered nodes therefore always gets the same ranks, whatever order they join in.
 """
 

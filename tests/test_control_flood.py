@@ -23,7 +23,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from axond.control.client import connect
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.server import RunningCoordinator
-from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
 STREAMS = int(os.environ.get("CONTROL_FLOOD_STREAMS", "600"))

@@ -50,7 +50,8 @@ def _schemas_available(version: str) -> bool:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_manifest_validates_against_the_kubernetes_schemas(version: str) -> None:
     if not _schemas_available(version):
-        pytest.skip(f"kubernetes-validate or its bundled v{version} schemas are not installed (pip install -e '.[dev]')")
+        pytest.skip(f"kubernetes-validate or its bundled v{version} schemas are not installed "
+                    "(pip install -e '.[dev]')")
     import kubernetes_validate
 
     assert {d["kind"] for _, d in DOCS} >= {"Secret", "Service", "StatefulSet", "Job"}
@@ -58,7 +59,8 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(version: str) -
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as e:
-            pytest.fail(f"{name}: {doc['kind']} {doc['metadata']['name']} is not valid Kubernetes {version}: {e.message}")
+            what = f"{doc['kind']} {doc['metadata']['name']}"
+            pytest.fail(f"{name}: {what} is not valid Kubernetes {version}: {e.message}")
 
 
 def test_a_misspelt_field_is_refused() -> None:

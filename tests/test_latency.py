@@ -47,13 +47,15 @@ def test_the_connect_timeout_bounds_each_connection_attempt() -> None:
         assert plain.connect_timeout == DEFAULT_CONNECT_TIMEOUT_S
 
 
-def test_health_answers_through_the_slow_link(slow_link: DelayProxy, procs: Procs) -> None:  # noqa: F811
+def test_health_answers_through_the_slow_link(slow_link: DelayProxy, procs: Procs) -> None:
     res = procs.run("health", "--coordinator", slow_link.address, timeout=30)
     assert res.code == 0, res.stderr
     assert "is serving" in res.stdout + res.stderr
 
 
-def test_a_connection_cut_during_the_handshake_is_retried(coordinator_factory: Callable[..., RunningCoordinator]) -> None:
+def test_a_connection_cut_during_the_handshake_is_retried(
+    coordinator_factory: Callable[..., RunningCoordinator],
+) -> None:
     """Until the coordinator listens, the proxy accepts and drops each connection (a reset handshake, not a
     refusal); the first call keeps trying within the connect wait and gets through once it listens."""
     port = free_port()
@@ -81,7 +83,7 @@ def _register_or_error(client: CoordinatorClient) -> object:
         return e
 
 
-def test_two_nodes_join_and_train_through_the_slow_link(slow_link: DelayProxy, procs: Procs) -> None:  # noqa: F811
+def test_two_nodes_join_and_train_through_the_slow_link(slow_link: DelayProxy, procs: Procs) -> None:
     """Both workers, and their ranks' KV traffic, talk to the coordinator through the proxy; the data plane
     between ranks stays direct (loopback)."""
     args = ["worker", "--coordinator", slow_link.address, "--job", "slow", "--nnodes", "2", "--nproc-per-node", "1",

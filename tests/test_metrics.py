@@ -94,7 +94,7 @@ def test_groups_are_left_alone_when_nothing_observes() -> None:
 
 
 def test_coordinator_and_worker_metrics_during_a_job(
-    coordinator_factory: Callable[..., RunningCoordinator], procs: Procs, tmp_path: Path,  # noqa: F811
+    coordinator_factory: Callable[..., RunningCoordinator], procs: Procs, tmp_path: Path,
 ) -> None:
     coord = coordinator_factory(metrics_port=0, **FAST)
     assert coord.metrics is not None
@@ -144,7 +144,7 @@ def test_coordinator_and_worker_metrics_during_a_job(
     assert value(after, "axond_jobs", state="succeeded") == 1
 
 
-def test_the_coordinator_command_serves_metrics(procs: Procs) -> None:  # noqa: F811
+def test_the_coordinator_command_serves_metrics(procs: Procs) -> None:
     port = free_port()
     c = procs.axond("coordinator", "--host", "127.0.0.1", "--port", "0", "--in-memory", "--insecure",
                     "--metrics-port", str(port))

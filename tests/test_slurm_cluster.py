@@ -36,7 +36,7 @@ def axond_command() -> str:
 
 
 @pytest.fixture
-def cluster(netns, tmp_path: Path) -> Iterator[SlurmCluster]:  # noqa: F811 - the fixture of that name
+def cluster(netns, tmp_path: Path) -> Iterator[SlurmCluster]:
     reason = slurm_cluster.unavailable()
     if reason:
         pytest.skip(reason)

@@ -32,7 +32,8 @@ from axond.parallel import DDP
 
 group = axond.init_process_group("tcp")
 rng = np.random.default_rng(group.rank)
-model = nn.Sequential(nn.Linear(16, 64, rng=rng), nn.ReLU(), nn.Linear(64, 64, rng=rng), nn.ReLU(), nn.Linear(64, 4, rng=rng))
+model = nn.Sequential(nn.Linear(16, 64, rng=rng), nn.ReLU(), nn.Linear(64, 64, rng=rng), nn.ReLU(),
+                      nn.Linear(64, 4, rng=rng))
 ddp = DDP(model, group, bucket_cap_mb=0.01)  # ~10 KiB buckets: several per step
 opt = SGD(list(model.parameters()), lr=0.05)
 loss = nn.MSELoss()
@@ -82,7 +83,7 @@ def validate_trace(trace: Any) -> list[dict[str, Any]]:
 
 
 def test_a_ddp_job_timeline_merges_into_a_valid_trace_with_every_collective(
-    coordinator_factory: Callable[..., RunningCoordinator], procs: Procs, tmp_path: Path,  # noqa: F811
+    coordinator_factory: Callable[..., RunningCoordinator], procs: Procs, tmp_path: Path,
 ) -> None:
     coord = coordinator_factory(**FAST)
     script, timeline_dir, out = tmp_path / "ddp.py", tmp_path / "timeline", tmp_path / "merged.json"
@@ -145,7 +146,7 @@ def test_a_killed_ranks_open_file_still_merges_on_one_clock(tmp_path: Path) -> N
     assert starts == {0: 0.0, 1: 20.0}
 
 
-def test_merge_says_what_is_missing(procs: Procs, tmp_path: Path) -> None:  # noqa: F811
+def test_merge_says_what_is_missing(procs: Procs, tmp_path: Path) -> None:
     res = procs.run("timeline", "merge", str(tmp_path), "-o", str(tmp_path / "out.json"))
     assert res.code == 1 and "holds no rank-*.json timeline files" in res.stderr
     assert not (tmp_path / "out.json").exists()

@@ -20,13 +20,13 @@ class MetricsServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] not in ("/metrics", "/metrics/"):
                     self.send_error(404, "only /metrics is served here")
                     return
                 try:
                     body = outer._render().encode()
-                except Exception as e:  # noqa: BLE001 - a failed scrape must not stop the server
+                except Exception as e:
                     log.exception("metrics: rendering failed")
                     self.send_error(500, f"rendering the metrics failed: {type(e).__name__}")
                     return
