@@ -24,6 +24,7 @@ ALLOWED: set[tuple[str, str]] = {
     ("axond/checkpoint/api.py", "axond.distributed.objects"),
     ("axond/cli/coordinator_cmd.py", "axond.coordinator.limits"),
     ("axond/cli/coordinator_cmd.py", "axond.coordinator.server"),
+    ("axond/cli/slurm_cmd.py", "axond.coordinator.server"),  # as worker_cmd: the daemon loads only when it runs
     ("axond/cli/worker_cmd.py", "axond.coordinator.server"),
     ("axond/distributed/backends/host_copy.py", "axond.distributed.backends"),  # the optional compiled helper
     ("axond/distributed/failure.py", "axond.distributed"),

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from axond.control.coordinator_store import CoordinatorStore
+from axond.distributed.backends.tcp.transport.mesh import interface_address, route_address
 from axond.errors import CoordinatorError, StoreError
 
 if TYPE_CHECKING:
@@ -63,8 +65,6 @@ def _mac(secret: bytes, *parts: object) -> str:
 
 def _advertised_host(coordinator: str, env: dict[str, str]) -> str:
     """Where peers reach this node: AXOND_SOCKET_IFNAME's address, else the route to the coordinator, else loopback."""
-    from axond.distributed.backends.tcp.transport.mesh import interface_address, route_address
-
     ifname = env.get("AXOND_SOCKET_IFNAME") or os.environ.get("AXOND_SOCKET_IFNAME")
     if ifname:
         return interface_address(ifname)
@@ -114,8 +114,6 @@ class PeerLink:
 
     def _exchange(self) -> None:
         """Publish this node's address in the generation's store and read the others' (bounded, retried)."""
-        from axond.control.coordinator_store import CoordinatorStore
-
         store = CoordinatorStore(self._client, self.job, self.generation)  # one KV stream: cheap for the coordinator
         deadline = time.monotonic() + self._wait_s
         published = False

@@ -22,7 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from axond.control.credentials import read_token_file
 from axond.coordinator.rendezvous import natural_order
+from axond.errors import CoordinatorError
 
 __all__ = ["Allocation", "SlurmError", "default_token_path", "expand_hostlist", "head_address", "publish_token",
            "wait_for_token"]
@@ -358,9 +360,6 @@ def publish_token(path: Path) -> str:
 
 def wait_for_token(path: Path, timeout: float, poll: float = 0.2) -> str:
     """The token the head wrote to `path`, waiting up to `timeout` seconds for it to appear."""
-    from axond.control.credentials import read_token_file
-    from axond.errors import CoordinatorError
-
     deadline = time.monotonic() + timeout
     while True:
         if path.is_file():

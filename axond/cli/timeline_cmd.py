@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from axond.cli.common import EXIT_FAILED, fail
+from axond.observe.merge import TimelineError, write_merged
 
 
 @click.group("timeline", short_help="Work with the per-rank timelines written under AXOND_TIMELINE.")
@@ -19,8 +20,6 @@ def timeline() -> None:
               help="The merged trace (Chrome trace JSON).")
 def merge_cmd(directory: str, output: str) -> None:
     """Join the rank files in DIRECTORY (rank-*.json) on one clock into OUTPUT."""
-    from axond.observe.merge import TimelineError, write_merged
-
     try:
         files, events = write_merged(directory, output)
     except (TimelineError, OSError) as e:

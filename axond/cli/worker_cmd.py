@@ -18,6 +18,7 @@ from axond.cli.common import coordinator_options_torchrun, error_kind, examples,
 from axond.cli.common import server_detail
 from axond.cli.common import waiting_notice
 from axond.errors import CoordinatorError
+from axond.observe.worker_metrics import WorkerMetrics
 from axond.worker.agent import JobOutcome, start_agent
 from axond.worker.daemon import DaemonConfig, start_daemon
 from axond.worker.spec import DEFAULT_OUTAGE_GRACE_S, ConnectOptions, JobSpec, parse_nnodes
@@ -133,8 +134,6 @@ def worker(
 def _serve_metrics(port: int) -> None:
     """Serve the ranks' metrics until this process exits (the ranks inherit the directory they report into)."""
     import atexit
-
-    from axond.observe.worker_metrics import WorkerMetrics
 
     try:
         metrics = WorkerMetrics("0.0.0.0", port)

@@ -17,7 +17,7 @@ from datetime import timedelta
 from urllib.parse import parse_qs, urlsplit
 
 from axond.errors import DistributedError
-from axond.distributed.tcp_store_torch import use_agent_store
+from axond.distributed.tcp_store_torch import TorchAgentStore, agent_prefix, use_agent_store
 from axond.store import Store
 
 SCHEMES = ("env", "tcp", "file", "axond")
@@ -140,7 +140,6 @@ def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, w
 
 def _agent_store(host: str, port: int, size: int, timeout: float) -> OpenedStore:
     """A client of the torch TCPStore the launcher (torchrun's agent, `axond worker`) serves on MASTER_PORT."""
-    from axond.distributed.tcp_store_torch import TorchAgentStore, agent_prefix
     from axond.errors import StoreError
 
     try:

@@ -11,6 +11,8 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from axond.coordinator.jobs import JobState
+from axond.coordinator.membership import Health
 from axond.observe.exposition import Family, render
 
 if TYPE_CHECKING:
@@ -40,8 +42,6 @@ def coordinator_families(running: RunningCoordinator) -> list[Family]:
         snap, kv_ops = asyncio.run_coroutine_threadsafe(_on_loop(running), loop).result(SCRAPE_TIMEOUT_S)
     else:
         snap, kv_ops = _snapshot(running)
-    from axond.coordinator.jobs import JobState
-    from axond.coordinator.membership import Health
 
     nodes = Family("axond_nodes", "gauge", "Registered nodes by health (alive, suspect, dead).")
     by_health = Counter(n.health.name.lower() for n in snap.nodes)
