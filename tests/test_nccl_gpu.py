@@ -381,7 +381,7 @@ def test_one_process_per_gpu(case: str, world_size: int) -> None:
 
 
 def test_auto_picks_nccl_where_it_can_run() -> None:
-    assert resolve_backend("auto") == "nccl"
+    assert resolve_backend("auto") == "gpu-auto"  # the members choose together: NCCL here (one rank, one GPU)
     pg = create_group(InMemoryStore(), 0, 1, "auto", BackendOptions(timeout=30.0, device=0))
     try:
         assert pg.backend_name == "nccl"

@@ -1,4 +1,6 @@
-"""`CudaCollectives`: the torch collectives of one "axond" group on CUDA tensors, run by axond's NCCL backend.
+"""`CudaCollectives`: the torch collectives of one "axond" group on CUDA tensors, run by axond's NCCL backend, or by
+its staging path (device -> pinned host -> tcp -> device, as gloo does) where the members do not each have a GPU of
+their own.
 
 The NCCL group is created on the first CUDA op (a rendezvous of every member over the same torch store,
 under its own name `torch-cuda:<group>`), on the device of that op's tensors. Every op is a short
@@ -55,7 +57,8 @@ class CudaCollectives:
         if self._group is None:
             name = f"torch-cuda:{o.group_name}" if o.group_name else "torch-cuda"
             try:
-                self._group = create_group(o._store, o._rank, o._size, "nccl", replace(o._options, device=index),
+                # "auto": NCCL when every member has a GPU of its own, else the staging path (ranks sharing a GPU)
+                self._group = create_group(o._store, o._rank, o._size, "auto", replace(o._options, device=index),
                                            name=name)
             except BackendUnavailable as e:
                 raise DistributedError(f"CUDA tensors on group '{o.group_name}': {e}; pip install 'axond[gpu]', or "
