@@ -15,11 +15,17 @@ import pytest
 
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.nccl.auto import GpuAuto, announce, build
-from axond.distributed.backends.nccl.placement import DeviceClaim, choose_path, exchange_claims, local_claim
+from axond.distributed.backends.nccl.placement import (
+    DeviceClaim,
+    choose_path,
+    exchange_claims,
+    local_claim,
+    shared_device,
+)
 from axond.distributed.backends.nccl.staging import HostBuffers, StagingBackend, host_view, size_class
 from axond.distributed.backends.tcp import TcpBackend
 from axond.distributed.reduce_op import ReduceOp
-from axond.errors import DistributedError
+from axond.errors import BackendUnavailable, DistributedError
 from axond.store import InMemoryStore, PrefixStore
 
 
@@ -42,7 +48,7 @@ def test_nccl_only_when_every_member_has_a_gpu_of_its_own() -> None:
 
 
 def test_claims_round_trip_and_a_rank_without_cupy_claims_no_gpu() -> None:
-    c = claim("boot-1", "GPU-5f", False, "why: \"quoted\"")
+    c = DeviceClaim("boot-1", "GPU-5f", False, "why: \"quoted\"", 3)
     assert DeviceClaim.decode(c.encode()) == c
     mine = local_claim(None)
     try:
@@ -50,6 +56,16 @@ def test_claims_round_trip_and_a_rank_without_cupy_claims_no_gpu() -> None:
     except ImportError:
         assert (mine.gpu, mine.nccl) == ("", False) and "CuPy is not installed" in mine.why
     assert mine.host
+
+
+def test_more_ranks_than_gpus_share_them_instead_of_failing() -> None:
+    """torchrun --nproc 2 on one GPU: LOCAL_RANK 1 claims GPU 0 (so the group stages); an explicit device does not."""
+    assert [shared_device(None, lr, 1) for lr in ("0", "1", None)] == [0, 0, 0]
+    assert shared_device(None, "3", 2) == 1 and shared_device(None, "1", 2) == 1
+    with pytest.raises(BackendUnavailable, match="BackendOptions.device=2 but 2 CUDA device"):
+        shared_device(2, "0", 2)
+    with pytest.raises(BackendUnavailable):
+        shared_device(None, "0", 0)
 
 
 def run_ranks(n: int, fn: Callable[[int], Any], timeout: float = 30.0) -> list[Any]:

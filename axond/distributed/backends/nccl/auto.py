@@ -56,7 +56,7 @@ def build(store: Store, rank: int, size: int, group_name: str, options: BackendO
         return backend_class("tcp")(store, rank, size, group_name, options)
     if path.backend == "nccl":
         return NcclBackend(store, rank, size, group_name, options)
-    return StagingBackend(store, rank, size, group_name, options, reason=path.reason)
+    return StagingBackend(store, rank, size, group_name, options, reason=path.reason, device=claim.device)
 
 
 BACKEND = GpuAuto

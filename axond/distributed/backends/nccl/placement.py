@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from axond.distributed.backends.nccl.backend import NcclBackend
 from axond.distributed.backends.nccl.support import choose_device
-from axond.errors import DistributedError, StoreTimeout
+from axond.errors import BackendUnavailable, DistributedError, StoreTimeout
 from axond.store import Store
 
 
@@ -28,6 +28,8 @@ class DeviceClaim:
     nccl: bool
     why: str = ""
     """Why NCCL cannot run on this member (empty when it can)."""
+    device: int = -1
+    """The index of the GPU on this member (-1 without one)."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -35,7 +37,8 @@ class DeviceClaim:
     @classmethod
     def decode(cls, data: bytes) -> DeviceClaim:
         raw = json.loads(data.decode())
-        return cls(str(raw["host"]), str(raw["gpu"]), bool(raw["nccl"]), str(raw.get("why", "")))
+        return cls(str(raw["host"]), str(raw["gpu"]), bool(raw["nccl"]), str(raw.get("why", "")),
+                   int(raw.get("device", -1)))
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,23 @@ def local_claim(device: int | None) -> DeviceClaim:
         return DeviceClaim(host, "", False, why or "CuPy is not installed")
     try:
         count = int(cupy.cuda.runtime.getDeviceCount())
-        index = choose_device(device, os.environ.get("LOCAL_RANK"), count)
+        index = shared_device(device, os.environ.get("LOCAL_RANK"), count)
         uuid = cupy.cuda.runtime.getDeviceProperties(index).get("uuid", b"")
     except Exception as e:  # noqa: BLE001 - no usable GPU here: the claim says why
         return DeviceClaim(host, "", False, f"{type(e).__name__}: {e}")
     gpu = uuid.hex() if isinstance(uuid, (bytes, bytearray)) else str(uuid)
-    return DeviceClaim(host, gpu or f"cuda:{index}", ok, why)
+    return DeviceClaim(host, gpu or f"cuda:{index}", ok, why, index)
+
+
+def shared_device(requested: int | None, local_rank: str | None, count: int) -> int:
+    """The GPU a member claims: `choose_device`'s, or, where LOCAL_RANK is past the visible GPUs (more ranks than
+    GPUs on a host), LOCAL_RANK modulo their number: those ranks share a GPU, so the group stages."""
+    try:
+        return choose_device(requested, local_rank, count)
+    except BackendUnavailable:
+        if requested is not None or count < 1:
+            raise
+        return int(local_rank or 0) % count
 
 
 def exchange_claims(store: Store, rank: int, size: int, claim: DeviceClaim, timeout: float, *,

@@ -123,12 +123,18 @@ class StagingBackend(Backend):
         return True, ""
 
     def __init__(self, store: Store, rank: int, size: int, group_name: str, options: BackendOptions,
-                 reason: str = "") -> None:
+                 reason: str = "", device: int | None = None) -> None:
+        """`device`: the GPU this member uses, made the thread's current CuPy device (as the nccl backend does)."""
         super().__init__(store, rank, size, group_name, options)
         self.reason = reason
         """Why this group stages instead of running NCCL (from `placement.choose_path`)."""
         self._tcp = backend_class("tcp")(store, rank, size, group_name, options)
         self._cp: Any = None
+        if device is not None:
+            import cupy
+
+            self._cp = cupy
+            cupy.cuda.Device(device).use()
         self._buffers = HostBuffers(self._pinned)
         self._back: list[tuple[np.ndarray, Any, Any]] = []
         """(host buffer, host view, device array) to copy back after the current op."""
