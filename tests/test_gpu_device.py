@@ -83,13 +83,13 @@ def run_ranks(n: int, fn: Any) -> list[Any]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(90)
+        t.join(60)
     if errors:
         raise errors[0]
     return out
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(120)
 def test_two_ranks_on_one_gpu_stage_cupy_arrays_through_tcp() -> None:
     cp = cupy_module()
     store = InMemoryStore()
@@ -118,7 +118,7 @@ def test_two_ranks_on_one_gpu_stage_cupy_arrays_through_tcp() -> None:
             g.destroy()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(120)
 def test_asking_for_nccl_on_a_shared_gpu_keeps_the_clear_message() -> None:
     store = InMemoryStore()
 

@@ -235,6 +235,8 @@ class NcclBackend(Backend):
                 enqueue(stream, *args)
             except BaseException as e:
                 self._watchdog.finished(watched, completed=False)
+                if not watched.aborted:
+                    events.put(watched.event)  # never recorded: reusable at once
                 if watched.aborted:
                     try:
                         self._watchdog.wait(watched)

@@ -86,10 +86,11 @@ def local_claim(device: int | None) -> DeviceClaim:
         count = int(cupy.cuda.runtime.getDeviceCount())
         index = shared_device(device, os.environ.get("LOCAL_RANK"), count)
         uuid = cupy.cuda.runtime.getDeviceProperties(index).get("uuid", b"")
+        gpu = uuid.hex() if isinstance(uuid, (bytes, bytearray)) else str(uuid or "")
+        gpu = gpu or str(cupy.cuda.Device(index).pci_bus_id)  # the same GPU under any CUDA_VISIBLE_DEVICES
     except Exception as e:  # noqa: BLE001 - no usable GPU here: the claim says why
         return DeviceClaim(host, "", False, f"{type(e).__name__}: {e}")
-    gpu = uuid.hex() if isinstance(uuid, (bytes, bytearray)) else str(uuid)
-    return DeviceClaim(host, gpu or f"cuda:{index}", ok, why, index)
+    return DeviceClaim(host, gpu, ok, why, index)
 
 
 def shared_device(requested: int | None, local_rank: str | None, count: int) -> int:
