@@ -51,6 +51,8 @@ class CudaCollectives:
 
     def group_on(self, device: torch.device) -> ProcessGroup:
         """The axond NCCL group, built on `device` by the first CUDA op (every member must call that op)."""
+        if self._group is not None and device == self._device:
+            return self._group  # every later op: no device-index look-ups
         index = device.index if device.index is not None else torch.cuda.current_device()
         where = torch.device("cuda", index)
         o = self._owner
