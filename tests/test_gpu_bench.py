@@ -67,3 +67,9 @@ def test_without_a_gpu_it_exits_3_saying_why() -> None:
     assert done.returncode == gpu.EXIT_NO_GPU == 3
     assert "needs a CUDA GPU" in done.stderr and "Nothing ran" in done.stderr
     assert done.stdout == ""
+
+
+def test_every_planned_section_has_its_rank_code() -> None:
+    import gpu_ranks
+
+    assert set(gpu_ranks.SECTIONS) == {s.section for s in gpu.plan(gpu.parse_args([]), 1) if s.ranks}
