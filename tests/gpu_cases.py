@@ -7,6 +7,8 @@ import functools
 import pytest
 
 from axond.distributed.backends.nccl import NcclBackend
+from axond.distributed.reduce_op import ReduceOp
+from collective_cases import ARITHMETIC, DTYPES, refused
 
 
 @functools.lru_cache(maxsize=1)
@@ -22,3 +24,22 @@ def need_nccl() -> None:
     reason = nccl_reason()
     if reason:
         pytest.skip(reason)
+
+
+def nccl_refusal(dtype: str, op: ReduceOp) -> str | None:
+    """The TypeError message (a regex) with which the NCCL backend refuses reducing `dtype` with `op`, or None where
+    it runs: the CPU rule first (`check_reduce_op`, shared by every backend), then NCCL's lack of 16-bit integers."""
+    if refused(dtype, op):
+        return "AVG is undefined on bool|AVG is refused|is bitwise"
+    if dtype in ("int16", "uint16"):
+        return "16-bit integer"
+    return None
+
+
+REDUCTIONS: dict[str, list[tuple[str, ReduceOp]]] = {
+    "all_reduce": [(d, op) for d in DTYPES for op in ARITHMETIC],  # NCCL has no bitwise reductions
+    "broadcast_reduce": [("float64", op) for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG)],
+    "gather_scatter": [("int32", op) for op in ARITHMETIC],
+}
+"""Every (dtype, op) the GPU suite (tests/test_nccl_gpu.py) reduces, by case: tests/test_nccl_plans.py checks on
+the CPU that the NCCL plan refuses exactly the pairs `nccl_refusal` names, so the GPU cases cannot go stale."""

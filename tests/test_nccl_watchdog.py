@@ -57,7 +57,7 @@ def test_completed_op_returns_and_never_aborts(dog: Watchdog, comm: Comm) -> Non
     assert dog.wait(watched) is True
     time.sleep(0.05)
     assert comm.aborts == 0 and dog.failure is None
-    assert watched not in dog._ops, "the watchdog drops completed ops (and the buffers they keep)"
+    assert dog.in_flight() == 0 and watched.keep == (), "the watchdog drops completed ops (and the buffers they keep)"
 
 
 def test_hung_op_aborts_once_and_the_waiter_raises(dog: Watchdog, comm: Comm) -> None:

@@ -1,12 +1,15 @@
-"""`CudaCollectives`: the torch collectives of one "axond" group on CUDA tensors, run by axond's NCCL backend.
+"""`CudaCollectives`: the torch collectives of one "axond" group on CUDA tensors, run by axond's NCCL backend, or by
+its staging path (device -> pinned host -> tcp -> device, as gloo does) where the members do not each have a GPU of
+their own.
 
 The NCCL group is created on the first CUDA op (a rendezvous of every member over the same torch store,
 under its own name `torch-cuda:<group>`), on the device of that op's tensors. Every op is a short
 function over `_launch`: stage the tensors (contiguous views, see `axond.torch.cuda_tensors`), start
 the NCCL op with torch's current stream as CuPy's current stream (so NCCL runs after the kernels that
 produced the inputs), queue the copy-backs on a side stream after it, and return a `CudaWork`. Argument
-checks and their messages are the CPU path's (`AxondProcessGroup`). gather, scatter and all_to_all
-outputs are allocated by the NCCL backend, so those ops block the host until they finished.
+checks and their messages are the CPU path's (`AxondProcessGroup`). Outputs the NCCL backend allocates
+(gather, scatter, all_to_all) are ready on the side stream, like the rest; only scatter's shape header and
+all_to_all's split-size exchange wait on the host.
 """
 
 from __future__ import annotations
@@ -42,22 +45,29 @@ class CudaCollectives:
         self._group: ProcessGroup | None = None
         self._device: torch.device | None = None
         self._side: Any = None
+        self._side_cupy: Any = None
+        self._cupy_streams: dict[int, Any] = {}
+        """CuPy views (ExternalStream) of the torch streams ops were called on, by stream pointer."""
 
     def group_on(self, device: torch.device) -> ProcessGroup:
         """The axond NCCL group, built on `device` by the first CUDA op (every member must call that op)."""
+        if self._group is not None and device == self._device:
+            return self._group  # every later op: no device-index look-ups
         index = device.index if device.index is not None else torch.cuda.current_device()
         where = torch.device("cuda", index)
         o = self._owner
         if self._group is None:
             name = f"torch-cuda:{o.group_name}" if o.group_name else "torch-cuda"
             try:
-                self._group = create_group(o._store, o._rank, o._size, "nccl", replace(o._options, device=index),
+                # "auto": NCCL when every member has a GPU of its own, else the staging path (ranks sharing a GPU)
+                self._group = create_group(o._store, o._rank, o._size, "auto", replace(o._options, device=index),
                                            name=name)
             except BackendUnavailable as e:
                 raise DistributedError(f"CUDA tensors on group '{o.group_name}': {e}; pip install 'axond[gpu]', or "
                                        "move the tensors with .cpu()", op="nccl_init", group=o.group_name,
                                        rank=o._rank) from e
             self._device, self._side = where, torch.cuda.Stream(where)
+            self._side_cupy = cupy_module().cuda.ExternalStream(self._side.cuda_stream, index)
         elif where != self._device:
             raise ValueError(f"group '{o.group_name}' communicates on {self._device}, got a tensor on {where}; "
                              "one group uses one GPU per rank (torch.cuda.set_device before the first op)")
@@ -69,20 +79,23 @@ class CudaCollectives:
         group = self.group_on(device)
         assert self._device is not None  # set by group_on
         cp, index = cupy_module(), self._device.index
-        current = torch.cuda.current_stream(self._device)
-        with cp.cuda.Device(index), cp.cuda.ExternalStream(current.cuda_stream, index):
+        pointer = torch.cuda.current_stream(self._device).cuda_stream
+        caller = self._cupy_streams.get(pointer)
+        if caller is None:
+            if len(self._cupy_streams) > 64:
+                self._cupy_streams.clear()
+            caller = self._cupy_streams[pointer] = cp.cuda.ExternalStream(pointer, index)
+        with cp.cuda.Device(index), caller:
             works = start(group)
+            ready_after(works, self._side_cupy)
         side = self._side
-        ready_after(works, side, self._device)
         with torch.cuda.stream(side):
             value = finish(works)
             for t in touched:
                 t.record_stream(side)  # the allocator must not reuse them before the side stream is done
             ready = torch.cuda.Event()
             ready.record(side)
-            future: torch.futures.Future = torch.futures.Future(devices=[self._device])
-            future.set_result(value)
-        return CudaWork(op, group.name, self._device, works, ready, future, value)
+        return CudaWork(op, group.name, self._device, works, ready, side, value)
 
     def _run(self, op: str, staged: Sequence[CudaStaged], start: Start, value: Any, write: bool = True) -> CudaWork:
         """`_launch` for ops that work in place on `staged` (written back when `write`) and return `value`."""

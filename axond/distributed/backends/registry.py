@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from axond.distributed.backends.base import Backend, BackendOptions
@@ -10,7 +11,8 @@ from axond.errors import BackendUnavailable
 from axond.store import Store
 
 _MODULES = {"tcp": "axond.distributed.backends.tcp", "nccl": "axond.distributed.backends.nccl",
-            "mock": "axond.distributed.backends.mock"}
+            "mock": "axond.distributed.backends.mock", "staging": "axond.distributed.backends.nccl.staging",
+            "gpu-auto": "axond.distributed.backends.nccl.auto"}
 """Backend name -> module or package defining it (its `BACKEND`); imported lazily so that CuPy is only touched when
 asked for. "mock" joins
 threads of one process without sockets, for tests (see `axond.testing`)."""
@@ -80,12 +82,9 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend(name: str) -> str:
-    """Map "auto" to "nccl" when the nccl backend can run here (GPU and CuPy), else "tcp"; other names pass."""
+    """Map "auto" to "gpu-auto" where CuPy is installed (the members then choose NCCL or the staging path together,
+    see `axond.distributed.backends.nccl.auto`), else "tcp"; other names pass."""
     if name != "auto":
         backend_class(name)
         return name
-    try:
-        cls = backend_class("nccl")
-    except (BackendUnavailable, ImportError):
-        return "tcp"
-    return "nccl" if cls.is_available()[0] else "tcp"
+    return "gpu-auto" if importlib.util.find_spec("cupy") is not None else "tcp"

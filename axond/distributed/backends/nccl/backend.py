@@ -20,6 +20,7 @@ import numpy as np
 
 from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions
 from axond.distributed.backends.nccl import ops
+from axond.distributed.backends.nccl.plans import PlanCache, Pool, check_peer, split_rows
 from axond.distributed.backends.nccl.support import (
     NCCL_P2P_MIN_VERSION,
     choose_device,
@@ -120,7 +121,11 @@ class NcclBackend(Backend):
                     op="nccl_init", group=group_name, rank=rank,
                 ) from e
             self._comm: Any = self._communicator(unique_id)
-        self._watchdog = Watchdog(group=group_name, rank=rank, abort=self._comm.abort, async_error=self._async_error)
+        self._timeout = options.timeout
+        self._events: Pool[Any] = Pool(lambda: cupy.cuda.Event(disable_timing=True))
+        self.plans = PlanCache(self._const, self._version)
+        self._watchdog = Watchdog(group=group_name, rank=rank, abort=self._comm.abort, async_error=self._async_error,
+                                  on_done=self._released)
 
     def explain_timeouts(self, describe_peer: Callable[[int], str],
                          describe_peers: Callable[[str], str] | None = None) -> None:
@@ -190,55 +195,80 @@ class NcclBackend(Backend):
         return value
 
     def _check_peer(self, peer: int, what: str, op: str) -> None:
-        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
-            raise ValueError(
-                f"nccl {op}: {what}={peer!r} is not a rank of group {self.group_name!r} (size {self.size})"
-            )
+        check_peer(peer, self.size, self.group_name, what, op)
 
     def _rows(self, staged: _Staged, op: str) -> int:
-        if staged.buf.ndim == 0 or staged.buf.shape[0] % self.size:
-            raise ValueError(f"{op} needs x.shape[0] divisible by the group size {self.size}; "
-                             f"got shape {staged.buf.shape} (pad the first dimension)")
-        return int(staged.buf.shape[0])
+        return split_rows(tuple(staged.buf.shape), self.size, op)
 
     def _launch(
         self,
         op: str,
         peer: int | None,
-        enqueue: Callable[[Any], None],
+        enqueue: Callable[..., None],
+        args: tuple[Any, ...],
         keep: tuple[Any, ...],
         finish: Callable[[], Any] | None = None,
+        value: Any = None,
     ) -> NcclWork:
-        """The template of every op: order after the current stream, enqueue, record the completion event."""
+        """The template of every op: order after the current stream, `enqueue(stream, *args)`, record completion.
+
+        Two pooled CUDA events per op: `ready` (recorded on the caller's stream, back in the pool as soon as the
+        group's stream waits on it) and the completion event (back in the pool once the op is seen complete).
+        `finish` runs on the host after completion (NumPy results); `value` is a device result, ready on any
+        stream ordered after the op.
+        """
         if self._closed:
             raise DistributedError(f"nccl {op}: group {self.group_name!r} is closed", op=op,
                                    group=self.group_name, rank=self.rank)
-        cp = self._cp
+        events = self._events
+        if not len(events):
+            self._watchdog.reap()
         with self._device, self._lock:
-            ready = cp.cuda.Event(disable_timing=True)
-            ready.record(cp.cuda.get_current_stream())
-            self._stream.wait_event(ready)
-            done = cp.cuda.Event(disable_timing=True)
-            recorded = threading.Event()
-            watched = WatchedOp(op, peer, time.monotonic() + self.options.timeout,
-                                lambda: recorded.is_set() and bool(done.done), keep)
+            ready = events.get()
+            ready.record(self._cp.cuda.get_current_stream())
+            stream = self._stream
+            stream.wait_event(ready)
+            events.put(ready)  # cudaStreamWaitEvent took the event's state: re-recording it is safe
+            watched = WatchedOp(op, peer, time.monotonic() + self._timeout, None, keep, event=events.get())
             self._watchdog.watch(watched)
             try:
-                enqueue(self._stream)
+                enqueue(stream, *args)
             except BaseException as e:
-                self._watchdog.finished(watched)
+                self._watchdog.finished(watched, completed=False)
+                if not watched.aborted:
+                    events.put(watched.event)  # never recorded: reusable at once
                 if watched.aborted:
                     try:
                         self._watchdog.wait(watched)
                     except DistributedError as failure:
                         raise failure from e
-                if isinstance(e, (self._nccl.NcclError, cp.cuda.runtime.CUDARuntimeError)):
+                if isinstance(e, (self._nccl.NcclError, self._cp.cuda.runtime.CUDARuntimeError)):
                     raise DistributedError(f"nccl {op}: group {self.group_name!r} rank {self.rank}: {e}",
                                            op=op, group=self.group_name, rank=self.rank, peer=peer) from e
                 raise
-            done.record(self._stream)
-            recorded.set()
-        return NcclWork(self, watched, done, finish)
+            watched.event.record(stream)
+            watched.recorded = True
+        return NcclWork(self, watched, finish, value)
+
+    def _released(self, op: WatchedOp) -> None:
+        """The watchdog saw `op` complete: its completion event goes back to the pool."""
+        if op.event is not None:
+            self._events.put(op.event)
+
+    def _order_current_stream(self, event: Any) -> None:
+        """Make the caller's current CuPy stream wait (on the device) for `event`; the host does not wait."""
+        with self._device:
+            self._cp.cuda.get_current_stream().wait_event(event)
+
+    def _copy_back(self, staged: _Staged, stream: Any) -> None:
+        """Copy a device stand-in into the caller's non-contiguous array, on `stream` after the op."""
+        if staged.copy_back and not staged.host:
+            with stream:
+                staged.original[...] = staged.buf
+
+    def _finish_of(self, staged: _Staged) -> Callable[[], Any] | None:
+        """The host-side finish of an in-place op on `staged`: a copy into a NumPy array, else none."""
+        return (lambda: self._unstage(staged)) if staged.host else None
 
     def _copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         """Device-to-device copy on `stream` (this rank's own block in gather, scatter, all_to_all)."""
@@ -285,7 +315,8 @@ class NcclBackend(Backend):
         ops.recv(self, x, src, tag).wait()
 
     def barrier(self) -> None:
-        ops.barrier(self).wait()
+        """Blocks the host until every member reached it (as torch's NCCL barrier does)."""
+        ops.barrier(self).synchronize()
 
     def batch_p2p(self, batch: list[P2P]) -> None:
         """The whole batch in one NCCL group, waited for (`ProcessGroup` starts it async through `start`)."""

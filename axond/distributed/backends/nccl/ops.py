@@ -22,9 +22,9 @@ from axond.distributed.backends.nccl.support import (
     decode_meta,
     encode_meta,
     encode_p2p_header,
-    reduction_plan,
     transfer_type,
 )
+from axond.distributed.backends.nccl.plans import Planned, check_out
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.splits import announcement, check_splits, offsets, settle
 
@@ -42,61 +42,60 @@ def _average(b: NcclBackend, x: Any, stream: Any) -> None:
         b._cp.true_divide(x, b.size, out=x)
 
 
+def _all_reduce_on(stream: Any, b: NcclBackend, s: Any, plan: Planned) -> None:
+    ptr = s.buf.data.ptr
+    if plan.count:
+        b._comm.allReduce(ptr, ptr, plan.count, plan.nccl_type, plan.nccl_op, stream.ptr)
+    if plan.divide_by_size:
+        _average(b, s.buf, stream)
+    b._copy_back(s, stream)
+
+
 def all_reduce(b: NcclBackend, x: Array, op: ReduceOp) -> NcclWork:
     """In place: ncclAllReduce with sendbuff == recvbuff; AVG as SUM then a division on the stream."""
     s = b._stage(x, "all_reduce")
-    plan = reduction_plan(s.buf.dtype, op, b._version)
-    count = s.buf.size * plan.count_factor
+    plan = b.plans.reduction(s.buf.dtype, op, s.buf.size)
+    return b._launch("all_reduce", None, _all_reduce_on, (b, s, plan), (s,), b._finish_of(s))
 
-    def enqueue(stream: Any) -> None:
-        ptr = s.buf.data.ptr
-        if count:
-            b._comm.allReduce(ptr, ptr, count, b._const(plan.nccl_type), b._const(plan.nccl_op), stream.ptr)
-        if plan.divide_by_size:
-            _average(b, s.buf, stream)
 
-    return b._launch("all_reduce", None, enqueue, (s,), lambda: b._unstage(s))
+def _broadcast_on(stream: Any, b: NcclBackend, s: Any, plan: Planned, src: int) -> None:
+    count = plan.count
+    for start in range(0, count, _INT_MAX):
+        ptr = s.buf.data.ptr + start * plan.element_bytes
+        b._comm.broadcast(ptr, ptr, min(_INT_MAX, count - start), plan.nccl_type, src, stream.ptr)
+    b._copy_back(s, stream)
 
 
 def broadcast(b: NcclBackend, x: Array, src: int) -> NcclWork:
     """In place: ncclBroadcast from `src`, in chunks of at most INT_MAX elements."""
     b._check_peer(src, "src", "broadcast")
     s = b._stage(x, "broadcast")
-    ntype, factor = transfer_type(s.buf.dtype, b._version)
-    count, elem = s.buf.size * factor, s.buf.dtype.itemsize // factor
+    plan = b.plans.transfer(s.buf.dtype, s.buf.size)
+    return b._launch("broadcast", src, _broadcast_on, (b, s, plan, src), (s,), b._finish_of(s))
 
-    def enqueue(stream: Any) -> None:
-        for start in range(0, count, _INT_MAX):
-            ptr = s.buf.data.ptr + start * elem
-            n = min(_INT_MAX, count - start)
-            b._comm.broadcast(ptr, ptr, n, b._const(ntype), src, stream.ptr)
 
-    return b._launch("broadcast", src, enqueue, (s,), lambda: b._unstage(s))
+def _reduce_on(stream: Any, b: NcclBackend, s: Any, plan: Planned, dst: int) -> None:
+    ptr = s.buf.data.ptr
+    if plan.count:
+        b._comm.reduce(ptr, ptr, plan.count, plan.nccl_type, plan.nccl_op, dst, stream.ptr)
+    if plan.divide_by_size and b.rank == dst:
+        _average(b, s.buf, stream)
+    b._copy_back(s, stream)
 
 
 def reduce(b: NcclBackend, x: Array, dst: int, op: ReduceOp) -> NcclWork:
     """In place on `dst`: ncclReduce; the other ranks' arrays are left as they were."""
     b._check_peer(dst, "dst", "reduce")
     s = b._stage(x, "reduce")
-    plan = reduction_plan(s.buf.dtype, op, b._version)
-    count = s.buf.size * plan.count_factor
-
-    def enqueue(stream: Any) -> None:
-        ptr = s.buf.data.ptr
-        if count:
-            b._comm.reduce(ptr, ptr, count, b._const(plan.nccl_type), b._const(plan.nccl_op), dst, stream.ptr)
-        if plan.divide_by_size and b.rank == dst:
-            _average(b, s.buf, stream)
-
-    return b._launch("reduce", dst, enqueue, (s,), lambda: b._unstage(s))
+    plan = b.plans.reduction(s.buf.dtype, op, s.buf.size)
+    return b._launch("reduce", dst, _reduce_on, (b, s, plan, dst), (s,), b._finish_of(s))
 
 
 def _out(b: NcclBackend, out: Array | None, shape: tuple[int, ...], dtype: Any, op: str) -> Any:
     """`out=` staged as the op's device buffer (None: the op allocates one), after checking its shape and dtype."""
     if out is None:
         return None
-    if tuple(out.shape) != shape or out.dtype != dtype:
-        raise ValueError(f"nccl {op} out= must be a {dtype} array of shape {shape}; got {out.dtype} {tuple(out.shape)}")
+    check_out(tuple(out.shape), out.dtype, shape, dtype, op)
     return b._stage(out, f"{op} out")
 
 
@@ -108,38 +107,51 @@ def _into(b: NcclBackend, staged_out: Any, out: Array | None, dev: Any, host: bo
     return out
 
 
+def _completion(b: NcclBackend, s: Any, o: Any, out: Array | None, dev: Any) -> tuple[Any, Any]:
+    """(finish, value) of an op writing `dev`: a host finish where NumPy is involved, else the device result."""
+    if s.host or (o is not None and o.host):
+        return (lambda: _into(b, o, out, dev, s.host)), None
+    return None, (out if o is not None else dev)
+
+
+def _all_gather_on(stream: Any, b: NcclBackend, s: Any, dev: Any, o: Any, plan: Planned) -> None:
+    if plan.count:
+        b._comm.allGather(s.buf.data.ptr, dev.data.ptr, plan.count, plan.nccl_type, stream.ptr)
+    if o is not None:
+        b._copy_back(o, stream)
+
+
 def all_gather(b: NcclBackend, x: Array, out: Array | None = None) -> NcclWork:
     """ncclAllGather into a new (size, *x.shape) array, or into `out` of that shape."""
     s = b._stage(x, "all_gather")
-    ntype, factor = transfer_type(s.buf.dtype, b._version)
+    plan = b.plans.transfer(s.buf.dtype, s.buf.size)
     o = _out(b, out, (b.size, *s.buf.shape), s.buf.dtype, "all_gather")
     with b._device:
         dev = o.buf if o is not None else b._cp.empty((b.size, *s.buf.shape), dtype=s.buf.dtype)
+    finish, value = _completion(b, s, o, out, dev)
+    return b._launch("all_gather", None, _all_gather_on, (b, s, dev, o, plan), (s, dev, o), finish, value)
 
-    def enqueue(stream: Any) -> None:
-        if s.buf.size:
-            b._comm.allGather(s.buf.data.ptr, dev.data.ptr, s.buf.size * factor, b._const(ntype), stream.ptr)
 
-    return b._launch("all_gather", None, enqueue, (s, dev, o), lambda: _into(b, o, out, dev, s.host))
+def _reduce_scatter_on(stream: Any, b: NcclBackend, s: Any, dev: Any, o: Any, plan: Planned) -> None:
+    if plan.count:
+        b._comm.reduceScatter(s.buf.data.ptr, dev.data.ptr, plan.count, plan.nccl_type, plan.nccl_op, stream.ptr)
+    if plan.divide_by_size:
+        _average(b, dev, stream)
+    if o is not None:
+        b._copy_back(o, stream)
 
 
 def reduce_scatter(b: NcclBackend, x: Array, op: ReduceOp, out: Array | None = None) -> NcclWork:
     """ncclReduceScatter: this rank's block of x.shape[0] // size rows (into `out` of that shape if given)."""
     s = b._stage(x, "reduce_scatter")
-    plan = reduction_plan(s.buf.dtype, op, b._version)
     rows = b._rows(s, "reduce_scatter") // b.size
-    o = _out(b, out, (rows, *s.buf.shape[1:]), s.buf.dtype, "reduce_scatter")
+    shape = (rows, *s.buf.shape[1:])
+    plan = b.plans.reduction(s.buf.dtype, op, math.prod(shape))
+    o = _out(b, out, shape, s.buf.dtype, "reduce_scatter")
     with b._device:
-        dev = o.buf if o is not None else b._cp.empty((rows, *s.buf.shape[1:]), dtype=s.buf.dtype)
-
-    def enqueue(stream: Any) -> None:
-        if dev.size:
-            b._comm.reduceScatter(s.buf.data.ptr, dev.data.ptr, dev.size * plan.count_factor,
-                                  b._const(plan.nccl_type), b._const(plan.nccl_op), stream.ptr)
-        if plan.divide_by_size:
-            _average(b, dev, stream)
-
-    return b._launch("reduce_scatter", None, enqueue, (s, dev, o), lambda: _into(b, o, out, dev, s.host))
+        dev = o.buf if o is not None else b._cp.empty(shape, dtype=s.buf.dtype)
+    finish, value = _completion(b, s, o, out, dev)
+    return b._launch("reduce_scatter", None, _reduce_scatter_on, (b, s, dev, o, plan), (s, dev, o), finish, value)
 
 
 def _grouped(b: NcclBackend, calls: Callable[[], None]) -> None:
@@ -175,7 +187,9 @@ def gather(b: NcclBackend, x: Array, dst: int) -> NcclWork:
         if out is not None:
             b._copy(out.data.ptr + dst * nbytes, s.buf.data.ptr, nbytes, stream)
 
-    return b._launch("gather", dst, enqueue, (s, out), lambda: None if out is None else b._result(out, s.host))
+    if s.host and out is not None:
+        return b._launch("gather", dst, enqueue, (), (s, out), lambda: b._result(out, True))
+    return b._launch("gather", dst, enqueue, (), (s, out), None, out)
 
 
 def scatter(b: NcclBackend, x: Array | None, src: int) -> NcclWork:
@@ -190,7 +204,7 @@ def scatter(b: NcclBackend, x: Array | None, src: int) -> NcclWork:
     with b._device:
         meta = cp.asarray(encode_meta(s.buf.shape[1:], s.buf.dtype)) if s is not None else cp.empty(
             META_SLOTS, dtype=np.int64)
-    broadcast(b, meta, src).wait()
+    broadcast(b, meta, src).synchronize()  # the host reads the header
     shape, dtype = decode_meta(meta.get())
     ntype, factor = transfer_type(dtype, b._version)
     with b._device:
@@ -212,8 +226,9 @@ def scatter(b: NcclBackend, x: Array | None, src: int) -> NcclWork:
         if s is not None:
             b._copy(out.data.ptr, s.buf.data.ptr + src * nbytes, nbytes, stream)
 
-    host = s is not None and s.host
-    return b._launch("scatter", src, enqueue, (s, out), lambda: b._result(out, host))
+    if s is not None and s.host:
+        return b._launch("scatter", src, enqueue, (), (s, out), lambda: b._result(out, True))
+    return b._launch("scatter", src, enqueue, (), (s, out), None, out)
 
 
 def all_to_all(b: NcclBackend, x: Array, input_split_sizes: Sequence[int] | None = None,
@@ -252,7 +267,9 @@ def all_to_all(b: NcclBackend, x: Array, input_split_sizes: Sequence[int] | None
         _grouped(b, lambda: calls(stream))
         b._copy(out.data.ptr + dst_at[b.rank] * row, s.buf.data.ptr + src_at[b.rank] * row, ins[b.rank] * row, stream)
 
-    return b._launch("all_to_all", None, enqueue, (s, out), lambda: b._result(out, s.host))
+    if s.host:
+        return b._launch("all_to_all", None, enqueue, (), (s, out), lambda: b._result(out, True))
+    return b._launch("all_to_all", None, enqueue, (), (s, out), None, out)
 
 
 def send(b: NcclBackend, x: Array, dst: int, tag: int) -> NcclWork:
@@ -270,7 +287,7 @@ def send(b: NcclBackend, x: Array, dst: int, tag: int) -> NcclWork:
         if s.buf.size:
             b._comm.send(s.buf.data.ptr, s.buf.size * factor, b._const(ntype), dst, stream.ptr)
 
-    return b._launch("send", dst, lambda stream: _grouped(b, lambda: calls(stream)), (s, header))
+    return b._launch("send", dst, lambda stream: _grouped(b, lambda: calls(stream)), (), (s, header))
 
 
 def recv(b: NcclBackend, x: Array, src: int, tag: int) -> NcclWork:
@@ -286,8 +303,8 @@ def recv(b: NcclBackend, x: Array, src: int, tag: int) -> NcclWork:
     def enqueue_header(stream: Any) -> None:
         b._comm.recv(header.data.ptr, P2P_HEADER_SLOTS, b._const("NCCL_INT64"), src, stream.ptr)
 
-    first = b._launch("recv", src, enqueue_header, (s, header))
-    first.wait()
+    first = b._launch("recv", src, enqueue_header, (), (s, header))
+    first.synchronize()  # the host reads the header
     problem = check_p2p_header(header.get(), tag, s.buf.nbytes, s.buf.dtype)
     if problem is not None:
         b._watchdog.fail(first._watched, f"mismatched send: {problem}")
@@ -296,8 +313,9 @@ def recv(b: NcclBackend, x: Array, src: int, tag: int) -> NcclWork:
     def enqueue(stream: Any) -> None:
         if s.buf.size:
             b._comm.recv(s.buf.data.ptr, s.buf.size * factor, b._const(ntype), src, stream.ptr)
+        b._copy_back(s, stream)
 
-    return b._launch("recv", src, enqueue, (s,), lambda: b._unstage(s))
+    return b._launch("recv", src, enqueue, (), (s,), b._finish_of(s))
 
 
 def batch_p2p(b: NcclBackend, batch: list[P2P]) -> NcclWork:
@@ -335,7 +353,7 @@ def batch_p2p(b: NcclBackend, batch: list[P2P]) -> NcclWork:
                 b._unstage(s)
 
     keep = tuple(x for part in parts for x in (part[1], part[4]))
-    launched.append(b._launch("batch_isend_irecv", None, lambda stream: _grouped(b, lambda: calls(stream)), keep,
+    launched.append(b._launch("batch_isend_irecv", None, lambda stream: _grouped(b, lambda: calls(stream)), (), keep,
                               finish))
     return launched[0]
 
@@ -347,7 +365,7 @@ def barrier(b: NcclBackend) -> NcclWork:
     def enqueue(stream: Any) -> None:
         b._comm.allReduce(buf.data.ptr, buf.data.ptr, 1, b._const("NCCL_INT32"), b._const("NCCL_SUM"), stream.ptr)
 
-    return b._launch("barrier", None, enqueue, (buf,))
+    return b._launch("barrier", None, enqueue, (), (buf,))
 
 
 LAUNCHES: dict[str, Callable[..., NcclWork]] = {

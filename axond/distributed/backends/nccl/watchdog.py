@@ -1,7 +1,9 @@
 """The watchdog of an NCCL communicator: aborts it when an op hangs, so that no call waits forever.
 
-GPU-free: an op is watched through a `done()` callable (a CUDA event query in `backend.py`), and the
-abort is a callable (`NcclCommunicator.abort`), so CI tests the timing logic with real threads.
+GPU-free: an op is watched through its completion `event` (anything with a `done` attribute: a CUDA event in
+`backend.py`) or a `done()` callable, and the abort is a callable (`NcclCommunicator.abort`), so CI tests the
+timing logic with real threads. The ops in flight are a dict in launch order: adding and removing one is O(1)
+under a short lock, and `reap` retires the oldest completed ones without waiting for the thread's tick.
 """
 
 from __future__ import annotations
@@ -22,13 +24,27 @@ class WatchedOp:
     op: str
     peer: int | None
     deadline: float
-    done: Callable[[], bool]
-    """True once the op's completion event has fired; may raise if the device failed."""
+    done: Callable[[], bool] | None = None
+    """True once the op completed; may raise if the device failed. None: `recorded` and `event.done` say it."""
     keep: tuple[Any, ...] = ()
     """Device buffers the op reads or writes, held until it completes so the memory pool cannot reuse them."""
     aborted: bool = False
     """Set when the communicator was aborted with this op in flight: its result is void."""
     started: float = field(default_factory=time.monotonic)
+    event: Any = None
+    """The completion event (its `done` attribute queries it), once `recorded` is set."""
+    recorded: bool = False
+    """Set after the completion event was recorded behind the op (an unrecorded CUDA event reads as done)."""
+    completed: bool = False
+    """Set once the op was seen complete: nothing queries `event` again (it may be reused)."""
+
+    def is_done(self) -> bool:
+        """Whether the op completed (may raise if the device failed)."""
+        if self.completed:
+            return True
+        if self.done is not None:
+            return bool(self.done())
+        return self.recorded and bool(self.event.done)
 
 
 class Watchdog:
@@ -49,7 +65,9 @@ class Watchdog:
         async_error: Callable[[], str | None] | None = None,
         tick: float = 0.05,
         abort_grace: float = 60.0,
+        on_done: Callable[[WatchedOp], None] | None = None,
     ) -> None:
+        """`on_done(op)` runs once per op seen complete (the backend returns its event to the pool)."""
         self.group = group
         self.rank = rank
         self._abort = abort
@@ -58,7 +76,8 @@ class Watchdog:
         """Says what the peers are doing when `op` timed out (their in-flight reports), appended to the error."""
         self._tick = tick
         self._abort_grace = abort_grace
-        self._ops: list[WatchedOp] = []
+        self._on_done = on_done
+        self._ops: dict[int, WatchedOp] = {}
         self._lock = threading.Lock()
         self._aborting = False
         self._failure: DistributedError | None = None
@@ -77,16 +96,42 @@ class Watchdog:
         with self._lock:
             aborting = self._aborting
             if not aborting:
-                self._ops.append(op)
+                self._ops[id(op)] = op
         if aborting:
             self._failed.wait(self._abort_grace)
             raise self._reraise(op.op)
 
-    def finished(self, op: WatchedOp) -> None:
-        """Stop watching `op` (it completed, or its launch failed)."""
+    def finished(self, op: WatchedOp, completed: bool = True) -> None:
+        """Stop watching `op`: it completed (`on_done` runs once), or its launch failed (`completed=False`)."""
         with self._lock:
-            if op in self._ops:
-                self._ops.remove(op)
+            mine = self._ops.pop(id(op), None) is op
+        if mine and completed and not op.aborted:
+            op.completed = True
+            op.keep = ()
+            if self._on_done is not None:
+                self._on_done(op)
+
+    def reap(self, limit: int = 4) -> int:
+        """Retire up to `limit` of the oldest ops in flight that completed (ops on one stream complete in launch
+        order, so it stops at the first one still running); returns how many. Never blocks."""
+        retired = 0
+        while retired < limit:
+            with self._lock:
+                oldest = next(iter(self._ops.values()), None)
+            if oldest is None:
+                break
+            try:
+                if not oldest.is_done():
+                    break
+            except Exception:  # noqa: BLE001 - the thread's scan reports the device's failure
+                break
+            self.finished(oldest)
+            retired += 1
+        return retired
+
+    def in_flight(self) -> int:
+        """How many ops are watched now."""
+        return len(self._ops)
 
     def wait(self, op: WatchedOp, timeout: float | None = None) -> bool:
         """Block until `op` is done (True); raise `DistributedError` if it was aborted.
@@ -101,7 +146,7 @@ class Watchdog:
                 self._failed.wait(self._abort_grace)
                 raise self._reraise(op.op)
             try:
-                if op.done() and not op.aborted:
+                if op.is_done() and not op.aborted:
                     return True
             except Exception as e:  # noqa: BLE001 - the device's failure fails the op, naming it
                 self.fail(op, f"the device reported {type(e).__name__}: {e}")
@@ -137,7 +182,7 @@ class Watchdog:
             if self._aborting:
                 return
             self._aborting = True
-            for other in self._ops:
+            for other in self._ops.values():
                 other.aborted = True
             self._ops.clear()
         try:
@@ -181,11 +226,11 @@ class Watchdog:
         with self._lock:
             if self._aborting:
                 return
-            ops = list(self._ops)
+            ops = list(self._ops.values())
         now = time.monotonic()
         for op in ops:
             try:
-                finished = op.done()
+                finished = op.is_done()
             except Exception as e:  # noqa: BLE001 - the device's failure fails the op, naming it
                 self.fail(op, f"the device reported {type(e).__name__}: {e}")
                 return
