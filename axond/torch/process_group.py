@@ -136,7 +136,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         if self._group is None:
             name = f"torch:{self._group_name}" if self._group_name else "torch"
             self._group = create_group(self._store, self._rank, self._size, "tcp", self._options, name=name)
-            self._completer = Completer(name, self._options.timeout + ASYNC_MARGIN)
+            self._completer = Completer(name, self._options.timeout + ASYNC_MARGIN, self._options.timeout)
             if self._overlap is None:
                 backend = self._group.backend
                 self._overlap = overlaps(getattr(backend, "host_ranks", 1), getattr(backend, "host_cores", 1 << 16),
@@ -197,7 +197,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         try:
             value = finish([call(async_op=False) for call in calls])
         except Exception as e:
-            return DoneWork(op, group.name, error=e)
+            return DoneWork(op, group.name, error=e, timeout=self._options.timeout)
         return DoneWork(op, group.name, value)
 
     def _waited_at_once(self, opts: Any) -> bool:
@@ -234,7 +234,7 @@ class AxondProcessGroup(dist.ProcessGroup):
                 try:
                     group.all_reduce(t.numpy(), op)
                 except Exception as e:
-                    return DoneWork("allreduce", group.name, error=e)
+                    return DoneWork("allreduce", group.name, error=e, timeout=self._options.timeout)
                 return DoneWork("allreduce", group.name, tensors)
         staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
         calls = [partial(self.axond_group.all_reduce, _premultiplied(s.array, factor, True), op) for s in staged]

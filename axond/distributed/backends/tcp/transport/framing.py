@@ -146,7 +146,8 @@ class FramedGroup:
             if self.explain is not None:
                 msg += f"; {self.explain(e.peer)}"
         self.abort(msg)
-        raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer) from e
+        raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer,
+                               timed_out=not isinstance(e, PeerClosed)) from e
 
     def _abort_left_by(self, peer: int) -> tuple[str, bool] | None:
         """(reason, failed) of an abort frame that peer `peer` (group rank) sent before its connection failed, if
