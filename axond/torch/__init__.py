@@ -16,6 +16,7 @@ import torch.distributed as dist
 from axond.distributed.api import _secret
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.tcp.transport.mesh import route_address
+from axond.distributed.failure import install as install_failure_hook
 from axond.torch.devices import devices_here
 from axond.torch.process_group import BACKEND, AxondProcessGroup, axond_op, timeout_seconds
 from axond.torch.rendezvous import coordinator_store, install
@@ -32,6 +33,7 @@ DEVICES = devices_here()
 def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> AxondProcessGroup:
     """torch's backend creator: one member of an axond group rendezvousing over torch's (prefixed) store; the
     subclass that also takes CUDA tensors where they can run."""
+    install_failure_hook()  # as axond.init_process_group does: an uncaught exception tells the peers its cause
     options = BackendOptions(timeout=timeout_seconds(timeout), job_secret=_secret(), host=_toward_store(store))
     if "cuda" in DEVICES:
         from axond.torch.cuda_process_group import AxondCudaProcessGroup

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_group
@@ -127,6 +128,8 @@ class AxondProcessGroup(dist.ProcessGroup):
         self._group: ProcessGroup | None = None
         self._group_name = ""
         self._completer: Completer | None = None
+        self._seq = 0
+        """Ops started on this group (`_get_sequence_number_for_group`)."""
         self._overlap = overlap_setting()
         """Whether async collectives over SYNC_BYTES run on the communication thread (None: decided with the group)."""
 
@@ -168,6 +171,39 @@ class AxondProcessGroup(dist.ProcessGroup):
     def name(self) -> str:
         return BACKEND
 
+    DEVICE_TYPES: tuple[str, ...] = ("cpu",)
+    """The device types this group takes, as torch's own backends register theirs (`_device_types`)."""
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices this group takes ([cpu], plus cuda for `AxondCudaProcessGroup`), as `pg._device_types` of
+        torch's own backends lists them: DCP's `async_save` needs cpu there, and full-state-dict broadcasts pick
+        their device from it."""
+        return [torch.device(d) for d in self.DEVICE_TYPES]
+
+    def _get_backend(self, device: Any) -> AxondProcessGroup:
+        """The backend of `device`: this group itself for its device types (torch asks it `supports_*` and
+        sequence numbers), else torch's error."""
+        kind = torch.device(device).type
+        if kind not in self.DEVICE_TYPES:
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_shrinking = False
+    supports_time_estimate = False
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    def _get_sequence_number_for_group(self) -> int:
+        """How many ops torch started on this group (the same on every member that made the same calls)."""
+        return self._seq
+
+    def _set_sequence_number_for_group(self) -> None:
+        """torch calls it on a new group; the count starts at 0 there already."""
+
     def getBackendName(self) -> str:  # noqa: N802 -- torch's name
         return BACKEND
 
@@ -190,6 +226,14 @@ class AxondProcessGroup(dist.ProcessGroup):
         no core to spare (`overlap`); the others run as axond async ops, so torch may overlap them with compute
         (DDP's buckets). Either way a failure is raised by the Work's wait().
         """
+        self._seq += 1
+        if _profiling():
+            with record_function(profiler_event(op)):
+                return self._launch_now(op, calls, finish, nbytes, opts)
+        return self._launch_now(op, calls, finish, nbytes, opts)
+
+    def _launch_now(self, op: str, calls: Sequence[Callable[..., Any]], finish: Callable[[list[Any]], Any],
+                    nbytes: int, opts: Any) -> AxondWork | DoneWork:
         group = self.axond_group
         if nbytes > self.SYNC_BYTES and self._overlap and not self._waited_at_once(opts):
             assert self._completer is not None  # made with the axond group
@@ -204,9 +248,21 @@ class AxondProcessGroup(dist.ProcessGroup):
         """Whether torch waits for the op as soon as it is launched (`dist.all_reduce(t)` without `async_op=True`)."""
         return self.SYNC_WHEN_WAITED and getattr(opts, "asyncOp", True) is False
 
-    def _launch_started(self, op: str, works: Sequence[Any], finish: Callable[[list[Any]], Any]) -> AxondWork:
-        """The torch Work of axond async `works`, completed (after `finish`) by the completion thread."""
-        assert self._completer is not None  # works come from self.axond_group, which made it
+    def _launch_started(self, op: str, start: Callable[[], Sequence[Any]], finish: Callable[[list[Any]], Any]
+                        ) -> AxondWork | DoneWork:
+        """The torch Work of the axond async works `start()` returns, completed (after `finish`) by the completion
+        thread; a failure to start them is the Work's failure."""
+        self._seq += 1
+        group = self.axond_group
+        assert self._completer is not None  # made with the axond group
+        try:
+            if _profiling():
+                with record_function(profiler_event(op)):
+                    works = start()
+            else:
+                works = start()
+        except DistributedError as e:
+            return DoneWork(op, group.name, error=e, timeout=self._options.timeout)
         return self._completer.launch(op, works, finish)
 
     def _same_dtype(self, where: str, *tensors: torch.Tensor) -> None:
@@ -227,9 +283,10 @@ class AxondProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1 and factor is None:
             t = tensors[0]
             if (type(t) is torch.Tensor and t.dtype in _PLAIN_DTYPES and t.is_cpu and t.layout is torch.strided
-                    and not t.requires_grad and t.is_contiguous()
+                    and not t.requires_grad and t.is_contiguous() and not _profiling()
                     and (t.nbytes <= self.SYNC_BYTES or not self._overlap or self._waited_at_once(opts))):
                 # the common small op, kept short (latency is most of its cost): a view, run here, a done Work
+                self._seq += 1
                 group = self.axond_group
                 try:
                     group.all_reduce(t.numpy(), op)
@@ -256,19 +313,30 @@ class AxondProcessGroup(dist.ProcessGroup):
         return self._launch("reduce", calls, _written(staged if self._rank == opts.rootRank else [], tensors),
                             _nbytes(tensors), opts)
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None,
+                  op: str = "allgather", value: Any = None) -> Any:
+        """outputs[j][r] receives rank r's inputs[j] (torch's `all_gather` layout: one list per input)."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{op} on group '{self._group_name}': {len(inputs)} inputs but {len(outputs)} output lists")
         works, copies = [], []
         for outs, t in zip(outputs, inputs):
-            self._check_list("allgather", outs, t)
-            x = readonly(t, "allgather input")
+            self._check_list(op, outs, t)
+            x = readonly(t, f"{op} input")
             gathered = np.empty((self._size, *x.shape), x.dtype)
             works.append(partial(self.axond_group.all_gather, x, out=gathered))
             copies.append((outs, gathered))
-        return self._launch("allgather", works, lambda _: _scatter_rows(copies, outputs), _nbytes(inputs) * self._size,
-                            opts)
+        result = outputs if value is None else value
+        return self._launch(op, works, lambda _: _scatter_rows(copies, result), _nbytes(inputs) * self._size, opts)
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        return self.allgather(outputs, inputs, opts)
+        """torch's `all_gather_coalesced` layout, the transpose of `allgather`'s: outputs[r][j] receives rank r's
+        inputs[j] (one list per rank, each as long as `inputs`)."""
+        if len(outputs) != self._size or any(len(outs) != len(inputs) for outs in outputs):
+            raise ValueError(f"all_gather_coalesced on group '{self._group_name}': needs {self._size} output lists "
+                             f"(one per rank) of {len(inputs)} tensors (one per input), got "
+                             f"{[len(outs) for outs in outputs]}")
+        per_input = [[outputs[r][j] for r in range(self._size)] for j in range(len(inputs))]
+        return self.allgather(per_input, inputs, opts, op="allgather_coalesced", value=outputs)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -376,13 +444,14 @@ class AxondProcessGroup(dist.ProcessGroup):
                             _nbytes(outputs) * self._size, opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        works = [self.axond_group.isend(readonly(t, "send tensor"), dst, tag) for t in tensors]
-        return self._launch_started("send", works, lambda _: tensors)
+        arrays = [readonly(t, "send tensor") for t in tensors]
+        return self._launch_started("send", lambda: [self.axond_group.isend(x, dst, tag) for x in arrays],
+                                    lambda _: tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         staged = [stage(t, "recv tensor") for t in tensors]
-        works = [self.axond_group.irecv(s.array, src, tag) for s in staged]
-        return self._launch_started("recv", works, _written(staged, tensors))
+        return self._launch_started("recv", lambda: [self.axond_group.irecv(s.array, src, tag) for s in staged],
+                                    _written(staged, tensors))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
         raise DistributedError(f"recv from any source on group '{self._group_name}': the axond backend needs the "
@@ -412,6 +481,21 @@ class AxondProcessGroup(dist.ProcessGroup):
         if self._group is not None:
             self._group.abort(f"rank {self._rank} aborted its torch process group")
         self.shutdown()
+
+
+_profiling = torch._C._autograd._profiler_enabled
+"""Whether a profiler records (a C call of ~40 ns): only then does an op open a `record_function` range."""
+
+_EVENTS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "allgather": "all_gather",
+           "allgather_coalesced": "all_gather_coalesced", "allgather_into_tensor_coalesced": "all_gather_into_tensor",
+           "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor", "alltoall": "all_to_all",
+           "all_to_all_single": "all_to_all_single", "recv_anysource": "recvAnySource"}
+
+
+def profiler_event(op: str) -> str:
+    """The profiler range of op `op` (a method name), named as gloo names its own: `axond:all_reduce`,
+    `axond:broadcast`, `axond:send`, ..."""
+    return f"{BACKEND}:{_EVENTS.get(op, op)}"
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:

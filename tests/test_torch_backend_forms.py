@@ -1,0 +1,56 @@
+"""torch's coalesced forms on "axond" with torch's layouts (against gloo), and the group as torch's own backends
+present themselves: device types, sequence numbers, profiler events. Real processes on loopback."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install -e '.[torch]')")
+
+import torch_backend_form_cases as cases  # noqa: E402
+import torch_cases  # noqa: E402
+from axond.testing import collect_from_processes  # noqa: E402
+from axond.torch import DEVICES  # noqa: E402
+
+
+def _ranks(body: object, n: int = 2) -> list[object]:
+    items, codes = collect_from_processes(functools.partial(torch_cases.run, body), n, expect=n, timeout=90.0)
+    failures = [res for _, ok, res in items if not ok]
+    assert not failures, failures[0]
+    assert codes == [0] * n, codes
+    return [res for _, _, res in sorted(items, key=lambda item: item[0])]
+
+
+def _all(rank: int, n: int, gloo: object) -> dict[str, object]:
+    return {"coalesced": cases.coalesced(rank, n, gloo),
+            "devices": cases.device_types_and_sequence_numbers(rank, n, gloo),
+            "events": cases.profiler_events(rank, n, gloo)}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, object]]:
+    return _ranks(_all)  # type: ignore[return-value]
+
+
+def test_coalesced_forms_have_torchs_layout(results: list[dict[str, object]]) -> None:
+    """all_gather_coalesced with as many inputs as ranks once came back transposed without an error."""
+    assert [r["coalesced"] for r in results] == [[], []]
+
+
+def test_device_types_and_sequence_numbers_as_torchs_backends(results: list[dict[str, object]]) -> None:
+    for r in results:
+        devices = r["devices"]
+        # as registered (["cpu"], plus "cuda" where a GPU and CuPy are there); gloo lists cpu (and cuda) too
+        assert devices["device_types"] == devices["capability"] == DEVICES, devices  # type: ignore[index]
+        assert "cpu" in devices["gloo"] and devices["backend"], devices  # type: ignore[index,operator]
+    seqs = [r["devices"]["seq"] for r in results]  # type: ignore[index]
+    assert seqs[0] == seqs[1] and seqs[0][1] == seqs[0][0] + 3, seqs
+
+
+def test_every_op_records_a_profiler_event(results: list[dict[str, object]]) -> None:
+    common = {"axond:all_reduce", "axond:broadcast", "axond:all_gather", "axond:all_gather_into_tensor",
+              "axond:reduce_scatter_tensor", "axond:reduce", "axond:all_to_all_single", "axond:barrier"}
+    assert set(results[0]["events"]) == common | {"axond:send"}, results[0]["events"]  # type: ignore[arg-type]
+    assert set(results[1]["events"]) == common | {"axond:recv"}, results[1]["events"]  # type: ignore[arg-type]
