@@ -73,6 +73,8 @@ class AxondWork(dist._Work):
         self._completer = completer
         self._collective = collective
         self._works: Sequence[AxondAsync] = ()
+        self.source: list[int] = []
+        """The sender's group rank, once a receive from any source finished."""
 
     def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
         """Record the outcome (what `wait` returns or raises); the future is completed apart (`_complete_future`),
@@ -118,6 +120,13 @@ class AxondWork(dist._Work):
         self.wait()
         return self._value
 
+    def _source_rank(self) -> int:
+        """The sender of a receive from any source (torch's `irecv(t)` without src: `work._source_rank()`)."""
+        self.wait()
+        return int(self.source[0]) if self.source else -1
+
+    source_rank = _source_rank
+
     def get_future(self) -> torch.futures.Future:
         """The future torch chains on: the output tensors, or the failure as an error; in a backward pass, a
         collective's failure is also raised by an autograd callback (`check_in_backward`)."""
@@ -129,6 +138,24 @@ class AxondWork(dist._Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+
+class Posted:
+    """A send posted on the calling thread (`ProcessGroup.post_send`) as a completion job waits for it: `result()`
+    returns once its bytes left (a `PendingSend`, nothing left to wait for, or the Work of a queued isend)."""
+
+    __slots__ = ("_pending", "_limit")
+
+    def __init__(self, pending: Any, limit: float) -> None:
+        self._pending, self._limit = pending, limit
+
+    def result(self) -> None:
+        if self._pending is None:
+            return
+        if isinstance(self._pending, AxondAsync):
+            self._pending.wait()
+        else:
+            self._pending.wait(self._limit, True)
 
 
 class DoneWork(dist._Work):

@@ -25,7 +25,7 @@ from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_g
 from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import Store
-from axond.torch.completion import AxondWork, Completer, DoneWork
+from axond.torch.completion import AxondWork, Completer, DoneWork, Posted
 from axond.torch.tensors import Staged, copy_into, readonly, stage
 
 BACKEND = "axond"
@@ -444,9 +444,12 @@ class AxondProcessGroup(dist.ProcessGroup):
                             _nbytes(outputs) * self._size, opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        """Posted at once on the calling thread, never behind this group's queued receives (so isend/irecv and
+        batch_isend_irecv never deadlock, in any order); its Work completes once the bytes left."""
         arrays = [readonly(t, "send tensor") for t in tensors]
-        return self._launch_started("send", lambda: [self.axond_group.isend(x, dst, tag) for x in arrays],
-                                    lambda _: tensors)
+        limit = self._options.timeout + ASYNC_MARGIN
+        return self._launch_started("send", lambda: [Posted(self.axond_group.post_send(x, dst, tag), limit)
+                                                     for x in arrays], lambda _: tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         staged = [stage(t, "recv tensor") for t in tensors]
@@ -454,8 +457,23 @@ class AxondProcessGroup(dist.ProcessGroup):
                                     _written(staged, tensors))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
-        raise DistributedError(f"recv from any source on group '{self._group_name}': the axond backend needs the "
-                               "source rank (pass src=)", op="recv", group=self._group_name, rank=self._rank)
+        """torch's `recv(t)` / `irecv(t)` without src: the first send of `tag` from any member; the Work's
+        `_source_rank()` names the sender (torch's `recv` returns it)."""
+        if len(tensors) != 1:
+            raise ValueError(f"recv from any source on group '{self._group_name}': takes one tensor, got {len(tensors)}")
+        staged = stage(tensors[0], "recv tensor")
+        sender: list[int] = []
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            staged.write_back()
+            sender.append(int(results[0]))
+            return tensors
+
+        work = self._launch_started("recv_anysource", lambda: [self.axond_group.recv_any(staged.array, tag, True)],
+                                    finish)
+        if isinstance(work, AxondWork):
+            work.source = sender
+        return work
 
     def barrier(self, opts: Any = None) -> Any:
         return self._launch("barrier", [self.axond_group.barrier], lambda _: [], 0, opts)

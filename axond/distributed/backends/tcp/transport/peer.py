@@ -63,6 +63,7 @@ class Peer:
         self._cond = threading.Condition()
         self._queue: deque[tuple[bytes, memoryview | None, int]] = deque()
         self._posted = 0
+        self._post_lock = threading.Lock()
         self._done = 0
         self._error: BaseException | None = None
         self._closed = False
@@ -83,9 +84,14 @@ class Peer:
     def send(self, header: bytes, payload: memoryview | None) -> int:
         """Queue one frame; small ones go out now. Returns a ticket for `wait_sent`.
 
-        Only the op-running thread posts, so the inline fast path needs no condition variable:
-        when nothing is queued, the sender thread is idle and only the write lock is shared.
+        Posting is serialized by `_post_lock` (the op-running thread, and a torch send posted on its caller's thread
+        meanwhile), so the inline fast path needs no condition variable: when nothing is queued, the sender thread
+        is idle and only the write lock is shared.
         """
+        with self._post_lock:
+            return self._post(header, payload)
+
+    def _post(self, header: bytes, payload: memoryview | None) -> int:
         if self._error is not None:
             raise self._failure() from self._error
         nbytes = 0 if payload is None else payload.nbytes
