@@ -26,7 +26,8 @@ def _ranks(body: object, n: int = 2) -> list[object]:
 def _all(rank: int, n: int, gloo: object) -> dict[str, object]:
     return {"coalesced": cases.coalesced(rank, n, gloo),
             "devices": cases.device_types_and_sequence_numbers(rank, n, gloo),
-            "events": cases.profiler_events(rank, n, gloo)}
+            "events": cases.profiler_events(rank, n, gloo), "sparse": cases.sparse(rank, n, gloo),
+            "monitored": cases.monitored(rank, n, gloo)}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,18 @@ def results() -> list[dict[str, object]]:
 def test_coalesced_forms_have_torchs_layout(results: list[dict[str, object]]) -> None:
     """all_gather_coalesced with as many inputs as ranks once came back transposed without an error."""
     assert [r["coalesced"] for r in results] == [[], []]
+
+
+def test_sparse_all_reduce_as_gloo(results: list[dict[str, object]]) -> None:
+    """As gloo: every rank's indices and values gathered, duplicates summed, into the caller's sparse tensor."""
+    assert [r["sparse"] for r in results] == [[], []]
+
+
+def test_the_groups_monitored_barrier_names_the_missing_rank(results: list[dict[str, object]]) -> None:
+    """torch's `dist.monitored_barrier` is gloo's alone (it checks the backend's name); the group's method runs
+    axond's."""
+    kind, message = results[0]["monitored"]  # type: ignore[misc]
+    assert kind == "TorchDistributedError" and "rank 1" in message, (kind, message)
 
 
 def test_device_types_and_sequence_numbers_as_torchs_backends(results: list[dict[str, object]]) -> None:

@@ -78,3 +78,39 @@ def profiler_events(rank: int, n: int, gloo: Any) -> list[str]:
         elif rank == 1:
             dist.recv(t, 0)
     return sorted({e.name for e in prof.events() if e.name.startswith("axond:")})
+
+
+def sparse(rank: int, n: int, gloo: Any) -> list[str]:
+    """Sparse all_reduce (SUM) on both groups, ranks holding different numbers of nonzeros (rank 2's none), with
+    overlapping indices and a dense dimension; the cases whose results differ."""
+    bad = []
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        nnz = [3, 1, 0][rank % 3]
+        indices = torch.tensor([[(rank + 2 * i) % 5 for i in range(nnz)], [i % 2 for i in range(nnz)]],
+                               dtype=torch.int64).reshape(2, nnz)
+        values = (torch.arange(nnz * 3, dtype=torch.float64).reshape(nnz, 3) + rank).to(dtype)
+        results = []
+        for g in (dist.group.WORLD, gloo):
+            t = torch.sparse_coo_tensor(indices, values, (5, 2, 3))
+            dist.all_reduce(t, group=g)
+            results.append(t.coalesce())
+        ours, theirs = results
+        if not (torch.equal(ours.indices(), theirs.indices()) and torch.equal(ours.values(), theirs.values())):
+            bad.append(f"sparse all_reduce {dtype}: {ours} != {theirs}")
+    return bad
+
+
+def monitored(rank: int, n: int, gloo: Any) -> list[str]:
+    """The group's `monitored_barrier`: passes when every rank comes; then rank 1 stays away and rank 0's raises
+    naming it (torch's error classes too), within the timeout given. Run last: the groups are spent after."""
+    from datetime import timedelta
+
+    world = dist.group.WORLD
+    world.monitored_barrier(timedelta(seconds=10))  # type: ignore[union-attr]
+    if rank != 0:
+        return []
+    try:
+        world.monitored_barrier(timedelta(seconds=1))  # type: ignore[union-attr]
+    except dist.DistBackendError as e:
+        return [type(e).__name__, str(e)]
+    return ["no error"]

@@ -26,6 +26,8 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import Store
 from axond.torch.completion import AxondWork, Completer, DoneWork, Posted
+from axond.torch.errors import for_torch
+from axond.torch.sparse import sparse_all_reduce
 from axond.torch.tensors import Staged, copy_into, readonly, stage
 
 BACKEND = "axond"
@@ -293,6 +295,12 @@ class AxondProcessGroup(dist.ProcessGroup):
                 except Exception as e:
                     return DoneWork("allreduce", group.name, error=e, timeout=self._options.timeout)
                 return DoneWork("allreduce", group.name, tensors)
+        if any(t.layout is torch.sparse_coo for t in tensors):  # as gloo: indices and values gathered, summed
+            if factor is not None:
+                raise ValueError("allreduce: sparse tensors take ReduceOp.SUM only (as gloo), not PREMUL_SUM")
+            return self._launch("allreduce", [lambda async_op, t=t: sparse_all_reduce(
+                self.axond_group, t, op, f"allreduce on group '{self._group_name}'") for t in tensors],
+                lambda _: tensors, 0, opts)
         staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
         calls = [partial(self.axond_group.all_reduce, _premultiplied(s.array, factor, True), op) for s in staged]
         return self._launch("allreduce", calls, _written(staged, tensors), _nbytes(tensors), opts)
@@ -477,6 +485,15 @@ class AxondProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> Any:
         return self._launch("barrier", [self.axond_group.barrier], lambda _: [], 0, opts)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """axond's `monitored_barrier` through the store (group rank 0 names the ranks that did not arrive within
+        `timeout`, a timedelta or seconds; default the group's). torch's `dist.monitored_barrier` refuses every
+        backend but gloo by name, so call it on the group: `dist.group.WORLD.monitored_barrier(timeout)`."""
+        try:
+            self.axond_group.monitored_barrier(timeout, wait_all_ranks)
+        except DistributedError as e:
+            raise for_torch(e) from None
 
     def _check_list(self, where: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
         if len(tensors) != self._size:
