@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -107,9 +108,11 @@ def run_ranks(body: RankBody, size: int, deadline_s: float) -> dict[str, Any]:
                     killed.append(rank)
             deadline_s = float("inf")
         time.sleep(POLL)
-    return {"codes": [codes[r] for r in range(size)], "reports": [_read_json(shared, r) for r in range(size)],
-            "logs": [_tail(os.path.join(shared, f"rank{r}.log")) for r in range(size)],
-            "seconds": round(time.monotonic() - began, 2), "killed": killed}
+    result = {"codes": [codes[r] for r in range(size)], "reports": [_read_json(shared, r) for r in range(size)],
+              "logs": [_tail(os.path.join(shared, f"rank{r}.log")) for r in range(size)],
+              "seconds": round(time.monotonic() - began, 2), "killed": killed}
+    shutil.rmtree(shared, ignore_errors=True)
+    return result
 
 
 def _read_json(shared: str, rank: int) -> Any:
