@@ -17,9 +17,14 @@ TORCH_ERROR = ["TorchDistributedError", "DistributedError", "DistBackendError", 
 
 
 def test_a_failing_or_killed_peer_is_raised_by_every_survivor() -> None:
-    items, codes = collect_from_processes(faults.survives, 2, expect=len(faults.SCENARIOS) + 1, timeout=120.0)
+    """Also: a barrier's timeout is torch's DistBackendError (TorchTimeoutError), worded as gloo's first."""
+    items, codes = collect_from_processes(faults.survives, 2, expect=len(faults.SCENARIOS) + 2, timeout=120.0)
     seen = {scenario: (mro, message) for scenario, mro, message in items}
-    assert list(seen) == [*faults.SCENARIOS, "killed"], items
+    assert list(seen) == [*faults.SCENARIOS, "timeout", "killed"], items
+    mro, message = seen.pop("timeout")  # torch's wording first (torch's tests match " Timed out "), then axond's
+    assert "TorchTimeoutError" in mro and all(name in mro for name in TORCH_ERROR), mro
+    assert message.startswith("[axond] Timed out waiting 1000ms for barrier operation to complete: barrier on group"), \
+        message
     for scenario, (mro, message) in seen.items():
         assert all(name in mro for name in TORCH_ERROR), (scenario, mro, message)
         if scenario != "killed":

@@ -70,8 +70,25 @@ def _train(rank: int, scenario: str) -> None:
         opt.zero_grad()
 
 
+def _barrier_timeout(rank: int, n: int, store_dir: str) -> tuple[Any, ...]:
+    """Rank 0 enters a barrier that rank 1 enters only after rank 0's timed out (1 s): rank 0's error."""
+    _join(rank, n, os.path.join(store_dir, "store-timeout"), timeout=1.0)
+    outcome: tuple[Any, ...] = ("timeout", [], "no error")
+    signal_store = dist.FileStore(os.path.join(store_dir, "timed-out"), n)
+    if rank == 0:
+        try:
+            dist.barrier()
+        except Exception as e:
+            outcome = ("timeout", [c.__name__ for c in type(e).__mro__], str(e))
+        signal_store.set("rank 0 timed out", "1")
+    else:
+        signal_store.wait(["rank 0 timed out"], timedelta(seconds=30))
+    dist.destroy_process_group()
+    return outcome
+
+
 def survives(rank: int, n: int, store_dir: str, q: Any) -> None:
-    """Every scenario in turn, then rank 1 is killed (SIGKILL) before DDP's first forward; rank 0 puts
+    """Every scenario in turn, a barrier timeout, then rank 1 is killed (SIGKILL) before DDP's first forward; rank 0 puts
     (scenario, its error's type names, message) for each, "killed" last."""
     try:
         for i, scenario in enumerate(SCENARIOS):
@@ -84,6 +101,9 @@ def survives(rank: int, n: int, store_dir: str, q: Any) -> None:
             dist.destroy_process_group()
             if rank == 0:
                 q.put(outcome)
+        timed_out = _barrier_timeout(rank, n, store_dir)
+        if rank == 0:
+            q.put(timed_out)
         _join(rank, n, os.path.join(store_dir, "store-killed"), timeout=20.0)
         model = torch.nn.parallel.DistributedDataParallel(_model(0))
         dist.group.WORLD.overlap = True  # type: ignore[union-attr]
