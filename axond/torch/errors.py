@@ -2,9 +2,10 @@
 
 torch users and torchelastic catch `RuntimeError` / `torch.distributed.DistBackendError` (torch 2.13 has no
 timeout subclass of it); axond users catch `axond.DistributedError`. What the "axond" backend raises to torch code
-is both: `TorchDistributedError`, and its subclass `TorchTimeoutError` when this rank's own deadline passed. A timeout's message starts
-with gloo's wording ("Timed out waiting 5000ms for barrier operation to complete", after a "[axond]" tag, as
-gloo's carries its source location), then axond's own (op, group, rank, the peer and what it was doing).
+is both: `TorchDistributedError`, and its subclass `TorchTimeoutError` when this rank's own deadline passed. A
+timeout's message starts with gloo's wording ("Timed out waiting 5000ms for barrier operation to complete", after
+a "[axond]" tag, as gloo's carries its source location), then axond's own (op, group, rank, the peer and what it
+was doing).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from axond.errors import DistributedError
 from axond.store import Store
 from axond.torch.completion import AxondWork, Completer, DoneWork, Posted
 from axond.torch.errors import for_torch
+from axond.torch.identity import TorchBackendIdentity, profiler_event, profiling
 from axond.torch.sparse import sparse_all_reduce
 from axond.torch.tensors import Staged, copy_into, readonly, stage
 
@@ -111,7 +112,7 @@ def overlaps(host_ranks: int, host_cores: int, threads: int) -> bool:
     return host_cores >= host_ranks * (max(threads, 1) + 1)
 
 
-class AxondProcessGroup(dist.ProcessGroup):
+class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
     """A torch ProcessGroup over one axond `ProcessGroup` (built from torch's store on first use)."""
 
     SYNC_BYTES = 1 << 16
@@ -173,39 +174,6 @@ class AxondProcessGroup(dist.ProcessGroup):
     def name(self) -> str:
         return BACKEND
 
-    DEVICE_TYPES: tuple[str, ...] = ("cpu",)
-    """The device types this group takes, as torch's own backends register theirs (`_device_types`)."""
-
-    @property
-    def _device_types(self) -> list[torch.device]:
-        """The devices this group takes ([cpu], plus cuda for `AxondCudaProcessGroup`), as `pg._device_types` of
-        torch's own backends lists them: DCP's `async_save` needs cpu there, and full-state-dict broadcasts pick
-        their device from it."""
-        return [torch.device(d) for d in self.DEVICE_TYPES]
-
-    def _get_backend(self, device: Any) -> AxondProcessGroup:
-        """The backend of `device`: this group itself for its device types (torch asks it `supports_*` and
-        sequence numbers), else torch's error."""
-        kind = torch.device(device).type
-        if kind not in self.DEVICE_TYPES:
-            raise RuntimeError(f"No backend type associated with device type {kind}")
-        return self
-
-    supports_splitting = False
-    supports_coalescing = False
-    supports_shrinking = False
-    supports_time_estimate = False
-
-    def supports_tensor_alloc(self, device: Any) -> bool:
-        return False
-
-    def _get_sequence_number_for_group(self) -> int:
-        """How many ops torch started on this group (the same on every member that made the same calls)."""
-        return self._seq
-
-    def _set_sequence_number_for_group(self) -> None:
-        """torch calls it on a new group; the count starts at 0 there already."""
-
     def getBackendName(self) -> str:  # noqa: N802 -- torch's name
         return BACKEND
 
@@ -229,7 +197,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         (DDP's buckets). Either way a failure is raised by the Work's wait().
         """
         self._seq += 1
-        if _profiling():
+        if profiling():
             with record_function(profiler_event(op)):
                 return self._launch_now(op, calls, finish, nbytes, opts)
         return self._launch_now(op, calls, finish, nbytes, opts)
@@ -258,7 +226,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         group = self.axond_group
         assert self._completer is not None  # made with the axond group
         try:
-            if _profiling():
+            if profiling():
                 with record_function(profiler_event(op)):
                     works = start()
             else:
@@ -285,7 +253,7 @@ class AxondProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1 and factor is None:
             t = tensors[0]
             if (type(t) is torch.Tensor and t.dtype in _PLAIN_DTYPES and t.is_cpu and t.layout is torch.strided
-                    and not t.requires_grad and t.is_contiguous() and not _profiling()
+                    and not t.requires_grad and t.is_contiguous() and not profiling()
                     and (t.nbytes <= self.SYNC_BYTES or not self._overlap or self._waited_at_once(opts))):
                 # the common small op, kept short (latency is most of its cost): a view, run here, a done Work
                 self._seq += 1
@@ -325,7 +293,8 @@ class AxondProcessGroup(dist.ProcessGroup):
                   op: str = "allgather", value: Any = None) -> Any:
         """outputs[j][r] receives rank r's inputs[j] (torch's `all_gather` layout: one list per input)."""
         if len(outputs) != len(inputs):
-            raise ValueError(f"{op} on group '{self._group_name}': {len(inputs)} inputs but {len(outputs)} output lists")
+            raise ValueError(f"{op} on group '{self._group_name}': {len(inputs)} inputs but {len(outputs)} output "
+                             "lists")
         works, copies = [], []
         for outs, t in zip(outputs, inputs):
             self._check_list(op, outs, t)
@@ -336,7 +305,8 @@ class AxondProcessGroup(dist.ProcessGroup):
         result = outputs if value is None else value
         return self._launch(op, works, lambda _: _scatter_rows(copies, result), _nbytes(inputs) * self._size, opts)
 
-    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> Any:
         """torch's `all_gather_coalesced` layout, the transpose of `allgather`'s: outputs[r][j] receives rank r's
         inputs[j] (one list per rank, each as long as `inputs`)."""
         if len(outputs) != self._size or any(len(outs) != len(inputs) for outs in outputs):
@@ -468,7 +438,8 @@ class AxondProcessGroup(dist.ProcessGroup):
         """torch's `recv(t)` / `irecv(t)` without src: the first send of `tag` from any member; the Work's
         `_source_rank()` names the sender (torch's `recv` returns it)."""
         if len(tensors) != 1:
-            raise ValueError(f"recv from any source on group '{self._group_name}': takes one tensor, got {len(tensors)}")
+            raise ValueError(f"recv from any source on group '{self._group_name}': takes one tensor, got "
+                             f"{len(tensors)}")
         staged = stage(tensors[0], "recv tensor")
         sender: list[int] = []
 
@@ -516,21 +487,6 @@ class AxondProcessGroup(dist.ProcessGroup):
         if self._group is not None:
             self._group.abort(f"rank {self._rank} aborted its torch process group")
         self.shutdown()
-
-
-_profiling = torch._C._autograd._profiler_enabled
-"""Whether a profiler records (a C call of ~40 ns): only then does an op open a `record_function` range."""
-
-_EVENTS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "allgather": "all_gather",
-           "allgather_coalesced": "all_gather_coalesced", "allgather_into_tensor_coalesced": "all_gather_into_tensor",
-           "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor", "alltoall": "all_to_all",
-           "all_to_all_single": "all_to_all_single", "recv_anysource": "recvAnySource"}
-
-
-def profiler_event(op: str) -> str:
-    """The profiler range of op `op` (a method name), named as gloo names its own: `axond:all_reduce`,
-    `axond:broadcast`, `axond:send`, ..."""
-    return f"{BACKEND}:{_EVENTS.get(op, op)}"
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
