@@ -26,7 +26,7 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import Store
 from axond.torch.completion import AxondWork, Completer, DoneWork, Posted
-from axond.torch.errors import for_torch
+from axond.torch.errors import TorchTimeoutError, for_torch
 from axond.torch.identity import TorchBackendIdentity, profiler_event, profiling
 from axond.torch.sparse import sparse_all_reduce
 from axond.torch.tensors import Staged, copy_into, readonly, stage
@@ -461,10 +461,19 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
         """axond's `monitored_barrier` through the store (group rank 0 names the ranks that did not arrive within
         `timeout`, a timedelta or seconds; default the group's). torch's `dist.monitored_barrier` refuses every
         backend but gloo by name, so call it on the group: `dist.group.WORLD.monitored_barrier(timeout)`."""
+        seconds = None if timeout is None else timeout_seconds(timeout)
+        if seconds is not None and seconds <= 0 and self._size > 1:  # gloo's answer to a zero timeout: at once
+            raise TorchTimeoutError(f"Rank {self._rank} timed out in monitoredBarrier after 0 ms (a timeout of 0 "
+                                    f"on group '{self._group_name}')", op="monitored_barrier", group=self._group_name,
+                                    rank=self._rank, timed_out=True)
         try:
-            self.axond_group.monitored_barrier(timeout, wait_all_ranks)
+            self.axond_group.monitored_barrier(seconds, wait_all_ranks)
         except DistributedError as e:
-            raise for_torch(e) from None
+            error = for_torch(e)
+            if e.peer is not None and seconds is not None:  # gloo's wording first, as for every timeout
+                error.args = (f"[Rank {self._rank}]: Rank {e.peer} failed to pass monitoredBarrier in "
+                              f"{round(seconds * 1000)} ms: {e}",)
+            raise error from None
 
     def _check_list(self, where: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
         if len(tensors) != self._size:
