@@ -128,6 +128,7 @@ def load_suite(backend: str, world_size: int, test_timeout: int) -> types.Module
     os.environ["INIT_METHOD"] = f"file://{here}/shared_init_file"  # as torch's CI's file:// runs (barrier timeouts)
     os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(test_timeout)
     import axond.torch  # noqa: F401 -- registers "axond" in this process and so in every forked rank
+    import torch._dynamo  # noqa: F401 -- DDP imports it when first built: ~1.5 s in every forked rank otherwise
     from torch.testing._internal import common_distributed
 
     for feature in ("gpu", "cuda", "ddp", "subgroup", "plugin"):
