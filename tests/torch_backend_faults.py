@@ -89,7 +89,8 @@ def _barrier_timeout(rank: int, n: int, store_dir: str) -> tuple[Any, ...]:
 
 def survives(rank: int, n: int, store_dir: str, q: Any) -> None:
     """Every scenario in turn, a barrier timeout, then rank 1 is killed (SIGKILL) before DDP's first forward; rank 0 puts
-    (scenario, its error's type names, message) for each, "killed" last."""
+    (scenario, its error's type names, message) for each, "killed", then "alone" (a new group's rendezvous
+    without rank 1) last."""
     try:
         for i, scenario in enumerate(SCENARIOS):
             _join(rank, n, os.path.join(store_dir, f"store-{i}"), timeout=20.0)
@@ -114,5 +115,11 @@ def survives(rank: int, n: int, store_dir: str, q: Any) -> None:
             q.put(("killed", [], "no error"))
         except Exception as e:
             q.put(("killed", [c.__name__ for c in type(e).__mro__], str(e)))
+        dist.destroy_process_group()
+        try:  # rank 1 is dead: the rendezvous of a new group times out, inside torch's init_process_group
+            _join(rank, n, os.path.join(store_dir, "store-alone"), timeout=1.0)
+            q.put(("alone", [], "no error"))
+        except Exception as e:
+            q.put(("alone", [c.__name__ for c in type(e).__mro__], str(e)))
     except BaseException:
         q.put(("setup failed", [], traceback.format_exc()))

@@ -141,7 +141,10 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
         """The axond group doing the work; created (a rendezvous of every member) on first use."""
         if self._group is None:
             name = f"torch:{self._group_name}" if self._group_name else "torch"
-            self._group = create_group(self._store, self._rank, self._size, "tcp", self._options, name=name)
+            try:
+                self._group = create_group(self._store, self._rank, self._size, "tcp", self._options, name=name)
+            except DistributedError as e:  # inside torch's init_process_group / new_group: torch's error classes
+                raise for_torch(e, self._options.timeout) from e
             self._completer = Completer(name, self._options.timeout + ASYNC_MARGIN, self._options.timeout)
             if self._overlap is None:
                 backend = self._group.backend
