@@ -1,5 +1,10 @@
-"""torch's coalesced forms on "axond" with torch's layouts (against gloo), and the group as torch's own backends
-present themselves: device types, sequence numbers, profiler events. Real processes on loopback."""
+"""torch's coalesced forms on "axond" with torch's layouts, sparse all_reduce and point-to-point as gloo runs them
+(against gloo), and the group as torch's own backends present themselves: device types, sequence numbers,
+profiler events, the group's monitored_barrier. Three real processes on loopback, one spawn for the whole file.
+
+Point-to-point: batch_isend_irecv and isend/irecv posted in any order never deadlock (a send is posted at once,
+never behind a queued receive), sends and receives match per tag in any order of tags, and recv/irecv without src
+take the first sender and say who it was."""
 
 from __future__ import annotations
 
@@ -10,12 +15,16 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install -e '.[torch]')")
 
 import torch_backend_form_cases as cases  # noqa: E402
+import torch_backend_p2p_cases as p2p  # noqa: E402
 import torch_cases  # noqa: E402
 from axond.testing import collect_from_processes  # noqa: E402
 from axond.torch import DEVICES  # noqa: E402
 
 
-def _ranks(body: object, n: int = 2) -> list[object]:
+N = 3
+
+
+def _ranks(body: object, n: int = N) -> list[object]:
     items, codes = collect_from_processes(functools.partial(torch_cases.run, body), n, expect=n, timeout=90.0)
     failures = [res for _, ok, res in items if not ok]
     assert not failures, failures[0]
@@ -24,10 +33,14 @@ def _ranks(body: object, n: int = 2) -> list[object]:
 
 
 def _all(rank: int, n: int, gloo: object) -> dict[str, object]:
-    return {"coalesced": cases.coalesced(rank, n, gloo),
-            "devices": cases.device_types_and_sequence_numbers(rank, n, gloo),
-            "events": cases.profiler_events(rank, n, gloo), "sparse": cases.sparse(rank, n, gloo),
-            "monitored": cases.monitored(rank, n, gloo)}
+    """Every case in turn (sequence numbers first: point-to-point counts differ per rank; monitored last)."""
+    out = {"devices": cases.device_types_and_sequence_numbers(rank, n, gloo)}
+    out["coalesced"] = cases.coalesced(rank, n, gloo)
+    out["events"] = cases.profiler_events(rank, n, gloo)
+    out["sparse"] = cases.sparse(rank, n, gloo)
+    out["p2p"] = p2p.point_to_point(rank, n, gloo)
+    out["monitored"] = cases.monitored(rank, n, gloo)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +50,12 @@ def results() -> list[dict[str, object]]:
 
 def test_coalesced_forms_have_torchs_layout(results: list[dict[str, object]]) -> None:
     """all_gather_coalesced with as many inputs as ranks once came back transposed without an error."""
-    assert [r["coalesced"] for r in results] == [[], []]
+    assert [r["coalesced"] for r in results] == [[]] * N
 
 
 def test_sparse_all_reduce_as_gloo(results: list[dict[str, object]]) -> None:
     """As gloo: every rank's indices and values gathered, duplicates summed, into the caller's sparse tensor."""
-    assert [r["sparse"] for r in results] == [[], []]
+    assert [r["sparse"] for r in results] == [[]] * N
 
 
 def test_the_groups_monitored_barrier_names_the_missing_rank(results: list[dict[str, object]]) -> None:
@@ -59,7 +72,7 @@ def test_device_types_and_sequence_numbers_as_torchs_backends(results: list[dict
         assert devices["device_types"] == devices["capability"] == DEVICES, devices  # type: ignore[index]
         assert "cpu" in devices["gloo"] and devices["backend"], devices  # type: ignore[index,operator]
     seqs = [r["devices"]["seq"] for r in results]  # type: ignore[index]
-    assert seqs[0] == seqs[1] and seqs[0][1] == seqs[0][0] + 3, seqs
+    assert all(seq == seqs[0] for seq in seqs) and seqs[0][1] == seqs[0][0] + 3, seqs
 
 
 def test_every_op_records_a_profiler_event(results: list[dict[str, object]]) -> None:
@@ -67,3 +80,14 @@ def test_every_op_records_a_profiler_event(results: list[dict[str, object]]) -> 
               "axond:reduce_scatter_tensor", "axond:reduce", "axond:all_to_all_single", "axond:barrier"}
     assert set(results[0]["events"]) == common | {"axond:send"}, results[0]["events"]  # type: ignore[arg-type]
     assert set(results[1]["events"]) == common | {"axond:recv"}, results[1]["events"]  # type: ignore[arg-type]
+    assert set(results[2]["events"]) == common, results[2]["events"]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("program", ["batch", "batch_tags", "irecv_first", "tags_out_of_order", "any_source"])
+def test_point_to_point_as_gloo(results: list[dict[str, object]], program: str) -> None:
+    for rank, r in enumerate(results):
+        ours, theirs = r["p2p"][program]  # type: ignore[index]
+        assert ours == theirs, (rank, program, ours, theirs)
+    if program == "any_source":
+        got = results[0]["p2p"][program][0]  # type: ignore[index]
+        assert got == [[1.0, 1.0], [1.0, 10.0], [2.0, 2.0], [2.0, 20.0]], got

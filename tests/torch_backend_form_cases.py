@@ -62,7 +62,7 @@ def device_types_and_sequence_numbers(rank: int, n: int, gloo: Any) -> dict[str,
 
 def profiler_events(rank: int, n: int, gloo: Any) -> list[str]:
     """The `axond:*` events a torch profiler records for every collective and point-to-point op."""
-    t = torch.ones(1 << 12)
+    t = torch.ones(n << 10)  # divisible by the group size
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         dist.all_reduce(t)
         dist.all_reduce(t, async_op=True).wait()

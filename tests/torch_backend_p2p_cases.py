@@ -1,5 +1,5 @@
-"""Rank bodies of tests/test_torch_backend_p2p.py: point-to-point on "axond" as gloo runs it (each rank also
-joins gloo, see `torch_cases.join`, and runs the same program there first)."""
+"""Rank bodies of the point-to-point tests in tests/test_torch_backend_forms.py: point-to-point on "axond" as gloo
+runs it (each rank also joins gloo, see `torch_cases.join`, and runs the same program there first)."""
 
 from __future__ import annotations
 
