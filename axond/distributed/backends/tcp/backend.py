@@ -403,11 +403,13 @@ class TcpBackend(Backend):
         """Yes: `Peer.send` serializes its posters, beside the op running on the communication thread."""
         return True
 
-    def _p2p(self, x: np.ndarray, peer: int, tag: int, counters: dict[tuple[int, int], int]) -> Call:
+    def _p2p(self, x: np.ndarray, peer: int, tag: int, counters: dict[tuple[int, int], int],
+             posted: bool = False) -> Call:
         code = dtype_code(x.dtype)
         key = (peer, int(tag))
         counters[key] = counters.get(key, 0) + 1
-        return self.g.call(Op.SEND, Kind.P2P, code, 0, counters[key], int(tag), x.size)
+        make = self.g.posted_call if posted else self.g.call
+        return make(Op.SEND, Kind.P2P, code, 0, counters[key], int(tag), x.size)
 
     def send(self, x: Array, dst: int, tag: int) -> None:
         x = _numpy(x, "send input")
@@ -420,7 +422,7 @@ class TcpBackend(Backend):
         """Start a send without waiting for it to leave (isend); the handle waits for it."""
         x = _numpy(x, "isend input")
         dst = self._peer(dst, "dst", "send to")
-        c = self._p2p(x, dst, tag, self._tx)
+        c = self._p2p(x, dst, tag, self._tx, posted=True)
         xb = byte_view(np.ascontiguousarray(x))
         ticket = self.g.run("isend", self.g.send, c, dst, xb)
         peer = self.g.peers[dst]

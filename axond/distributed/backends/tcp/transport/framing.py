@@ -104,15 +104,22 @@ class FramedGroup:
 
     def call(self, op: Op, kind: Kind, dtype: int, redop: int, seq: int, aux: int, count: int) -> Call:
         if self._aborted is not None:
-            raise DistributedError(
-                f"{self.where(OP_NAMES[op])}: the group was aborted by an earlier failure ({self._aborted}); "
-                "destroy it and create a new group", op=OP_NAMES[op], group=self._group_name, rank=self._rank,
-                root_cause=self._root_cause)
+            self.posted_call(op, kind, dtype, redop, seq, aux, count)  # raises
         self._op_name = OP_NAMES[op]
         self._current_thread = threading.get_ident()
         c = self.current = Call(op, kind, dtype, redop, seq & 0xFFFFFFFF, aux, count, time.monotonic() + self._timeout,
                                 self._gid)
         return c
+
+    def posted_call(self, op: Op, kind: Kind, dtype: int, redop: int, seq: int, aux: int, count: int) -> Call:
+        """A `Call` that does not become the group's current one: for a send posted beside the running op (possibly
+        from another thread), which must not take over that op's wait watch (`on_idle`)."""
+        if self._aborted is not None:
+            raise DistributedError(
+                f"{self.where(OP_NAMES[op])}: the group was aborted by an earlier failure ({self._aborted}); "
+                "destroy it and create a new group", op=OP_NAMES[op], group=self._group_name, rank=self._rank,
+                root_cause=self._root_cause)
+        return Call(op, kind, dtype, redop, seq & 0xFFFFFFFF, aux, count, time.monotonic() + self._timeout, self._gid)
 
     def run(self, op_name: str, fn: Callable[..., T], *args: object) -> T:
         """Run one op body, turning any transport failure into `DistributedError` and aborting the group."""
