@@ -12,7 +12,8 @@ class DistributedError(AxondError):
 
     The message names the op, the group, this rank and the peer; the same fields are kept as
     attributes so that callers can act on them. `root_cause` is set when the failure started with
-    another rank's own exception: "rank R failed: ExcType: message".
+    another rank's own exception: "rank R failed: ExcType: message". `timed_out` is True when this rank's
+    own deadline passed (a peer did not answer within the group's timeout).
     """
 
     def __init__(
@@ -24,6 +25,7 @@ class DistributedError(AxondError):
         rank: int | None = None,
         peer: int | None = None,
         root_cause: str | None = None,
+        timed_out: bool = False,
     ) -> None:
         super().__init__(message)
         self.op = op
@@ -31,6 +33,7 @@ class DistributedError(AxondError):
         self.rank = rank
         self.peer = peer
         self.root_cause = root_cause
+        self.timed_out = timed_out
 
 
 class BypassedBackwardError(AxondError, RuntimeError):

@@ -118,22 +118,31 @@ class Hub:
             self._cond.notify_all()
 
     def recv(self, src: int, dst: int, tag: int, timeout: float, where: str) -> Post:
-        """The next message from `src` to `dst`, waiting up to `timeout` seconds for it (`where`: as for `meet`)."""
+        """The oldest message of `tag` from `src` to `dst` (sends and receives match per tag, as on tcp and gloo),
+        waiting up to `timeout` seconds for it (`where`: as for `meet`)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             self._doing[dst] = f"is in recv from rank {src} (tag={tag})"
             self._busy[dst] = True
             queue = self._queues.setdefault((src, dst), deque())
-            while not queue:
+            while not any(post.call[3] == tag for post in queue):
                 self._check([src])
                 if time.monotonic() >= deadline:
                     error = self._timed_out(timeout, [src])
+                    if queue:  # sends of other tags wait: say so
+                        sent = ", ".join(sorted({f"tag={post.call[3]}" for post in queue}))
+                        error = HubError(f"{error.what}; it sent {sent} instead of tag={tag} (not received: sends and "
+                                         "receives match per tag)", src)
                     self._expire(dst, where, error)
                     raise error
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
             self._doing[dst] = f"is between ops on this group (its last: recv from rank {src}, tag={tag})"
             self._busy[dst] = False
-            return queue.popleft()
+            for i, post in enumerate(queue):
+                if post.call[3] == tag:
+                    del queue[i]
+                    return post
+            raise AssertionError("unreachable: a post of the tag was found above")
 
     def _check(self, waiting_for: list[int]) -> None:
         """Raise if a member gave up, or one of `waiting_for` left the group: whichever happened first (the cause),

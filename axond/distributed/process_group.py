@@ -257,6 +257,42 @@ class ProcessGroup:
         self._run("recv", False, x, src, tag)
         return src
 
+    def recv_any(self, x: Array, tag: int = 0, async_op: bool = False) -> Any:
+        """Receive into `x` from whichever member sends with `tag` first; its group rank (a Work whose result()
+        is it when async). As torch's `recv(t)` without `src`."""
+        refuse_scalar(x, "recv")
+        backend = self.backend
+        if backend is None or self._destroyed:
+            return self._run("recv", async_op, x, 0, tag)  # raises: not a member, or destroyed
+
+        def receive() -> int:
+            try:
+                return int(self._tracked("recv", backend.recv_any, x, tag))
+            except DistributedError as e:
+                if debug():
+                    raise
+                raise concise(e) from None
+        if async_op:
+            return self._comm.submit(Work("recv", self.name, self.options.timeout + ASYNC_MARGIN, self._comm), receive)
+        self._comm.drain()
+        return receive()
+
+    def post_send(self, x: Array, dst: int, tag: int = 0) -> Any:
+        """Start sending `x` to group rank `dst` on the calling thread, ahead of the async ops queued on the
+        communication thread (a send never waits behind a receive; sends and receives match per peer and tag):
+        a `PendingSend` (done once the bytes left), or None once they did. Where the backend cannot post beside
+        a running op, the Work of `isend`."""
+        backend = self.backend
+        if backend is None or not backend.posts_from_any_thread() or self._destroyed:
+            return self.isend(x, dst, tag)
+        refuse_scalar(x, "isend")
+        try:
+            return backend.post_send(x, dst, tag)
+        except DistributedError as e:
+            if debug():
+                raise
+            raise concise(e) from None
+
     def isend(self, x: Array, dst: int, tag: int = 0) -> Work:
         """Send asynchronously; the Work completes once the data left this process.
 

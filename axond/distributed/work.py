@@ -88,7 +88,7 @@ class Work:
             if timeout is not None:
                 return False
             raise DistributedError(f"{self.op} on group '{self.group}': async op did not finish within {limit:.1f} s",
-                                   op=self.op, group=self.group)
+                                   op=self.op, group=self.group, timed_out=True)
         if self._error is not None:
             if isinstance(self._error, DistributedError) and not debug():
                 raise concise(self._error) from None

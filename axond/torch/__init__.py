@@ -16,6 +16,8 @@ import torch.distributed as dist
 from axond.distributed.api import _secret
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.tcp.transport.mesh import route_address
+from axond.distributed.failure import install as install_failure_hook
+from axond.store import PrefixStore, Store
 from axond.torch.devices import devices_here
 from axond.torch.process_group import BACKEND, AxondProcessGroup, axond_op, timeout_seconds
 from axond.torch.rendezvous import coordinator_store, install
@@ -32,12 +34,25 @@ DEVICES = devices_here()
 def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> AxondProcessGroup:
     """torch's backend creator: one member of an axond group rendezvousing over torch's (prefixed) store; the
     subclass that also takes CUDA tensors where they can run."""
+    install_failure_hook()  # as axond.init_process_group does: an uncaught exception tells the peers its cause
     options = BackendOptions(timeout=timeout_seconds(timeout), job_secret=_secret(), host=_toward_store(store))
     if "cuda" in DEVICES:
         from axond.torch.cuda_process_group import AxondCudaProcessGroup
 
-        return AxondCudaProcessGroup(AxondStoreOverTorch(store), rank, size, options)
-    return AxondProcessGroup(AxondStoreOverTorch(store), rank, size, options)
+        return AxondCudaProcessGroup(_attempt_store(store), rank, size, options)
+    return AxondProcessGroup(_attempt_store(store), rank, size, options)
+
+
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def _attempt_store(store: dist.Store) -> Store:
+    """torch's store for the group's rendezvous, under a prefix of torchrun's attempt (TORCHELASTIC_RESTART_COUNT):
+    torchrun keeps one store across `--max-restarts`, and a restarted group must publish and read its peers'
+    addresses afresh, never the dead attempt's (whose ports are closed, or reused by strangers)."""
+    attempt = os.environ.get(RESTART_ENV)
+    over = AxondStoreOverTorch(store)
+    return PrefixStore(f"attempt-{attempt}", over) if attempt else over
 
 
 def _toward_store(store: dist.Store) -> str | None:

@@ -5,7 +5,13 @@ A collective's `AxondWork` is done as soon as its last axond op finished: the th
 op's copy-back and records the outcome, so `wait()` costs no thread hop (and a `wait()` on ops not started yet runs
 them on the waiting thread). Its torch future, which DDP's reducer and comm hooks chain on, is completed on a
 completion thread (see `Completer`). `wait()` re-raises axond's own exception (a `DistributedError` naming op,
-group and peer), and the future completes with the output tensors or that exception.
+group and peer, as a `TorchDistributedError`: see `axond.torch.errors`).
+
+A failed op's future is completed with an error torch's C++ code sees (`failed_future`), never with the exception
+as its value: DDP's reducer reads a future's value as tensors, and an exception object there crashed it (SIGSEGV in
+`parseCppCommHookResult`). Asked for its future inside a backward pass (DDP's buckets, comm hooks), a collective's
+Work also queues an autograd callback that raises its failure before the reducer finalizes (`check_in_backward`), so
+`loss.backward()` raises axond's error itself rather than the future's RuntimeError wrapping it.
 """
 
 from __future__ import annotations
@@ -20,15 +26,40 @@ import torch.distributed as dist
 
 from axond.distributed.work import Work as AxondAsync
 from axond.errors import DistributedError
+from axond.torch.errors import for_torch
 
 Finish = Callable[[list[Any]], Any]
 """Called with the axond Works' results once all finished; returns the op's output tensors."""
 
 
+def _raise(error: BaseException) -> Callable[[Any], Any]:
+    def fail(_: Any) -> Any:
+        raise error
+    return fail
+
+
+def failed_future(error: BaseException) -> torch.futures.Future:
+    """A future completed with `error` as an error (C++ `value()` throws), not as its value: a callback that
+    raises is the one way Python has to complete a torch future so (`Future.set_exception` stores the exception
+    as the value, which DDP's reducer then reads as tensors)."""
+    base: torch.futures.Future = torch.futures.Future()
+    failed = base.then(_raise(error))
+    base.set_result(None)
+    return failed
+
+
+def check_in_backward(check: Callable[[], Any]) -> None:
+    """Inside a backward pass, have autograd run `check` (which raises a failure) once the pass's nodes ran,
+    before the callbacks queued after it (DDP's reducer queues its finalization after its buckets' ops)."""
+    if torch._C._current_graph_task_id() != -1:
+        torch.autograd.Variable._execution_engine.queue_callback(check)
+
+
 class AxondWork(dist._Work):
     """A torch Work whose failure is axond's exception, not a silent completion."""
 
-    def __init__(self, op: str, group: str, limit: float, completer: Completer | None = None) -> None:
+    def __init__(self, op: str, group: str, limit: float, completer: Completer | None = None,
+                 collective: bool = True) -> None:
         super().__init__()
         self.op = op
         self.group = group
@@ -37,20 +68,31 @@ class AxondWork(dist._Work):
         self._value: Any = None
         self._error: BaseException | None = None
         self._future: torch.futures.Future = torch.futures.Future()
+        """Completed with None either way; what torch sees is `_exposed`, which raises a failure as an error."""
+        self._exposed: torch.futures.Future | None = None
         self._completer = completer
+        self._collective = collective
         self._works: Sequence[AxondAsync] = ()
+        self.source: list[int] = []
+        """The sender's group rank, once a receive from any source finished."""
 
     def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
         """Record the outcome (what `wait` returns or raises); the future is completed apart (`_complete_future`),
         as completing it runs torch's callbacks, which may block on later ops."""
-        self._value, self._error = value, error
+        self._value = value
+        self._error = None if error is None else for_torch(error, self._timeout())
         self._done.set()
 
+    def _timeout(self) -> float | None:
+        return self._completer.timeout if self._completer is not None else None
+
     def _complete_future(self) -> None:
+        self._future.set_result(None)
+
+    def _outcome(self, _: Any) -> Any:
         if self._error is not None:
-            self._future.set_exception(self._error)
-        else:
-            self._future.set_result(self._value)
+            raise self._error
+        return self._value
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until the op finished (at most the group timeout plus a margin); re-raise its failure."""
@@ -59,8 +101,8 @@ class AxondWork(dist._Work):
             self._completer.complete(self)
         limit = self._limit if unbounded else _seconds(timeout)
         if not self._done.wait(limit):
-            raise DistributedError(f"{self.op} on group '{self.group}': did not finish within {limit:.1f} s",
-                                   op=self.op, group=self.group)
+            raise for_torch(DistributedError(f"{self.op} on group '{self.group}': did not finish within {limit:.1f} s",
+                                             op=self.op, group=self.group, timed_out=True), limit)
         if self._error is not None:
             raise self._error
         return True
@@ -78,21 +120,54 @@ class AxondWork(dist._Work):
         self.wait()
         return self._value
 
+    def _source_rank(self) -> int:
+        """The sender of a receive from any source (torch's `irecv(t)` without src: `work._source_rank()`)."""
+        self.wait()
+        return int(self.source[0]) if self.source else -1
+
+    source_rank = _source_rank
+
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        """The future torch chains on: the output tensors, or the failure as an error; in a backward pass, a
+        collective's failure is also raised by an autograd callback (`check_in_backward`)."""
+        if self._exposed is None:
+            self._exposed = self._future.then(self._outcome)
+            if self._collective and not self.is_success():
+                check_in_backward(self.wait)
+        return self._exposed
 
     def synchronize(self) -> None:
         self.wait()
+
+
+class Posted:
+    """A send posted on the calling thread (`ProcessGroup.post_send`) as a completion job waits for it: `result()`
+    returns once its bytes left (a `PendingSend`, nothing left to wait for, or the Work of a queued isend)."""
+
+    __slots__ = ("_pending", "_limit")
+
+    def __init__(self, pending: Any, limit: float) -> None:
+        self._pending, self._limit = pending, limit
+
+    def result(self) -> None:
+        if self._pending is None:
+            return
+        if isinstance(self._pending, AxondAsync):
+            self._pending.wait()
+        else:
+            self._pending.wait(self._limit, True)
 
 
 class DoneWork(dist._Work):
     """The torch Work of an op that already ran on the calling thread: no event to wait on, its future made only
     if asked for (small ops are mostly this bookkeeping)."""
 
-    def __init__(self, op: str, group: str, value: Any = None, error: BaseException | None = None) -> None:
+    def __init__(self, op: str, group: str, value: Any = None, error: BaseException | None = None,
+                 timeout: float | None = None) -> None:
         super().__init__()
         self.op, self.group = op, group
-        self._value, self._error = value, error
+        self._value = value
+        self._error = None if error is None else for_torch(error, timeout)
         self._future: torch.futures.Future | None = None
 
     def wait(self, timeout: Any = None) -> bool:
@@ -115,10 +190,11 @@ class DoneWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            self._future = torch.futures.Future()
             if self._error is not None:
-                self._future.set_exception(self._error)
+                self._future = failed_future(self._error)
+                check_in_backward(self.wait)
             else:
+                self._future = torch.futures.Future()
                 self._future.set_result(self._value)
         return self._future
 
@@ -145,9 +221,11 @@ class Completer:
     MAX_THREADS = 8
     IDLE_SECONDS = 2.0
 
-    def __init__(self, name: str, limit: float) -> None:
+    def __init__(self, name: str, limit: float, timeout: float | None = None) -> None:
         self._name = name
         self._limit = limit
+        self.timeout = timeout
+        """The group's timeout (seconds), quoted by timeout errors."""
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -183,7 +261,7 @@ class Completer:
     def launch(self, op: str, works: Sequence[AxondAsync], finish: Finish) -> AxondWork:
         """The torch Work that completes, on a completion thread, once every one of `works` did (`wait()`: a send's
         bytes left) and `finish` ran."""
-        work = AxondWork(op, self._name, self._limit, self)
+        work = AxondWork(op, self._name, self._limit, self, collective=False)
 
         def job() -> None:
             try:
@@ -260,5 +338,5 @@ class Completer:
         for _ in threads:
             self._jobs.put(None)
         for t in threads:
-            if t is not threading.current_thread():
+            if t is not threading.current_thread() and t.ident is not None:  # one `_submit` is starting may not be yet
                 t.join(timeout)

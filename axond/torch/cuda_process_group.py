@@ -35,6 +35,8 @@ def _routed(name: str, cuda_name: str | None = None) -> Callable[..., Any]:
 class AxondCudaProcessGroup(AxondProcessGroup):
     """An `AxondProcessGroup` that also takes CUDA tensors (one device type per call)."""
 
+    DEVICE_TYPES = ("cpu", "cuda")
+
     def __init__(self, store: Store, rank: int, size: int, options: BackendOptions) -> None:
         super().__init__(store, rank, size, options)
         self._cuda: CudaCollectives | None = None

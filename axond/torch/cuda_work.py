@@ -17,6 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from axond.errors import DistributedError
+from axond.torch.errors import for_torch
+
 
 class CudaWork(dist._Work):
     """A torch Work over axond `NcclWork`s whose copy-backs completed on a side stream that recorded `ready`."""
@@ -33,9 +36,13 @@ class CudaWork(dist._Work):
         self._value = value
 
     def _check(self) -> None:
-        """Raise the op's failure if the watchdog aborted it (never blocks: a probe of each NcclWork)."""
-        for work in self._works:
-            work.wait(timeout=0)
+        """Raise the op's failure if the watchdog aborted it (never blocks: a probe of each NcclWork), as torch code
+        catches it (`TorchDistributedError`, see `axond.torch.errors`)."""
+        try:
+            for work in self._works:
+                work.wait(timeout=0)
+        except DistributedError as e:
+            raise for_torch(e) from None
 
     def wait(self, timeout: Any = None) -> bool:
         """Order the caller's current stream after the op (and its copy-backs); the host does not wait."""

@@ -18,13 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import Store
-from axond.torch.completion import AxondWork, Completer, DoneWork
+from axond.torch.completion import AxondWork, Completer, DoneWork, Posted
+from axond.torch.errors import TorchTimeoutError, for_torch
+from axond.torch.identity import TorchBackendIdentity, profiler_event, profiling
+from axond.torch.sparse import sparse_all_reduce
 from axond.torch.tensors import Staged, copy_into, readonly, stage
 
 BACKEND = "axond"
@@ -108,7 +112,7 @@ def overlaps(host_ranks: int, host_cores: int, threads: int) -> bool:
     return host_cores >= host_ranks * (max(threads, 1) + 1)
 
 
-class AxondProcessGroup(dist.ProcessGroup):
+class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
     """A torch ProcessGroup over one axond `ProcessGroup` (built from torch's store on first use)."""
 
     SYNC_BYTES = 1 << 16
@@ -127,6 +131,8 @@ class AxondProcessGroup(dist.ProcessGroup):
         self._group: ProcessGroup | None = None
         self._group_name = ""
         self._completer: Completer | None = None
+        self._seq = 0
+        """Ops started on this group (`_get_sequence_number_for_group`)."""
         self._overlap = overlap_setting()
         """Whether async collectives over SYNC_BYTES run on the communication thread (None: decided with the group)."""
 
@@ -135,8 +141,11 @@ class AxondProcessGroup(dist.ProcessGroup):
         """The axond group doing the work; created (a rendezvous of every member) on first use."""
         if self._group is None:
             name = f"torch:{self._group_name}" if self._group_name else "torch"
-            self._group = create_group(self._store, self._rank, self._size, "tcp", self._options, name=name)
-            self._completer = Completer(name, self._options.timeout + ASYNC_MARGIN)
+            try:
+                self._group = create_group(self._store, self._rank, self._size, "tcp", self._options, name=name)
+            except DistributedError as e:  # inside torch's init_process_group / new_group: torch's error classes
+                raise for_torch(e, self._options.timeout) from e
+            self._completer = Completer(name, self._options.timeout + ASYNC_MARGIN, self._options.timeout)
             if self._overlap is None:
                 backend = self._group.backend
                 self._overlap = overlaps(getattr(backend, "host_ranks", 1), getattr(backend, "host_cores", 1 << 16),
@@ -190,6 +199,14 @@ class AxondProcessGroup(dist.ProcessGroup):
         no core to spare (`overlap`); the others run as axond async ops, so torch may overlap them with compute
         (DDP's buckets). Either way a failure is raised by the Work's wait().
         """
+        self._seq += 1
+        if profiling():
+            with record_function(profiler_event(op)):
+                return self._launch_now(op, calls, finish, nbytes, opts)
+        return self._launch_now(op, calls, finish, nbytes, opts)
+
+    def _launch_now(self, op: str, calls: Sequence[Callable[..., Any]], finish: Callable[[list[Any]], Any],
+                    nbytes: int, opts: Any) -> AxondWork | DoneWork:
         group = self.axond_group
         if nbytes > self.SYNC_BYTES and self._overlap and not self._waited_at_once(opts):
             assert self._completer is not None  # made with the axond group
@@ -197,16 +214,28 @@ class AxondProcessGroup(dist.ProcessGroup):
         try:
             value = finish([call(async_op=False) for call in calls])
         except Exception as e:
-            return DoneWork(op, group.name, error=e)
+            return DoneWork(op, group.name, error=e, timeout=self._options.timeout)
         return DoneWork(op, group.name, value)
 
     def _waited_at_once(self, opts: Any) -> bool:
         """Whether torch waits for the op as soon as it is launched (`dist.all_reduce(t)` without `async_op=True`)."""
         return self.SYNC_WHEN_WAITED and getattr(opts, "asyncOp", True) is False
 
-    def _launch_started(self, op: str, works: Sequence[Any], finish: Callable[[list[Any]], Any]) -> AxondWork:
-        """The torch Work of axond async `works`, completed (after `finish`) by the completion thread."""
-        assert self._completer is not None  # works come from self.axond_group, which made it
+    def _launch_started(self, op: str, start: Callable[[], Sequence[Any]], finish: Callable[[list[Any]], Any]
+                        ) -> AxondWork | DoneWork:
+        """The torch Work of the axond async works `start()` returns, completed (after `finish`) by the completion
+        thread; a failure to start them is the Work's failure."""
+        self._seq += 1
+        group = self.axond_group
+        assert self._completer is not None  # made with the axond group
+        try:
+            if profiling():
+                with record_function(profiler_event(op)):
+                    works = start()
+            else:
+                works = start()
+        except DistributedError as e:
+            return DoneWork(op, group.name, error=e, timeout=self._options.timeout)
         return self._completer.launch(op, works, finish)
 
     def _same_dtype(self, where: str, *tensors: torch.Tensor) -> None:
@@ -227,15 +256,22 @@ class AxondProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1 and factor is None:
             t = tensors[0]
             if (type(t) is torch.Tensor and t.dtype in _PLAIN_DTYPES and t.is_cpu and t.layout is torch.strided
-                    and not t.requires_grad and t.is_contiguous()
+                    and not t.requires_grad and t.is_contiguous() and not profiling()
                     and (t.nbytes <= self.SYNC_BYTES or not self._overlap or self._waited_at_once(opts))):
                 # the common small op, kept short (latency is most of its cost): a view, run here, a done Work
+                self._seq += 1
                 group = self.axond_group
                 try:
                     group.all_reduce(t.numpy(), op)
                 except Exception as e:
-                    return DoneWork("allreduce", group.name, error=e)
+                    return DoneWork("allreduce", group.name, error=e, timeout=self._options.timeout)
                 return DoneWork("allreduce", group.name, tensors)
+        if any(t.layout is torch.sparse_coo for t in tensors):  # as gloo: indices and values gathered, summed
+            if factor is not None:
+                raise ValueError("allreduce: sparse tensors take ReduceOp.SUM only (as gloo), not PREMUL_SUM")
+            return self._launch("allreduce", [lambda async_op, t=t: sparse_all_reduce(
+                self.axond_group, t, op, f"allreduce on group '{self._group_name}'") for t in tensors],
+                lambda _: tensors, 0, opts)
         staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
         calls = [partial(self.axond_group.all_reduce, _premultiplied(s.array, factor, True), op) for s in staged]
         return self._launch("allreduce", calls, _written(staged, tensors), _nbytes(tensors), opts)
@@ -256,19 +292,32 @@ class AxondProcessGroup(dist.ProcessGroup):
         return self._launch("reduce", calls, _written(staged if self._rank == opts.rootRank else [], tensors),
                             _nbytes(tensors), opts)
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None,
+                  op: str = "allgather", value: Any = None) -> Any:
+        """outputs[j][r] receives rank r's inputs[j] (torch's `all_gather` layout: one list per input)."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{op} on group '{self._group_name}': {len(inputs)} inputs but {len(outputs)} output "
+                             "lists")
         works, copies = [], []
         for outs, t in zip(outputs, inputs):
-            self._check_list("allgather", outs, t)
-            x = readonly(t, "allgather input")
+            self._check_list(op, outs, t)
+            x = readonly(t, f"{op} input")
             gathered = np.empty((self._size, *x.shape), x.dtype)
             works.append(partial(self.axond_group.all_gather, x, out=gathered))
             copies.append((outs, gathered))
-        return self._launch("allgather", works, lambda _: _scatter_rows(copies, outputs), _nbytes(inputs) * self._size,
-                            opts)
+        result = outputs if value is None else value
+        return self._launch(op, works, lambda _: _scatter_rows(copies, result), _nbytes(inputs) * self._size, opts)
 
-    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        return self.allgather(outputs, inputs, opts)
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> Any:
+        """torch's `all_gather_coalesced` layout, the transpose of `allgather`'s: outputs[r][j] receives rank r's
+        inputs[j] (one list per rank, each as long as `inputs`)."""
+        if len(outputs) != self._size or any(len(outs) != len(inputs) for outs in outputs):
+            raise ValueError(f"all_gather_coalesced on group '{self._group_name}': needs {self._size} output lists "
+                             f"(one per rank) of {len(inputs)} tensors (one per input), got "
+                             f"{[len(outs) for outs in outputs]}")
+        per_input = [[outputs[r][j] for r in range(self._size)] for j in range(len(inputs))]
+        return self.allgather(per_input, inputs, opts, op="allgather_coalesced", value=outputs)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -376,20 +425,58 @@ class AxondProcessGroup(dist.ProcessGroup):
                             _nbytes(outputs) * self._size, opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        works = [self.axond_group.isend(readonly(t, "send tensor"), dst, tag) for t in tensors]
-        return self._launch_started("send", works, lambda _: tensors)
+        """Posted at once on the calling thread, never behind this group's queued receives (so isend/irecv and
+        batch_isend_irecv never deadlock, in any order); its Work completes once the bytes left."""
+        arrays = [readonly(t, "send tensor") for t in tensors]
+        limit = self._options.timeout + ASYNC_MARGIN
+        return self._launch_started("send", lambda: [Posted(self.axond_group.post_send(x, dst, tag), limit)
+                                                     for x in arrays], lambda _: tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         staged = [stage(t, "recv tensor") for t in tensors]
-        works = [self.axond_group.irecv(s.array, src, tag) for s in staged]
-        return self._launch_started("recv", works, _written(staged, tensors))
+        return self._launch_started("recv", lambda: [self.axond_group.irecv(s.array, src, tag) for s in staged],
+                                    _written(staged, tensors))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
-        raise DistributedError(f"recv from any source on group '{self._group_name}': the axond backend needs the "
-                               "source rank (pass src=)", op="recv", group=self._group_name, rank=self._rank)
+        """torch's `recv(t)` / `irecv(t)` without src: the first send of `tag` from any member; the Work's
+        `_source_rank()` names the sender (torch's `recv` returns it)."""
+        if len(tensors) != 1:
+            raise ValueError(f"recv from any source on group '{self._group_name}': takes one tensor, got "
+                             f"{len(tensors)}")
+        staged = stage(tensors[0], "recv tensor")
+        sender: list[int] = []
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            staged.write_back()
+            sender.append(int(results[0]))
+            return tensors
+
+        work = self._launch_started("recv_anysource", lambda: [self.axond_group.recv_any(staged.array, tag, True)],
+                                    finish)
+        if isinstance(work, AxondWork):
+            work.source = sender
+        return work
 
     def barrier(self, opts: Any = None) -> Any:
         return self._launch("barrier", [self.axond_group.barrier], lambda _: [], 0, opts)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """axond's `monitored_barrier` through the store (group rank 0 names the ranks that did not arrive within
+        `timeout`, a timedelta or seconds; default the group's). torch's `dist.monitored_barrier` refuses every
+        backend but gloo by name, so call it on the group: `dist.group.WORLD.monitored_barrier(timeout)`."""
+        seconds = None if timeout is None else timeout_seconds(timeout)
+        if seconds is not None and seconds <= 0 and self._size > 1:  # gloo's answer to a zero timeout: at once
+            raise TorchTimeoutError(f"Rank {self._rank} timed out in monitoredBarrier after 0 ms (a timeout of 0 "
+                                    f"on group '{self._group_name}')", op="monitored_barrier", group=self._group_name,
+                                    rank=self._rank, timed_out=True)
+        try:
+            self.axond_group.monitored_barrier(seconds, wait_all_ranks)
+        except DistributedError as e:
+            error = for_torch(e)
+            if e.peer is not None and seconds is not None:  # gloo's wording first, as for every timeout
+                error.args = (f"[Rank {self._rank}]: Rank {e.peer} failed to pass monitoredBarrier in "
+                              f"{round(seconds * 1000)} ms: {e}",)
+            raise error from None
 
     def _check_list(self, where: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
         if len(tensors) != self._size:

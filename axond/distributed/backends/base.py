@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Protocol
 
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.work import PendingSend
+from axond.errors import DistributedError
 from axond.store import Store
 
 Array = Any
@@ -174,6 +175,16 @@ class Backend(ABC):
     @abstractmethod
     def recv(self, x: Array, src: int, tag: int) -> None:
         """Receive into `x` from group rank `src` (same shape, dtype and tag as the send)."""
+
+    def posts_from_any_thread(self) -> bool:
+        """Whether `post_send` may run on any thread while an op runs on the communication thread (tcp: yes), so
+        that a send never waits behind a receive (`ProcessGroup.post_send`)."""
+        return False
+
+    def recv_any(self, x: Array, tag: int) -> int:
+        """Receive into `x` from whichever member sends with `tag` first; returns its group rank."""
+        raise DistributedError(f"recv from any source: the {self.name} backend needs the source rank (pass src=)",
+                               op="recv")
 
     def post_send(self, x: Array, dst: int, tag: int) -> PendingSend | None:
         """Hand `x` for `dst` to the transport and return: an isend (run on the group's communication thread).

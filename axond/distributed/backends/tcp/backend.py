@@ -11,6 +11,7 @@ reductions run in place with NumPy ufuncs, in rank order.
 
 from __future__ import annotations
 
+import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -79,8 +80,9 @@ class TcpBackend(Backend, PreparedOps):
         self._seq = 0
         self._small: dict[tuple[Any, ...], Any] = {}
         """Prepared small mailbox ops by op name, dtype, size and op or root (`_prepare`)."""
-        self._tx: dict[int, int] = {}
-        self._rx: dict[int, int] = {}
+        self._tx: dict[tuple[int, int], int] = {}
+        self._rx: dict[tuple[int, int], int] = {}
+        """Point-to-point frames sent to / received from each (peer, tag): sends and receives match per tag."""
 
     @property
     def tcp_options(self) -> TcpOptions:
@@ -348,10 +350,17 @@ class TcpBackend(Backend, PreparedOps):
         self.g.run("all_to_all", direct.all_to_all, self.comm, c, x, out, ins, outs)
         return out
 
-    def _p2p(self, x: np.ndarray, peer: int, tag: int, counters: dict[int, int]) -> Call:
+    def posts_from_any_thread(self) -> bool:
+        """Yes: `Peer.send` serializes its posters, beside the op running on the communication thread."""
+        return True
+
+    def _p2p(self, x: np.ndarray, peer: int, tag: int, counters: dict[tuple[int, int], int],
+             posted: bool = False) -> Call:
         code = dtype_code(x.dtype)
-        counters[peer] = counters.get(peer, 0) + 1
-        return self.g.call(Op.SEND, Kind.P2P, code, 0, counters[peer], int(tag), x.size)
+        key = (peer, int(tag))
+        counters[key] = counters.get(key, 0) + 1
+        make = self.g.posted_call if posted else self.g.call
+        return make(Op.SEND, Kind.P2P, code, 0, counters[key], int(tag), x.size)
 
     def send(self, x: Array, dst: int, tag: int) -> None:
         x = _numpy(x, "send input")
@@ -364,7 +373,7 @@ class TcpBackend(Backend, PreparedOps):
         """Start a send without waiting for it to leave (isend); the handle waits for it."""
         x = _numpy(x, "isend input")
         dst = self._peer(dst, "dst", "send to")
-        c = self._p2p(x, dst, tag, self._tx)
+        c = self._p2p(x, dst, tag, self._tx, posted=True)
         xb = byte_view(np.ascontiguousarray(x))
         ticket = self.g.run("isend", self.g.send, c, dst, xb)
         peer = self.g.peers[dst]
@@ -385,7 +394,24 @@ class TcpBackend(Backend, PreparedOps):
         x = _numpy(x, "recv buffer")
         src = self._peer(src, "src", "receive from")
         c = self._p2p(x, src, tag, self._rx)
-        self._inplace(x, "recv", lambda flat: self.g.recv(c, src, byte_view(flat)))
+        self._inplace(x, "recv", lambda flat: self.g.recv_p2p(c, src, byte_view(flat)))
+
+    def recv_any(self, x: Array, tag: int) -> int:
+        """Receive into `x` the first point-to-point frame of `tag` from any peer; returns the sender's group rank.
+        Waits on every peer's socket at once (bounded by the group timeout)."""
+        x = _numpy(x, "recv buffer")
+        peers = [r for r in self.g.peers if r != self.rank]
+        deadline = time.monotonic() + self.options.timeout
+        while True:
+            for r in list(peers):
+                ready = self.g.run("recv", self.g.p2p_waiting, r, int(tag))
+                if ready or ready is None:  # None: its next frame is not a send; receiving reports it
+                    self.recv(x, r, tag)
+                    return r
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.g.failed("recv", PeerTimeout(f"no send of tag {tag} from any peer", peers[0]))
+            select.select([self.g.peers[r].fileno() for r in peers], [], [], min(left, 1.0))
 
     def barrier(self) -> None:
         if self.quick_barrier():

@@ -70,11 +70,16 @@ def exchange(g: FramedGroup, c: Call, sends: dict[int, memoryview], recvs: dict[
     swaps = [Swap(g.peers[p], g.header(c, sends[p].nbytes) if p in sends else None, sends.get(p),
                   recvs.get(p), g.checker(c, p, recvs[p].nbytes) if p in recvs else None)
              for p in sorted(set(sends) | set(recvs))]
-    for sw in swaps:
-        sw.peer.flush(c.deadline)
     poller = select.poll()
-    for sw in swaps:
-        sw.peer.write_lock.acquire()
+    taken: list[Swap] = []
+    try:
+        for sw in swaps:  # no frame of another thread's send may start (or be half-written) while this one writes
+            sw.peer.acquire_writer(c.deadline)
+            taken.append(sw)
+    except BaseException:
+        for sw in taken:
+            sw.peer.write_lock.release()
+        raise
     try:
         while True:
             moved = pending = False

@@ -16,7 +16,7 @@ import numpy as np
 
 from axond.distributed.backends.tcp.transport.exchange import exchange
 from axond.distributed.backends.tcp.policy import SMALL_FRAME
-from axond.distributed.backends.tcp.transport.peer import Peer, PeerClosed, PeerError
+from axond.distributed.backends.tcp.transport.peer import Peer, PeerClosed, PeerError, PeerTimeout
 from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe, uneven_back
 from axond.distributed.splits import disagreement
 from axond.errors import DistributedError
@@ -105,15 +105,22 @@ class FramedGroup:
 
     def call(self, op: Op, kind: Kind, dtype: int, redop: int, seq: int, aux: int, count: int) -> Call:
         if self._aborted is not None:
-            raise DistributedError(
-                f"{self.where(OP_NAMES[op])}: the group was aborted by an earlier failure ({self._aborted}); "
-                "destroy it and create a new group", op=OP_NAMES[op], group=self._group_name, rank=self._rank,
-                root_cause=self._root_cause)
+            self.posted_call(op, kind, dtype, redop, seq, aux, count)  # raises
         self._op_name = OP_NAMES[op]
         self._current_thread = threading.get_ident()
         c = self.current = Call(op, kind, dtype, redop, seq & 0xFFFFFFFF, aux, count, time.monotonic() + self._timeout,
                                 self._gid)
         return c
+
+    def posted_call(self, op: Op, kind: Kind, dtype: int, redop: int, seq: int, aux: int, count: int) -> Call:
+        """A `Call` that does not become the group's current one: for a send posted beside the running op (possibly
+        from another thread), which must not take over that op's wait watch (`on_idle`)."""
+        if self._aborted is not None:
+            raise DistributedError(
+                f"{self.where(OP_NAMES[op])}: the group was aborted by an earlier failure ({self._aborted}); "
+                "destroy it and create a new group", op=OP_NAMES[op], group=self._group_name, rank=self._rank,
+                root_cause=self._root_cause)
+        return Call(op, kind, dtype, redop, seq & 0xFFFFFFFF, aux, count, time.monotonic() + self._timeout, self._gid)
 
     def run(self, op_name: str, fn: Callable[..., T], *args: object) -> T:
         """Run one op body, turning any transport failure into `DistributedError` and aborting the group."""
@@ -147,7 +154,8 @@ class FramedGroup:
             if self.explain is not None:
                 msg += f"; {self.explain(e.peer)}"
         self.abort(msg)
-        raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer) from e
+        raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer,
+                               timed_out=not isinstance(e, PeerClosed)) from e
 
     def _abort_left_by(self, peer: int) -> tuple[str, bool] | None:
         """(reason, failed) of an abort frame that peer `peer` (group rank) sent before its connection failed, if
@@ -205,6 +213,63 @@ class FramedGroup:
             return
         self.expect(c, peer, n)
         p.recv_into(view, c.deadline)
+
+    def recv_p2p(self, c: Call, peer: int, view: memoryview) -> None:
+        """Receive point-to-point call `c` (its tag in `aux`) from `peer` into `view`: the oldest frame of that tag,
+        set aside before (`Peer.early`) or read now; frames of other tags read on the way are set aside, so
+        sends and receives match per tag in any order of tags, as gloo's do."""
+        n = view.nbytes
+        p = self.peers[peer]
+        for i, (h, data) in enumerate(p.early):
+            if h[0] == Kind.P2P and h[6] == c.aux:
+                del p.early[i]
+                if h[:8] != c.expect or h[8] != n:
+                    self._reject(c, peer, h, n, memoryview(data))
+                view[:] = data
+                return
+        while True:
+            try:
+                h = p.recv_header(c.deadline)
+            except PeerTimeout:
+                self._unmatched(c, peer)
+                raise
+            if h[0] == Kind.P2P and h[6] != c.aux and h[5] == self._gid:
+                p.set_aside(h, memoryview(b""), c.deadline)
+                continue
+            if h[:8] != c.expect or h[8] != n:
+                self._reject(c, peer, h, n, memoryview(b""))
+            if n:
+                p.recv_into(view, c.deadline)
+            return
+
+    def _unmatched(self, c: Call, peer: int) -> None:
+        """A receive timed out while sends of other tags from `peer` wait unreceived: raise naming both."""
+        others = [describe(h[1], h[2], h[7], h[3], h[6]) for h, _ in self.peers[peer].early if h[0] == Kind.P2P]
+        if others:
+            mine = describe(c.op, c.dtype, c.count, c.redop, c.aux)
+            error = self.error(c, peer, f"timed out after {self._timeout:.1f} s waiting for peer rank {peer} to send "
+                                        f"{mine.replace('recv', 'send', 1)}; it sent {', '.join(others[:4])} instead "
+                                        "(not received: sends and receives match per tag)")
+            error.timed_out = True
+            raise error
+
+    def p2p_waiting(self, peer: int, tag: int) -> bool | None:
+        """For a receive from any source: whether `peer` has a point-to-point frame of `tag` ready (set aside, or
+        next on its socket: True), none yet (False), or something else next (None: a collective's frame or an
+        abort, which a receive from that peer would read and report). Never blocks."""
+        p = self.peers[peer]
+        if any(h[0] == Kind.P2P and h[6] == tag for h, _ in p.early):
+            return True
+        data = p.peek(HEADER_SIZE)
+        if len(data) < HEADER_SIZE:
+            return None if data == b"" and p.readable() else False  # readable but nothing to peek: closed
+        h = HEADER.unpack_from(data)
+        if h[0] != Kind.P2P or h[5] != self._gid:
+            return None
+        if h[6] == tag:
+            return True
+        p.set_aside(p.recv_header(time.monotonic() + self._timeout), memoryview(b""), time.monotonic() + self._timeout)
+        return self.p2p_waiting(peer, tag)
 
     def recv_array(self, c: Call, peer: int, like: np.ndarray) -> np.ndarray:
         """Receive a small frame (<= SMALL_FRAME bytes) shaped like flat `like`, checked against `c`;

@@ -60,6 +60,7 @@ class Peer:
         self._cond = threading.Condition()
         self._queue: deque[tuple[bytes, memoryview | None, int]] = deque()
         self._posted = 0
+        self._post_lock = threading.Lock()
         self._done = 0
         self._error: BaseException | None = None
         self._closed = False
@@ -80,9 +81,14 @@ class Peer:
     def send(self, header: bytes, payload: memoryview | None) -> int:
         """Queue one frame; small ones go out now. Returns a ticket for `wait_sent`.
 
-        Only the op-running thread posts, so the inline fast path needs no condition variable:
-        when nothing is queued, the sender thread is idle and only the write lock is shared.
+        Posting is serialized by `_post_lock` (the op-running thread, and a torch send posted on its caller's thread
+        meanwhile), so the inline fast path needs no condition variable: when nothing is queued, the sender thread
+        is idle and only the write lock is shared.
         """
+        with self._post_lock:
+            return self._post(header, payload)
+
+    def _post(self, header: bytes, payload: memoryview | None) -> int:
         if self._error is not None:
             raise self._failure() from self._error
         nbytes = 0 if payload is None else payload.nbytes
@@ -98,12 +104,17 @@ class Peer:
             self._done = ticket
             return ticket
         if payload is not None and nbytes <= self.try_inline_bytes and self._done == self._posted:
-            sent = self._try_write(header, payload)
-            if sent == HEADER_SIZE + nbytes:
-                self._posted += 1
-                self._done = self._posted
-                return self._posted
-            header, payload = header[sent:], payload[max(0, sent - HEADER_SIZE) :]
+            with self._lock:  # held until the rest is queued: no other writer starts a frame inside this one
+                sent = self._try_write(header, payload)
+                if sent == HEADER_SIZE + nbytes:
+                    self._posted += 1
+                    self._done = self._posted
+                    return self._posted
+                return self._queue_frame(header[sent:], payload[max(0, sent - HEADER_SIZE) :])
+        return self._queue_frame(header, payload)
+
+    def _queue_frame(self, header: bytes, payload: memoryview | None) -> int:
+        """Hand (the rest of) a frame to the sender thread; its ticket."""
         with self._cond:
             self._posted += 1
             ticket = self._posted
@@ -115,10 +126,10 @@ class Peer:
             return ticket
 
     def _try_write(self, header: bytes, payload: memoryview) -> int:
-        """Send what fits in the socket buffer right now (no thread hand-off); returns the bytes sent."""
+        """Send what fits in the socket buffer right now (no thread hand-off; the caller holds `_lock`); returns the
+        bytes sent."""
         try:
-            with self._lock:
-                return self.send_some([memoryview(header), payload])
+            return self.send_some([memoryview(header), payload])
         except PeerClosed as e:
             self._error = e
             raise
@@ -192,6 +203,16 @@ class Peer:
     def flush(self, deadline: float) -> None:
         """Block until every queued frame was sent."""
         self.wait_sent(self._posted, deadline)
+
+    def acquire_writer(self, deadline: float) -> None:
+        """Take `write_lock` with no frame queued or half-written: flush, take it, and flush again if a send was
+        posted meanwhile (another thread may post, see `send`). The caller releases `write_lock`."""
+        while True:
+            self.flush(deadline)
+            self._lock.acquire()
+            if self._done >= self._posted:
+                return
+            self._lock.release()
 
     def recv_header(self, deadline: float, collective: bool = False) -> tuple[int, ...]:
         """Receive and unpack the next frame header (of a large frame: no busy-polling); for a `collective`, the
