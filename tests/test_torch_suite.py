@@ -88,7 +88,8 @@ def test_axond_passes_what_gloo_passes(outcomes: dict[tuple[str, int], dict[str,
 
 
 def test_each_documented_difference_still_differs(outcomes: dict[tuple[str, int], dict[str, Any]]) -> None:
-    """A listed test that axond now passes wherever gloo does is listed for nothing: the docs are out of date."""
+    """A listed test that axond now passes wherever gloo does is listed for nothing: the docs are out of date (except
+    those whose reason begins with "intermittent", which may pass in one run)."""
     sample = set(torch_suite.ci_sample())
     known = documented_differences()
     assert set(known) <= set(torch_suite.CPU_TESTS), f"not in the CPU set: {set(known) - set(torch_suite.CPU_TESTS)}"
@@ -97,6 +98,7 @@ def test_each_documented_difference_still_differs(outcomes: dict[tuple[str, int]
         gloo, axond = outcomes["gloo", ws]["tests"][name], outcomes["axond", ws]["tests"][name]
         return gloo["status"] == "pass" and axond["status"] != "pass"
 
-    stale = [name for name in known if name in sample and not any(differs(name, ws) for ws in WORLD_SIZES)]
+    stale = [name for name in known if name in sample and not known[name].startswith("intermittent")
+             and not any(differs(name, ws) for ws in WORLD_SIZES)]
     assert not stale, f"listed in docs/pytorch.md as differing from gloo, but passing on axond: {stale}"
     assert set(torch_suite.WATCHED) <= sample
