@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-import torch_dcp_cases as cases  # noqa: E402
+import torch_dcp_cases as cases
 
 HERE = Path(__file__).parent
 # the first test waits for the module's runner

@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 
-import torch  # noqa: E402
+import torch
 
 STEPS, BATCH, LR, RANKS = 8, 16, 0.05, 2
 

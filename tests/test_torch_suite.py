@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("expecttest", reason="torch's test suite imports expecttest (in the dev extra)")
 
-import torch_suite  # noqa: E402
+import torch_suite
 
 HERE = Path(__file__).parent
 DOCS = HERE.parent / "docs" / "pytorch.md"

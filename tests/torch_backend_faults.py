@@ -88,8 +88,8 @@ def _barrier_timeout(rank: int, n: int, store_dir: str) -> tuple[Any, ...]:
 
 
 def survives(rank: int, n: int, store_dir: str, q: Any) -> None:
-    """Every scenario in turn, a barrier timeout, then rank 1 is killed (SIGKILL) before DDP's first forward; rank 0 puts
-    (scenario, its error's type names, message) for each, "killed", then "alone" (a new group's rendezvous
+    """Every scenario in turn, a barrier timeout, then rank 1 is killed (SIGKILL) before DDP's first forward;
+    rank 0 puts (scenario, its error's type names, message) for each, "killed", then "alone" (a new group's rendezvous
     without rank 1) last."""
     try:
         for i, scenario in enumerate(SCENARIOS):

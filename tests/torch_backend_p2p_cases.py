@@ -75,7 +75,8 @@ def _any_source(rank: int, n: int, g: Any) -> list[list[float]]:
 def point_to_point(rank: int, n: int, gloo: Any) -> dict[str, Any]:
     """Each program on gloo, then on axond; both results."""
     out: dict[str, Any] = {}
-    for name, body in (("batch", lambda g: _batch(rank, n, g, False)), ("batch_tags", lambda g: _batch(rank, n, g, True)),
+    for name, body in (("batch", lambda g: _batch(rank, n, g, False)),
+                       ("batch_tags", lambda g: _batch(rank, n, g, True)),
                        ("irecv_first", lambda g: _irecv_first(rank, n, g)),
                        ("tags_out_of_order", lambda g: _tags_out_of_order(rank, n, g)),
                        ("any_source", lambda g: _any_source(rank, n, g))):

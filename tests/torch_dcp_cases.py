@@ -113,10 +113,10 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", help=f"default: every case ({', '.join(CASES)})")
     args = parser.parse_args()
     import axond.torch  # noqa: F401 -- imported once, before the ranks are forked
-    import torch._dynamo  # noqa: F401 -- DDP and FSDP2 import it when first built: ~1.5 s in every rank otherwise
-    import torch.distributed.checkpoint  # noqa: F401 -- and so is what the ranks use
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
-    import torch.distributed.device_mesh  # noqa: F401
+    import torch._dynamo
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.device_mesh
     import torch.distributed.fsdp  # noqa: F401
 
     results = {}

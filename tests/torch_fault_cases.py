@@ -144,9 +144,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; the cases are {CASES}")
     import axond.torch  # noqa: F401 -- imported once, before the ranks are forked
-    import torch._dynamo  # noqa: F401 -- DDP and FSDP2 import it when first built: ~1.5 s in every rank otherwise
-    import torch.distributed.device_mesh  # noqa: F401 -- and so is what the ranks use
-    import torch.distributed.fsdp  # noqa: F401
+    import torch._dynamo
+    import torch.distributed.device_mesh
+    import torch.distributed.fsdp
     import torch.nn.parallel  # noqa: F401
 
     results = {}
