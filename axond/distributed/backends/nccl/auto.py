@@ -35,12 +35,8 @@ class GpuAuto(Backend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """Where CuPy is installed (device arrays can arrive); NumPy-only groups use the tcp backend itself."""
-        import importlib.util
-
-        if importlib.util.find_spec("cupy") is None:
-            return False, "CuPy is not installed: pip install 'axond[gpu]'"
-        return True, ""
+        """Where the staging backend is (CuPy installed): NumPy-only groups use the tcp backend itself."""
+        return StagingBackend.is_available()
 
     def __new__(cls, store: Store, rank: int, size: int, group_name: str, options: BackendOptions) -> Any:
         return build(store, rank, size, group_name, options)
