@@ -398,16 +398,25 @@ class TcpBackend(Backend, PreparedOps):
 
     def recv_any(self, x: Array, tag: int) -> int:
         """Receive into `x` the first point-to-point frame of `tag` from any peer; returns the sender's group rank.
-        Waits on every peer's socket at once (bounded by the group timeout)."""
+        Waits on every peer's socket at once (bounded by the group timeout). A peer already in a later collective
+        is passed over (it sends nothing to this rank before this rank joins it), unless every peer is."""
         x = _numpy(x, "recv buffer")
         peers = [r for r in self.g.peers if r != self.rank]
+        ahead: list[int] = []
         deadline = time.monotonic() + self.options.timeout
         while True:
             for r in list(peers):
                 ready = self.g.run("recv", self.g.p2p_waiting, r, int(tag))
-                if ready or ready is None:  # None: its next frame is not a send; receiving reports it
+                if ready is None and self.g.ahead_in_collective(r):
+                    peers.remove(r)
+                    ahead.append(r)
+                    continue
+                if ready or ready is None:  # None: an abort or a closed link; receiving reports it
                     self.recv(x, r, tag)
                     return r
+            if not peers:  # every peer waits in a collective for this rank: receiving reports the mismatch
+                self.recv(x, ahead[0], tag)
+                return ahead[0]
             left = deadline - time.monotonic()
             if left <= 0:
                 self.g.failed("recv", PeerTimeout(f"no send of tag {tag} from any peer", peers[0]))

@@ -271,6 +271,15 @@ class FramedGroup:
         p.set_aside(p.recv_header(time.monotonic() + self._timeout), memoryview(b""), time.monotonic() + self._timeout)
         return self.p2p_waiting(peer, tag)
 
+    def ahead_in_collective(self, peer: int) -> bool:
+        """Whether `peer`'s next frame is a collective's of this group: it has moved on to a later collective and
+        sends nothing point-to-point before this rank joins it (a receive from any source skips it). Never blocks."""
+        data = self.peers[peer].peek(HEADER_SIZE)
+        if len(data) < HEADER_SIZE:
+            return False
+        h = HEADER.unpack_from(data)
+        return h[0] == Kind.COLLECTIVE and h[5] == self._gid
+
     def recv_array(self, c: Call, peer: int, like: np.ndarray) -> np.ndarray:
         """Receive a small frame (<= SMALL_FRAME bytes) shaped like flat `like`, checked against `c`;
         returns it as a view of the peer's receive buffer (no copy), valid until the next receive from `peer`."""
