@@ -12,35 +12,21 @@ and a digest of the trained parameters (`--backend gloo` gives the same digest).
 from __future__ import annotations
 
 import argparse
-import hashlib
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import axond.torch  # noqa: F401 -- registers the "axond" backend
+from axond.examples.torch_regression import dataset, digest
 
 
 def build_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 
-
-def dataset(samples: int) -> TensorDataset:
-    """The same samples on every rank; `accelerator.prepare` shards the loader's batches between ranks."""
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(samples, 8, generator=gen)
-    return TensorDataset(x, torch.sin(x).sum(dim=1, keepdim=True))
-
-
-def digest(module: torch.nn.Module) -> str:
-    """sha256 of every parameter's bytes: equal digests mean bit-identical models."""
-    h = hashlib.sha256()
-    for p in module.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,15 +12,15 @@ Needs `pip install lightning`.
 from __future__ import annotations
 
 import argparse
-import hashlib
 from datetime import timedelta
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import axond.torch  # noqa: F401 -- registers the "axond" backend
+from axond.examples.torch_regression import dataset, digest
 
 
 class Regression(L.LightningModule):
@@ -41,20 +41,6 @@ class Regression(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
-
-def dataset(samples: int) -> TensorDataset:
-    """The same samples on every rank; Lightning's DistributedSampler gives each rank its share."""
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(samples, 8, generator=gen)
-    return TensorDataset(x, torch.sin(x).sum(dim=1, keepdim=True))
-
-
-def digest(module: torch.nn.Module) -> str:
-    """sha256 of every parameter's bytes: equal digests mean bit-identical models."""
-    h = hashlib.sha256()
-    for p in module.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
