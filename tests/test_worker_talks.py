@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,24 +68,46 @@ def test_every_node_names_the_root_cause_on_another_node(coord: RunningCoordinat
         assert re.search(cause, last_line(res.stderr)), res.stderr[-3000:]
 
 
-def test_a_rank_blocked_in_a_collective_is_reported_while_it_waits(procs: Procs) -> None:
-    script = ("import time, numpy as np, axond\naxond.init_process_group('tcp', timeout=6)\n"
-              "if axond.get_rank() == 1:\n    time.sleep(4.5)\naxond.all_reduce(np.ones(2))\n")
-    res = procs.run("worker", "--standalone", "--nproc-per-node", "2", "--", PY, "-c", script,
-                    env={"AXOND_WAIT_NOTICE_S": "2.5"})
-    assert res.code == 0, res.stderr
-    assert re.search(r"^axond worker: job 'default': still waiting: rank 0 blocked in all_reduce on group 'world' "
-                     r"for [\d.]+ s; rank\(s\) 1 report no blocked op \(outside axond", res.stderr, re.M), res.stderr
+def _wait_for_go(go: Path) -> str:
+    """Rank code that stays outside axond until the test creates `go` (bounded)."""
+    return (f"import os, time\nend = time.monotonic() + 90\n"
+            f"while not os.path.exists({str(go)!r}) and time.monotonic() < end:\n    time.sleep(0.05)\n")
 
 
-def test_ranks_that_exited_are_named_again_with_how_long_ago(procs: Procs) -> None:
-    script = "import os, time; time.sleep(3 if os.environ['RANK'] == '0' else 0)"
-    res = procs.run("worker", "--standalone", "--nproc-per-node", "2", "--", PY, "-c", script,
-                    env={"AXOND_WAIT_NOTICE_S": "1"})
-    assert res.code == 0, res.stderr
-    assert "job 'default': rank(s) 1 exited with code 0 but rank(s) 0 still run" in res.stderr, res.stderr
-    assert re.search(r"still waiting: rank\(s\) 1 exited with code 0 \d+ s ago; rank\(s\) 0 still run, for \d+ s",
-                     res.stderr), res.stderr
+def _run_until_said(procs: Procs, script: str, said: re.Pattern[str], go: Path) -> list[str]:
+    """Run a --standalone job of two ranks (notices every second); once the worker's stderr has a line matching
+    `said`, create `go`; the job must then exit 0. Returns the worker's stderr lines."""
+    proc = procs.axond("worker", "--standalone", "--nproc-per-node", "2", "--", PY, "-c", script,
+                       env={"AXOND_WAIT_NOTICE_S": "1"})
+    lines: list[str] = []
+    stream = proc.stderr
+    assert stream is not None
+    reader = threading.Thread(target=lambda: lines.extend(iter(stream.readline, "")), daemon=True)
+    reader.start()
+    wait_for(lambda: any(said.search(line) for line in lines), 90, f"a worker line matching {said.pattern!r}")
+    go.touch()
+    assert proc.wait(timeout=90) == 0, "".join(lines)
+    reader.join(timeout=10)
+    return lines
+
+
+def test_a_rank_blocked_in_a_collective_is_reported_while_it_waits(procs: Procs, tmp_path: Path) -> None:
+    """Rank 1 stays outside axond until the worker's notice has named rank 0's wait, then joins the all_reduce."""
+    go = tmp_path / "go"
+    script = ("import numpy as np, axond\naxond.init_process_group('tcp', timeout=120)\n"
+              f"if axond.get_rank() == 1:\n    exec({_wait_for_go(go)!r})\naxond.all_reduce(np.ones(2))\n")
+    _run_until_said(procs, script, re.compile(
+        r"^axond worker: job 'default': still waiting: rank 0 blocked in all_reduce on group 'world' for [\d.]+ s; "
+        r"rank\(s\) 1 report no blocked op \(outside axond"), go)
+
+
+def test_ranks_that_exited_are_named_again_with_how_long_ago(procs: Procs, tmp_path: Path) -> None:
+    """Rank 1 exits at once; rank 0 runs on until the worker has named rank 1's exit again, with how long ago."""
+    go = tmp_path / "go"
+    script = f"import os\nif os.environ['RANK'] == '0':\n    exec({_wait_for_go(go)!r})\n"
+    lines = _run_until_said(procs, script, re.compile(
+        r"still waiting: rank\(s\) 1 exited with code 0 \d+ s ago; rank\(s\) 0 still run, for \d+ s"), go)
+    assert any("job 'default': rank(s) 1 exited with code 0 but rank(s) 0 still run" in line for line in lines), lines
 
 
 def test_a_worker_with_other_options_is_refused_and_the_waiting_one_told(coord: RunningCoordinator,
