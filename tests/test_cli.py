@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +15,9 @@ import pytest
 from axond.control.client import connect
 
 from axond.coordinator.server import RunningCoordinator
-from test_worker_support import FAST, ENV_SCRIPT, Procs, coord, free_port, pid_alive, procs, wait_for  # noqa: F401
+from test_worker_support import (  # noqa: F401
+    ENV_SCRIPT, FAST, Procs, coord, free_port, pid_alive, procs, self_signed, wait_for,
+)
 
 PY = sys.executable
 
@@ -202,16 +202,8 @@ def test_coordinator_command_serves_and_stops_on_sigterm(procs: Procs) -> None:
 def test_tls_ca_and_token_reach_the_coordinator_and_the_ranks(
     coordinator_factory: Callable[..., RunningCoordinator], procs: Procs, tmp_path: Path
 ) -> None:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed: cannot make a self-signed certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )
-    c = coordinator_factory(tls_cert=str(cert), tls_key=str(key), token="t0k", **FAST)
+    cert, key = self_signed(tmp_path)
+    c = coordinator_factory(tls_cert=cert, tls_key=key, token="t0k", **FAST)
     secure = ("--coordinator", c.address, "--token", "t0k", "--tls-ca", str(cert))
     res = procs.run("worker", *secure, "--job", "tls", "--", PY, "-c", ENV_SCRIPT)
     assert res.code == 0, res.stderr

@@ -8,7 +8,6 @@ by itself after some seconds, so a failure never hangs the run).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import InMemoryStore
 from gpu_cases import need_nccl  # noqa: F401 - the fixture
+from test_gpu_staging import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("need_nccl")]
 
@@ -68,25 +68,6 @@ def test_a_blocking_call_returns_while_the_gpu_is_busy_and_is_ordered_after_it()
         np.testing.assert_array_equal(cp.asnumpy(y), np.full(1 << 16, 7.0, np.float32))
     finally:
         pg.destroy()
-
-
-def run_ranks(n: int, fn: Any) -> list[Any]:
-    out: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = fn(rank)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return out
 
 
 @pytest.mark.timeout(120)

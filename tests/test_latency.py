@@ -6,8 +6,6 @@ the connect timeout (not the reconnect backoff), and a connection attempt that f
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -21,7 +19,7 @@ from axond.control.sniff import speaks_tls
 from axond.coordinator.server import RunningCoordinator
 from axond.errors import CoordinatorError
 from latency_proxy import DelayProxy
-from test_worker_support import FAST, Procs, coord, free_port, procs  # noqa: F401
+from test_worker_support import FAST, Procs, coord, free_port, procs, self_signed  # noqa: F401
 
 DELAY_S = 0.25
 """Added each way: a 500 ms round trip, five times what a 100 ms connect timeout allows."""
@@ -99,24 +97,11 @@ def test_two_nodes_join_and_train_through_the_slow_link(slow_link: DelayProxy, p
     assert slow_link.connections >= 4, "the workers and their ranks all went through the proxy"
 
 
-def _self_signed(tmp_path: Path) -> tuple[str, str]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed: cannot make a self-signed certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )
-    return str(cert), str(key)
-
-
 def test_a_plaintext_client_of_a_tls_coordinator_is_told_at_once(
     coordinator_factory: Callable[..., RunningCoordinator], tmp_path: Path,
 ) -> None:
     """A TLS server closing on a plaintext client looks like a dropped connection; it is not waited for."""
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     tls = coordinator_factory(tls_cert=cert, tls_key=key, token="t0k")
     plain = coordinator_factory(token="t0k")
     assert speaks_tls(tls.address, 5.0) and not speaks_tls(plain.address, 5.0)

@@ -21,10 +21,6 @@ HERE = Path(__file__).parent
 # the first test waits for the module's runner
 pytestmark = pytest.mark.timeout(len(cases.CASES) * cases.CASE_DEADLINE + 120)
 
-OPEN_BACKEND_BUGS: dict[str, str] = {}
-"""Cases that fail only because of a backend bug still open: case -> the bug (xfail, strict)."""
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("dcp") / "results.json"
@@ -35,8 +31,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(reason=OPEN_BACKEND_BUGS[c], strict=True))
-                                  if c in OPEN_BACKEND_BUGS else c for c in cases.CASES])
+@pytest.mark.parametrize("case", cases.CASES)
 def test_dcp_on_axond(results: dict[str, Any], case: str) -> None:
     got = results[case]
     for rank, report in enumerate(got["reports"]):

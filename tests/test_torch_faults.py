@@ -24,10 +24,6 @@ HERE = Path(__file__).parent
 # the first test waits for the module's runner
 pytestmark = pytest.mark.timeout(len(cases.CASES) * cases.CASE_DEADLINE + 120)
 
-OPEN_BACKEND_BUGS: dict[str, str] = {}
-"""Cases that fail only because of a backend bug still open: case -> the bug (xfail, strict)."""
-
-
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("faults") / "results.json"
@@ -42,8 +38,7 @@ def expected_code(how: str) -> int:
     return {"raise": 1, "exit": 3, "kill": -9}[how]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(reason=OPEN_BACKEND_BUGS[c], strict=True))
-                                  if c in OPEN_BACKEND_BUGS else c for c in cases.CASES])
+@pytest.mark.parametrize("case", cases.CASES)
 def test_survivor_raises_the_root_cause(matrix: dict[str, Any], case: str) -> None:
     got = matrix[case]
     how = case.split("-")[2]

@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     strategy = DDPStrategy(process_group_backend=args.backend, timeout=timedelta(seconds=args.timeout),
-                           start_method=args.launcher if args.launcher != "popen" else "popen")
+                           start_method=args.launcher)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=True)
