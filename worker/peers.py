@@ -192,8 +192,14 @@ class PeerLink:
 
 
 def _read_line(conn: socket.socket) -> bytes:
-    data = b""
+    """One line of at most _MAX_LINE bytes, all of it within PROBE_TIMEOUT_S (a client dripping bytes cannot hold
+    the one serving thread longer)."""
+    data, deadline = b"", time.monotonic() + PROBE_TIMEOUT_S
     while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ValueError("no whole line in time")
+        conn.settimeout(left)
         chunk = conn.recv(_MAX_LINE - len(data))
         if not chunk:
             raise ValueError("closed before a whole line")
