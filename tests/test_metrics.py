@@ -6,6 +6,7 @@ The output is parsed with prometheus_client's own parser (dev extra), so it is v
 from __future__ import annotations
 
 import queue
+import socket
 import sys
 import threading
 import urllib.error
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from axond.coordinator.server import RunningCoordinator
 from axond.distributed import ProcessGroup
+import axond.observe.http as http
 from axond.observe.exposition import Family, render
 from axond.observe.http import MetricsServer
 from axond.observe.settings import ObserveSettings
@@ -163,3 +165,14 @@ def test_the_coordinator_command_serves_metrics(procs: Procs) -> None:
     assert value(scrape(port), "axond_nodes", health="alive") == 0
     c.terminate()
     assert c.wait(timeout=30) == 0
+
+
+def test_a_silent_scraper_is_dropped_after_the_request_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection that never sends its request is closed by the server (its thread freed), not held open."""
+    monkeypatch.setattr(http, "REQUEST_TIMEOUT_S", 0.5)
+    server = MetricsServer("127.0.0.1", 0, lambda: "")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+            assert conn.recv(1) == b"", "the server closes a silent connection"
+    finally:
+        server.stop()

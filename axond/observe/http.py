@@ -13,6 +13,10 @@ from axond.observe.exposition import CONTENT_TYPE
 log = logging.getLogger("axond.metrics")
 
 
+REQUEST_TIMEOUT_S = 10.0
+"""Seconds a scrape's connection may stay silent (reading the request, writing the answer)."""
+
+
 class MetricsServer:
     """Serves `render()` at /metrics on `host:port` from a daemon thread; `port` is the bound one (0: OS-chosen)."""
 
@@ -20,6 +24,8 @@ class MetricsServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = REQUEST_TIMEOUT_S  # a client that sends its request slowly or stops reading is dropped
+
             def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] not in ("/metrics", "/metrics/"):
                     self.send_error(404, "only /metrics is served here")
