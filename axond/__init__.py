@@ -8,14 +8,14 @@ from axond.distributed import (
     is_nccl_available, isend, monitored_barrier, new_group, recv, reduce, reduce_scatter, reduce_scatter_tensor,
     scatter, scatter_object_list, send, shared_empty,
 )
-from axond.distributed.seed import (
+from axond.distributed.forms.seed import (
     World, all_reduce_max, all_reduce_mean, all_reduce_min, all_reduce_product, all_reduce_sum, broadcast_from,
     gather_tensor, is_main_process, rank, reduce_scatter_mean, reduce_scatter_sum, scatter_tensor, sync_gradient,
     sync_gradients, world_size,
 )
-from axond.distributed.reducers import BFLOAT16 as bfloat16
-from axond.distributed import failure as _failure
-from axond.distributed.failure import record
+from axond.distributed.numerics.reducers import BFLOAT16 as bfloat16
+from axond.distributed.diagnostics import failure as _failure
+from axond.distributed.diagnostics.failure import record
 from axond.errors import AxondError, BackendUnavailable, CoordinatorError, DistributedError, StoreError, StoreTimeout
 from axond.store import InMemoryStore, PrefixStore, Store
 

@@ -55,7 +55,7 @@ def _per_call(fn: Callable[[], None], sync: Callable[[], None], iters: int) -> f
 
 def blocking(args: dict[str, Any]) -> dict[str, Any]:
     cupy, torch, dist, rank, world, dev, store = _setup()
-    from axond.distributed.reduce_op import ReduceOp
+    from axond.distributed.numerics.reduce_op import ReduceOp
 
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world)
     ax = dist.new_group(backend="axond")
@@ -102,7 +102,7 @@ def per_call(args: dict[str, Any]) -> dict[str, Any]:
     cupy, torch, dist, rank, world, dev, store = _setup()
     from cupy.cuda import nccl
 
-    from axond.distributed.reduce_op import ReduceOp
+    from axond.distributed.numerics.reduce_op import ReduceOp
 
     iters = int(args["iters"])
     large_iters = max(10, iters // 40)
@@ -171,7 +171,7 @@ def ddp(args: dict[str, Any]) -> dict[str, Any]:
 
 def two_ranks(args: dict[str, Any]) -> dict[str, Any]:
     cupy, torch, dist, rank, world, dev, store = _setup()
-    from axond.distributed.reduce_op import ReduceOp
+    from axond.distributed.numerics.reduce_op import ReduceOp
 
     iters = int(args["iters"])
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)

@@ -7,7 +7,7 @@ import functools
 import pytest
 
 from axond.distributed.backends.nccl import NcclBackend
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from collective_cases import ARITHMETIC, DTYPES, refused
 
 

@@ -15,7 +15,7 @@ import pytest
 
 import axond
 from axond import DistributedError, ProcessGroup
-from axond.distributed.splits import announcement, settle
+from axond.distributed.backends.splits import announcement, settle
 from axond.testing import run_on, run_processes
 from collective_cases import on_backend
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axond.distributed import chunking
+from axond.distributed.backends import chunking
 from axond.distributed.backends.tcp.policy import PIPELINE_CHUNK_BYTES
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from axond.distributed.backends.base import BackendOptions
-from axond.distributed.failure import abort_group
+from axond.distributed.diagnostics.failure import abort_group
 from axond.distributed.process_group import ProcessGroup
 from axond.errors import DistributedError
 from axond.testing import run_module_ranks, run_on, thread_groups

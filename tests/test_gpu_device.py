@@ -15,7 +15,7 @@ import pytest
 
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.process_group import ProcessGroup, create_group
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import InMemoryStore
 from gpu_cases import need_nccl  # noqa: F401 - the fixture

@@ -24,7 +24,7 @@ from axond.distributed.backends.nccl.placement import (
 )
 from axond.distributed.backends.nccl.staging import HostBuffers, StagingBackend, host_view, size_class
 from axond.distributed.backends.tcp import TcpBackend
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import BackendUnavailable, DistributedError
 from axond.store import InMemoryStore, PrefixStore
 

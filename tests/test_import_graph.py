@@ -21,21 +21,21 @@ TCP = "axond.distributed.backends.tcp"
 
 ALLOWED: set[tuple[str, str]] = {
     ("axond/checkpoint/api.py", "axond.distributed"),
-    ("axond/checkpoint/api.py", "axond.distributed.objects"),
+    ("axond/checkpoint/api.py", "axond.distributed.forms.objects"),
     ("axond/cli/coordinator_cmd.py", "axond.coordinator.limits"),
     ("axond/cli/coordinator_cmd.py", "axond.coordinator.server"),
     ("axond/cli/slurm_cmd.py", "axond.coordinator.server"),  # as worker_cmd: the daemon loads only when it runs
     ("axond/cli/worker_cmd.py", "axond.coordinator.server"),
     ("axond/distributed/backends/host_copy.py", "axond.distributed.backends"),  # the optional compiled helper
-    ("axond/distributed/failure.py", "axond.distributed"),
+    ("axond/distributed/diagnostics/failure.py", "axond.distributed"),
     ("axond/distributed/init_method.py", "axond.control"),
     ("axond/distributed/init_method.py", "axond.distributed.file_store"),
     ("axond/distributed/init_method.py", "axond.distributed.tcp_store"),
     ("axond/distributed/init_method.py", "axond.errors"),
-    ("axond/distributed/tensor_args.py", "axond.torch.arguments"),
-    ("axond/distributed/torch_forms.py", "axond.distributed.process_group"),
+    ("axond/distributed/forms/tensor_args.py", "axond.torch.arguments"),
+    ("axond/distributed/forms/torch_forms.py", "axond.distributed.process_group"),
     ("axond/nn/grad_scaler.py", "axond.distributed"),
-    ("axond/nn/grad_scaler.py", "axond.distributed.reduce_op"),
+    ("axond/nn/grad_scaler.py", "axond.distributed.numerics.reduce_op"),
     ("axond/parallel/ddp/buckets.py", "axond.parallel.ddp.hooks"),
     ("axond/parallel/ddp/comm.py", "axond.distributed"),
     ("axond/parallel/fsdp/comm.py", "axond.distributed"),

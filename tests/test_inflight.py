@@ -1,4 +1,4 @@
-"""Timeouts say what the silent peer is doing: the in-flight reports of `axond.distributed.inflight`.
+"""Timeouts say what the silent peer is doing: the in-flight reports of `axond.distributed.diagnostics.inflight`.
 
 Ranks are threads over real loopback sockets sharing one store; the reporter thread publishes for real.
 """
@@ -16,8 +16,8 @@ import pytest
 import axond
 from axond import DistributedError, InMemoryStore, ProcessGroup
 from axond.control.client import connect
-from axond.distributed.inflight import KEY, REPORTER, describe, describe_others, report_after
-from axond.distributed.monitored_barrier import PREFIX
+from axond.distributed.diagnostics.inflight import KEY, REPORTER, describe, describe_others, report_after
+from axond.distributed.diagnostics.monitored_barrier import PREFIX
 from axond.testing import run_on, run_processes
 
 MakeGroups = Callable[..., list[ProcessGroup]]

@@ -24,7 +24,7 @@ from axond.distributed.backends.tcp import TcpOptions
 from axond.distributed.backends.tcp.policy import MAILBOX_BROADCAST_SLOTS, ORDERED_STORES
 from axond.distributed.backends.tcp.shm import mailbox, mailbox_ops
 from axond.distributed.backends.tcp.transport.wire import Op
-from axond.distributed.reducers import accumulator
+from axond.distributed.numerics.reducers import accumulator
 from axond.testing import run_on, thread_groups
 from collective_cases import check_other_call_raises
 

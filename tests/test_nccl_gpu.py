@@ -24,7 +24,7 @@ from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.nccl import NcclBackend
 from axond.distributed.backends.registry import resolve_backend
 from axond.distributed.process_group import ProcessGroup, create_group
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import BackendUnavailable, DistributedError
 from axond.store import InMemoryStore
 from axond.testing import run_processes

@@ -20,7 +20,7 @@ from axond.distributed.backends.nccl.plans import PlanCache, Planned, Pool, chec
 from axond.distributed.backends.nccl.support import reduction_plan
 from axond.distributed.backends.nccl.watchdog import Watchdog, WatchedOp
 from axond.distributed.backends.nccl.work import NcclWork
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from gpu_cases import REDUCTIONS, nccl_refusal
 

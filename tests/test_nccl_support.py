@@ -21,7 +21,7 @@ from axond.distributed.backends.nccl.support import (
     reduction_plan,
     transfer_type,
 )
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import BackendUnavailable
 
 NEW, OLD = 22104, 2906

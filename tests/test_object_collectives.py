@@ -1,4 +1,4 @@
-"""The torch-style object collectives (`axond.distributed.objects`) on real ranks over loopback.
+"""The torch-style object collectives (`axond.distributed.forms.objects`) on real ranks over loopback.
 
 Ranks are threads of this process (one group per world size, reused across tests; over loopback sockets and
 on the mock backend), plus one run in

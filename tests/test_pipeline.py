@@ -22,7 +22,7 @@ import pytest
 import axond.nn as nn
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.process_group import ProcessGroup
-from axond.distributed.seed import sync_gradients
+from axond.distributed.forms.seed import sync_gradients
 from axond.errors import DistributedError
 from axond.nn.optim import SGD
 from axond.parallel.mesh import DeviceMesh

@@ -1,8 +1,8 @@
 """Rank bodies of tests/test_torch_backend_faults.py: torch DDP and FSDP2 over "axond" while rank 1 fails.
 
 Each scenario runs in a fresh default group (its own FileStore): rank 1 fails at a chosen point the way a rank's
-uncaught exception does (`axond.distributed.failure.report`: every live group is aborted with the root cause), or
-dies; rank 0 trains on and reports what it raised."""
+uncaught exception does (`axond.distributed.diagnostics.failure.report`: every live group is aborted with the root
+cause), or dies; rank 0 trains on and reports what it raised."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _fail(rank: int, scenario: str) -> None:
     """Rank 1 fails here, as an uncaught exception would make it (every live group hears the cause)."""
     if rank != 1:
         return
-    from axond.distributed.failure import report
+    from axond.distributed.diagnostics.failure import report
 
     try:
         raise ValueError(f"bad batch on rank 1 ({scenario})")

@@ -3,7 +3,7 @@
 A survivor's `DistributedError` names the rank whose failure it saw (`rank R failed: ...`); when that rank runs
 on another node, this node's failure is a consequence, and the other node's report is the job's reason. Ranks
 using axond's native API publish what they are blocked in to the generation's coordinator store
-(`axond.distributed.inflight`); the agent reads those reports for its "still waiting" notices.
+(`axond.distributed.diagnostics.inflight`); the agent reads those reports for its "still waiting" notices.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from axond.distributed.inflight import Blocked, read_report
+from axond.distributed.diagnostics.inflight import Blocked, read_report
 from axond.errors import CoordinatorError, StoreError
 from axond.worker.launcher import RankExit
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from axond.worker.agent import JobOutcome
 
 _PEER_FAILED = re.compile(r"\brank (\d+) failed: ")
-"""How a survivor's DistributedError names the rank whose failure it saw (`axond.distributed.failure`)."""
+"""How a survivor's DistributedError names the rank whose failure it saw (`axond.distributed.diagnostics.failure`)."""
 
 
 def caused_elsewhere(failure: RankExit, local: Sequence[int]) -> bool:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from axond.distributed.inflight import Blocked, blocked_text
+from axond.distributed.diagnostics.inflight import Blocked, blocked_text
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.launcher import RankExit
@@ -124,8 +124,8 @@ class EarlyExitWatch:
       `every` seconds, naming the op, its group and for how long, and the ranks that report no op (outside axond:
       computing, or stuck in their own code).
 
-    `blocked` reads what each given global rank reports being blocked in (`axond.distributed.inflight`); it is
-    called at most every `every` seconds (one store read per local rank: light on the coordinator), and may
+    `blocked` reads what each given global rank reports being blocked in (`axond.distributed.diagnostics.inflight`);
+    it is called at most every `every` seconds (one store read per local rank: light on the coordinator), and may
     return None when it cannot tell.
     """
 

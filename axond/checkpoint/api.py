@@ -45,7 +45,7 @@ class Comm:
     def all_gather(self, obj: Any) -> list[Any]:
         if self.group is None or self.size == 1:
             return [obj]
-        from axond.distributed.objects import all_gather_object
+        from axond.distributed.forms.objects import all_gather_object
 
         out: list[Any] = [None] * self.size
         all_gather_object(out, obj, self.group)
@@ -54,7 +54,7 @@ class Comm:
     def broadcast(self, obj: Any) -> Any:
         if self.group is None or self.size == 1:
             return obj
-        from axond.distributed.objects import broadcast_object_list
+        from axond.distributed.forms.objects import broadcast_object_list
 
         box = [obj]
         broadcast_object_list(box, 0, self.group)

@@ -13,7 +13,7 @@ from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, connect_wait
 from axond.cli.common import fail
 from axond.cli.common import fail_coordinator, need_address, waiting_notice
 from axond.control.client import CoordinatorClient, connect
-from axond.distributed.inflight import blocked_text, read_report
+from axond.distributed.diagnostics.inflight import blocked_text, read_report
 from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 

@@ -1,4 +1,20 @@
-"""Process groups, collectives and their backends (the data plane)."""
+"""Process groups, collectives and their backends (the data plane).
+
+    api.py             the torch.distributed-style module functions over the default group (global ranks)
+    process_group.py   `ProcessGroup`: a backend and the ranks it spans, every collective a method (group ranks)
+    work.py            `Work` handles of async ops and the per-group queue that runs them in issue order
+    ops.py             the vocabulary every backend shares: op, dtype and reduction codes
+    forms/             the other ways to call the same collectives: torch's list forms, tensors, batched
+                       p2p, Python objects, the seed API's names
+    numerics/          what a reduction computes: `ReduceOp`, the NumPy kernels, low-precision sums
+    diagnostics/       failure reporting: a rank's root cause to its peers, what each rank is blocked in,
+                       the barrier that names who did not arrive
+    backends/          the `Backend` interface, its registry, what every backend shares (chunking, split
+                       sizes, host arrays) and the backends: tcp/, nccl/, mock
+    init_method.py, file_store.py, tcp_store*.py   where `init_process_group` finds the job's store
+
+ops and numerics import nothing else of axond; backends import neither api nor process_group.
+"""
 
 from axond.distributed.api import (
     all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single, barrier, broadcast, default_group, destroy_process_group, gather, get_backend,
@@ -8,11 +24,11 @@ from axond.distributed.api import (
 )
 from axond.distributed.backends.base import Backend, BackendOptions
 from axond.distributed.backends.shared_arrays import shared_empty
-from axond.distributed.batch_p2p import P2POp, batch_isend_irecv
+from axond.distributed.forms.batch_p2p import P2POp, batch_isend_irecv
 from axond.distributed.file_store import FileStore
-from axond.distributed.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
+from axond.distributed.forms.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from axond.distributed.process_group import ProcessGroup, create_group
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.tcp_store import TCPStore
 from axond.distributed.work import Work
 

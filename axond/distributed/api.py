@@ -13,14 +13,14 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, overload
 
-from axond.distributed import torch_forms as tf
+from axond.distributed.forms import torch_forms as tf
 from axond.distributed.backends.base import Array, BackendOptions
 from axond.distributed.backends.registry import available_backends, options_class
 from axond.distributed.init_method import OpenedStore, open_store, parse, seconds
-from axond.distributed.failure import install as install_failure_hook
+from axond.distributed.diagnostics.failure import install as install_failure_hook
 from axond.distributed.process_group import ProcessGroup, create_group
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.tensor_args import accepts_torch
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.forms.tensor_args import accepts_torch
 from axond.distributed.work import Work
 from axond.errors import DistributedError
 from axond.store import Store
@@ -70,7 +70,7 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
     arguments override them. The second positional argument is the timeout (seconds or a timedelta,
     default 300 s), or, if it is a str, torch's `init_method` followed by torch's positional order
     (`init_process_group("gloo", "env://")`; see `axond.distributed.init_method`). "gloo" means "tcp".
-    Installs the hook that, on an uncaught exception, tells the peers why (see `axond.distributed.failure`).
+    Installs the hook that, on an uncaught exception, tells the peers why (see `axond.distributed.diagnostics.failure`).
     """
     global _default, _local_rank, _owned
     given = {"timeout": timeout, "init_method": init_method, "world_size": world_size, "rank": rank, "store": store}

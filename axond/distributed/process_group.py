@@ -15,14 +15,14 @@ import numpy as np
 
 from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Completion, PreparedOps, op_methods
 from axond.distributed.backends.registry import create_backend, resolve_backend
-from axond.distributed.failure import concise, debug, track, untrack
-from axond.distributed.inflight import REPORTER, describe, describe_others
+from axond.distributed.diagnostics.failure import concise, debug, track, untrack
+from axond.distributed.diagnostics.inflight import REPORTER, describe, describe_others
 from axond.observe import SETTINGS as OBSERVE
 from axond.observe.collectives import instrument
 from axond.distributed.init_method import seconds
-from axond.distributed.monitored_barrier import monitored_barrier
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.torch_forms import refuse_scalar
+from axond.distributed.diagnostics.monitored_barrier import monitored_barrier
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.forms.torch_forms import refuse_scalar
 from axond.distributed.work import CommThread, Work
 from axond.errors import DistributedError
 from axond.store import InMemoryStore, PrefixStore, Store
@@ -56,7 +56,7 @@ class ProcessGroup:
         self.size = len(self.ranks)
         self.timeout = options.timeout
         self.inflight: str | None = None
-        """The op this member is running (read by the in-flight reporter, see `axond.distributed.inflight`)."""
+        """The op this member is running (read by the in-flight reporter: `axond.distributed.diagnostics.inflight`)."""
         self.inflight_seq = 0
         self._monitored = 0
         if backend is not None:
@@ -356,7 +356,7 @@ class ProcessGroup:
 
         Group rank 0 waits `timeout` (default: the group's) for every member; then every member raises
         `DistributedError` naming the first missing rank (all of them with `wait_all_ranks`) and what it
-        is blocked in. Works even when the data plane hangs; see `axond.distributed.monitored_barrier`.
+        is blocked in. Works even when the data plane hangs; see `axond.distributed.diagnostics.monitored_barrier`.
         """
         if self._store is None or self.backend is None:
             raise DistributedError(f"monitored_barrier on group '{self.name}': needs a member of a group built "

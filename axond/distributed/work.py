@@ -8,7 +8,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from axond.distributed.failure import concise, debug
+from axond.distributed.diagnostics.failure import concise, debug
 from axond.errors import DistributedError
 
 

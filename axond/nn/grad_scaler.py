@@ -80,7 +80,7 @@ class GradScaler:
                 flag[0] = 1.0
         group = self.group if self.group is not None else _default_group()
         if group is not None and group.size > 1:
-            from axond.distributed.reduce_op import ReduceOp
+            from axond.distributed.numerics.reduce_op import ReduceOp
 
             group.all_reduce(flag, op=ReduceOp.MAX)
         self._unscaled[key] = found = bool(flag[0] > 0)

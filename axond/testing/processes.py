@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from axond.distributed.failure import report
+from axond.distributed.diagnostics.failure import report
 from axond.distributed.file_store import FileStore
 from axond.testing.failures import Failure, not_finished, raise_earliest
 from axond.testing.module_ranks import run_module

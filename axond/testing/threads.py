@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from axond.distributed.backends.base import BackendOptions
-from axond.distributed.failure import abort_group
+from axond.distributed.diagnostics.failure import abort_group
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.store import InMemoryStore, Store
 from axond.testing.failures import Failure, RankFailed, not_finished, raise_earliest
@@ -33,8 +33,8 @@ def run_threads(fn: Callable[[ProcessGroup], Any], world_size: int, timeout: flo
 
     `backend="mock"` joins the threads in this process without any socket (unit tests); "tcp" over loopback.
     The first failure is re-raised as `RankFailed` (chained to the original, traceback in the message). A
-    failing rank aborts its group with the cause, as a failing process does (see `axond.distributed.failure`),
-    so the ranks waiting for it raise instead of timing out.
+    failing rank aborts its group with the cause, as a failing process does (see
+    `axond.distributed.diagnostics.failure`), so the ranks waiting for it raise instead of timing out.
     """
     store = store if store is not None else InMemoryStore()
     options = options or BackendOptions(timeout=min(timeout, 30.0))

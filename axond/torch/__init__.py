@@ -16,7 +16,7 @@ import torch.distributed as dist
 from axond.distributed.api import _secret
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.tcp.transport.mesh import route_address
-from axond.distributed.failure import install as install_failure_hook
+from axond.distributed.diagnostics.failure import install as install_failure_hook
 from axond.store import PrefixStore, Store
 from axond.torch.devices import devices_here
 from axond.torch.process_group import BACKEND, AxondProcessGroup, axond_op, timeout_seconds

@@ -22,7 +22,7 @@ from torch.autograd.profiler import record_function
 
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_group
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import Store
 from axond.torch.completion import AxondWork, Completer, DoneWork, Posted

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from axond.distributed.process_group import ProcessGroup
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.torch.tensors import from_numpy, readonly
 
 

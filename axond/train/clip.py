@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from axond.distributed.process_group import ProcessGroup
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.nn.device import Array, array_module
 from axond.nn.module import Module, Parameter
 

@@ -27,7 +27,7 @@ import axond.checkpoint as ckpt
 from axond.checkpoint.api import Comm
 from axond.checkpoint.storage import complete_checkpoints, remove_stale_temps
 from axond.distributed.process_group import ProcessGroup
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.nn.module import Module
 from axond.nn.optim import Optimizer
 from axond.nn.utils import clip_grad_norm_

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.work import PendingSend
 from axond.errors import DistributedError
 from axond.store import Store
@@ -165,7 +165,7 @@ class Backend(ABC):
         """Row block i of `x` goes to rank i; return the received blocks in rank order.
 
         Blocks are x.shape[0] // size rows, or `input_split_sizes[i]` rows; the received ones
-        `output_split_sizes[j]` rows (None: asked from the peers). See `axond.distributed.splits`.
+        `output_split_sizes[j]` rows (None: asked from the peers). See `axond.distributed.backends.splits`.
         """
 
     @abstractmethod

@@ -18,11 +18,11 @@ import numpy as np
 
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
-from axond.distributed.chunking import binomial_children
+from axond.distributed.backends.chunking import binomial_children
 from axond.distributed.mock_hub import Call, HubError, Post, call_text, join
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import UFUNCS, accumulator, check_reduce_op, finish_average, narrow_into
-from axond.distributed.splits import announcement, check_splits, offsets, settle
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import UFUNCS, accumulator, check_reduce_op, finish_average, narrow_into
+from axond.distributed.backends.splits import announcement, check_splits, offsets, settle
 from axond.distributed.ops import OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
 from axond.errors import DistributedError
 from axond.store import Store

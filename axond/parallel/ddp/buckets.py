@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.nn.device import Array, device_of, empty_on
 from axond.nn.module import Parameter

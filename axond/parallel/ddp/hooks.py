@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import BFLOAT16
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import BFLOAT16
 from axond.nn.device import Array
 from axond.nn.module import Parameter
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.nn.device import Array, array_module
 from axond.parallel.ddp.hooks import GradBucket, HookFuture, allreduce_hook
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from axond.distributed.process_group import ProcessGroup
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.nn.device import Array, array_module, device_of, to_device
 from axond.nn.module import Module, Parameter, RemovableHandle
 from axond.parallel.ddp.comm import broadcast_coalesced

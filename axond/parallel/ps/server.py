@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 from axond.distributed.process_group import ProcessGroup
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.work import Work
 from axond.nn.device import Array, empty_on
 from axond.nn.module import Module, Parameter

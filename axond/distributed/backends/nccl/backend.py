@@ -31,7 +31,7 @@ from axond.distributed.backends.nccl.support import (
 )
 from axond.distributed.backends.nccl.watchdog import Watchdog, WatchedOp
 from axond.distributed.backends.nccl.work import NcclWork
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import BackendUnavailable, DistributedError, StoreTimeout
 from axond.store import Store
 

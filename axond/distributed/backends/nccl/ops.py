@@ -25,8 +25,8 @@ from axond.distributed.backends.nccl.support import (
     transfer_type,
 )
 from axond.distributed.backends.nccl.plans import Planned, check_out
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.splits import announcement, check_splits, offsets, settle
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.backends.splits import announcement, check_splits, offsets, settle
 
 if TYPE_CHECKING:
     from axond.distributed.backends.nccl.backend import NcclBackend

@@ -18,7 +18,7 @@ import numpy as np
 
 from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions
 from axond.distributed.backends.registry import backend_class
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.store import Store
 
 MIN_CLASS = 4096

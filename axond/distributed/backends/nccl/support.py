@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from axond.distributed.reduce_op import BITWISE, ReduceOp
-from axond.distributed.reducers import check_reduce_op
+from axond.distributed.numerics.reduce_op import BITWISE, ReduceOp
+from axond.distributed.numerics.reducers import check_reduce_op
 from axond.errors import BackendUnavailable, DistributedError, StoreTimeout
 from axond.store import Store
 
@@ -184,7 +184,7 @@ class ReductionPlan:
 def reduction_plan(dtype: np.dtype[Any], op: ReduceOp, nccl_version: int) -> ReductionPlan:
     """Plan a reduction of `dtype` with `op` on NCCL `nccl_version`, or raise `TypeError` saying what to do.
 
-    Semantics match the tcp backend (`axond.distributed.reducers`): AVG is SUM, then division by the
+    Semantics match the tcp backend (`axond.distributed.numerics.reducers`): AVG is SUM, then division by the
     group size; integer AVG is refused. ncclAvg is not used: NCCL pre-multiplies each input by
     1/size, which rounds differently from the tcp backend. On bool, SUM/MAX are logical or and
     PRODUCT/MIN logical and.

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from axond.distributed import low_precision
+from axond.distributed.numerics import low_precision
 from axond.distributed.backends.base import Array, Backend, BackendOptions, PreparedOps
 from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
 from axond.distributed.backends.tcp import policy
@@ -33,9 +33,9 @@ from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerError, PeerTimeout
 from axond.distributed.backends.tcp.transport.sockets import buffer_limit, host_cores, host_ranks
 from axond.distributed.backends.tcp.transport.wire import DTYPE_CODE, REDUCE_CODES, Kind, Op, dtype_code, group_id
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import check_reduce_op, finish_average
-from axond.distributed.splits import check_splits
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import check_reduce_op, finish_average
+from axond.distributed.backends.splits import check_splits
 from axond.distributed.work import PendingSend
 from axond.errors import DistributedError
 from axond.store import Store

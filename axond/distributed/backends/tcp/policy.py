@@ -29,7 +29,7 @@ import platform
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from axond.distributed import chunking
+from axond.distributed.backends import chunking
 from axond.distributed.backends.tcp.options import TcpOptions
 from axond.distributed.backends.tcp.transport.wire import Op
 

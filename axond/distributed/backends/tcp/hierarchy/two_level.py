@@ -28,8 +28,8 @@ from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.shm import arena_ops
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.transport.framing import Call
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import finish_average
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import finish_average
 
 Hosts = tuple[tuple[int, ...], ...]
 BYTES = np.dtype(np.uint8)

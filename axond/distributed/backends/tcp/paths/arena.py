@@ -13,7 +13,7 @@ from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.arena_ops import Sync
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.ops import Op
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 
 
 class ArenaPath(DataPath):

@@ -13,7 +13,7 @@ from axond.distributed.backends.tcp.policy import Path
 from axond.distributed.backends.tcp.schedules import doubling
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 
 MakeCall = Callable[[int], Call]
 """Makes a prepared op's `Call` from its sequence number (only when a wait is long or fails)."""

@@ -12,7 +12,7 @@ from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.shm import mailbox_ops
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox
 from axond.distributed.backends.tcp.transport.framing import Call
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 
 
 class MailboxPath(DataPath):

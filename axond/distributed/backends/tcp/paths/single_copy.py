@@ -15,7 +15,7 @@ from axond.distributed.backends.tcp.shm import single_copy_ops
 from axond.distributed.backends.tcp.shm.single_copy import SingleCopy
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.ops import Op
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 
 
 class SingleCopyPath(DataPath):

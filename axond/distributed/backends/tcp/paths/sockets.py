@@ -8,7 +8,7 @@ from axond.distributed.backends.tcp.paths.base import DataPath
 from axond.distributed.backends.tcp.policy import Path
 from axond.distributed.backends.tcp.schedules import sockets
 from axond.distributed.backends.tcp.transport.framing import Call
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 
 
 class SocketsPath(DataPath):

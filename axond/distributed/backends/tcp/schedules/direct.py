@@ -12,9 +12,9 @@ from axond.distributed.backends.host_copy import copy
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.backends.tcp.transport.wire import DTYPES, UNEVEN_ALL_TO_ALL, Kind, Op, dtype_code, uneven_aux
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import UFUNCS, finish_average
-from axond.distributed.splits import offsets
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import UFUNCS, finish_average
+from axond.distributed.backends.splits import offsets
 
 META = 34
 """Max int64 words of a scatter metadata frame: dtype code, ndim, up to 32 dims."""

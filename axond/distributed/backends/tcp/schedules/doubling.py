@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from axond.distributed import chunking
+from axond.distributed.backends import chunking
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.backends.tcp.policy import SMALL_FRAME
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import UFUNCS, finish_average
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import UFUNCS, finish_average
 
 
 def recursive_doubling(comm: Comm, c: Call, x: np.ndarray, op: ReduceOp) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from axond.distributed import chunking
+from axond.distributed.backends import chunking
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import UFUNCS, finish_average
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import UFUNCS, finish_average
 
 Chunks = list[list[tuple[int, int]]]
 """Per block of the ring, its pipeline chunks as (start, end) element offsets."""

@@ -11,8 +11,8 @@ from axond.distributed.backends.tcp.schedules import direct, doubling, ring, tre
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.backends.tcp.transport.wire import Op
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import finish_average
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import finish_average
 
 ALL_REDUCE: dict[str, Callable[[Comm, Call, np.ndarray, ReduceOp], None]] = {
     "doubling": doubling.recursive_doubling, "halving_doubling": doubling.halving_doubling,

@@ -31,8 +31,8 @@ from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox
 from axond.distributed.backends.tcp.shm.mailbox_ops import SmallBarrier
 from axond.distributed.backends.tcp.transport.framing import Call
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import UFUNCS, finish_average
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import UFUNCS, finish_average
 
 BYTES = np.dtype(np.uint8)
 POSTS = 64

@@ -11,8 +11,8 @@ import numpy as np
 from axond.distributed.backends.host_copy import copy
 from axond.distributed.backends.tcp.shm.mailbox import HEAD, SEQ_FIELD, Mailbox, _fastbox
 from axond.distributed.backends.tcp.transport.framing import Call
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import UFUNCS, finish_average
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import UFUNCS, finish_average
 
 BYTES = np.dtype(np.uint8)
 NATIVE_DTYPES = {} if _fastbox is None else {

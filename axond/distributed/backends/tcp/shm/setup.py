@@ -9,7 +9,7 @@ from axond.distributed.backends.tcp.schedules import doubling, trees
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.shm.arena import NAME_BYTES, ShmArena, available, unlink
 from axond.distributed.backends.tcp.transport.framing import Call
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 
 
 def agree(comm: Comm, c: Call, ok: bool) -> bool:

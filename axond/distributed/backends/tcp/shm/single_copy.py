@@ -33,7 +33,7 @@ import sys
 
 import numpy as np
 
-from axond.distributed import failure
+from axond.distributed.diagnostics import failure
 from axond.distributed.backends.tcp.policy import BOUNCE_BYTES, BOUNCE_MIN_BYTES
 from axond.distributed.backends.host_copy import PAGE, address, copy, large_copy, slow_distance
 from axond.distributed.backends.tcp.schedules import direct

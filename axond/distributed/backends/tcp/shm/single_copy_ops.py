@@ -27,8 +27,8 @@ from axond.distributed.backends.tcp.shm.mailbox_ops import Prepared
 from axond.distributed.backends.tcp.policy import SINGLE_COPY_CHUNK_BYTES
 from axond.distributed.backends.tcp.shm.single_copy import WORDS, SingleCopy
 from axond.distributed.backends.tcp.transport.framing import Call
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import UFUNCS, finish_average
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import UFUNCS, finish_average
 
 
 

@@ -26,7 +26,7 @@ import weakref
 
 import numpy as np
 
-from axond.distributed import failure
+from axond.distributed.diagnostics import failure
 from axond.distributed.backends.tcp.schedules import direct
 from axond.distributed.backends.tcp.schedules.comm import Comm
 from axond.distributed.backends.tcp.transport.framing import Call

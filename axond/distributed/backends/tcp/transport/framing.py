@@ -18,7 +18,7 @@ from axond.distributed.backends.tcp.transport.exchange import exchange
 from axond.distributed.backends.tcp.policy import SMALL_FRAME
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerClosed, PeerError, PeerTimeout
 from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe, uneven_back
-from axond.distributed.splits import disagreement
+from axond.distributed.backends.splits import disagreement
 from axond.errors import DistributedError
 
 T = TypeVar("T")

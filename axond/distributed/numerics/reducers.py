@@ -14,7 +14,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from axond.distributed.reduce_op import BITWISE, ReduceOp
+from axond.distributed.numerics.reduce_op import BITWISE, ReduceOp
 
 Reducer = Callable[..., np.ndarray]
 

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from axond.distributed.failure import debug
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.diagnostics.failure import debug
+from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import DistributedError
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -14,8 +14,8 @@ from typing import Protocol
 
 import numpy as np
 
-from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.reducers import accumulator, finish_average, narrow_into
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import accumulator, finish_average, narrow_into
 
 
 class Collectives(Protocol):

@@ -9,7 +9,7 @@ import numpy as np
 from axond.distributed import api
 from axond.distributed.backends.base import Array
 from axond.distributed.process_group import ProcessGroup
-from axond.distributed.reduce_op import ReduceOp
+from axond.distributed.numerics.reduce_op import ReduceOp
 
 
 def _pg(pg: ProcessGroup | None) -> ProcessGroup:

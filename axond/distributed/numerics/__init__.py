@@ -1,0 +1,6 @@
+"""What a reduction computes, whatever the backend: the operators, their NumPy kernels, low-precision sums.
+
+    reduce_op.py       `ReduceOp` (SUM, AVG, MIN, ..., the bitwise ops) and which of them are bitwise
+    reducers.py        the in-place NumPy reduction of each op, the dtypes each accepts, wider accumulators
+    low_precision.py   bfloat16 / float16 sums moved in their own dtype and rounded once
+"""
