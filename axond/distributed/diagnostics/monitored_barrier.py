@@ -3,7 +3,7 @@
 As torch's (a debugging aid, not a fast path): every member posts an arrival key; group rank 0
 waits for them up to the timeout, then releases the others. Ranks that did not come are named: the
 first one, or all of them with `wait_all_ranks`. Each comes with what it is blocked in (see
-`axond.distributed.inflight`), and every member raises the same `DistributedError`. Only the store
+`axond.distributed.diagnostics.inflight`), and every member raises the same `DistributedError`. Only the store
 (the control plane) is used, so it also works when the data plane is what hangs. The store keeps at
 most the last barrier's verdict per group: once everyone arrived at barrier k, all of them have read
 verdict k-1, so rank 0 deletes it.

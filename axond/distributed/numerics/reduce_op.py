@@ -9,7 +9,7 @@ class ReduceOp(Enum):
     """How `all_reduce`, `reduce` and `reduce_scatter` combine the ranks' arrays.
 
     AVG is defined on floating-point and complex arrays only (integers are refused: see
-    `axond.distributed.reducers`). AVERAGE is an alias of AVG (the seeds' name). The bitwise
+    `axond.distributed.numerics.reducers`). AVERAGE is an alias of AVG (the seeds' name). The bitwise
     BAND, BOR and BXOR are defined on integer and bool arrays only.
     """
 
