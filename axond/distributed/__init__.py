@@ -10,7 +10,7 @@
     diagnostics/       failure reporting: a rank's root cause to its peers, what each rank is blocked in,
                        the barrier that names who did not arrive
     backends/          the `Backend` interface, its registry, what every backend shares (chunking, split
-                       sizes, host arrays) and the backends: tcp/, nccl/, mock
+                       sizes, host arrays) and the backends: tcp/, nccl/, mock/
     init_method.py, file_store.py, tcp_store*.py   where `init_process_group` finds the job's store
 
 ops and numerics import nothing else of axond; backends import neither api nor process_group.

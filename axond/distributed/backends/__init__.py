@@ -1,1 +1,1 @@
-"""Collective backends: one module or package per backend behind backends.base.Backend."""
+"""Collective backends: one package per backend behind backends.base.Backend, and what they all share."""

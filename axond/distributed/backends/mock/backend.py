@@ -19,7 +19,7 @@ import numpy as np
 from axond.distributed.backends.base import Array, Backend, BackendOptions
 from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
 from axond.distributed.backends.chunking import binomial_children
-from axond.distributed.mock_hub import Call, HubError, Post, call_text, join
+from axond.distributed.backends.mock.hub import Call, HubError, Post, call_text, join
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.numerics.reducers import UFUNCS, accumulator, check_reduce_op, finish_average, narrow_into
 from axond.distributed.backends.splits import announcement, check_splits, offsets, settle
