@@ -1,7 +1,7 @@
 """The mock backend: the members of a group are threads of one process meeting in a shared hub; no socket.
 
 For unit tests of code that uses collectives (`axond.testing.run_threads(fn, n, backend="mock")`,
-`ProcessGroup.mock()`). Each collective meets at a slot of the group's `mock_hub.Hub`: every member posts a
+`ProcessGroup.mock()`). Each collective meets at a slot of the group's `hub.Hub`: every member posts a
 copy of its input and what it called (checked as tcp checks frame headers, so a mismatch raises on every
 member, naming the peer), then computes its result from the copies. Reductions run in rank order, as tcp's
 shared-memory paths (its mailbox and arena on one host) do, and `reduce` in tcp's binomial-tree order, so float
