@@ -27,7 +27,7 @@ from axond.distributed.backends.tcp.placement import Placement
 from axond.distributed.backends.tcp.paths.base import DataPath, own_row
 from axond.distributed.backends.tcp.policy import Route
 from axond.distributed.backends.tcp.schedules import direct, trees
-from axond.distributed.backends.tcp.schedules.comm import Comm, Scratch
+from axond.distributed.backends.tcp.schedules.group_view import Comm, Scratch
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup, byte_view
 from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerError, PeerTimeout

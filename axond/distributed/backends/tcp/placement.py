@@ -34,7 +34,7 @@ from axond.distributed.backends.tcp.paths import (
 )
 from axond.distributed.backends.tcp.policy import Path, Shape
 from axond.distributed.backends.tcp.schedules import direct
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.shm.arena import SLOT_SHIFT, ShmArena
 from axond.distributed.backends.tcp.shm.arena_ops import Sync
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox

@@ -24,7 +24,7 @@ import numpy as np
 from axond.distributed.backends.host_copy import copy
 from axond.distributed.backends.tcp.policy import TWO_LEVEL_STEP_BYTES as STEP
 from axond.distributed.backends.tcp.schedules import sockets
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.shm import arena_ops
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.transport.framing import Call

@@ -7,7 +7,7 @@ import numpy as np
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.paths.base import DataPath
 from axond.distributed.backends.tcp.policy import Path
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.shm import arena_ops
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.arena_ops import Sync

@@ -11,7 +11,7 @@ import numpy as np
 from axond.distributed.backends.host_copy import large_copy
 from axond.distributed.backends.tcp.policy import Path
 from axond.distributed.backends.tcp.schedules import doubling
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.numerics.reduce_op import ReduceOp
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from axond.distributed.backends.tcp.paths.base import DataPath, MakeCall
 from axond.distributed.backends.tcp.policy import Path
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.shm import mailbox_ops
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox
 from axond.distributed.backends.tcp.transport.framing import Call

@@ -10,7 +10,7 @@ import numpy as np
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.paths.base import DataPath, MakeCall, own_row
 from axond.distributed.backends.tcp.policy import Path, Shape
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.shm import single_copy_ops
 from axond.distributed.backends.tcp.shm.single_copy import SingleCopy
 from axond.distributed.backends.tcp.transport.framing import Call

@@ -9,7 +9,7 @@ from axond.distributed.backends.tcp.hierarchy import two_level
 from axond.distributed.backends.tcp.hierarchy.two_level import Levels
 from axond.distributed.backends.tcp.paths.base import DataPath
 from axond.distributed.backends.tcp.policy import Path
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.numerics.reduce_op import ReduceOp
 

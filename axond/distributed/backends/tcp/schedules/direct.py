@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from axond.distributed.backends.host_copy import copy
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.backends.tcp.transport.wire import DTYPES, UNEVEN_ALL_TO_ALL, Kind, Op, dtype_code, uneven_aux
 from axond.distributed.numerics.reduce_op import ReduceOp

@@ -8,7 +8,7 @@ import numpy as np
 
 from axond.distributed.backends import chunking
 from axond.distributed.backends.tcp import policy
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.backends.tcp.policy import SMALL_FRAME
 from axond.distributed.numerics.reduce_op import ReduceOp

@@ -8,7 +8,7 @@ import numpy as np
 
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.schedules import direct, doubling, ring, trees
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.backends.tcp.transport.wire import Op
 from axond.distributed.numerics.reduce_op import ReduceOp

@@ -6,7 +6,7 @@ import numpy as np
 
 from axond.distributed.backends import chunking
 from axond.distributed.backends.tcp import policy
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.numerics.reducers import UFUNCS, finish_average

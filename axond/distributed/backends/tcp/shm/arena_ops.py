@@ -26,7 +26,7 @@ import numpy as np
 
 from axond.distributed.backends.host_copy import copy_changed
 from axond.distributed.backends.tcp.schedules import doubling, sockets
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox
 from axond.distributed.backends.tcp.shm.mailbox_ops import SmallBarrier

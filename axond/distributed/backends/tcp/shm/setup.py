@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from axond.distributed.backends.tcp.schedules import doubling, trees
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.shm.arena import NAME_BYTES, ShmArena, available, unlink
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.numerics.reduce_op import ReduceOp

@@ -37,7 +37,7 @@ from axond.distributed.diagnostics import failure
 from axond.distributed.backends.tcp.policy import BOUNCE_BYTES, BOUNCE_MIN_BYTES
 from axond.distributed.backends.host_copy import PAGE, address, copy, large_copy, slow_distance
 from axond.distributed.backends.tcp.schedules import direct
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.shm.arena_ops import Sync
 from axond.distributed.backends.shared_arrays import Mappings, find
 from axond.distributed.backends.tcp.transport.framing import Call

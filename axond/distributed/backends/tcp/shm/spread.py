@@ -28,7 +28,7 @@ import numpy as np
 
 from axond.distributed.diagnostics import failure
 from axond.distributed.backends.tcp.schedules import direct
-from axond.distributed.backends.tcp.schedules.comm import Comm
+from axond.distributed.backends.tcp.schedules.group_view import Comm
 from axond.distributed.backends.tcp.transport.framing import Call
 
 
