@@ -1,4 +1,4 @@
-"""`CommThread`: a group's async ops run one at a time in issue order, on its thread or on a thread that waits for
+"""`OpQueue`: a group's async ops run one at a time in issue order, on its thread or on a thread that waits for
 one the thread has not started (`help`)."""
 
 from __future__ import annotations
@@ -10,21 +10,21 @@ from collections.abc import Iterator
 
 import pytest
 
-from axond.distributed.work import CommThread, Work
+from axond.distributed.work import OpQueue, Work
 
 
 @pytest.fixture
-def comm() -> Iterator[CommThread]:
-    c = CommThread("test")
+def comm() -> Iterator[OpQueue]:
+    c = OpQueue("test")
     yield c
     c.close(5.0)
 
 
-def _submit(comm: CommThread, name: str, fn: object) -> Work:
+def _submit(comm: OpQueue, name: str, fn: object) -> Work:
     return comm.submit(Work(name, "test", 5.0, comm), fn)  # type: ignore[arg-type]
 
 
-def test_a_wait_right_after_submit_runs_the_op_on_the_waiting_thread(comm: CommThread) -> None:
+def test_a_wait_right_after_submit_runs_the_op_on_the_waiting_thread(comm: OpQueue) -> None:
     _submit(comm, "warm-up", lambda: None).wait()  # the thread exists and idles
     old = sys.getswitchinterval()
     sys.setswitchinterval(5.0)  # the woken thread cannot take the interpreter before this one blocks
@@ -36,7 +36,7 @@ def test_a_wait_right_after_submit_runs_the_op_on_the_waiting_thread(comm: CommT
     assert not comm.pending
 
 
-def test_ops_run_one_at_a_time_in_issue_order_whoever_runs_them(comm: CommThread) -> None:
+def test_ops_run_one_at_a_time_in_issue_order_whoever_runs_them(comm: OpQueue) -> None:
     ran: list[str] = []
     gate = threading.Event()
     first = _submit(comm, "a", lambda: (gate.wait(5.0), ran.append("a")))
@@ -51,7 +51,7 @@ def test_ops_run_one_at_a_time_in_issue_order_whoever_runs_them(comm: CommThread
     assert all(w.is_completed() for w in works)
 
 
-def test_a_failure_stays_in_its_work_and_the_next_op_still_runs(comm: CommThread) -> None:
+def test_a_failure_stays_in_its_work_and_the_next_op_still_runs(comm: OpQueue) -> None:
     failing = _submit(comm, "bad", lambda: 1 // 0)
     after = _submit(comm, "good", lambda: 7)
     with pytest.raises(ZeroDivisionError):
@@ -59,7 +59,7 @@ def test_a_failure_stays_in_its_work_and_the_next_op_still_runs(comm: CommThread
     assert after.result() == 7
 
 
-def test_a_bounded_wait_only_waits(comm: CommThread) -> None:
+def test_a_bounded_wait_only_waits(comm: OpQueue) -> None:
     gate = threading.Event()
     _submit(comm, "blocker", lambda: gate.wait(5.0))
     work = _submit(comm, "op", lambda: 1)
@@ -70,14 +70,14 @@ def test_a_bounded_wait_only_waits(comm: CommThread) -> None:
     assert work.result() == 1
 
 
-def test_drain_runs_the_queued_ops_before_returning(comm: CommThread) -> None:
+def test_drain_runs_the_queued_ops_before_returning(comm: OpQueue) -> None:
     ran: list[int] = []
     works = [_submit(comm, f"op{k}", lambda k=k: ran.append(k)) for k in range(5)]
     comm.drain()
     assert ran == list(range(5)) and all(w.is_completed() for w in works) and not comm.pending
 
 
-def test_done_callbacks_run_once_on_the_finishing_thread_or_at_once(comm: CommThread) -> None:
+def test_done_callbacks_run_once_on_the_finishing_thread_or_at_once(comm: OpQueue) -> None:
     gate = threading.Event()
     seen: list[tuple[str, int]] = []
     work = _submit(comm, "op", lambda: gate.wait(5.0))

@@ -30,7 +30,7 @@ from axond.nn.device import Array, is_cupy_array
 from axond.observe import timeline
 
 
-class Comm:
+class ObjectCollectives:
     """The few collectives a checkpoint needs, on a group or (no group) on a single process."""
 
     def __init__(self, group: ProcessGroup | None) -> None:
@@ -71,7 +71,7 @@ def first_error(results: list[tuple[Any, str | None]], what: str) -> None:
 class SavePlan:
     """The agreed plan of one save: what this rank writes, and what the metadata will describe."""
 
-    def __init__(self, state: dict[str, Any], comm: Comm) -> None:
+    def __init__(self, state: dict[str, Any], comm: ObjectCollectives) -> None:
         if not isinstance(state, dict):
             raise TypeError(f"axond.checkpoint.save takes a dict of state (e.g. {{'model': ..., 'optim': ...}}), "
                             f"got {type(state).__name__}")
@@ -117,7 +117,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group
     checkpoint appears at `path` complete or not at all. Returns `path`.
     """
     traced = timeline.span_start() if timeline.TRACER is not None else 0
-    comm = Comm(process_group)
+    comm = ObjectCollectives(process_group)
     target = Path(path)
     plan = SavePlan(state_dict, comm)
     tmp = temp_dir(target, plan.nonce)
@@ -182,7 +182,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group
     """
     if path is None:
         raise TypeError("axond.checkpoint.load needs a checkpoint path, got None (did latest(dir) find none?)")
-    comm = Comm(process_group)
+    comm = ObjectCollectives(process_group)
     where = str(path)
     meta, err = _guard(lambda: read_metadata(path))
     tensors: dict[str, ShardedTensor] = {}

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from axond.checkpoint.api import Comm, SavePlan, write_mine
+from axond.checkpoint.api import ObjectCollectives, SavePlan, write_mine
 from axond.checkpoint.metadata import CheckpointError, Piece
 from axond.checkpoint.storage import commit, read_metadata, temp_dir
 from axond.distributed.process_group import ProcessGroup
@@ -98,7 +98,7 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike[str], process
     previous async save is still running, waits for it first. `future.result()` returns the path or
     raises the save's error (on every rank when any rank's part failed).
     """
-    comm = Comm(process_group)
+    comm = ObjectCollectives(process_group)
     key = (id(comm.group), comm.rank)
     with _lock:
         previous = _inflight.get(key)

@@ -23,7 +23,7 @@ from axond.distributed.init_method import seconds
 from axond.distributed.diagnostics.monitored_barrier import monitored_barrier
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.forms.torch_forms import refuse_scalar
-from axond.distributed.work import CommThread, Work
+from axond.distributed.work import OpQueue, Work
 from axond.errors import DistributedError
 from axond.store import InMemoryStore, PrefixStore, Store
 
@@ -50,7 +50,7 @@ class ProcessGroup:
         self.options = options
         self._store = store
         self._subgroups = 0
-        self._comm = CommThread(name)
+        self._comm = OpQueue(name)
         self._destroyed = False
         self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
         self.size = len(self.ranks)

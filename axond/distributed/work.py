@@ -31,7 +31,7 @@ _CALLBACKS = threading.Lock()
 class Work:
     """Handle of an async op: `wait()` blocks until it finished and re-raises its failure."""
 
-    def __init__(self, op: str, group: str, limit: float, comm: CommThread | None = None) -> None:
+    def __init__(self, op: str, group: str, limit: float, comm: OpQueue | None = None) -> None:
         self.op = op
         self.group = group
         self._limit = limit
@@ -39,7 +39,7 @@ class Work:
         self._result: Any = None
         self._error: BaseException | None = None
         self._comm = comm
-        """The communication thread that runs the op (`wait` may run it instead, see `CommThread.help`)."""
+        """The communication thread that runs the op (`wait` may run it instead, see `OpQueue.help`)."""
         self._callbacks: list[Callable[[Work], None]] | None = None
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
@@ -77,7 +77,7 @@ class Work:
         is still running then.
 
         Without one, wait at most the group timeout plus a margin (the op itself is bounded by it); an op that
-        has not started yet then runs on the calling thread (`CommThread.help`).
+        has not started yet then runs on the calling thread (`OpQueue.help`).
         """
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
@@ -109,8 +109,8 @@ class Work:
         return self._error if self._done.is_set() else None
 
 
-class CommThread:
-    """Runs a group's async ops one after another on one thread; started on first use.
+class OpQueue:
+    """A group's queue of async ops, run one after another in issue order on one thread (started on first use).
 
     A caller that waits for an op the thread has not started (`Work.wait` without a timeout, `drain`) runs the ops
     queued up to it itself (`help`), so a `wait()` right after `async_op=True` does not wait for the thread to wake.

@@ -211,7 +211,7 @@ class Completer:
 
     A collective's Work (`follow`) is completed by the thread that finishes its last axond op: the group's
     communication thread, or a thread that waits for the Work and runs the ops itself if they have not started
-    (`complete`, `CommThread.help`). A send's or receive's Work (`launch`) is completed once its axond ops finished
+    (`complete`, `OpQueue.help`). A send's or receive's Work (`launch`) is completed once its axond ops finished
     (a send's bytes left), on a completion thread. Futures are completed on completion threads: that runs torch's
     callbacks (DDP's reducer, comm hooks), which may start further ops of the group and block on them (PowerSGD
     does), so a callback must never block the thread that completes those. A completion thread is started whenever
@@ -276,7 +276,7 @@ class Completer:
         return work
 
     def complete(self, work: AxondWork) -> None:
-        """On a thread that waits for `work`: run its axond ops here if they have not started (`CommThread.help`);
+        """On a thread that waits for `work`: run its axond ops here if they have not started (`OpQueue.help`);
         a collective's Work then completes here too."""
         for w in work._works:
             try:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 import axond.checkpoint as ckpt
-from axond.checkpoint.api import Comm
+from axond.checkpoint.api import ObjectCollectives
 from axond.checkpoint.storage import complete_checkpoints, remove_stale_temps
 from axond.distributed.process_group import ProcessGroup
 from axond.distributed.numerics.reduce_op import ReduceOp
@@ -112,7 +112,7 @@ class DistributedTrainer:
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or None (keep all), got {keep_checkpoints}")
         self.group = group if group is not None else _default_group()
-        self.comm = Comm(self.group)
+        self.comm = ObjectCollectives(self.group)
         self.rank, self.world_size = self.group.rank, self.group.size
         self.dataset = Dataset(dataset)
         self.eval_dataset = Dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None

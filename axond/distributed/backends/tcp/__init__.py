@@ -7,7 +7,7 @@ one host.
     placement.py   which members share a host and what shared memory they mapped
     paths/         one object per path (mailbox, single copy, arena, two levels, sockets), the same methods on each
     transport/     connection set-up and handshake, the peer that owns its socket, framing, wire format
-    schedules/     ring, pairwise, tree and one-round schedules as functions over a `Comm`
+    schedules/     ring, pairwise, tree and one-round schedules as functions over a `GroupView`
     shm/           the arena and mailbox of ranks on one host, and their schedules
     hierarchy/     topology and two-level ops for groups spread over hosts
 """

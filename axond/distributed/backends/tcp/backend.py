@@ -27,7 +27,7 @@ from axond.distributed.backends.tcp.placement import Placement
 from axond.distributed.backends.tcp.paths.base import DataPath, own_row
 from axond.distributed.backends.tcp.policy import Route
 from axond.distributed.backends.tcp.schedules import direct, trees
-from axond.distributed.backends.tcp.schedules.group_view import Comm, Scratch
+from axond.distributed.backends.tcp.schedules.group_view import GroupView, Scratch
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup, byte_view
 from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerError, PeerTimeout
@@ -75,7 +75,7 @@ class TcpBackend(Backend, PreparedOps):
         self.g = FramedGroup(rank, size, group_name, gid, options.timeout,
                              {p: Peer(s, p, options.timeout, spin, tcp.spin_yield, inline, buffers)
                               for p, s in socks.items()})
-        self.comm = Comm(self.g, rank, size, tcp, crowded, Scratch())
+        self.comm = GroupView(self.g, rank, size, tcp, crowded, Scratch())
         self.placement = Placement(self.comm, host)
         self._seq = 0
         self._small: dict[tuple[Any, ...], Any] = {}

@@ -34,7 +34,7 @@ from axond.distributed.backends.tcp.paths import (
 )
 from axond.distributed.backends.tcp.policy import Path, Shape
 from axond.distributed.backends.tcp.schedules import direct
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.shm.arena import SLOT_SHIFT, ShmArena
 from axond.distributed.backends.tcp.shm.arena_ops import Sync
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox
@@ -53,7 +53,7 @@ CACHED_ROUTES = 256
 class Placement:
     """One member's view of its group's hosts and shared memory."""
 
-    def __init__(self, comm: Comm, host: str) -> None:
+    def __init__(self, comm: GroupView, host: str) -> None:
         self.comm = comm
         self.host = host
         """The address this member advertises to its peers: members advertising the same one share a host."""
@@ -189,7 +189,7 @@ class Placement:
         local = comm.subset(topology.node_of(comm.rank))
         even = topology.per_node > 0
         if even:
-            across: Comm | None = comm.subset(topology.counterparts(comm.rank))
+            across: GroupView | None = comm.subset(topology.counterparts(comm.rank))
         else:  # hosts of different sizes: only each host's first member works across
             leaders = tuple(node[0] for node in topology.nodes)
             across = comm.subset(leaders) if comm.rank in leaders else None

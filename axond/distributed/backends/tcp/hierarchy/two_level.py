@@ -24,7 +24,7 @@ import numpy as np
 from axond.distributed.backends.host_copy import copy
 from axond.distributed.backends.tcp.policy import TWO_LEVEL_STEP_BYTES as STEP
 from axond.distributed.backends.tcp.schedules import sockets
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.shm import arena_ops
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.transport.framing import Call
@@ -39,8 +39,8 @@ BYTES = np.dtype(np.uint8)
 class Levels:
     """The two levels of one member of a group spread over hosts."""
 
-    local: Comm
-    across: Comm | None
+    local: GroupView
+    across: GroupView | None
     """This member's counterparts (with `even`), or the hosts' leaders if this member is its host's (else None)."""
     arena: ShmArena | None
     """This host's arena, mapped by every member of every host (None on a host of one member)."""

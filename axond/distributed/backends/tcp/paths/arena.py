@@ -7,7 +7,7 @@ import numpy as np
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.paths.base import DataPath
 from axond.distributed.backends.tcp.policy import Path
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.shm import arena_ops
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.arena_ops import Sync
@@ -21,7 +21,7 @@ class ArenaPath(DataPath):
 
     kind = Path.ARENA
 
-    def __init__(self, comm: Comm, arena: ShmArena, sync: Sync) -> None:
+    def __init__(self, comm: GroupView, arena: ShmArena, sync: Sync) -> None:
         super().__init__(comm)
         self.arena, self.sync = arena, sync
 

@@ -11,7 +11,7 @@ import numpy as np
 from axond.distributed.backends.host_copy import large_copy
 from axond.distributed.backends.tcp.policy import Path
 from axond.distributed.backends.tcp.schedules import doubling
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.numerics.reduce_op import ReduceOp
 
@@ -26,7 +26,7 @@ class DataPath(ABC):
     kind: ClassVar[Path]
     """Which path of `policy.Path` this is."""
 
-    def __init__(self, comm: Comm) -> None:
+    def __init__(self, comm: GroupView) -> None:
         self.comm = comm
 
     @property

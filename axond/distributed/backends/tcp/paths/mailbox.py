@@ -8,7 +8,7 @@ import numpy as np
 
 from axond.distributed.backends.tcp.paths.base import DataPath, MakeCall
 from axond.distributed.backends.tcp.policy import Path
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.shm import mailbox_ops
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox
 from axond.distributed.backends.tcp.transport.framing import Call
@@ -20,7 +20,7 @@ class MailboxPath(DataPath):
 
     kind = Path.MAILBOX
 
-    def __init__(self, comm: Comm, box: Mailbox) -> None:
+    def __init__(self, comm: GroupView, box: Mailbox) -> None:
         super().__init__(comm)
         self.box = box
 

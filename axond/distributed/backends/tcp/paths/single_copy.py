@@ -10,7 +10,7 @@ import numpy as np
 from axond.distributed.backends.tcp import policy
 from axond.distributed.backends.tcp.paths.base import DataPath, MakeCall, own_row
 from axond.distributed.backends.tcp.policy import Path, Shape
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.shm import single_copy_ops
 from axond.distributed.backends.tcp.shm.single_copy import SingleCopy
 from axond.distributed.backends.tcp.transport.framing import Call
@@ -24,7 +24,7 @@ class SingleCopyPath(DataPath):
 
     kind = Path.SINGLE_COPY
 
-    def __init__(self, comm: Comm, sc: SingleCopy, shape: Callable[[], Shape]) -> None:
+    def __init__(self, comm: GroupView, sc: SingleCopy, shape: Callable[[], Shape]) -> None:
         super().__init__(comm)
         self.sc = sc
         self.shape = shape

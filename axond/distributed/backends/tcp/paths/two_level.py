@@ -9,7 +9,7 @@ from axond.distributed.backends.tcp.hierarchy import two_level
 from axond.distributed.backends.tcp.hierarchy.two_level import Levels
 from axond.distributed.backends.tcp.paths.base import DataPath
 from axond.distributed.backends.tcp.policy import Path
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.numerics.reduce_op import ReduceOp
 
@@ -19,7 +19,7 @@ class TwoLevelPath(DataPath):
 
     kind = Path.TWO_LEVEL
 
-    def __init__(self, comm: Comm, levels: Levels) -> None:
+    def __init__(self, comm: GroupView, levels: Levels) -> None:
         super().__init__(comm)
         self.levels = levels
 

@@ -1,1 +1,1 @@
-"""Schedules of the tcp backend: functions over a `Comm` (a framed group, its options and scratch buffers)."""
+"""Schedules of the tcp backend: functions over a `GroupView` (a framed group, its options and scratch buffers)."""

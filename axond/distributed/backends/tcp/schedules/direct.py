@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from axond.distributed.backends.host_copy import copy
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.backends.tcp.transport.wire import DTYPES, UNEVEN_ALL_TO_ALL, Kind, Op, dtype_code, uneven_aux
 from axond.distributed.numerics.reduce_op import ReduceOp
@@ -21,7 +21,7 @@ META = 34
 UNEVEN = UNEVEN_ALL_TO_ALL
 
 
-def direct_all_gather(comm: Comm, c: Call, out: np.ndarray) -> None:
+def direct_all_gather(comm: GroupView, c: Call, out: np.ndarray) -> None:
     """out (size, ...) <- every rank's row, each sent straight to every other; row `rank` is already in place."""
     g, r, n = comm.g, comm.rank, comm.size
     mine = byte_view(out[r : r + 1])
@@ -33,7 +33,7 @@ def direct_all_gather(comm: Comm, c: Call, out: np.ndarray) -> None:
     g.flush(c)
 
 
-def exchange_all_gather(comm: Comm, c: Call, out: np.ndarray) -> None:
+def exchange_all_gather(comm: GroupView, c: Call, out: np.ndarray) -> None:
     """As `direct_all_gather`, for blocks too big to be written inline: one non-blocking send/receive loop over every
     socket in this thread instead of through the sender threads."""
     r, n = comm.rank, comm.size
@@ -42,7 +42,7 @@ def exchange_all_gather(comm: Comm, c: Call, out: np.ndarray) -> None:
     comm.g.exchange(c, dict.fromkeys(others, mine), {p: byte_view(out[p : p + 1]) for p in others})
 
 
-def direct_reduce_scatter(comm: Comm, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+def direct_reduce_scatter(comm: GroupView, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """Small reduce-scatter in one round: block d goes straight to rank d, which reduces in rank order."""
     g, r, n = comm.g, comm.rank, comm.size
     ufunc = UFUNCS[op]
@@ -66,7 +66,7 @@ def direct_reduce_scatter(comm: Comm, c: Call, src: np.ndarray, out: np.ndarray,
     g.flush(c)
 
 
-def gather(comm: Comm, c: Call, x: np.ndarray, out: np.ndarray | None, dst: int) -> None:
+def gather(comm: GroupView, c: Call, x: np.ndarray, out: np.ndarray | None, dst: int) -> None:
     """out (on rank `dst`: (size, ...)) <- every rank's `x`, each sent straight to `dst`."""
     g = comm.g
     if out is None:
@@ -78,7 +78,7 @@ def gather(comm: Comm, c: Call, x: np.ndarray, out: np.ndarray | None, dst: int)
             g.recv(c, p, byte_view(out[p : p + 1]))
 
 
-def send_scattered(comm: Comm, c: Call, x: np.ndarray, src: int) -> None:
+def send_scattered(comm: GroupView, c: Call, x: np.ndarray, src: int) -> None:
     """From rank `src`: row p of contiguous `x` to rank p, after a frame with its dtype and shape."""
     g = comm.g
     meta = np.array([dtype_code(x.dtype), x.ndim - 1, *x.shape[1:]], np.int64)
@@ -90,7 +90,7 @@ def send_scattered(comm: Comm, c: Call, x: np.ndarray, src: int) -> None:
     g.flush(c)
 
 
-def receive_scattered(comm: Comm, seq: int, src: int) -> np.ndarray:
+def receive_scattered(comm: GroupView, seq: int, src: int) -> np.ndarray:
     """This rank's row of scatter number `seq` from rank `src`, shaped as the metadata frame before it says."""
     g = comm.g
     mc = g.call(Op.SCATTER, Kind.COLLECTIVE, 0, 0, seq, src, 0)
@@ -105,7 +105,8 @@ def receive_scattered(comm: Comm, seq: int, src: int) -> np.ndarray:
     return out
 
 
-def all_to_all(comm: Comm, c: Call, x: np.ndarray, out: np.ndarray, ins: Sequence[int], outs: Sequence[int]) -> None:
+def all_to_all(comm: GroupView, c: Call, x: np.ndarray, out: np.ndarray, ins: Sequence[int],
+               outs: Sequence[int]) -> None:
     """out <- block `rank` of every rank's contiguous `x`, rows split by `ins` (sent) and `outs` (received). With
     split sizes (c.aux UNEVEN), each frame carries its block's rows and those going the other way."""
     g, r, n = comm.g, comm.rank, comm.size

@@ -8,14 +8,14 @@ import numpy as np
 
 from axond.distributed.backends import chunking
 from axond.distributed.backends.tcp import policy
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.backends.tcp.policy import SMALL_FRAME
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.numerics.reducers import UFUNCS, finish_average
 
 
-def recursive_doubling(comm: Comm, c: Call, x: np.ndarray, op: ReduceOp) -> None:
+def recursive_doubling(comm: GroupView, c: Call, x: np.ndarray, op: ReduceOp) -> None:
     """x (flat, contiguous) <- the reduction over the group, in log2(n) rounds of one frame each way."""
     g, r, n = comm.g, comm.rank, comm.size
     ufunc = UFUNCS[op]
@@ -52,7 +52,7 @@ def recursive_doubling(comm: Comm, c: Call, x: np.ndarray, op: ReduceOp) -> None
         g.wait_sent(c, r + p2, g.send(c, r + p2, xb))
 
 
-def doubling_all_gather(comm: Comm, c: Call, out: np.ndarray) -> None:
+def doubling_all_gather(comm: GroupView, c: Call, out: np.ndarray) -> None:
     """Recursive-doubling all_gather for power-of-two groups: log2(n) pairwise swaps of 1, 2, 4... blocks.
 
     Each swap is one `exchange`: this thread writes and reads both directions without the sender
@@ -66,7 +66,7 @@ def doubling_all_gather(comm: Comm, c: Call, out: np.ndarray) -> None:
         m <<= 1
 
 
-def _pieces(comm: Comm, lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
+def _pieces(comm: GroupView, lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
     nbytes = (hi - lo) * itemsize
     n = chunking.chunk_count(nbytes, policy.pipeline_chunk_bytes(nbytes, comm.options))
     return [(lo + a, lo + b) for a, b in chunking.split_even(hi - lo, n)]
@@ -78,7 +78,7 @@ def _split(rank: int, mask: int, lo: int, hi: int) -> tuple[tuple[int, int], tup
     return ((lo, mid), (mid, hi)) if rank & mask == 0 else ((mid, hi), (lo, mid))
 
 
-def _halve(comm: Comm, c: Call, op: ReduceOp, partner: int, keep: tuple[int, int], give: tuple[int, int],
+def _halve(comm: GroupView, c: Call, op: ReduceOp, partner: int, keep: tuple[int, int], give: tuple[int, int],
            cur: np.ndarray, base: int, out: np.ndarray, obase: int) -> None:
     """One recursive-halving step: send `give` to `partner`, reduce its `keep` into `out`.
 
@@ -97,7 +97,7 @@ def _halve(comm: Comm, c: Call, op: ReduceOp, partner: int, keep: tuple[int, int
         ufunc(cur[s - base : e - base], tmp, out=out[s - obase : e - obase])
 
 
-def halving_doubling(comm: Comm, c: Call, x: np.ndarray, op: ReduceOp) -> None:
+def halving_doubling(comm: GroupView, c: Call, x: np.ndarray, op: ReduceOp) -> None:
     """Rabenseifner all-reduce for power-of-two sizes: pairwise halving reduce-scatter, then doubling all-gather.
 
     Same bytes as the ring but log2(n) pairwise steps, so a descheduled rank stalls one partner, not the ring.
@@ -122,7 +122,7 @@ def halving_doubling(comm: Comm, c: Call, x: np.ndarray, op: ReduceOp) -> None:
     g.flush(c)
 
 
-def halving_reduce_scatter(comm: Comm, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+def halving_reduce_scatter(comm: GroupView, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """Recursive-halving reduce-scatter for power-of-two sizes: log2(n) pairwise steps, each halving the range.
 
     Step k's partial sums go to their own part of one scratch buffer (n/2 + n/4 + ... blocks), the last

@@ -1,6 +1,6 @@
 """What a schedule runs over: a framed group with this member's place in it, the options and reusable buffers.
 
-A `Comm` is the whole group or, for two-level ops, a subset of it (`subset`) that runs inside one of the group's
+A `GroupView` is the whole group or, for two-level ops, a subset of it (`subset`) that runs inside one of the group's
 ops on the group's own sockets: the same call and frame headers, so a mismatched or dead peer raises as in the
 group, whose `run` then aborts it. Every subset shares the group's scratch buffers (one op at a time uses them).
 """
@@ -55,7 +55,9 @@ class Scratch:
 
 
 @dataclass(frozen=True, eq=False)
-class Comm:
+class GroupView:
+    """This member's view of a framed group, or of a subset of it: its place, the options and the scratch buffers."""
+
     g: FramedGroup
     rank: int
     size: int
@@ -65,9 +67,9 @@ class Comm:
     members: tuple[int, ...] = ()
     """For a subset, the group rank of each of its ranks (empty: the whole group)."""
 
-    def subset(self, members: Sequence[int]) -> Comm:
+    def subset(self, members: Sequence[int]) -> GroupView:
         """Group ranks `members` (this rank among them), numbered 0..k-1, on this group's sockets."""
-        return Comm(self.g.subset(list(members)), list(members).index(self.rank), len(members), self.options,
+        return GroupView(self.g.subset(list(members)), list(members).index(self.rank), len(members), self.options,
                     self.oversubscribed, self.scratch, tuple(members))
 
     def real(self, vrank: int, root: int) -> int:

@@ -7,7 +7,7 @@ import numpy as np
 
 from axond.distributed.backends import chunking
 from axond.distributed.backends.tcp import policy
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.numerics.reducers import UFUNCS, finish_average
@@ -16,14 +16,14 @@ Chunks = list[list[tuple[int, int]]]
 """Per block of the ring, its pipeline chunks as (start, end) element offsets."""
 
 
-def chunks(comm: Comm, count: int, itemsize: int) -> Chunks:
+def chunks(comm: GroupView, count: int, itemsize: int) -> Chunks:
     block_bytes = -(-count // comm.size) * itemsize
     return chunking.block_chunks(count, comm.size, itemsize,
                                  policy.pipeline_chunk_bytes(block_bytes, comm.options))
 
 
-def ring_reduce_scatter(comm: Comm, c: Call, src: np.ndarray, work: np.ndarray | None, final: np.ndarray, base: int,
-                        op: ReduceOp, blocks: Chunks, forward_final: bool) -> None:
+def ring_reduce_scatter(comm: GroupView, c: Call, src: np.ndarray, work: np.ndarray | None, final: np.ndarray,
+                        base: int, op: ReduceOp, blocks: Chunks, forward_final: bool) -> None:
     """Reduce blocks around the ring; this rank's block ends in `final` (offset `base`), optionally forwarded.
 
     Partial sums go into `work` at their own offsets (all-reduce passes the array itself), or, when
@@ -68,7 +68,7 @@ def ring_reduce_scatter(comm: Comm, c: Call, src: np.ndarray, work: np.ndarray |
         sent.append(ticket)
 
 
-def ring_all_gather(comm: Comm, c: Call, x: np.ndarray, blocks: Chunks, post_own: bool) -> None:
+def ring_all_gather(comm: GroupView, c: Call, x: np.ndarray, blocks: Chunks, post_own: bool) -> None:
     """Circulate blocks around the ring into `x`; this rank's block `rank` is already in place."""
     g, r, n = comm.g, comm.rank, comm.size
     right, left = (r + 1) % n, (r - 1) % n
@@ -85,20 +85,20 @@ def ring_all_gather(comm: Comm, c: Call, x: np.ndarray, blocks: Chunks, post_own
     g.flush(c, right)
 
 
-def ring_all_reduce(comm: Comm, c: Call, x: np.ndarray, op: ReduceOp) -> None:
+def ring_all_reduce(comm: GroupView, c: Call, x: np.ndarray, op: ReduceOp) -> None:
     blocks = chunks(comm, x.size, x.itemsize)
     ring_reduce_scatter(comm, c, x, x, x, 0, op, blocks, forward_final=True)
     ring_all_gather(comm, c, x, blocks, post_own=False)
 
 
-def ring_reduce_scatter_into(comm: Comm, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+def ring_reduce_scatter_into(comm: GroupView, c: Call, src: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """out (flat) <- block `rank` of the reduction of flat `src`, around the ring; `src` is not modified."""
     ring_reduce_scatter(comm, c, src, None, out, comm.rank * (src.size // comm.size), op,
                         chunks(comm, src.size, src.itemsize), False)
     comm.g.flush(c)
 
 
-def ring_all_gather_rows(comm: Comm, c: Call, out: np.ndarray) -> None:
+def ring_all_gather_rows(comm: GroupView, c: Call, out: np.ndarray) -> None:
     """out (size, ...) <- every rank's row around the ring; row `rank` is already in place."""
     flat = out.reshape(-1)
     ring_all_gather(comm, c, flat, chunks(comm, flat.size, flat.itemsize), True)

@@ -6,13 +6,13 @@ import numpy as np
 
 from axond.distributed.backends import chunking
 from axond.distributed.backends.tcp import policy
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.transport.framing import Call, byte_view
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.numerics.reducers import UFUNCS, finish_average
 
 
-def tree_broadcast(comm: Comm, c: Call, x: np.ndarray, src: int) -> None:
+def tree_broadcast(comm: GroupView, c: Call, x: np.ndarray, src: int) -> None:
     g, v = comm.g, (comm.rank - src) % comm.size
     xb = byte_view(x)
     parent = chunking.binomial_parent(v)
@@ -24,7 +24,7 @@ def tree_broadcast(comm: Comm, c: Call, x: np.ndarray, src: int) -> None:
     g.flush(c, *children)
 
 
-def chain_broadcast(comm: Comm, c: Call, x: np.ndarray, src: int) -> None:
+def chain_broadcast(comm: GroupView, c: Call, x: np.ndarray, src: int) -> None:
     g, n, v = comm.g, comm.size, (comm.rank - src) % comm.size
     nchunks = chunking.chunk_count(x.nbytes, policy.pipeline_chunk_bytes(x.nbytes // 4, comm.options))
     nxt = comm.real(v + 1, src) if v < n - 1 else None
@@ -39,7 +39,7 @@ def chain_broadcast(comm: Comm, c: Call, x: np.ndarray, src: int) -> None:
         g.flush(c, nxt)
 
 
-def tree_reduce(comm: Comm, c: Call, x: np.ndarray, dst: int, op: ReduceOp) -> None:
+def tree_reduce(comm: GroupView, c: Call, x: np.ndarray, dst: int, op: ReduceOp) -> None:
     g, v = comm.g, (comm.rank - dst) % comm.size
     ufunc = UFUNCS[op]
     children = chunking.binomial_children(v, comm.size)

@@ -26,7 +26,7 @@ import numpy as np
 
 from axond.distributed.backends.host_copy import copy_changed
 from axond.distributed.backends.tcp.schedules import doubling, sockets
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.mailbox import Mailbox
 from axond.distributed.backends.tcp.shm.mailbox_ops import SmallBarrier
@@ -46,7 +46,7 @@ class Sync:
     (`mailbox_ops.SmallBarrier` with the arena op's header, prepared once per call shape). Measurements:
     docs/design/tuning.md#arena-synchronization."""
 
-    def __init__(self, comm: Comm, mailbox: Mailbox | None) -> None:
+    def __init__(self, comm: GroupView, mailbox: Mailbox | None) -> None:
         self.comm, self.mailbox = comm, mailbox
         self.token = np.zeros(1, np.uint8)
         self._posts: dict[tuple[int, ...], SmallBarrier] = {}
@@ -76,8 +76,8 @@ def _step(arena: ShmArena, step: int) -> int:
     return min(arena.chunk, step) if step > 0 else arena.chunk
 
 
-def all_reduce(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray, op: ReduceOp,
-               across: Comm | None = None, total: int = 0, step: int = 0) -> None:
+def all_reduce(comm: GroupView, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray, op: ReduceOp,
+               across: GroupView | None = None, total: int = 0, step: int = 0) -> None:
     """x (flat, contiguous) <- the reduction over ranks, a slot-sized chunk per step (`step` bytes if smaller and
     not 0: `policy.arena_step`).
 
@@ -120,7 +120,7 @@ def all_reduce(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Cal
         np.copyto(x[pending[1] : pending[2]], pending[0])
 
 
-def _pair_all_reduce(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray,
+def _pair_all_reduce(comm: GroupView, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray,
                      op: ReduceOp, step: int) -> None:
     """Two ranks: each reduces the whole chunk itself (rank 0's data first, so both get the same numbers);
     that costs no more memory traffic than splitting it and needs one synchronization per step, not two."""
@@ -141,7 +141,7 @@ def _pair_all_reduce(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], 
             finish_average(mine, 2)
 
 
-def all_gather(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, out: np.ndarray,
+def all_gather(comm: GroupView, arena: ShmArena, sync: Callable[[Call], None], c: Call, out: np.ndarray,
                step: int = 0) -> None:
     """out (size, ...) <- every rank's block; out[rank] already holds this rank's. A slot per step (`step` bytes
     if smaller and not 0).
@@ -162,7 +162,7 @@ def all_gather(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Cal
         np.copyto(blocks[r + 1 :, :, s:e], slots[r + 1 :])
 
 
-def reduce_scatter(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, src: np.ndarray,
+def reduce_scatter(comm: GroupView, arena: ShmArena, sync: Callable[[Call], None], c: Call, src: np.ndarray,
                    out: np.ndarray, op: ReduceOp, order: np.ndarray | None = None, step: int = 0) -> None:
     """out (flat) <- block `rank` of the reduction of every rank's `src` (flat, size x block elements), a slot per
     step (`step` bytes if smaller and not 0).
@@ -217,7 +217,7 @@ def _copy_laid(dst: np.ndarray, blocks: np.ndarray, order: np.ndarray, s: int, o
     return dst[own] if view is None else view
 
 
-def broadcast(comm: Comm, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray, src: int,
+def broadcast(comm: GroupView, arena: ShmArena, sync: Callable[[Call], None], c: Call, x: np.ndarray, src: int,
               step: int = 0) -> None:
     """x (flat, contiguous) <- the source rank's x, a slot per step (`step` bytes if smaller and not 0). The buffers
     alternate, so the root copies step k + 1 in while the others copy step k out.

@@ -6,20 +6,20 @@ from __future__ import annotations
 import numpy as np
 
 from axond.distributed.backends.tcp.schedules import doubling, trees
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.shm.arena import NAME_BYTES, ShmArena, available, unlink
 from axond.distributed.backends.tcp.transport.framing import Call
 from axond.distributed.numerics.reduce_op import ReduceOp
 
 
-def agree(comm: Comm, c: Call, ok: bool) -> bool:
+def agree(comm: GroupView, c: Call, ok: bool) -> bool:
     """Whether every member says `ok` (a MIN over the group)."""
     flag = np.array([ok], np.uint8)
     doubling.recursive_doubling(comm, c, flag, ReduceOp.MIN)
     return bool(flag[0])
 
 
-def map_arena(comm: Comm, c: Call, nbytes: int, shift: int = 0) -> ShmArena | None:
+def map_arena(comm: GroupView, c: Call, nbytes: int, shift: int = 0) -> ShmArena | None:
     """An arena of `nbytes` (slots `shift` bytes into a page: `ShmArena`) mapped by every member of `comm`, or None
     for all if any member could not map it.
 

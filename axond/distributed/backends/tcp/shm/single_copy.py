@@ -37,7 +37,7 @@ from axond.distributed.diagnostics import failure
 from axond.distributed.backends.tcp.policy import BOUNCE_BYTES, BOUNCE_MIN_BYTES
 from axond.distributed.backends.host_copy import PAGE, address, copy, large_copy, slow_distance
 from axond.distributed.backends.tcp.schedules import direct
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.shm.arena_ops import Sync
 from axond.distributed.backends.shared_arrays import Mappings, find
 from axond.distributed.backends.tcp.transport.framing import Call
@@ -142,7 +142,7 @@ def local_obstacle(scope_path: str = YAMA_SCOPE) -> str | None:
 class SingleCopy:
     """A group's single-copy path, set up: publishes this rank's buffer of an op, reads peers', synchronizes."""
 
-    def __init__(self, comm: Comm, sync: Sync, compiled: bool = False) -> None:
+    def __init__(self, comm: GroupView, sync: Sync, compiled: bool = False) -> None:
         self.comm, self.sync = comm, sync
         self.compiled = compiled
         """Whether every member runs the compiled single-copy ops (`_fastbox`, through the mailbox): agreed by all
@@ -196,7 +196,7 @@ class SingleCopy:
         self.sync(c)
 
 
-def exchange(comm: Comm, sync: Sync, c: Call, words: np.ndarray) -> np.ndarray:
+def exchange(comm: GroupView, sync: Sync, c: Call, words: np.ndarray) -> np.ndarray:
     """Every member's `words` (int64), gathered through the mailbox where it is mapped, else over the sockets."""
     box = sync.mailbox
     if box is not None:
@@ -207,7 +207,7 @@ def exchange(comm: Comm, sync: Sync, c: Call, words: np.ndarray) -> np.ndarray:
     return table
 
 
-def set_up(comm: Comm, sync: Sync, c: Call, scope_path: str = YAMA_SCOPE) -> SingleCopy | None:
+def set_up(comm: GroupView, sync: Sync, c: Call, scope_path: str = YAMA_SCOPE) -> SingleCopy | None:
     """The single-copy path if every member can read every other's memory (agreed by all), else None for all.
     Each member publishes a random token and reads every peer's."""
     obstacle = local_obstacle(scope_path)

@@ -28,7 +28,7 @@ import numpy as np
 
 from axond.distributed.diagnostics import failure
 from axond.distributed.backends.tcp.schedules import direct
-from axond.distributed.backends.tcp.schedules.group_view import Comm
+from axond.distributed.backends.tcp.schedules.group_view import GroupView
 from axond.distributed.backends.tcp.transport.framing import Call
 
 
@@ -111,7 +111,7 @@ def release(thread: threading.Thread | None) -> None:
             del _HOMES[thread]  # type: ignore[arg-type]
 
 
-def spread(comm: Comm, c: Call) -> int | None:
+def spread(comm: GroupView, c: Call) -> int | None:
     """Move this member off a core it shares with a member of lower rank, or to its home core where the members
     outnumber their cores (see the module); that home core (`Mailbox.home`, which `release`s it on closing), else
     None. A thread that has a home from an earlier group keeps it and moves nothing."""
