@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from axond.coordinator.errors import MAX_KEY_CHARS, MAX_NAME_CHARS
+from axond.coordinator.state.errors import MAX_KEY_CHARS, MAX_NAME_CHARS
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ class CoordinatorLimits:
     """Calls served at once, long-polls and streams included, besides the liveness calls (below); past it a call
     is refused at once (RESOURCE_EXHAUSTED) and clients retry it with jittered backoff."""
     max_calls_per_client: int = 2_000
-    """Calls and streams of the general pool one client connection may hold at once (see coordinator/admission.py)."""
+    """Calls and streams of the general pool one client connection may hold at once (see
+    coordinator/service/admission.py)."""
     max_liveness_calls: int = 25_000
     """Calls served at once from the pool reserved for health checks, status, heartbeats (one stream per node)
     and a node's reports: floods of other calls never take it."""

@@ -24,12 +24,12 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from axond.coordinator.auth import TokenInterceptor, replace_handler
+from axond.coordinator.service.auth import TokenInterceptor, replace_handler
 from axond.coordinator.persistence.etcd import EtcdClient, EtcdError, EtcdPersistence, LeaderElection, Term
 from axond.coordinator.persistence.etcd import parse_state_url
 from axond.coordinator.server import (SERVER_OPTIONS, SERVICE_NAME, CoordinatorConfig, RunningCoordinator,
                                       _client_address, _credentials, _serve_state, resolve_server_token)
-from axond.coordinator.state import CoordinatorState
+from axond.coordinator.state.machine import CoordinatorState
 from axond.errors import CoordinatorError
 
 log = logging.getLogger("axond.coordinator")

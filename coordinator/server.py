@@ -21,17 +21,17 @@ from grpc_reflection.v1alpha import reflection
 
 from axond.control.channel import read_file
 from axond.control.credentials import default_state_dir, ensure_token, read_token_file
-from axond.coordinator.admission import Admission, AdmissionInterceptor
-from axond.coordinator.auth import TokenInterceptor
-from axond.coordinator.decoding import DecodeGuard
+from axond.coordinator.service.admission import Admission, AdmissionInterceptor
+from axond.coordinator.service.auth import TokenInterceptor
+from axond.coordinator.service.decoding import DecodeGuard
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.persistence.etcd import EtcdPersistence
 from axond.coordinator.persistence.group_commit import GroupCommit
 from axond.coordinator.persistence.sqlite import SqlitePersistence
-from axond.coordinator.servicer import CoordinatorServicer
-from axond.coordinator.stall import StallWatch
-from axond.coordinator.state import CoordinatorState
-from axond.coordinator.waiting import WaitHub
+from axond.coordinator.service.servicer import CoordinatorServicer
+from axond.coordinator.service.stall import StallWatch
+from axond.coordinator.state.machine import CoordinatorState
+from axond.coordinator.service.waiting import WaitHub
 from axond.errors import CoordinatorError
 from axond.observe.coordinator_metrics import render_coordinator
 from axond.observe.http import MetricsServer

@@ -1,4 +1,4 @@
-"""One client's flood cannot take the coordinator from everyone else (coordinator/admission.py).
+"""One client's flood cannot take the coordinator from everyone else (coordinator/service/admission.py).
 
 A real coordinator on loopback. One client (one connection) opens CONTROL_FLOOD_STREAMS idle KvStream
 streams (default 600; the issue's 3,000 by hand): it holds at most its share (max_calls_per_client), the

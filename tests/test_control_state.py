@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable
 
 from axond.control.client import connect
-from axond.coordinator.jobs import JobState
-from axond.coordinator.membership import Health
+from axond.coordinator.state.jobs import JobState
+from axond.coordinator.state.membership import Health
 from axond.coordinator.server import RunningCoordinator
-from axond.coordinator.state import CoordinatorState
+from axond.coordinator.state.machine import CoordinatorState
 from axond.v1 import coordinator_pb2 as pb
 
 

@@ -17,9 +17,9 @@ import grpc.aio
 import pytest
 
 from axond.control.client import connect
-from axond.coordinator.jobs import JobSpec, JobState, OutputEvent
+from axond.coordinator.state.jobs import JobSpec, JobState, OutputEvent
 from axond.coordinator.persistence import MemoryPersistence, Persistence, SqlitePersistence
-from axond.coordinator.state import CoordinatorState
+from axond.coordinator.state.machine import CoordinatorState
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from axond.coordinator.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from axond.coordinator.jobs import FinishedEvent, InfoEvent, JobSpec, JobState, OutputEvent
-from axond.coordinator.kv_space import MAX_SPACE_BYTES
-from axond.coordinator.membership import Health
-from axond.coordinator.state import CoordinatorState
+from axond.coordinator.state.errors import (
+    AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
+)
+from axond.coordinator.state.jobs import FinishedEvent, InfoEvent, JobSpec, JobState, OutputEvent
+from axond.coordinator.state.kv_space import MAX_SPACE_BYTES
+from axond.coordinator.state.membership import Health
+from axond.coordinator.state.machine import CoordinatorState
 from axond.store import MAX_VALUE_BYTES
 
 
@@ -262,7 +264,7 @@ def test_lost_daemon_is_replaced_when_restarts_are_left() -> None:
 
 
 def test_request_ids_answer_retries_once_even_at_the_store_limit_and_stay_bounded() -> None:
-    from axond.coordinator.kv_space import ANSWERED_PREFIX, MAX_ANSWERED
+    from axond.coordinator.state.kv_space import ANSWERED_PREFIX, MAX_ANSWERED
     from axond.coordinator.limits import CoordinatorLimits
 
     limit = 256 << 10  # room for MAX_ANSWERED answers (~100 KB) once "fill" is gone

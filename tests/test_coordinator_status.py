@@ -12,7 +12,7 @@ import pytest
 from axond.control.client import CoordinatorClient, connect
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.server import RunningCoordinator
-from axond.coordinator.state import CoordinatorState
+from axond.coordinator.state.machine import CoordinatorState
 from axond.errors import StoreError
 
 

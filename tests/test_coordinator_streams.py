@@ -13,11 +13,11 @@ import pytest
 
 from axond.control.client import connect
 from axond.control.coordinator_store import CoordinatorStore
-from axond.coordinator.kv_stream import MAX_STREAM_REQUESTS
+from axond.coordinator.service.kv_stream import MAX_STREAM_REQUESTS
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
-from axond.coordinator.servicer import CoordinatorServicer
-from axond.coordinator.state import CoordinatorState
-from axond.coordinator.waiting import WaitHub
+from axond.coordinator.service.servicer import CoordinatorServicer
+from axond.coordinator.state.machine import CoordinatorState
+from axond.coordinator.service.waiting import WaitHub
 from axond.errors import StoreError, StoreTimeout
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc

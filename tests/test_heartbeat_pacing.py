@@ -11,9 +11,9 @@ from typing import Any
 
 from axond.control.client import connect
 from axond.coordinator.limits import CoordinatorLimits
-from axond.coordinator.membership import Health
+from axond.coordinator.state.membership import Health
 from axond.coordinator.server import RunningCoordinator
-from axond.coordinator.state import CoordinatorState
+from axond.coordinator.state.machine import CoordinatorState
 from axond.worker.heartbeat import Heartbeater
 
 

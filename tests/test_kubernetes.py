@@ -13,7 +13,7 @@ import yaml
 from axond.cli.coordinator_cmd import coordinator as coordinator_cmd
 from axond.cli.worker_cmd import worker as worker_cmd
 from axond.control.client import CoordinatorClient
-from axond.coordinator.rendezvous import natural_order
+from axond.coordinator.state.rendezvous import natural_order
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 VERSIONS = ("1.30.0", "1.33.0")

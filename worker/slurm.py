@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from axond.control.credentials import read_token_file
-from axond.coordinator.rendezvous import natural_order
+from axond.coordinator.state.rendezvous import natural_order
 from axond.errors import CoordinatorError
 
 __all__ = ["Allocation", "SlurmError", "default_token_path", "expand_hostlist", "head_address", "publish_token",

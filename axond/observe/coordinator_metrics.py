@@ -11,8 +11,8 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from axond.coordinator.jobs import JobState
-from axond.coordinator.membership import Health
+from axond.coordinator.state.jobs import JobState
+from axond.coordinator.state.membership import Health
 from axond.observe.exposition import Family, render
 
 if TYPE_CHECKING:

@@ -32,11 +32,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from axond.coordinator.errors import Unavailable
+from axond.coordinator.state.errors import Unavailable
 from axond.coordinator.persistence.base import Changes, Persistence
 
 if TYPE_CHECKING:
-    from axond.coordinator.state import CoordinatorState
+    from axond.coordinator.state.machine import CoordinatorState
 
 log = logging.getLogger("axond.coordinator")
 

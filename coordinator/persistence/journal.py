@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from axond.coordinator.jobs import EventLog
-from axond.coordinator.kv_space import ARRIVAL_OVERHEAD, KvSpace
+from axond.coordinator.state.jobs import EventLog
+from axond.coordinator.state.kv_space import ARRIVAL_OVERHEAD, KvSpace
 from axond.coordinator.persistence import records
 from axond.coordinator.persistence.base import Changes, Snapshot
 
 if TYPE_CHECKING:
-    from axond.coordinator.state import CoordinatorState
+    from axond.coordinator.state.machine import CoordinatorState
 
 
 class TxLock:

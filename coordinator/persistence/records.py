@@ -7,11 +7,11 @@ seconds; liveness is not kept at all (a restored node gets one lease period from
 from __future__ import annotations
 
 import time
-from axond.coordinator.jobs import Event, EventLog, FinishedEvent, InfoEvent, Job, JobSpec, JobState, OutputEvent
-from axond.coordinator.kv_space import BarrierState
-from axond.coordinator.membership import Node
+from axond.coordinator.state.jobs import Event, EventLog, FinishedEvent, InfoEvent, Job, JobSpec, JobState, OutputEvent
+from axond.coordinator.state.kv_space import BarrierState
+from axond.coordinator.state.membership import Node
 from axond.coordinator.persistence.base import Record
-from axond.coordinator.rendezvous import Member, Round
+from axond.coordinator.state.rendezvous import Member, Round
 
 
 def node_record(n: Node) -> Record:

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from axond.coordinator.auth import replace_handler
+from axond.coordinator.service.auth import replace_handler
 from axond.coordinator.limits import CoordinatorLimits
 
 LIVENESS_METHODS = frozenset({

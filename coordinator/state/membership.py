@@ -7,7 +7,7 @@ import hmac
 import secrets
 from dataclasses import dataclass, field
 
-from axond.coordinator.errors import (
+from axond.coordinator.state.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,

@@ -11,8 +11,8 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from axond.coordinator.context import StateContext
-from axond.coordinator.errors import (
+from axond.coordinator.state.context import StateContext
+from axond.coordinator.state.errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -21,10 +21,10 @@ from axond.coordinator.errors import (
     check_positive,
     short,
 )
-from axond.coordinator.jobs import EventLog, FinishedEvent, InfoEvent, Job, JobState
-from axond.coordinator.membership import Membership, Node
-from axond.coordinator.rendezvous import Member, Round
-from axond.coordinator.scheduling import Scheduler
+from axond.coordinator.state.jobs import EventLog, FinishedEvent, InfoEvent, Job, JobState
+from axond.coordinator.state.membership import Membership, Node
+from axond.coordinator.state.rendezvous import Member, Round
+from axond.coordinator.state.scheduling import Scheduler
 
 
 REFUSED = "refused a worker"

@@ -17,16 +17,16 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from axond.coordinator.errors import InvalidArgument, StateError, check_wait
-from axond.coordinator.heartbeat_stream import heartbeat_reply, job_state_pb, serve_heartbeats
-from axond.coordinator.jobs import FinishedEvent, InfoEvent, JobSpec, OutputEvent
-from axond.coordinator.kv_calls import KvCalls, WaitExpired, bounded
-from axond.coordinator.kv_stream import KvStreamHandler
+from axond.coordinator.state.errors import InvalidArgument, StateError, check_wait
+from axond.coordinator.service.heartbeat_stream import heartbeat_reply, job_state_pb, serve_heartbeats
+from axond.coordinator.state.jobs import FinishedEvent, InfoEvent, JobSpec, OutputEvent
+from axond.coordinator.service.kv_calls import KvCalls, WaitExpired, bounded
+from axond.coordinator.service.kv_stream import KvStreamHandler
 from axond.coordinator.persistence.group_commit import GroupCommit
-from axond.coordinator.stall import StallWatch
-from axond.coordinator.state import CoordinatorState
-from axond.coordinator.status_codes import MAX_DETAIL_CHARS, STATUS_OF, Undecodable, status_of
-from axond.coordinator.waiting import WaitHub
+from axond.coordinator.service.stall import StallWatch
+from axond.coordinator.state.machine import CoordinatorState
+from axond.coordinator.service.status_codes import MAX_DETAIL_CHARS, STATUS_OF, Undecodable, status_of
+from axond.coordinator.service.waiting import WaitHub
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 

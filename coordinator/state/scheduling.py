@@ -8,9 +8,9 @@ once, on the daemon's next PollWork.
 
 from __future__ import annotations
 
-from axond.coordinator.context import StateContext
-from axond.coordinator.jobs import InfoEvent, Job
-from axond.coordinator.membership import Membership, Node
+from axond.coordinator.state.context import StateContext
+from axond.coordinator.state.jobs import InfoEvent, Job
+from axond.coordinator.state.membership import Membership, Node
 
 
 class Scheduler:

@@ -6,8 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
 
-from axond.coordinator.jobs import Job, JobState
-from axond.coordinator.membership import Health, Membership
+from axond.coordinator.state.jobs import Job, JobState
+from axond.coordinator.state.membership import Health, Membership
 
 MAX_JOINED_HOSTS = 64
 """Hostnames of an open rendezvous listed per job."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from axond.coordinator.context import StateContext
-from axond.coordinator.errors import FailedPrecondition, InvalidArgument, short
-from axond.coordinator.kv_space import KvSpace
+from axond.coordinator.state.context import StateContext
+from axond.coordinator.state.errors import FailedPrecondition, InvalidArgument, short
+from axond.coordinator.state.kv_space import KvSpace
 
 
 class JobKv:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from axond.coordinator.state import CoordinatorState
+from axond.coordinator.state.machine import CoordinatorState
 
 log = logging.getLogger("axond.coordinator")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-from axond.coordinator.errors import InvalidArgument, NotFound, short
-from axond.coordinator.jobs import Job
-from axond.coordinator.kv_space import ByteBudget, KvSpace
+from axond.coordinator.state.errors import InvalidArgument, NotFound, short
+from axond.coordinator.state.jobs import Job
+from axond.coordinator.state.kv_space import ByteBudget, KvSpace
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.persistence.journal import Journal
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from axond.coordinator.errors import (
+from axond.coordinator.state.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -15,7 +15,7 @@ from axond.coordinator.errors import (
     StateError,
     Unavailable,
 )
-from axond.coordinator.kv_calls import WaitExpired
+from axond.coordinator.service.kv_calls import WaitExpired
 
 STATUS_OF: dict[type[StateError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from axond.coordinator.errors import (
+from axond.coordinator.state.errors import (
     MAX_KEY_CHARS,
     FailedPrecondition,
     InvalidArgument,

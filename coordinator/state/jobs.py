@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from axond.coordinator.kv_space import KvSpace
-from axond.coordinator.rendezvous import Round
+from axond.coordinator.state.kv_space import KvSpace
+from axond.coordinator.state.rendezvous import Round
 
 MAX_EVENTS = 100_000
 """Events (output lines, notices) kept per job; a slower reader is told how many it missed."""

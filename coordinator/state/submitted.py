@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from axond.coordinator.context import StateContext
-from axond.coordinator.errors import (
+from axond.coordinator.state.context import StateContext
+from axond.coordinator.state.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -14,10 +14,10 @@ from axond.coordinator.errors import (
     check_positive,
     short,
 )
-from axond.coordinator.jobs import CANCELLED_EXIT_CODE, Event, JobSpec, JobState, OutputEvent
-from axond.coordinator.lifecycle import JobLifecycle
-from axond.coordinator.membership import Membership
-from axond.coordinator.scheduling import Scheduler
+from axond.coordinator.state.jobs import CANCELLED_EXIT_CODE, Event, JobSpec, JobState, OutputEvent
+from axond.coordinator.state.lifecycle import JobLifecycle
+from axond.coordinator.state.membership import Membership
+from axond.coordinator.state.scheduling import Scheduler
 
 MAX_LINES_PER_PUSH = 10_000
 MAX_LINE_CHARS = 64 * 1024

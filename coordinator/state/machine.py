@@ -31,19 +31,19 @@ import threading
 import time
 from collections.abc import Callable
 
-from axond.coordinator.context import StateContext, Topic
-from axond.coordinator.errors import StateError, Unavailable
-from axond.coordinator.job_kv import JobKv
-from axond.coordinator.jobs import Event, Job, JobSpec
-from axond.coordinator.kv_space import ByteBudget
-from axond.coordinator.lifecycle import Assignment, HeartbeatResult, JobLifecycle
+from axond.coordinator.state.context import StateContext, Topic
+from axond.coordinator.state.errors import StateError, Unavailable
+from axond.coordinator.state.job_kv import JobKv
+from axond.coordinator.state.jobs import Event, Job, JobSpec
+from axond.coordinator.state.kv_space import ByteBudget
+from axond.coordinator.state.lifecycle import Assignment, HeartbeatResult, JobLifecycle
 from axond.coordinator.limits import CoordinatorLimits
-from axond.coordinator.membership import Liveness, Membership, Node
+from axond.coordinator.state.membership import Liveness, Membership, Node
 from axond.coordinator.persistence.base import Changes, Persistence
 from axond.coordinator.persistence.journal import Journal, TxLock, restore
-from axond.coordinator.scheduling import Scheduler
-from axond.coordinator.status import StatusSnapshot, snapshot
-from axond.coordinator.submitted import SubmittedJobs
+from axond.coordinator.state.scheduling import Scheduler
+from axond.coordinator.state.status import StatusSnapshot, snapshot
+from axond.coordinator.state.submitted import SubmittedJobs
 
 
 class CoordinatorState:

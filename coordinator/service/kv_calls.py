@@ -7,9 +7,9 @@ it has none); domain errors are raised as `StateError`s, an expired wait as `Wai
 
 from __future__ import annotations
 
-from axond.coordinator.errors import InvalidArgument, NotFound, check_wait
-from axond.coordinator.state import CoordinatorState
-from axond.coordinator.waiting import WaitHub
+from axond.coordinator.state.errors import InvalidArgument, NotFound, check_wait
+from axond.coordinator.state.machine import CoordinatorState
+from axond.coordinator.service.waiting import WaitHub
 from axond.v1 import coordinator_pb2 as pb
 
 

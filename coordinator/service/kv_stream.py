@@ -21,10 +21,10 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from axond.coordinator.errors import InvalidArgument, StateError
-from axond.coordinator.kv_calls import KvCalls, WaitExpired, may_wait
+from axond.coordinator.state.errors import InvalidArgument, StateError
+from axond.coordinator.service.kv_calls import KvCalls, WaitExpired, may_wait
 from axond.coordinator.persistence.group_commit import GroupCommit
-from axond.coordinator.status_codes import MAX_DETAIL_CHARS, Undecodable, status_of
+from axond.coordinator.service.status_codes import MAX_DETAIL_CHARS, Undecodable, status_of
 from axond.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("axond.coordinator")

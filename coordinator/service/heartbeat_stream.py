@@ -17,12 +17,12 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from axond.coordinator.errors import InvalidArgument, StateError
-from axond.coordinator.jobs import JobState
+from axond.coordinator.state.errors import InvalidArgument, StateError
+from axond.coordinator.state.jobs import JobState
 from axond.coordinator.persistence.group_commit import GroupCommit
-from axond.coordinator.stall import StallWatch
-from axond.coordinator.state import CoordinatorState
-from axond.coordinator.status_codes import MAX_DETAIL_CHARS, Undecodable, status_of
+from axond.coordinator.service.stall import StallWatch
+from axond.coordinator.state.machine import CoordinatorState
+from axond.coordinator.service.status_codes import MAX_DETAIL_CHARS, Undecodable, status_of
 from axond.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("axond.coordinator")

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from axond.coordinator.auth import replace_handler
-from axond.coordinator.status_codes import Undecodable
+from axond.coordinator.service.auth import replace_handler
+from axond.coordinator.service.status_codes import Undecodable
 
 PREFIX = "/axond.v1.Coordinator/"
 

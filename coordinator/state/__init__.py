@@ -1,0 +1,15 @@
+"""The coordinator's state machine: plain, typed, thread-safe, driven with an explicit `now`; no gRPC.
+
+    machine.py     `CoordinatorState`: a thin facade, each method one lock and a call to the component below
+    context.py     `StateContext`: the job table, the limits, wake-ups and the journal the components share
+    membership.py  registered nodes, node secrets, heartbeats, failure detection
+    lifecycle.py   jobs from rendezvous to their end: join, freeze, generations, restarts, failures, exits
+    rendezvous.py  one rendezvous round: collect joiners, freeze the membership, assign ranks
+    job_kv.py      the store calls of each job, scoped to its current generation
+    kv_space.py    one generation's keys and barriers, charged to a byte budget
+    scheduling.py  placement of submitted jobs on worker daemons
+    submitted.py   `axond run` jobs: the queue, daemons' work, output, cancel
+    jobs.py        job records and their event log
+    status.py      read-only snapshots for GetStatus / `axond status`
+    errors.py      the domain errors the service maps to status codes
+"""
