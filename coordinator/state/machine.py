@@ -11,7 +11,7 @@ each a plain class owning its part of the state:
 
 What they share (the job table, the limits, wake-ups, marks for the durable state) is one
 `StateContext` (context.py) handed to each. Nothing here blocks; every method validates its input,
-mutates and returns, raising the domain exceptions of `axond.coordinator.errors`. Callers that wait
+mutates and returns, raising the domain exceptions of `axond.coordinator.state.errors`. Callers that wait
 (the gRPC servicer, tests) poll the non-blocking methods again when the `listener` reports a change
 to a topic they care about:
 
