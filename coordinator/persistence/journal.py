@@ -132,6 +132,8 @@ class Journal:
 def restore(state: CoordinatorState, snap: Snapshot, now: float) -> None:
     """Fill a new, empty `state` with what was committed; every node gets a fresh lease from `now`."""
     members = state.members
+    journal = state.journal
+    assert journal is not None, "restore fills a durable state"
     for r in snap.nodes:
         node = records.node_from(r, now)
         members.nodes[node.node_id] = node
@@ -143,17 +145,17 @@ def restore(state: CoordinatorState, snap: Snapshot, now: float) -> None:
         j = records.job_from(r, now, log)
         j.kv = KvSpace(state.limits, state.budget)
         state.jobs[j.name] = j
-        state.journal.events_saved[j.name] = log.end
+        journal.events_saved[j.name] = log.end
     for job, gen, key, value in snap.kv:
-        j = state.jobs.get(job)
-        if j is not None and j.generation == gen:
-            j.kv.restore(key, value)
+        held = state.jobs.get(job)
+        if held is not None and held.generation == gen:
+            held.kv.restore(key, value)
     for job, gen, name, r in snap.barriers:
-        j = state.jobs.get(job)
-        if j is not None and j.generation == gen:
-            barrier = j.kv.barriers[name] = records.barrier_from(r)
-            j.kv._charge(len(name) + ARRIVAL_OVERHEAD + sum(len(a) + ARRIVAL_OVERHEAD for a in barrier.arrivals),
-                         check=False)
+        held = state.jobs.get(job)
+        if held is not None and held.generation == gen:
+            barrier = held.kv.barriers[name] = records.barrier_from(r)
+            held.kv._charge(len(name) + ARRIVAL_OVERHEAD + sum(len(a) + ARRIVAL_OVERHEAD for a in barrier.arrivals),
+                            check=False)
     meta = snap.meta or {}
     state.scheduler.queue = list(meta.get("queue", []))
     state.scheduler.deliveries = {k: list(v) for k, v in meta.get("deliveries", {}).items()}

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import grpc.aio
@@ -295,7 +295,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.GetStatusResponse(
             nodes=[
                 pb.NodeStatus(
-                    node_id=n.node_id, hostname=n.hostname, health=n.health.value,
+                    node_id=n.node_id, hostname=n.hostname, health=cast("pb.NodeHealth", n.health.value),
                     last_heartbeat_age_s=n.last_heartbeat_age_s, slots=n.slots, daemon=n.daemon, job=n.job,
                 )
                 for n in snap.nodes

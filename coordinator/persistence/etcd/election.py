@@ -43,7 +43,7 @@ class Term:
     """Monotonic time until which the lease surely lives (moved on by every renewal)."""
     ended: threading.Event = field(default_factory=threading.Event)
     """Set when the term is over (lost or resigned)."""
-    on_lost: Callable[[], None] = field(default=lambda: None)
+    on_lost: Callable[[], object] = field(default=lambda: None)
     """Called once, from the renewal thread, when the lease is lost."""
 
     def guard(self) -> Compare:
