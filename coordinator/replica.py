@@ -45,10 +45,10 @@ class _Redirect(grpc.GenericRpcHandler):
 
     def __init__(self, election: LeaderElection) -> None:
         self._election = election
-        self._handler = grpc.unary_unary_rpc_method_handler(self._answer)
+        self._handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(self._answer)
 
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        method = handler_call_details.method  # type: ignore[attr-defined]
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method = handler_call_details.method
         return self._handler if method.startswith(f"/{SERVICE_NAME}/") else None
 
     async def _answer(self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
@@ -74,11 +74,11 @@ class _LeaderGate(grpc.aio.ServerInterceptor):
         self._term = term
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         if handler is None or self._term.leads() or not method.startswith(f"/{SERVICE_NAME}/"):
             return handler
         address = self._term.address

@@ -27,7 +27,7 @@ MAX_PAUSE_S = 0.25
 def leader_named(e: grpc.RpcError) -> str | None:
     """The leader's address a follower replica gave with its UNAVAILABLE answer, if any."""
     try:
-        metadata = e.trailing_metadata() or ()  # type: ignore[attr-defined]
+        metadata: Any = e.trailing_metadata() or ()  # type: ignore[attr-defined]
     except Exception:
         return None
     for item in metadata:

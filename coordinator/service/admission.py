@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import grpc.aio
@@ -84,23 +84,24 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
         """By method: (the handler, its wrapped version), built once, not per call."""
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
         liveness = method in LIVENESS_METHODS
-        inner = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+        inner = cast("Callable[..., Any]",
+                     handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream)
         if inspect.isasyncgenfunction(inner):
             wrapped = replace_handler(handler, behavior=self._streaming(inner, liveness))
         else:  # unary, and streams written with context.write
@@ -112,7 +113,7 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
     def _unary(self, inner: Callable[[Any, Any], Awaitable[Any]], liveness: bool) -> Callable[..., Awaitable[Any]]:
         admission = self.admission
 
-        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             client = context.peer() or "?"
             refused = admission.enter(client, liveness)
             if refused is not None:
@@ -128,7 +129,7 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
                    ) -> Callable[..., AsyncIterator[Any]]:
         admission = self.admission
 
-        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             client = context.peer() or "?"
             refused = admission.enter(client, liveness)
             if refused is not None:

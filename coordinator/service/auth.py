@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import grpc.aio
@@ -35,14 +35,14 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
-        got = _metadata_value(handler_call_details.invocation_metadata, "authorization")  # type: ignore[attr-defined]
+        got = _metadata_value(handler_call_details.invocation_metadata, "authorization")
         raw = got.encode() if isinstance(got, str) else (got or b"")
         if hmac.compare_digest(raw, self._expected):
             return handler
@@ -50,17 +50,17 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return _deny(handler, f"{why} token: pass --token (or set AXOND_TOKEN) to the coordinator's token")
 
 
-def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
+def _deny(handler: grpc.RpcMethodHandler[Any, Any], message: str) -> grpc.RpcMethodHandler[Any, Any]:
+    async def abort(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     return replace_handler(handler, behavior=abort)
 
 
 def replace_handler(
-    handler: grpc.RpcMethodHandler, behavior: Callable[..., Any] | None = None,
+    handler: grpc.RpcMethodHandler[Any, Any], behavior: Callable[..., Any] | None = None,
     request_deserializer: Callable[[bytes], Any] | None = None,
-) -> grpc.RpcMethodHandler:
+) -> grpc.RpcMethodHandler[Any, Any]:
     """`handler` of the same kind with another behavior and/or request deserializer (for interceptors)."""
     kinds = (
         (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
@@ -69,8 +69,8 @@ def replace_handler(
         (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
     )
     current, make = next((k for k in kinds if k[0] is not None), kinds[-1])
-    return make(  # type: ignore[no-any-return]
-        behavior or current,
+    return make(
+        cast("grpc._Behaviour", behavior or current),
         request_deserializer=request_deserializer or handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )

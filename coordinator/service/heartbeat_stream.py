@@ -54,7 +54,7 @@ def heartbeat_reply(state: CoordinatorState, request: pb.HeartbeatRequest,
 
 
 async def serve_heartbeats(state: CoordinatorState, commits: GroupCommit | None, requests: AsyncIterator[Any],
-                           context: grpc.aio.ServicerContext,
+                           context: grpc.aio.ServicerContext[Any, Any],
                            stalls: StallWatch | None = None) -> AsyncIterator[pb.HeartbeatResponse]:
     """Answer each heartbeat of the stream in order; a domain error ends the stream with its status."""
     try:

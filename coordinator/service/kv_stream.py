@@ -89,7 +89,7 @@ class KvStreamHandler:
             return [_failed(r.id, e) for r in results]
         return results
 
-    async def serve(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    async def serve(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
                     ) -> AsyncIterator[pb.KvStreamResponse]:
         """Read requests and send answers until the client half-closes and every answer has left."""
         out: asyncio.Queue[list[pb.KvResult] | None] = asyncio.Queue()

@@ -34,7 +34,7 @@ log = logging.getLogger("axond.coordinator")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-Handler = Callable[["CoordinatorServicer", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+Handler = Callable[["CoordinatorServicer", Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]
 
 
 def _check_decoded(request: Any) -> None:
@@ -46,7 +46,7 @@ def _translated(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
     """Map domain exceptions to status codes; anything unexpected becomes INTERNAL, never a crash."""
 
     @functools.wraps(fn)
-    async def wrapper(self: CoordinatorServicer, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+    async def wrapper(self: CoordinatorServicer, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
         commits = self.commits
         try:
             _check_decoded(request)
@@ -196,13 +196,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Barrier(self, request: pb.BarrierRequest, context: Any) -> pb.BarrierResponse:
         return await self.kv.barrier(request, context.time_remaining())
 
-    async def KvStream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    async def KvStream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
                        ) -> AsyncIterator[pb.KvStreamResponse]:
         """The KV calls over one stream (see kv_stream.py)."""
         async for response in self.kv_stream.serve(requests, context):
             yield response
 
-    async def HeartbeatStream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    async def HeartbeatStream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
                               ) -> AsyncIterator[pb.HeartbeatResponse]:
         """Heartbeats over one stream per node (see heartbeat_stream.py)."""
         async for response in serve_heartbeats(self.state, self.commits, requests, context, self.stalls):
@@ -252,7 +252,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.state.push_output(request.job, request.node_id, lines)
         return pb.PushOutputResponse()
 
-    async def StreamJob(self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
+    async def StreamJob(self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.JobEvent]:
         """Every event of the job from its start, then new ones as they come, ending with JobFinished."""
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the StreamJob request body does not parse: {request.error[:200]}")

@@ -140,7 +140,8 @@ class EtcdClient:
     def txn(self, compare: Iterable[Compare], success: Iterable[RequestOp],
             failure: Iterable[RequestOp] = ()) -> rpc_pb2.TxnResponse:
         req = rpc_pb2.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
-        return self._call("Txn", lambda i, t: self._kv[i].Txn(req, timeout=t))
+        response: rpc_pb2.TxnResponse = self._call("Txn", lambda i, t: self._kv[i].Txn(req, timeout=t))
+        return response
 
     def compact(self, revision: int) -> None:
         """Drop etcd's history of older revisions (keys' current values stay)."""
