@@ -2,6 +2,8 @@
 
 - The generic backend interface and the rest of `axond.distributed` import nothing of the tcp backend (only the
   registry names it, by module path, and loads it when asked for).
+- The layers the package docstrings and docs/design/layout.md draw: the coordinator's state machine (`state/`) knows
+  nothing of gRPC or the service above it; `ops.py` and `numerics/` are leaves; the backends sit below the groups.
 - No new function-local `axond` import: such imports hide loops between packages. The ones there were when this
   test was written are listed in ALLOWED (file, module imported); a new one fails here. Entries whose import has
   gone may be deleted (the list only shrinks).
@@ -113,6 +115,45 @@ def test_the_generic_layers_import_nothing_of_tcp() -> None:
                  if rel.startswith("axond/distributed/") and not rel.startswith("axond/distributed/backends/tcp/")
                  for module in _all_imports(rel, tree) if module == TCP or module.startswith(TCP + ".")]
     assert not offenders, offenders
+
+
+def _names(rel: str, tree: ast.Module) -> Iterator[str]:
+    """Every module `tree` imports, and for `from M import n` also `M.n` (n may be a module)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for module in _module(rel, node):
+                yield module
+                if isinstance(node, ast.ImportFrom):
+                    yield from (f"{module}.{alias.name}" for alias in node.names)
+
+
+def _offenders(folder: str, banned: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(file, module) of every import, under `folder`, of a module in or under one of `banned`."""
+    return sorted({(rel, name) for rel, tree in _sources() if rel.startswith(folder) for name in _names(rel, tree)
+                   if any(name == b or name.startswith(b + ".") for b in banned)})
+
+
+def test_the_coordinator_state_machine_knows_nothing_of_grpc() -> None:
+    """coordinator/state/ (the state machine) imports neither grpc, the protos, nor the service or the server above
+    it: tests drive it with plain calls and an explicit `now`."""
+    assert not _offenders("coordinator/state/", ("grpc", "axond.v1", "axond.coordinator.service",
+                                                 "axond.coordinator.server", "axond.coordinator.replica"))
+
+
+def test_the_vocabulary_and_the_numerics_are_leaves() -> None:
+    """ops.py and numerics/ import nothing else of axond: every layer may use them."""
+    numerics = "axond.distributed.numerics"
+    offenders = sorted({(rel, name) for rel, tree in _sources()
+                        if rel == "axond/distributed/ops.py" or rel.startswith("axond/distributed/numerics/")
+                        for name in _names(rel, tree) if name.split(".")[0] in PACKAGES
+                        and name != numerics and not name.startswith(numerics + ".")})
+    assert not offenders
+
+
+def test_the_backends_sit_below_the_groups() -> None:
+    """No backend imports the module functions, ProcessGroup or the call forms built over them."""
+    assert not _offenders("axond/distributed/backends/", ("axond.distributed.api", "axond.distributed.process_group",
+                                                          "axond.distributed.forms"))
 
 
 def test_the_allow_list_scanner_sees_a_local_import() -> None:
