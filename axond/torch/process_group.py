@@ -21,6 +21,7 @@ from torch.autograd.profiler import record_function
 
 from axond.config import OVERLAP_ENV, parse_overlap
 from axond.distributed.backends.base import BackendOptions
+from axond.distributed.policy import TORCH_SYNC_BYTES
 from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
 from axond.errors import DistributedError
@@ -104,9 +105,9 @@ def overlaps(host_ranks: int, host_cores: int, threads: int) -> bool:
 class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
     """A torch ProcessGroup over one axond `ProcessGroup` (built from torch's store on first use)."""
 
-    SYNC_BYTES = 1 << 16
-    """Collectives moving at most this many bytes run on the calling thread (see `_launch`); larger ones too
-    where the host has no core to spare for a communication thread (`overlaps`)."""
+    SYNC_BYTES = TORCH_SYNC_BYTES
+    """Collectives moving at most this many bytes run on the calling thread (see `_launch`; the policy's
+    `TORCH_SYNC_BYTES`); larger ones too where the host has no core to spare for a communication thread (`overlaps`)."""
     SYNC_WHEN_WAITED = True
     """Collectives torch waits for at once (its options' `asyncOp` False) run on the calling thread whatever their
     size (see `_launch`)."""
