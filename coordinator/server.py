@@ -19,8 +19,8 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from axond.control.channel import read_file
 from axond.config import RuntimeEnv
+from axond.control.channel import read_file
 from axond.control.credentials import ensure_token, read_token_file
 from axond.coordinator.admission import Admission, AdmissionInterceptor
 from axond.coordinator.auth import TokenInterceptor

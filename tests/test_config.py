@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.tcp.transport.mesh import advertised_host
 from axond.distributed.init_method import open_store, parse
 from axond.errors import DistributedError
+from axond.v1 import coordinator_pb2 as pb
+from axond.worker.agent import JobRunner
+from axond.worker.spec import ConnectOptions, JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("axond", "coordinator", "worker")
@@ -159,3 +163,23 @@ def test_the_parts_passed_down_read_only_their_env() -> None:
     given = RuntimeEnv.from_env({"AXOND_TIMELINE": "/tl"})
     assert BackendOptions(env=given).for_new_group().env is given
     assert BackendOptions(env=given).env.observe.timeline_dir == "/tl"
+
+
+def test_the_worker_builds_its_ranks_environment_from_its_runtime_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's environment is the worker's RuntimeEnv (as the CLI read it) plus the job's: never os.environ now."""
+    monkeypatch.setenv("SET_AFTER_THE_WORKER_STARTED", "1")
+    env = RuntimeEnv.from_env({"PATH": "/bin", "FROM_THE_WORKER": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
+    conn = ConnectOptions("127.0.0.1:1", token="tok", env=env)
+    runner = JobRunner(None, conn, "node-a", None, JobSpec(argv=("true",), job="j", env={"FROM_THE_JOB": "2"}))  # type: ignore[arg-type]
+    joined = pb.JoinResponse(generation=3, rank_offset=2, local_world_size=2, world_size=4, node_rank=1, nnodes=2,
+                             job_secret=b"\x01")
+    try:
+        specs = runner._rank_specs(joined)
+    finally:
+        shutil.rmtree(runner._error_dir or "", ignore_errors=True)
+    assert [s.env["RANK"] for s in specs] == ["2", "3"]
+    for spec in specs:
+        assert spec.env["FROM_THE_WORKER"] == "1" and spec.env["FROM_THE_JOB"] == "2" and spec.env["PATH"] == "/bin"
+        assert "SET_AFTER_THE_WORKER_STARTED" not in spec.env
+        assert spec.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and spec.env["AXOND_TOKEN"] == "tok"
+        assert (spec.env["AXOND_JOB"], spec.env["AXOND_GENERATION"], spec.env["AXOND_JOB_SECRET"]) == ("j", "3", "01")

@@ -17,8 +17,8 @@ from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UN
 from axond.cli.common import coordinator_options_torchrun, error_kind, examples, fail, fail_coordinator, need_address
 from axond.cli.common import server_detail
 from axond.cli.common import runtime_env, waiting_notice
-from axond.errors import CoordinatorError
 from axond.config import RuntimeEnv
+from axond.errors import CoordinatorError
 from axond.observe.settings import METRICS_DIR_ENV
 from axond.observe.worker_metrics import WorkerMetrics
 from axond.worker.agent import JobOutcome, start_agent

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
-from axond.distributed.backends.tcp.transport.handshake import HANDSHAKE_TIMEOUT
 from axond.config import RuntimeEnv
+from axond.distributed.backends.tcp.transport.handshake import HANDSHAKE_TIMEOUT
 from axond.env_flags import parse_flag
 
 Algorithm = Literal["auto", "ring", "halving_doubling"]
