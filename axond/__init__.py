@@ -14,6 +14,7 @@ from axond.distributed.forms.seed import (
     sync_gradients, world_size,
 )
 from axond.distributed.numerics.reducers import BFLOAT16 as bfloat16
+from axond.config import RuntimeEnv as _RuntimeEnv
 from axond.distributed.diagnostics import failure as _failure
 from axond.distributed.diagnostics.failure import record
 from axond.errors import AxondError, BackendUnavailable, CoordinatorError, DistributedError, StoreError, StoreTimeout
@@ -21,7 +22,8 @@ from axond.store import InMemoryStore, PrefixStore, Store
 
 __version__ = "0.1.0"
 
-_failure.install_if_launched()  # launched by the worker: record even an exception before init_process_group
+# launched by the worker: record even an exception before init_process_group (a bad variable raises there, not here)
+_failure.install_if_launched(_RuntimeEnv.from_env(strict=False))
 
 __all__ = [
     "AxondError", "Backend", "BackendOptions", "BackendUnavailable", "CoordinatorError", "DistributedError",

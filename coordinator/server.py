@@ -19,8 +19,9 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from axond.config import RuntimeEnv
 from axond.control.channel import read_file
-from axond.control.credentials import default_state_dir, ensure_token, read_token_file
+from axond.control.credentials import ensure_token, read_token_file
 from axond.coordinator.service.admission import Admission, AdmissionInterceptor
 from axond.coordinator.service.auth import TokenInterceptor
 from axond.coordinator.service.decoding import DecodeGuard
@@ -223,6 +224,11 @@ async def _tick_loop(state: CoordinatorState, hub: WaitHub, max_sleep: float, st
             nxt = None
         sleep = max_sleep if nxt is None else min(max_sleep, max(0.0, nxt - now) + 0.001)
         await hub.wait([("timer",)], sleep)
+
+
+def default_state_dir() -> Path:
+    """The state directory of a config without one (`axond coordinator` passes its own, see `RuntimeEnv.state_dir`)."""
+    return RuntimeEnv.from_env().state_dir
 
 
 def resolve_server_token(config: CoordinatorConfig) -> tuple[str | None, Path | None]:

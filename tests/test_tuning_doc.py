@@ -1,5 +1,6 @@
-"""The tcp policy is a decision table: every threshold is one docstring line that names its entry in
-docs/design/tuning.md, and that page has an entry (machine, command, date) for each."""
+"""The policies are decision tables: every threshold is one docstring line that names its entry in
+docs/design/tuning.md, and that page has an entry (machine, command, date) for each. The tcp backend's thresholds
+live in its `policy`, the others in `axond.distributed.policy`; the compiled helper's copies of them agree."""
 
 from __future__ import annotations
 
@@ -7,16 +8,25 @@ import ast
 import re
 from pathlib import Path
 
+from axond.distributed import policy as generic_policy
+from axond.distributed.backends.tcp import policy as tcp_policy
+
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "axond" / "distributed" / "backends" / "tcp" / "policy.py"
+GENERIC = ROOT / "axond" / "distributed" / "policy.py"
+"""The thresholds used outside the tcp backend (host copies, the torch backend)."""
+FASTBOX = ROOT / "axond" / "distributed" / "backends" / "tcp" / "shm" / "_fastbox.c"
+MIRRORED = {"SLOW_DISTANCE": "HOST_COPY_SLOW_DISTANCE", "STRING_MIN": "STRING_MIN_BYTES",
+            "BOUNCE_BYTES": "BOUNCE_BYTES", "BOUNCE_MIN": "BOUNCE_MIN_BYTES"}
+"""#define of the compiled helper -> the policy constant it repeats (C cannot import it)."""
 TUNING = ROOT / "docs" / "design" / "tuning.md"
 NOT_THRESHOLDS = {"ORDERED_STORES", "ARENA_OPS", "LEADER_OPS"}
 """Module constants that are facts of the machine or lists of ops, not tuned values."""
 
 
 def _constants() -> dict[str, str]:
-    """Each upper-case constant of policy.py and its docstring."""
-    body = ast.parse(POLICY.read_text()).body
+    """Each upper-case constant of the two policy modules and its docstring."""
+    body = [*ast.parse(POLICY.read_text()).body, *ast.parse(GENERIC.read_text()).body]
     found = {}
     for node, after in zip(body, [*body[1:], None]):
         target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
@@ -39,3 +49,18 @@ def test_every_threshold_has_an_entry_with_what_it_decides_and_how_it_was_measur
     for name in set(_constants()) - NOT_THRESHOLDS:
         assert name in entries, f"docs/design/tuning.md has no entry for {name}"
         assert "**Decides:**" in entries[name] and "**Measured:**" in entries[name], name
+
+
+def test_one_value_per_threshold() -> None:
+    """No constant is in both policies, and each #define the compiled helper repeats equals its policy constant."""
+    assert not _names(POLICY) & _names(GENERIC), _names(POLICY) & _names(GENERIC)
+    defines = {name: int(n) << int(shift or 0) for name, n, shift in
+               re.findall(r"^#define (\w+) \(?([0-9]+)(?: << ([0-9]+))?\)?", FASTBOX.read_text(), flags=re.M)}
+    for define, name in MIRRORED.items():
+        value = getattr(tcp_policy, name, None) or getattr(generic_policy, name)
+        assert defines[define] == value, (define, defines[define], name, value)
+
+
+def _names(path: Path) -> set[str]:
+    return {t.id for node in ast.parse(path.read_text()).body if isinstance(node, ast.Assign)
+            for t in node.targets if isinstance(t, ast.Name) and t.id.isupper()}

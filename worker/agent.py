@@ -160,7 +160,7 @@ class JobRunner:
         return os.path.join(self._error_dir, f"g{generation}-rank{rank}.json")
 
     def _rank_specs(self, joined: pb.JoinResponse, master: str = "") -> list[RankSpec]:
-        base = dict(os.environ)
+        base = dict(self._conn.env.environ)
         base.update(self._spec.env or {})
         base.setdefault("PYTHONUNBUFFERED", "1")
         if joined.local_world_size > 1:
@@ -175,7 +175,7 @@ class JobRunner:
             AXOND_NODE_ID=self._node_id,
             NODE_RANK=str(joined.node_rank),
         )
-        base.update(torchrun_env(joined, self._spec.job, self._spec.max_restarts, master))
+        base.update(torchrun_env(joined, self._spec.job, self._spec.max_restarts, master, self._conn.env))
         specs = []
         for local_rank in range(joined.local_world_size):
             rank = joined.rank_offset + local_rank
@@ -198,7 +198,7 @@ class JobRunner:
                          f"{joined.node_rank} (axond orders the nodes by host name); GROUP_RANK and NODE_RANK say "
                          f"{joined.node_rank}")
         self._hb.track(spec.job, gen)
-        agent_store = AgentStore()
+        agent_store = AgentStore(self._conn.env.torch_store)
         try:
             master = agent_store.open(self._client, spec.job, joined, self._conn.address)
         except (CoordinatorError, StoreError, RuntimeError, OSError) as e:
@@ -226,7 +226,8 @@ class JobRunner:
         try:
             return PeerLink(self._client, self._spec.job, joined.generation, joined.node_rank, joined.nnodes,
                             joined.job_secret, lambda: self._hb.silent_for, lambda: self._hb.lease,
-                            env=dict(self._spec.env or {}), wait_s=self._spec.join_timeout)
+                            env=dict(self._spec.env or {}), wait_s=self._spec.join_timeout,
+                            ifname=self._conn.env.socket_ifname)
         except OSError as e:
             self._notice(f"cannot listen for the job's other nodes ({e}); riding out a coordinator outage then "
                          "relies on reaching the coordinator's machine")
@@ -235,7 +236,8 @@ class JobRunner:
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int],
                  guard: OutageGuard) -> JobOutcome | None:
         spec = self._spec
-        early = EarlyExitWatch(spec.job, self._notice, blocked=blocked_reader(self._client, spec.job, gen))
+        early = EarlyExitWatch(spec.job, self._notice, every=self._conn.env.wait_notice_s,
+                               blocked=blocked_reader(self._client, spec.job, gen))
         while True:
             result = ranks.poll()
             if result is not None and result.ok:

@@ -15,12 +15,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -63,9 +62,10 @@ def _mac(secret: bytes, *parts: object) -> str:
     return hmac.new(secret, "|".join(str(p) for p in parts).encode(), hashlib.sha256).hexdigest()
 
 
-def _advertised_host(coordinator: str, env: dict[str, str]) -> str:
-    """Where peers reach this node: AXOND_SOCKET_IFNAME's address, else the route to the coordinator, else loopback."""
-    ifname = env.get("AXOND_SOCKET_IFNAME") or os.environ.get("AXOND_SOCKET_IFNAME")
+def _advertised_host(coordinator: str, env: Mapping[str, str], ifname: str | None) -> str:
+    """Where peers reach this node: AXOND_SOCKET_IFNAME's address (the job's `env`, else the worker's `ifname`), else
+    the route to the coordinator, else loopback."""
+    ifname = env.get("AXOND_SOCKET_IFNAME") or ifname
     if ifname:
         return interface_address(ifname)
     host = urlsplit("//" + coordinator.split(",")[0]).hostname or ""
@@ -94,7 +94,7 @@ class PeerLink:
 
     def __init__(self, client: CoordinatorClient, job: str, generation: int, node_rank: int, nnodes: int,
                  secret: bytes, silent_for: Callable[[], float], lease: Callable[[], float],
-                 env: dict[str, str] | None = None, wait_s: float = 300.0) -> None:
+                 env: Mapping[str, str] | None = None, wait_s: float = 300.0, ifname: str | None = None) -> None:
         self._client, self.job, self.generation = client, job, generation
         self.node_rank, self.nnodes, self._secret = node_rank, nnodes, secret
         self._silent_for, self._lease = silent_for, lease
@@ -102,7 +102,7 @@ class PeerLink:
         self._closed = threading.Event()
         self.peers: dict[int, tuple[str, int]] = {}
         """The other nodes' addresses, by node rank, as far as they are known yet."""
-        host = _advertised_host(client.address, env or {})
+        host = _advertised_host(client.address, env or {}, ifname)
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(0.5)
         self.address = (host, self._listener.getsockname()[1])

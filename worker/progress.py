@@ -6,12 +6,12 @@ before `init_process_group` leaves the others waiting for their full timeout in 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from axond.config import WAIT_NOTICE_S as DEFAULT_WAIT_NOTICE_S
 from axond.distributed.diagnostics.inflight import Blocked, blocked_text
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
@@ -29,7 +29,7 @@ PROGRESS_REPEAT_S = 60.0
 EARLY_EXIT_NOTICE_S = 5.0
 """Seconds a local rank may have exited 0 while others still run before the worker says so."""
 
-WAIT_NOTICE_S = 60.0
+WAIT_NOTICE_S = DEFAULT_WAIT_NOTICE_S
 """Seconds between two "still waiting" notices while ranks wait (AXOND_WAIT_NOTICE_S overrides it)."""
 
 _OPEN_STATES = (pb.JOB_STATE_PENDING, pb.JOB_STATE_RESTARTING)
@@ -98,12 +98,6 @@ class JoinProgress:
                 self._notice(line)
 
 
-def wait_notice_every() -> float:
-    """Seconds between two "still waiting" notices (AXOND_WAIT_NOTICE_S, default `WAIT_NOTICE_S`; 0: never)."""
-    try:
-        return max(float(os.environ.get("AXOND_WAIT_NOTICE_S", WAIT_NOTICE_S)), 0.0)
-    except ValueError:
-        return WAIT_NOTICE_S
 
 
 def _ranks(ranks: Iterable[int]) -> str:
@@ -133,7 +127,7 @@ class EarlyExitWatch:
                  every: float | None = None,
                  blocked: Callable[[Sequence[int]], dict[int, Blocked] | None] | None = None) -> None:
         self._job, self._notice = job, notice
-        self._every = wait_notice_every() if every is None else every
+        self._every = WAIT_NOTICE_S if every is None else every
         self._after = min(after, self._every) if self._every > 0 else after
         self._blocked = blocked
         self._started = time.monotonic()

@@ -170,9 +170,9 @@ class Allocation:
     """SLURM_RESTART_COUNT: how often Slurm requeued the job."""
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Allocation:
-        """Read the allocation from srun's variables; SlurmError says what is missing or inconsistent."""
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str]) -> Allocation:
+        """Read the allocation from srun's variables in `env` (`RuntimeEnv.environ`); SlurmError says what is missing
+        or inconsistent."""
         job_id = env.get("SLURM_JOB_ID", "").strip() or env.get("SLURM_JOBID", "").strip()
         if not job_id:
             raise SlurmError("SLURM_JOB_ID is not set: run this inside a Slurm job, e.g. in an sbatch script: "

@@ -6,6 +6,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from axond.config import RuntimeEnv
+
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
 
@@ -30,6 +32,9 @@ class ConnectOptions:
     """Seconds to keep trying a coordinator that is not listening yet (it may be starting)."""
     on_wait: Callable[[str], None] | None = field(default=None, compare=False)
     """Receives one line when the client starts waiting for the coordinator."""
+    env: RuntimeEnv = field(default_factory=RuntimeEnv.from_env, compare=False)
+    """The worker's environment, read once by the CLI: credentials it names, the base of the ranks' environment, and
+    the worker's settings (AXOND_TORCH_STORE, AXOND_WAIT_NOTICE_S, AXOND_SOCKET_IFNAME); read when made if not given."""
 
     def connect(self) -> CoordinatorClient:
         """Open a client to the coordinator (raises `axond.CoordinatorError` on bad options)."""
@@ -37,7 +42,7 @@ class ConnectOptions:
 
         return connect(
             self.address, token=self.token, tls_ca=self.tls_ca, call_timeout=self.call_timeout,
-            connect_wait=self.connect_wait, on_wait=self.on_wait,
+            connect_wait=self.connect_wait, on_wait=self.on_wait, env=self.env,
         )
 
     def rank_env(self) -> dict[str, str]:
@@ -46,7 +51,7 @@ class ConnectOptions:
         from axond.control.credentials import resolve_token
 
         env = {"AXOND_COORDINATOR": self.address}
-        token = resolve_token(normalize_address(self.address), self.token)
+        token = resolve_token(normalize_address(self.address), self.token, env=self.env)
         if token:
             env["AXOND_TOKEN"] = token
         if self.tls_ca:

@@ -11,13 +11,13 @@ torchrun. Without torch only the names that need no store are set. AXOND_TORCH_S
 from __future__ import annotations
 
 import importlib.util
-import os
 import select
 import socket
 import threading
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from axond.config import RuntimeEnv
 from axond.errors import StoreError
 from axond.v1 import coordinator_pb2 as pb
 
@@ -32,9 +32,9 @@ ROLE_NAME = "default"
 """torchrun's default role name."""
 
 
-def wanted() -> bool:
-    """Whether to serve torch's store: torch importable here and AXOND_TORCH_STORE not "0"."""
-    if os.environ.get("AXOND_TORCH_STORE", "1") == "0":
+def wanted(allowed: bool = True) -> bool:
+    """Whether to serve torch's store: torch importable here and `allowed` (AXOND_TORCH_STORE not "0")."""
+    if not allowed:
         return False
     try:
         return importlib.util.find_spec("torch") is not None
@@ -61,7 +61,9 @@ class AgentStore:
     worker nothing. The pending connection waits in the listen backlog meanwhile.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allowed: bool = True) -> None:
+        self._allowed = allowed
+        """False when AXOND_TORCH_STORE=0 turned the store off."""
         self.address = ""
         self.error = ""
         self._store: Any = None
@@ -79,7 +81,7 @@ class AgentStore:
             except StoreError:
                 self.address = ""
             return self.address
-        if wanted():
+        if wanted(self._allowed):
             host = route_host(coordinator)  # only that address: loopback for a coordinator on this machine
             self._listener = socket.create_server((host, 0), backlog=1024)
             self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -116,9 +118,10 @@ class AgentStore:
             self._listener.close()  # a no-op once detached
 
 
-def torchrun_env(joined: pb.JoinResponse, job: str, max_restarts: int, master: str) -> dict[str, str]:
+def torchrun_env(joined: pb.JoinResponse, job: str, max_restarts: int, master: str,
+                 worker_env: RuntimeEnv | None = None) -> dict[str, str]:
     """The variables torchrun's agent sets that are the same for every local rank (RANK/LOCAL_RANK/ROLE_RANK
-    are per rank: see `rank_env`)."""
+    are per rank: see `rank_env`); TORCH_NCCL_ASYNC_ERROR_HANDLING as `worker_env` has it, else 1."""
     restart_count = max(max_restarts - joined.restarts_left, 0)
     env = {
         "GROUP_RANK": str(joined.node_rank),
@@ -130,7 +133,7 @@ def torchrun_env(joined: pb.JoinResponse, job: str, max_restarts: int, master: s
         "TORCHELASTIC_RUN_ID": job,
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": worker_env.nccl_async_error_handling if worker_env is not None else "1",
     }
     if master:
         host, _, port = master.rpartition(":")

@@ -10,6 +10,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from axond.config import ConfigError, RuntimeEnv
 from axond.control.channel import normalize_address
 from axond.control.client import DEFAULT_CONNECT_WAIT_S
 from axond.control.credentials import read_token_file
@@ -59,6 +60,16 @@ def _client_credentials(func: F) -> F:
         return func(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def runtime_env(**variables: str) -> RuntimeEnv:
+    """This command's environment, read once (with `variables` added, e.g. what a worker gives its ranks); a bad
+    variable is a usage error naming it."""
+    try:
+        env = RuntimeEnv.from_env(os.environ)
+        return env.with_vars(**variables) if variables else env
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from e
 
 
 def coordinator_options(func: F) -> F:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, examples, fail
+from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, examples, fail, runtime_env
 
 if TYPE_CHECKING:
     from axond.coordinator.limits import CoordinatorLimits
@@ -91,7 +91,8 @@ def coordinator(
     _check_port_free(host, port)
     config = CoordinatorConfig(
         limits=parse_limits(limits),
-        host=host, port=port, token=token, token_file=token_file, state_dir=state_dir, in_memory=in_memory, fsync=fsync,
+        host=host, port=port, token=token, token_file=token_file, state_dir=state_dir or str(runtime_env().state_dir),
+        in_memory=in_memory, fsync=fsync,
         state=state_url, advertise=advertise, leader_ttl=leader_ttl,
         insecure=insecure,
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,

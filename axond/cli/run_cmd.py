@@ -15,7 +15,7 @@ import click
 from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, connect_wait_option
 from axond.cli.common import coordinator_options, examples, explain, fail, fail_coordinator, is_connection_error
 from axond.cli.common import need_address
-from axond.cli.common import waiting_notice
+from axond.cli.common import runtime_env, waiting_notice
 from axond.control.client import CoordinatorClient, connect
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
@@ -105,7 +105,8 @@ def run(
         raise click.UsageError("submit with --nnodes N [--nproc-per-node K] -- CMD ARGS..., or follow a job with --attach JOB")
     env = _parse_env(env_pairs)
     try:
-        client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("run"))
+        client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("run"),
+                         env=runtime_env())
     except CoordinatorError as e:
         fail_coordinator("run", e, address)
     if attach is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_UNREACHABLE, connect_wait_option, fail
-from axond.cli.common import _check_address, waiting_notice
+from axond.cli.common import _check_address, runtime_env, waiting_notice
 from axond.cli.worker_cmd import _run_agent
 from axond.control.credentials import read_token_file
 from axond.errors import CoordinatorError
@@ -64,8 +64,9 @@ def slurm(
     linger: float, dry_run: bool, cmd: tuple[str, ...],
 ) -> None:
     """Run CMD as one job over the nodes of this Slurm step (the first node runs the coordinator)."""
+    env = runtime_env()
     try:
-        alloc = Allocation.from_env()
+        alloc = Allocation.from_env(env.environ)
         nproc = alloc.nproc(nproc_per_node)
         spec = JobSpec(argv=cmd, job=job or alloc.default_job(), nproc_per_node=nproc, min_nodes=alloc.nnodes,
                        max_nodes=alloc.nnodes, max_restarts=max_restarts, join_timeout=join_timeout,

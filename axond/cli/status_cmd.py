@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2
 
 from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, connect_wait_option, coordinator_options, examples
 from axond.cli.common import fail
-from axond.cli.common import fail_coordinator, need_address, waiting_notice
+from axond.cli.common import fail_coordinator, need_address, runtime_env, waiting_notice
 from axond.control.client import CoordinatorClient, connect
 from axond.distributed.diagnostics.inflight import blocked_text, read_report
 from axond.errors import CoordinatorError, StoreError
@@ -89,7 +89,8 @@ def status(
     """
     address = need_address(address)
     try:
-        client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("status"))
+        client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("status"),
+                         env=runtime_env())
     except CoordinatorError as e:
         fail_coordinator("status", e, address)
     try:
@@ -135,7 +136,7 @@ def health(address: str | None, token: str | None, tls_ca: str | None, timeout: 
     """Exit 0 if the coordinator answers the standard gRPC health check with SERVING."""
     address = need_address(address)
     try:
-        client = connect(address, token=token, tls_ca=tls_ca)
+        client = connect(address, token=token, tls_ca=tls_ca, env=runtime_env())
     except CoordinatorError as e:
         fail_coordinator("health", e, address)
     try:

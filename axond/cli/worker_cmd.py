@@ -16,8 +16,10 @@ from click.core import ParameterSource
 from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, connect_wait_option
 from axond.cli.common import coordinator_options_torchrun, error_kind, examples, fail, fail_coordinator, need_address
 from axond.cli.common import server_detail
-from axond.cli.common import waiting_notice
+from axond.cli.common import runtime_env, waiting_notice
+from axond.config import RuntimeEnv
 from axond.errors import CoordinatorError
+from axond.observe.settings import METRICS_DIR_ENV
 from axond.observe.worker_metrics import WorkerMetrics
 from axond.worker.agent import JobOutcome, start_agent
 from axond.worker.daemon import DaemonConfig, start_daemon
@@ -94,15 +96,16 @@ def worker(
     cmd: tuple[str, ...],
 ) -> None:
     """Run ranks of a job on this node (agent), or wait for submitted jobs (daemon)."""
+    env = runtime_env()
     if metrics_port is not None:
-        _serve_metrics(metrics_port)
+        env = runtime_env(**{METRICS_DIR_ENV: _serve_metrics(metrics_port)})  # where the ranks report
     if standalone:
         _check_standalone(ctx, cmd, nnodes, slots)
     else:
         address = need_address(address, "; or run a one-machine job with its own coordinator: "
                                          "`axond worker --standalone --nproc-per-node K -- CMD`")
     conn = ConnectOptions(address or "", token=token, tls_ca=tls_ca, connect_wait=connect_wait,
-                          on_wait=waiting_notice("worker"))
+                          on_wait=waiting_notice("worker"), env=env)
     if not cmd:
         given = [p for p in _AGENT_ONLY if ctx.get_parameter_source(p) is not ParameterSource.DEFAULT]
         if given:
@@ -126,13 +129,13 @@ def worker(
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     if standalone:
-        _run_standalone(spec)
+        _run_standalone(spec, env)
     else:
         _run_agent(conn, spec)
 
 
-def _serve_metrics(port: int) -> None:
-    """Serve the ranks' metrics until this process exits (the ranks inherit the directory they report into)."""
+def _serve_metrics(port: int) -> str:
+    """Serve the ranks' metrics until this process exits; the directory they report into (AXOND_METRICS_DIR)."""
     import atexit
 
     try:
@@ -141,6 +144,7 @@ def _serve_metrics(port: int) -> None:
         fail("worker", str(e), EXIT_FAILED)
     atexit.register(metrics.stop)
     click.echo(f"axond worker: metrics at http://0.0.0.0:{metrics.port}/metrics", err=True)
+    return str(metrics.directory)
 
 
 def _check_standalone(ctx: click.Context, cmd: tuple[str, ...], nnodes: str, slots: int | None) -> None:
@@ -156,7 +160,7 @@ def _check_standalone(ctx: click.Context, cmd: tuple[str, ...], nnodes: str, slo
                                "and one `axond worker --coordinator HOST:PORT` per machine)")
 
 
-def _run_standalone(spec: JobSpec) -> None:
+def _run_standalone(spec: JobSpec, env: RuntimeEnv) -> None:
     """Run `spec` against an in-process coordinator on loopback that lives as long as this command."""
     from axond.coordinator.server import CoordinatorConfig, start_coordinator
 
@@ -174,7 +178,7 @@ def _run_standalone(spec: JobSpec) -> None:
             click.echo(f"axond worker: --standalone coordinator at {coordinator.address} (token in {token_file}, "
                        "both gone when this job ends); see the job with: axond status --coordinator "
                        f"{coordinator.address} --token-file {token_file} --job {spec.job}", err=True)
-            _run_agent(ConnectOptions(coordinator.address, token=token), spec)
+            _run_agent(ConnectOptions(coordinator.address, token=token, env=env), spec)
         finally:
             coordinator.stop(grace=0.5)
     finally:

@@ -7,7 +7,6 @@ safe to repeat are retried briefly (bounded) when the coordinator is UNAVAILABLE
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from axond.config import RuntimeEnv
 from axond.control.channel import DEFAULT_CONNECT_TIMEOUT_S, normalize_address, open_channel, split_addresses
 from axond.control.credentials import LocalToken, token_source
 from axond.control.errors import translate
@@ -371,22 +371,24 @@ class CoordinatorClient:
 def connect(
     address: str | None = None, token: str | None = None, tls_ca: str | None = None, call_timeout: float = 10.0,
     *, token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-    connect_wait: float = 0.0, on_wait: Callable[[str], None] | None = None,
+    connect_wait: float = 0.0, on_wait: Callable[[str], None] | None = None, env: RuntimeEnv | None = None,
 ) -> CoordinatorClient:
-    """A client for the coordinator at `address` (else $AXOND_COORDINATOR).
+    """A client for the coordinator at `address` (else AXOND_COORDINATOR).
 
     The token comes from `token`, `token_file`, AXOND_TOKEN_FILE, AXOND_TOKEN or, for a coordinator on
     this machine, the default state directory (see axond.control.credentials); the CA and the client
-    certificate (mutual TLS) from AXOND_TLS_CA, AXOND_TLS_CERT and AXOND_TLS_KEY when not given.
+    certificate (mutual TLS) from AXOND_TLS_CA, AXOND_TLS_CERT and AXOND_TLS_KEY when not given. The variables
+    are those of `env` (default: this process's environment, read now).
     """
-    address = address or os.environ.get("AXOND_COORDINATOR", "")
+    env = env if env is not None else RuntimeEnv.from_env()
+    address = address or env.coordinator
     if not address:
         raise CoordinatorError("no coordinator address: pass --coordinator HOST:PORT or set AXOND_COORDINATOR")
     address = normalize_address(address)
-    source = token_source(address, token, token_file)
-    tls_ca = tls_ca or os.environ.get("AXOND_TLS_CA") or None
-    tls_cert = tls_cert or os.environ.get("AXOND_TLS_CERT") or None
-    tls_key = tls_key or os.environ.get("AXOND_TLS_KEY") or None
+    source = token_source(address, token, token_file, env)
+    tls_ca = tls_ca or env.tls_ca
+    tls_cert = tls_cert or env.tls_cert
+    tls_key = tls_key or env.tls_key
     return CoordinatorClient(
         address, source, tls_ca, call_timeout, tls_cert, tls_key, connect_wait=connect_wait, on_wait=on_wait
     )

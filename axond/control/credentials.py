@@ -14,20 +14,11 @@ import os
 import secrets
 from pathlib import Path
 
+from axond.config import RuntimeEnv
 from axond.errors import CoordinatorError
 
 TOKEN_FILE_NAME = "token"
 MAX_TOKEN_CHARS = 4096
-
-
-def default_state_dir() -> Path:
-    """$AXOND_STATE_DIR, else $XDG_STATE_HOME/axond, else ~/.local/state/axond."""
-    explicit = os.environ.get("AXOND_STATE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_STATE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
-    return base / "axond"
 
 
 def read_token_file(path: str | os.PathLike[str]) -> str:
@@ -75,15 +66,16 @@ def _is_local(address: str) -> bool:
 
 
 class LocalToken:
-    """The token file of the default state directory, read when first found (for a client that may start
+    """The token file of the default state directory `state_dir`, read when first found (for a client that may start
     before the coordinator on this machine has written it); None until then."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_dir: Path) -> None:
+        self._path = state_dir / TOKEN_FILE_NAME
         self._token: str | None = None
 
     def __call__(self) -> str | None:
         if self._token is None:
-            path = default_state_dir() / TOKEN_FILE_NAME
+            path = self._path
             try:
                 self._token = read_token_file(path) if path.is_file() else None
             except CoordinatorError:
@@ -91,27 +83,31 @@ class LocalToken:
         return self._token
 
 
-def token_source(address: str, token: str | None = None, token_file: str | None = None) -> str | LocalToken | None:
+def token_source(address: str, token: str | None = None, token_file: str | None = None,
+                 env: RuntimeEnv | None = None) -> str | LocalToken | None:
     """What a client sends to `address`: a fixed token, a `LocalToken` for a coordinator on this machine
     (found now or once it has started), or None."""
-    found = resolve_token(address, token, token_file)
+    env = env if env is not None else RuntimeEnv.from_env()
+    found = resolve_token(address, token, token_file, env)
     if found is None and _is_local(address):
-        return LocalToken()
+        return LocalToken(env.state_dir)
     return found
 
 
-def resolve_token(address: str, token: str | None = None, token_file: str | None = None) -> str | None:
-    """The token a client sends to `address` (None: send none), from the sources in the module doc."""
+def resolve_token(address: str, token: str | None = None, token_file: str | None = None,
+                  env: RuntimeEnv | None = None) -> str | None:
+    """The token a client sends to `address` (None: send none), from the sources in the module doc (the variables
+    of `env`; default: this process's environment, read now)."""
     if token:
         return token
-    token_file = token_file or os.environ.get("AXOND_TOKEN_FILE") or None
+    env = env if env is not None else RuntimeEnv.from_env()
+    token_file = token_file or env.token_file
     if token_file:
         return read_token_file(token_file)
-    env = os.environ.get("AXOND_TOKEN")
-    if env:
-        return env
+    if env.token:
+        return env.token
     if _is_local(address):
-        path = default_state_dir() / TOKEN_FILE_NAME
+        path = env.state_dir / TOKEN_FILE_NAME
         if path.is_file():
             try:
                 return read_token_file(path)

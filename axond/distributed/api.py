@@ -6,13 +6,13 @@ group's local ranks. Everything also takes `group=` so that code can pass groups
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, overload
 
+from axond.config import ConfigError, RuntimeEnv
 from axond.distributed.forms import torch_forms as tf
 from axond.distributed.backends.base import Array, BackendOptions
 from axond.distributed.backends.registry import available_backends, options_class
@@ -35,39 +35,39 @@ BACKEND_ALIASES = {"gloo": "tcp"}
 """torch backend names axond accepts for its own: gloo's role (CPU arrays over TCP) is the tcp backend's."""
 
 
-def _env_int(name: str, given: int | str | None) -> int:
+def _env_int(name: str, given: int | str | None, found: int | None) -> int:
+    """`given` (an argument) as an int, else `found` (variable `name` of the environment)."""
     if given is not None:
         try:
             return int(given)
         except ValueError as e:
             raise DistributedError(f"init_process_group: {name.lower()}={given!r} is not an integer") from e
-    raw = os.environ.get(name)
-    if raw is None:
+    if found is None:
         raise DistributedError(f"init_process_group: {name} is not set; launch with `axond worker`/`axond run` (or torchrun), "
                                f"or pass {name.lower()}=...")
-    try:
-        return int(raw)
-    except ValueError as e:
-        raise DistributedError(f"init_process_group: {name}={raw!r} is not an integer") from e
+    return found
 
 
-def _secret() -> bytes:
-    raw = os.environ.get("AXOND_JOB_SECRET", "")
+def read_env(env: RuntimeEnv | None = None) -> RuntimeEnv:
+    """`env`, else this process's environment read now; a bad variable raises `DistributedError` naming it."""
+    if env is not None:
+        return env
     try:
-        return bytes.fromhex(raw)
-    except ValueError as e:
-        raise DistributedError("AXOND_JOB_SECRET must be hex (as the worker sets it)") from e
+        return RuntimeEnv.from_env()
+    except ConfigError as e:
+        raise DistributedError(f"init_process_group: {e}") from e
 
 
 def init_process_group(backend: str | None = "auto", *args: Any, timeout: float | timedelta | None = None,
                        init_method: str | None = None, rank: int | None = None, world_size: int | None = None,
                        store: Store | None = None, local_rank: int | None = None, job_secret: bytes | None = None,
-                       host: str | None = None, port: int = 0) -> ProcessGroup:
+                       host: str | None = None, port: int = 0, env: RuntimeEnv | None = None) -> ProcessGroup:
     """Join the job's default group: everything from the environment unless given here.
 
-    Reads RANK, WORLD_SIZE, LOCAL_RANK, AXOND_COORDINATOR, AXOND_JOB, AXOND_GENERATION,
-    AXOND_JOB_SECRET (hex), AXOND_TOKEN and AXOND_TLS_CA, else MASTER_ADDR/MASTER_PORT; keyword
-    arguments override them. The second positional argument is the timeout (seconds or a timedelta,
+    Reads the environment once (`env`, default `axond.config.RuntimeEnv.from_env()`): RANK, WORLD_SIZE,
+    LOCAL_RANK, AXOND_COORDINATOR, AXOND_JOB, AXOND_GENERATION, AXOND_JOB_SECRET (hex), AXOND_TOKEN and
+    AXOND_TLS_CA, else MASTER_ADDR/MASTER_PORT, and passes it down to the store, the backend and failure
+    reporting; keyword arguments override them. The second positional argument is the timeout (seconds or a timedelta,
     default 300 s), or, if it is a str, torch's `init_method` followed by torch's positional order
     (`init_process_group("gloo", "env://")`; see `axond.distributed.init_method`). "gloo" means "tcp".
     Installs the hook that, on an uncaught exception, tells the peers why (see `axond.distributed.diagnostics.failure`).
@@ -90,26 +90,28 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
         raise ValueError("init_process_group: pass init_method or store, not both")
     method = parse(init_method or "env://")
     name = BACKEND_ALIASES.get((backend or "auto").lower(), (backend or "auto").lower())
+    env = read_env(env)
     with _lock:
         if _default is not None:
             raise DistributedError("init_process_group was already called in this process; "
                                    "call destroy_process_group() first")
-        r = _env_int("RANK", rank if rank is not None else method.params.get("rank"))
-        n = _env_int("WORLD_SIZE", world_size if world_size is not None else method.params.get("world_size"))
+        r = _env_int("RANK", rank if rank is not None else method.params.get("rank"), env.rank)
+        n = _env_int("WORLD_SIZE", world_size if world_size is not None else method.params.get("world_size"),
+                     env.world_size)
         if not 0 <= r < n:
             raise DistributedError(f"init_process_group: RANK={r} is outside WORLD_SIZE={n}")
-        secret = job_secret if job_secret is not None else _secret()
-        options = BackendOptions(timeout=limit, job_secret=secret, host=host, device=local_rank,
-                                 tcp=replace(options_class("tcp").from_env(), port=port) if port else None)
-        owned = open_store(method, r, n, limit, secret) if store is None else None
+        secret = job_secret if job_secret is not None else env.job_secret
+        options = BackendOptions(timeout=limit, job_secret=secret, host=host, device=local_rank, env=env,
+                                 tcp=replace(options_class("tcp").from_env(env.environ), port=port) if port else None)
+        owned = open_store(method, r, n, limit, secret, env) if store is None else None
         try:
             _default = create_group(store if store is not None else owned.store, r, n, name, options)  # type: ignore[union-attr]
         except BaseException:
             _close_owned(owned)
             raise
         _owned = owned
-        install_failure_hook()
-        _local_rank = int(local_rank if local_rank is not None else os.environ.get("LOCAL_RANK", "0"))
+        install_failure_hook()  # reporting as `env` says: the group's `track` configured it
+        _local_rank = int(local_rank if local_rank is not None else env.local_rank or 0)
         return _default
 
 

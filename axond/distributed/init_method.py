@@ -10,14 +10,14 @@ seconds or a `datetime.timedelta`, as torch's are.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from urllib.parse import parse_qs, urlsplit
 
+from axond.config import RuntimeEnv
 from axond.errors import DistributedError
-from axond.distributed.tcp_store_torch import TorchAgentStore, agent_prefix, use_agent_store
+from axond.distributed.tcp_store_torch import TorchAgentStore, agent_prefix
 from axond.store import Store
 
 SCHEMES = ("env", "tcp", "file", "axond")
@@ -86,8 +86,11 @@ class OpenedStore:
     closers: list[Callable[[], None]] = field(default_factory=list)
 
 
-def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret: bytes) -> OpenedStore:
-    """Open the store `method` names for global rank `rank` of `size` (rank 0 serves a TCPStore)."""
+def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret: bytes,
+               env: RuntimeEnv | None = None) -> OpenedStore:
+    """Open the store `method` names for global rank `rank` of `size` (rank 0 serves a TCPStore); `env://` and the
+    coordinator's credentials from `env` (default: nothing set)."""
+    env = env if env is not None else RuntimeEnv()
     if method.scheme == "tcp":
         return _tcp_store(method.host, method.port, rank, timeout, secret, f"tcp://{method.host}:{method.port}")
     if method.scheme == "file":
@@ -96,26 +99,20 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
         files = FileStore(method.path)
         return OpenedStore(files, [files.close])
     if method.scheme == "axond":
-        return _coordinator_store(f"{method.host}:{method.port}")
-    coordinator = os.environ.get("AXOND_COORDINATOR")
-    if coordinator:
-        return _coordinator_store(coordinator)
-    path = os.environ.get("AXOND_FILE_STORE")
-    if path:
+        return _coordinator_store(f"{method.host}:{method.port}", env)
+    if env.coordinator:
+        return _coordinator_store(env.coordinator, env)
+    if env.file_store:
         from axond.distributed.file_store import FileStore
 
-        files = FileStore(path)
+        files = FileStore(env.file_store)
         return OpenedStore(files, [files.close])
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if addr and port:
-        try:
-            number = int(port)
-        except ValueError as e:
-            raise DistributedError(f"init_process_group: MASTER_PORT={port!r} is not a port number") from e
-        if use_agent_store():
-            return _agent_store(addr, number, size, timeout)
-        return _tcp_store(addr, number, rank, timeout, secret, f"MASTER_ADDR:MASTER_PORT ({addr}:{port})")
-    missing = "MASTER_PORT" if addr else "MASTER_ADDR" if port else "MASTER_ADDR and MASTER_PORT"
+    addr, port = env.master_addr, env.master_port
+    if addr and port is not None:
+        if env.agent_store:
+            return _agent_store(addr, port, size, timeout, agent_prefix(env.elastic_run_id, env.restart_count))
+        return _tcp_store(addr, port, rank, timeout, secret, f"MASTER_ADDR:MASTER_PORT ({addr}:{port})")
+    missing = "MASTER_PORT" if addr else "MASTER_ADDR" if port is not None else "MASTER_ADDR and MASTER_PORT"
     raise DistributedError("init_process_group: no store; set AXOND_COORDINATOR (what `axond worker` does), "
                            f"or {missing} (what torchrun does; rank 0 serves the store), AXOND_FILE_STORE=<shared "
                            "dir> for single-host runs, or pass store=... or init_method=...")
@@ -138,26 +135,20 @@ def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, w
     return OpenedStore(store, [store.close])
 
 
-def _agent_store(host: str, port: int, size: int, timeout: float) -> OpenedStore:
+def _agent_store(host: str, port: int, size: int, timeout: float, prefix: str) -> OpenedStore:
     """A client of the torch TCPStore the launcher (torchrun's agent, `axond worker`) serves on MASTER_PORT."""
     from axond.errors import StoreError
 
     try:
-        store = TorchAgentStore(host, port, size, timeout, prefix=agent_prefix())
+        store = TorchAgentStore(host, port, size, timeout, prefix=prefix)
     except StoreError as e:
         raise DistributedError(f"init_process_group: {e}") from e
     return OpenedStore(store, [store.close])
 
 
-def _coordinator_store(address: str) -> OpenedStore:
+def _coordinator_store(address: str, env: RuntimeEnv) -> OpenedStore:
     from axond.control import client
 
-    conn = client.connect(address, token=os.environ.get("AXOND_TOKEN") or None,
-                          tls_ca=os.environ.get("AXOND_TLS_CA") or None)
-    try:
-        generation = int(os.environ.get("AXOND_GENERATION", "1"))
-    except ValueError as e:
-        conn.close()
-        raise DistributedError(f"AXOND_GENERATION={os.environ['AXOND_GENERATION']!r} is not an integer") from e
-    store = conn.store(os.environ.get("AXOND_JOB", "default"), generation)
+    conn = client.connect(address, token=env.token, tls_ca=env.tls_ca, env=env)
+    store = conn.store(env.job, env.generation)
     return OpenedStore(store, [store.close, conn.close])

@@ -17,7 +17,6 @@ from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions,
 from axond.distributed.backends.registry import create_backend, resolve_backend
 from axond.distributed.diagnostics.failure import concise, debug, track, untrack
 from axond.distributed.diagnostics.inflight import REPORTER, describe, describe_others
-from axond.observe import SETTINGS as OBSERVE
 from axond.observe.collectives import instrument
 from axond.distributed.init_method import seconds
 from axond.distributed.diagnostics.monitored_barrier import monitored_barrier
@@ -61,7 +60,7 @@ class ProcessGroup:
         self._monitored = 0
         if backend is not None:
             track(self)
-            if OBSERVE.active:  # metrics or timeline on: time this group's collectives
+            if options.runtime_env().observe.active:  # metrics or timeline on: time this group's collectives
                 instrument(self)
         if backend is not None and store is not None:
             REPORTER.register(store, global_rank, self)
@@ -425,7 +424,7 @@ def create_group(store: Store, rank: int, size: int, backend: str = "tcp",
     """Build one member of a group from a store shared by all members (tests, benchmarks, threads)."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside world size {size}")
-    options = options or BackendOptions()
+    options = (options or BackendOptions()).resolved()  # the environment read once, for the group and its subgroups
     members = list(ranks) if ranks is not None else list(range(size))
     impl = create_backend(resolve_backend(backend), PrefixStore(f"pg/{name}", store), rank, size, name, options)
     return ProcessGroup(impl, members, name, members[rank], options, store)

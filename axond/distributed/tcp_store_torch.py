@@ -9,7 +9,6 @@ under `axond/<run id>/attempt-<restart count>/`, so a restarted attempt never re
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -18,16 +17,10 @@ from axond.errors import DistributedError, StoreError, StoreTimeout
 from axond.store import MAX_VALUE_BYTES, Store
 
 
-def use_agent_store() -> bool:
-    """Whether the launcher serves the store itself (torchrun's TORCHELASTIC_USE_AGENT_STORE=True)."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
-def agent_prefix() -> str:
-    """This attempt's key prefix (run id and restart count from torchrun's variables)."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or "none"
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
-    return f"axond/{run}/attempt-{attempt}/"
+def agent_prefix(run_id: str | None, restart_count: str | None) -> str:
+    """This attempt's key prefix (run id and restart count: torchrun's TORCHELASTIC_RUN_ID and
+    TORCHELASTIC_RESTART_COUNT)."""
+    return f"axond/{run_id or 'none'}/attempt-{restart_count or '0'}/"
 
 
 def _timeout_error(e: Exception) -> bool:

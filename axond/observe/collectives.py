@@ -16,9 +16,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from axond.config import RuntimeEnv
 from axond.observe import timeline
 from axond.observe.rank_metrics import RankMetrics
-from axond.observe.settings import SETTINGS
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all",
        "send", "recv", "isend", "irecv", "barrier")
@@ -31,17 +31,22 @@ _metrics: RankMetrics | None = None
 _metrics_lock = threading.Lock()
 
 
-def rank_metrics() -> RankMetrics | None:
-    """This process's collective counters (started on first use), or None without a metrics directory."""
+def rank_metrics(env: RuntimeEnv) -> RankMetrics | None:
+    """This process's collective counters (started on first use, named after `env`'s rank, job and generation), or
+    None without a metrics directory."""
     global _metrics
-    if not SETTINGS.metrics_dir:
+    if not env.observe.metrics_dir:
         return None
     with _metrics_lock:
         if _metrics is None:
-            env = os.environ
-            _metrics = RankMetrics(SETTINGS.metrics_dir, env.get("RANK", "") or str(os.getpid()),
-                                   env.get("AXOND_JOB", ""), env.get("AXOND_GENERATION", ""))
+            _metrics = RankMetrics(env.observe.metrics_dir, _rank_name(env), env.environ.get("AXOND_JOB", ""),
+                                   env.environ.get("AXOND_GENERATION", ""))
         return _metrics
+
+
+def _rank_name(env: RuntimeEnv) -> str:
+    """RANK as set, else this process's id."""
+    return str(env.rank) if env.rank is not None else str(os.getpid())
 
 
 class _PathProbe:
@@ -91,25 +96,28 @@ def _is_work(result: Any) -> bool:
 
 
 def instrument(group: Any) -> None:
-    """Time `group`'s collectives (a no-op unless metrics or the timeline are on, or for a non-member)."""
-    if not SETTINGS.active or getattr(group, "backend", None) is None:
+    """Time `group`'s collectives (a no-op unless its environment, `group.options.env`, turns metrics or the timeline
+    on, or for a non-member)."""
+    env: RuntimeEnv = group.options.runtime_env()
+    if not env.observe.active or getattr(group, "backend", None) is None:
         return
-    wrap_group(group, rank_metrics(), _tracer())
+    wrap_group(group, rank_metrics(env), _tracer(env))
 
 
 _tracer_failed = False
 
 
-def _tracer() -> timeline.Tracer | None:
+def _tracer(env: RuntimeEnv) -> timeline.Tracer | None:
     """The timeline's tracer, or None when it is off or its directory cannot be written (said once)."""
     global _tracer_failed
-    if not SETTINGS.timeline_dir or _tracer_failed:
+    directory = env.observe.timeline_dir
+    if not directory or _tracer_failed:
         return None
     try:
-        return timeline.start(SETTINGS.timeline_dir)
+        return timeline.start(directory, _rank_name(env))
     except OSError as e:
         _tracer_failed = True
-        warnings.warn(f"AXOND_TIMELINE={SETTINGS.timeline_dir}: cannot write a timeline there ({e.strerror}); "
+        warnings.warn(f"AXOND_TIMELINE={directory}: cannot write a timeline there ({e.strerror}); "
                       "this rank runs without one", RuntimeWarning, stacklevel=2)
         return None
 

@@ -1,8 +1,8 @@
-"""The environment of metrics and timelines, read once (see docs/environment.md)."""
+"""What a process records about its collectives: metrics and timeline (see docs/environment.md), read with the
+rest of the environment by `axond.config.RuntimeEnv.from_env`."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,10 +25,6 @@ class ObserveSettings:
         return bool(self.metrics_dir or self.timeline_dir)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ObserveSettings:
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str]) -> ObserveSettings:
+        """The settings AXOND_METRICS_DIR and AXOND_TIMELINE of `env` give."""
         return cls(metrics_dir=env.get(METRICS_DIR_ENV, "").strip(), timeline_dir=env.get(TIMELINE_ENV, "").strip())
-
-
-SETTINGS = ObserveSettings.from_env()
-"""This process's settings (read at import; ranks get their environment before they start)."""

@@ -130,11 +130,12 @@ _start_lock = threading.Lock()
 
 
 def start(directory: str, rank: str | None = None) -> Tracer:
-    """The process's tracer, started on first use (writing into `directory`)."""
+    """The process's tracer, started on first use (writing into `directory`, its file named after `rank`, else this
+    process's id)."""
     global TRACER
     with _start_lock:
         if TRACER is None:
-            TRACER = Tracer(directory, rank if rank is not None else os.environ.get("RANK", "") or str(os.getpid()))
+            TRACER = Tracer(directory, rank or str(os.getpid()))
         return TRACER
 
 

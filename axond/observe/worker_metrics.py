@@ -8,7 +8,6 @@ per-rank families labelled job, rank, op and group.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,7 +15,6 @@ from typing import Any
 
 from axond.observe.exposition import Family, render
 from axond.observe.http import MetricsServer
-from axond.observe.settings import METRICS_DIR_ENV
 
 
 def _rank_files(directory: Path) -> list[dict[str, Any]]:
@@ -61,8 +59,8 @@ def worker_families(directory: Path) -> list[Family]:
 
 
 class WorkerMetrics:
-    """A worker's metrics: the directory its ranks report into (set in this process's environment, which the
-    ranks inherit) and the HTTP server; `stop` removes both."""
+    """A worker's metrics: the directory its ranks report into (the worker sets `AXOND_METRICS_DIR` to `directory`
+    in its ranks' environment) and the HTTP server; `stop` removes both."""
 
     def __init__(self, host: str, port: int) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="axond-metrics-"))
@@ -71,7 +69,6 @@ class WorkerMetrics:
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
-        os.environ[METRICS_DIR_ENV] = str(self.directory)
 
     @property
     def port(self) -> int:
@@ -79,5 +76,4 @@ class WorkerMetrics:
 
     def stop(self) -> None:
         self.server.stop()
-        os.environ.pop(METRICS_DIR_ENV, None)
         shutil.rmtree(self.directory, ignore_errors=True)

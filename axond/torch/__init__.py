@@ -8,12 +8,12 @@ coordinator. torch's DDP, FSDP2, DTensor and the object collectives then run on 
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from axond.distributed.api import _secret
+from axond.config import RuntimeEnv
+from axond.distributed.api import read_env
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.tcp.transport.mesh import route_address
 from axond.distributed.diagnostics.failure import install as install_failure_hook
@@ -34,33 +34,35 @@ DEVICES = devices_here()
 def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> AxondProcessGroup:
     """torch's backend creator: one member of an axond group rendezvousing over torch's (prefixed) store; the
     subclass that also takes CUDA tensors where they can run."""
+    env = read_env()  # this group's environment, read once as axond.init_process_group reads it
     install_failure_hook()  # as axond.init_process_group does: an uncaught exception tells the peers its cause
-    options = BackendOptions(timeout=timeout_seconds(timeout), job_secret=_secret(), host=_toward_store(store))
+    options = BackendOptions(timeout=timeout_seconds(timeout), job_secret=env.job_secret,
+                             host=_toward_store(store, env), env=env)
     if "cuda" in DEVICES:
         from axond.torch.cuda_process_group import AxondCudaProcessGroup
 
-        return AxondCudaProcessGroup(_attempt_store(store), rank, size, options)
-    return AxondProcessGroup(_attempt_store(store), rank, size, options)
+        return AxondCudaProcessGroup(_attempt_store(store, env), rank, size, options)
+    return AxondProcessGroup(_attempt_store(store, env), rank, size, options)
 
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
-def _attempt_store(store: dist.Store) -> Store:
+def _attempt_store(store: dist.Store, env: RuntimeEnv) -> Store:
     """torch's store for the group's rendezvous, under a prefix of torchrun's attempt (TORCHELASTIC_RESTART_COUNT):
     torchrun keeps one store across `--max-restarts`, and a restarted group must publish and read its peers'
     addresses afresh, never the dead attempt's (whose ports are closed, or reused by strangers)."""
-    attempt = os.environ.get(RESTART_ENV)
+    attempt = env.restart_count
     over = AxondStoreOverTorch(store)
     return PrefixStore(f"attempt-{attempt}", over) if attempt else over
 
 
-def _toward_store(store: dist.Store) -> str | None:
+def _toward_store(store: dist.Store, env: RuntimeEnv) -> str | None:
     """This rank's address on the route to the host of torch's TCP store (`tcp://` or `env://` rendezvous), so
     ranks on other machines reach it as gloo's would; None (the usual choice: AXOND_SOCKET_IFNAME, the route to
     the coordinator or MASTER_ADDR, else loopback) for other stores, a store on this machine or when
     AXOND_SOCKET_IFNAME picks the interface."""
-    if os.environ.get("AXOND_SOCKET_IFNAME"):
+    if env.socket_ifname:
         return None
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store

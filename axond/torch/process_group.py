@@ -8,8 +8,7 @@ Ranks in the options (rootRank, dstRank, srcRank) are group ranks, as axond's gr
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 from itertools import accumulate
@@ -20,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from axond.config import OVERLAP_ENV, parse_overlap
 from axond.distributed.backends.base import BackendOptions
+from axond.distributed.policy import TORCH_SYNC_BYTES
 from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_group
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import DistributedError
@@ -32,9 +33,6 @@ from axond.torch.sparse import sparse_all_reduce
 from axond.torch.tensors import Staged, copy_into, readonly, stage
 
 BACKEND = "axond"
-OVERLAP_ENV = "AXOND_TORCH_OVERLAP"
-"""`auto` (default), `1` or `0`: whether async collectives over 64 KiB run on a communication thread (see
-`overlap_setting`)."""
 _PLAIN_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
                            torch.int8, torch.uint8, torch.bool))
 """Dtypes whose CPU tensors are NumPy arrays as they are (`t.numpy()`: no bfloat16 widening, no conjugation)."""
@@ -90,18 +88,10 @@ def _premultiplied(x: np.ndarray, factor: float | None, in_place: bool) -> np.nd
     return np.multiply(x, x.dtype.type(factor))
 
 
-def overlap_setting(environ: Any = None) -> bool | None:
-    """AXOND_TORCH_OVERLAP: True (`1`), False (`0`) or None (`auto`, the default: decided per group by
-    `overlaps`)."""
-    value = (os.environ if environ is None else environ).get(OVERLAP_ENV, "auto").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{OVERLAP_ENV}={value!r}: use auto, 1 (async collectives on a communication thread) or 0 "
-                     "(on the calling thread)")
+def overlap_setting(environ: Mapping[str, str]) -> bool | None:
+    """AXOND_TORCH_OVERLAP of `environ`: True (`1`), False (`0`) or None (`auto`, the default: decided per group by
+    `overlaps`); `RuntimeEnv.torch_overlap` is this process's."""
+    return parse_overlap(environ.get(OVERLAP_ENV))
 
 
 def overlaps(host_ranks: int, host_cores: int, threads: int) -> bool:
@@ -115,9 +105,9 @@ def overlaps(host_ranks: int, host_cores: int, threads: int) -> bool:
 class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
     """A torch ProcessGroup over one axond `ProcessGroup` (built from torch's store on first use)."""
 
-    SYNC_BYTES = 1 << 16
-    """Collectives moving at most this many bytes run on the calling thread (see `_launch`); larger ones too
-    where the host has no core to spare for a communication thread (`overlaps`)."""
+    SYNC_BYTES = TORCH_SYNC_BYTES
+    """Collectives moving at most this many bytes run on the calling thread (see `_launch`; the policy's
+    `TORCH_SYNC_BYTES`); larger ones too where the host has no core to spare for a communication thread (`overlaps`)."""
     SYNC_WHEN_WAITED = True
     """Collectives torch waits for at once (its options' `asyncOp` False) run on the calling thread whatever their
     size (see `_launch`)."""
@@ -133,7 +123,7 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
         self._completer: Completer | None = None
         self._seq = 0
         """Ops started on this group (`_get_sequence_number_for_group`)."""
-        self._overlap = overlap_setting()
+        self._overlap = options.runtime_env().torch_overlap
         """Whether async collectives over SYNC_BYTES run on the communication thread (None: decided with the group)."""
 
     @property

@@ -8,8 +8,7 @@ AXOND_COORDINATOR is set (an axond-launched rank) does it use the coordinator in
 from __future__ import annotations
 
 import itertools
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -19,7 +18,9 @@ import sys
 
 import torch.distributed.rendezvous  # noqa: F401 -- the module, shadowed by its function on torch.distributed
 
+from axond.config import RuntimeEnv
 from axond.control import client
+from axond.distributed.api import read_env
 from axond.errors import DistributedError
 from axond.store import PrefixStore
 from axond.torch.store import TorchStore
@@ -33,10 +34,11 @@ destroy_process_group never reads the addresses an earlier one published (every 
 """Stores handed to torch: torch keeps only their C++ half, so the Python object (its methods) is kept here."""
 
 
-def _setting(query: dict[str, list[str]], key: str, env: str, default: str | None = None) -> str:
+def _setting(query: dict[str, list[str]], key: str, environ: Mapping[str, str], env: str,
+             default: str | None = None) -> str:
     if key in query and query[key][-1] not in ("", "-1"):
         return query[key][-1]
-    value = os.environ.get(env, default)
+    value = environ.get(env, default)
     if value is None:
         raise DistributedError(f"axond:// rendezvous: {env} is not set; launch with `axond worker`/`axond run`, "
                                f"pass {key}= to init_process_group, or add ?{key}=... to the URL")
@@ -50,39 +52,44 @@ def _int(name: str, raw: str) -> int:
         raise DistributedError(f"axond:// rendezvous: {name}={raw!r} is not an integer") from e
 
 
-def coordinator_store(address: str, query: dict[str, list[str]], timeout: timedelta) -> tuple[dist.Store, int, int]:
-    """(TorchStore over the KV of the job's generation at `address`, rank, world size) from the query or env.
+def coordinator_store(address: str, query: dict[str, list[str]], timeout: timedelta,
+                      env: RuntimeEnv | None = None) -> tuple[dist.Store, int, int]:
+    """(TorchStore over the KV of the job's generation at `address`, rank, world size) from the query or `env`
+    (default: this process's environment, read now).
 
     The query may carry rank, world_size, job and generation; AXOND_TOKEN and AXOND_TLS_CA give the credentials.
     The keys of the n-th rendezvous of this process live under `init-n` (see `_INITS`).
     """
-    rank = _int("rank", _setting(query, "rank", "RANK"))
-    world_size = _int("world_size", _setting(query, "world_size", "WORLD_SIZE"))
-    job = _setting(query, "job", "AXOND_JOB", "default")
-    generation = _int("generation", _setting(query, "generation", "AXOND_GENERATION", "1"))
+    env = read_env(env)
+    rank = _int("rank", _setting(query, "rank", env.environ, "RANK"))
+    world_size = _int("world_size", _setting(query, "world_size", env.environ, "WORLD_SIZE"))
+    job = _setting(query, "job", env.environ, "AXOND_JOB", "default")
+    generation = _int("generation", _setting(query, "generation", env.environ, "AXOND_GENERATION", "1"))
     if not 0 <= rank < world_size:
         raise DistributedError(f"axond:// rendezvous: rank {rank} is outside world size {world_size}")
-    conn = client.connect(address)
+    conn = client.connect(address, env=env)
     store = TorchStore(PrefixStore(f"init-{next(_INITS)}", conn.store(job, generation)), timeout)
     store.connection = conn  # type: ignore[attr-defined]  # the channel lives as long as the store
     _LIVE.append(store)
     return store, rank, world_size
 
 
-def _axond_handler(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+def _axond_handler(url: str, timeout: timedelta = timedelta(seconds=300), env: RuntimeEnv | None = None,
+                   **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     parsed = urlparse(url)
     if not parsed.netloc:
         raise DistributedError(f"init_method {url!r}: write axond://HOST:PORT (the coordinator's address)")
-    yield coordinator_store(parsed.netloc, parse_qs(parsed.query), timeout)
+    yield coordinator_store(parsed.netloc, parse_qs(parsed.query), timeout, env)
     raise DistributedError("axond:// rendezvous cannot be restarted within one process; start the rank again")
 
 
 def _env_handler(torch_env: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
     def handler(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any) -> Iterator[Any]:
-        coordinator = os.environ.get("AXOND_COORDINATOR")
-        if "MASTER_ADDR" in os.environ or not coordinator:
+        env = read_env()
+        coordinator = env.coordinator
+        if "MASTER_ADDR" in env.environ or not coordinator:
             return torch_env(url, timeout=timeout, **kwargs)
-        return _axond_handler(f"{SCHEME}://{coordinator}?{urlparse(url).query}", timeout=timeout)
+        return _axond_handler(f"{SCHEME}://{coordinator}?{urlparse(url).query}", timeout=timeout, env=env)
     handler.axond = True  # type: ignore[attr-defined]
     return handler
 

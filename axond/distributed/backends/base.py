@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
+from axond.config import RuntimeEnv
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.work import PendingSend
 from axond.errors import DistributedError
@@ -54,11 +55,11 @@ class Completion(Protocol):
 
 class BackendSettings(Protocol):
     """What a backend's own options class provides (tcp: `TcpOptions`): a frozen dataclass it declares as its
-    `Backend.options_class`, read from the environment unless given in `BackendOptions`."""
+    `Backend.options_class`, read from the group's `RuntimeEnv` unless given in `BackendOptions`."""
 
     @classmethod
-    def from_env(cls) -> Any:
-        """The options the environment sets (the defaults where it sets none)."""
+    def from_env(cls, environ: Mapping[str, str]) -> Any:
+        """The options the variables of `environ` (`RuntimeEnv.environ`) set (the defaults where they set none)."""
 
     def for_new_group(self) -> Any:
         """These options for a group made by `new_group` (settings only the default group has, like a fixed port,
@@ -74,23 +75,35 @@ class BackendOptions:
     job_secret: bytes = b""
     """Shared secret of the job generation; peers prove they know it before any data flows."""
     host: str | None = None
-    """Address to listen on and advertise (None: from AXOND_SOCKET_IFNAME, else the hostname's)."""
+    """Address to listen on and advertise (None: from AXOND_SOCKET_IFNAME, else the route to the coordinator)."""
     device: int | None = None
     """GPU index for device backends (None: LOCAL_RANK)."""
+    env: RuntimeEnv | None = None
+    """The process's environment as `init_process_group` read it (`axond.config`); None: read when a group is created
+    with these options (`create_group` fills it in, see `resolved`)."""
     per_backend: Mapping[str, BackendSettings] = field(default_factory=dict)
     """Backend name -> that backend's own options, an instance of its `options_class` (`BackendOptions(tcp=TcpOptions(
-    ...))`); a backend not named reads its own from the environment when the group is created. Checked by
+    ...))`); a backend not named reads its own from `env` when the group is created. Checked by
     `registry.check_options`."""
 
     def __init__(self, timeout: float = 300.0, job_secret: bytes = b"", host: str | None = None,
                  device: int | None = None, per_backend: Mapping[str, BackendSettings] | None = None,
-                 **by_name: BackendSettings | None) -> None:
+                 env: RuntimeEnv | None = None, **by_name: BackendSettings | None) -> None:
         """`by_name` adds per-backend options by backend name (`tcp=TcpOptions(...)`); None entries are left out."""
         merged = dict(per_backend or {})
         merged.update({name: value for name, value in by_name.items() if value is not None})
         for name, value in (("timeout", float(timeout)), ("job_secret", job_secret), ("host", host),
-                            ("device", device), ("per_backend", merged)):
+                            ("device", device), ("env", env),
+                            ("per_backend", merged)):
             object.__setattr__(self, name, value)
+
+    def runtime_env(self) -> RuntimeEnv:
+        """`env`, else this process's environment read now."""
+        return self.env if self.env is not None else RuntimeEnv.from_env()
+
+    def resolved(self) -> BackendOptions:
+        """These options with `env` filled in (read now if not given): what a group keeps, and its subgroups inherit."""
+        return self if self.env is not None else replace(self, env=RuntimeEnv.from_env())
 
     def options_of(self, backend: str) -> BackendSettings | None:
         """The options given for backend `backend`, or None (it reads its own from the environment)."""
@@ -119,12 +132,12 @@ class Backend(ABC):
         self.options = options
 
     def own_options(self) -> Any:
-        """This backend's own options: those given in `options`, else its `options_class` read from the environment
-        (None for a backend without any)."""
+        """This backend's own options: those given in `options`, else its `options_class` read from the group's
+        environment (`options.env`; None for a backend without any)."""
         given = self.options.options_of(self.name)
         if given is not None or self.options_class is None:
             return given
-        return self.options_class.from_env()
+        return self.options_class.from_env(self.options.runtime_env().environ)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -19,16 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from axond.distributed.policy import HOST_COPY_MAX_BYTES as MAX_BYTES
+from axond.distributed.policy import HOST_COPY_MIN_BYTES as MIN_BYTES
+from axond.distributed.policy import HOST_COPY_SLOW_DISTANCE as SLOW_DISTANCE
+from axond.distributed.policy import STRING_MIN_BYTES
+
 PAGE = 4096
-SLOW_DISTANCE = 32
-"""A copy is slow when (destination - source) modulo PAGE is 1 to SLOW_DISTANCE - 1."""
-MIN_BYTES = 8192
-"""Smallest copy `copy` checks for a slow distance (docs/design/tuning.md#host_copy_min_bytes)."""
-
-
-MAX_BYTES = (512 << 10) - 1
-"""Largest copy `copy` runs as NumPy's vector loop at a slow distance; larger ones do not take glibc's `rep movsb` on
-AMD (docs/design/tuning.md#host_copy_max_bytes)."""
 
 
 def _slow_address(a: np.ndarray) -> int:
@@ -106,9 +102,6 @@ def _compiled(name: str) -> Any:
 
 _MOVSB = _compiled("copy")
 _CHANGED = _compiled("copy_changed")
-STRING_MIN_BYTES = 1 << 20
-"""Size from which `large_copy` copies with `rep movsb` where the page distance allows
-(docs/design/tuning.md#string_min_bytes)."""
 
 
 def large_copy(dst: np.ndarray, src: np.ndarray) -> None:

@@ -20,11 +20,10 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from axond.env_flags import flag_on
+from axond.config import FailureSettings, RuntimeEnv
 from axond.errors import DistributedError
 
 if TYPE_CHECKING:
@@ -35,30 +34,26 @@ MAX_MESSAGE = 2000
 """Characters of an exception's message sent to peers (the error file keeps all of it)."""
 
 
-@dataclass(frozen=True)
-class FailureSettings:
-    """How failures are reported (environment: AXOND_DEBUG, AXOND_ERROR_FILE)."""
-
-    debug: bool = False
-    """Keep the transport's frames and chained exceptions in `DistributedError` tracebacks (AXOND_DEBUG=1)."""
-    error_file: str | None = None
-    """Where this rank writes its uncaught exception as JSON (AXOND_ERROR_FILE; the worker sets one per rank)."""
-
-    @classmethod
-    def from_env(cls) -> FailureSettings:
-        """Read AXOND_DEBUG and AXOND_ERROR_FILE."""
-        return cls(debug=flag_on(os.environ.get("AXOND_DEBUG")),
-                   error_file=os.environ.get("AXOND_ERROR_FILE") or None)
-
-
 _live: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
 """The groups of this process that have a backend and are not destroyed: the ones a failure aborts."""
 _lock = threading.Lock()
 _previous_hook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
+_settings = FailureSettings()
+"""This process's failure reporting, as the environment `init_process_group` (or `import axond`) read gives it."""
+_env_rank = -1
+"""RANK of that environment: the rank an error file names before a default group exists."""
+
+
+def configure(env: RuntimeEnv) -> None:
+    """Report failures as `env` says (AXOND_DEBUG, AXOND_ERROR_FILE; RANK for the error file)."""
+    global _settings, _env_rank
+    _settings, _env_rank = env.failure, env.rank if env.rank is not None else -1
 
 
 def track(group: ProcessGroup) -> None:
-    """Have a failure of this process abort `group` (called when a member is built)."""
+    """Have a failure of this process abort `group` (called when a member is built), reported as the group's
+    environment says (`configure`)."""
+    configure(group.options.runtime_env())
     with _lock:
         _live.add(group)
 
@@ -79,7 +74,7 @@ def concise(error: DistributedError) -> DistributedError:
 
 def debug() -> bool:
     """Whether AXOND_DEBUG asks for full internal tracebacks."""
-    return FailureSettings.from_env().debug
+    return _settings.debug
 
 
 def summary(error: BaseException) -> str:
@@ -124,10 +119,7 @@ def _rank() -> int:
 
     if api.is_initialized():
         return api.default_group().global_rank
-    try:
-        return int(os.environ.get("RANK", "-1"))
-    except ValueError:
-        return -1
+    return _env_rank
 
 
 def write_error_file(error: BaseException, path: str, when: float | None = None) -> None:
@@ -167,7 +159,7 @@ def report(error: BaseException) -> None:
         except AttributeError:
             pass
         abort_groups(error)
-        path = FailureSettings.from_env().error_file
+        path = _settings.error_file
         if path:
             write_error_file(error, path, when)
     except BaseException:  # a failing failure report must not hide the user's exception
@@ -193,10 +185,11 @@ def install() -> None:
             sys.excepthook = _excepthook
 
 
-def install_if_launched() -> None:
-    """`install` at import when the worker launched this rank (AXOND_ERROR_FILE set), so that an exception
-    before `init_process_group` still reaches the error file."""
-    if FailureSettings.from_env().error_file:
+def install_if_launched(env: RuntimeEnv) -> None:
+    """`configure` from `env`, and `install` when the worker launched this rank (AXOND_ERROR_FILE set), so that an
+    exception before `init_process_group` still reaches the error file (called at import)."""
+    configure(env)
+    if env.failure.error_file:
         install()
 
 

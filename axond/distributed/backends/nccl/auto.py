@@ -44,7 +44,7 @@ class GpuAuto(Backend):
 
 def build(store: Store, rank: int, size: int, group_name: str, options: BackendOptions) -> Backend:
     """Exchange the members' claims, decide the path, say it once (group rank 0), build this member's backend."""
-    claim = local_claim(options.device)
+    claim = local_claim(options.device, options.runtime_env().local_rank)
     path = choose_path(exchange_claims(store, rank, size, claim, options.timeout, group_name=group_name))
     if rank == 0:
         log.warning(announce(group_name, path))

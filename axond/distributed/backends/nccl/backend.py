@@ -9,7 +9,6 @@ only where a GPU is present.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -99,7 +98,9 @@ class NcclBackend(Backend):
         self._cp: Any = cupy
         self._nccl: Any = nccl
         self._version = int(nccl.get_version())
-        index = choose_device(options.device, os.environ.get("LOCAL_RANK"), cupy.cuda.runtime.getDeviceCount())
+        local_rank = options.runtime_env().local_rank
+        index = choose_device(options.device, None if local_rank is None else str(local_rank),
+                              cupy.cuda.runtime.getDeviceCount())
         self._device: Any = cupy.cuda.Device(index)
         self._device.use()
         self._lock = threading.Lock()

@@ -8,7 +8,6 @@ same. Only `local_claim` touches CuPy, and only where CuPy imports.
 from __future__ import annotations
 
 import json
-import os
 import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -74,8 +73,9 @@ def host_id() -> str:
         return socket.gethostname()
 
 
-def local_claim(device: int | None) -> DeviceClaim:
-    """This member's claim: the GPU it would use (`device`, else LOCAL_RANK, else 0) and whether NCCL runs."""
+def local_claim(device: int | None, local_rank: int | None = None) -> DeviceClaim:
+    """This member's claim: the GPU it would use (`device`, else `local_rank` (LOCAL_RANK), else 0) and whether NCCL
+    runs."""
     host = host_id()
     ok, why = NcclBackend.is_available()
     try:
@@ -84,7 +84,7 @@ def local_claim(device: int | None) -> DeviceClaim:
         return DeviceClaim(host, "", False, why or "CuPy is not installed")
     try:
         count = int(cupy.cuda.runtime.getDeviceCount())
-        index = shared_device(device, os.environ.get("LOCAL_RANK"), count)
+        index = shared_device(device, None if local_rank is None else str(local_rank), count)
         uuid = cupy.cuda.runtime.getDeviceProperties(index).get("uuid", b"")
         gpu = uuid.hex() if isinstance(uuid, (bytes, bytearray)) else str(uuid or "")
         gpu = gpu or str(cupy.cuda.Device(index).pci_bus_id)  # the same GPU under any CUDA_VISIBLE_DEVICES

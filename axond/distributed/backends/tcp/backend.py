@@ -29,7 +29,7 @@ from axond.distributed.backends.tcp.policy import Route
 from axond.distributed.backends.tcp.schedules import direct, trees
 from axond.distributed.backends.tcp.schedules.group_view import GroupView, Scratch
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup, byte_view
-from axond.distributed.backends.tcp.transport.mesh import Mesh
+from axond.distributed.backends.tcp.transport.mesh import Mesh, advertised_host
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerError, PeerTimeout
 from axond.distributed.backends.tcp.transport.sockets import buffer_limit, host_cores, host_ranks
 from axond.distributed.backends.tcp.transport.wire import DTYPE_CODE, REDUCE_CODES, Kind, Op, dtype_code, group_id
@@ -64,7 +64,8 @@ class TcpBackend(Backend, PreparedOps):
         where = f"group '{group_name}' (rank {rank} of {size})"
         socks, host = {}, ""
         if size > 1:
-            mesh = Mesh(store, rank, size, gid, options.job_secret, options.host, tcp.port, options.timeout, where,
+            me = advertised_host(options.host, options.runtime_env())
+            mesh = Mesh(store, rank, size, gid, options.job_secret, me, tcp.port, options.timeout, where,
                         tcp.handshake_timeout)
             host, socks = mesh.host, mesh.connect_all()
         self.host_ranks, self.host_cores = host_ranks(list(socks.values()), tcp.local_ranks), host_cores()

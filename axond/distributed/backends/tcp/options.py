@@ -8,11 +8,11 @@ and meaning; docs/environment.md has the same table (a test checks it).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
+from axond.config import RuntimeEnv
 from axond.distributed.backends.tcp.transport.handshake import HANDSHAKE_TIMEOUT
 from axond.env_flags import parse_flag
 
@@ -85,10 +85,11 @@ class TcpOptions:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TcpOptions:
-        """The options the AXOND_TCP_* and AXOND_SHM* variables of `environ` (default: os.environ) set, with
+        """The options the AXOND_TCP_* and AXOND_SHM* variables of `environ` (a group's `RuntimeEnv.environ`; default:
+        this process's environment, read by `RuntimeEnv.from_env`) set, with
         LOCAL_WORLD_SIZE (set by launchers) as `local_ranks`; ValueError naming the variable and what it accepts for a
         bad value."""
-        env = os.environ if environ is None else environ
+        env = RuntimeEnv.from_env().environ if environ is None else environ
         values: dict[str, object] = {}
         local = env.get("LOCAL_WORLD_SIZE", "").strip()
         if local.isdigit():

@@ -39,9 +39,9 @@
 #define SC_WORDS 6        /* single_copy.WORDS: pid, address, bytes, memfd, token, offset */
 #define SC_POSTED (SC_WORDS * 8)
 #define PAGE 4096
-#define SLOW_DISTANCE 32  /* host_copy.SLOW_DISTANCE: a string copy to 1..31 bytes after its source (mod PAGE) */
-#define BOUNCE_BYTES (1 << 20)  /* single_copy.BOUNCE_BYTES */
-#define BOUNCE_MIN (64 << 10)   /* single_copy.BOUNCE_MIN_BYTES */
+#define SLOW_DISTANCE 32  /* distributed/policy.py HOST_COPY_SLOW_DISTANCE: a string copy to 1..31 bytes after its source (mod PAGE) */
+#define BOUNCE_BYTES (1 << 20)  /* tcp/policy.py BOUNCE_BYTES */
+#define BOUNCE_MIN (64 << 10)   /* tcp/policy.py BOUNCE_MIN_BYTES */
 
 enum { K_ALL_REDUCE, K_BCAST_ROOT, K_BCAST_LEAF, K_ALL_GATHER, K_REDUCE_SCATTER, K_BARRIER, K_SC_BCAST,
        K_SC_ALL_GATHER, K_KINDS };
@@ -533,7 +533,7 @@ static void release(Py_buffer *a, Py_buffer *b, int have_a, int have_b) {
 
 /* dst <- n bytes of src (not overlapping), as host_copy.large_copy: x86's `rep movsb` from STRING_MIN bytes at the
  * page distances where it is fast (glibc's memcpy streams past the caches at such sizes), else memcpy. */
-#define STRING_MIN (1 << 20)  /* host_copy.STRING_MIN_BYTES */
+#define STRING_MIN (1 << 20)  /* distributed/policy.py STRING_MIN_BYTES */
 static void large_copy(char *dst, const char *src, Py_ssize_t n) {
 #if defined(__x86_64__)
     uintptr_t distance = ((uintptr_t)dst - (uintptr_t)src) % PAGE;

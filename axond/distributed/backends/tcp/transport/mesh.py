@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import hmac
 import ipaddress
-import os
 import secrets
 import socket
 import struct
@@ -19,6 +18,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
+from axond.config import RuntimeEnv
 from axond.distributed.backends.tcp.transport.handshake import (
     ACCEPTED, CHALLENGE, HANDSHAKE_TIMEOUT, HELLO, MAGIC, MAX_PENDING, REFUSED, Acceptor, proof, recv_exact,
 )
@@ -55,16 +55,16 @@ def route_address(host: str) -> str | None:
         return None
 
 
-def advertised_host(configured: str | None) -> str:
-    """Address peers should reach this rank at: configured, else the interface, else the route to the coordinator
-    (AXOND_COORDINATOR) or to the rendezvous host (MASTER_ADDR), else loopback."""
+def advertised_host(configured: str | None, env: RuntimeEnv | None = None) -> str:
+    """Address peers should reach this rank at: configured, else the interface (AXOND_SOCKET_IFNAME of `env`), else
+    the route to the coordinator (AXOND_COORDINATOR) or to the rendezvous host (MASTER_ADDR), else loopback."""
     if configured:
         return configured
-    ifname = os.environ.get("AXOND_SOCKET_IFNAME")
-    if ifname:
-        return interface_address(ifname)
-    coordinator = os.environ.get("AXOND_COORDINATOR", "").split(",")[0]  # replicas: any one shows the route
-    for toward in (urlsplit("//" + coordinator).hostname, os.environ.get("MASTER_ADDR")):
+    env = env if env is not None else RuntimeEnv()
+    if env.socket_ifname:
+        return interface_address(env.socket_ifname)
+    coordinator = env.coordinator.split(",")[0]  # replicas: any one shows the route
+    for toward in (urlsplit("//" + coordinator).hostname, env.master_addr):
         address = route_address(toward or "")
         if address:
             return address

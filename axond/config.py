@@ -1,0 +1,233 @@
+"""The process's configuration from its environment, read once: `RuntimeEnv.from_env()`.
+
+This module and the command-line entry points (`axond.cli`) are the only code that reads `os.environ`
+(tests/test_config.py checks it). `init_process_group` and each CLI command build one `RuntimeEnv` and pass
+it (or the part needed) down: to the store an `init_method` opens, the backend options, the mesh, failure
+reporting, metrics and the timeline, the worker's rank environments. A bad value raises `ConfigError` (a
+`ValueError`) naming the variable and what it accepts. docs/environment.md lists every variable.
+
+Backend-specific settings (the tcp backend's AXOND_TCP_* and AXOND_SHM*) are read by the backend's own options
+class from `RuntimeEnv.environ`, the snapshot taken here, so that this module knows no backend.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+from axond.env_flags import FALSE, TRUE, flag_on
+from axond.observe.settings import ObserveSettings
+
+__all__ = ["ConfigError", "FailureSettings", "RuntimeEnv", "WAIT_NOTICE_S", "default_state_dir", "parse_overlap"]
+
+WAIT_NOTICE_S = 60.0
+"""Default seconds between `axond worker`'s "still waiting" notices (AXOND_WAIT_NOTICE_S)."""
+OVERLAP_ENV = "AXOND_TORCH_OVERLAP"
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """An environment variable has a value axond cannot use; the message names it and what it accepts."""
+
+
+@dataclass(frozen=True)
+class FailureSettings:
+    """How failures are reported (AXOND_DEBUG, AXOND_ERROR_FILE)."""
+
+    debug: bool = False
+    """Keep the transport's frames and chained exceptions in `DistributedError` tracebacks (AXOND_DEBUG=1; read
+    leniently, where raising is not an option: only an explicit true value turns it on)."""
+    error_file: str | None = None
+    """Where this rank writes its uncaught exception as JSON (AXOND_ERROR_FILE; the worker sets one per rank)."""
+
+
+def default_state_dir(environ: Mapping[str, str]) -> Path:
+    """$AXOND_STATE_DIR, else $XDG_STATE_HOME/axond, else ~/.local/state/axond (of the variables in `environ`)."""
+    explicit = environ.get("AXOND_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "axond"
+
+
+def _text(raw: str | None) -> str | None:
+    """A variable's value, None when unset or blank."""
+    return raw if raw is not None and raw.strip() != "" else None
+
+
+def _integer(var: str, raw: str, minimum: int | None = 0) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ConfigError(f"bad {var}={raw!r}: use an integer{bound}")
+    return value
+
+
+def _port(var: str, raw: str) -> int:
+    value = _integer(var, raw)
+    if value > 65535:
+        raise ConfigError(f"bad {var}={raw!r}: use a port number (0-65535)")
+    return value
+
+
+def _seconds(var: str, raw: str) -> float:
+    try:
+        return max(float(raw.strip()), 0.0)
+    except ValueError:
+        raise ConfigError(f"bad {var}={raw!r}: use seconds (a number; 0: never)") from None
+
+
+def _hex(var: str, raw: str) -> bytes:
+    try:
+        return bytes.fromhex(raw.strip())
+    except ValueError:
+        raise ConfigError(f"bad {var}: use hex digits (as the worker sets it)") from None  # a secret: not echoed
+
+
+def parse_overlap(raw: str | None) -> bool | None:
+    """AXOND_TORCH_OVERLAP: True (`1`), False (`0`) or None (`auto`, the default: decided per group)."""
+    value = (raw or "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in TRUE or value in FALSE:
+        return value in TRUE
+    raise ConfigError(f"bad {OVERLAP_ENV}={value!r}: use auto, 1 (async collectives on a communication thread) or 0 "
+                      "(on the calling thread)")
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    """Every environment variable the library and the daemons use, parsed (docs/environment.md says what each means).
+
+    Build it with `from_env`; fields left at their defaults mean "not set". Tests build one from a dict:
+    `RuntimeEnv.from_env({"RANK": "0", "WORLD_SIZE": "1"})`.
+    """
+
+    environ: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+    """The whole environment as read (read-only): the base of a child process's environment, and what a backend's
+    own options class (`TcpOptions.from_env`) reads its variables from."""
+    # -- set by the launcher (torchrun's names)
+    rank: int | None = None
+    """RANK: this process's global rank."""
+    world_size: int | None = None
+    """WORLD_SIZE: ranks in the job."""
+    local_rank: int | None = None
+    """LOCAL_RANK: index of this rank on its node (also the GPU the nccl backend uses)."""
+    local_world_size: int | None = None
+    """LOCAL_WORLD_SIZE: ranks on this node."""
+    master_addr: str | None = None
+    """MASTER_ADDR: host of the rendezvous TCP store."""
+    master_port: int | None = None
+    """MASTER_PORT: its port."""
+    agent_store: bool = False
+    """TORCHELASTIC_USE_AGENT_STORE=True: the launcher serves that store; every rank is its client."""
+    elastic_run_id: str | None = None
+    """TORCHELASTIC_RUN_ID: torchrun's job name."""
+    restart_count: str | None = None
+    """TORCHELASTIC_RESTART_COUNT: restarts so far (kept as given: it only names key prefixes)."""
+    # -- the axond job
+    coordinator: str = ""
+    """AXOND_COORDINATOR: HOST:PORT of the coordinator (or of its replicas, comma-separated); "" if unset."""
+    job: str = "default"
+    """AXOND_JOB: the job's name."""
+    generation: int = 1
+    """AXOND_GENERATION: the restart generation."""
+    job_secret: bytes = b""
+    """AXOND_JOB_SECRET (hex): the generation's data-plane secret."""
+    file_store: str | None = None
+    """AXOND_FILE_STORE: a directory for a one-host FileStore rendezvous."""
+    # -- reaching the coordinator
+    token: str | None = None
+    """AXOND_TOKEN."""
+    token_file: str | None = None
+    """AXOND_TOKEN_FILE."""
+    tls_ca: str | None = None
+    """AXOND_TLS_CA."""
+    tls_cert: str | None = None
+    """AXOND_TLS_CERT: client certificate of mutual TLS."""
+    tls_key: str | None = None
+    """AXOND_TLS_KEY: its key."""
+    state_dir: Path = field(default_factory=lambda: Path.home() / ".local" / "state" / "axond")
+    """AXOND_STATE_DIR, else $XDG_STATE_HOME/axond, else ~/.local/state/axond: the coordinator's default state
+    directory (where clients on this machine find its generated token)."""
+    # -- network
+    socket_ifname: str | None = None
+    """AXOND_SOCKET_IFNAME: advertise and listen on this interface's address."""
+    # -- reporting
+    failure: FailureSettings = field(default_factory=FailureSettings)
+    """AXOND_DEBUG and AXOND_ERROR_FILE."""
+    observe: ObserveSettings = field(default_factory=ObserveSettings)
+    """AXOND_METRICS_DIR and AXOND_TIMELINE."""
+    # -- the torch backend
+    torch_overlap: bool | None = None
+    """AXOND_TORCH_OVERLAP: True (1), False (0), None (auto)."""
+    # -- the worker
+    torch_store: bool = True
+    """AXOND_TORCH_STORE: False (0) when the worker must serve no torch TCPStore for its ranks."""
+    wait_notice_s: float = WAIT_NOTICE_S
+    """AXOND_WAIT_NOTICE_S: seconds between the worker's "still waiting" notices (0: never)."""
+    nccl_async_error_handling: str = "1"
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING as the worker passes it on to its ranks (torchrun's default: 1)."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, strict: bool = True) -> RuntimeEnv:
+        """Read every variable of `environ` (default: this process's environment) once.
+
+        A bad value raises `ConfigError` naming the variable and what it accepts; with `strict=False` (for
+        `import axond`, where raising is not an option) it is left at its default instead, and raises where
+        a strict read is made (`init_process_group`, the CLI).
+        """
+        env: dict[str, str] = dict(os.environ if environ is None else environ)
+        values: dict[str, Any] = {}
+
+        def read(name: str, var: str, parse: Callable[[str, str], T]) -> None:
+            raw = _text(env.get(var))
+            if raw is None:
+                return
+            try:
+                values[name] = parse(var, raw)
+            except ConfigError:
+                if strict:
+                    raise
+
+        for name, var in (("rank", "RANK"), ("world_size", "WORLD_SIZE"), ("local_rank", "LOCAL_RANK"),
+                          ("local_world_size", "LOCAL_WORLD_SIZE")):
+            read(name, var, _integer)
+        read("master_port", "MASTER_PORT", _port)
+        read("generation", "AXOND_GENERATION", lambda var, raw: _integer(var, raw, None))
+        read("job_secret", "AXOND_JOB_SECRET", _hex)
+        read("wait_notice_s", "AXOND_WAIT_NOTICE_S", _seconds)
+        read("torch_overlap", OVERLAP_ENV, lambda var, raw: parse_overlap(raw))
+        for name, var in (("master_addr", "MASTER_ADDR"), ("elastic_run_id", "TORCHELASTIC_RUN_ID"),
+                          ("restart_count", "TORCHELASTIC_RESTART_COUNT"), ("job", "AXOND_JOB"),
+                          ("file_store", "AXOND_FILE_STORE"), ("token", "AXOND_TOKEN"),
+                          ("token_file", "AXOND_TOKEN_FILE"), ("tls_ca", "AXOND_TLS_CA"),
+                          ("tls_cert", "AXOND_TLS_CERT"), ("tls_key", "AXOND_TLS_KEY"),
+                          ("socket_ifname", "AXOND_SOCKET_IFNAME"), ("coordinator", "AXOND_COORDINATOR"),
+                          ("nccl_async_error_handling", "TORCH_NCCL_ASYNC_ERROR_HANDLING")):
+            raw = _text(env.get(var))
+            if raw is not None:
+                values[name] = raw
+        return cls(
+            environ=MappingProxyType(env),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            state_dir=default_state_dir(env),
+            failure=FailureSettings(debug=flag_on(env.get("AXOND_DEBUG")),
+                                    error_file=_text(env.get("AXOND_ERROR_FILE"))),
+            observe=ObserveSettings.from_env(env),
+            torch_store=env.get("AXOND_TORCH_STORE", "1") != "0",
+            **values,
+        )
+
+    def with_vars(self, **variables: str) -> RuntimeEnv:
+        """This environment with `variables` set (e.g. what a worker adds for its ranks), read again."""
+        return RuntimeEnv.from_env({**self.environ, **variables})
