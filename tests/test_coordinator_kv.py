@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from axond.control.client import CoordinatorClient, connect
-from axond.control.coordinator_store import CoordinatorStore
+from axond.store.coordinator import CoordinatorStore
 from axond.coordinator.server import RunningCoordinator
 from axond.errors import StoreError, StoreTimeout
 from axond.v1 import coordinator_pb2 as pb

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from axond.distributed.tcp_store import TCPStore
-from axond.distributed.tcp_store_server import MAX_FRAME
+from axond.store.tcp import TCPStore
+from axond.store.tcp_server import MAX_FRAME
 from axond.errors import StoreError, StoreTimeout
 
 

@@ -9,11 +9,11 @@ from axond.distributed.api import (
 from axond.distributed.backends.base import Backend, BackendOptions
 from axond.distributed.backends.shared_arrays import shared_empty
 from axond.distributed.batch_p2p import P2POp, batch_isend_irecv
-from axond.distributed.file_store import FileStore
+from axond.store.file import FileStore
 from axond.distributed.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.reduce_op import ReduceOp
-from axond.distributed.tcp_store import TCPStore
+from axond.store.tcp import TCPStore
 from axond.distributed.work import Work
 
 __all__ = [

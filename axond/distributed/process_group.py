@@ -19,7 +19,7 @@ from axond.distributed.failure import concise, debug, track, untrack
 from axond.distributed.inflight import REPORTER, describe, describe_others
 from axond.observe import SETTINGS as OBSERVE
 from axond.observe.collectives import instrument
-from axond.distributed.init_method import seconds
+from axond.store.init_methods import seconds
 from axond.distributed.monitored_barrier import monitored_barrier
 from axond.distributed.reduce_op import ReduceOp
 from axond.distributed.torch_forms import refuse_scalar

@@ -1,7 +1,7 @@
 """`TCPStore`: a small key-value store served over TCP by one rank, for runs without a coordinator.
 
 What `init_process_group(init_method="env://" | "tcp://host:port")` uses when no coordinator is set,
-like torch's TCPStore: rank 0 serves the store on MASTER_PORT (`axond.distributed.tcp_store_server`)
+like torch's TCPStore: rank 0 serves the store on MASTER_PORT (`axond.store.tcp_server`)
 and every rank (rank 0 too, without a socket) uses it. Each in-flight call holds its own pooled
 connection, so one thread's blocking wait does not hold up another's set. With a job secret both
 ends prove they know it (HMAC challenge) before any request; without one the store trusts the
@@ -18,12 +18,13 @@ import threading
 import time
 from collections.abc import Sequence
 
-from axond.distributed.tcp_store_server import (
+from axond.store.tcp_server import (
     ADD, COMPARE_SET, DELETE, ERROR, GET, IDLE_TIMEOUT, IO_TIMEOUT, MAGIC, MAX_CONNECTIONS, MAX_KEY_BYTES, MAX_KEYS,
     NAMES, OK, SET, TIMEOUT, TRY_GET, WAIT, StoreServer, pack, prove, read_frame, unpack,
 )
 from axond.errors import StoreError, StoreTimeout
-from axond.store import MAX_VALUE_BYTES, InMemoryStore, Store
+from axond.store.base import MAX_VALUE_BYTES, Store
+from axond.store.memory import InMemoryStore
 
 POOL_SIZE = 8
 """Connections one client keeps (each in-flight call, e.g. a blocking wait, holds one)."""

@@ -1,4 +1,4 @@
-"""The serving side of `axond.distributed.tcp_store.TCPStore`, and the wire format both sides speak.
+"""The serving side of `axond.store.tcp.TCPStore`, and the wire format both sides speak.
 
 Frames are a 4-byte big-endian length, then the payload: one op (or status) byte and length-prefixed
 fields. The server answers each connection on its own thread from one `InMemoryStore`, so its
@@ -17,7 +17,8 @@ import threading
 import time
 
 from axond.errors import StoreError, StoreTimeout
-from axond.store import MAX_VALUE_BYTES, InMemoryStore
+from axond.store.base import MAX_VALUE_BYTES
+from axond.store.memory import InMemoryStore
 
 MAX_KEY_BYTES = 4096
 """Longest key accepted (UTF-8 bytes)."""

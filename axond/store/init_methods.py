@@ -17,8 +17,8 @@ from datetime import timedelta
 from urllib.parse import parse_qs, urlsplit
 
 from axond.errors import DistributedError
-from axond.distributed.tcp_store_torch import TorchAgentStore, agent_prefix, use_agent_store
-from axond.store import Store
+from axond.store.torch_agent import TorchAgentStore, agent_prefix, use_agent_store
+from axond.store.base import Store
 
 SCHEMES = ("env", "tcp", "file", "axond")
 SERVER_LINGER = 30.0
@@ -91,7 +91,7 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
     if method.scheme == "tcp":
         return _tcp_store(method.host, method.port, rank, timeout, secret, f"tcp://{method.host}:{method.port}")
     if method.scheme == "file":
-        from axond.distributed.file_store import FileStore
+        from axond.store.file import FileStore
 
         files = FileStore(method.path)
         return OpenedStore(files, [files.close])
@@ -102,7 +102,7 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
         return _coordinator_store(coordinator)
     path = os.environ.get("AXOND_FILE_STORE")
     if path:
-        from axond.distributed.file_store import FileStore
+        from axond.store.file import FileStore
 
         files = FileStore(path)
         return OpenedStore(files, [files.close])
@@ -122,7 +122,7 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
 
 
 def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, where: str) -> OpenedStore:
-    from axond.distributed.tcp_store import TCPStore
+    from axond.store.tcp import TCPStore
     from axond.errors import StoreError
 
     try:

@@ -18,7 +18,7 @@ import grpc
 from axond.control.errors import translate
 from axond.control.kv_stream import KvStatus, KvStreamClient
 from axond.errors import StoreError, StoreTimeout
-from axond.store import MAX_VALUE_BYTES, Store
+from axond.store.base import MAX_VALUE_BYTES, Store
 from axond.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:

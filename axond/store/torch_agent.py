@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from axond.errors import DistributedError, StoreError, StoreTimeout
-from axond.store import MAX_VALUE_BYTES, Store
+from axond.store.base import MAX_VALUE_BYTES, Store
 
 
 def use_agent_store() -> bool:

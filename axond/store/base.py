@@ -1,18 +1,16 @@
-"""The key-value store interface the data plane builds on, and an in-process implementation.
+"""The key-value store interface the data plane builds on, and `PrefixStore`.
 
-The coordinator's per-job, per-generation KV store (`axond.control.coordinator_store.CoordinatorStore`) is the
-real one; `InMemoryStore` serves groups of threads in one process (tests, benchmarks) with the
-same semantics. Keys are strings, values are opaque bytes.
+The coordinator's per-job, per-generation KV store (`axond.store.coordinator.CoordinatorStore`) is the
+real one; `InMemoryStore` (`axond.store.memory`) serves groups of threads in one process (tests, benchmarks) with
+the same semantics. Keys are strings, values are opaque bytes.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from axond.errors import StoreError, StoreTimeout
+from axond.errors import StoreError
 
 MAX_VALUE_BYTES = 1 << 20
 """Largest value a store accepts (1 MiB): the store carries addresses and IDs, not tensors."""
@@ -66,76 +64,11 @@ class Store(ABC):
         """Release connections; the default has none."""
 
 
-def _check(key: str, value: bytes | None = None) -> None:
+def check(key: str, value: bytes | None = None) -> None:
     if not key:
         raise StoreError("store key must be a non-empty string")
     if value is not None and len(value) > MAX_VALUE_BYTES:
         raise StoreError(f"store value for {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
-
-
-class InMemoryStore(Store):
-    """A thread-safe store living in this process: for groups of threads (tests, benchmarks)."""
-
-    def __init__(self) -> None:
-        self._data: dict[str, bytes] = {}
-        self._cond = threading.Condition()
-
-    def set(self, key: str, value: bytes) -> None:
-        _check(key, value)
-        with self._cond:
-            self._data[key] = bytes(value)
-            self._cond.notify_all()
-
-    def get(self, key: str, timeout: float) -> bytes:
-        self.wait([key], timeout)
-        with self._cond:
-            return self._data[key]
-
-    def try_get(self, key: str) -> bytes | None:
-        _check(key)
-        with self._cond:
-            return self._data.get(key)
-
-    def add(self, key: str, delta: int) -> int:
-        _check(key)
-        with self._cond:
-            raw = self._data.get(key, b"0")
-            try:
-                value = int(raw) + delta
-            except ValueError as e:
-                raise StoreError(f"store key {key!r} holds {raw!r}, not an integer") from e
-            self._data[key] = str(value).encode()
-            self._cond.notify_all()
-            return value
-
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
-        _check(key, desired)
-        with self._cond:
-            current = self._data.get(key)
-            if current != expected:
-                return False, current
-            self._data[key] = bytes(desired)
-            self._cond.notify_all()
-            return True, self._data[key]
-
-    def delete(self, key: str) -> bool:
-        _check(key)
-        with self._cond:
-            return self._data.pop(key, None) is not None
-
-    def wait(self, keys: Sequence[str], timeout: float) -> None:
-        for key in keys:
-            _check(key)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                missing = [k for k in keys if k not in self._data]
-                if not missing:
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StoreTimeout(f"timed out after {timeout:.1f}s waiting for store keys {missing[:4]}")
-                self._cond.wait(left)
 
 
 class PrefixStore(Store):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from urllib.parse import quote
 
 from axond.errors import StoreError, StoreTimeout
-from axond.store import MAX_VALUE_BYTES, Store
+from axond.store.base import MAX_VALUE_BYTES, Store
 
 POLL = 0.002
 
