@@ -28,10 +28,6 @@ ALLOWED: set[tuple[str, str]] = {
     ("axond/cli/worker_cmd.py", "axond.coordinator.server"),
     ("axond/distributed/backends/host_copy.py", "axond.distributed.backends"),  # the optional compiled helper
     ("axond/distributed/failure.py", "axond.distributed"),
-    ("axond/store/init_methods.py", "axond.control"),
-    ("axond/store/init_methods.py", "axond.store.file"),
-    ("axond/store/init_methods.py", "axond.store.tcp"),
-    ("axond/store/init_methods.py", "axond.errors"),
     ("axond/distributed/tensor_args.py", "axond.torch.arguments"),
     ("axond/distributed/torch_forms.py", "axond.distributed.process_group"),
     ("axond/nn/grad_scaler.py", "axond.distributed"),
@@ -45,6 +41,7 @@ ALLOWED: set[tuple[str, str]] = {
     ("axond/parallel/pipeline/pipeline.py", "axond.parallel.memory"),
     ("axond/parallel/sampler.py", "axond.distributed"),
     ("axond/parallel/tensor/comm.py", "axond.distributed"),
+    ("axond/store/init_methods.py", "axond.control"),  # gRPC loads only for a coordinator's store
     ("axond/testing/processes.py", "axond"),
     ("axond/torch/__init__.py", "axond.torch.cuda_process_group"),
     ("axond/torch/devices.py", "axond.distributed.backends.nccl"),

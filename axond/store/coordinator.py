@@ -18,7 +18,7 @@ import grpc
 from axond.control.errors import translate
 from axond.control.kv_stream import KvStatus, KvStreamClient
 from axond.errors import StoreError, StoreTimeout
-from axond.store.base import MAX_VALUE_BYTES, Store
+from axond.store.base import Store, check_delta, check_key, check_keys, check_timeout, check_value
 from axond.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -63,24 +63,14 @@ class CoordinatorStore(Store):
         if self._stream is not None:
             self._stream.close()
 
-    def _check_value(self, key: str, value: bytes) -> None:
-        if len(value) > MAX_VALUE_BYTES:
-            raise StoreError(f"store value for {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
-
-    @staticmethod
-    def _check_timeout(timeout: float) -> float:
-        if not timeout >= 0:
-            raise StoreError(f"store timeout is {timeout}; it must be >= 0 seconds")
-        return timeout
-
     def set(self, key: str, value: bytes) -> None:
-        self._check_value(key, value)
-        req = pb.KvSetRequest(job=self.job, generation=self.generation, key=key, value=bytes(value))
+        raw = check_value(check_key(key), value)
+        req = pb.KvSetRequest(job=self.job, generation=self.generation, key=key, value=raw)
         self._call("KvSet", "set", self.client.stub.KvSet, req, retry=True)
 
     def get(self, key: str, timeout: float) -> bytes:
-        self._check_timeout(timeout)
-        req = pb.KvGetRequest(job=self.job, generation=self.generation, key=key, wait_s=timeout)
+        timeout = check_timeout(timeout)
+        req = pb.KvGetRequest(job=self.job, generation=self.generation, key=check_key(key), wait_s=timeout)
         try:
             return self._call("KvGet", "get", self.client.stub.KvGet, req, wait=timeout, retry=True).value
         except StoreError as e:
@@ -89,7 +79,7 @@ class CoordinatorStore(Store):
             raise
 
     def try_get(self, key: str) -> bytes | None:
-        req = pb.KvGetRequest(job=self.job, generation=self.generation, key=key, wait_s=0.0)
+        req = pb.KvGetRequest(job=self.job, generation=self.generation, key=check_key(key), wait_s=0.0)
         try:
             return self._call("KvGet", "get", self.client.stub.KvGet, req, retry=True).value
         except StoreError as e:
@@ -100,31 +90,34 @@ class CoordinatorStore(Store):
     def add(self, key: str, delta: int) -> int:
         # The request id makes the add safe to send again (a lost answer, a restarted coordinator, another
         # replica): the coordinator answers a repeated id with the first answer and adds nothing.
-        req = pb.KvAddRequest(job=self.job, generation=self.generation, key=key, delta=delta,
+        req = pb.KvAddRequest(job=self.job, generation=self.generation, key=key, delta=check_delta(check_key(key), delta),
                               request_id=secrets.token_hex(12))
         return self._call("KvAdd", "add", self.client.stub.KvAdd, req, retry=True).value
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
-        self._check_value(key, desired)
+        want = b"" if expected is None else check_value(check_key(key), expected)
         req = pb.KvCompareAndSetRequest(
             job=self.job, generation=self.generation, key=key, expect_unset=expected is None,
-            expected=expected or b"", desired=bytes(desired), request_id=secrets.token_hex(12),
+            expected=want, desired=check_value(check_key(key), desired), request_id=secrets.token_hex(12),
         )
         resp = self._call("KvCompareAndSet", "compare_set", self.client.stub.KvCompareAndSet, req, retry=True)
         return resp.swapped, (resp.current if resp.is_set else None)
 
     def delete(self, key: str) -> bool:
-        req = pb.KvDeleteRequest(job=self.job, generation=self.generation, key=key)
+        req = pb.KvDeleteRequest(job=self.job, generation=self.generation, key=check_key(key))
         return self._call("KvDelete", "delete", self.client.stub.KvDelete, req).existed
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        self._check_timeout(timeout)
-        req = pb.KvWaitRequest(job=self.job, generation=self.generation, keys=list(keys), wait_s=timeout)
+        names = check_keys(keys)
+        timeout = check_timeout(timeout)
+        if not names:
+            return
+        req = pb.KvWaitRequest(job=self.job, generation=self.generation, keys=names, wait_s=timeout)
         self._call("KvWait", "wait", self.client.stub.KvWait, req, wait=timeout, retry=True)
 
     def barrier(self, name: str, world_size: int, timeout: float) -> None:
         """The coordinator's native barrier; each call is one arrival (retries reuse its id)."""
-        self._check_timeout(timeout)
+        timeout = check_timeout(timeout)
         if world_size < 1:
             raise StoreError(f"barrier {name!r}: world_size is {world_size}; it must be >= 1")
         req = pb.BarrierRequest(

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from urllib.parse import parse_qs, urlsplit
 
-from axond.errors import DistributedError
-from axond.store.torch_agent import TorchAgentStore, agent_prefix, use_agent_store
+from axond.errors import DistributedError, StoreError
 from axond.store.base import Store
+from axond.store.file import FileStore
+from axond.store.tcp import TCPStore
+from axond.store.torch_agent import TorchAgentStore, agent_prefix, use_agent_store
 
 SCHEMES = ("env", "tcp", "file", "axond")
 SERVER_LINGER = 30.0
@@ -91,8 +93,6 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
     if method.scheme == "tcp":
         return _tcp_store(method.host, method.port, rank, timeout, secret, f"tcp://{method.host}:{method.port}")
     if method.scheme == "file":
-        from axond.store.file import FileStore
-
         files = FileStore(method.path)
         return OpenedStore(files, [files.close])
     if method.scheme == "axond":
@@ -102,8 +102,6 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
         return _coordinator_store(coordinator)
     path = os.environ.get("AXOND_FILE_STORE")
     if path:
-        from axond.store.file import FileStore
-
         files = FileStore(path)
         return OpenedStore(files, [files.close])
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -122,9 +120,6 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
 
 
 def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, where: str) -> OpenedStore:
-    from axond.store.tcp import TCPStore
-    from axond.errors import StoreError
-
     try:
         store = TCPStore(host, port, is_server=rank == 0, timeout=timeout, secret=secret)
     except OSError as e:
@@ -140,8 +135,6 @@ def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, w
 
 def _agent_store(host: str, port: int, size: int, timeout: float) -> OpenedStore:
     """A client of the torch TCPStore the launcher (torchrun's agent, `axond worker`) serves on MASTER_PORT."""
-    from axond.errors import StoreError
-
     try:
         store = TorchAgentStore(host, port, size, timeout, prefix=agent_prefix())
     except StoreError as e:

@@ -6,8 +6,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from axond.errors import StoreError, StoreTimeout
-from axond.store.base import Store, check
+from axond.errors import StoreTimeout
+from axond.store.base import Store, added, check_delta, check_key, check_keys, check_timeout, check_value
 
 
 class InMemoryStore(Store):
@@ -18,9 +18,9 @@ class InMemoryStore(Store):
         self._cond = threading.Condition()
 
     def set(self, key: str, value: bytes) -> None:
-        check(key, value)
+        raw = check_value(check_key(key), value)
         with self._cond:
-            self._data[key] = bytes(value)
+            self._data[key] = raw
             self._cond.notify_all()
 
     def get(self, key: str, timeout: float) -> bytes:
@@ -29,47 +29,44 @@ class InMemoryStore(Store):
             return self._data[key]
 
     def try_get(self, key: str) -> bytes | None:
-        check(key)
+        check_key(key)
         with self._cond:
             return self._data.get(key)
 
     def add(self, key: str, delta: int) -> int:
-        check(key)
+        step = check_delta(check_key(key), delta)
         with self._cond:
-            raw = self._data.get(key, b"0")
-            try:
-                value = int(raw) + delta
-            except ValueError as e:
-                raise StoreError(f"store key {key!r} holds {raw!r}, not an integer") from e
+            value = added(key, self._data.get(key), step)
             self._data[key] = str(value).encode()
             self._cond.notify_all()
             return value
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
-        check(key, desired)
+        want = None if expected is None else check_value(check_key(key), expected)
+        raw = check_value(check_key(key), desired)
         with self._cond:
             current = self._data.get(key)
-            if current != expected:
+            if current != want:
                 return False, current
-            self._data[key] = bytes(desired)
+            self._data[key] = raw
             self._cond.notify_all()
-            return True, self._data[key]
+            return True, raw
 
     def delete(self, key: str) -> bool:
-        check(key)
+        check_key(key)
         with self._cond:
             return self._data.pop(key, None) is not None
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        for key in keys:
-            check(key)
-        deadline = time.monotonic() + timeout
+        names = check_keys(keys)
+        seconds = check_timeout(timeout)
+        deadline = time.monotonic() + seconds
         with self._cond:
             while True:
-                missing = [k for k in keys if k not in self._data]
+                missing = [k for k in names if k not in self._data]
                 if not missing:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise StoreTimeout(f"timed out after {timeout:.1f}s waiting for store keys {missing[:4]}")
+                    raise StoreTimeout(f"timed out after {seconds:.1f}s waiting for store keys {missing[:4]}")
                 self._cond.wait(left)
