@@ -1,4 +1,4 @@
-"""Key-value stores: where the ranks of a job meet (addresses, IDs, barriers). Which to use: docs/stores.md.
+"""Key-value stores: where the ranks of a job meet (addresses, IDs, barriers). Which to use: docs/collectives.md.
 
 `axond.store.coordinator.CoordinatorStore` (the coordinator's, reached through `axond.control`) is not imported
 here: it brings gRPC, which `import axond` does not load.
