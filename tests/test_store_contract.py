@@ -328,3 +328,14 @@ def test_two_processes_see_each_others_writes(pair: Pair) -> None:
         child.wait(LONG)
     assert child.returncode == 0, err[-3000:]
     assert pair.b.add("both/count", 0) == 2 and out.strip() in ("1", "2")
+
+
+def test_each_store_module_imports_first_and_alone() -> None:
+    """`import axond.store` brings neither torch nor gRPC, and the coordinator's store imports as a first import
+    (it and the control client import each other's packages)."""
+    code = ("import sys, axond.store\n"
+            "assert 'torch' not in sys.modules and 'grpc' not in sys.modules, sorted(sys.modules)\n"
+            "import axond.store.coordinator, axond.store.init_methods\n"
+            "from axond.control import connect\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=LONG)
+    assert done.returncode == 0, done.stderr[-3000:]
