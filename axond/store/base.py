@@ -1,9 +1,9 @@
 """The key-value store interface the data plane builds on, the argument checks every store shares, and `PrefixStore`.
 
 Keys are strings, values are opaque bytes. Every store (`axond.store.memory`, `file`, `tcp`, `coordinator`,
-`torch_agent`) keeps the same contract, checked by one suite run on each (tests/test_store_contract.py): the
-same argument checks (this module's `check_*`), the same results, `StoreTimeout` naming the keys when a wait
-runs out.
+`torch_agent`, `over_torch`) keeps the same contract, checked by one suite run on each
+(tests/test_store_contract.py): the same argument checks (this module's `check_*`), the same results,
+`StoreTimeout` naming the keys when a wait runs out.
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ class CoordinatorStore(Store):
     def add(self, key: str, delta: int) -> int:
         # The request id makes the add safe to send again (a lost answer, a restarted coordinator, another
         # replica): the coordinator answers a repeated id with the first answer and adds nothing.
-        req = pb.KvAddRequest(job=self.job, generation=self.generation, key=key, delta=check_delta(check_key(key), delta),
+        step = check_delta(check_key(key), delta)
+        req = pb.KvAddRequest(job=self.job, generation=self.generation, key=key, delta=step,
                               request_id=secrets.token_hex(12))
         return self._call("KvAdd", "add", self.client.stub.KvAdd, req, retry=True).value
 

@@ -18,7 +18,7 @@ from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.tcp.transport.mesh import route_address
 from axond.distributed.failure import install as install_failure_hook
 from axond.store import PrefixStore, Store
-from axond.store.torch_agent import AxondStoreOverTorch
+from axond.store.over_torch import AxondStoreOverTorch
 from axond.torch.devices import devices_here
 from axond.torch.process_group import BACKEND, AxondProcessGroup, axond_op, timeout_seconds
 from axond.torch.rendezvous import coordinator_store, install

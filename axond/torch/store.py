@@ -2,7 +2,7 @@
 
 `TorchStore` lets torch (rendezvous, new_group, DeviceMesh, elastic agents) keep its keys in the
 coordinator's per-job KV store. The other way, a torch store as an axond `Store`, needs no torch import and
-lives with the stores: `axond.store.torch_agent.AxondStoreOverTorch`.
+lives with the stores: `axond.store.over_torch.AxondStoreOverTorch`.
 """
 
 from __future__ import annotations
