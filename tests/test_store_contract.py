@@ -2,7 +2,8 @@
 
 Each test runs on: the in-process store, a PrefixStore over it, the FileStore, the TCPStore (a real server
 on loopback), the torch agent store (a client of a real torch TCPStore) and the torch adapter
-(`axond.torch.AxondStoreOverTorch`, when torch is installed), and the coordinator's store (a real coordinator).
+(`axond.torch.AxondStoreOverTorch`, when torch is installed; also over `axond.torch.TorchStore`, so that both
+adapters are held to it), and the coordinator's store (a real coordinator).
 Every store is opened twice (`a`, `b`: two clients, two connections where the store has any) so that each
 test also checks that one client sees the other's writes. Where a store cannot do what the contract says, the
 test says why (`INHERENT`); everything else is a bug of the store.
@@ -30,8 +31,7 @@ from axond.errors import StoreError, StoreTimeout
 from axond.store import FileStore, InMemoryStore, PrefixStore, Store, TCPStore, TorchAgentStore
 from axond.store.base import MAX_KEY_CHARS, MAX_TIMEOUT, MAX_VALUE_BYTES, MAX_WAIT_KEYS
 
-KINDS = ["memory", "prefix", "file", "tcp", "coordinator", "torch_agent", "torch_adapter"]
-TORCH_KINDS = ("torch_agent", "torch_adapter")
+KINDS = ["memory", "prefix", "file", "tcp", "coordinator", "torch_agent", "torch_adapter", "torch_both_ways"]
 SHORT = 0.05
 """The wait a test expects to run out (seconds)."""
 LONG = 30.0
@@ -89,6 +89,13 @@ def _open(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Pair:
         return Pair(one.store(name, gen), two.store(name, gen), closers=[one.close, two.close],
                     child=f"from axond.control.client import connect\n"
                           f"store = connect({running.address!r}, call_timeout={LONG}).store({name!r}, {gen})")
+    if kind == "torch_both_ways":
+        pytest.importorskip("torch", reason="the torch extra is not installed")
+        from axond.torch import AxondStoreOverTorch, TorchStore
+
+        shared = InMemoryStore()
+        return Pair(AxondStoreOverTorch(TorchStore(shared)), AxondStoreOverTorch(TorchStore(shared)),
+                    no_child="INHERENT: over an in-process store")
     server = request.getfixturevalue("torch_server")
     no_child = "a child would spend seconds importing torch to reach torch's own server; two connections are tested"
     if kind == "torch_agent":
