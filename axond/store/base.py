@@ -21,8 +21,8 @@ MAX_KEY_CHARS = 1024
 """Longest key (characters): the coordinator's limit, kept by every store so that a program moves between them."""
 MAX_WAIT_KEYS = 1024
 """Most keys one `wait` may name."""
-MAX_TIMEOUT = 86400.0
-"""Longest single wait (seconds, one day, the coordinator's limit); loop for longer."""
+MAX_TIMEOUT = 7 * 86400.0
+"""Longest wait (seconds, a week): a bound that catches a unit mistake; loop for longer."""
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 

@@ -11,7 +11,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -23,6 +23,10 @@ from axond.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
+
+T = TypeVar("T")
+ROUND_S = 86400.0
+"""The longest wait one call asks of the coordinator (its limit, MAX_WAIT_S); a longer wait takes several calls."""
 
 
 class CoordinatorStore(Store):
@@ -41,7 +45,19 @@ class CoordinatorStore(Store):
         self.client = client
         self.job = job
         self.generation = generation
+        self.round_s = ROUND_S
         self._stream = KvStreamClient(client, f"{job}-{generation}") if streamed else None
+
+    def _in_rounds(self, timeout: float, call: Callable[[float], T]) -> T:
+        """`call(wait)` with waits of at most `round_s` seconds, until one answers or `timeout` has passed."""
+        deadline, left = time.monotonic() + timeout, timeout
+        while True:
+            try:
+                return call(min(left, self.round_s))
+            except StoreTimeout:
+                if left <= self.round_s:
+                    raise
+            left = max(0.0, deadline - time.monotonic())
 
     def _call(self, op: str, kind: str, method: Callable[..., Any], request: Any, wait: float = 0.0,
               retry: bool = False) -> Any:
@@ -69,8 +85,11 @@ class CoordinatorStore(Store):
         self._call("KvSet", "set", self.client.stub.KvSet, req, retry=True)
 
     def get(self, key: str, timeout: float) -> bytes:
-        timeout = check_timeout(timeout)
-        req = pb.KvGetRequest(job=self.job, generation=self.generation, key=check_key(key), wait_s=timeout)
+        check_key(key)
+        return self._in_rounds(check_timeout(timeout), lambda wait: self._get(key, wait))
+
+    def _get(self, key: str, timeout: float) -> bytes:
+        req = pb.KvGetRequest(job=self.job, generation=self.generation, key=key, wait_s=timeout)
         try:
             return self._call("KvGet", "get", self.client.stub.KvGet, req, wait=timeout, retry=True).value
         except StoreError as e:
@@ -113,16 +132,23 @@ class CoordinatorStore(Store):
         timeout = check_timeout(timeout)
         if not names:
             return
-        req = pb.KvWaitRequest(job=self.job, generation=self.generation, keys=names, wait_s=timeout)
-        self._call("KvWait", "wait", self.client.stub.KvWait, req, wait=timeout, retry=True)
+
+        def wait_for(wait: float) -> None:
+            req = pb.KvWaitRequest(job=self.job, generation=self.generation, keys=names, wait_s=wait)
+            self._call("KvWait", "wait", self.client.stub.KvWait, req, wait=wait, retry=True)
+
+        self._in_rounds(timeout, wait_for)
 
     def barrier(self, name: str, world_size: int, timeout: float) -> None:
         """The coordinator's native barrier; each call is one arrival (retries reuse its id)."""
         timeout = check_timeout(timeout)
         if world_size < 1:
             raise StoreError(f"barrier {name!r}: world_size is {world_size}; it must be >= 1")
-        req = pb.BarrierRequest(
-            job=self.job, generation=self.generation, name=name, world_size=world_size,
-            wait_s=timeout, arrival_id=uuid.uuid4().hex,
-        )
-        self._call("Barrier", "barrier", self.client.stub.Barrier, req, wait=timeout, retry=True)
+        arrival = uuid.uuid4().hex  # every round is the same arrival
+
+        def arrive(wait: float) -> None:
+            req = pb.BarrierRequest(job=self.job, generation=self.generation, name=name, world_size=world_size,
+                                    wait_s=wait, arrival_id=arrival)
+            self._call("Barrier", "barrier", self.client.stub.Barrier, req, wait=wait, retry=True)
+
+        self._in_rounds(timeout, arrive)
