@@ -108,7 +108,7 @@ def _axond_rank(rank: int, n: int, store_dir: str, backend: str, ops: list[str],
     if not shm:
         os.environ["AXOND_SHM"] = "0"  # sockets only, as between hosts
     import axond
-    from axond.distributed.file_store import FileStore
+    from axond.store.file import FileStore
     from axond.testing import node_hosts
 
     host = node_hosts(n, nodes)[rank] if nodes > 1 else None  # rank r on simulated node r % nodes

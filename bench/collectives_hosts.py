@@ -136,7 +136,7 @@ def _rank(spec: dict[str, Any]) -> None:
             dist.destroy_process_group()
     else:
         import axond
-        from axond.distributed.file_store import FileStore
+        from axond.store.file import FileStore
         from collectives_runners import AxondRunner
 
         axond.init_process_group(spec["backend"], 120.0, rank=spec["rank"], world_size=spec["n"],

@@ -35,7 +35,7 @@ def _axond_group(store: Any, rank: int, world: int, backend: str, dev: int, name
     """An axond group on CuPy arrays over the torch store (backend "nccl" or "auto")."""
     from axond.distributed.backends.base import BackendOptions
     from axond.distributed.process_group import create_group
-    from axond.torch.store import AxondStoreOverTorch
+    from axond.store.over_torch import AxondStoreOverTorch
 
     return create_group(AxondStoreOverTorch(store), rank, world, backend, BackendOptions(timeout=60.0, device=dev),
                         name=name)

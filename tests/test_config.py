@@ -17,7 +17,7 @@ import pytest
 from axond.config import ConfigError, RuntimeEnv
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.tcp.transport.mesh import advertised_host
-from axond.distributed.init_method import open_store, parse
+from axond.store.init_methods import open_store, parse
 from axond.errors import DistributedError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.agent import JobRunner

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from axond.control.client import connect
-from axond.control.coordinator_store import CoordinatorStore
+from axond.store.coordinator import CoordinatorStore
 from axond.coordinator.persistence import group_commit
 from axond.coordinator.server import RunningCoordinator
 from axond.errors import CoordinatorError, StoreError

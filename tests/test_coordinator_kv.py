@@ -5,12 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
 
 from axond.control.client import CoordinatorClient, connect
-from axond.control.coordinator_store import CoordinatorStore
+from axond.store.coordinator import CoordinatorStore
 from axond.coordinator.server import RunningCoordinator
 from axond.errors import StoreError, StoreTimeout
 from axond.v1 import coordinator_pb2 as pb
@@ -140,3 +141,39 @@ def test_waiter_of_a_generation_that_ends_is_woken_with_an_error(client: Coordin
     client.report_failure("j", node, store.generation, 0, 1, "crash")
     t.join(timeout=10)
     assert time.monotonic() - t0 < 5.0 and isinstance(errors[0], StoreError) and "is over" in str(errors[0])
+
+
+def test_a_wait_longer_than_one_coordinator_round_takes_several(coordinator: RunningCoordinator,
+                                                                 client: CoordinatorClient) -> None:
+    """The coordinator bounds one call's wait (a day); the store asks again until the caller's timeout. Here a
+    round is 0.05 s, so every wait below spans several."""
+    _, store = job_store(client)
+    store.round_s = 0.05
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeout, match="never"):
+        store.wait(["never"], 0.3)
+    assert time.monotonic() - t0 >= 0.3 * 0.9  # not the first round's 0.05 s
+    calls: list[str] = []
+    second_round = threading.Event()
+    real_call = store._call
+
+    def counting(op: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(op)
+        if calls.count(op) == 2:
+            second_round.set()
+        return real_call(op, *args, **kwargs)
+
+    store._call = counting  # type: ignore[method-assign]
+    with connect(coordinator.address, call_timeout=5.0) as other:
+        peer = other.store("j", store.generation)
+        with ThreadPoolExecutor(1) as pool:
+            got = pool.submit(store.get, "later", 30.0)
+            assert second_round.wait(30.0)
+            peer.set("later", b"v")
+            assert got.result(30.0) == b"v"
+            calls.clear()
+            second_round.clear()
+            arrived = pool.submit(store.barrier, "b", 2, 30.0)
+            assert second_round.wait(30.0)  # the same arrival, asked again
+            peer.barrier("b", 2, 30.0)
+            arrived.result(30.0)

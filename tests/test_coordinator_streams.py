@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from axond.control.client import connect
-from axond.control.coordinator_store import CoordinatorStore
+from axond.store.coordinator import CoordinatorStore
 from axond.coordinator.service.kv_stream import MAX_STREAM_REQUESTS
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
 from axond.coordinator.service.servicer import CoordinatorServicer

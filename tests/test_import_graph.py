@@ -30,10 +30,6 @@ ALLOWED: set[tuple[str, str]] = {
     ("axond/cli/worker_cmd.py", "axond.coordinator.server"),
     ("axond/distributed/backends/host_copy.py", "axond.distributed.backends"),  # the optional compiled helper
     ("axond/distributed/diagnostics/failure.py", "axond.distributed"),
-    ("axond/distributed/init_method.py", "axond.control"),
-    ("axond/distributed/init_method.py", "axond.distributed.file_store"),
-    ("axond/distributed/init_method.py", "axond.distributed.tcp_store"),
-    ("axond/distributed/init_method.py", "axond.errors"),
     ("axond/distributed/forms/tensor_args.py", "axond.torch.arguments"),
     ("axond/distributed/forms/torch_forms.py", "axond.distributed.process_group"),
     ("axond/nn/grad_scaler.py", "axond.distributed"),
@@ -47,6 +43,7 @@ ALLOWED: set[tuple[str, str]] = {
     ("axond/parallel/pipeline/pipeline.py", "axond.parallel.memory"),
     ("axond/parallel/sampler.py", "axond.distributed"),
     ("axond/parallel/tensor/comm.py", "axond.distributed"),
+    ("axond/store/init_methods.py", "axond.control"),  # gRPC loads only for a coordinator's store
     ("axond/testing/processes.py", "axond"),
     ("axond/torch/__init__.py", "axond.torch.cuda_process_group"),
     ("axond/torch/devices.py", "axond.distributed.backends.nccl"),
@@ -154,6 +151,19 @@ def test_the_backends_sit_below_the_groups() -> None:
     """No backend imports the module functions, ProcessGroup or the call forms built over them."""
     assert not _offenders("axond/distributed/backends/", ("axond.distributed.api", "axond.distributed.process_group",
                                                           "axond.distributed.forms"))
+
+
+STORE_MAY_IMPORT = ("axond.errors", "axond.store", "axond.control", "axond.v1")
+"""What the stores build on: the data plane and torch build on them, never the other way."""
+
+
+def test_the_stores_sit_below_the_data_plane() -> None:
+    """axond/store imports only the errors, itself, the coordinator's client (the coordinator's store) and the stubs:
+    nothing of axond.distributed, axond.torch or the rest, at the top or in a function."""
+    offenders = [(rel, module) for rel, tree in _sources() if rel.startswith("axond/store/")
+                 for module in _all_imports(rel, tree) if module.split(".")[0] in PACKAGES
+                 and not any(module == m or module.startswith(m + ".") for m in STORE_MAY_IMPORT)]
+    assert not offenders, offenders
 
 
 def test_the_allow_list_scanner_sees_a_local_import() -> None:

@@ -16,8 +16,8 @@ import pytest
 
 import axond
 from axond import DistributedError, InMemoryStore
-from axond.distributed.init_method import parse, seconds
-from axond.distributed.tcp_store import TCPStore
+from axond.store.init_methods import parse, seconds
+from axond.store.tcp import TCPStore
 
 ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "AXOND_COORDINATOR", "AXOND_FILE_STORE", "MASTER_ADDR", "MASTER_PORT",
              "AXOND_JOB_SECRET")

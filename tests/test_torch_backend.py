@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed (p
 
 import torch_cases  # noqa: E402
 from axond.control.client import CoordinatorClient  # noqa: E402
-from axond.control.coordinator_store import CoordinatorStore  # noqa: E402
+from axond.store.coordinator import CoordinatorStore  # noqa: E402
 from axond.coordinator.server import RunningCoordinator  # noqa: E402
 from axond.testing import collect_from_processes  # noqa: E402
 

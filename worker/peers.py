@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from axond.control.coordinator_store import CoordinatorStore
+from axond.store.coordinator import CoordinatorStore
 from axond.distributed.backends.tcp.transport.mesh import interface_address, route_address
 from axond.errors import CoordinatorError, StoreError
 

@@ -1,6 +1,5 @@
-"""Client side of the control plane: the coordinator client and its KV store."""
+"""Client side of the control plane: the coordinator client (its KV store is `axond.store.coordinator`)."""
 
 from axond.control.client import CoordinatorClient, connect
-from axond.control.coordinator_store import CoordinatorStore
 
-__all__ = ["CoordinatorClient", "CoordinatorStore", "connect"]
+__all__ = ["CoordinatorClient", "connect"]

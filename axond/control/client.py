@@ -20,10 +20,10 @@ from axond.config import RuntimeEnv
 from axond.control.channel import DEFAULT_CONNECT_TIMEOUT_S, normalize_address, open_channel, split_addresses
 from axond.control.credentials import LocalToken, token_source
 from axond.control.errors import translate
-from axond.control.coordinator_store import CoordinatorStore
 from axond.control.replicas import Replicas
 from axond.control.sniff import speaks_tls
 from axond.errors import CoordinatorError
+from axond.store import coordinator as coordinator_store  # the module: it imports this one's package back
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -351,9 +351,9 @@ class CoordinatorClient:
             raise translate("Check (grpc.health.v1)", self.address, e) from e
         return int(resp.status)
 
-    def store(self, job: str, generation: int) -> CoordinatorStore:
+    def store(self, job: str, generation: int) -> coordinator_store.CoordinatorStore:
         """The KV store of one job generation, served by this coordinator."""
-        return CoordinatorStore(self, job, generation)
+        return coordinator_store.CoordinatorStore(self, job, generation)
 
     def close(self) -> None:
         if self._replicas is not None:

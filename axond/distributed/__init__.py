@@ -11,7 +11,9 @@
                        the barrier that names who did not arrive
     backends/          the `Backend` interface, its registry, what every backend shares (chunking, split
                        sizes, host arrays) and the backends: tcp/, nccl/, mock/
-    init_method.py, file_store.py, tcp_store*.py   where `init_process_group` finds the job's store
+    policy.py          the thresholds the data plane decides by outside any one backend (a decision table)
+
+The stores `init_process_group` meets the job through live in `axond.store`.
 
 ops and numerics import nothing else of axond; backends import neither api nor process_group.
 """
@@ -25,11 +27,11 @@ from axond.distributed.api import (
 from axond.distributed.backends.base import Backend, BackendOptions
 from axond.distributed.backends.shared_arrays import shared_empty
 from axond.distributed.forms.batch_p2p import P2POp, batch_isend_irecv
-from axond.distributed.file_store import FileStore
+from axond.store.file import FileStore
 from axond.distributed.forms.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.numerics.reduce_op import ReduceOp
-from axond.distributed.tcp_store import TCPStore
+from axond.store.tcp import TCPStore
 from axond.distributed.work import Work
 
 __all__ = [

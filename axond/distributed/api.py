@@ -16,7 +16,7 @@ from axond.config import ConfigError, RuntimeEnv
 from axond.distributed.forms import torch_forms as tf
 from axond.distributed.backends.base import Array, BackendOptions
 from axond.distributed.backends.registry import available_backends, options_class
-from axond.distributed.init_method import OpenedStore, open_store, parse, seconds
+from axond.store.init_methods import OpenedStore, open_store, parse, seconds
 from axond.distributed.diagnostics.failure import install as install_failure_hook
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.numerics.reduce_op import ReduceOp
@@ -69,7 +69,7 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
     AXOND_TLS_CA, else MASTER_ADDR/MASTER_PORT, and passes it down to the store, the backend and failure
     reporting; keyword arguments override them. The second positional argument is the timeout (seconds or a timedelta,
     default 300 s), or, if it is a str, torch's `init_method` followed by torch's positional order
-    (`init_process_group("gloo", "env://")`; see `axond.distributed.init_method`). "gloo" means "tcp".
+    (`init_process_group("gloo", "env://")`; see `axond.store.init_methods`). "gloo" means "tcp".
     Installs the hook that, on an uncaught exception, tells the peers why (see `axond.distributed.diagnostics.failure`).
     """
     global _default, _local_rank, _owned

@@ -18,7 +18,7 @@ from axond.distributed.backends.registry import create_backend, resolve_backend
 from axond.distributed.diagnostics.failure import concise, debug, track, untrack
 from axond.distributed.diagnostics.inflight import REPORTER, describe, describe_others
 from axond.observe.collectives import instrument
-from axond.distributed.init_method import seconds
+from axond.store.init_methods import seconds
 from axond.distributed.diagnostics.monitored_barrier import monitored_barrier
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.forms.torch_forms import refuse_scalar

@@ -6,7 +6,7 @@ traceback, naming the rank (`RankFailed`). Threads (`threads`) can also form gro
 `module_ranks`) are spawned with a FileStore directory of their own. See docs/testing.md.
 """
 
-from axond.distributed.file_store import FileStore
+from axond.store.file import FileStore
 from axond.testing.failures import RankFailed
 from axond.testing.module_ranks import run_module_ranks
 from axond.testing.processes import collect_from_processes, run_processes

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from axond.distributed.diagnostics.failure import report
-from axond.distributed.file_store import FileStore
+from axond.store.file import FileStore
 from axond.testing.failures import Failure, not_finished, raise_earliest
 from axond.testing.module_ranks import run_module
 from axond.testing.waits import join_or_kill

@@ -18,10 +18,11 @@ from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.tcp.transport.mesh import route_address
 from axond.distributed.diagnostics.failure import install as install_failure_hook
 from axond.store import PrefixStore, Store
+from axond.store.over_torch import AxondStoreOverTorch
 from axond.torch.devices import devices_here
 from axond.torch.process_group import BACKEND, AxondProcessGroup, axond_op, timeout_seconds
 from axond.torch.rendezvous import coordinator_store, install
-from axond.torch.store import AxondStoreOverTorch, TorchStore
+from axond.torch.store import TorchStore
 
 __all__ = ["BACKEND", "DEVICES", "AxondProcessGroup", "AxondStoreOverTorch", "TorchStore", "axond_op", "coordinator_store",
            "create_process_group"]

@@ -1,8 +1,8 @@
-"""Stores both ways: axond's KV store as a `torch.distributed.Store`, and a torch store as an axond `Store`.
+"""`TorchStore`: axond's KV store as a `torch.distributed.Store`.
 
 `TorchStore` lets torch (rendezvous, new_group, DeviceMesh, elastic agents) keep its keys in the
-coordinator's per-job KV store. `AxondStoreOverTorch` lets an axond group rendezvous over whatever
-store torch hands a backend creator (its PrefixStore over TCPStore, FileStore or a `TorchStore`).
+coordinator's per-job KV store. The other way, a torch store as an axond `Store`, needs no torch import and
+lives with the stores: `axond.store.over_torch.AxondStoreOverTorch`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from axond.errors import StoreError, StoreTimeout
-from axond.store import Store
+from axond.errors import StoreError
+from axond.store.base import Store
 
 
 def _bytes(value: str | bytes | bytearray) -> bytes:
@@ -66,44 +66,3 @@ class TorchStore(dist.Store):
     def num_keys(self) -> int:
         raise StoreError("num_keys is not available on axond's stores (they do not count keys); "
                          "track the keys you need with add()")
-
-
-class AxondStoreOverTorch(Store):
-    """An axond `Store` over a torch store: what a backend creator is given becomes an axond group's rendezvous."""
-
-    def __init__(self, store: dist.Store) -> None:
-        self.torch_store = store
-
-    def set(self, key: str, value: bytes) -> None:
-        self.torch_store.set(key, bytes(value))
-
-    def get(self, key: str, timeout: float) -> bytes:
-        self.wait([key], timeout)
-        return bytes(self.torch_store.get(key))
-
-    def try_get(self, key: str) -> bytes | None:
-        if not self.torch_store.check([key]):
-            return None
-        return bytes(self.torch_store.get(key))
-
-    def add(self, key: str, delta: int) -> int:
-        return int(self.torch_store.add(key, int(delta)))
-
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
-        if expected is None:
-            if self.torch_store.check([key]):
-                return False, bytes(self.torch_store.get(key))
-            expected = b""
-        current = bytes(self.torch_store.compare_set(key, expected, bytes(desired)))
-        return current == bytes(desired), current
-
-    def delete(self, key: str) -> bool:
-        return bool(self.torch_store.delete_key(key))
-
-    def wait(self, keys: Sequence[str], timeout: float) -> None:
-        try:
-            self.torch_store.wait(list(keys), timedelta(seconds=timeout))
-        except (RuntimeError, dist.DistStoreError) as e:
-            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-                raise StoreTimeout(f"timed out after {timeout:.1f}s waiting for store keys {list(keys)[:4]}") from e
-            raise StoreError(f"store wait for {list(keys)[:4]} failed: {e}") from e

@@ -11,18 +11,22 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from axond.control.errors import translate
 from axond.control.kv_stream import KvStatus, KvStreamClient
 from axond.errors import StoreError, StoreTimeout
-from axond.store import MAX_VALUE_BYTES, Store
+from axond.store.base import Store, check_delta, check_key, check_keys, check_timeout, check_value
 from axond.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
+
+T = TypeVar("T")
+ROUND_S = 86400.0
+"""The longest wait one call asks of the coordinator (its limit, MAX_WAIT_S); a longer wait takes several calls."""
 
 
 class CoordinatorStore(Store):
@@ -41,7 +45,19 @@ class CoordinatorStore(Store):
         self.client = client
         self.job = job
         self.generation = generation
+        self.round_s = ROUND_S
         self._stream = KvStreamClient(client, f"{job}-{generation}") if streamed else None
+
+    def _in_rounds(self, timeout: float, call: Callable[[float], T]) -> T:
+        """`call(wait)` with waits of at most `round_s` seconds, until one answers or `timeout` has passed."""
+        deadline, left = time.monotonic() + timeout, timeout
+        while True:
+            try:
+                return call(min(left, self.round_s))
+            except StoreTimeout:
+                if left <= self.round_s:
+                    raise
+            left = max(0.0, deadline - time.monotonic())
 
     def _call(self, op: str, kind: str, method: Callable[..., Any], request: Any, wait: float = 0.0,
               retry: bool = False) -> Any:
@@ -63,23 +79,16 @@ class CoordinatorStore(Store):
         if self._stream is not None:
             self._stream.close()
 
-    def _check_value(self, key: str, value: bytes) -> None:
-        if len(value) > MAX_VALUE_BYTES:
-            raise StoreError(f"store value for {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
-
-    @staticmethod
-    def _check_timeout(timeout: float) -> float:
-        if not timeout >= 0:
-            raise StoreError(f"store timeout is {timeout}; it must be >= 0 seconds")
-        return timeout
-
     def set(self, key: str, value: bytes) -> None:
-        self._check_value(key, value)
-        req = pb.KvSetRequest(job=self.job, generation=self.generation, key=key, value=bytes(value))
+        raw = check_value(check_key(key), value)
+        req = pb.KvSetRequest(job=self.job, generation=self.generation, key=key, value=raw)
         self._call("KvSet", "set", self.client.stub.KvSet, req, retry=True)
 
     def get(self, key: str, timeout: float) -> bytes:
-        self._check_timeout(timeout)
+        check_key(key)
+        return self._in_rounds(check_timeout(timeout), lambda wait: self._get(key, wait))
+
+    def _get(self, key: str, timeout: float) -> bytes:
         req = pb.KvGetRequest(job=self.job, generation=self.generation, key=key, wait_s=timeout)
         try:
             return self._call("KvGet", "get", self.client.stub.KvGet, req, wait=timeout, retry=True).value
@@ -89,7 +98,7 @@ class CoordinatorStore(Store):
             raise
 
     def try_get(self, key: str) -> bytes | None:
-        req = pb.KvGetRequest(job=self.job, generation=self.generation, key=key, wait_s=0.0)
+        req = pb.KvGetRequest(job=self.job, generation=self.generation, key=check_key(key), wait_s=0.0)
         try:
             return self._call("KvGet", "get", self.client.stub.KvGet, req, retry=True).value
         except StoreError as e:
@@ -100,35 +109,46 @@ class CoordinatorStore(Store):
     def add(self, key: str, delta: int) -> int:
         # The request id makes the add safe to send again (a lost answer, a restarted coordinator, another
         # replica): the coordinator answers a repeated id with the first answer and adds nothing.
-        req = pb.KvAddRequest(job=self.job, generation=self.generation, key=key, delta=delta,
+        step = check_delta(check_key(key), delta)
+        req = pb.KvAddRequest(job=self.job, generation=self.generation, key=key, delta=step,
                               request_id=secrets.token_hex(12))
         return self._call("KvAdd", "add", self.client.stub.KvAdd, req, retry=True).value
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
-        self._check_value(key, desired)
+        want = b"" if expected is None else check_value(check_key(key), expected)
         req = pb.KvCompareAndSetRequest(
             job=self.job, generation=self.generation, key=key, expect_unset=expected is None,
-            expected=expected or b"", desired=bytes(desired), request_id=secrets.token_hex(12),
+            expected=want, desired=check_value(check_key(key), desired), request_id=secrets.token_hex(12),
         )
         resp = self._call("KvCompareAndSet", "compare_set", self.client.stub.KvCompareAndSet, req, retry=True)
         return resp.swapped, (resp.current if resp.is_set else None)
 
     def delete(self, key: str) -> bool:
-        req = pb.KvDeleteRequest(job=self.job, generation=self.generation, key=key)
+        req = pb.KvDeleteRequest(job=self.job, generation=self.generation, key=check_key(key))
         return self._call("KvDelete", "delete", self.client.stub.KvDelete, req).existed
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        self._check_timeout(timeout)
-        req = pb.KvWaitRequest(job=self.job, generation=self.generation, keys=list(keys), wait_s=timeout)
-        self._call("KvWait", "wait", self.client.stub.KvWait, req, wait=timeout, retry=True)
+        names = check_keys(keys)
+        timeout = check_timeout(timeout)
+        if not names:
+            return
+
+        def wait_for(wait: float) -> None:
+            req = pb.KvWaitRequest(job=self.job, generation=self.generation, keys=names, wait_s=wait)
+            self._call("KvWait", "wait", self.client.stub.KvWait, req, wait=wait, retry=True)
+
+        self._in_rounds(timeout, wait_for)
 
     def barrier(self, name: str, world_size: int, timeout: float) -> None:
         """The coordinator's native barrier; each call is one arrival (retries reuse its id)."""
-        self._check_timeout(timeout)
+        timeout = check_timeout(timeout)
         if world_size < 1:
             raise StoreError(f"barrier {name!r}: world_size is {world_size}; it must be >= 1")
-        req = pb.BarrierRequest(
-            job=self.job, generation=self.generation, name=name, world_size=world_size,
-            wait_s=timeout, arrival_id=uuid.uuid4().hex,
-        )
-        self._call("Barrier", "barrier", self.client.stub.Barrier, req, wait=timeout, retry=True)
+        arrival = uuid.uuid4().hex  # every round is the same arrival
+
+        def arrive(wait: float) -> None:
+            req = pb.BarrierRequest(job=self.job, generation=self.generation, name=name, world_size=world_size,
+                                    wait_s=wait, arrival_id=arrival)
+            self._call("Barrier", "barrier", self.client.stub.Barrier, req, wait=wait, retry=True)
+
+        self._in_rounds(timeout, arrive)

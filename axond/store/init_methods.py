@@ -16,9 +16,11 @@ from datetime import timedelta
 from urllib.parse import parse_qs, urlsplit
 
 from axond.config import RuntimeEnv
-from axond.errors import DistributedError
-from axond.distributed.tcp_store_torch import TorchAgentStore, agent_prefix
-from axond.store import Store
+from axond.errors import DistributedError, StoreError
+from axond.store.base import Store
+from axond.store.file import FileStore
+from axond.store.tcp import TCPStore
+from axond.store.torch_agent import TorchAgentStore, agent_prefix
 
 SCHEMES = ("env", "tcp", "file", "axond")
 SERVER_LINGER = 30.0
@@ -94,8 +96,6 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
     if method.scheme == "tcp":
         return _tcp_store(method.host, method.port, rank, timeout, secret, f"tcp://{method.host}:{method.port}")
     if method.scheme == "file":
-        from axond.distributed.file_store import FileStore
-
         files = FileStore(method.path)
         return OpenedStore(files, [files.close])
     if method.scheme == "axond":
@@ -103,8 +103,6 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
     if env.coordinator:
         return _coordinator_store(env.coordinator, env)
     if env.file_store:
-        from axond.distributed.file_store import FileStore
-
         files = FileStore(env.file_store)
         return OpenedStore(files, [files.close])
     addr, port = env.master_addr, env.master_port
@@ -119,9 +117,6 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
 
 
 def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, where: str) -> OpenedStore:
-    from axond.distributed.tcp_store import TCPStore
-    from axond.errors import StoreError
-
     try:
         store = TCPStore(host, port, is_server=rank == 0, timeout=timeout, secret=secret)
     except OSError as e:
@@ -137,8 +132,6 @@ def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, w
 
 def _agent_store(host: str, port: int, size: int, timeout: float, prefix: str) -> OpenedStore:
     """A client of the torch TCPStore the launcher (torchrun's agent, `axond worker`) serves on MASTER_PORT."""
-    from axond.errors import StoreError
-
     try:
         store = TorchAgentStore(host, port, size, timeout, prefix=prefix)
     except StoreError as e:

@@ -1,4 +1,4 @@
-"""The serving side of `axond.distributed.tcp_store.TCPStore`, and the wire format both sides speak.
+"""The serving side of `axond.store.tcp.TCPStore`, and the wire format both sides speak.
 
 Frames are a 4-byte big-endian length, then the payload: one op (or status) byte and length-prefixed
 fields. The server answers each connection on its own thread from one `InMemoryStore`, so its
@@ -17,12 +17,9 @@ import threading
 import time
 
 from axond.errors import StoreError, StoreTimeout
-from axond.store import MAX_VALUE_BYTES, InMemoryStore
+from axond.store.base import MAX_VALUE_BYTES, MAX_WAIT_KEYS, check_timeout
+from axond.store.memory import InMemoryStore
 
-MAX_KEY_BYTES = 4096
-"""Longest key accepted (UTF-8 bytes)."""
-MAX_KEYS = 1024
-"""Most keys one `wait` may name."""
 MAX_FRAME = 2 * MAX_VALUE_BYTES + 64 * 1024
 """Largest frame either side accepts (a compare_set carries two values)."""
 MAX_CONNECTIONS = 1024
@@ -54,7 +51,7 @@ def unpack(body: bytes) -> tuple[int, list[bytes]]:
     fields: list[bytes] = []
     at = 1
     while at < len(body):
-        if at + 4 > len(body) or len(fields) > MAX_KEYS + 2:
+        if at + 4 > len(body) or len(fields) > MAX_WAIT_KEYS + 2:
             raise StoreError("TCP store: malformed frame")
         (n,) = struct.unpack_from("!I", body, at)
         if at + 4 + n > len(body):
@@ -90,11 +87,9 @@ def prove(secret: bytes, nonce: bytes, role: bytes) -> bytes:
 
 
 def wait_seconds(raw: bytes) -> float:
-    """A request's wait (a big-endian double), bounded to 0..7 days."""
+    """A request's wait (a big-endian double), checked as every store checks its timeouts."""
     (t,) = struct.unpack("!d", raw)
-    if not 0 <= t <= 7 * 86400:
-        raise StoreError(f"store timeout {t} s is outside 0..7 days")
-    return float(t)
+    return check_timeout(t)
 
 
 class StoreServer:
@@ -213,6 +208,10 @@ class StoreServer:
                     break
             time.sleep(0.02)
         self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop now, not at its next poll
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             conns, self._conns = list(self._conns), set()

@@ -1,7 +1,7 @@
 """`TCPStore`: a small key-value store served over TCP by one rank, for runs without a coordinator.
 
 What `init_process_group(init_method="env://" | "tcp://host:port")` uses when no coordinator is set,
-like torch's TCPStore: rank 0 serves the store on MASTER_PORT (`axond.distributed.tcp_store_server`)
+like torch's TCPStore: rank 0 serves the store on MASTER_PORT (`axond.store.tcp_server`)
 and every rank (rank 0 too, without a socket) uses it. Each in-flight call holds its own pooled
 connection, so one thread's blocking wait does not hold up another's set. With a job secret both
 ends prove they know it (HMAC challenge) before any request; without one the store trusts the
@@ -18,28 +18,20 @@ import threading
 import time
 from collections.abc import Sequence
 
-from axond.distributed.tcp_store_server import (
-    ADD, COMPARE_SET, DELETE, ERROR, GET, IDLE_TIMEOUT, IO_TIMEOUT, MAGIC, MAX_CONNECTIONS, MAX_KEY_BYTES, MAX_KEYS,
-    NAMES, OK, SET, TIMEOUT, TRY_GET, WAIT, StoreServer, pack, prove, read_frame, unpack,
+from axond.store.tcp_server import (
+    ADD, COMPARE_SET, DELETE, ERROR, GET, IDLE_TIMEOUT, IO_TIMEOUT, MAGIC, MAX_CONNECTIONS, NAMES, OK, SET, TIMEOUT,
+    TRY_GET, WAIT, StoreServer, pack, prove, read_frame, unpack,
 )
 from axond.errors import StoreError, StoreTimeout
-from axond.store import MAX_VALUE_BYTES, InMemoryStore, Store
+from axond.store.base import Store, check_delta, check_key, check_keys, check_timeout, check_value
+from axond.store.memory import InMemoryStore
 
 POOL_SIZE = 8
 """Connections one client keeps (each in-flight call, e.g. a blocking wait, holds one)."""
 
 
 def _key(key: str) -> bytes:
-    raw = key.encode()
-    if not raw or len(raw) > MAX_KEY_BYTES:
-        raise StoreError(f"store key must be 1..{MAX_KEY_BYTES} bytes, got {len(raw)}")
-    return raw
-
-
-def _value(key: str, value: bytes) -> bytes:
-    if len(value) > MAX_VALUE_BYTES:
-        raise StoreError(f"store value for {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
-    return bytes(value)
+    return check_key(key).encode()
 
 
 class TCPStore(Store):
@@ -177,7 +169,7 @@ class TCPStore(Store):
         return out
 
     def set(self, key: str, value: bytes) -> None:
-        raw = _value(key, value)
+        raw = check_value(check_key(key), value)
         if self._local is not None:
             self._local.set(key, raw)
             return
@@ -186,7 +178,8 @@ class TCPStore(Store):
     def get(self, key: str, timeout: float) -> bytes:
         if self._local is not None:
             return self._local.get(key, timeout)
-        return self._call(GET, [_key(key), struct.pack("!d", timeout)], wait=timeout)[0]
+        seconds = check_timeout(timeout)
+        return self._call(GET, [_key(key), struct.pack("!d", seconds)], wait=seconds)[0]
 
     def try_get(self, key: str) -> bytes | None:
         if self._local is not None:
@@ -197,13 +190,13 @@ class TCPStore(Store):
     def add(self, key: str, delta: int) -> int:
         if self._local is not None:
             return self._local.add(key, delta)
-        return int(self._call(ADD, [_key(key), str(int(delta)).encode()])[0])
+        return int(self._call(ADD, [_key(key), str(check_delta(key, delta)).encode()])[0])
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
-        raw = _value(key, desired)
+        raw = check_value(check_key(key), desired)
         if self._local is not None:
             return self._local.compare_set(key, expected, raw)
-        want = b"" if expected is None else b"=" + _value(key, expected)
+        want = b"" if expected is None else b"=" + check_value(key, expected)
         out = self._call(COMPARE_SET, [_key(key), want, raw])
         return out[0] == b"1", (out[1] if len(out) > 1 else None)
 
@@ -216,9 +209,9 @@ class TCPStore(Store):
         if self._local is not None:
             self._local.wait(keys, timeout)
             return
-        if len(keys) > MAX_KEYS:
-            raise StoreError(f"a store wait may name {MAX_KEYS} keys at most, got {len(keys)}")
-        self._call(WAIT, [struct.pack("!d", timeout), *(_key(k) for k in keys)], wait=timeout)
+        names = [_key(k) for k in check_keys(keys)]
+        seconds = check_timeout(timeout)
+        self._call(WAIT, [struct.pack("!d", seconds), *names], wait=seconds)
 
     def close(self, linger: float = 0.0) -> None:
         """Close this client's connections; the serving rank also stops the server, once the other ranks

@@ -1,12 +1,15 @@
 """A `Store` in a shared directory: lets processes on one host form a group without a coordinator.
 
 Like torch's FileStore, for tests and single-host runs: each key is a file written atomically
-(write to a temp name, then rename); `add` and `compare_set` hold an fcntl lock on the directory.
+(write to a temp name, then rename); every write holds an fcntl lock on the directory. A key's file is
+`k.` and the key quoted (`h.` and its SHA-256 when that name would be long), so that no key names the
+directory, its parent or the store's own files.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import tempfile
 import time
@@ -14,9 +17,12 @@ from collections.abc import Sequence
 from urllib.parse import quote
 
 from axond.errors import StoreError, StoreTimeout
-from axond.store import MAX_VALUE_BYTES, Store
+from axond.store.base import Store, added, check_delta, check_key, check_keys, check_timeout, check_value
 
 POLL = 0.002
+"""Seconds between looks for a key a wait is missing."""
+MAX_NAME = 200
+"""Longest quoted file name; longer keys are named by their hash (file systems allow 255 bytes)."""
 
 
 class FileStore(Store):
@@ -28,13 +34,13 @@ class FileStore(Store):
         self._lock_path = os.path.join(path, ".lock")
 
     def _file(self, key: str) -> str:
-        if not key:
-            raise StoreError("store key must be a non-empty string")
-        return os.path.join(self.path, quote(key, safe=""))
+        name = "k." + quote(check_key(key), safe="")
+        if len(name) > MAX_NAME:
+            name = "h." + hashlib.sha256(key.encode()).hexdigest()
+        return os.path.join(self.path, name)
 
     def _write(self, key: str, value: bytes) -> None:
-        if len(value) > MAX_VALUE_BYTES:
-            raise StoreError(f"store value for {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
+        """Replace `key`'s file (the caller holds the lock)."""
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(value)
@@ -50,7 +56,12 @@ class FileStore(Store):
         os.close(fd)
 
     def set(self, key: str, value: bytes) -> None:
-        self._write(key, bytes(value))
+        raw = check_value(check_key(key), value)
+        fd = self._locked()
+        try:
+            self._write(key, raw)
+        finally:
+            self._unlock(fd)
 
     def try_get(self, key: str) -> bytes | None:
         try:
@@ -67,41 +78,46 @@ class FileStore(Store):
         return value
 
     def add(self, key: str, delta: int) -> int:
+        step = check_delta(check_key(key), delta)
         fd = self._locked()
         try:
-            raw = self.try_get(key) or b"0"
-            try:
-                value = int(raw) + delta
-            except ValueError as e:
-                raise StoreError(f"store key {key!r} holds {raw!r}, not an integer") from e
+            value = added(key, self.try_get(key), step)
             self._write(key, str(value).encode())
             return value
         finally:
             self._unlock(fd)
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        want = None if expected is None else check_value(check_key(key), expected)
+        raw = check_value(check_key(key), desired)
         fd = self._locked()
         try:
             current = self.try_get(key)
-            if current != expected:
+            if current != want:
                 return False, current
-            self._write(key, bytes(desired))
-            return True, bytes(desired)
+            self._write(key, raw)
+            return True, raw
         finally:
             self._unlock(fd)
 
     def delete(self, key: str) -> bool:
+        path = self._file(key)
+        fd = self._locked()
         try:
-            os.remove(self._file(key))
+            os.remove(path)
             return True
         except FileNotFoundError:
             return False
+        finally:
+            self._unlock(fd)
 
     def wait(self, keys: Sequence[str], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for key in keys:
-            path = self._file(key)
+        paths = [(key, self._file(key)) for key in check_keys(keys)]
+        seconds = check_timeout(timeout)
+        deadline = time.monotonic() + seconds
+        for key, path in paths:
             while not os.path.exists(path):
                 if time.monotonic() >= deadline:
-                    raise StoreTimeout(f"timed out after {timeout:.1f}s waiting for store key {key!r}")
+                    missing = [k for k, p in paths if not os.path.exists(p)]
+                    raise StoreTimeout(f"timed out after {seconds:.1f}s waiting for store keys {missing[:4]}")
                 time.sleep(POLL)
