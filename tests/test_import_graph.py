@@ -153,13 +153,13 @@ def test_the_backends_sit_below_the_groups() -> None:
                                                           "axond.distributed.forms"))
 
 
-STORE_MAY_IMPORT = ("axond.errors", "axond.store", "axond.control", "axond.v1")
+STORE_MAY_IMPORT = ("axond.errors", "axond.config", "axond.store", "axond.control", "axond.v1")
 """What the stores build on: the data plane and torch build on them, never the other way."""
 
 
 def test_the_stores_sit_below_the_data_plane() -> None:
-    """axond/store imports only the errors, itself, the coordinator's client (the coordinator's store) and the stubs:
-    nothing of axond.distributed, axond.torch or the rest, at the top or in a function."""
+    """axond/store imports only the errors, the configuration, itself, the coordinator's client (the coordinator's
+    store) and the stubs: nothing of axond.distributed, axond.torch or the rest, at the top or in a function."""
     offenders = [(rel, module) for rel, tree in _sources() if rel.startswith("axond/store/")
                  for module in _all_imports(rel, tree) if module.split(".")[0] in PACKAGES
                  and not any(module == m or module.startswith(m + ".") for m in STORE_MAY_IMPORT)]
