@@ -11,6 +11,7 @@ from axond.coordinator.jobs import JobState
 from axond.coordinator.membership import Health
 from axond.coordinator.server import RunningCoordinator
 from axond.coordinator.state import CoordinatorState
+from axond.testing.waits import wait_until
 from axond.v1 import coordinator_pb2 as pb
 
 
@@ -63,8 +64,9 @@ def test_rearmed_leases_do_not_count_the_time_the_coordinator_was_away() -> None
 def test_the_server_rearms_leases_after_it_was_stalled(coordinator_factory: Callable[..., RunningCoordinator]) -> None:
     """A stall of the serving thread (here: the state's lock held for 3 leases, as a stopped process would) is
     detected by the tick loop; no node is declared dead for it."""
-    running = coordinator_factory(heartbeat_interval=0.1, dead_after_missed=5)
-    lease = 0.5
+    interval, missed = 0.1, 5
+    running = coordinator_factory(heartbeat_interval=interval, dead_after_missed=missed)
+    lease = interval * missed
     with connect(running.address, call_timeout=5.0) as client:
         node = client.register_node("h").node_id
         client.join("j", node, 1, 1, 1, timeout=5.0)
@@ -72,10 +74,8 @@ def test_the_server_rearms_leases_after_it_was_stalled(coordinator_factory: Call
         assert running.stalls is not None
         with running.state.lock:
             time.sleep(3 * lease)
-        deadline = time.monotonic() + 10 * lease
-        while running.stalls.stalls == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert running.stalls.stalls >= 1
+        stalls = running.stalls
+        wait_until(lambda: stalls.stalls >= 1, 10 * lease, "the stall detector to notice the stall")
         client.heartbeat(node, job="j", generation=1)
         status = client.get_status()
         # Not declared dead for the stall: its job (no restarts) still runs its first generation.

@@ -14,6 +14,7 @@ from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.server import RunningCoordinator
 from axond.coordinator.state import CoordinatorState
 from axond.errors import StoreError
+from axond.testing.waits import wait_until
 
 
 def test_finished_jobs_and_dead_nodes_age_out_of_the_default_view() -> None:
@@ -85,11 +86,14 @@ def test_store_waiters_of_an_old_generation_learn_why_at_once(coordinator: Runni
 
 
 def test_status_retention_is_configurable(coordinator_factory: Callable[..., RunningCoordinator]) -> None:
-    running = coordinator_factory(limits=CoordinatorLimits(status_retention_s=0.2))
+    retention = 0.2
+    running = coordinator_factory(limits=CoordinatorLimits(status_retention_s=retention))
     with connect(running.address, call_timeout=5.0) as c:
         node = c.register_node("h").node_id
         c.join("j", node, 1, 1, 1, timeout=5.0)
+        before = time.monotonic()
         c.report_exit("j", node, 1, 0)
-        time.sleep(0.4)
-        assert not c.get_status().jobs and [j.job for j in c.get_status(all=True).jobs] == ["j"]
+        wait_until(lambda: not c.get_status().jobs, 50 * retention, "the finished job to leave the status")
+        assert time.monotonic() - before >= retention, "dropped before its retention ran out"
+        assert [j.job for j in c.get_status(all=True).jobs] == ["j"]
         assert c.join("j", node, 1, 1, 1, timeout=5.0).generation == 1, "a finished name starts again at 1"

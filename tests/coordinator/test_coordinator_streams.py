@@ -19,6 +19,7 @@ from axond.coordinator.servicer import CoordinatorServicer
 from axond.coordinator.state import CoordinatorState
 from axond.coordinator.waiting import WaitHub
 from axond.errors import StoreError, StoreTimeout
+from axond.testing.waits import wait_until
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 from axond.worker.heartbeat import Heartbeater
@@ -150,6 +151,12 @@ def test_a_store_of_a_finished_generation_fails_like_the_unary_calls(coordinator
         streamed.close()
 
 
+DURABLE_INTERVAL, DURABLE_MISSED = 0.2, 25
+"""The durable coordinator's heartbeat settings: a 5 s lease, longer than a restart takes on a busy machine (the
+lease is what a restart must not outlast; the interval keeps heartbeats frequent)."""
+DURABLE_LEASE = DURABLE_INTERVAL * DURABLE_MISSED
+
+
 @pytest.fixture
 def durable(tmp_path: Path) -> Iterator[Callable[[int], RunningCoordinator]]:
     """Start (and restart, on the same port) a durable coordinator in tmp_path."""
@@ -157,7 +164,7 @@ def durable(tmp_path: Path) -> Iterator[Callable[[int], RunningCoordinator]]:
 
     def start(port: int = 0) -> RunningCoordinator:
         config = CoordinatorConfig(host="127.0.0.1", port=port, token="t", state_dir=str(tmp_path),
-                                   heartbeat_interval=0.2, dead_after_missed=5)
+                                   heartbeat_interval=DURABLE_INTERVAL, dead_after_missed=DURABLE_MISSED)
         for _ in range(50):
             try:
                 running = start_coordinator(config)
@@ -178,18 +185,18 @@ def test_store_and_heartbeat_streams_reconnect_after_a_coordinator_restart(
     with connect(first.address, token="t", call_timeout=5.0) as c:
         reg = c.register_node("h")
         gen = c.join("j", reg.node_id, 1, 1, 1, timeout=5.0).generation
-        hb = Heartbeater(c, reg.node_id, reg.heartbeat_interval_s).start()
+        hb = Heartbeater(c, reg.node_id, reg.heartbeat_interval_s, lease=DURABLE_LEASE).start()
         try:
             hb.track("j", gen)
             store = c.store("j", gen)
             store.set("before", b"1")
             first.stop(grace=0.2)
             second = durable(first.port)
-            assert store.get("before", timeout=2.0) == b"1"  # the stream is opened again; the value was committed
+            restarted = time.monotonic()
+            assert store.get("before", timeout=DURABLE_LEASE) == b"1"  # the stream opened again; the value committed
             store.set("after", b"2")
-            time.sleep(1.0)
-            assert hb.latest("j") is not None and not hb.lease_lost
-            assert time.monotonic() - hb.last_ok < 1.0, hb.last_error
+            wait_until(lambda: hb.last_ok > restarted, DURABLE_LEASE, "a heartbeat answered after the restart")
+            assert hb.latest("j") is not None and not hb.lease_lost, hb.last_error
             status = c.get_status()
             assert [n.health for n in status.nodes] == [pb.NODE_HEALTH_ALIVE]
             store.close()
@@ -203,15 +210,18 @@ def test_a_node_whose_heartbeat_stream_stops_is_declared_dead(
     running = coordinator_factory(heartbeat_interval=0.1, dead_after_missed=3)
     with connect(running.address, call_timeout=5.0) as c:
         reg = c.register_node("h")
+        lease = reg.heartbeat_interval_s * reg.dead_after_missed
+        started = time.monotonic()
         hb = Heartbeater(c, reg.node_id, reg.heartbeat_interval_s).start()
-        time.sleep(0.8)
+        wait_until(lambda: hb.last_ok > started + 2 * reg.heartbeat_interval_s, 10 * lease + 5,
+                   "heartbeats over the stream")
         assert [n.health for n in c.get_status().nodes] == [pb.NODE_HEALTH_ALIVE]
         assert hb._stream is not None and not hb._stream.unsupported and hb.last_error == ""
         hb.stop()
-        deadline = time.monotonic() + 5.0
-        while c.get_status(all=True).nodes[0].health != pb.NODE_HEALTH_DEAD:
-            assert time.monotonic() < deadline, "the silent node was never declared dead"
-            time.sleep(0.1)
+        # Declared dead one lease (0.3 s) after the last heartbeat, at the coordinator's next sweep; the deadline
+        # leaves a busy machine room (the test fails only if the node is never declared dead).
+        wait_until(lambda: c.get_status(all=True).nodes[0].health == pb.NODE_HEALTH_DEAD, 10 * lease + 5,
+                   "the silent node declared dead")
 
 
 class _OldServicer(CoordinatorServicer):
@@ -255,11 +265,11 @@ def test_against_a_coordinator_without_the_streams_store_and_heartbeats_use_unar
         store = c.store("j", gen)
         store.set("k", b"v")
         assert store.get("k", timeout=1.0) == b"v" and store.add("n", 2) == 2
+        started = time.monotonic()
         hb = Heartbeater(c, reg.node_id, 0.1).start()
         try:
-            time.sleep(0.5)
+            wait_until(lambda: hb.last_ok > started + 0.2, 10.0, "heartbeats answered as unary calls")
             assert hb._stream is not None and hb._stream.unsupported and hb.last_error == ""
-            assert time.monotonic() - hb.last_ok < 0.5
         finally:
             hb.stop()
         store.close()

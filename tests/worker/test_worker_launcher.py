@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from axond.testing.waits import KILL_WAIT, wait_until
 from axond.worker.launcher import LocalRanks, RankSpec, exit_code_of, start_ranks
 
 
@@ -109,8 +110,7 @@ def test_stop_kills_the_whole_tree_and_escalates_to_sigkill(started: list[LocalR
     ranks.stop(grace=0.5)
     elapsed = time.monotonic() - t0
     assert 0.4 < elapsed < 5, elapsed
-    time.sleep(0.1)
-    assert not alive(ranks.pids[0]) and not alive(child)
+    wait_until(lambda: not alive(ranks.pids[0]) and not alive(child), KILL_WAIT, "the rank and its child gone")
     result = ranks.poll()
     assert result is not None and result.first_failure is not None
     assert result.first_failure.exit_code == 128 + 9
