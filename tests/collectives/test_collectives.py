@@ -326,7 +326,7 @@ def test_sends_issued_before_collectives_are_received_after_them(groups: list[Pr
 def test_a_send_set_aside_by_a_collective_is_still_checked_against_its_receive(make_groups: Any,
                                                                                transport: str) -> None:
     """Sends and receives match per tag: a receive of a tag never sent times out naming the tag that was sent."""
-    groups = make_groups(2, 2.0, transport=transport)  # fresh: the error aborts them
+    groups = make_groups(2, 1.0, transport=transport)  # fresh: the error aborts them
 
     def body(pg: ProcessGroup) -> None:
         if pg.rank == 0:

@@ -36,9 +36,11 @@ def measured(g: ProcessGroup, build: Callable[[nn.Module, ProcessGroup], tuple[A
 
     tracemalloc is process-wide: with several thread ranks every rank's arrays are in the totals, so each rank
     reports its stats and the test compares their sum."""
-    gc.collect()
     g.barrier()
     if g.rank == 0:
+        # What exists now is not this measurement's: frozen, it is never collected during it, and the collections
+        # below scan only what the measurement made (cheap however large the test process's heap has grown).
+        gc.freeze()
         tracemalloc.start()
     g.barrier()
     base = tracemalloc.get_traced_memory()[0]
@@ -62,6 +64,7 @@ def measured(g: ProcessGroup, build: Callable[[nn.Module, ProcessGroup], tuple[A
     g.barrier()
     if g.rank == 0:
         tracemalloc.stop()
+        gc.unfreeze()
     return stats(), now - base, peak - base
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,16 @@ from axond.testing import run_on, run_processes, thread_groups
 
 pytestmark = pytest.mark.skipif(single_copy.local_obstacle() is not None or not hasattr(os, "memfd_create"),
                                 reason=f"single copy unavailable here: {single_copy.local_obstacle()}")
+
+
+@pytest.fixture(autouse=True)
+def young_heap() -> Iterator[None]:
+    """The tests collect garbage to free arrays: what exists before a test is frozen (gc.freeze), so a collection
+    scans only what the test made, cheap however large the test process's heap has grown."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
 
 EVERY_OP = TcpOptions(shm_min_bytes=0)
 PAGE_SIZE = 4096
