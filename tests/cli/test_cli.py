@@ -35,6 +35,7 @@ def test_health_exit_codes(coord: RunningCoordinator, procs: Procs) -> None:
     assert "Traceback" not in down.stderr and "axond coordinator" in down.stderr
 
 
+@pytest.mark.slow
 def test_unreachable_coordinator_says_what_to_do(procs: Procs) -> None:
     address = f"127.0.0.1:{free_port()}"
     for args in (
@@ -49,6 +50,7 @@ def test_unreachable_coordinator_says_what_to_do(procs: Procs) -> None:
         assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_wrong_token_is_refused_and_the_right_one_works(token_coord: RunningCoordinator, procs: Procs) -> None:
     bad = procs.run("status", "--coordinator", token_coord.address, "--token", "nope")
     assert bad.code == 3
@@ -110,6 +112,7 @@ def test_status_shows_nodes_jobs_and_ranks(coord: RunningCoordinator, procs: Pro
     assert "HOST  PID" in text
 
 
+@pytest.mark.slow
 def test_status_of_a_hung_job_shows_which_rank_waits_in_which_op(coord: RunningCoordinator, procs: Procs) -> None:
     """Rank 1 waits in an all_reduce that rank 0, stuck in its own code, never joins: `status --job` says so."""
     script = (
@@ -185,6 +188,7 @@ def test_run_ctrl_c_cancels_the_job(coord: RunningCoordinator, procs: Procs, tmp
     wait_for(lambda: not pid_alive(rank_pid), 15, "the cancelled rank to be stopped")
 
 
+@pytest.mark.slow
 def test_coordinator_command_serves_and_stops_on_sigterm(procs: Procs) -> None:
     port = free_port()
     server = procs.axond("coordinator", "--host", "127.0.0.1", "--port", str(port))
@@ -199,6 +203,7 @@ def test_coordinator_command_serves_and_stops_on_sigterm(procs: Procs) -> None:
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_tls_ca_and_token_reach_the_coordinator_and_the_ranks(
     coordinator_factory: Callable[..., RunningCoordinator], procs: Procs, tmp_path: Path
 ) -> None:

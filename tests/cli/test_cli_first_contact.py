@@ -50,6 +50,7 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+@pytest.mark.slow
 def test_workers_started_before_the_coordinator_wait_for_it(procs: Procs, tmp_path: Path) -> None:
     """The Quick start pasted as written: the workers come first and must not exit 3."""
     port = free_port()
@@ -66,6 +67,7 @@ def test_workers_started_before_the_coordinator_wait_for_it(procs: Procs, tmp_pa
     assert server.poll() is None
 
 
+@pytest.mark.slow
 def test_the_wait_for_the_coordinator_is_bounded(procs: Procs) -> None:
     t0 = time.monotonic()
     res = procs.run("status", "--coordinator", f"127.0.0.1:{free_port()}", "--connect-timeout", "2")
@@ -74,6 +76,7 @@ def test_the_wait_for_the_coordinator_is_bounded(procs: Procs) -> None:
     assert "up to 2 s" in res.stderr and "is `axond coordinator` running at" in last_line(res.stderr)
 
 
+@pytest.mark.slow
 def test_a_lone_worker_says_how_far_the_rendezvous_got(coord: RunningCoordinator, procs: Procs) -> None:
     t0 = time.monotonic()
     res = procs.run(*worker(coord, "lone", "--nnodes", "2", "--join-timeout", "7"), "--", PY, "-c", "pass")
@@ -86,6 +89,7 @@ def test_a_lone_worker_says_how_far_the_rendezvous_got(coord: RunningCoordinator
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow
 def test_a_rank_that_returned_early_is_named_while_the_others_run(coord: RunningCoordinator, procs: Procs) -> None:
     script = "import os, time; time.sleep(7 if os.environ['RANK'] == '0' else 0)"
     res = procs.run(*worker(coord, "early", "--nproc-per-node", "2"), "--", PY, "-c", script)
@@ -126,6 +130,7 @@ def test_the_other_node_names_the_failing_rank_too(coord: RunningCoordinator, pr
         assert re.search(r"rank 1 \(\S+, pid \d+\) exited with code 1: ValueError: bad input", last_line(res.stderr))
 
 
+@pytest.mark.slow
 def test_a_node_whose_ranks_succeeded_fails_with_the_job(coord: RunningCoordinator, procs: Procs) -> None:
     """Each worker's exit code is the job's (what `docker compose up --exit-code-from worker-0` relies on)."""
     script = (
@@ -141,6 +146,7 @@ def test_a_node_whose_ranks_succeeded_fails_with_the_job(coord: RunningCoordinat
         assert re.search(r"rank 1 \(\S+, pid \d+\) exited with code 6: late failure", last_line(res.stderr)), res.stderr
 
 
+@pytest.mark.slow
 def test_exit_codes_do_not_collide(coord: RunningCoordinator, procs: Procs) -> None:
     rank_two = procs.run(*worker(coord, "two-code"), "--", PY, "-c", "import sys; sys.exit(2)")
     assert rank_two.code == 1, "a rank's exit code 2 must not look like a usage error"

@@ -20,6 +20,8 @@ import yaml
 
 from worker_support import Procs, axond_argv, free_port, procs  # noqa: F401
 
+pytestmark = pytest.mark.slow  # every compose service as a real process
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_PORT = "29500"
 STATE_DIR = "/var/lib/axond"

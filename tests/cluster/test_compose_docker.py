@@ -23,6 +23,8 @@ import pytest
 from test_compose import STATE_DIR, load_compose, workers
 from worker_support import free_port
 
+pytestmark = pytest.mark.slow  # compose under a real container engine
+
 ROOT = Path(__file__).resolve().parents[2]
 BASE_IMAGE = "python:3.11-slim"
 RUNS = int(os.environ.get("AXOND_COMPOSE_RUNS", "1"))

@@ -19,6 +19,8 @@ import pytest
 from axond.testing.netns import Host, Network
 from netns import AXOND, Proc, base_env, netns  # noqa: F401 - netns is the fixture
 
+pytestmark = pytest.mark.slow  # jobs across network-namespace hosts (real coordinator and workers)
+
 HERE = Path(__file__).resolve().parents[1] / "helpers"
 TOKEN = "netns-test-token"
 PORT = 29500

@@ -18,6 +18,8 @@ from netns import Proc, base_env, netns  # noqa: F401 - netns is the fixture
 
 pytest.importorskip("torch", reason="torch is not installed: pip install 'axond[torch]'")
 
+pytestmark = pytest.mark.slow  # torch DDP across network-namespace hosts
+
 HERE = Path(__file__).resolve().parents[1] / "helpers"
 
 

@@ -19,6 +19,8 @@ import slurm_cluster
 from netns import base_env, netns  # noqa: F401 - netns is the fixture
 from slurm_cluster import SlurmCluster
 
+pytestmark = pytest.mark.slow  # a real Slurm cluster in namespaces
+
 BATCH = """#!/bin/sh
 #SBATCH --job-name=axond-train
 #SBATCH --nodes=2

@@ -21,6 +21,8 @@ import pytest
 
 from control_procs import AXOND, HERE, TOKEN, Procs, free_port, procs  # noqa: F401 - procs is the fixture
 
+pytestmark = pytest.mark.slow  # coordinator outages of several leases under real workers
+
 HEARTBEAT = float(os.environ.get("CONTROL_OUTAGE_HEARTBEAT", "0.2"))
 MISSED = 5
 LEASE = HEARTBEAT * MISSED

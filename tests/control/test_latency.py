@@ -21,6 +21,8 @@ from axond.errors import CoordinatorError
 from latency_proxy import DelayProxy
 from worker_support import FAST, Procs, coord, free_port, procs, self_signed  # noqa: F401
 
+pytestmark = pytest.mark.slow  # real workers behind a 250 ms proxy
+
 DELAY_S = 0.25
 """Added each way: a 500 ms round trip, five times what a 100 ms connect timeout allows."""
 

@@ -22,6 +22,8 @@ from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
 from axond.v1 import coordinator_pb2 as pb
 
+pytestmark = pytest.mark.slow  # over 10,000 fuzzed requests
+
 C = grpc.StatusCode
 EXPECTED = {
     C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION, C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED,

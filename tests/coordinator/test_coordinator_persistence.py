@@ -143,6 +143,7 @@ def _start(state_dir: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_kill_9_and_restart_keep_nodes_jobs_and_the_store(tmp_path: Path) -> None:
     state, port = tmp_path / "state", _free_port()
@@ -217,6 +218,7 @@ async def _burst(address: str, token: str, gen: int, proc: subprocess.Popen[byte
     return acked
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_every_acknowledged_set_survives_kill_9_during_a_burst(tmp_path: Path) -> None:
     state, port = tmp_path / "state", _free_port()

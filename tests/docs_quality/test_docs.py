@@ -146,6 +146,7 @@ def test_mkdocs_site_builds_strictly(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(BLOCK_TIMEOUT + LEFTOVER_GRACE + 30)
+@pytest.mark.slow
 @pytest.mark.parametrize("block", readme_bash_blocks()[1],
                          ids=[f"{i}:{b.strip().splitlines()[0][:50]}" for i, b in enumerate(readme_bash_blocks()[1])])
 def test_readme_block_runs_on_a_fresh_install(block: str, tmp_path: Path) -> None:
@@ -155,6 +156,7 @@ def test_readme_block_runs_on_a_fresh_install(block: str, tmp_path: Path) -> Non
     assert not run.leftovers, f"the block left processes running: {run.leftovers}\noutput:\n{run.output}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(BLOCK_TIMEOUT + LEFTOVER_GRACE + 30)
 def test_block_harness_runs_a_cluster_and_sees_it_stop(tmp_path: Path) -> None:
     """A block in the Quick start's shape (a background coordinator, a worker, cleanup) passes the harness."""
@@ -169,6 +171,7 @@ def test_block_harness_runs_a_cluster_and_sees_it_stop(tmp_path: Path) -> None:
     assert "hello from rank 1 of 2" in run.output and not run.leftovers
 
 
+@pytest.mark.slow
 def test_block_harness_reports_failures_and_leftovers(tmp_path: Path) -> None:
     """The harness can fail: an exit code is passed on, and a process left behind is found and killed."""
     assert run_block("exit 3", tmp_path / "a").returncode == 3

@@ -122,7 +122,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("example", ["torch_ddp", pytest.param("torch_fsdp", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["torch_ddp", "torch_fsdp"])
 def test_examples_under_the_worker(example: str, tmp_path: Path) -> None:
     port, token = _free_port(), "torch-test-token"
     axond = [sys.executable, "-c", "from axond.cli.main import main; main()"]

@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed (p
 import torch_backend_faults as faults  # noqa: E402
 from axond.testing import collect_from_processes  # noqa: E402
 
+pytestmark = pytest.mark.slow  # torch DDP/FSDP2 ranks failing in real processes
+
 TORCH_ERROR = ["TorchDistributedError", "DistributedError", "DistBackendError", "RuntimeError"]
 
 

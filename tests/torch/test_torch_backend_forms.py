@@ -20,6 +20,8 @@ import torch_cases  # noqa: E402
 from axond.testing import collect_from_processes  # noqa: E402
 from axond.torch import DEVICES  # noqa: E402
 
+pytestmark = pytest.mark.slow  # torch ranks in real processes beside gloo
+
 
 N = 3
 

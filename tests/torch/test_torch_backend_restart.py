@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install -e '.[torch]')")
 
+pytestmark = pytest.mark.slow  # the real torchrun restarting a group
+
 SCRIPT = textwrap.dedent("""
     import os, sys
     from datetime import timedelta

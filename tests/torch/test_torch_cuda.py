@@ -108,6 +108,7 @@ def _routing_body(rank: int, n: int, gloo: Any) -> dict[str, Any]:
             "fsdp": torch_cases.fsdp(rank, n, gloo)}
 
 
+@pytest.mark.slow
 def test_the_cuda_capable_group_class_gives_gloos_results_for_cpu_tensors() -> None:
     items, codes = collect_from_processes(functools.partial(_routing_rank), 2, expect=2, timeout=240)
     failures = [res for _, ok, res in items if not ok]

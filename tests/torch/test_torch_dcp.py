@@ -19,7 +19,8 @@ import torch_dcp_cases as cases
 
 HERE = Path(__file__).resolve().parents[1] / "helpers"
 # the first test waits for the module's runner
-pytestmark = pytest.mark.timeout(len(cases.CASES) * cases.CASE_DEADLINE + 120)
+# slow: torch.distributed.checkpoint on forked torch ranks
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(len(cases.CASES) * cases.CASE_DEADLINE + 120)]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:

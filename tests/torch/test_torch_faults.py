@@ -22,7 +22,8 @@ import torch_fault_cases as cases
 
 HERE = Path(__file__).resolve().parents[1] / "helpers"
 # the first test waits for the module's runner
-pytestmark = pytest.mark.timeout(len(cases.CASES) * cases.CASE_DEADLINE + 120)
+# slow: the fault matrix: 21 cases of forked torch ranks
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(len(cases.CASES) * cases.CASE_DEADLINE + 120)]
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:

@@ -18,6 +18,8 @@ pytest.importorskip("accelerate")
 
 import torch
 
+pytestmark = pytest.mark.slow  # Lightning and Accelerate under torchrun (real launches)
+
 STEPS, BATCH, LR, RANKS = 8, 16, 0.05, 2
 
 
@@ -85,7 +87,6 @@ def test_lightning_ddp_with_its_own_launcher(tmp_path: Path) -> None:
     assert_trained_like_reference(saved, "axond.examples.lightning_ddp")
 
 
-@pytest.mark.slow
 def test_lightning_ddp_under_torchrun(tmp_path: Path) -> None:
     """Under torchrun Lightning takes torchrun's ranks (TorchElasticEnvironment) instead of launching its own."""
     saved = tmp_path / "trained.pt"

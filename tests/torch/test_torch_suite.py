@@ -36,7 +36,10 @@ TEST_TIMEOUT = 30
 """Seconds before one suite test's ranks are killed (gloo's slowest CPU test takes ~11 s at world size 3 on a busy
 two-core machine)."""
 
-pytestmark = pytest.mark.timeout(len(WORLD_SIZES) * len(BACKENDS) * (len(torch_suite.ci_sample()) * TEST_TIMEOUT + 60))
+# slow: torch's own suite on axond at two world sizes (about a minute)
+pytestmark = [pytest.mark.slow,
+              pytest.mark.timeout(len(WORLD_SIZES) * len(BACKENDS) * (len(torch_suite.ci_sample()) * TEST_TIMEOUT
+                                                                      + 60))]
 
 
 def documented_differences() -> dict[str, str]:

@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+pytestmark = pytest.mark.slow  # the real torchrun launching real ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120
 

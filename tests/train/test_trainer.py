@@ -149,6 +149,7 @@ def test_bad_arguments_are_refused() -> None:
     _run(2, rank)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_killed_worker_run_restarts_and_ends_like_an_uninterrupted_run(
         coordinator_factory: Callable[..., RunningCoordinator], tmp_path: Path) -> None:
@@ -174,6 +175,7 @@ def test_a_killed_worker_run_restarts_and_ends_like_an_uninterrupted_run(
     _assert_same(final, _uninterrupted(3)[0][0])
 
 
+@pytest.mark.slow
 def test_train_mlp_checkpoint_flags_resume(tmp_path: Path) -> None:
     """The example's --checkpoint-dir/--checkpoint-every: a second run with more epochs resumes from the first."""
     from axond.testing import run_processes

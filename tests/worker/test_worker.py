@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from axond.control.client import connect
 from axond.coordinator.server import RunningCoordinator
 from axond.v1 import coordinator_pb2 as pb
@@ -147,6 +149,7 @@ def test_sigterm_stops_the_worker_and_its_ranks(coord: RunningCoordinator, procs
     assert not any(pid_alive(p) for p in pids)
 
 
+@pytest.mark.slow
 def test_a_dead_worker_is_noticed_by_the_others(coord: RunningCoordinator, procs: Procs, tmp_path: Path) -> None:
     script = (
         "import os, time, pathlib\n"
@@ -190,6 +193,7 @@ def coord_status(c: RunningCoordinator) -> pb.GetStatusResponse:
         return client.get_status()
 
 
+@pytest.mark.slow
 def test_a_node_that_finished_first_rejoins_when_the_job_restarts(coord: RunningCoordinator, procs: Procs) -> None:
     script = (
         "import os, sys, time\n"

@@ -57,6 +57,7 @@ def test_the_failure_line_names_the_root_cause_not_the_first_exit(procs: Procs, 
                         r"ValueError: bad batch on rank 1", last_line(res.stderr)), res.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", range(REPEAT))
 def test_every_node_names_the_root_cause_on_another_node(coord: RunningCoordinator, procs: Procs, run: int) -> None:
     args = ["worker", "--coordinator", coord.address, "--job", f"cause2-{run}", "--nnodes", "2", "--stop-grace", "3",
@@ -91,6 +92,7 @@ def _run_until_said(procs: Procs, script: str, said: re.Pattern[str], go: Path) 
     return lines
 
 
+@pytest.mark.slow
 def test_a_rank_blocked_in_a_collective_is_reported_while_it_waits(procs: Procs, tmp_path: Path) -> None:
     """Rank 1 stays outside axond until the worker's notice has named rank 0's wait, then joins the all_reduce."""
     go = tmp_path / "go"
@@ -101,6 +103,7 @@ def test_a_rank_blocked_in_a_collective_is_reported_while_it_waits(procs: Procs,
         r"rank\(s\) 1 report no blocked op \(outside axond"), go)
 
 
+@pytest.mark.slow
 def test_ranks_that_exited_are_named_again_with_how_long_ago(procs: Procs, tmp_path: Path) -> None:
     """Rank 1 exits at once; rank 0 runs on until the worker has named rank 1's exit again, with how long ago."""
     go = tmp_path / "go"
@@ -110,6 +113,7 @@ def test_ranks_that_exited_are_named_again_with_how_long_ago(procs: Procs, tmp_p
     assert any("job 'default': rank(s) 1 exited with code 0 but rank(s) 0 still run" in line for line in lines), lines
 
 
+@pytest.mark.slow
 def test_a_worker_with_other_options_is_refused_and_the_waiting_one_told(coord: RunningCoordinator,
                                                                         procs: Procs) -> None:
     base = ["worker", "--coordinator", coord.address, "--job", "mixed"]
@@ -188,6 +192,7 @@ main()
 """
 
 
+@pytest.mark.slow
 def test_torchrun_spellings_prefixes_and_torch_error_files(procs: Procs) -> None:
     """torchrun's flag names; torch's `[rankN]:` prefix kept single; torch's `@record` error file is the cause."""
     pytest.importorskip("torch")

@@ -20,9 +20,13 @@ PY = sys.executable
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "WORLD_SIZE")
+
+pytestmark = pytest.mark.slow  # torchrun scripts under real workers
+
 SCRIPT = f"""
 import json, os, sys
 import torch, torch.distributed as dist
+
 if sys.argv[1] == "axond":
     import axond.torch
 dist.init_process_group(sys.argv[1])
