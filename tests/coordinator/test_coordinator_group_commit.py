@@ -22,6 +22,7 @@ from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_failed_commit_answers_unavailable_and_never_acknowledges(tmp_path: Path) -> None:
     """A second SQLite connection holds the write lock: the commit cannot happen and fails; every call answers

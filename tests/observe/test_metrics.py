@@ -146,6 +146,7 @@ def test_coordinator_and_worker_metrics_during_a_job(
     assert value(after, "axond_jobs", state="succeeded") == 1
 
 
+@pytest.mark.slow
 def test_the_coordinator_command_serves_metrics(procs: Procs) -> None:
     port = free_port()
     c = procs.axond("coordinator", "--host", "127.0.0.1", "--port", "0", "--in-memory", "--insecure",

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from axond.coordinator.server import RunningCoordinator
 from axond.observe.merge import merge
 from worker_support import FAST, Procs, procs  # noqa: F401
@@ -82,6 +84,7 @@ def validate_trace(trace: Any) -> list[dict[str, Any]]:
     return events
 
 
+@pytest.mark.slow
 def test_a_ddp_job_timeline_merges_into_a_valid_trace_with_every_collective(
     coordinator_factory: Callable[..., RunningCoordinator], procs: Procs, tmp_path: Path,
 ) -> None:

@@ -98,6 +98,7 @@ def test_axond_collectives_take_torch_tensors(parity: list[dict[str, list[str]]]
     assert [res["axond_api"] for res in parity] == [[], []]
 
 
+@pytest.mark.slow
 def test_dead_peer_raises_naming_the_op_within_the_timeout() -> None:
     items, codes = collect_from_processes(torch_cases.dead_peer, 2, expect=1, timeout=60.0)
     rank, kind, message, elapsed = items[0]
@@ -107,6 +108,7 @@ def test_dead_peer_raises_naming_the_op_within_the_timeout() -> None:
     assert codes[1] == 3, codes
 
 
+@pytest.mark.slow
 def test_mismatched_collectives_raise_naming_both_ops() -> None:
     items, codes = collect_from_processes(torch_cases.mismatched_peer, 2, expect=2, timeout=60.0)
     for rank, kind, message, elapsed in items:
@@ -192,6 +194,7 @@ def test_coordinator_kv_as_a_torch_store(client: CoordinatorClient) -> None:
     assert store.get("p/k") == b"v" and prefixed.get("k") == b"v"
 
 
+@pytest.mark.slow
 def test_init_method_axond_url(coordinator: RunningCoordinator, client: CoordinatorClient) -> None:
     stop = threading.Event()
     _job_store(client, "torchjob", stop)

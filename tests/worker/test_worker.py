@@ -104,6 +104,7 @@ def test_a_failing_rank_stops_every_worker(coord: RunningCoordinator, procs: Pro
     assert not any(pid_alive(p) for p in pids), "no rank may outlive its worker"
 
 
+@pytest.mark.slow
 def test_max_restarts_recovers_from_one_failure(coord: RunningCoordinator, procs: Procs) -> None:
     script = (
         "import os, sys, time\n"

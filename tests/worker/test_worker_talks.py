@@ -157,6 +157,7 @@ def test_a_running_job_with_all_its_nodes_refuses_another_worker(coord: RunningC
     assert procs.finish(first).code == 0
 
 
+@pytest.mark.slow
 def test_standalone_says_how_to_reach_its_coordinator(procs: Procs, tmp_path: Path) -> None:
     go = tmp_path / "go"
     script = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)"
