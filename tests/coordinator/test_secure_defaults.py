@@ -22,6 +22,7 @@ from axond.control.credentials import resolve_token
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.server import RunningCoordinator
 from axond.errors import CoordinatorError, StoreError
+from axond.testing.waits import wait_until
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -319,10 +320,12 @@ def test_a_full_coordinator_turns_calls_away_at_once_and_clients_retry(
         c.join("j", node, 1, 1, 1, timeout=5.0)
         expired: list[BaseException] = []
 
+        park_s = 1.5
+
         def park() -> None:
             store = c.store("j", 1)  # a store each: each long-poll holds a call (one KV stream per store)
             try:
-                store.get("never-set", timeout=1.5)
+                store.get("never-set", timeout=park_s)
             except StoreError as e:
                 expired.append(e)
             finally:
@@ -331,16 +334,19 @@ def test_a_full_coordinator_turns_calls_away_at_once_and_clients_retry(
         waiters = [threading.Thread(target=park) for _ in range(4)]
         for t in waiters:
             t.start()
-        time.sleep(0.5)  # the four long-polls fill the coordinator
+        admission = running.admission
+        assert admission is not None
+        wait_until(lambda: admission.running[0] >= 4, park_s, "the four long-polls to fill the coordinator")
         with grpc.insecure_channel(running.address) as ch:
             auth = [("authorization", f"Bearer {running.token}")]
             stub = pb_grpc.CoordinatorStub(ch)
             t0 = time.monotonic()
             got, detail = code(stub.KvSet, pb.KvSetRequest(job="j", generation=1, key="k", value=b"v"), metadata=auth)
-            assert got == C.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 1.0, (got, detail)
+            # Turned away at once: a call that waited for a slot would be served once the long-polls end.
+            assert got == C.RESOURCE_EXHAUSTED and time.monotonic() - t0 < park_s, (got, detail)
             # Status (like health and heartbeats) is served from a reserved pool: a full coordinator still answers it.
             got, detail = code(stub.GetStatus, pb.GetStatusRequest(), metadata=auth)
-            assert got == C.OK and time.monotonic() - t0 < 1.0, (got, detail)
+            assert got == C.OK and time.monotonic() - t0 < park_s, (got, detail)
         store = c.store("j", 1)
         store.set("k", b"v")  # turned away until the long-polls end, then served within its deadline
         assert store.get("k", timeout=0) == b"v"
