@@ -38,10 +38,30 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _as_started_now(environ: Mapping[str, str], cwd: str, path: Sequence[str], target: Callable[..., Any],
-                    *args: Any) -> None:
-    """Run `target(*args)` with the starter's environment, directory and sys.path as they were when it started this
-    rank (a rank forked from the fork server otherwise has the server's, from when the server started)."""
+class _Output:
+    """The starter's stdout and stderr, passed to a rank as the same open files (a rank forked from the fork
+    server otherwise writes to the server's, those of whoever started the server)."""
+
+    def __init__(self, fds: tuple[Any, ...] = ()) -> None:
+        self.fds = fds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return _Output, ((reduction.DupFd(1), reduction.DupFd(2)),)  # sent with the process (SCM_RIGHTS)
+
+    def install(self) -> None:
+        for target, fd in zip((1, 2), self.fds):
+            got = fd.detach()
+            os.dup2(got, target)
+            os.close(got)
+
+
+def _as_started_now(output: _Output, environ: Mapping[str, str], cwd: str, path: Sequence[str],
+                    target: Callable[..., Any], *args: Any) -> None:
+    """Run `target(*args)` with the starter's stdout, stderr, environment, directory and sys.path as they were when
+    it started this rank: under pytest, a rank's output lands in what is captured for the test that started it."""
+    output.install()
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
@@ -52,7 +72,7 @@ def _as_started_now(environ: Mapping[str, str], cwd: str, path: Sequence[str], t
 def _process(ctx: multiprocessing.context.BaseContext, target: Callable[..., Any], *args: Any
              ) -> multiprocessing.process.BaseProcess:
     """A daemon rank process of `ctx` running `target(*args)` as if spawned now."""
-    now = (dict(os.environ), os.getcwd(), list(sys.path))
+    now = (_Output(), dict(os.environ), os.getcwd(), list(sys.path))
     return ctx.Process(target=_as_started_now, args=(*now, target, *args), daemon=True)  # type: ignore[attr-defined]
 
 
