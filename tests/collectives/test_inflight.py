@@ -19,8 +19,13 @@ from axond.control.client import connect
 from axond.distributed.inflight import KEY, REPORTER, describe, describe_others, report_after
 from axond.distributed.monitored_barrier import PREFIX
 from axond.testing import run_on, run_processes
+from axond.testing.waits import wait_until
 
 MakeGroups = Callable[..., list[ProcessGroup]]
+
+REPORT_WAIT = 10 * report_after(0.4) + 2.0
+"""Seconds to wait for a report of the groups below (timeout 0.4 s): published report_after(0.4) into a slow op and
+looked at every half of that, so it normally takes 0.1-0.15 s; the rest is room for a busy machine."""
 
 
 def test_a_cross_group_deadlock_names_the_op_and_group_of_each_side(make_groups: MakeGroups) -> None:
@@ -101,16 +106,18 @@ def test_reports_are_json_cover_only_slow_ops_and_clear_when_they_finish() -> No
     REPORTER.register(store, 7, g)
     try:
         g.inflight, g.inflight_seq = "all_gather", 1
+        started = time.monotonic()
         time.sleep(report_after(0.4) / 2)
         assert store.try_get(KEY.format(7)) is None  # not slow yet: nothing published
-        time.sleep(report_after(0.4) + 0.2)
+        wait_until(lambda: store.try_get(KEY.format(7)) is not None, REPORT_WAIT, "the report of the slow op")
+        assert time.monotonic() - started >= report_after(0.4), "published before the op was slow"
         report = json.loads(store.try_get(KEY.format(7)) or b"{}")
         assert [(o["group"], o["op"]) for o in report["ops"]] == [("g", "all_gather")]
         assert "blocked in all_gather on group 'g'" in describe(store, 7, 3, 0.4)
         assert describe(store, 7, 3, 0.4).startswith("peer rank 3 (global rank 7) (pid ")
         g.inflight = None
-        time.sleep(0.3)
-        assert json.loads(store.try_get(KEY.format(7)) or b"{}")["ops"] == []
+        wait_until(lambda: json.loads(store.try_get(KEY.format(7)) or b"{}")["ops"] == [], REPORT_WAIT,
+                   "the report of no op blocked")
         assert "reports no op blocked" in describe(store, 7, 7, 0.4)
     finally:
         REPORTER.unregister(store, 7, g)
@@ -139,8 +146,8 @@ def test_a_store_that_fails_only_loses_the_report() -> None:
         good.set(KEY.format(5), b'{"ops": [{"group": 1}]}')
         assert describe(good, 5, 5, 0.4) == "peer rank 5 published an unreadable report"
         REPORTER.register(good, 1, other)  # the reporter survived the failures: it still publishes for others
-        time.sleep(0.3)
-        assert "blocked in barrier on group 'g'" in describe(good, 1, 1, 0.4)
+        wait_until(lambda: "blocked in barrier on group 'g'" in describe(good, 1, 1, 0.4), REPORT_WAIT,
+                   "the reporter to publish to the working store")
     finally:
         REPORTER.unregister(store, 0, g)
         REPORTER.unregister(good, 1, other)
@@ -222,7 +229,8 @@ def test_describe_others_names_the_members_not_in_the_op_and_counts_the_rest() -
         if g is not None:
             REPORTER.register(store, 10 + rank, g)
     try:
-        time.sleep(report_after(0.4) + 0.3)
+        wait_until(lambda: all(store.try_get(KEY.format(r)) is not None for r in (10, 11, 12)), REPORT_WAIT,
+                   "the reports of ranks 0-2")
         text = describe_others(store, [10, 11, 12, 13], 0, 0.4, ("g", "all_reduce"))
         parts = text.split("; ")
         assert parts[0].startswith("peer rank 2 (global rank 12) (pid ")
@@ -233,10 +241,10 @@ def test_describe_others_names_the_members_not_in_the_op_and_counts_the_rest() -
         members[2].inflight, members[2].name = "all_reduce", "g"
         members[3] = Group("g", "all_reduce")
         REPORTER.register(store, 13, members[3])
-        time.sleep(report_after(0.4) + 0.3)
-        assert describe_others(store, [10, 11, 12, 13], 0, 0.4, ("g", "all_reduce")) == (
-            "every peer asked (3) is blocked in all_reduce on group 'g' too: the ranks agree on the op, "
-            "which itself stalls (a device, driver or network hang)")
+        agreed = ("every peer asked (3) is blocked in all_reduce on group 'g' too: the ranks agree on the op, "
+                  "which itself stalls (a device, driver or network hang)")
+        wait_until(lambda: describe_others(store, [10, 11, 12, 13], 0, 0.4, ("g", "all_reduce")) == agreed,
+                   REPORT_WAIT, "every peer's report of the all_reduce")
     finally:
         for rank, g in enumerate(members):
             if g is not None:
