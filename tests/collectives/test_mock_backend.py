@@ -19,6 +19,7 @@ import axond
 from axond import DistributedError, InMemoryStore, ProcessGroup, ReduceOp, World
 from axond.distributed import BackendOptions, create_group
 from axond.testing import RankFailed, run_on, run_threads, thread_groups
+from axond.testing.waits import wait_until
 
 
 def _every_op(pg: ProcessGroup) -> list[Any]:
@@ -220,7 +221,7 @@ def test_abort_and_destroy_release_waiting_members_at_once() -> None:
 
     def body(pg: ProcessGroup) -> None:
         if pg.rank == 0:
-            time.sleep(0.2)
+            wait_until(lambda: all(g.inflight == "all_reduce" for g in gs[1:]), 10.0, "the others in all_reduce")
             pg.abort("stage 0 hit a NaN")
             return
         pg.all_reduce(np.ones(3))
@@ -239,7 +240,8 @@ def test_abort_and_destroy_release_waiting_members_at_once() -> None:
 
     def leave_or_wait(pg: ProcessGroup) -> None:
         if pg.rank == 0:
-            time.sleep(0.2)
+            wait_until(lambda: trio[1].inflight == "recv" and trio[2].inflight == "all_reduce", 10.0,
+                       "the others in their ops")
             pg.destroy()
         elif pg.rank == 1:
             pg.recv(np.empty(2), 0)

@@ -13,6 +13,7 @@ from axond import DistributedError, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions
 from axond.distributed.backends.registry import available_backends
 from axond.testing import run_on, thread_groups
+from axond.testing.waits import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,8 @@ def test_abort_makes_waiting_peers_raise_at_once_with_the_reason() -> None:
     def body(pg: ProcessGroup) -> tuple[str, float]:
         start = time.monotonic()
         if pg.rank == 1:
-            time.sleep(0.2)
+            wait_until(lambda: groups[0].inflight == groups[2].inflight == "all_reduce", 10.0,
+                       "the others in all_reduce")
             pg.abort("data loader crashed on rank 1")
             with pytest.raises(DistributedError, match="aborted"):
                 pg.all_reduce(np.ones(4))

@@ -23,6 +23,7 @@ from axond.distributed.backends.tcp import TcpOptions, policy
 from axond.distributed.backends.tcp.transport.mesh import Mesh, interface_address
 from axond.distributed.backends.tcp.transport.wire import Op, group_id
 from axond.testing import RankFailed, collect_from_processes, run_on, thread_groups
+from axond.testing.waits import wait_until
 
 SHORT = BackendOptions(timeout=1.0)
 MakeGroups = Callable[..., list[ProcessGroup]]
@@ -142,7 +143,7 @@ def test_broadcast_root_learns_of_mismatch_on_its_next_call(pair: list[ProcessGr
 def test_peer_that_leaves_makes_the_other_raise_fast(pair: list[ProcessGroup]) -> None:
     def body(pg: ProcessGroup) -> None:
         if pg.rank == 1:
-            time.sleep(0.1)
+            wait_until(lambda: pair[0].inflight == "all_reduce", 10.0, "rank 0 in all_reduce")
             pg.destroy()
             return
         pg.all_reduce(np.ones(5, np.float32))
