@@ -6,6 +6,7 @@ Ranks are threads over real loopback sockets sharing one store; the reporter thr
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -173,12 +174,17 @@ def test_monitored_barrier_names_every_missing_rank_and_what_it_does(make_groups
     """Ranks 0 and 1 reach the barrier; rank 2 computes; rank 3 waits in an all_reduce on a subgroup with rank 2."""
     gs = make_groups(4, 2.0)
     subs = run_on(gs, lambda g: g.new_group([2, 3]))
+    left = [threading.Event(), threading.Event()]
 
     def body(g: ProcessGroup) -> None:
         if g.rank < 2:
-            g.monitored_barrier(timeout=1.5, wait_all_ranks=True)
+            try:
+                g.monitored_barrier(timeout=1.5, wait_all_ranks=True)
+            finally:
+                left[g.rank].set()
         elif g.rank == 2:
-            time.sleep(2.5)
+            for done in left:  # "computing" until the barrier's members have given up on it
+                assert done.wait(30.0), "the barrier never ended"
         else:
             subs[3].all_reduce(np.ones(2))
 
@@ -200,12 +206,17 @@ def test_monitored_barrier_names_every_missing_rank_and_what_it_does(make_groups
 
 def test_monitored_barrier_without_wait_all_ranks_names_the_first_and_says_how_to_see_all(make_groups: MakeGroups) -> None:
     gs = make_groups(3, 1.2)
+    left = {0: threading.Event(), 2: threading.Event()}
 
     def body(g: ProcessGroup) -> None:
         if g.rank == 1:
-            time.sleep(1.0)
+            for done in left.values():  # away until the others have given up on the barrier
+                assert done.wait(30.0), "the barrier never ended"
             return
-        g.monitored_barrier(timeout=0.5)
+        try:
+            g.monitored_barrier(timeout=0.5)
+        finally:
+            left[g.rank].set()
 
     with pytest.raises(ValueError, match="timeout must be positive"):
         gs[0].monitored_barrier(timeout=0)
@@ -256,8 +267,9 @@ def test_a_group_describes_its_members_while_they_wait_in_a_real_op(make_groups:
     seen: list[str] = []
 
     def body(g: ProcessGroup) -> None:
-        if g.rank == 2:
-            time.sleep(1.2)  # the others wait in the all_reduce meanwhile
+        if g.rank == 2:  # away until the others, waiting in the all_reduce, have reported it
+            wait_until(lambda: gs[0]._describe_peers("all_reduce").endswith("; 1 other peer is blocked in it too"),
+                       10 * report_after(2.0) + 2.0, "rank 1's report of the all_reduce")
             seen.append(gs[0]._describe_peers("all_reduce"))
         g.all_reduce(np.ones(3))
 
