@@ -85,12 +85,16 @@ def test_processes_report_through_the_coordinator_store(coordinator_factory) -> 
 
 def test_a_peer_outside_any_op_is_reported_as_such(make_groups: MakeGroups) -> None:
     pair = make_groups(2, 1.2)
+    gave_up = threading.Event()
 
     def body(g: ProcessGroup) -> None:
         if g.rank == 0:
-            g.all_reduce(np.ones(4, np.float32))
-        else:
-            time.sleep(1.6)  # "computing": never enters the all_reduce before rank 0 gives up
+            try:
+                g.all_reduce(np.ones(4, np.float32))
+            finally:
+                gave_up.set()
+        else:  # "computing": never enters the all_reduce before rank 0 gives up
+            assert gave_up.wait(30.0), "rank 0 never gave up"
 
     out = run_on(pair, body, return_exceptions=True)
     assert isinstance(out[0], DistributedError) and out[1] is None

@@ -9,6 +9,7 @@ members raise `DistributedError` on every member naming op, group and peer, and 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from typing import Any
 
@@ -161,11 +162,18 @@ def test_split_sizes_that_disagree_raise_on_both_sides() -> None:
 
 def test_a_member_that_never_arrives_times_out_the_others_and_says_what_it_does() -> None:
     gs = thread_groups(3, backend="mock", options=BackendOptions(timeout=1.0))
+    gave_up = {0: threading.Event(), 2: threading.Event()}
 
     def body(pg: ProcessGroup) -> None:
-        if pg.rank == 1:
-            time.sleep(1.6)  # never in time; then arrives late
-        pg.all_reduce(np.ones(2))
+        if pg.rank == 1:  # never in time: arrives once the others have given up
+            for done in gave_up.values():
+                assert done.wait(30.0), "the others never gave up"
+            pg.all_reduce(np.ones(2))
+            return
+        try:
+            pg.all_reduce(np.ones(2))
+        finally:
+            gave_up[pg.rank].set()
 
     t0 = time.monotonic()
     errors = run_on(gs, body, return_exceptions=True)
