@@ -23,7 +23,14 @@ from collective_cases import (
 )
 
 
-@pytest.fixture(scope="module", params=EVERY_TRANSPORT, ids=[f"{n}-{t}" for n, t in EVERY_TRANSPORT])
+QUICK_SIZES = {"auto": (1, 2, 3, 4), "mock": (1, 2, 3, 4)}
+"""World sizes of each transport that the quick loop (`-m "not slow"`) runs; the other transports at 2 and 4 (3, an
+odd size, still runs on the default transport and the mock backend there). The full suite runs every one."""
+
+
+@pytest.fixture(scope="module", params=[p if n in QUICK_SIZES.get(t, (2, 4)) else pytest.param(p, marks=pytest.mark.slow)
+                                        for p in EVERY_TRANSPORT for n, t in [p]],
+                ids=[f"{n}-{t}" for n, t in EVERY_TRANSPORT])
 def groups(request: pytest.FixtureRequest) -> Iterator[list[ProcessGroup]]:
     """As conftest's, on every transport: the defaults, sockets only, shared memory for every op, and the mock backend."""
     yield from group_members(*request.param)
