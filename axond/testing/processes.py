@@ -8,7 +8,6 @@ import multiprocessing.context
 import multiprocessing.process
 import os
 import queue
-import sys
 import tempfile
 import time
 import traceback
@@ -57,22 +56,20 @@ class _Output:
             os.close(got)
 
 
-def _as_started_now(output: _Output, environ: Mapping[str, str], cwd: str, path: Sequence[str],
-                    target: Callable[..., Any], *args: Any) -> None:
-    """Run `target(*args)` with the starter's stdout, stderr, environment, directory and sys.path as they were when
-    it started this rank: under pytest, a rank's output lands in what is captured for the test that started it."""
+def _as_started_now(output: _Output, environ: Mapping[str, str], target: Callable[..., Any], *args: Any) -> None:
+    """Run `target(*args)` with the starter's stdout, stderr and environment as they were when it started this rank
+    (multiprocessing itself passes the directory, sys.path and main module): under pytest, a rank's output lands in
+    what is captured for the test that started it."""
     output.install()
     os.environ.clear()
     os.environ.update(environ)
-    os.chdir(cwd)
-    sys.path[:] = path
     target(*args)
 
 
 def _process(ctx: multiprocessing.context.BaseContext, target: Callable[..., Any], *args: Any
              ) -> multiprocessing.process.BaseProcess:
     """A daemon rank process of `ctx` running `target(*args)` as if spawned now."""
-    now = (_Output(), dict(os.environ), os.getcwd(), list(sys.path))
+    now = (_Output(), dict(os.environ))
     return ctx.Process(target=_as_started_now, args=(*now, target, *args), daemon=True)  # type: ignore[attr-defined]
 
 
