@@ -5,6 +5,7 @@ two CPU ranks; the trained parameters are checked against the same training in o
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-pytest.importorskip("lightning")
-pytest.importorskip("accelerate")
+for _framework in ("lightning", "accelerate"):  # looked up, not imported: importing Lightning takes seconds
+    if importlib.util.find_spec(_framework) is None:
+        pytest.skip(f"{_framework} is not installed (pip install -e '.[dev]')", allow_module_level=True)
 
-import torch
+import torch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Lightning and Accelerate under torchrun (real launches)
 
