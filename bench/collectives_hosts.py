@@ -1,4 +1,4 @@
-"""`bench/collectives.py --hosts N`: the collectives between network-namespace hosts (axond/testing_netns.py).
+"""`bench/collectives.py --hosts N`: the collectives between network-namespace hosts (axond/testing/netns.py).
 
 Each host is a network namespace with its own veth address on one bridge, so the ranks of different hosts
 talk over the veth links at the addresses they advertise, as between machines (the links cost the same
@@ -152,7 +152,7 @@ def _rank(spec: dict[str, Any]) -> None:
 
 def run_hosts(args: argparse.Namespace, sizes: list[int]) -> None:
     """The whole `--hosts` run: raw limit between hosts 0 and 1, then each op on axond and its peers, and the tables."""
-    from axond.testing_netns import Network, unavailable
+    from axond.testing.netns import Network, unavailable
 
     reason = unavailable()
     if reason:

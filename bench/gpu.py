@@ -15,7 +15,7 @@ On a machine with one or more CUDA GPUs it runs, in under 5 minutes, and prints 
 Each section runs in processes of its own (bench/gpu_ranks.py, spawned here with a file store), bounded by a
 timeout; a section that fails prints its error in its table and the run goes on. Exit status: 0 every section ran,
 1 some section failed, 2 bad arguments, 3 no GPU here (nothing ran; the message says why).
-Everything but the spawned ranks is importable without torch, CuPy or a GPU (tests/test_gpu_bench.py).
+Everything but the spawned ranks is importable without torch, CuPy or a GPU (tests/nccl_gpu/test_gpu_bench.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python bench/socket_variants.py [--mtu 1500] [--mbytes 256]      (root: network-namespace hosts)
 
-Two network-namespace hosts (axond/testing_netns.py) joined by a veth link; a process in each streams `--mbytes`
+Two network-namespace hosts (axond/testing/netns.py) joined by a veth link; a process in each streams `--mbytes`
 through plain sockets, one way (host 1 to host 0) and both ways at once, in each variant: the kernel's autotuned
 buffers or a set size (4 MiB; 416 KiB is what a stock kernel's net.core.rmem_max caps a 4 MiB request at), one or
 two streams (each its own thread on both sides, the bytes split in halves), plain or MSG_ZEROCOPY sends (whose
@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--mbytes", type=int, default=256)
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-    from axond.testing_netns import Network, unavailable
+    from axond.testing.netns import Network, unavailable
 
     if (why := unavailable()) is not None:
         sys.exit(why)

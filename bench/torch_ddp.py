@@ -191,8 +191,8 @@ class _Printer:
 
 
 def _between_hosts(args: argparse.Namespace) -> None:
-    """Every rank in its own namespace host (axond/testing_netns.py), joined over `tcp://` at host 0."""
-    from axond.testing_netns import Network, unavailable
+    """Every rank in its own namespace host (axond/testing/netns.py), joined over `tcp://` at host 0."""
+    from axond.testing.netns import Network, unavailable
 
     reason = unavailable()
     if reason:

@@ -1,9 +1,10 @@
-"""Ranks as spawned processes on loopback: `run_processes` (a function after `init_process_group`, or a module)
-and `collect_from_processes` (for ranks that die on purpose)."""
+"""Ranks as processes on loopback (forked from a fork server, or spawned): `run_processes` (a function after
+`init_process_group`, or a module) and `collect_from_processes` (for ranks that die on purpose)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.context
 import multiprocessing.process
 import os
 import queue
@@ -21,6 +22,55 @@ from axond.testing.waits import join_or_kill
 
 POLL = 0.1
 """Seconds between looks at the ranks' exit codes while waiting for their results."""
+PRELOAD = ("numpy", "axond", "axond.testing")
+"""What the fork server imports once: every rank forked from it starts with these loaded, instead of starting an
+interpreter and importing them (about half a second a rank on two cores). Where there is no fork server, ranks
+are spawned."""
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """The fork server (started at the first use, with PRELOAD imported), or spawning where there is none."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+class _Output:
+    """The starter's stdout and stderr, passed to a rank as the same open files (a rank forked from the fork
+    server otherwise writes to the server's, those of whoever started the server)."""
+
+    def __init__(self, fds: tuple[Any, ...] = ()) -> None:
+        self.fds = fds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return _Output, ((reduction.DupFd(1), reduction.DupFd(2)),)  # sent with the process (SCM_RIGHTS)
+
+    def install(self) -> None:
+        for target, fd in zip((1, 2), self.fds):
+            got = fd.detach()
+            os.dup2(got, target)
+            os.close(got)
+
+
+def _as_started_now(output: _Output, environ: Mapping[str, str], target: Callable[..., Any], *args: Any) -> None:
+    """Run `target(*args)` with the starter's stdout, stderr and environment as they were when it started this rank
+    (multiprocessing itself passes the directory, sys.path and main module): under pytest, a rank's output lands in
+    what is captured for the test that started it."""
+    output.install()
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
+def _process(ctx: multiprocessing.context.BaseContext, target: Callable[..., Any], *args: Any
+             ) -> multiprocessing.process.BaseProcess:
+    """A daemon rank process of `ctx` running `target(*args)` as if spawned now."""
+    now = (_Output(), dict(os.environ))
+    return ctx.Process(target=_as_started_now, args=(*now, target, *args), daemon=True)  # type: ignore[attr-defined]
 
 
 def _process_main(fn: Callable[[], Any], rank: int, size: int, store_dir: str, backend: str, timeout: float,
@@ -65,10 +115,9 @@ def run_processes(fn_or_module: Callable[[], Any] | str, world_size: int, timeou
 def _run_function(fn: Callable[[], Any], world_size: int, timeout: float, store_dir: str, backend: str,
                   op_timeout: float, env: dict[str, str]) -> list[Any]:
     """`fn` in `world_size` spawned ranks; their results by rank, or `RankFailed` for the earliest failure."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_process_main, args=(fn, r, world_size, store_dir, backend, op_timeout, env,
-                                                     results), daemon=True)
+    procs = [_process(ctx, _process_main, fn, r, world_size, store_dir, backend, op_timeout, env, results)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -115,11 +164,10 @@ def collect_from_processes(target: Callable[..., None], world_size: int, expect:
     spawned processes sharing a FileStore directory, take `expect` items from the queue (each within
     `timeout`), then join every process (killing any still alive after 10 s); returns the items and the
     processes' exit codes (a negative code is the signal that ended it)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="axond-store-") as store_dir:
-        procs = [ctx.Process(target=target, args=(r, world_size, store_dir, q), daemon=True)
-                 for r in range(world_size)]
+        procs = [_process(ctx, target, r, world_size, store_dir, q) for r in range(world_size)]
         for p in procs:
             p.start()
         try:

@@ -1,4 +1,5 @@
-"""Waiting for rank processes with timeouts: those still running when their time is up are killed."""
+"""Waits with timeouts: for rank processes (those still running when their time is up are killed), and for a
+condition to hold (polled until a deadline, instead of sleeping a guessed time)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 import multiprocessing.process
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 KILL_WAIT = 5.0
 """Seconds to wait for a killed process to be reaped."""
@@ -41,3 +42,13 @@ def communicate_all(procs: Sequence[subprocess.Popen[str]], timeout: float) -> l
                 p.kill()
                 p.wait(KILL_WAIT)
     return outputs
+
+
+def wait_until(check: Callable[[], object], timeout: float, what: str, interval: float = 0.01) -> None:
+    """Poll `check` every `interval` seconds until it returns a true value; raise TimeoutError naming `what` if it
+    has not after `timeout` seconds. Tests derive `timeout` from the lease or deadline the condition depends on."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.1f} s waiting for {what}")
+        time.sleep(interval)

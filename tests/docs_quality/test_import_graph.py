@@ -1,0 +1,173 @@
+"""The import graph stays as the architecture draws it.
+
+- The generic backend interface and the rest of `axond.distributed` import nothing of the tcp backend (only the
+  registry names it, by module path, and loads it when asked for).
+- The layers the package docstrings and docs/design/layout.md draw: the coordinator's state machine (`state/`) knows
+  nothing of gRPC or the service above it; `ops.py` and `numerics/` are leaves; the backends sit below the groups.
+- No new function-local `axond` import: such imports hide loops between packages. The ones there were when this
+  test was written are listed in ALLOWED (file, module imported); a new one fails here. Entries whose import has
+  gone may be deleted (the list only shrinks).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("axond", "coordinator", "worker")
+GENERATED = ("axond/v1/", "axond/etcdv3/")
+TCP = "axond.distributed.backends.tcp"
+
+ALLOWED: set[tuple[str, str]] = {
+    ("axond/checkpoint/api.py", "axond.distributed"),
+    ("axond/checkpoint/api.py", "axond.distributed.forms.objects"),
+    ("axond/cli/coordinator_cmd.py", "axond.coordinator.limits"),
+    ("axond/cli/coordinator_cmd.py", "axond.coordinator.server"),
+    ("axond/cli/slurm_cmd.py", "axond.coordinator.server"),  # as worker_cmd: the daemon loads only when it runs
+    ("axond/cli/worker_cmd.py", "axond.coordinator.server"),
+    ("axond/distributed/backends/host_copy.py", "axond.distributed.backends"),  # the optional compiled helper
+    ("axond/distributed/diagnostics/failure.py", "axond.distributed"),
+    ("axond/distributed/forms/tensor_args.py", "axond.torch.arguments"),
+    ("axond/distributed/forms/torch_forms.py", "axond.distributed.process_group"),
+    ("axond/nn/grad_scaler.py", "axond.distributed"),
+    ("axond/nn/grad_scaler.py", "axond.distributed.numerics.reduce_op"),
+    ("axond/parallel/ddp/buckets.py", "axond.parallel.ddp.hooks"),
+    ("axond/parallel/ddp/comm.py", "axond.distributed"),
+    ("axond/parallel/fsdp/comm.py", "axond.distributed"),
+    ("axond/parallel/fsdp/offload.py", "axond.parallel.fsdp.offload_cuda"),
+    ("axond/parallel/memory.py", "axond.parallel.fsdp.wrap"),
+    ("axond/parallel/pipeline/pipeline.py", "axond.distributed"),
+    ("axond/parallel/pipeline/pipeline.py", "axond.parallel.memory"),
+    ("axond/parallel/sampler.py", "axond.distributed"),
+    ("axond/parallel/tensor/comm.py", "axond.distributed"),
+    ("axond/store/init_methods.py", "axond.control"),  # gRPC loads only for a coordinator's store
+    ("axond/testing/processes.py", "axond"),
+    ("axond/torch/__init__.py", "axond.torch.cuda_process_group"),
+    ("axond/torch/devices.py", "axond.distributed.backends.nccl"),
+    ("axond/train/clip.py", "axond.checkpoint.adapters"),
+    ("axond/train/trainer.py", "axond.distributed"),
+    ("coordinator/server.py", "axond.coordinator.persistence.etcd"),
+    ("coordinator/server.py", "axond.coordinator.replica"),
+    ("worker/spec.py", "axond.control.channel"),
+    ("worker/spec.py", "axond.control.client"),
+    ("worker/spec.py", "axond.control.credentials"),
+}
+"""(file, module) of every function-local import of an axond module the tree has: to be inverted, not added to."""
+
+
+@functools.cache
+def _sources() -> tuple[tuple[str, ast.Module], ...]:
+    """Every source file of the packages (generated code aside), parsed once for all tests."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if not rel.startswith(GENERATED):
+                found.append((rel, ast.parse(path.read_text(), rel)))
+    return tuple(found)
+
+
+def _module(rel: str, node: ast.ImportFrom | ast.Import) -> list[str]:
+    """The absolute modules `node` imports in file `rel` (relative imports resolved)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level == 0:
+        return [node.module or ""]
+    package = rel[:-3].split("/")[: -node.level] if not rel.endswith("__init__.py") else rel.split("/")[:-node.level]
+    return [".".join([*package, *([node.module] if node.module else [])])]
+
+
+def _local_imports(rel: str, tree: ast.Module) -> Iterator[str]:
+    """Modules of axond, coordinator or worker imported inside a function of `tree`."""
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    for module in _module(rel, node):
+                        if module.split(".")[0] in PACKAGES:
+                            yield module
+
+
+def _all_imports(rel: str, tree: ast.Module) -> Iterator[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield from _module(rel, node)
+
+
+def test_no_new_function_local_axond_import() -> None:
+    """Every function-local import of an axond module is on the allow-list."""
+    found = {(rel, module) for rel, tree in _sources() for module in _local_imports(rel, tree)}
+    new = sorted(found - ALLOWED)
+    assert not new, ("function-local imports of axond modules hide loops; import at the top (and invert the "
+                     f"dependency if that makes a loop): {new}")
+
+
+def test_the_generic_layers_import_nothing_of_tcp() -> None:
+    """backends/base.py, the registry, the mock backend, ops.py and the rest of axond.distributed import no module of
+    the tcp backend, at the top or in a function."""
+    offenders = [(rel, module) for rel, tree in _sources()
+                 if rel.startswith("axond/distributed/") and not rel.startswith("axond/distributed/backends/tcp/")
+                 for module in _all_imports(rel, tree) if module == TCP or module.startswith(TCP + ".")]
+    assert not offenders, offenders
+
+
+def _names(rel: str, tree: ast.Module) -> Iterator[str]:
+    """Every module `tree` imports, and for `from M import n` also `M.n` (n may be a module)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for module in _module(rel, node):
+                yield module
+                if isinstance(node, ast.ImportFrom):
+                    yield from (f"{module}.{alias.name}" for alias in node.names)
+
+
+def _offenders(folder: str, banned: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(file, module) of every import, under `folder`, of a module in or under one of `banned`."""
+    return sorted({(rel, name) for rel, tree in _sources() if rel.startswith(folder) for name in _names(rel, tree)
+                   if any(name == b or name.startswith(b + ".") for b in banned)})
+
+
+def test_the_coordinator_state_machine_knows_nothing_of_grpc() -> None:
+    """coordinator/state/ (the state machine) imports neither grpc, the protos, nor the service or the server above
+    it: tests drive it with plain calls and an explicit `now`."""
+    assert not _offenders("coordinator/state/", ("grpc", "axond.v1", "axond.coordinator.service",
+                                                 "axond.coordinator.server", "axond.coordinator.replica"))
+
+
+def test_the_vocabulary_and_the_numerics_are_leaves() -> None:
+    """ops.py and numerics/ import nothing else of axond: every layer may use them."""
+    numerics = "axond.distributed.numerics"
+    offenders = sorted({(rel, name) for rel, tree in _sources()
+                        if rel == "axond/distributed/ops.py" or rel.startswith("axond/distributed/numerics/")
+                        for name in _names(rel, tree) if name.split(".")[0] in PACKAGES
+                        and name != numerics and not name.startswith(numerics + ".")})
+    assert not offenders
+
+
+def test_the_backends_sit_below_the_groups() -> None:
+    """No backend imports the module functions, ProcessGroup or the call forms built over them."""
+    assert not _offenders("axond/distributed/backends/", ("axond.distributed.api", "axond.distributed.process_group",
+                                                          "axond.distributed.forms"))
+
+
+STORE_MAY_IMPORT = ("axond.errors", "axond.config", "axond.store", "axond.control", "axond.v1")
+"""What the stores build on: the data plane and torch build on them, never the other way."""
+
+
+def test_the_stores_sit_below_the_data_plane() -> None:
+    """axond/store imports only the errors, the configuration, itself, the coordinator's client (the coordinator's
+    store) and the stubs: nothing of axond.distributed, axond.torch or the rest, at the top or in a function."""
+    offenders = [(rel, module) for rel, tree in _sources() if rel.startswith("axond/store/")
+                 for module in _all_imports(rel, tree) if module.split(".")[0] in PACKAGES
+                 and not any(module == m or module.startswith(m + ".") for m in STORE_MAY_IMPORT)]
+    assert not offenders, offenders
+
+
+def test_the_allow_list_scanner_sees_a_local_import() -> None:
+    """The scanner finds a function-local import, relative or absolute, and ignores top-level ones."""
+    tree = ast.parse("import axond\n\ndef f():\n    from axond.errors import DistributedError\n"
+                     "    from . import ops\n    import numpy\n")
+    assert sorted(_local_imports("axond/distributed/x.py", tree)) == ["axond.distributed", "axond.errors"]
