@@ -1,7 +1,7 @@
 """The process's configuration from its environment, read once: `RuntimeEnv.from_env()`.
 
 This module and the command-line entry points (`axond.cli`) are the only code that reads `os.environ`
-(tests/test_config.py checks it). `init_process_group` and each CLI command build one `RuntimeEnv` and pass
+(tests/init/test_config.py checks it). `init_process_group` and each CLI command build one `RuntimeEnv` and pass
 it (or the part needed) down: to the store an `init_method` opens, the backend options, the mesh, failure
 reporting, metrics and the timeline, the worker's rank environments. A bad value raises `ConfigError` (a
 `ValueError`) naming the variable and what it accepts. docs/environment.md lists every variable.

@@ -2,7 +2,7 @@
 
 Keys are strings, values are opaque bytes. Every store (`axond.store.memory`, `file`, `tcp`, `coordinator`,
 `torch_agent`, `over_torch`) keeps the same contract, checked by one suite run on each
-(tests/test_store_contract.py): the same argument checks (this module's `check_*`), the same results,
+(tests/init/test_store_contract.py): the same argument checks (this module's `check_*`), the same results,
 `StoreTimeout` naming the keys when a wait runs out.
 """
 

@@ -1,5 +1,5 @@
 """The client library: connect() settings, error translation, bounded retries (the coordinator's Store keeps the
-contract every store keeps: tests/test_store_contract.py)."""
+contract every store keeps: tests/init/test_store_contract.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 they import each other by those names. mypy cannot follow that mapping: given the directories as they lie, it would
 take every `axond.coordinator.*` import for a missing module (Any) and check nothing across them. So mypy runs on a
 tree of links laid out as installed (`.mypy_cache/installed/axond/`, rebuilt each run), and its messages are
-mapped back to the files' own paths. `python tests/test_typecheck.py` runs the same check by hand.
+mapped back to the files' own paths. `python tests/docs_quality/test_typecheck.py` runs the same check by hand.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def run_mypy(probe: str | None = None) -> subprocess.CompletedProcess[str]:
 def test_mypy_is_clean() -> None:
     """mypy reports nothing on axond, coordinator and worker (its cache, .mypy_cache, makes reruns take seconds)."""
     done = run_mypy()
-    assert done.returncode == 0, f"mypy found problems (run `python tests/test_typecheck.py`):\n{done.stdout[-6000:]}"
+    assert done.returncode == 0, f"mypy found problems (run `python tests/docs_quality/test_typecheck.py`):\n{done.stdout[-6000:]}"
 
 
 def test_the_coordinator_is_checked_under_its_installed_name() -> None:

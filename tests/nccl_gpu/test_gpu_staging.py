@@ -1,6 +1,6 @@
 """The staging path's CPU half: which path a GPU group takes (claims through a real store), the reusable host
 buffers, and the staging backend over real tcp sockets with NumPy arrays, next to a plain tcp member (the CPU rank
-of a mixed group). Device arrays on it need a GPU: tests/test_gpu_staging_gpu.py."""
+of a mixed group). Device arrays on it need a GPU: tests/nccl_gpu/test_gpu_device.py."""
 
 from __future__ import annotations
 
