@@ -57,7 +57,8 @@ def run_mypy(probe: str | None = None) -> subprocess.CompletedProcess[str]:
 def test_mypy_is_clean() -> None:
     """mypy reports nothing on axond, coordinator and worker (its cache, .mypy_cache, makes reruns take seconds)."""
     done = run_mypy()
-    assert done.returncode == 0, f"mypy found problems (run `python tests/docs_quality/test_typecheck.py`):\n{done.stdout[-6000:]}"
+    assert done.returncode == 0, ("mypy found problems (run `python tests/docs_quality/test_typecheck.py`):\n"
+                                  f"{done.stdout[-6000:]}")
 
 
 def test_the_coordinator_is_checked_under_its_installed_name() -> None:

@@ -23,7 +23,7 @@ from axond.v1 import coordinator_pb2 as pb
 from axond.worker.agent import JobRunner
 from axond.worker.spec import ConnectOptions, JobSpec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("axond", "coordinator", "worker")
 ENV_NAMES = frozenset({"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"})
 

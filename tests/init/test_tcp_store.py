@@ -1,5 +1,6 @@
 """`TCPStore` over real loopback sockets: what only it has (pooled connections, auth, frame and connection limits,
-a server that starts late or dies); the Store contract it keeps with every store is tests/init/test_store_contract.py."""
+a server that starts late or dies); the Store contract it keeps with every store is
+tests/init/test_store_contract.py."""
 
 from __future__ import annotations
 
