@@ -23,6 +23,7 @@ from axond.control.channel import read_file
 from axond.control.credentials import default_state_dir, ensure_token, read_token_file
 from axond.coordinator.admission import Admission, AdmissionInterceptor
 from axond.coordinator.auth import TokenInterceptor
+from axond.coordinator.collector import tune_for_serving
 from axond.coordinator.decoding import DecodeGuard
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.persistence.etcd import EtcdPersistence
@@ -407,6 +408,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     except CoordinatorError as e:
         print(f"axond coordinator: {e}", file=sys.stderr)
         return 1
+    tune_for_serving()  # this process is the coordinator: its collector is ours to set (collector.py)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
