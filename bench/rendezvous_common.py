@@ -74,6 +74,11 @@ def profiled(config: CoordinatorConfig, path: str) -> None:
     import threading
 
     running = start_coordinator(config)
+    try:  # as run_coordinator does (a tree without it profiles the default collector)
+        from axond.coordinator.collector import tune_for_serving
+        tune_for_serving()
+    except ImportError:
+        pass
     loop = running._loop
     assert loop is not None
     prof = cProfile.Profile()

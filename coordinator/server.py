@@ -24,6 +24,7 @@ from axond.control.credentials import default_state_dir, ensure_token, read_toke
 from axond.coordinator.admission import Admission, AdmissionInterceptor
 from axond.coordinator.auth import TokenInterceptor
 from axond.coordinator.collector import tune_for_serving
+from axond.coordinator.unregistered import add_unregistered
 from axond.coordinator.decoding import DecodeGuard
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.persistence.etcd import EtcdPersistence
@@ -327,8 +328,9 @@ async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, ru
     tick = min(0.25, config.heartbeat_interval / 2)
     stalls = StallWatch(state, tick, quiet=min(0.5, config.heartbeat_interval))
     running.stalls = stalls
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub, commits, stalls), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    servicer = CoordinatorServicer(state, hub, commits, stalls)
+    add_unregistered(pb_grpc.add_CoordinatorServicer_to_server, servicer, server)  # (why: unregistered.py)
+    add_unregistered(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
@@ -408,7 +410,6 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     except CoordinatorError as e:
         print(f"axond coordinator: {e}", file=sys.stderr)
         return 1
-    tune_for_serving()  # this process is the coordinator: its collector is ours to set (collector.py)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -418,6 +419,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
+    tune_for_serving()  # this process is the coordinator: its collector is ours to set (collector.py)
     scheme = ("mutual TLS" if config.tls_client_ca else "TLS") if config.tls_cert else "plaintext"
     if running.token is None:
         auth = "NO TOKEN"
