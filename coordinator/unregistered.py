@@ -2,7 +2,7 @@
 
 grpc.aio's server keeps one pending "request call" per registered method (and one for all the rest), and
 for every call it accepts it waits on all of them with `asyncio.wait`: work that grows with the number of
-registered methods, on the event loop, for every call. The Coordinator service has 26 methods: served as
+registered methods, on the event loop, for every call. The Coordinator service has 21 methods: served as
 registered methods, that wait cost the coordinator about a tenth of its event loop in a rendezvous of
 10,000 nodes. Its generic handler serves the same methods (the same handlers, the same interceptors) from
 one pending request.
