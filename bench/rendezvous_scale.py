@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -90,7 +91,15 @@ class _Node:
 
 def scale_client_proc(address: str, first: int, count: int, total: int, nproc: int, job: str, streamed: bool,
                       channels: int, spread: float) -> int:
-    """One client process of `count` simulated nodes; talks to the parent by lines on stdin/stdout."""
+    """One client process of `count` simulated nodes; talks to the parent by lines on stdin/stdout.
+
+    Its garbage collector runs as a coordinator's does (axond.coordinator.collector): the simulated nodes stand
+    for machines of their own, so what the simulator spends on itself here is CPU the coordinator under test
+    loses on this machine."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+
     async def run() -> None:
         loop = asyncio.get_running_loop()
         options = [("grpc.use_local_subchannel_pool", 1)]
