@@ -84,7 +84,12 @@ def profiled(config: CoordinatorConfig, path: str) -> None:
     prof = cProfile.Profile()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    signal.signal(signal.SIGUSR1, lambda signum, frame: loop.call_soon_threadsafe(lambda: (prof.clear(), prof.enable())))
+
+    def restart() -> None:
+        prof.clear()
+        prof.enable()
+
+    signal.signal(signal.SIGUSR1, lambda signum, frame: loop.call_soon_threadsafe(restart))
     signal.signal(signal.SIGUSR2, lambda signum, frame: loop.call_soon_threadsafe(prof.disable))
     loop.call_soon_threadsafe(prof.enable)
     stop.wait()
