@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -39,6 +40,11 @@ def coordinator(where: str, config: CoordinatorConfig = BENCH_CONFIG) -> Iterato
         port = s.getsockname()[1]
     config = dataclasses.replace(config, port=port)
     code = f"from axond.coordinator.server import *; raise SystemExit(run_coordinator({config!r}))"
+    profile = os.environ.get("AXOND_BENCH_PROFILE")
+    if profile:  # the coordinator's event loop under cProfile, its stats written to this file when it stops
+        here = os.path.dirname(os.path.abspath(__file__))
+        code = (f"import sys; sys.path.insert(0, {here!r}); from rendezvous_common import profiled; "
+                f"from axond.coordinator.server import *; profiled({config!r}, {profile!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
     try:
         address = f"127.0.0.1:{port}"
@@ -57,3 +63,38 @@ def coordinator(where: str, config: CoordinatorConfig = BENCH_CONFIG) -> Iterato
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5.0)
+
+
+def profiled(config: CoordinatorConfig, path: str) -> None:
+    """Serve `config` until SIGTERM with cProfile on the server's event-loop thread, from start or only between a
+    SIGUSR1 and a SIGUSR2 (the benchmark sends them around the phase it measures); write the stats to `path`
+    (`AXOND_BENCH_PROFILE=path`; read them with `python -m pstats path`)."""
+    import cProfile
+    import signal
+    import threading
+
+    running = start_coordinator(config)
+    try:  # as run_coordinator does (a tree without it profiles the default collector)
+        from axond.coordinator.collector import tune_for_serving
+        tune_for_serving()
+    except ImportError:
+        pass
+    loop = running._loop
+    assert loop is not None
+    prof = cProfile.Profile()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+
+    def restart() -> None:
+        prof.clear()
+        prof.enable()
+
+    signal.signal(signal.SIGUSR1, lambda signum, frame: loop.call_soon_threadsafe(restart))
+    signal.signal(signal.SIGUSR2, lambda signum, frame: loop.call_soon_threadsafe(prof.disable))
+    loop.call_soon_threadsafe(prof.enable)
+    stop.wait()
+    done = threading.Event()
+    loop.call_soon_threadsafe(lambda: (prof.disable(), done.set()))
+    done.wait(10.0)
+    prof.dump_stats(path)
+    running.stop(grace=0.5)

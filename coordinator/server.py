@@ -25,6 +25,8 @@ from axond.control.credentials import ensure_token, read_token_file
 from axond.coordinator.service.admission import Admission, AdmissionInterceptor
 from axond.coordinator.service.auth import TokenInterceptor
 from axond.coordinator.service.decoding import DecodeGuard
+from axond.coordinator.service.unregistered import add_unregistered
+from axond.coordinator.collector import tune_for_serving
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.persistence.etcd import EtcdPersistence
 from axond.coordinator.persistence.group_commit import GroupCommit
@@ -332,8 +334,9 @@ async def _serve_grpc(config: CoordinatorConfig, running: RunningCoordinator, ru
     tick = min(0.25, config.heartbeat_interval / 2)
     stalls = StallWatch(state, tick, quiet=min(0.5, config.heartbeat_interval))
     running.stalls = stalls
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state, hub, commits, stalls), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    servicer = CoordinatorServicer(state, hub, commits, stalls)
+    add_unregistered(pb_grpc.add_CoordinatorServicer_to_server, servicer, server)  # (why: unregistered.py)
+    add_unregistered(health_pb2_grpc.add_HealthServicer_to_server, health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
@@ -422,6 +425,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
+    tune_for_serving()  # this process is the coordinator: its collector is ours to set (collector.py)
     scheme = ("mutual TLS" if config.tls_client_ca else "TLS") if config.tls_cert else "plaintext"
     if running.token is None:
         auth = "NO TOKEN"
