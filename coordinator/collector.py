@@ -33,4 +33,4 @@ def tune_for_serving() -> tuple[int, int, int]:
     gc.collect()
     gc.freeze()
     gc.set_threshold(YOUNG, MIDDLE, OLD)
-    return before  # type: ignore[return-value]
+    return before
