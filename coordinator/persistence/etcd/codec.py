@@ -9,7 +9,9 @@ from __future__ import annotations
 import base64
 import json
 
-from axond.coordinator.persistence.base import Changes
+from typing import Any
+
+from axond.coordinator.persistence.base import Changes, JoinerChanges
 from axond.coordinator.persistence.tables import Tables
 
 
@@ -22,6 +24,7 @@ def encode(c: Changes) -> bytes:
         "barriers": [[job, name, gen, rec] for (job, name), (gen, rec) in c.barriers.items()],
         "events": {job: [first, events] for job, (first, events) in c.events.items()},
         "meta": c.meta,
+        "joiners": {job: [jc.generation, jc.reset, list(jc.rows.items())] for job, jc in c.joiners.items()},
     }
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -36,6 +39,8 @@ def decode(blob: bytes) -> Changes:
         barriers={(job, name): (int(gen), rec) for job, name, gen, rec in doc["barriers"]},
         events={job: (int(first), events) for job, (first, events) in doc["events"].items()},
         meta=doc["meta"],
+        joiners={job: JoinerChanges(int(gen), bool(reset), dict((node_id, row) for node_id, row in rows))
+                 for job, (gen, reset, rows) in doc.get("joiners", {}).items()},  # absent: an older entry
     )
 
 
@@ -47,4 +52,13 @@ def whole(tables: Tables) -> Changes:
         kv={(job, key): (gen, value) for job, gen, key, value in snap.kv},
         barriers={(job, name): (gen, rec) for job, gen, name, rec in snap.barriers},
         events=dict(snap.events), meta=snap.meta,
+        joiners=whole_joiners(snap.joiners),
     )
+
+
+def whole_joiners(joiners: list[tuple[str, int, str, list[Any]]]) -> dict[str, JoinerChanges]:
+    """The joiner rows of a snapshot as the `Changes` that write them all."""
+    out: dict[str, JoinerChanges] = {}
+    for job, gen, node_id, row in joiners:
+        out.setdefault(job, JoinerChanges(gen, True, {})).rows[node_id] = row
+    return out
