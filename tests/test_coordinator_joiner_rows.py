@@ -1,5 +1,6 @@
-"""A durable coordinator keeps an open round's joiners a row each: a commit writes only the joiners that
-changed (O(1) per Join, not the whole round), and a restart recovers a half-filled round exactly."""
+"""A durable coordinator keeps an open round's joiners a row each and its past rounds a record each: a commit
+writes only the joiners that changed and a past round once (O(1) per Join, not the whole job), and a restart
+recovers a half-filled round and the past generations exactly."""
 
 from __future__ import annotations
 
@@ -141,23 +142,40 @@ def test_state_from_before_joiner_rows_is_read_and_moved(tmp_path: Path) -> None
     s = _state(p)
     _fill(s, 50, now)
     expected = _joiners(s, "big")
+    a, b = s.register_node("a", 0, False, now), s.register_node("b", 0, False, now)
+    for n in (a, b):
+        s.join("r", n.node_id, 1, 2, 2, 1, now)
+    s.report_failure("r", b.node_id, 1, 1, 3, "boom", now)
+    members = [(m.node_id, m.rank_offset) for m in s.jobs["r"].past_rounds[0].members or []]
     p.close()
     db = sqlite3.connect(state_dir / "coordinator.db")
     (record,) = db.execute("SELECT record FROM jobs WHERE name = 'big'").fetchone()
     old = json.loads(record)
     old["round"]["joiners"] = [list(j) for j in expected]
+    old["past_rounds"] = old.pop("past_generations")
     db.execute("UPDATE jobs SET record = ? WHERE name = 'big'", (json.dumps(old),))
+    (record,) = db.execute("SELECT record FROM jobs WHERE name = 'r'").fetchone()
+    old = json.loads(record)
+    del old["past_generations"]
+    old["round"]["joiners"] = []
+    old["past_rounds"] = [json.loads(rec) for (rec,) in db.execute("SELECT record FROM past_rounds")]
+    db.execute("UPDATE jobs SET record = ? WHERE name = 'r'", (json.dumps(old),))
     db.execute("DROP TABLE joiners")
+    db.execute("DROP TABLE past_rounds")
     db.execute("PRAGMA user_version = 0")
     db.commit()
     db.close()
 
     s2 = _state(SqlitePersistence(state_dir))
     assert _joiners(s2, "big") == expected
+    assert [(m.node_id, m.rank_offset) for m in s2.jobs["r"].past_rounds[0].members or []] == members
     _fill(s2, 1, now)
+    s2.join("r", a.node_id, 1, 2, 2, 1, now)
     s2.persistence.close()  # type: ignore[union-attr]
     s3 = _state(SqlitePersistence(state_dir))
     assert _joiners(s3, "big") == _joiners(s2, "big") and len(_joiners(s3, "big")) == 51
+    assert [(m.node_id, m.rank_offset) for m in s3.jobs["r"].past_rounds[0].members or []] == members
+    assert _joiners(s3, "r") == _joiners(s2, "r") and len(_joiners(s3, "r")) == 1
 
 
 def test_state_from_a_newer_layout_is_refused(tmp_path: Path) -> None:
@@ -207,3 +225,45 @@ def test_joiner_whose_commit_failed_is_written_by_the_next(tmp_path: Path) -> No
     assert node.node_id in s.jobs["big"].round.joiners and len(expected) == 22
     p.close()
     assert _joiners(_state(SqlitePersistence(tmp_path / "state")), "big") == expected
+
+
+def test_past_rounds_written_once_and_restored(backing: Reopen) -> None:
+    """Each generation's round is written once when it is archived (not with every commit of its job), the
+    oldest are dropped as the job keeps four, and a restart recovers them (late Joins are answered from them)."""
+    now = time.monotonic()
+    s = _state(backing())
+    nodes = [s.register_node(f"h{i}", 0, False, now) for i in range(30)]
+    for gen in range(1, 7):
+        for n in nodes:
+            s.join("j", n.node_id, 2, 30, 30, 10, now)
+        assert s.jobs["j"].round.frozen and s.jobs["j"].generation == gen
+        s.report_failure("j", nodes[gen].node_id, gen, 1, 3, "boom", now)
+
+    def generations(state: CoordinatorState) -> list[tuple[int, list[tuple[str, int]]]]:
+        rounds = state.jobs["j"].past_rounds
+        return [(p.generation, [(m.node_id, m.rank_offset) for m in p.members or []]) for p in rounds]
+
+    past = generations(s)
+    assert [g for g, _ in past] == [3, 4, 5, 6]
+    if isinstance(s.persistence, SqlitePersistence):
+        stored = s.persistence.load().past_rounds
+        assert sorted(g for _, g, _ in stored) == [3, 4, 5, 6]
+    r = _state(backing())
+    assert generations(r) == past
+    late = r.join_result("j", nodes[0].node_id, now, since=6)
+    assert late is not None and late.generation == 6
+
+
+def test_a_join_does_not_rewrite_past_rounds(tmp_path: Path) -> None:
+    now = time.monotonic()
+    s = _state(SqlitePersistence(tmp_path / "state"))
+    s.commit_later(lambda: None)
+    nodes = [s.register_node(f"h{i}", 0, False, now) for i in range(3)]
+    for n in nodes:
+        s.join("j", n.node_id, 1, 3, 3, 1, now)
+    s.report_failure("j", nodes[2].node_id, 1, 1, 3, "boom", now)
+    first = s.take_changes()
+    assert list(first.past_rounds["j"]) == [1] and first.jobs["j"]["past_generations"] == [1]
+    s.join("j", nodes[0].node_id, 1, 3, 3, 1, now)
+    later = s.take_changes()
+    assert "j" in later.jobs and "j" not in later.past_rounds and len(later.joiners["j"].rows) == 1

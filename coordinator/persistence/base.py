@@ -47,10 +47,13 @@ class Changes:
     """Counters and the scheduler's queue and deliveries, when they changed."""
     joiners: dict[str, JoinerChanges] = field(default_factory=dict)
     """job -> the joiners of its open round that changed (a job record's round does not hold them)."""
+    past_rounds: dict[str, dict[int, Record | None]] = field(default_factory=dict)
+    """job -> generation -> a past round's record, written once when it is archived; None: dropped."""
 
     def __bool__(self) -> bool:
         return bool(self.nodes or self.deleted_nodes or self.jobs or self.deleted_jobs or self.cleared_stores
-                    or self.kv or self.barriers or self.events or self.meta is not None or self.joiners)
+                    or self.kv or self.barriers or self.events or self.meta is not None or self.joiners
+                    or self.past_rounds)
 
 
 @dataclass
@@ -67,6 +70,8 @@ class Snapshot:
     meta: Record | None = None
     joiners: list[tuple[str, int, str, list[Any]]] = field(default_factory=list)
     """(job, generation, node id, [hostname, seq, nproc]) in each round's order."""
+    past_rounds: list[tuple[str, int, Record]] = field(default_factory=list)
+    """(job, generation, the past round's record)."""
 
 
 class Persistence(Protocol):

@@ -32,6 +32,11 @@ def joiner_row(rnd: Round, node_id: str) -> list[Any] | None:
     return None if j is None else [j.order_key[0], j.order_key[1], j.nproc]
 
 
+def past_round_record(rnd: Round) -> Record:
+    """An archived round (it no longer changes), stored once apart from its job's record."""
+    return _round_record(rnd)
+
+
 def _round_record(rnd: Round, joiners: bool = True) -> Record:
     """`joiners` False: without the joiners (the current round's are stored a row each, see `JoinerChanges`)."""
     r: Record = {
@@ -78,12 +83,14 @@ def job_record(j: Job, now: float) -> Record:
             "env": [list(kv) for kv in spec.env], "max_restarts": spec.max_restarts, "cwd": spec.cwd},
         "assigned": list(j.assigned), "exits": dict(j.exits), "placement_note": j.placement_note,
         "finished_wall": _wall(j.finished_at, now), "round": _round_record(j.round, joiners=False),
-        "past_rounds": [_round_record(r) for r in j.past_rounds], "events_base": j.events.base,
+        "past_generations": [r.generation for r in j.past_rounds], "events_base": j.events.base,
     }
 
 
-def job_from(r: Record, now: float, events: EventLog, joiners: list[tuple[str, list[Any]]] | None = None) -> Job:
-    """`joiners`: the current round's joiner rows (ignored for a record that holds its joiners itself)."""
+def job_from(r: Record, now: float, events: EventLog, joiners: list[tuple[str, list[Any]]] | None = None,
+             past: dict[int, Record] | None = None) -> Job:
+    """`joiners`: the current round's joiner rows (ignored for a record that holds its joiners itself);
+    `past`: its past rounds' records by generation (for a record that lists only their generations)."""
     s = r["spec"]
     spec = None if s is None else JobSpec(int(s["nnodes"]), int(s["nproc_per_node"]), tuple(s["argv"]),
                                           tuple((k, v) for k, v in s["env"]), int(s["max_restarts"]), s["cwd"])
@@ -92,9 +99,18 @@ def job_from(r: Record, now: float, events: EventLog, joiners: list[tuple[str, l
         r["name"], int(r["min_nodes"]), int(r["max_nodes"]), int(r["max_restarts"]), rnd,
         state=JobState(int(r["state"])), restarts=int(r["restarts"]), reason=r["reason"], exit_code=r["exit_code"],
         spec=spec, assigned=list(r["assigned"]), exits={k: int(v) for k, v in r["exits"].items()},
-        placement_note=r["placement_note"], past_rounds=[_round_from(p, now) for p in r["past_rounds"]],
+        placement_note=r["placement_note"], past_rounds=[_round_from(p, now) for p in _past(r, past or {})],
         finished_at=_mono(r["finished_wall"], now), events=events,
     )
+
+
+def _past(r: Record, past: dict[int, Record]) -> list[Record]:
+    if "past_rounds" in r:  # a record from before past rounds were stored apart
+        return list(r["past_rounds"])
+    missing = [g for g in r["past_generations"] if g not in past]
+    if missing:
+        raise ValueError(f"job {r['name']!r}: the records of its past generations {missing} are missing")
+    return [past[g] for g in r["past_generations"]]
 
 
 def event_record(e: Event) -> Record:

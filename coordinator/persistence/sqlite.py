@@ -34,9 +34,11 @@ CREATE TABLE IF NOT EXISTS events (job TEXT, idx INTEGER, record TEXT NOT NULL, 
 CREATE TABLE IF NOT EXISTS meta (id INTEGER PRIMARY KEY CHECK (id = 0), record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS joiners (job TEXT, node_id TEXT, generation INTEGER NOT NULL, record TEXT NOT NULL,
                                     PRIMARY KEY (job, node_id));
+CREATE TABLE IF NOT EXISTS past_rounds (job TEXT, generation INTEGER, record TEXT NOT NULL,
+                                        PRIMARY KEY (job, generation));
 """
-"""A state from before the joiners table (its job records hold their round's joiners) gets the table at
-open and is read as before; each job's next commit moves its joiners into it."""
+"""A state from before the joiners and past_rounds tables (its job records hold their rounds' joiners and
+past rounds) gets the tables at open and is read as before; each job's next commit moves them there."""
 
 SCHEMA_VERSION = 1
 """`PRAGMA user_version` of this layout (0: a state written before it was set, read the same way)."""
@@ -138,6 +140,8 @@ class SqlitePersistence:
             events.append(json.loads(record))
         snap.joiners = [(j, g, n, json.loads(r)) for j, g, n, r in
                         db.execute("SELECT job, generation, node_id, record FROM joiners ORDER BY rowid")]
+        snap.past_rounds = [(j, g, json.loads(r)) for j, g, r in
+                            db.execute("SELECT job, generation, record FROM past_rounds")]
         row = db.execute("SELECT record FROM meta WHERE id = 0").fetchone()
         snap.meta = json.loads(row[0]) if row else None
         return snap
@@ -160,7 +164,13 @@ class SqlitePersistence:
                 db.execute("DELETE FROM jobs WHERE name = ?", (job,))
                 db.execute("DELETE FROM events WHERE job = ?", (job,))
                 db.execute("DELETE FROM joiners WHERE job = ?", (job,))
+                db.execute("DELETE FROM past_rounds WHERE job = ?", (job,))
             many("INSERT OR REPLACE INTO jobs VALUES (?, ?)", [(n, json.dumps(r)) for n, r in c.jobs.items()])
+            for job, rounds in c.past_rounds.items():
+                many("DELETE FROM past_rounds WHERE job = ? AND generation = ?",
+                     [(job, g) for g, rec in rounds.items() if rec is None])
+                many("INSERT OR REPLACE INTO past_rounds VALUES (?, ?, ?)",
+                     [(job, g, json.dumps(rec)) for g, rec in rounds.items() if rec is not None])
             for job, jc in c.joiners.items():
                 if jc.reset:
                     db.execute("DELETE FROM joiners WHERE job = ?", (job,))

@@ -17,6 +17,7 @@ class Tables:
     barriers: dict[tuple[str, str], tuple[int, Record]] = field(default_factory=dict)
     events: dict[str, dict[int, Record]] = field(default_factory=dict)
     meta: Record | None = None
+    past_rounds: dict[tuple[str, int], Record] = field(default_factory=dict)
     joiners: dict[str, tuple[int, dict[str, list[Any]]]] = field(default_factory=dict)
     """job -> (its round's generation, node id -> [hostname, seq, nproc] in the round's order)."""
 
@@ -32,7 +33,15 @@ class Tables:
             self.jobs.pop(job, None)
             self.events.pop(job, None)
             self.joiners.pop(job, None)
+            for past in [past for past in self.past_rounds if past[0] == job]:
+                del self.past_rounds[past]
         self.jobs.update(copy.deepcopy(c.jobs))
+        for job, rounds in c.past_rounds.items():
+            for gen, rec in rounds.items():
+                if rec is None:
+                    self.past_rounds.pop((job, gen), None)
+                else:
+                    self.past_rounds[(job, gen)] = copy.deepcopy(rec)
         for job, jc in c.joiners.items():
             gen, rows = self.joiners.get(job, (jc.generation, {}))
             if jc.reset or gen != jc.generation:
@@ -69,4 +78,5 @@ class Tables:
             meta=copy.deepcopy(self.meta),
             joiners=[(job, gen, node_id, list(row)) for job, (gen, rows) in self.joiners.items()
                      for node_id, row in rows.items()],
+            past_rounds=[(job, gen, copy.deepcopy(rec)) for (job, gen), rec in self.past_rounds.items()],
         )

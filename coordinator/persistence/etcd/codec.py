@@ -11,7 +11,7 @@ import json
 
 from typing import Any
 
-from axond.coordinator.persistence.base import Changes, JoinerChanges
+from axond.coordinator.persistence.base import Changes, JoinerChanges, Record
 from axond.coordinator.persistence.tables import Tables
 
 
@@ -25,6 +25,7 @@ def encode(c: Changes) -> bytes:
         "events": {job: [first, events] for job, (first, events) in c.events.items()},
         "meta": c.meta,
         "joiners": {job: [jc.generation, jc.reset, list(jc.rows.items())] for job, jc in c.joiners.items()},
+        "past_rounds": {job: list(rounds.items()) for job, rounds in c.past_rounds.items()},
     }
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -41,6 +42,7 @@ def decode(blob: bytes) -> Changes:
         meta=doc["meta"],
         joiners={job: JoinerChanges(int(gen), bool(reset), dict((node_id, row) for node_id, row in rows))
                  for job, (gen, reset, rows) in doc.get("joiners", {}).items()},  # absent: an older entry
+        past_rounds={job: {int(gen): rec for gen, rec in rounds} for job, rounds in doc.get("past_rounds", {}).items()},
     )
 
 
@@ -53,7 +55,15 @@ def whole(tables: Tables) -> Changes:
         barriers={(job, name): (gen, rec) for job, gen, name, rec in snap.barriers},
         events=dict(snap.events), meta=snap.meta,
         joiners=whole_joiners(snap.joiners),
+        past_rounds=whole_past(snap.past_rounds),
     )
+
+
+def whole_past(rounds: list[tuple[str, int, Record]]) -> dict[str, dict[int, Record | None]]:
+    out: dict[str, dict[int, Record | None]] = {}
+    for job, gen, rec in rounds:
+        out.setdefault(job, {})[gen] = rec
+    return out
 
 
 def whole_joiners(joiners: list[tuple[str, int, str, list[Any]]]) -> dict[str, JoinerChanges]:
