@@ -267,3 +267,24 @@ def test_a_join_does_not_rewrite_past_rounds(tmp_path: Path) -> None:
     s.join("j", nodes[0].node_id, 1, 3, 3, 1, now)
     later = s.take_changes()
     assert "j" in later.jobs and "j" not in later.past_rounds and len(later.joiners["j"].rows) == 1
+
+
+def test_etcd_snapshot_holds_joiner_rows_and_past_rounds() -> None:
+    """etcd's snapshot (`codec.whole`, applied to empty tables) gives back the same joiners and past rounds."""
+    now = time.monotonic()
+    store = CodecTables()
+    s = _state(store)
+    nodes = [s.register_node(f"h{i}", 0, False, now) for i in range(3)]
+    for n in nodes:
+        s.join("j", n.node_id, 1, 3, 3, 1, now)
+    s.report_failure("j", nodes[2].node_id, 1, 1, 3, "boom", now)
+    _fill(s, 30, now)
+    again = Tables()
+    again.apply(codec.decode(codec.encode(codec.whole(store.tables))))
+    assert again.snapshot() == store.tables.snapshot()
+    r = _state(CodecTables())
+    assert isinstance(r.persistence, CodecTables)
+    r.persistence.tables = again
+    restored = _state(r.persistence)
+    assert _joiners(restored, "big") == _joiners(s, "big")
+    assert [p.generation for p in restored.jobs["j"].past_rounds] == [1]
