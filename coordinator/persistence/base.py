@@ -14,6 +14,17 @@ Record = dict[str, Any]
 
 
 @dataclass
+class JoinerChanges:
+    """The joiners of one job's current round that changed, applied after the job's record."""
+
+    generation: int
+    reset: bool
+    """Every joiner row of the job goes first (a new round, or one whose order changed): `rows` is all of them."""
+    rows: dict[str, list[Any] | None]
+    """node id -> [hostname, seq, nproc], None: the joiner left; in the round's order (a new one goes last)."""
+
+
+@dataclass
 class Changes:
     """What one call changed; `Persistence.commit` applies it atomically."""
 
@@ -34,10 +45,15 @@ class Changes:
     """job -> (absolute index of the first event given, the events); older ones are dropped."""
     meta: Record | None = None
     """Counters and the scheduler's queue and deliveries, when they changed."""
+    joiners: dict[str, JoinerChanges] = field(default_factory=dict)
+    """job -> the joiners of its open round that changed (a job record's round does not hold them)."""
+    past_rounds: dict[str, dict[int, Record | None]] = field(default_factory=dict)
+    """job -> generation -> a past round's record, written once when it is archived; None: dropped."""
 
     def __bool__(self) -> bool:
         return bool(self.nodes or self.deleted_nodes or self.jobs or self.deleted_jobs or self.cleared_stores
-                    or self.kv or self.barriers or self.events or self.meta is not None)
+                    or self.kv or self.barriers or self.events or self.meta is not None or self.joiners
+                    or self.past_rounds)
 
 
 @dataclass
@@ -52,6 +68,10 @@ class Snapshot:
     events: dict[str, tuple[int, list[Record]]] = field(default_factory=dict)
     """job -> (absolute index of the first kept event, the events in order)."""
     meta: Record | None = None
+    joiners: list[tuple[str, int, str, list[Any]]] = field(default_factory=list)
+    """(job, generation, node id, [hostname, seq, nproc]) in each round's order."""
+    past_rounds: list[tuple[str, int, Record]] = field(default_factory=list)
+    """(job, generation, the past round's record)."""
 
 
 class Persistence(Protocol):

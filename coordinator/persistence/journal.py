@@ -13,12 +13,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from axond.coordinator.state.jobs import EventLog
 from axond.coordinator.state.kv_space import ARRIVAL_OVERHEAD, KvSpace
 from axond.coordinator.persistence import records
-from axond.coordinator.persistence.base import Changes, Snapshot
+from axond.coordinator.persistence.base import Changes, JoinerChanges, Record, Snapshot
+from axond.coordinator.state.rendezvous import Round
 
 if TYPE_CHECKING:
     from axond.coordinator.state.machine import CoordinatorState
@@ -59,12 +60,18 @@ class Journal:
     meta: bool = False
     events_saved: dict[str, int] = field(default_factory=dict)
     """Per job: absolute index of the first event not committed yet."""
+    past_saved: dict[str, list[Round]] = field(default_factory=dict)
+    """Per job: the past rounds whose records are committed."""
+    rounds_saved: dict[str, Round] = field(default_factory=dict)
+    """Per job: the round whose joiner rows are committed (another round: all its joiners are written anew)."""
 
     def job_replaced(self, name: str) -> None:
         """A job of this name was forgotten or started anew: its old record, store and events go."""
         self.replaced_jobs.add(name)
         self.jobs.add(name)
         self.events_saved[name] = 0
+        self.rounds_saved.pop(name, None)
+        self.past_saved.pop(name, None)
         self.kv = {k for k in self.kv if k[0] != name}
         self.barriers = {k for k in self.barriers if k[0] != name}
 
@@ -78,6 +85,29 @@ class Journal:
         members = state.members
         return bool(self.jobs or self.kv or self.barriers or self.meta or self.replaced_jobs or self.cleared_stores
                     or members.changed or members.forgotten)
+
+    def _joiners(self, name: str, rnd: Round) -> JoinerChanges:
+        """The joiner rows of `name`'s current round to write: those changed since the last commit (O(1) per
+        Join), or all of them when the round is not the one committed or its order changed."""
+        reset = rnd.reordered or self.rounds_saved.get(name) is not rnd
+        changed = rnd.joiners if reset else rnd.dirty
+        rows = {node_id: records.joiner_row(rnd, node_id) for node_id in changed}
+        rnd.dirty = {}
+        rnd.reordered = False
+        self.rounds_saved[name] = rnd
+        return JoinerChanges(rnd.generation, reset, rows)
+
+    def _past_rounds(self, c: Changes, name: str, past: list[Round]) -> None:
+        """Write the records of rounds archived since the last commit (once each), drop those let go."""
+        saved = self.past_saved.get(name, [])
+        if len(saved) == len(past) and all(a is b for a, b in zip(saved, past)):
+            return
+        kept = {id(r) for r in past}
+        written = {id(r) for r in saved}
+        rows: dict[int, Record | None] = {r.generation: None for r in saved if id(r) not in kept}
+        rows.update({r.generation: records.past_round_record(r) for r in past if id(r) not in written})
+        c.past_rounds[name] = rows
+        self.past_saved[name] = list(past)
 
     def changes(self, state: CoordinatorState, now: float) -> Changes:
         """Read the marked objects from `state` into one `Changes`, and start over."""
@@ -101,8 +131,12 @@ class Journal:
             if j is None:
                 c.deleted_jobs.add(name)
                 self.events_saved.pop(name, None)
+                self.rounds_saved.pop(name, None)
+                self.past_saved.pop(name, None)
                 continue
             c.jobs[name] = records.job_record(j, now)
+            c.joiners[name] = self._joiners(name, j.round)
+            self._past_rounds(c, name, j.past_rounds)
             saved = self.events_saved.get(name, 0)
             if j.events.end > saved:
                 events, end, _ = j.events.read(saved)
@@ -137,15 +171,27 @@ def restore(state: CoordinatorState, snap: Snapshot, now: float) -> None:
     for r in snap.nodes:
         node = records.node_from(r, now)
         members.nodes[node.node_id] = node
+    joiners: dict[tuple[str, int], list[tuple[str, list[Any]]]] = {}
+    for job, gen, node_id, row in snap.joiners:
+        joiners.setdefault((job, gen), []).append((node_id, row))
+    past: dict[str, dict[int, Any]] = {}
+    for job, gen, record in snap.past_rounds:
+        past.setdefault(job, {})[gen] = record
     for r in snap.jobs:
         log = EventLog(state.limits.max_output_bytes_per_job)
         log.base, events = snap.events.get(r["name"], (0, []))
         for e in events:
             log.append(records.event_from(e))
-        j = records.job_from(r, now, log)
+        j = records.job_from(r, now, log, joiners.get((r["name"], int(r["round"]["generation"]))),
+                             past.get(r["name"]))
         j.kv = KvSpace(state.limits, state.budget)
         state.jobs[j.name] = j
         journal.events_saved[j.name] = log.end
+        if "joiners" not in r["round"]:  # its joiners are committed as rows (an older record holding them is
+            # not: its next commit writes them all as rows)
+            journal.rounds_saved[j.name] = j.round
+        if "past_rounds" not in r:  # likewise its past rounds
+            journal.past_saved[j.name] = list(j.past_rounds)
     for job, gen, key, value in snap.kv:
         held = state.jobs.get(job)
         if held is not None and held.generation == gen:

@@ -32,7 +32,16 @@ CREATE TABLE IF NOT EXISTS barriers (job TEXT, name TEXT, generation INTEGER NOT
                                      PRIMARY KEY (job, name));
 CREATE TABLE IF NOT EXISTS events (job TEXT, idx INTEGER, record TEXT NOT NULL, PRIMARY KEY (job, idx));
 CREATE TABLE IF NOT EXISTS meta (id INTEGER PRIMARY KEY CHECK (id = 0), record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS joiners (job TEXT, node_id TEXT, generation INTEGER NOT NULL, record TEXT NOT NULL,
+                                    PRIMARY KEY (job, node_id));
+CREATE TABLE IF NOT EXISTS past_rounds (job TEXT, generation INTEGER, record TEXT NOT NULL,
+                                        PRIMARY KEY (job, generation));
 """
+"""A state from before the joiners and past_rounds tables (its job records hold their rounds' joiners and
+past rounds) gets the tables at open and is read as before; each job's next commit moves them there."""
+
+SCHEMA_VERSION = 1
+"""`PRAGMA user_version` of this layout (0: a state written before it was set, read the same way)."""
 
 
 def _read_only(directory: Path, e: BaseException) -> str:
@@ -91,7 +100,15 @@ class SqlitePersistence:
             self._db = sqlite3.connect(self.directory / DB_NAME, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise CoordinatorError(
+                    f"the coordinator's state in {str(self.directory / DB_NAME)!r} was written by a newer axond "
+                    f"(schema {version}, this one reads up to {SCHEMA_VERSION}); run that version, or pass another "
+                    "--state-dir")
             self._db.executescript(SCHEMA)
+            if version < SCHEMA_VERSION:
+                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             _check_intact(self._db, self.directory)
             self._db.execute("BEGIN IMMEDIATE")  # the write lock: read-only fails here, not at the first commit
             self._db.execute("ROLLBACK")
@@ -121,6 +138,10 @@ class SqlitePersistence:
         for job, idx, record in db.execute("SELECT job, idx, record FROM events ORDER BY job, idx"):
             first, events = snap.events.setdefault(job, (idx, []))
             events.append(json.loads(record))
+        snap.joiners = [(j, g, n, json.loads(r)) for j, g, n, r in
+                        db.execute("SELECT job, generation, node_id, record FROM joiners ORDER BY rowid")]
+        snap.past_rounds = [(j, g, json.loads(r)) for j, g, r in
+                            db.execute("SELECT job, generation, record FROM past_rounds")]
         row = db.execute("SELECT record FROM meta WHERE id = 0").fetchone()
         snap.meta = json.loads(row[0]) if row else None
         return snap
@@ -142,7 +163,22 @@ class SqlitePersistence:
             for job in c.deleted_jobs:
                 db.execute("DELETE FROM jobs WHERE name = ?", (job,))
                 db.execute("DELETE FROM events WHERE job = ?", (job,))
+                db.execute("DELETE FROM joiners WHERE job = ?", (job,))
+                db.execute("DELETE FROM past_rounds WHERE job = ?", (job,))
             many("INSERT OR REPLACE INTO jobs VALUES (?, ?)", [(n, json.dumps(r)) for n, r in c.jobs.items()])
+            for job, rounds in c.past_rounds.items():
+                many("DELETE FROM past_rounds WHERE job = ? AND generation = ?",
+                     [(job, g) for g, rec in rounds.items() if rec is None])
+                many("INSERT OR REPLACE INTO past_rounds VALUES (?, ?, ?)",
+                     [(job, g, json.dumps(rec)) for g, rec in rounds.items() if rec is not None])
+            for job, jc in c.joiners.items():
+                if jc.reset:
+                    db.execute("DELETE FROM joiners WHERE job = ?", (job,))
+                many("DELETE FROM joiners WHERE job = ? AND node_id = ?",
+                     [(job, n) for n, row in jc.rows.items() if row is None])
+                many("INSERT INTO joiners VALUES (?, ?, ?, ?) ON CONFLICT (job, node_id) DO UPDATE "
+                     "SET generation = excluded.generation, record = excluded.record",  # keeps its place (rowid)
+                     [(job, n, jc.generation, json.dumps(row)) for n, row in jc.rows.items() if row is not None])
             many("DELETE FROM kv WHERE job = ? AND key = ?", [k for k, (_, v) in c.kv.items() if v is None])
             many("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?)",
                  [(j, k, g, v) for (j, k), (g, v) in c.kv.items() if v is not None])

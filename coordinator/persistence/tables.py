@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 from axond.coordinator.persistence.base import Changes, Record, Snapshot
 
@@ -16,6 +17,9 @@ class Tables:
     barriers: dict[tuple[str, str], tuple[int, Record]] = field(default_factory=dict)
     events: dict[str, dict[int, Record]] = field(default_factory=dict)
     meta: Record | None = None
+    past_rounds: dict[tuple[str, int], Record] = field(default_factory=dict)
+    joiners: dict[str, tuple[int, dict[str, list[Any]]]] = field(default_factory=dict)
+    """job -> (its round's generation, node id -> [hostname, seq, nproc] in the round's order)."""
 
     def apply(self, c: Changes) -> None:
         for node_id in c.deleted_nodes:
@@ -28,7 +32,26 @@ class Tables:
         for job in c.deleted_jobs:
             self.jobs.pop(job, None)
             self.events.pop(job, None)
+            self.joiners.pop(job, None)
+            for past in [past for past in self.past_rounds if past[0] == job]:
+                del self.past_rounds[past]
         self.jobs.update(copy.deepcopy(c.jobs))
+        for job, rounds in c.past_rounds.items():
+            for gen, rec in rounds.items():
+                if rec is None:
+                    self.past_rounds.pop((job, gen), None)
+                else:
+                    self.past_rounds[(job, gen)] = copy.deepcopy(rec)
+        for job, jc in c.joiners.items():
+            gen, rows = self.joiners.get(job, (jc.generation, {}))
+            if jc.reset or gen != jc.generation:
+                rows = {}
+            for node_id, row in jc.rows.items():
+                if row is None:
+                    rows.pop(node_id, None)
+                else:
+                    rows[node_id] = list(row)
+            self.joiners[job] = (jc.generation, rows)
         for k, (gen, value) in c.kv.items():
             if value is None:
                 self.kv.pop(k, None)
@@ -53,4 +76,7 @@ class Tables:
             barriers=[(job, gen, name, copy.deepcopy(rec)) for (job, name), (gen, rec) in self.barriers.items()],
             events={job: (min(log, default=0), [log[i] for i in sorted(log)]) for job, log in self.events.items()},
             meta=copy.deepcopy(self.meta),
+            joiners=[(job, gen, node_id, list(row)) for job, (gen, rows) in self.joiners.items()
+                     for node_id, row in rows.items()],
+            past_rounds=[(job, gen, copy.deepcopy(rec)) for (job, gen), rec in self.past_rounds.items()],
         )

@@ -107,6 +107,10 @@ class CoordinatorState:
             try:
                 self.persistence.commit(changes)
             except Exception as e:
+                assert self.ctx.journal is not None
+                for job in changes.joiners:  # not written: the next commit writes these rounds' joiners whole
+                    self.ctx.journal.rounds_saved.pop(job, None)
+                    self.ctx.journal.past_saved.pop(job, None)
                 raise Unavailable(
                     f"the coordinator could not write its state ({type(e).__name__}: {e}); retry, and check "
                     "its state directory (disk full? permissions?)"

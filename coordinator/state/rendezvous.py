@@ -59,6 +59,11 @@ class Round:
         self.joined_ranks = 0
         """Ranks of the joiners so far (kept as they come and go: O(1) per Join at 10,000 nodes)."""
         self._world: tuple[list[Member] | None, int] = (None, 0)
+        self.dirty: dict[str, bool] = {}
+        """Joiners added, updated or removed since the journal last read them (node id -> removed at some
+        point): a durable state writes only these (O(1) per Join, not the whole round per commit)."""
+        self.reordered = False
+        """A joiner was removed and added again since then (it moved to the end of `joiners`)."""
 
     @property
     def frozen(self) -> bool:
@@ -79,6 +84,10 @@ class Round:
         old = self.joiners.get(node_id)
         self.joined_ranks += nproc - (old.nproc if old is not None else 0)
         self.joiners[node_id] = _Joiner(order_key, order_key[0], nproc)
+        if self.dirty.get(node_id):
+            self.reordered = True
+        else:
+            self.dirty[node_id] = False
         if self.min_reached_at is None and len(self.joiners) >= self.min_nodes:
             self.min_reached_at = now
 
@@ -90,6 +99,7 @@ class Round:
         if old is None:
             return False
         self.joined_ranks -= old.nproc
+        self.dirty[node_id] = True
         if len(self.joiners) < self.min_nodes:
             self.min_reached_at = None
         return True

@@ -9,7 +9,9 @@ from __future__ import annotations
 import base64
 import json
 
-from axond.coordinator.persistence.base import Changes
+from typing import Any
+
+from axond.coordinator.persistence.base import Changes, JoinerChanges, Record
 from axond.coordinator.persistence.tables import Tables
 
 
@@ -22,6 +24,8 @@ def encode(c: Changes) -> bytes:
         "barriers": [[job, name, gen, rec] for (job, name), (gen, rec) in c.barriers.items()],
         "events": {job: [first, events] for job, (first, events) in c.events.items()},
         "meta": c.meta,
+        "joiners": {job: [jc.generation, jc.reset, list(jc.rows.items())] for job, jc in c.joiners.items()},
+        "past_rounds": {job: list(rounds.items()) for job, rounds in c.past_rounds.items()},
     }
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -36,6 +40,9 @@ def decode(blob: bytes) -> Changes:
         barriers={(job, name): (int(gen), rec) for job, name, gen, rec in doc["barriers"]},
         events={job: (int(first), events) for job, (first, events) in doc["events"].items()},
         meta=doc["meta"],
+        joiners={job: JoinerChanges(int(gen), bool(reset), dict((node_id, row) for node_id, row in rows))
+                 for job, (gen, reset, rows) in doc.get("joiners", {}).items()},  # absent: an older entry
+        past_rounds={job: {int(gen): rec for gen, rec in rounds} for job, rounds in doc.get("past_rounds", {}).items()},
     )
 
 
@@ -47,4 +54,21 @@ def whole(tables: Tables) -> Changes:
         kv={(job, key): (gen, value) for job, gen, key, value in snap.kv},
         barriers={(job, name): (gen, rec) for job, gen, name, rec in snap.barriers},
         events=dict(snap.events), meta=snap.meta,
+        joiners=whole_joiners(snap.joiners),
+        past_rounds=whole_past(snap.past_rounds),
     )
+
+
+def whole_past(rounds: list[tuple[str, int, Record]]) -> dict[str, dict[int, Record | None]]:
+    out: dict[str, dict[int, Record | None]] = {}
+    for job, gen, rec in rounds:
+        out.setdefault(job, {})[gen] = rec
+    return out
+
+
+def whole_joiners(joiners: list[tuple[str, int, str, list[Any]]]) -> dict[str, JoinerChanges]:
+    """The joiner rows of a snapshot as the `Changes` that write them all."""
+    out: dict[str, JoinerChanges] = {}
+    for job, gen, node_id, row in joiners:
+        out.setdefault(job, JoinerChanges(gen, True, {})).rows[node_id] = row
+    return out
