@@ -153,3 +153,22 @@ def test_a_peer_that_dies_while_a_rank_blocks_on_it_makes_it_raise() -> None:
     assert "all_reduce" in msg and "rank 1" in msg, msg
     assert took < LIMIT, "it waited for the group's timeout instead of seeing the dead peer"
     assert blocks > 0
+
+
+def test_a_yielding_wait_sees_other_runnable_processes_and_stops_yielding() -> None:
+    """With processes besides the group's ranks runnable (three busy loops: always runnable, on any machine), a wait
+    that would yield looks at the kernel's count of runnable tasks and blocks instead, until its next look."""
+    import subprocess
+    import sys
+
+    mapping = shared_mapping()
+    box = fastbox.Box(mapping, 4, poll_ns=0, block_ns=0, slot=SLOT, size=SIZE, rank=0)
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        assert not box.wait([SLOT], 1, 0.0)  # rank 1 never posts: the wait yields or not, then gives up
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+    assert box.crowds == 1 and box.quiet_until > box.ops
+    box.close()

@@ -19,6 +19,7 @@
 #include <structmember.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <math.h>
@@ -71,6 +72,10 @@ typedef struct {
     Py_ssize_t slot;     /* bytes per slot (0: no presence table) */
     int size, rank;      /* the group's size and this rank (the presence table's rows) */
     Py_ssize_t table;    /* byte offset of the presence table: per rank, the core it was last seen on */
+    uint32_t activity;   /* this rank's posts and waits so far, as its presence word counts them */
+    int load_fd;         /* /proc/loadavg, open (plus one; 0: not open), read by `crowded` */
+    long long next_look; /* the op from which a wait looks again whether other processes want the cores */
+    long long crowds;    /* looks that found other processes runnable */
     int busy;       /* ops inside `run` (one may wait without the GIL): `close` lets them finish first */
     int home;       /* this rank's core where the group's ranks outnumber their cores (Mailbox.home), else -1 */
     unsigned ticks; /* ops since the last look at the core this rank runs on */
@@ -166,18 +171,30 @@ static inline long long clock_ns(void) {
 
 static inline int64_t seq_of(const char *slot) { return __atomic_load_n((const int64_t *)slot, __ATOMIC_ACQUIRE); }
 
-/* The presence table's word of rank `p`: the core it was last seen on, plus one (0: not known). */
-static inline int32_t *presence(Box *box, int p) { return (int32_t *)((char *)box->map.buf + box->table + 8 * p); }
+/* The presence table's word of rank `p`: the core it was last seen on, plus one (0: not known), in its low half; in
+ * its high half a count of its posts and waits, which changes whenever the rank runs the mailbox. */
+static inline uint64_t *presence(Box *box, int p) { return (uint64_t *)((char *)box->map.buf + box->table + 8 * p); }
 
-/* This rank's core into the presence table (where the box has one); the core, or -1. */
+/* This rank's core into the presence table (where the box has one), and one more to its count; the core, or -1. */
 static inline int seen_here(Box *box) {
     if (box->table < 0)
         return -1;
     int cpu = sched_getcpu();
-    int32_t *mine = presence(box, box->rank);
-    if (__atomic_load_n(mine, __ATOMIC_RELAXED) != cpu + 1)
-        __atomic_store_n(mine, cpu + 1, __ATOMIC_RELAXED);
+    uint64_t word = ((uint64_t)++box->activity << 32) | (uint32_t)(cpu + 1);
+    __atomic_store_n(presence(box, box->rank), word, __ATOMIC_RELAXED);
     return cpu;
+}
+
+/* The sum of the counts of the other members last seen on core `cpu`: it changes when one of them runs the mailbox
+ * (a yield that ran it did not run some other process only). */
+static inline uint64_t neighbours(Box *box, int cpu) {
+    uint64_t sum = 0;
+    for (int p = 0; p < box->size; p++) {
+        uint64_t word = __atomic_load_n(presence(box, p), __ATOMIC_RELAXED);
+        if (p != box->rank && (uint32_t)word == (uint32_t)(cpu + 1))
+            sum += word >> 32;
+    }
+    return sum;
 }
 
 /* Whether the rank whose slot is at byte offset `at` was last seen on core `cpu` (this rank's): then it waits for
@@ -186,7 +203,7 @@ static inline int shares_core(Box *box, Py_ssize_t at, int cpu) {
     if (box->table < 0 || cpu < 0)
         return 0;
     int p = (int)((at / box->slot) % (box->size + 1));
-    return p < box->size && __atomic_load_n(presence(box, p), __ATOMIC_RELAXED) == cpu + 1;
+    return p < box->size && (uint32_t)__atomic_load_n(presence(box, p), __ATOMIC_RELAXED) == (uint32_t)(cpu + 1);
 }
 
 /* Post op `k` in `slot`: its sequence word (everything else of the post is written before it), then wake the ranks
@@ -214,6 +231,45 @@ static void block_on(Box *box, char *slot, long long k, long long deadline) {
         box->blocks++;
     }
     __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+}
+
+#define LOOK_EVERY 64  /* ops between two looks at the processes that want the cores (`crowded`) */
+
+/* Whether processes other than the group's ranks want this machine's cores now: the kernel's count of runnable
+ * tasks (/proc/loadavg's fourth field, this process included) over the members not blocked on the mailbox (the
+ * waiter counts of every slot add up to the members that block). Ranks that take turns on the cores yield to each
+ * other cheaply; a yield to another process loses the core for that process's time slice, so where there is one the
+ * waits block instead. Needs the presence table's geometry; 0 where /proc/loadavg cannot be read. */
+static int crowded(Box *box) {
+    if (box->table < 0)
+        return 0;
+    if (box->load_fd == 0) {
+        int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+        box->load_fd = fd < 0 ? -1 : fd + 1;
+    }
+    if (box->load_fd < 0)
+        return 0;
+    char text[128];
+    ssize_t got = pread(box->load_fd - 1, text, sizeof text - 1, 0);
+    if (got <= 0)
+        return 0;
+    text[got] = 0;
+    const char *slash = strchr(text, '/');  /* "0.52 0.58 0.59 3/180 1234": runnable/total */
+    if (slash == NULL)
+        return 0;
+    const char *at = slash;
+    while (at > text && at[-1] >= '0' && at[-1] <= '9')
+        at--;
+    long runnable = strtol(at, NULL, 10);
+    long blocked = 0;
+    const char *base = (const char *)box->map.buf;
+    for (int b = 0; b < 2; b++)
+        for (int p = 0; p < box->size; p++)
+            blocked += __atomic_load_n((const int32_t *)(base + ((Py_ssize_t)b * (box->size + 1) + p) * box->slot +
+                                                         WAITERS_OFF), __ATOMIC_RELAXED);
+    int busy = runnable > box->size - blocked;
+    box->crowds += busy;
+    return busy;
 }
 
 /* Index of the first of the `count` slots (byte offsets `at` in the mapping) whose sequence word is below k, from
@@ -249,13 +305,21 @@ static int wait_posts(Box *box, const char *base, const Py_ssize_t *at, int coun
                 break;
         }
     }
+    if (box->turns > 0 && box->ops >= box->next_look) {
+        box->next_look = box->ops + LOOK_EVERY;
+        if (crowded(box) && box->quiet_until < box->next_look)
+            box->quiet_until = box->next_look;  /* no yields until the next look */
+    }
     if (box->ops >= box->quiet_until) {
         for (int t = 0; t < box->turns; t++) {
             long long before = clock_ns();
+            uint64_t ran = cpu >= 0 ? neighbours(box, cpu) : 0;
             sched_yield();
             if ((i = first_missing(base, at, count, i, k)) == count)
                 return 1;
-            if (clock_ns() - before > box->long_yield_ns) {
+            /* long, and no member on this core ran the mailbox meanwhile, or very long: another process had the core */
+            long long took = clock_ns() - before;
+            if (took > box->long_yield_ns && (cpu < 0 || neighbours(box, cpu) == ran || took > 2 * box->long_yield_ns)) {
                 box->long_yields++;
                 box->quiet_until = box->ops + box->calm_ops;
                 break;
@@ -352,12 +416,18 @@ static PyObject *Box_close(Box *self, PyObject *Py_UNUSED(unused)) {
         self->open = 0;
         PyBuffer_Release(&self->map);
     }
+    if (self->load_fd > 0) {
+        close(self->load_fd - 1);
+        self->load_fd = 0;
+    }
     Py_RETURN_NONE;
 }
 
 static void Box_dealloc(Box *self) {
     if (self->open)
         PyBuffer_Release(&self->map);
+    if (self->load_fd > 0)
+        close(self->load_fd - 1);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -370,6 +440,8 @@ static PyMemberDef Box_members[] = {
     {"long_yields", T_LONGLONG, offsetof(Box, long_yields), READONLY,
      "yields that took over long_yield_ns (another process ran): the waits then blocked instead"},
     {"quiet_until", T_LONGLONG, offsetof(Box, quiet_until), 0, "the op from which waits yield again"},
+    {"crowds", T_LONGLONG, offsetof(Box, crowds), READONLY,
+     "looks (every 64 ops of a yielding wait) that found processes other than the group's ranks runnable"},
     {NULL},
 };
 

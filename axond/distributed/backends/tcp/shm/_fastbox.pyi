@@ -30,6 +30,7 @@ class Box:
     blocks: int
     long_yields: int
     quiet_until: int
+    crowds: int
     def __init__(self, mapping: Any, turns: int, poll_ns: int = 0, block_ns: int = 0,
                  long_yield_ns: int = 1_000_000_000, calm_ops: int = 0, slot: int = 0, size: int = 0,
                  rank: int = -1) -> None: ...

@@ -15,11 +15,12 @@ slot-sized chunk (`mailbox_ops.broadcast_chunks`).
 - **Waiting** (with the compiled helper, `_fastbox.Box.wait`): poll the members' sequence words for
   MAILBOX_POLL_SECONDS without a system call (only where the host's ranks do not outnumber its cores: a peer
   running on another core posts within microseconds), then yield (`sched_yield`) up to MAILBOX_QUICK_TURNS times
-  (a peer on this core runs), then block on the first missing member's sequence word (a futex on the shared
-  mapping) until its post wakes this rank. A post wakes anyone only where a waiter counted itself in the slot
-  (word 11), so while nobody blocks a post costs no system call. A yield that took over MAILBOX_LONG_YIELD_SECONDS
-  ran another process (a busy machine): the wait blocks at once, and the next MAILBOX_CALM_OPS ops' waits do not
-  yield at all (yielding to a busy loop loses the core for its whole time slice; blocking leaves the core to
+  (a peer on this core runs) where the host's ranks outnumber its cores, then block on the first missing member's
+  sequence word (a futex on the shared mapping) until its post wakes this rank. A post wakes anyone only where a
+  waiter counted itself in the slot (word 11), so while nobody blocks a post costs no system call. Where processes
+  other than the group's ranks are runnable (a look at /proc/loadavg every 64 ops), or a yield took over
+  MAILBOX_LONG_YIELD_SECONDS, the machine is busy: the waits block at once (for the next MAILBOX_CALM_OPS ops after
+  such a yield), and do not yield at all (yielding to a busy loop loses the core for its whole time slice; blocking leaves the core to
   whatever can use it, the peer included, and the wake-up comes when the peer posts). Without the helper: spinning
   with a yield on each turn, then after MAILBOX_SPIN_SECONDS sleeping on the group's sockets, re-checking every
   MAILBOX_SLEEP_SECONDS.
