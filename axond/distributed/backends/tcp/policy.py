@@ -54,8 +54,8 @@ MAILBOX_POLL_SECONDS = 0.002
 """How long a compiled mailbox wait polls the members' posts without a system call before it blocks, where the host's
 ranks do not outnumber its cores (#mailbox_poll_seconds)."""
 MAILBOX_QUICK_TURNS = 32
-"""Turns (`sched_yield`) a mailbox wait takes for the members' posts before it blocks, where they may share its core
-(#mailbox_quick_turns)."""
+"""Turns (`sched_yield`) a mailbox wait takes for the members' posts before it blocks, where the host's ranks outnumber
+its cores (#mailbox_quick_turns)."""
 MAILBOX_LONG_YIELD_SECONDS = 50e-6
 """A yield that took longer ran another process: the machine is busy, the wait blocks at once
 (#mailbox_long_yield_seconds)."""
@@ -228,6 +228,13 @@ def mailbox_poll_seconds(options: TcpOptions, oversubscribed: bool) -> float:
     if options.shm_poll_us >= 0:
         return options.shm_poll_us * 1e-6
     return 0.0 if oversubscribed else MAILBOX_POLL_SECONDS
+
+
+def mailbox_turns(oversubscribed: bool) -> int:
+    """Yields a compiled mailbox wait takes after its polling, before it blocks: MAILBOX_QUICK_TURNS where the host's
+    ranks outnumber its cores (the peer it waits for may be on this core), else none (the peer is elsewhere; a yield
+    would only hand this core to another process)."""
+    return MAILBOX_QUICK_TURNS if oversubscribed else 0
 
 
 def spin_seconds(options: TcpOptions, oversubscribed: bool) -> float:

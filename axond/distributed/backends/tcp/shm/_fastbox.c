@@ -62,7 +62,6 @@ typedef struct {
     int open;
     long long ops;  /* mailbox ops run so far in this group (Mailbox.ops) */
     int turns;      /* sched_yield turns a wait takes after its polling, before it blocks */
-    int spare;      /* the host's ranks have a core each: yield only to a member on this core (`wait_posts`) */
     long long poll_ns;   /* how long a wait polls the words (no system call) before it yields */
     long long block_ns;  /* how long an op's wait blocks (futex) before it returns to the Python wait */
     long long long_yield_ns;  /* a sched_yield that took longer ran another process: the wait blocks instead */
@@ -85,13 +84,13 @@ typedef struct {
 
 static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"mapping", "turns", "poll_ns", "block_ns", "long_yield_ns", "calm_ops", "slot", "size",
-                            "rank", "spare", NULL};
+                            "rank", NULL};
     PyObject *mapping;
-    int turns, size = 0, rank = -1, spare = 0;
+    int turns, size = 0, rank = -1;
     long long poll_ns = 0, block_ns = 0, long_yield_ns = 1000000000LL, calm_ops = 0;
     Py_ssize_t slot = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|LLLLniip", names, &mapping, &turns, &poll_ns, &block_ns,
-                                     &long_yield_ns, &calm_ops, &slot, &size, &rank, &spare))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|LLLLnii", names, &mapping, &turns, &poll_ns, &block_ns,
+                                     &long_yield_ns, &calm_ops, &slot, &size, &rank))
         return -1;
     if (self->open) {
         PyErr_SetString(PyExc_RuntimeError, "Box is initialised already");
@@ -125,7 +124,6 @@ static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
     self->table = slot ? (Py_ssize_t)size * slot : -1;
     self->open = 1;
     self->turns = turns;
-    self->spare = spare;
     self->home = -1;
     return 0;
 }
@@ -135,24 +133,19 @@ static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
 /* Every HOME_EVERY ops, move this rank back to its home core if the kernel moved it: its balancer moves a spinning
  * rank off a core another process used for a while, and a rank that slept wakes wherever the kernel puts it. As
  * spread.move_to: narrow the mask to the core (the kernel migrates the thread now), then set it back. */
-static int move_to_core(Box *box, int core) {
+static int go_home(Box *box) {
+    if (box->home < 0 || box->home >= CPU_SETSIZE || sched_getcpu() == box->home)
+        return 0;
     cpu_set_t allowed, one;
-    if (core < 0 || core >= CPU_SETSIZE || sched_getaffinity(0, sizeof allowed, &allowed) != 0 ||
-        !CPU_ISSET(core, &allowed))
+    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || !CPU_ISSET(box->home, &allowed))
         return 0;
     CPU_ZERO(&one);
-    CPU_SET(core, &one);
+    CPU_SET(box->home, &one);
     if (sched_setaffinity(0, sizeof one, &one) != 0)
         return 0;
     sched_setaffinity(0, sizeof allowed, &allowed);
     box->moves++;
     return 1;
-}
-
-static int go_home(Box *box) {
-    if (box->home < 0 || sched_getcpu() == box->home)
-        return 0;
-    return move_to_core(box, box->home);
 }
 
 /* Not while the machine is busy (a wait saw another process take this core, `quiet_until`): the kernel then puts the
@@ -289,13 +282,11 @@ static inline int first_missing(const char *base, const Py_ssize_t *at, int coun
 
 /* Wait until the sequence words of the `count` slots at `at` all reach k: poll them for `poll_ns` (pause, no system
  * call: a peer running on another core posts within microseconds), then yield `turns` times (a peer on this core
- * runs), then block on the first missing word until its poster wakes this rank, for `block_ns` in all. With `spare`
- * cores (a core per rank) it yields only where the member it waits for was last seen on this core; else not where
- * processes other than the members want the cores (`crowded`, every LOOK_EVERY ops). A yield that took over
- * `long_yield_ns` ran another process for that long: the machine is busy, so this wait blocks at once and the next
- * `calm_ops` ops' waits skip yielding (a rank that yields to a busy loop loses the core for its time slice; one that
- * blocks leaves it to whichever process can use it and is woken when its peer posts). Whether every word reached
- * k. Call it without the GIL. */
+ * runs), then block on the first missing word until its poster wakes this rank, for `block_ns` in all. A yield that
+ * took over `long_yield_ns` ran another process for that long: the machine is busy, so this wait blocks at once and
+ * the next `calm_ops` ops' waits skip yielding (a rank that yields to a busy loop loses the core for its time
+ * slice; one that blocks leaves it to whichever process can use it and is woken when its peer posts). Whether every
+ * word reached k. Call it without the GIL. */
 static int wait_posts(Box *box, const char *base, const Py_ssize_t *at, int count, long long k, long long block_ns) {
     int i = first_missing(base, at, count, 0, k);
     if (i == count)
@@ -314,12 +305,12 @@ static int wait_posts(Box *box, const char *base, const Py_ssize_t *at, int coun
                 break;
         }
     }
-    if (box->turns > 0 && !box->spare && box->ops >= box->next_look) {
+    if (box->turns > 0 && box->ops >= box->next_look) {
         box->next_look = box->ops + LOOK_EVERY;
         if (crowded(box) && box->quiet_until < box->next_look)
             box->quiet_until = box->next_look;  /* no yields until the next look */
     }
-    if (box->ops >= box->quiet_until && (!box->spare || shares_core(box, at[i], cpu))) {
+    if (box->ops >= box->quiet_until) {
         for (int t = 0; t < box->turns; t++) {
             long long before = clock_ns();
             uint64_t ran = cpu >= 0 ? neighbours(box, cpu) : 0;

@@ -61,7 +61,7 @@ import numpy as np
 
 from axond.distributed.backends.tcp.policy import (
     MAILBOX_CALM_OPS, MAILBOX_CHECK_SECONDS, MAILBOX_LONG_YIELD_SECONDS, MAILBOX_QUICK_TURNS, MAILBOX_SLEEP_SECONDS,
-    MAILBOX_SPIN_SECONDS, mailbox_bytes,
+    MAILBOX_SPIN_SECONDS, mailbox_bytes, mailbox_turns,
 )
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.spread import current_cpu, move_to, release
@@ -126,10 +126,10 @@ class Mailbox:
         self.raw = arena.buffer()
         self.mapping = arena.mapping()
         """The same bytes, sliced to compare the members' calls (see `settle`)."""
-        self.native = (_fastbox.Box(self.mapping, MAILBOX_QUICK_TURNS, poll_ns=round(poll * 1e9),
+        self.native = (_fastbox.Box(self.mapping, mailbox_turns(oversubscribed), poll_ns=round(poll * 1e9),
                                     block_ns=round(MAILBOX_CHECK_SECONDS * 1e9),
                                     long_yield_ns=round(MAILBOX_LONG_YIELD_SECONDS * 1e9), calm_ops=MAILBOX_CALM_OPS,
-                                    slot=slot, size=size, rank=rank, spare=not oversubscribed)
+                                    slot=slot, size=size, rank=rank)
                        if native and _fastbox is not None and size <= _fastbox.MAX_SIZE else None)
         """The mapping and op counter as the compiled prepared ops see them (None: the Python path alone)."""
         self.count: _fastbox.Box | _Count = self.native if self.native is not None else _Count()
