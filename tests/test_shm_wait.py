@@ -155,20 +155,26 @@ def test_a_peer_that_dies_while_a_rank_blocks_on_it_makes_it_raise() -> None:
     assert blocks > 0
 
 
-def test_a_yielding_wait_sees_other_runnable_processes_and_stops_yielding() -> None:
-    """With processes besides the group's ranks runnable (three busy loops: always runnable, on any machine), a wait
-    that would yield looks at the kernel's count of runnable tasks and blocks instead, until its next look."""
-    import subprocess
-    import sys
-
+def test_the_waits_stop_yielding_where_yields_cost_more_than_their_limit_and_try_again_now_and_then() -> None:
+    """A box with turns measures its waits that yield (`judge` in `_fastbox.c`): it keeps yielding while they took at
+    most its limit lately (here 1 s), stops as soon as they took more (a limit of 0), and then every 16 ops one wait
+    yields again to see. The member waited for never posts: every wait ends at its own limit (1 ms)."""
     mapping = shared_mapping()
-    box = fastbox.Box(mapping, 4, poll_ns=0, block_ns=0, slot=SLOT, size=SIZE, rank=0)
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
-    try:
-        assert not box.wait([SLOT], 1, 0.0)  # rank 1 never posts: the wait yields or not, then gives up
-    finally:
-        for p in loops:
-            p.kill()
-            p.wait()
-    assert box.crowds == 1 and box.quiet_until > box.ops
+    box = fastbox.Box(mapping, 4, poll_ns=0, block_ns=0, yield_limit_ns=10**9, slot=SLOT, size=SIZE, rank=0)
+    for _ in range(3):
+        assert not box.wait([SLOT], 1, 0.001)
+    assert box.yielding and 0 < box.yield_cost <= 1_000_000 and box.probes == 0
+    assert box.blocks >= 3 and waiters(mapping, SLOT) == 0
+    box.close()
+
+    box = fastbox.Box(mapping, 4, poll_ns=0, block_ns=0, yield_limit_ns=0, probe_ops=1024, slot=SLOT, size=SIZE, rank=0)
+    assert box.yielding
+    assert not box.wait([SLOT], 1, 0.001)
+    assert not box.yielding and box.yield_cost > 0
+    cost = box.yield_cost
+    assert not box.wait([SLOT], 1, 0.001)  # blocks at once: nothing to measure
+    assert box.yield_cost == cost and box.probes == 0
+    box.ops = 16
+    assert not box.wait([SLOT], 1, 0.001)  # the try: it yields, and costs more than the limit again
+    assert box.probes == 1 and not box.yielding and box.yield_cost != cost
     box.close()

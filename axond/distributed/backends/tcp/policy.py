@@ -56,12 +56,12 @@ ranks do not outnumber its cores (#mailbox_poll_seconds)."""
 MAILBOX_QUICK_TURNS = 32
 """Turns (`sched_yield`) a mailbox wait takes for the members' posts before it blocks, where the host's ranks outnumber
 its cores (#mailbox_quick_turns)."""
-MAILBOX_LONG_YIELD_SECONDS = 50e-6
-"""A yield that took longer ran another process: the machine is busy, the wait blocks at once
-(#mailbox_long_yield_seconds)."""
-MAILBOX_CALM_OPS = 1024
-"""Mailbox ops after such a long yield whose waits block without yielding, and that leave the rank where the kernel
-put it (#mailbox_calm_ops)."""
+MAILBOX_YIELD_LIMIT_SECONDS = 200e-6
+"""Where the mailbox waits that yielded took longer lately (an average), the yields ran another process, not the
+member waited for: the waits block at once instead (#mailbox_yield_limit_seconds)."""
+MAILBOX_PROBE_OPS = 1024
+"""At most this many mailbox ops between two waits that yield although the waits block, to see whether yielding is
+cheap again (#mailbox_probe_ops)."""
 MAILBOX_SPIN_SECONDS = 0.01
 """How long a mailbox wait without the compiled helper spins before it sleeps on the sockets (#mailbox_spin_seconds)."""
 MAILBOX_CHECK_SECONDS = 0.0005

@@ -32,6 +32,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#define PROBE_FIRST 16  /* the fewest ops between two waits that yield although the waits block (`judge`) */
 #define HEAD_OFF 8        /* the header fields follow the sequence word */
 #define HEAD_BYTES 72     /* mailbox.HEAD: 9 int64 fields */
 #define CALL_BYTES 64     /* its first 8 fields: the call, without the payload size */
@@ -64,18 +65,18 @@ typedef struct {
     int turns;      /* sched_yield turns a wait takes after its polling, before it blocks */
     long long poll_ns;   /* how long a wait polls the words (no system call) before it yields */
     long long block_ns;  /* how long an op's wait blocks (futex) before it returns to the Python wait */
-    long long long_yield_ns;  /* a sched_yield that took longer ran another process: the wait blocks instead */
-    long long calm_ops;  /* ops after a long yield whose waits skip yielding (and the home core) */
-    long long quiet_until;  /* the op from which waits yield again (and every 64th op keeps the home core) */
+    long long yield_cost;  /* what a wait that yields took lately, from its first yield to its end (ns, an average) */
+    long long yield_limit; /* the waits stop yielding (they block at once) while yield_cost is above this */
+    long long probe_ops;   /* at most this many ops between two waits that yield although the waits block */
+    long long probe_every; /* ops between two such tries now: doubling while they cost too much, halving when not */
+    long long next_probe;  /* the op whose first wait tries yielding again */
+    int yielding;          /* whether the waits yield (where they may: `turns`): yield_cost <= yield_limit */
     long long blocks;    /* futex waits so far (Box.blocks) */
-    long long long_yields;  /* yields that took over long_yield_ns so far */
+    long long probes;    /* waits that tried the way that cost more (Box.probes) */
     Py_ssize_t slot;     /* bytes per slot (0: no presence table) */
     int size, rank;      /* the group's size and this rank (the presence table's rows) */
     Py_ssize_t table;    /* byte offset of the presence table: per rank, the core it was last seen on */
     uint32_t activity;   /* this rank's posts and waits so far, as its presence word counts them */
-    int load_fd;         /* /proc/loadavg, open (plus one; 0: not open), read by `crowded` */
-    long long next_look; /* the op from which a wait looks again whether other processes want the cores */
-    long long crowds;    /* looks that found other processes runnable */
     int busy;       /* ops inside `run` (one may wait without the GIL): `close` lets them finish first */
     int home;       /* this rank's core where the group's ranks outnumber their cores (Mailbox.home), else -1 */
     unsigned ticks; /* ops since the last look at the core this rank runs on */
@@ -83,27 +84,31 @@ typedef struct {
 } Box;
 
 static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"mapping", "turns", "poll_ns", "block_ns", "long_yield_ns", "calm_ops", "slot", "size",
+    static char *names[] = {"mapping", "turns", "poll_ns", "block_ns", "yield_limit_ns", "probe_ops", "slot", "size",
                             "rank", NULL};
     PyObject *mapping;
     int turns, size = 0, rank = -1;
-    long long poll_ns = 0, block_ns = 0, long_yield_ns = 1000000000LL, calm_ops = 0;
+    long long poll_ns = 0, block_ns = 0, yield_limit_ns = 200000, probe_ops = 1024;
     Py_ssize_t slot = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|LLLLnii", names, &mapping, &turns, &poll_ns, &block_ns,
-                                     &long_yield_ns, &calm_ops, &slot, &size, &rank))
+                                     &yield_limit_ns, &probe_ops, &slot, &size, &rank))
         return -1;
     if (self->open) {
         PyErr_SetString(PyExc_RuntimeError, "Box is initialised already");
         return -1;
     }
-    if (turns < 0 || poll_ns < 0 || block_ns < 0 || long_yield_ns < 0 || calm_ops < 0) {
+    if (turns < 0 || poll_ns < 0 || block_ns < 0 || yield_limit_ns < 0 || probe_ops < 1) {
         PyErr_SetString(PyExc_ValueError, "turns and times must not be negative");
         return -1;
     }
     self->poll_ns = poll_ns;
     self->block_ns = block_ns;
-    self->long_yield_ns = long_yield_ns;
-    self->calm_ops = calm_ops;
+    self->yield_cost = 0;  /* yield first: where nothing else wants the cores it is the cheap way */
+    self->yield_limit = yield_limit_ns;
+    self->probe_ops = probe_ops;
+    self->probe_every = probe_ops < PROBE_FIRST ? probe_ops : PROBE_FIRST;
+    self->next_probe = self->probe_every;
+    self->yielding = 1;
     if (PyObject_GetBuffer(mapping, &self->map, PyBUF_WRITABLE) < 0)
         return -1;
     if (((uintptr_t)self->map.buf) % 8) {
@@ -148,10 +153,11 @@ static int go_home(Box *box) {
     return 1;
 }
 
-/* Not while the machine is busy (a wait saw another process take this core, `quiet_until`): the kernel then puts the
- * rank where a core is free, and moving it back would fight it. */
+/* Not while the waits block instead of yielding (`yielding`: a yield cost more than a block, as where another process
+ * takes the core a rank gives away): the kernel then puts a woken rank where a core is free, and moving it back would
+ * fight it. */
 static void keep_home(Box *box) {
-    if (box->home >= 0 && ++box->ticks % HOME_EVERY == 0 && box->ops >= box->quiet_until)
+    if (box->home >= 0 && ++box->ticks % HOME_EVERY == 0 && box->yielding)
         go_home(box);
 }
 
@@ -183,18 +189,6 @@ static inline int seen_here(Box *box) {
     uint64_t word = ((uint64_t)++box->activity << 32) | (uint32_t)(cpu + 1);
     __atomic_store_n(presence(box, box->rank), word, __ATOMIC_RELAXED);
     return cpu;
-}
-
-/* The sum of the counts of the other members last seen on core `cpu`: it changes when one of them runs the mailbox
- * (a yield that ran it did not run some other process only). */
-static inline uint64_t neighbours(Box *box, int cpu) {
-    uint64_t sum = 0;
-    for (int p = 0; p < box->size; p++) {
-        uint64_t word = __atomic_load_n(presence(box, p), __ATOMIC_RELAXED);
-        if (p != box->rank && (uint32_t)word == (uint32_t)(cpu + 1))
-            sum += word >> 32;
-    }
-    return sum;
 }
 
 /* Whether the rank whose slot is at byte offset `at` was last seen on core `cpu` (this rank's): then it waits for
@@ -233,43 +227,33 @@ static void block_on(Box *box, char *slot, long long k, long long deadline) {
     __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
 }
 
-#define LOOK_EVERY 64  /* ops between two looks at the processes that want the cores (`crowded`) */
-
-/* Whether processes other than the group's ranks want this machine's cores now: the kernel's count of runnable
- * tasks (/proc/loadavg's fourth field, this process included) over the members not blocked on the mailbox (the
- * waiter counts of every slot add up to the members that block). Ranks that take turns on the cores yield to each
- * other cheaply; a yield to another process loses the core for that process's time slice, so where there is one the
- * waits block instead. Needs the presence table's geometry; 0 where /proc/loadavg cannot be read. */
-static int crowded(Box *box) {
-    if (box->table < 0)
-        return 0;
-    if (box->load_fd == 0) {
-        int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-        box->load_fd = fd < 0 ? -1 : fd + 1;
+/* One more wait that yielded and took `ns` from its first yield to its end, into the average (a quarter per wait; one
+ * wait counts at most 1 ms), and whether the next waits yield: while the average is at most `yield_limit`. The ranks
+ * themselves are the signal: a yield is cheap when the member it waits for runs on this core and posts (microseconds),
+ * and costs a time slice of another process (a millisecond or more) when the core goes to it: a busy loop beside the
+ * job. There a rank that blocks leaves the core to whatever can use it and the kernel wakes it at the member's post, in
+ * tens of microseconds. While the waits block, every `probe_every` ops one wait yields again (`probed`): where it was
+ * cheap the average restarts from it and the waits yield again, and the next try comes twice as soon (from 16 ops on);
+ * else twice as late, up to `probe_ops`. */
+static void judge(Box *box, long long ns, int probed) {
+    if (ns > 1000000)
+        ns = 1000000;
+    if (probed) {
+        box->probes++;
+        if (ns <= box->yield_limit) {
+            box->yield_cost = ns;
+            if (box->probe_every > PROBE_FIRST)
+                box->probe_every /= 2;
+        } else {
+            box->yield_cost += (ns - box->yield_cost) / 4;
+            box->probe_every = 2 * box->probe_every < box->probe_ops ? 2 * box->probe_every : box->probe_ops;
+        }
+    } else {
+        box->yield_cost += (ns - box->yield_cost) / 4;
     }
-    if (box->load_fd < 0)
-        return 0;
-    char text[128];
-    ssize_t got = pread(box->load_fd - 1, text, sizeof text - 1, 0);
-    if (got <= 0)
-        return 0;
-    text[got] = 0;
-    const char *slash = strchr(text, '/');  /* "0.52 0.58 0.59 3/180 1234": runnable/total */
-    if (slash == NULL)
-        return 0;
-    const char *at = slash;
-    while (at > text && at[-1] >= '0' && at[-1] <= '9')
-        at--;
-    long runnable = strtol(at, NULL, 10);
-    long blocked = 0;
-    const char *base = (const char *)box->map.buf;
-    for (int b = 0; b < 2; b++)
-        for (int p = 0; p < box->size; p++)
-            blocked += __atomic_load_n((const int32_t *)(base + ((Py_ssize_t)b * (box->size + 1) + p) * box->slot +
-                                                         WAITERS_OFF), __ATOMIC_RELAXED);
-    int busy = runnable > box->size - blocked;
-    box->crowds += busy;
-    return busy;
+    box->yielding = box->yield_cost <= box->yield_limit;
+    if (!box->yielding && box->next_probe <= box->ops)
+        box->next_probe = box->ops + box->probe_every;
 }
 
 /* Index of the first of the `count` slots (byte offsets `at` in the mapping) whose sequence word is below k, from
@@ -281,12 +265,10 @@ static inline int first_missing(const char *base, const Py_ssize_t *at, int coun
 }
 
 /* Wait until the sequence words of the `count` slots at `at` all reach k: poll them for `poll_ns` (pause, no system
- * call: a peer running on another core posts within microseconds), then yield `turns` times (a peer on this core
- * runs), then block on the first missing word until its poster wakes this rank, for `block_ns` in all. A yield that
- * took over `long_yield_ns` ran another process for that long: the machine is busy, so this wait blocks at once and
- * the next `calm_ops` ops' waits skip yielding (a rank that yields to a busy loop loses the core for its time
- * slice; one that blocks leaves it to whichever process can use it and is woken when its peer posts). Whether every
- * word reached k. Call it without the GIL. */
+ * call: a peer running on another core posts within microseconds), then, where the box has `turns`, yield up to that
+ * many times (a peer on this core runs) if yielding has been the cheaper way lately (`judge`), then block on the first
+ * missing word until its poster wakes this rank, for `block_ns` in all. Whether every word reached k. Call it without
+ * the GIL. */
 static int wait_posts(Box *box, const char *base, const Py_ssize_t *at, int count, long long k, long long block_ns) {
     int i = first_missing(base, at, count, 0, k);
     if (i == count)
@@ -305,38 +287,37 @@ static int wait_posts(Box *box, const char *base, const Py_ssize_t *at, int coun
                 break;
         }
     }
-    if (box->turns > 0 && box->ops >= box->next_look) {
-        box->next_look = box->ops + LOOK_EVERY;
-        if (crowded(box) && box->quiet_until < box->next_look)
-            box->quiet_until = box->next_look;  /* no yields until the next look */
-    }
-    if (box->ops >= box->quiet_until) {
+    int probed = box->turns > 0 && !box->yielding && box->ops >= box->next_probe;
+    int yielded = box->turns > 0 && (box->yielding || probed);
+    long long from = yielded ? clock_ns() : 0;
+    if (probed)
+        box->next_probe = box->ops + box->probe_every;  /* one try per op, whichever wait of it comes first */
+    if (yielded) {
         for (int t = 0; t < box->turns; t++) {
-            long long before = clock_ns();
-            uint64_t ran = cpu >= 0 ? neighbours(box, cpu) : 0;
             sched_yield();
-            if ((i = first_missing(base, at, count, i, k)) == count)
+            if ((i = first_missing(base, at, count, i, k)) == count) {
+                judge(box, clock_ns() - from, probed);
                 return 1;
-            /* long, and no member on this core ran the mailbox meanwhile, or very long: another process had the core */
-            long long took = clock_ns() - before;
-            if (took > box->long_yield_ns && (cpu < 0 || neighbours(box, cpu) == ran || took > 2 * box->long_yield_ns)) {
-                box->long_yields++;
-                box->quiet_until = box->ops + box->calm_ops;
-                break;
             }
         }
     }
-    if (block_ns <= 0)
-        return 0;
-    long long deadline = clock_ns() + block_ns;
-    for (;;) {
-        if ((i = first_missing(base, at, count, i, k)) == count)
-            return 1;
-        if (clock_ns() >= deadline)
-            return 0;
-        block_on(box, (char *)base + at[i], k, deadline);
-        seen_here(box);  /* woken wherever the kernel put it */
+    int done = 0;
+    if (block_ns > 0) {
+        long long deadline = clock_ns() + block_ns;
+        for (;;) {
+            if ((i = first_missing(base, at, count, i, k)) == count) {
+                done = 1;
+                break;
+            }
+            if (clock_ns() >= deadline)
+                break;
+            block_on(box, (char *)base + at[i], k, deadline);
+            seen_here(box);  /* woken wherever the kernel put it */
+        }
     }
+    if (yielded && (done || block_ns > 0))
+        judge(box, clock_ns() - from, probed);
+    return done;
 }
 
 /* Box.wait(slots, k, seconds): wait_posts on the slots at byte offsets `slots` (a sequence), blocking up to
@@ -416,18 +397,12 @@ static PyObject *Box_close(Box *self, PyObject *Py_UNUSED(unused)) {
         self->open = 0;
         PyBuffer_Release(&self->map);
     }
-    if (self->load_fd > 0) {
-        close(self->load_fd - 1);
-        self->load_fd = 0;
-    }
     Py_RETURN_NONE;
 }
 
 static void Box_dealloc(Box *self) {
     if (self->open)
         PyBuffer_Release(&self->map);
-    if (self->load_fd > 0)
-        close(self->load_fd - 1);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -437,11 +412,11 @@ static PyMemberDef Box_members[] = {
     {"home", T_INT, offsetof(Box, home), 0, "this rank's core, which the ops keep it on (-1: none)"},
     {"moves", T_LONGLONG, offsetof(Box, moves), READONLY, "times an op moved this rank back to its home core"},
     {"blocks", T_LONGLONG, offsetof(Box, blocks), READONLY, "futex waits so far (a wait that blocked)"},
-    {"long_yields", T_LONGLONG, offsetof(Box, long_yields), READONLY,
-     "yields that took over long_yield_ns (another process ran): the waits then blocked instead"},
-    {"quiet_until", T_LONGLONG, offsetof(Box, quiet_until), 0, "the op from which waits yield again"},
-    {"crowds", T_LONGLONG, offsetof(Box, crowds), READONLY,
-     "looks (every 64 ops of a yielding wait) that found processes other than the group's ranks runnable"},
+    {"yield_cost", T_LONGLONG, offsetof(Box, yield_cost), READONLY,
+     "what a wait that yields took lately, from its first yield to its end (ns, an average of the last waits)"},
+    {"yielding", T_INT, offsetof(Box, yielding), READONLY,
+     "whether the waits yield before they block (where the box has turns): yield_cost is at most yield_limit_ns"},
+    {"probes", T_LONGLONG, offsetof(Box, probes), READONLY, "waits that yielded to see whether yielding is cheap again"},
     {NULL},
 };
 
@@ -739,7 +714,7 @@ static int pipelined(Op *self, int buf, long long k, char *out) {
     const int64_t *seq = (const int64_t *)root, *progress = (const int64_t *)(root + PROGRESS_OFF);
     Py_ssize_t copied = 0, total = self->nbytes;
     Box *box = self->box;
-    int turns = box->ops >= box->quiet_until ? box->turns : 0, ok = 1;
+    int turns = box->yielding ? box->turns : 0, ok = 1;
     long long polled = 0, poll_ns = box->poll_ns;
     PyThreadState *released = PyEval_SaveThread();
     int cpu = seen_here(box);

@@ -28,11 +28,11 @@ class Box:
     home: int
     moves: int
     blocks: int
-    long_yields: int
-    quiet_until: int
-    crowds: int
+    yield_cost: int
+    yielding: int
+    probes: int
     def __init__(self, mapping: Any, turns: int, poll_ns: int = 0, block_ns: int = 0,
-                 long_yield_ns: int = 1_000_000_000, calm_ops: int = 0, slot: int = 0, size: int = 0,
+                 yield_limit_ns: int = 200_000, probe_ops: int = 1024, slot: int = 0, size: int = 0,
                  rank: int = -1) -> None: ...
     def wait(self, slots: Sequence[int], k: int, seconds: float) -> bool: ...
     def publish(self, slot: int, k: int) -> None: ...

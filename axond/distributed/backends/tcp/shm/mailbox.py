@@ -17,11 +17,11 @@ slot-sized chunk (`mailbox_ops.broadcast_chunks`).
   running on another core posts within microseconds), then yield (`sched_yield`) up to MAILBOX_QUICK_TURNS times
   (a peer on this core runs) where the host's ranks outnumber its cores, then block on the first missing member's
   sequence word (a futex on the shared mapping) until its post wakes this rank. A post wakes anyone only where a
-  waiter counted itself in the slot (word 11), so while nobody blocks a post costs no system call. Where processes
-  other than the group's ranks are runnable (a look at /proc/loadavg every 64 ops), or a yield took over
-  MAILBOX_LONG_YIELD_SECONDS, the machine is busy: the waits block at once (for the next MAILBOX_CALM_OPS ops after
-  such a yield), and do not yield at all (yielding to a busy loop loses the core for its whole time slice; blocking leaves the core to
-  whatever can use it, the peer included, and the wake-up comes when the peer posts). Without the helper: spinning
+  waiter counted itself in the slot (word 11), so while nobody blocks a post costs no system call. Whether the waits
+  yield at all follows what the last yielding waits took: over MAILBOX_YIELD_LIMIT_SECONDS (an average), the
+  yields ran another process, as a busy loop beside the job, for its time slice, and the waits block at once instead
+  (blocking leaves the core to whatever can use it, and the wake-up comes when the peer posts), yielding again
+  every 16 to MAILBOX_PROBE_OPS ops to see whether it is cheap again. Without the helper: spinning
   with a yield on each turn, then after MAILBOX_SPIN_SECONDS sleeping on the group's sockets, re-checking every
   MAILBOX_SLEEP_SECONDS.
 - **Failures:** after MAILBOX_CHECK_SECONDS of blocking (or spinning), and after every MAILBOX_SLEEP_SECONDS
@@ -34,9 +34,8 @@ slot-sized chunk (`mailbox_ops.broadcast_chunks`).
   members' slots: one that posted the mailbox op this rank would run next, under the number of the op
   this rank runs now, called something else, and this rank raises (the member then sees its abort frame).
 - **Cores:** with more ranks than cores each rank has a home core (`spread.home`); long waits and every 64th
-  compiled op move it back there when the kernel moved it (`home`), but not while the machine is busy (within
-  MAILBOX_CALM_OPS ops of a long yield): there the kernel puts a woken rank on a free core, and moving it back
-  would fight it.
+  compiled op move it back there when the kernel moved it (`home`), but not while the waits block instead of
+  yielding: there the kernel puts a woken rank on a free core, and moving it back would fight it.
 - **Point-to-point frames** that a member sent before it posted are set aside for their receives (see
   `FramedGroup.only_early`), not taken for another call.
 - **The arena's steps** synchronize through the mailbox too: a post without payload (`arena_ops.Sync`; compiled
@@ -60,8 +59,8 @@ from collections.abc import Callable
 import numpy as np
 
 from axond.distributed.backends.tcp.policy import (
-    MAILBOX_CALM_OPS, MAILBOX_CHECK_SECONDS, MAILBOX_LONG_YIELD_SECONDS, MAILBOX_QUICK_TURNS, MAILBOX_SLEEP_SECONDS,
-    MAILBOX_SPIN_SECONDS, mailbox_bytes, mailbox_turns,
+    MAILBOX_CHECK_SECONDS, MAILBOX_PROBE_OPS, MAILBOX_QUICK_TURNS, MAILBOX_SLEEP_SECONDS,
+    MAILBOX_SPIN_SECONDS, MAILBOX_YIELD_LIMIT_SECONDS, mailbox_bytes, mailbox_turns,
 )
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.spread import current_cpu, move_to, release
@@ -128,7 +127,7 @@ class Mailbox:
         """The same bytes, sliced to compare the members' calls (see `settle`)."""
         self.native = (_fastbox.Box(self.mapping, mailbox_turns(oversubscribed), poll_ns=round(poll * 1e9),
                                     block_ns=round(MAILBOX_CHECK_SECONDS * 1e9),
-                                    long_yield_ns=round(MAILBOX_LONG_YIELD_SECONDS * 1e9), calm_ops=MAILBOX_CALM_OPS,
+                                    yield_limit_ns=round(MAILBOX_YIELD_LIMIT_SECONDS * 1e9), probe_ops=MAILBOX_PROBE_OPS,
                                     slot=slot, size=size, rank=rank)
                        if native and _fastbox is not None and size <= _fastbox.MAX_SIZE else None)
         """The mapping and op counter as the compiled prepared ops see them (None: the Python path alone)."""
@@ -266,7 +265,7 @@ class Mailbox:
             slots = self.peer_slots[buf]
             while not self._check_sockets(c, buf, k, 0.0) and not native.wait(slots, k, MAILBOX_SLEEP_SECONDS):
                 pass
-            if self.home is not None and native.ops >= native.quiet_until and current_cpu() != self.home:
+            if self.home is not None and native.yielding and current_cpu() != self.home:
                 move_to(self.home)  # the kernel moved it (balancing, or waking it): back to its core, if not busy
             return
         now = time.perf_counter()
