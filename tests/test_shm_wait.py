@@ -156,9 +156,9 @@ def test_a_peer_that_dies_while_a_rank_blocks_on_it_makes_it_raise() -> None:
 
 
 def test_the_waits_stop_yielding_where_yields_cost_more_than_their_limit_and_try_again_now_and_then() -> None:
-    """A box with turns measures its waits that yield (`judge` in `_fastbox.c`): it keeps yielding while they took at
-    most its limit lately (here 1 s), stops as soon as they took more (a limit of 0), and then every 16 ops one wait
-    yields again to see. The member waited for never posts: every wait ends at its own limit (1 ms)."""
+    """A box with turns measures its yields (`judge` in `_fastbox.c`): it keeps yielding while they took at most its
+    limit lately (here 1 s), stops as soon as they took more (a limit of 0), and then every 16 ops one wait yields
+    again to see. The member waited for never posts: every wait yields, then ends at its own limit (1 ms)."""
     mapping = shared_mapping()
     box = fastbox.Box(mapping, 4, poll_ns=0, block_ns=0, yield_limit_ns=10**9, slot=SLOT, size=SIZE, rank=0)
     for _ in range(3):
@@ -176,5 +176,5 @@ def test_the_waits_stop_yielding_where_yields_cost_more_than_their_limit_and_try
     assert box.yield_cost == cost and box.probes == 0
     box.ops = 16
     assert not box.wait([SLOT], 1, 0.001)  # the try: it yields, and costs more than the limit again
-    assert box.probes == 1 and not box.yielding and box.yield_cost != cost
+    assert box.probes == 1 and not box.yielding
     box.close()

@@ -57,8 +57,8 @@ MAILBOX_QUICK_TURNS = 32
 """Turns (`sched_yield`) a mailbox wait takes for the members' posts before it blocks, where the host's ranks outnumber
 its cores (#mailbox_quick_turns)."""
 MAILBOX_YIELD_LIMIT_SECONDS = 200e-6
-"""Where the mailbox waits that yielded took longer lately (an average), the yields ran another process, not the
-member waited for: the waits block at once instead (#mailbox_yield_limit_seconds)."""
+"""Where a mailbox wait's yields took longer than this lately (an average), they ran another process, not the member
+waited for: the waits block at once instead (#mailbox_yield_limit_seconds)."""
 MAILBOX_PROBE_OPS = 1024
 """At most this many mailbox ops between two waits that yield although the waits block, to see whether yielding is
 cheap again (#mailbox_probe_ops)."""

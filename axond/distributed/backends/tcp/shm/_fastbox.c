@@ -65,7 +65,7 @@ typedef struct {
     int turns;      /* sched_yield turns a wait takes after its polling, before it blocks */
     long long poll_ns;   /* how long a wait polls the words (no system call) before it yields */
     long long block_ns;  /* how long an op's wait blocks (futex) before it returns to the Python wait */
-    long long yield_cost;  /* what a wait that yields took lately, from its first yield to its end (ns, an average) */
+    long long yield_cost;  /* what a yield of the waits took lately (ns, an average over waits of their yields' mean) */
     long long yield_limit; /* the waits stop yielding (they block at once) while yield_cost is above this */
     long long probe_ops;   /* at most this many ops between two waits that yield although the waits block */
     long long probe_every; /* ops between two such tries now: doubling while they cost too much, halving when not */
@@ -227,11 +227,12 @@ static void block_on(Box *box, char *slot, long long k, long long deadline) {
     __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
 }
 
-/* One more wait that yielded and took `ns` from its first yield to its end, into the average (a quarter per wait; one
- * wait counts at most 1 ms), and whether the next waits yield: while the average is at most `yield_limit`. The ranks
- * themselves are the signal: a yield is cheap when the member it waits for runs on this core and posts (microseconds),
- * and costs a time slice of another process (a millisecond or more) when the core goes to it: a busy loop beside the
- * job. There a rank that blocks leaves the core to whatever can use it and the kernel wakes it at the member's post, in
+/* One more wait whose yields took `ns` each (their time over their count: until the post, or all its turns), into the
+ * average (a quarter per wait; one wait counts at most 1 ms), and whether the next waits yield: while the average is
+ * at most `yield_limit`. The ranks themselves are the signal: a yield is cheap when the member it waits for runs on
+ * this core and posts, or when nothing else of the job wants the core (microseconds), and costs a time slice of
+ * another process (a millisecond or more) when the core goes to it: a busy loop beside the job. A wait for a member
+ * that is late (a longer step of its own) yields quickly through its turns and then blocks: its yields stay cheap. There a rank that blocks leaves the core to whatever can use it and the kernel wakes it at the member's post, in
  * tens of microseconds. While the waits block, every `probe_every` ops one wait yields again (`probed`): where it was
  * cheap the average restarts from it and the waits yield again, and the next try comes twice as soon (from 16 ops on);
  * else twice as late, up to `probe_ops`. */
@@ -293,13 +294,14 @@ static int wait_posts(Box *box, const char *base, const Py_ssize_t *at, int coun
     if (probed)
         box->next_probe = box->ops + box->probe_every;  /* one try per op, whichever wait of it comes first */
     if (yielded) {
-        for (int t = 0; t < box->turns; t++) {
+        for (int t = 1; t <= box->turns; t++) {
             sched_yield();
             if ((i = first_missing(base, at, count, i, k)) == count) {
-                judge(box, clock_ns() - from, probed);
+                judge(box, (clock_ns() - from) / t, probed);
                 return 1;
             }
         }
+        judge(box, (clock_ns() - from) / box->turns, probed);
     }
     int done = 0;
     if (block_ns > 0) {
@@ -315,8 +317,6 @@ static int wait_posts(Box *box, const char *base, const Py_ssize_t *at, int coun
             seen_here(box);  /* woken wherever the kernel put it */
         }
     }
-    if (yielded && (done || block_ns > 0))
-        judge(box, clock_ns() - from, probed);
     return done;
 }
 
@@ -413,7 +413,7 @@ static PyMemberDef Box_members[] = {
     {"moves", T_LONGLONG, offsetof(Box, moves), READONLY, "times an op moved this rank back to its home core"},
     {"blocks", T_LONGLONG, offsetof(Box, blocks), READONLY, "futex waits so far (a wait that blocked)"},
     {"yield_cost", T_LONGLONG, offsetof(Box, yield_cost), READONLY,
-     "what a wait that yields took lately, from its first yield to its end (ns, an average of the last waits)"},
+     "what a yield of the waits took lately (ns: an average over the last waits of their yields' mean time)"},
     {"yielding", T_INT, offsetof(Box, yielding), READONLY,
      "whether the waits yield before they block (where the box has turns): yield_cost is at most yield_limit_ns"},
     {"probes", T_LONGLONG, offsetof(Box, probes), READONLY, "waits that yielded to see whether yielding is cheap again"},

@@ -18,7 +18,7 @@ slot-sized chunk (`mailbox_ops.broadcast_chunks`).
   (a peer on this core runs) where the host's ranks outnumber its cores, then block on the first missing member's
   sequence word (a futex on the shared mapping) until its post wakes this rank. A post wakes anyone only where a
   waiter counted itself in the slot (word 11), so while nobody blocks a post costs no system call. Whether the waits
-  yield at all follows what the last yielding waits took: over MAILBOX_YIELD_LIMIT_SECONDS (an average), the
+  yield at all follows what their yields took lately: over MAILBOX_YIELD_LIMIT_SECONDS each (an average), the
   yields ran another process, as a busy loop beside the job, for its time slice, and the waits block at once instead
   (blocking leaves the core to whatever can use it, and the wake-up comes when the peer posts), yielding again
   every 16 to MAILBOX_PROBE_OPS ops to see whether it is cheap again. Without the helper: spinning
