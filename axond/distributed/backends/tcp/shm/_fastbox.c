@@ -81,6 +81,7 @@ typedef struct {
     int home;       /* this rank's core where the group's ranks outnumber their cores (Mailbox.home), else -1 */
     unsigned ticks; /* ops since the last look at the core this rank runs on */
     long long moves;  /* times an op found this rank off its home core and moved it back */
+    long long next_move;  /* the op from which move_off may move this rank again */
 } Box;
 
 static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
@@ -134,6 +135,25 @@ static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
 }
 
 #define HOME_EVERY 64  /* ops between two looks at the core this rank runs on (Box.home) */
+
+/* Where the ranks have a core each, two found on one core stay there once their waits block (a woken rank is put
+ * beside its waker): move this rank off core `cpu` (any other core its mask allows, the kernel's choice), at most
+ * once every MOVE_EVERY ops. */
+#define MOVE_EVERY 16
+static void move_off(Box *box, int cpu) {
+    if (cpu < 0 || cpu >= CPU_SETSIZE || box->ops < box->next_move)
+        return;
+    box->next_move = box->ops + MOVE_EVERY;
+    cpu_set_t allowed, others;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0)
+        return;
+    others = allowed;
+    CPU_CLR(cpu, &others);
+    if (CPU_COUNT(&others) == 0 || sched_setaffinity(0, sizeof others, &others) != 0)
+        return;
+    sched_setaffinity(0, sizeof allowed, &allowed);
+    box->moves++;
+}
 
 /* Every HOME_EVERY ops, move this rank back to its home core if the kernel moved it: its balancer moves a spinning
  * rank off a core another process used for a while, and a rank that slept wakes wherever the kernel puts it. As
@@ -278,8 +298,11 @@ static int wait_posts(Box *box, const char *base, const Py_ssize_t *at, int coun
     int cpu = seen_here(box);
     if (box->poll_ns > 0) {
         for (;;) {
-            if (shares_core(box, at[i], cpu))
+            if (shares_core(box, at[i], cpu)) {
+                if (box->turns == 0)
+                    move_off(box, cpu);  /* a core each: the pair should not stay stacked on one core */
                 break;  /* the member it waits for was last seen on this core: let it run */
+            }
             for (int j = 0; j < 64 && seq_of(base + at[i]) < k; j++)
                 relax();
             if ((i = first_missing(base, at, count, i, k)) == count)
