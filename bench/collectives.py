@@ -16,6 +16,8 @@ its peak (one cache-resident 4 MiB buffer each way) and, for sizes >= 1 MiB, str
 does: otherwise a library that reads a peer's buffer in place finds the unchanged buffer in its own cache after the
 first call, and axond's mailbox skips writing the blocks its slot already holds.
 `--hosts 2 [--ranks-per-host K | K0 K1]` runs between network-namespace hosts instead (root; bench/collectives_hosts.py).
+`--busy K` runs K busy loops (processes spinning in `while True: pass`, unpinned) for the whole measurement, beside
+every library alike: a machine whose cores other work also wants (data loaders, logging, other jobs).
 
 When the ranks are at least as many as the cores, a last table per n gives each library's busbw as a
 share of the host bound (bench/bounds.py): the busbw the machine's cores allow at the raw socket copy
@@ -184,6 +186,19 @@ def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float, btl: str =
     return {op: {int(k): (v[0], v[1]) for k, v in d.items()} for op, d in raw.items()}
 
 
+def start_busy(k: int) -> list[subprocess.Popen[bytes]]:
+    """K processes that spin on a core each for as long as they live (`--busy`), at the default priority."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+            for _ in range(k)]
+
+
+def stop_busy(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait(10)
+
+
 def raw_duplex(nbytes: int = 1 << 30, chunk: int = 4 << 20) -> float:
     """GB/s per direction of two processes streaming through plain sockets in both directions at once."""
     ctx = mp.get_context("spawn")
@@ -342,6 +357,9 @@ def main() -> None:
                          "as a training "
                          "step's compute does (else the same unchanged buffers go round, which a peer that reads "
                          "another rank's buffer in place finds in its own cache after the first call)")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="run this many busy loops (one process each, `while True: pass`) beside every library for "
+                         "the whole measurement")
     ap.add_argument("--json", help="also write axond's results here: {n: {op: {size: [median seconds, correct]}}}")
     ap.add_argument("--mpi-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -363,6 +381,17 @@ def main() -> None:
         return
     if "mpi" in args.peers:
         print(f"(MPI runs with --mca btl {args.mpi_btl})")
+    busy = start_busy(args.busy)
+    if busy:
+        print(f"({args.busy} busy loop{'s' if args.busy > 1 else ''} beside every library for the whole run)")
+    try:
+        measure(args, sizes)
+    finally:
+        stop_busy(busy)
+
+
+def measure(args: argparse.Namespace, sizes: list[int]) -> None:
+    """Every library at every n, as `main` was asked."""
     raw: float | None = None
     raw_sized: dict[int, float] = {}
     results: dict[int, Result] = {}

@@ -21,7 +21,7 @@ ALGORITHMS: tuple[Algorithm, ...] = ("auto", "ring", "halving_doubling")
 NON_NEGATIVE = ("small_bytes", "chunk_bytes", "shm_arena_bytes")
 NOT_FROM_ENV = ("oversubscribed", "local_ranks", "port", "handshake_timeout")
 """Fields no AXOND_TCP_*/AXOND_SHM* variable sets: detected when the group forms, or given in code."""
-AUTO = ("spin_us", "inline_bytes", "shm_min_bytes", "shm_single_copy_min_bytes", "socket_buffer_bytes")
+AUTO = ("spin_us", "shm_poll_us", "inline_bytes", "shm_min_bytes", "shm_single_copy_min_bytes", "socket_buffer_bytes")
 """Fields whose negative default means "auto" (the environment may also say `auto`)."""
 
 
@@ -53,6 +53,9 @@ class TcpOptions:
     """Size of a group's arena; its slots (2 x (ranks + 1)) are the pipeline chunks of the path."""
     shm_mailbox: bool = True
     """Small ops of a group on one host through its shared mailbox (waits spin, yielding the CPU)."""
+    shm_poll_us: float = -1.0
+    """Microseconds a compiled mailbox wait polls the members' posts before it blocks until a post wakes it (0: block
+    at once; < 0: auto, see `policy.mailbox_poll_seconds`)."""
     shm_native: bool = True
     """Repeated small mailbox ops run in axond's compiled helper where the install built it (False: in Python; both
     speak the same protocol, so ranks may differ)."""
@@ -105,6 +108,7 @@ ENVIRONMENT: dict[str, tuple[str, str, str]] = {
     "AXOND_SHM": ("shm", "1", "shared memory between the ranks of one host (0: sockets only)"),
     "AXOND_SHM_MAILBOX": ("shm_mailbox", "1", "small ops of a one-host group through a shared mailbox"),
     "AXOND_SHM_NATIVE": ("shm_native", "1", "repeated small mailbox ops in the compiled helper (0: in Python)"),
+    "AXOND_SHM_POLL_US": ("shm_poll_us", "auto", "microseconds a mailbox wait polls before it blocks"),
     "AXOND_SHM_MIN_BYTES": ("shm_min_bytes", "auto", "ops from this size go through the arena"),
     "AXOND_SHM_SINGLE_COPY": ("shm_single_copy", "1", "large ops on one host read peers' buffers directly (one copy)"),
     "AXOND_SHM_SINGLE_COPY_MIN_BYTES": ("shm_single_copy_min_bytes", "auto",

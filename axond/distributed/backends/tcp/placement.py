@@ -156,7 +156,10 @@ class Placement:
         arena = self.comm.g.run(OP_NAMES[c.op], map_arena, self.comm, c, mailbox_bytes(size))
         if arena is not None:
             self.mailbox = self.sync.mailbox = Mailbox(arena, self.comm.rank, size, self.comm.g,
-                                                       native=self.comm.options.shm_native)
+                                                       native=self.comm.options.shm_native,
+                                                       oversubscribed=self.comm.oversubscribed,
+                                                       poll=policy.mailbox_poll_seconds(self.comm.options,
+                                                                                        self.comm.oversubscribed))
             self.comm.g.watch(self.mailbox.watch)
             # members spinning on one core: move apart
             self.mailbox.home = self.comm.g.run(OP_NAMES[c.op], spread, self.comm, c)

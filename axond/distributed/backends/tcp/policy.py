@@ -50,15 +50,26 @@ MAILBOX_GROUP_BYTES = 3 << 20
 MAILBOX_BROADCAST_SLOTS = 24
 """How many slots' worth a broadcast of more than two ranks takes through the mailbox, in slot-sized chunks
 (#mailbox_broadcast_slots)."""
+MAILBOX_POLL_SECONDS = 0.002
+"""How long a compiled mailbox wait polls the members' posts without a system call before it blocks, where the host's
+ranks do not outnumber its cores (#mailbox_poll_seconds)."""
 MAILBOX_QUICK_TURNS = 32
-"""Turns (`sched_yield`) a mailbox wait takes for the members' posts before its full wait (#mailbox_quick_turns)."""
+"""Turns (`sched_yield`) a mailbox wait takes for the members' posts before it blocks, where the host's ranks outnumber
+its cores (#mailbox_quick_turns)."""
+MAILBOX_YIELD_LIMIT_SECONDS = 200e-6
+"""Where a mailbox wait's yields took longer than this lately (an average), they ran another process, not the member
+waited for: the waits block at once instead (#mailbox_yield_limit_seconds)."""
+MAILBOX_PROBE_OPS = 1024
+"""At most this many mailbox ops between two waits that yield although the waits block, to see whether yielding is
+cheap again (#mailbox_probe_ops)."""
 MAILBOX_SPIN_SECONDS = 0.01
-"""How long a mailbox wait spins before it sleeps on the sockets (#mailbox_spin_seconds)."""
+"""How long a mailbox wait without the compiled helper spins before it sleeps on the sockets (#mailbox_spin_seconds)."""
 MAILBOX_CHECK_SECONDS = 0.0005
-"""How often a spinning mailbox wait looks at the sockets for aborts, dead peers and mismatched calls
-(#mailbox_check_seconds)."""
-MAILBOX_SLEEP_SECONDS = 0.001
-"""How often a sleeping mailbox wait re-checks the mailbox; it wakes at once on a socket (#mailbox_sleep_seconds)."""
+"""How long a compiled mailbox wait blocks (futex) before it looks at the sockets for aborts, dead peers and mismatched
+calls; how often a spinning wait without it looks (#mailbox_check_seconds)."""
+MAILBOX_SLEEP_SECONDS = 0.002
+"""How long each later block of a mailbox wait lasts before it looks at the sockets again (a post wakes it at once)
+(#mailbox_sleep_seconds)."""
 
 AUTO_MIN_BYTES = (64 << 10, 256 << 10)
 """Default arena threshold where its steps synchronize over the sockets (spare, oversubscribed cores)
@@ -208,6 +219,22 @@ def socket_buffer_bytes(options: TcpOptions, limit: int) -> int:
     if options.socket_buffer_bytes >= 0:
         return options.socket_buffer_bytes
     return SOCKET_BUFFER_BYTES if limit >= SOCKET_BUFFER_BYTES else 0
+
+
+def mailbox_poll_seconds(options: TcpOptions, oversubscribed: bool) -> float:
+    """How long a compiled mailbox wait polls before it blocks: `shm_poll_us`, else MAILBOX_POLL_SECONDS, or 0 where the
+    host's ranks outnumber its cores (a polling rank would hold the core its peer needs; that wait yields instead,
+    MAILBOX_QUICK_TURNS times)."""
+    if options.shm_poll_us >= 0:
+        return options.shm_poll_us * 1e-6
+    return 0.0 if oversubscribed else MAILBOX_POLL_SECONDS
+
+
+def mailbox_turns(oversubscribed: bool) -> int:
+    """Yields a compiled mailbox wait takes after its polling, before it blocks: MAILBOX_QUICK_TURNS where the host's
+    ranks outnumber its cores (the peer it waits for may be on this core), else none (the peer is elsewhere; a yield
+    would only hand this core to another process)."""
+    return MAILBOX_QUICK_TURNS if oversubscribed else 0
 
 
 def spin_seconds(options: TcpOptions, oversubscribed: bool) -> float:

@@ -19,19 +19,26 @@
 #include <structmember.h>
 
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <math.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
+#define PROBE_FIRST 16  /* the fewest ops between two waits that yield although the waits block (`judge`) */
 #define HEAD_OFF 8        /* the header fields follow the sequence word */
 #define HEAD_BYTES 72     /* mailbox.HEAD: 9 int64 fields */
 #define CALL_BYTES 64     /* its first 8 fields: the call, without the payload size */
 #define SEQ_OFF (HEAD_OFF + 4 * 8)   /* mailbox.SEQ_FIELD */
 #define PROGRESS_OFF 80   /* word 10 of a slot, which the Python path leaves alone: a broadcast root's progress */
+#define WAITERS_OFF 88    /* word 11 of a slot (its low half): ranks blocked on the slot's sequence word (futex) */
 #define PAYLOAD_OFF 128   /* mailbox.HEAD_WORDS * 8 */
 #define CHUNK (16 << 10)  /* a broadcast root publishes its payload in chunks of this size */
 #define MAX_SIZE 64       /* the most members the compiled ops serve; larger groups keep the Python path */
@@ -55,27 +62,54 @@ typedef struct {
     Py_buffer map;
     int open;
     long long ops;  /* mailbox ops run so far in this group (Mailbox.ops) */
-    int turns;      /* sched_yield turns a wait takes before it returns to the Python wait */
+    int turns;      /* sched_yield turns a wait takes after its polling, before it blocks */
+    long long poll_ns;   /* how long a wait polls the words (no system call) before it yields */
+    long long block_ns;  /* how long an op's wait blocks (futex) before it returns to the Python wait */
+    long long yield_cost;  /* what a yield of the waits took lately (ns, an average over waits of their yields' mean) */
+    long long yield_limit; /* the waits stop yielding (they block at once) while yield_cost is above this */
+    long long probe_ops;   /* at most this many ops between two waits that yield although the waits block */
+    long long probe_every; /* ops between two such tries now: doubling while they cost too much, halving when not */
+    long long next_probe;  /* the op whose first wait tries yielding again */
+    int yielding;          /* whether the waits yield (where they may: `turns`): yield_cost <= yield_limit */
+    long long blocks;    /* futex waits so far (Box.blocks) */
+    long long probes;    /* waits that tried the way that cost more (Box.probes) */
+    Py_ssize_t slot;     /* bytes per slot (0: no presence table) */
+    int size, rank;      /* the group's size and this rank (the presence table's rows) */
+    Py_ssize_t table;    /* byte offset of the presence table: per rank, the core it was last seen on */
+    uint32_t activity;   /* this rank's posts and waits so far, as its presence word counts them */
     int busy;       /* ops inside `run` (one may wait without the GIL): `close` lets them finish first */
     int home;       /* this rank's core where the group's ranks outnumber their cores (Mailbox.home), else -1 */
     unsigned ticks; /* ops since the last look at the core this rank runs on */
     long long moves;  /* times an op found this rank off its home core and moved it back */
+    long long next_move;  /* the op from which move_off may move this rank again */
 } Box;
 
 static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"mapping", "turns", NULL};
+    static char *names[] = {"mapping", "turns", "poll_ns", "block_ns", "yield_limit_ns", "probe_ops", "slot", "size",
+                            "rank", NULL};
     PyObject *mapping;
-    int turns;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi", names, &mapping, &turns))
+    int turns, size = 0, rank = -1;
+    long long poll_ns = 0, block_ns = 0, yield_limit_ns = 200000, probe_ops = 1024;
+    Py_ssize_t slot = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|LLLLnii", names, &mapping, &turns, &poll_ns, &block_ns,
+                                     &yield_limit_ns, &probe_ops, &slot, &size, &rank))
         return -1;
     if (self->open) {
         PyErr_SetString(PyExc_RuntimeError, "Box is initialised already");
         return -1;
     }
-    if (turns < 0) {
-        PyErr_SetString(PyExc_ValueError, "turns must not be negative");
+    if (turns < 0 || poll_ns < 0 || block_ns < 0 || yield_limit_ns < 0 || probe_ops < 1) {
+        PyErr_SetString(PyExc_ValueError, "turns and times must not be negative");
         return -1;
     }
+    self->poll_ns = poll_ns;
+    self->block_ns = block_ns;
+    self->yield_cost = 0;  /* yield first: where nothing else wants the cores it is the cheap way */
+    self->yield_limit = yield_limit_ns;
+    self->probe_ops = probe_ops;
+    self->probe_every = probe_ops < PROBE_FIRST ? probe_ops : PROBE_FIRST;
+    self->next_probe = self->probe_every;
+    self->yielding = 1;
     if (PyObject_GetBuffer(mapping, &self->map, PyBUF_WRITABLE) < 0)
         return -1;
     if (((uintptr_t)self->map.buf) % 8) {
@@ -83,6 +117,17 @@ static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "the mapping must be 8-byte aligned");
         return -1;
     }
+    /* the presence table: in the spare slot (number `size`) of buffer 0, one word per rank */
+    if (slot != 0 && (slot < 0 || slot % 8 || size < 2 || size > MAX_SIZE || rank < 0 || rank >= size ||
+                      slot < 8 * size || 2 * (size + 1) * slot > self->map.len)) {
+        PyBuffer_Release(&self->map);
+        PyErr_SetString(PyExc_ValueError, "slot, size and rank do not fit the mapping");
+        return -1;
+    }
+    self->slot = slot;
+    self->size = size;
+    self->rank = rank;
+    self->table = slot ? (Py_ssize_t)size * slot : -1;
     self->open = 1;
     self->turns = turns;
     self->home = -1;
@@ -90,6 +135,25 @@ static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
 }
 
 #define HOME_EVERY 64  /* ops between two looks at the core this rank runs on (Box.home) */
+
+/* Where the ranks have a core each, two found on one core stay there once their waits block (a woken rank is put
+ * beside its waker): move this rank off core `cpu` (any other core its mask allows, the kernel's choice), at most
+ * once every MOVE_EVERY ops. */
+#define MOVE_EVERY 16
+static void move_off(Box *box, int cpu) {
+    if (cpu < 0 || cpu >= CPU_SETSIZE || box->ops < box->next_move)
+        return;
+    box->next_move = box->ops + MOVE_EVERY;
+    cpu_set_t allowed, others;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0)
+        return;
+    others = allowed;
+    CPU_CLR(cpu, &others);
+    if (CPU_COUNT(&others) == 0 || sched_setaffinity(0, sizeof others, &others) != 0)
+        return;
+    sched_setaffinity(0, sizeof allowed, &allowed);
+    box->moves++;
+}
 
 /* Every HOME_EVERY ops, move this rank back to its home core if the kernel moved it: its balancer moves a spinning
  * rank off a core another process used for a while, and a rank that slept wakes wherever the kernel puts it. As
@@ -109,9 +173,237 @@ static int go_home(Box *box) {
     return 1;
 }
 
+/* Not while the waits block instead of yielding (`yielding`: a yield cost more than a block, as where another process
+ * takes the core a rank gives away): the kernel then puts a woken rank where a core is free, and moving it back would
+ * fight it. */
 static void keep_home(Box *box) {
-    if (box->home >= 0 && ++box->ticks % HOME_EVERY == 0)
+    if (box->home >= 0 && ++box->ticks % HOME_EVERY == 0 && box->yielding)
         go_home(box);
+}
+
+/* ---------------------------------------------------------------- waiting for the members' posts */
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static inline long long clock_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static inline int64_t seq_of(const char *slot) { return __atomic_load_n((const int64_t *)slot, __ATOMIC_ACQUIRE); }
+
+/* The presence table's word of rank `p`: the core it was last seen on, plus one (0: not known), in its low half; in
+ * its high half a count of its posts and waits, which changes whenever the rank runs the mailbox. */
+static inline uint64_t *presence(Box *box, int p) { return (uint64_t *)((char *)box->map.buf + box->table + 8 * p); }
+
+/* This rank's core into the presence table (where the box has one), and one more to its count; the core, or -1. */
+static inline int seen_here(Box *box) {
+    if (box->table < 0)
+        return -1;
+    int cpu = sched_getcpu();
+    uint64_t word = ((uint64_t)++box->activity << 32) | (uint32_t)(cpu + 1);
+    __atomic_store_n(presence(box, box->rank), word, __ATOMIC_RELAXED);
+    return cpu;
+}
+
+/* Whether the rank whose slot is at byte offset `at` was last seen on core `cpu` (this rank's): then it waits for
+ * this core, and polling for it only delays it. */
+static inline int shares_core(Box *box, Py_ssize_t at, int cpu) {
+    if (box->table < 0 || cpu < 0)
+        return 0;
+    int p = (int)((at / box->slot) % (box->size + 1));
+    return p < box->size && (uint32_t)__atomic_load_n(presence(box, p), __ATOMIC_RELAXED) == (uint32_t)(cpu + 1);
+}
+
+/* Post op `k` in `slot`: its sequence word (everything else of the post is written before it), then wake the ranks
+ * that block on it, if any. The store and the read of the waiter count are ordered (a full barrier: `xchg`), as a
+ * waiter's count and its read of the word are: either the waiter sees `k` and does not sleep, or the poster sees the
+ * waiter and wakes it (a wake before it sleeps makes its FUTEX_WAIT return at once, the word having changed). The
+ * fast path costs the barrier: no system call while nobody blocks. */
+static void publish(Box *box, char *slot, long long k) {
+    seen_here(box);
+    __atomic_store_n((int64_t *)slot, (int64_t)k, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n((int32_t *)(slot + WAITERS_OFF), __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, (int32_t *)slot, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Block on the sequence word of `slot` while it is below `k`, at most until `deadline` (CLOCK_MONOTONIC ns); the
+ * poster wakes it (`publish`). The futex compares the word's low 32 bits, which change with every post. */
+static void block_on(Box *box, char *slot, long long k, long long deadline) {
+    int32_t *waiters = (int32_t *)(slot + WAITERS_OFF);
+    __atomic_add_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+    int64_t seen = __atomic_load_n((const int64_t *)slot, __ATOMIC_SEQ_CST);
+    long long left = deadline - clock_ns();
+    if (seen < k && left > 0) {
+        struct timespec t = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+        syscall(SYS_futex, (int32_t *)slot, FUTEX_WAIT, (int32_t)(uint32_t)(uint64_t)seen, &t, NULL, 0);
+        box->blocks++;
+    }
+    __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+}
+
+/* One more wait whose yields took `ns` each (their time over their count: until the post, or all its turns), into the
+ * average (a quarter per wait; one wait counts at most 1 ms), and whether the next waits yield: while the average is
+ * at most `yield_limit`. The ranks themselves are the signal: a yield is cheap when the member it waits for runs on
+ * this core and posts, or when nothing else of the job wants the core (microseconds), and costs a time slice of
+ * another process (a millisecond or more) when the core goes to it: a busy loop beside the job. A wait for a member
+ * that is late (a longer step of its own) yields quickly through its turns and then blocks: its yields stay cheap. There a rank that blocks leaves the core to whatever can use it and the kernel wakes it at the member's post, in
+ * tens of microseconds. While the waits block, every `probe_every` ops one wait yields again (`probed`): where it was
+ * cheap the average restarts from it and the waits yield again, and the next try comes twice as soon (from 16 ops on);
+ * else twice as late, up to `probe_ops`. */
+static void judge(Box *box, long long ns, int probed) {
+    if (ns > 1000000)
+        ns = 1000000;
+    if (probed) {
+        box->probes++;
+        if (ns <= box->yield_limit) {
+            box->yield_cost = ns;
+            if (box->probe_every > PROBE_FIRST)
+                box->probe_every /= 2;
+        } else {
+            box->yield_cost += (ns - box->yield_cost) / 4;
+            box->probe_every = 2 * box->probe_every < box->probe_ops ? 2 * box->probe_every : box->probe_ops;
+        }
+    } else {
+        box->yield_cost += (ns - box->yield_cost) / 4;
+    }
+    box->yielding = box->yield_cost <= box->yield_limit;
+    if (!box->yielding && box->next_probe <= box->ops)
+        box->next_probe = box->ops + box->probe_every;
+}
+
+/* Index of the first of the `count` slots (byte offsets `at` in the mapping) whose sequence word is below k, from
+ * `from`; `count` if none. */
+static inline int first_missing(const char *base, const Py_ssize_t *at, int count, int from, long long k) {
+    while (from < count && seq_of(base + at[from]) >= k)
+        from++;
+    return from;
+}
+
+/* Wait until the sequence words of the `count` slots at `at` all reach k: poll them for `poll_ns` (pause, no system
+ * call: a peer running on another core posts within microseconds), then, where the box has `turns`, yield up to that
+ * many times (a peer on this core runs) if yielding has been the cheaper way lately (`judge`), then block on the first
+ * missing word until its poster wakes this rank, for `block_ns` in all. Whether every word reached k. Call it without
+ * the GIL. */
+static int wait_posts(Box *box, const char *base, const Py_ssize_t *at, int count, long long k, long long block_ns) {
+    int i = first_missing(base, at, count, 0, k);
+    if (i == count)
+        return 1;
+    long long start = clock_ns();
+    int cpu = seen_here(box);
+    if (box->poll_ns > 0) {
+        for (;;) {
+            if (shares_core(box, at[i], cpu)) {
+                if (box->turns == 0)
+                    move_off(box, cpu);  /* a core each: the pair should not stay stacked on one core */
+                break;  /* the member it waits for was last seen on this core: let it run */
+            }
+            for (int j = 0; j < 64 && seq_of(base + at[i]) < k; j++)
+                relax();
+            if ((i = first_missing(base, at, count, i, k)) == count)
+                return 1;
+            if (clock_ns() - start >= box->poll_ns)
+                break;
+        }
+    }
+    int probed = box->turns > 0 && !box->yielding && box->ops >= box->next_probe;
+    int yielded = box->turns > 0 && (box->yielding || probed);
+    long long from = yielded ? clock_ns() : 0;
+    if (probed)
+        box->next_probe = box->ops + box->probe_every;  /* one try per op, whichever wait of it comes first */
+    if (yielded) {
+        for (int t = 1; t <= box->turns; t++) {
+            sched_yield();
+            if ((i = first_missing(base, at, count, i, k)) == count) {
+                judge(box, (clock_ns() - from) / t, probed);
+                return 1;
+            }
+        }
+        judge(box, (clock_ns() - from) / box->turns, probed);
+    }
+    int done = 0;
+    if (block_ns > 0) {
+        long long deadline = clock_ns() + block_ns;
+        for (;;) {
+            if ((i = first_missing(base, at, count, i, k)) == count) {
+                done = 1;
+                break;
+            }
+            if (clock_ns() >= deadline)
+                break;
+            block_on(box, (char *)base + at[i], k, deadline);
+            seen_here(box);  /* woken wherever the kernel put it */
+        }
+    }
+    return done;
+}
+
+/* Box.wait(slots, k, seconds): wait_posts on the slots at byte offsets `slots` (a sequence), blocking up to
+ * `seconds`, without the GIL. */
+static PyObject *Box_wait(Box *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "wait(slots, k, seconds)");
+        return NULL;
+    }
+    long long k = PyLong_AsLongLong(args[1]);
+    double seconds = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!self->open) {
+        PyErr_SetString(PyExc_RuntimeError, "the mailbox was closed");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "slots must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t at[MAX_SIZE];
+    if (count > MAX_SIZE) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many slots");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        at[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i));
+        if ((at[i] == -1 && PyErr_Occurred()) || at[i] < 0 || at[i] % 8 || at[i] + WAITERS_OFF + 8 > self->map.len) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "slots: an offset outside the mapping or unaligned");
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    int done;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    done = wait_posts(self, (const char *)self->map.buf, at, (int)count, k,
+                      seconds > 0 ? (long long)(seconds * 1e9) : 0);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    return PyBool_FromLong(done);
+}
+
+/* Box.publish(slot, k): op `k`'s sequence word into the slot at byte offset `slot`, waking its waiters. */
+static PyObject *Box_publish(Box *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "publish(slot, k)");
+        return NULL;
+    }
+    Py_ssize_t at = PyLong_AsSsize_t(args[0]);
+    long long k = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!self->open || at < 0 || at % 8 || at + WAITERS_OFF + 8 > self->map.len) {
+        PyErr_SetString(PyExc_ValueError, "publish: the mailbox was closed or the slot is outside it");
+        return NULL;
+    }
+    publish(self, (char *)self->map.buf + at, k);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Box_go_home(Box *self, PyObject *Py_UNUSED(unused)) {
@@ -142,11 +434,23 @@ static PyMemberDef Box_members[] = {
     {"turns", T_INT, offsetof(Box, turns), READONLY, "turns a wait takes before the Python wait"},
     {"home", T_INT, offsetof(Box, home), 0, "this rank's core, which the ops keep it on (-1: none)"},
     {"moves", T_LONGLONG, offsetof(Box, moves), READONLY, "times an op moved this rank back to its home core"},
+    {"blocks", T_LONGLONG, offsetof(Box, blocks), READONLY, "futex waits so far (a wait that blocked)"},
+    {"yield_cost", T_LONGLONG, offsetof(Box, yield_cost), READONLY,
+     "what a yield of the waits took lately (ns: an average over the last waits of their yields' mean time)"},
+    {"yielding", T_INT, offsetof(Box, yielding), READONLY,
+     "whether the waits yield before they block (where the box has turns): yield_cost is at most yield_limit_ns"},
+    {"probes", T_LONGLONG, offsetof(Box, probes), READONLY, "waits that yielded to see whether yielding is cheap again"},
     {NULL},
 };
 
 static PyMethodDef Box_methods[] = {
     {"close", (PyCFunction)Box_close, METH_NOARGS, "Release the mapping (every op of this box then refuses to run)."},
+    {"wait", (PyCFunction)(void (*)(void))Box_wait, METH_FASTCALL,
+     "wait(slots, k, seconds): whether the sequence words of the slots at these byte offsets all reach k (polling, "
+     "yielding, then blocking up to `seconds` until a poster wakes it), without the GIL."},
+    {"publish", (PyCFunction)(void (*)(void))Box_publish, METH_FASTCALL,
+     "publish(slot, k): write k into the sequence word of the slot at this byte offset and wake the ranks blocked "
+     "on it."},
     {"go_home", (PyCFunction)Box_go_home, METH_NOARGS,
      "Move the calling thread to core `home` now if it runs elsewhere and its mask has it (what every 64th op does); "
      "whether it moved."},
@@ -403,28 +707,21 @@ static void consume(Op *self, int buf, char *a, char *b) {
     }
 }
 
-/* Whether every member posted op `k` within the box's turns (yielding the CPU, without the GIL, between looks). */
+/* Whether every member posted op `k` within the box's first wait (`wait_posts`: polling, yielding, then blocking up
+ * to `block_ns`; without the GIL). */
 static int arrived(Op *self, int buf, long long k) {
-    char *base = (char *)self->box->map.buf;
-    int turns = self->box->turns;
-    PyThreadState *released = NULL;
-    int all = 1;
-    for (int p = 0; p < self->size && all; p++) {
-        if (p == self->rank)
-            continue;
-        const int64_t *word = (const int64_t *)(base + self->slots[buf][p]);
-        while (__atomic_load_n(word, __ATOMIC_ACQUIRE) < k) {
-            if (!turns--) {
-                all = 0;
-                break;
-            }
-            if (released == NULL)
-                released = PyEval_SaveThread();
-            sched_yield();
-        }
-    }
-    if (released != NULL)
-        PyEval_RestoreThread(released);
+    const char *base = (const char *)self->box->map.buf;
+    Py_ssize_t at[MAX_SIZE];
+    int count = 0;
+    for (int p = 0; p < self->size; p++)
+        if (p != self->rank)
+            at[count++] = self->slots[buf][p];
+    if (first_missing(base, at, count, 0, k) == count)
+        return 1;
+    int all;
+    Py_BEGIN_ALLOW_THREADS
+    all = wait_posts(self->box, base, at, count, k, self->box->block_ns);
+    Py_END_ALLOW_THREADS
     return all;
 }
 
@@ -439,8 +736,11 @@ static int pipelined(Op *self, int buf, long long k, char *out) {
     const char *mine = base + self->slots[buf][self->rank] + HEAD_OFF;
     const int64_t *seq = (const int64_t *)root, *progress = (const int64_t *)(root + PROGRESS_OFF);
     Py_ssize_t copied = 0, total = self->nbytes;
-    int turns = self->box->turns, ok = 1;
+    Box *box = self->box;
+    int turns = box->yielding ? box->turns : 0, ok = 1;
+    long long polled = 0, poll_ns = box->poll_ns;
     PyThreadState *released = PyEval_SaveThread();
+    int cpu = seen_here(box);
     while (copied < total) {
         Py_ssize_t there = 0;
         if (__atomic_load_n(seq, __ATOMIC_ACQUIRE) >= k) {
@@ -457,11 +757,23 @@ static int pipelined(Op *self, int buf, long long k, char *out) {
             }
             memcpy(out + copied, root + PAYLOAD_OFF + copied, there - copied);
             copied = there;
-        } else if (!turns--) {
-            ok = 0;
-            break;
-        } else {
+            polled = 0;
+        } else if (poll_ns > 0 && (polled == 0 || clock_ns() - polled < poll_ns) &&
+                   !shares_core(box, self->slots[buf][self->root], cpu)) {
+            if (polled == 0)
+                polled = clock_ns();
+            for (int j = 0; j < 64; j++)
+                relax();
+        } else if (turns-- > 0) {
             sched_yield();
+        } else {
+            /* nothing new for a while: the root is not running; block until its post wakes this rank (its sequence
+             * word comes after the whole payload) */
+            Py_ssize_t at = self->slots[buf][self->root];
+            if (!wait_posts(box, base, &at, 1, k, box->block_ns)) {
+                ok = 0;
+                break;
+            }
         }
     }
     PyEval_RestoreThread(released);
@@ -682,7 +994,7 @@ static PyObject *sc_run(Op *self, long long seq, Py_buffer *a, Py_buffer *b, int
     words[3] = -1;
     words[4] = self->kind == K_SC_BCAST && self->size == 2 ? SPLIT : 0;
     words[5] = 0;
-    __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
+    publish(box, me, k);
     if (mine != row && self->kind == K_SC_ALL_GATHER)
         large_copy(row, mine, block);
     if (!(arrived(self, buf, k) && same_calls(self, buf)))
@@ -695,7 +1007,7 @@ static PyObject *sc_run(Op *self, long long seq, Py_buffer *a, Py_buffer *b, int
     memcpy(me + HEAD_OFF, self->header, HEAD_BYTES);
     *(int64_t *)(me + SEQ_OFF) = seq & 0xFFFFFFFFLL;
     *(int64_t *)(me + POSTED_OFF) = 0;
-    __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
+    publish(box, me, k);
     if (!(arrived(self, buf, k) && same_calls(self, buf)))
         return PyLong_FromLong(2 + buf);
     Py_RETURN_NONE;
@@ -752,9 +1064,9 @@ static PyObject *Op_run(Op *self, PyObject *const *args, Py_ssize_t nargs) {
             src = have_b ? (const char *)b.buf : (const char *)a.buf + (Py_ssize_t)self->rank * self->posted;
         post_copy(me + PAYLOAD_OFF, src, self->posted);
     }
-    /* last: a peer that sees the sequence number sees the rest (x86 store order; the release keeps the compiler's
-     * order too) */
-    __atomic_store_n((int64_t *)me, (int64_t)k, __ATOMIC_RELEASE);
+    /* last: a peer that sees the sequence number sees the rest (x86 store order; the barrier keeps the compiler's
+     * order too), and a peer blocked on it wakes */
+    publish(box, me, k);
     if (self->kind == K_ALL_GATHER && have_b) {  /* the block given apart, into this rank's row: while the peers read */
         char *row = (char *)a.buf + (Py_ssize_t)self->rank * self->posted;
         if (row != (char *)b.buf)  /* the block may be a view of the output (torch's all_gather_into_tensor) */

@@ -12,20 +12,30 @@ slot-sized chunk (`mailbox_ops.broadcast_chunks`).
 
 - **Reuse:** consecutive mailbox ops alternate buffers, and a rank writes op m + 2 only after op m + 1
   saw every member's sequence number, i.e. after every member finished reading op m.
-- **Waiting:** spinning, yielding the CPU (`sched_yield`) on each turn, so a crowded host runs the peers
-  instead. After MAILBOX_SPIN_SECONDS the wait sleeps on the group's sockets instead, re-checking every
+- **Waiting** (with the compiled helper, `_fastbox.Box.wait`): poll the members' sequence words for
+  MAILBOX_POLL_SECONDS without a system call (only where the host's ranks do not outnumber its cores: a peer
+  running on another core posts within microseconds), then yield (`sched_yield`) up to MAILBOX_QUICK_TURNS times
+  (a peer on this core runs) where the host's ranks outnumber its cores, then block on the first missing member's
+  sequence word (a futex on the shared mapping) until its post wakes this rank. A post wakes anyone only where a
+  waiter counted itself in the slot (word 11), so while nobody blocks a post costs no system call. Whether the waits
+  yield at all follows what their yields took lately: over MAILBOX_YIELD_LIMIT_SECONDS each (an average), the
+  yields ran another process, as a busy loop beside the job, for its time slice, and the waits block at once instead
+  (blocking leaves the core to whatever can use it, and the wake-up comes when the peer posts), yielding again
+  every 16 to MAILBOX_PROBE_OPS ops to see whether it is cheap again. Without the helper: spinning
+  with a yield on each turn, then after MAILBOX_SPIN_SECONDS sleeping on the group's sockets, re-checking every
   MAILBOX_SLEEP_SECONDS.
-- **Failures:** every MAILBOX_CHECK_SECONDS of spinning (and on every wake-up after that) the wait looks at the
-  group's sockets. There an abort frame, a closed connection (a dead peer), or a frame of some other op
-  (a peer that called something else) raises as on sockets, and the deadline raises a timeout naming
-  the first member that is missing.
+- **Failures:** after MAILBOX_CHECK_SECONDS of blocking (or spinning), and after every MAILBOX_SLEEP_SECONDS
+  block from then on, the wait looks at the group's sockets. There an abort frame, a closed connection (a dead
+  peer), or a frame of some other op (a peer that called something else) raises as on sockets, and the deadline
+  raises a timeout naming the first member that is missing.
 - **A peer waiting on the sockets:** a rank in a larger op that waits for a frame from a member that is in
   a mailbox op instead (or for it to read one) would wait until the timeout, and so would that member. So
   while a group has a mailbox, every wake-up of a wait on its sockets (every RECV_WAKEUP) looks at the
   members' slots: one that posted the mailbox op this rank would run next, under the number of the op
   this rank runs now, called something else, and this rank raises (the member then sees its abort frame).
 - **Cores:** with more ranks than cores each rank has a home core (`spread.home`); long waits and every 64th
-  compiled op move it back there when the kernel moved it (`home`).
+  compiled op move it back there when the kernel moved it (`home`), but not while the waits block instead of
+  yielding: there the kernel puts a woken rank on a free core, and moving it back would fight it.
 - **Point-to-point frames** that a member sent before it posted are set aside for their receives (see
   `FramedGroup.only_early`), not taken for another call.
 - **The arena's steps** synchronize through the mailbox too: a post without payload (`arena_ops.Sync`; compiled
@@ -49,7 +59,8 @@ from collections.abc import Callable
 import numpy as np
 
 from axond.distributed.backends.tcp.policy import (
-    MAILBOX_CHECK_SECONDS, MAILBOX_QUICK_TURNS, MAILBOX_SLEEP_SECONDS, MAILBOX_SPIN_SECONDS, mailbox_bytes,
+    MAILBOX_CHECK_SECONDS, MAILBOX_PROBE_OPS, MAILBOX_QUICK_TURNS, MAILBOX_SLEEP_SECONDS,
+    MAILBOX_SPIN_SECONDS, MAILBOX_YIELD_LIMIT_SECONDS, mailbox_bytes, mailbox_turns,
 )
 from axond.distributed.backends.tcp.shm.arena import ShmArena
 from axond.distributed.backends.tcp.shm.spread import current_cpu, move_to, release
@@ -102,9 +113,11 @@ class _Count:
 class Mailbox:
     """A group's mapped mailbox, with the offsets and views every op reuses (small ops are mostly overhead), and the
     posts and waits of its ops over group `g` (whose sockets a wait watches). With `native` (and the compiled helper
-    built), prepared ops run in C (`_fastbox`, see `mailbox_ops.Prepared`)."""
+    built), prepared ops run in C (`_fastbox`, see `mailbox_ops.Prepared`), and every wait polls for `poll` seconds
+    (`policy.mailbox_poll_seconds`), yields where the host's ranks are `oversubscribed`, then blocks."""
 
-    def __init__(self, arena: ShmArena, rank: int, size: int, g: FramedGroup, native: bool = True) -> None:
+    def __init__(self, arena: ShmArena, rank: int, size: int, g: FramedGroup, native: bool = True,
+                 oversubscribed: bool = False, poll: float = 0.0) -> None:
         slot = slot_bytes(size)
         assert arena.chunk == slot and arena.size == size
         self.g = g
@@ -112,7 +125,10 @@ class Mailbox:
         self.raw = arena.buffer()
         self.mapping = arena.mapping()
         """The same bytes, sliced to compare the members' calls (see `settle`)."""
-        self.native = (_fastbox.Box(self.mapping, MAILBOX_QUICK_TURNS)
+        self.native = (_fastbox.Box(self.mapping, mailbox_turns(oversubscribed), poll_ns=round(poll * 1e9),
+                                    block_ns=round(MAILBOX_CHECK_SECONDS * 1e9),
+                                    yield_limit_ns=round(MAILBOX_YIELD_LIMIT_SECONDS * 1e9),
+                                    probe_ops=MAILBOX_PROBE_OPS, slot=slot, size=size, rank=rank)
                        if native and _fastbox is not None and size <= _fastbox.MAX_SIZE else None)
         """The mapping and op counter as the compiled prepared ops see them (None: the Python path alone)."""
         self.count: _fastbox.Box | _Count = self.native if self.native is not None else _Count()
@@ -127,6 +143,8 @@ class Mailbox:
         self.others = [p for p in range(size) if p != rank]
         self.peer_seqs = [[(self.base[b][p] // 8, p) for p in self.others] for b in (0, 1)]
         """(index in `words` of the sequence word, rank) of each peer's slot in each buffer."""
+        self.peer_slots = [tuple(self.base[b][p] for p in self.others) for b in (0, 1)]
+        """Byte offset of each peer's slot in each buffer (what `_fastbox.Box.wait` watches)."""
         self._payloads: dict[tuple[int, np.dtype, int], np.ndarray] = {}
         self._home: int | None = None
         self._home_thread: weakref.ref[threading.Thread] | None = None
@@ -176,16 +194,28 @@ class Mailbox:
         HEAD.pack_into(self.raw, me + 8, *c.expect, nbytes)
         if payload is not None and nbytes:
             self.payloads(buf, np.dtype(np.uint8), nbytes)[self.rank] = payload.view(np.uint8)
-        self.words[me // 8] = k  # last: a peer that sees the sequence number sees the rest (x86 store order)
+        self.publish(me, k)
         self.settle(buf, k, nbytes, lambda _: c, 0)
         return buf
+
+    def publish(self, me: int, k: int) -> None:
+        """Op `k`'s sequence word into this rank's slot at byte offset `me`, last: a peer that sees it sees the rest
+        (x86 store order). The compiled helper also wakes the peers blocked on it."""
+        if self.native is not None:
+            self.native.publish(me, k)
+        else:
+            self.words[me // 8] = k
 
     def settle(self, buf: int, k: int, nbytes: int, make_call: Callable[[int], Call], seq: int) -> None:
         """Wait until every member posted op `k` (in buffer `buf`), then compare their calls with this rank's.
 
         `make_call(seq)` gives this rank's `Call`; a prepared op (`mailbox_ops.SmallAllReduce`) makes it only if the
         wait is longer than a few turns or a member posted another call."""
-        if not self._quick(buf, k):
+        native = self.native
+        if native is not None:
+            if not native.wait(self.peer_slots[buf], k, MAILBOX_CHECK_SECONDS):
+                self._wait(make_call(seq), buf, k)
+        elif not self._quick(buf, k):
             self._wait(make_call(seq), buf, k)
         base, mapping = self.base[buf], self.mapping
         me = base[self.rank]
@@ -230,6 +260,14 @@ class Mailbox:
         return [p for at, p in self.peer_seqs[buf] if words[at] < k]
 
     def _wait(self, c: Call, buf: int, k: int) -> None:
+        native = self.native
+        if native is not None:  # it waited MAILBOX_CHECK_SECONDS already (`settle`)
+            slots = self.peer_slots[buf]
+            while not self._check_sockets(c, buf, k, 0.0) and not native.wait(slots, k, MAILBOX_SLEEP_SECONDS):
+                pass
+            if self.home is not None and native.yielding and current_cpu() != self.home:
+                move_to(self.home)  # the kernel moved it (balancing, or waking it): back to its core, if not busy
+            return
         now = time.perf_counter()
         spin_until, check_at = now + MAILBOX_SPIN_SECONDS, now + MAILBOX_CHECK_SECONDS
         while self._missing(buf, k):

@@ -115,7 +115,7 @@ class Prepared:
         words[me // 8 + 1 + SEQ_FIELD] = seq & 0xFFFFFFFF
         if payload is not None:
             slots[buf][...] = payload  # same dtype and size: a third of np.copyto's cost on a few bytes
-        words[me // 8] = k  # last: a peer that sees the sequence number sees the rest (x86 store order)
+        box.publish(me, k)  # last: a peer that sees the sequence number sees the rest (x86 store order)
         box.settle(buf, k, self.posted, self.make_call, seq)
         return buf
 
