@@ -48,6 +48,7 @@ def _ring(batched: bool) -> Callable[[ProcessGroup], np.ndarray]:
     return body
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 def test_posted_one_by_one_the_ring_deadlocks_until_the_timeout(make_groups: MakeGroups) -> None:
     gs = make_groups(3, 1.0)
     out = run_on(gs, _ring(batched=False), return_exceptions=True)

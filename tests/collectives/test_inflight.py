@@ -66,6 +66,7 @@ def _deadlock_across_groups() -> str:
     return "no error"
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 def test_processes_report_through_the_coordinator_store(coordinator_factory) -> None:  # type: ignore[no-untyped-def]
     # The test's node does not heartbeat: a long dead-after keeps it alive while the ranks start.
     coordinator = coordinator_factory(dead_after_missed=120)

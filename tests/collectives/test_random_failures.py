@@ -54,6 +54,7 @@ def run_until(groups: list[ProcessGroup], steps: list[Step], victim: int, at: in
     (21, False, "auto"), (22, False, "sockets"), (23, False, "shm"), (24, False, "auto"),
     pytest.param(25, True, "auto", marks=pytest.mark.slow), pytest.param(26, True, "shm", marks=pytest.mark.slow),
     (27, False, "nodes"), pytest.param(28, True, "nodes", marks=pytest.mark.slow)])
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 def test_survivors_raise_or_finish_correctly_and_none_hangs(make_groups: Any, seed: int, stall: bool,
                                                             transport: str) -> None:
     rng = np.random.default_rng(seed)

@@ -205,6 +205,7 @@ def finish(pending: list[tuple[int, Any, Any]], results: dict[int, Any]) -> None
     (11, None, "auto"), (12, None, "sockets"), (13, None, "shm"), (14, None, "auto"), (15, False, "sockets"),
     (16, False, "auto"), (17, False, "shm"), (18, None, "sockets"), (19, None, "nodes"), (20, False, "nodes"),
     (29, None, "spin"), (30, None, "spin"), (31, None, "mock"), (32, None, "mock")])
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 def test_a_random_program_matches_numpy_on_every_rank(make_groups: Any, seed: int, crowded: bool | None,
                                                       transport: str) -> None:
     """`crowded=False`: the algorithms of a host with a core per rank (rings rather than pairwise exchanges);

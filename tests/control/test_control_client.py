@@ -34,6 +34,7 @@ def test_address_forms() -> None:
         normalize_address("host:port")
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 def test_unreachable_coordinator_fails_fast_after_bounded_retries() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

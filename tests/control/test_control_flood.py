@@ -91,6 +91,7 @@ def timed(call: Callable[[], object]) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 @pytest.mark.timeout(120)
 def test_one_clients_idle_streams_cannot_starve_health_status_or_other_clients(
         coordinator_factory: Callable[..., RunningCoordinator]) -> None:

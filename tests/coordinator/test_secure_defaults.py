@@ -184,6 +184,7 @@ def test_undecodable_bodies_and_huge_names_are_invalid_argument(coordinator: Run
             assert got in (C.INVALID_ARGUMENT, C.NOT_FOUND) and len(detail) < 2100, (got, len(detail))
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 def test_memory_a_caller_can_grow_is_bounded(coordinator_factory: Callable[..., RunningCoordinator]) -> None:
     limits = CoordinatorLimits(max_jobs=4, max_queued_jobs=2, max_store_bytes_per_job=8192,
                                max_output_bytes_per_job=4096, max_command_bytes=1024)
@@ -310,6 +311,7 @@ def test_limits_are_set_from_the_command_line() -> None:
             parse_limits((bad,))
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 def test_a_full_coordinator_turns_calls_away_at_once_and_clients_retry(
         coordinator_factory: Callable[..., RunningCoordinator]) -> None:
     running = coordinator_factory(limits=CoordinatorLimits(max_concurrent_calls=4))

@@ -95,6 +95,7 @@ def test_groups_are_left_alone_when_nothing_observes() -> None:
     assert run_threads(methods, 2) == [[], []]
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 def test_coordinator_and_worker_metrics_during_a_job(
     coordinator_factory: Callable[..., RunningCoordinator], procs: Procs, tmp_path: Path,
 ) -> None:

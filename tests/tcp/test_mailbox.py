@@ -271,6 +271,7 @@ def test_a_mismatch_with_a_prepared_op_raises_on_every_rank(make_groups: MakeGro
     assert all(isinstance(e, DistributedError) and op in str(e) for e in errors), errors
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 @pytest.mark.parametrize("op", ["all_reduce", "barrier"])
 def test_a_silent_peer_times_out_in_a_prepared_op(make_groups: MakeGroups, op: str) -> None:
     gs = make_groups(3, 1.0)

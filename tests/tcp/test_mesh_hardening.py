@@ -180,6 +180,7 @@ def test_a_slow_drip_does_not_hold_up_the_group(stranger: Stranger, n: int) -> N
     check_and_destroy(groups)
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 def test_a_slow_drip_is_cut_at_the_handshake_deadline(stranger: Stranger) -> None:
     """Alone with rank 0 (the member comes later), a connection that keeps sending is still dropped in time."""
     groups, _ = form(2, lambda addr: stranger.drip(addr, hello() + bytes(64), every=0.25), late=HANDSHAKE + MARGIN)

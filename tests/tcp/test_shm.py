@@ -343,6 +343,7 @@ def test_mismatched_calls_raise_on_every_rank_naming_both_sides(make_groups: Mak
     check_other_call_raises(gs, 1 << 16)
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 @pytest.mark.parametrize("transport", ["shm", "spin", "single_copy"])  # a silent peer on the single-copy path too
 def test_a_silent_peer_times_out_on_the_shared_memory_path(make_groups: MakeGroups, transport: str) -> None:
     gs = make_groups(2, 1.0, transport=transport)

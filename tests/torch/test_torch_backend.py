@@ -48,6 +48,7 @@ def parity() -> list[dict[str, list[str]]]:
     return _ranks(torch_cases.parity)  # type: ignore[return-value]
 
 
+@pytest.mark.slow  # waits out deadlines or runs many rank processes: the full run, not the quick loop
 @pytest.mark.parametrize("path", ["", "_async"])  # small ops on the calling thread; every op asynchronous
 def test_collectives_match_gloo_for_every_dtype(parity: list[dict[str, list[str]]], path: str) -> None:
     for rank, res in enumerate(parity):
