@@ -169,6 +169,7 @@ def test_every_command_documents_the_exit_codes(command: str, capsys: pytest.Cap
         assert entry in text, (command, entry)
 
 
+@pytest.mark.slow  # many rank processes or deadlines waited out: the full run, not the quick loop
 @pytest.mark.parametrize("given", ["http://{a}", "grpc://{a}", "{a}", "http://{a}/", " {a} "])
 def test_coordinator_address_forms(coord: RunningCoordinator, procs: Procs, given: str) -> None:
     res = procs.run("status", "--coordinator", given.format(a=coord.address))

@@ -329,6 +329,7 @@ def test_sends_issued_before_collectives_are_received_after_them(groups: list[Pr
             assert y.shape == (size,) and (y == ((r - 1) % n) * 10 + tag).all()
 
 
+@pytest.mark.slow  # many rank processes or deadlines waited out: the full run, not the quick loop
 @pytest.mark.parametrize("transport", ["auto", "sockets", "spin", "mock"])
 def test_a_send_set_aside_by_a_collective_is_still_checked_against_its_receive(make_groups: Any,
                                                                                transport: str) -> None:

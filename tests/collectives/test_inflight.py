@@ -175,6 +175,7 @@ def test_monitored_barrier_passes_when_everyone_comes(make_groups: MakeGroups) -
     assert all(store.try_get(PREFIX.format(group="world", seq=4) + f"arrived/{r}") is None for r in (1, 2))
 
 
+@pytest.mark.slow  # many rank processes or deadlines waited out: the full run, not the quick loop
 def test_monitored_barrier_names_every_missing_rank_and_what_it_does(make_groups: MakeGroups) -> None:
     """Ranks 0 and 1 reach the barrier; rank 2 computes; rank 3 waits in an all_reduce on a subgroup with rank 2."""
     gs = make_groups(4, 2.0)

@@ -96,6 +96,7 @@ def test_every_dtype_and_op_matches_numpy(spread_groups: list[ProcessGroup], dty
     assert all(teams_of(pg) is not None and pg.backend.placement.arena is None for pg in spread_groups)  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # many rank processes or deadlines waited out: the full run, not the quick loop
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(0,), (13,), (4, 7), (20_011,)])
 def test_broadcast_all_gather_and_reduce_scatter_match_numpy(spread_groups: list[ProcessGroup], dtype: str,

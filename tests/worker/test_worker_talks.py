@@ -49,6 +49,7 @@ def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # many rank processes or deadlines waited out: the full run, not the quick loop
 @pytest.mark.parametrize("run", range(REPEAT))
 def test_the_failure_line_names_the_root_cause_not_the_first_exit(procs: Procs, run: int) -> None:
     res = procs.run("worker", "--standalone", "--nproc-per-node", "2", "--stop-grace", "3", "--", PY, "-c", ROOT_CAUSE)
