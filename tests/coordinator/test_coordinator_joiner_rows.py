@@ -19,6 +19,7 @@ from axond.coordinator.persistence.tables import Tables
 from axond.coordinator.state.machine import CoordinatorState
 from axond.coordinator.state.errors import Unavailable
 from axond.errors import CoordinatorError
+from sqlite_reopen import sqlite_reopener
 
 NODES = 400
 """Joiners of the half-filled round (it needs twice as many to freeze)."""
@@ -51,17 +52,8 @@ def backing(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Reopen]:
         store: Persistence = MemoryPersistence() if request.param == "memory" else CodecTables()
         yield lambda: store
         return
-    opened: list[SqlitePersistence] = []
-
-    def reopen() -> Persistence:
-        for p in opened:
-            p.close()
-        opened.append(SqlitePersistence(tmp_path / "state"))
-        return opened[-1]
-
-    yield reopen
-    for p in opened:
-        p.close()
+    with sqlite_reopener(tmp_path / "state") as reopen:
+        yield reopen
 
 
 def _state(p: Persistence) -> CoordinatorState:

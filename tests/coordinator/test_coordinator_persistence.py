@@ -21,6 +21,7 @@ from axond.coordinator.state.jobs import JobSpec, JobState, OutputEvent
 from axond.coordinator.persistence import MemoryPersistence, Persistence, SqlitePersistence
 from axond.coordinator.state.machine import CoordinatorState
 from axond.errors import CoordinatorError
+from sqlite_reopen import sqlite_reopener
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 from etcd_cluster import EtcdServer, etcd_server  # noqa: F401  (the session's etcd, for the "etcd" backing)
@@ -43,17 +44,8 @@ def backing(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Reopen]:
         with etcd_reopener(server) as reopen_etcd:
             yield reopen_etcd
         return
-    opened: list[SqlitePersistence] = []
-
-    def reopen() -> Persistence:
-        for p in opened:
-            p.close()
-        opened.append(SqlitePersistence(tmp_path / "state"))
-        return opened[-1]
-
-    yield reopen
-    for p in opened:
-        p.close()
+    with sqlite_reopener(tmp_path / "state") as reopen:
+        yield reopen
 
 
 def _state(p: Persistence) -> CoordinatorState:
