@@ -1,7 +1,7 @@
 """The compiled mailbox's wait (`_fastbox.Box.wait` / `publish`): a rank that blocks on a member's sequence word (a
 futex on the shared mapping) is woken by that member's post, in another process too; a wait that nobody wakes ends
 at its own limit; the waiter count it leaves in the slot is back to zero; the presence table says where a rank was
-last seen. Through a group: a rank blocked in a small op raises naming the op and the peer when the peer stays
+last seen; a rank woken off its home core goes back there, also while its waits block. Through a group: a rank blocked in a small op raises naming the op and the peer when the peer stays
 silent (the group's timeout) or dies (its socket), instead of waiting on.
 """
 
@@ -178,3 +178,54 @@ def test_the_waits_stop_yielding_where_yields_cost_more_than_their_limit_and_try
     assert not box.wait([SLOT], 1, 0.001)  # the try: it yields, and costs more than the limit again
     assert box.probes == 1 and not box.yielding
     box.close()
+
+
+def _spin_on(core: int, stop: Any) -> None:
+    """A busy loop on `core` until `stop` is set (at most LIMIT)."""
+    os.sched_setaffinity(0, {core})
+    deadline = time.monotonic() + LIMIT
+    while not stop.is_set() and time.monotonic() < deadline:
+        pass
+
+
+def _post_from(core: int, mapping: Any, slot: int, k: int) -> None:
+    os.sched_setaffinity(0, {core})
+    _post_once_blocked(mapping, slot, k)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores this process may run on")
+def test_a_rank_woken_off_its_home_core_goes_back_there_also_while_its_waits_block() -> None:
+    """Four ranks on two cores beside a busy loop block in their waits (yields would run the loop), and the kernel
+    wakes a blocked rank where a core is free: without a move back they end up on one core while the loop has the
+    other. Here the home core runs a busy loop, the rank blocks on the other core and is woken there by a post from
+    that core: each wake that finds it off its home moves it back (`Box.moves`), unpinned."""
+    from axond.distributed.backends.tcp.shm.spread import current_cpu, move_to
+
+    mask = sorted(os.sched_getaffinity(0))
+    home, other = mask[0], mask[1]
+    mapping = shared_mapping()
+    box = fastbox.Box(mapping, 4, poll_ns=0, block_ns=0, yield_limit_ns=0, slot=SLOT, size=SIZE, rank=0)
+    box.home = home
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    spinner = ctx.Process(target=_spin_on, args=(home, stop), daemon=True)
+    spinner.start()
+    slot = 1 * SLOT
+    try:
+        assert not box.wait([slot], 1, 0.001) and not box.yielding  # its yields cost more than its limit (0): it blocks
+        for k in range(1, 6):
+            assert move_to(other)  # off its home, as the kernel's balancer leaves it
+            poster = ctx.Process(target=_post_from, args=(other, mapping, slot, k), daemon=True)
+            poster.start()
+            assert box.wait([slot], k, LIMIT)
+            poster.join(LIMIT)
+            assert poster.exitcode == 0
+        assert box.blocks >= 5
+        assert box.moves >= 1, "woken on the other core, it stayed there"
+        assert sorted(os.sched_getaffinity(0)) == mask  # moved, not pinned
+        assert current_cpu() in mask
+    finally:
+        stop.set()
+        spinner.join(LIMIT)
+        os.sched_setaffinity(0, set(mask))
+        box.close()

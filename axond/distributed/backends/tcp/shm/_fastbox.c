@@ -173,11 +173,11 @@ static int go_home(Box *box) {
     return 1;
 }
 
-/* Not while the waits block instead of yielding (`yielding`: a yield cost more than a block, as where another process
- * takes the core a rank gives away): the kernel then puts a woken rank where a core is free, and moving it back would
- * fight it. */
+/* Also while the waits block instead of yielding (a busy loop beside the ranks): the kernel wakes a blocked rank beside
+ * its waker, and four ranks on 2 cores end up on one core while the busy loop has the other to itself (their 1 MiB
+ * ops at twice the time of ranks kept two per core; docs/design/mailbox.md#ranks-on-one-core). */
 static void keep_home(Box *box) {
-    if (box->home >= 0 && ++box->ticks % HOME_EVERY == 0 && box->yielding)
+    if (box->home >= 0 && ++box->ticks % HOME_EVERY == 0)
         go_home(box);
 }
 
@@ -337,7 +337,8 @@ static int wait_posts(Box *box, const char *base, const Py_ssize_t *at, int coun
             if (clock_ns() >= deadline)
                 break;
             block_on(box, (char *)base + at[i], k, deadline);
-            seen_here(box);  /* woken wherever the kernel put it */
+            if (seen_here(box) != box->home && box->home >= 0)  /* woken wherever the kernel put it: back home */
+                go_home(box);
         }
     }
     return done;

@@ -33,9 +33,10 @@ slot-sized chunk (`mailbox_ops.broadcast_chunks`).
   while a group has a mailbox, every wake-up of a wait on its sockets (every RECV_WAKEUP) looks at the
   members' slots: one that posted the mailbox op this rank would run next, under the number of the op
   this rank runs now, called something else, and this rank raises (the member then sees its abort frame).
-- **Cores:** with more ranks than cores each rank has a home core (`spread.home`); long waits and every 64th
-  compiled op move it back there when the kernel moved it (`home`), but not while the waits block instead of
-  yielding: there the kernel puts a woken rank on a free core, and moving it back would fight it.
+- **Cores:** with more ranks than cores each rank has a home core (`spread.home`); every 64th compiled op, every
+  wake from a block and every long wait move it back there when the kernel moved it (`home`), also while the waits
+  block instead of yielding: the kernel wakes a blocked rank beside its waker, and the ranks would end up stacked on
+  one core while a busy process had the other to itself.
 - **Point-to-point frames** that a member sent before it posted are set aside for their receives (see
   `FramedGroup.only_early`), not taken for another call.
 - **The arena's steps** synchronize through the mailbox too: a post without payload (`arena_ops.Sync`; compiled
@@ -265,8 +266,8 @@ class Mailbox:
             slots = self.peer_slots[buf]
             while not self._check_sockets(c, buf, k, 0.0) and not native.wait(slots, k, MAILBOX_SLEEP_SECONDS):
                 pass
-            if self.home is not None and native.yielding and current_cpu() != self.home:
-                move_to(self.home)  # the kernel moved it (balancing, or waking it): back to its core, if not busy
+            if self.home is not None and current_cpu() != self.home:
+                move_to(self.home)  # the kernel moved it (balancing, or waking it): back to its core
             return
         now = time.perf_counter()
         spin_until, check_at = now + MAILBOX_SPIN_SECONDS, now + MAILBOX_CHECK_SECONDS
