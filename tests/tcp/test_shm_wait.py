@@ -1,8 +1,9 @@
 """The compiled mailbox's wait (`_fastbox.Box.wait` / `publish`): a rank that blocks on a member's sequence word (a
 futex on the shared mapping) is woken by that member's post, in another process too; a wait that nobody wakes ends
 at its own limit; the waiter count it leaves in the slot is back to zero; the presence table says where a rank was
-last seen; a rank woken off its home core goes back there, also while its waits block. Through a group: a rank blocked in a small op raises naming the op and the peer when the peer stays
-silent (the group's timeout) or dies (its socket), instead of waiting on.
+last seen; a rank woken off its home core goes back there, also while its waits block. Through a group: a rank
+blocked in a small op raises naming the op and the peer when the peer stays silent (the group's timeout) or dies
+(its socket), instead of waiting on.
 """
 
 from __future__ import annotations
