@@ -8,12 +8,14 @@ and meaning; docs/environment.md has the same table (a test checks it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from axond.config import RuntimeEnv
 from axond.distributed.backends.tcp.transport.handshake import HANDSHAKE_TIMEOUT
+from axond.distributed.backends.tcp.transport.sockets import RTO_MAX_MS, RTO_MAX_RANGE
 from axond.env_flags import parse_flag
 
 Algorithm = Literal["auto", "ring", "halving_doubling"]
@@ -21,6 +23,8 @@ ALGORITHMS: tuple[Algorithm, ...] = ("auto", "ring", "halving_doubling")
 NON_NEGATIVE = ("small_bytes", "chunk_bytes", "shm_arena_bytes")
 NOT_FROM_ENV = ("oversubscribed", "local_ranks", "port", "handshake_timeout")
 """Fields no AXOND_TCP_*/AXOND_SHM* variable sets: detected when the group forms, or given in code."""
+LARGEST = float(1 << 40)
+"""The largest value any AXOND_TCP_*/AXOND_SHM* number may have (a TiB, or that many microseconds)."""
 AUTO = ("spin_us", "shm_poll_us", "inline_bytes", "shm_min_bytes", "shm_single_copy_min_bytes", "socket_buffer_bytes")
 """Fields whose negative default means "auto" (the environment may also say `auto`)."""
 
@@ -42,6 +46,9 @@ class TcpOptions:
     socket_buffer_bytes: int = -1
     """Send and receive buffer of each socket (0: the kernel's autotuning; < 0: auto, see
     `policy.socket_buffer_bytes`). The kernel caps a set size at net.core.wmem_max / rmem_max."""
+    rto_max_ms: int = RTO_MAX_MS
+    """The most milliseconds the kernel waits between retransmissions on each socket (0: the kernel's own, 120 s):
+    after a flapping link is steady again, traffic resumes within about this long (see `sockets.bound_rto`)."""
     algorithm: Algorithm = "auto"
     """All-reduce above `small_bytes`: "ring", "halving_doubling" (power-of-two groups) or "auto" (see `policy`)."""
     shm: bool = True
@@ -81,6 +88,9 @@ class TcpOptions:
         for name in NON_NEGATIVE:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.rto_max_ms != 0 and not RTO_MAX_RANGE[0] <= self.rto_max_ms <= RTO_MAX_RANGE[1]:
+            raise ValueError(f"rto_max_ms={self.rto_max_ms}: use 0 (the kernel's own) or "
+                             f"{RTO_MAX_RANGE[0]}..{RTO_MAX_RANGE[1]} milliseconds")
 
     def for_new_group(self) -> TcpOptions:
         """These options for a group made by `new_group`: any free port (the fixed one is the default group's)."""
@@ -121,6 +131,8 @@ ENVIRONMENT: dict[str, tuple[str, str, str]] = {
     "AXOND_TCP_INLINE_BYTES": ("inline_bytes", "auto", "frames up to this size are written from the op's thread"),
     "AXOND_TCP_SOCKET_BUFFER_BYTES": ("socket_buffer_bytes", "auto",
                                       "each socket's send and receive buffer (0: the kernel's autotuning)"),
+    "AXOND_TCP_RTO_MAX_MS": ("rto_max_ms", str(RTO_MAX_MS),
+                             "most milliseconds between retransmissions (0: the kernel's own, 120 s)"),
     "AXOND_TCP_ALGORITHM": ("algorithm", "auto", "large all_reduce: auto, ring or halving_doubling"),
 }
 """variable -> (TcpOptions field, its default as docs/environment.md writes it: "auto" for a negative one, meaning)."""
@@ -136,10 +148,19 @@ def _parse(var: str, field: str, raw: str) -> object:
         return raw
     if raw.lower() == "auto" and field in AUTO:
         return -1 if kind == "int" else -1.0
+    value: float
     try:
-        value = int(raw) if kind == "int" else float(raw)
+        if kind == "int":
+            value = int(raw) if len(raw) <= 40 else math.nan
+        else:
+            value = float(raw)
     except ValueError:
-        raise ValueError(f"bad {var}={raw!r}: use a number" + (" of bytes" if kind == "int" else "")) from None
+        value = math.nan
+    if not abs(value) <= LARGEST:  # nan and inf too
+        raise ValueError(f"bad {var}={raw[:40]!r}: use a number" + (" of bytes" if kind == "int" else "")
+                         + f" up to {LARGEST:.0f}" + (" (or auto)" if field in AUTO else ""))
     if field in NON_NEGATIVE and value < 0:
         raise ValueError(f"bad {var}={raw!r}: must not be negative")
+    if field == "rto_max_ms" and value != 0 and not RTO_MAX_RANGE[0] <= value <= RTO_MAX_RANGE[1]:
+        raise ValueError(f"bad {var}={raw!r}: use 0 (the kernel's own) or {RTO_MAX_RANGE[0]}..{RTO_MAX_RANGE[1]}")
     return value

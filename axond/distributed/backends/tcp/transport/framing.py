@@ -17,6 +17,7 @@ import numpy as np
 from axond.distributed.backends.tcp.transport.exchange import exchange
 from axond.distributed.backends.tcp.policy import SMALL_FRAME
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerClosed, PeerError, PeerTimeout
+from axond.distributed.backends.tcp.transport.sockets import retransmitting
 from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe, uneven_back
 from axond.distributed.backends.splits import disagreement
 from axond.errors import DistributedError
@@ -151,6 +152,9 @@ class FramedGroup:
             msg = f"{where}: peer rank {e.peer} closed the connection (did it die?)"
         else:
             msg = f"{where}: timed out after {self._timeout:.1f} s waiting for peer {e.peer}"
+            link = next((retransmitting(p.sock) for p in self.peers.values() if p.rank == e.peer), None)
+            if link is not None:
+                msg += f"; {link}"
             if self.explain is not None:
                 msg += f"; {self.explain(e.peer)}"
         self.abort(msg)

@@ -9,13 +9,27 @@ import struct
 
 RECV_WAKEUP = 0.25
 """A blocked receive wakes this often to check the op's deadline."""
+RTO_MAX_MS = 1000
+"""Default most milliseconds between two retransmissions of a socket (TCP_RTO_MAX_MS; the kernel's own is 120 s)."""
+RTO_MAX_RANGE = (1000, 120_000)
+"""What Linux accepts for TCP_RTO_MAX_MS, in milliseconds."""
+TCP_RTO_MAX_MS = getattr(socket, "TCP_RTO_MAX_MS", 44)
+"""The socket option (Linux 6.15+; <linux/tcp.h>): a per-socket cap on the retransmission timeout's backoff."""
+USER_TIMEOUT_MARGIN_S = 5.0
+"""Seconds a capped socket keeps retransmitting beyond the group's timeout, so that the op's own deadline, whose
+error names op, group and peer, comes first."""
+MAX_USER_TIMEOUT_S = 2_000_000.0
+"""The most TCP_USER_TIMEOUT a socket gets (the option is a 32-bit count of milliseconds)."""
+TCP_INFO_BYTES = 28
+"""The head of Linux's struct tcp_info that `retransmitting` reads: 8 one-byte fields, then rto, ato, snd_mss, rcv_mss
+and unacked (32 bits each)."""
 BUFFER_LIMITS = ("/proc/sys/net/core/wmem_max", "/proc/sys/net/core/rmem_max")
 """The most a process may set SO_SNDBUF / SO_RCVBUF to (the kernel silently clamps larger requests)."""
 
 
-def tune_socket(sock: socket.socket, timeout: float, buffer_bytes: int = 0) -> None:
+def tune_socket(sock: socket.socket, timeout: float, buffer_bytes: int = 0, rto_max_ms: int = RTO_MAX_MS) -> None:
     """Blocking socket with kernel-side timeouts and no Nagle delay; send and receive buffers of `buffer_bytes`
-    each, or (0) sized by the kernel's autotuning."""
+    each, or (0) sized by the kernel's autotuning; retransmissions at most `rto_max_ms` apart (`bound_rto`)."""
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if buffer_bytes > 0:
@@ -23,6 +37,46 @@ def tune_socket(sock: socket.socket, timeout: float, buffer_bytes: int = 0) -> N
             sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(timeout, RECV_WAKEUP)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
+    bound_rto(sock, rto_max_ms, timeout)
+
+
+def bound_rto(sock: socket.socket, rto_max_ms: int, give_up_s: float = 0.0) -> bool:
+    """Cap the retransmission timeout of `sock` at `rto_max_ms` (0: leave the kernel's), retransmitting for
+    `give_up_s` (the group's timeout) before the kernel gives up on the connection; whether the kernel took the cap.
+
+    While a link drops packets, TCP doubles the wait before each retransmission up to the kernel's RTO_MAX (120 s),
+    so after a flapping link is steady again the next retransmission (and with it all traffic) can be tens of
+    seconds away. With the cap it is at most `rto_max_ms` away. But the kernel gives up after tcp_retries2 (15)
+    retransmissions, about 15 s at a 1 s cap (924 s uncapped), so the cap comes with TCP_USER_TIMEOUT: data may stay
+    unacknowledged as long as an op may wait, the group's timeout (which ends the op with a clear error first).
+    Kernels before Linux 6.15 lack TCP_RTO_MAX_MS: the socket keeps the kernel's backoff and give-up time.
+    """
+    if rto_max_ms <= 0 or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, rto_max_ms)
+    except OSError:
+        return False
+    if give_up_s > 0:
+        ms = int(min(give_up_s + USER_TIMEOUT_MARGIN_S, MAX_USER_TIMEOUT_S) * 1000)
+        sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", 18), ms)
+    return True
+
+
+def retransmitting(sock: socket.socket) -> str | None:
+    """What the kernel says about `sock` when it is retransmitting unacknowledged data (the link drops packets), for a
+    timeout's message; None when it is not (or the kernel does not say: TCP_INFO is Linux's)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), TCP_INFO_BYTES)
+    except OSError:
+        return None
+    if len(info) < TCP_INFO_BYTES:
+        return None
+    _, _, retransmits, _, backoff, _, _, _, rto_us, _, _, _, unacked = struct.unpack_from("8B5I", info)
+    if not unacked or not (retransmits or backoff):
+        return None
+    return (f"the link to it is retransmitting ({unacked} segments unacknowledged, retry {max(retransmits, backoff)}, "
+            f"next in {rto_us / 1e6:.1f} s): the network between the hosts drops packets")
 
 
 def host_ranks(socks: list[socket.socket], local_ranks: int = 0) -> int:
