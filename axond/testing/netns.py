@@ -174,6 +174,18 @@ class Host:
         """Reconnect the cable cut by `link_down(side)` (the host side's routes come back with its address)."""
         self._link("up", side)
 
+    def drop_frames(self, drop: bool) -> None:
+        """Have the switch drop every frame to and from this host (True) or forward them again (False), its link
+        up all along: what a firewall's DROP rule does (the bridge port's state: disabled or forwarding)."""
+        bridge = shutil.which("bridge", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+        if bridge is None:
+            raise NetnsError("iproute2's `bridge` is not installed")
+        argv = [bridge, "-n", self.network.switch, "link", "set", "dev", self.port_name,
+                "state", "0" if drop else "3"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        if done.returncode != 0:
+            raise NetnsError(f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr.strip()}")
+
     def pids(self) -> list[int]:
         """Every process in this host."""
         return _pids(self.ns) if self.alive else []
