@@ -12,6 +12,7 @@ class from `RuntimeEnv.environ`, the snapshot taken here, so that this module kn
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,8 +23,17 @@ from typing import Any, TypeVar
 from axond.env_flags import FALSE, TRUE, flag_on
 from axond.observe.settings import ObserveSettings
 
-__all__ = ["ConfigError", "FailureSettings", "RuntimeEnv", "WAIT_NOTICE_S", "default_state_dir", "parse_overlap"]
+__all__ = ["ConfigError", "FailureSettings", "MAX_WORLD_SIZE", "RuntimeEnv", "WAIT_NOTICE_S", "default_state_dir",
+           "parse_overlap"]
 
+MAX_WORLD_SIZE = 1 << 20
+"""Default most ranks a job may have (AXOND_MAX_WORLD_SIZE; the coordinator's own limit is the same)."""
+WORLD_SIZE_CAP = (1 << 31) - 1
+"""The most AXOND_MAX_WORLD_SIZE may say (rank counts travel as 32-bit fields)."""
+MAX_GENERATION = (1 << 63) - 1
+"""The largest AXOND_GENERATION (generations travel as 64-bit fields)."""
+MAX_SECONDS = 1e9
+"""The most seconds a duration variable may say (about 31 years)."""
 WAIT_NOTICE_S = 60.0
 """Default seconds between `axond worker`'s "still waiting" notices (AXOND_WAIT_NOTICE_S)."""
 OVERLAP_ENV = "AXOND_TORCH_OVERLAP"
@@ -61,29 +71,44 @@ def _text(raw: str | None) -> str | None:
     return raw if raw is not None and raw.strip() != "" else None
 
 
-def _integer(var: str, raw: str, minimum: int | None = 0) -> int:
+def _shown(raw: str) -> str:
+    """A variable's value as an error message quotes it: at most 40 characters."""
+    return repr(raw) if len(raw) <= 40 else f"{raw[:20]!r}... ({len(raw)} characters)"
+
+
+def _integer(var: str, raw: str, minimum: int | None = 0, maximum: int | None = None, why: str = "") -> int:
+    """`raw` as an integer within [minimum, maximum] (None: unbounded); ConfigError naming the range otherwise."""
+    text = raw.strip()
     try:
-        value = int(raw.strip())
+        value = int(text) if len(text) <= 40 else None
     except ValueError:
         value = None
-    if value is None or (minimum is not None and value < minimum):
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise ConfigError(f"bad {var}={raw!r}: use an integer{bound}")
+    if value is None or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        if minimum is not None and maximum is not None:
+            bound = f" from {minimum} to {maximum}"
+        elif minimum is not None:
+            bound = f" >= {minimum}"
+        else:
+            bound = f" <= {maximum}" if maximum is not None else ""
+        raise ConfigError(f"bad {var}={_shown(raw)}: use an integer{bound}{why}")
     return value
 
 
 def _port(var: str, raw: str) -> int:
     value = _integer(var, raw)
     if value > 65535:
-        raise ConfigError(f"bad {var}={raw!r}: use a port number (0-65535)")
+        raise ConfigError(f"bad {var}={_shown(raw)}: use a port number (0-65535)")
     return value
 
 
 def _seconds(var: str, raw: str) -> float:
     try:
-        return max(float(raw.strip()), 0.0)
+        value = float(raw.strip())
     except ValueError:
-        raise ConfigError(f"bad {var}={raw!r}: use seconds (a number; 0: never)") from None
+        value = math.nan
+    if not 0.0 <= value <= MAX_SECONDS:
+        raise ConfigError(f"bad {var}={_shown(raw)}: use seconds from 0 (never) to {MAX_SECONDS:.0f}") from None
+    return value
 
 
 def _hex(var: str, raw: str) -> bytes:
@@ -91,6 +116,12 @@ def _hex(var: str, raw: str) -> bytes:
         return bytes.fromhex(raw.strip())
     except ValueError:
         raise ConfigError(f"bad {var}: use hex digits (as the worker sets it)") from None  # a secret: not echoed
+
+
+def _within(var: str, values: Mapping[str, Any], relation: str) -> str:
+    """Where a bound taken from variable `var` comes from, for the error message ("" if `var` is unset)."""
+    name = var.lower()
+    return f" ({relation} {var}={values[name]})" if name in values else ""
 
 
 def parse_overlap(raw: str | None) -> bool | None:
@@ -124,6 +155,8 @@ class RuntimeEnv:
     """LOCAL_RANK: index of this rank on its node (also the GPU the nccl backend uses)."""
     local_world_size: int | None = None
     """LOCAL_WORLD_SIZE: ranks on this node."""
+    max_world_size: int = MAX_WORLD_SIZE
+    """AXOND_MAX_WORLD_SIZE: the most ranks WORLD_SIZE (or `world_size=`) may say."""
     master_addr: str | None = None
     """MASTER_ADDR: host of the rendezvous TCP store."""
     master_port: int | None = None
@@ -199,11 +232,18 @@ class RuntimeEnv:
                 if strict:
                     raise
 
-        for name, var in (("rank", "RANK"), ("world_size", "WORLD_SIZE"), ("local_rank", "LOCAL_RANK"),
-                          ("local_world_size", "LOCAL_WORLD_SIZE")):
-            read(name, var, _integer)
+        read("max_world_size", "AXOND_MAX_WORLD_SIZE", lambda var, raw: _integer(var, raw, 1, WORLD_SIZE_CAP))
+        most = values.get("max_world_size", MAX_WORLD_SIZE)
+        limit = f" (at most AXOND_MAX_WORLD_SIZE={most}; raise that for a larger job)"
+        read("world_size", "WORLD_SIZE", lambda var, raw: _integer(var, raw, 1, most, limit))
+        read("local_world_size", "LOCAL_WORLD_SIZE", lambda var, raw: _integer(
+            var, raw, 1, values.get("world_size", most), _within("WORLD_SIZE", values, "at most")))
+        read("rank", "RANK", lambda var, raw: _integer(
+            var, raw, 0, values.get("world_size", most) - 1, _within("WORLD_SIZE", values, "below")))
+        read("local_rank", "LOCAL_RANK", lambda var, raw: _integer(
+            var, raw, 0, values.get("local_world_size", most) - 1, _within("LOCAL_WORLD_SIZE", values, "below")))
         read("master_port", "MASTER_PORT", _port)
-        read("generation", "AXOND_GENERATION", lambda var, raw: _integer(var, raw, None))
+        read("generation", "AXOND_GENERATION", lambda var, raw: _integer(var, raw, 0, MAX_GENERATION))
         read("job_secret", "AXOND_JOB_SECRET", _hex)
         read("wait_notice_s", "AXOND_WAIT_NOTICE_S", _seconds)
         read("torch_overlap", OVERLAP_ENV, lambda var, raw: parse_overlap(raw))

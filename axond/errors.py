@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class AxondError(Exception):
     """Base class of every error axond raises on purpose."""
@@ -57,3 +59,21 @@ class CoordinatorError(AxondError):
 
 class BackendUnavailable(AxondError):
     """A backend was asked for but cannot run here; the message says what to install."""
+
+
+def rank_list(ranks: Iterable[int], most: int = 8) -> str:
+    """Ranks as an error message names them, bounded however many there are: up to `most` as a list ("[1, 4, 7]");
+    more as runs of consecutive ranks, at most `most` of them, and the count ("3-1999999 (1999997 ranks)")."""
+    ordered = sorted(ranks)
+    if len(ordered) <= most:
+        return str(ordered)
+    runs: list[list[int]] = []
+    for r in ordered:
+        if runs and r <= runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:most])
+    if len(runs) > most:
+        text += f", ... {len(runs) - most} more"
+    return f"{text} ({len(ordered)} ranks)"

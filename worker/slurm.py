@@ -190,7 +190,7 @@ class Allocation:
             raise SlurmError(f"{found[0]}={found[1]!r} names a node twice")
         node_id = _int(env, "SLURM_NODEID") or 0
         counted = _first(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
-        if counted is not None and found[0] != "SLURM_STEP_NODELIST" and int(counted[1]) != len(nodes):
+        if counted is not None and found[0] != "SLURM_STEP_NODELIST" and _int(env, counted[0]) != len(nodes):
             raise SlurmError(f"{counted[0]}={counted[1]} but {found[0]}={found[1]!r} names {len(nodes)} nodes")
         if not 0 <= node_id < len(nodes):
             raise SlurmError(f"SLURM_NODEID={node_id} is outside the {len(nodes)} nodes of {found[0]}={found[1]!r}")

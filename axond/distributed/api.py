@@ -38,10 +38,10 @@ BACKEND_ALIASES = {"gloo": "tcp"}
 def _env_int(name: str, given: int | str | None, found: int | None) -> int:
     """`given` (an argument) as an int, else `found` (variable `name` of the environment)."""
     if given is not None:
-        try:
-            return int(given)
-        except ValueError as e:
-            raise DistributedError(f"init_process_group: {name.lower()}={given!r} is not an integer") from e
+        text = str(given).strip()
+        if len(text) > 40 or not text.lstrip("+-").isdigit():
+            raise DistributedError(f"init_process_group: {name.lower()}={text[:40]!r} is not an integer")
+        return int(text)
     if found is None:
         raise DistributedError(f"init_process_group: {name} is not set; launch with `axond worker`/`axond run` (or torchrun), "
                                f"or pass {name.lower()}=...")
@@ -98,8 +98,11 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
         r = _env_int("RANK", rank if rank is not None else method.params.get("rank"), env.rank)
         n = _env_int("WORLD_SIZE", world_size if world_size is not None else method.params.get("world_size"),
                      env.world_size)
+        if not 1 <= n <= env.max_world_size:
+            raise DistributedError(f"init_process_group: world_size={n} is outside 1..{env.max_world_size} "
+                                   "(AXOND_MAX_WORLD_SIZE raises the limit)")
         if not 0 <= r < n:
-            raise DistributedError(f"init_process_group: RANK={r} is outside WORLD_SIZE={n}")
+            raise DistributedError(f"init_process_group: RANK={r} is outside WORLD_SIZE={n} (use 0..{n - 1})")
         secret = job_secret if job_secret is not None else env.job_secret
         options = BackendOptions(timeout=limit, job_secret=secret, host=host, device=local_rank, env=env,
                                  tcp=replace(options_class("tcp").from_env(env.environ), port=port) if port else None)

@@ -7,7 +7,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from axond.errors import AxondError
+from axond.errors import AxondError, rank_list
 
 
 class RankFailed(AxondError):
@@ -46,4 +46,4 @@ def raise_earliest(failures: Sequence[Failure], world_size: int) -> None:
 
 def not_finished(stuck: Sequence[int], world_size: int, timeout: float) -> RankFailed:
     """The error for ranks `stuck` still running after `timeout` seconds."""
-    return RankFailed(f"ranks {list(stuck)} of {world_size} did not finish within {timeout:.1f} s", stuck[0])
+    return RankFailed(f"ranks {rank_list(stuck)} of {world_size} did not finish within {timeout:.1f} s", stuck[0])

@@ -46,10 +46,10 @@ def _setting(query: dict[str, list[str]], key: str, environ: Mapping[str, str], 
 
 
 def _int(name: str, raw: str) -> int:
-    try:
-        return int(raw)
-    except ValueError as e:
-        raise DistributedError(f"axond:// rendezvous: {name}={raw!r} is not an integer") from e
+    text = raw.strip()
+    if len(text) > 40 or not text.lstrip("+-").isdigit():
+        raise DistributedError(f"axond:// rendezvous: {name}={text[:40]!r} is not an integer")
+    return int(text)
 
 
 def coordinator_store(address: str, query: dict[str, list[str]], timeout: timedelta,
@@ -65,6 +65,9 @@ def coordinator_store(address: str, query: dict[str, list[str]], timeout: timede
     world_size = _int("world_size", _setting(query, "world_size", env.environ, "WORLD_SIZE"))
     job = _setting(query, "job", env.environ, "AXOND_JOB", "default")
     generation = _int("generation", _setting(query, "generation", env.environ, "AXOND_GENERATION", "1"))
+    if not 1 <= world_size <= env.max_world_size:
+        raise DistributedError(f"axond:// rendezvous: world size {world_size} is outside 1..{env.max_world_size} "
+                               "(AXOND_MAX_WORLD_SIZE raises the limit)")
     if not 0 <= rank < world_size:
         raise DistributedError(f"axond:// rendezvous: rank {rank} is outside world size {world_size}")
     conn = client.connect(address, env=env)

@@ -109,9 +109,9 @@ def test_from_env_defaults() -> None:
 
 
 @pytest.mark.parametrize(("var", "value", "accepts"), [
-    ("RANK", "two", "use an integer >= 0"),
-    ("WORLD_SIZE", "-1", "use an integer >= 0"),
-    ("LOCAL_RANK", "gpu0", "use an integer >= 0"),
+    ("RANK", "two", "use an integer from 0 to"),
+    ("WORLD_SIZE", "-1", "use an integer from 1 to 1048576"),
+    ("LOCAL_RANK", "gpu0", "use an integer from 0 to"),
     ("MASTER_PORT", "http", "use an integer >= 0"),
     ("MASTER_PORT", "70000", "use a port number"),
     ("AXOND_GENERATION", "1.5", "use an integer"),

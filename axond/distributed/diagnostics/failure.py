@@ -37,7 +37,6 @@ MAX_MESSAGE = 2000
 _live: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
 """The groups of this process that have a backend and are not destroyed: the ones a failure aborts."""
 _lock = threading.Lock()
-_previous_hook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
 _settings = FailureSettings()
 """This process's failure reporting, as the environment `init_process_group` (or `import axond`) read gives it."""
 _env_rank = -1
@@ -166,23 +165,38 @@ def report(error: BaseException) -> None:
         pass
 
 
-def _excepthook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-    report(error)
-    previous = _previous_hook or sys.__excepthook__
-    previous(kind, error, tb)
+class _Hook:
+    """One installation of the failure hook: report the failure, then run the hook that was `sys.excepthook` when it
+    was installed. A user's hook installed meanwhile that chains to an earlier installation chains to that one, whose
+    report is then a no-op (`report` runs once per exception); a chain that leads back to a hook already running in
+    this thread ends at `sys.__excepthook__` instead of recursing."""
+
+    def __init__(self, previous: Callable[[type[BaseException], BaseException, TracebackType | None], Any]) -> None:
+        self.previous = previous
+        self._running = threading.local()
+
+    def __call__(self, kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if getattr(self._running, "on", False):
+            sys.__excepthook__(kind, error, tb)
+            return
+        self._running.on = True
+        try:
+            report(error)
+            self.previous(kind, error, tb)
+        finally:
+            self._running.on = False
 
 
 def install() -> None:
     """Make this process's uncaught exceptions abort its groups and write the error file (idempotent).
 
-    Chains to the hook installed before. Only `sys.excepthook`: an exception that ends another thread
-    does not end the process, so it does not abort the groups either.
+    Chains to the hook current at the call (a user's, installed before or after, composes either way: see `_Hook`).
+    Only `sys.excepthook`: an exception that ends another thread does not end the process, so it does not abort the
+    groups either.
     """
-    global _previous_hook
     with _lock:
-        if sys.excepthook is not _excepthook:
-            _previous_hook = sys.excepthook
-            sys.excepthook = _excepthook
+        if not isinstance(sys.excepthook, _Hook):
+            sys.excepthook = _Hook(sys.excepthook)
 
 
 def install_if_launched(env: RuntimeEnv) -> None:

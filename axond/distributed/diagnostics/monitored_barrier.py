@@ -14,11 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from axond.errors import DistributedError, StoreTimeout
+from axond.errors import DistributedError, StoreTimeout, rank_list
 from axond.store import Store
 
 PREFIX = "axond/monitored_barrier/{group}/{seq}/"
 RELEASE_MARGIN = 5.0
+DESCRIBED = 4
+"""Missing ranks whose state a barrier's error describes (the rest are only counted)."""
 """Extra seconds the other ranks wait for rank 0's verdict beyond the timeout (it may still be asking)."""
 
 
@@ -63,8 +65,11 @@ def monitored_barrier(store: Store, group: str, rank: int, size: int, seq: int, 
         if seq > 1:  # every member arrived here, so each one read the previous verdict
             store.delete(PREFIX.format(group=group, seq=seq - 1) + "released")
         return
-    what = (f"rank{'s' if len(missing) > 1 else ''} {missing if len(missing) > 1 else missing[0]} did not reach it "
-            f"within {timeout:.1f} s" + ("" if wait_all_ranks else " (wait_all_ranks=True names every missing rank)")
-            + "; " + "; ".join(describe(r) for r in missing))
+    described = "; ".join(describe(r) for r in missing[:DESCRIBED])
+    if len(missing) > DESCRIBED:
+        described += f"; {len(missing) - DESCRIBED} more not described"
+    who = f"ranks {rank_list(missing)}" if len(missing) > 1 else f"rank {missing[0]}"
+    what = (f"{who} did not reach it within {timeout:.1f} s"
+            + ("" if wait_all_ranks else " (wait_all_ranks=True names every missing rank)") + "; " + described)
     store.set(f"{prefix}released", f"rank 0 gave up: {what}".encode())
     raise fail(what, missing[0])

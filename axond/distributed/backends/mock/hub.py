@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from axond.errors import DistributedError, StoreTimeout
+from axond.errors import DistributedError, StoreTimeout, rank_list
 from axond.distributed.ops import describe
 from axond.store import Store
 
@@ -158,7 +158,7 @@ class Hub:
 
     def _timed_out(self, timeout: float, missing: list[int]) -> HubError:
         peer = missing[0]
-        also = f" (and {len(missing) - 1} more: {missing[1:]})" if len(missing) > 1 else ""
+        also = f" (and {len(missing) - 1} more: {rank_list(missing[1:])})" if len(missing) > 1 else ""
         return HubError(f"timed out after {timeout:.1f} s waiting for peer {peer}{also}; "
                         f"peer rank {peer} {self._doing[peer]}", peer, idle=not self._busy[peer])
 

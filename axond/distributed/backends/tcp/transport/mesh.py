@@ -22,7 +22,7 @@ from axond.config import RuntimeEnv
 from axond.distributed.backends.tcp.transport.handshake import (
     ACCEPTED, CHALLENGE, HANDSHAKE_TIMEOUT, HELLO, MAGIC, MAX_PENDING, REFUSED, Acceptor, proof, recv_exact,
 )
-from axond.errors import DistributedError, StoreError
+from axond.errors import DistributedError, StoreError, rank_list
 from axond.store import Store
 
 SIOCGIFADDR = 0x8915
@@ -128,7 +128,8 @@ class Mesh:
                 raise accept_error[0]
             missing = [p for p in range(self.rank + 1, self.size) if p not in socks]
             if missing:
-                raise self._err(f"timed out after {self.timeout:.1f} s waiting for peer ranks {missing} to connect",
+                raise self._err(f"timed out after {self.timeout:.1f} s waiting for peer ranks {rank_list(missing)} "
+                                "to connect",
                                 missing[0])
         except BaseException:
             for s in socks.values():
