@@ -18,6 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+import axond
+from axond.store.file import FileStore
 from axond.testing.netns import Network
 
 __all__ = ["FlapResult", "run_flap"]
@@ -125,11 +129,6 @@ def _finish(procs: list[subprocess.Popen[str]], outs: list[Any], timeout: float)
 
 def _rank(spec: dict[str, Any]) -> None:
     """One rank: all_reduce until the stop file appears, checking each result exactly; rank 0 logs each op."""
-    import numpy as np
-
-    import axond
-    from axond.store.file import FileStore
-
     rank, count = spec["rank"], spec["count"]
     pg = axond.init_process_group("tcp", spec["timeout"], rank=rank, world_size=2, store=FileStore(spec["store"]),
                                   host=spec["addr"])
