@@ -59,7 +59,11 @@ def bound_rto(sock: socket.socket, rto_max_ms: int, give_up_s: float = 0.0) -> b
         return False
     if give_up_s > 0:
         ms = int(min(give_up_s + USER_TIMEOUT_MARGIN_S, MAX_USER_TIMEOUT_S) * 1000)
-        sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", 18), ms)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", 18), ms)
+        except OSError:  # then the cap goes too: capped without it, the kernel would give up after about 15 s
+            sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, RTO_MAX_RANGE[1])
+            return False
     return True
 
 
