@@ -24,7 +24,7 @@ import grpc.aio
 from axond.coordinator.state.errors import InvalidArgument, StateError
 from axond.coordinator.service.kv_calls import KvCalls, WaitExpired, may_wait
 from axond.coordinator.persistence.group_commit import GroupCommit
-from axond.coordinator.service.status_codes import MAX_DETAIL_CHARS, Undecodable, status_of
+from axond.coordinator.service.status_codes import MAX_DETAIL_CHARS, Undecodable, refuse, status_of
 from axond.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("axond.coordinator")
@@ -135,13 +135,13 @@ class KvStreamHandler:
             for task in list(tasks):
                 task.cancel()
         if isinstance(error, IdleStream):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            refuse(context, grpc.StatusCode.UNAVAILABLE, str(error))
         elif isinstance(error, StateError):
             code, text = status_of(error)  # type: ignore[misc]
-            await context.abort(code, text)
+            refuse(context, code, text)
         elif error is not None:
             log.error("KvStream failed", exc_info=error)
-            await context.abort(grpc.StatusCode.INTERNAL, f"coordinator error in KvStream: {error!r}"[:MAX_DETAIL_CHARS])
+            refuse(context, grpc.StatusCode.INTERNAL, f"coordinator error in KvStream: {error!r}")
 
     async def _until_idle(self, requests: AsyncIterator[Any], busy: Callable[[], bool]) -> AsyncIterator[Any]:
         """The stream's messages; raises `IdleStream` once none came for `idle_s` seconds while nothing was in
