@@ -11,6 +11,12 @@ unauthenticated requests of M MiB all at once over 26 connections; whether it su
 
     python bench/abuse.py --part cgroup [--requests 1000] [--mib 7.9] [--limit-mib 1024]
 
+Part (collector): what each call leaves to Python's cyclic garbage collector, in an in-process coordinator with the
+serving collector settings (coordinator/collector.py): young collections while N calls are served, and the
+objects a collection finds after N calls with the collector off (successful, refused and unauthenticated KvSets):
+
+    python bench/abuse.py --part collector [--requests 2000]
+
 Part (capacity): three network-namespace hosts (axond/testing/netns.py, as root): the coordinator in one, a
 flood in another (26 connections of 1,000 Watch streams without a token; then one token holder's 26 connections
 of 1,000 Watch streams and 2,000 idle KvStreams each), and in the third `axond health`, `axond status`, another
@@ -23,21 +29,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from abuse_flood import HeldStreams, refused_requests  # noqa: E402
+from abuse_flood import refused_requests
 
 TOKEN = "abuse-bench"
 AXOND = str(Path(sys.executable).with_name("axond"))
+"""The `axond` the coordinator runs as (--axond: another install's, e.g. the tree before a change)."""
 
 
 def _status(pid: int, field: str) -> int:
@@ -56,7 +63,8 @@ def _free_port() -> int:
 
 
 @contextmanager
-def coordinator(prefix: list[str] | None = None, host: str = "127.0.0.1") -> Iterator[tuple[str, subprocess.Popen[str]]]:
+def coordinator(prefix: list[str] | None = None, host: str = "127.0.0.1"
+                ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """`axond coordinator` in memory on loopback (after `prefix`, e.g. a cgroup entry); yields (address, process)."""
     port = _free_port()
     argv = [*(prefix or []), AXOND, "coordinator", "--in-memory", "--host", host, "--port", str(port), "--token", TOKEN]
@@ -161,9 +169,77 @@ def part_cgroup(requests: int, mib: float, limit_mib: int) -> None:
         group.close()
 
 
+def part_collector(n: int) -> None:
+    import collections
+    import gc
+
+    import grpc
+
+    from axond.coordinator.collector import tune_for_serving
+    from axond.coordinator.server import CoordinatorConfig, start_coordinator
+    from axond.v1 import coordinator_pb2 as pb
+    from axond.v1 import coordinator_pb2_grpc as pb_grpc
+
+    running = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, token=TOKEN, in_memory=True))
+    tune_for_serving()
+    auth = [("authorization", f"Bearer {TOKEN}")]
+    channel = grpc.insecure_channel(running.address)
+    stub = pb_grpc.CoordinatorStub(channel)
+    node = stub.RegisterNode(pb.RegisterNodeRequest(hostname="h"), metadata=auth)
+    stub.Join(pb.JoinRequest(job="j", node_id=node.node_id, node_secret=node.node_secret, nproc=1, min_nodes=1,
+                             max_nodes=1, timeout_s=10), metadata=auth)
+    value = b"v" * 100
+    kinds = {
+        "KvSet, served": lambda i: stub.KvSet(pb.KvSetRequest(job="j", generation=1, key=f"k{i % 50}", value=value),
+                                              metadata=auth),
+        "KvSet, refused (no such job)": lambda i: stub.KvSet(pb.KvSetRequest(job="nope", generation=1, key="k",
+                                                                             value=value), metadata=auth),
+        "KvSet, no token": lambda i: stub.KvSet(pb.KvSetRequest(job="j", generation=1, key="k", value=value)),
+    }
+
+    def run(call: Callable[[int], object], count: int) -> None:
+        for i in range(count):
+            try:
+                call(i)
+            except grpc.RpcError:
+                pass
+
+    print(f"thresholds {gc.get_threshold()}; {n} calls of each kind")
+    print("| call | collections while serving (by generation) | objects left in cycles per call | bytes per call "
+          "| the most common |")
+    print("|---|---|---:|---:|---|")
+    for name, call in kinds.items():
+        run(call, 50)
+        counts: collections.Counter[int] = collections.Counter()
+
+        def count(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                counts[info["generation"]] += 1
+
+        gc.callbacks.append(count)
+        run(call, n)
+        gc.callbacks.remove(count)
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            run(call, n)
+            gc.collect()
+            found = len(gc.garbage)
+            size = sum(sys.getsizeof(o) for o in gc.garbage)
+            common = collections.Counter(type(o).__name__ for o in gc.garbage).most_common(4)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        print(f"| {name} | {dict(sorted(counts.items()))} | {found / n:.1f} | {size / n:.0f} | {common} |", flush=True)
+    channel.close()
+    running.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["memory", "cgroup", "capacity"], required=True)
+    ap.add_argument("--part", choices=["memory", "cgroup", "collector", "capacity"], required=True)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--mib", type=float, default=None)
     ap.add_argument("--concurrency", default="32,300")
@@ -171,9 +247,16 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=26)
     ap.add_argument("--watch", type=int, default=1000)
     ap.add_argument("--kv-streams", type=int, default=2000)
+    ap.add_argument("--axond", default=None, help="the axond command that runs the coordinator (default: this venv's)")
     args = ap.parse_args()
+    if args.axond:
+        global AXOND
+        AXOND = args.axond
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that cgroups and namespaces are removed
     if args.part == "memory":
         part_memory(args.requests or 300, args.mib or 2.0, [int(c) for c in args.concurrency.split(",")])
+    elif args.part == "collector":
+        part_collector(args.requests or 2000)
     elif args.part == "cgroup":
         part_cgroup(args.requests or 1000, args.mib or 7.9, args.limit_mib)
     else:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from abuse_flood import HeldStreams  # noqa: E402
+from abuse_flood import HeldStreams
 
 TOKEN = "abuse-bench"
 HERE = os.path.abspath(__file__)
@@ -94,8 +94,10 @@ def part_capacity(connections: int, watch: int, kv_streams: int) -> None:
         address = f"{server.addr}:{PORT}"
         env = _env(tmp / "home")
         axond = str(Path(sys.executable).with_name("axond"))
+        # Idle KvStreams stay held for the whole run (the default stream_idle_s would end them after 60 s).
         coord = server.popen([axond, "coordinator", "--in-memory", "--host", server.addr, "--port", str(PORT),
-                              "--token", TOKEN], env=env, stderr=subprocess.PIPE, text=True)
+                              "--token", TOKEN, "--limit", "stream_idle_s=3600"], env=env, stderr=subprocess.PIPE,
+                             text=True)
         line = coord.stderr.readline() if coord.stderr else ""
         if "listening" not in line:
             raise RuntimeError(f"the coordinator did not start: {line!r}")
@@ -133,9 +135,15 @@ def part_capacity(connections: int, watch: int, kv_streams: int) -> None:
 
 async def _flood(address: str, token: str | None, connections: int, watch: int, kv_streams: int) -> None:
     streams = HeldStreams(address, token, connections, watch, kv_streams)
-    took = await streams.open(settle_s=5.0)
+    took = await streams.open(settle_s=1.0)
+    seen, quiet = -1, 0
+    while quiet < 10 and took < 600:  # until the coordinator has answered every stream it refuses
+        await asyncio.sleep(1.0)
+        took += 1.0
+        ended = sum(streams.ended.values())
+        quiet, seen = (quiet + 1 if ended == seen and ended > 0 else 0), ended
     print(json.dumps({"opened": len(streams.calls), "held": streams.held(), "ended": dict(streams.ended),
-                      "open_s": round(took, 1)}), flush=True)
+                      "settled_s": round(took, 1)}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the bench closes our stdin
     await streams.close()
 

@@ -184,6 +184,7 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
         deserializer = (self.admission.measured(parse) if parse is not None and not handler.request_streaming
                         else None)
         measured = deserializer is not None
+        behavior: Callable[..., Any]
         if inspect.isasyncgenfunction(inner):
             behavior = self._streaming(inner, liveness, measured)
         else:  # unary, and streams written with context.write
