@@ -121,13 +121,15 @@ def test_one_address_over_many_connections_holds_at_most_its_share(
         assert any("max_liveness_calls_per_address" in d for d in details), details
 
         # Another client address is served at once, by calls that are never retried here: health, status, a new
-        # node, a new job's Join and its KvSet.
+        # node and its heartbeat, a new job's Join and its KvSet.
         with grpc.insecure_channel(v6) as ch:
             stub = pb_grpc.CoordinatorStub(ch)
             t0 = time.monotonic()
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE)
             stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH, timeout=DEADLINE)
             node = stub.RegisterNode(pb.RegisterNodeRequest(hostname="new"), metadata=AUTH, timeout=DEADLINE)
+            stub.Heartbeat(pb.HeartbeatRequest(node_id=node.node_id, node_secret=node.node_secret), metadata=AUTH,
+                           timeout=DEADLINE)
             stub.Join(pb.JoinRequest(job="new", node_id=node.node_id, node_secret=node.node_secret, nproc=1,
                                      min_nodes=1, max_nodes=1, timeout_s=DEADLINE), metadata=AUTH, timeout=DEADLINE)
             stub.KvSet(pb.KvSetRequest(job="new", generation=1, key="k", value=b"v"), metadata=AUTH,
