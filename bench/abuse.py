@@ -9,7 +9,7 @@ its RSS before, after each flood and at its peak:
 Part (cgroup): the same coordinator in a memory cgroup of --limit-mib (cgroup v1 or v2, as root), sent N
 unauthenticated requests of M MiB all at once over 26 connections; whether it survives and still answers:
 
-    python bench/abuse.py --part cgroup [--requests 1000] [--mib 7.9] [--limit-mib 1024]
+    python bench/abuse.py --part cgroup [--requests 1000] [--mib 7.9] [--limit-mib 1024] [--authenticated]
 
 Part (collector): what each call leaves to Python's cyclic garbage collector, in an in-process coordinator with the
 serving collector settings (coordinator/collector.py): young collections while N calls are served, and the
@@ -141,7 +141,7 @@ class Cgroup:
                 time.sleep(0.1)
 
 
-def part_cgroup(requests: int, mib: float, limit_mib: int) -> None:
+def part_cgroup(requests: int, mib: float, limit_mib: int, authenticated: bool) -> None:
     if os.geteuid() != 0:
         print("skipped: needs root to make a memory cgroup")
         return
@@ -155,13 +155,15 @@ def part_cgroup(requests: int, mib: float, limit_mib: int) -> None:
         with coordinator(group.prefix()) as (address, proc):
             start = _status(proc.pid, "VmRSS")
             t0 = time.monotonic()
-            codes = asyncio.run(refused_requests(address, requests, size, None, 26, requests))
+            token = TOKEN if authenticated else None
+            codes = asyncio.run(refused_requests(address, requests, size, token, 26, requests))
             took = time.monotonic() - t0
             alive = proc.poll() is None
             answer = subprocess.run([AXOND, "health", "--coordinator", address, "--token", TOKEN, "--timeout", "5"],
                                     capture_output=True, text=True, timeout=30)
             end = _status(proc.pid, "VmRSS") if alive else -1
-            print(f"| {requests} x {mib} MiB unauthenticated, all at once | limit {limit_mib} MiB | "
+            who = "authenticated (refused: no such job)" if authenticated else "unauthenticated"
+            print(f"| {requests} x {mib} MiB {who}, all at once | limit {limit_mib} MiB | "
                   f"{'survived' if alive else 'DIED (' + str(proc.returncode) + ')'} | RSS {start} -> {end} MiB | "
                   f"cgroup peak {group.peak_mib()} MiB | {group.oom_kills()} | {took:.1f} s | {codes} | "
                   f"health after: exit {answer.returncode} |", flush=True)
@@ -244,6 +246,8 @@ def main() -> None:
     ap.add_argument("--mib", type=float, default=None)
     ap.add_argument("--concurrency", default="32,300")
     ap.add_argument("--limit-mib", type=int, default=1024)
+    ap.add_argument("--authenticated", action="store_true", help="cgroup: send the token (the requests are refused "
+                    "after they are decoded)")
     ap.add_argument("--connections", type=int, default=26)
     ap.add_argument("--watch", type=int, default=1000)
     ap.add_argument("--kv-streams", type=int, default=2000)
@@ -258,7 +262,7 @@ def main() -> None:
     elif args.part == "collector":
         part_collector(args.requests or 2000)
     elif args.part == "cgroup":
-        part_cgroup(args.requests or 1000, args.mib or 7.9, args.limit_mib)
+        part_cgroup(args.requests or 1000, args.mib or 7.9, args.limit_mib, args.authenticated)
     else:
         from abuse_capacity import part_capacity
 
