@@ -66,10 +66,11 @@ class CoordinatorLimits:
     max_liveness_calls_per_address: int = 5_000
     """Liveness calls the clients at one IP address may hold at once, over all their connections."""
     max_request_bytes: int = 512 << 20
-    """Bytes of decoded requests that running calls may hold all together; past it a request is refused before
-    it is decoded (one request is at most 8 MiB, the server's message limit)."""
+    """Bytes of decoded requests (and KvStream messages whose requests wait) that running calls may hold all
+    together; past it a request is refused before it is decoded (one message is at most 8 MiB, the server's limit)."""
     max_request_bytes_per_address: int = 128 << 20
-    """Bytes of decoded requests the running calls from one IP address may hold."""
+    """Bytes of decoded requests (and KvStream messages whose requests wait) the running calls from one IP address
+    may hold."""
     stream_idle_s: float = 60.0
     """Seconds a KvStream may stay open with no request and nothing in flight before the coordinator ends it
     (UNAVAILABLE; the client opens another when it next needs one)."""

@@ -42,6 +42,56 @@ _REQUEST_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("axond_requ
 handler, with no wait between them)."""
 
 
+_STREAM: contextvars.ContextVar[StreamBytes | None] = contextvars.ContextVar("axond_stream_bytes", default=None)
+"""The request bytes of the running request-streaming call (set by its admission wrapper, read by its handler)."""
+
+
+class StreamBytes:
+    """Request bytes a request-streaming call holds after reading them (a KvStream message whose requests wait),
+    counted against its address's share and the overall budget like a unary call's request."""
+
+    def __init__(self, admission: Admission, address: str) -> None:
+        self.admission, self.address = admission, address
+        self.held = 0
+        self.closed = False
+
+    def take(self, size: int) -> str | None:
+        """Count `size` more bytes held; returns why they may not be instead (nothing counted)."""
+        admission, limits = self.admission, self.admission.limits
+        if self.closed:
+            return "the stream has ended"
+        here = admission._addresses[self.address]  # the stream itself is counted in, so its address is there
+        if here[2] + size > limits.max_request_bytes_per_address:
+            return (f"{BUSY}: the calls from {self.address} already hold {here[2]:,} request bytes; this message of "
+                    f"{size:,} would pass their share (max_request_bytes_per_address); retry later")
+        if admission.request_bytes + size > limits.max_request_bytes:
+            return (f"{BUSY}: running calls hold {admission.request_bytes:,} request bytes; this message of {size:,} "
+                    "would pass the coordinator's limit (max_request_bytes); retry later")
+        here[2] += size
+        admission.request_bytes += size
+        self.held += size
+        return None
+
+    def give(self, size: int) -> None:
+        """Count `size` bytes taken before out again (nothing once the call ended: `close` gave them all)."""
+        if self.closed:
+            return
+        self.admission._addresses[self.address][2] -= size
+        self.admission.request_bytes -= size
+        self.held -= size
+
+    def close(self) -> None:
+        """The call ends: give back every byte it still holds (its waiting requests' tasks end after it)."""
+        if self.held:
+            self.give(self.held)
+        self.closed = True
+
+
+def stream_bytes() -> StreamBytes | None:
+    """The running request-streaming call's `StreamBytes` (None outside one, or without admission)."""
+    return _STREAM.get()
+
+
 class TooBusy:
     """A request not decoded because decoded requests already held `max_request_bytes`."""
 
@@ -186,7 +236,7 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
         measured = deserializer is not None
         behavior: Callable[..., Any]
         if inspect.isasyncgenfunction(inner):
-            behavior = self._streaming(inner, liveness, measured)
+            behavior = self._streaming(inner, liveness, measured, handler.request_streaming)
         else:  # unary, and streams written with context.write
             behavior = self._unary(inner, liveness, measured)
         wrapped = replace_handler(handler, behavior=behavior, request_deserializer=deserializer)
@@ -216,8 +266,8 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
 
         return behavior
 
-    def _streaming(self, inner: Callable[[Any, Any], AsyncIterator[Any]], liveness: bool, measured: bool
-                   ) -> Callable[..., AsyncIterator[Any]]:
+    def _streaming(self, inner: Callable[[Any, Any], AsyncIterator[Any]], liveness: bool, measured: bool,
+                   request_streaming: bool) -> Callable[..., AsyncIterator[Any]]:
         admission = self.admission
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
@@ -231,10 +281,15 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
             if refused is not None:
                 refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
                 return
+            held = StreamBytes(admission, address_of(peer)) if request_streaming else None
+            if held is not None:
+                _STREAM.set(held)
             try:
                 async for response in inner(request, context):
                     yield response
             finally:
+                if held is not None:
+                    held.close()
                 admission.leave(peer, liveness, size)
 
         return behavior

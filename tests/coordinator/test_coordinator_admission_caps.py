@@ -205,3 +205,65 @@ def test_request_bytes_held_are_capped_per_address_and_overall(
         b.close()
     wait_until(lambda: admission.request_bytes == 0 and admission.running == [0, 0], DEADLINE,
                "the long-polls to be counted out")
+
+
+def _unknown_field(pad: int) -> bytes:
+    """`pad` bytes in an unknown field (number 999): the parser keeps them, so the message holds them."""
+    out = b""
+    for v in ((999 << 3) | 2, pad):
+        while True:
+            byte, v = v & 0x7F, v >> 7
+            out += bytes([byte | (0x80 if v else 0)])
+            if not v:
+                break
+    return out + b"p" * pad
+
+
+def test_kv_stream_messages_whose_requests_wait_count_until_answered(
+        coordinator_factory: Callable[..., RunningCoordinator]) -> None:
+    kib = 1 << 10
+    limits = CoordinatorLimits(max_request_bytes_per_address=2048 * kib)
+    running = coordinator_factory(token=TOKEN, limits=limits)
+    admission = running.admission
+    assert admission is not None
+    with grpc.insecure_channel(running.address) as setup:
+        stub = pb_grpc.CoordinatorStub(setup)
+        node = stub.RegisterNode(pb.RegisterNodeRequest(hostname="h"), metadata=AUTH, timeout=DEADLINE)
+        stub.Join(pb.JoinRequest(job="j", node_id=node.node_id, node_secret=node.node_secret, nproc=1, min_nodes=1,
+                                 max_nodes=1, timeout_s=DEADLINE), metadata=AUTH, timeout=DEADLINE)
+
+    def waiting(op_id: int, pad: int) -> bytes:
+        op = pb.KvOp(id=op_id, get=pb.KvGetRequest(job="j", generation=1, key="never", wait_s=DEADLINE))
+        return pb.KvStreamRequest(ops=[op]).SerializeToString() + _unknown_field(pad)
+
+    stop = threading.Event()
+    first = waiting(1, 1536 * kib)  # 1.5 MiB held while its get waits
+    second = waiting(2, 1024 * kib)  # would make 2.5 MiB: its get is answered RESOURCE_EXHAUSTED
+    quick = pb.KvStreamRequest(ops=[pb.KvOp(id=3, set=pb.KvSetRequest(job="j", generation=1, key="k", value=b"v"))])
+
+    def requests() -> Iterator[bytes]:
+        yield first
+        wait_until(lambda: admission.request_bytes >= len(first), DEADLINE, "the first message held")
+        yield second
+        yield quick.SerializeToString()  # nothing waits: counted nowhere, answered
+        stop.wait(DEADLINE)
+
+    with grpc.insecure_channel(running.address, options=OWN) as ch:
+        call = ch.stream_stream("/axond.v1.Coordinator/KvStream", response_deserializer=pb.KvStreamResponse.FromString)
+        answers = call(requests(), metadata=AUTH, timeout=DEADLINE * 2)
+        results: dict[int, pb.KvResult] = {}
+        try:
+            for message in answers:
+                results.update((r.id, r) for r in message.results)
+                if {2, 3} <= set(results):
+                    break
+            assert results[2].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], results[2]
+            assert "max_request_bytes_per_address" in results[2].message
+            assert results[3].code == 0, results[3]
+            assert 1 not in results  # still waiting, its message still counted
+            assert len(first) - 64 <= admission.request_bytes <= len(first) + 64
+        finally:
+            stop.set()
+            answers.cancel()
+    wait_until(lambda: admission.request_bytes == 0 and admission.running == [0, 0], DEADLINE,
+               "the stream's bytes to be counted out")
