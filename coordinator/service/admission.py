@@ -5,8 +5,9 @@ per client address (the peer's IP address: opening more connections from one hos
 pool (status, heartbeats, new nodes and the reports a node makes when its ranks end) is reserved: whatever floods the
 rest, those always find room, so `axond status`, new nodes and every node's lease keep answering. The standard
 health check is not counted at all: it holds nothing (answered at once), and it is all an unauthenticated caller
-gets (auth.py). Bytes of decoded requests held by running calls are counted too, overall and per address: past
-`max_request_bytes` a request is refused before it is decoded. Past any cap a call is refused at once with
+gets (auth.py). Bytes of decoded requests held by running calls are counted too, overall and per address, and those
+of a KvStream message until its last waiting request is answered (`StreamBytes`, kv_stream.py): past
+`max_request_bytes` a unary request is refused before it is decoded. Past any cap a call is refused at once with
 RESOURCE_EXHAUSTED ("Concurrent RPC limit exceeded"), which clients send again with jittered backoff: a refused
 call did not run. A refusal sets the call's status and returns (status_codes.refuse): it keeps nothing.
 """
