@@ -12,15 +12,18 @@ import time
 from collections.abc import Iterator
 
 from axond.control.client import connect
+from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.server import CoordinatorConfig, start_coordinator
 
 COORDINATOR_PIDS: dict[str, int] = {}
 """Pid of each coordinator started in its own process, by address."""
 
 BENCH_CONFIG = CoordinatorConfig(
-    host="127.0.0.1", port=0, token="bench", heartbeat_interval=60.0, settle_time=0.0, in_memory=True
+    host="127.0.0.1", port=0, token="bench", heartbeat_interval=60.0, settle_time=0.0, in_memory=True,
+    limits=CoordinatorLimits(max_calls_per_address=50_000, max_liveness_calls_per_address=25_000),
 )
-"""Long heartbeat interval: the simulated nodes do not heartbeat during the measurement."""
+"""Long heartbeat interval: the simulated nodes do not heartbeat during the measurement. Every simulated node
+connects from 127.0.0.1, so one address may hold the whole of each pool."""
 AUTH = [("authorization", f"Bearer {BENCH_CONFIG.token}")]
 
 

@@ -55,11 +55,22 @@ class CoordinatorLimits:
     max_calls_per_client: int = 2_000
     """Calls and streams of the general pool one client connection may hold at once (see
     coordinator/service/admission.py)."""
+    max_calls_per_address: int = 10_000
+    """Calls and streams of the general pool the clients at one IP address may hold at once, over all their
+    connections."""
     max_liveness_calls: int = 25_000
-    """Calls served at once from the pool reserved for health checks, status, heartbeats (one stream per node)
-    and a node's reports: floods of other calls never take it."""
+    """Calls served at once from the pool reserved for status, heartbeats (one stream per node), new nodes and a
+    node's reports: floods of other calls never take it (the health check is never counted)."""
     max_liveness_calls_per_client: int = 1_000
     """Liveness calls one client connection may hold at once."""
+    max_liveness_calls_per_address: int = 5_000
+    """Liveness calls the clients at one IP address may hold at once, over all their connections."""
+    max_request_bytes: int = 512 << 20
+    """Bytes of decoded requests (and KvStream messages whose requests wait) that running calls may hold all
+    together; past it a request is refused before it is decoded (one message is at most 8 MiB, the server's limit)."""
+    max_request_bytes_per_address: int = 128 << 20
+    """Bytes of decoded requests (and KvStream messages whose requests wait) the running calls from one IP address
+    may hold."""
     stream_idle_s: float = 60.0
     """Seconds a KvStream may stay open with no request and nothing in flight before the coordinator ends it
     (UNAVAILABLE; the client opens another when it next needs one)."""

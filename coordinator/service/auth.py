@@ -1,8 +1,11 @@
 """The shared-token check: every call but the standard health check needs `authorization: Bearer <token>`.
 
-The health service is exempt so that probes (compose, Kubernetes' grpc probe) work without the
-token; it reveals nothing but SERVING. Reflection and every Coordinator RPC are refused with
-UNAUTHENTICATED when the token is missing or wrong.
+The health check (`Health/Check`, one answer) is exempt so that probes (compose, Kubernetes' grpc probe) work
+without the token; it reveals nothing but SERVING, and a request body past `MAX_CHECK_BYTES` is refused before it is
+decoded. Everything else (`Health/Watch`, reflection, every Coordinator RPC) is refused with UNAUTHENTICATED when the
+token is missing or wrong, checked on the call's metadata before its body is read: the refusal is served as a
+request-streaming handler that never asks for the message, so nothing an unauthenticated caller sends is decoded,
+kept in Python or counted against any pool (gRPC frees the body with the call).
 """
 
 from __future__ import annotations
@@ -14,7 +17,11 @@ from typing import Any, cast
 import grpc
 import grpc.aio
 
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
+from axond.coordinator.service.status_codes import refuse
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+MAX_CHECK_BYTES = 1 << 10
+"""Longest health-check request served (it names one service); a longer one is refused undecoded."""
 
 
 def _metadata_value(metadata: Any, key: str) -> str | bytes | None:
@@ -32,6 +39,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if not token:
             raise ValueError("the token must be a non-empty string")
         self._expected = f"Bearer {token}".encode()
+        self._check: tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]] | None = None
 
     async def intercept_service(
         self,
@@ -40,8 +48,10 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
-        if handler is None or method.startswith(HEALTH_PREFIX):
+        if handler is None:
             return handler
+        if method == HEALTH_CHECK:
+            return self._bounded_check(handler)
         got = _metadata_value(handler_call_details.invocation_metadata, "authorization")
         raw = got.encode() if isinstance(got, str) else (got or b"")
         if hmac.compare_digest(raw, self._expected):
@@ -50,11 +60,36 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return _deny(handler, f"{why} token: pass --token (or set AXOND_TOKEN) to the coordinator's token")
 
 
-def _deny(handler: grpc.RpcMethodHandler[Any, Any], message: str) -> grpc.RpcMethodHandler[Any, Any]:
-    async def abort(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    def _bounded_check(self, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+        cached = self._check
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        parse, answer = handler.request_deserializer, cast("Callable[..., Awaitable[Any]]", handler.unary_unary)
 
-    return replace_handler(handler, behavior=abort)
+        def deserialize(raw: bytes) -> Any:
+            return _TOO_LONG if len(raw) > MAX_CHECK_BYTES else (parse(raw) if parse is not None else raw)
+
+        async def check(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if request is _TOO_LONG:
+                refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                       f"a health check request is at most {MAX_CHECK_BYTES} bytes")
+                return None
+            return await answer(request, context)
+
+        wrapped = replace_handler(handler, behavior=check, request_deserializer=deserialize)
+        self._check = (handler, wrapped)
+        return wrapped
+
+
+_TOO_LONG = object()
+
+
+def _deny(handler: grpc.RpcMethodHandler[Any, Any], message: str) -> grpc.RpcMethodHandler[Any, Any]:
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+        context.set_details(message)
+
+    return grpc.stream_unary_rpc_method_handler(refuse, response_serializer=lambda _: b"")
 
 
 def replace_handler(

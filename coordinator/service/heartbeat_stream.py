@@ -22,7 +22,7 @@ from axond.coordinator.state.jobs import JobState
 from axond.coordinator.persistence.group_commit import GroupCommit
 from axond.coordinator.service.stall import StallWatch
 from axond.coordinator.state.machine import CoordinatorState
-from axond.coordinator.service.status_codes import MAX_DETAIL_CHARS, Undecodable, status_of
+from axond.coordinator.service.status_codes import Undecodable, refuse, status_of
 from axond.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("axond.coordinator")
@@ -71,9 +71,9 @@ async def serve_heartbeats(state: CoordinatorState, commits: GroupCommit | None,
             yield reply
     except StateError as e:
         code, text = status_of(e)  # type: ignore[misc]
-        await context.abort(code, text)
+        refuse(context, code, text)
     except Exception as e:
         if isinstance(e, grpc.aio.AbortError):
             raise
         log.exception("HeartbeatStream failed")
-        await context.abort(grpc.StatusCode.INTERNAL, f"coordinator error in HeartbeatStream: {e!r}"[:MAX_DETAIL_CHARS])
+        refuse(context, grpc.StatusCode.INTERNAL, f"coordinator error in HeartbeatStream: {e!r}")

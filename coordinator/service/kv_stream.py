@@ -22,9 +22,10 @@ import grpc
 import grpc.aio
 
 from axond.coordinator.state.errors import InvalidArgument, StateError
+from axond.coordinator.service.admission import StreamBytes, stream_bytes
 from axond.coordinator.service.kv_calls import KvCalls, WaitExpired, may_wait
 from axond.coordinator.persistence.group_commit import GroupCommit
-from axond.coordinator.service.status_codes import MAX_DETAIL_CHARS, Undecodable, status_of
+from axond.coordinator.service.status_codes import MAX_DETAIL_CHARS, Undecodable, refuse, status_of
 from axond.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("axond.coordinator")
@@ -93,6 +94,7 @@ class KvStreamHandler:
                     ) -> AsyncIterator[pb.KvStreamResponse]:
         """Read requests and send answers until the client half-closes and every answer has left."""
         out: asyncio.Queue[list[pb.KvResult] | None] = asyncio.Queue()
+        held = stream_bytes()
         in_flight = [0]
         tasks: set[asyncio.Task[None]] = set()
 
@@ -109,7 +111,7 @@ class KvStreamHandler:
                 async for message in self._until_idle(requests, lambda: in_flight[0] > 0 or bool(tasks)):
                     if isinstance(message, Undecodable):
                         raise InvalidArgument(f"a KvStream request does not parse: {message.error[:200]}")
-                    await self._accept(message.ops, in_flight, spawn, out)
+                    await self._accept(message, in_flight, spawn, out, held)
                 while tasks:
                     await asyncio.wait(list(tasks))
             finally:
@@ -135,13 +137,13 @@ class KvStreamHandler:
             for task in list(tasks):
                 task.cancel()
         if isinstance(error, IdleStream):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            refuse(context, grpc.StatusCode.UNAVAILABLE, str(error))
         elif isinstance(error, StateError):
             code, text = status_of(error)  # type: ignore[misc]
-            await context.abort(code, text)
+            refuse(context, code, text)
         elif error is not None:
             log.error("KvStream failed", exc_info=error)
-            await context.abort(grpc.StatusCode.INTERNAL, f"coordinator error in KvStream: {error!r}"[:MAX_DETAIL_CHARS])
+            refuse(context, grpc.StatusCode.INTERNAL, f"coordinator error in KvStream: {error!r}")
 
     async def _until_idle(self, requests: AsyncIterator[Any], busy: Callable[[], bool]) -> AsyncIterator[Any]:
         """The stream's messages; raises `IdleStream` once none came for `idle_s` seconds while nothing was in
@@ -165,11 +167,17 @@ class KvStreamHandler:
         finally:
             nxt.cancel()
 
-    async def _accept(self, ops: Any, in_flight: list[int],
+    async def _accept(self, message: Any, in_flight: list[int],
                       spawn: Callable[[Awaitable[list[pb.KvResult]]], None],
-                      out: asyncio.Queue[list[pb.KvResult] | None]) -> None:
-        """Run one message's requests: at once in order, those that may wait as tasks; queue the answers."""
+                      out: asyncio.Queue[list[pb.KvResult] | None], held: StreamBytes | None = None) -> None:
+        """Run one message's requests: at once in order, those that may wait as tasks; queue the answers. A message
+        with requests that wait stays in memory until the last of them is answered: its bytes count against the
+        stream's address (`held`) until then, and past the budget its waiting requests are answered
+        RESOURCE_EXHAUSTED."""
+        ops = message.ops
         commits = self.commits
+        kept: _Kept | None = None
+        refused: str | None = None
         if commits is not None and (commits.pending_calls >= commits.max_batch or commits.failed is not None):
             try:
                 await commits.room()
@@ -187,7 +195,18 @@ class KvStreamHandler:
                     "this stream; wait for answers before sending more",
                 ))
             elif may_wait(op):
-                spawn(self._waited(op))
+                if held is not None and kept is None and refused is None:
+                    size = message.ByteSize()
+                    refused = held.take(size)
+                    kept = _Kept(held, size) if refused is None else None
+                if refused is not None:
+                    now.append(pb.KvResult(id=op.id, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                           message=f"KvStream request {op.id}: {refused}"))
+                elif kept is not None:
+                    kept.waiting += 1
+                    spawn(self._kept(op, kept))
+                else:
+                    spawn(self._waited(op))
             else:
                 now.append(await self._run(op))
         if now:
@@ -198,3 +217,18 @@ class KvStreamHandler:
 
     async def _waited(self, op: pb.KvOp) -> list[pb.KvResult]:
         return await self._durable([await self._run(op)])
+
+    async def _kept(self, op: pb.KvOp, kept: _Kept) -> list[pb.KvResult]:
+        try:
+            return await self._waited(op)
+        finally:
+            kept.waiting -= 1
+            if kept.waiting == 0:
+                kept.held.give(kept.size)
+
+
+class _Kept:
+    """A message whose requests wait: its bytes, counted until the last of them is answered."""
+
+    def __init__(self, held: StreamBytes, size: int) -> None:
+        self.held, self.size, self.waiting = held, size, 0

@@ -25,7 +25,7 @@ from axond.coordinator.service.kv_stream import KvStreamHandler
 from axond.coordinator.persistence.group_commit import GroupCommit
 from axond.coordinator.service.stall import StallWatch
 from axond.coordinator.state.machine import CoordinatorState
-from axond.coordinator.service.status_codes import MAX_DETAIL_CHARS, STATUS_OF, Undecodable, status_of
+from axond.coordinator.service.status_codes import STATUS_OF, Undecodable, refuse, status_of
 from axond.coordinator.service.waiting import WaitHub
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
@@ -43,7 +43,8 @@ def _check_decoded(request: Any) -> None:
 
 
 def _translated(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
-    """Map domain exceptions to status codes; anything unexpected becomes INTERNAL, never a crash."""
+    """Map domain exceptions to status codes; anything unexpected becomes INTERNAL, never a crash. A refused call
+    sets its status and returns (`refuse`): nothing raised keeps its request."""
 
     @functools.wraps(fn)
     async def wrapper(self: CoordinatorServicer, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
@@ -64,11 +65,11 @@ def _translated(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
             return reply
         except (StateError, WaitExpired) as e:
             code, text = status_of(e)  # type: ignore[misc]
-            await context.abort(code, text)
+            refuse(context, code, text)
         except Exception as e:
             log.exception("%s failed", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"coordinator error in {fn.__name__}: {e!r}"[:MAX_DETAIL_CHARS])
-        raise AssertionError("unreachable: context.abort raises")
+            refuse(context, grpc.StatusCode.INTERNAL, f"coordinator error in {fn.__name__}: {e!r}")
+        return None  # type: ignore[return-value]  # (the status set above goes out; gRPC sends no message)
 
     return wrapper
 
@@ -255,20 +256,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def StreamJob(self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.JobEvent]:
         """Every event of the job from its start, then new ones as they come, ending with JobFinished."""
         if isinstance(request, Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the StreamJob request body does not parse: {request.error[:200]}")
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"the StreamJob request body does not parse: {request.error[:200]}")
+            return
         job, index = request.job, 0
         while True:
             try:
                 events, index, skipped, finished = self.state.read_events(job, index)
             except StateError as e:
                 code, text = status_of(e)  # type: ignore[misc]
-                await context.abort(code, text)
+                refuse(context, code, text)
+                return
             if self.commits is not None and (events or skipped or finished):
                 try:
                     await self.commits.durable()
                 except StateError as e:
                     code, text = status_of(e)  # type: ignore[misc]
-                    await context.abort(code, text)
+                    refuse(context, code, text)
+                    return
             if skipped:
                 yield pb.JobEvent(
                     info=f"{skipped} earlier events were dropped: the job's output exceeded the coordinator's "

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
+import grpc.aio
 
 from axond.coordinator.state.errors import (
     AlreadyExists,
@@ -37,6 +40,14 @@ class Undecodable:
 
     def __init__(self, method: str, error: str) -> None:
         self.method, self.error = method, error
+
+
+def refuse(context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, text: str) -> None:
+    """End the call with `code` once its handler returns, instead of `context.abort`: abort raises, and the raised
+    error's traceback and gRPC's frames form a reference cycle that keeps the request (up to the message limit) until
+    a full garbage collection; a handler that sets its status and returns leaves nothing behind."""
+    context.set_code(code)
+    context.set_details(text[:MAX_DETAIL_CHARS])
 
 
 def status_of(e: BaseException) -> tuple[grpc.StatusCode, str] | None:
