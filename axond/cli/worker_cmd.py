@@ -13,7 +13,8 @@ from types import FrameType
 import click
 from click.core import ParameterSource
 
-from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, connect_wait_option
+from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, EXIT_USAGE
+from axond.cli.common import connect_wait_option
 from axond.cli.common import coordinator_options_torchrun, error_kind, examples, fail, fail_coordinator, need_address
 from axond.cli.common import server_detail
 from axond.cli.common import runtime_env, waiting_notice
@@ -57,7 +58,8 @@ class _Signals:
         "exited 0; if one failed (here or on another node), exit 1 with a last line naming it, its host and "
         "pid, its exit code and its error. --standalone: a one-machine job with its own coordinator "
         "(no `axond coordinator` needed). Without CMD: daemon mode, running the ranks of jobs submitted "
-        "with `axond run`. " + EXIT_CODES_HELP
+        "with `axond run`. A worker the job refuses (it runs with other --nnodes or --max-restarts, or with all its "
+        "nodes) exits 2 saying why. " + EXIT_CODES_HELP
     ),
 )
 @coordinator_options_torchrun
@@ -202,6 +204,9 @@ def _run_agent(conn: ConnectOptions, spec: JobSpec) -> None:
         if outcome is None and signals.received is not None:
             name = signal.Signals(signals.received).name
             outcome = agent.stop(128 + signals.received, f"stopped by {name}") or JobOutcome(128 + signals.received)
+    if outcome.refused and outcome.error is not None:
+        detail = server_detail(outcome.error) or str(outcome.error)
+        fail("worker", f"job {spec.job!r} refused this worker: {detail}", EXIT_USAGE)
     if outcome.exit_code != 0:
         why = outcome.message or f"exit code {outcome.exit_code}"
         if outcome.error is not None and error_kind(outcome.error) == "DEADLINE_EXCEEDED":

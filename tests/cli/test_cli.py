@@ -155,6 +155,9 @@ def test_run_through_daemons_end_to_end(coord: RunningCoordinator, procs: Procs)
                         "--", PY, "-c", "import os, sys; sys.exit(4 if os.environ['RANK'] == '1' else 0)")
     assert failing.code == 1, "a rank's failure is exit code 1 (its own code 4 is in the message)"
     assert "rank 1" in failing.stderr and "exited with code 4" in failing.stderr
+    line = failing.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"axond run: job '.*' failed: rank 1 \(.*, pid \d+\) exited with code 4; no restarts left "
+                        r"\(max_restarts 0\)", line), f"the failure said once: {line}"
 
 
 def test_run_attach_follows_a_submitted_job(coord: RunningCoordinator, procs: Procs) -> None:

@@ -150,8 +150,14 @@ def test_a_running_job_with_all_its_nodes_refuses_another_worker(coord: RunningC
                  "the job to run")
         t0 = time.monotonic()
         second = procs.run(*base, "--", PY, "-c", "pass")
-        assert second.code == 1 and time.monotonic() - t0 < 15, second.stderr
-        assert "is running with all its 1 node(s)" in last_line(second.stderr), second.stderr
+        assert second.code == 2 and time.monotonic() - t0 < 15, second.stderr  # the usage code: its options
+        tail = last_line(second.stderr)
+        assert tail.startswith("axond worker: job 'full' refused this worker: job 'full' is running with all its 1 "
+                               "node(s)"), second.stderr
+        assert "not in a state that allows this" not in tail, "the coordinator's reason, not a generic one"
+        other = procs.run(*base, "--nnodes", "2", "--", PY, "-c", "pass")
+        assert other.code == 2, other.stderr
+        assert "refused this worker: job 'full' runs with nnodes 1:1" in last_line(other.stderr), other.stderr
     finally:
         client.close()
         go.touch()
