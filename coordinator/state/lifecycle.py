@@ -322,9 +322,9 @@ class JobLifecycle:
         j.kv.release()
         j.kv = self.ctx.new_space()
         self.ctx.store_cleared(j.name)
-        for key, value in carried:
-            j.kv.restore(key, value)
-            self.ctx.mark_kv(j.name, key)
+        for name, value in carried:
+            j.kv.restore(name, value)
+            self.ctx.mark_kv(j.name, name)
         j.exits.clear()
         j.state = JobState.RESTARTING
         now_waiting = self.waiting_next.pop(j.name, {})

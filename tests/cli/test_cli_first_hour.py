@@ -104,4 +104,5 @@ def test_a_port_that_does_not_speak_grpc_is_named_as_such_at_once(http_port: int
     assert time.monotonic() - t0 < 50, "no wait for a coordinator that is starting: that port answered"
     assert "waiting for the coordinator" not in res.stderr
     line = res.stderr.strip().splitlines()[-1]
-    assert re.search(rf"127\.0\.0\.1:{http_port} answers, but not with gRPC: is it the coordinator's port\?", line), line
+    expected = rf"127\.0\.0\.1:{http_port} answers, but not with gRPC: is it the coordinator's port\?"
+    assert re.search(expected, line), line

@@ -31,7 +31,8 @@ def _value(samples: list[tuple[str, dict[str, str], float]], name: str, **labels
     return sum(found)
 
 
-def test_rendezvous_counters_count_only_completed_rounds(coordinator_factory: Callable[..., RunningCoordinator]) -> None:
+def test_rendezvous_counters_count_only_completed_rounds(
+        coordinator_factory: Callable[..., RunningCoordinator]) -> None:
     coord = coordinator_factory(metrics_port=0)
     assert coord.metrics is not None
     with connect(coord.address) as c:

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install -e '.[torch]')")
 
-from worker_support import free_port  # noqa: E402
+from worker_support import free_port
 
 SCRIPT = """
 import sys
