@@ -47,6 +47,7 @@ def _schemas_available(version: str) -> bool:
     return (root / f"v{version}-local-strict").is_dir()
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_manifest_validates_against_the_kubernetes_schemas(version: str) -> None:
     if not _schemas_available(version):

@@ -74,6 +74,7 @@ while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
 """
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("host", [None, "0.0.0.0"])
 def test_the_worker_metrics_endpoint_binds_loopback_unless_told(host: str | None, procs: Procs, tmp_path: Path) -> None:
     """Default: 127.0.0.1 only (127.0.0.2 stays free on the same port); `--metrics-host 0.0.0.0`: every interface."""

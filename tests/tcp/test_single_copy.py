@@ -98,6 +98,7 @@ def test_axond_shm_single_copy_0_keeps_the_arena(made: list[ProcessGroup], monke
     assert all(single_copy_of(pg) is None and pg.backend.placement.arena is not None for pg in made)  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("mailbox", [True, False])
 def test_sums_are_those_of_one_process_adding_in_rank_order(made: list[ProcessGroup], size: int,

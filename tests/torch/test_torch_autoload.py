@@ -45,6 +45,7 @@ def test_the_entry_point_is_installed() -> None:
         "reinstall axond (pip install -e .): its torch.backends entry point is missing"
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_init_process_group_axond_works_without_importing_axond_torch() -> None:
     out = _run()
     assert "REGISTERED True True" in out, out

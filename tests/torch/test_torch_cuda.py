@@ -36,6 +36,7 @@ def test_importing_registers_cpu_only_here_without_importing_cupy() -> None:
     assert out.stdout.split() == ["['cpu']", "['cpu']", "False"], out
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_the_cuda_modules_import_without_cupy() -> None:
     code = ("import sys, axond.torch.cuda, axond.torch.cuda_process_group, axond.torch.cuda_work; "
             "print('cupy' in sys.modules)")

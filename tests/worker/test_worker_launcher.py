@@ -171,6 +171,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
 def test_ranks_do_not_outlive_a_killed_worker() -> None:
     """SIGKILL the process that started the ranks: each rank gets SIGTERM from the kernel (PR_SET_PDEATHSIG,

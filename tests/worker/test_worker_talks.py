@@ -138,6 +138,7 @@ def test_a_worker_with_other_options_is_refused_and_the_waiting_one_told(coord: 
         client.close()
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_a_running_job_with_all_its_nodes_refuses_another_worker(coord: RunningCoordinator, procs: Procs,
                                                                 tmp_path: Path) -> None:
     go = tmp_path / "go"
