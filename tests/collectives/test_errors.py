@@ -70,6 +70,7 @@ def _error_file(tmp_path: Path, rank: int) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_survivor_prints_the_root_cause_in_one_short_traceback(tmp_path: Path) -> None:
     survivor, failing = _ranks(tmp_path, RANK_MAIN)
     assert failing.returncode == 1 and failing.stderr.strip().endswith("ValueError: bad batch shape (3, 5)")

@@ -424,6 +424,7 @@ def test_clip_grad_norm_uses_the_whole_models_norm(world: int) -> None:
     assert_grads_close([Run({}, [], grads) for _, _, grads in results], want)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("strategy", [S.FULL_SHARD, S.SHARD_GRAD_OP])
 def test_prefetch_changes_no_number(strategy: ShardingStrategy) -> None:
     """Prefetching moves only the waits, not the arithmetic: the same parameters bit for bit as without it."""

@@ -202,6 +202,7 @@ def _every_op() -> dict[str, Any]:
     return {**every_large_op(pg), "single_copy": single_copy_of(pg) is not None}
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_real_processes_read_each_other() -> None:
     out = run_processes(_every_op, 3, timeout=60.0, env={"AXOND_SHM_MIN_BYTES": "0"})
     check_every_large_op(out)

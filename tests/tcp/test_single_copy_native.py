@@ -72,6 +72,7 @@ def _prepared(pg: ProcessGroup) -> list[Any]:
     return list(pg.backend._small.values())  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @needs_it
 def test_broadcast_from_every_root_gives_the_roots_bytes_prepared_in_one_c_call(made: list[ProcessGroup]) -> None:
     size = 2

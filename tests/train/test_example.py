@@ -23,6 +23,7 @@ def axond_cmd() -> list[str]:
     return [sys.executable, "-c", "from axond.cli.main import main; main()"]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.timeout(150)
 def test_train_mlp_under_the_worker(coordinator: RunningCoordinator, tmp_path: Path) -> None:
     ckpt = tmp_path / "ck" / "mlp.npz"

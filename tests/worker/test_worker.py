@@ -40,6 +40,7 @@ def test_single_node_ranks_get_the_contract_environment(coord: RunningCoordinato
     assert envs[0]["AXOND_JOB_SECRET"] == envs[1]["AXOND_JOB_SECRET"]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_two_nodes_get_unique_contiguous_ranks(coord: RunningCoordinator, procs: Procs) -> None:
     args = worker_args(coord, "two", "--nnodes", "2", "--nproc-per-node", "2")
     a = procs.axond(*args, "--", PY, "-c", ENV_SCRIPT)
