@@ -124,8 +124,9 @@ def test_a_worker_with_other_options_is_refused_and_the_waiting_one_told(coord: 
         wait_for(lambda: _job(client, "mixed") is not None, 30, "the first join")
         t0 = time.monotonic()
         other = procs.run(*base, "--nnodes", "3", "--", PY, "-c", "pass")
-        assert other.code == 1 and time.monotonic() - t0 < 15, other.stderr
-        assert "runs with nnodes 2:2" in last_line(other.stderr) and "asks 3:3" in last_line(other.stderr)
+        assert other.code == 2 and time.monotonic() - t0 < 15, other.stderr  # refused: the usage code
+        assert "refused this worker: job 'mixed' runs with nnodes 2:2" in last_line(other.stderr)
+        assert "asks 3:3" in last_line(other.stderr)
         res = procs.finish(first, timeout=60)
         assert res.code == 4, res.stderr
         progress = re.findall(r"^axond worker: job 'mixed': 1/2 nodes joined.*$", res.stderr, re.M)
