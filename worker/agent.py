@@ -76,6 +76,8 @@ class JobOutcome:
     """The control-plane error that ended the job for this node, if that is what ended it."""
     lease_lost: bool = False
     """The node lost contact with the coordinator for a whole lease and stopped its ranks."""
+    refused: bool = False
+    """The coordinator refused this node's first Join (the job runs with other options or all its nodes)."""
 
 
 class JobRunner:
@@ -126,6 +128,7 @@ class JobRunner:
     def run(self) -> JobOutcome:
         """Join, run and restart until the job ends for this node; never raises CoordinatorError."""
         spec = self._spec
+        first = True
         try:
             while True:
                 if self._stop.is_set():
@@ -141,9 +144,12 @@ class JobRunner:
                 except (CoordinatorError, ValueError) as e:
                     if self._stop.is_set():
                         return JobOutcome(self._stop_code, self._stop_reason)
-                    return JobOutcome(1, f"could not join job {spec.job!r}: {e}", error=e)
+                    code = getattr(e.__cause__, "code", None)
+                    refused = first and callable(code) and code() == grpc.StatusCode.FAILED_PRECONDITION
+                    return JobOutcome(1, f"could not join job {spec.job!r}: {e}", error=e, refused=refused)
                 finally:
                     self.joining.clear()
+                first = False
                 outcome = self._run_generation(joined)
                 if outcome is not None:
                     return outcome

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -175,6 +176,14 @@ def _resolve(command: str, env: Mapping[str, str], cwd: str | None) -> str | Non
     return shutil.which(command, path=env.get("PATH", os.defpath))
 
 
+def _script_hint(argv: Sequence[str], cwd: str | None) -> str:
+    """"; did you mean `python train.py`?" when the command is a Python script given without its interpreter."""
+    script = argv[0]
+    if script.endswith(".py") or os.path.isfile(os.path.join(cwd or os.getcwd(), script)):
+        return f"; did you mean `python {shlex.join(argv)}`?"
+    return ""
+
+
 class _Rank:
     """One rank process and its two reader threads."""
 
@@ -186,7 +195,8 @@ class _Rank:
         self.last_stderr = ""
         if _resolve(argv[0], spec.env, cwd) is None:
             self.spawn_error = (f"cannot start {argv[0]!r}: no such executable file (looked in the rank's PATH"
-                                f"{'' if os.sep not in argv[0] else ' and relative to ' + (cwd or os.getcwd())})")
+                                f"{'' if os.sep not in argv[0] else ' and relative to ' + (cwd or os.getcwd())})"
+                                f"{_script_hint(argv, cwd)}")
             return
         try:
             self.proc = subprocess.Popen(

@@ -14,6 +14,7 @@ from axond.config import ConfigError, RuntimeEnv
 from axond.control.channel import normalize_address
 from axond.control.client import DEFAULT_CONNECT_WAIT_S
 from axond.control.credentials import read_token_file
+from axond.control.errors import NotGrpcError
 from axond.errors import CoordinatorError
 
 EXIT_OK = 0
@@ -72,18 +73,29 @@ def runtime_env(**variables: str) -> RuntimeEnv:
         raise click.UsageError(str(e)) from e
 
 
+LOCAL_COORDINATOR = "127.0.0.1:29500"
+"""Where `axond status` and `axond health` look without --coordinator or AXOND_COORDINATOR: `axond coordinator`'s
+default port on this machine."""
+
+
 def coordinator_options(func: F) -> F:
-    """Add `--coordinator`, `--token`, `--token-file`, `--tls-ca` and the mutual-TLS client certificate
+    """Add `--coordinator` (required), `--token`, `--token-file`, `--tls-ca` and the mutual-TLS client certificate
     (`--tls-cert`, `--tls-key`), each also from its AXOND_* variable."""
-    return _coordinator_options(func, ())
+    return _coordinator_options(func, (), "required")
+
+
+def coordinator_options_local(func: F) -> F:
+    """`coordinator_options` for commands that only ask: `--coordinator` defaults to LOCAL_COORDINATOR."""
+    return _coordinator_options(func, (), f"default {LOCAL_COORDINATOR}")
 
 
 def coordinator_options_torchrun(func: F) -> F:
-    """`coordinator_options`, with torchrun's `--rdzv-endpoint` / `--rdzv_endpoint` as names of `--coordinator`."""
-    return _coordinator_options(func, ("--rdzv-endpoint", "--rdzv_endpoint"))
+    """`coordinator_options` for the worker, with torchrun's `--rdzv-endpoint` / `--rdzv_endpoint` as names of
+    `--coordinator` (not needed with --standalone)."""
+    return _coordinator_options(func, ("--rdzv-endpoint", "--rdzv_endpoint"), "required unless --standalone")
 
 
-def _coordinator_options(func: F, aliases: tuple[str, ...]) -> F:
+def _coordinator_options(func: F, aliases: tuple[str, ...], need: str) -> F:
     func = _client_credentials(func)
     func = click.option(
         "--tls-key", envvar="AXOND_TLS_KEY", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -108,7 +120,7 @@ def _coordinator_options(func: F, aliases: tuple[str, ...]) -> F:
     )(func)
     func = click.option(
         "--coordinator", *aliases, "address", envvar="AXOND_COORDINATOR", default=None, metavar="HOST:PORT",
-        callback=_check_address, help="Address of the coordinator [env AXOND_COORDINATOR; required].",
+        callback=_check_address, help=f"Address of the coordinator [env AXOND_COORDINATOR; {need}].",
     )(func)
     return func
 
@@ -189,6 +201,8 @@ def _detail(e: BaseException) -> str:
 def explain(e: BaseException, address: str) -> str:
     """A one-line explanation of a coordinator error, saying what to do."""
     kind = error_kind(e)
+    if isinstance(e, NotGrpcError):
+        return f"cannot reach the coordinator: {e}"
     if kind == "UNAUTHENTICATED":
         return (
             f"the coordinator at {address} refused the token: pass the token it was started with (--token, "

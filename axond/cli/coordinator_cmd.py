@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, examples, fail, runtime_env
+from axond.cli.common import EXIT_FAILED, examples, fail, runtime_env
 
 if TYPE_CHECKING:
     from axond.coordinator.limits import CoordinatorLimits
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     short_help="Run the coordinator daemon (foreground).",
     epilog=examples("axond coordinator --port 29500                 # token generated, kept in the state dir",
                     "axond coordinator --port 29500 --token-file /etc/axond/token --state-dir /var/lib/axond")
-    + "Ctrl-C or SIGTERM stops it cleanly (exit code 0); it exits 1 if it cannot start (port in use, "
-           "unreadable TLS files). " + EXIT_CODES_HELP,
+    + "Exit codes: 0 stopped cleanly by Ctrl-C or SIGTERM; 1 it cannot start (port in use, unreadable TLS "
+      "files, state it cannot open); 2 usage error.",
 )
 @click.option("--port", type=click.IntRange(0, 65535), default=29500, show_default=True, help="Port to serve on.")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Interface to bind.")

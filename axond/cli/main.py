@@ -17,7 +17,8 @@ from axond.cli.worker_cmd import worker
 @click.group(
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog=examples("axond worker --standalone --nproc-per-node 2 -- python train.py",
-                    "axond coordinator --port 29500 &  axond worker --coordinator HOST:29500 -- python train.py",
+                    "axond coordinator --host 127.0.0.1 &   # this machine only (--host 0.0.0.0 for others)",
+                    "axond worker --coordinator 127.0.0.1:29500 -- python train.py",
                     "axond COMMAND --help               # each command's options and examples")
     + EXIT_CODES_HELP + " See docs/cli.md.",
 )

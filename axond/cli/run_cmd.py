@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -173,6 +174,17 @@ def _follow(client: CoordinatorClient, job: str, address: str, cancel: bool = Tr
                 return EXIT_OK
             if interrupted:
                 return 128 + interrupted[0]
-            why = finished.message or f"exit code {finished.exit_code}"
+            why = _once(finished.message) or f"exit code {finished.exit_code}"
             click.echo(f"axond run: job {job!r} failed: {why}", err=True)
             return EXIT_FAILED
+
+
+_RESTATED = re.compile(r"rank (\d+) on node \S+ \(.*?\) failed with exit code -?\d+: (?=rank \1 \()")
+"""The coordinator's "rank R on node N (host) failed with exit code C: " before the worker's own description of
+the same rank ("rank R (host, pid P) exited with code C: ..."), which says it all already."""
+
+
+def _once(reason: str) -> str:
+    """The job's reason without the coordinator's restatement of the worker's failure line."""
+    return _RESTATED.sub("", reason, count=1)
+

@@ -9,9 +9,9 @@ import click
 
 from grpc_health.v1 import health_pb2
 
-from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, connect_wait_option, coordinator_options, examples
+from axond.cli.common import EXIT_FAILED, EXIT_OK, LOCAL_COORDINATOR, connect_wait_option, coordinator_options_local, examples
 from axond.cli.common import fail
-from axond.cli.common import fail_coordinator, need_address, runtime_env, waiting_notice
+from axond.cli.common import fail_coordinator, runtime_env, waiting_notice
 from axond.control.client import CoordinatorClient, connect
 from axond.distributed.diagnostics.inflight import blocked_text, read_report
 from axond.errors import CoordinatorError, StoreError
@@ -68,11 +68,13 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
 @click.command(
     "status",
     short_help="Show nodes, jobs and ranks as tables.",
-    epilog=examples("axond status --coordinator HOST:29500",
+    epilog=examples("axond status                               # the coordinator on this machine, port 29500",
+                    "axond status --coordinator HOST:29500",
                     "axond status --coordinator 127.0.0.1:29500 --token-file ~/.local/state/axond/token --job my-job")
-    + EXIT_CODES_HELP,
+    + "Exit codes: 0 shown; 1 the coordinator refused the request; 2 usage error; 3 cannot reach or "
+      "authenticate to the coordinator.",
 )
-@coordinator_options
+@coordinator_options_local
 @connect_wait_option
 @click.option("--job", default="", help="Only this job (and its ranks, with the op each one is blocked in) "
                                         "[default: every job].")
@@ -87,7 +89,7 @@ def status(
     of its group timeout, at most 10 s), from the reports ranks publish in the job's store: a hung job
     shows which ranks wait in which op, and which are stuck elsewhere ("-").
     """
-    address = need_address(address)
+    address = address or LOCAL_COORDINATOR
     try:
         client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("status"),
                          env=runtime_env())
@@ -126,15 +128,17 @@ def _blocked(client: CoordinatorClient, status: pb.GetStatusResponse) -> dict[tu
 @click.command(
     "health",
     short_help="Exit 0 if the coordinator is serving.",
-    epilog=examples("axond health --coordinator HOST:29500 --timeout 2    # e.g. a compose healthcheck")
-    + "It exits 1 if the coordinator answers anything but SERVING. " + EXIT_CODES_HELP,
+    epilog=examples("axond health --coordinator HOST:29500 --timeout 2    # e.g. a compose healthcheck",
+                    "axond health                                         # the coordinator on this machine")
+    + "Exit codes: 0 SERVING; 1 the coordinator answers anything else; 2 usage error; 3 cannot reach or "
+      "authenticate to the coordinator.",
 )
-@coordinator_options
+@coordinator_options_local
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
               help="Seconds to wait for the answer (no retries: meant for healthchecks).")
 def health(address: str | None, token: str | None, tls_ca: str | None, timeout: float) -> None:
     """Exit 0 if the coordinator answers the standard gRPC health check with SERVING."""
-    address = need_address(address)
+    address = address or LOCAL_COORDINATOR
     try:
         client = connect(address, token=token, tls_ca=tls_ca, env=runtime_env())
     except CoordinatorError as e:

@@ -13,7 +13,8 @@ from types import FrameType
 import click
 from click.core import ParameterSource
 
-from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, connect_wait_option
+from axond.cli.common import EXIT_CODES_HELP, EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, EXIT_USAGE
+from axond.cli.common import connect_wait_option
 from axond.cli.common import coordinator_options_torchrun, error_kind, examples, fail, fail_coordinator, need_address
 from axond.cli.common import server_detail
 from axond.cli.common import runtime_env, waiting_notice
@@ -57,7 +58,8 @@ class _Signals:
         "exited 0; if one failed (here or on another node), exit 1 with a last line naming it, its host and "
         "pid, its exit code and its error. --standalone: a one-machine job with its own coordinator "
         "(no `axond coordinator` needed). Without CMD: daemon mode, running the ranks of jobs submitted "
-        "with `axond run`. " + EXIT_CODES_HELP
+        "with `axond run`. A worker the job refuses (it runs with other --nnodes or --max-restarts, or with all its "
+        "nodes) exits 2 saying why. " + EXIT_CODES_HELP
     ),
 )
 @coordinator_options_torchrun
@@ -83,7 +85,11 @@ class _Signals:
 @click.option("--stop-grace", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="AXOND_WORKER_METRICS_PORT",
-              help="Serve the local ranks' collective metrics (Prometheus) at http://0.0.0.0:PORT/metrics.")
+              help="Serve the local ranks' collective metrics (Prometheus) at http://HOST:PORT/metrics "
+                   "(HOST: --metrics-host).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="AXOND_WORKER_METRICS_HOST",
+              help="Interface the metrics endpoint binds (it has no token: 0.0.0.0 only where the network is "
+                   "trusted, e.g. for a Prometheus in the same cluster).")
 @click.option("--outage-grace", type=click.FloatRange(min=0), default=DEFAULT_OUTAGE_GRACE_S, show_default=True,
               help="Seconds the ranks keep running while the coordinator does not answer (stopped, restarting, "
                    "failing over); a node cut off from it and from the job's other nodes stops at the lease.")
@@ -92,13 +98,13 @@ class _Signals:
 def worker(
     ctx: click.Context, address: str | None, token: str | None, tls_ca: str | None, connect_wait: float,
     standalone: bool, nnodes: str, nproc_per_node: int, job: str, max_restarts: int, node_rank: int | None,
-    slots: int | None, join_timeout: float, stop_grace: float, metrics_port: int | None, outage_grace: float,
-    cmd: tuple[str, ...],
+    slots: int | None, join_timeout: float, stop_grace: float, metrics_port: int | None, metrics_host: str,
+    outage_grace: float, cmd: tuple[str, ...],
 ) -> None:
     """Run ranks of a job on this node (agent), or wait for submitted jobs (daemon)."""
     env = runtime_env()
     if metrics_port is not None:
-        env = runtime_env(**{METRICS_DIR_ENV: _serve_metrics(metrics_port)})  # where the ranks report
+        env = runtime_env(**{METRICS_DIR_ENV: _serve_metrics(metrics_host, metrics_port)})  # where the ranks report
     if standalone:
         _check_standalone(ctx, cmd, nnodes, slots)
     else:
@@ -134,16 +140,17 @@ def worker(
         _run_agent(conn, spec)
 
 
-def _serve_metrics(port: int) -> str:
+def _serve_metrics(host: str, port: int) -> str:
     """Serve the ranks' metrics until this process exits; the directory they report into (AXOND_METRICS_DIR)."""
     import atexit
 
     try:
-        metrics = WorkerMetrics("0.0.0.0", port)
+        metrics = WorkerMetrics(host, port)
     except CoordinatorError as e:
         fail("worker", str(e), EXIT_FAILED)
     atexit.register(metrics.stop)
-    click.echo(f"axond worker: metrics at http://0.0.0.0:{metrics.port}/metrics", err=True)
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"axond worker: metrics at http://{shown}:{metrics.port}/metrics", err=True)
     return str(metrics.directory)
 
 
@@ -197,6 +204,9 @@ def _run_agent(conn: ConnectOptions, spec: JobSpec) -> None:
         if outcome is None and signals.received is not None:
             name = signal.Signals(signals.received).name
             outcome = agent.stop(128 + signals.received, f"stopped by {name}") or JobOutcome(128 + signals.received)
+    if outcome.refused and outcome.error is not None:
+        detail = server_detail(outcome.error) or str(outcome.error)
+        fail("worker", f"job {spec.job!r} refused this worker: {detail}", EXIT_USAGE)
     if outcome.exit_code != 0:
         why = outcome.message or f"exit code {outcome.exit_code}"
         if outcome.error is not None and error_kind(outcome.error) == "DEADLINE_EXCEEDED":

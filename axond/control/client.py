@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from axond.config import RuntimeEnv
 from axond.control.channel import DEFAULT_CONNECT_TIMEOUT_S, normalize_address, open_channel, split_addresses
 from axond.control.credentials import LocalToken, token_source
-from axond.control.errors import translate
+from axond.control.errors import not_grpc, translate
 from axond.control.replicas import Replicas
 from axond.control.sniff import speaks_tls
 from axond.errors import CoordinatorError
@@ -171,7 +171,7 @@ class CoordinatorClient:
                     continue
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     self._reached = True
-                if retry and e.code() == grpc.StatusCode.UNAVAILABLE:
+                if retry and e.code() == grpc.StatusCode.UNAVAILABLE and not not_grpc(e):
                     pause = RETRY_BACKOFF_S[attempt] if attempt < len(RETRY_BACKOFF_S) else None
                 elif _busy(e):  # every call may retry: a refused call did not run
                     first, largest = BUSY_BACKOFF_S
@@ -199,7 +199,7 @@ class CoordinatorClient:
         details = (e.details() or "").lower()
         if not retry and not any(text in details for text in _NOT_LISTENING_YET):
             return False
-        if any(text in details for text in _MISCONFIGURED):
+        if any(text in details for text in _MISCONFIGURED) or not_grpc(e):
             return False
         if "socket closed" in details and not self._tls and self._serves_tls():
             return False  # a TLS coordinator closing on a plaintext client: say so now (pass --tls-ca)

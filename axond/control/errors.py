@@ -21,6 +21,20 @@ ADVICE: dict[grpc.StatusCode, str] = {
 }
 
 
+NOT_GRPC = ("failed parsing http/2",)
+"""Connect failures of a server that answered, but not in HTTP/2: the address is another service's port."""
+
+
+class NotGrpcError(CoordinatorError):
+    """The address answers, but not with gRPC: some other service's port, not the coordinator's."""
+
+
+def not_grpc(e: grpc.RpcError) -> bool:
+    """Whether `e` says the server at the address answered in something else than HTTP/2 (so not gRPC)."""
+    details = (e.details() if hasattr(e, "details") else "") or ""
+    return e.code() == grpc.StatusCode.UNAVAILABLE and any(text in details.lower() for text in NOT_GRPC)
+
+
 def describe(op: str, address: str, e: grpc.RpcError) -> str:
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     detail = e.details() if hasattr(e, "details") else str(e)
@@ -31,6 +45,10 @@ def describe(op: str, address: str, e: grpc.RpcError) -> str:
 def translate(op: str, address: str, e: grpc.RpcError, store: bool = False) -> AxondError:
     """The axond error for a failed call: CoordinatorError, or for store calls (`store=True`)
     StoreTimeout when the wait ran out and StoreError otherwise."""
+    if not_grpc(e):
+        message = (f"{address} answers, but not with gRPC: is it the coordinator's port? (`axond coordinator "
+                   f"--port`, 29500 by default; a --metrics-port serves HTTP) [{e.details()}]")
+        return StoreError(message) if store else NotGrpcError(message)
     message = describe(op, address, e)
     if not store:
         return CoordinatorError(message)

@@ -139,6 +139,12 @@ def _agent_store(host: str, port: int, size: int, timeout: float, prefix: str) -
     return OpenedStore(store, [store.close])
 
 
+def open_job_store(env: RuntimeEnv) -> OpenedStore | None:
+    """The store of this rank's job generation at the coordinator (AXOND_COORDINATOR, AXOND_JOB, AXOND_GENERATION:
+    what `axond worker` sets), or None outside an axond job."""
+    return _coordinator_store(env.coordinator, env) if env.coordinator else None
+
+
 def _coordinator_store(address: str, env: RuntimeEnv) -> OpenedStore:
     from axond.control import client
 

@@ -71,8 +71,8 @@ def _toward_store(store: dist.Store, env: RuntimeEnv) -> str | None:
 
 
 def _register() -> None:
-    if BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND, create_process_group, extended_api=False, devices=DEVICES)
+    """Register "axond" (again where torch's autoload registered its lazy stand-in: this creator replaces it)."""
+    dist.Backend.register_backend(BACKEND, create_process_group, extended_api=False, devices=DEVICES)
     install()
 
 

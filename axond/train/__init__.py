@@ -1,5 +1,6 @@
 """Training loops on top of the parallel wrappers: `DistributedTrainer` with checkpoints and exact resume."""
 
+from axond.train.guard import CheckpointGuardError
 from axond.train.trainer import Callback, DistributedTrainer
 
-__all__ = ["Callback", "DistributedTrainer"]
+__all__ = ["Callback", "CheckpointGuardError", "DistributedTrainer"]

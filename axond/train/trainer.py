@@ -35,6 +35,7 @@ from axond.nn.container import Sequential
 from axond.parallel import DDP, FSDP, DistributedSampler, Pipeline, ShardingStrategy, ZeroRedundancyOptimizer
 from axond.train.clip import clip_partitioned, tensor_parallel_split
 from axond.train.data import Dataset
+from axond.train.guard import GUARDS, CheckpointGuard
 from axond.train.progress import Progress
 from axond.train.resume import Position, capture_rank_state, restore_rank_state
 
@@ -74,7 +75,9 @@ class DistributedTrainer:
     dataset / eval_dataset: `(X, y)` or an object with `__len__` and `__getitem__(indices) -> (x, y)`.
     batch_size: samples per rank per micro-batch; grad_accum_steps micro-batches make one step.
     clip_norm: clip the global gradient norm. checkpoint_dir / checkpoint_every (optimizer steps) /
-    keep_checkpoints / async_checkpoint: see `save_checkpoint`. group: default: the initialised world.
+    keep_checkpoints / async_checkpoint: see `save_checkpoint`. checkpoint_guard: "warn" (default), "error" or
+    "off" when ranks see different checkpoint directories, or a restarted generation finds no checkpoint where
+    the job saved one (`axond.train.guard`). group: default: the initialised world.
     seed / shuffle: the `DistributedSampler`'s. callbacks: `Callback`s. progress / log_every: rank 0's display.
     """
 
@@ -102,6 +105,7 @@ class DistributedTrainer:
         keep_checkpoints: int | None = 2,
         async_checkpoint: bool = False,
         wrapper_options: dict[str, Any] | None = None,
+        checkpoint_guard: str = "warn",
     ) -> None:
         if parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
@@ -111,6 +115,8 @@ class DistributedTrainer:
             raise ValueError("checkpoint_every needs checkpoint_dir= and must be >= 1 (optimizer steps)")
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or None (keep all), got {keep_checkpoints}")
+        if checkpoint_guard not in GUARDS:
+            raise ValueError(f"checkpoint_guard must be one of {GUARDS}, got {checkpoint_guard!r}")
         self.group = group if group is not None else _default_group()
         self.comm = ObjectCollectives(self.group)
         self.rank, self.world_size = self.group.rank, self.group.size
@@ -125,6 +131,7 @@ class DistributedTrainer:
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
         self.async_checkpoint = async_checkpoint
+        self._guard = CheckpointGuard(checkpoint_guard, self.comm, self.checkpoint_dir) if self.checkpoint_dir else None
         self.callbacks = list(callbacks)
         self.progress_enabled = progress
         self.log_every = log_every
@@ -190,13 +197,19 @@ class DistributedTrainer:
         else:
             ckpt.save(self.state_dict(), path, self.group)
             if self.rank == 0:
-                self._prune()
+                self._committed(str(path))
         self._call("on_checkpoint", str(path))
         return str(path)
 
     def _prune_after(self, future: Future[str]) -> None:
         if future.exception() is None:
-            self._prune()
+            self._committed(future.result())
+
+    def _committed(self, path: str) -> None:
+        """Rank 0, once `path` is committed: prune older checkpoints and tell the job's store (the restart check)."""
+        self._prune()
+        if self._guard is not None:
+            self._guard.saved(int(Path(path).name.removeprefix("step_")), path)
 
     def _prune(self) -> None:
         if self.keep_checkpoints is None or self.checkpoint_dir is None:
@@ -206,12 +219,17 @@ class DistributedTrainer:
 
     def resume(self) -> str | None:
         """Load the newest complete checkpoint in `checkpoint_dir`, if any (collective); returns its path."""
-        if self.checkpoint_dir is None:
+        if self.checkpoint_dir is None or self._guard is None:
             return None
+        self._guard.check_shared()
+        found, saved = None, None
         if self.rank == 0:
             remove_stale_temps(self.checkpoint_dir)  # leftovers of saves killed before their commit
-        path = self.comm.broadcast(ckpt.latest(self.checkpoint_dir) if self.rank == 0 else None)
+            found = ckpt.latest(self.checkpoint_dir)
+            saved = self._guard.previously_saved() if found is None else None
+        path, saved = self.comm.broadcast((found, saved))
         if path is None:
+            self._guard.lost(saved)
             return None
         model_sd, optim_sd = ckpt.get_state_dict(self.model, self.optimizer)
         sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
@@ -319,6 +337,8 @@ class DistributedTrainer:
         finally:
             progress.close()
             self.wait_for_checkpoint()
+            if self._guard is not None:
+                self._guard.close()
         self._call("on_fit_end", pos.history)
         return pos.history
 

@@ -25,6 +25,10 @@ ARRIVAL_OVERHEAD = 64
 """Bytes charged per barrier (and per arrival) on top of its name or id."""
 
 
+CARRIED_PREFIX = "axond/job/"
+"""Keys under it outlive a restart: the next generation's space starts with them (what one generation tells the
+next, such as the step of the last checkpoint the job saved); every other key is the generation's own."""
+
 ANSWERED_PREFIX = "\x00answered:"
 """Where a space keeps the answers of requests that carried a request id (a retry gets the first answer): keys
 like any other, so they are charged, committed and restored with the store. User keys cannot start with NUL."""
@@ -143,6 +147,10 @@ class KvSpace:
         """Put back a committed key (at start): charged, never refused, as it was accepted once."""
         self._charge(len(key) + len(value), check=False)
         self.data[key] = value
+
+    def carried(self) -> list[tuple[str, bytes]]:
+        """The keys the next generation starts with (CARRIED_PREFIX)."""
+        return [(k, v) for k, v in self.data.items() if k.startswith(CARRIED_PREFIX)]
 
     def set(self, key: str, value: bytes) -> None:
         self._put(self._key(key), check_value(key, bytes(value)))

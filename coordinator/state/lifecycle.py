@@ -318,9 +318,13 @@ class JobLifecycle:
         j.reason = reason
         j.past_rounds = [*j.past_rounds[-3:], j.round]
         j.round = self._new_round(j.generation + 1, j.min_nodes, j.max_nodes)
+        carried = j.kv.carried()
         j.kv.release()
         j.kv = self.ctx.new_space()
         self.ctx.store_cleared(j.name)
+        for name, value in carried:
+            j.kv.restore(name, value)
+            self.ctx.mark_kv(j.name, name)
         j.exits.clear()
         j.state = JobState.RESTARTING
         now_waiting = self.waiting_next.pop(j.name, {})
@@ -333,9 +337,9 @@ class JobLifecycle:
         return True
 
     def finish(self, j: Job, state: JobState, exit_code: int, message: str, now: float) -> None:
-        """End the job in `state`: its nodes are freed, a cancelled job's daemons told to stop it."""
+        """End the job in `state`: its nodes are freed, a cancelled job's daemons told to stop it. The job keeps its
+        generation (and round): a job cancelled while it gathered stays at the generation that never ran."""
         if state is not JobState.SUCCEEDED:
-            j.round = self._new_round(j.generation + 1, j.min_nodes, j.max_nodes)
             j.kv.release()
             j.kv = self.ctx.new_space()
             self.ctx.store_cleared(j.name)

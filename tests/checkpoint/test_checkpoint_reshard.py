@@ -48,6 +48,7 @@ def _assert_params(out: Path, expected: dict[str, np.ndarray]) -> None:
         np.testing.assert_allclose(got[key], value, rtol=2e-5, atol=2e-6, err_msg=key)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("kind", ["ddp", "zero", "fsdp_full", "fsdp_grad_op"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_save_at_3_resume_at_2_and_4(kind: str, world: int, tmp_path: Path) -> None:

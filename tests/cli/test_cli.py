@@ -27,6 +27,7 @@ def token_coord(coordinator_factory: Callable[..., RunningCoordinator]) -> Runni
     return coordinator_factory(token="s3cret", **FAST)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_health_exit_codes(coord: RunningCoordinator, procs: Procs) -> None:
     ok = procs.run("health", "--coordinator", coord.address)
     assert ok.code == 0, ok.stderr
@@ -66,13 +67,17 @@ def test_wrong_token_is_refused_and_the_right_one_works(token_coord: RunningCoor
     assert procs.run("health", "--coordinator", token_coord.address, "--token", "s3cret").code == 0
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_coordinator_address_from_the_environment(coord: RunningCoordinator, procs: Procs) -> None:
     res = procs.run("status", env={"AXOND_COORDINATOR": coord.address})
     assert res.code == 0, res.stderr
-    missing = procs.run("status")
+    missing = procs.run("run", "--", PY, "-c", "pass")
     assert missing.code == 2 and "--coordinator" in missing.stderr
+    local = procs.run("status", "--connect-timeout", "0")  # status asks this machine's 127.0.0.1:29500 instead
+    assert local.code in (0, 3) and (local.code == 0 or "127.0.0.1:29500" in local.stderr), local.stderr
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize(
     "args, expect",
     [
@@ -86,6 +91,7 @@ def test_worker_usage_errors(procs: Procs, args: tuple[str, ...], expect: str) -
     assert res.code == 2 and expect in res.stderr, res.stderr
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_daemon_mode_refuses_agent_flags(procs: Procs) -> None:
     res = procs.run("worker", "--coordinator", "127.0.0.1:1", "--nnodes", "2")
     assert res.code == 2 and "daemon mode" in res.stderr
@@ -93,6 +99,7 @@ def test_daemon_mode_refuses_agent_flags(procs: Procs) -> None:
     assert res.code == 2 and "--slots" in res.stderr
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_status_shows_nodes_jobs_and_ranks(coord: RunningCoordinator, procs: Procs, tmp_path: Path) -> None:
     script = (
         "import os, time, pathlib\n"
@@ -155,8 +162,12 @@ def test_run_through_daemons_end_to_end(coord: RunningCoordinator, procs: Procs)
                         "--", PY, "-c", "import os, sys; sys.exit(4 if os.environ['RANK'] == '1' else 0)")
     assert failing.code == 1, "a rank's failure is exit code 1 (its own code 4 is in the message)"
     assert "rank 1" in failing.stderr and "exited with code 4" in failing.stderr
+    line = failing.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"axond run: job '.*' failed: rank 1 \(.*, pid \d+\) exited with code 4; no restarts left "
+                        r"\(max_restarts 0\)", line), f"the failure said once: {line}"
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_run_attach_follows_a_submitted_job(coord: RunningCoordinator, procs: Procs) -> None:
     procs.axond("worker", "--coordinator", coord.address, "--slots", "1")
     with connect(coord.address, call_timeout=5.0) as c:
@@ -170,6 +181,7 @@ def test_run_attach_follows_a_submitted_job(coord: RunningCoordinator, procs: Pr
     assert usage.code == 2 and "--attach" in usage.stderr
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_run_ctrl_c_cancels_the_job(coord: RunningCoordinator, procs: Procs, tmp_path: Path) -> None:
     procs.axond("worker", "--coordinator", coord.address, "--slots", "1")
     script = (

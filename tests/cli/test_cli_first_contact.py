@@ -110,6 +110,7 @@ def test_the_last_line_names_the_failing_rank_and_its_error(coord: RunningCoordi
     assert not error_file.parent.exists(), "the worker removes its private error-file directory"
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_without_an_error_file_the_last_stderr_line_is_the_cause(coord: RunningCoordinator, procs: Procs) -> None:
     script = "import sys; print('disk quota exceeded', file=sys.stderr); sys.exit(3)"
     res = procs.run(*worker(coord, "nofile"), "--", PY, "-c", script)
@@ -120,6 +121,7 @@ def test_without_an_error_file_the_last_stderr_line_is_the_cause(coord: RunningC
     assert re.search(r"exited with code 137 \(SIGKILL\)$", last_line(killed.stderr)), killed.stderr
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_the_other_node_names_the_failing_rank_too(coord: RunningCoordinator, procs: Procs) -> None:
     args = worker(coord, "two", "--nnodes", "2")
     a = procs.axond(*args, "--", PY, "-c", WRITE_ERROR_FILE)
@@ -165,7 +167,12 @@ def test_every_command_documents_the_exit_codes(command: str, capsys: pytest.Cap
         main([command, "--help"], prog_name="axond")
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for entry in ("0 ok", "2 usage error", "3 cannot reach or authenticate", "4 the rendezvous timed out"):
+    entries = {  # the codes each command can exit with (coordinator, status, health run no job)
+        "coordinator": ("Exit codes: 0 stopped cleanly", "1 it cannot start", "2 usage error"),
+        "status": ("Exit codes: 0 shown", "2 usage error", "3 cannot reach or authenticate"),
+        "health": ("Exit codes: 0 SERVING", "2 usage error", "3 cannot reach or authenticate"),
+    }.get(command, ("0 ok", "2 usage error", "3 cannot reach or authenticate", "4 the rendezvous timed out"))
+    for entry in entries:
         assert entry in text, (command, entry)
 
 
@@ -176,6 +183,7 @@ def test_coordinator_address_forms(coord: RunningCoordinator, procs: Procs, give
     assert res.code == 0, res.stderr
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("given, says", [
     ("http://127.0.0.1:1/path", "is not HOST:PORT"),
     ("https://127.0.0.1:1", "--tls-ca"),
@@ -197,6 +205,7 @@ def test_normalize_address() -> None:
             normalize_address(bad)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_a_port_in_use_is_one_clear_line(procs: Procs) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -222,6 +231,7 @@ def test_status_shows_host_pid_and_omitted_ranks() -> None:
     assert text.endswith("1 ranks not shown")
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_status_all_and_rank_pids(coord: RunningCoordinator, procs: Procs, tmp_path: Path) -> None:
     script = (
         "import os, time, pathlib\n"

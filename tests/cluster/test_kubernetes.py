@@ -47,6 +47,7 @@ def _schemas_available(version: str) -> bool:
     return (root / f"v{version}-local-strict").is_dir()
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_manifest_validates_against_the_kubernetes_schemas(version: str) -> None:
     if not _schemas_available(version):
@@ -87,7 +88,11 @@ def _secret_refs(container: dict[str, Any]) -> list[tuple[str, str]]:
 
 def test_the_coordinator_is_a_statefulset_with_its_state_on_a_claim_and_grpc_probes() -> None:
     sts = _one("StatefulSet", "axond-coordinator")
-    svc = _one("Service", sts["spec"]["serviceName"])
+    governing = _one("Service", sts["spec"]["serviceName"])
+    assert governing["spec"].get("clusterIP") == "None", "a StatefulSet's serviceName must be a headless Service"
+    svc = _one("Service", "axond-coordinator")
+    assert svc["spec"].get("clusterIP") != "None", "clients reach the coordinator through a Service with one address"
+    assert governing["spec"]["selector"] == svc["spec"]["selector"]
     labels = sts["spec"]["template"]["metadata"]["labels"]
     assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert svc["spec"]["selector"].items() <= labels.items(), "the Service must select the coordinator's pod"
@@ -132,6 +137,22 @@ def test_the_workers_are_an_indexed_job_with_a_headless_service() -> None:
     assert pod["restartPolicy"] == "Never" and spec["backoffLimit"] == 0, "axond restarts the job, not Kubernetes"
     shm = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert "/dev/shm" in shm.values()
+
+
+def test_the_workers_checkpoints_are_on_storage_every_pod_shares() -> None:
+    """The training command's --checkpoint-dir lies on a ReadWriteMany claim, not on a pod's own volume: each pod
+    writes its ranks' shards there and a restarted generation resumes from what every pod saved."""
+    job = _one("Job", "axond-train")
+    container = _container(job)
+    cmd = list(worker_cmd.make_context("worker", list(container["args"][1:])).params["cmd"])
+    ckpt_dir = cmd[cmd.index("--checkpoint-dir") + 1]
+    mounts = sorted(container["volumeMounts"], key=lambda m: len(m["mountPath"]), reverse=True)
+    mount = next(m for m in mounts if (ckpt_dir + "/").startswith(m["mountPath"].rstrip("/") + "/"))
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    volume = volumes[mount["name"]]
+    assert "persistentVolumeClaim" in volume, f"{ckpt_dir} is on volume {mount['name']!r}: {volume}, not a claim"
+    claim = _one("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every pod mounts the checkpoints at once"
 
 
 def test_every_pod_runs_as_a_non_root_user() -> None:

@@ -132,6 +132,7 @@ def _slurm(args: list[str], env: dict[str, str], timeout: float = 120) -> subpro
     return subprocess.run([*axond_argv(), "slurm", *args], capture_output=True, text=True, env=full, timeout=timeout)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_cli_refuses_to_run_outside_srun() -> None:
     res = _slurm(["--", "true"], {})
     assert res.returncode == 2 and "SLURM_JOB_ID is not set" in res.stderr
@@ -148,6 +149,7 @@ def test_cli_dry_run_prints_the_plan(tmp_path: Path) -> None:
     assert not (tmp_path / ".axond").exists(), "a dry run starts and writes nothing"
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.timeout(180)
 def test_one_node_job_runs_under_srun_variables(tmp_path: Path) -> None:
     """A real job: the head starts its coordinator, publishes the token, runs 2 ranks and cleans up."""
@@ -163,6 +165,7 @@ ONE_NODE = dict(SLURM_STEP_NODELIST="localhost", SLURM_NNODES="1", SLURM_STEP_NU
                 SLURM_STEP_NUM_TASKS="1", SLURM_STEP_TASKS_PER_NODE="1")
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.timeout(180)
 def test_joins_a_running_coordinator(coord: RunningCoordinator, tmp_path: Path) -> None:
     """--coordinator: no coordinator is started, no token file written; the job runs on the one given."""

@@ -165,6 +165,7 @@ def _dispatch_tokens() -> list[int]:
     return [int(v) for v in np.sort(got[:, 0])]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.timeout(60)
 def test_module_api_dispatch_and_return_across_processes() -> None:
     out = run_processes(_dispatch_tokens, 3, timeout=40.0)

@@ -113,6 +113,7 @@ def test_all_reduce_random_floats_agree_bitwise_across_ranks(groups: list[Proces
         np.testing.assert_allclose(out[0], np.sum(inputs, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG])
 def test_bfloat16_sums_accumulate_in_float32_and_round_once(groups: list[ProcessGroup], op: ReduceOp) -> None:
     n = len(groups)

@@ -70,6 +70,7 @@ def _error_file(tmp_path: Path, rank: int) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_survivor_prints_the_root_cause_in_one_short_traceback(tmp_path: Path) -> None:
     survivor, failing = _ranks(tmp_path, RANK_MAIN)
     assert failing.returncode == 1 and failing.stderr.strip().endswith("ValueError: bad batch shape (3, 5)")
@@ -89,12 +90,14 @@ def test_survivor_prints_the_root_cause_in_one_short_traceback(tmp_path: Path) -
     assert record["time"] <= consequence["time"]  # the worker reports the earliest as the root cause
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_axond_debug_keeps_the_transport_frames(tmp_path: Path) -> None:
     survivor = _ranks(tmp_path, RANK_MAIN, debug=True)[0]
     assert survivor.stderr.strip().splitlines()[-1].endswith(CAUSE)
     assert "framing.py" in survivor.stderr
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_record_reports_an_exception_the_program_handles_itself(tmp_path: Path) -> None:
     survivor, failing = _ranks(tmp_path, RECORDED_MAIN)
     assert failing.returncode == 3 and failing.stderr == ""
@@ -182,6 +185,7 @@ def test_axond_debug_keeps_the_chain_in_process(monkeypatch: pytest.MonkeyPatch)
             g.destroy()
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_an_exception_before_init_process_group_still_writes_the_error_file(tmp_path: Path) -> None:
     (tmp_path / "axond_early_probe.py").write_text("import axond\n\nraise KeyError('no such dataset')\n")
     env = {"PYTHONPATH": str(tmp_path), "AXOND_ERROR_FILE": str(tmp_path / "error-0.json")}

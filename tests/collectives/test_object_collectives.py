@@ -161,6 +161,7 @@ def _default_group_ops() -> list[Any]:
     return [gathered, bcast, at_dst, scattered[0]]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_default_group_in_processes() -> None:
     out = run_processes(_default_group_ops, 3, timeout=40.0)
     for r, (gathered, bcast, at_dst, scattered) in enumerate(out):

@@ -98,4 +98,5 @@ def test_status_shows_each_job_its_own_pids_and_none_once_finished() -> None:
     assert pids(0.5) == {"first": [0, 0], "second": [21, 22], "third": [31, 32]}
     state.report_exit("second", node, 1, 0, now=0.6)
     state.report_exit("third", node, 1, 3, now=0.7)
-    assert pids(0.8) == {"first": [0, 0], "second": [0, 0], "third": []}  # a failed job lists no ranks
+    # a finished job, failed or not, keeps its generation and lists its ranks, without pids
+    assert pids(0.8) == {"first": [0, 0], "second": [0, 0], "third": [0, 0]}

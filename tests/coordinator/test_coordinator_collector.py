@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from axond.coordinator.collector import MIDDLE, OLD, YOUNG
 
 SCRIPT = """
@@ -31,6 +33,7 @@ print(before, embedded, gc.get_threshold(), gc.get_freeze_count() > 0, rc)
 """
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_run_coordinator_tunes_the_collector_start_coordinator_does_not() -> None:
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

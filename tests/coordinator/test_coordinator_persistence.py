@@ -97,6 +97,7 @@ def test_a_new_generation_and_a_finished_job_are_restored(backing: Reopen) -> No
     for n in (a, b):
         s.join("j", n.node_id, 1, 2, 2, 1, now)
     s.kv_set("j", 1, "old", b"1")
+    s.kv_set("j", 1, "axond/job/checkpoint", b"50 /ck/step_000000050")  # a key that outlives the restart
     s.report_failure("j", b.node_id, 1, 1, 3, "boom", now)
     s.join("solo", a.node_id, 1, 1, 1, 0, now)
     s.report_exit("solo", a.node_id, 1, 0, now)
@@ -107,6 +108,7 @@ def test_a_new_generation_and_a_finished_job_are_restored(backing: Reopen) -> No
     with pytest.raises(CoordinatorError, match="is over"):
         r.kv_get("j", 1, "old")
     assert r.kv_get("j", 2, "old") is None
+    assert r.kv_get("j", 2, "axond/job/checkpoint") == b"50 /ck/step_000000050", "carried into generation 2, durably"
     assert r.jobs["solo"].state is JobState.SUCCEEDED and r.jobs["solo"].finished_at is not None
     assert r.budget.used == sum(j.kv._bytes for j in r.jobs.values())
 

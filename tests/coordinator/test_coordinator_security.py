@@ -90,6 +90,7 @@ def tls_files(tmp_path: Path) -> tuple[str, str]:
     return str(cert), str(key)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_tls_with_token(coordinator_factory: Callable[..., RunningCoordinator], tls_files: tuple[str, str]) -> None:
     cert, key = tls_files
     running = coordinator_factory(tls_cert=cert, tls_key=key, token="t")

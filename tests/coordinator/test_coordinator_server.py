@@ -27,6 +27,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_run_coordinator_stops_cleanly_on_signal(sig: signal.Signals) -> None:
     port = free_port()

@@ -234,6 +234,7 @@ def _arrive(stub: pb_grpc.CoordinatorStub, request: pb.BarrierRequest) -> tuple[
     return code(stub.Barrier, request)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_insecure_needs_the_flag_and_warns(tmp_path: Path) -> None:
     env = {**os.environ, "AXOND_STATE_DIR": str(tmp_path / "s")}
     proc = subprocess.Popen([sys.executable, "-c", "from axond.cli.main import main; main()", "coordinator",

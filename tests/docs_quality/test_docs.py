@@ -132,6 +132,7 @@ def test_readme_setup_is_install_then_test() -> None:
     assert setup[0].strip().splitlines() == SETUP_COMMANDS
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_mkdocs_site_builds_strictly(tmp_path: Path) -> None:
     for module in ("mkdocs", "material"):
         if importlib.util.find_spec(module) is None:
@@ -211,6 +212,7 @@ def test_every_axond_variable_is_documented() -> None:
     assert not undocumented, f"add these variables to docs/environment.md: {undocumented}"
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_first_script_trains_on_two_ranks(tmp_path: Path) -> None:
     """The walkthrough's script runs as two real ranks (a file store instead of a coordinator) and learns."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AXOND_")}

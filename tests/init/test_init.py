@@ -44,6 +44,7 @@ def _global_rank_api() -> dict[str, object]:
             "main": axond.is_main_process(), "world": (axond.World().rank(), axond.World().world_size())}
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("n", [2, 3])
 def test_module_api_uses_global_ranks(n: int) -> None:
     out = run_processes(_global_rank_api, n, timeout=60.0)
@@ -73,6 +74,7 @@ def test_init_from_the_environment_with_the_coordinator_store(coordinator, clien
     assert run_processes(_coordinator_ranks, 2, timeout=60.0, env=env) == [(0, 3.0), (1, 3.0)]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_module_launch_reads_everything_from_the_environment(tmp_path: Path) -> None:
     (tmp_path / "axond_init_probe.py").write_text(textwrap.dedent("""
         import numpy as np
@@ -95,6 +97,7 @@ def _fails_on_rank_one() -> None:
     axond.barrier()
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_run_processes_reports_the_failing_rank() -> None:
     with pytest.raises(RankFailed, match="rank 1 of 2 failed: RuntimeError"):
         run_processes(_fails_on_rank_one, 2, timeout=30.0, op_timeout=2.0)

@@ -141,6 +141,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("secret", ["", "ab" * 16])
 def test_env_init_with_master_addr_and_port_in_real_processes(tmp_path: Path, secret: str) -> None:
     """What torchrun gives a rank: MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE and nothing of axond's."""

@@ -319,6 +319,7 @@ store.close()
 """
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_two_processes_see_each_others_writes(pair: Pair) -> None:
     if pair.child is None:
         pytest.skip(pair.no_child)

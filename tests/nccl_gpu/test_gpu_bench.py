@@ -59,6 +59,7 @@ def test_tables_render_each_section_and_failures() -> None:
         assert gpu.render(section, result).startswith("### ")
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_without_a_gpu_it_exits_3_saying_why() -> None:
     done = subprocess.run([sys.executable, os.path.join(BENCH, "gpu.py"), "--only", "ddp", "--quick"],
                           capture_output=True, text=True, timeout=600)

@@ -89,6 +89,7 @@ def write_stand_in_cupy(root: Path, count: str, available: str, version: str, nc
     )
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize(
     ("case", "reason"),
     [

@@ -94,6 +94,7 @@ def test_adamw_matches_reference(kwargs: dict) -> None:
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize(("opt_cls", "kwargs"), [(SGD, k) for k in SGD_CASES] + [(AdamW, k) for k in ADAMW_CASES])
 def test_matches_torch(opt_cls: type, kwargs: dict) -> None:
     torch = pytest.importorskip("torch")

@@ -142,7 +142,7 @@ def test_coordinator_and_worker_metrics_during_a_job(
         flag.write_text("done")
     res = procs.finish(w, timeout=60)
     assert res.code == 0, res.stderr
-    assert f"metrics at http://0.0.0.0:{worker_port}/metrics" in res.stderr
+    assert f"metrics at http://127.0.0.1:{worker_port}/metrics" in res.stderr
     after = scrape(coord.metrics.port)
     assert value(after, "axond_jobs", state="succeeded") == 1
 

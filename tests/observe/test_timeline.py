@@ -155,6 +155,7 @@ def test_merge_says_what_is_missing(procs: Procs, tmp_path: Path) -> None:
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_an_unwritable_timeline_directory_is_reported_not_fatal(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")

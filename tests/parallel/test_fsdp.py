@@ -145,6 +145,7 @@ def test_reference_depends_on_the_data() -> None:
         assert max(float(np.abs(start[k] - end[k]).max()) for k in start) > 1e-2
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("strategy", [S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD])
@@ -325,6 +326,7 @@ def test_tied_parameters_within_one_unit() -> None:
         np.testing.assert_array_equal(state["0.weight"], state["2.weight"])
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_state_dict_round_trip_and_summon_full_params() -> None:
     want = train_reference(mlp, mlp_data, 3, "sgd")
 
@@ -422,6 +424,7 @@ def test_clip_grad_norm_uses_the_whole_models_norm(world: int) -> None:
     assert_grads_close([Run({}, [], grads) for _, _, grads in results], want)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("strategy", [S.FULL_SHARD, S.SHARD_GRAD_OP])
 def test_prefetch_changes_no_number(strategy: ShardingStrategy) -> None:
     """Prefetching moves only the waits, not the arithmetic: the same parameters bit for bit as without it."""

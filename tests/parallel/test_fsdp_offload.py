@@ -77,6 +77,7 @@ def host_copies(monkeypatch: pytest.MonkeyPatch) -> list[HostCopies]:
     return built
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("cpu_offload", [PARAMS, OPTIMIZER, CPUOffload(True, True)], ids=["params", "optimizer", "both"])
 def test_numpy_models_offload_nothing(cpu_offload: CPUOffload) -> None:
     def body(g: ProcessGroup) -> tuple[Any, Any, dict[str, int], dict[str, int]]:
@@ -90,6 +91,7 @@ def test_numpy_models_offload_nothing(cpu_offload: CPUOffload) -> None:
         assert off_stats["offloaded"] == 0 and off_stats["device_current"] == off_stats["current"]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("strategy", [S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD])
 @pytest.mark.parametrize("cpu_offload", [PARAMS, OPTIMIZER], ids=["params", "optimizer"])
 def test_offload_bookkeeping_trains_bit_for_bit(host_copies: list[HostCopies], strategy: ShardingStrategy,
@@ -115,6 +117,7 @@ def test_offload_bookkeeping_trains_bit_for_bit(host_copies: list[HostCopies], s
     assert sum(c.downloads for c in host_copies) == 2 * STEPS * units
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_memory_stats_count_offloaded_bytes_as_host_bytes(host_copies: list[HostCopies]) -> None:
     """Offloaded: parameters + gradients + optimizer state in host memory; the device keeps nothing between steps
     with offload_params, a copy of the shards with offload_optimizer; memory_estimate(device="cuda") agrees."""

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from axond.parallel import DistributedSampler
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @settings(max_examples=300, deadline=None)
 @given(
     n=st.integers(0, 500),

@@ -411,6 +411,7 @@ def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
     all_reduce_until_killed(pg, np.ones(3_000_000, np.float32), 50, 3, q, lambda pg: teams_of(pg) is not None)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("size", [4, 3, 5], ids=["even", "2+1", "3+2"])
 def test_a_killed_process_makes_every_other_raise_promptly(size: int) -> None:
     """Rank 1 (on hosts of different sizes: the leader of its host) dies in the middle of the all-reduces."""

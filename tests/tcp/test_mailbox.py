@@ -74,6 +74,7 @@ def test_the_mailbox_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, make_gro
         TcpOptions.from_env()
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("size", [2, 3, 4, 5])
 def test_every_small_op_back_to_back_with_socket_ops_between(make_groups: MakeGroups, size: int) -> None:
     """Mailbox ops of every kind alternate buffers; gathers and point-to-point ops (on the sockets, where a rank can
@@ -298,6 +299,7 @@ def test_a_peer_in_a_socket_op_makes_both_raise(make_groups: MakeGroups) -> None
     assert any("4 elements" in str(e) or "(4,)" in str(e) or "count 4" in str(e) for e in errors), errors
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("case", ["arena set-up", "broadcast", "sockets only", "root sends"])
 def test_a_peer_waiting_to_receive_in_a_socket_op_makes_both_raise_early(
         monkeypatch: pytest.MonkeyPatch, make_groups: MakeGroups, case: str) -> None:

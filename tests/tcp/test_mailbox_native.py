@@ -489,6 +489,7 @@ def test_inputs_that_change_in_one_byte_between_calls_reach_every_rank(made: lis
     assert all(pg.backend.placement.mailbox.native is not None for pg in made)  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @needs_fastbox
 @pytest.mark.skipif(not ORDERED_STORES, reason="the mailbox needs x86's store order")
 @pytest.mark.parametrize("natives", [[True, True], [True, False], [False, True, True, True]],

@@ -130,6 +130,7 @@ def _check(out: list[dict[str, Any]]) -> None:
         assert (got["scatter"] == n).all() and got["scatter"].shape == (70_001, 2)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("who", ["all", "rank 0"])  # every rank's buffers shared, or only rank 0's
 def test_every_large_op_reads_shared_buffers_through_mappings(made: list[ProcessGroup], size: int, who: str) -> None:
@@ -171,6 +172,7 @@ def _every_op_shared() -> dict[str, Any]:
     return {**_ops(pg, shared_empty), "mapped": _mapped(pg)}
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_real_processes_map_each_other() -> None:
     out = run_processes(_every_op_shared, 3, timeout=90.0, env={"AXOND_SHM_MIN_BYTES": "0"})
     assert len({got["pid"] for got in out}) == 3

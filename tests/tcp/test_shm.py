@@ -362,6 +362,7 @@ def _die_mid_stream(rank: int, size: int, store_dir: str, q: Any) -> None:
         pg.backend.placement.mailbox is not None) == (pg.backend.tcp_options.shm_mailbox and ORDERED_STORES))  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("mailbox", [False, True])  # steps synchronized over the sockets / through the mailbox
 def test_a_killed_process_makes_the_others_raise_promptly(monkeypatch: pytest.MonkeyPatch, mailbox: bool) -> None:
     monkeypatch.setenv("AXOND_SHM_MAILBOX", "1" if mailbox else "0")

@@ -98,6 +98,7 @@ def test_axond_shm_single_copy_0_keeps_the_arena(made: list[ProcessGroup], monke
     assert all(single_copy_of(pg) is None and pg.backend.placement.arena is not None for pg in made)  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("mailbox", [True, False])
 def test_sums_are_those_of_one_process_adding_in_rank_order(made: list[ProcessGroup], size: int,
@@ -201,6 +202,7 @@ def _every_op() -> dict[str, Any]:
     return {**every_large_op(pg), "single_copy": single_copy_of(pg) is not None}
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_real_processes_read_each_other() -> None:
     out = run_processes(_every_op, 3, timeout=60.0, env={"AXOND_SHM_MIN_BYTES": "0"})
     check_every_large_op(out)

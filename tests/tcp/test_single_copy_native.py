@@ -72,6 +72,7 @@ def _prepared(pg: ProcessGroup) -> list[Any]:
     return list(pg.backend._small.values())  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @needs_it
 def test_broadcast_from_every_root_gives_the_roots_bytes_prepared_in_one_c_call(made: list[ProcessGroup]) -> None:
     size = 2
@@ -102,6 +103,7 @@ def test_broadcast_from_every_root_gives_the_roots_bytes_prepared_in_one_c_call(
         assert sum(isinstance(p, PreparedBroadcast) and p.native is not None for p in _prepared(pg)) == size
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @needs_it
 @pytest.mark.parametrize("distance", [0, 8, 16, 2048])
 def test_the_split_broadcast_and_its_bounces_at_every_distance(made: list[ProcessGroup], distance: int) -> None:

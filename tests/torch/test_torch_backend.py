@@ -35,6 +35,7 @@ def _ranks(body: object, n: int = 2, timeout: float = 60.0) -> list[object]:
     return [res for _, _, res in sorted(items, key=lambda item: item[0])]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_importing_axond_does_not_import_torch() -> None:
     code = ("import sys, axond, axond.cli.main, axond.distributed.api; "
             "print('torch' in sys.modules, 'axond.torch' in sys.modules)")
@@ -57,6 +58,7 @@ def test_collectives_match_gloo_for_every_dtype(parity: list[dict[str, list[str]
         assert int(got[0].split()[1]) > 100, got  # every case ran
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("path", ["", "_async"])
 def test_ddp_trains_like_gloo(parity: list[dict[str, list[str]]], path: str) -> None:
     assert [res["ddp" + path] for res in parity] == [[], []]

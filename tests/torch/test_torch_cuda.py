@@ -28,6 +28,7 @@ def test_cuda_is_registered_only_where_torch_sees_a_gpu_and_cupy_is_installed() 
     assert registered_devices(torch_has_cuda=True, cupy_installed=True) == ["cpu", "cuda"]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the registration includes cuda")
 def test_importing_registers_cpu_only_here_without_importing_cupy() -> None:
     code = ("import sys, torch.distributed as dist, axond.torch; "
@@ -36,6 +37,7 @@ def test_importing_registers_cpu_only_here_without_importing_cupy() -> None:
     assert out.stdout.split() == ["['cpu']", "['cpu']", "False"], out
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_the_cuda_modules_import_without_cupy() -> None:
     code = ("import sys, axond.torch.cuda, axond.torch.cuda_process_group, axond.torch.cuda_work; "
             "print('cupy' in sys.modules)")

@@ -23,6 +23,7 @@ def axond_cmd() -> list[str]:
     return [sys.executable, "-c", "from axond.cli.main import main; main()"]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.timeout(150)
 def test_train_mlp_under_the_worker(coordinator: RunningCoordinator, tmp_path: Path) -> None:
     ckpt = tmp_path / "ck" / "mlp.npz"
@@ -56,6 +57,7 @@ def test_train_mlp_under_the_worker(coordinator: RunningCoordinator, tmp_path: P
     assert accuracy(model, x_test, y_test) > 0.6, "8 classes: chance is about 0.125"
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.timeout(120)
 def test_train_mlp_as_plain_processes(tmp_path: Path) -> None:
     """Same program without the worker (env and a file store from axond.testing)."""
@@ -65,6 +67,7 @@ def test_train_mlp_as_plain_processes(tmp_path: Path) -> None:
     assert (tmp_path / "m.npz").is_file()
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.timeout(120)
 def test_train_mlp_with_fsdp_as_plain_processes(tmp_path: Path) -> None:
     """--parallel fsdp end to end: rank 0's checkpoint holds the full (unsharded) weights under the model's names."""
@@ -78,6 +81,7 @@ def test_train_mlp_with_fsdp_as_plain_processes(tmp_path: Path) -> None:
         assert saved[name].shape == value.shape, name
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("parallel,sharding", [("zero", "full_shard"), ("fsdp", "full_shard"),
                                                ("fsdp", "shard_grad_op"), ("fsdp", "no_shard")])
 def test_zero_and_fsdp_train_like_ddp(parallel: str, sharding: str) -> None:
@@ -106,6 +110,7 @@ def test_dataset_is_seeded_and_learnable_shape() -> None:
     assert not np.array_equal(a[0], make_dataset(TrainConfig(samples=256, seed=2))[0])
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_progress_bar_only_on_a_terminal(tmp_path: Path) -> None:
     """Single-process run (no RANK/WORLD_SIZE) with stderr on a pseudo-terminal: the bar is drawn there."""
     import pty

@@ -28,6 +28,7 @@ def leftovers(tmp_path: Path, skip: str) -> list[str]:
                   if p.is_file() and not p.relative_to(tmp_path).parts[0] == skip)
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.timeout(120)
 def test_standalone_trains_the_example_and_leaves_nothing_behind(procs: Procs, tmp_path: Path) -> None:
     env = isolated_env(tmp_path)
@@ -59,6 +60,7 @@ def test_standalone_ranks_reach_their_coordinator(procs: Procs, tmp_path: Path) 
         assert s.connect_ex((host, int(port))) != 0, "the embedded coordinator stopped with the worker"
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_standalone_collectives_and_failure(procs: Procs, tmp_path: Path) -> None:
     script = (
         "import numpy as np, axond\n"
@@ -77,6 +79,7 @@ def test_standalone_collectives_and_failure(procs: Procs, tmp_path: Path) -> Non
     assert bad.stderr.strip().splitlines()[-1].endswith("no data"), bad.stderr
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.parametrize("args, says", [
     (("--coordinator", "127.0.0.1:1"), "drop --coordinator"),
     (("--nnodes", "2"), "one-machine job"),
@@ -88,6 +91,7 @@ def test_standalone_usage_errors(procs: Procs, args: tuple[str, ...], says: str)
     assert res.code == 2 and says in res.stderr, res.stderr
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_standalone_ignores_a_coordinator_in_the_environment(procs: Procs, tmp_path: Path) -> None:
     res = procs.run("worker", "--standalone", "--", PY, "-c", ENV_SCRIPT,
                     env={**isolated_env(tmp_path), "AXOND_COORDINATOR": "192.0.2.1:29500"})

@@ -23,6 +23,7 @@ def worker_args(c: RunningCoordinator, job: str, *extra: str) -> list[str]:
     return ["worker", "--coordinator", c.address, "--job", job, "--stop-grace", "2", *extra]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_single_node_ranks_get_the_contract_environment(coord: RunningCoordinator, procs: Procs) -> None:
     res = procs.run(*worker_args(coord, "one", "--nproc-per-node", "2"), "--", PY, "-c", ENV_SCRIPT)
     assert res.code == 0, res.stderr
@@ -39,6 +40,7 @@ def test_single_node_ranks_get_the_contract_environment(coord: RunningCoordinato
     assert envs[0]["AXOND_JOB_SECRET"] == envs[1]["AXOND_JOB_SECRET"]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_two_nodes_get_unique_contiguous_ranks(coord: RunningCoordinator, procs: Procs) -> None:
     args = worker_args(coord, "two", "--nnodes", "2", "--nproc-per-node", "2")
     a = procs.axond(*args, "--", PY, "-c", ENV_SCRIPT)
@@ -70,6 +72,7 @@ def test_the_first_failing_rank_is_named_with_its_code(coord: RunningCoordinator
     assert time.monotonic() - t0 < 30, "the sleeping ranks must be stopped, not waited for"
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_output_is_prefixed_and_streams_kept_apart(coord: RunningCoordinator, procs: Procs) -> None:
     script = "import sys; print('to-out'); print('to-err', file=sys.stderr)"
     res = procs.run(*worker_args(coord, "streams", "--nproc-per-node", "2"), "--", PY, "-c", script)
@@ -80,6 +83,7 @@ def test_output_is_prefixed_and_streams_kept_apart(coord: RunningCoordinator, pr
         assert f"[rank {rank}] to-err" not in res.stdout
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_a_failing_rank_stops_every_worker(coord: RunningCoordinator, procs: Procs, tmp_path: Path) -> None:
     script = (
         "import os, sys, time, pathlib\n"
@@ -126,6 +130,7 @@ def test_max_restarts_recovers_from_one_failure(coord: RunningCoordinator, procs
     assert "generation 2" in ra.stderr and "generation 2" in rb.stderr
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_restarts_run_out_and_the_job_fails(coord: RunningCoordinator, procs: Procs) -> None:
     script = "import os, sys; print('GEN', os.environ['AXOND_GENERATION'], flush=True); sys.exit(9)"
     res = procs.run(*worker_args(coord, "hopeless", "--max-restarts", "2"), "--", PY, "-c", script, timeout=60)
@@ -135,6 +140,7 @@ def test_restarts_run_out_and_the_job_fails(coord: RunningCoordinator, procs: Pr
     assert gens == ["1", "2", "3"]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_sigterm_stops_the_worker_and_its_ranks(coord: RunningCoordinator, procs: Procs, tmp_path: Path) -> None:
     script = (
         "import os, time, pathlib\n"
@@ -177,6 +183,7 @@ def test_a_dead_worker_is_noticed_by_the_others(coord: RunningCoordinator, procs
                 pass
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_sigterm_while_waiting_for_the_rendezvous(coord: RunningCoordinator, procs: Procs) -> None:
     w = procs.axond(*worker_args(coord, "lonely", "--nnodes", "2"), "--", PY, "-c", "pass")
     wait_for(lambda: any(j.job == "lonely" for j in coord_status(coord).jobs), 20, "the worker to join")
@@ -212,6 +219,7 @@ def test_a_node_that_finished_first_rejoins_when_the_job_restarts(coord: Running
     assert finals == {f"GEN 2 RANK {r}" for r in range(4)}, "the early finisher ran generation 2 too"
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_elastic_nnodes_runs_with_the_nodes_that_came(coord: RunningCoordinator, procs: Procs) -> None:
     res = procs.run(*worker_args(coord, "elastic", "--nnodes", "1:2", "--nproc-per-node", "2"),
                     "--", PY, "-c", ENV_SCRIPT)

@@ -6,6 +6,8 @@ import sys
 import time
 from collections.abc import Callable
 
+import pytest
+
 from axond.control.client import CoordinatorClient, connect
 from axond.coordinator.server import RunningCoordinator
 from axond.v1 import coordinator_pb2 as pb
@@ -66,6 +68,7 @@ def test_run_gets_all_output_before_the_job_ends(coord: RunningCoordinator, proc
         assert got == [f"[rank {rank}] {rank} {i}" for i in range(3000)]
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_daemon_registers_again_after_a_coordinator_restart(
     coordinator_factory: Callable[..., RunningCoordinator], procs: Procs
 ) -> None:
@@ -86,6 +89,7 @@ def test_daemon_registers_again_after_a_coordinator_restart(
     assert daemon.poll() is None, "the daemon keeps running"
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_run_with_max_restarts_recovers_on_daemons(coord: RunningCoordinator, procs: Procs) -> None:
     for _ in range(2):
         procs.axond("worker", "--coordinator", coord.address, "--slots", "1")

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -126,6 +127,20 @@ def test_missing_command_is_a_failed_rank_with_code_127(started: list[LocalRanks
     assert "cannot start" in result.first_failure.describe()
 
 
+def test_a_python_script_given_without_python_gets_a_hint(started: list[LocalRanks], tmp_path: Path) -> None:
+    """`axond worker ... -- train.py --lr 1`: the script is no executable on PATH; the failure says what was meant."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    ranks = start_ranks(["train.py", "--lr", "1"], specs(1), sink=Collector(), cwd=str(tmp_path))
+    started.append(ranks)
+    result = ranks.wait(timeout=5)
+    assert result is not None and result.first_failure is not None and result.first_failure.exit_code == 127
+    assert "did you mean `python train.py --lr 1`?" in result.first_failure.describe()
+    other = start_ranks(["no-such-tool-axond"], specs(1), sink=Collector())
+    started.append(other)
+    result = other.wait(timeout=5)
+    assert result is not None and result.first_failure is not None and "did you mean" not in result.first_failure.describe()
+
+
 def test_wait_times_out_while_ranks_run(started: list[LocalRanks]) -> None:
     ranks = start_ranks([sys.executable, "-c", "import time; time.sleep(60)"], specs(1), sink=Collector())
     started.append(ranks)
@@ -156,6 +171,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
 def test_ranks_do_not_outlive_a_killed_worker() -> None:
     """SIGKILL the process that started the ranks: each rank gets SIGTERM from the kernel (PR_SET_PDEATHSIG,

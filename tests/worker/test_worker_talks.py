@@ -124,8 +124,9 @@ def test_a_worker_with_other_options_is_refused_and_the_waiting_one_told(coord: 
         wait_for(lambda: _job(client, "mixed") is not None, 30, "the first join")
         t0 = time.monotonic()
         other = procs.run(*base, "--nnodes", "3", "--", PY, "-c", "pass")
-        assert other.code == 1 and time.monotonic() - t0 < 15, other.stderr
-        assert "runs with nnodes 2:2" in last_line(other.stderr) and "asks 3:3" in last_line(other.stderr)
+        assert other.code == 2 and time.monotonic() - t0 < 15, other.stderr  # refused: the usage code
+        assert "refused this worker: job 'mixed' runs with nnodes 2:2" in last_line(other.stderr)
+        assert "asks 3:3" in last_line(other.stderr)
         res = procs.finish(first, timeout=60)
         assert res.code == 4, res.stderr
         progress = re.findall(r"^axond worker: job 'mixed': 1/2 nodes joined.*$", res.stderr, re.M)
@@ -138,6 +139,7 @@ def test_a_worker_with_other_options_is_refused_and_the_waiting_one_told(coord: 
         client.close()
 
 
+@pytest.mark.slow  # among the longest tests: the full run, not the quick loop
 def test_a_running_job_with_all_its_nodes_refuses_another_worker(coord: RunningCoordinator, procs: Procs,
                                                                 tmp_path: Path) -> None:
     go = tmp_path / "go"
@@ -150,8 +152,14 @@ def test_a_running_job_with_all_its_nodes_refuses_another_worker(coord: RunningC
                  "the job to run")
         t0 = time.monotonic()
         second = procs.run(*base, "--", PY, "-c", "pass")
-        assert second.code == 1 and time.monotonic() - t0 < 15, second.stderr
-        assert "is running with all its 1 node(s)" in last_line(second.stderr), second.stderr
+        assert second.code == 2 and time.monotonic() - t0 < 15, second.stderr  # the usage code: its options
+        tail = last_line(second.stderr)
+        assert tail.startswith("axond worker: job 'full' refused this worker: job 'full' is running with all its 1 "
+                               "node(s)"), second.stderr
+        assert "not in a state that allows this" not in tail, "the coordinator's reason, not a generic one"
+        other = procs.run(*base, "--nnodes", "2", "--", PY, "-c", "pass")
+        assert other.code == 2, other.stderr
+        assert "refused this worker: job 'full' runs with nnodes 1:1" in last_line(other.stderr), other.stderr
     finally:
         client.close()
         go.touch()
