@@ -22,7 +22,9 @@ import grpc
 from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
-from axond.worker.causes import Elsewhere, blocked_reader, caused_elsewhere
+from axond.worker.blame import caused_elsewhere
+from axond.worker.blame import describe as describe_failure
+from axond.worker.causes import Elsewhere, blocked_reader
 from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
 from axond.worker.outage import DECIDE_AHEAD_S, OutageGuard
@@ -249,12 +251,11 @@ class JobRunner:
                 return self._exit_barrier(gen) if spec.max_restarts > 0 or nnodes > 1 else JobOutcome(0)
             if result is not None and result.first_failure is not None:
                 failure = ranks.root_cause(min(CAUSE_GRACE_S, max(spec.stop_grace, 0.5))) or result.first_failure
-                message = failure.describe()
-                self._notice(f"{message}; stopping the other local ranks")
+                self._notice(f"{describe_failure(failure, ranks.exits())}; stopping the other local ranks")
                 ranks.stop(grace=spec.stop_grace)
-                oldest = ranks.root_cause(0.0)  # every local rank exited now: one may have failed earlier still
-                if oldest is not None and oldest.failed_at < failure.failed_at:
-                    failure, message = oldest, oldest.describe()
+                # every local rank exited now: one may have failed earlier still, or be the one the others blame
+                failure = ranks.root_cause(0.0) or failure
+                message = describe_failure(failure, ranks.exits())
                 self._flush()
                 if nnodes > 1 and caused_elsewhere(failure, local):
                     told = self._told_of_other_failure(gen)

@@ -1,0 +1,87 @@
+"""A hung rank is reported while it hangs: torch DDP ranks over "axond" publish what they are blocked in like native
+ones (`axond.distributed.diagnostics.job_report`), and the worker's notice comes when the op has waited the
+configured interval (`worker/progress.py`), not up to an interval later."""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from axond.coordinator.server import RunningCoordinator
+from axond.worker.progress import EarlyExitWatch
+from worker_support import Procs, coord, procs, wait_for  # noqa: F401
+
+PY = sys.executable
+
+TORCH_HANG = """
+import datetime, os, pathlib, time, torch, torch.distributed as dist
+import axond.torch
+dist.init_process_group("axond", timeout=datetime.timedelta(seconds=40))
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(10, 2))
+pathlib.Path(os.environ["MARK_DIR"], os.environ["RANK"]).touch()
+if dist.get_rank() == 1:
+    time.sleep(120)  # hung in its own code: rank 0 waits in DDP's all_reduce
+model(torch.randn(4, 10)).sum().backward()
+"""
+
+
+@pytest.mark.slow
+def test_a_hung_torch_ddp_rank_is_reported_by_the_worker_and_status(coord: RunningCoordinator, procs: Procs,
+                                                                    tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    script = tmp_path / "train.py"
+    script.write_text(TORCH_HANG)
+    worker = procs.axond("worker", "--coordinator", coord.address, "--job", "hung-torch", "--nproc-per-node", "2",
+                         "--stop-grace", "1", "--", PY, str(script),
+                         env={"MARK_DIR": str(tmp_path), "AXOND_WAIT_NOTICE_S": "2"})
+    lines: list[str] = []
+    assert worker.stderr is not None
+    stream = worker.stderr
+    threading.Thread(target=lambda: lines.extend(iter(stream.readline, "")), daemon=True).start()
+    said = re.compile(r"still waiting: rank 0 blocked in all_reduce on group 'torch:0' for [\d.]+ s; "
+                      r"rank\(s\) 1 report no blocked op")
+    # reports start after a quarter of the 40 s timeout (10 s); the notice follows within the 2 s interval
+    wait_for(lambda: any(said.search(line) for line in lines), 60, "the worker's notice naming rank 0's wait")
+    res = procs.run("status", "--coordinator", coord.address, "--job", "hung-torch")
+    assert res.code == 0, res.stderr
+    assert re.search(r"^hung-torch\s+0\s+.*all_reduce on group 'torch:0' for \d+\.\d s$", res.stdout, re.M), res.stdout
+    assert re.search(r"^hung-torch\s+1\s+.*\s-$", res.stdout, re.M), res.stdout
+
+
+class _Clock:
+    """A wall clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_first_notice_comes_when_the_op_has_waited_the_interval() -> None:
+    """An op that starts after the watch's first read is reported once it has waited `every`, not at the next
+    multiple of `every` after the watch started (which made a 60 s notice come at ~120 s)."""
+    clock, every = _Clock(), 60.0
+    op_since = clock.now + 7.0  # the op begins 7 s into the generation; its report appears 10 s later
+    notices: list[tuple[float, str]] = []
+    reads: list[float] = []
+
+    def blocked(ranks: object) -> dict[int, list[tuple[str, str, float]]]:
+        reads.append(clock.now)
+        published = clock.now >= op_since + 10.0
+        return {0: [("world", "all_reduce", op_since)] if published else [], 1: []}
+
+    watch = EarlyExitWatch("j", lambda text: notices.append((clock.now, text)), every=every, blocked=blocked,
+                           clock=clock)
+    while clock.now < op_since + 3 * every and len(notices) < 2:
+        watch.check((), [0, 1])
+        clock.now += 0.05
+    first_at, text = notices[0]
+    assert every <= first_at - op_since < every + 0.2, (first_at - op_since, text)
+    assert "rank 0 blocked in all_reduce on group 'world' for 60.0 s" in text, text
+    assert notices[1][0] - first_at == pytest.approx(every, abs=0.2), "then one notice per interval"
+    assert len(reads) <= 3 * every / (every / 4) + 3, "the store is read every quarter interval, not every tick"
