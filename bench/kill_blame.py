@@ -7,12 +7,14 @@ the failure.
 
     python bench/kill_blame.py --runs 10                  # native and torch, one node and two nodes
     python bench/kill_blame.py --runs 3 --mode torch-1node
+    python bench/kill_blame.py --runs 10 --mode torchrun   # torchrun's "Root Cause" instead of a worker's line
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,28 +49,46 @@ while True:
 """
 
 MODES = {"native-1node": (NATIVE, 1), "torch-1node": (TORCH, 1), "native-2nodes": (NATIVE, 2),
-         "torch-2nodes": (TORCH, 2)}
+         "torch-2nodes": (TORCH, 2), "torchrun": (TORCH, 1)}
+"""mode -> (rank program, nodes); "torchrun" runs it under `python -m torch.distributed.run` and reads its root
+cause instead of a worker's last line."""
 
 
 def axond_argv() -> list[str]:
     return [sys.executable, "-c", "from axond.cli.main import main; main()"]
 
 
+def _launchers(mode: str, address: str, job: str, script: Path, env: dict[str, str]) -> list[subprocess.Popen[str]]:
+    nodes = MODES[mode][1]
+    if mode == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+        env = {k: v for k, v in env.items() if not k.startswith(("AXOND_", "TORCHELASTIC_"))}
+    else:
+        argv = [*axond_argv(), "worker", "--coordinator", address, "--job", job, "--nnodes", str(nodes),
+                "--nproc-per-node", str(2 // nodes), "--", sys.executable, str(script)]
+    return [subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True) for _ in range(nodes)]
+
+
+def _torchrun_root_cause(stderr: str) -> str:
+    """torchrun's "Root Cause" section as one line: `rank 1 ... exitcode -9 ... (SIGKILL)`."""
+    section = stderr.split("Root Cause (first observed failure):", 1)[-1].split("=====", 1)[0]
+    rank = re.search(r"rank\s+: (\d+)", section)
+    code = re.search(r"exitcode\s+: (-?\d+).*?(\(SIG\w+\))?$", section, re.M)
+    if rank is None or code is None:
+        return ""
+    signal_name = code.group(2) or ""
+    return f"rank {rank.group(1)} exited with code {code.group(1)} {signal_name}".strip()
+
+
 def one_run(address: str, mode: str, victim: int, job: str) -> tuple[bool, list[str]]:
-    """Run one job of `mode`, SIGKILL rank `victim`; (whether every worker's last line blames it, those lines)."""
-    source, nodes = MODES[mode]
+    """Run one job of `mode`, SIGKILL rank `victim`; (whether every worker's last line, or torchrun's root cause,
+    blames it, those lines)."""
+    source = MODES[mode][0]
     with tempfile.TemporaryDirectory(prefix="axond-kill-") as tmp:
         script = Path(tmp, "train.py")
         script.write_text(source)
-        env = dict(os.environ, PID_DIR=tmp)
-        workers = [
-            subprocess.Popen(
-                [*axond_argv(), "worker", "--coordinator", address, "--job", job, "--nnodes",
-                 str(nodes), "--nproc-per-node", str(2 // nodes), "--", sys.executable, str(script)],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            )
-            for _ in range(nodes)
-        ]
+        workers = _launchers(mode, address, job, script, dict(os.environ, PID_DIR=tmp))
         try:
             pid_file = Path(tmp, f"pid{victim}")
             deadline = time.monotonic() + 120
@@ -81,14 +101,18 @@ def one_run(address: str, mode: str, victim: int, job: str) -> tuple[bool, list[
             lines = []
             for w in workers:
                 _, err = w.communicate(timeout=120)
-                lines.append(err.strip().splitlines()[-1] if err.strip() else "")
+                if mode == "torchrun":
+                    lines.append(_torchrun_root_cause(err))
+                else:
+                    lines.append(err.strip().splitlines()[-1] if err.strip() else "")
         finally:
             for w in workers:
                 if w.poll() is None:
                     os.killpg(w.pid, signal.SIGKILL)
                     w.wait()
     other = f"rank {1 - victim} "
-    ok = all(f"rank {victim} " in line and "137 (SIGKILL)" in line and other not in line.split(" (then ")[0]
+    signalled = ("137 (SIGKILL)", "-9 (SIGKILL)")
+    ok = all(f"rank {victim} " in line and any(s in line for s in signalled) and other not in line.split(" (then ")[0]
              for line in lines)
     return ok, lines
 

@@ -174,7 +174,13 @@ def write_error_file(error: BaseException, path: str, when: float | None = None)
 
 
 def report(error: BaseException) -> None:
-    """This process fails with `error`: abort the live groups and write the error file, once; never raises."""
+    """This process fails with `error`: abort the live groups and write the error file, once; never raises.
+
+    Under torchrun, a failure that names another rank as its cause (`blamed_peer`) then waits
+    `FailureSettings.survivor_exit_delay_s` before returning: torchrun names as root cause the first failure it
+    observes, and the rank that failed first may take longer to exit than the ranks it took down (a SIGKILLed rank
+    writes no error file; a rank's teardown can be slow), so survivors leave it time to be seen first (torchrun then
+    stops them)."""
     when = time.time()  # before the peers hear of it: a root cause is older than the failures it causes
     try:
         if getattr(error, "_axond_reported", False):
@@ -187,6 +193,9 @@ def report(error: BaseException) -> None:
         path = _settings.error_file
         if path:
             write_error_file(error, path, when)
+        delay = _settings.survivor_exit_delay_s
+        if delay > 0 and blamed_peer(error) is not None:
+            time.sleep(delay)  # under torchrun: let it see the root cause exit first (FailureSettings)
     except BaseException:  # a failing failure report must not hide the user's exception
         pass
 
