@@ -31,6 +31,7 @@ from axond.worker.outage import DECIDE_AHEAD_S, OutageGuard
 from axond.worker.peers import PeerLink
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.spec import ConnectOptions, JobSpec
+from axond.worker.stacks import rank_stacks
 from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
 
 if TYPE_CHECKING:
@@ -238,8 +239,12 @@ class JobRunner:
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int],
                  guard: OutageGuard) -> JobOutcome | None:
         spec = self._spec
+        def stacks(rank: int) -> str:
+            pid = dict(zip(local, ranks.local_pids())).get(rank, 0)
+            return f"pid {pid}, " + rank_stacks(pid, self._error_file(gen, rank)) if pid else "exited"
+
         early = EarlyExitWatch(spec.job, self._notice, every=self._conn.env.wait_notice_s,
-                               blocked=blocked_reader(self._client, spec.job, gen))
+                               blocked=blocked_reader(self._client, spec.job, gen), stacks=stacks)
         while True:
             result = ranks.poll()
             if result is not None and result.ok:

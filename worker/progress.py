@@ -131,9 +131,12 @@ class EarlyExitWatch:
     def __init__(self, job: str, notice: Callable[[str], None], after: float = EARLY_EXIT_NOTICE_S,
                  every: float | None = None,
                  blocked: Callable[[Sequence[int]], dict[int, Blocked] | None] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
-        """`clock`: the wall clock the reports' times are on (tests pass their own)."""
-        self._job, self._notice, self._clock = job, notice, clock
+                 clock: Callable[[], float] = time.time, stacks: Callable[[int], str] | None = None) -> None:
+        """`clock`: the wall clock the reports' times are on (tests pass their own). `stacks`: a local rank's Python
+        stacks, or why there are none (`axond.worker.stacks`), told once per hang for each rank that reports no
+        blocked op while others wait for it."""
+        self._job, self._notice, self._clock, self._stacks = job, notice, clock, stacks
+        self._dumped: set[int] = set()
         self._every = WAIT_NOTICE_S if every is None else every
         self._after = min(after, self._every) if self._every > 0 else after
         self._blocked = blocked
@@ -199,6 +202,7 @@ class EarlyExitWatch:
         reports = self._reports(all_ranks)
         longest = max((now - since for ops in reports.values() for _, _, since in ops), default=None)
         if longest is None:
+            self._dumped.clear()  # nobody waits: the next hang is a new one
             return
         if longest < self._every:
             self._next_poll = now + max(self._every - longest, MIN_POLL_S)  # when that op has waited `every`
@@ -211,3 +215,8 @@ class EarlyExitWatch:
             parts.append(f"rank(s) {_ranks(outside)} report no blocked op (outside axond: computing, or stuck in "
                          "their own code)")
         self._notice(f"job {self._job!r}: still waiting: " + "; ".join(parts))
+        if self._stacks is not None:
+            for r in outside:
+                if r not in self._dumped:
+                    self._dumped.add(r)
+                    self._notice(f"job {self._job!r}: rank {r}, which the others wait for: {self._stacks(r)}")

@@ -4,9 +4,12 @@ configured interval (`worker/progress.py`), not up to an interval later."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +88,55 @@ def test_the_first_notice_comes_when_the_op_has_waited_the_interval() -> None:
     assert "rank 0 blocked in all_reduce on group 'world' for 60.0 s" in text, text
     assert notices[1][0] - first_at == pytest.approx(every, abs=0.2), "then one notice per interval"
     assert len(reads) <= 3 * every / (every / 4) + 3, "the store is read every quarter interval, not every tick"
+
+
+HUNG_NATIVE = """
+import os, pathlib, time, numpy as np, axond
+axond.init_process_group(timeout=40.0)
+pathlib.Path(os.environ["MARK_DIR"], os.environ["RANK"]).write_text(str(os.getpid()))
+def stuck_in_user_code():
+    time.sleep(120)
+if axond.get_rank() == 1 and os.environ.get("STOP_ME") != "1":
+    stuck_in_user_code()
+if axond.get_rank() == 1:
+    time.sleep(1.0)  # the test SIGSTOPs it here, before the collective
+axond.all_reduce(np.ones(4))
+"""
+
+
+def _hang(coord: RunningCoordinator, procs: Procs, tmp_path: Path, job: str, stop: bool) -> list[str]:
+    """Run HUNG_NATIVE (rank 1 hung in Python code, or SIGSTOPped) until the worker named rank 1's state."""
+    worker = procs.axond("worker", "--coordinator", coord.address, "--job", job, "--nproc-per-node", "2",
+                         "--stop-grace", "1", "--", PY, "-c", HUNG_NATIVE,
+                         env={"MARK_DIR": str(tmp_path), "AXOND_WAIT_NOTICE_S": "2", "STOP_ME": "1" if stop else "0"})
+    lines: list[str] = []
+    assert worker.stderr is not None
+    stream = worker.stderr
+    threading.Thread(target=lambda: lines.extend(iter(stream.readline, "")), daemon=True).start()
+    wait_for(lambda: (tmp_path / "1").exists(), 90, "rank 1 to start")
+    pid = int((tmp_path / "1").read_text())
+    if stop:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: any("rank 1, which the others wait for" in line for line in lines), 60,
+                 "the worker's notice about rank 1 (reports start after 10 s of the 40 s timeout)")
+        time.sleep(0.5)  # the stacks' lines follow the notice's first line
+    finally:
+        if stop:
+            os.kill(pid, signal.SIGCONT)
+    return lines
+
+
+@pytest.mark.slow
+def test_a_rank_hung_in_python_is_named_with_its_stacks(coord: RunningCoordinator, procs: Procs,
+                                                        tmp_path: Path) -> None:
+    text = "".join(_hang(coord, procs, tmp_path, "stacks", stop=False))
+    assert "still waiting: rank 0 blocked in all_reduce on group 'world'" in text, text
+    assert re.search(r"rank 1, which the others wait for: pid \d+, its Python stacks \(every thread\):", text), text
+    assert "in stuck_in_user_code" in text and "Current thread" in text, text
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_as_stopped(coord: RunningCoordinator, procs: Procs, tmp_path: Path) -> None:
+    text = "".join(_hang(coord, procs, tmp_path, "stopped", stop=True))
+    assert re.search(r"rank 1, which the others wait for: pid (\d+), stopped \(state T in /proc/\1/stat\)", text), text

@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from axond.config import FailureSettings, RuntimeEnv
+from axond.distributed.diagnostics import stacks
 from axond.errors import DistributedError
 
 if TYPE_CHECKING:
@@ -221,10 +222,12 @@ def install() -> None:
 
 def install_if_launched(env: RuntimeEnv) -> None:
     """`configure` from `env`, and `install` when the worker launched this rank (AXOND_ERROR_FILE set), so that an
-    exception before `init_process_group` still reaches the error file (called at import)."""
+    exception before `init_process_group` still reaches the error file (called at import); also have the worker's
+    signal dump this rank's stacks (`stacks`)."""
     configure(env)
     if env.failure.error_file:
         install()
+        stacks.install(env.failure.error_file)  # the worker may ask for this rank's stacks when it hangs
 
 
 def record(fn: F) -> F:
