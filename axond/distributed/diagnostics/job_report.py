@@ -90,7 +90,7 @@ def launched_env() -> RuntimeEnv | None:
         env = RuntimeEnv.from_env(strict=False)
     except ConfigError:
         return None
-    if not env.coordinator or env.rank is None or not env.job or "AXOND_GENERATION" not in os.environ:
+    if not env.coordinator or env.rank is None or not env.job or "AXOND_GENERATION" not in env.environ:
         return None
     return env
 
