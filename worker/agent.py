@@ -22,7 +22,7 @@ import grpc
 from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
-from axond.worker.blame import caused_elsewhere
+from axond.worker.blame import blamed, caused_elsewhere
 from axond.worker.blame import describe as describe_failure
 from axond.worker.causes import Elsewhere, blocked_reader
 from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink
@@ -256,6 +256,7 @@ class JobRunner:
                 return self._exit_barrier(gen) if spec.max_restarts > 0 or nnodes > 1 else JobOutcome(0)
             if result is not None and result.first_failure is not None:
                 failure = ranks.root_cause(min(CAUSE_GRACE_S, max(spec.stop_grace, 0.5))) or result.first_failure
+                self._tell_accused(ranks, local, stacks)
                 self._notice(f"{describe_failure(failure, ranks.exits())}; stopping the other local ranks")
                 ranks.stop(grace=spec.stop_grace)
                 # every local rank exited now: one may have failed earlier still, or be the one the others blame
@@ -301,6 +302,18 @@ class JobRunner:
             early.check(ranks.exits(), local)
             self._hb.changed.wait(_MONITOR_TICK)
             self._hb.changed.clear()
+
+    def _tell_accused(self, ranks: LocalRanks, local: list[int], stacks: Callable[[int], str]) -> None:
+        """Before stopping them: the stacks (or state) of the local ranks that are still running although a failed
+        rank failed waiting for them (a timeout naming them): what they were doing instead."""
+        exits = ranks.exits()
+        running = {r for r, pid in zip(local, ranks.local_pids()) if pid}
+        for rank in sorted(running):
+            waiting = sorted(e.rank for e in exits if e.exit_code != 0 and blamed(e) == rank)
+            if waiting:
+                who = ", ".join(map(str, waiting))
+                self._notice(f"job {self._spec.job!r}: rank {rank}, which rank(s) {who} failed waiting for: "
+                             f"{stacks(rank)}")
 
     def _told_of_other_failure(self, gen: int) -> Elsewhere | None:
         """After a local rank failed because of a rank on another node: wait (up to CAUSE_GRACE_S) for that node's

@@ -140,3 +140,36 @@ def test_a_rank_hung_in_python_is_named_with_its_stacks(coord: RunningCoordinato
 def test_a_stopped_rank_is_named_as_stopped(coord: RunningCoordinator, procs: Procs, tmp_path: Path) -> None:
     text = "".join(_hang(coord, procs, tmp_path, "stopped", stop=True))
     assert re.search(r"rank 1, which the others wait for: pid (\d+), stopped \(state T in /proc/\1/stat\)", text), text
+
+
+TIMES_OUT = """
+import os, pathlib, time, numpy as np, axond
+axond.init_process_group(timeout=6.0)
+pathlib.Path(os.environ["MARK_DIR"], os.environ["RANK"]).write_text(str(os.getpid()))
+if axond.get_rank() == 1:
+    time.sleep(1.0)  # the test SIGSTOPs it here, before the collective
+axond.all_reduce(np.ones(4))
+"""
+
+
+@pytest.mark.slow
+def test_at_the_group_timeout_the_stopped_rank_is_named_before_it_is_stopped(coord: RunningCoordinator, procs: Procs,
+                                                                            tmp_path: Path) -> None:
+    worker = procs.axond("worker", "--coordinator", coord.address, "--job", "timeout", "--nproc-per-node", "2",
+                         "--stop-grace", "1", "--", PY, "-c", TIMES_OUT, env={"MARK_DIR": str(tmp_path)})
+    wait_for(lambda: (tmp_path / "1").exists(), 90, "rank 1 to start")
+    pid = int((tmp_path / "1").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        done = procs.finish(worker, timeout=90)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    lines = done.stderr.splitlines()
+    told = [i for i, line in enumerate(lines) if re.search(
+        rf"rank 1, which rank\(s\) 0 failed waiting for: pid {pid}, stopped \(state T in /proc/{pid}/stat\)", line)]
+    failed = [i for i, line in enumerate(lines) if "timed out after 6.0 s waiting for peer 1" in line
+              and line.startswith("axond worker: rank 0")]
+    assert told and failed and told[0] < failed[0], done.stderr[-3000:]
