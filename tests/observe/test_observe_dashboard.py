@@ -53,7 +53,7 @@ def test_the_dashboard_needs_the_token_and_shows_the_job(coordinator_factory: Ca
         jobs = {j["job"]: j for j in state()["jobs"]}
         ranks = {r["rank"]: r for r in jobs.get("shown", {}).get("ranks", [])}
         blocked = ranks.get(0, {}).get("blocked", "")
-        return re.fullmatch(r"all_reduce on group 'world' for [\d.]+ s", blocked) is not None
+        return re.fullmatch(r"all_reduce on group 'world' for [\d.]+ s \(op #\d+ of the group\)", blocked) is not None
 
     wait_for(rank_zero_blocked, 60, "rank 0's all_reduce on the dashboard (reports start after 15 s of a 60 s timeout)",
              0.5)

@@ -60,9 +60,10 @@ class _Member:
         self.store = store
         self.global_rank = global_rank
         self.groups: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.published: tuple[tuple[str, str, float], ...] = ()
-        self.slow: tuple[tuple[str, str, float], ...] = ()
-        """The slow ops found at the last look, published or not: (group, op, since as time.monotonic())."""
+        self.published: tuple[tuple[str, str, float, int], ...] = ()
+        self.slow: tuple[tuple[str, str, float, int], ...] = ()
+        """The slow ops found at the last look, published or not: (group, op, since as time.monotonic(), the op's
+        sequence number in its group: 1 for the group's first op)."""
         self.seen: dict[int, tuple[int, float]] = {}
         """id(group) -> (op number, time.monotonic() when the reporter first saw it running)."""
 
@@ -150,7 +151,7 @@ class _Reporter:
             since = first[1] if first is not None and first[0] == seq else now
             seen[id(g)] = (seq, since)
             if now - since >= after:
-                slow.append((g.name, op, since))
+                slow.append((g.name, op, since, seq))
         m.seen = seen
         ops = tuple(sorted(slow))
         m.slow = ops
@@ -158,7 +159,8 @@ class _Reporter:
             return tick
         wall = time.time()
         report = {"pid": os.getpid(), "host": socket.gethostname(), "at": wall,
-                  "ops": [{"group": g, "op": op, "since": wall - (now - since)} for g, op, since in ops]}
+                  "ops": [{"group": g, "op": op, "since": wall - (now - since), "seq": seq}
+                          for g, op, since, seq in ops]}
         try:
             m.store.set(KEY.format(m.global_rank), json.dumps(report).encode())
             m.published = ops

@@ -27,8 +27,8 @@ from axond.store.init_methods import coordinator_store
 RETRY_OPEN_S = 10.0
 """Seconds before trying again to open the coordinator store after a failed try."""
 
-Slow = tuple[tuple[str, str, float], ...]
-"""(group, op, since as time.monotonic()) of each slow op, sorted."""
+Slow = tuple[tuple[str, str, float, int], ...]
+"""(group, op, since as time.monotonic(), sequence number in its group) of each slow op, sorted."""
 
 
 class JobSink:
@@ -60,7 +60,8 @@ class JobSink:
                 return
             now, wall = time.monotonic(), time.time()
             report = {"pid": os.getpid(), "host": socket.gethostname(), "at": wall,
-                      "ops": [{"group": g, "op": op, "since": wall - (now - since)} for g, op, since in slow]}
+                      "ops": [{"group": g, "op": op, "since": wall - (now - since), "seq": seq}
+                              for g, op, since, seq in slow]}
             with contextlib.suppress(Exception):  # a closed or failing store only loses the report
                 store.set(self._key, json.dumps(report).encode())
                 self._published = slow

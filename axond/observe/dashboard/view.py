@@ -38,7 +38,7 @@ def _blocked(state: CoordinatorState, job: str, generation: int, rank: int, now:
     try:
         ops = json.loads(raw).get("ops", [])
         return "; ".join(f"{o['op']} on group '{o['group']}' for {max(now - float(o['since']), 0.0):.1f} s"
-                         for o in ops)
+                         + (f" (op #{int(o['seq'])} of the group)" if "seq" in o else "") for o in ops)
     except (ValueError, TypeError, KeyError, AttributeError):
         return ""
 
