@@ -255,8 +255,8 @@ class JobRunner:
                 # done neither misses a restart nor exits (ending `docker compose up`) while others still work.
                 return self._exit_barrier(gen) if spec.max_restarts > 0 or nnodes > 1 else JobOutcome(0)
             if result is not None and result.first_failure is not None:
+                self._tell_accused(ranks, local, stacks)  # at once: before the wait for the root cause
                 failure = ranks.root_cause(min(CAUSE_GRACE_S, max(spec.stop_grace, 0.5))) or result.first_failure
-                self._tell_accused(ranks, local, stacks)
                 self._notice(f"{describe_failure(failure, ranks.exits())}; stopping the other local ranks")
                 ranks.stop(grace=spec.stop_grace)
                 # every local rank exited now: one may have failed earlier still, or be the one the others blame
