@@ -54,6 +54,29 @@ class FailureSettings:
     leniently, where raising is not an option: only an explicit true value turns it on)."""
     error_file: str | None = None
     """Where this rank writes its uncaught exception as JSON (AXOND_ERROR_FILE; the worker sets one per rank)."""
+    survivor_exit_delay_s: float = 0.0
+    """Under torchrun (TORCHELASTIC_RUN_ID set, no AXOND_ERROR_FILE): seconds a rank whose failure names another
+    rank as its cause waits before it exits, so that torchrun observes the root cause's exit first and names it
+    (AXOND_SURVIVOR_EXIT_DELAY_S, default `SURVIVOR_EXIT_DELAY_S`; 0: no wait). Elsewhere 0: `axond worker` names
+    the root cause by what each failure blames."""
+
+
+SURVIVOR_EXIT_DELAY_S = 2.0
+"""Default of `FailureSettings.survivor_exit_delay_s` under torchrun: longer than torchrun's 0.1 s monitor interval
+and than a failing rank's usual teardown."""
+
+
+def _survivor_delay(env: Mapping[str, str]) -> float:
+    """`FailureSettings.survivor_exit_delay_s` of environment `env` (a bad value: the default; read leniently, as the
+    failure path cannot raise)."""
+    if not env.get("TORCHELASTIC_RUN_ID") or env.get("AXOND_ERROR_FILE"):
+        return 0.0
+    raw = env.get("AXOND_SURVIVOR_EXIT_DELAY_S")
+    try:
+        value = float(raw) if raw else SURVIVOR_EXIT_DELAY_S
+    except ValueError:
+        return SURVIVOR_EXIT_DELAY_S
+    return min(max(value, 0.0), 60.0) if value == value else SURVIVOR_EXIT_DELAY_S
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
@@ -262,7 +285,8 @@ class RuntimeEnv:
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             state_dir=default_state_dir(env),
             failure=FailureSettings(debug=flag_on(env.get("AXOND_DEBUG")),
-                                    error_file=_text(env.get("AXOND_ERROR_FILE"))),
+                                    error_file=_text(env.get("AXOND_ERROR_FILE")),
+                                    survivor_exit_delay_s=_survivor_delay(env)),
             observe=ObserveSettings.from_env(env),
             torch_store=env.get("AXOND_TORCH_STORE", "1") != "0",
             **values,

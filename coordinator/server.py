@@ -37,6 +37,8 @@ from axond.coordinator.state.machine import CoordinatorState
 from axond.coordinator.service.waiting import WaitHub
 from axond.errors import CoordinatorError
 from axond.observe.coordinator_metrics import render_coordinator
+from axond.observe.dashboard.pages import Dashboard
+from axond.observe.dashboard.view import read_view
 from axond.observe.http import MetricsServer
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
@@ -402,7 +404,8 @@ def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     running._thread = thread
     if config.metrics_port is not None:
         try:
-            running.metrics = MetricsServer(config.host, config.metrics_port, lambda: render_coordinator(running))
+            running.metrics = MetricsServer(config.host, config.metrics_port, lambda: render_coordinator(running),
+                                            pages=Dashboard(lambda: read_view(running), running.token))
         except CoordinatorError:
             running.stop(grace=0.2)
             raise

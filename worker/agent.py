@@ -22,13 +22,16 @@ import grpc
 from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
-from axond.worker.causes import Elsewhere, blocked_reader, caused_elsewhere
+from axond.worker.blame import blamed, caused_elsewhere
+from axond.worker.blame import describe as describe_failure
+from axond.worker.causes import Elsewhere, blocked_reader
 from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
 from axond.worker.outage import DECIDE_AHEAD_S, OutageGuard
 from axond.worker.peers import PeerLink
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.spec import ConnectOptions, JobSpec
+from axond.worker.stacks import rank_stacks
 from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
 
 if TYPE_CHECKING:
@@ -242,8 +245,12 @@ class JobRunner:
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int],
                  guard: OutageGuard) -> JobOutcome | None:
         spec = self._spec
+        def stacks(rank: int) -> str:
+            pid = dict(zip(local, ranks.local_pids())).get(rank, 0)
+            return f"pid {pid}, " + rank_stacks(pid, self._error_file(gen, rank)) if pid else "exited"
+
         early = EarlyExitWatch(spec.job, self._notice, every=self._conn.env.wait_notice_s,
-                               blocked=blocked_reader(self._client, spec.job, gen))
+                               blocked=blocked_reader(self._client, spec.job, gen), stacks=stacks)
         while True:
             result = ranks.poll()
             if result is not None and result.ok:
@@ -254,13 +261,13 @@ class JobRunner:
                 # done neither misses a restart nor exits (ending `docker compose up`) while others still work.
                 return self._exit_barrier(gen) if spec.max_restarts > 0 or nnodes > 1 else JobOutcome(0)
             if result is not None and result.first_failure is not None:
+                self._tell_accused(ranks, local, stacks)  # at once: before the wait for the root cause
                 failure = ranks.root_cause(min(CAUSE_GRACE_S, max(spec.stop_grace, 0.5))) or result.first_failure
-                message = failure.describe()
-                self._notice(f"{message}; stopping the other local ranks")
+                self._notice(f"{describe_failure(failure, ranks.exits())}; stopping the other local ranks")
                 ranks.stop(grace=spec.stop_grace)
-                oldest = ranks.root_cause(0.0)  # every local rank exited now: one may have failed earlier still
-                if oldest is not None and oldest.failed_at < failure.failed_at:
-                    failure, message = oldest, oldest.describe()
+                # every local rank exited now: one may have failed earlier still, or be the one the others blame
+                failure = ranks.root_cause(0.0) or failure
+                message = describe_failure(failure, ranks.exits())
                 self._flush()
                 if nnodes > 1 and caused_elsewhere(failure, local):
                     told = self._told_of_other_failure(gen)
@@ -301,6 +308,18 @@ class JobRunner:
             early.check(ranks.exits(), local)
             self._hb.changed.wait(_MONITOR_TICK)
             self._hb.changed.clear()
+
+    def _tell_accused(self, ranks: LocalRanks, local: list[int], stacks: Callable[[int], str]) -> None:
+        """Before stopping them: the stacks (or state) of the local ranks that are still running although a failed
+        rank failed waiting for them (a timeout naming them): what they were doing instead."""
+        exits = ranks.exits()
+        running = {r for r, pid in zip(local, ranks.local_pids()) if pid}
+        for rank in sorted(running):
+            waiting = sorted(e.rank for e in exits if e.exit_code != 0 and blamed(e) == rank)
+            if waiting:
+                who = ", ".join(map(str, waiting))
+                self._notice(f"job {self._spec.job!r}: rank {rank}, which rank(s) {who} failed waiting for: "
+                             f"{stacks(rank)}")
 
     def _told_of_other_failure(self, gen: int) -> Elsewhere | None:
         """After a local rank failed because of a rank on another node: wait (up to CAUSE_GRACE_S) for that node's

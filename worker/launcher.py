@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from axond.worker.blame import blamed, pick
+
 OutputSink = Callable[[int, str, str], None]
 """Receives one output line: (global rank, "stdout" | "stderr", text without the newline)."""
 
@@ -101,6 +103,13 @@ class RankExit:
     failed_at: float = 0.0
     """When it failed (wall-clock seconds): the time in its error file, else when the worker saw it exit. The
     oldest failure is the root cause; the others are ranks that failed because of it."""
+    blames: int | None = None
+    """The global rank this rank failed because of, as its error file says (the peer its `DistributedError`
+    names); None if it says none (see `axond.worker.blame`)."""
+    reported: bool = False
+    """It wrote an error file (a rank killed by a signal writes none)."""
+    stopped: bool = False
+    """It exited after the worker began stopping the ranks, with no error file from before: the worker ended it."""
 
     def describe(self) -> str:
         """One line naming the rank, where it ran, its exit code and its cause, like
@@ -131,6 +140,13 @@ def _load(path: str) -> object:
             return json.loads(f.read(1 << 20))
     except (OSError, ValueError):
         return None
+
+
+def read_error_peer(path: str | None) -> int | None:
+    """The global rank a rank's error file says it failed because of (`peer`), or None."""
+    data = _load(path) if path else None
+    peer = data.get("peer") if isinstance(data, dict) else None
+    return peer if isinstance(peer, int) and not isinstance(peer, bool) and peer >= 0 else None
 
 
 def read_error_record(path: str | None) -> tuple[str, float | None]:
@@ -281,6 +297,8 @@ class LocalRanks:
         self._ranks = [_Rank(spec, argv, cwd, sink) for spec in specs]
         self._exits: list[RankExit] = []
         self._first_failure: RankExit | None = None
+        self._stopping_at: float | None = None
+        """When `stop` began (wall clock): ranks exiting after it were ended by the worker."""
         self._lock = threading.Lock()
 
     @property
@@ -309,10 +327,13 @@ class LocalRanks:
                     continue
                 seen_at = time.time()
                 when = read_error_record(r.spec.error_file)[1] if code != 0 else None
+                stopped = self._stopping_at is not None and (when is None or when >= self._stopping_at)
                 ex = RankExit(
                     r.spec.rank, r.spec.local_rank, code, r.cause() if code != 0 else "",
                     pid=r.proc.pid if r.proc is not None else 0, hostname=self.hostname,
                     failed_at=min(when, seen_at) if when is not None else seen_at,
+                    blames=read_error_peer(r.spec.error_file) if code != 0 else None,
+                    reported=when is not None, stopped=stopped and code != 0,
                 )
                 self._exits.append(ex)
                 if code != 0 and self._first_failure is None:
@@ -322,26 +343,31 @@ class LocalRanks:
             return GroupResult(tuple(self._exits), self._first_failure)
 
     def root_cause(self, grace: float = CAUSE_GRACE_S) -> RankExit | None:
-        """The oldest failure among the local ranks (see `RankExit.failed_at`), once a rank failed.
+        """The root cause among the local ranks' failures (`axond.worker.blame.pick`), once a rank failed.
 
         A rank that fails because of another often exits first (the root cause may still be writing its error
         file or tearing down), so this waits up to `grace` seconds for the other ranks to exit, or for every
-        still-running rank to have written no error file older than the oldest failure seen (after at least
-        `CAUSE_SETTLE_S`: the root cause aborts its groups before it writes its file)."""
+        still-running rank to have written no error file older than the oldest failure seen and to be blamed by no
+        failure (after at least `CAUSE_SETTLE_S`: the root cause aborts its groups before it writes its file)."""
         start = time.monotonic()
         while True:
             self.poll()
             with self._lock:
-                failures = [e for e in self._exits if e.exit_code != 0]
-                done = {e.local_rank for e in self._exits}
+                exits = list(self._exits)
+            failures = [e for e in exits if e.exit_code != 0]
             if not failures:
                 return None
-            oldest = min(failures, key=lambda e: e.failed_at)
+            root = pick(exits)
+            assert root is not None
+            oldest = min(e.failed_at for e in failures)
+            done = {e.local_rank for e in exits}
             running = [r for r in self._ranks if r.spec.local_rank not in done]
-            older = [r for r in running if (read_error_record(r.spec.error_file)[1] or float("inf")) < oldest.failed_at]
+            older = [r for r in running if (read_error_record(r.spec.error_file)[1] or float("inf")) < oldest]
+            accused = [r for r in running if any(blamed(f) == r.spec.rank for f in failures)]
             elapsed = time.monotonic() - start
-            if not running or elapsed >= grace or (not older and elapsed >= min(CAUSE_SETTLE_S, grace)):
-                return oldest
+            if (not running or elapsed >= grace
+                    or (not older and not accused and elapsed >= min(CAUSE_SETTLE_S, grace))):
+                return root
             time.sleep(_POLL_INTERVAL)
 
     def wait(self, timeout: float) -> GroupResult | None:
@@ -361,6 +387,10 @@ class LocalRanks:
 
         Every wait is bounded; output still buffered in the pipes is drained for a short while.
         """
+        self.poll()  # the exits before the stop are the ranks' own
+        with self._lock:
+            if self._stopping_at is None:
+                self._stopping_at = time.time()
         for r in self._ranks:
             r.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + grace

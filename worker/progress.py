@@ -32,6 +32,9 @@ EARLY_EXIT_NOTICE_S = 5.0
 WAIT_NOTICE_S = DEFAULT_WAIT_NOTICE_S
 """Seconds between two "still waiting" notices while ranks wait (AXOND_WAIT_NOTICE_S overrides it)."""
 
+MIN_POLL_S = 0.05
+"""Shortest wait between two reads of the ranks' reports (for very short AXOND_WAIT_NOTICE_S in tests)."""
+
 _OPEN_STATES = (pb.JOB_STATE_PENDING, pb.JOB_STATE_RESTARTING)
 """Job states in which a rendezvous may be open."""
 
@@ -119,32 +122,41 @@ class EarlyExitWatch:
       computing, or stuck in their own code).
 
     `blocked` reads what each given global rank reports being blocked in (`axond.distributed.diagnostics.inflight`);
-    it is called at most every `every` seconds (one store read per local rank: light on the coordinator), and may
-    return None when it cannot tell.
+    it is called every `every / 4` seconds while no rank reports a blocked op (one store read per local rank: light on
+    the coordinator), and once a report says since when an op waits, next when that op will have waited `every`
+    seconds, so that the notice comes at the documented time, not up to an interval late. It may return None when
+    it cannot tell.
     """
 
     def __init__(self, job: str, notice: Callable[[str], None], after: float = EARLY_EXIT_NOTICE_S,
                  every: float | None = None,
-                 blocked: Callable[[Sequence[int]], dict[int, Blocked] | None] | None = None) -> None:
-        self._job, self._notice = job, notice
+                 blocked: Callable[[Sequence[int]], dict[int, Blocked] | None] | None = None,
+                 clock: Callable[[], float] = time.time, stacks: Callable[[int], str] | None = None) -> None:
+        """`clock`: the wall clock the reports' times are on (tests pass their own). `stacks`: a local rank's Python
+        stacks, or why there are none (`axond.worker.stacks`), told once per hang for each rank that reports no
+        blocked op while others wait for it."""
+        self._job, self._notice, self._clock, self._stacks = job, notice, clock, stacks
+        self._dumped: set[int] = set()
         self._every = WAIT_NOTICE_S if every is None else every
         self._after = min(after, self._every) if self._every > 0 else after
         self._blocked = blocked
-        self._started = time.monotonic()
+        self._started = clock()
         self._first_seen: float | None = None
         self._told = False
         self._last_notice = 0.0
-        self._last_poll = time.monotonic()
+        self._next_poll = self._started + self._poll_every()
+
+    def _poll_every(self) -> float:
+        return max(self._every / 4, MIN_POLL_S)
 
     def check(self, exits: Sequence[RankExit], all_ranks: Sequence[int]) -> None:
         """Call on each monitor tick with the exits so far and every local rank's global rank."""
-        now = time.monotonic()
+        now = self._clock()
         if len(exits) == len(all_ranks):
             return
         if exits:
             self._check_early(exits, all_ranks, now)
-        elif self._every > 0 and self._blocked is not None and now - self._last_poll >= self._every:
-            self._last_poll = now
+        elif self._every > 0 and self._blocked is not None and now >= self._next_poll:
             self._check_blocked(all_ranks, now)
 
     def _reports(self, ranks: Sequence[int]) -> dict[int, Blocked]:
@@ -183,17 +195,28 @@ class EarlyExitWatch:
         )
 
     def _check_blocked(self, all_ranks: Sequence[int], now: float) -> None:
+        self._next_poll = now + self._poll_every()
         if now - self._last_notice < self._every:
+            self._next_poll = max(self._next_poll, self._last_notice + self._every)
             return
         reports = self._reports(all_ranks)
-        wall = time.time()
-        longest = max((wall - since for ops in reports.values() for _, _, since in ops), default=0.0)
+        longest = max((now - since for ops in reports.values() for _, _, since in ops), default=None)
+        if longest is None:
+            self._dumped.clear()  # nobody waits: the next hang is a new one
+            return
         if longest < self._every:
+            self._next_poll = now + max(self._every - longest, MIN_POLL_S)  # when that op has waited `every`
             return
         self._last_notice = now
-        parts = [f"rank {r} blocked in {blocked_text(reports[r])}" for r in sorted(reports) if reports[r]]
+        self._next_poll = now + self._every
+        parts = [f"rank {r} blocked in {blocked_text(reports[r], now)}" for r in sorted(reports) if reports[r]]
         outside = [r for r in all_ranks if not reports.get(r)]
         if outside:
             parts.append(f"rank(s) {_ranks(outside)} report no blocked op (outside axond: computing, or stuck in "
                          "their own code)")
         self._notice(f"job {self._job!r}: still waiting: " + "; ".join(parts))
+        if self._stacks is not None:
+            for r in outside:
+                if r not in self._dumped:
+                    self._dumped.add(r)
+                    self._notice(f"job {self._job!r}: rank {r}, which the others wait for: {self._stacks(r)}")

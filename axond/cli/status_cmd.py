@@ -62,7 +62,26 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
     ]
     if omitted:
         parts.append(f"{omitted} ranks not shown")
+    goodput = goodput_rows(status)
+    if goodput:
+        parts += ["", f"GOODPUT ({len(goodput)})", format_table(GOODPUT_HEADER, goodput)]
     return "\n".join(parts)
+
+
+GOODPUT_CAUSES = ("productive", "startup", "waiting_for_members", "detection", "reformation")
+GOODPUT_HEADER = ("JOB", "WALL", "GOODPUT", "PRODUCTIVE", "STARTUP", "WAITING", "DETECTION", "REFORMATION")
+
+
+def goodput_rows(status: pb.GetStatusResponse) -> list[tuple[object, ...]]:
+    """Per job: its wall time, the productive share, and the seconds of each cause (they add up to the wall time)."""
+    rows: list[tuple[object, ...]] = []
+    for j in status.jobs:
+        if not j.goodput:
+            continue
+        parts = {p.cause: p.seconds for p in j.goodput}
+        share = parts.get("productive", 0.0) / j.wall_s if j.wall_s > 0 else 0.0
+        rows.append((j.job, f"{j.wall_s:.1f}s", f"{share:.1%}", *(f"{parts.get(c, 0.0):.1f}s" for c in GOODPUT_CAUSES)))
+    return rows
 
 
 @click.command(

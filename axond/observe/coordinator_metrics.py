@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from axond.coordinator.state.jobs import JobState
 from axond.coordinator.state.membership import Health
 from axond.observe.exposition import Family, render
+from axond.observe.goodput_metrics import goodput_families
 
 if TYPE_CHECKING:
     from axond.coordinator.server import RunningCoordinator
@@ -78,7 +79,8 @@ def coordinator_families(running: RunningCoordinator) -> list[Family]:
     kv = Family("axond_kv_ops_total", "counter", "KV store and barrier calls served, by operation.")
     for op in KV_OPS:
         kv.add(kv_ops.get(op, 0), op=op)
-    return [nodes, age, worst, jobs, job_state, generation, world, job_nodes, rendezvous, restarts, total, kv]
+    return [nodes, age, worst, jobs, job_state, generation, world, job_nodes, rendezvous, restarts, total, kv,
+            *goodput_families(snap)]
 
 
 def render_coordinator(running: RunningCoordinator) -> str:

@@ -99,9 +99,9 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
         files = FileStore(method.path)
         return OpenedStore(files, [files.close])
     if method.scheme == "axond":
-        return _coordinator_store(f"{method.host}:{method.port}", env)
+        return coordinator_store(f"{method.host}:{method.port}", env)
     if env.coordinator:
-        return _coordinator_store(env.coordinator, env)
+        return coordinator_store(env.coordinator, env)
     if env.file_store:
         files = FileStore(env.file_store)
         return OpenedStore(files, [files.close])
@@ -142,10 +142,12 @@ def _agent_store(host: str, port: int, size: int, timeout: float, prefix: str) -
 def open_job_store(env: RuntimeEnv) -> OpenedStore | None:
     """The store of this rank's job generation at the coordinator (AXOND_COORDINATOR, AXOND_JOB, AXOND_GENERATION:
     what `axond worker` sets), or None outside an axond job."""
-    return _coordinator_store(env.coordinator, env) if env.coordinator else None
+    return coordinator_store(env.coordinator, env) if env.coordinator else None
 
 
-def _coordinator_store(address: str, env: RuntimeEnv) -> OpenedStore:
+def coordinator_store(address: str, env: RuntimeEnv) -> OpenedStore:
+    """The KV store of the job generation `env` names (AXOND_JOB, AXOND_GENERATION), served by the coordinator at
+    `address`, with the client that serves it among its closers."""
     from axond.control import client
 
     conn = client.connect(address, token=env.token, tls_ca=env.tls_ca, env=env)

@@ -540,7 +540,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "state", "generation", "world_size", "nnodes", "restarts", "max_restarts", "reason", "ranks", "min_nodes", "max_nodes", "joined_hosts", "ranks_omitted", "finished_age_s")
+    __slots__ = ("job", "state", "generation", "world_size", "nnodes", "restarts", "max_restarts", "reason", "ranks", "min_nodes", "max_nodes", "joined_hosts", "ranks_omitted", "finished_age_s", "wall_s", "goodput")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -555,6 +555,8 @@ class JobStatus(_message.Message):
     JOINED_HOSTS_FIELD_NUMBER: _ClassVar[int]
     RANKS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     generation: int
@@ -569,7 +571,17 @@ class JobStatus(_message.Message):
     joined_hosts: _containers.RepeatedScalarFieldContainer[str]
     ranks_omitted: int
     finished_age_s: float
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., nnodes: _Optional[int] = ..., restarts: _Optional[int] = ..., max_restarts: _Optional[int] = ..., reason: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., joined_hosts: _Optional[_Iterable[str]] = ..., ranks_omitted: _Optional[int] = ..., finished_age_s: _Optional[float] = ...) -> None: ...
+    wall_s: float
+    goodput: _containers.RepeatedCompositeFieldContainer[GoodputPart]
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., nnodes: _Optional[int] = ..., restarts: _Optional[int] = ..., max_restarts: _Optional[int] = ..., reason: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., joined_hosts: _Optional[_Iterable[str]] = ..., ranks_omitted: _Optional[int] = ..., finished_age_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., goodput: _Optional[_Iterable[_Union[GoodputPart, _Mapping]]] = ...) -> None: ...
+
+class GoodputPart(_message.Message):
+    __slots__ = ("cause", "seconds")
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    cause: str
+    seconds: float
+    def __init__(self, cause: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ("job", "all", "max_ranks")

@@ -317,7 +317,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                         for r in j.ranks
                     ],
                     min_nodes=j.min_nodes, max_nodes=j.max_nodes, joined_hosts=list(j.joined_hosts),
-                    ranks_omitted=j.ranks_omitted, finished_age_s=j.finished_age_s,
+                    ranks_omitted=j.ranks_omitted, finished_age_s=j.finished_age_s, wall_s=j.wall_s,
+                    goodput=[pb.GoodputPart(cause=c, seconds=s) for c, s in j.goodput],
                 )
                 for j in snap.jobs
             ],

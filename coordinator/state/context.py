@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 from axond.coordinator.state.errors import InvalidArgument, NotFound, short
+from axond.coordinator.state.goodput import GoodputBook
 from axond.coordinator.state.jobs import Job
 from axond.coordinator.state.kv_space import ByteBudget, KvSpace
 from axond.coordinator.limits import CoordinatorLimits
@@ -28,6 +29,8 @@ class StateContext:
         self.journal: Journal | None = None
         """Set when the state is durable: what changed since the last commit."""
         self._listener = listener or (lambda topic: None)
+        self.goodput = GoodputBook()
+        """Where each job's wall time went (the job lifecycle tells it of each change of a job's state)."""
 
     def listen(self, listener: Callable[[Topic], None]) -> None:
         self._listener = listener

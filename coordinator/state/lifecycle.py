@@ -131,6 +131,7 @@ class JobLifecycle:
                 if node.node_id in job.assigned:
                     job.assigned.remove(node.node_id)
                     self.scheduler.enqueue(job.name)
+                self.ctx.goodput.detected(job.name, node.last_seen, now)
                 self._bump(job, f"node {node.node_id} ({node.hostname}) {why}", True, 1, now)
             if ran and self._orphaned(job, node):
                 self.finish(job, JobState.FAILED, 1, (
@@ -201,6 +202,7 @@ class JobLifecycle:
                 self._bump(j, f"node {node_id} ({node.hostname}) joined; re-forming with more nodes", False, 0, now)
             return None
         rnd.add(node_id, node.order_key, nproc, now)
+        self.ctx.goodput.observe(job, j, now)
         if rnd.freeze_at() is not None:
             self.ctx.notify("timer")
         self._maybe_freeze(j, now)
@@ -286,6 +288,7 @@ class JobLifecycle:
         if j.state.terminal or not j.round.maybe_freeze(now):
             return
         j.state = JobState.RUNNING
+        self.ctx.goodput.observe(j.name, j, now)
         if j.reason.startswith(REFUSED):
             j.reason = ""
         left = self.waiting_next.setdefault(j.name, {})
@@ -330,6 +333,7 @@ class JobLifecycle:
         now_waiting = self.waiting_next.pop(j.name, {})
         for node_id, (key, nproc) in now_waiting.items():
             j.round.add(node_id, key, nproc, now)
+        self.ctx.goodput.observe(j.name, j, now)
         j.events.append(InfoEvent(f"restarting as generation {j.generation}: {reason}"))
         self.ctx.notify("job", j.name)
         self.ctx.notify("events", j.name)
@@ -344,6 +348,7 @@ class JobLifecycle:
             j.kv = self.ctx.new_space()
             self.ctx.store_cleared(j.name)
         j.state, j.exit_code, j.reason, j.finished_at = state, exit_code, message, now
+        self.ctx.goodput.observe(j.name, j, now)
         self.waiting_next.pop(j.name, None)
         j.events.append(FinishedEvent(exit_code, message))
         for node in self.members.nodes.values():

@@ -234,7 +234,8 @@ class CoordinatorState:
                 jobs = sorted(self.jobs.values(), key=lambda j: j.name)
                 if not all:
                     jobs = [j for j in jobs if j.finished_at is None or now - j.finished_at <= limits.status_retention_s]
-            return snapshot(self.members, jobs, now, ranks, None if all else limits.status_retention_s)
+            return snapshot(self.members, jobs, now, ranks, None if all else limits.status_retention_s,
+                            self.ctx.goodput)
 
     def kv_set(self, job: str, generation: int, key: str, value: bytes) -> None:
         with self.lock:

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
 
+from axond.coordinator.state.goodput import GoodputBook
 from axond.coordinator.state.jobs import Job, JobState
 from axond.coordinator.state.membership import Health, Membership
 
@@ -50,6 +51,10 @@ class JobView:
     joined_hosts: tuple[str, ...] = ()
     ranks_omitted: int = 0
     finished_age_s: float = 0.0
+    wall_s: float = 0.0
+    """Seconds from the job's creation to its end (or now), kept by the coordinator's `GoodputBook`."""
+    goodput: tuple[tuple[str, float], ...] = ()
+    """(cause, seconds) of that wall time, productive first (`coordinator.state.goodput.CAUSES`)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,8 @@ def _ranks(members: Membership, job: Job, limit: int) -> tuple[RankView, ...]:
 
 
 def snapshot(
-    members: Membership, jobs: Iterable[Job], now: float, max_ranks: int = 1024, node_retention_s: float | None = None
+    members: Membership, jobs: Iterable[Job], now: float, max_ranks: int = 1024, node_retention_s: float | None = None,
+    goodput: GoodputBook | None = None,
 ) -> StatusSnapshot:
     """Copy what `axond status` shows; nodes in rank order (hostname, registration).
 
@@ -89,6 +95,7 @@ def snapshot(
     )
     views = []
     for j in jobs:
+        clock = goodput.read(j.name, j, now) if goodput is not None else None
         ranks = _ranks(members, j, max_ranks)
         frozen = j.round.members is not None
         nnodes = len(j.round.members or []) if frozen else len(j.round.joiners)
@@ -98,6 +105,8 @@ def snapshot(
                 j.name, j.state, j.generation, j.round.world_size, nnodes, j.restarts, j.max_restarts, j.reason, ranks,
                 j.min_nodes, j.max_nodes, hosts, j.round.world_size - len(ranks),
                 0.0 if j.finished_at is None else max(0.0, now - j.finished_at),
+                clock.wall(now) if clock is not None else 0.0,
+                tuple(clock.totals(now).items()) if clock is not None else (),
             )
         )
     return StatusSnapshot(nodes, tuple(views))

@@ -68,6 +68,7 @@ class SubmittedJobs:
             raise AlreadyExists(f"job {short(name)} is still {old.state.name}; pick another name or cancel it")
         j = self.lifecycle.new_job(name, spec.nnodes, spec.nnodes, spec.max_restarts)
         j.spec = spec
+        self.ctx.goodput.observe(name, j, now)  # queued for daemons: waiting for members
         self.scheduler.enqueue(name)
         self.scheduler.place()
         return name

@@ -66,7 +66,7 @@ def _ranks(tmp_path: Path, source: str, debug: bool = False) -> list[Any]:
 
 def _error_file(tmp_path: Path, rank: int) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((tmp_path / f"error-{rank}.json").read_text())
-    assert set(data) == {"rank", "type", "message", "traceback", "time"}
+    assert set(data) == {"rank", "type", "message", "traceback", "time", "peer"}
     return data
 
 
@@ -88,6 +88,7 @@ def test_survivor_prints_the_root_cause_in_one_short_traceback(tmp_path: Path) -
     consequence = _error_file(tmp_path, 0)
     assert consequence["rank"] == 0 and consequence["type"] == "DistributedError" and CAUSE in consequence["message"]
     assert record["time"] <= consequence["time"]  # the worker reports the earliest as the root cause
+    assert record["peer"] is None and consequence["peer"] == 1  # the rank each failed because of (axond.worker.blame)
 
 
 @pytest.mark.slow  # among the longest tests: the full run, not the quick loop

@@ -183,3 +183,14 @@ def test_the_worker_builds_its_ranks_environment_from_its_runtime_env(monkeypatc
         assert "SET_AFTER_THE_WORKER_STARTED" not in spec.env
         assert spec.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and spec.env["AXOND_TOKEN"] == "tok"
         assert (spec.env["AXOND_JOB"], spec.env["AXOND_GENERATION"], spec.env["AXOND_JOB_SECRET"]) == ("j", "3", "01")
+
+
+def test_survivors_wait_before_exiting_only_under_torchrun() -> None:
+    torchrun = {"TORCHELASTIC_RUN_ID": "run"}
+    assert RuntimeEnv.from_env(torchrun).failure.survivor_exit_delay_s == 2.0
+    assert RuntimeEnv.from_env({**torchrun, "AXOND_SURVIVOR_EXIT_DELAY_S": "0.5"}).failure.survivor_exit_delay_s == 0.5
+    assert RuntimeEnv.from_env({**torchrun, "AXOND_SURVIVOR_EXIT_DELAY_S": "0"}).failure.survivor_exit_delay_s == 0.0
+    assert RuntimeEnv.from_env({**torchrun, "AXOND_SURVIVOR_EXIT_DELAY_S": "x"}).failure.survivor_exit_delay_s == 2.0
+    under_worker = {**torchrun, "AXOND_ERROR_FILE": "/e.json"}  # axond worker names the root cause itself
+    assert RuntimeEnv.from_env(under_worker).failure.survivor_exit_delay_s == 0.0
+    assert RuntimeEnv.from_env({}).failure.survivor_exit_delay_s == 0.0

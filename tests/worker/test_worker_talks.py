@@ -55,7 +55,8 @@ def test_the_failure_line_names_the_root_cause_not_the_first_exit(procs: Procs, 
     res = procs.run("worker", "--standalone", "--nproc-per-node", "2", "--stop-grace", "3", "--", PY, "-c", ROOT_CAUSE)
     assert res.code == 1, res.stderr
     assert re.fullmatch(r"axond worker: job 'default' failed: rank 1 \(\S+, pid \d+\) exited with code 1: "
-                        r"ValueError: bad batch on rank 1", last_line(res.stderr)), res.stderr[-3000:]
+                        r"ValueError: bad batch on rank 1 \(then rank 0 failed because of it\)", last_line(res.stderr)
+                        ), res.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -24,6 +25,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from axond.config import FailureSettings, RuntimeEnv
+from axond.distributed.diagnostics import stacks
 from axond.errors import DistributedError
 
 if TYPE_CHECKING:
@@ -41,6 +43,11 @@ _settings = FailureSettings()
 """This process's failure reporting, as the environment `init_process_group` (or `import axond`) read gives it."""
 _env_rank = -1
 """RANK of that environment: the rank an error file names before a default group exists."""
+_members: dict[str, list[int]] = {}
+"""The global ranks of each group this process built, by name: how an error file names a peer by its global rank."""
+MAX_REMEMBERED_GROUPS = 1024
+"""Groups whose members `_members` keeps at most (a process that builds more forgets the oldest)."""
+_ROOT_RANK = re.compile(r"\brank (\d+) failed: ")
 
 
 def configure(env: RuntimeEnv) -> None:
@@ -55,6 +62,9 @@ def track(group: ProcessGroup) -> None:
     configure(group.options.runtime_env())
     with _lock:
         _live.add(group)
+        _members[group.name] = list(group.ranks)
+        while len(_members) > MAX_REMEMBERED_GROUPS:
+            del _members[next(iter(_members))]
 
 
 def untrack(group: ProcessGroup) -> None:
@@ -121,8 +131,23 @@ def _rank() -> int:
     return _env_rank
 
 
+def blamed_peer(error: BaseException) -> int | None:
+    """The global rank whose failure `error` is a consequence of: the rank its root cause names, else the peer a
+    `DistributedError` names (mapped from its group's ranks); None for this rank's own failure."""
+    if not isinstance(error, DistributedError):
+        return None
+    found = _ROOT_RANK.search(error.root_cause or "")
+    if found is not None:
+        return int(found.group(1))
+    ranks = _members.get(error.group or "")
+    if error.peer is None or ranks is None or not 0 <= error.peer < len(ranks):
+        return None
+    return ranks[error.peer]
+
+
 def write_error_file(error: BaseException, path: str, when: float | None = None) -> None:
-    """Write `error` as JSON {rank, type, message, traceback, time} to `path`, atomically (temp file, rename).
+    """Write `error` as JSON {rank, type, message, traceback, time, peer} to `path`, atomically (temp file,
+    rename). `peer` is the global rank this failure is a consequence of (`blamed_peer`), or null.
 
     `when` (default: now) is the time the failure was noticed, taken before the peers were told.
     """
@@ -132,6 +157,7 @@ def write_error_file(error: BaseException, path: str, when: float | None = None)
         "message": str(error),
         "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
         "time": time.time() if when is None else when,
+        "peer": blamed_peer(error),
     }
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".axond-error-", dir=directory)
@@ -148,7 +174,13 @@ def write_error_file(error: BaseException, path: str, when: float | None = None)
 
 
 def report(error: BaseException) -> None:
-    """This process fails with `error`: abort the live groups and write the error file, once; never raises."""
+    """This process fails with `error`: abort the live groups and write the error file, once; never raises.
+
+    Under torchrun, a failure that names another rank as its cause (`blamed_peer`) then waits
+    `FailureSettings.survivor_exit_delay_s` before returning: torchrun names as root cause the first failure it
+    observes, and the rank that failed first may take longer to exit than the ranks it took down (a SIGKILLed rank
+    writes no error file; a rank's teardown can be slow), so survivors leave it time to be seen first (torchrun then
+    stops them)."""
     when = time.time()  # before the peers hear of it: a root cause is older than the failures it causes
     try:
         if getattr(error, "_axond_reported", False):
@@ -161,6 +193,9 @@ def report(error: BaseException) -> None:
         path = _settings.error_file
         if path:
             write_error_file(error, path, when)
+        delay = _settings.survivor_exit_delay_s
+        if delay > 0 and blamed_peer(error) is not None:
+            time.sleep(delay)  # under torchrun: let it see the root cause exit first (FailureSettings)
     except BaseException:  # a failing failure report must not hide the user's exception
         pass
 
@@ -201,10 +236,12 @@ def install() -> None:
 
 def install_if_launched(env: RuntimeEnv) -> None:
     """`configure` from `env`, and `install` when the worker launched this rank (AXOND_ERROR_FILE set), so that an
-    exception before `init_process_group` still reaches the error file (called at import)."""
+    exception before `init_process_group` still reaches the error file (called at import); also have the worker's
+    signal dump this rank's stacks (`stacks`)."""
     configure(env)
     if env.failure.error_file:
         install()
+        stacks.install(env.failure.error_file)  # the worker may ask for this rank's stacks when it hangs
 
 
 def record(fn: F) -> F:

@@ -9,6 +9,10 @@ the peer's key and appends what it says to its `DistributedError`. So the messag
 peer was in another op, in another group (a cross-group deadlock), or in no op at all (computing,
 or stuck outside axond).
 
+A process that `axond worker` launched also publishes the union of its groups' slow ops under its RANK in the job
+generation's coordinator store, where the worker and `axond status` read them, when its groups are built on another
+store (torch's): `job_report`.
+
 Reports are JSON, never pickles. A store that fails or has gone away only loses the report; the
 thread never raises. Publishing happens only for ops that are already slow, so fast ops cost three
 attribute writes and no clock read.
@@ -24,6 +28,8 @@ import time
 import weakref
 from typing import Any, Protocol
 
+from axond.distributed.diagnostics.job_report import JobSink, coordinator_opener, launched_env, publishes_itself
+from axond.config import RuntimeEnv
 from axond.store import Store
 
 KEY = "axond/inflight/{}"
@@ -54,7 +60,10 @@ class _Member:
         self.store = store
         self.global_rank = global_rank
         self.groups: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.published: tuple[tuple[str, str, float], ...] = ()
+        self.published: tuple[tuple[str, str, float, int], ...] = ()
+        self.slow: tuple[tuple[str, str, float, int], ...] = ()
+        """The slow ops found at the last look, published or not: (group, op, since as time.monotonic(), the op's
+        sequence number in its group: 1 for the group's first op)."""
         self.seen: dict[int, tuple[int, float]] = {}
         """id(group) -> (op number, time.monotonic() when the reporter first saw it running)."""
 
@@ -67,6 +76,25 @@ class _Reporter:
         self._members: dict[tuple[int, int], _Member] = {}
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+        self._sink: JobSink | None = None
+        self._env: RuntimeEnv | None = None
+
+    def _job_sink(self) -> JobSink:
+        """The process's publisher to its job's coordinator store (read from the environment once)."""
+        if self._sink is None:
+            env = launched_env()
+            self._sink = JobSink(KEY.format(env.rank), coordinator_opener(env)) if env is not None else JobSink("")
+            self._env = env
+        return self._sink
+
+    def _publish_job(self, members: list[_Member]) -> None:
+        """Publish the union of `members`' slow ops to the job's coordinator store, unless they publish there."""
+        sink = self._job_sink()
+        if not sink.active or self._env is None:
+            return
+        if publishes_itself([(m.store, m.global_rank) for m in members], self._env):
+            return
+        sink.publish(tuple(sorted(op for m in members for op in m.slow)))
 
     def register(self, store: Store, global_rank: int, group: Tracked) -> None:
         with self._lock:
@@ -96,13 +124,16 @@ class _Reporter:
                 members = [(m, list(m.groups)) for m in self._members.values()]
                 if not members:
                     self._thread = None
-                    return
+            if not members:
+                self._publish_job([])  # the groups are gone: so are their slow ops
+                return
             tick = 1.0
             for m, groups in members:
                 try:
                     tick = min(tick, self._publish(m, groups))
                 except Exception:  # noqa: BLE001 - never let a report kill the reporter
                     pass
+            self._publish_job([m for m, _ in members])
             self._wake.wait(tick)
             self._wake.clear()
 
@@ -120,14 +151,16 @@ class _Reporter:
             since = first[1] if first is not None and first[0] == seq else now
             seen[id(g)] = (seq, since)
             if now - since >= after:
-                slow.append((g.name, op, since))
+                slow.append((g.name, op, since, seq))
         m.seen = seen
         ops = tuple(sorted(slow))
+        m.slow = ops
         if ops == m.published:
             return tick
         wall = time.time()
         report = {"pid": os.getpid(), "host": socket.gethostname(), "at": wall,
-                  "ops": [{"group": g, "op": op, "since": wall - (now - since)} for g, op, since in ops]}
+                  "ops": [{"group": g, "op": op, "since": wall - (now - since), "seq": seq}
+                          for g, op, since, seq in ops]}
         try:
             m.store.set(KEY.format(m.global_rank), json.dumps(report).encode())
             m.published = ops

@@ -1,0 +1,154 @@
+// The axond coordinator's dashboard: polls /api/state and draws jobs (goodput, its history, ranks and what each
+// is blocked in) and nodes. Vanilla JS, no dependencies; text is set with textContent, never parsed as HTML.
+"use strict";
+
+const COLORS = {productive: "#2da44e", startup: "#8c959f", waiting_for_members: "#bf8700", detection: "#cf222e",
+                reformation: "#8250df"};
+const REFRESH_MS = 2000;
+const token = new URLSearchParams(window.location.search).get("token");
+
+function el(tag, text, cls) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (cls) node.className = cls;
+  return node;
+}
+
+function row(cells) {
+  const tr = el("tr");
+  for (const c of cells) tr.appendChild(c instanceof Node ? c : el("td", c));
+  return tr;
+}
+
+function td(node) {
+  const cell = el("td");
+  cell.appendChild(node);
+  return cell;
+}
+
+function seconds(s) {
+  return s >= 3600 ? (s / 3600).toFixed(1) + " h" : s >= 60 ? (s / 60).toFixed(1) + " min" : s.toFixed(1) + " s";
+}
+
+function goodputBar(job, causes) {
+  const bar = el("div", null, "bar");
+  const wall = job.wall_s || 0;
+  for (const cause of causes) {
+    const part = job.goodput[cause] || 0;
+    if (wall <= 0 || part <= 0) continue;
+    const span = el("span");
+    span.style.width = (100 * part / wall) + "%";
+    span.style.background = COLORS[cause] || "#999";
+    span.title = cause + ": " + seconds(part);
+    bar.appendChild(span);
+  }
+  return bar;
+}
+
+function legend(job, causes) {
+  const box = el("div", null, "legend");
+  for (const cause of causes) {
+    const item = el("span");
+    const swatch = el("span", null, "swatch");
+    swatch.style.background = COLORS[cause] || "#999";
+    item.appendChild(swatch);
+    item.appendChild(document.createTextNode(cause.replace(/_/g, " ") + " " + seconds(job.goodput[cause] || 0)));
+    box.appendChild(item);
+  }
+  return box;
+}
+
+function historyPlot(job) {
+  const ns = "http://www.w3.org/2000/svg";
+  const w = 480, h = 90, pad = 4, top = 20;
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("width", w);
+  svg.setAttribute("height", h);
+  svg.setAttribute("class", "goodput-plot");
+  const points = job.history.filter(p => p[1] > 0);
+  if (points.length < 2) {
+    const t = document.createElementNS(ns, "text");
+    t.setAttribute("x", 8);
+    t.setAttribute("y", h / 2);
+    t.setAttribute("fill", "#777");
+    t.textContent = "goodput over time: not enough samples yet";
+    svg.appendChild(t);
+    return svg;
+  }
+  const t0 = points[0][0], t1 = points[points.length - 1][0] || 1;
+  const x = t => pad + (w - 2 * pad) * (t - t0) / Math.max(t1 - t0, 1e-9);
+  const y = r => h - pad - (h - pad - top) * r;
+  const line = document.createElementNS(ns, "polyline");
+  line.setAttribute("points", points.map(p => x(p[0]).toFixed(1) + "," + y(p[2] / p[1]).toFixed(1)).join(" "));
+  line.setAttribute("fill", "none");
+  line.setAttribute("stroke", COLORS.productive);
+  line.setAttribute("stroke-width", "2");
+  svg.appendChild(line);
+  const label = document.createElementNS(ns, "text");
+  label.setAttribute("x", 8);
+  label.setAttribute("y", 14);
+  label.setAttribute("fill", "#555");
+  label.textContent = "goodput (productive / wall) over " + seconds(t1 - t0);
+  svg.appendChild(label);
+  return svg;
+}
+
+function drawJob(job, causes) {
+  const box = el("div", null, "job");
+  box.dataset.job = job.job;
+  const title = el("h3");
+  title.appendChild(document.createTextNode(job.job + " "));
+  title.appendChild(el("span", job.state, "state-" + job.state));
+  box.appendChild(title);
+  const ratio = job.wall_s > 0 ? (100 * (job.goodput.productive || 0) / job.wall_s).toFixed(1) + " %" : "-";
+  box.appendChild(el("div", "generation " + job.generation + " · " + job.nodes + " node(s), world size " +
+                     job.world_size + " · restarts " + job.restarts + "/" + job.max_restarts + " · wall " +
+                     seconds(job.wall_s) + " · goodput " + ratio, "muted"));
+  if (job.reason) box.appendChild(el("div", "reason: " + job.reason));
+  box.appendChild(goodputBar(job, causes));
+  box.appendChild(legend(job, causes));
+  box.appendChild(historyPlot(job));
+  const table = el("table", null, "ranks");
+  table.appendChild(row(["rank", "node", "host", "pid", "node rank", "local rank", "blocked in"].map(t => el("th", t))));
+  for (const r of job.ranks) {
+    table.appendChild(row([r.rank, r.node, r.host || "-", r.pid || "-", r.node_rank, r.local_rank,
+                           el("td", r.blocked || "-", r.blocked ? "blocked" : "muted")]));
+  }
+  box.appendChild(table);
+  if (job.ranks_omitted) box.appendChild(el("div", job.ranks_omitted + " more ranks not shown", "muted"));
+  return box;
+}
+
+function draw(data) {
+  const jobs = document.getElementById("jobs");
+  jobs.replaceChildren(...data.jobs.map(j => drawJob(j, data.causes)));
+  if (!data.jobs.length) jobs.appendChild(el("div", "no jobs", "muted"));
+  document.getElementById("job-count").textContent = data.jobs.length;
+  const body = document.querySelector("#nodes tbody");
+  body.replaceChildren(...data.nodes.map(n => row([n.node, n.host, el("td", n.health, "health-" + n.health),
+                                                     n.heartbeat_age_s.toFixed(1) + " s", n.slots, n.mode,
+                                                     n.job || "-"])));
+  document.getElementById("node-count").textContent = data.nodes.length;
+  document.getElementById("updated").textContent = new Date(data.at * 1000).toLocaleTimeString();
+  document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
+}
+
+async function refresh() {
+  const error = document.getElementById("error");
+  try {
+    const answer = await fetch("api/state", {headers: token ? {"Authorization": "Bearer " + token} : {},
+                                             cache: "no-store"});
+    if (!answer.ok) {
+      error.textContent = "the coordinator answered " + answer.status + ": " + (await answer.text());
+      return;
+    }
+    draw(await answer.json());
+    error.textContent = "";
+  } catch (e) {
+    error.textContent = "cannot reach the coordinator: " + e;
+  } finally {
+    setTimeout(refresh, REFRESH_MS);
+  }
+}
+
+refresh();

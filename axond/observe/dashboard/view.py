@@ -1,0 +1,80 @@
+"""What the dashboard shows, as JSON-ready data: nodes, jobs with their goodput and its history, ranks with what each
+reports being blocked in (read from the job generation's store, as `axond status --job` does).
+
+Read on the coordinator's event loop (where its state changes), like its /metrics, with bounded work: at most
+`MAX_RANKS` ranks of each job, and their reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from axond.coordinator.state.errors import StateError
+from axond.coordinator.state.goodput import CAUSES
+from axond.distributed.diagnostics.inflight import KEY as INFLIGHT_KEY
+
+if TYPE_CHECKING:
+    from axond.coordinator.server import RunningCoordinator
+    from axond.coordinator.state.machine import CoordinatorState
+
+MAX_RANKS = 256
+"""Ranks of each job the dashboard lists (and whose reports it reads)."""
+
+READ_TIMEOUT_S = 5.0
+"""How long a page's read waits for the coordinator's event loop."""
+
+
+def _blocked(state: CoordinatorState, job: str, generation: int, rank: int, now: float) -> str:
+    """`all_reduce on group 'world' for 12.0 s` from the rank's published report ("" if none or unreadable)."""
+    try:
+        raw = state.kv_get(job, generation, INFLIGHT_KEY.format(rank))
+    except StateError:
+        return ""
+    if raw is None:
+        return ""
+    try:
+        ops = json.loads(raw).get("ops", [])
+        return "; ".join(f"{o['op']} on group '{o['group']}' for {max(now - float(o['since']), 0.0):.1f} s"
+                         + (f" (op #{int(o['seq'])} of the group)" if "seq" in o else "") for o in ops)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return ""
+
+
+def state_view(state: CoordinatorState) -> dict[str, Any]:
+    """The dashboard's data, now."""
+    now, wall = time.monotonic(), time.time()
+    snap = state.status("", now, all=True, max_ranks=MAX_RANKS)
+    nodes = [{"node": n.node_id, "host": n.hostname, "health": n.health.name.lower(),
+              "heartbeat_age_s": round(n.last_heartbeat_age_s, 2), "slots": n.slots,
+              "mode": "daemon" if n.daemon else "agent", "job": n.job} for n in snap.nodes]
+    jobs = []
+    for j in snap.jobs:
+        running = not j.state.terminal
+        clock = state.ctx.goodput.read(j.job, state.jobs.get(j.job), now)
+        history = [[round(t, 2), round(w, 3), round(p, 3)] for t, w, p in clock.history] if clock else []
+        ranks = [{"rank": r.rank, "node": r.node_id, "host": r.hostname, "pid": r.pid, "node_rank": r.node_rank,
+                  "local_rank": r.local_rank,
+                  "blocked": _blocked(state, j.job, j.generation, r.rank, wall) if running else ""}
+                 for r in j.ranks]
+        jobs.append({
+            "job": j.job, "state": j.state.name.lower(), "generation": j.generation, "world_size": j.world_size,
+            "nodes": j.nnodes, "restarts": j.restarts, "max_restarts": j.max_restarts, "reason": j.reason,
+            "wall_s": round(j.wall_s, 3), "goodput": {c: round(s, 3) for c, s in j.goodput},
+            "history": history, "ranks": ranks, "ranks_omitted": j.ranks_omitted,
+        })
+    return {"at": wall, "causes": list(CAUSES), "nodes": nodes, "jobs": jobs}
+
+
+async def _on_loop(state: CoordinatorState) -> dict[str, Any]:
+    return state_view(state)
+
+
+def read_view(running: RunningCoordinator) -> dict[str, Any]:
+    """`state_view` of a running coordinator, taken on its event loop."""
+    loop = running._loop
+    if loop is not None and loop.is_running():
+        return asyncio.run_coroutine_threadsafe(_on_loop(running.state), loop).result(READ_TIMEOUT_S)
+    return state_view(running.state)

@@ -1,0 +1,90 @@
+"""The coordinator's dashboard in a real headless browser (Debian's chromium and chromium-driver, driven by
+selenium): the page shows a running job and its ranks, updates itself, and logs no error in the console.
+
+Skips where selenium, chromium or chromedriver are missing (`apt-get install chromium chromium-driver`,
+`pip install selenium`). With AXOND_TEST_SCREENSHOTS=DIR it also saves its screenshots there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from axond.coordinator.server import RunningCoordinator
+from dashboard_job import TOKEN, start_dashboard_job
+from worker_support import Procs, procs  # noqa: F401
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+DRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
+                                reason="no chromium and chromedriver (apt-get install chromium chromium-driver)")
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Any]:
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1200,1000",
+                f"--user-data-dir={tmp_path / 'chromium'}"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _wait(driver: Any, predicate: Callable[[Any], Any], timeout: float, what: str) -> None:
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        WebDriverWait(driver, timeout, poll_frequency=0.2).until(predicate)
+    except TimeoutException:
+        pytest.fail(f"timed out after {timeout} s waiting for {what}; the page says:\n"
+                    f"{driver.find_element('tag name', 'body').text}")
+
+
+def _screenshot(driver: Any, name: str, tmp_path: Path) -> None:
+    driver.save_screenshot(str(tmp_path / name))
+    where = os.environ.get("AXOND_TEST_SCREENSHOTS")
+    if where:
+        driver.save_screenshot(str(Path(where) / name))
+
+
+def test_the_dashboard_shows_a_running_job_and_updates(coordinator_factory: Callable[..., RunningCoordinator],
+                                                       procs: Procs, tmp_path: Path, browser: Any) -> None:
+    shown = start_dashboard_job(coordinator_factory, procs, tmp_path)
+    browser.get(shown.url + f"?token={TOKEN}")
+    _wait(browser, lambda d: d.find_elements("css selector", ".job[data-job='shown'] .state-running"), 30,
+          "the running job on the page")
+    updates = int(browser.find_element("tag name", "body").get_attribute("data-updates"))
+    _wait(browser, lambda d: int(d.find_element("tag name", "body").get_attribute("data-updates")) >= updates + 2, 30,
+          "two more refreshes")
+    _wait(browser, lambda d: "all_reduce on group 'world'" in d.find_element("css selector", ".ranks").text, 60,
+          "rank 0's all_reduce in the ranks table (reports start after 15 s of the ranks' 60 s timeout)")
+    text = browser.find_element("tag name", "body").text
+    assert "shown" in text and "productive" in text and "goodput" in text
+    nodes = browser.find_elements("css selector", "#nodes tbody tr")
+    assert len(nodes) == 1 and "shown" in nodes[0].text
+    _screenshot(browser, "culprit-dashboard.png", tmp_path)
+    errors = [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
+    assert errors == [], errors
+
+
+def test_the_dashboard_refuses_a_browser_without_the_token(coordinator_factory: Callable[..., RunningCoordinator],
+                                                           procs: Procs, tmp_path: Path, browser: Any) -> None:
+    shown = start_dashboard_job(coordinator_factory, procs, tmp_path, job="refused")
+    browser.get(shown.url)
+    assert "requires its token" in browser.find_element("tag name", "body").text
+    assert not browser.find_elements("css selector", ".job")
