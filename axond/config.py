@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from axond.env_flags import FALSE, TRUE, flag_on
+from axond.launchers import LauncherError, launcher_ranks
 from axond.observe.settings import ObserveSettings
 
 __all__ = ["ConfigError", "FailureSettings", "RuntimeEnv", "WAIT_NOTICE_S", "default_state_dir", "parse_overlap"]
@@ -104,6 +105,22 @@ def parse_overlap(raw: str | None) -> bool | None:
                       "(on the calling thread)")
 
 
+def _from_launcher(env: Mapping[str, str], values: dict[str, Any], strict: bool) -> None:
+    """Fill the ranks RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE left unset from an MPI launcher's variables."""
+    try:
+        found = launcher_ranks(env)
+    except LauncherError as e:
+        if strict:
+            raise ConfigError(str(e)) from e
+        return
+    if found is None:
+        return
+    values["launcher"] = found.launcher
+    for name in ("rank", "world_size", "local_rank", "local_world_size"):
+        if getattr(found, name) is not None:
+            values.setdefault(name, getattr(found, name))
+
+
 @dataclass(frozen=True)
 class RuntimeEnv:
     """Every environment variable the library and the daemons use, parsed (docs/environment.md says what each means).
@@ -124,6 +141,9 @@ class RuntimeEnv:
     """LOCAL_RANK: index of this rank on its node (also the GPU the nccl backend uses)."""
     local_world_size: int | None = None
     """LOCAL_WORLD_SIZE: ranks on this node."""
+    launcher: str | None = None
+    """The MPI launcher whose variables gave the ranks not set above (`axond.launchers`; e.g. OMPI_COMM_WORLD_RANK
+    under `mpirun`), or None: no MPI launcher started this process."""
     master_addr: str | None = None
     """MASTER_ADDR: host of the rendezvous TCP store."""
     master_port: int | None = None
@@ -217,6 +237,7 @@ class RuntimeEnv:
             raw = _text(env.get(var))
             if raw is not None:
                 values[name] = raw
+        _from_launcher(env, values, strict)
         return cls(
             environ=MappingProxyType(env),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
