@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,7 +55,7 @@ def group_comm(store: Store, rank: int, size: int, group_name: str, timeout: flo
                                f"{members}; start one rank per MPI process", op="init", rank=rank)
     if members == list(range(world.Get_size())):
         return world.Dup()
-    tag = int.from_bytes(group_name.encode()[-3:] or b"\0", "big") & 0x7FFF
+    tag = zlib.crc32(group_name.encode()) & 0x7FFF  # the members create their groups in one order: any tag works
     everyone = world.Get_group()
     chosen = everyone.Incl(members)
     try:
