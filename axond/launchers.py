@@ -97,7 +97,8 @@ def _slurm_local_size(environ: Mapping[str, str]) -> int | None:
     counts = tasks_per_node(spec)
     index = _int(environ, "SLURM_NODEID")
     if index >= len(counts):
-        raise LauncherError(f"SLURM_NODEID={index} is past the {len(counts)} nodes of SLURM_STEP_TASKS_PER_NODE={spec!r}")
+        raise LauncherError(f"SLURM_NODEID={index} is past the {len(counts)} nodes of "
+                            f"SLURM_STEP_TASKS_PER_NODE={spec!r}")
     return counts[index]
 
 

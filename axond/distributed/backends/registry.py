@@ -12,7 +12,8 @@ from axond.errors import BackendUnavailable
 from axond.store import Store
 
 _MODULES = {"tcp": "axond.distributed.backends.tcp", "nccl": "axond.distributed.backends.nccl",
-            "mock": "axond.distributed.backends.mock", "mpi": "axond.distributed.backends.mpi", "staging": "axond.distributed.backends.nccl.staging",
+            "mock": "axond.distributed.backends.mock", "mpi": "axond.distributed.backends.mpi",
+            "staging": "axond.distributed.backends.nccl.staging",
             "gpu-auto": "axond.distributed.backends.nccl.auto"}
 """Backend name -> module or package defining it (its `BACKEND`); imported lazily so that CuPy is only touched when
 asked for. "mock" joins

@@ -26,7 +26,6 @@ from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.numerics.reducers import ACCUMULATE, check_reduce_op, finish_average, narrow_into
 from axond.distributed.ops import DTYPES, OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
 from axond.distributed.work import PendingSend
-from axond.errors import DistributedError
 from axond.store import Store
 
 MAX_NDIM = 32
