@@ -42,7 +42,7 @@ def test_the_backend_is_registered_and_says_what_to_install(monkeypatch: pytest.
 
 
 def test_options_come_from_the_environment_or_are_given() -> None:
-    assert MpiOptions.from_env({}) == MpiOptions()
+    assert MpiOptions.from_env({}) == MpiOptions() and MpiOptions().spin is None  # auto: by cores and ranks
     assert MpiOptions.from_env({"AXOND_MPI_CHECK_CALLS": "0", "AXOND_MPI_SPIN": "0"}) == MpiOptions(False, 0)
     with pytest.raises(ValueError, match="AXOND_MPI_CHECK_CALLS"):
         MpiOptions.from_env({"AXOND_MPI_CHECK_CALLS": "maybe"})

@@ -3,13 +3,14 @@
 Arrays go to MPI as they are (NumPy buffers, zero-copy; a non-contiguous array through a contiguous copy), under a
 dtype MPI has for the bytes (`library.wire_view`). Device arrays go straight to a CUDA-aware MPI library. Low-precision
 reductions run in float32 and round once (`library`). Before each collective the members compare their calls
-(`Channel.check_call`, `MpiOptions.check_calls`), so that a different op, dtype, size or root raises on every rank.
+(`Channel.start_check`, `MpiOptions.check_calls`), so that a different op, dtype, size or root raises on every rank.
 """
 
 from __future__ import annotations
 
 import importlib
 import operator
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions
 from axond.distributed.backends.host_arrays import output_array, scatter_rows
 from axond.distributed.backends.mpi.channel import Channel, group_comm
 from axond.distributed.backends.mpi.library import INSTALL, available, cuda_aware, mpi, reduce_op, wire_view
-from axond.distributed.backends.mpi.options import MpiOptions
+from axond.distributed.backends.mpi.options import SPIN, MpiOptions
 from axond.distributed.backends.splits import announcement, check_splits, offsets, settle
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.numerics.reducers import ACCUMULATE, check_reduce_op, finish_average, narrow_into
@@ -30,6 +31,16 @@ from axond.store import Store
 
 MAX_NDIM = 32
 """Dimensions a scattered array may have (its shape travels in a fixed header)."""
+
+
+def spin_for(comm: Any) -> int:
+    """`SPIN`, or 0 where the members on this host outnumber its cores (MPI_COMM_TYPE_SHARED: the host's members)."""
+    local = comm.Split_type(mpi().COMM_TYPE_SHARED)
+    try:
+        crowded = local.Get_size() > len(os.sched_getaffinity(0))
+    finally:
+        local.Free()
+    return 0 if crowded else SPIN
 
 
 def _module(x: Any) -> Any:
@@ -47,8 +58,9 @@ class MpiBackend(Backend):
         super().__init__(store, rank, size, group_name, options)
         own: MpiOptions = self.own_options()
         self.check_calls = own.check_calls
-        self.ch = Channel(group_comm(store, rank, size, group_name, options.timeout), rank, size, group_name,
-                          options.timeout, own.spin)
+        comm = group_comm(store, rank, size, group_name, options.timeout)
+        self.ch = Channel(comm, rank, size, group_name, options.timeout, own.spin if own.spin is not None
+                          else spin_for(comm))
         self.MPI = self.ch.MPI
         self._device: bool | None = None
 
@@ -77,7 +89,7 @@ class MpiBackend(Backend):
         if self.check_calls and self.size > 1:
             code = dtype_code(x.dtype) if x is not None else 0
             n = (x.size if x is not None else 0) if count is None else count
-            self.ch.check_call(name, (int(op), code, n, REDUCE_CODES[redop.value] if redop else 0, aux))
+            self.ch.start_check((int(op), code, n, REDUCE_CODES[redop.value] if redop else 0, aux))
         return name
 
     def _root(self, root: int, what: str) -> int:
@@ -262,7 +274,9 @@ class MpiBackend(Backend):
 
     def barrier(self) -> None:
         name = self._begin(Op.BARRIER, None)
-        if not (self.check_calls and self.size > 1):  # the call check met every member already
+        if self.check_calls and self.size > 1:  # the call check meets every member: it is the barrier
+            self.ch.wait([], name)
+        else:
             self._run(name, lambda: self.ch.comm.Ibarrier(), None)
 
     # -- point to point

@@ -77,6 +77,8 @@ class Channel:
         self._status = self.MPI.Status()
         self._heard = self.control.Irecv([self._reason, self.MPI.BYTE], self.MPI.ANY_SOURCE, ABORT_TAG)
         self._check = np.zeros(2 * CHECK_FIELDS, np.int64)
+        self._checking: tuple[Any, tuple[int, int, int, int, int]] | None = None
+        """The call check `start_check` started, which the next `wait` completes."""
         self._stuck: list[tuple[Any, Any]] = []
         """Requests that timed out, with the buffers MPI may still write: kept alive until the process ends."""
         self.aborted: str | None = None
@@ -115,13 +117,27 @@ class Channel:
              status: Any = None) -> None:
         """Poll `requests` until all completed; at the group's deadline, or when a peer aborts, raise and abort.
 
-        `keep`: the buffers of the requests (kept alive past a timeout, as MPI may still write them); `status`: filled
-        by the single request of a receive."""
+        A call check started by `start_check` is waited for first (the op's requests progress meanwhile: one round
+        of the members for both), and a mismatch raises before the op's requests complete. `keep`: the buffers of the
+        requests (kept alive past a failure, as MPI may still write them); `status`: filled by the single request of a
+        receive."""
         MPI = self.MPI
+        deadline = None
+        if self._checking is not None:
+            check, call = self._checking
+            self._checking = None
+            deadline = self._poll(check.Test, op, peer, [check, *requests], keep, None)
+            self._verify(op, call, requests, keep)
         test = (lambda: requests[0].Test(status)) if len(requests) == 1 else (lambda: MPI.Request.Testall(requests))
+        self._poll(test, op, peer, requests, keep, deadline)
+
+    def _poll(self, test: Callable[[], bool], op: str, peer: int | None, requests: Sequence[Any], keep: Any,
+              deadline: float | None) -> float | None:
+        """Call `test` until it is true (returns the deadline it kept, or None: at once); raise at the deadline or on a
+        peer's abort, keeping `requests` and `keep` alive."""
         if test():
-            return
-        deadline = time.monotonic() + self.timeout
+            return deadline
+        deadline = deadline if deadline is not None else time.monotonic() + self.timeout
         polls = 0
         while not test():
             polls += 1
@@ -136,6 +152,7 @@ class Channel:
                 if time.monotonic() > deadline:
                     self._stuck.append((list(requests), keep))
                     raise self.fail(op, peer, self._late(op, peer), timed_out=True)
+        return deadline
 
     def _late(self, op: str, peer: int | None) -> str:
         if peer is not None:
@@ -148,18 +165,25 @@ class Channel:
             text += f"; {self.explain_peers(op)}"
         return text + " (MPI cannot abort a started collective: the group is aborted)"
 
-    def check_call(self, op: str, call: tuple[int, int, int, int, int]) -> None:
-        """Raise on every member, naming the first peer that differs, unless all called `call` (an all_reduce of
-        (call, -call) with MAX: equal on every member exactly when its max equals minus its min)."""
+    def start_check(self, call: tuple[int, int, int, int, int]) -> None:
+        """Start checking that every member called `call` (op, dtype code, count, reduce code, aux): an all_reduce of
+        (call, -call) with MAX, equal on every member exactly when its max equals minus its min. The next `wait`
+        completes it, with the op's own requests."""
         buf = self._check
         buf[:CHECK_FIELDS] = call
         np.negative(buf[:CHECK_FIELDS], out=buf[CHECK_FIELDS:])
-        self.wait([self.comm.Iallreduce(self.MPI.IN_PLACE, buf, self.MPI.MAX)], op, keep=buf)
+        self._checking = (self.comm.Iallreduce(self.MPI.IN_PLACE, buf, self.MPI.MAX), call)
+
+    def _verify(self, op: str, call: tuple[int, int, int, int, int], requests: Sequence[Any], keep: Any) -> None:
+        """Raise on every member, naming the first peer that differs, unless the check found every call alike (the
+        op's `requests`, started with a mismatched call, are then kept: MPI cannot cancel them)."""
+        buf = self._check
         if (buf[:CHECK_FIELDS] == -buf[CHECK_FIELDS:]).all():
             return
+        self._stuck.append((list(requests), keep))
         mine = np.array(call, np.int64)
         calls = np.empty((self.size, CHECK_FIELDS), np.int64)
-        self.wait([self.comm.Iallgather(mine, calls)], op, keep=(mine, calls))
+        self._poll(self.control.Iallgather(mine, calls).Test, op, None, [], (mine, calls), None)
         differ = [p for p in range(self.size) if tuple(int(v) for v in calls[p]) != tuple(call)]
         peer = differ[0] if differ else (self.rank + 1) % self.size
         theirs = [int(v) for v in calls[peer]]

@@ -52,7 +52,7 @@ def wire_view(x: Any) -> Any:
     dt = x.dtype
     if dt in MOVED_AS:
         return x.view(MOVED_AS[dt])
-    if dt.kind == "V" or dt.name == "bfloat16":
+    if dt.kind == "V":  # ml_dtypes' bfloat16
         return x.view(np.uint16)
     return x
 

@@ -9,6 +9,8 @@ from axond.env_flags import parse_flag
 
 CHECK_ENV = "AXOND_MPI_CHECK_CALLS"
 SPIN_ENV = "AXOND_MPI_SPIN"
+SPIN = 256
+"""Polls before yielding, where every rank of the host has a core of its own."""
 
 
 @dataclass(frozen=True)
@@ -19,8 +21,9 @@ class MpiOptions:
     """Before each collective, check that every member called the same op, dtype, size and root (one 80-byte
     all_reduce; a mismatch raises on every rank, naming the peer). Off (AXOND_MPI_CHECK_CALLS=0): a mismatch is
     whatever the MPI library does with it (an MPI error, a timeout, or wrong data)."""
-    spin: int = 256
-    """Polls of a request before each further poll also yields the core to other processes (AXOND_MPI_SPIN)."""
+    spin: int | None = None
+    """Polls of a request before each further poll also yields the core to other processes (AXOND_MPI_SPIN); None:
+    `SPIN`, or 0 where this host's ranks outnumber its cores (a peer that must progress may be waiting for one)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> MpiOptions:
@@ -28,10 +31,10 @@ class MpiOptions:
         check = parse_flag(CHECK_ENV, environ.get(CHECK_ENV) or "1")
         raw = environ.get(SPIN_ENV, "").strip()
         try:
-            spin = int(raw) if raw else cls.spin
+            spin = int(raw) if raw else None
         except ValueError:
             spin = -1
-        if spin < 0:
+        if spin is not None and spin < 0:
             raise ValueError(f"bad {SPIN_ENV}={raw!r}: use an integer >= 0 (polls before yielding the core)")
         return cls(check_calls=check, spin=spin)
 
