@@ -52,8 +52,8 @@ def wire_view(x: Any) -> Any:
     dt = x.dtype
     if dt in MOVED_AS:
         return x.view(MOVED_AS[dt])
-    if dt.kind == "V":  # ml_dtypes' bfloat16
-        return x.view(np.uint16)
+    if dt.kind == "V":  # ml_dtypes' bfloat16: its bytes as an unsigned integer of its width
+        return x.view(f"u{dt.itemsize}")
     return x
 
 
