@@ -2,7 +2,7 @@
 
 Ranks of an MPI job are processes, not the threads of tests/collectives/test_collectives.py, so this script runs the
 same inputs and NumPy references (`collective_cases`) on its own rank and checks its own results; rank 0 writes every
-rank's failures to OUT as JSON ({"size", "backend", "cases", "failures": [[rank, case, message]]}), which
+rank's failures to OUT as JSON ({"size", "backend", "cases", "hosts", "failures": [[rank, case, message]]}), which
 tests/collectives/test_mpi_backend.py asserts empty. The group is formed without any rendezvous set: through MPI
 (`axond.store.mpi_rendezvous`), as a plain `mpirun` job does.
 """
@@ -10,6 +10,7 @@ tests/collectives/test_mpi_backend.py asserts empty. The group is formed without
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 import traceback
@@ -282,9 +283,10 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - every failure is reported, then the next case runs
             failures.append([pg.rank, fn.__name__, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"])
         pg.barrier()
-    everyone = pg.all_gather_object(failures) if hasattr(pg, "all_gather_object") else _gather(pg, failures)
+    everyone = _gather(pg, failures)
+    hosts = _gather(pg, socket.gethostname())
     if pg.rank == 0:
-        Path(out).write_text(json.dumps({"size": pg.size, "backend": pg.backend_name, "cases": ran,
+        Path(out).write_text(json.dumps({"size": pg.size, "backend": pg.backend_name, "cases": ran, "hosts": hosts,
                                          "failures": [f for fs in everyone for f in fs]}))
     axond.destroy_process_group()
     return 0
