@@ -32,7 +32,7 @@ def launch_agent(net: Network, path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_contract_cases_between_two_namespace_hosts_over_mpi_tcp(netns: Callable[..., Network],  # noqa: F811
+def test_contract_cases_between_two_namespace_hosts_over_mpi_tcp(netns: Callable[..., Network],
                                                                    tmp_path: Path) -> None:
     mpirun = mpirun_or_skip()
     net = netns(n_hosts=2)
