@@ -32,24 +32,27 @@ def launch_agent(net: Network, path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_contract_cases_between_two_namespace_hosts_over_mpi_tcp(netns: Callable[..., Network],
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_contract_cases_between_two_namespace_hosts_over_mpi_tcp(n: int, netns: Callable[..., Network],
                                                                    tmp_path: Path) -> None:
+    """n ranks, the first two in host 0 (Open MPI fills a host's slots first), the rest in host 1."""
     mpirun = mpirun_or_skip()
     net = netns(n_hosts=2)
     h0, h1 = net.hosts
     hostfile = tmp_path / "hosts"
-    hostfile.write_text(f"{h0.hostname} slots=1\n{h1.hostname} slots=1\n")
+    hostfile.write_text(f"{h0.hostname} slots={1 if n == 2 else 2}\n{h1.hostname} slots=2\n")
     agent = launch_agent(net, tmp_path / "agent.sh")
     out = tmp_path / "result.json"
     env = base_env(tmp_path / "home", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    MASTER_ADDR=h0.addr)
     env = {k: v for k, v in env.items() if k not in RENDEZVOUS or k == "MASTER_ADDR"}
-    argv = [mpirun, "--hostfile", str(hostfile), "-n", "2", "--mca", "plm_rsh_agent", str(agent),
+    argv = [mpirun, "--hostfile", str(hostfile), "-n", str(n), "--mca", "plm_rsh_agent", str(agent),
             "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", h0.ifname, "--mca", "oob_tcp_if_include",
             h0.ifname, "-x", "PATH", "-x", "HOME", "-x", "MASTER_ADDR", "-x", "PYTHONUNBUFFERED",
             sys.executable, str(CASES), "mpi", str(out)]
     proc = h0.run(argv, env=env, timeout=360)
     assert proc.returncode == 0 and out.is_file(), f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
-    assert result["hosts"] == [h0.hostname, h1.hostname], result["hosts"]
+    first = 1 if n == 2 else 2
+    assert result["hosts"] == [h0.hostname] * first + [h1.hostname] * (n - first), result["hosts"]
     assert not result["failures"], "\n\n".join(f"rank {r} {case}: {msg}" for r, case, msg in result["failures"])
