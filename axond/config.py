@@ -23,7 +23,8 @@ from axond.env_flags import FALSE, TRUE, flag_on
 from axond.launchers import LauncherError, launcher_ranks
 from axond.observe.settings import ObserveSettings
 
-__all__ = ["ConfigError", "FailureSettings", "RuntimeEnv", "WAIT_NOTICE_S", "default_state_dir", "parse_overlap"]
+__all__ = ["ConfigError", "FailureSettings", "RuntimeEnv", "WAIT_NOTICE_S", "default_state_dir", "export_defaults",
+           "parse_overlap"]
 
 WAIT_NOTICE_S = 60.0
 """Default seconds between `axond worker`'s "still waiting" notices (AXOND_WAIT_NOTICE_S)."""
@@ -252,3 +253,10 @@ class RuntimeEnv:
     def with_vars(self, **variables: str) -> RuntimeEnv:
         """This environment with `variables` set (e.g. what a worker adds for its ranks), read again."""
         return RuntimeEnv.from_env({**self.environ, **variables})
+
+
+def export_defaults(defaults: Mapping[str, str]) -> None:
+    """Set each variable of `defaults` that this process's environment leaves unset: settings of a library loaded next
+    that reads them when it starts (Open MPI's OMPI_MCA_* before mpi4py starts MPI, `axond.launchers`)."""
+    for var, value in defaults.items():
+        os.environ.setdefault(var, value)

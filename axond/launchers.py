@@ -12,7 +12,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LAUNCHERS", "Launcher", "LauncherError", "LauncherRanks", "launcher_ranks", "tasks_per_node"]
+__all__ = ["LAUNCHERS", "OPEN_MPI_DEFAULTS", "Launcher", "LauncherError", "LauncherRanks", "launcher_ranks",
+           "tasks_per_node"]
 
 
 class LauncherError(ValueError):
@@ -43,6 +44,11 @@ LAUNCHERS = (
              ("PMIX_LOCAL_RANK", "SLURM_LOCALID"), ("PMIX_LOCAL_SIZE",)),
 )
 """Launcher families in the order they are looked for (Open MPI 5 sets both OMPI_* and PMIX_*: OMPI_* wins)."""
+
+
+OPEN_MPI_DEFAULTS = {"OMPI_MCA_coll_libnbc_iallreduce_algorithm": "1"}
+"""Open MPI settings MPI starts with where the job sets none (`config.export_defaults`): the ring for the nonblocking
+all_reduce the mpi backend runs on (libnbc's own choice is several times slower on two ranks: docs/mpi.md#settings)."""
 
 
 @dataclass(frozen=True)

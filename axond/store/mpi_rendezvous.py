@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from axond.config import RuntimeEnv
+from axond.config import RuntimeEnv, export_defaults
 from axond.errors import DistributedError, StoreError
+from axond.launchers import OPEN_MPI_DEFAULTS
 from axond.store.tcp import TCPStore
 
 MESSAGE_BYTES = 512
@@ -26,6 +27,7 @@ MESSAGE_BYTES = 512
 
 
 def _mpi(launcher: str) -> Any:
+    export_defaults(OPEN_MPI_DEFAULTS)  # MPI starts here when the rendezvous goes through it
     try:
         from mpi4py import MPI
     except ImportError as e:

@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from axond.config import export_defaults
 from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.launchers import OPEN_MPI_DEFAULTS
 
 INSTALL = ("install mpi4py over an MPI library: `apt-get install openmpi-bin libopenmpi-dev` (or your cluster's MPI "
            "module), then `pip install 'axond[mpi]'`")
@@ -36,9 +38,11 @@ def available() -> tuple[bool, str]:
 
 
 def mpi() -> Any:
-    """The `mpi4py.MPI` module (imported, and MPI initialised with MPI_THREAD_MULTIPLE, on the first call)."""
+    """The `mpi4py.MPI` module (imported, and MPI initialised with MPI_THREAD_MULTIPLE and `OPEN_MPI_DEFAULTS`, on the
+    first call)."""
     global _MPI
     if _MPI is None:
+        export_defaults(OPEN_MPI_DEFAULTS)
         try:
             from mpi4py import MPI
         except ImportError as e:

@@ -9,8 +9,9 @@ from axond.env_flags import parse_flag
 
 CHECK_ENV = "AXOND_MPI_CHECK_CALLS"
 SPIN_ENV = "AXOND_MPI_SPIN"
-SPIN = 256
-"""Polls before yielding, where every rank of the host has a core of its own."""
+SPIN = 1 << 62
+"""Polls before yielding, where every rank of the host has a core of its own: never, as MPI's own blocking calls (a
+yield on a busy host gives the core away for milliseconds: docs/mpi.md#settings)."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class MpiOptions:
     whatever the MPI library does with it (an MPI error, a timeout, or wrong data)."""
     spin: int | None = None
     """Polls of a request before each further poll also yields the core to other processes (AXOND_MPI_SPIN); None:
-    `SPIN`, or 0 where this host's ranks outnumber its cores (a peer that must progress may be waiting for one)."""
+    `SPIN` (never yield), or 0 where this host's ranks outnumber its cores (a peer that must progress may be waiting
+    for one: as Open MPI's mpi_yield_when_idle)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> MpiOptions:
