@@ -368,12 +368,13 @@ def main() -> None:
     args = ap.parse_args()
     sizes = args.sizes or sizes_between(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
     if args.mpi_worker:
-        runner: Runner = MpiRunner()
         if args.backend != "tcp":  # axond's own backend ("mpi"), its group formed through MPI: no store to give
             import axond
 
             axond.init_process_group(args.backend, 120.0)
-            runner = AxondRunner(args.backend)
+            runner: Runner = AxondRunner(args.backend)
+        else:
+            runner = MpiRunner()
         res = run_suite(runner, args.ops, sizes, args.fresh_inputs)
         if runner.rank == 0:
             with open(args.mpi_worker, "w") as f:
