@@ -20,11 +20,11 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from axond.env_flags import FALSE, TRUE, flag_on
-from axond.launchers import LauncherError, launcher_ranks
+from axond.launchers import OPEN_MPI_DEFAULTS, LauncherError, launcher_ranks
 from axond.observe.settings import ObserveSettings
 
-__all__ = ["ConfigError", "FailureSettings", "RuntimeEnv", "WAIT_NOTICE_S", "default_state_dir", "export_defaults",
-           "parse_overlap"]
+__all__ = ["ConfigError", "FailureSettings", "OPEN_MPI_DEFAULTS", "RuntimeEnv", "WAIT_NOTICE_S", "default_state_dir",
+           "export_defaults", "parse_overlap"]
 
 WAIT_NOTICE_S = 60.0
 """Default seconds between `axond worker`'s "still waiting" notices (AXOND_WAIT_NOTICE_S)."""

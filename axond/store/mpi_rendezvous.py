@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from axond.config import RuntimeEnv, export_defaults
+from axond.config import OPEN_MPI_DEFAULTS, RuntimeEnv, export_defaults
 from axond.errors import DistributedError, StoreError
-from axond.launchers import OPEN_MPI_DEFAULTS
 from axond.store.tcp import TCPStore
 
 MESSAGE_BYTES = 512
