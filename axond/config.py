@@ -21,10 +21,11 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from axond.env_flags import FALSE, TRUE, flag_on
+from axond.launchers import OPEN_MPI_DEFAULTS, LauncherError, launcher_ranks
 from axond.observe.settings import ObserveSettings
 
-__all__ = ["ConfigError", "FailureSettings", "MAX_WORLD_SIZE", "RuntimeEnv", "WAIT_NOTICE_S", "default_state_dir",
-           "parse_overlap"]
+__all__ = ["ConfigError", "FailureSettings", "MAX_WORLD_SIZE", "OPEN_MPI_DEFAULTS", "RuntimeEnv", "WAIT_NOTICE_S",
+           "default_state_dir", "export_defaults", "parse_overlap"]
 
 MAX_WORLD_SIZE = 1 << 20
 """Default most ranks a job may have (AXOND_MAX_WORLD_SIZE; the coordinator's own limit is the same)."""
@@ -158,6 +159,22 @@ def parse_overlap(raw: str | None) -> bool | None:
                       "(on the calling thread)")
 
 
+def _from_launcher(env: Mapping[str, str], values: dict[str, Any], strict: bool) -> None:
+    """Fill the ranks RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE left unset from an MPI launcher's variables."""
+    try:
+        found = launcher_ranks(env)
+    except LauncherError as e:
+        if strict:
+            raise ConfigError(str(e)) from e
+        return
+    if found is None:
+        return
+    values["launcher"] = found.launcher
+    for name in ("rank", "world_size", "local_rank", "local_world_size"):
+        if getattr(found, name) is not None:
+            values.setdefault(name, getattr(found, name))
+
+
 @dataclass(frozen=True)
 class RuntimeEnv:
     """Every environment variable the library and the daemons use, parsed (docs/environment.md says what each means).
@@ -180,6 +197,9 @@ class RuntimeEnv:
     """LOCAL_WORLD_SIZE: ranks on this node."""
     max_world_size: int = MAX_WORLD_SIZE
     """AXOND_MAX_WORLD_SIZE: the most ranks WORLD_SIZE (or `world_size=`) may say."""
+    launcher: str | None = None
+    """The MPI launcher whose variables gave the ranks not set above (`axond.launchers`; e.g. OMPI_COMM_WORLD_RANK
+    under `mpirun`), or None: no MPI launcher started this process."""
     master_addr: str | None = None
     """MASTER_ADDR: host of the rendezvous TCP store."""
     master_port: int | None = None
@@ -280,6 +300,7 @@ class RuntimeEnv:
             raw = _text(env.get(var))
             if raw is not None:
                 values[name] = raw
+        _from_launcher(env, values, strict)
         return cls(
             environ=MappingProxyType(env),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
@@ -295,3 +316,10 @@ class RuntimeEnv:
     def with_vars(self, **variables: str) -> RuntimeEnv:
         """This environment with `variables` set (e.g. what a worker adds for its ranks), read again."""
         return RuntimeEnv.from_env({**self.environ, **variables})
+
+
+def export_defaults(defaults: Mapping[str, str]) -> None:
+    """Set each variable of `defaults` that this process's environment leaves unset: settings of a library loaded next
+    that reads them when it starts (Open MPI's OMPI_MCA_* before mpi4py starts MPI, `axond.launchers`)."""
+    for var, value in defaults.items():
+        os.environ.setdefault(var, value)

@@ -169,14 +169,16 @@ def free_port() -> int:
 
 
 def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float, btl: str = "tcp,self",
-            fresh: bool = False) -> Result | None:
+            fresh: bool = False, backend: str = "") -> Result | None:
+    """The suite under `mpirun -np n`: raw mpi4py, or axond's `backend` formed through MPI's rendezvous."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         return None
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--mca", "btl", btl, "-np", str(n),
                sys.executable, os.path.abspath(__file__), "--mpi-worker", out.name, "--ops", *ops,
-               "--sizes", *map(str, sizes), *(["--fresh-inputs"] if fresh else [])]
+               "--sizes", *map(str, sizes), *(["--fresh-inputs"] if fresh else []),
+               *(["--backend", backend] if backend else [])]
         try:
             subprocess.run(cmd, check=True, timeout=timeout, capture_output=True)
         except (subprocess.SubprocessError, OSError) as e:
@@ -330,7 +332,8 @@ def main() -> None:
     ap.add_argument("--max-bytes", default="256M")
     ap.add_argument("--factor", type=int, default=0, help="size step (nccl-tests -f); 0: 8 B, then x8 to 32 KiB, x4 to the max")
     ap.add_argument("--sizes", nargs="+", type=int, help="explicit sizes in bytes")
-    ap.add_argument("--backend", default="tcp", help="axond backend: tcp, nccl or auto")
+    ap.add_argument("--backend", default="tcp", help="axond backend: tcp, nccl, auto, or mpi (its ranks under mpirun "
+                                                     "with --mpi-btl, beside raw mpi4py with --peers mpi)")
     ap.add_argument("--peers", nargs="*", default=["sockets", "gloo", "mpi"],
                     help="peers to compare with, when installed (sockets: axond itself with AXOND_SHM=0)")
     ap.add_argument("--no-raw", action="store_true", help="skip the raw socket limit")
@@ -365,7 +368,13 @@ def main() -> None:
     args = ap.parse_args()
     sizes = args.sizes or sizes_between(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
     if args.mpi_worker:
-        runner = MpiRunner()
+        if args.backend != "tcp":  # axond's own backend ("mpi"), its group formed through MPI: no store to give
+            import axond
+
+            axond.init_process_group(args.backend, 120.0)
+            runner: Runner = AxondRunner(args.backend)
+        else:
+            runner = MpiRunner()
         res = run_suite(runner, args.ops, sizes, args.fresh_inputs)
         if runner.rank == 0:
             with open(args.mpi_worker, "w") as f:
@@ -406,9 +415,12 @@ def measure(args: argparse.Namespace, sizes: list[int]) -> None:
                     raw_sized[size] = max(raw_sized.get(size, 0.0), gbs)
             for op in args.ops:
                 probes.append((f"axond {op}", probe(0.3)))
-                with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
-                    got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes, True, args.nodes),
-                                 args.timeout, shared=args.shared_arrays, fresh=args.fresh_inputs)
+                if args.backend == "mpi":  # its ranks are an MPI job's, under the same btl as the raw MPI peer
+                    got = run_mpi(n, [op], sizes, args.timeout, args.mpi_btl, args.fresh_inputs, "mpi")
+                else:
+                    with tempfile.TemporaryDirectory(prefix="axond-bench-") as store_dir:
+                        got = _spawn(_axond_rank, n, (store_dir, args.backend, [op], sizes, True, args.nodes),
+                                     args.timeout, shared=args.shared_arrays, fresh=args.fresh_inputs)
                 if got is None:
                     sys.exit(f"axond benchmark failed at n = {n}")
                 ours = best(ours, got)

@@ -43,7 +43,8 @@ def _env_int(name: str, given: int | str | None, found: int | None) -> int:
             raise DistributedError(f"init_process_group: {name.lower()}={text[:40]!r} is not an integer")
         return int(text)
     if found is None:
-        raise DistributedError(f"init_process_group: {name} is not set; launch with `axond worker`/`axond run` (or torchrun), "
+        raise DistributedError(f"init_process_group: {name} is not set; launch with `axond worker`/`axond run` (or torchrun, "
+                               "mpirun, mpiexec, srun --mpi=pmix), "
                                f"or pass {name.lower()}=...")
     return found
 
@@ -107,6 +108,9 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
         options = BackendOptions(timeout=limit, job_secret=secret, host=host, device=local_rank, env=env,
                                  tcp=replace(options_class("tcp").from_env(env.environ), port=port) if port else None)
         owned = open_store(method, r, n, limit, secret, env) if store is None else None
+        if owned is not None and owned.master_addr is not None:  # found through MPI: route to rank 0, its secret
+            options = replace(options, env=env.with_vars(MASTER_ADDR=owned.master_addr),
+                              job_secret=secret or owned.secret or b"")
         try:
             _default = create_group(store if store is not None else owned.store, r, n, name, options)  # type: ignore[union-attr]
         except BaseException:

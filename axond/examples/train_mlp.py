@@ -24,6 +24,7 @@ import numpy as np
 
 import axond
 from axond import nn
+from axond.config import RuntimeEnv
 from axond.distributed import default_group
 from axond.nn.optim import AdamW
 from axond.nn.utils import save_checkpoint
@@ -152,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                    help="sharded training checkpoints: saved there, and a restarted run resumes from the newest")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="optimizer steps between checkpoints (0: only at the end)")
-    p.add_argument("--backend", default=d.backend, choices=["auto", "tcp", "nccl"])
+    p.add_argument("--backend", default=d.backend, choices=["auto", "tcp", "nccl", "mpi"])
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     p.add_argument("--parallel", default=d.parallel, choices=["ddp", "zero", "fsdp"],
                    help="ddp, zero (DDP + ZeroRedundancyOptimizer) or fsdp")
@@ -174,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    if "WORLD_SIZE" in os.environ:
+    if RuntimeEnv.from_env().world_size is not None:  # a launcher's: axond worker, torchrun, mpirun, srun
         group = axond.init_process_group(cfg.backend)
     else:
         group = axond.init_process_group("tcp", rank=0, world_size=1, store=axond.InMemoryStore(), host="127.0.0.1")

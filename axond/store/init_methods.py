@@ -3,9 +3,10 @@
 `env://` (the default) takes the first of: the coordinator (AXOND_COORDINATOR, what `axond worker` sets),
 a FileStore directory (AXOND_FILE_STORE), or a store at MASTER_ADDR:MASTER_PORT: the launcher's own torch
 TCPStore when TORCHELASTIC_USE_AGENT_STORE=True (what torchrun and `axond worker` set; every rank is a client),
-else a `TCPStore` served by rank 0. `tcp://host:port` is that TCPStore at an explicit address, `file://path` a
-FileStore in directory `path`, `axond://host:port` the coordinator at that address. Timeouts may be
-seconds or a `datetime.timedelta`, as torch's are.
+else a `TCPStore` served by rank 0; else, under an MPI launcher (`mpirun`), rank 0's TCPStore on a free port, its
+address and a job secret broadcast through MPI (`axond.store.mpi_rendezvous`). `tcp://host:port` is that TCPStore
+at an explicit address, `file://path` a FileStore in directory `path`, `axond://host:port` the coordinator at that
+address. Timeouts may be seconds or a `datetime.timedelta`, as torch's are.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from axond.config import RuntimeEnv
 from axond.errors import DistributedError, StoreError
 from axond.store.base import Store
 from axond.store.file import FileStore
+from axond.store.mpi_rendezvous import mpi_store
 from axond.store.tcp import TCPStore
 from axond.store.torch_agent import TorchAgentStore, agent_prefix
 
@@ -86,6 +88,10 @@ class OpenedStore:
 
     store: Store
     closers: list[Callable[[], None]] = field(default_factory=list)
+    master_addr: str | None = None
+    """Rank 0's host when the rendezvous found it (through MPI), for the data plane's route; None: as configured."""
+    secret: bytes | None = None
+    """The job secret the rendezvous agreed on (through MPI), or None: the configured one."""
 
 
 def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret: bytes,
@@ -110,10 +116,13 @@ def open_store(method: InitMethod, rank: int, size: int, timeout: float, secret:
         if env.agent_store:
             return _agent_store(addr, port, size, timeout, agent_prefix(env.elastic_run_id, env.restart_count))
         return _tcp_store(addr, port, rank, timeout, secret, f"MASTER_ADDR:MASTER_PORT ({addr}:{port})")
+    if env.launcher is not None:
+        return _through_mpi(rank, size, timeout, env)
     missing = "MASTER_PORT" if addr else "MASTER_ADDR" if port is not None else "MASTER_ADDR and MASTER_PORT"
     raise DistributedError("init_process_group: no store; set AXOND_COORDINATOR (what `axond worker` does), "
-                           f"or {missing} (what torchrun does; rank 0 serves the store), AXOND_FILE_STORE=<shared "
-                           "dir> for single-host runs, or pass store=... or init_method=...")
+                           f"or {missing} (what torchrun does; rank 0 serves the store), start the ranks with mpirun "
+                           "(with mpi4py installed), AXOND_FILE_STORE=<shared dir> for single-host runs, or pass "
+                           "store=... or init_method=...")
 
 
 def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, where: str) -> OpenedStore:
@@ -128,6 +137,13 @@ def _tcp_store(host: str, port: int, rank: int, timeout: float, secret: bytes, w
     if rank == 0:
         return OpenedStore(store, [lambda: store.close(linger=min(timeout, SERVER_LINGER))])
     return OpenedStore(store, [store.close])
+
+
+def _through_mpi(rank: int, size: int, timeout: float, env: RuntimeEnv) -> OpenedStore:
+    """Started by an MPI launcher with no rendezvous set: rank 0's store, found through MPI (`mpi_rendezvous`)."""
+    store, host, secret = mpi_store(rank, size, timeout, env)
+    linger = min(timeout, SERVER_LINGER) if rank == 0 else 0.0
+    return OpenedStore(store, [lambda: store.close(linger=linger)], host, secret)
 
 
 def _agent_store(host: str, port: int, size: int, timeout: float, prefix: str) -> OpenedStore:

@@ -112,8 +112,8 @@ def test_init_errors_say_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
         axond.init_process_group(rank=0, world_size=1)
     with pytest.raises(DistributedError, match="outside WORLD_SIZE"):
         axond.init_process_group(rank=2, world_size=2, store=InMemoryStore())
-    with pytest.raises(BackendUnavailable, match="unknown backend 'mpi'"):
-        axond.init_process_group("mpi", rank=0, world_size=1, store=InMemoryStore())
+    with pytest.raises(BackendUnavailable, match="unknown backend 'ucc'"):
+        axond.init_process_group("ucc", rank=0, world_size=1, store=InMemoryStore())
     with pytest.raises(DistributedError, match="not initialised"):
         axond.get_rank()
     assert not axond.is_initialized()

@@ -1,4 +1,5 @@
-"""A tiny registry of backends by name; the nccl backend registers only if its package imports."""
+"""A tiny registry of backends by name; the nccl backend can run only where CuPy imports, the mpi backend only where
+mpi4py does (`is_available` says what to install)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from axond.errors import BackendUnavailable
 from axond.store import Store
 
 _MODULES = {"tcp": "axond.distributed.backends.tcp", "nccl": "axond.distributed.backends.nccl",
-            "mock": "axond.distributed.backends.mock", "staging": "axond.distributed.backends.nccl.staging",
+            "mock": "axond.distributed.backends.mock", "mpi": "axond.distributed.backends.mpi",
+            "staging": "axond.distributed.backends.nccl.staging",
             "gpu-auto": "axond.distributed.backends.nccl.auto"}
 """Backend name -> module or package defining it (its `BACKEND`); imported lazily so that CuPy is only touched when
 asked for. "mock" joins

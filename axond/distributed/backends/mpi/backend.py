@@ -1,0 +1,386 @@
+"""`MpiBackend`: each op of the `Backend` interface as MPI nonblocking calls run through the group's `Channel`.
+
+Arrays go to MPI as they are (NumPy buffers, zero-copy; a non-contiguous array through a contiguous copy), under a
+dtype MPI has for the bytes (`library.wire_view`). Device arrays go straight to a CUDA-aware MPI library. Low-precision
+reductions run in float32 and round once (`library`). Before each collective the members compare their calls
+(`Channel.start_check`, `MpiOptions.check_calls`), so that a different op, dtype, size or root raises on every rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+import operator
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions
+from axond.distributed.backends.host_arrays import output_array, scatter_rows
+from axond.distributed.backends.mpi.channel import Channel, group_comm
+from axond.distributed.backends.mpi.library import INSTALL, available, cuda_aware, mpi, reduce_op, wire_view
+from axond.distributed.backends.mpi.options import SPIN, MpiOptions
+from axond.distributed.backends.splits import announcement, check_splits, offsets, settle
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.numerics.reducers import ACCUMULATE, check_reduce_op, finish_average, narrow_into
+from axond.distributed.ops import DTYPES, OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
+from axond.distributed.work import PendingSend
+from axond.store import Store
+
+MAX_NDIM = 32
+"""Dimensions a scattered array may have (its shape travels in a fixed header)."""
+
+
+def spin_for(comm: Any) -> int:
+    """`SPIN`, or 0 where the members on this host outnumber its cores (MPI_COMM_TYPE_SHARED: the host's members)."""
+    local = comm.Split_type(mpi().COMM_TYPE_SHARED)
+    try:
+        crowded = local.Get_size() > len(os.sched_getaffinity(0))
+    finally:
+        local.Free()
+    return 0 if crowded else SPIN
+
+
+def _module(x: Any) -> Any:
+    """NumPy for host arrays, CuPy for device ones."""
+    return np if isinstance(x, np.ndarray) else importlib.import_module("cupy")
+
+
+class MpiBackend(Backend):
+    """Collectives and point-to-point ops over an MPI communicator of the group's members (mpi4py)."""
+
+    name = "mpi"
+    options_class = MpiOptions
+
+    def __init__(self, store: Store, rank: int, size: int, group_name: str, options: BackendOptions) -> None:
+        super().__init__(store, rank, size, group_name, options)
+        own: MpiOptions = self.own_options()
+        self.check_calls = own.check_calls
+        comm = group_comm(store, rank, size, group_name, options.timeout)
+        self.ch = Channel(comm, rank, size, group_name, options.timeout, own.spin if own.spin is not None
+                          else spin_for(comm))
+        self.MPI = self.ch.MPI
+        self._device: bool | None = None
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        return available()
+
+    # -- the template: arguments, the call check, contiguous buffers
+
+    def _array(self, x: Any, what: str) -> Any:
+        if isinstance(x, np.ndarray):
+            return x
+        if hasattr(x, "__cuda_array_interface__"):
+            if self._device is None:
+                self._device = cuda_aware()
+            if self._device:
+                return x
+            raise TypeError(f"{what} is a device array but this MPI library is not CUDA-aware; copy it to the host, "
+                            "use backend='nccl', or build the MPI library with CUDA support")
+        raise TypeError(f"{what} must be a NumPy array (or a device array with a CUDA-aware MPI) for the mpi backend, "
+                        f"got {type(x).__name__}")
+
+    def _begin(self, op: Op, x: Any, redop: ReduceOp | None = None, aux: int = 0, count: int | None = None) -> str:
+        name = OP_NAMES[op]
+        self.ch.enter(name)
+        if self.check_calls and self.size > 1:
+            code = dtype_code(x.dtype) if x is not None else 0
+            n = (x.size if x is not None else 0) if count is None else count
+            self.ch.start_check((int(op), code, n, REDUCE_CODES[redop.value] if redop else 0, aux))
+        return name
+
+    def _root(self, root: int, what: str) -> int:
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"{what}={root!r} is not a rank of group '{self.group_name}' (0..{self.size - 1})")
+        return int(root)
+
+    def _run(self, name: str, start: Callable[[], Any], keep: Any, peer: int | None = None,
+             status: Any = None) -> None:
+        """Start one request and wait for it to the group's deadline; an MPI error raises `DistributedError`."""
+        try:
+            request = start()
+            self.ch.wait([request], name, peer, keep, status)
+        except self.MPI.Exception as e:
+            raise self.ch.fail(name, peer, f"MPI error: {e.Get_error_string()}") from e
+
+    @staticmethod
+    def _contiguous(x: Any) -> Any:
+        return x if x.flags.c_contiguous else _module(x).ascontiguousarray(x)
+
+    @staticmethod
+    def _back(x: Any, work: Any) -> None:
+        if work is not x:
+            x[...] = work
+
+    def _wide(self, x: Any, op: ReduceOp) -> Any:
+        """The float32 copy a reduction of a low-precision `x` runs on (MPI has no such dtype), or None."""
+        if x.dtype in ACCUMULATE:
+            return _module(x).ascontiguousarray(x, dtype=ACCUMULATE[x.dtype])
+        return None
+
+    # -- collectives
+
+    def all_reduce(self, x: Array, op: ReduceOp) -> None:
+        x = self._array(x, "all_reduce input")
+        op = check_reduce_op(op, x.dtype)
+        name = self._begin(Op.ALL_REDUCE, x, op)
+        wide = self._wide(x, op)
+        work = wide if wide is not None else self._contiguous(x)
+        buf = wire_view(work.reshape(-1))
+        self._run(name, lambda: self.ch.comm.Iallreduce(self.MPI.IN_PLACE, buf, reduce_op(op, work.dtype)), buf)
+        if op is ReduceOp.AVG:
+            finish_average(work, self.size)
+        if wide is not None:
+            narrow_into(x, wide)
+        else:
+            self._back(x, work)
+
+    def broadcast(self, x: Array, src: int) -> None:
+        x = self._array(x, "broadcast input")
+        src = self._root(src, "src")
+        name = self._begin(Op.BROADCAST, x, aux=src)
+        work = self._contiguous(x)
+        buf = wire_view(work.reshape(-1))
+        self._run(name, lambda: self.ch.comm.Ibcast(buf, src), buf)
+        self._back(x, work)
+
+    def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
+        x = self._array(x, "reduce input")
+        op = check_reduce_op(op, x.dtype)
+        dst = self._root(dst, "dst")
+        name = self._begin(Op.REDUCE, x, op, aux=dst)
+        wide = self._wide(x, op)
+        work = wide if wide is not None else self._contiguous(x)
+        buf = wire_view(work.reshape(-1))
+        mpi_op = reduce_op(op, work.dtype)
+        if self.rank == dst:
+            self._run(name, lambda: self.ch.comm.Ireduce(self.MPI.IN_PLACE, buf, mpi_op, dst), buf)
+            if op is ReduceOp.AVG:
+                finish_average(work, self.size)
+            if wide is not None:
+                narrow_into(x, wide)
+            else:
+                self._back(x, work)
+        else:
+            self._run(name, lambda: self.ch.comm.Ireduce(buf, None, mpi_op, dst), buf)
+
+    def _out(self, out: Array | None, shape: tuple[int, ...], like: Any, op: str) -> Any:
+        if isinstance(like, np.ndarray):
+            return output_array(out, shape, like.dtype, op, "mpi")
+        if out is None:
+            return _module(like).empty(shape, like.dtype)
+        if tuple(out.shape) != shape or out.dtype != like.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"{op} out= must be a C-contiguous {like.dtype} array of shape {shape}; "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        return out
+
+    def all_gather(self, x: Array, out: Array | None = None) -> Array:
+        x = self._array(x, "all_gather input")
+        out = self._out(out, (self.size, *x.shape), x, "all_gather")
+        name = self._begin(Op.ALL_GATHER, x)
+        send, recv = wire_view(self._contiguous(x).reshape(-1)), wire_view(out.reshape(-1))
+        self._run(name, lambda: self.ch.comm.Iallgather(send, recv), (send, recv))
+        return out
+
+    def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
+        x = self._array(x, "reduce_scatter input")
+        op = check_reduce_op(op, x.dtype)
+        rows = scatter_rows(x, self.size, "reduce_scatter")
+        out = self._out(out, (rows, *x.shape[1:]), x, "reduce_scatter")
+        name = self._begin(Op.REDUCE_SCATTER, x, op)
+        wide = self._wide(x, op)
+        work = wide if wide is not None else self._contiguous(x)
+        result = _module(x).empty(out.shape, work.dtype) if wide is not None else out
+        send, recv = wire_view(work.reshape(-1)), wire_view(result.reshape(-1))
+        mpi_op = reduce_op(op, work.dtype)
+        self._run(name, lambda: self.ch.comm.Ireduce_scatter_block(send, recv, mpi_op), (send, recv))
+        if op is ReduceOp.AVG:
+            finish_average(result, self.size)
+        if wide is not None:
+            narrow_into(out, result)
+        return out
+
+    def gather(self, x: Array, dst: int) -> Array | None:
+        x = self._array(x, "gather input")
+        dst = self._root(dst, "dst")
+        name = self._begin(Op.GATHER, x, aux=dst)
+        send = wire_view(self._contiguous(x).reshape(-1))
+        if self.rank != dst:
+            self._run(name, lambda: self.ch.comm.Igather(send, None, dst), send)
+            return None
+        out = _module(x).empty((self.size, *x.shape), x.dtype)
+        recv = wire_view(out.reshape(-1))
+        self._run(name, lambda: self.ch.comm.Igather(send, recv, dst), (send, recv))
+        return out
+
+    def scatter(self, x: Array | None, src: int) -> Array:
+        src = self._root(src, "src")
+        header = np.zeros(2 + MAX_NDIM, np.int64)
+        full = None
+        if self.rank == src:
+            full = self._array(x, "scatter input on the source rank")
+            if full.ndim == 0 or full.shape[0] != self.size:
+                raise ValueError(f"scatter needs an array of shape ({self.size}, ...) on the source rank, "
+                                 f"got {full.shape}")
+            if full.ndim - 1 > MAX_NDIM:
+                raise ValueError(f"scatter takes arrays of at most {MAX_NDIM + 1} dimensions, got {full.ndim}")
+            header[0], header[1] = dtype_code(full.dtype), full.ndim - 1
+            header[2 : 1 + full.ndim] = full.shape[1:]
+        name = self._begin(Op.SCATTER, None, aux=src)
+        self._run(name, lambda: self.ch.comm.Ibcast(header, src), header, peer=src)
+        dtype, shape = DTYPES[int(header[0]) - 1], tuple(int(v) for v in header[2 : 2 + int(header[1])])
+        xp = _module(full) if full is not None else np
+        out = xp.empty(shape, dtype)
+        recv = wire_view(out.reshape(-1))
+        send = wire_view(self._contiguous(full).reshape(-1)) if full is not None else None
+        self._run(name, lambda: self.ch.comm.Iscatter(send, recv, src), (send, recv), peer=src)
+        return out
+
+    def all_to_all(self, x: Array, input_split_sizes: Sequence[int] | None = None,
+                   output_split_sizes: Sequence[int] | None = None) -> Array:
+        x = self._array(x, "all_to_all input")
+        uneven = input_split_sizes is not None or output_split_sizes is not None
+        if not uneven and (x.ndim == 0 or x.shape[0] % self.size):
+            raise ValueError(f"all_to_all needs x.shape[0] divisible by the group size {self.size}; got {x.shape} "
+                             "(or pass input_split_sizes)")
+        ins, given = check_splits(x.shape, self.size, self.rank, input_split_sizes, output_split_sizes)
+        send = wire_view(self._contiguous(x).reshape(-1))
+        if not uneven:
+            name = self._begin(Op.ALL_TO_ALL, x)
+            out = _module(x).empty(x.shape, x.dtype)
+            recv = wire_view(out.reshape(-1))
+            self._run(name, lambda: self.ch.comm.Ialltoall(send, recv), (send, recv))
+            return out
+        name = self._begin(Op.ALL_TO_ALL, x, aux=UNEVEN_ALL_TO_ALL, count=0)
+        row = int(np.prod(x.shape[1:]))
+        said = announcement(ins, given, row)
+        heard = np.empty_like(said)
+        self._run(name, lambda: self.ch.comm.Ialltoall(said, heard), (said, heard))
+        outs, problems = settle(self.rank, ins, given, row, heard)
+        if problems:
+            peer, why = problems[0]
+            raise self.ch.fail(name, peer, why)
+        out = _module(x).empty((sum(outs), *x.shape[1:]), x.dtype)
+        recv = wire_view(out.reshape(-1))
+        sends = [v * row for v in ins]
+        recvs = [v * row for v in outs]
+        spec_s = [send, (sends, offsets(sends)[:-1])]
+        spec_r = [recv, (recvs, offsets(recvs)[:-1])]
+        self._run(name, lambda: self.ch.comm.Ialltoallv(spec_s, spec_r), (send, recv))
+        return out
+
+    def barrier(self) -> None:
+        name = self._begin(Op.BARRIER, None)
+        if self.check_calls and self.size > 1:  # the call check meets every member: it is the barrier
+            self.ch.wait([], name)
+        else:
+            self._run(name, lambda: self.ch.comm.Ibarrier(), None)
+
+    # -- point to point
+
+    def _peer(self, peer: int, what: str) -> int:
+        peer = self._root(peer, what)
+        if peer == self.rank:
+            raise ValueError(f"rank {self.rank} cannot {'send to' if what == 'dst' else 'receive from'} itself")
+        return peer
+
+    def _tag(self, tag: int) -> int:
+        tag = operator.index(tag)
+        top = self.ch.comm.Get_attr(self.MPI.TAG_UB)
+        if not 0 <= tag <= top:
+            raise ValueError(f"tag {tag} is outside MPI's tags here (0..{top})")
+        return tag
+
+    def send(self, x: Array, dst: int, tag: int) -> None:
+        sent = self.post_send(x, dst, tag)
+        if sent is not None:
+            sent.wait(self.options.timeout, True)
+
+    def post_send(self, x: Array, dst: int, tag: int) -> PendingSend | None:
+        """Start the send and return at once: the `PendingSend` completes when MPI is done with the buffer."""
+        x = self._array(x, "send input")
+        dst, tag = self._peer(dst, "dst"), self._tag(tag)
+        self.ch.enter("send")
+        buf = wire_view(self._contiguous(x).reshape(-1))
+        try:
+            request = self.ch.comm.Isend(buf, dst, tag)
+        except self.MPI.Exception as e:
+            raise self.ch.fail("send", dst, f"MPI error: {e.Get_error_string()}") from e
+
+        def wait(timeout: float, strict: bool) -> bool:
+            if strict:
+                self._run("send", lambda: request, buf, peer=dst)
+                return True
+            deadline = time.monotonic() + timeout
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    return False
+            return True
+        return PendingSend(lambda: bool(request.Test()), wait)
+
+    def _receive(self, x: Array, src: int, tag: int) -> int:
+        x = self._array(x, "recv buffer")
+        self.ch.enter("recv")
+        work = self._contiguous(x)
+        buf = wire_view(work.reshape(-1))
+        status = self.MPI.Status()
+        peer = None if src == self.MPI.ANY_SOURCE else src
+        self._run("recv", lambda: self.ch.comm.Irecv(buf, src, tag), buf, peer=peer, status=status)
+        source = status.Get_source()
+        got = status.Get_count(self.MPI.BYTE)
+        if got != x.nbytes:
+            raise self.ch.fail("recv", source, f"peer rank {source} sent {got} bytes with tag {tag} but this rank "
+                                               f"receives {x.nbytes} ({x.dtype} {tuple(x.shape)})")
+        self._back(x, work)
+        return int(source)
+
+    def recv(self, x: Array, src: int, tag: int) -> None:
+        self._receive(x, self._peer(src, "src"), self._tag(tag))
+
+    def recv_any(self, x: Array, tag: int) -> int:
+        return self._receive(x, self.MPI.ANY_SOURCE, self._tag(tag))
+
+    def batch_p2p(self, batch: list[P2P]) -> None:
+        """Start every isend and irecv of `batch` at once and wait for them all (no order of them can deadlock)."""
+        self.ch.enter("batch_p2p")
+        requests, keep, back = [], [], []
+        for kind, x, peer, tag in batch:
+            x = self._array(x, f"batch_isend_irecv {kind}")
+            peer, tag = self._peer(peer, "dst" if kind == "isend" else "src"), self._tag(tag)
+            work = self._contiguous(x)
+            buf = wire_view(work.reshape(-1))
+            keep.append(buf)
+            if kind == "isend":
+                requests.append(self.ch.comm.Isend(buf, peer, tag))
+            else:
+                requests.append(self.ch.comm.Irecv(buf, peer, tag))
+                back.append((x, work))
+        try:
+            self.ch.wait(requests, "batch_p2p", keep=keep)
+        except self.MPI.Exception as e:
+            raise self.ch.fail("batch_p2p", None, f"MPI error: {e.Get_error_string()}") from e
+        for x, work in back:
+            self._back(x, work)
+
+    # -- the group's life
+
+    def explain_timeouts(self, describe_peer: Callable[[int], str],
+                         describe_peers: Callable[[str], str] | None = None) -> None:
+        self.ch.explain_peer, self.ch.explain_peers = describe_peer, describe_peers
+
+    def abort(self, reason: str) -> None:
+        """Send `reason` to every peer (their waits raise it) and refuse later ops; a started collective cannot be
+        cancelled in MPI, so peers blocked in one raise at their next poll, not at their deadline."""
+        self.ch.abort(reason)
+
+    def abort_failed(self, reason: str) -> None:
+        self.ch.abort(reason, failed=True)
+
+    def close(self) -> None:
+        self.ch.close()
+
+
+__all__ = ["INSTALL", "MpiBackend", "mpi"]

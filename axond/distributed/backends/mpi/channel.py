@@ -1,0 +1,216 @@
+"""`Channel`: the communicators of one mpi group and the template every op runs through.
+
+Each op starts MPI nonblocking requests and `wait`s for them: the requests are polled (MPI progresses while they
+are tested) until the group's deadline, then `DistributedError` names the op, the group and, where known, the
+peer. MPI cannot cancel a collective that started, so a timed-out request is kept (with its buffers) and the group
+is aborted: later ops raise. A member that fails sends its reason on a second communicator to every peer, whose
+polls raise it (`abort`): a failure reaches every rank that is still running, as on tcp. MPI itself cannot survive a
+rank that dies: the launcher (`mpirun`) ends the job.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from axond.distributed.backends.mpi.library import mpi
+from axond.distributed.ops import describe
+from axond.errors import DistributedError
+from axond.store import Store
+
+ABORT_TAG = 1
+"""Tag of an abort message on the control communicator."""
+ABORTED, FAILED = 0, 1
+"""First byte of an abort message: a peer gave up, or a peer's process failed (the reason is the root cause)."""
+REASON_BYTES = 2048
+"""Longest abort reason sent (longer ones are cut)."""
+CHECK_FIELDS = 5
+"""(op, dtype code, count, reduce code, aux) of a collective, compared across the members before it runs."""
+
+
+def _world_ranks(store: Store, rank: int, size: int, timeout: float) -> list[int]:
+    """Every member's rank in MPI_COMM_WORLD, published in the group's store (the group's members by MPI rank)."""
+    me = mpi().COMM_WORLD.Get_rank()
+    store.set(f"mpi/world_rank/{rank}", str(me).encode())
+    return [me if r == rank else int(store.get(f"mpi/world_rank/{r}", timeout)) for r in range(size)]
+
+
+def group_comm(store: Store, rank: int, size: int, group_name: str, timeout: float) -> Any:
+    """A new communicator of this group's members, in group rank order (MPI_Comm_create_group: members only)."""
+    MPI = mpi()
+    world = MPI.COMM_WORLD
+    if world.Get_size() < size:
+        raise DistributedError(
+            f"init of the mpi backend on group '{group_name}': MPI_COMM_WORLD has {world.Get_size()} process(es) but "
+            f"the group has {size} members; the mpi backend needs every rank started by one MPI launcher "
+            f"(mpirun -n {size}, mpiexec, srun --mpi=pmix), not by `axond worker`", op="init", rank=rank)
+    members = _world_ranks(store, rank, size, timeout)
+    if len(set(members)) != size:
+        raise DistributedError(f"init of the mpi backend on group '{group_name}': members share MPI ranks "
+                               f"{members}; start one rank per MPI process", op="init", rank=rank)
+    if members == list(range(world.Get_size())):
+        return world.Dup()
+    tag = zlib.crc32(group_name.encode()) & 0x7FFF  # the members create their groups in one order: any tag works
+    everyone = world.Get_group()
+    chosen = everyone.Incl(members)
+    try:
+        return world.Create_group(chosen, tag)
+    finally:
+        chosen.Free()
+        everyone.Free()
+
+
+class Channel:
+    """A group's communicator (`comm`), its control communicator for abort messages, and the waits with deadlines."""
+
+    def __init__(self, comm: Any, rank: int, size: int, group_name: str, timeout: float, spin: int) -> None:
+        self.MPI = mpi()
+        self.comm = comm
+        self.rank, self.size, self.group_name, self.timeout, self.spin = rank, size, group_name, timeout, spin
+        self.control = comm.Dup()
+        self._reason = np.zeros(REASON_BYTES, np.uint8)
+        self._status = self.MPI.Status()
+        self._heard = self.control.Irecv([self._reason, self.MPI.BYTE], self.MPI.ANY_SOURCE, ABORT_TAG)
+        self._check = np.zeros(2 * CHECK_FIELDS, np.int64)
+        self._checking: tuple[Any, tuple[int, int, int, int, int]] | None = None
+        """The call check `start_check` started, which the next `wait` completes."""
+        self._stuck: list[tuple[Any, Any]] = []
+        """Requests that timed out, with the buffers MPI may still write: kept alive until the process ends."""
+        self.aborted: str | None = None
+        self.explain_peer: Callable[[int], str] | None = None
+        self.explain_peers: Callable[[str], str] | None = None
+
+    def where(self, op: str) -> str:
+        return f"{op} on group '{self.group_name}' (rank {self.rank} of {self.size})"
+
+    def enter(self, op: str) -> None:
+        """Raise if the group was aborted (an earlier failure here or at a peer)."""
+        if self.aborted is not None:
+            raise DistributedError(f"{self.where(op)}: the group was aborted by an earlier failure ({self.aborted}); "
+                                   "destroy it and create a new group", op=op, group=self.group_name, rank=self.rank)
+        self._poll_abort(op)
+
+    def fail(self, op: str, peer: int | None, what: str, timed_out: bool = False) -> DistributedError:
+        """The error of `op` about `peer`; the group is aborted with it, so that every member raises too."""
+        error = DistributedError(f"{self.where(op)}: {what}", op=op, group=self.group_name, rank=self.rank, peer=peer,
+                                 timed_out=timed_out)
+        self.abort(str(error))
+        return error
+
+    def _poll_abort(self, op: str) -> None:
+        if self.aborted is None and self._heard.Test(self._status):
+            peer = self._status.Get_source()
+            count = self._status.Get_count(self.MPI.BYTE)
+            failed = count > 0 and self._reason[0] == FAILED
+            reason = bytes(self._reason[1:count]).decode(errors="replace")
+            self.aborted = f"peer rank {peer} aborted the group: {reason}"
+            raise DistributedError(f"{self.where(op)}: peer rank {peer} aborted the group: {reason}", op=op,
+                                   group=self.group_name, rank=self.rank, peer=peer,
+                                   root_cause=reason if failed else None)
+
+    def wait(self, requests: Sequence[Any], op: str, peer: int | None = None, keep: Any = None,
+             status: Any = None) -> None:
+        """Poll `requests` until all completed; at the group's deadline, or when a peer aborts, raise and abort.
+
+        A call check started by `start_check` is waited for first (the op's requests progress meanwhile: one round
+        of the members for both), and a mismatch raises before the op's requests complete. `keep`: the buffers of the
+        requests (kept alive past a failure, as MPI may still write them); `status`: filled by the single request of a
+        receive."""
+        MPI = self.MPI
+        deadline = None
+        if self._checking is not None:
+            check, call = self._checking
+            self._checking = None
+            deadline = self._poll(check.Test, op, peer, [check, *requests], keep, None)
+            self._verify(op, call, requests, keep)
+        test = (lambda: requests[0].Test(status)) if len(requests) == 1 else (lambda: MPI.Request.Testall(requests))
+        self._poll(test, op, peer, requests, keep, deadline)
+
+    def _poll(self, test: Callable[[], bool], op: str, peer: int | None, requests: Sequence[Any], keep: Any,
+              deadline: float | None) -> float | None:
+        """Call `test` until it is true (returns the deadline it kept, or None: at once); raise at the deadline or on a
+        peer's abort, keeping `requests` and `keep` alive."""
+        if test():
+            return deadline
+        deadline = deadline if deadline is not None else time.monotonic() + self.timeout
+        polls = 0
+        while not test():
+            polls += 1
+            if polls > self.spin:
+                os.sched_yield()
+            if polls & 63 == 0:
+                try:
+                    self._poll_abort(op)
+                except DistributedError:
+                    self._stuck.append((list(requests), keep))
+                    raise
+                if time.monotonic() > deadline:
+                    self._stuck.append((list(requests), keep))
+                    raise self.fail(op, peer, self._late(op, peer), timed_out=True)
+        return deadline
+
+    def _late(self, op: str, peer: int | None) -> str:
+        if peer is not None:
+            text = f"timed out after {self.timeout:g} s waiting for peer rank {peer}"
+            if self.explain_peer is not None:
+                text += f"; {self.explain_peer(peer)}"
+            return text
+        text = f"timed out after {self.timeout:g} s: not every member reached it"
+        if self.explain_peers is not None:
+            text += f"; {self.explain_peers(op)}"
+        return text + " (MPI cannot abort a started collective: the group is aborted)"
+
+    def start_check(self, call: tuple[int, int, int, int, int]) -> None:
+        """Start checking that every member called `call` (op, dtype code, count, reduce code, aux): an all_reduce of
+        (call, -call) with MAX, equal on every member exactly when its max equals minus its min. The next `wait`
+        completes it, with the op's own requests."""
+        buf = self._check
+        buf[:CHECK_FIELDS] = call
+        np.negative(buf[:CHECK_FIELDS], out=buf[CHECK_FIELDS:])
+        self._checking = (self.comm.Iallreduce(self.MPI.IN_PLACE, buf, self.MPI.MAX), call)
+
+    def _verify(self, op: str, call: tuple[int, int, int, int, int], requests: Sequence[Any], keep: Any) -> None:
+        """Raise on every member, naming the first peer that differs, unless the check found every call alike (the
+        op's `requests`, started with a mismatched call, are then kept: MPI cannot cancel them)."""
+        buf = self._check
+        if (buf[:CHECK_FIELDS] == -buf[CHECK_FIELDS:]).all():
+            return
+        self._stuck.append((list(requests), keep))
+        mine = np.array(call, np.int64)
+        calls = np.empty((self.size, CHECK_FIELDS), np.int64)
+        self._poll(self.control.Iallgather(mine, calls).Test, op, None, [], (mine, calls), None)
+        differ = [p for p in range(self.size) if tuple(int(v) for v in calls[p]) != tuple(call)]
+        peer = differ[0] if differ else (self.rank + 1) % self.size
+        theirs = [int(v) for v in calls[peer]]
+        raise self.fail(op, peer, f"peer rank {peer} called {describe(*theirs)} but this rank called {describe(*call)}")
+
+    def abort(self, reason: str, failed: bool = False) -> None:
+        """Tell every peer (their polls raise `reason`; `failed`: it is the root cause, "rank R failed: ...") and
+        refuse later ops; MPI itself is left running."""
+        if self.aborted is not None:
+            return
+        self.aborted = reason
+        data = np.frombuffer(bytes([FAILED if failed else ABORTED]) + reason.encode()[:REASON_BYTES - 1],
+                             np.uint8).copy()
+        sends = [self.control.Isend([data, self.MPI.BYTE], p, ABORT_TAG) for p in range(self.size) if p != self.rank]
+        self._stuck.append((sends, data))
+
+    def close(self) -> None:
+        """Free the communicators (unless a request is stuck on them: then they stay until the process ends)."""
+        clean = self.aborted is None and not self._stuck
+        if self.aborted is None:
+            self.aborted = "the group was destroyed"
+        if not clean:
+            return
+        try:
+            self._heard.Cancel()
+            self._heard.Wait()
+            self.control.Free()
+            self.comm.Free()
+        except self.MPI.Exception:
+            pass
