@@ -93,19 +93,19 @@ class OutageGuard:
             return False, stop + "the coordinator answers but refuses this node, so its ranks were stopped"
         link = self._link
         if link is None or not link.peers:
-            return False, stop + ("no other node of the job can vouch that the coordinator itself is away (a refused or "
-                           "unanswered connection does not prove it), so its ranks were stopped")
+            return False, stop + ("no other node of the job can vouch that the coordinator itself is away (a refused "
+                                  "or unanswered connection does not prove it), so its ranks were stopped")
         ranks = sorted(link.peers)
         views = link.probe()
         silent = [rank for rank, v in zip(ranks, views) if v is None]
         if silent:
-            return False, stop + (f"node rank {silent[0]} of the job, which this node knew, does not answer (the job moved on, "
-                           "or this node is cut off from it too), so its ranks were stopped")
+            return False, stop + (f"node rank {silent[0]} of the job, which this node knew, does not answer (the job "
+                                  "moved on, or this node is cut off from it too), so its ranks were stopped")
         reached: list[PeerView] = [v for v in views if v is not None]
         for v in reached:
             if v.generation != link.generation:
-                return True, stop + (f"node rank {v.node_rank} of the job no longer runs generation {link.generation}, so "
-                               "this node's ranks were stopped")
+                return True, stop + (f"node rank {v.node_rank} of the job no longer runs generation "
+                                     f"{link.generation}, so this node's ranks were stopped")
         in_contact = [v for v in reached if not v.lost_coordinator]
         if in_contact:
             return self._peer_in_contact(stop, in_contact, asked_at)

@@ -80,7 +80,8 @@ class PeerLink:
 
     def __init__(self, client: CoordinatorClient, job: str, generation: int, node_rank: int, nnodes: int,
                  secret: bytes, silent_for: Callable[[], float], lease: Callable[[], float],
-                 contact_for: Callable[[], float] = lambda: float("inf"), env: Mapping[str, str] | None = None, wait_s: float = 300.0, ifname: str | None = None) -> None:
+                 contact_for: Callable[[], float] = lambda: float("inf"), env: Mapping[str, str] | None = None,
+                 wait_s: float = 300.0, ifname: str | None = None) -> None:
         self._client, self.job, self.generation = client, job, generation
         self.node_rank, self.nnodes, self._secret = node_rank, nnodes, secret
         self._silent_for, self._lease, self._contact_for = silent_for, lease, contact_for

@@ -55,7 +55,10 @@ def unavailable() -> str | None:
 class Outcome:
     shape: str
     margin: float
-    """Seconds from the last sign of life of the cut-off generation to the next one's first start (< 0: overlap)."""
+    """Seconds from the last sign of life of any rank of the cut-off generation to the next one's first start (< 0:
+    overlap). Host 1's rank of it is stopped by its own worker once the job moved on, so this is often from that."""
+    cut_margin: float
+    """The same from the cut-off host's rank's last sign of life: how early the fenced side was gone."""
     cut_code: int | None
     """The cut-off worker's exit code (3: it fenced itself)."""
     log: str
@@ -108,7 +111,8 @@ def run_shape(net: Network, shape: str, workdir: Path, timeout: float = 90.0) ->
     def start(host: Host, name: str, argv: list[str], **extra: str) -> subprocess.Popen[bytes]:
         logs[name] = workdir / f"{name}.log"
         with open(logs[name], "ab") as out:
-            return host.popen(argv, env=dict(env, **extra), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            return host.popen(argv, env=dict(env, **extra), stdout=out, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL)
 
     def text(name: str) -> str:
         return logs[name].read_text(errors="replace")
@@ -151,7 +155,8 @@ def run_shape(net: Network, shape: str, workdir: Path, timeout: float = 90.0) ->
         time.sleep(2 * LEASE)  # anything of the old generation still alive would log on meanwhile
         spans = _spans(ranks)
         old_last = max(last for (g, _), (_, last) in spans.items() if g <= base)
+        cut_last = max(last for (g, host), (_, last) in spans.items() if g <= base and host.endswith("2"))
         new_first = min(first for (g, _), (first, _) in spans.items() if g > base)
-        return Outcome(shape, new_first - old_last, cut_code, all_logs())
+        return Outcome(shape, new_first - old_last, new_first - cut_last, cut_code, all_logs())
     except (TimeoutError, subprocess.TimeoutExpired) as e:
         raise TimeoutError(f"fencing run {shape!r}: {e} not within {timeout} s; logs:\n{all_logs()}") from e
