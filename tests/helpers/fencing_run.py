@@ -1,7 +1,7 @@
 """One fencing run: a worker host cut off from the coordinator in one of several ways, and whether two generations
 of its job ever ran at once (used by tests/cluster/test_netns_fencing.py and bench/fencing.py).
 
-Host 0 runs `axond coordinator` (a 1 s lease: 0.25 s heartbeats x 4; the default
+Host 0 runs `axond coordinator` (a 2 s lease: 0.5 s heartbeats x 4, short yet robust on a busy machine; the default
 --fence-margin and --settle-time), hosts 1 and 2 `axond worker --nnodes 1:2` with one rank each
 (tests/helpers/fencing_rank.py: computes only, logs the wall time every 10 ms per generation; host 2's ignore
 SIGTERM, the worst case for fencing, host 1's do not, so that host 1 re-joins at once and the coordinator's fence,
@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 AXOND = [sys.executable, "-c", "from axond.cli.main import main; main()"]
 TOKEN = "fencing-token"
 PORT = 29500
-HEARTBEAT, MISSED = 0.25, 4
+HEARTBEAT, MISSED = 0.5, 4
 LEASE = HEARTBEAT * MISSED
 
 _REJECT = {"reject-icmp": ["-j", "REJECT", "--reject-with", "icmp-port-unreachable"],
