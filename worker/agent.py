@@ -211,7 +211,7 @@ class JobRunner:
             link: PeerLink | None = None
             try:
                 link = self._peer_link(joined)
-                guard = OutageGuard(self._hb, link, self._client.address, spec.outage_grace, self._notice)
+                guard = OutageGuard(self._hb, link, spec.outage_grace, self._notice)
                 return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs], guard)
             finally:
                 if link is not None:

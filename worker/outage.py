@@ -37,8 +37,8 @@ _STOP_AHEAD_S = FENCE_TERM_S + 0.1
 class OutageGuard:
     """Decides, while the lease is lost, whether one generation's ranks ride out the outage."""
 
-    def __init__(self, hb: Heartbeater, link: PeerLink | None, coordinator: str, grace: float, notice: Notice) -> None:
-        self._hb, self._link, self._coordinator, self._grace, self._notice = hb, link, coordinator, grace, notice
+    def __init__(self, hb: Heartbeater, link: PeerLink | None, grace: float, notice: Notice) -> None:
+        self._hb, self._link, self._grace, self._notice = hb, link, grace, notice
         self._next_check = 0.0
         self._riding = False
         self._verdict: tuple[bool, str] | None = None
