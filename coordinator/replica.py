@@ -148,7 +148,7 @@ async def _lead(config: CoordinatorConfig, outer: RunningCoordinator, client: Et
     try:
         state = await asyncio.to_thread(
             CoordinatorState, config.heartbeat_interval, config.dead_after_missed, config.settle_time,
-            limits=config.limits, persistence=EtcdPersistence(client, prefix, term),
+            fence_margin=config.fence_margin, limits=config.limits, persistence=EtcdPersistence(client, prefix, term),
         )
     except EtcdError as e:
         log.error("could not load the state from etcd (%s); following again", e)
@@ -186,7 +186,8 @@ async def serve_replica(config: CoordinatorConfig, running_box: list[RunningCoor
     election = LeaderElection(client, prefix, "", config.leader_ttl)
     stop = asyncio.Event()
     outer = RunningCoordinator(config.port, "", CoordinatorState(
-        config.heartbeat_interval, config.dead_after_missed, config.settle_time, limits=config.limits,
+        config.heartbeat_interval, config.dead_after_missed, config.settle_time, fence_margin=config.fence_margin,
+        limits=config.limits,
     ), token, Path(token_path) if token_path else None)
     outer._loop, outer._stop_request = asyncio.get_running_loop(), stop
     try:

@@ -36,6 +36,7 @@ from axond.coordinator.service.stall import StallWatch
 from axond.coordinator.state.machine import CoordinatorState
 from axond.coordinator.service.waiting import WaitHub
 from axond.errors import CoordinatorError
+from axond.fencing import FENCE_MARGIN_S, RECONNECT_ALLOWANCE_S, check_fence_margin
 from axond.observe.coordinator_metrics import render_coordinator
 from axond.observe.dashboard.pages import Dashboard
 from axond.observe.dashboard.view import read_view
@@ -48,9 +49,6 @@ log = logging.getLogger("axond.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MAX_MESSAGE_BYTES = 8 << 20
 
-RECONNECT_ALLOWANCE_S = 1.5
-"""Seconds added to every restored node's lease when the coordinator starts serving: its clients' reconnect backoff
-(at most 1 s, axond/control/channel.py) and one heartbeat call."""
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -110,6 +108,9 @@ class CoordinatorConfig:
     """Heartbeats missed before a node is declared dead."""
     settle_time: float = 0.5
     """MIN:MAX rendezvous: how long to wait after MIN nodes joined for late joiners."""
+    fence_margin: float = FENCE_MARGIN_S
+    """Seconds between declaring a node dead and starting its job's next generation, beyond the time its worker may
+    take to kill its ranks (>= FENCE_OVERRUN_S, axond/fencing.py): no two generations of a job run at once."""
     limits: CoordinatorLimits = field(default_factory=CoordinatorLimits)
     """Bounds on everything a caller can make the coordinator hold (see coordinator/limits.py)."""
     metrics_port: int | None = None
@@ -148,6 +149,10 @@ class CoordinatorConfig:
                 f"heartbeat_interval ({self.heartbeat_interval}) must be > 0, dead_after_missed "
                 f"({self.dead_after_missed}) >= 1, settle_time ({self.settle_time}) >= 0"
             )
+        try:
+            check_fence_margin(self.fence_margin)
+        except ValueError as e:
+            raise CoordinatorError(str(e)) from e
 
 
 class RunningCoordinator:
@@ -269,7 +274,7 @@ async def _serve(config: CoordinatorConfig, running_box: list[RunningCoordinator
         try:
             state = CoordinatorState(
                 config.heartbeat_interval, config.dead_after_missed, config.settle_time,
-                limits=config.limits, persistence=persistence,
+                fence_margin=config.fence_margin, limits=config.limits, persistence=persistence,
             )
         except (ValueError, KeyError, TypeError, sqlite3.DatabaseError) as e:
             raise CoordinatorError(

@@ -27,7 +27,7 @@ from axond.worker.blame import describe as describe_failure
 from axond.worker.causes import Elsewhere, blocked_reader
 from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
-from axond.worker.outage import DECIDE_AHEAD_S, OutageGuard
+from axond.worker.outage import OutageGuard
 from axond.worker.peers import PeerLink
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.spec import ConnectOptions, JobSpec
@@ -220,7 +220,7 @@ class JobRunner:
             link: PeerLink | None = None
             try:
                 link = self._peer_link(joined)
-                guard = OutageGuard(self._hb, link, self._client.address, spec.outage_grace, self._notice)
+                guard = OutageGuard(self._hb, link, spec.outage_grace, self._notice)
                 return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs], guard)
             finally:
                 if link is not None:
@@ -230,16 +230,17 @@ class JobRunner:
             agent_store.close()
 
     def _peer_link(self, joined: pb.JoinResponse) -> PeerLink | None:
-        """This node's listener for its peers' checks during an outage (None if it cannot listen: it then
-        rides out an outage only when the coordinator's machine answers)."""
+        """This node's listener for its peers' checks during an outage (None if it cannot listen: nothing can then
+        vouch for an outage, and it stops its ranks at the lease)."""
         try:
             return PeerLink(self._client, self._spec.job, joined.generation, joined.node_rank, joined.nnodes,
                             joined.job_secret, lambda: self._hb.silent_for, lambda: self._hb.lease,
+                            contact_for=lambda: self._hb.contact_for,
                             env=dict(self._spec.env or {}), wait_s=self._spec.join_timeout,
                             ifname=self._conn.env.socket_ifname)
         except OSError as e:
-            self._notice(f"cannot listen for the job's other nodes ({e}); riding out a coordinator outage then "
-                         "relies on reaching the coordinator's machine")
+            self._notice(f"cannot listen for the job's other nodes ({e}); without them this node cannot ride out a "
+                         "coordinator outage (its ranks stop at the lease)")
             return None
 
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int],
@@ -286,15 +287,12 @@ class JobRunner:
                 return JobOutcome(failure.exit_code, message)
             if self._stop.is_set():
                 return JobOutcome(self._stop_code, self._stop_reason)
-            lease = self._hb.lease
-            if self._hb.silent_for > max(lease / 2, lease - DECIDE_AHEAD_S):  # decided by the time the lease runs out
+            if guard.deciding():  # decided, and the ranks dead, by the time the coordinator may declare this node dead
                 why = guard.stop_reason()
                 if why is not None:
-                    ranks.stop(grace=spec.stop_grace)
+                    ranks.stop(grace=min(spec.stop_grace, max(0.0, guard.fence_deadline() - time.monotonic())))
                     self._notice(why)
                     return JobOutcome(LEASE_LOST_EXIT_CODE, why, lease_lost=True)
-            else:
-                guard.back()
             beat = self._hb.latest(spec.job)
             if beat is not None and (beat.generation > gen or beat.job_state in _TERMINAL_STATES):
                 ranks.stop(grace=spec.stop_grace)

@@ -57,6 +57,11 @@ class Heartbeater:
         self._stop = threading.Event()
         self.changed = threading.Event()
         self.last_ok = time.monotonic()
+        """When the last answered heartbeat was *sent* (the coordinator heard it no earlier: the lease at this end
+        runs out no later than at the coordinator's)."""
+        self.regained_at = float("-inf")
+        """When the first answered heartbeat after a failed one was sent (-inf: none failed yet)."""
+        self._failing = False
         self.last_error: str = ""
         self.refused = False
         """The last heartbeat failed with an answer from the coordinator (it is up and rejects this node, e.g. it
@@ -111,6 +116,11 @@ class Heartbeater:
         return time.monotonic() - self.last_ok
 
     @property
+    def contact_for(self) -> float:
+        """Seconds since contact came back after a failed heartbeat (inf: it never failed)."""
+        return time.monotonic() - self.regained_at
+
+    @property
     def lease_lost(self) -> bool:
         """Whether no heartbeat was answered for a whole lease (the coordinator has declared this node dead)."""
         return time.monotonic() - self.last_ok > self.lease
@@ -122,7 +132,7 @@ class Heartbeater:
             self._notice(
                 f"lost contact with the coordinator at {self._client.address} ({error}); retrying every "
                 f"{self._interval:g} s; past the lease ({self.lease:g} s) the ranks keep running only while the "
-                "coordinator itself is away (its machine answers, or the job's other nodes lost it too)"
+                "job's other nodes all answer and lost the coordinator too"
             )
         elif now - self._last_notice >= max(5.0, self.lease / 4):
             self._last_notice = now
@@ -141,17 +151,22 @@ class Heartbeater:
         for job, generation in jobs.items():
             local_pids = pids[job]() if job in pids else ()
             timeout = max(0.2, min(self._client.call_timeout, self.lease / 2))
+            sent = time.monotonic()
             try:
                 resp = self._send(job, generation, local_pids, timeout)
             except (CoordinatorError, ValueError) as e:
                 if self._stop.is_set():  # stop() cancelled this beat's stream: no contact was lost
                     return
                 self.last_error = str(e)
+                self._failing = True
                 self.refused = _answered(e)
                 self._contact_lost(str(e).split(" (")[0][-200:])
                 self.changed.set()
                 continue
-            self.last_ok = time.monotonic()
+            self.last_ok = max(self.last_ok, sent)
+            if self._failing:
+                self._failing = False
+                self.regained_at = sent
             self.last_error = ""
             self.refused = False
             self._contact_back()

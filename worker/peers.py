@@ -6,8 +6,8 @@ heartbeats go unanswered for a whole lease it asks its peers (`probe`): each ans
 the generation's secret, which generation it runs and how long its own heartbeats have gone unanswered.
 A peer in the same generation that lost the coordinator too says the coordinator is away (an outage:
 keep training); a peer that still reaches the coordinator, or no answer at all, says this node is the one
-cut off (stop its ranks). `coordinator_host_answers` tells whether the coordinator's address still
-answers at the TCP level (its process is stopped, restarting or hung, but not cut off from this node).
+cut off (stop its ranks). A peer whose contact came back says since when (`contact_for`), so that a node still
+without it knows how long the coordinator's fresh lease lasts.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from axond.fencing import PROBE_TIMEOUT_S
 from axond.store.coordinator import CoordinatorStore
 from axond.distributed.backends.tcp.transport.mesh import interface_address, route_address
 from axond.errors import CoordinatorError, StoreError
@@ -32,12 +33,12 @@ from axond.errors import CoordinatorError, StoreError
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
 
-PROBE_TIMEOUT_S = 0.5
-"""Seconds one probe of one peer (connect, ask, answer) may take."""
 MAX_PROBED = 4
 """Peers each node learns the address of and asks (the next ones by node rank): enough to tell an outage
 from a partition, at a cost that does not grow with the job."""
 _MAX_LINE = 1024
+_NEVER = 1e9
+"""contact_for as sent for "never lost" (JSON has no infinity)."""
 _KEY = "axond/peer/{}"
 
 
@@ -52,6 +53,8 @@ class PeerView:
     """Seconds since its last answered heartbeat."""
     lease: float
     """Its lease: silent_for above half of it means it too lost the coordinator."""
+    contact_for: float = float("inf")
+    """Seconds since its contact with the coordinator came back after a failed heartbeat (inf: never lost)."""
 
     @property
     def lost_coordinator(self) -> bool:
@@ -72,32 +75,16 @@ def _advertised_host(coordinator: str, env: Mapping[str, str], ifname: str | Non
     return route_address(host) or "127.0.0.1"
 
 
-def coordinator_host_answers(address: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the coordinator's address is accepted or refused (its machine answers);
-    False when it times out or the network is unreachable (this node is cut off from it)."""
-    for one in address.split(","):
-        parts = urlsplit("//" + one)
-        if parts.hostname is None or parts.port is None:
-            continue
-        try:
-            socket.create_connection((parts.hostname, parts.port), timeout=timeout).close()
-            return True
-        except ConnectionRefusedError:
-            return True
-        except OSError:
-            continue
-    return False
-
-
 class PeerLink:
     """This node's part in one generation's mutual checks: the listener, and the peers' addresses."""
 
     def __init__(self, client: CoordinatorClient, job: str, generation: int, node_rank: int, nnodes: int,
                  secret: bytes, silent_for: Callable[[], float], lease: Callable[[], float],
-                 env: Mapping[str, str] | None = None, wait_s: float = 300.0, ifname: str | None = None) -> None:
+                 contact_for: Callable[[], float] = lambda: float("inf"), env: Mapping[str, str] | None = None,
+                 wait_s: float = 300.0, ifname: str | None = None) -> None:
         self._client, self.job, self.generation = client, job, generation
         self.node_rank, self.nnodes, self._secret = node_rank, nnodes, secret
-        self._silent_for, self._lease = silent_for, lease
+        self._silent_for, self._lease, self._contact_for = silent_for, lease, contact_for
         self._wait_s = wait_s
         self._closed = threading.Event()
         self.peers: dict[int, tuple[str, int]] = {}
@@ -156,8 +143,9 @@ class PeerLink:
             return
         running = self.generation if (job, gen) == (self.job, self.generation) and not self._closed.is_set() else 0
         silent, lease = round(self._silent_for(), 3), round(self._lease(), 3)
-        reply = {"generation": running, "silent_for": silent, "lease": lease,
-                 "mac": _mac(self._secret, "tell", nonce, running, silent, lease)}
+        contact = round(min(self._contact_for(), _NEVER), 3)
+        reply = {"generation": running, "silent_for": silent, "lease": lease, "contact_for": contact,
+                 "mac": _mac(self._secret, "tell", nonce, running, silent, lease, contact)}
         conn.sendall(json.dumps(reply).encode() + b"\n")
 
     def _ask(self, rank: int, address: tuple[str, int]) -> PeerView | None:
@@ -170,11 +158,13 @@ class PeerLink:
                 conn.sendall(json.dumps(req).encode() + b"\n")
                 rep = json.loads(_read_line(conn))
             gen, silent, lease = int(rep["generation"]), float(rep["silent_for"]), float(rep["lease"])
-            if not hmac.compare_digest(str(rep["mac"]), _mac(self._secret, "tell", nonce, gen, silent, lease)):
+            contact = float(rep["contact_for"])
+            if not hmac.compare_digest(str(rep["mac"]),
+                                       _mac(self._secret, "tell", nonce, gen, silent, lease, contact)):
                 return None
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return PeerView(rank, gen, silent, lease)
+        return PeerView(rank, gen, silent, lease, float("inf") if contact >= _NEVER else contact)
 
     def probe(self) -> list[PeerView | None]:
         """Ask the known peers (up to `MAX_PROBED`: the next node ranks after this one) at once: their answers,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from axond.cli.common import EXIT_FAILED, examples, fail, runtime_env
+from axond.fencing import FENCE_MARGIN_S, FENCE_OVERRUN_S, check_fence_margin
 
 if TYPE_CHECKING:
     from axond.coordinator.limits import CoordinatorLimits
@@ -64,6 +65,9 @@ if TYPE_CHECKING:
               "in the Security page of the docs).")
 @click.option("--settle-time", type=click.FloatRange(min=0), default=0.5, show_default=True,
               help="Seconds an elastic rendezvous waits for late joiners once MIN nodes joined.")
+@click.option("--fence-margin", type=float, default=FENCE_MARGIN_S, show_default=True,
+              help=f"Seconds between declaring a node dead and starting its job's next generation, beyond the time "
+              f"its worker may take to kill its ranks (>= {FENCE_OVERRUN_S}): no two generations run at once.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="AXOND_METRICS_PORT",
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (nodes, jobs, rendezvous, KV ops).")
 def coordinator(
@@ -71,7 +75,7 @@ def coordinator(
     state_url: str | None, advertise: str | None, leader_ttl: int, fsync: bool, insecure: bool,
     tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None,
     heartbeat_interval: float, dead_after_missed: int, limits: tuple[str, ...], settle_time: float,
-    metrics_port: int | None,
+    fence_margin: float, metrics_port: int | None,
 ) -> None:
     """Run the coordinator: node registry, rendezvous, KV store, jobs and status."""
     from axond.coordinator.server import CoordinatorConfig, run_coordinator
@@ -88,6 +92,10 @@ def coordinator(
         raise click.UsageError("replicas on etcd share one token: pass the same --token-file (or --token) to each")
     if (advertise or leader_ttl != 3) and state_url is None:
         raise click.UsageError("--advertise and --leader-ttl are for replicas: pass --state etcd://HOST:2379 too")
+    try:
+        check_fence_margin(fence_margin)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--fence-margin") from e
     _check_port_free(host, port)
     config = CoordinatorConfig(
         limits=parse_limits(limits),
@@ -97,7 +105,7 @@ def coordinator(
         insecure=insecure,
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
         heartbeat_interval=heartbeat_interval, dead_after_missed=dead_after_missed, settle_time=settle_time,
-        metrics_port=metrics_port,
+        fence_margin=fence_margin, metrics_port=metrics_port,
     )
     sys.exit(run_coordinator(config))
 

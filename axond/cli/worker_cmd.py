@@ -83,7 +83,8 @@ class _Signals:
 @click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
               help="Seconds to wait for the rendezvous to complete.")
 @click.option("--stop-grace", type=click.FloatRange(min=0), default=5.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+              help="Seconds between SIGTERM and SIGKILL when stopping ranks (a node that lost its lease: at most "
+                   "what is left of it).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="AXOND_WORKER_METRICS_PORT",
               help="Serve the local ranks' collective metrics (Prometheus) at http://HOST:PORT/metrics "
                    "(HOST: --metrics-host).")
@@ -92,7 +93,8 @@ class _Signals:
                    "trusted, e.g. for a Prometheus in the same cluster).")
 @click.option("--outage-grace", type=click.FloatRange(min=0), default=DEFAULT_OUTAGE_GRACE_S, show_default=True,
               help="Seconds the ranks keep running while the coordinator does not answer (stopped, restarting, "
-                   "failing over); a node cut off from it and from the job's other nodes stops at the lease.")
+                   "failing over), as the job's other nodes vouch; a node cut off from it, or alone in its job, "
+                   "stops at the lease.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="[-- CMD ARGS...]")
 @click.pass_context
 def worker(

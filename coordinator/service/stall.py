@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+from axond.fencing import RECONNECT_ALLOWANCE_S
 from axond.coordinator.state.machine import CoordinatorState
 
 log = logging.getLogger("axond.coordinator")
@@ -40,7 +41,10 @@ class StallWatch:
         self._last = now
         if gap > self.threshold:
             self.stalls += 1
-            nodes = self._state.rearm_leases(gap, now)
+            # As after a restart: the time it lost counts against no lease, and every live node gets the reconnect
+            # allowance on top (a node still cut off learns from its peers that the coordinator is back, and stops
+            # its ranks before this lease ends: axond/fencing.py).
+            nodes = self._state.rearm_leases(gap + RECONNECT_ALLOWANCE_S, now + RECONNECT_ALLOWANCE_S)
             self._quiet_until = now + self._quiet
             log.warning("the coordinator did not run for %.1f s (stopped or stalled); the leases of %d live nodes "
                         "were re-armed", gap, nodes)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from axond.coordinator.state.context import StateContext
+from axond.fencing import FENCE_MARGIN_S, fence_wait
 from axond.coordinator.state.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -57,11 +58,15 @@ class HeartbeatResult:
 class JobLifecycle:
     """Every job's rounds and generations, and the nodes waiting for a job's next generation."""
 
-    def __init__(self, members: Membership, scheduler: Scheduler, ctx: StateContext, settle_time: float) -> None:
+    def __init__(self, members: Membership, scheduler: Scheduler, ctx: StateContext, settle_time: float,
+                 fence_margin: float = FENCE_MARGIN_S) -> None:
         self.members = members
         self.scheduler = scheduler
         self.ctx = ctx
         self.settle_time = settle_time
+        self.fence_margin = fence_margin
+        """Seconds (beyond what a short lease adds, `fence_wait`) between declaring a node dead and starting a later
+        generation of its job: its worker has killed its ranks by then."""
         self.waiting_next: dict[str, dict[str, tuple[tuple[str, int], int]]] = {}
         """Per job: nodes that joined a frozen generation, by id -> (rank order key, nproc)."""
 
@@ -111,9 +116,10 @@ class JobLifecycle:
         j = self.ctx.job(job)
         return HeartbeatResult(j.generation, j.state, j.reason)
 
-    def node_lost(self, node: Node, why: str, now: float) -> None:
-        """The node died or left: drop it from open rounds and restart the jobs it ran; a restarting job left
-        with no node to restart it fails, saying so."""
+    def node_lost(self, node: Node, why: str, now: float, dead: bool = False) -> None:
+        """The node died (`dead`: its lease ran out) or left: drop it from open rounds and restart the jobs it ran; a
+        restarting job left with no node to restart it fails, saying so. After a death, the job's next generation
+        starts no earlier than `fence_wait` later (the dead node's worker may still be killing its ranks)."""
         for job in list(self.ctx.jobs.values()):
             ran = node.job == job.name
             self.waiting_next.get(job.name, {}).pop(node.node_id, None)
@@ -133,6 +139,11 @@ class JobLifecycle:
                     self.scheduler.enqueue(job.name)
                 self.ctx.goodput.detected(job.name, node.last_seen, now)
                 self._bump(job, f"node {node.node_id} ({node.hostname}) {why}", True, 1, now)
+                if dead and not job.state.terminal:
+                    interval = self.members.paced(node)
+                    lease = interval * self.members.liveness.dead_after_missed
+                    wait = fence_wait(lease, interval, self.fence_margin)
+                    job.round.not_before = max(job.round.not_before, now + wait)
             if ran and self._orphaned(job, node):
                 self.finish(job, JobState.FAILED, 1, (
                     f"generation {job.generation} has no node left to run it (the last, {node.node_id} "

@@ -43,6 +43,7 @@ from axond.coordinator.persistence.base import Changes, Persistence
 from axond.coordinator.persistence.journal import Journal, TxLock, restore
 from axond.coordinator.state.scheduling import Scheduler
 from axond.coordinator.state.status import StatusSnapshot, snapshot
+from axond.fencing import FENCE_MARGIN_S, check_fence_margin
 from axond.coordinator.state.submitted import SubmittedJobs
 
 
@@ -54,6 +55,7 @@ class CoordinatorState:
         heartbeat_interval: float = 1.0,
         dead_after_missed: int = 5,
         settle_time: float = 0.5,
+        fence_margin: float = FENCE_MARGIN_S,
         listener: Callable[[Topic], None] | None = None,
         limits: CoordinatorLimits | None = None,
         persistence: Persistence | None = None,
@@ -66,6 +68,7 @@ class CoordinatorState:
                 f"heartbeat_interval ({heartbeat_interval}) must be > 0, dead_after_missed "
                 f"({dead_after_missed}) >= 1 and settle_time ({settle_time}) >= 0"
             )
+        check_fence_margin(fence_margin)
         self.limits = limits or CoordinatorLimits()
         self.limits.validate()
         self.kv_ops: Counter[str] = Counter()
@@ -74,7 +77,7 @@ class CoordinatorState:
         self.members = Membership(Liveness(heartbeat_interval, dead_after_missed, self.limits.max_heartbeat_rate),
                                   self.limits)
         self.scheduler = Scheduler(self.members, self.ctx)
-        self.lifecycle = JobLifecycle(self.members, self.scheduler, self.ctx, settle_time)
+        self.lifecycle = JobLifecycle(self.members, self.scheduler, self.ctx, settle_time, fence_margin)
         self.kv = JobKv(self.ctx)
         self.submitted = SubmittedJobs(self.members, self.lifecycle, self.scheduler, self.ctx)
         self.persistence = persistence
@@ -183,7 +186,7 @@ class CoordinatorState:
             for node in self.members.newly_dead(now):
                 missed = self.members.liveness.dead_after_missed
                 silent = missed * self.members.paced(node)
-                self.lifecycle.node_lost(node, f"missed {missed} heartbeats ({silent:.1f} s)", now)
+                self.lifecycle.node_lost(node, f"missed {missed} heartbeats ({silent:.1f} s)", now, dead=True)
             return self.lifecycle.tick(now)
 
     def join(

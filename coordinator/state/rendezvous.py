@@ -64,6 +64,9 @@ class Round:
         point): a durable state writes only these (O(1) per Join, not the whole round per commit)."""
         self.reordered = False
         """A joiner was removed and added again since then (it moved to the end of `joiners`)."""
+        self.not_before = 0.0
+        """It freezes no earlier than this (monotonic): after a node of the previous generation was declared dead,
+        the time that node's worker may still take to kill its ranks (the fence)."""
 
     @property
     def frozen(self) -> bool:
@@ -109,8 +112,8 @@ class Round:
         if self.frozen or self.min_reached_at is None:
             return None
         if len(self.joiners) >= self.max_nodes:
-            return self.min_reached_at
-        return self.min_reached_at + self.settle_time
+            return max(self.min_reached_at, self.not_before)
+        return max(self.min_reached_at + self.settle_time, self.not_before)
 
     def maybe_freeze(self, now: float) -> bool:
         """Freeze if it is time; returns True when this call froze the round."""

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from axond.worker.peers import PROBE_TIMEOUT_S, _read_line
+from axond.control.client import CoordinatorClient
+
+from axond.worker.peers import PROBE_TIMEOUT_S, PeerLink, _read_line
 
 
 def test_a_client_dripping_bytes_is_cut_off_at_the_line_deadline() -> None:
@@ -41,3 +43,32 @@ def test_a_whole_line_is_read() -> None:
     with server, client:
         client.sendall(b'{"job": "j"}\n')
         assert _read_line(server) == b'{"job": "j"}\n'
+
+
+def test_a_peer_says_since_when_its_contact_is_back_and_a_closed_one_does_not_answer(client: CoordinatorClient) -> None:
+    """Two nodes' links of one generation over real sockets: the probe carries the peer's silence, lease and how long
+    its contact has been back (inf: never lost), authenticated; once the peer closed its link (it moved on), the
+    probe gets no answer, which the outage guard reads as "stop"."""
+    secret = b"s" * 16
+    env = {"AXOND_SOCKET_IFNAME": "lo"}
+    contact = [float("inf")]
+    a = PeerLink(client, "j", 3, 0, 1, secret, lambda: 1.25, lambda: 2.0, contact_for=lambda: contact[0], env=env)
+    b = PeerLink(client, "j", 3, 1, 1, secret, lambda: 0.0, lambda: 2.0, env=env)
+    try:
+        b.peers[0] = a.address
+        (view,) = b.probe()
+        assert view is not None and (view.generation, view.silent_for, view.lease) == (3, 1.25, 2.0)
+        assert view.contact_for == float("inf") and view.lost_coordinator
+        contact[0] = 0.5
+        (view,) = b.probe()
+        assert view is not None and view.contact_for == 0.5
+        other = PeerLink(client, "j", 3, 2, 1, b"t" * 16, lambda: 0.0, lambda: 2.0, env=env)  # another secret
+        other.peers[0] = a.address
+        assert other.probe() == [None]
+        other.close()
+        a.close()
+        (view,) = b.probe()
+        assert view is None
+    finally:
+        a.close()
+        b.close()

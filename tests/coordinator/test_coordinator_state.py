@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from axond.fencing import FENCE_MARGIN_S, fence_wait
+
 from axond.coordinator.state.errors import (
     AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
 )
@@ -259,7 +261,9 @@ def test_lost_daemon_is_replaced_when_restarts_are_left() -> None:
     job = state.jobs[name]
     assert job.state is JobState.RESTARTING and job.generation == 2 and job.assigned == [d1]
     assert [w[0] for w in state.take_work(d1, 2.5)[0]] == [name]
-    assert state.join(name, d1, 1, 1, 1, 1, now=2.6) is not None
+    assert state.join(name, d1, 1, 1, 1, 1, now=2.6) is None  # the fence: d0 may still be killing its ranks
+    fenced_until = 2.5 + fence_wait(2.0, 1.0, FENCE_MARGIN_S)
+    assert state.join(name, d1, 1, 1, 1, 1, now=fenced_until) is not None
     state.tick(10.0)
     assert job.state is JobState.FAILED and "no restarts left" in job.reason
 
