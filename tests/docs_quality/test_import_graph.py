@@ -49,8 +49,6 @@ ALLOWED: set[tuple[str, str]] = {
     ("axond/torch/devices.py", "axond.distributed.backends.nccl"),
     ("axond/train/clip.py", "axond.checkpoint.adapters"),
     ("axond/train/trainer.py", "axond.distributed"),
-    ("coordinator/server.py", "axond.coordinator.persistence.etcd"),
-    ("coordinator/server.py", "axond.coordinator.replica"),
     ("worker/spec.py", "axond.control.channel"),
     ("worker/spec.py", "axond.control.client"),
     ("worker/spec.py", "axond.control.credentials"),
@@ -135,6 +133,20 @@ def test_the_coordinator_state_machine_knows_nothing_of_grpc() -> None:
     it: tests drive it with plain calls and an explicit `now`."""
     assert not _offenders("coordinator/state/", ("grpc", "axond.v1", "axond.coordinator.service",
                                                  "axond.coordinator.server", "axond.coordinator.replica"))
+
+
+def test_the_coordinator_state_owns_its_storage_port() -> None:
+    """coordinator/state/ (the state machine, its journal and its port `state/port.py`) imports nothing of
+    persistence/: the stores implement the port and import the state, never the reverse."""
+    assert not _offenders("coordinator/state/", ("axond.coordinator.persistence",))
+
+
+def test_server_and_replica_do_not_import_each_other() -> None:
+    """The replica builds its servers from what it shares with the server (`config.py`, `serving.py`), not from
+    server.py; server.py starts a replica, so the replica must not import it back (nor config or serving either)."""
+    assert not _offenders("coordinator/replica.py", ("axond.coordinator.server",))
+    for shared in ("coordinator/config.py", "coordinator/serving.py"):
+        assert not _offenders(shared, ("axond.coordinator.server", "axond.coordinator.replica"))
 
 
 def test_the_vocabulary_and_the_numerics_are_leaves() -> None:
