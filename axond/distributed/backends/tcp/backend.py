@@ -29,7 +29,8 @@ from axond.distributed.backends.tcp.policy import Route
 from axond.distributed.backends.tcp.schedules import direct, trees
 from axond.distributed.backends.tcp.schedules.group_view import GroupView, Scratch
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup, byte_view
-from axond.distributed.backends.tcp.transport.mesh import Mesh, advertised_host
+from axond.distributed.backends.addresses import advertised_host
+from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerError, PeerTimeout
 from axond.distributed.backends.tcp.transport.sockets import buffer_limit, host_cores, host_ranks
 from axond.distributed.backends.tcp.transport.wire import DTYPE_CODE, REDUCE_CODES, Kind, Op, dtype_code, group_id
