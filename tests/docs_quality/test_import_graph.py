@@ -128,6 +128,24 @@ def _offenders(folder: str, banned: tuple[str, ...]) -> list[tuple[str, str]]:
                    if any(name == b or name.startswith(b + ".") for b in banned)})
 
 
+BACKEND_NAMES = ("tcp", "nccl", "mock", "staging", "gpu-auto")
+"""The registered backends' names (`registry._MODULES`)."""
+DEVICE_ROUTING = ("axond/torch/devices.py",)
+"""Where torch's CUDA tensors are sent to the NCCL backend when it can run (`devices_here`): a device, not a choice."""
+
+
+def test_the_torch_backend_names_no_backend() -> None:
+    """axond/torch runs over whichever axond backend its groups were given (AXOND_TORCH_BACKEND, else the registry's
+    default): it imports no backend's package and spells no backend's name."""
+    backends = tuple(f"axond.distributed.backends.{name}" for name in ("tcp", "nccl", "mock"))
+    offenders = [(rel, name) for rel, tree in _sources() if rel.startswith("axond/torch/") and rel not in DEVICE_ROUTING
+                 for name in _names(rel, tree) if any(name == b or name.startswith(b + ".") for b in backends)]
+    offenders += [(rel, node.value) for rel, tree in _sources()
+                  if rel.startswith("axond/torch/") and rel not in DEVICE_ROUTING for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in BACKEND_NAMES]
+    assert not offenders, offenders
+
+
 def test_the_coordinator_state_machine_knows_nothing_of_grpc() -> None:
     """coordinator/state/ (the state machine) imports neither grpc, the protos, nor the service or the server above
     it: tests drive it with plain calls and an explicit `now`."""
