@@ -22,7 +22,7 @@ from axond.observe.collectives import instrument
 from axond.store.init_methods import seconds
 from axond.distributed.diagnostics.monitored_barrier import monitored_barrier
 from axond.distributed.numerics.reduce_op import ReduceOp
-from axond.distributed.forms.torch_forms import refuse_scalar
+from axond.distributed.forms.scalars import refuse_scalar
 from axond.distributed.work import OpQueue, Work
 from axond.errors import DistributedError
 from axond.store import InMemoryStore, PrefixStore, Store
