@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from axond.distributed.backends.base import MISSED, Backend, Signature, signature
+from axond.distributed.backends.base import MISSED, Backend, Signature
 from axond.distributed.diagnostics.failure import concise, debug
 from axond.distributed.work import OpQueue
 from axond.errors import DistributedError
@@ -46,7 +46,7 @@ class FastPath:
         """Run blocking op `op` with its method's `args`: the short way if its signature (`x`, `arg`) has a runner and
         no async op is queued, else the full way, after which the backend's prepared form (if any) is kept."""
         try:
-            key = signature(op, x, arg)
+            key = (op, x.dtype, x.shape, arg) if x is not None else (op, None, None, None)  # `signature`, inlined
             runner = self._runners.get(key)
         except TypeError:  # an unhashable argument: the full way says what is wrong with it
             return self._full(op, False, *args)

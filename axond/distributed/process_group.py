@@ -45,6 +45,7 @@ class ProcessGroup:
         self._subgroups = 0
         self._comm = OpQueue(name)
         self.fast_path = FastPath(self, backend, self._comm, self._run)
+        self._fast = self.fast_path.run
         """The short way of this group's blocking small ops, which every caller takes (`fast_path`)."""
         self._destroyed = False
         self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
@@ -158,14 +159,14 @@ class ProcessGroup:
     def all_reduce(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` in place over the group."""
         if not async_op and type(x) is np.ndarray:
-            return self.fast_path.run("all_reduce", x, op, x, op)  # type: ignore[no-any-return]
+            return self._fast("all_reduce", x, op, x, op)
         refuse_scalar(x, "all_reduce")
         return self._run("all_reduce", async_op, x, op)
 
     def broadcast(self, x: Array, src: int = 0, async_op: bool = False) -> Work | None:
         """Copy `x` of group rank `src` into `x` everywhere."""
         if not async_op and type(x) is np.ndarray:
-            return self.fast_path.run("broadcast", x, src, x, src)  # type: ignore[no-any-return]
+            return self._fast("broadcast", x, src, x, src)
         refuse_scalar(x, "broadcast")
         return self._run("broadcast", async_op, x, src)
 
@@ -180,7 +181,7 @@ class ProcessGroup:
         `out=` (shape (size, *x.shape)) is filled and returned instead of a new array: no allocation.
         """
         if not async_op and type(x) is np.ndarray:
-            return self.fast_path.run("all_gather", x, None, x, out)
+            return self._fast("all_gather", x, None, x, out)
         refuse_scalar(x, "all_gather")
         if out is None:
             return self._run("all_gather", async_op, x)
@@ -190,7 +191,7 @@ class ProcessGroup:
                        out: Array | None = None) -> Any:
         """Reduce `x` and return this rank's block of x.shape[0] // size rows (into `out=` if given)."""
         if not async_op and type(x) is np.ndarray:
-            return self.fast_path.run("reduce_scatter", x, op, x, op, out)
+            return self._fast("reduce_scatter", x, op, x, op, out)
         refuse_scalar(x, "reduce_scatter")
         if out is None:
             return self._run("reduce_scatter", async_op, x, op)
@@ -321,7 +322,7 @@ class ProcessGroup:
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every member entered the barrier."""
         if not async_op:
-            return self.fast_path.run("barrier", None, None)  # type: ignore[no-any-return]
+            return self._fast("barrier", None, None)
         return self._run("barrier", async_op)
 
     def monitored_barrier(self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False) -> None:

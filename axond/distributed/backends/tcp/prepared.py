@@ -74,26 +74,18 @@ class Fresh:
         self.runner = self.signature = None
         return runner
 
-    def usable(self, small: Any) -> bool:
-        """Whether `small` still runs through the group's mailbox and the group was not aborted."""
-        return small.box is self.placement.mailbox and not self.g.aborted
-
-    def next_seq(self) -> int:
-        self.numbering.seq += 1
-        return self.numbering.seq
-
 
 def flat(fresh: Fresh, small: Any, name: str) -> Runner:
     """The runner of an in-place op on a flat contiguous array, `small.run(flat x, seq)`: all_reduce (x, op) and
-    broadcast (x, src)."""
-    g = fresh.g
+    broadcast (x, src). Each runner checks its form is usable and numbers its call inline: small ops are latency."""
+    g, placement, numbering, box = fresh.g, fresh.placement, fresh.numbering, small.box
 
     def run(x: np.ndarray, _: Any) -> Any:
-        if not x.flags.c_contiguous or not fresh.usable(small):
+        if not x.flags.c_contiguous or box is not placement.mailbox or g.aborted:
             return MISSED
-        seq = fresh.next_seq()
+        numbering.seq += 1
         try:
-            small.run(x if x.ndim == 1 else x.reshape(-1), seq)
+            small.run(x if x.ndim == 1 else x.reshape(-1), numbering.seq)
         except (DistributedError, PeerError) as e:
             g.failed(name, e)
         return None
@@ -106,19 +98,19 @@ def _fits(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> bool:
 
 def all_gather(fresh: Fresh, small: Any) -> Runner:
     """The runner of an all_gather (x, out): `small.run(out, seq, x)` into `out` or a fresh array."""
-    g, size = fresh.g, fresh.size
+    g, size, placement, numbering, box = fresh.g, fresh.size, fresh.placement, fresh.numbering, small.box
 
     def run(x: np.ndarray, out: Any) -> Any:
-        if not fresh.usable(small):
+        if box is not placement.mailbox or g.aborted:
             return MISSED
         shape = (size, *x.shape)
         if out is None:
             out = np.empty(shape, x.dtype)
         elif not _fits(out, shape, x.dtype):
             return MISSED  # the full way says what is wrong with it
-        seq = fresh.next_seq()
+        numbering.seq += 1
         try:
-            small.run(out, seq, x)  # x into row `rank` too
+            small.run(out, numbering.seq, x)  # x into row `rank` too
         except (DistributedError, PeerError) as e:
             g.failed("all_gather", e)
         return out
@@ -127,19 +119,19 @@ def all_gather(fresh: Fresh, small: Any) -> Runner:
 
 def reduce_scatter(fresh: Fresh, small: Any) -> Runner:
     """The runner of a reduce_scatter (x, op, out): `small.run(flat x, flat out, seq)` into `out` or a fresh array."""
-    g, size = fresh.g, fresh.size
+    g, size, placement, numbering, box = fresh.g, fresh.size, fresh.placement, fresh.numbering, small.box
 
     def run(x: np.ndarray, _: Any, out: Any) -> Any:
-        if not x.flags.c_contiguous or not fresh.usable(small):
+        if not x.flags.c_contiguous or box is not placement.mailbox or g.aborted:
             return MISSED
         shape = (x.shape[0] // size, *x.shape[1:])
         if out is None:
             out = np.empty(shape, x.dtype)
         elif not _fits(out, shape, x.dtype):
             return MISSED
-        seq = fresh.next_seq()
+        numbering.seq += 1
         try:
-            small.run(x.reshape(-1), out.reshape(-1), seq)
+            small.run(x.reshape(-1), out.reshape(-1), numbering.seq)
         except (DistributedError, PeerError) as e:
             g.failed("reduce_scatter", e)
         return out
@@ -148,14 +140,14 @@ def reduce_scatter(fresh: Fresh, small: Any) -> Runner:
 
 def barrier(fresh: Fresh, small: Any) -> Runner:
     """The runner of a barrier: `small.run(seq)`."""
-    g = fresh.g
+    g, placement, numbering, box = fresh.g, fresh.placement, fresh.numbering, small.box
 
     def run() -> Any:
-        if not fresh.usable(small):
+        if box is not placement.mailbox or g.aborted:
             return MISSED
-        seq = fresh.next_seq()
+        numbering.seq += 1
         try:
-            small.run(seq)
+            small.run(numbering.seq)
         except (DistributedError, PeerError) as e:
             g.failed("barrier", e)
         return None
