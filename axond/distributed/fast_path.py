@@ -3,10 +3,11 @@
 Small ops cost mostly latency. A backend may keep a prepared form of a blocking op it ran the full way (tcp: a small
 op through its shared mailbox, `Backend.prepared`): a runner that takes the op's method arguments and runs it past the
 checks and the route, or returns `MISSED` having done nothing (the form went stale, or an argument it does not take;
-the full way then checks and raises as it should). `FastPath` keeps each runner under the op's `signature` and runs it
-for the next blocking call of that signature while no async op is queued. Every `ProcessGroup` method with a short way
-(`all_reduce`, `broadcast`, `all_gather`, `reduce_scatter`, `barrier`) calls `FastPath.run`, and every caller (the
-module functions, the torch backend, the parallel wrappers) calls those methods: there is no other short way.
+the full way then checks and raises as it should). `FastPath` keeps each runner under the op's signature
+(`backends.base.signature`) and runs it for the next blocking call of that signature while no async op is queued.
+Every `ProcessGroup` method with a short way (`all_reduce`, `broadcast`, `all_gather`, `reduce_scatter`, `barrier`)
+calls `FastPath.run`, and every caller (the module functions, the torch backend, the parallel wrappers) calls those
+methods: there is no other short way.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from axond.errors import DistributedError
 SIGNATURES = 64
 """Prepared signatures kept per group; all dropped when full (a program cycles through a few shapes)."""
 
+
 class FastPath:
     """The prepared runners of one group's blocking ops by signature, and the one place they run.
 
     `owner` is the group: its `inflight`/`inflight_seq` say what this member runs (the in-flight reporter), and
-    `full(op, *args)` runs an op the full way (`ProcessGroup._run`).
+    `full(op, async_op, *args)` runs an op the full way (`ProcessGroup._run`).
     """
 
     __slots__ = ("_backend", "_comm", "_full", "_owner", "_runners")
