@@ -48,7 +48,7 @@ class FastPath:
         """Run blocking op `op` with its method's `args`: the short way if its signature (`x`, `arg`) has a runner and
         no async op is queued, else the full way, after which the backend's prepared form (if any) is kept."""
         try:
-            key = (op, x.dtype, x.shape, arg) if x is not None else (op, None, None, None)  # `signature`, inlined
+            key = (op, x.dtype, x.size, arg) if x is not None else (op, None, None, None)  # `signature`, inlined
             runner = self._runners.get(key)
         except TypeError:  # an unhashable argument: the full way says what is wrong with it
             return self._full(op, False, *args)

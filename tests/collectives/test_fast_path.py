@@ -96,3 +96,25 @@ def test_the_short_way_gives_what_the_full_way_gives(groups: list[ProcessGroup],
                 assert got.dtype == results[0].dtype
         assert steps[0] == 1  # the first call takes the full way (and prepares)
         assert steps[1:] == ([0, 0] if short else [1, 1]), steps
+
+
+def test_a_prepared_reduce_scatter_takes_another_shape_of_its_size_only_if_the_rows_split(
+        groups: list[ProcessGroup]) -> None:
+    """The signature counts elements: a reduce_scatter prepared for (2n, 3) runs (n, 6) the short way, with the full
+    way's numbers, and leaves (1, 6n), whose one row the group cannot split, to the full way, which raises."""
+
+    def body(g: ProcessGroup) -> tuple[np.ndarray, np.ndarray, str]:
+        n = g.size
+        x = np.arange(6 * n, dtype=np.float32) + g.rank
+        g.reduce_scatter(x.reshape(2 * n, 3))  # prepares
+        short = g.reduce_scatter(x.reshape(n, 6))
+        full = g.backend.reduce_scatter(x.reshape(n, 6), ReduceOp.SUM)  # type: ignore[union-attr]
+        try:
+            g.reduce_scatter(x.reshape(1, 6 * n))
+        except ValueError as e:
+            return short, full, str(e)
+        return short, full, ""
+
+    for short, full, error in run_on(groups, body):
+        np.testing.assert_array_equal(short, full)
+        assert "reduce_scatter" in error, error

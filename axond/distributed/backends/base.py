@@ -34,14 +34,14 @@ MISSED: Any = type("Missed", (), {"__repr__": lambda self: "MISSED", "__slots__"
 """What a prepared runner (`Backend.prepared`) returns having done nothing: the op then takes the full way."""
 
 Signature = tuple[str, Any, Any, Any]
-"""What a prepared form of a blocking op is made for: (op name, dtype, shape, the op's scalar argument: its ReduceOp,
-root, or None); (op name, None, None, None) for a barrier."""
+"""What a prepared form of a blocking op is made for: (op name, dtype, element count, the op's scalar argument: its
+ReduceOp, root, or None); (op name, None, None, None) for a barrier. A runner checks what else it needs of the shape."""
 
 
 def signature(op: str, x: Any, arg: Any) -> Signature:
     """The signature of blocking op `op` on NumPy array `x` (None: a barrier) with scalar argument `arg`: the key of a
     prepared form on both sides (`Backend.prepared` and the group's `axond.distributed.fast_path`)."""
-    return (op, None, None, None) if x is None else (op, x.dtype, x.shape, arg)
+    return (op, None, None, None) if x is None else (op, x.dtype, x.size, arg)
 
 
 P2P = tuple[str, Array, int, int]

@@ -92,10 +92,6 @@ def flat(fresh: Fresh, small: Any, name: str) -> Runner:
     return run
 
 
-def _fits(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> bool:
-    return type(out) is np.ndarray and out.shape == shape and out.dtype == dtype and out.flags.c_contiguous
-
-
 def all_gather(fresh: Fresh, small: Any) -> Runner:
     """The runner of an all_gather (x, out): `small.run(out, seq, x)` into `out` or a fresh array."""
     g, size, placement, numbering, box = fresh.g, fresh.size, fresh.placement, fresh.numbering, small.box
@@ -106,7 +102,7 @@ def all_gather(fresh: Fresh, small: Any) -> Runner:
         shape = (size, *x.shape)
         if out is None:
             out = np.empty(shape, x.dtype)
-        elif not _fits(out, shape, x.dtype):
+        elif not (type(out) is np.ndarray and out.shape == shape and out.dtype == x.dtype and out.flags.c_contiguous):
             return MISSED  # the full way says what is wrong with it
         numbering.seq += 1
         try:
@@ -122,12 +118,12 @@ def reduce_scatter(fresh: Fresh, small: Any) -> Runner:
     g, size, placement, numbering, box = fresh.g, fresh.size, fresh.placement, fresh.numbering, small.box
 
     def run(x: np.ndarray, _: Any, out: Any) -> Any:
-        if not x.flags.c_contiguous or box is not placement.mailbox or g.aborted:
-            return MISSED
+        if not x.flags.c_contiguous or box is not placement.mailbox or g.aborted or x.ndim == 0 or x.shape[0] % size:
+            return MISSED  # (rows the group cannot split: the full way says so)
         shape = (x.shape[0] // size, *x.shape[1:])
         if out is None:
             out = np.empty(shape, x.dtype)
-        elif not _fits(out, shape, x.dtype):
+        elif not (type(out) is np.ndarray and out.shape == shape and out.dtype == x.dtype and out.flags.c_contiguous):
             return MISSED
         numbering.seq += 1
         try:
