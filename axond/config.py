@@ -246,6 +246,8 @@ class RuntimeEnv:
     # -- the torch backend
     torch_overlap: bool | None = None
     """AXOND_TORCH_OVERLAP: True (1), False (0), None (auto)."""
+    torch_backend: str | None = None
+    """AXOND_TORCH_BACKEND: the axond backend the torch backend's groups run on (None: the registry's default)."""
     # -- the worker
     torch_store: bool = True
     """AXOND_TORCH_STORE: False (0) when the worker must serve no torch TCPStore for its ranks."""
@@ -296,6 +298,7 @@ class RuntimeEnv:
                           ("token_file", "AXOND_TOKEN_FILE"), ("tls_ca", "AXOND_TLS_CA"),
                           ("tls_cert", "AXOND_TLS_CERT"), ("tls_key", "AXOND_TLS_KEY"),
                           ("socket_ifname", "AXOND_SOCKET_IFNAME"), ("coordinator", "AXOND_COORDINATOR"),
+                          ("torch_backend", "AXOND_TORCH_BACKEND"),
                           ("nccl_async_error_handling", "TORCH_NCCL_ASYNC_ERROR_HANDLING")):
             raw = _text(env.get(var))
             if raw is not None:

@@ -27,8 +27,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from axond.coordinator.service.auth import TokenInterceptor, replace_handler
 from axond.coordinator.persistence.etcd import EtcdClient, EtcdError, EtcdPersistence, LeaderElection, Term
 from axond.coordinator.persistence.etcd import parse_state_url
-from axond.coordinator.server import (SERVER_OPTIONS, SERVICE_NAME, CoordinatorConfig, RunningCoordinator,
-                                      _client_address, _credentials, _serve_state, resolve_server_token)
+from axond.coordinator.config import (SERVER_OPTIONS, SERVICE_NAME, CoordinatorConfig, client_address,
+                                      resolve_server_token, server_credentials)
+from axond.coordinator.serving import RunningCoordinator, serve_state
 from axond.coordinator.state.machine import CoordinatorState
 from axond.errors import CoordinatorError
 
@@ -96,7 +97,7 @@ def _advertise(config: CoordinatorConfig, port: int) -> str:
         return config.advertise
     if config.host in ("", "0.0.0.0", "::", "[::]"):
         return f"{socket.getfqdn()}:{port}"
-    return _client_address(config.host, port)
+    return client_address(config.host, port)
 
 
 async def _follower_server(config: CoordinatorConfig, token: str | None, election: LeaderElection) -> tuple[grpc.aio.Server, int]:
@@ -106,7 +107,7 @@ async def _follower_server(config: CoordinatorConfig, token: str | None, electio
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bind = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
-    creds = _credentials(config)
+    creds = server_credentials(config)
     try:
         port = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
     except RuntimeError as e:
@@ -159,7 +160,7 @@ async def _lead(config: CoordinatorConfig, outer: RunningCoordinator, client: Et
     inner = RunningCoordinator(outer.port, outer.address, state, outer.token, outer.token_path)
     inner._stop_request = asyncio.Event()
     outer.state = state
-    serving = asyncio.create_task(_serve_state(config, inner, [], threading.Event(), on_commit_failure=ended.set,
+    serving = asyncio.create_task(serve_state(config, inner, [], threading.Event(), on_commit_failure=ended.set,
                                                 gates=[_LeaderGate(term)]))
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(ended.wait())]
     await asyncio.wait([serving, *waits], return_when=asyncio.FIRST_COMPLETED)

@@ -34,6 +34,8 @@ RULES: list[tuple[str, str]] = [
     ("test_contract_surface.py", "docs_quality"),
     ("test_proto_drift.py", "docs_quality"),
     ("test_tuning_doc.py", "docs_quality"),
+    ("test_layout_doc.py", "docs_quality"),
+    ("test_mailbox_layout.py", "docs_quality"),
     ("test_tests_*.py", "docs_quality"),
     # Clusters and deployments: slurm, network namespaces, kubernetes, compose/docker.
     ("test_slurm*.py", "cluster"),

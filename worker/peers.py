@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from axond.fencing import PROBE_TIMEOUT_S
 from axond.store.coordinator import CoordinatorStore
-from axond.distributed.backends.tcp.transport.mesh import interface_address, route_address
+from axond.distributed.backends.addresses import interface_address, route_address
 from axond.errors import CoordinatorError, StoreError
 
 if TYPE_CHECKING:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from axond.config import RuntimeEnv
+from axond.control.client import connect
+from axond.control.channel import normalize_address
+from axond.control.credentials import resolve_token
 
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
@@ -38,8 +41,6 @@ class ConnectOptions:
 
     def connect(self) -> CoordinatorClient:
         """Open a client to the coordinator (raises `axond.CoordinatorError` on bad options)."""
-        from axond.control.client import connect
-
         return connect(
             self.address, token=self.token, tls_ca=self.tls_ca, call_timeout=self.call_timeout,
             connect_wait=self.connect_wait, on_wait=self.on_wait, env=self.env,
@@ -47,9 +48,6 @@ class ConnectOptions:
 
     def rank_env(self) -> dict[str, str]:
         """The variables a rank needs to reach the same coordinator (the token as this worker found it)."""
-        from axond.control.channel import normalize_address
-        from axond.control.credentials import resolve_token
-
         env = {"AXOND_COORDINATOR": self.address}
         token = resolve_token(normalize_address(self.address), self.token, env=self.env)
         if token:

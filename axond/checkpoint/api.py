@@ -28,6 +28,9 @@ from axond.checkpoint.storage import commit, data_file, read_metadata, read_piec
 from axond.distributed.process_group import ProcessGroup
 from axond.nn.device import Array, is_cupy_array
 from axond.observe import timeline
+from axond.distributed import default_registry as defaults
+from axond.distributed.forms.objects import all_gather_object
+from axond.distributed.forms.objects import broadcast_object_list
 
 
 class ObjectCollectives:
@@ -35,9 +38,7 @@ class ObjectCollectives:
 
     def __init__(self, group: ProcessGroup | None) -> None:
         if group is None:
-            from axond.distributed import api
-
-            group = api.default_group() if api.is_initialized() else None
+            group = defaults.current()
         self.group = group
         self.rank = group.rank if group is not None else 0
         self.size = group.size if group is not None else 1
@@ -45,8 +46,6 @@ class ObjectCollectives:
     def all_gather(self, obj: Any) -> list[Any]:
         if self.group is None or self.size == 1:
             return [obj]
-        from axond.distributed.forms.objects import all_gather_object
-
         out: list[Any] = [None] * self.size
         all_gather_object(out, obj, self.group)
         return out
@@ -54,8 +53,6 @@ class ObjectCollectives:
     def broadcast(self, obj: Any) -> Any:
         if self.group is None or self.size == 1:
             return obj
-        from axond.distributed.forms.objects import broadcast_object_list
-
         box = [obj]
         broadcast_object_list(box, 0, self.group)
         return box[0]

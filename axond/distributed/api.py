@@ -15,6 +15,7 @@ from typing import Any, overload
 from axond.config import ConfigError, RuntimeEnv
 from axond.distributed.forms import torch_forms as tf
 from axond.distributed.backends.base import Array, BackendOptions
+from axond.distributed import default_registry as defaults
 from axond.distributed.backends.registry import available_backends, options_class
 from axond.store.init_methods import OpenedStore, open_store, parse, seconds
 from axond.distributed.diagnostics.failure import install as install_failure_hook
@@ -26,7 +27,6 @@ from axond.errors import DistributedError
 from axond.store import Store
 
 _lock = threading.Lock()
-_default: ProcessGroup | None = None
 _owned: OpenedStore | None = None
 """The store opened for the default group (and what closes it), closed by destroy_process_group."""
 _local_rank = 0
@@ -73,7 +73,7 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
     (`init_process_group("gloo", "env://")`; see `axond.store.init_methods`). "gloo" means "tcp".
     Installs the hook that, on an uncaught exception, tells the peers why (see `axond.distributed.diagnostics.failure`).
     """
-    global _default, _local_rank, _owned
+    global _local_rank, _owned
     given = {"timeout": timeout, "init_method": init_method, "world_size": world_size, "rank": rank, "store": store}
     if args and (isinstance(args[0], str) or args[0] is None):
         names = ("init_method", "timeout", "world_size", "rank", "store")
@@ -93,7 +93,7 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
     name = BACKEND_ALIASES.get((backend or "auto").lower(), (backend or "auto").lower())
     env = read_env(env)
     with _lock:
-        if _default is not None:
+        if defaults.current() is not None:
             raise DistributedError("init_process_group was already called in this process; "
                                    "call destroy_process_group() first")
         r = _env_int("RANK", rank if rank is not None else method.params.get("rank"), env.rank)
@@ -112,29 +112,31 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
             options = replace(options, env=env.with_vars(MASTER_ADDR=owned.master_addr),
                               job_secret=secret or owned.secret or b"")
         try:
-            _default = create_group(store if store is not None else owned.store, r, n, name, options)  # type: ignore[union-attr]
+            group = create_group(store if store is not None else owned.store, r, n, name, options)  # type: ignore[union-attr]
         except BaseException:
             _close_owned(owned)
             raise
         _owned = owned
         install_failure_hook()  # reporting as `env` says: the group's `track` configured it
         _local_rank = int(local_rank if local_rank is not None else env.local_rank or 0)
-        return _default
+        defaults.install(group)
+        return group
 
 
 def is_initialized() -> bool:
     """Whether this process joined a default group."""
-    return _default is not None
+    return defaults.current() is not None
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Close `group` (default: the default group, which becomes uninitialised)."""
-    global _default, _owned
-    if group is not None and group is not _default:
+    global _owned
+    if group is not None and group is not defaults.current():
         group.destroy()
         return
     with _lock:
-        pg, _default = _default, None
+        pg = defaults.current()
+        defaults.install(None)
         owned, _owned = _owned, None
     if pg is not None:
         pg.destroy()
@@ -151,14 +153,12 @@ _TORCH_OP: dict[str, Any] = {**_TORCH, "op": ReduceOp.SUM}
 
 
 def default_group() -> ProcessGroup:
-    """The group set up by `init_process_group`, or a clear error."""
-    if _default is None:
-        raise DistributedError("the default process group is not initialised; call axond.init_process_group() first")
-    return _default
+    """The group set up by `init_process_group`, or a clear error (`default_registry.require`)."""
+    return defaults.require()
 
 
 def _group(group: ProcessGroup | None) -> ProcessGroup:
-    return group if group is not None else default_group()
+    return group if group is not None else defaults.require()
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:

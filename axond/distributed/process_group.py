@@ -7,21 +7,22 @@ module-level functions in `axond.distributed.api` take global ranks and translat
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
-from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Completion, PreparedOps, op_methods
+from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Completion, op_methods
 from axond.distributed.backends.registry import create_backend, resolve_backend
 from axond.distributed.diagnostics.failure import concise, debug, track, untrack
 from axond.distributed.diagnostics.inflight import REPORTER, describe, describe_others
+from axond.distributed.fast_path import FastPath
 from axond.observe.collectives import instrument
 from axond.store.init_methods import seconds
 from axond.distributed.diagnostics.monitored_barrier import monitored_barrier
 from axond.distributed.numerics.reduce_op import ReduceOp
-from axond.distributed.forms.torch_forms import refuse_scalar
+from axond.distributed.forms.scalars import refuse_scalar
 from axond.distributed.work import OpQueue, Work
 from axond.errors import DistributedError
 from axond.store import InMemoryStore, PrefixStore, Store
@@ -36,13 +37,6 @@ class ProcessGroup:
                  options: BackendOptions, store: Store | None = None) -> None:
         self.backend = backend
         self._methods = op_methods(backend) if backend is not None else None
-        prepared = backend if isinstance(backend, PreparedOps) else None
-        self._quick_all_reduce = prepared.quick_all_reduce if prepared is not None else None
-        self._quick_broadcast = prepared.quick_broadcast if prepared is not None else None
-        self._quick_all_gather = prepared.quick_all_gather if prepared is not None else None
-        self._quick_reduce_scatter = prepared.quick_reduce_scatter if prepared is not None else None
-        self._quick_barrier = prepared.quick_barrier if prepared is not None else None
-        """The backend's prepared forms if it has them (`PreparedOps`) while the group lives (None once destroyed)."""
         self.ranks = list(ranks)
         self.name = name
         self.global_rank = global_rank
@@ -50,6 +44,9 @@ class ProcessGroup:
         self._store = store
         self._subgroups = 0
         self._comm = OpQueue(name)
+        self.fast_path = FastPath(self, backend, self._comm, self._run)
+        self._fast = self.fast_path.run
+        """The short way of this group's blocking small ops, which every caller takes (`fast_path`)."""
         self._destroyed = False
         self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
         self.size = len(self.ranks)
@@ -131,23 +128,6 @@ class ProcessGroup:
             # the user's frames and one line (AXOND_DEBUG=1 keeps the transport's frames and chain)
             raise concise(e) from None
 
-    def _quickly(self, op: str, quick: Callable[..., Any] | None, *args: Any) -> Any:
-        """Run blocking op `op` through the backend's prepared form (`quick`, e.g. `PreparedOps.quick_all_reduce`) if
-        it has one for these arguments and no async op is queued: `_run`'s common case, shorter still (small ops
-        are latency-bound). Returns what `quick` returns (False or None: nothing ran)."""
-        if quick is None or self._comm.pending:
-            return False
-        self.inflight = op
-        self.inflight_seq += 1
-        try:
-            return quick(*args)
-        except DistributedError as e:
-            if debug():
-                raise
-            raise concise(e) from None
-        finally:
-            self.inflight = None
-
     def _start(self, op: str, async_op: bool, *args: Any, **kwargs: Any) -> Any:
         """`_run` past its common case (a blocking op with nothing pending): async, destroyed or not a member."""
         methods = self._methods
@@ -178,16 +158,15 @@ class ProcessGroup:
 
     def all_reduce(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` in place over the group."""
-        if not async_op and self._quickly("all_reduce", self._quick_all_reduce, x, op):
-            return None
-        if type(x) is not np.ndarray:
-            refuse_scalar(x, "all_reduce")
+        if not async_op and type(x) is np.ndarray:
+            return self._fast("all_reduce", x, op, x, op)
+        refuse_scalar(x, "all_reduce")
         return self._run("all_reduce", async_op, x, op)
 
     def broadcast(self, x: Array, src: int = 0, async_op: bool = False) -> Work | None:
         """Copy `x` of group rank `src` into `x` everywhere."""
-        if not async_op and self._quickly("broadcast", self._quick_broadcast, x, src):
-            return None
+        if not async_op and type(x) is np.ndarray:
+            return self._fast("broadcast", x, src, x, src)
         refuse_scalar(x, "broadcast")
         return self._run("broadcast", async_op, x, src)
 
@@ -201,10 +180,8 @@ class ProcessGroup:
 
         `out=` (shape (size, *x.shape)) is filled and returned instead of a new array: no allocation.
         """
-        if not async_op:
-            gathered = self._quickly("all_gather", self._quick_all_gather, x, out)
-            if gathered is not None and gathered is not False:
-                return gathered
+        if not async_op and type(x) is np.ndarray:
+            return self._fast("all_gather", x, None, x, out)
         refuse_scalar(x, "all_gather")
         if out is None:
             return self._run("all_gather", async_op, x)
@@ -213,10 +190,8 @@ class ProcessGroup:
     def reduce_scatter(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
                        out: Array | None = None) -> Any:
         """Reduce `x` and return this rank's block of x.shape[0] // size rows (into `out=` if given)."""
-        if not async_op:
-            scattered = self._quickly("reduce_scatter", self._quick_reduce_scatter, x, op, out)
-            if scattered is not None and scattered is not False:
-                return scattered
+        if not async_op and type(x) is np.ndarray:
+            return self._fast("reduce_scatter", x, op, x, op, out)
         refuse_scalar(x, "reduce_scatter")
         if out is None:
             return self._run("reduce_scatter", async_op, x, op)
@@ -346,8 +321,8 @@ class ProcessGroup:
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every member entered the barrier."""
-        if not async_op and self._quickly("barrier", self._quick_barrier):
-            return None
+        if not async_op:
+            return self._fast("barrier", None, None)
         return self._run("barrier", async_op)
 
     def monitored_barrier(self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False) -> None:
@@ -408,8 +383,7 @@ class ProcessGroup:
     def destroy(self) -> None:
         """Finish queued async ops, then close sockets and threads; idempotent."""
         self._destroyed = True
-        self._quick_all_reduce = self._quick_broadcast = self._quick_all_gather = None
-        self._quick_reduce_scatter = self._quick_barrier = None
+        self.fast_path.close()
         untrack(self)
         self._comm.close(self.options.timeout + ASYNC_MARGIN)
         if self.backend is not None:

@@ -16,12 +16,12 @@ import numpy as np
 
 from axond.nn.device import Array, array_module
 from axond.nn.optim import Optimizer
+from axond.distributed import default_registry as defaults
+from axond.distributed.numerics.reduce_op import ReduceOp
 
 
 def _default_group() -> Any:
-    from axond.distributed import api
-
-    return api.default_group() if api.is_initialized() else None
+    return defaults.current()
 
 
 class GradScaler:
@@ -80,8 +80,6 @@ class GradScaler:
                 flag[0] = 1.0
         group = self.group if self.group is not None else _default_group()
         if group is not None and group.size > 1:
-            from axond.distributed.numerics.reduce_op import ReduceOp
-
             group.all_reduce(flag, op=ReduceOp.MAX)
         self._unscaled[key] = found = bool(flag[0] > 0)
         return found

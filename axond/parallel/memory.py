@@ -1,4 +1,4 @@
-"""Memory in bytes: what a wrapper's optimizer holds, and the per-rank figures a strategy predicts.
+"""Memory in bytes: the per-rank figures a strategy predicts (what a wrapper's optimizer holds: `optimizer_state`).
 
 `memory_estimate` uses the same accounting as the wrappers' `memory_stats()`: parameters, gradients and
 optimizer state that persist, plus the transient buffers of one step (working low-precision copies, gradient
@@ -16,18 +16,12 @@ import numpy as np
 
 from axond.nn.device import is_cupy_array, parse_device
 from axond.parallel.mixed_precision import MixedPrecision
+from axond.parallel.fsdp.wrap import plan_units, select_unit_modules
 
 if TYPE_CHECKING:
     from axond.parallel.fsdp.config import CPUOffload
 
 STRATEGIES = ("ddp", "zero1", "fsdp", "shard_grad_op")
-
-
-def optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes of the arrays in `optimizer.state` (an axond.nn.optim optimizer or ZeRO-1's), 0 for None."""
-    if optimizer is None:
-        return 0
-    return sum(int(v.nbytes) for st in getattr(optimizer, "state", []) for v in st.values() if hasattr(v, "nbytes"))
 
 
 def memory_estimate(model: Any, strategy: str, world_size: int, mixed_precision: MixedPrecision | None = None,
@@ -101,8 +95,6 @@ def memory_savings(model: Any, strategy: str, world_size: int, mixed_precision: 
 def _fsdp_units(model: Any, wrap: Any, world_size: int) -> list[tuple[int, list[int]]]:
     """Per FSDP unit (root first): its padded element count and the indices of the units it runs inside (itself
     included), as `FullyShardedDataParallel(model, wrap=wrap)` would build them."""
-    from axond.parallel.fsdp.wrap import plan_units, select_unit_modules
-
     plans = plan_units(model, select_unit_modules(model, wrap))  # units that own parameters
     inside = [{id(d) for d in plan.module.modules()} for plan in plans]
     units = []

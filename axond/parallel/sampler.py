@@ -13,16 +13,11 @@ import math
 from collections.abc import Iterator, Sized
 
 import numpy as np
+from axond.distributed import default_registry as defaults
 
 
 def _default_world() -> tuple[int, int]:
-    from axond.distributed import api
-
-    if not api.is_initialized():
-        raise RuntimeError(
-            "DistributedSampler needs num_replicas and rank, or an initialised default group (axond.init_process_group())"
-        )
-    group = api.default_group()
+    group = defaults.require("DistributedSampler (or give num_replicas and rank)")
     return group.size, group.rank
 
 

@@ -19,6 +19,7 @@ from axond.store.file import FileStore
 from axond.testing.failures import Failure, not_finished, raise_earliest
 from axond.testing.module_ranks import run_module
 from axond.testing.waits import join_or_kill
+import axond
 
 POLL = 0.1
 """Seconds between looks at the ranks' exit codes while waiting for their results."""
@@ -76,8 +77,6 @@ def _process(ctx: multiprocessing.context.BaseContext, target: Callable[..., Any
 def _process_main(fn: Callable[[], Any], rank: int, size: int, store_dir: str, backend: str, timeout: float,
                   env: Mapping[str, str], results: Any) -> None:
     """A rank's process: join the group, run `fn`, put (rank, ok, value or repr, traceback, when) on `results`."""
-    import axond
-
     try:
         os.environ.update(env)
         store = None if "AXOND_COORDINATOR" in env else FileStore(store_dir)

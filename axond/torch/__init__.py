@@ -15,7 +15,7 @@ import torch.distributed as dist
 from axond.config import RuntimeEnv
 from axond.distributed.api import read_env
 from axond.distributed.backends.base import BackendOptions
-from axond.distributed.backends.tcp.transport.mesh import route_address
+from axond.distributed.backends.addresses import route_address
 from axond.distributed.diagnostics.failure import install as install_failure_hook
 from axond.store import PrefixStore, Store
 from axond.store.over_torch import AxondStoreOverTorch

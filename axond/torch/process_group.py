@@ -21,6 +21,7 @@ from torch.autograd.profiler import record_function
 
 from axond.config import OVERLAP_ENV, parse_overlap
 from axond.distributed.backends.base import BackendOptions
+from axond.distributed.backends.registry import DEFAULT
 from axond.distributed.policy import TORCH_SYNC_BYTES
 from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_group
 from axond.distributed.numerics.reduce_op import ReduceOp
@@ -97,8 +98,7 @@ def overlap_setting(environ: Mapping[str, str]) -> bool | None:
 def overlaps(host_ranks: int, host_cores: int, threads: int) -> bool:
     """Whether a communication thread can overlap collectives with computation: only if every rank on the host
     has a core for it beside its `threads` compute threads. Without one, the thread takes the core from the
-    backward pass it was to overlap (a 4 MiB all-reduce then took 4.4 ms against 0.5 alone on a 2-core host), and
-    running the op on the calling thread is faster (bench/RESULTS.md, session 17)."""
+    backward pass it was to overlap, and running the op on the calling thread is faster (docs/design/tuning.md)."""
     return host_cores >= host_ranks * (max(threads, 1) + 1)
 
 
@@ -132,14 +132,15 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
         if self._group is None:
             name = f"torch:{self._group_name}" if self._group_name else "torch"
             try:
-                self._group = create_group(self._store, self._rank, self._size, "tcp", self._options, name=name)
+                kind = self._options.runtime_env().torch_backend or DEFAULT  # AXOND_TORCH_BACKEND
+                self._group = create_group(self._store, self._rank, self._size, kind, self._options, name=name)
             except DistributedError as e:  # inside torch's init_process_group / new_group: torch's error classes
                 raise for_torch(e, self._options.timeout) from e
             self._completer = Completer(name, self._options.timeout + ASYNC_MARGIN, self._options.timeout)
             if self._overlap is None:
                 backend = self._group.backend
-                self._overlap = overlaps(getattr(backend, "host_ranks", 1), getattr(backend, "host_cores", 1 << 16),
-                                         torch.get_num_threads())
+                assert backend is not None  # every member of the torch group is a member of its axond group
+                self._overlap = overlaps(backend.host_ranks, backend.host_cores, torch.get_num_threads())
         return self._group
 
     @property
@@ -207,6 +208,24 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
             return DoneWork(op, group.name, error=e, timeout=self._options.timeout)
         return DoneWork(op, group.name, value)
 
+    def _at_once(self, t: torch.Tensor, opts: Any) -> bool:
+        """Whether in-place op on `t` alone may skip staging and the launch: a plain dense CPU tensor that is its own
+        NumPy view (`t.numpy()`), run on the calling thread anyway (see `_launch`), outside the profiler."""
+        return (type(t) is torch.Tensor and t.dtype in _PLAIN_DTYPES and t.is_cpu and t.layout is torch.strided
+                and not t.requires_grad and t.is_contiguous() and not profiling()
+                and (t.nbytes <= self.SYNC_BYTES or not self._overlap or self._waited_at_once(opts)))
+
+    def _run_at_once(self, op: str, call: Callable[..., Any], tensors: list[torch.Tensor], arg: Any) -> DoneWork:
+        """The common small op, kept short (latency is most of its cost): `call(view of tensors[0], arg)` of the axond
+        group (whose fast path takes it the short way where it can), here; a completed Work."""
+        self._seq += 1
+        group = self.axond_group
+        try:
+            call(tensors[0].numpy(), arg)
+        except Exception as e:
+            return DoneWork(op, group.name, error=e, timeout=self._options.timeout)
+        return DoneWork(op, group.name, tensors)
+
     def _waited_at_once(self, opts: Any) -> bool:
         """Whether torch waits for the op as soon as it is launched (`dist.all_reduce(t)` without `async_op=True`)."""
         return self.SYNC_WHEN_WAITED and getattr(opts, "asyncOp", True) is False
@@ -243,19 +262,8 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, factor = reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
-        if len(tensors) == 1 and factor is None:
-            t = tensors[0]
-            if (type(t) is torch.Tensor and t.dtype in _PLAIN_DTYPES and t.is_cpu and t.layout is torch.strided
-                    and not t.requires_grad and t.is_contiguous() and not profiling()
-                    and (t.nbytes <= self.SYNC_BYTES or not self._overlap or self._waited_at_once(opts))):
-                # the common small op, kept short (latency is most of its cost): a view, run here, a done Work
-                self._seq += 1
-                group = self.axond_group
-                try:
-                    group.all_reduce(t.numpy(), op)
-                except Exception as e:
-                    return DoneWork("allreduce", group.name, error=e, timeout=self._options.timeout)
-                return DoneWork("allreduce", group.name, tensors)
+        if len(tensors) == 1 and factor is None and self._at_once(tensors[0], opts):
+            return self._run_at_once("allreduce", self.axond_group.all_reduce, tensors, op)
         if any(t.layout is torch.sparse_coo for t in tensors):  # as gloo: indices and values gathered, summed
             if factor is not None:
                 raise ValueError("allreduce: sparse tensors take ReduceOp.SUM only (as gloo), not PREMUL_SUM")
@@ -271,6 +279,8 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
+        if len(tensors) == 1 and self._at_once(tensors[0], opts):
+            return self._run_at_once("broadcast", self.axond_group.broadcast, tensors, root)
         staged = [stage(t, "broadcast tensor") for t in tensors]
         calls = [partial(self.axond_group.broadcast, s.array, root) for s in staged]
         return self._launch("broadcast", calls, _written(staged, tensors), _nbytes(tensors), opts)

@@ -11,6 +11,7 @@ from axond.distributed.process_group import ProcessGroup
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.nn.device import Array, array_module
 from axond.nn.module import Module, Parameter
+from axond.checkpoint.adapters import tp_boxes
 
 
 def _sum_squares(grads: Sequence[Array]) -> float:
@@ -38,8 +39,6 @@ def clip_partitioned(own: Sequence[Parameter], shared: Sequence[Parameter], grou
 
 def tensor_parallel_split(model: Module) -> tuple[list[Parameter], list[Parameter]]:
     """(sliced, replicated) parameters of a model built from tensor-parallel layers."""
-    from axond.checkpoint.adapters import tp_boxes
-
     sliced = set(tp_boxes(model))
     own: list[Parameter] = []
     shared: list[Parameter] = []

@@ -38,6 +38,7 @@ from axond.train.data import Dataset
 from axond.train.guard import GUARDS, CheckpointGuard
 from axond.train.progress import Progress
 from axond.train.resume import Position, capture_rank_state, restore_rank_state
+from axond.distributed import default_registry as defaults
 
 PARALLEL = ("ddp", "zero", "fsdp", "tp", "pipeline", "none")
 
@@ -57,11 +58,7 @@ class Callback:
 
 
 def _default_group() -> ProcessGroup:
-    from axond.distributed import api
-
-    if not api.is_initialized():
-        raise RuntimeError("DistributedTrainer needs group=..., or axond.init_process_group() called first")
-    return api.default_group()
+    return defaults.require("DistributedTrainer")
 
 
 class DistributedTrainer:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from axond.coordinator.state.errors import Unavailable
-from axond.coordinator.persistence.base import Changes, Persistence
+from axond.coordinator.state.port import Changes, Persistence
 
 if TYPE_CHECKING:
     from axond.coordinator.state.machine import CoordinatorState

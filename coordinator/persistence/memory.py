@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from axond.coordinator.persistence.base import Changes, Record, Snapshot
+from axond.coordinator.state.port import Changes, Record, Snapshot
 from axond.coordinator.persistence.tables import Tables
 
 

@@ -17,7 +17,7 @@ import sqlite3
 from pathlib import Path
 from typing import IO
 
-from axond.coordinator.persistence.base import Changes, Snapshot
+from axond.coordinator.state.port import Changes, Snapshot
 from axond.errors import CoordinatorError
 
 DB_NAME = "coordinator.db"

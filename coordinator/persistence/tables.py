@@ -6,7 +6,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from axond.coordinator.persistence.base import Changes, Record, Snapshot
+from axond.coordinator.state.port import Changes, Record, Snapshot
 
 
 @dataclass

@@ -12,4 +12,7 @@
     jobs.py        job records and their event log
     status.py      read-only snapshots for GetStatus / `axond status`
     errors.py      the domain errors the service maps to status codes
+    port.py        the storage port: `Persistence`, `Changes`, `Snapshot` (persistence/ implements it)
+    journal.py     what changed since the last commit (`Journal`, `TxLock`), and `restore` from a commit
+    records.py     the JSON-able records the state is kept as
 """

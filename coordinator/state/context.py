@@ -14,7 +14,7 @@ from axond.coordinator.state.goodput import GoodputBook
 from axond.coordinator.state.jobs import Job
 from axond.coordinator.state.kv_space import ByteBudget, KvSpace
 from axond.coordinator.limits import CoordinatorLimits
-from axond.coordinator.persistence.journal import Journal
+from axond.coordinator.state.journal import Journal
 
 Topic = tuple[Hashable, ...]
 

@@ -39,8 +39,8 @@ from axond.coordinator.state.kv_space import ByteBudget
 from axond.coordinator.state.lifecycle import Assignment, HeartbeatResult, JobLifecycle
 from axond.coordinator.limits import CoordinatorLimits
 from axond.coordinator.state.membership import Liveness, Membership, Node
-from axond.coordinator.persistence.base import Changes, Persistence
-from axond.coordinator.persistence.journal import Journal, TxLock, restore
+from axond.coordinator.state.port import Changes, Persistence
+from axond.coordinator.state.journal import Journal, TxLock, restore
 from axond.coordinator.state.scheduling import Scheduler
 from axond.coordinator.state.status import StatusSnapshot, snapshot
 from axond.fencing import FENCE_MARGIN_S, check_fence_margin

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from axond.distributed import BackendOptions, create_group
-from axond.distributed.backends.base import PreparedOps
 from axond.distributed.backends.registry import check_options, options_class
 from axond.distributed.backends.tcp import TcpBackend, TcpOptions
 from axond.store import InMemoryStore
@@ -56,12 +55,11 @@ def test_prepared_ops_are_a_capability_the_group_asks_for() -> None:
     tcp = thread_groups(2, options=BackendOptions(timeout=10.0))
     mock = thread_groups(2, backend="mock", options=BackendOptions(timeout=10.0))
     try:
-        assert all(isinstance(g.backend, PreparedOps) for g in tcp)
-        assert not any(isinstance(g.backend, PreparedOps) for g in mock)
         for groups in (tcp, mock):
             got = run_on(groups, lambda g: [g.all_reduce(x := np.full(4, g.rank + 1.0)) or x.copy() for _ in range(3)])
             assert all((a == 3.0).all() for rows in got for a in rows)
-        assert all(g.backend._small for g in tcp)  # type: ignore[union-attr]  # the shape was prepared
+        assert all(len(g.fast_path) == 1 for g in tcp)  # the signature was prepared, and runs the short way
+        assert not any(len(g.fast_path) for g in mock)
     finally:
         for g in tcp + mock:
             g.destroy()

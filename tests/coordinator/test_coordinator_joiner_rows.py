@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from axond.coordinator.persistence import MemoryPersistence, Persistence, SqlitePersistence
-from axond.coordinator.persistence.base import Changes, Snapshot
+from axond.coordinator.state.port import Changes, Snapshot
 from axond.coordinator.persistence.etcd import codec
 from axond.coordinator.persistence.tables import Tables
 from axond.coordinator.state.machine import CoordinatorState

@@ -16,7 +16,7 @@ import pytest
 
 from axond.config import ConfigError, RuntimeEnv
 from axond.distributed.backends.base import BackendOptions
-from axond.distributed.backends.tcp.transport.mesh import advertised_host
+from axond.distributed.backends.addresses import advertised_host
 from axond.store.init_methods import open_store, parse
 from axond.errors import DistributedError
 from axond.v1 import coordinator_pb2 as pb

@@ -130,7 +130,7 @@ def test_compiled_and_python_ranks_share_a_mailbox_with_the_numbers_of_one_proce
                 same_bits(gathered, np.stack([inputs[r][1] for r in range(3)]))
         compiled = NATIVE_REDUCTIONS_OF.get(np.dtype(dtype), ())
         for pg, native in zip(gs, natives):
-            small = pg.backend._small  # type: ignore[union-attr]
+            small = {key: r.form for key, r in pg.fast_path.runners().items()}  # type: ignore[attr-defined]
             reductions = [p for key, p in small.items() if key[0] in ("all_reduce", "reduce_scatter")]
             others = [p for key, p in small.items() if key[0] not in ("all_reduce", "reduce_scatter")]
             if accumulator(np.dtype(dtype), op) is None:  # float16 sums take low_precision's ops instead
@@ -176,7 +176,8 @@ def test_a_late_member_makes_the_compiled_op_take_the_python_wait() -> None:
                 np.testing.assert_array_equal(got[4 * i + 1], np.arange(6)[2 * rank : 2 * rank + 2] * 3)
                 np.testing.assert_array_equal(got[4 * i + 2], [[r + i] * 2 for r in range(3)])
                 np.testing.assert_array_equal(got[4 * i + 3], [1, 1, 1])
-        assert all(p.native is not None for pg in gs for p in pg.backend._small.values())  # type: ignore[union-attr]
+        forms = [r.form for pg in gs for r in pg.fast_path.runners().values()]  # type: ignore[attr-defined]
+        assert forms and all(p.native is not None for p in forms)
     finally:
         for g in gs:
             g.destroy()

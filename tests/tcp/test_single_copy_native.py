@@ -69,7 +69,7 @@ def _placed(raw: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
 
 
 def _prepared(pg: ProcessGroup) -> list[Any]:
-    return list(pg.backend._small.values())  # type: ignore[union-attr]
+    return [r.form for r in pg.fast_path.runners().values()]  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow  # among the longest tests: the full run, not the quick loop

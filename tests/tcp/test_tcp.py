@@ -20,7 +20,8 @@ import pytest
 from axond import DistributedError, InMemoryStore, ProcessGroup, ReduceOp
 from axond.distributed import BackendOptions, FileStore, create_group
 from axond.distributed.backends.tcp import TcpOptions, policy
-from axond.distributed.backends.tcp.transport.mesh import Mesh, interface_address
+from axond.distributed.backends.addresses import interface_address
+from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.backends.tcp.transport.wire import Op, group_id
 from axond.testing import RankFailed, collect_from_processes, run_on, thread_groups
 from axond.testing.waits import wait_until

@@ -7,10 +7,10 @@ return a new array. Every call is bounded by `options.timeout` and raises `Distr
 
 Besides the ops, three capabilities have defaults a backend may override: `post_send` (an isend that
 returns once the data is handed over), `start` (async ops whose completion the backend tracks itself)
-and `batch_p2p` (a batch of isends and irecvs in one launch); `PreparedOps` is an optional one (ops prepared
-for, run past the checks). A backend declares its own options class (`options_class`); the registry checks them.
-`op_methods` names the method of every op
-`ProcessGroup` runs; besides those it calls only `start`, `explain_timeouts`, `abort` and `close`.
+and `batch_p2p` (a batch of isends and irecvs in one launch); `prepared` hands the group's fast path the prepared form
+of a blocking op it just ran (`axond.distributed.fast_path`). A backend declares its own options class
+(`options_class`); the registry checks them. `op_methods` names the method of every op `ProcessGroup` runs; besides
+those it calls only `start`, `prepared`, `explain_timeouts`, `abort` and `close`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,20 @@ from axond.store import Store
 
 Array = Any
 """A NumPy or CuPy ndarray."""
+
+
+MISSED: Any = type("Missed", (), {"__repr__": lambda self: "MISSED", "__slots__": ()})()
+"""What a prepared runner (`Backend.prepared`) returns having done nothing: the op then takes the full way."""
+
+Signature = tuple[str, Any, Any, Any]
+"""What a prepared form of a blocking op is made for: (op name, dtype, element count, the op's scalar argument: its
+ReduceOp, root, or None); (op name, None, None, None) for a barrier. A runner checks what else it needs of the shape."""
+
+
+def signature(op: str, x: Any, arg: Any) -> Signature:
+    """The signature of blocking op `op` on NumPy array `x` (None: a barrier) with scalar argument `arg`: the key of a
+    prepared form on both sides (`Backend.prepared` and the group's `axond.distributed.fast_path`)."""
+    return (op, None, None, None) if x is None else (op, x.dtype, x.size, arg)
 
 
 P2P = tuple[str, Array, int, int]
@@ -122,6 +136,11 @@ class Backend(ABC):
     name: ClassVar[str]
     options_class: ClassVar[type[BackendSettings] | None] = None
     """This backend's own options (given as `BackendOptions(<name>=...)`), or None: it takes none."""
+    host_ranks: int = 1
+    """Ranks of the group on this host, as far as the backend knows (tcp: from its sockets' peers)."""
+    host_cores: int = 1 << 16
+    """Cores this rank may use, as far as the backend knows (default: not limited): with `host_ranks`, whether a
+    communication thread has a core to itself (the torch backend's `overlaps`)."""
 
     def __init__(self, store: Store, rank: int, size: int, group_name: str, options: BackendOptions) -> None:
         self.store = store
@@ -233,6 +252,17 @@ class Backend(ABC):
         """
         return None
 
+    def prepared(self, signature: Signature) -> Callable[..., Any] | None:
+        """The prepared form of the blocking op of `signature` (`signature` above) that this backend ran the full
+        way just now, on this thread, as a runner: it takes the op's method arguments and returns what the method
+        returns, or `MISSED` having done nothing. None: none (the default; the op keeps the full way).
+
+        `ProcessGroup` asks right after each full run through its `FastPath` and runs the runner for later blocking
+        calls of that signature while no async op is queued; a runner must check what it does not take (a stale form,
+        an array it cannot use) and return `MISSED`, never raise for it.
+        """
+        return None
+
     @abstractmethod
     def barrier(self) -> None:
         """Return once every rank of the group has entered the barrier."""
@@ -262,37 +292,6 @@ class Backend(ABC):
         """`abort` because this rank's process failed: `reason` ("rank R failed: ExcType: message") is the
         root cause, which peers quote as it is. The default is `abort(reason)`."""
         self.abort(reason)
-
-
-class PreparedOps(ABC):
-    """An optional capability: blocking ops a backend prepared for run straight away, past the checks and the route.
-
-    A backend that has it (tcp, for small ops through its shared mailbox, whose cost is mostly latency) inherits this
-    beside `Backend`; `ProcessGroup` asks `isinstance(backend, PreparedOps)` and calls these only for a blocking op
-    with no async op queued. Each runs the op and says so, or does nothing and says that (False or None).
-    """
-
-    @abstractmethod
-    def quick_all_reduce(self, x: Array, op: ReduceOp) -> bool:
-        """Run a blocking all_reduce that this backend prepared for (a small one it ran before) and return True, or
-        return False at once, having done nothing: `ProcessGroup.all_reduce` then takes the full way."""
-
-    @abstractmethod
-    def quick_broadcast(self, x: Array, src: int) -> bool:
-        """As `quick_all_reduce`, for a blocking broadcast from group rank `src`."""
-
-    @abstractmethod
-    def quick_all_gather(self, x: Array, out: Array | None) -> Array | None:
-        """As `quick_all_reduce`, for a blocking all_gather: the gathered array (`out` if given), or None having
-        done nothing."""
-
-    @abstractmethod
-    def quick_reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None) -> Array | None:
-        """As `quick_all_gather`, for a blocking reduce_scatter: this rank's block (`out` if given)."""
-
-    @abstractmethod
-    def quick_barrier(self) -> bool:
-        """As `quick_all_reduce`, for a blocking barrier."""
 
 
 def op_methods(backend: Backend) -> dict[str, Callable[..., Any]]:

@@ -20,6 +20,10 @@ asked for. "mock" joins
 threads of one process without sockets, for tests (see `axond.testing`)."""
 
 
+DEFAULT = "tcp"
+"""The backend a group gets where none is named (`create_group`, the torch backend without AXOND_TORCH_BACKEND)."""
+
+
 def backend_class(name: str) -> type[Backend]:
     """Return the backend class registered as `name`, or raise `BackendUnavailable` saying why."""
     module_name = _MODULES.get(name)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from axond.config import FailureSettings, RuntimeEnv
 from axond.distributed.diagnostics import stacks
 from axond.errors import DistributedError
+from axond.distributed import default_registry as defaults
 
 if TYPE_CHECKING:
     from axond.distributed.process_group import ProcessGroup
@@ -124,11 +125,8 @@ def abort_group(group: ProcessGroup, error: BaseException) -> None:
 
 
 def _rank() -> int:
-    from axond.distributed import api
-
-    if api.is_initialized():
-        return api.default_group().global_rank
-    return _env_rank
+    group = defaults.current()
+    return group.global_rank if group is not None else _env_rank
 
 
 def blamed_peer(error: BaseException) -> int | None:

@@ -1,13 +1,14 @@
 """Let axond's collectives take torch tensors, without importing torch unless one is passed.
 
 `accepts_torch` wraps a module-level collective: when an argument (or an element of a list argument)
-is a torch object, the call goes through `axond.torch.arguments`, which passes NumPy views of the
-tensors and turns array results back into tensors. Core axond never imports torch itself.
+is a torch object, the call goes through the converter `CONVERTERS` names (`axond.torch.arguments`), which
+passes NumPy views of the tensors and turns array results back into tensors. Core axond never imports torch itself.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -59,7 +60,15 @@ def accepts_torch(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _with_tensors(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from axond.torch.arguments import call_with_tensors
+CONVERTERS = {"torch": "axond.torch.arguments"}
+"""The library an argument comes from -> the module whose `call_with_tensors(fn, args, kwargs)` runs a collective on
+its objects: a registry by module path, loaded on first use as the backend registry loads backends (the data plane
+imports nothing of `axond.torch`, which imports the data plane)."""
+_loaded: dict[str, Callable[..., Any]] = {}
 
-    return call_with_tensors(fn, args, kwargs)
+
+def _with_tensors(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    call = _loaded.get("torch")
+    if call is None:
+        call = _loaded["torch"] = importlib.import_module(CONVERTERS["torch"]).call_with_tensors
+    return call(fn, args, kwargs)

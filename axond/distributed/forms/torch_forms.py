@@ -9,33 +9,24 @@ does. Ranks given here (`dst`, `src`) are GROUP ranks; `axond.distributed.api` t
 
 from __future__ import annotations
 
-import numbers
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from axond.distributed.backends.base import Array
 from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.forms.scalars import refuse_scalar
+from axond.distributed.process_group import ProcessGroup
 from axond.distributed.work import Work
 
-if TYPE_CHECKING:
-    from axond.distributed.process_group import ProcessGroup
 
 
 def is_list(value: Any) -> bool:
     """Whether `value` is a torch-style list of tensors (a Python list or tuple)."""
     return isinstance(value, (list, tuple))
-
-
-def refuse_scalar(x: Any, op: str) -> None:
-    """Raise TypeError for a Python or NumPy scalar: collectives write into arrays, so say to pass one."""
-    if isinstance(x, (numbers.Number, np.generic)):
-        value = x.item() if isinstance(x, np.generic) else x
-        raise TypeError(f"{op}: got the scalar {value!r} ({type(x).__name__}); collectives work in place on arrays. "
-                        f"Pass a 1-element array, e.g. x = np.array([{value!r}]), and read x[0] afterwards")
 
 
 def bind(op: str, names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -59,8 +50,6 @@ def bind(op: str, names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str
 
 def p2p_group_and_tag(tag: Any, group: Any) -> tuple[Any, int]:
     """(group, tag) of send/recv called either as axond's `(x, peer, tag, group)` or torch's `(x, peer, group, tag)`."""
-    from axond.distributed.process_group import ProcessGroup
-
     if isinstance(tag, ProcessGroup) or (tag is None and group is not None and not isinstance(group, ProcessGroup)):
         tag, group = group, tag
     return group, 0 if tag is None else int(tag)

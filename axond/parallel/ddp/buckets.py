@@ -22,6 +22,7 @@ from axond.nn.device import Array, device_of, empty_on
 from axond.nn.module import Parameter
 from axond.observe import timeline
 from axond.parallel.mixed_precision import MixedPrecision
+from axond.parallel.ddp.hooks import GradBucket
 
 
 class Work(Protocol):
@@ -123,8 +124,6 @@ class GradientBucket:
         if self.hook is None:
             self.work = group.all_reduce(self.buffer, op=ReduceOp.AVG, async_op=True)
             return
-        from axond.parallel.ddp.hooks import GradBucket
-
         state, hook = self.hook
         self.future = hook(state, GradBucket(self.index, self.buffer, self.params, self.last, group))
 

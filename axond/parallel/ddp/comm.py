@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from axond.nn.device import Array, array_module, device_of, empty_on
+from axond.distributed import default_registry as defaults
 
 
 def broadcast_coalesced(arrays: Sequence[Array], group: Any, src: int = 0, cap_bytes: int = 64 << 20) -> None:
@@ -44,8 +45,4 @@ def broadcast_coalesced(arrays: Sequence[Array], group: Any, src: int = 0, cap_b
 
 def default_group() -> Any:
     """axond's default process group (set by `axond.init_process_group`), or a clear error."""
-    from axond.distributed import api
-
-    if not api.is_initialized():
-        raise RuntimeError("DistributedDataParallel needs process_group=..., or axond.init_process_group() called first")
-    return api.default_group()
+    return defaults.require("DistributedDataParallel")

@@ -23,7 +23,7 @@ from axond.parallel.ddp.buckets import GradientSynchronizer, GroupLike
 from axond.parallel.ddp.comm import broadcast_coalesced, default_group
 from axond.parallel.ddp.config import DDPConfig, GradSyncStrategy
 from axond.parallel.ddp.working import WorkingParams
-from axond.parallel.memory import optimizer_state_bytes
+from axond.parallel.optimizer_state import optimizer_state_bytes
 from axond.parallel.mixed_precision import MixedPrecision, cast_buffers, check_mixed_precision
 from axond.parallel.bypass import BackwardGuard
 from axond.parallel.no_sync import NoSync

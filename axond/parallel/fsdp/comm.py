@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.nn.device import Array
+from axond.distributed import default_registry as defaults
 
 
 class GroupLike(Protocol):
@@ -68,8 +69,4 @@ def broadcast_from_first(x: Array, group: GroupLike | None) -> None:
 
 def default_group() -> Any:
     """axond's default process group (set by `axond.init_process_group`), or a clear error."""
-    from axond.distributed import api
-
-    if not api.is_initialized():
-        raise RuntimeError("FSDP/ZeRO need group=... (or mesh=...), or axond.init_process_group() called first")
-    return api.default_group()
+    return defaults.require("FSDP/ZeRO (or give mesh=...)")

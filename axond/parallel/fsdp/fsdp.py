@@ -31,7 +31,7 @@ from axond.parallel.fsdp.stats import MemoryStats
 from axond.parallel.fsdp.unit import FSDPUnit
 from axond.parallel.fsdp.wrap import UnitPlan, WrapPolicy, install, plan_units, select_unit_modules
 from axond.parallel.bypass import BackwardGuard
-from axond.parallel.memory import optimizer_state_bytes
+from axond.parallel.optimizer_state import optimizer_state_bytes
 from axond.parallel.mesh import DeviceMesh
 from axond.parallel.mixed_precision import MixedPrecision, cast_buffers, check_mixed_precision
 from axond.parallel.no_sync import NoSync

@@ -21,6 +21,8 @@ from axond.nn.module import Module, Parameter
 from axond.parallel.pipeline.p2p import StageLinks, incoming_order
 from axond.parallel.pipeline.schedules import Action, PipelineSchedule, rank_actions, stage_rank, validate
 from axond.parallel.pipeline.split import split_sequential
+from axond.distributed import default_registry as defaults
+from axond.parallel.optimizer_state import optimizer_state_bytes
 
 
 class LossFn(Protocol):
@@ -32,11 +34,7 @@ class LossFn(Protocol):
 
 
 def _default_group() -> ProcessGroup:
-    from axond.distributed import api
-
-    if not api.is_initialized():
-        raise RuntimeError("Pipeline needs group=..., or axond.init_process_group() called first")
-    return api.default_group()
+    return defaults.require("Pipeline")
 
 
 class Pipeline:
@@ -230,8 +228,6 @@ class Pipeline:
 
         Activations stashed between a microbatch's forward and backward are not counted (`peak_stashed`
         gives how many were alive at once)."""
-        from axond.parallel.memory import optimizer_state_bytes
-
         params = list(self.parameters())
         stats = {
             "parameters": sum(int(p.data.nbytes) for p in params),

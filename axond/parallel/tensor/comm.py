@@ -18,17 +18,12 @@ from __future__ import annotations
 from axond.distributed.process_group import ProcessGroup
 from axond.nn.device import Array, array_module
 from axond.nn.module import Module
+from axond.distributed import default_registry as defaults
 
 
 def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
     """`group`, or axond's default group when it is None (a clear error if there is none)."""
-    if group is not None:
-        return group
-    from axond.distributed import api
-
-    if not api.is_initialized():
-        raise RuntimeError("tensor-parallel layers need group=..., or axond.init_process_group() called first")
-    return api.default_group()
+    return defaults.or_given(group, "tensor-parallel layers")
 
 
 def shard_size(total: int, group: ProcessGroup, what: str) -> int:

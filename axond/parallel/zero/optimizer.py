@@ -23,7 +23,7 @@ from axond.nn.module import Parameter
 from axond.nn.optim import AdamW, Optimizer
 from axond.parallel.fsdp.comm import GroupLike, all_gather_shards, default_group, reduce_scatter_shards
 from axond.parallel.fsdp.flat_param import FlatLayout
-from axond.parallel.memory import optimizer_state_bytes
+from axond.parallel.optimizer_state import optimizer_state_bytes
 
 
 class _Bucket:

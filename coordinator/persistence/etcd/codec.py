@@ -11,7 +11,7 @@ import json
 
 from typing import Any
 
-from axond.coordinator.persistence.base import Changes, JoinerChanges, Record
+from axond.coordinator.state.port import Changes, JoinerChanges, Record
 from axond.coordinator.persistence.tables import Tables
 
 

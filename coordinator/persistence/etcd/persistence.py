@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from axond.coordinator.persistence.base import Changes, Snapshot
+from axond.coordinator.state.port import Changes, Snapshot
 from axond.coordinator.persistence.etcd import codec
 from axond.coordinator.persistence.etcd.client import (EtcdClient, EtcdError, KeyValue, RequestOp, delete_op, prefix_end,
                                                       put_op)

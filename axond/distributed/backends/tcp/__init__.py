@@ -2,6 +2,7 @@
 one host.
 
     backend.py     checks, op numbering, each op a few lines over the path `Placement.choose` gives it
+    prepared.py    the mailbox's prepared small ops as runners for the group's fast path
     options.py     every knob (`TcpOptions`); `TcpOptions.from_env` is the only reader of AXOND_TCP_*/AXOND_SHM*
     policy.py      which path and schedule each op takes, holding every threshold
     placement.py   which members share a host and what shared memory they mapped

@@ -19,17 +19,18 @@ from typing import Any
 import numpy as np
 
 from axond.distributed.numerics import low_precision
-from axond.distributed.backends.base import Array, Backend, BackendOptions, PreparedOps
+from axond.distributed.backends.base import Array, Backend, BackendOptions, signature
 from axond.distributed.backends.host_arrays import numpy_array, output_array, scatter_rows
-from axond.distributed.backends.tcp import policy
+from axond.distributed.backends.tcp import policy, prepared
 from axond.distributed.backends.tcp.options import TcpOptions
 from axond.distributed.backends.tcp.placement import Placement
-from axond.distributed.backends.tcp.paths.base import DataPath, own_row
+from axond.distributed.backends.tcp.paths.base import own_row
 from axond.distributed.backends.tcp.policy import Route
 from axond.distributed.backends.tcp.schedules import direct, trees
 from axond.distributed.backends.tcp.schedules.group_view import GroupView, Scratch
 from axond.distributed.backends.tcp.transport.framing import Call, FramedGroup, byte_view
-from axond.distributed.backends.tcp.transport.mesh import Mesh, advertised_host
+from axond.distributed.backends.addresses import advertised_host
+from axond.distributed.backends.tcp.transport.mesh import Mesh
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerError, PeerTimeout
 from axond.distributed.backends.tcp.transport.sockets import buffer_limit, host_cores, host_ranks
 from axond.distributed.backends.tcp.transport.wire import DTYPE_CODE, REDUCE_CODES, Kind, Op, dtype_code, group_id
@@ -37,21 +38,18 @@ from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.numerics.reducers import check_reduce_op, finish_average
 from axond.distributed.backends.splits import check_splits
 from axond.distributed.work import PendingSend
-from axond.errors import DistributedError
 from axond.store import Store
 
 
 BARRIER_TOKEN = np.dtype(np.uint8)
 """The dtype a barrier's call names (one element)."""
-SMALL_PLANS = 64
-"""Prepared small mailbox ops kept per group (op, dtype, size and op or root combinations); all dropped when full."""
 
 
 def _numpy(x: Any, what: str) -> np.ndarray:
     return numpy_array(x, what, "tcp")
 
 
-class TcpBackend(Backend, PreparedOps):
+class TcpBackend(Backend):
     """Collectives over TCP sockets (and shared memory between the ranks of one host) between the ranks of a group."""
 
     name = "tcp"
@@ -78,9 +76,9 @@ class TcpBackend(Backend, PreparedOps):
                               for p, s in socks.items()})
         self.comm = GroupView(self.g, rank, size, tcp, crowded, Scratch())
         self.placement = Placement(self.comm, host)
-        self._seq = 0
-        self._small: dict[tuple[Any, ...], Any] = {}
-        """Prepared small mailbox ops by op name, dtype, size and op or root (`_prepare`)."""
+        self.numbering = prepared.Numbering()
+        self.fresh = prepared.Fresh(self.g, size, self.numbering, self.placement)
+        """The prepared form of the op run last, until the group's fast path takes it (`prepared`)."""
         self._tx: dict[tuple[int, int], int] = {}
         self._rx: dict[tuple[int, int], int] = {}
         """Point-to-point frames sent to / received from each (peer, tag): sends and receives match per tag."""
@@ -100,8 +98,12 @@ class TcpBackend(Backend, PreparedOps):
     def _call(self, op: Op, x: np.ndarray, redop: ReduceOp | None = None, aux: int = 0) -> Call:
         """Start op number `seq` (validated first, so that a rejected call does not advance it)."""
         code = DTYPE_CODE.get(x.dtype) or dtype_code(x.dtype)
-        self._seq += 1
-        return self.g.call(op, Kind.COLLECTIVE, code, REDUCE_CODES[redop.value] if redop else 0, self._seq, aux, x.size)
+        return self.g.call(op, Kind.COLLECTIVE, code, REDUCE_CODES[redop.value] if redop else 0, self._next_seq(), aux,
+                           x.size)
+
+    def _next_seq(self) -> int:
+        self.numbering.seq += 1
+        return self.numbering.seq
 
     def _inplace(self, x: np.ndarray, op_name: str, body: Callable[[np.ndarray], None]) -> None:
         """Run `body` on a contiguous flat view of `x`, copying back if `x` was not contiguous."""
@@ -128,85 +130,7 @@ class TcpBackend(Backend, PreparedOps):
             raise ValueError(f"rank {self.rank} cannot {verb} itself")
         return peer
 
-    def quick_all_reduce(self, x: Array, op: ReduceOp) -> bool:
-        """A small all_reduce of a dtype, size and op that went through the mailbox before (every check passed
-        then): straight to its prepared form (`mailbox_ops.SmallAllReduce`)."""
-        if type(x) is not np.ndarray or type(op) is not ReduceOp:
-            return False
-        return self._run_prepared("all_reduce", self._small.get(("all_reduce", x.dtype, x.size, id(op))), x)
-
-    def quick_broadcast(self, x: Array, src: int) -> bool:
-        """As `quick_all_reduce`, for a small broadcast from group rank `src` (`mailbox_ops.SmallBroadcast`)."""
-        if type(x) is not np.ndarray or type(src) is not int:
-            return False
-        return self._run_prepared("broadcast", self._small.get(("broadcast", x.dtype, x.size, src)), x)
-
-    def quick_all_gather(self, x: Array, out: Array | None) -> Array | None:
-        """As `quick_all_reduce`, for a small all_gather into `out` (checked here) or a fresh array
-        (`mailbox_ops.SmallAllGather`); None having done nothing."""
-        if type(x) is not np.ndarray:
-            return None
-        small = self._small.get(("all_gather", x.dtype, x.size))
-        if small is None or small.box is not self.placement.mailbox or self.g.aborted:
-            return None
-        shape = (self.size, *x.shape)
-        if out is None:
-            out = np.empty(shape, x.dtype)
-        elif not (type(out) is np.ndarray and out.shape == shape and out.dtype == x.dtype and out.flags.c_contiguous):
-            return None  # the full way says what is wrong with it
-        self._seq += 1
-        try:
-            small.run(out, self._seq, x)  # x into row `rank` too
-        except (DistributedError, PeerError) as e:
-            self.g.failed("all_gather", e)
-        return out
-
-    def quick_reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None) -> Array | None:
-        """As `quick_all_gather`, for a small reduce_scatter (`mailbox_ops.SmallReduceScatter`)."""
-        if type(x) is not np.ndarray or type(op) is not ReduceOp:
-            return None
-        small = self._small.get(("reduce_scatter", x.dtype, x.shape, id(op)))
-        if small is None or small.box is not self.placement.mailbox or not x.flags.c_contiguous or self.g.aborted:
-            return None
-        shape = (x.shape[0] // self.size, *x.shape[1:])
-        if out is None:
-            out = np.empty(shape, x.dtype)
-        elif not (type(out) is np.ndarray and out.shape == shape and out.dtype == x.dtype and out.flags.c_contiguous):
-            return None  # the full way says what is wrong with it
-        self._seq += 1
-        try:
-            small.run(x.reshape(-1), out.reshape(-1), self._seq)
-        except (DistributedError, PeerError) as e:
-            self.g.failed("reduce_scatter", e)
-        return out
-
-    def quick_barrier(self) -> bool:
-        """As `quick_all_reduce`, for a barrier (`mailbox_ops.SmallBarrier`)."""
-        small = self._small.get(("barrier",))
-        if small is None or small.box is not self.placement.mailbox or self.g.aborted:
-            return False
-        self._seq += 1
-        try:
-            small.run(self._seq)
-        except (DistributedError, PeerError) as e:
-            self.g.failed("barrier", e)
-        return True
-
-    def _run_prepared(self, name: str, small: Any, x: np.ndarray) -> bool:
-        """Run `small` on `x` as the group's next op (True), or nothing (False: not prepared, not contiguous, the
-        mailbox changed or the group was aborted; the full way then checks and raises as it should)."""
-        if small is None or small.box is not self.placement.mailbox or not x.flags.c_contiguous or self.g.aborted:
-            return False
-        self._seq += 1
-        try:
-            small.run(x if x.ndim == 1 else x.reshape(-1), self._seq)
-        except (DistributedError, PeerError) as e:
-            self.g.failed(name, e)
-        return True
-
     def all_reduce(self, x: Array, op: ReduceOp) -> None:
-        if self.quick_all_reduce(x, op):
-            return
         if type(x) is not np.ndarray:
             x = _numpy(x, "all_reduce input")
         op = check_reduce_op(op, x.dtype)
@@ -217,32 +141,16 @@ class TcpBackend(Backend, PreparedOps):
             return
         path = self.placement.choose(c, Op.ALL_REDUCE, x.nbytes)
         self._in_place(x, "all_reduce", path.all_reduce, c, op)
-        self._prepare(("all_reduce", x.dtype, x.size, id(op)), path, c,
-                      lambda make_call: path.prepare_all_reduce(c, x, op, make_call))
+        if x.flags.c_contiguous:
+            self.fresh.keep(signature("all_reduce", x, op), path, c,
+                            lambda make_call: path.prepare_all_reduce(c, x, op, make_call),
+                            lambda fresh, small: prepared.flat(fresh, small, "all_reduce"))
 
-    def _prepare(self, key: tuple[Any, ...], path: DataPath, c: Call,
-                 build: Callable[[Callable[[int], Call]], Any]) -> None:
-        """Keep the prepared form of an op that `path` keeps (`mailbox_ops.Prepared`) under `key`: the next call of
-        that shape skips the checks, the route and the `Call` (made only if it waits long or fails, by `make_call`)."""
-        box = path.prepares_through
-        if box is None:
-            return
-        known = self._small.get(key)
-        if known is not None and known.box is box:
-            return  # a caller whose array is not contiguous: prepared already, for the contiguous ones
-        if len(self._small) >= SMALL_PLANS:
-            self._small.clear()
-
-        def make_call(seq: int) -> Call:
-            return self.g.call(c.op, c.kind, c.dtype, c.redop, seq, c.aux, c.count)
-
-        prepared = build(make_call)
-        if prepared is not None:
-            self._small[key] = prepared
+    def prepared(self, signature: tuple[Any, ...]) -> prepared.Runner | None:
+        """The runner of the small op of `signature` just run through the mailbox (see `tcp.prepared`), or None."""
+        return self.fresh.take(signature)
 
     def broadcast(self, x: Array, src: int) -> None:
-        if self.quick_broadcast(x, src):
-            return
         x = _numpy(x, "broadcast input")
         src = self._check_root(src, "src")
         c = self._call(Op.BROADCAST, x, aux=src)
@@ -253,8 +161,10 @@ class TcpBackend(Backend, PreparedOps):
             self._in_place(x, "broadcast", path.broadcast, c, src)
         else:
             self.g.run("broadcast", path.broadcast, c, np.ascontiguousarray(x).reshape(-1), src)
-        self._prepare(("broadcast", x.dtype, x.size, src), path, c,
-                      lambda make_call: path.prepare_broadcast(c, x, src, make_call))
+        if x.flags.c_contiguous:
+            self.fresh.keep(signature("broadcast", x, src), path, c,
+                            lambda make_call: path.prepare_broadcast(c, x, src, make_call),
+                            lambda fresh, small: prepared.flat(fresh, small, "broadcast"))
 
     def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
         x = _numpy(x, "reduce input")
@@ -271,9 +181,6 @@ class TcpBackend(Backend, PreparedOps):
 
     def all_gather(self, x: Array, out: Array | None = None) -> Array:
         """As `Backend.all_gather`; `out` (C-contiguous, shape (size, *x.shape)) avoids a fresh allocation."""
-        gathered = self.quick_all_gather(x, out)
-        if gathered is not None:
-            return gathered
         x = _numpy(x, "all_gather input")
         c = self._call(Op.ALL_GATHER, x)
         out = output_array(out, (self.size, *x.shape), x.dtype, "all_gather", "tcp")
@@ -282,15 +189,12 @@ class TcpBackend(Backend, PreparedOps):
             return out
         path = self.placement.choose(c, Op.ALL_GATHER, x.nbytes)
         self.g.run("all_gather", path.all_gather, c, out, x)
-        self._prepare(("all_gather", x.dtype, x.size), path, c,
-                      lambda make_call: path.prepare_all_gather(c, x, make_call))
+        self.fresh.keep(signature("all_gather", x, None), path, c,
+                        lambda make_call: path.prepare_all_gather(c, x, make_call), prepared.all_gather)
         return out
 
     def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
         """As `Backend.reduce_scatter`; `out` (C-contiguous, the block's shape) avoids a fresh allocation."""
-        scattered = self.quick_reduce_scatter(x, op, out)
-        if scattered is not None:
-            return scattered
         x = _numpy(x, "reduce_scatter input")
         op = check_reduce_op(op, x.dtype)
         rows = scatter_rows(x, self.size, "reduce_scatter")
@@ -306,8 +210,10 @@ class TcpBackend(Backend, PreparedOps):
         src, dst = np.ascontiguousarray(x).reshape(-1), out.reshape(-1)
         path = self.placement.choose(c, Op.REDUCE_SCATTER, src.nbytes)
         self.g.run("reduce_scatter", path.reduce_scatter, c, src, dst, op)
-        self._prepare(("reduce_scatter", x.dtype, x.shape, id(op)), path, c,
-                      lambda make_call: path.prepare_reduce_scatter(c, src, dst.size, op, make_call))
+        if x.flags.c_contiguous:
+            self.fresh.keep(signature("reduce_scatter", x, op), path, c,
+                            lambda make_call: path.prepare_reduce_scatter(c, src, dst.size, op, make_call),
+                            prepared.reduce_scatter)
         return out
 
     def gather(self, x: Array, dst: int) -> Array | None:
@@ -321,8 +227,7 @@ class TcpBackend(Backend, PreparedOps):
     def scatter(self, x: Array | None, src: int) -> Array:
         src = self._check_root(src, "src")
         if self.rank != src:
-            self._seq += 1
-            return self.g.run("scatter", direct.receive_scattered, self.comm, self._seq, src)
+            return self.g.run("scatter", direct.receive_scattered, self.comm, self._next_seq(), src)
         x = _numpy(x, "scatter input on the source rank")
         if x.ndim == 0 or x.shape[0] != self.size or x.ndim > direct.META - 2:
             raise ValueError(f"scatter needs an array of shape ({self.size}, ...) on the source rank, got {x.shape}")
@@ -424,15 +329,13 @@ class TcpBackend(Backend, PreparedOps):
             select.select([self.g.peers[r].fileno() for r in peers], [], [], min(left, 1.0))
 
     def barrier(self) -> None:
-        if self.quick_barrier():
-            return
-        self._seq += 1
-        c = self.g.call(Op.BARRIER, Kind.COLLECTIVE, dtype_code(BARRIER_TOKEN), 0, self._seq, 0, 1)
+        c = self.g.call(Op.BARRIER, Kind.COLLECTIVE, dtype_code(BARRIER_TOKEN), 0, self._next_seq(), 0, 1)
         if self.size == 1:
             return
         path = self.placement.choose(c, Op.BARRIER, 0)
         self.g.run("barrier", path.barrier, c)
-        self._prepare(("barrier",), path, c, lambda make_call: path.prepare_barrier(c, make_call))
+        self.fresh.keep(signature("barrier", None, None), path, c, lambda make_call: path.prepare_barrier(c, make_call),
+                        prepared.barrier)
 
     def close(self) -> None:
         self.g.close_peers()

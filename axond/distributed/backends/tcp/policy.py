@@ -62,6 +62,15 @@ waited for: the waits block at once instead (#mailbox_yield_limit_seconds)."""
 MAILBOX_PROBE_OPS = 1024
 """At most this many mailbox ops between two waits that yield although the waits block, to see whether yielding is
 cheap again (#mailbox_probe_ops)."""
+MAILBOX_PROBE_FIRST_OPS = 16
+"""The fewest mailbox ops between two such waits: where yielding turned cheap, the tries come this often
+(#mailbox_probe_first_ops)."""
+MAILBOX_HOME_EVERY_OPS = 64
+"""Mailbox ops between two looks at the core a crowded host's rank runs on, moving it back home if the kernel moved it
+(#mailbox_home_every_ops)."""
+MAILBOX_MOVE_EVERY_OPS = 16
+"""The fewest mailbox ops between two moves of a rank off a core it found shared with another rank of its group
+(#mailbox_move_every_ops)."""
 MAILBOX_SPIN_SECONDS = 0.01
 """How long a mailbox wait without the compiled helper spins before it sleeps on the sockets (#mailbox_spin_seconds)."""
 MAILBOX_CHECK_SECONDS = 0.0005

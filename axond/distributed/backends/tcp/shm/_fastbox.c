@@ -32,7 +32,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROBE_FIRST 16  /* the fewest ops between two waits that yield although the waits block (`judge`) */
 #define HEAD_OFF 8        /* the header fields follow the sequence word */
 #define HEAD_BYTES 72     /* mailbox.HEAD: 9 int64 fields */
 #define CALL_BYTES 64     /* its first 8 fields: the call, without the payload size */
@@ -82,18 +81,27 @@ typedef struct {
     unsigned ticks; /* ops since the last look at the core this rank runs on */
     long long moves;  /* times an op found this rank off its home core and moved it back */
     long long next_move;  /* the op from which move_off may move this rank again */
+    long long probe_first; /* the fewest ops between two waits that yield although the waits block (policy) */
+    unsigned home_every;   /* ops between two looks at the core this rank runs on (policy) */
+    long long move_every;  /* the fewest ops between two moves off a shared core (policy) */
 } Box;
 
 static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"mapping", "turns", "poll_ns", "block_ns", "yield_limit_ns", "probe_ops", "slot", "size",
-                            "rank", NULL};
+                            "rank", "probe_first", "home_every", "move_every", NULL};
     PyObject *mapping;
     int turns, size = 0, rank = -1;
     long long poll_ns = 0, block_ns = 0, yield_limit_ns = 200000, probe_ops = 1024;
+    long long probe_first = 16, home_every = 64, move_every = 16;  /* tcp/policy.py passes its own (MAILBOX_*) */
     Py_ssize_t slot = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|LLLLnii", names, &mapping, &turns, &poll_ns, &block_ns,
-                                     &yield_limit_ns, &probe_ops, &slot, &size, &rank))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|LLLLniiLLL", names, &mapping, &turns, &poll_ns, &block_ns,
+                                     &yield_limit_ns, &probe_ops, &slot, &size, &rank, &probe_first, &home_every,
+                                     &move_every))
         return -1;
+    if (probe_first < 1 || home_every < 1 || home_every > 1 << 30 || move_every < 1) {
+        PyErr_SetString(PyExc_ValueError, "probe_first, home_every and move_every must be at least 1");
+        return -1;
+    }
     if (self->open) {
         PyErr_SetString(PyExc_RuntimeError, "Box is initialised already");
         return -1;
@@ -107,7 +115,10 @@ static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
     self->yield_cost = 0;  /* yield first: where nothing else wants the cores it is the cheap way */
     self->yield_limit = yield_limit_ns;
     self->probe_ops = probe_ops;
-    self->probe_every = probe_ops < PROBE_FIRST ? probe_ops : PROBE_FIRST;
+    self->probe_first = probe_first;
+    self->home_every = (unsigned)home_every;
+    self->move_every = move_every;
+    self->probe_every = probe_ops < probe_first ? probe_ops : probe_first;
     self->next_probe = self->probe_every;
     self->yielding = 1;
     if (PyObject_GetBuffer(mapping, &self->map, PyBUF_WRITABLE) < 0)
@@ -134,16 +145,13 @@ static int Box_init(Box *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-#define HOME_EVERY 64  /* ops between two looks at the core this rank runs on (Box.home) */
-
 /* Where the ranks have a core each, two found on one core stay there once their waits block (a woken rank is put
  * beside its waker): move this rank off core `cpu` (any other core its mask allows, the kernel's choice), at most
- * once every MOVE_EVERY ops. */
-#define MOVE_EVERY 16
+ * once every `move_every` ops. */
 static void move_off(Box *box, int cpu) {
     if (cpu < 0 || cpu >= CPU_SETSIZE || box->ops < box->next_move)
         return;
-    box->next_move = box->ops + MOVE_EVERY;
+    box->next_move = box->ops + box->move_every;
     cpu_set_t allowed, others;
     if (sched_getaffinity(0, sizeof allowed, &allowed) != 0)
         return;
@@ -155,7 +163,7 @@ static void move_off(Box *box, int cpu) {
     box->moves++;
 }
 
-/* Every HOME_EVERY ops, move this rank back to its home core if the kernel moved it: its balancer moves a spinning
+/* Every `home_every` ops, move this rank back to its home core if the kernel moved it: its balancer moves a spinning
  * rank off a core another process used for a while, and a rank that slept wakes wherever the kernel puts it. As
  * spread.move_to: narrow the mask to the core (the kernel migrates the thread now), then set it back. */
 static int go_home(Box *box) {
@@ -177,7 +185,7 @@ static int go_home(Box *box) {
  * its waker, and four ranks on 2 cores end up on one core while the busy loop has the other to itself (their 1 MiB
  * ops at twice the time of ranks kept two per core; docs/design/mailbox.md#ranks-on-one-core). */
 static void keep_home(Box *box) {
-    if (box->home >= 0 && ++box->ticks % HOME_EVERY == 0)
+    if (box->home >= 0 && ++box->ticks % box->home_every == 0)
         go_home(box);
 }
 
@@ -263,7 +271,7 @@ static void judge(Box *box, long long ns, int probed) {
         box->probes++;
         if (ns <= box->yield_limit) {
             box->yield_cost = ns;
-            if (box->probe_every > PROBE_FIRST)
+            if (box->probe_every > box->probe_first)
                 box->probe_every /= 2;
         } else {
             box->yield_cost += (ns - box->yield_cost) / 4;
@@ -1176,5 +1184,13 @@ PyMODINIT_FUNC PyInit__fastbox(void) {
     for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0)
             return NULL;
+    /* the slot layout as this build has it, checked against mailbox.LAYOUT offset by offset (on import and in
+     * tests/docs_quality/test_mailbox_layout.py) */
+    PyObject *layout = Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "HEAD_OFF", HEAD_OFF, "HEAD_BYTES", HEAD_BYTES,
+                                     "CALL_BYTES", CALL_BYTES, "SEQ_OFF", SEQ_OFF, "POSTED_OFF", POSTED_OFF,
+                                     "PROGRESS_OFF", PROGRESS_OFF, "WAITERS_OFF", WAITERS_OFF,
+                                     "PAYLOAD_OFF", PAYLOAD_OFF);
+    if (layout == NULL || PyModule_AddObject(m, "LAYOUT", layout) < 0)
+        return NULL;
     return m;
 }

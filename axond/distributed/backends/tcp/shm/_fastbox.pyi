@@ -21,6 +21,7 @@ NO_DTYPE: int
 MAX_SIZE: int
 HEAD_BYTES: int
 PAYLOAD_OFFSET: int
+LAYOUT: dict[str, int]
 
 class Box:
     ops: int
@@ -33,7 +34,7 @@ class Box:
     probes: int
     def __init__(self, mapping: Any, turns: int, poll_ns: int = 0, block_ns: int = 0,
                  yield_limit_ns: int = 200_000, probe_ops: int = 1024, slot: int = 0, size: int = 0,
-                 rank: int = -1) -> None: ...
+                 rank: int = -1, probe_first: int = 16, home_every: int = 64, move_every: int = 16) -> None: ...
     def wait(self, slots: Sequence[int], k: int, seconds: float) -> bool: ...
     def publish(self, slot: int, k: int) -> None: ...
     def close(self) -> None: ...

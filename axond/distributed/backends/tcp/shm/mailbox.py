@@ -60,7 +60,8 @@ from collections.abc import Callable
 import numpy as np
 
 from axond.distributed.backends.tcp.policy import (
-    MAILBOX_CHECK_SECONDS, MAILBOX_PROBE_OPS, MAILBOX_QUICK_TURNS, MAILBOX_SLEEP_SECONDS,
+    MAILBOX_CHECK_SECONDS, MAILBOX_HOME_EVERY_OPS, MAILBOX_MOVE_EVERY_OPS, MAILBOX_PROBE_FIRST_OPS,
+    MAILBOX_PROBE_OPS, MAILBOX_QUICK_TURNS, MAILBOX_SLEEP_SECONDS,
     MAILBOX_SPIN_SECONDS, MAILBOX_YIELD_LIMIT_SECONDS, mailbox_bytes, mailbox_turns,
 )
 from axond.distributed.backends.tcp.shm.arena import ShmArena
@@ -95,7 +96,19 @@ HEAD = struct.Struct("<9q")
 """Words 1-9 of a slot: the op's header fields (`Call.expect`) and the payload's size."""
 SEQ_FIELD = 4
 """The field of HEAD that holds the call's sequence number (`Call.expect`'s fifth)."""
-if _fastbox is not None and (_fastbox.PAYLOAD_OFFSET, _fastbox.HEAD_BYTES) != (HEAD_WORDS * 8, HEAD.size):
+PROGRESS_WORD = 10
+"""The slot's word (after HEAD) a compiled broadcast root counts its published bytes in; the Python path leaves it."""
+WAITERS_WORD = 11
+"""The slot's word whose low half counts the ranks blocked (futex) on its sequence word."""
+LAYOUT = {
+    "HEAD_OFF": 8, "HEAD_BYTES": HEAD.size, "CALL_BYTES": HEAD.size - 8, "SEQ_OFF": 8 + 8 * SEQ_FIELD,
+    "POSTED_OFF": 8 + HEAD.size - 8, "PROGRESS_OFF": 8 * PROGRESS_WORD, "WAITERS_OFF": 8 * WAITERS_WORD,
+    "PAYLOAD_OFF": 8 * HEAD_WORDS,
+}
+"""The slot layout, in bytes from the slot's start (the sequence word): the one definition; the compiled helper's
+`#define`s must equal it offset by offset (its `_fastbox.LAYOUT`, checked on import and by
+tests/docs_quality/test_mailbox_layout.py)."""
+if _fastbox is not None and getattr(_fastbox, "LAYOUT", None) != LAYOUT:
     _fastbox = None  # type: ignore[assignment]  # pragma: no cover - built from another slot layout (stale)
 
 
@@ -129,7 +142,9 @@ class Mailbox:
         self.native = (_fastbox.Box(self.mapping, mailbox_turns(oversubscribed), poll_ns=round(poll * 1e9),
                                     block_ns=round(MAILBOX_CHECK_SECONDS * 1e9),
                                     yield_limit_ns=round(MAILBOX_YIELD_LIMIT_SECONDS * 1e9),
-                                    probe_ops=MAILBOX_PROBE_OPS, slot=slot, size=size, rank=rank)
+                                    probe_ops=MAILBOX_PROBE_OPS, slot=slot, size=size, rank=rank,
+                                    probe_first=MAILBOX_PROBE_FIRST_OPS, home_every=MAILBOX_HOME_EVERY_OPS,
+                                    move_every=MAILBOX_MOVE_EVERY_OPS)
                        if native and _fastbox is not None and size <= _fastbox.MAX_SIZE else None)
         """The mapping and op counter as the compiled prepared ops see them (None: the Python path alone)."""
         self.count: _fastbox.Box | _Count = self.native if self.native is not None else _Count()

@@ -55,8 +55,8 @@ class Prepared:
     header with the sequence number left out, and the payload views of both buffers. A later call (`post`, inside
     the group's `run`) writes the header, its sequence number, its payload and its sequence word, waits and compares
     the members' calls; it makes its `Call` only when the wait is long or a member posted another call
-    (`Mailbox.settle`). The tcp backend keeps the prepared forms by shape (`TcpBackend.quick_all_reduce`,
-    `quick_broadcast`, ...).
+    (`Mailbox.settle`). The group's fast path keeps the prepared forms by signature, as runners (`tcp.prepared`,
+    `axond.distributed.fast_path`).
 
     Where the compiled helper is built (`_fastbox`, the same protocol in C), `native` runs the whole call in one C
     call when every member posted the same call within the wait's first turns; otherwise it hands back the buffer it

@@ -12,7 +12,7 @@ from typing import Any
 from axond.coordinator.state.jobs import Event, EventLog, FinishedEvent, InfoEvent, Job, JobSpec, JobState, OutputEvent
 from axond.coordinator.state.kv_space import BarrierState
 from axond.coordinator.state.membership import Node
-from axond.coordinator.persistence.base import Record
+from axond.coordinator.state.port import Record
 from axond.coordinator.state.rendezvous import Member, Round
 
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from axond.coordinator.state.jobs import EventLog
 from axond.coordinator.state.kv_space import ARRIVAL_OVERHEAD, KvSpace
-from axond.coordinator.persistence import records
-from axond.coordinator.persistence.base import Changes, JoinerChanges, Record, Snapshot
+from axond.coordinator.state import records
+from axond.coordinator.state.port import Changes, JoinerChanges, Record, Snapshot
 from axond.coordinator.state.rendezvous import Round
 
 if TYPE_CHECKING:
