@@ -30,6 +30,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("axond/store/init_methods.py", "axond.control"): "gRPC loads only for a coordinator's store",
     ("axond/torch/__init__.py", "axond.torch.cuda_process_group"): "CUDA tensors: only where torch sees a GPU",
     ("axond/torch/devices.py", "axond.distributed.backends.nccl"): "the NCCL backend: CuPy only where it can run",
+    ("axond/torch/autoload/__init__.py", "axond.torch"): "torch's autoload hook: axond loads at the first group",
 }
 """(file, module) of every function-local import of an axond module -> why it is one: an optional or heavy dependency
 loaded only when used. No runtime loop hides here (`default_registry`, the converter registry of `forms.tensor_args`

@@ -23,20 +23,23 @@ def _devices(torch: Any) -> list[str]:
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
-def _create(*args: Any, **kwargs: Any) -> Any:
-    """torch's backend creator: import axond.torch (which registers the real one) and create the group with it."""
+def _real() -> Any:
+    """axond.torch, imported on first use; importing it registers the real backend in this one's place."""
     import axond.torch
 
-    return axond.torch.create_process_group(*args, **kwargs)
+    return axond.torch
+
+
+def _create(*args: Any, **kwargs: Any) -> Any:
+    """torch's backend creator: create the group with axond.torch's."""
+    return _real().create_process_group(*args, **kwargs)
 
 
 def _rendezvous(*args: Any, **kwargs: Any) -> Any:
     """The `axond://` rendezvous handler, from axond.torch."""
-    import axond.torch
-    from axond.torch.rendezvous import _axond_handler
-
-    axond.torch.install()
-    return _axond_handler(*args, **kwargs)
+    real = _real()
+    real.install()
+    return real.rendezvous._axond_handler(*args, **kwargs)
 
 
 def register() -> None:
