@@ -23,6 +23,7 @@ from axond.control import client
 from axond.distributed.api import read_env
 from axond.errors import DistributedError
 from axond.store import PrefixStore
+from axond.store.mpi_rendezvous import mpi_store
 from axond.torch.store import TorchStore
 
 SCHEME = "axond"
@@ -86,10 +87,23 @@ def _axond_handler(url: str, timeout: timedelta = timedelta(seconds=300), env: R
     raise DistributedError("axond:// rendezvous cannot be restarted within one process; start the rank again")
 
 
+def _mpi_handler(env: RuntimeEnv, timeout: timedelta) -> Iterator[tuple[Any, int, int]]:
+    """`env://` in a rank an MPI launcher started with no other rendezvous: rank 0's store found through MPI."""
+    if env.rank is None or env.world_size is None:
+        raise DistributedError(f"env:// rendezvous under {env.launcher}: the launcher gave no rank or world size")
+    store, _, _ = mpi_store(env.rank, env.world_size, timeout.total_seconds(), env)
+    torch_store = TorchStore(store, timeout)
+    _LIVE.append(torch_store)
+    yield torch_store, env.rank, env.world_size
+    raise DistributedError("env:// rendezvous through MPI cannot be restarted within one process; start the job again")
+
+
 def _env_handler(torch_env: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
     def handler(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any) -> Iterator[Any]:
         env = read_env()
         coordinator = env.coordinator
+        if "MASTER_ADDR" not in env.environ and not coordinator and env.launcher is not None:
+            return _mpi_handler(env, timeout)
         if "MASTER_ADDR" in env.environ or not coordinator:
             return torch_env(url, timeout=timeout, **kwargs)
         return _axond_handler(f"{SCHEME}://{coordinator}?{urlparse(url).query}", timeout=timeout, env=env)

@@ -1,8 +1,6 @@
 """torch DDP over torch.distributed's "axond" backend running on the axond "mpi" backend, under a plain `mpirun -n 2`
 (no axond daemon): the parameters of one process trained on the whole batch (what DDP over gloo computes too).
-
-Skipped until the torch backend can pick its axond backend (a `torch_backend` setting of `axond.config.RuntimeEnv`,
-AXOND_TORCH_BACKEND), and where torch, Open MPI or mpi4py is missing."""
+Skipped where torch, Open MPI or mpi4py is missing."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from axond.config import RuntimeEnv
 from mpi_launch import mpirun
 
 torch = pytest.importorskip("torch")
@@ -21,8 +18,6 @@ SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "mpi_torch_ddp.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.skipif("torch_backend" not in RuntimeEnv.__dataclass_fields__,
-                    reason="the torch backend has no choice of axond backend yet (AXOND_TORCH_BACKEND)")
 def test_ddp_over_axond_on_mpi_matches_one_process(tmp_path: Path) -> None:
     import mpi_torch_ddp as ddp
 
