@@ -21,7 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from axond.coordinator.server import MAX_MESSAGE_BYTES, RunningCoordinator
+from axond.coordinator.config import MAX_MESSAGE_BYTES
+from axond.coordinator.server import RunningCoordinator
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 
