@@ -42,12 +42,13 @@ def coordinator(where: str, config: CoordinatorConfig = BENCH_CONFIG) -> Iterato
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = dataclasses.replace(config, port=port)
-    code = f"from axond.coordinator.server import *; from axond.coordinator.limits import CoordinatorLimits; raise SystemExit(run_coordinator({config!r}))"
+    imports = "from axond.coordinator.server import *; from axond.coordinator.limits import CoordinatorLimits"
+    code = f"{imports}; raise SystemExit(run_coordinator({config!r}))"
     profile = os.environ.get("AXOND_BENCH_PROFILE")
     if profile:  # the coordinator's event loop under cProfile, its stats written to this file when it stops
         here = os.path.dirname(os.path.abspath(__file__))
         code = (f"import sys; sys.path.insert(0, {here!r}); from rendezvous_common import profiled; "
-                f"from axond.coordinator.server import *; from axond.coordinator.limits import CoordinatorLimits; profiled({config!r}, {profile!r})")
+                f"{imports}; profiled({config!r}, {profile!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
     try:
         address = f"127.0.0.1:{port}"
