@@ -22,31 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers"))
+from kill_programs import NATIVE, TORCH  # the killed-rank tests' programs
+
 from axond.coordinator.server import CoordinatorConfig, start_coordinator
-
-NATIVE = """
-import os, time, numpy as np, axond
-axond.init_process_group()
-x = np.ones(1000, dtype=np.float32)
-open(os.path.join(os.environ["PID_DIR"], f"pid{axond.get_rank()}"), "w").write(str(os.getpid()))
-while True:
-    axond.all_reduce(x)
-    time.sleep(0.01)
-"""
-
-TORCH = """
-import os, time, torch, torch.distributed as dist
-import axond.torch
-dist.init_process_group("axond")
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(100, 10))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-open(os.path.join(os.environ["PID_DIR"], f"pid{dist.get_rank()}"), "w").write(str(os.getpid()))
-while True:
-    opt.zero_grad()
-    model(torch.randn(8, 100)).sum().backward()
-    opt.step()
-    time.sleep(0.01)
-"""
 
 MODES = {"native-1node": (NATIVE, 1), "torch-1node": (TORCH, 1), "native-2nodes": (NATIVE, 2),
          "torch-2nodes": (TORCH, 2), "torchrun": (TORCH, 1)}

@@ -16,30 +16,10 @@ import pytest
 from axond.coordinator.server import RunningCoordinator
 from axond.worker.blame import blamed, pick
 from axond.worker.launcher import RankExit
+from kill_programs import NATIVE, TORCH
 from worker_support import Procs, coord, procs, wait_for  # noqa: F401
 
 PY = sys.executable
-
-NATIVE = """
-import os, time, numpy as np, axond
-axond.init_process_group()
-x = np.ones(1000, dtype=np.float32)
-open(os.path.join(os.environ["PID_DIR"], f"pid{axond.get_rank()}"), "w").write(str(os.getpid()))
-while True:
-    axond.all_reduce(x)
-    time.sleep(0.01)
-"""
-
-TORCH = """
-import os, time, torch, torch.distributed as dist
-import axond.torch
-dist.init_process_group("axond")
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(100, 10))
-open(os.path.join(os.environ["PID_DIR"], f"pid{dist.get_rank()}"), "w").write(str(os.getpid()))
-while True:
-    model(torch.randn(8, 100)).sum().backward()
-    time.sleep(0.01)
-"""
 
 
 def _kill_and_read(coord: RunningCoordinator, procs: Procs, tmp_path: Path, source: str, nodes: int, victim: int,
