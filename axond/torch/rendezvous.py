@@ -1,8 +1,9 @@
 """`init_method` schemes: `axond://HOST:PORT`, and `env://` inside ranks started by `axond worker`/`axond run`.
 
 Both yield (a `TorchStore` over the coordinator's KV store of the job generation, rank, world size).
-`env://` keeps torch's own behaviour whenever MASTER_ADDR is set; only when it is missing and
-AXOND_COORDINATOR is set (an axond-launched rank) does it use the coordinator instead of failing.
+`env://` keeps torch's own behaviour whenever MASTER_ADDR is set; only when it is missing does it use the
+coordinator (AXOND_COORDINATOR set: an axond-launched rank) or, in a rank an MPI launcher started with neither, rank
+0's store found through MPI, instead of failing.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-import torch.distributed as dist
 import sys
 
+import torch.distributed as dist
 import torch.distributed.rendezvous  # noqa: F401 -- the module, shadowed by its function on torch.distributed
 
 from axond.config import RuntimeEnv
@@ -29,10 +30,10 @@ from axond.torch.store import TorchStore
 SCHEME = "axond"
 
 _LIVE: list[TorchStore] = []
+"""Stores handed to torch: torch keeps only their C++ half, so the Python object (its methods) is kept here."""
 _INITS = itertools.count(1)
 """This process's rendezvous so far: the n-th of every rank meets under its own prefix, so that a re-init after
 destroy_process_group never reads the addresses an earlier one published (every rank of a job inits as often)."""
-"""Stores handed to torch: torch keeps only their C++ half, so the Python object (its methods) is kept here."""
 
 
 def _setting(query: dict[str, list[str]], key: str, environ: Mapping[str, str], env: str,
