@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions
+from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Signature, signature
 from axond.distributed.backends.host_arrays import output_array, scatter_rows
-from axond.distributed.backends.mpi.channel import Channel, group_comm
+from axond.distributed.backends.mpi import plans
+from axond.distributed.backends.mpi.channel import Channel, Check, group_comm
 from axond.distributed.backends.mpi.library import INSTALL, available, cuda_aware, mpi, reduce_op, wire_view
 from axond.distributed.backends.mpi.options import SPIN, MpiOptions
 from axond.distributed.backends.splits import announcement, check_splits, offsets, settle
@@ -63,6 +64,10 @@ class MpiBackend(Backend):
                           else spin_for(comm))
         self.MPI = self.ch.MPI
         self._device: bool | None = None
+        self._call: tuple[int, int, int, int, int] | None = None
+        """The call `_begin` checked last (made into the runner's `Check`)."""
+        self._fresh: tuple[Signature, Callable[[Check | None], plans.Runner]] | None = None
+        """The op run the full way last, as (signature, maker of its runner), until the group asks (`prepared`)."""
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -86,11 +91,32 @@ class MpiBackend(Backend):
     def _begin(self, op: Op, x: Any, redop: ReduceOp | None = None, aux: int = 0, count: int | None = None) -> str:
         name = OP_NAMES[op]
         self.ch.enter(name)
+        self._fresh = self._call = None
         if self.check_calls and self.size > 1:
             code = dtype_code(x.dtype) if x is not None else 0
             n = (x.size if x is not None else 0) if count is None else count
-            self.ch.start_check((int(op), code, n, REDUCE_CODES[redop.value] if redop else 0, aux))
+            self._call = (int(op), code, n, REDUCE_CODES[redop.value] if redop else 0, aux)
+            self.ch.start_check(self._call)
         return name
+
+    def _keep(self, key: Signature, x: Any, make: Callable[[Check | None], plans.Runner]) -> None:
+        """Keep the runner of the op just run on `x` the full way (`make(its call check)`), if a runner takes it."""
+        if isinstance(x, np.ndarray) and x.flags.c_contiguous:
+            self._fresh = (key, make)
+
+    def prepared(self, key: Signature) -> plans.Runner | None:
+        """The runner of the collective of `key` just run the full way (`plans`), or None."""
+        fresh, self._fresh = self._fresh, None
+        if fresh is None or fresh[0] != key:
+            return None
+        call, self._call = self._call, None
+        return fresh[1](Check(self.ch, call) if call is not None else None)
+
+    @staticmethod
+    def _moved(x: Any) -> np.dtype | None:
+        """The dtype MPI moves `x`'s bytes as, where not its own (`wire_view`)."""
+        dtype = wire_view(x).dtype
+        return None if dtype == x.dtype else dtype
 
     def _root(self, root: int, what: str) -> int:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
@@ -135,8 +161,11 @@ class MpiBackend(Backend):
             finish_average(work, self.size)
         if wide is not None:
             narrow_into(x, wide)
-        else:
-            self._back(x, work)
+            return
+        self._back(x, work)
+        mpi_op, average = reduce_op(op, work.dtype), op is ReduceOp.AVG
+        self._keep(signature("all_reduce", x, op), x,
+                   lambda checked: plans.all_reduce(self.ch, checked, mpi_op, self._moved(x), average))
 
     def broadcast(self, x: Array, src: int) -> None:
         x = self._array(x, "broadcast input")
@@ -146,6 +175,8 @@ class MpiBackend(Backend):
         buf = wire_view(work.reshape(-1))
         self._run(name, lambda: self.ch.comm.Ibcast(buf, src), buf)
         self._back(x, work)
+        self._keep(signature("broadcast", x, src), x,
+                   lambda checked: plans.broadcast(self.ch, checked, src, self._moved(x)))
 
     def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
         x = self._array(x, "reduce input")
@@ -182,7 +213,12 @@ class MpiBackend(Backend):
         out = self._out(out, (self.size, *x.shape), x, "all_gather")
         name = self._begin(Op.ALL_GATHER, x)
         send, recv = wire_view(self._contiguous(x).reshape(-1)), wire_view(out.reshape(-1))
-        self._run(name, lambda: self.ch.comm.Iallgather(send, recv), (send, recv))
+        try:
+            self.ch.wait(plans.gather_requests(self.ch, send, recv), name, None, (send, recv))
+        except self.MPI.Exception as e:
+            raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
+        self._keep(signature("all_gather", x, None), x, lambda checked: plans.all_gather(self.ch, checked,
+                                                                                         self._moved(x)))
         return out
 
     def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
@@ -201,6 +237,10 @@ class MpiBackend(Backend):
             finish_average(result, self.size)
         if wide is not None:
             narrow_into(out, result)
+            return out
+        average = op is ReduceOp.AVG
+        self._keep(signature("reduce_scatter", x, op), x,
+                   lambda checked: plans.reduce_scatter(self.ch, checked, mpi_op, self._moved(x), average))
         return out
 
     def gather(self, x: Array, dst: int) -> Array | None:
@@ -278,6 +318,7 @@ class MpiBackend(Backend):
             self.ch.wait([], name)
         else:
             self._run(name, lambda: self.ch.comm.Ibarrier(), None)
+        self._fresh = (signature("barrier", None, None), lambda checked: plans.barrier(self.ch, checked))
 
     # -- point to point
 
