@@ -10,6 +10,7 @@ rank that dies: the launcher (`mpirun`) ends the job.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import zlib
@@ -66,26 +67,25 @@ def group_comm(store: Store, rank: int, size: int, group_name: str, timeout: flo
 
 
 def check_of(call: tuple[int, int, int, int, int]) -> np.ndarray:
-    """What a member sends to check that every member called `call` (op, dtype code, count, reduce code, aux):
-    (call, -call), all_reduced with MAX into `Channel.checked`. The result equals it on every member exactly when every
-    member sent the same (the max of each field equals minus its min), so each member compares the bytes."""
-    sent = np.empty(2 * CHECK_FIELDS, np.int64)
-    sent[:CHECK_FIELDS] = call
-    np.negative(sent[:CHECK_FIELDS], out=sent[CHECK_FIELDS:])
-    return sent
+    """What a member sends to check that every member called `call` (op, dtype code, count, reduce code, aux): an
+    8-byte digest of it, all_gathered into `Channel.checked` (one round of the members, Open MPI's cheapest here:
+    bench/results/2026-12-06-mpi.md). Every call was alike when every member's digest equals this one; when not, the
+    members exchange their calls to name the peer that differs (`Channel.mismatch`)."""
+    digest = hashlib.blake2b(np.array(call, np.int64).tobytes(), digest_size=8).digest()
+    return np.frombuffer(digest, np.int64).copy()
 
 
 class Check:
-    """The call check of one op signature, made once: what the members send (`check_of`) and its bytes."""
+    """The call check of one op signature, made once: what the members send (`check_of`) and what they all get."""
 
     __slots__ = ("call", "sent", "expected", "start")
 
     def __init__(self, channel: Channel, call: tuple[int, int, int, int, int]) -> None:
         self.call = call
         self.sent = check_of(call)
-        self.expected = self.sent.tobytes()
-        comm, sent, checked, MAX = channel.comm, self.sent, channel.checked, channel.MPI.MAX
-        self.start: Callable[[], Any] = lambda: comm.Iallreduce(sent, checked, MAX)
+        self.expected = self.sent.tobytes() * channel.size
+        comm, sent, checked = channel.comm, self.sent, channel.checked
+        self.start: Callable[[], Any] = lambda: comm.Iallgather(sent, checked)
         """Start it (a request that `Channel.settle` completes)."""
 
 
@@ -102,8 +102,8 @@ class Channel:
         self._reason = np.zeros(REASON_BYTES, np.uint8)
         self._status = self.MPI.Status()
         self._heard = self.control.Irecv([self._reason, self.MPI.BYTE], self.MPI.ANY_SOURCE, ABORT_TAG)
-        self.checked = np.zeros(2 * CHECK_FIELDS, np.int64)
-        """Where every call check lands: (call, -call) maxed over the members."""
+        self.checked = np.zeros(size, np.int64)
+        """Where every call check lands: each member's digest of its call (`check_of`)."""
         self._checking: tuple[Any, tuple[int, int, int, int, int], np.ndarray] | None = None
         """The call check `start_check` started, which the next `wait` completes."""
         self._stuck: list[tuple[Any, Any]] = []
@@ -154,7 +154,7 @@ class Channel:
             check, call, sent = self._checking
             self._checking = None
             deadline = self._poll(check.Test, op, peer, [check, *requests], (keep, sent), None)
-            if self.checked.tobytes() != sent.tobytes():
+            if self.checked.tobytes() != sent.tobytes() * self.size:
                 self.mismatch(op, call, requests, keep)
         test = (lambda: requests[0].Test(status)) if len(requests) == 1 else (lambda: MPI.Request.Testall(requests))
         self._poll(test, op, peer, requests, keep, deadline)
@@ -208,7 +208,7 @@ class Channel:
         """Start checking that every member called `call` (op, dtype code, count, reduce code, aux); the next `wait`
         completes it, with the op's own requests."""
         sent = check_of(call)
-        self._checking = (self.comm.Iallreduce(sent, self.checked, self.MPI.MAX), call, sent)
+        self._checking = (self.comm.Iallgather(sent, self.checked), call, sent)
 
     def mismatch(self, op: str, call: tuple[int, int, int, int, int], requests: Sequence[Any], keep: Any) -> None:
         """Raise on every member, naming the first peer that differs: the check found the calls unlike (the op's

@@ -25,21 +25,25 @@ Runner = Callable[..., Any]
 
 GATHER_TAG = 2
 """Tag of a two-member all_gather's messages on `Channel.pairs`."""
+SWAP_BYTES = 4096
+"""Blocks from which two members swap them as messages (below it, MPI_Iallgather is faster: one request)."""
 
 
 def gather_requests(ch: Channel, send: Any, recv: Any) -> list[Any]:
     """Start an all_gather of the flat `send` into the flat `recv` (the members' blocks in rank order).
 
-    Two members swap their blocks as one message each way on `Channel.pairs`: Open MPI's nonblocking all_gather
-    (libnbc) takes 1.2-2.5x as long at 64 KiB-1 MiB (bench/results/2026-12-06-mpi.md). More members run
-    MPI_Iallgather. The full way and the runners both start it here: the members may take either."""
-    if ch.size != 2:
+    Two members swap blocks of `SWAP_BYTES` and more as one message each way on `Channel.pairs`: Open MPI's
+    nonblocking all_gather (libnbc) takes 1.2-2.5x as long at 64 KiB-1 MiB (bench/results/2026-12-06-mpi.md). More
+    members, and smaller blocks, run MPI_Iallgather. The full way and the runners both start it here: the members may
+    take either."""
+    if ch.size != 2 or send.nbytes < SWAP_BYTES:
         return [ch.comm.Iallgather(send, recv)]
     n, me = send.shape[0], ch.rank
     peer = 1 - me
-    recv[me * n : (me + 1) * n] = send
-    return [ch.pairs.Irecv(recv[peer * n : (peer + 1) * n], peer, GATHER_TAG),
-            ch.pairs.Isend(send, peer, GATHER_TAG)]
+    requests = [ch.pairs.Irecv(recv[peer * n : (peer + 1) * n], peer, GATHER_TAG),
+                ch.pairs.Isend(send, peer, GATHER_TAG)]
+    recv[me * n : (me + 1) * n] = send  # while the peer's block comes
+    return requests
 
 
 def _failed(ch: Channel, name: str, e: Any) -> Exception:
