@@ -173,7 +173,10 @@ class MpiBackend(Backend):
         name = self._begin(Op.BROADCAST, x, aux=src)
         work = self._contiguous(x)
         buf = wire_view(work.reshape(-1))
-        self._run(name, lambda: self.ch.comm.Ibcast(buf, src), buf)
+        try:
+            self.ch.wait(plans.broadcast_requests(self.ch, buf, src), name, None, buf)
+        except self.MPI.Exception as e:
+            raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
         self._back(x, work)
         self._keep(signature("broadcast", x, src), x,
                    lambda checked: plans.broadcast(self.ch, checked, src, self._moved(x)))
