@@ -236,7 +236,20 @@ def the_prepared_way_runs_and_checks_every_call(pg: ProcessGroup) -> None:
         got = g.reduce_scatter(np.full((n * 2, 2), r + 1, np.float64), axond.ReduceOp.SUM)
         same(got, np.full((2, 2), total, np.float64), "reduce_scatter")
         g.barrier()
-    assert len(g.fast_path) >= 5, g.fast_path.runners()
+        # 4 KiB and more: two members run these as messages (`plans.swaps`), the prepared way too
+        big = np.arange(n * 2048, dtype=np.float32).reshape(n * 1024, 2) * (r + 1)
+        got = g.reduce_scatter(big, axond.ReduceOp.MAX, out=np.empty((1024, 2), np.float32))
+        same(got, (np.arange(n * 2048, dtype=np.float32).reshape(n * 1024, 2) * n)[r * 1024:(r + 1) * 1024], "max")
+        flags = np.arange(n * 4096) % (r + 2) == 0
+        got = g.reduce_scatter(flags, axond.ReduceOp.SUM)
+        want = np.logical_or.reduce([np.arange(n * 4096) % (p + 2) == 0 for p in range(n)])
+        same(got, want.reshape(n, -1)[r], "reduce_scatter bool")
+        same(g.all_gather(np.full(2048, r, np.int16)), np.repeat(np.arange(n, dtype=np.int16)[:, None], 2048, 1),
+             "all_gather 4 KiB")
+        c = np.full(1500, r, np.float64)
+        g.broadcast(c, 0)
+        same(c, np.zeros(1500), "broadcast 12 KB")
+    assert len(g.fast_path) >= 9, g.fast_path.runners()
     base = np.full((8, 3), r + 1, np.float32)
     z = base[::2] if r == 0 else np.full((4, 3), r + 1, np.float32)  # rank 0: the full way, the others: prepared
     g.all_reduce(z)

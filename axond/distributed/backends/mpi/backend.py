@@ -25,7 +25,7 @@ from axond.distributed.backends.mpi.library import INSTALL, available, cuda_awar
 from axond.distributed.backends.mpi.options import SPIN, MpiOptions
 from axond.distributed.backends.splits import announcement, check_splits, offsets, settle
 from axond.distributed.numerics.reduce_op import ReduceOp
-from axond.distributed.numerics.reducers import ACCUMULATE, check_reduce_op, finish_average, narrow_into
+from axond.distributed.numerics.reducers import ACCUMULATE, UFUNCS, check_reduce_op, finish_average, narrow_into
 from axond.distributed.ops import DTYPES, OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
 from axond.distributed.work import PendingSend
 from axond.store import Store
@@ -233,9 +233,21 @@ class MpiBackend(Backend):
         wide = self._wide(x, op)
         work = wide if wide is not None else self._contiguous(x)
         result = _module(x).empty(out.shape, work.dtype) if wide is not None else out
-        send, recv = wire_view(work.reshape(-1)), wire_view(result.reshape(-1))
-        mpi_op = reduce_op(op, work.dtype)
-        self._run(name, lambda: self.ch.comm.Ireduce_scatter_block(send, recv, mpi_op), (send, recv))
+        mpi_op, ufunc = reduce_op(op, work.dtype), UFUNCS[op]
+        if plans.swaps(self.ch, x.nbytes):
+            flat = work.reshape(-1)
+            scratch = _module(x).empty(flat.size // 2, work.dtype)
+            try:
+                self.ch.wait(plans.scatter_requests(self.ch, wire_view(flat), wire_view(scratch)), name, None,
+                             (flat, scratch))
+            except self.MPI.Exception as e:
+                raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
+            if not isinstance(x, np.ndarray):
+                ufunc = getattr(_module(x), ufunc.__name__)
+            plans.scatter_reduce(ufunc, self.rank, flat, scratch, result.reshape(-1))
+        else:
+            send, recv = wire_view(work.reshape(-1)), wire_view(result.reshape(-1))
+            self._run(name, lambda: self.ch.comm.Ireduce_scatter_block(send, recv, mpi_op), (send, recv))
         if op is ReduceOp.AVG:
             finish_average(result, self.size)
         if wide is not None:
@@ -243,7 +255,8 @@ class MpiBackend(Backend):
             return out
         average = op is ReduceOp.AVG
         self._keep(signature("reduce_scatter", x, op), x,
-                   lambda checked: plans.reduce_scatter(self.ch, checked, mpi_op, self._moved(x), average))
+                   lambda checked: plans.reduce_scatter(self.ch, checked, mpi_op, self._moved(x), average, ufunc,
+                                                        x.dtype, x.size))
         return out
 
     def gather(self, x: Array, dst: int) -> Array | None:
