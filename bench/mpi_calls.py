@@ -4,9 +4,11 @@
 
 For each op (all_reduce, broadcast, all_gather, reduce_scatter) and size: the blocking call, the nonblocking call
 with `Wait`, the nonblocking call polled with `Test` from Python (as the mpi backend polls, to the group's deadline),
-and the same with a call check started beside it (an all_gather of 8 bytes per member, as the backend's). all_gather
-also runs as the two members swapping blocks as messages (the backend's way on two ranks). A last line times the
-call check's forms alone: an all_gather of an 8-byte digest, the 80-byte all_reduce it replaced, and a barrier.
+and the same with a call check started beside it (an all_gather of 8 bytes per member, as the backend's). On two
+ranks, all_gather also runs as the members swapping blocks as messages, and reduce_scatter as each member sending the
+peer its block and adding the peer's into its own with NumPy (the backend's ways there, "swap+check"). A last line
+times the call check's forms alone: an all_gather of an 8-byte digest, the 80-byte all_reduce it replaced, and a
+barrier.
 Every call follows a barrier; each form runs `--rounds` rounds and keeps its best median. Run it with the
 environment the backend gives MPI (`OMPI_MCA_coll_libnbc_iallreduce_algorithm=1`: set here unless set already).
 """
@@ -59,6 +61,15 @@ def forms(op: str, nbytes: int) -> dict[str, Callable[[], Any]]:
                                            "I+Test": lambda: poll(start()), "I+Test+check": checked(start)}
     if op == "all_gather" and size == 2:
         found["swap+check"] = checked(lambda: swap(x, out))
+    if op == "reduce_scatter" and size == 2:
+        half = np.empty(count // 2, np.float32)
+
+        def swap_reduce() -> None:
+            half_n, peer = count // 2, 1 - rank
+            poll([comm.Iallgather(digest, digests), pairs.Irecv(half, peer, 4),
+                  pairs.Isend(x[peer * half_n:(peer + 1) * half_n], peer, 4)])
+            np.add(x[rank * half_n:(rank + 1) * half_n], half, out=out)
+        found["swap+check"] = swap_reduce
     return found
 
 

@@ -37,7 +37,7 @@ def gather_requests(ch: Channel, send: Any, recv: Any) -> list[Any]:
     """Start an all_gather of the flat `send` into the flat `recv` (the members' blocks in rank order).
 
     Two members swap blocks of `SWAP_BYTES` and more as one message each way on `Channel.pairs`: Open MPI's
-    nonblocking all_gather (libnbc) takes 1.2-2.5x as long at 64 KiB-1 MiB (bench/results/2026-12-06-mpi.md). More
+    nonblocking all_gather (libnbc) takes 1.2-1.9x as long at 64 KiB-1 MiB (bench/results/2026-12-06-mpi.md). More
     members, and smaller blocks, run MPI_Iallgather. The full way and the runners both start it here: the members may
     take either."""
     if ch.size != 2 or send.nbytes < SWAP_BYTES:
