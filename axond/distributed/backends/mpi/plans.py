@@ -37,7 +37,7 @@ def gather_requests(ch: Channel, send: Any, recv: Any) -> list[Any]:
     """Start an all_gather of the flat `send` into the flat `recv` (the members' blocks in rank order).
 
     Two members swap blocks of `SWAP_BYTES` and more as one message each way on `Channel.pairs`: Open MPI's
-    nonblocking all_gather (libnbc) takes 1.2-1.9x as long at 64 KiB-1 MiB (bench/results/2026-12-06-mpi.md). More
+    nonblocking all_gather (libnbc) takes 1.3-1.8x as long at 64 KiB-1 MiB (bench/results/2026-12-06-mpi.md). More
     members, and smaller blocks, run MPI_Iallgather. The full way and the runners both start it here: the members may
     take either."""
     if ch.size != 2 or send.nbytes < SWAP_BYTES:
@@ -68,7 +68,7 @@ def swaps(ch: Channel, nbytes: int) -> bool:
 def scatter_requests(ch: Channel, send: Any, scratch: Any) -> list[Any]:
     """Start a two-member reduce_scatter (`swaps`) of the flat `send`: send the peer its block, receive this member's
     block of the peer into `scratch` (flat, one block); `scatter_reduce` then reduces. MPI_Ireduce_scatter_block took
-    1.4-7x as long at 64 KiB-4 MiB (bench/results/2026-12-06-mpi.md)."""
+    1.8-3x as long at 64 KiB-4 MiB (bench/results/2026-12-06-mpi.md)."""
     n, peer = scratch.shape[0], 1 - ch.rank
     return [ch.pairs.Irecv(scratch, peer, SCATTER_TAG), ch.pairs.Isend(send[peer * n : (peer + 1) * n], peer,
                                                                        SCATTER_TAG)]
