@@ -9,25 +9,23 @@ reductions run in float32 and round once (`library`). Before each collective the
 from __future__ import annotations
 
 import importlib
-import operator
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Signature, signature
+from axond.distributed.backends.base import Array, Backend, BackendOptions, Signature, signature
 from axond.distributed.backends.host_arrays import output_array, scatter_rows
 from axond.distributed.backends.mpi import plans
 from axond.distributed.backends.mpi.channel import Channel, Check, group_comm
 from axond.distributed.backends.mpi.library import INSTALL, available, cuda_aware, mpi, reduce_op, wire_view
 from axond.distributed.backends.mpi.options import SPIN, MpiOptions
+from axond.distributed.backends.mpi.p2p import PointToPoint
 from axond.distributed.backends.splits import announcement, check_splits, offsets, settle
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.numerics.reducers import ACCUMULATE, UFUNCS, check_reduce_op, finish_average, narrow_into
 from axond.distributed.ops import DTYPES, OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
-from axond.distributed.work import PendingSend
 from axond.store import Store
 
 MAX_NDIM = 32
@@ -49,7 +47,7 @@ def _module(x: Any) -> Any:
     return np if isinstance(x, np.ndarray) else importlib.import_module("cupy")
 
 
-class MpiBackend(Backend):
+class MpiBackend(PointToPoint, Backend):
     """Collectives and point-to-point ops over an MPI communicator of the group's members (mpi4py)."""
 
     name = "mpi"
@@ -335,92 +333,6 @@ class MpiBackend(Backend):
         else:
             self._run(name, lambda: self.ch.comm.Ibarrier(), None)
         self._fresh = (signature("barrier", None, None), lambda checked: plans.barrier(self.ch, checked))
-
-    # -- point to point
-
-    def _peer(self, peer: int, what: str) -> int:
-        peer = self._root(peer, what)
-        if peer == self.rank:
-            raise ValueError(f"rank {self.rank} cannot {'send to' if what == 'dst' else 'receive from'} itself")
-        return peer
-
-    def _tag(self, tag: int) -> int:
-        tag = operator.index(tag)
-        top = self.ch.comm.Get_attr(self.MPI.TAG_UB)
-        if not 0 <= tag <= top:
-            raise ValueError(f"tag {tag} is outside MPI's tags here (0..{top})")
-        return tag
-
-    def send(self, x: Array, dst: int, tag: int) -> None:
-        sent = self.post_send(x, dst, tag)
-        if sent is not None:
-            sent.wait(self.options.timeout, True)
-
-    def post_send(self, x: Array, dst: int, tag: int) -> PendingSend | None:
-        """Start the send and return at once: the `PendingSend` completes when MPI is done with the buffer."""
-        x = self._array(x, "send input")
-        dst, tag = self._peer(dst, "dst"), self._tag(tag)
-        self.ch.enter("send")
-        buf = wire_view(self._contiguous(x).reshape(-1))
-        try:
-            request = self.ch.comm.Isend(buf, dst, tag)
-        except self.MPI.Exception as e:
-            raise self.ch.fail("send", dst, f"MPI error: {e.Get_error_string()}") from e
-
-        def wait(timeout: float, strict: bool) -> bool:
-            if strict:
-                self._run("send", lambda: request, buf, peer=dst)
-                return True
-            deadline = time.monotonic() + timeout
-            while not request.Test():
-                if time.monotonic() > deadline:
-                    return False
-            return True
-        return PendingSend(lambda: bool(request.Test()), wait)
-
-    def _receive(self, x: Array, src: int, tag: int) -> int:
-        x = self._array(x, "recv buffer")
-        self.ch.enter("recv")
-        work = self._contiguous(x)
-        buf = wire_view(work.reshape(-1))
-        status = self.MPI.Status()
-        peer = None if src == self.MPI.ANY_SOURCE else src
-        self._run("recv", lambda: self.ch.comm.Irecv(buf, src, tag), buf, peer=peer, status=status)
-        source = status.Get_source()
-        got = status.Get_count(self.MPI.BYTE)
-        if got != x.nbytes:
-            raise self.ch.fail("recv", source, f"peer rank {source} sent {got} bytes with tag {tag} but this rank "
-                                               f"receives {x.nbytes} ({x.dtype} {tuple(x.shape)})")
-        self._back(x, work)
-        return int(source)
-
-    def recv(self, x: Array, src: int, tag: int) -> None:
-        self._receive(x, self._peer(src, "src"), self._tag(tag))
-
-    def recv_any(self, x: Array, tag: int) -> int:
-        return self._receive(x, self.MPI.ANY_SOURCE, self._tag(tag))
-
-    def batch_p2p(self, batch: list[P2P]) -> None:
-        """Start every isend and irecv of `batch` at once and wait for them all (no order of them can deadlock)."""
-        self.ch.enter("batch_p2p")
-        requests, keep, back = [], [], []
-        for kind, x, peer, tag in batch:
-            x = self._array(x, f"batch_isend_irecv {kind}")
-            peer, tag = self._peer(peer, "dst" if kind == "isend" else "src"), self._tag(tag)
-            work = self._contiguous(x)
-            buf = wire_view(work.reshape(-1))
-            keep.append(buf)
-            if kind == "isend":
-                requests.append(self.ch.comm.Isend(buf, peer, tag))
-            else:
-                requests.append(self.ch.comm.Irecv(buf, peer, tag))
-                back.append((x, work))
-        try:
-            self.ch.wait(requests, "batch_p2p", keep=keep)
-        except self.MPI.Exception as e:
-            raise self.ch.fail("batch_p2p", None, f"MPI error: {e.Get_error_string()}") from e
-        for x, work in back:
-            self._back(x, work)
 
     # -- the group's life
 
