@@ -298,6 +298,23 @@ def a_silent_peer_times_out_and_the_group_aborts(pg: ProcessGroup) -> None:
 
 
 @case
+def a_silent_peer_times_out_the_prepared_way_too(pg: ProcessGroup) -> None:
+    g = axond.new_group(list(range(pg.size)), timeout=2.0)
+    for _ in range(2):
+        g.all_reduce(np.ones(5))
+    assert len(g.fast_path) == 1, g.fast_path.runners()
+    if g.rank != 0:
+        t0 = time.monotonic()
+        msg = _raised(lambda: g.all_reduce(np.ones(5)))  # the prepared runner: its wait has the group's deadline
+        assert "timed out" in msg or "aborted" in msg, msg
+        assert time.monotonic() - t0 < 30
+    pg.barrier()
+    if g.rank == 0:
+        msg = _raised(lambda: g.all_reduce(np.ones(5)))
+        assert "aborted" in msg and "peer rank" in msg, msg
+
+
+@case
 def a_failed_rank_s_reason_reaches_the_others(pg: ProcessGroup) -> None:
     g = axond.new_group(list(range(pg.size)), timeout=60.0)
     if g.rank == 1:

@@ -6,8 +6,8 @@ signature and holds what the full way works out on every call: the MPI op, the d
 message (`channel.Check`). It runs the same MPI calls in the same order as the full way, so that the members may take
 either way for the same call, and still checks every call across the members (unless `MpiOptions.check_calls` is
 off) and waits to the group's deadline (`Channel.settle`). It returns `MISSED`, having done nothing, for what it does
-not take: not a C-contiguous NumPy array, an `out=` it cannot fill, an aborted group; the full way then checks and
-raises.
+not take: not a C-contiguous NumPy array, an `out=` it cannot fill; the full way then checks and raises. Like the full
+way, it first raises if the group was aborted, here or by a peer (`Channel.enter`).
 """
 
 from __future__ import annotations
@@ -89,8 +89,13 @@ def _failed(ch: Channel, name: str, e: Any) -> Exception:
     return ch.fail(name, None, f"MPI error: {e.Get_error_string()}")
 
 
-def _ready(x: Any, ch: Channel) -> bool:
-    return type(x) is np.ndarray and x.flags.c_contiguous and ch.aborted is None
+def _ready(x: Any, ch: Channel, name: str) -> bool:
+    """Whether a runner takes `x`; raises, as the full way, if the group was aborted here or by a peer (whose
+    timed-out requests would otherwise meet this call's)."""
+    if type(x) is not np.ndarray or not x.flags.c_contiguous:
+        return False
+    ch.enter(name)
+    return True
 
 
 def all_reduce(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dtype | None, average: bool) -> Runner:
@@ -99,7 +104,7 @@ def all_reduce(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dtype |
     in_place, error = MPI.IN_PLACE, MPI.Exception
 
     def run(x: Any, op: Any) -> Any:
-        if not _ready(x, ch):
+        if not _ready(x, ch, "all_reduce"):
             return MISSED
         buf = x if wire is None else x.view(wire)
         try:
@@ -119,7 +124,7 @@ def broadcast(ch: Channel, checked: Check | None, src: int, wire: np.dtype | Non
     error = ch.MPI.Exception
 
     def run(x: Any, root: Any) -> Any:
-        if not _ready(x, ch):
+        if not _ready(x, ch, "broadcast"):
             return MISSED
         buf = x if wire is None else x.view(wire)
         try:
@@ -137,7 +142,7 @@ def all_gather(ch: Channel, checked: Check | None, wire: np.dtype | None) -> Run
     size, error, testall = ch.size, ch.MPI.Exception, ch.MPI.Request.Testall
 
     def run(x: Any, out: Any = None) -> Any:
-        if not _ready(x, ch):
+        if not _ready(x, ch, "all_gather"):
             return MISSED
         shape = (size, *x.shape)
         if out is None:
@@ -167,7 +172,7 @@ def reduce_scatter(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dty
     """The peer's block of a two-member reduce_scatter, made once."""
 
     def run(x: Any, op: Any, out: Any = None) -> Any:
-        if not _ready(x, ch) or x.ndim == 0 or x.shape[0] % size:
+        if type(x) is not np.ndarray or x.ndim == 0 or x.shape[0] % size or not _ready(x, ch, "reduce_scatter"):
             return MISSED
         shape = (x.shape[0] // size, *x.shape[1:])
         if out is None:
@@ -199,8 +204,7 @@ def barrier(ch: Channel, checked: Check | None) -> Runner:
     comm, error = ch.comm, ch.MPI.Exception
 
     def run() -> Any:
-        if ch.aborted is not None:
-            return MISSED
+        ch.enter("barrier")
         try:
             if checked is not None:
                 check = checked.start()
