@@ -212,6 +212,54 @@ def subgroups_are_mpi_communicators(pg: ProcessGroup) -> None:
         g.destroy()
 
 
+@case
+def the_prepared_way_runs_and_checks_every_call(pg: ProcessGroup) -> None:
+    """The second call of a signature runs the backend's prepared runner (the fast path): same results, a member that
+    takes the full way for the same call (a non-contiguous input) still meets it, and a different call still raises
+    on every rank, naming the peer."""
+    g = axond.new_group(list(range(pg.size)), timeout=30)
+    n, r = g.size, g.rank
+    total = n * (n + 1) / 2
+    for _ in range(3):
+        x = np.full((4, 3), r + 1, np.float32)
+        g.all_reduce(x)
+        same(x, np.full((4, 3), total, np.float32), "all_reduce")
+        y = np.arange(6, dtype=np.float16) * (r + 1)
+        g.all_reduce(y, axond.ReduceOp.AVG)
+        same(y, np.arange(6, dtype=np.float16) * np.float16(total / n), "all_reduce avg float16")
+        b = np.full(5, r, np.int64)
+        g.broadcast(b, n - 1)
+        same(b, np.full(5, n - 1, np.int64), "broadcast")
+        same(g.all_gather(np.full(3, r, np.int32)), np.repeat(np.arange(n, dtype=np.int32)[:, None], 3, 1), "gather")
+        out = np.empty((n, 3), np.int32)
+        assert g.all_gather(np.full(3, r, np.int32), out=out) is out
+        got = g.reduce_scatter(np.full((n * 2, 2), r + 1, np.float64), axond.ReduceOp.SUM)
+        same(got, np.full((2, 2), total, np.float64), "reduce_scatter")
+        g.barrier()
+        # 4 KiB and more: two members run these as messages (`plans.swaps`), the prepared way too
+        big = np.arange(n * 2048, dtype=np.float32).reshape(n * 1024, 2) * (r + 1)
+        got = g.reduce_scatter(big, axond.ReduceOp.MAX, out=np.empty((1024, 2), np.float32))
+        same(got, (np.arange(n * 2048, dtype=np.float32).reshape(n * 1024, 2) * n)[r * 1024:(r + 1) * 1024], "max")
+        flags = np.arange(n * 4096) % (r + 2) == 0
+        got = g.reduce_scatter(flags, axond.ReduceOp.SUM)
+        want = np.logical_or.reduce([np.arange(n * 4096) % (p + 2) == 0 for p in range(n)])
+        same(got, want.reshape(n, -1)[r], "reduce_scatter bool")
+        same(g.all_gather(np.full(2048, r, np.int16)), np.repeat(np.arange(n, dtype=np.int16)[:, None], 2048, 1),
+             "all_gather 4 KiB")
+        c = np.full(1500, r, np.float64)
+        g.broadcast(c, 0)
+        same(c, np.zeros(1500), "broadcast 12 KB")
+    assert len(g.fast_path) >= 9, g.fast_path.runners()
+    base = np.full((8, 3), r + 1, np.float32)
+    z = base[::2] if r == 0 else np.full((4, 3), r + 1, np.float32)  # rank 0: the full way, the others: prepared
+    g.all_reduce(z)
+    same(np.ascontiguousarray(z), np.full((4, 3), total, np.float32), "all_reduce full way beside prepared")
+    x = np.ones((4, 3), np.float32)
+    msg = _raised(lambda: g.all_reduce(x) if r == 0 else g.all_reduce(np.ones((4, 3), np.int32)))
+    assert "all_reduce" in msg and "peer rank" in msg and "int32" in msg and "float32" in msg, msg
+    g.destroy()
+
+
 def _raised(fn: Callable[[], Any]) -> str:
     try:
         fn()
@@ -244,6 +292,23 @@ def a_silent_peer_times_out_and_the_group_aborts(pg: ProcessGroup) -> None:
         assert "timed out" in msg or "aborted" in msg, msg
         assert time.monotonic() - t0 < 30
     pg.barrier()  # rank 0 was told: its next op on the group raises, naming a peer
+    if g.rank == 0:
+        msg = _raised(lambda: g.all_reduce(np.ones(5)))
+        assert "aborted" in msg and "peer rank" in msg, msg
+
+
+@case
+def a_silent_peer_times_out_the_prepared_way_too(pg: ProcessGroup) -> None:
+    g = axond.new_group(list(range(pg.size)), timeout=2.0)
+    for _ in range(2):
+        g.all_reduce(np.ones(5))
+    assert len(g.fast_path) == 1, g.fast_path.runners()
+    if g.rank != 0:
+        t0 = time.monotonic()
+        msg = _raised(lambda: g.all_reduce(np.ones(5)))  # the prepared runner: its wait has the group's deadline
+        assert "timed out" in msg or "aborted" in msg, msg
+        assert time.monotonic() - t0 < 30
+    pg.barrier()
     if g.rank == 0:
         msg = _raised(lambda: g.all_reduce(np.ones(5)))
         assert "aborted" in msg and "peer rank" in msg, msg

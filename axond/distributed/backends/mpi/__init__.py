@@ -4,6 +4,8 @@
     channel.py   `Channel`: a group's communicators and the template every op runs through (nonblocking requests
                  polled to the group's deadline, the call check, the abort messages)
     backend.py   `MpiBackend`: each op a short function over the channel
+    plans.py     the prepared collectives: runners for the group's fast path, made once per op signature
+    p2p.py       `PointToPoint`: send, recv and batches of them (a base of `MpiBackend`)
     options.py   `MpiOptions` (AXOND_MPI_*)
 
 Importing this package imports no mpi4py; the registry finds `BACKEND` here and asks `is_available`.

@@ -9,24 +9,23 @@ reductions run in float32 and round once (`library`). Before each collective the
 from __future__ import annotations
 
 import importlib
-import operator
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions
+from axond.distributed.backends.base import Array, Backend, BackendOptions, Signature, signature
 from axond.distributed.backends.host_arrays import output_array, scatter_rows
-from axond.distributed.backends.mpi.channel import Channel, group_comm
+from axond.distributed.backends.mpi import plans
+from axond.distributed.backends.mpi.channel import Channel, Check, group_comm
 from axond.distributed.backends.mpi.library import INSTALL, available, cuda_aware, mpi, reduce_op, wire_view
 from axond.distributed.backends.mpi.options import SPIN, MpiOptions
+from axond.distributed.backends.mpi.p2p import PointToPoint
 from axond.distributed.backends.splits import announcement, check_splits, offsets, settle
 from axond.distributed.numerics.reduce_op import ReduceOp
-from axond.distributed.numerics.reducers import ACCUMULATE, check_reduce_op, finish_average, narrow_into
+from axond.distributed.numerics.reducers import ACCUMULATE, UFUNCS, check_reduce_op, finish_average, narrow_into
 from axond.distributed.ops import DTYPES, OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
-from axond.distributed.work import PendingSend
 from axond.store import Store
 
 MAX_NDIM = 32
@@ -48,7 +47,7 @@ def _module(x: Any) -> Any:
     return np if isinstance(x, np.ndarray) else importlib.import_module("cupy")
 
 
-class MpiBackend(Backend):
+class MpiBackend(PointToPoint, Backend):
     """Collectives and point-to-point ops over an MPI communicator of the group's members (mpi4py)."""
 
     name = "mpi"
@@ -63,6 +62,10 @@ class MpiBackend(Backend):
                           else spin_for(comm))
         self.MPI = self.ch.MPI
         self._device: bool | None = None
+        self._call: tuple[int, int, int, int, int] | None = None
+        """The call `_begin` checked last (made into the runner's `Check`)."""
+        self._fresh: tuple[Signature, Callable[[Check | None], plans.Runner]] | None = None
+        """The op run the full way last, as (signature, maker of its runner), until the group asks (`prepared`)."""
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -86,11 +89,32 @@ class MpiBackend(Backend):
     def _begin(self, op: Op, x: Any, redop: ReduceOp | None = None, aux: int = 0, count: int | None = None) -> str:
         name = OP_NAMES[op]
         self.ch.enter(name)
+        self._fresh = self._call = None
         if self.check_calls and self.size > 1:
             code = dtype_code(x.dtype) if x is not None else 0
             n = (x.size if x is not None else 0) if count is None else count
-            self.ch.start_check((int(op), code, n, REDUCE_CODES[redop.value] if redop else 0, aux))
+            self._call = (int(op), code, n, REDUCE_CODES[redop.value] if redop else 0, aux)
+            self.ch.start_check(self._call)
         return name
+
+    def _keep(self, key: Signature, x: Any, make: Callable[[Check | None], plans.Runner]) -> None:
+        """Keep the runner of the op just run on `x` the full way (`make(its call check)`), if a runner takes it."""
+        if isinstance(x, np.ndarray) and x.flags.c_contiguous:
+            self._fresh = (key, make)
+
+    def prepared(self, key: Signature) -> plans.Runner | None:
+        """The runner of the collective of `key` just run the full way (`plans`), or None."""
+        fresh, self._fresh = self._fresh, None
+        if fresh is None or fresh[0] != key:
+            return None
+        call, self._call = self._call, None
+        return fresh[1](Check(self.ch, call) if call is not None else None)
+
+    @staticmethod
+    def _moved(x: Any) -> np.dtype | None:
+        """The dtype MPI moves `x`'s bytes as, where not its own (`wire_view`)."""
+        dtype = wire_view(x).dtype
+        return None if dtype == x.dtype else dtype
 
     def _root(self, root: int, what: str) -> int:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
@@ -135,8 +159,11 @@ class MpiBackend(Backend):
             finish_average(work, self.size)
         if wide is not None:
             narrow_into(x, wide)
-        else:
-            self._back(x, work)
+            return
+        self._back(x, work)
+        mpi_op, average = reduce_op(op, work.dtype), op is ReduceOp.AVG
+        self._keep(signature("all_reduce", x, op), x,
+                   lambda checked: plans.all_reduce(self.ch, checked, mpi_op, self._moved(x), average))
 
     def broadcast(self, x: Array, src: int) -> None:
         x = self._array(x, "broadcast input")
@@ -144,8 +171,13 @@ class MpiBackend(Backend):
         name = self._begin(Op.BROADCAST, x, aux=src)
         work = self._contiguous(x)
         buf = wire_view(work.reshape(-1))
-        self._run(name, lambda: self.ch.comm.Ibcast(buf, src), buf)
+        try:
+            self.ch.wait(plans.broadcast_requests(self.ch, buf, src), name, None, buf)
+        except self.MPI.Exception as e:
+            raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
         self._back(x, work)
+        self._keep(signature("broadcast", x, src), x,
+                   lambda checked: plans.broadcast(self.ch, checked, src, self._moved(x)))
 
     def reduce(self, x: Array, dst: int, op: ReduceOp) -> None:
         x = self._array(x, "reduce input")
@@ -182,7 +214,12 @@ class MpiBackend(Backend):
         out = self._out(out, (self.size, *x.shape), x, "all_gather")
         name = self._begin(Op.ALL_GATHER, x)
         send, recv = wire_view(self._contiguous(x).reshape(-1)), wire_view(out.reshape(-1))
-        self._run(name, lambda: self.ch.comm.Iallgather(send, recv), (send, recv))
+        try:
+            self.ch.wait(plans.gather_requests(self.ch, send, recv), name, None, (send, recv))
+        except self.MPI.Exception as e:
+            raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
+        self._keep(signature("all_gather", x, None), x, lambda checked: plans.all_gather(self.ch, checked,
+                                                                                         self._moved(x)))
         return out
 
     def reduce_scatter(self, x: Array, op: ReduceOp, out: Array | None = None) -> Array:
@@ -194,13 +231,30 @@ class MpiBackend(Backend):
         wide = self._wide(x, op)
         work = wide if wide is not None else self._contiguous(x)
         result = _module(x).empty(out.shape, work.dtype) if wide is not None else out
-        send, recv = wire_view(work.reshape(-1)), wire_view(result.reshape(-1))
-        mpi_op = reduce_op(op, work.dtype)
-        self._run(name, lambda: self.ch.comm.Ireduce_scatter_block(send, recv, mpi_op), (send, recv))
+        mpi_op, ufunc = reduce_op(op, work.dtype), UFUNCS[op]
+        if plans.swaps(self.ch, x.nbytes):
+            flat = work.reshape(-1)
+            scratch = _module(x).empty(flat.size // 2, work.dtype)
+            try:
+                self.ch.wait(plans.scatter_requests(self.ch, wire_view(flat), wire_view(scratch)), name, None,
+                             (flat, scratch))
+            except self.MPI.Exception as e:
+                raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
+            if not isinstance(x, np.ndarray):
+                ufunc = getattr(_module(x), ufunc.__name__)
+            plans.scatter_reduce(ufunc, self.rank, flat, scratch, result.reshape(-1))
+        else:
+            send, recv = wire_view(work.reshape(-1)), wire_view(result.reshape(-1))
+            self._run(name, lambda: self.ch.comm.Ireduce_scatter_block(send, recv, mpi_op), (send, recv))
         if op is ReduceOp.AVG:
             finish_average(result, self.size)
         if wide is not None:
             narrow_into(out, result)
+            return out
+        average = op is ReduceOp.AVG
+        self._keep(signature("reduce_scatter", x, op), x,
+                   lambda checked: plans.reduce_scatter(self.ch, checked, mpi_op, self._moved(x), average, ufunc,
+                                                        x.dtype, x.size))
         return out
 
     def gather(self, x: Array, dst: int) -> Array | None:
@@ -278,92 +332,7 @@ class MpiBackend(Backend):
             self.ch.wait([], name)
         else:
             self._run(name, lambda: self.ch.comm.Ibarrier(), None)
-
-    # -- point to point
-
-    def _peer(self, peer: int, what: str) -> int:
-        peer = self._root(peer, what)
-        if peer == self.rank:
-            raise ValueError(f"rank {self.rank} cannot {'send to' if what == 'dst' else 'receive from'} itself")
-        return peer
-
-    def _tag(self, tag: int) -> int:
-        tag = operator.index(tag)
-        top = self.ch.comm.Get_attr(self.MPI.TAG_UB)
-        if not 0 <= tag <= top:
-            raise ValueError(f"tag {tag} is outside MPI's tags here (0..{top})")
-        return tag
-
-    def send(self, x: Array, dst: int, tag: int) -> None:
-        sent = self.post_send(x, dst, tag)
-        if sent is not None:
-            sent.wait(self.options.timeout, True)
-
-    def post_send(self, x: Array, dst: int, tag: int) -> PendingSend | None:
-        """Start the send and return at once: the `PendingSend` completes when MPI is done with the buffer."""
-        x = self._array(x, "send input")
-        dst, tag = self._peer(dst, "dst"), self._tag(tag)
-        self.ch.enter("send")
-        buf = wire_view(self._contiguous(x).reshape(-1))
-        try:
-            request = self.ch.comm.Isend(buf, dst, tag)
-        except self.MPI.Exception as e:
-            raise self.ch.fail("send", dst, f"MPI error: {e.Get_error_string()}") from e
-
-        def wait(timeout: float, strict: bool) -> bool:
-            if strict:
-                self._run("send", lambda: request, buf, peer=dst)
-                return True
-            deadline = time.monotonic() + timeout
-            while not request.Test():
-                if time.monotonic() > deadline:
-                    return False
-            return True
-        return PendingSend(lambda: bool(request.Test()), wait)
-
-    def _receive(self, x: Array, src: int, tag: int) -> int:
-        x = self._array(x, "recv buffer")
-        self.ch.enter("recv")
-        work = self._contiguous(x)
-        buf = wire_view(work.reshape(-1))
-        status = self.MPI.Status()
-        peer = None if src == self.MPI.ANY_SOURCE else src
-        self._run("recv", lambda: self.ch.comm.Irecv(buf, src, tag), buf, peer=peer, status=status)
-        source = status.Get_source()
-        got = status.Get_count(self.MPI.BYTE)
-        if got != x.nbytes:
-            raise self.ch.fail("recv", source, f"peer rank {source} sent {got} bytes with tag {tag} but this rank "
-                                               f"receives {x.nbytes} ({x.dtype} {tuple(x.shape)})")
-        self._back(x, work)
-        return int(source)
-
-    def recv(self, x: Array, src: int, tag: int) -> None:
-        self._receive(x, self._peer(src, "src"), self._tag(tag))
-
-    def recv_any(self, x: Array, tag: int) -> int:
-        return self._receive(x, self.MPI.ANY_SOURCE, self._tag(tag))
-
-    def batch_p2p(self, batch: list[P2P]) -> None:
-        """Start every isend and irecv of `batch` at once and wait for them all (no order of them can deadlock)."""
-        self.ch.enter("batch_p2p")
-        requests, keep, back = [], [], []
-        for kind, x, peer, tag in batch:
-            x = self._array(x, f"batch_isend_irecv {kind}")
-            peer, tag = self._peer(peer, "dst" if kind == "isend" else "src"), self._tag(tag)
-            work = self._contiguous(x)
-            buf = wire_view(work.reshape(-1))
-            keep.append(buf)
-            if kind == "isend":
-                requests.append(self.ch.comm.Isend(buf, peer, tag))
-            else:
-                requests.append(self.ch.comm.Irecv(buf, peer, tag))
-                back.append((x, work))
-        try:
-            self.ch.wait(requests, "batch_p2p", keep=keep)
-        except self.MPI.Exception as e:
-            raise self.ch.fail("batch_p2p", None, f"MPI error: {e.Get_error_string()}") from e
-        for x, work in back:
-            self._back(x, work)
+        self._fresh = (signature("barrier", None, None), lambda checked: plans.barrier(self.ch, checked))
 
     # -- the group's life
 

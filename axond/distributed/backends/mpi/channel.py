@@ -10,6 +10,7 @@ rank that dies: the launcher (`mpirun`) ends the job.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import zlib
@@ -65,6 +66,29 @@ def group_comm(store: Store, rank: int, size: int, group_name: str, timeout: flo
         everyone.Free()
 
 
+def check_of(call: tuple[int, int, int, int, int]) -> np.ndarray:
+    """What a member sends to check that every member called `call` (op, dtype code, count, reduce code, aux): an
+    8-byte digest of it, all_gathered into `Channel.checked` (one round of the members, Open MPI's cheapest here:
+    bench/results/2026-12-06-mpi.md). Every call was alike when every member's digest equals this one; when not, the
+    members exchange their calls to name the peer that differs (`Channel.mismatch`)."""
+    digest = hashlib.blake2b(np.array(call, np.int64).tobytes(), digest_size=8).digest()
+    return np.frombuffer(digest, np.int64).copy()
+
+
+class Check:
+    """The call check of one op signature, made once: what the members send (`check_of`) and what they all get."""
+
+    __slots__ = ("call", "sent", "expected", "start")
+
+    def __init__(self, channel: Channel, call: tuple[int, int, int, int, int]) -> None:
+        self.call = call
+        self.sent = check_of(call)
+        self.expected = self.sent.tobytes() * channel.size
+        comm, sent, checked = channel.comm, self.sent, channel.checked
+        self.start: Callable[[], Any] = lambda: comm.Iallgather(sent, checked)
+        """Start it (a request that `Channel.settle` completes)."""
+
+
 class Channel:
     """A group's communicator (`comm`), its control communicator for abort messages, and the waits with deadlines."""
 
@@ -73,11 +97,14 @@ class Channel:
         self.comm = comm
         self.rank, self.size, self.group_name, self.timeout, self.spin = rank, size, group_name, timeout, spin
         self.control = comm.Dup()
+        self.pairs = comm.Dup()
+        """The communicator of ops run as point-to-point messages (a two-member all_gather: `plans`)."""
         self._reason = np.zeros(REASON_BYTES, np.uint8)
         self._status = self.MPI.Status()
         self._heard = self.control.Irecv([self._reason, self.MPI.BYTE], self.MPI.ANY_SOURCE, ABORT_TAG)
-        self._check = np.zeros(2 * CHECK_FIELDS, np.int64)
-        self._checking: tuple[Any, tuple[int, int, int, int, int]] | None = None
+        self.checked = np.zeros(size, np.int64)
+        """Where every call check lands: each member's digest of its call (`check_of`)."""
+        self._checking: tuple[Any, tuple[int, int, int, int, int], np.ndarray] | None = None
         """The call check `start_check` started, which the next `wait` completes."""
         self._stuck: list[tuple[Any, Any]] = []
         """Requests that timed out, with the buffers MPI may still write: kept alive until the process ends."""
@@ -124,12 +151,24 @@ class Channel:
         MPI = self.MPI
         deadline = None
         if self._checking is not None:
-            check, call = self._checking
+            check, call, sent = self._checking
             self._checking = None
-            deadline = self._poll(check.Test, op, peer, [check, *requests], keep, None)
-            self._verify(op, call, requests, keep)
+            deadline = self._poll(check.Test, op, peer, [check, *requests], (keep, sent), None)
+            if self.checked.tobytes() != sent.tobytes() * self.size:
+                self.mismatch(op, call, requests, keep)
         test = (lambda: requests[0].Test(status)) if len(requests) == 1 else (lambda: MPI.Request.Testall(requests))
         self._poll(test, op, peer, requests, keep, deadline)
+
+    def settle(self, check: Any, checked: Check | None, test: Callable[[], bool], requests: Sequence[Any], op: str,
+               keep: Any) -> None:
+        """`wait` for a prepared op (`plans`): its call check `check` (started from `checked`; None: unchecked) and
+        then its `requests`, completed when `test` is true."""
+        deadline = None
+        if checked is not None:
+            deadline = self._poll(check.Test, op, None, [check, *requests], (keep, checked.sent), None)
+            if self.checked.tobytes() != checked.expected:
+                self.mismatch(op, checked.call, requests, keep)
+        self._poll(test, op, None, requests, keep, deadline)
 
     def _poll(self, test: Callable[[], bool], op: str, peer: int | None, requests: Sequence[Any], keep: Any,
               deadline: float | None) -> float | None:
@@ -166,20 +205,14 @@ class Channel:
         return text + " (MPI cannot abort a started collective: the group is aborted)"
 
     def start_check(self, call: tuple[int, int, int, int, int]) -> None:
-        """Start checking that every member called `call` (op, dtype code, count, reduce code, aux): an all_reduce of
-        (call, -call) with MAX, equal on every member exactly when its max equals minus its min. The next `wait`
+        """Start checking that every member called `call` (op, dtype code, count, reduce code, aux); the next `wait`
         completes it, with the op's own requests."""
-        buf = self._check
-        buf[:CHECK_FIELDS] = call
-        np.negative(buf[:CHECK_FIELDS], out=buf[CHECK_FIELDS:])
-        self._checking = (self.comm.Iallreduce(self.MPI.IN_PLACE, buf, self.MPI.MAX), call)
+        sent = check_of(call)
+        self._checking = (self.comm.Iallgather(sent, self.checked), call, sent)
 
-    def _verify(self, op: str, call: tuple[int, int, int, int, int], requests: Sequence[Any], keep: Any) -> None:
-        """Raise on every member, naming the first peer that differs, unless the check found every call alike (the
-        op's `requests`, started with a mismatched call, are then kept: MPI cannot cancel them)."""
-        buf = self._check
-        if (buf[:CHECK_FIELDS] == -buf[CHECK_FIELDS:]).all():
-            return
+    def mismatch(self, op: str, call: tuple[int, int, int, int, int], requests: Sequence[Any], keep: Any) -> None:
+        """Raise on every member, naming the first peer that differs: the check found the calls unlike (the op's
+        `requests`, started with a mismatched call, are kept: MPI cannot cancel them)."""
         self._stuck.append((list(requests), keep))
         mine = np.array(call, np.int64)
         calls = np.empty((self.size, CHECK_FIELDS), np.int64)
@@ -210,6 +243,7 @@ class Channel:
         try:
             self._heard.Cancel()
             self._heard.Wait()
+            self.pairs.Free()
             self.control.Free()
             self.comm.Free()
         except self.MPI.Exception:

@@ -19,9 +19,10 @@ class MpiOptions:
     """How the mpi backend runs its ops."""
 
     check_calls: bool = True
-    """Before each collective, check that every member called the same op, dtype, size and root (one 80-byte
-    all_reduce; a mismatch raises on every rank, naming the peer). Off (AXOND_MPI_CHECK_CALLS=0): a mismatch is
-    whatever the MPI library does with it (an MPI error, a timeout, or wrong data)."""
+    """With each collective, check that every member called the same op, dtype, size and root (an all_gather of an
+    8-byte digest of each member's call; a mismatch raises on every rank, naming the peer). Off
+    (AXOND_MPI_CHECK_CALLS=0): a mismatch is whatever the MPI library does with it (an MPI error, a timeout, or wrong
+    data)."""
     spin: int | None = None
     """Polls of a request before each further poll also yields the core to other processes (AXOND_MPI_SPIN); None:
     `SPIN` (never yield), or 0 where this host's ranks outnumber its cores (a peer that must progress may be waiting

@@ -1,0 +1,218 @@
+"""The mpi backend's prepared collectives: runners for the group's fast path (`axond.distributed.fast_path`).
+
+After a blocking all_reduce, broadcast, all_gather, reduce_scatter or barrier ran the full way (its arguments
+checked), the backend keeps a runner for the op's signature (`MpiBackend.prepared`). A runner is made once per
+signature and holds what the full way works out on every call: the MPI op, the dtype MPI moves, the call check's
+message (`channel.Check`). It runs the same MPI calls in the same order as the full way, so that the members may take
+either way for the same call, and still checks every call across the members (unless `MpiOptions.check_calls` is
+off) and waits to the group's deadline (`Channel.settle`). It returns `MISSED`, having done nothing, for what it does
+not take: not a C-contiguous NumPy array, an `out=` it cannot fill; the full way then checks and raises. Like the full
+way, it first raises if the group was aborted, here or by a peer (`Channel.enter`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from axond.distributed.backends.base import MISSED
+from axond.distributed.backends.mpi.channel import Channel, Check
+from axond.distributed.numerics.reducers import finish_average
+
+Runner = Callable[..., Any]
+
+GATHER_TAG = 2
+"""Tag of a two-member all_gather's messages on `Channel.pairs`."""
+BROADCAST_TAG = 3
+"""Tag of a two-member broadcast's message on `Channel.pairs`."""
+SCATTER_TAG = 4
+"""Tag of a two-member reduce_scatter's messages on `Channel.pairs`."""
+SWAP_BYTES = 4096
+"""Blocks from which two members swap them as messages (below it, MPI_Iallgather is faster: one request)."""
+
+
+def gather_requests(ch: Channel, send: Any, recv: Any) -> list[Any]:
+    """Start an all_gather of the flat `send` into the flat `recv` (the members' blocks in rank order).
+
+    Two members swap blocks of `SWAP_BYTES` and more as one message each way on `Channel.pairs`: Open MPI's
+    nonblocking all_gather (libnbc) takes 1.3-1.8x as long at 64 KiB-1 MiB (bench/results/2026-12-06-mpi.md). More
+    members, and smaller blocks, run MPI_Iallgather. The full way and the runners both start it here: the members may
+    take either."""
+    if ch.size != 2 or send.nbytes < SWAP_BYTES:
+        return [ch.comm.Iallgather(send, recv)]
+    n, me = send.shape[0], ch.rank
+    peer = 1 - me
+    requests = [ch.pairs.Irecv(recv[peer * n : (peer + 1) * n], peer, GATHER_TAG),
+                ch.pairs.Isend(send, peer, GATHER_TAG)]
+    recv[me * n : (me + 1) * n] = send  # while the peer's block comes
+    return requests
+
+
+def broadcast_requests(ch: Channel, buf: Any, src: int) -> list[Any]:
+    """Start a broadcast of the flat `buf` from `src`: between two members, of `SWAP_BYTES` and more, one message on
+    `Channel.pairs` (MPI_Ibcast took 1.04-1.06x as long at 64 KiB-1 MiB); else MPI_Ibcast."""
+    if ch.size != 2 or buf.nbytes < SWAP_BYTES:
+        return [ch.comm.Ibcast(buf, src)]
+    if ch.rank == src:
+        return [ch.pairs.Isend(buf, 1 - src, BROADCAST_TAG)]
+    return [ch.pairs.Irecv(buf, src, BROADCAST_TAG)]
+
+
+def swaps(ch: Channel, nbytes: int) -> bool:
+    """Whether a two-member op of `nbytes` (the caller's array) runs as messages on `Channel.pairs`."""
+    return ch.size == 2 and nbytes >= SWAP_BYTES
+
+
+def scatter_requests(ch: Channel, send: Any, scratch: Any) -> list[Any]:
+    """Start a two-member reduce_scatter (`swaps`) of the flat `send`: send the peer its block, receive this member's
+    block of the peer into `scratch` (flat, one block); `scatter_reduce` then reduces. MPI_Ireduce_scatter_block took
+    1.8-3x as long at 64 KiB-4 MiB (bench/results/2026-12-06-mpi.md)."""
+    n, peer = scratch.shape[0], 1 - ch.rank
+    return [ch.pairs.Irecv(scratch, peer, SCATTER_TAG), ch.pairs.Isend(send[peer * n : (peer + 1) * n], peer,
+                                                                       SCATTER_TAG)]
+
+
+def scatter_reduce(ufunc: Any, rank: int, work: Any, scratch: Any, result: Any) -> None:
+    """This member's block of a two-member reduce_scatter: its own block of the flat `work` reduced with the peer's
+    (`scratch`) by `ufunc` into the flat `result`, rank 0's operand first on both members."""
+    n = scratch.shape[0]
+    mine = work[rank * n : (rank + 1) * n]
+    if rank == 0:
+        ufunc(mine, scratch, out=result)
+    else:
+        ufunc(scratch, mine, out=result)
+
+
+def _failed(ch: Channel, name: str, e: Any) -> Exception:
+    return ch.fail(name, None, f"MPI error: {e.Get_error_string()}")
+
+
+def _ready(x: Any, ch: Channel, name: str) -> bool:
+    """Whether a runner takes `x`; raises, as the full way, if the group was aborted here or by a peer (whose
+    timed-out requests would otherwise meet this call's)."""
+    if type(x) is not np.ndarray or not x.flags.c_contiguous:
+        return False
+    ch.enter(name)
+    return True
+
+
+def all_reduce(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dtype | None, average: bool) -> Runner:
+    """The runner of an all_reduce (in place) with MPI op `mpi_op` on arrays moved as `wire` (None: as they are)."""
+    comm, MPI, size = ch.comm, ch.MPI, ch.size
+    in_place, error = MPI.IN_PLACE, MPI.Exception
+
+    def run(x: Any, op: Any) -> Any:
+        if not _ready(x, ch, "all_reduce"):
+            return MISSED
+        buf = x if wire is None else x.view(wire)
+        try:
+            check = checked.start() if checked is not None else None
+            request = comm.Iallreduce(in_place, buf, mpi_op)
+            ch.settle(check, checked, request.Test, (request,), "all_reduce", buf)
+        except error as e:
+            raise _failed(ch, "all_reduce", e) from e
+        if average:
+            finish_average(x, size)
+        return None
+    return run
+
+
+def broadcast(ch: Channel, checked: Check | None, src: int, wire: np.dtype | None) -> Runner:
+    """The runner of a broadcast from `src`."""
+    error = ch.MPI.Exception
+
+    def run(x: Any, root: Any) -> Any:
+        if not _ready(x, ch, "broadcast"):
+            return MISSED
+        buf = x if wire is None else x.view(wire)
+        try:
+            check = checked.start() if checked is not None else None
+            requests = broadcast_requests(ch, buf, src)
+            ch.settle(check, checked, requests[0].Test, requests, "broadcast", buf)
+        except error as e:
+            raise _failed(ch, "broadcast", e) from e
+        return None
+    return run
+
+
+def all_gather(ch: Channel, checked: Check | None, wire: np.dtype | None) -> Runner:
+    """The runner of an all_gather into a new array or the caller's `out=`."""
+    size, error, testall = ch.size, ch.MPI.Exception, ch.MPI.Request.Testall
+
+    def run(x: Any, out: Any = None) -> Any:
+        if not _ready(x, ch, "all_gather"):
+            return MISSED
+        shape = (size, *x.shape)
+        if out is None:
+            out = np.empty(shape, x.dtype)
+        elif type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype or not out.flags.c_contiguous:
+            return MISSED
+        send, recv = x.reshape(-1), out.reshape(-1)
+        if wire is not None:
+            send, recv = send.view(wire), recv.view(wire)
+        try:
+            check = checked.start() if checked is not None else None
+            requests = gather_requests(ch, send, recv)
+            ch.settle(check, checked, lambda: testall(requests), requests, "all_gather", (send, recv))
+        except error as e:
+            raise _failed(ch, "all_gather", e) from e
+        return out
+    return run
+
+
+def reduce_scatter(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dtype | None, average: bool,
+                   ufunc: Any, dtype: np.dtype, count: int) -> Runner:
+    """The runner of a reduce_scatter (MPI_Ireduce_scatter_block, or messages and `ufunc` between two members) of
+    `count` elements of `dtype`, into a new array or the caller's `out=`."""
+    comm, size, rank, error = ch.comm, ch.size, ch.rank, ch.MPI.Exception
+    testall = ch.MPI.Request.Testall
+    scratch = np.empty(count // 2, dtype) if swaps(ch, count * dtype.itemsize) else None
+    """The peer's block of a two-member reduce_scatter, made once."""
+
+    def run(x: Any, op: Any, out: Any = None) -> Any:
+        if type(x) is not np.ndarray or x.ndim == 0 or x.shape[0] % size or not _ready(x, ch, "reduce_scatter"):
+            return MISSED
+        shape = (x.shape[0] // size, *x.shape[1:])
+        if out is None:
+            out = np.empty(shape, x.dtype)
+        elif type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype or not out.flags.c_contiguous:
+            return MISSED
+        try:
+            check = checked.start() if checked is not None else None
+            if scratch is not None:
+                flat = x.reshape(-1)
+                requests = scatter_requests(ch, flat if wire is None else flat.view(wire),
+                                            scratch if wire is None else scratch.view(wire))
+                ch.settle(check, checked, lambda: testall(requests), requests, "reduce_scatter", (flat, scratch))
+                scatter_reduce(ufunc, rank, flat, scratch, out.reshape(-1))
+            else:
+                send, recv = (x, out) if wire is None else (x.view(wire), out.view(wire))
+                request = comm.Ireduce_scatter_block(send, recv, mpi_op)
+                ch.settle(check, checked, request.Test, (request,), "reduce_scatter", (send, recv))
+        except error as e:
+            raise _failed(ch, "reduce_scatter", e) from e
+        if average:
+            finish_average(out, size)
+        return out
+    return run
+
+
+def barrier(ch: Channel, checked: Check | None) -> Runner:
+    """The runner of a barrier: the call check where there is one (it meets every member), else MPI_Ibarrier."""
+    comm, error = ch.comm, ch.MPI.Exception
+
+    def run() -> Any:
+        ch.enter("barrier")
+        try:
+            if checked is not None:
+                check = checked.start()
+                ch.settle(check, checked, lambda: True, (), "barrier", None)
+            else:
+                request = comm.Ibarrier()
+                ch.settle(None, None, request.Test, (request,), "barrier", None)
+        except error as e:
+            raise _failed(ch, "barrier", e) from e
+        return None
+    return run
