@@ -1,11 +1,12 @@
 """Straggler naming (not a test): how soon a slow rank is named, false namings under load, and what recording costs.
 
-    python bench/stragglers.py detect [--runs 3] [--steps 20]            # rank 2 busy 200 ms per backward
-    python bench/stragglers.py quiet [--steps 1000] [--busy 2]           # no straggler, `yes > /dev/null` beside
+    python bench/stragglers.py detect [--runs 3] [--steps 20] [--torch]  # rank 2 busy 200 ms per backward
+    python bench/stragglers.py quiet [--steps 1000] [--busy 2] [--torch] # no straggler, `yes > /dev/null` beside
     python bench/stragglers.py cost --tree /work/main [--ops 200000]     # ns per small all_reduce, A/B of two trees
 
 `detect` and `quiet` run `axond worker --standalone --nproc-per-node 4 -- python -m axond.testing.straggler_job`
-(native DDP, 18 all_reduces per step) with AXOND_STRAGGLER_WINDOW_OPS=18 and the other settings at their defaults,
+(native DDP, 18 all_reduces per step; `--torch`: torch DDP over "axond", 6) with AXOND_STRAGGLER_WINDOW_OPS set to one
+step's all_reduces (18; 6) and the other settings at their defaults,
 and read the worker's output as it comes: `detect` prints the step rank 0 had finished when the worker named the
 slow rank; `quiet` counts the worker's straggler notices over a fault-free run with `--busy` busy loops beside it.
 `cost` times a blocking 8-float all_reduce on a one-rank group (the short way: the op itself costs least, so the
@@ -28,12 +29,12 @@ HERE = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"\[rank 0\] step (\d+)")
 
 
-def _job(steps: int, env: dict[str, str]) -> tuple[int, list[tuple[int, str]]]:
+def _job(steps: int, env: dict[str, str], torch: bool = False) -> tuple[int, list[tuple[int, str]]]:
     """Run the job; (exit code, [(steps rank 0 had printed, notice line)] for each straggler notice)."""
     cmd = [sys.executable, "-m", "axond", "worker", "--standalone", "--nproc-per-node", "4", "--",
-           sys.executable, "-m", "axond.testing.straggler_job", str(steps)]
+           sys.executable, "-m", "axond.testing.straggler_job", str(steps), *(["--torch"] if torch else [])]
     full = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-            "AXOND_STRAGGLER_WINDOW_OPS": "18", **env}
+            "AXOND_STRAGGLER_WINDOW_OPS": "6" if torch else "18", **env}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full)
     assert proc.stdout is not None
     step, notices = 0, []
@@ -47,9 +48,10 @@ def _job(steps: int, env: dict[str, str]) -> tuple[int, list[tuple[int, str]]]:
 
 
 def detect(args: argparse.Namespace) -> None:
+    print(f"{'torch DDP over axond' if args.torch else 'native DDP'}\n")
     print("| run | steps | named at step | notice |\n|---|---|---|---|")
     for run in range(args.runs):
-        code, notices = _job(args.steps, {"SLOW_RANK": "2", "SLOW_S": str(args.slow_s)})
+        code, notices = _job(args.steps, {"SLOW_RANK": "2", "SLOW_S": str(args.slow_s)}, args.torch)
         named = [s for s, line in notices if "rank 2 is a straggler" in line]
         first = named[0] if named else "never"
         text = notices[0][1].split("axond worker: ", 1)[-1] if notices else "-"
@@ -60,14 +62,15 @@ def quiet(args: argparse.Namespace) -> None:
     loops = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(args.busy)]
     try:
         t0 = time.monotonic()
-        code, notices = _job(args.steps, {})
+        code, notices = _job(args.steps, {}, args.torch)
         wall = time.monotonic() - t0
     finally:
         for p in loops:
             p.kill()
             p.wait()
-    print("| steps | busy loops | exit | wall s | false namings |\n|---|---|---|---|---|")
-    print(f"| {args.steps} | {args.busy} | {code} | {wall:.0f} | {sum('is a straggler' in n for _, n in notices)} |")
+    print("| job | steps | busy loops | exit | wall s | false namings |\n|---|---|---|---|---|---|")
+    named = sum("is a straggler" in n for _, n in notices)
+    print(f"| {'torch DDP' if args.torch else 'native DDP'} | {args.steps} | {args.busy} | {code} | {wall:.0f} | {named} |")
     for step, line in notices:
         print(f"    at step {step}: {line}")
 
@@ -108,7 +111,9 @@ def main() -> None:
     d.add_argument("--runs", type=int, default=3)
     d.add_argument("--steps", type=int, default=20)
     d.add_argument("--slow-s", type=float, default=0.2)
+    d.add_argument("--torch", action="store_true")
     q = sub.add_parser("quiet")
+    q.add_argument("--torch", action="store_true")
     q.add_argument("--steps", type=int, default=1000)
     q.add_argument("--busy", type=int, default=2)
     c = sub.add_parser("cost")
