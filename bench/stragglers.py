@@ -5,8 +5,8 @@
     python bench/stragglers.py cost --tree /work/main [--ops 200000]     # ns per small all_reduce, A/B of two trees
 
 `detect` and `quiet` run `axond worker --standalone --nproc-per-node 4 -- python -m axond.testing.straggler_job`
-(native DDP, 18 all_reduces per step; `--torch`: torch DDP over "axond", 6) with AXOND_STRAGGLER_WINDOW_OPS set to one
-step's all_reduces (18; 6) and the other settings at their defaults,
+(native DDP, 18 all_reduces per step; `--torch`: `straggler_torch_job`, torch DDP over "axond", 6) with
+AXOND_STRAGGLER_WINDOW_OPS set to one step's all_reduces (18; 6) and the other settings at their defaults,
 and read the worker's output as it comes: `detect` prints the step rank 0 had finished when the worker named the
 slow rank; `quiet` counts the worker's straggler notices over a fault-free run with `--busy` busy loops beside it.
 `cost` times a blocking 8-float all_reduce on a one-rank group (the short way: the op itself costs least, so the
@@ -32,7 +32,7 @@ STEP = re.compile(r"\[rank 0\] step (\d+)")
 def _job(steps: int, env: dict[str, str], torch: bool = False) -> tuple[int, list[tuple[int, str]]]:
     """Run the job; (exit code, [(steps rank 0 had printed, notice line)] for each straggler notice)."""
     cmd = [sys.executable, "-m", "axond", "worker", "--standalone", "--nproc-per-node", "4", "--",
-           sys.executable, "-m", "axond.testing.straggler_job", str(steps), *(["--torch"] if torch else [])]
+           sys.executable, "-m", f"axond.testing.straggler{'_torch' if torch else ''}_job", str(steps)]
     full = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "AXOND_STRAGGLER_WINDOW_OPS": "6" if torch else "18", **env}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full)
@@ -70,7 +70,8 @@ def quiet(args: argparse.Namespace) -> None:
             p.wait()
     print("| job | steps | busy loops | exit | wall s | false namings |\n|---|---|---|---|---|---|")
     named = sum("is a straggler" in n for _, n in notices)
-    print(f"| {'torch DDP' if args.torch else 'native DDP'} | {args.steps} | {args.busy} | {code} | {wall:.0f} | {named} |")
+    job = "torch DDP" if args.torch else "native DDP"
+    print(f"| {job} | {args.steps} | {args.busy} | {code} | {wall:.0f} | {named} |")
     for step, line in notices:
         print(f"    at step {step}: {line}")
 

@@ -1,11 +1,11 @@
 """A small native DDP job whose rank SLOW_RANK busy-waits SLOW_S seconds in each step's backward (a compute
 straggler), for the straggler test and `bench/stragglers.py`:
 
-    axond worker --standalone --nproc-per-node 4 -- python -m axond.testing.straggler_job STEPS [--torch]
+    axond worker --standalone --nproc-per-node 4 -- python -m axond.testing.straggler_job STEPS
 
 Rank 0 prints `step N` after each step. The native model has 8 hidden layers of 64 and 4 KiB buckets: 18
 all_reduces per step (set AXOND_STRAGGLER_WINDOW_OPS to a multiple of 18, so that every window holds whole steps).
-`--torch`: torch DDP over the "axond" backend, 8 layers of 64 in 16 KiB buckets (6 all_reduces per step).
+`axond.testing.straggler_torch_job` is the same over torch DDP.
 """
 
 from __future__ import annotations
@@ -14,6 +14,13 @@ import os
 import sys
 import time
 from dataclasses import replace
+
+import axond
+from axond.distributed import api
+from axond.examples.train_mlp import TrainConfig, build_model, make_dataset
+from axond.nn import CrossEntropyLoss
+from axond.nn.optim import SGD
+from axond.parallel import DDP
 
 OPS_PER_STEP = 18
 """The all_reduces of one step (one per bucket)."""
@@ -26,47 +33,13 @@ def busy(seconds: float) -> None:
         pass
 
 
-def torch_main(steps: int, slow: int, delay: float) -> int:
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    import axond.torch  # noqa: F401 -- registers the "axond" backend
-
-    dist.init_process_group("axond")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = [torch.nn.Linear(32, 64)]
-    for _ in range(8):
-        layers += [torch.nn.ReLU(), torch.nn.Linear(64, 64)]
-    model = DistributedDataParallel(torch.nn.Sequential(*layers), bucket_cap_mb=0.016)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(32, 32), torch.randn(32, 64)
-    for i in range(steps):
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        if rank == slow:
-            busy(delay)
-        loss.backward()
-        opt.step()
-        if rank == 0:
-            print(f"step {i + 1}", flush=True)
-    dist.destroy_process_group()
-    return 0
+def settings(argv: list[str]) -> tuple[int, int, float]:
+    """(steps: the first argument, default 20; the slow rank: SLOW_RANK, default none; its delay: SLOW_S, 0.2 s)."""
+    return int(argv[0]) if argv else 20, int(os.environ.get("SLOW_RANK", "-1")), float(os.environ.get("SLOW_S", "0.2"))
 
 
 def main(argv: list[str]) -> int:
-    steps = int(argv[0]) if argv else 20
-    slow, delay = int(os.environ.get("SLOW_RANK", "-1")), float(os.environ.get("SLOW_S", "0.2"))
-    if "--torch" in argv:
-        return torch_main(steps, slow, delay)
-    import axond
-    from axond.distributed import api
-    from axond.examples.train_mlp import TrainConfig, build_model, make_dataset
-    from axond.nn import CrossEntropyLoss
-    from axond.nn.optim import SGD
-    from axond.parallel import DDP
-
+    steps, slow, delay = settings(argv)
     axond.init_process_group()
     group = api.default_group()
     cfg = replace(TrainConfig(), hidden=64, depth=8, samples=1024)

@@ -79,14 +79,14 @@ def test_ranks_of_other_nodes_are_left_to_their_worker() -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("slow", "torch"), [(2, False), (-1, False), (1, True)],
                          ids=["native-rank-2-slow", "native-none-slow", "torch-rank-1-slow"])
-def test_a_rank_busy_200ms_per_backward_is_named_within_20_steps(procs: Procs, slow: int,  # noqa: F811
+def test_a_rank_busy_200ms_per_backward_is_named_within_20_steps(procs: Procs, slow: int,
                                                                   torch: bool) -> None:
     if torch:
         pytest.importorskip("torch")
     env = {"SLOW_RANK": str(slow), "SLOW_S": "0.2", "AXOND_STRAGGLER_WINDOW_OPS": "6" if torch else "18",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # a window: one step's all_reduces (6; 18)
-    res = procs.run("worker", "--standalone", "--nproc-per-node", "4", "--", PY, "-m", "axond.testing.straggler_job",
-                    "20", *(["--torch"] if torch else []), env=env, timeout=120)
+    job = "axond.testing.straggler_torch_job" if torch else "axond.testing.straggler_job"
+    res = procs.run("worker", "--standalone", "--nproc-per-node", "4", "--", PY, "-m", job, "20", env=env, timeout=120)
     assert res.code == 0, res.stderr
     assert "[rank 0] step 20" in res.stdout
     named = [line for line in res.stderr.splitlines() if "is a straggler" in line]
