@@ -9,9 +9,9 @@
 AXOND_STRAGGLER_WINDOW_OPS set to one step's all_reduces (18; 6) and the other settings at their defaults,
 and read the worker's output as it comes: `detect` prints the step rank 0 had finished when the worker named the
 slow rank; `quiet` counts the worker's straggler notices over a fault-free run with `--busy` busy loops beside it.
-`cost` times a blocking 8-float all_reduce on a one-rank group (the short way: the op itself costs least, so the
-recording's share is largest) in this tree and in `--tree` (one without arrival recording), in alternating rounds,
-and prints the median ns per op of each and their difference.
+`cost` times the recording's statements alone (what each collective runs more), then a blocking 8-float all_reduce on
+a one-rank "mock" group in this tree and in `--tree` (one without arrival recording), in alternating rounds, and
+prints the median ns per op of each and their difference (noisy on a shared machine: the op itself takes ~10 us).
 """
 
 from __future__ import annotations
@@ -91,7 +91,33 @@ print((time.perf_counter_ns() - t0) / n)
 """
 
 
+RECORD = """
+start = monotonic_ns()
+g.waited_ns += monotonic_ns() - start
+g.waited_ops += 1
+if g.waited_ops >= g.window_at:
+    g.close_window()
+"""
+"""What `ProcessGroup` adds to each collective (`_run`, `_tracked`, `FastPath.run`), timed alone."""
+
+
+def _isolated(ops: int) -> float:
+    """ns per run of RECORD on a real group (windows closing every 200 ops), the median of 7 repeats."""
+    import timeit
+    from time import monotonic_ns
+
+    from axond.distributed.process_group import ProcessGroup
+
+    g = ProcessGroup.mock()
+    try:
+        runs = timeit.repeat(RECORD, repeat=7, number=ops, globals={"g": g, "monotonic_ns": monotonic_ns})
+    finally:
+        g.destroy()
+    return statistics.median(runs) / ops * 1e9
+
+
 def cost(args: argparse.Namespace) -> None:
+    print(f"recording alone, as ProcessGroup runs it per collective: {_isolated(args.ops):.0f} ns\n")
     trees = {"this tree": str(HERE), "--tree": str(Path(args.tree).resolve())}
     times: dict[str, list[float]] = {k: [] for k in trees}
     for _ in range(args.rounds):
