@@ -39,6 +39,8 @@ MAX_SECONDS = 1e9
 WAIT_NOTICE_S = 60.0
 """Default seconds between `axond worker`'s "still waiting" notices (AXOND_WAIT_NOTICE_S)."""
 OVERLAP_ENV = "AXOND_TORCH_OVERLAP"
+MAX_STRAGGLER_WINDOWS = 15
+"""The most AXOND_STRAGGLER_WINDOWS may say (a group keeps one window more: `arrivals.KEEP_WINDOWS`)."""
 
 T = TypeVar("T")
 
@@ -195,7 +197,7 @@ class StragglerSettings:
         values: dict[str, Any] = {}
         parsers: dict[str, tuple[str, Callable[[str, str], Any]]] = {
             "window_ops": ("AXOND_STRAGGLER_WINDOW_OPS", lambda var, raw: _integer(var, raw, 0, 1 << 30)),
-            "windows": ("AXOND_STRAGGLER_WINDOWS", lambda var, raw: _integer(var, raw, 1, 64)),
+            "windows": ("AXOND_STRAGGLER_WINDOWS", lambda var, raw: _integer(var, raw, 1, MAX_STRAGGLER_WINDOWS)),
             "threshold_s": ("AXOND_STRAGGLER_THRESHOLD_MS", lambda var, raw: _seconds(var, raw) / 1000.0),
             "fraction": ("AXOND_STRAGGLER_FRACTION", _fraction),
         }

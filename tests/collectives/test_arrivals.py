@@ -102,6 +102,7 @@ def test_unreadable_windows_are_left_out() -> None:
 
 
 @pytest.mark.parametrize(("var", "raw"), [("AXOND_STRAGGLER_WINDOW_OPS", "-1"), ("AXOND_STRAGGLER_WINDOWS", "0"),
+                                          ("AXOND_STRAGGLER_WINDOWS", "16"),
                                           ("AXOND_STRAGGLER_THRESHOLD_MS", "x"), ("AXOND_STRAGGLER_FRACTION", "1.5")])
 def test_bad_settings_name_the_variable(var: str, raw: str) -> None:
     with pytest.raises(ConfigError, match=var):

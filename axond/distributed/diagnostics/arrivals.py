@@ -22,12 +22,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from axond.config import StragglerSettings
+from axond.config import MAX_STRAGGLER_WINDOWS, StragglerSettings
 from axond.store import Store
 
 KEY = "axond/arrivals/{}"
-KEEP_WINDOWS = 16
-"""Closed windows a group keeps (and a rank publishes): at least AXOND_STRAGGLER_WINDOWS + 1 are needed."""
+KEEP_WINDOWS = MAX_STRAGGLER_WINDOWS + 1
+"""Closed windows a group keeps (and a rank publishes): AXOND_STRAGGLER_WINDOWS + 1 are needed."""
 MAX_RANKS = 256
 """The most ranks whose windows are read and compared (one store read each); larger jobs are not compared."""
 NOT_COUNTED = frozenset({"send", "recv", "isend"})
