@@ -1,10 +1,11 @@
 """The worker names its local ranks that the job waits for (compute stragglers), from the ranks' arrival windows.
 
 Ranks publish how long they waited in each window of collectives (`axond.distributed.diagnostics.arrivals`); every
-`POLL_S` the worker reads those of the job's ranks, and for each local rank that `arrivals.stragglers` names it
-says so once (a notice with the time lost), says when it is no longer one, and counts the seconds the others lost to
-it for its metrics endpoint (`axond_straggler_seconds_total`, `axond_straggler`: a file in the directory its ranks
-report into, `axond.observe.worker_metrics`). Each worker names only its own ranks: one notice per straggler.
+`POLL_S` (less often for jobs of over 64 ranks) the worker reads those of the job's ranks, and for each local rank
+that `arrivals.stragglers` names it says so once (a notice with the time lost), says when it is no longer one, and
+counts the seconds the others lost to it for its metrics endpoint (`axond_straggler_seconds_total`,
+`axond_straggler`: a file in the directory its ranks report into, `axond.observe.worker_metrics`). Each worker names
+only its own ranks: one notice per straggler.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
 
 POLL_S = 1.0
-"""Seconds between two reads of the ranks' arrival windows."""
+"""Seconds between two reads of the ranks' arrival windows (at least)."""
+READS_PER_S = 64
+"""The most store reads a second a worker makes for them: a job of N ranks is read every max(POLL_S, N / 64) s."""
 METRICS_FILE = "stragglers-{}.json"
 
 Reader = Callable[[Sequence[int]], Mapping[int, Mapping[str, Any]] | None]
@@ -52,7 +55,7 @@ class StragglerWatch:
         self._job, self._notice, self._read, self._settings = job, notice, read, settings
         self._world = world_size if settings.window_ops > 0 and 1 < world_size <= MAX_RANKS else 0
         self._local = set(local)
-        self._every, self._clock = every, clock
+        self._every, self._clock = max(every, self._world / READS_PER_S), clock
         self._next = clock() + every
         self._named: dict[int, Straggler] = {}
         self._counted: dict[tuple[int, str], int] = {}

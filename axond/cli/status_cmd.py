@@ -48,8 +48,8 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
     ]
     ranks = [
         (j.job, r.rank, r.node_id, r.hostname or "-", r.pid or "-", r.node_rank, r.local_rank)
-        + ((blocked.get((j.job, r.rank), "-"),) if blocked is not None else ())
         + ((straggling.get((j.job, r.rank), "-"),) if straggling is not None else ())
+        + ((blocked.get((j.job, r.rank), "-"),) if blocked is not None else ())
         for j in status.jobs for r in sorted(j.ranks, key=lambda r: r.rank)
     ]
     omitted = sum(j.ranks_omitted for j in status.jobs)
@@ -62,8 +62,8 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
         "",
         f"RANKS ({len(ranks)})",
         format_table(("JOB", "RANK", "NODE", "HOST", "PID", "NODE RANK", "LOCAL RANK")
-                     + (("BLOCKED IN",) if blocked is not None else ())
-                     + (("STRAGGLER",) if straggling is not None else ()), ranks),
+                     + (("STRAGGLER",) if straggling is not None else ())
+                     + (("BLOCKED IN",) if blocked is not None else ()), ranks),
     ]
     if omitted:
         parts.append(f"{omitted} ranks not shown")
