@@ -24,7 +24,8 @@ from axond.env_flags import FALSE, TRUE, flag_on
 from axond.launchers import OPEN_MPI_DEFAULTS, LauncherError, launcher_ranks
 from axond.observe.settings import ObserveSettings
 
-__all__ = ["ConfigError", "FailureSettings", "MAX_WORLD_SIZE", "OPEN_MPI_DEFAULTS", "RuntimeEnv", "WAIT_NOTICE_S",
+__all__ = ["ConfigError", "FailureSettings", "MAX_WORLD_SIZE", "OPEN_MPI_DEFAULTS", "RuntimeEnv", "StragglerSettings",
+           "WAIT_NOTICE_S",
            "default_state_dir", "export_defaults", "parse_overlap"]
 
 MAX_WORLD_SIZE = 1 << 20
@@ -38,6 +39,8 @@ MAX_SECONDS = 1e9
 WAIT_NOTICE_S = 60.0
 """Default seconds between `axond worker`'s "still waiting" notices (AXOND_WAIT_NOTICE_S)."""
 OVERLAP_ENV = "AXOND_TORCH_OVERLAP"
+MAX_STRAGGLER_WINDOWS = 15
+"""The most AXOND_STRAGGLER_WINDOWS may say (a group keeps one window more: `arrivals.KEEP_WINDOWS`)."""
 
 T = TypeVar("T")
 
@@ -176,6 +179,51 @@ def _from_launcher(env: Mapping[str, str], values: dict[str, Any], strict: bool)
 
 
 @dataclass(frozen=True)
+class StragglerSettings:
+    """How ranks time their collectives and when a rank is named a straggler (docs/operations.md, "Stragglers")."""
+
+    window_ops: int = 200
+    """AXOND_STRAGGLER_WINDOW_OPS: collectives per window of a group (0: no recording); a rank publishes each
+    window's total wait."""
+    windows: int = 3
+    """AXOND_STRAGGLER_WINDOWS: consecutive windows a rank must wait far less than the others to be named."""
+    threshold_s: float = 0.05
+    """AXOND_STRAGGLER_THRESHOLD_MS (read in ms): the least the others' median wait must exceed a rank's per window."""
+    fraction: float = 0.1
+    """AXOND_STRAGGLER_FRACTION: ...and the least share of the window's wall time that gap must be."""
+
+    @classmethod
+    def read(cls, env: Mapping[str, str], strict: bool) -> StragglerSettings:
+        values: dict[str, Any] = {}
+        parsers: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+            "window_ops": ("AXOND_STRAGGLER_WINDOW_OPS", lambda var, raw: _integer(var, raw, 0, 1 << 30)),
+            "windows": ("AXOND_STRAGGLER_WINDOWS", lambda var, raw: _integer(var, raw, 1, MAX_STRAGGLER_WINDOWS)),
+            "threshold_s": ("AXOND_STRAGGLER_THRESHOLD_MS", lambda var, raw: _seconds(var, raw) / 1000.0),
+            "fraction": ("AXOND_STRAGGLER_FRACTION", _fraction),
+        }
+        for name, (var, parse) in parsers.items():
+            raw = _text(env.get(var))
+            if raw is None:
+                continue
+            try:
+                values[name] = parse(var, raw)
+            except ConfigError:
+                if strict:
+                    raise
+        return cls(**values)
+
+
+def _fraction(var: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"bad {var}={_shown(raw)}: use a fraction from 0 to 1 (e.g. 0.1)") from None
+    return value
+
+
+@dataclass(frozen=True)
 class RuntimeEnv:
     """Every environment variable the library and the daemons use, parsed (docs/environment.md says what each means).
 
@@ -253,6 +301,8 @@ class RuntimeEnv:
     """AXOND_TORCH_STORE: False (0) when the worker must serve no torch TCPStore for its ranks."""
     wait_notice_s: float = WAIT_NOTICE_S
     """AXOND_WAIT_NOTICE_S: seconds between the worker's "still waiting" notices (0: never)."""
+    stragglers: StragglerSettings = field(default_factory=StragglerSettings)
+    """AXOND_STRAGGLER_*: collective timing windows and when a rank is named a straggler."""
     nccl_async_error_handling: str = "1"
     """TORCH_NCCL_ASYNC_ERROR_HANDLING as the worker passes it on to its ranks (torchrun's default: 1)."""
 
@@ -312,6 +362,7 @@ class RuntimeEnv:
                                     error_file=_text(env.get("AXOND_ERROR_FILE")),
                                     survivor_exit_delay_s=_survivor_delay(env)),
             observe=ObserveSettings.from_env(env),
+            stragglers=StragglerSettings.read(env, strict),
             torch_store=env.get("AXOND_TORCH_STORE", "1") != "0",
             **values,
         )

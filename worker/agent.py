@@ -30,6 +30,7 @@ from axond.worker.launcher import start_ranks
 from axond.worker.outage import OutageGuard
 from axond.worker.peers import PeerLink
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
+from axond.worker.stragglers import StragglerWatch, arrivals_reader
 from axond.worker.spec import ConnectOptions, JobSpec
 from axond.worker.stacks import rank_stacks
 from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
@@ -221,7 +222,7 @@ class JobRunner:
             try:
                 link = self._peer_link(joined)
                 guard = OutageGuard(self._hb, link, spec.outage_grace, self._notice)
-                return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs], guard)
+                return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs], guard, joined.world_size)
             finally:
                 if link is not None:
                     link.close()
@@ -244,7 +245,7 @@ class JobRunner:
             return None
 
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int],
-                 guard: OutageGuard) -> JobOutcome | None:
+                 guard: OutageGuard, world_size: int = 0) -> JobOutcome | None:
         spec = self._spec
         def stacks(rank: int) -> str:
             pid = dict(zip(local, ranks.local_pids())).get(rank, 0)
@@ -252,6 +253,9 @@ class JobRunner:
 
         early = EarlyExitWatch(spec.job, self._notice, every=self._conn.env.wait_notice_s,
                                blocked=blocked_reader(self._client, spec.job, gen), stacks=stacks)
+        env = self._conn.env
+        slow = StragglerWatch(spec.job, self._notice, arrivals_reader(self._client, spec.job, gen), world_size, local,
+                              env.stragglers, env.observe.metrics_dir)
         while True:
             result = ranks.poll()
             if result is not None and result.ok:
@@ -304,6 +308,8 @@ class JobRunner:
                 self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({reason}); re-joining")
                 return None
             early.check(ranks.exits(), local)
+            if not ranks.exits():
+                slow.check()
             self._hb.changed.wait(_MONITOR_TICK)
             self._hb.changed.clear()
 

@@ -13,6 +13,8 @@ from axond.cli.common import EXIT_FAILED, EXIT_OK, LOCAL_COORDINATOR, connect_wa
 from axond.cli.common import fail
 from axond.cli.common import fail_coordinator, runtime_env, waiting_notice
 from axond.control.client import CoordinatorClient, connect
+from axond.config import StragglerSettings
+from axond.distributed.diagnostics.arrivals import MAX_RANKS, read_arrivals, stragglers
 from axond.distributed.diagnostics.inflight import blocked_text, read_report
 from axond.errors import CoordinatorError, StoreError
 from axond.v1 import coordinator_pb2 as pb
@@ -30,9 +32,10 @@ def _enum_name(enum: object, value: int, prefix: str) -> str:
     return name.removeprefix(prefix).lower()
 
 
-def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], str] | None = None) -> str:
+def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], str] | None = None,
+                  straggling: dict[tuple[str, int], str] | None = None) -> str:
     """The three tables of `axond status`; with `blocked` ((job, rank) -> what the rank is blocked in), a column
-    for it in the ranks table."""
+    for it in the ranks table, and with `straggling` ((job, rank) -> why the others wait for it), a STRAGGLER one."""
     nodes = [
         (n.node_id, n.hostname, _enum_name(pb.NodeHealth, n.health, "NODE_HEALTH_"),
          f"{n.last_heartbeat_age_s:.1f}s", n.slots, "daemon" if n.daemon else "agent", n.job or "-")
@@ -45,6 +48,7 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
     ]
     ranks = [
         (j.job, r.rank, r.node_id, r.hostname or "-", r.pid or "-", r.node_rank, r.local_rank)
+        + ((straggling.get((j.job, r.rank), "-"),) if straggling is not None else ())
         + ((blocked.get((j.job, r.rank), "-"),) if blocked is not None else ())
         for j in status.jobs for r in sorted(j.ranks, key=lambda r: r.rank)
     ]
@@ -58,6 +62,7 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
         "",
         f"RANKS ({len(ranks)})",
         format_table(("JOB", "RANK", "NODE", "HOST", "PID", "NODE RANK", "LOCAL RANK")
+                     + (("STRAGGLER",) if straggling is not None else ())
                      + (("BLOCKED IN",) if blocked is not None else ()), ranks),
     ]
     if omitted:
@@ -106,7 +111,8 @@ def status(
 
     With --job, each rank's row also says which collective it has been blocked in for a while (a quarter
     of its group timeout, at most 10 s), from the reports ranks publish in the job's store: a hung job
-    shows which ranks wait in which op, and which are stuck elsewhere ("-").
+    shows which ranks wait in which op, and which are stuck elsewhere ("-"). A STRAGGLER column names the ranks
+    the others keep waiting for (AXOND_STRAGGLER_* settings; docs/operations.md, "Stragglers").
     """
     address = address or LOCAL_COORDINATOR
     try:
@@ -117,11 +123,12 @@ def status(
     try:
         reply = client.get_status(job, all=show_all)
         blocked = _blocked(client, reply) if job else None
+        straggling = _stragglers(client, reply, runtime_env().stragglers) if job else None
     except CoordinatorError as e:
         fail_coordinator("status", e, address)
     finally:
         client.close()
-    click.echo(render_status(reply, blocked))
+    click.echo(render_status(reply, blocked, straggling))
 
 
 def _blocked(client: CoordinatorClient, status: pb.GetStatusResponse) -> dict[tuple[str, int], str]:
@@ -141,6 +148,22 @@ def _blocked(client: CoordinatorClient, status: pb.GetStatusResponse) -> dict[tu
                 break  # the job's generation is gone (it restarted or ended): nothing to report
             if ops:
                 out[(j.job, r.rank)] = blocked_text(ops)
+    return out
+
+
+def _stragglers(client: CoordinatorClient, status: pb.GetStatusResponse,
+                settings: StragglerSettings) -> dict[tuple[str, int], str]:
+    """(job, rank) -> why the others wait for the rank, for the ranks named stragglers from their arrival windows."""
+    out: dict[tuple[str, int], str] = {}
+    for j in status.jobs:
+        if j.generation < 1 or j.ranks_omitted or len(j.ranks) > MAX_RANKS:
+            continue
+        try:
+            reports = read_arrivals(client.store(j.job, j.generation), [r.rank for r in j.ranks])
+        except StoreError:
+            continue  # the job's generation is gone (it restarted or ended)
+        for s in stragglers(reports, settings):
+            out.setdefault((j.job, s.rank), s.short())
     return out
 
 

@@ -13,6 +13,7 @@ methods: there is no other short way.
 from __future__ import annotations
 
 from collections.abc import Callable
+from time import monotonic_ns
 from typing import Any
 
 from axond.distributed.backends.base import MISSED, Backend, Signature
@@ -27,7 +28,8 @@ SIGNATURES = 64
 class FastPath:
     """The prepared runners of one group's blocking ops by signature, and the one place they run.
 
-    `owner` is the group: its `inflight`/`inflight_seq` say what this member runs (the in-flight reporter), and
+    `owner` is the group: its `inflight`/`inflight_seq` say what this member runs (the in-flight reporter), its
+    `waited_ns`/`waited_ops` count the time spent in collectives (`axond.distributed.diagnostics.arrivals`), and
     `full(op, async_op, *args)` runs an op the full way (`ProcessGroup._run`).
     """
 
@@ -56,6 +58,7 @@ class FastPath:
             owner = self._owner
             owner.inflight = op
             owner.inflight_seq += 1
+            start = monotonic_ns()
             try:
                 result = runner(*args)
             except DistributedError as e:
@@ -65,6 +68,10 @@ class FastPath:
             finally:
                 owner.inflight = None
             if result is not MISSED:
+                owner.waited_ns += monotonic_ns() - start  # the time waited, as `ProcessGroup._run` counts it
+                owner.waited_ops += 1
+                if owner.waited_ops >= owner.window_at:
+                    owner.close_window()
                 return result
         result = self._full(op, False, *args)
         backend = self._backend

@@ -7,14 +7,17 @@ module-level functions in `axond.distributed.api` take global ranks and translat
 from __future__ import annotations
 
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
+from time import monotonic_ns
 from typing import Any
 
 import numpy as np
 
 from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Completion, op_methods
 from axond.distributed.backends.registry import create_backend, resolve_backend
+from axond.distributed.diagnostics.arrivals import KEEP_WINDOWS, NOT_COUNTED, Window
 from axond.distributed.diagnostics.failure import concise, debug, track, untrack
 from axond.distributed.diagnostics.inflight import REPORTER, describe, describe_others
 from axond.distributed.fast_path import FastPath
@@ -54,6 +57,16 @@ class ProcessGroup:
         self.inflight: str | None = None
         """The op this member is running (read by the in-flight reporter: `axond.distributed.diagnostics.inflight`)."""
         self.inflight_seq = 0
+        window = options.runtime_env().stragglers.window_ops if backend is not None else 0
+        self.window_ops = window
+        """Collectives per arrival window (0: none recorded; `axond.distributed.diagnostics.arrivals`)."""
+        self.waited_ns = 0
+        """Nanoseconds this member spent inside its blocking collectives (p2p ops not counted), from enter to done."""
+        self.waited_ops = 0
+        """How many collectives `waited_ns` sums."""
+        self.window_at = window if window > 0 else 1 << 62
+        self.windows: deque[Window] = deque(maxlen=KEEP_WINDOWS)
+        """The last closed windows: (window number, waited_ns then, time.monotonic_ns() then)."""
         self._monitored = 0
         if backend is not None:
             track(self)
@@ -117,10 +130,16 @@ class ProcessGroup:
             if not async_op and methods is not None and not self._comm.pending and not self._destroyed:
                 self.inflight = op  # the common case, kept short: small ops are latency-bound
                 self.inflight_seq += 1
+                start = monotonic_ns()
                 try:
                     return methods[op](*args, **kwargs)
                 finally:
                     self.inflight = None
+                    if op not in NOT_COUNTED:  # a few adds: the time waited, for naming stragglers
+                        self.waited_ns += monotonic_ns() - start
+                        self.waited_ops += 1
+                        if self.waited_ops >= self.window_at:
+                            self.close_window()
             return self._start(op, async_op, *args, **kwargs)
         except DistributedError as e:
             if debug():
@@ -151,10 +170,21 @@ class ProcessGroup:
     def _tracked(self, op: str, call: Any, *args: Any, **kwargs: Any) -> Any:
         self.inflight = op
         self.inflight_seq += 1
+        start = monotonic_ns()
         try:
             return call(*args, **kwargs)
         finally:
             self.inflight = None
+            if op not in NOT_COUNTED:
+                self.waited_ns += monotonic_ns() - start
+                self.waited_ops += 1
+                if self.waited_ops >= self.window_at:
+                    self.close_window()
+
+    def close_window(self) -> None:
+        """Keep the window that just closed (every `window_ops` collectives): its number, the wait so far, now."""
+        self.windows.append((self.waited_ops // self.window_ops, self.waited_ns, monotonic_ns()))
+        self.window_at += self.window_ops
 
     def all_reduce(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` in place over the group."""

@@ -1,4 +1,4 @@
-"""The worker's /metrics: the collective counters its ranks write into its metrics directory.
+"""The worker's /metrics: the collective counters its ranks write into its metrics directory, and its stragglers.
 
 A worker started with `--metrics-port` gives its ranks `AXOND_METRICS_DIR` (a private directory it made);
 each rank keeps `rank-JOB-RANK.json` there up to date (see rank_metrics), and a scrape turns those files into
@@ -55,7 +55,24 @@ def worker_families(directory: Path) -> list[Family]:
             except (KeyError, TypeError, ValueError):
                 continue
     ranks.add(len(files))
-    return [calls, nbytes, seconds, blocked, ranks]
+    return [calls, nbytes, seconds, blocked, ranks, *_straggler_families(directory)]
+
+
+def _straggler_families(directory: Path) -> list[Family]:
+    """The worker's straggler tallies (`axond.worker.stragglers` writes `stragglers-JOB.json`)."""
+    lost = Family("axond_straggler_seconds_total", "counter",
+                  "Seconds the job's other ranks waited for this rank while it was named a straggler.")
+    named = Family("axond_straggler", "gauge", "1 while this rank is named a straggler (the others wait for it).")
+    for path in sorted(directory.glob("stragglers-*.json")):
+        try:
+            data = json.loads(path.read_text())
+            for rank, tally in dict(data["ranks"]).items():
+                labels = {"job": str(data["job"]), "rank": str(rank)}
+                lost.add(float(tally["seconds"]), **labels)
+                named.add(float(tally["named"]), **labels)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being replaced, or not one of ours
+    return [lost, named]
 
 
 class WorkerMetrics:

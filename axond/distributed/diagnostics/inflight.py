@@ -28,11 +28,15 @@ import time
 import weakref
 from typing import Any, Protocol
 
+from axond.distributed.diagnostics.arrivals import KEY as ARRIVALS_KEY
+from axond.distributed.diagnostics.arrivals import report as arrivals_report
 from axond.distributed.diagnostics.job_report import JobSink, coordinator_opener, launched_env, publishes_itself
 from axond.config import RuntimeEnv
 from axond.store import Store
 
 KEY = "axond/inflight/{}"
+ARRIVALS_EVERY_S = 1.0
+"""Seconds between two publications of a process's arrival windows (`arrivals`), when new windows closed."""
 MAX_REPORT_AFTER = 10.0
 """Longest an op waits before its rank publishes it (a quarter of the group's timeout if that is shorter)."""
 
@@ -66,6 +70,8 @@ class _Member:
         sequence number in its group: 1 for the group's first op)."""
         self.seen: dict[int, tuple[int, float]] = {}
         """id(group) -> (op number, time.monotonic() when the reporter first saw it running)."""
+        self.arrivals: dict[str, Any] = {}
+        """The arrival windows of its groups as last published (`arrivals.report`)."""
 
 
 class _Reporter:
@@ -78,6 +84,8 @@ class _Reporter:
         self._wake = threading.Event()
         self._sink: JobSink | None = None
         self._env: RuntimeEnv | None = None
+        self._arrivals_at = 0.0
+        self._arrivals: dict[str, Any] = {}
 
     def _job_sink(self) -> JobSink:
         """The process's publisher to its job's coordinator store (read from the environment once)."""
@@ -95,6 +103,30 @@ class _Reporter:
         if publishes_itself([(m.store, m.global_rank) for m in members], self._env):
             return
         sink.publish(tuple(sorted(op for m in members for op in m.slow)))
+
+    def _publish_arrivals(self, members: list[tuple[_Member, list[Any]]]) -> None:
+        """Publish the arrival windows of the groups of a process that `axond worker` launched, at most every
+        `ARRIVALS_EVERY_S`: to each member's store if it is the job's coordinator store, else through the job sink."""
+        now = time.monotonic()
+        sink = self._job_sink()
+        if not sink.active or self._env is None or now - self._arrivals_at < ARRIVALS_EVERY_S:
+            return
+        self._arrivals_at = now
+        union: dict[str, Any] = {}
+        for m, groups in members:
+            data = arrivals_report(groups)
+            if publishes_itself([(m.store, m.global_rank)], self._env):
+                if data and data != m.arrivals:
+                    try:
+                        m.store.set(ARRIVALS_KEY.format(m.global_rank), json.dumps(data).encode())
+                        m.arrivals = data
+                    except Exception:  # noqa: BLE001 - a closed or failing store only loses the report
+                        pass
+            else:
+                union.update(data)
+        if union and union != self._arrivals:
+            sink.put(ARRIVALS_KEY.format(self._env.rank), json.dumps(union).encode())
+            self._arrivals = union
 
     def register(self, store: Store, global_rank: int, group: Tracked) -> None:
         with self._lock:
@@ -134,6 +166,7 @@ class _Reporter:
                 except Exception:  # noqa: BLE001 - never let a report kill the reporter
                     pass
             self._publish_job([m for m, _ in members])
+            self._publish_arrivals(members)
             self._wake.wait(tick)
             self._wake.clear()
 

@@ -66,6 +66,16 @@ class JobSink:
                 store.set(self._key, json.dumps(report).encode())
                 self._published = slow
 
+    def put(self, key: str, value: bytes) -> None:
+        """Set `key` to `value` in the job's coordinator store (a failing store only loses it)."""
+        with self._lock:
+            if self._opener is None:
+                return
+            store = self._open()
+            if store is not None:
+                with contextlib.suppress(Exception):  # a closed or failing store only loses the value
+                    store.set(key, value)
+
     def _open(self) -> Store | None:
         if self._store is not None:
             return self._store

@@ -109,10 +109,12 @@ function drawJob(job, causes) {
   box.appendChild(legend(job, causes));
   box.appendChild(historyPlot(job));
   const table = el("table", null, "ranks");
-  table.appendChild(row(["rank", "node", "host", "pid", "node rank", "local rank", "blocked in"].map(t => el("th", t))));
+  table.appendChild(row(["rank", "node", "host", "pid", "node rank", "local rank", "blocked in", "straggler"]
+                        .map(t => el("th", t))));
   for (const r of job.ranks) {
     table.appendChild(row([r.rank, r.node, r.host || "-", r.pid || "-", r.node_rank, r.local_rank,
-                           el("td", r.blocked || "-", r.blocked ? "blocked" : "muted")]));
+                           el("td", r.blocked || "-", r.blocked ? "blocked" : "muted"),
+                           el("td", r.straggler || "-", r.straggler ? "blocked" : "muted")]));
   }
   box.appendChild(table);
   if (job.ranks_omitted) box.appendChild(el("div", job.ranks_omitted + " more ranks not shown", "muted"));

@@ -1,5 +1,5 @@
 """What the dashboard shows, as JSON-ready data: nodes, jobs with their goodput and its history, ranks with what each
-reports being blocked in (read from the job generation's store, as `axond status --job` does).
+reports being blocked in and the stragglers (read from the job generation's store, as `axond status --job` does).
 
 Read on the coordinator's event loop (where its state changes), like its /metrics, with bounded work: at most
 `MAX_RANKS` ranks of each job, and their reports.
@@ -12,8 +12,11 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
+from axond.config import StragglerSettings
 from axond.coordinator.state.errors import StateError
 from axond.coordinator.state.goodput import CAUSES
+from axond.distributed.diagnostics.arrivals import KEY as ARRIVALS_KEY
+from axond.distributed.diagnostics.arrivals import stragglers
 from axond.distributed.diagnostics.inflight import KEY as INFLIGHT_KEY
 
 if TYPE_CHECKING:
@@ -43,6 +46,24 @@ def _blocked(state: CoordinatorState, job: str, generation: int, rank: int, now:
         return ""
 
 
+def _stragglers(state: CoordinatorState, job: str, generation: int, ranks: list[int]) -> dict[int, str]:
+    """rank -> why the others wait for it, for the ranks named stragglers from their published arrival windows
+    (the default thresholds: docs/operations.md, "Stragglers")."""
+    reports: dict[int, Any] = {}
+    for rank in ranks:
+        try:
+            raw = state.kv_get(job, generation, ARRIVALS_KEY.format(rank))
+            data = json.loads(raw) if raw is not None else None
+        except (StateError, ValueError):
+            continue
+        if isinstance(data, dict):
+            reports[rank] = data
+    out: dict[int, str] = {}
+    for s in stragglers(reports, StragglerSettings()):
+        out.setdefault(s.rank, s.short())
+    return out
+
+
 def state_view(state: CoordinatorState) -> dict[str, Any]:
     """The dashboard's data, now."""
     now, wall = time.monotonic(), time.time()
@@ -55,9 +76,11 @@ def state_view(state: CoordinatorState) -> dict[str, Any]:
         running = not j.state.terminal
         clock = state.ctx.goodput.read(j.job, state.jobs.get(j.job), now)
         history = [[round(t, 2), round(w, 3), round(p, 3)] for t, w, p in clock.history] if clock else []
+        slow = _stragglers(state, j.job, j.generation, [r.rank for r in j.ranks]) if running else {}
         ranks = [{"rank": r.rank, "node": r.node_id, "host": r.hostname, "pid": r.pid, "node_rank": r.node_rank,
                   "local_rank": r.local_rank,
-                  "blocked": _blocked(state, j.job, j.generation, r.rank, wall) if running else ""}
+                  "blocked": _blocked(state, j.job, j.generation, r.rank, wall) if running else "",
+                  "straggler": slow.get(r.rank, "")}
                  for r in j.ranks]
         jobs.append({
             "job": j.job, "state": j.state.name.lower(), "generation": j.generation, "world_size": j.world_size,

@@ -1,0 +1,33 @@
+"""`axond status --job` names the rank the others wait for, in a STRAGGLER column."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from axond.coordinator.server import RunningCoordinator
+from worker_support import Procs, coord, procs, wait_for  # noqa: F401
+
+PY = sys.executable
+
+
+@pytest.mark.slow  # four ranks training until the straggler is seen
+@pytest.mark.timeout(150)
+def test_status_shows_the_straggler(coord: RunningCoordinator, procs: Procs) -> None:
+    env = {"SLOW_RANK": "3", "SLOW_S": "0.2", "AXOND_STRAGGLER_WINDOW_OPS": "18", "OMP_NUM_THREADS": "1",
+           "OPENBLAS_NUM_THREADS": "1"}
+    procs.axond("worker", "--coordinator", coord.address, "--job", "slow", "--nproc-per-node", "4",
+                "--", PY, "-m", "axond.testing.straggler_job", "400", env=env)
+    seen: list[str] = []
+
+    def named() -> bool:
+        res = procs.run("status", "--coordinator", coord.address, "--job", "slow")
+        seen.append(res.stdout + res.stderr)
+        found = re.search(r"^slow\s+3\s+.*yes: others wait \d+ ms/18 ops", res.stdout, re.M)
+        return res.code == 0 and found is not None
+
+    wait_for(named, 60, "rank 3 named in the STRAGGLER column", 0.5)
+    assert "STRAGGLER" in seen[-1]
+    assert not re.search(r"^slow\s+[012]\s+.*yes: others wait", seen[-1], re.M), seen[-1]
