@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
@@ -24,6 +24,7 @@ from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
 from axond.worker.blame import blamed, caused_elsewhere
 from axond.worker.blame import describe as describe_failure
+from axond.worker.background import Background
 from axond.worker.causes import Elsewhere, blocked_reader
 from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
@@ -52,6 +53,9 @@ LEASE_LOST_EXIT_CODE = 3
 were stopped): the same code as a coordinator that cannot be reached at start."""
 
 _MONITOR_TICK = 0.05
+READ_TIMEOUT_S = 1.0
+"""Seconds one read of the ranks' reports (blocked ops, arrival windows) may take: a read in flight when the
+coordinator becomes unreachable ends this soon, and its thread with it."""
 
 
 def notice_to_stderr(prefix: str) -> Notice:
@@ -219,11 +223,16 @@ class JobRunner:
             ranks = start_ranks(spec.argv, specs, cwd=spec.cwd, sink=self._sink)
             self._hb.report_pids(spec.job, ranks.local_pids)
             link: PeerLink | None = None
+            reads: CoordinatorClient | None = None
             try:
+                reads = replace(self._conn, call_timeout=READ_TIMEOUT_S, connect_wait=0.0).connect()
                 link = self._peer_link(joined)
                 guard = OutageGuard(self._hb, link, spec.outage_grace, self._notice)
-                return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs], guard, joined.world_size)
+                return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs], guard, joined.world_size,
+                                     reads)
             finally:
+                if reads is not None:
+                    reads.close()  # cancels a read still in flight: its thread ends with it
                 if link is not None:
                     link.close()
                 ranks.stop(grace=spec.stop_grace)
@@ -245,16 +254,20 @@ class JobRunner:
             return None
 
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int],
-                 guard: OutageGuard, world_size: int = 0) -> JobOutcome | None:
+                 guard: OutageGuard, world_size: int, reads: CoordinatorClient) -> JobOutcome | None:
+        """Watch the ranks until the generation ends; `reads` (a client with short calls) reads what the ranks
+        report, off this loop's thread (`Background`): the loop's fencing deadline never waits on the coordinator."""
         spec = self._spec
         def stacks(rank: int) -> str:
             pid = dict(zip(local, ranks.local_pids())).get(rank, 0)
             return f"pid {pid}, " + rank_stacks(pid, self._error_file(gen, rank)) if pid else "exited"
 
         early = EarlyExitWatch(spec.job, self._notice, every=self._conn.env.wait_notice_s,
-                               blocked=blocked_reader(self._client, spec.job, gen), stacks=stacks)
+                               blocked=Background(blocked_reader(reads, spec.job, gen), "axond-blocked-reads"),
+                               stacks=stacks)
         env = self._conn.env
-        slow = StragglerWatch(spec.job, self._notice, arrivals_reader(self._client, spec.job, gen), world_size, local,
+        arrivals = Background(arrivals_reader(reads, spec.job, gen), "axond-arrival-reads")
+        slow = StragglerWatch(spec.job, self._notice, arrivals, world_size, local,
                               env.stragglers, env.observe.metrics_dir)
         while True:
             result = ranks.poll()
