@@ -101,6 +101,13 @@ def test_check_replicas_names_the_odd_rank_or_both_of_two() -> None:
     a = np.linspace(0, 1, 100, dtype=np.float32)
     assert replica_digest([a]) == replica_digest([a.copy()]) < 2**64
     assert replica_digest([a[::2]]) == replica_digest([np.ascontiguousarray(a[::2])]), "strided views digest their values"
+    odd = [np.linspace(-3, 3, 7, dtype=np.float32), np.arange(3, dtype=np.float64)]  # 28 bytes: a partial word
+    base = replica_digest(odd)
+    for k, arr in enumerate(odd):
+        for bit in range(arr.nbytes * 8):
+            flipped = [x.copy() for x in odd]
+            flipped[k].view(np.uint8)[bit // 8] ^= np.uint8(1 << bit % 8)
+            assert replica_digest(flipped) != base, f"parameter {k} bit {bit} flipped"
 
 
 def test_digest_every_needs_replicated_parameters(tmp_path: Path) -> None:
