@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from axond.distributed.process_group import ProcessGroup
+from axond.nn.device import import_cupy, is_cupy_array
 
 
 MULTIPLIER = 0x9E3779B97F4A7C15
@@ -27,10 +28,12 @@ MULTIPLIER = 0x9E3779B97F4A7C15
 MASK = (1 << 64) - 1
 
 
-def _bytes(p: Any) -> np.ndarray:
-    """The raw bytes of an array or `Parameter` as uint8 (a view when it is C-contiguous)."""
-    data = np.asarray(getattr(p, "data", p))
-    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+def _bytes(p: Any) -> Any:
+    """The raw bytes of an array or `Parameter` as uint8 (a view when it is C-contiguous; CuPy arrays stay on their
+    device, reduced there)."""
+    data = getattr(p, "data", p)
+    xp = import_cupy() if is_cupy_array(data) else np
+    return xp.ascontiguousarray(data).reshape(-1).view(xp.uint8)
 
 
 def replica_digest(params: Iterable[Any]) -> int:
@@ -40,8 +43,9 @@ def replica_digest(params: Iterable[Any]) -> int:
     for p in params:
         raw = _bytes(p)
         words = raw.size // 8
-        total = int(raw[: words * 8].view(np.uint64).sum(dtype=np.uint64)) + int.from_bytes(raw[words * 8 :].tobytes(),
-                                                                                             "little")
+        tail = raw[words * 8 :]
+        tail = tail.get() if is_cupy_array(tail) else tail
+        total = int(raw[: words * 8].view("<u8").sum(dtype="<u8")) + int.from_bytes(tail.tobytes(), "little")
         digest = (digest * MULTIPLIER + total + raw.size) & MASK
     return digest
 
