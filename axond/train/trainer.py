@@ -269,7 +269,7 @@ class DistributedTrainer:
         if error is None:
             return True
         self.wait_for_checkpoint()
-        agreed = self.replicas.agreed()
+        agreed = self.comm.broadcast(self.replicas.agreed() if self.rank == 0 else None)  # one choice for every rank
         if agreed is None or self.checkpoint_dir is None or self.replicas.rollbacks >= MAX_ROLLBACKS:
             why = "no agreed checkpoint to roll back to" if agreed is None else f"{MAX_ROLLBACKS} rollbacks already"
             raise type(error)(f"{error} ({why})", ranks=error.ranks, hosts=error.hosts, step=error.step,
@@ -345,6 +345,8 @@ class DistributedTrainer:
             raise ValueError(f"epochs must be >= 0, got {epochs}")
         self.resumed_from = self.resume()
         pos = self.position
+        if self.replicas is not None and self.resumed_from is not None:  # what every replica starts from: agreed
+            self.replicas.saved_at(pos.global_step, self.resumed_from)  # once a check passes after it
         show = self.progress_enabled and self.rank == 0
         progress = Progress(show, epochs, self.log_every)
         self._call("on_fit_start")

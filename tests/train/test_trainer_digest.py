@@ -36,10 +36,10 @@ class FlipBit(Callback):
             weight.reshape(-1).view(np.uint32)[3] ^= EXPONENT_BIT
 
 
-def _train(g: ProcessGroup, directory: Path | None, fault: bool, **options: Any) -> tuple[dict[str, np.ndarray],
+def _train(g: ProcessGroup, directory: Path | None, fault: bool, flip_step: int = FLIP_STEP, **options: Any) -> tuple[dict[str, np.ndarray],
                                                                                           list[Any], list[str]]:
     """fit(3): 27 steps (72 samples / 4 ranks / batch 2 = 9 steps per epoch), a digest every 10, checkpoints every 3."""
-    callbacks = [FlipBit(FLIP_RANK, FLIP_STEP)] if fault else []
+    callbacks = [FlipBit(FLIP_RANK, flip_step)] if fault else []
     opts: dict[str, Any] = dict(batch_size=2, digest_every=10, callbacks=callbacks)
     opts.update(options)
     t = make_trainer(g, directory, **opts)
@@ -54,12 +54,15 @@ def _train(g: ProcessGroup, directory: Path | None, fault: bool, **options: Any)
     return final_params(t), t.replicas.divergences, [str(w.message) for w in seen if "axond.train" in str(w.message)]
 
 
-def test_a_flipped_exponent_bit_is_caught_named_and_rolled_back(tmp_path: Path) -> None:
-    clean = run_threads(lambda g: _train(g, tmp_path / "clean", False), WORLD, 120.0)
+# ZeRO's step re-gathers every parameter from the rank that owns it: a bit flipped between steps heals (or, in the
+# owner, spreads to every replica); what the check sees is a replica that differs after the gather (flip at step 20).
+@pytest.mark.parametrize(("parallel", "flip_step"), [("ddp", FLIP_STEP), ("zero", 20)])
+def test_a_flipped_exponent_bit_is_caught_named_and_rolled_back(tmp_path: Path, parallel: str, flip_step: int) -> None:
+    clean = run_threads(lambda g: _train(g, tmp_path / "clean", False, parallel=parallel), WORLD, 120.0)
     for params, divergences, warned in clean:
         assert divergences == [] and warned == [], "no false alarm in a fault-free run"
 
-    faulty = run_threads(lambda g: _train(g, tmp_path / "faulty", True), WORLD, 120.0)
+    faulty = run_threads(lambda g: _train(g, tmp_path / "faulty", True, flip_step, parallel=parallel), WORLD, 120.0)
     for rank, (params, divergences, warned) in enumerate(faulty):
         assert len(divergences) == 1, divergences
         d = divergences[0]
@@ -100,7 +103,7 @@ def test_check_replicas_names_the_odd_rank_or_both_of_two() -> None:
     assert disagreeing([7, 7, 7]) == [] and disagreeing([1, 1, 2, 2]) == [0, 1, 2, 3]
     a = np.linspace(0, 1, 100, dtype=np.float32)
     assert replica_digest([a]) == replica_digest([a.copy()]) < 2**64
-    assert replica_digest([a[::2]]) == replica_digest([np.ascontiguousarray(a[::2])]), "strided views digest their values"
+    assert replica_digest([a[::2]]) == replica_digest([np.ascontiguousarray(a[::2])]), "strided views"
     odd = [np.linspace(-3, 3, 7, dtype=np.float32), np.arange(3, dtype=np.float64)]  # 28 bytes: a partial word
     base = replica_digest(odd)
     for k, arr in enumerate(odd):
@@ -115,3 +118,18 @@ def test_digest_every_needs_replicated_parameters(tmp_path: Path) -> None:
         run_threads(lambda g: make_trainer(g, tmp_path, digest_every=10, parallel="fsdp"), 1, 60.0)
     with pytest.raises(RankFailed, match="digest_every must be >= 1"):
         run_threads(lambda g: make_trainer(g, tmp_path, digest_every=0), 1, 60.0)
+
+
+def test_the_checkpoint_a_fit_resumed_from_is_a_rollback_target(tmp_path: Path) -> None:
+    """fit(1) ends at step 9 before any check; the next fit resumes there, passes the check at 10, and rolls back to
+    the step-9 checkpoint it resumed from when rank 2 diverges at 13."""
+    clean = run_threads(lambda g: _train(g, tmp_path / "clean", False), WORLD, 120.0)
+
+    def resumed(g: ProcessGroup) -> tuple[dict[str, np.ndarray], list[Any], list[str]]:
+        make_trainer(g, tmp_path / "resumed", batch_size=2, digest_every=10).fit(1)
+        return _train(g, tmp_path / "resumed", True)
+
+    for rank, (params, divergences, _) in enumerate(run_threads(resumed, WORLD, 120.0)):
+        assert [d.step for d in divergences] == [20]
+        for name, value in clean[rank][0].items():
+            np.testing.assert_array_equal(params[name], value, err_msg=f"rank {rank} {name} after the rollback")
