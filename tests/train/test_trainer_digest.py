@@ -16,6 +16,8 @@ from axond.distributed.diagnostics.failure import write_error_file
 from axond.testing import RankFailed, run_threads
 from axond.train import Callback, DistributedTrainer, ReplicaDivergence, check_replicas, replica_digest
 from axond.train.digest import disagreeing
+from axond.worker.blame import describe, pick
+from axond.worker.launcher import RankExit, read_error_peer, read_error_record
 from trainer_cases import final_params, make_trainer
 
 WORLD = 4
@@ -87,6 +89,14 @@ def test_without_an_agreed_checkpoint_every_rank_raises_naming_the_rank(tmp_path
 
     messages = run_threads(run, WORLD, 120.0)
     assert len(set(messages)) == 1
+    exits = []  # what `axond worker` makes of the four error files: rank 2 is the root cause, the others follow
+    for r in range(WORLD):
+        path = str(tmp_path / f"error.{r}.json")
+        text, when = read_error_record(path)
+        exits.append(RankExit(r, r, 1, text, failed_at=when or 0.0, blames=read_error_peer(path), reported=True))
+    root = pick(exits)
+    assert root is not None and root.rank == FLIP_RANK and "ReplicaDivergence: replicas disagree" in root.message
+    assert "then ranks 0, 1, 3 failed because of it" in describe(root, exits)
     assert "replicas disagree after step 20" in messages[0] and "no agreed checkpoint" in messages[0]
     assert "restart the job without that node" in messages[0]
 
