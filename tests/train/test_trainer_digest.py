@@ -38,8 +38,11 @@ class FlipBit(Callback):
             weight.reshape(-1).view(np.uint32)[3] ^= EXPONENT_BIT
 
 
-def _train(g: ProcessGroup, directory: Path | None, fault: bool, flip_step: int = FLIP_STEP, **options: Any) -> tuple[dict[str, np.ndarray],
-                                                                                          list[Any], list[str]]:
+Outcome = tuple[dict[str, np.ndarray], list[Any], list[str]]
+"""Final parameters, the divergences seen, rank 0's trainer warnings."""
+
+
+def _train(g: ProcessGroup, directory: Path | None, fault: bool, flip_step: int = FLIP_STEP, **options: Any) -> Outcome:
     """fit(3): 27 steps (72 samples / 4 ranks / batch 2 = 9 steps per epoch), a digest every 10, checkpoints every 3."""
     callbacks = [FlipBit(FLIP_RANK, flip_step)] if fault else []
     opts: dict[str, Any] = dict(batch_size=2, digest_every=10, callbacks=callbacks)
@@ -135,7 +138,7 @@ def test_the_checkpoint_a_fit_resumed_from_is_a_rollback_target(tmp_path: Path) 
     the step-9 checkpoint it resumed from when rank 2 diverges at 13."""
     clean = run_threads(lambda g: _train(g, tmp_path / "clean", False), WORLD, 120.0)
 
-    def resumed(g: ProcessGroup) -> tuple[dict[str, np.ndarray], list[Any], list[str]]:
+    def resumed(g: ProcessGroup) -> Outcome:
         make_trainer(g, tmp_path / "resumed", batch_size=2, digest_every=10).fit(1)
         return _train(g, tmp_path / "resumed", True)
 
