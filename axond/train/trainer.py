@@ -345,8 +345,10 @@ class DistributedTrainer:
             raise ValueError(f"epochs must be >= 0, got {epochs}")
         self.resumed_from = self.resume()
         pos = self.position
-        if self.replicas is not None and self.resumed_from is not None:  # what every replica starts from: agreed
-            self.replicas.saved_at(pos.global_step, self.resumed_from)  # once a check passes after it
+        if self.replicas is not None:
+            self.replicas.rollbacks = 0  # MAX_ROLLBACKS counts per fit
+            if self.resumed_from is not None:  # what every replica starts from: agreed once a check passes after it
+                self.replicas.saved_at(pos.global_step, self.resumed_from)
         show = self.progress_enabled and self.rank == 0
         progress = Progress(show, epochs, self.log_every)
         self._call("on_fit_start")
