@@ -38,6 +38,23 @@ class DistributedError(AxondError):
         self.timed_out = timed_out
 
 
+class ReplicaDivergence(DistributedError):
+    """The replicas of a data-parallel group hold different parameters (a silent fault: a flipped bit, a bad core).
+
+    Raised on every rank by `DistributedTrainer(digest_every=...)` when no agreed checkpoint is left to roll back to.
+    `ranks` are the group ranks whose parameter digest differs from the majority's, `hosts` their host names,
+    `step` the optimizer step the digest was taken after; `peer` is the first of `ranks` (what the worker's error
+    file blames).
+    """
+
+    def __init__(self, message: str, *, ranks: list[int], hosts: list[str], step: int, group: str | None = None,
+                 rank: int | None = None) -> None:
+        super().__init__(message, op="replica_digest", group=group, rank=rank, peer=ranks[0] if ranks else None)
+        self.ranks = ranks
+        self.hosts = hosts
+        self.step = step
+
+
 class BypassedBackwardError(AxondError, RuntimeError):
     """A backward pass went around DDP/FSDP (the inner model's `backward`), so its gradients were not reduced.
 

@@ -1,6 +1,9 @@
 """Training loops on top of the parallel wrappers: `DistributedTrainer` with checkpoints and exact resume."""
 
+from axond.errors import ReplicaDivergence
+from axond.train.digest import check_replicas, replica_digest
 from axond.train.guard import CheckpointGuardError
 from axond.train.trainer import Callback, DistributedTrainer
 
-__all__ = ["Callback", "CheckpointGuardError", "DistributedTrainer"]
+__all__ = ["Callback", "CheckpointGuardError", "DistributedTrainer", "ReplicaDivergence", "check_replicas",
+           "replica_digest"]

@@ -16,6 +16,7 @@ import contextlib
 import math
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -33,6 +34,7 @@ from axond.nn.optim import Optimizer
 from axond.nn.utils import clip_grad_norm_
 from axond.nn.container import Sequential
 from axond.parallel import DDP, FSDP, DistributedSampler, Pipeline, ShardingStrategy, ZeroRedundancyOptimizer
+from axond.train.agree import COMPARABLE, MAX_ROLLBACKS, ReplicaCheck, remove_newer
 from axond.train.clip import clip_partitioned, tensor_parallel_split
 from axond.train.data import Dataset
 from axond.train.guard import GUARDS, CheckpointGuard
@@ -75,6 +77,8 @@ class DistributedTrainer:
     keep_checkpoints / async_checkpoint: see `save_checkpoint`. checkpoint_guard: "warn" (default), "error" or
     "off" when ranks see different checkpoint directories, or a restarted generation finds no checkpoint where
     the job saved one (`axond.train.guard`). group: default: the initialised world.
+    digest_every: compare a digest of the parameters across the replicas every N optimizer steps ("ddp", "zero");
+    on a mismatch roll back to the newest agreed checkpoint or raise `ReplicaDivergence` (`axond.train.agree`).
     seed / shuffle: the `DistributedSampler`'s. callbacks: `Callback`s. progress / log_every: rank 0's display.
     """
 
@@ -103,6 +107,7 @@ class DistributedTrainer:
         async_checkpoint: bool = False,
         wrapper_options: dict[str, Any] | None = None,
         checkpoint_guard: str = "warn",
+        digest_every: int | None = None,
     ) -> None:
         if parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
@@ -114,6 +119,9 @@ class DistributedTrainer:
             raise ValueError(f"keep_checkpoints must be >= 1 or None (keep all), got {keep_checkpoints}")
         if checkpoint_guard not in GUARDS:
             raise ValueError(f"checkpoint_guard must be one of {GUARDS}, got {checkpoint_guard!r}")
+        if digest_every is not None and (digest_every < 1 or parallel not in COMPARABLE):
+            raise ValueError(f"digest_every must be >= 1 and needs replicated parameters (parallel in {COMPARABLE}), got "
+                             f"{digest_every} with parallel={parallel!r}: FSDP, tp and pipeline ranks hold shards")
         self.group = group if group is not None else _default_group()
         self.comm = ObjectCollectives(self.group)
         self.rank, self.world_size = self.group.rank, self.group.size
@@ -144,6 +152,9 @@ class DistributedTrainer:
         """The checkpoint the last `fit` started from (None: from scratch)."""
         self._totals = np.zeros(2, np.float64)
         self._pending: Future[str] | None = None
+        self.replicas = ReplicaCheck(digest_every, list(model.parameters()), self.group, self.comm) \
+            if digest_every else None
+        """The replica check (digest_every=), with the divergences it saw; None when off."""
 
     def _wrap(self, model: Module, factory: Callable[[list[Any]], Optimizer],
               sharding: ShardingStrategy | str) -> tuple[Any, Optimizer, Callable[[float], float]]:
@@ -187,6 +198,8 @@ class DistributedTrainer:
         if self.checkpoint_dir is None:
             raise ValueError("save_checkpoint needs checkpoint_dir=")
         path = self.checkpoint_dir / f"step_{self.position.global_step:09d}"
+        if self.replicas is not None:
+            self.replicas.saved_at(self.position.global_step, str(path))
         if self.async_checkpoint:
             self._pending = ckpt.async_save(self.state_dict(), path, self.group)
             if self.rank == 0:
@@ -211,8 +224,10 @@ class DistributedTrainer:
     def _prune(self) -> None:
         if self.keep_checkpoints is None or self.checkpoint_dir is None:
             return
+        agreed = self.replicas.agreed() if self.replicas is not None else None
         for _, _, old in complete_checkpoints(self.checkpoint_dir)[: -self.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+            if agreed is None or str(old) != agreed[1]:  # the rollback target stays
+                shutil.rmtree(old, ignore_errors=True)
 
     def resume(self) -> str | None:
         """Load the newest complete checkpoint in `checkpoint_dir`, if any (collective); returns its path."""
@@ -228,6 +243,11 @@ class DistributedTrainer:
         if path is None:
             self._guard.lost(saved)
             return None
+        self._load(path)
+        return str(path)
+
+    def _load(self, path: str) -> None:
+        """Load the checkpoint at `path` into the model, optimizer and position (collective)."""
         model_sd, optim_sd = ckpt.get_state_dict(self.model, self.optimizer)
         sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         ckpt.load(sd, path, self.group)
@@ -239,7 +259,29 @@ class DistributedTrainer:
             restore_rank_state(self.module, mine, self._totals)
         else:
             self._totals[:] = 0.0
-        return str(path)
+
+    def _replicas_agree(self) -> bool:
+        """After a step: False when the replicas disagreed and every rank rolled back to the agreed checkpoint."""
+        step = self.position.global_step
+        if self.replicas is None or not self.replicas.due(step):
+            return True
+        error = self.replicas.check(step)
+        if error is None:
+            return True
+        self.wait_for_checkpoint()
+        agreed = self.comm.broadcast(self.replicas.agreed() if self.rank == 0 else None)  # one choice for every rank
+        if agreed is None or self.checkpoint_dir is None or self.replicas.rollbacks >= MAX_ROLLBACKS:
+            why = "no agreed checkpoint to roll back to" if agreed is None else f"{MAX_ROLLBACKS} rollbacks already"
+            raise type(error)(f"{error} ({why})", ranks=error.ranks, hosts=error.hosts, step=error.step,
+                              group=error.group, rank=error.rank)
+        if self.rank == 0:
+            warnings.warn(f"axond.train: {error}; rolling back every rank to {agreed[1]} (step {agreed[0]})",
+                          RuntimeWarning, stacklevel=3)
+            remove_newer(self.checkpoint_dir, agreed[0])  # they may hold the diverged weights
+        self.comm.broadcast(None)  # the newer checkpoints are gone before any rank looks again
+        self._load(agreed[1])
+        self.replicas.rolled_back(agreed[0])
+        return False
 
     def _steps_per_epoch(self) -> tuple[int, int]:
         micro = math.ceil(self.sampler.num_samples / self.batch_size)
@@ -303,32 +345,18 @@ class DistributedTrainer:
             raise ValueError(f"epochs must be >= 0, got {epochs}")
         self.resumed_from = self.resume()
         pos = self.position
+        if self.replicas is not None:
+            self.replicas.rollbacks = 0  # MAX_ROLLBACKS counts per fit
+            if self.resumed_from is not None:  # what every replica starts from: agreed once a check passes after it
+                self.replicas.saved_at(pos.global_step, self.resumed_from)
         show = self.progress_enabled and self.rank == 0
         progress = Progress(show, epochs, self.log_every)
         self._call("on_fit_start")
-        micro, steps = self._steps_per_epoch()
         begun = (pos.epoch, pos.global_step)
         try:
-            while pos.epoch < epochs:
-                self.sampler.set_epoch(pos.epoch)
-                indices = self.sampler.indices()
-                if pos.step == 0:
-                    self._totals[:] = 0.0
-                progress.start(pos.epoch + 1, steps, pos.step)
-                start, seen = time.perf_counter(), 0
-                while pos.step < steps:
-                    seen += self._train_step(indices, pos.step, micro)
-                    pos.step += 1
-                    pos.global_step += 1
-                    rate = seen * self.data_replicas / max(time.perf_counter() - start, 1e-9)
-                    loss = float(self._totals[0] / max(self._totals[1], 1.0))
-                    progress.update(pos.step, loss, rate)
-                    self._call("on_step_end", {"epoch": pos.epoch + 1, "step": pos.step,
-                                               "global_step": pos.global_step, "loss": loss})
-                    if self.checkpoint_every and pos.global_step % self.checkpoint_every == 0:
-                        self.save_checkpoint()
-                progress.close()
-                self._end_epoch(epochs, seen * self.data_replicas / max(time.perf_counter() - start, 1e-9))
+            while not self._run_epochs(epochs, progress):
+                pass  # rolled back to the agreed checkpoint: go on from there
+            pos = self.position
             if self.checkpoint_dir is not None and (pos.epoch, pos.global_step) != begun:
                 self.save_checkpoint()
         finally:
@@ -338,6 +366,34 @@ class DistributedTrainer:
                 self._guard.close()
         self._call("on_fit_end", pos.history)
         return pos.history
+
+    def _run_epochs(self, epochs: int, progress: Progress) -> bool:
+        """Train from `position` to the end of `epochs`; False when a replica check rolled back first."""
+        pos = self.position
+        micro, steps = self._steps_per_epoch()
+        while pos.epoch < epochs:
+            self.sampler.set_epoch(pos.epoch)
+            indices = self.sampler.indices()
+            if pos.step == 0:
+                self._totals[:] = 0.0
+            progress.start(pos.epoch + 1, steps, pos.step)
+            start, seen = time.perf_counter(), 0
+            while pos.step < steps:
+                seen += self._train_step(indices, pos.step, micro)
+                pos.step += 1
+                pos.global_step += 1
+                rate = seen * self.data_replicas / max(time.perf_counter() - start, 1e-9)
+                loss = float(self._totals[0] / max(self._totals[1], 1.0))
+                progress.update(pos.step, loss, rate)
+                self._call("on_step_end", {"epoch": pos.epoch + 1, "step": pos.step,
+                                           "global_step": pos.global_step, "loss": loss})
+                if not self._replicas_agree():
+                    return False
+                if self.checkpoint_every and pos.global_step % self.checkpoint_every == 0:
+                    self.save_checkpoint()
+            progress.close()
+            self._end_epoch(epochs, seen * self.data_replicas / max(time.perf_counter() - start, 1e-9))
+        return True
 
     def _end_epoch(self, epochs: int, rate: float) -> None:
         pos = self.position
