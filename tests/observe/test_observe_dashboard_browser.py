@@ -45,11 +45,12 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
 
 def _wait(driver: Any, predicate: Callable[[Any], Any], timeout: float, what: str) -> None:
-    from selenium.common.exceptions import TimeoutException
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    try:
-        WebDriverWait(driver, timeout, poll_frequency=0.2).until(predicate)
+    try:  # the page redraws its tables on every refresh: an element found a moment ago may be gone; look again
+        WebDriverWait(driver, timeout, poll_frequency=0.2,
+                      ignored_exceptions=(StaleElementReferenceException,)).until(predicate)
     except TimeoutException:
         pytest.fail(f"timed out after {timeout} s waiting for {what}; the page says:\n"
                     f"{driver.find_element('tag name', 'body').text}")
@@ -75,8 +76,11 @@ def test_the_dashboard_shows_a_running_job_and_updates(coordinator_factory: Call
           "rank 0's all_reduce in the ranks table (reports start after 15 s of the ranks' 60 s timeout)")
     text = browser.find_element("tag name", "body").text
     assert "shown" in text and "productive" in text and "goodput" in text
-    nodes = browser.find_elements("css selector", "#nodes tbody tr")
-    assert len(nodes) == 1 and "shown" in nodes[0].text
+    def one_node_row(d: Any) -> bool:
+        rows = [row.text for row in d.find_elements("css selector", "#nodes tbody tr")]
+        return len(rows) == 1 and "shown" in rows[0]
+
+    _wait(browser, one_node_row, 10, "one node row naming the job")
     _screenshot(browser, "culprit-dashboard.png", tmp_path)
     errors = [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
     assert errors == [], errors
