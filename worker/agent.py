@@ -296,7 +296,9 @@ class JobRunner:
                         spec.job, self._node_id, gen, failure.rank, failure.exit_code, message
                     ))
                 except (CoordinatorError, ValueError) as e:
-                    return JobOutcome(failure.exit_code, f"{message} (and the coordinator was not told: {e})")
+                    # untold, the coordinator decides the job's fate when it is back: the unreachable exit, not 1
+                    return JobOutcome(failure.exit_code, f"{message} (and the coordinator was not told: {e})",
+                                      error=e if isinstance(e, CoordinatorError) else None)
                 if reply.will_restart and not self._stop.is_set():
                     self._notice(f"job {spec.job!r} restarts as generation {reply.generation}")
                     return None
