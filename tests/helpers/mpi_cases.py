@@ -281,6 +281,11 @@ def a_different_call_raises_on_every_rank(pg: ProcessGroup) -> None:
     msg = _raised(lambda: g.all_reduce(np.ones(7 + (g.rank == 1), np.float32)))
     assert ("7 elements" in msg and "8 elements" in msg) or "peer rank 1" in msg, msg
     g.destroy()
+    g = axond.new_group(list(range(pg.size)), timeout=30)
+    big = np.ones(1 << 18, np.float32)  # two members: a message longer than the peer's check receives (truncated)
+    msg = _raised(lambda: g.all_gather(big) if g.rank == 0 else g.barrier())
+    assert "all_gather" in msg and "barrier" in msg and "peer rank" in msg, msg
+    g.destroy()
 
 
 @case

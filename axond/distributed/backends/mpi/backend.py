@@ -172,7 +172,10 @@ class MpiBackend(PointToPoint, Backend):
         work = self._contiguous(x)
         buf = wire_view(work.reshape(-1))
         try:
-            self.ch.wait(plans.broadcast_requests(self.ch, buf, src), name, None, buf)
+            if self.ch.duo:
+                plans.duo_broadcast(self.ch, self.ch.take(), buf, src)
+            else:
+                self.ch.wait([self.ch.comm.Ibcast(buf, src)], name, None, buf)
         except self.MPI.Exception as e:
             raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
         self._back(x, work)
@@ -215,7 +218,10 @@ class MpiBackend(PointToPoint, Backend):
         name = self._begin(Op.ALL_GATHER, x)
         send, recv = wire_view(self._contiguous(x).reshape(-1)), wire_view(out.reshape(-1))
         try:
-            self.ch.wait(plans.gather_requests(self.ch, send, recv), name, None, (send, recv))
+            if self.ch.duo:
+                plans.duo_all_gather(self.ch, self.ch.take(), send, recv)
+            else:
+                self.ch.wait([self.ch.comm.Iallgather(send, recv)], name, None, (send, recv))
         except self.MPI.Exception as e:
             raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
         self._keep(signature("all_gather", x, None), x, lambda checked: plans.all_gather(self.ch, checked,
@@ -232,12 +238,11 @@ class MpiBackend(PointToPoint, Backend):
         work = wide if wide is not None else self._contiguous(x)
         result = _module(x).empty(out.shape, work.dtype) if wide is not None else out
         mpi_op, ufunc = reduce_op(op, work.dtype), UFUNCS[op]
-        if plans.swaps(self.ch, x.nbytes):
+        if self.ch.duo:
             flat = work.reshape(-1)
             scratch = _module(x).empty(flat.size // 2, work.dtype)
             try:
-                self.ch.wait(plans.scatter_requests(self.ch, wire_view(flat), wire_view(scratch)), name, None,
-                             (flat, scratch))
+                plans.duo_reduce_scatter(self.ch, self.ch.take(), wire_view(flat), wire_view(scratch))
             except self.MPI.Exception as e:
                 raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
             if not isinstance(x, np.ndarray):

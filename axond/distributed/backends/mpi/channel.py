@@ -6,6 +6,14 @@ peer. MPI cannot cancel a collective that started, so a timed-out request is kep
 is aborted: later ops raise. A member that fails sends its reason on a second communicator to every peer, whose
 polls raise it (`abort`): a failure reaches every rank that is still running, as on tcp. MPI itself cannot survive a
 rank that dies: the launcher (`mpirun`) ends the job.
+
+Two members (`Channel.duo`) check their calls without a collective: every collective sends one message each way on
+`Channel.pairs`, tagged with the call's digest (`tag_of`): the op's data where it flows that way (a broadcast, an
+all_gather, a reduce_scatter run as messages: `plans`), else the digest itself (a "token", beside MPI's own op). Each
+member receives the peer's message of the op under its own call's tag, so that a peer's message of another call is
+never received into this call's buffer (Open MPI writes past the end of a receive that is too short for a message of
+4 KiB and more); a message of the peer under another tag, found while this call's has not come, is the peer's
+message of another call (`finish`): the members then compare their calls (`mismatch`).
 """
 
 from __future__ import annotations
@@ -76,14 +84,16 @@ def check_of(call: tuple[int, int, int, int, int]) -> np.ndarray:
 
 
 class Check:
-    """The call check of one op signature, made once: what the members send (`check_of`) and what they all get."""
+    """The call check of one op signature, made once: what the members send (`check_of`) and what they all get; on two
+    members, the tag of the op's messages (`Channel.tag_of`)."""
 
-    __slots__ = ("call", "sent", "expected", "start")
+    __slots__ = ("call", "sent", "expected", "start", "tag")
 
     def __init__(self, channel: Channel, call: tuple[int, int, int, int, int]) -> None:
         self.call = call
         self.sent = check_of(call)
         self.expected = self.sent.tobytes() * channel.size
+        self.tag = channel.tag_of(self.sent)
         comm, sent, checked = channel.comm, self.sent, channel.checked
         self.start: Callable[[], Any] = lambda: comm.Iallgather(sent, checked)
         """Start it (a request that `Channel.settle` completes)."""
@@ -98,7 +108,15 @@ class Channel:
         self.rank, self.size, self.group_name, self.timeout, self.spin = rank, size, group_name, timeout, spin
         self.control = comm.Dup()
         self.pairs = comm.Dup()
-        """The communicator of ops run as point-to-point messages (a two-member all_gather: `plans`)."""
+        """The communicator of a two-member group's collectives run as messages, and of its call checks (`finish`)."""
+        self.duo = size == 2
+        """Two members: the call check is a message each way on `pairs` (`exchange`, `finish`), not an all_gather."""
+        self.peer = 1 - rank if self.duo else -1
+        self.tag_ub = int(comm.Get_attr(self.MPI.TAG_UB))
+        self.token_in = np.zeros(1, np.int64)
+        """Where a two-member call check's message without data lands (the peer's digest)."""
+        self._pending: tuple[int, int, int, int, int] | None = None
+        """Two members: the call `start_check` was given, which `take` or the next `wait` checks."""
         self._reason = np.zeros(REASON_BYTES, np.uint8)
         self._status = self.MPI.Status()
         self._heard = self.control.Irecv([self._reason, self.MPI.BYTE], self.MPI.ANY_SOURCE, ABORT_TAG)
@@ -149,6 +167,12 @@ class Channel:
         requests (kept alive past a failure, as MPI may still write them); `status`: filled by the single request of a
         receive."""
         MPI = self.MPI
+        if self._pending is not None:
+            checked = self.take()
+            assert checked is not None
+            self.finish([*self.exchange(checked.sent, self.token_in, checked.tag), *requests], op, (keep, checked.sent),
+                        checked, peer)
+            return
         deadline = None
         if self._checking is not None:
             check, call, sent = self._checking
@@ -171,9 +195,10 @@ class Channel:
         self._poll(test, op, None, requests, keep, deadline)
 
     def _poll(self, test: Callable[[], bool], op: str, peer: int | None, requests: Sequence[Any], keep: Any,
-              deadline: float | None) -> float | None:
+              deadline: float | None, watch: Callable[[], None] | None = None) -> float | None:
         """Call `test` until it is true (returns the deadline it kept, or None: at once); raise at the deadline or on a
-        peer's abort, keeping `requests` and `keep` alive."""
+        peer's abort, keeping `requests` and `keep` alive. `watch`: called with each look for an abort (it raises
+        what it finds)."""
         if test():
             return deadline
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout
@@ -185,6 +210,8 @@ class Channel:
             if polls & 63 == 0:
                 try:
                     self._poll_abort(op)
+                    if watch is not None:
+                        watch()
                 except DistributedError:
                     self._stuck.append((list(requests), keep))
                     raise
@@ -204,9 +231,50 @@ class Channel:
             text += f"; {self.explain_peers(op)}"
         return text + " (MPI cannot abort a started collective: the group is aborted)"
 
+    def tag_of(self, sent: np.ndarray) -> int:
+        """The tag of a two-member op's messages whose call check sends `sent` (its digest, below MPI_TAG_UB)."""
+        return int(sent.view(np.uint64)[0]) % self.tag_ub
+
+    def take(self) -> Check | None:
+        """Two members: the `Check` of the call `start_check` was given (None: unchecked), for the op to `exchange`."""
+        call, self._pending = self._pending, None
+        return Check(self, call) if call is not None else None
+
+    def exchange(self, send: Any, recv: Any, tag: int) -> list[Any]:
+        """Two members: receive the peer's message of this op into `recv` and send `send`, both tagged `tag`; either
+        may be None (nothing that way). The receive comes first in the list."""
+        requests = [] if recv is None else [self.pairs.Irecv(recv, self.peer, tag)]
+        if send is not None:
+            requests.append(self.pairs.Isend(send, self.peer, tag))
+        return requests
+
+    def finish(self, requests: Sequence[Any], op: str, keep: Any, checked: Check | None,
+               peer: int | None = None) -> None:
+        """Two members: wait for `requests` to the group's deadline. `checked`: the first is the receive of the peer's
+        message of this op (`exchange`, tagged `checked.tag`), waited for first; a message of the peer under another
+        tag while it has not come is of another call (`mismatch`, on both members: each finds the other's)."""
+        deadline = None
+        rest = requests
+        if checked is not None:
+            first, iprobe, source, anything = requests[0], self.pairs.Iprobe, self.peer, self.MPI.ANY_TAG
+
+            def unlike() -> None:  # the peer's messages come in order: one after this op's means this op's came
+                if iprobe(source, anything) and not first.Test():
+                    self.mismatch(op, checked.call, requests, keep)
+            deadline = self._poll(first.Test, op, peer, requests, keep, None, unlike)
+            rest = requests[1:]
+        if len(rest) == 1:
+            self._poll(rest[0].Test, op, peer, rest, keep, deadline)
+        elif rest:
+            testall = self.MPI.Request.Testall
+            self._poll(lambda: testall(rest), op, peer, rest, keep, deadline)
+
     def start_check(self, call: tuple[int, int, int, int, int]) -> None:
         """Start checking that every member called `call` (op, dtype code, count, reduce code, aux); the next `wait`
-        completes it, with the op's own requests."""
+        completes it, with the op's own requests. Two members: kept for the op (`take`, or the next `wait`)."""
+        if self.duo:
+            self._pending = call
+            return
         sent = check_of(call)
         self._checking = (self.comm.Iallgather(sent, self.checked), call, sent)
 

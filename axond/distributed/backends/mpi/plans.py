@@ -24,54 +24,52 @@ from axond.distributed.numerics.reducers import finish_average
 Runner = Callable[..., Any]
 
 GATHER_TAG = 2
-"""Tag of a two-member all_gather's messages on `Channel.pairs`."""
+"""Tag of a two-member all_gather's messages on `Channel.pairs` when calls are not checked (else the call's tag)."""
 BROADCAST_TAG = 3
-"""Tag of a two-member broadcast's message on `Channel.pairs`."""
+"""Tag of a two-member broadcast's message on `Channel.pairs` when calls are not checked."""
 SCATTER_TAG = 4
-"""Tag of a two-member reduce_scatter's messages on `Channel.pairs`."""
-SWAP_BYTES = 4096
-"""Blocks from which two members swap them as messages (below it, MPI_Iallgather is faster: one request)."""
+"""Tag of a two-member reduce_scatter's messages on `Channel.pairs` when calls are not checked."""
 
 
-def gather_requests(ch: Channel, send: Any, recv: Any) -> list[Any]:
-    """Start an all_gather of the flat `send` into the flat `recv` (the members' blocks in rank order).
-
-    Two members swap blocks of `SWAP_BYTES` and more as one message each way on `Channel.pairs`: Open MPI's
-    nonblocking all_gather (libnbc) takes 1.3-1.8x as long at 64 KiB-1 MiB (bench/results/2026-12-06-mpi.md). More
-    members, and smaller blocks, run MPI_Iallgather. The full way and the runners both start it here: the members may
-    take either."""
-    if ch.size != 2 or send.nbytes < SWAP_BYTES:
-        return [ch.comm.Iallgather(send, recv)]
-    n, me = send.shape[0], ch.rank
-    peer = 1 - me
-    requests = [ch.pairs.Irecv(recv[peer * n : (peer + 1) * n], peer, GATHER_TAG),
-                ch.pairs.Isend(send, peer, GATHER_TAG)]
+def duo_all_gather(ch: Channel, checked: Check | None, send: Any, recv: Any) -> None:
+    """A two-member all_gather of the flat `send` into the flat `recv` (the members' blocks in rank order): one
+    message each way on `Channel.pairs`, the call check with it (`Channel.finish`). Open MPI's nonblocking all_gather
+    (libnbc) takes 1.3-2.4x as long at 64 KiB-1 MiB (bench/results/2026-12-06-mpi.md). The full way and the runners
+    both run it: the members may take either."""
+    n, me, peer = send.shape[0], ch.rank, ch.peer
+    requests = ch.exchange(send, recv[peer * n : (peer + 1) * n], checked.tag if checked is not None else GATHER_TAG)
     recv[me * n : (me + 1) * n] = send  # while the peer's block comes
-    return requests
+    ch.finish(requests, "all_gather", (send, recv), checked)
 
 
-def broadcast_requests(ch: Channel, buf: Any, src: int) -> list[Any]:
-    """Start a broadcast of the flat `buf` from `src`: between two members, of `SWAP_BYTES` and more, one message on
-    `Channel.pairs` (MPI_Ibcast took 1.04-1.06x as long at 64 KiB-1 MiB); else MPI_Ibcast."""
-    if ch.size != 2 or buf.nbytes < SWAP_BYTES:
-        return [ch.comm.Ibcast(buf, src)]
+def duo_broadcast(ch: Channel, checked: Check | None, buf: Any, src: int) -> None:
+    """A two-member broadcast of the flat `buf` from `src`: one message, and the receiver's call check back
+    (`Channel.finish`)."""
     if ch.rank == src:
-        return [ch.pairs.Isend(buf, 1 - src, BROADCAST_TAG)]
-    return [ch.pairs.Irecv(buf, src, BROADCAST_TAG)]
+        tag = checked.tag if checked is not None else BROADCAST_TAG
+        requests = ch.exchange(buf, ch.token_in if checked is not None else None, tag)
+        ch.finish(requests, "broadcast", buf, checked)
+    else:
+        requests = ch.exchange(checked.sent if checked is not None else None, buf,
+                               checked.tag if checked is not None else BROADCAST_TAG)
+        ch.finish(requests, "broadcast", buf, checked)
 
 
-def swaps(ch: Channel, nbytes: int) -> bool:
-    """Whether a two-member op of `nbytes` (the caller's array) runs as messages on `Channel.pairs`."""
-    return ch.size == 2 and nbytes >= SWAP_BYTES
-
-
-def scatter_requests(ch: Channel, send: Any, scratch: Any) -> list[Any]:
-    """Start a two-member reduce_scatter (`swaps`) of the flat `send`: send the peer its block, receive this member's
-    block of the peer into `scratch` (flat, one block); `scatter_reduce` then reduces. MPI_Ireduce_scatter_block took
+def duo_reduce_scatter(ch: Channel, checked: Check | None, send: Any, scratch: Any) -> None:
+    """A two-member reduce_scatter's messages: send the peer its block of the flat `send`, receive this member's block
+    of the peer into `scratch` (flat, one block); `scatter_reduce` then reduces. MPI_Ireduce_scatter_block took
     1.8-3x as long at 64 KiB-4 MiB (bench/results/2026-12-06-mpi.md)."""
-    n, peer = scratch.shape[0], 1 - ch.rank
-    return [ch.pairs.Irecv(scratch, peer, SCATTER_TAG), ch.pairs.Isend(send[peer * n : (peer + 1) * n], peer,
-                                                                       SCATTER_TAG)]
+    n, peer = scratch.shape[0], ch.peer
+    requests = ch.exchange(send[peer * n : (peer + 1) * n], scratch,
+                           checked.tag if checked is not None else SCATTER_TAG)
+    ch.finish(requests, "reduce_scatter", (send, scratch), checked)
+
+
+def beside(ch: Channel, checked: Check | None, requests: list[Any], op: str, keep: Any) -> None:
+    """Two members: wait for MPI's own op (`requests`) with the call check beside it (a message each way)."""
+    if checked is not None:
+        requests = [*ch.exchange(checked.sent, ch.token_in, checked.tag), *requests]
+    ch.finish(requests, op, (keep, checked.sent if checked is not None else None), checked)
 
 
 def scatter_reduce(ufunc: Any, rank: int, work: Any, scratch: Any, result: Any) -> None:
@@ -100,7 +98,7 @@ def _ready(x: Any, ch: Channel, name: str) -> bool:
 
 def all_reduce(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dtype | None, average: bool) -> Runner:
     """The runner of an all_reduce (in place) with MPI op `mpi_op` on arrays moved as `wire` (None: as they are)."""
-    comm, MPI, size = ch.comm, ch.MPI, ch.size
+    comm, MPI, size, duo = ch.comm, ch.MPI, ch.size, ch.duo
     in_place, error = MPI.IN_PLACE, MPI.Exception
 
     def run(x: Any, op: Any) -> Any:
@@ -108,9 +106,12 @@ def all_reduce(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dtype |
             return MISSED
         buf = x if wire is None else x.view(wire)
         try:
-            check = checked.start() if checked is not None else None
-            request = comm.Iallreduce(in_place, buf, mpi_op)
-            ch.settle(check, checked, request.Test, (request,), "all_reduce", buf)
+            if duo:
+                beside(ch, checked, [comm.Iallreduce(in_place, buf, mpi_op)], "all_reduce", buf)
+            else:
+                check = checked.start() if checked is not None else None
+                request = comm.Iallreduce(in_place, buf, mpi_op)
+                ch.settle(check, checked, request.Test, (request,), "all_reduce", buf)
         except error as e:
             raise _failed(ch, "all_reduce", e) from e
         if average:
@@ -121,16 +122,19 @@ def all_reduce(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dtype |
 
 def broadcast(ch: Channel, checked: Check | None, src: int, wire: np.dtype | None) -> Runner:
     """The runner of a broadcast from `src`."""
-    error = ch.MPI.Exception
+    error, duo = ch.MPI.Exception, ch.duo
 
     def run(x: Any, root: Any) -> Any:
         if not _ready(x, ch, "broadcast"):
             return MISSED
         buf = x if wire is None else x.view(wire)
         try:
-            check = checked.start() if checked is not None else None
-            requests = broadcast_requests(ch, buf, src)
-            ch.settle(check, checked, requests[0].Test, requests, "broadcast", buf)
+            if duo:
+                duo_broadcast(ch, checked, buf, src)
+            else:
+                check = checked.start() if checked is not None else None
+                request = ch.comm.Ibcast(buf, src)
+                ch.settle(check, checked, request.Test, (request,), "broadcast", buf)
         except error as e:
             raise _failed(ch, "broadcast", e) from e
         return None
@@ -139,7 +143,7 @@ def broadcast(ch: Channel, checked: Check | None, src: int, wire: np.dtype | Non
 
 def all_gather(ch: Channel, checked: Check | None, wire: np.dtype | None) -> Runner:
     """The runner of an all_gather into a new array or the caller's `out=`."""
-    size, error, testall = ch.size, ch.MPI.Exception, ch.MPI.Request.Testall
+    size, error, duo = ch.size, ch.MPI.Exception, ch.duo
 
     def run(x: Any, out: Any = None) -> Any:
         if not _ready(x, ch, "all_gather"):
@@ -153,9 +157,12 @@ def all_gather(ch: Channel, checked: Check | None, wire: np.dtype | None) -> Run
         if wire is not None:
             send, recv = send.view(wire), recv.view(wire)
         try:
-            check = checked.start() if checked is not None else None
-            requests = gather_requests(ch, send, recv)
-            ch.settle(check, checked, lambda: testall(requests), requests, "all_gather", (send, recv))
+            if duo:
+                duo_all_gather(ch, checked, send, recv)
+            else:
+                check = checked.start() if checked is not None else None
+                request = ch.comm.Iallgather(send, recv)
+                ch.settle(check, checked, request.Test, (request,), "all_gather", (send, recv))
         except error as e:
             raise _failed(ch, "all_gather", e) from e
         return out
@@ -167,8 +174,7 @@ def reduce_scatter(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dty
     """The runner of a reduce_scatter (MPI_Ireduce_scatter_block, or messages and `ufunc` between two members) of
     `count` elements of `dtype`, into a new array or the caller's `out=`."""
     comm, size, rank, error = ch.comm, ch.size, ch.rank, ch.MPI.Exception
-    testall = ch.MPI.Request.Testall
-    scratch = np.empty(count // 2, dtype) if swaps(ch, count * dtype.itemsize) else None
+    scratch = np.empty(count // 2, dtype) if ch.duo else None
     """The peer's block of a two-member reduce_scatter, made once."""
 
     def run(x: Any, op: Any, out: Any = None) -> Any:
@@ -180,14 +186,13 @@ def reduce_scatter(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dty
         elif type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype or not out.flags.c_contiguous:
             return MISSED
         try:
-            check = checked.start() if checked is not None else None
             if scratch is not None:
                 flat = x.reshape(-1)
-                requests = scatter_requests(ch, flat if wire is None else flat.view(wire),
-                                            scratch if wire is None else scratch.view(wire))
-                ch.settle(check, checked, lambda: testall(requests), requests, "reduce_scatter", (flat, scratch))
+                duo_reduce_scatter(ch, checked, flat if wire is None else flat.view(wire),
+                                   scratch if wire is None else scratch.view(wire))
                 scatter_reduce(ufunc, rank, flat, scratch, out.reshape(-1))
             else:
+                check = checked.start() if checked is not None else None
                 send, recv = (x, out) if wire is None else (x.view(wire), out.view(wire))
                 request = comm.Ireduce_scatter_block(send, recv, mpi_op)
                 ch.settle(check, checked, request.Test, (request,), "reduce_scatter", (send, recv))
@@ -201,12 +206,14 @@ def reduce_scatter(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dty
 
 def barrier(ch: Channel, checked: Check | None) -> Runner:
     """The runner of a barrier: the call check where there is one (it meets every member), else MPI_Ibarrier."""
-    comm, error = ch.comm, ch.MPI.Exception
+    comm, error, duo = ch.comm, ch.MPI.Exception, ch.duo
 
     def run() -> Any:
         ch.enter("barrier")
         try:
-            if checked is not None:
+            if checked is not None and duo:
+                beside(ch, checked, [], "barrier", None)
+            elif checked is not None:
                 check = checked.start()
                 ch.settle(check, checked, lambda: True, (), "barrier", None)
             else:
