@@ -281,11 +281,15 @@ def a_different_call_raises_on_every_rank(pg: ProcessGroup) -> None:
     msg = _raised(lambda: g.all_reduce(np.ones(7 + (g.rank == 1), np.float32)))
     assert ("7 elements" in msg and "8 elements" in msg) or "peer rank 1" in msg, msg
     g.destroy()
-    g = axond.new_group(list(range(pg.size)), timeout=30)
-    big = np.ones(1 << 18, np.float32)  # two members: a message longer than the peer's check receives (truncated)
-    msg = _raised(lambda: g.all_gather(big) if g.rank == 0 else g.barrier())
-    assert "all_gather" in msg and "barrier" in msg and "peer rank" in msg, msg
-    g.destroy()
+    # a peer's op of 1 MiB against 8 KiB (Open MPI would write the longer message past the shorter buffer), and a
+    # peer's data against a barrier: raised on every rank before any op's data moves
+    for last, others in ((lambda g: g.all_gather(np.ones(1 << 18, np.float32)),
+                          lambda g: g.all_gather(np.ones(2048, np.float32))),
+                         (lambda g: g.broadcast(np.ones(1 << 18, np.float32), 0), lambda g: g.barrier())):
+        g = axond.new_group(list(range(pg.size)), timeout=30)
+        msg = _raised(lambda: last(g) if g.rank == g.size - 1 else others(g))
+        assert "peer rank" in msg and "called" in msg, msg
+        g.destroy()
 
 
 @case

@@ -3,7 +3,8 @@
 Arrays go to MPI as they are (NumPy buffers, zero-copy; a non-contiguous array through a contiguous copy), under a
 dtype MPI has for the bytes (`library.wire_view`). Device arrays go straight to a CUDA-aware MPI library. Low-precision
 reductions run in float32 and round once (`library`). Before each collective the members compare their calls
-(`Channel.start_check`, `MpiOptions.check_calls`), so that a different op, dtype, size or root raises on every rank.
+(`Channel.start_check`, `MpiOptions.check_calls`), so that a different op, dtype, size or root raises on every rank:
+before the op's requests start, or, between two members, with the op's own messages tagged with the call (`plans`).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class MpiBackend(PointToPoint, Backend):
              status: Any = None) -> None:
         """Start one request and wait for it to the group's deadline; an MPI error raises `DistributedError`."""
         try:
+            self.ch.check_first(name)  # before the op's requests: another call's could write past its buffers
             request = start()
             self.ch.wait([request], name, peer, keep, status)
         except self.MPI.Exception as e:
@@ -154,7 +156,17 @@ class MpiBackend(PointToPoint, Backend):
         wide = self._wide(x, op)
         work = wide if wide is not None else self._contiguous(x)
         buf = wire_view(work.reshape(-1))
-        self._run(name, lambda: self.ch.comm.Iallreduce(self.MPI.IN_PLACE, buf, reduce_op(op, work.dtype)), buf)
+        ufunc = UFUNCS[op]
+        if plans.duo_reduces(self.ch, work.nbytes):
+            if not isinstance(x, np.ndarray):
+                ufunc = getattr(_module(x), ufunc.__name__)
+            try:
+                plans.duo_all_reduce(self.ch, self.ch.take(), ufunc, work.reshape(-1),
+                                     _module(x).empty(work.size, work.dtype), True)
+            except self.MPI.Exception as e:
+                raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
+        else:
+            self._run(name, lambda: self.ch.comm.Iallreduce(self.MPI.IN_PLACE, buf, reduce_op(op, work.dtype)), buf)
         if op is ReduceOp.AVG:
             finish_average(work, self.size)
         if wide is not None:
@@ -163,7 +175,8 @@ class MpiBackend(PointToPoint, Backend):
         self._back(x, work)
         mpi_op, average = reduce_op(op, work.dtype), op is ReduceOp.AVG
         self._keep(signature("all_reduce", x, op), x,
-                   lambda checked: plans.all_reduce(self.ch, checked, mpi_op, self._moved(x), average))
+                   lambda checked: plans.all_reduce(self.ch, checked, mpi_op, self._moved(x), average, ufunc,
+                                                    x.dtype, x.size))
 
     def broadcast(self, x: Array, src: int) -> None:
         x = self._array(x, "broadcast input")
@@ -175,6 +188,7 @@ class MpiBackend(PointToPoint, Backend):
             if self.ch.duo:
                 plans.duo_broadcast(self.ch, self.ch.take(), buf, src)
             else:
+                self.ch.check_first(name)
                 self.ch.wait([self.ch.comm.Ibcast(buf, src)], name, None, buf)
         except self.MPI.Exception as e:
             raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
@@ -221,6 +235,7 @@ class MpiBackend(PointToPoint, Backend):
             if self.ch.duo:
                 plans.duo_all_gather(self.ch, self.ch.take(), send, recv)
             else:
+                self.ch.check_first(name)
                 self.ch.wait([self.ch.comm.Iallgather(send, recv)], name, None, (send, recv))
         except self.MPI.Exception as e:
             raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e

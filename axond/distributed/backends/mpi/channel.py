@@ -7,13 +7,15 @@ is aborted: later ops raise. A member that fails sends its reason on a second co
 polls raise it (`abort`): a failure reaches every rank that is still running, as on tcp. MPI itself cannot survive a
 rank that dies: the launcher (`mpirun`) ends the job.
 
-Two members (`Channel.duo`) check their calls without a collective: every collective sends one message each way on
-`Channel.pairs`, tagged with the call's digest (`tag_of`): the op's data where it flows that way (a broadcast, an
-all_gather, a reduce_scatter run as messages: `plans`), else the digest itself (a "token", beside MPI's own op). Each
-member receives the peer's message of the op under its own call's tag, so that a peer's message of another call is
-never received into this call's buffer (Open MPI writes past the end of a receive that is too short for a message of
-4 KiB and more); a message of the peer under another tag, found while this call's has not come, is the peer's
-message of another call (`finish`): the members then compare their calls (`mismatch`).
+Every collective is checked before it runs (`start_check`, `MpiOptions.check_calls`): the members compare their calls
+(op, dtype, size, root) before MPI's op starts (`confirm`), not beside it, because a peer's op of another call could
+write past this call's buffers (Open MPI writes past the end of a receive too short for a message of 4 KiB and more,
+in its nonblocking collectives too). Two members (`Channel.duo`) compare without a collective: one message each way
+on `Channel.pairs`, tagged with the call's digest (`tag_of`). Their broadcast, all_gather, reduce_scatter and small
+all_reduce run as such messages (`plans`), the check folded in: the data carries the tag (the other way, the digest
+does), and each member receives the peer's message of the op under its own call's tag, so that a message of another
+call is never received into this call's buffer. A message of the peer under another tag, found while this call's has
+not come, is the peer's message of another call (`finish`): the members then compare their calls (`mismatch`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ REASON_BYTES = 2048
 """Longest abort reason sent (longer ones are cut)."""
 CHECK_FIELDS = 5
 """(op, dtype code, count, reduce code, aux) of a collective, compared across the members before it runs."""
+CALL_TAGS = 16
+"""First tag of a checked call's messages on `Channel.pairs` (`Channel.tag_of`); the ones below are fixed tags."""
 
 
 def _world_ranks(store: Store, rank: int, size: int, timeout: float) -> list[int]:
@@ -96,7 +100,7 @@ class Check:
         self.tag = channel.tag_of(self.sent)
         comm, sent, checked = channel.comm, self.sent, channel.checked
         self.start: Callable[[], Any] = lambda: comm.Iallgather(sent, checked)
-        """Start it (a request that `Channel.settle` completes)."""
+        """Start it (a request that `Channel.confirm` completes)."""
 
 
 class Channel:
@@ -116,14 +120,12 @@ class Channel:
         self.token_in = np.zeros(1, np.int64)
         """Where a two-member call check's message without data lands (the peer's digest)."""
         self._pending: tuple[int, int, int, int, int] | None = None
-        """Two members: the call `start_check` was given, which `take` or the next `wait` checks."""
+        """The call `start_check` was given, which the op checks (`check_first`, or `take` and its messages)."""
         self._reason = np.zeros(REASON_BYTES, np.uint8)
         self._status = self.MPI.Status()
         self._heard = self.control.Irecv([self._reason, self.MPI.BYTE], self.MPI.ANY_SOURCE, ABORT_TAG)
         self.checked = np.zeros(size, np.int64)
         """Where every call check lands: each member's digest of its call (`check_of`)."""
-        self._checking: tuple[Any, tuple[int, int, int, int, int], np.ndarray] | None = None
-        """The call check `start_check` started, which the next `wait` completes."""
         self._stuck: list[tuple[Any, Any]] = []
         """Requests that timed out, with the buffers MPI may still write: kept alive until the process ends."""
         self.aborted: str | None = None
@@ -162,37 +164,41 @@ class Channel:
              status: Any = None) -> None:
         """Poll `requests` until all completed; at the group's deadline, or when a peer aborts, raise and abort.
 
-        A call check started by `start_check` is waited for first (the op's requests progress meanwhile: one round
-        of the members for both), and a mismatch raises before the op's requests complete. `keep`: the buffers of the
-        requests (kept alive past a failure, as MPI may still write them); `status`: filled by the single request of a
-        receive."""
-        MPI = self.MPI
+        A call check `start_check` was given is completed first (`check_first`): the op's callers start its requests
+        only after it (`MpiBackend._run`), so this is the barrier's. `keep`: the buffers of the requests (kept alive
+        past a failure, as MPI may still write them); `status`: filled by the single request of a receive."""
+        self.check_first(op)
+        if not requests:
+            return
+        testall = self.MPI.Request.Testall
+        test = (lambda: requests[0].Test(status)) if len(requests) == 1 else (lambda: testall(requests))
+        self._poll(test, op, peer, requests, keep, None)
+
+    def settle(self, test: Callable[[], bool], requests: Sequence[Any], op: str, keep: Any) -> None:
+        """`wait` for a prepared op (`plans`), whose call check `confirm` completed: its `requests`, completed when
+        `test` is true."""
+        self._poll(test, op, None, requests, keep, None)
+
+    def check_first(self, op: str) -> None:
+        """Complete the call check `start_check` was given (if any) before the op starts its own requests."""
         if self._pending is not None:
             checked = self.take()
             assert checked is not None
-            self.finish([*self.exchange(checked.sent, self.token_in, checked.tag), *requests], op, (keep, checked.sent),
-                        checked, peer)
-            return
-        deadline = None
-        if self._checking is not None:
-            check, call, sent = self._checking
-            self._checking = None
-            deadline = self._poll(check.Test, op, peer, [check, *requests], (keep, sent), None)
-            if self.checked.tobytes() != sent.tobytes() * self.size:
-                self.mismatch(op, call, requests, keep)
-        test = (lambda: requests[0].Test(status)) if len(requests) == 1 else (lambda: MPI.Request.Testall(requests))
-        self._poll(test, op, peer, requests, keep, deadline)
+            self.confirm(checked, op)
 
-    def settle(self, check: Any, checked: Check | None, test: Callable[[], bool], requests: Sequence[Any], op: str,
-               keep: Any) -> None:
-        """`wait` for a prepared op (`plans`): its call check `check` (started from `checked`; None: unchecked) and
-        then its `requests`, completed when `test` is true."""
-        deadline = None
-        if checked is not None:
-            deadline = self._poll(check.Test, op, None, [check, *requests], (keep, checked.sent), None)
-            if self.checked.tobytes() != checked.expected:
-                self.mismatch(op, checked.call, requests, keep)
-        self._poll(test, op, None, requests, keep, deadline)
+    def confirm(self, checked: Check, op: str) -> None:
+        """Check that every member called `checked.call` before the op starts: a mismatch raises on every member,
+        naming the peer. It comes first, not beside the op, because an op of another call could write past this
+        call's buffers (Open MPI writes past the end of a receive too short for a message of 4 KiB and more,
+        libnbc's collectives too). Two members: the digest goes each way as a message tagged with it (`finish`);
+        more: an all_gather of the digests (`Check.start`)."""
+        if self.duo:
+            self.finish(self.exchange(checked.sent, self.token_in, checked.tag), op, checked.sent, checked)
+            return
+        check = checked.start()
+        self._poll(check.Test, op, None, [check], checked.sent, None)
+        if self.checked.tobytes() != checked.expected:
+            self.mismatch(op, checked.call, [], None)
 
     def _poll(self, test: Callable[[], bool], op: str, peer: int | None, requests: Sequence[Any], keep: Any,
               deadline: float | None, watch: Callable[[], None] | None = None) -> float | None:
@@ -232,11 +238,13 @@ class Channel:
         return text + " (MPI cannot abort a started collective: the group is aborted)"
 
     def tag_of(self, sent: np.ndarray) -> int:
-        """The tag of a two-member op's messages whose call check sends `sent` (its digest, below MPI_TAG_UB)."""
-        return int(sent.view(np.uint64)[0]) % self.tag_ub
+        """The tag of a two-member op's messages whose call check sends `sent` (its digest): one of
+        CALL_TAGS..MPI_TAG_UB, so that two different calls' messages match with a chance of 1 in MPI_TAG_UB (Open MPI:
+        2**31 - 1)."""
+        return CALL_TAGS + int(sent.view(np.uint64)[0]) % (self.tag_ub - CALL_TAGS)
 
     def take(self) -> Check | None:
-        """Two members: the `Check` of the call `start_check` was given (None: unchecked), for the op to `exchange`."""
+        """The `Check` of the call `start_check` was given (None: unchecked), for the op to run."""
         call, self._pending = self._pending, None
         return Check(self, call) if call is not None else None
 
@@ -251,32 +259,27 @@ class Channel:
     def finish(self, requests: Sequence[Any], op: str, keep: Any, checked: Check | None,
                peer: int | None = None) -> None:
         """Two members: wait for `requests` to the group's deadline. `checked`: the first is the receive of the peer's
-        message of this op (`exchange`, tagged `checked.tag`), waited for first; a message of the peer under another
-        tag while it has not come is of another call (`mismatch`, on both members: each finds the other's)."""
-        deadline = None
-        rest = requests
+        message of this op (`exchange`, tagged `checked.tag`); a message of the peer under another tag while it has
+        not come is of another call (`mismatch`, on both members: each finds the other's)."""
+        if len(requests) == 1:
+            test = requests[0].Test
+        else:
+            testall = self.MPI.Request.Testall
+            test = lambda: testall(requests)  # noqa: E731 - polled
+        watch = None
         if checked is not None:
             first, iprobe, source, anything = requests[0], self.pairs.Iprobe, self.peer, self.MPI.ANY_TAG
 
-            def unlike() -> None:  # the peer's messages come in order: one after this op's means this op's came
+            def watch() -> None:  # the peer's messages come in order: one after this op's means this op's came
                 if iprobe(source, anything) and not first.Test():
                     self.mismatch(op, checked.call, requests, keep)
-            deadline = self._poll(first.Test, op, peer, requests, keep, None, unlike)
-            rest = requests[1:]
-        if len(rest) == 1:
-            self._poll(rest[0].Test, op, peer, rest, keep, deadline)
-        elif rest:
-            testall = self.MPI.Request.Testall
-            self._poll(lambda: testall(rest), op, peer, rest, keep, deadline)
+        self._poll(test, op, peer, requests, keep, None, watch)
 
     def start_check(self, call: tuple[int, int, int, int, int]) -> None:
-        """Start checking that every member called `call` (op, dtype code, count, reduce code, aux); the next `wait`
-        completes it, with the op's own requests. Two members: kept for the op (`take`, or the next `wait`)."""
-        if self.duo:
-            self._pending = call
-            return
-        sent = check_of(call)
-        self._checking = (self.comm.Iallgather(sent, self.checked), call, sent)
+        """Check that every member called `call` (op, dtype code, count, reduce code, aux) before the op's requests
+        start (`check_first`), or with the op's own messages where the op is a two-member exchange tagged with the
+        call (`take`, `plans`)."""
+        self._pending = call
 
     def mismatch(self, op: str, call: tuple[int, int, int, int, int], requests: Sequence[Any], keep: Any) -> None:
         """Raise on every member, naming the first peer that differs: the check found the calls unlike (the op's

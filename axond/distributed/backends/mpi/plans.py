@@ -5,7 +5,8 @@ checked), the backend keeps a runner for the op's signature (`MpiBackend.prepare
 signature and holds what the full way works out on every call: the MPI op, the dtype MPI moves, the call check's
 message (`channel.Check`). It runs the same MPI calls in the same order as the full way, so that the members may take
 either way for the same call, and still checks every call across the members (unless `MpiOptions.check_calls` is
-off) and waits to the group's deadline (`Channel.settle`). It returns `MISSED`, having done nothing, for what it does
+off: `Channel.confirm` before MPI's own op, or the tags of a two-member op's messages) and waits to the group's
+deadline (`Channel.settle`, `Channel.finish`). It returns `MISSED`, having done nothing, for what it does
 not take: not a C-contiguous NumPy array, an `out=` it cannot fill; the full way then checks and raises. Like the full
 way, it first raises if the group was aborted, here or by a peer (`Channel.enter`).
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 from axond.distributed.backends.base import MISSED
 from axond.distributed.backends.mpi.channel import Channel, Check
+from axond.distributed.backends.mpi.library import wire_view
 from axond.distributed.numerics.reducers import finish_average
 
 Runner = Callable[..., Any]
@@ -29,6 +31,8 @@ BROADCAST_TAG = 3
 """Tag of a two-member broadcast's message on `Channel.pairs` when calls are not checked."""
 SCATTER_TAG = 4
 """Tag of a two-member reduce_scatter's messages on `Channel.pairs` when calls are not checked."""
+REDUCE_TAG = 5
+"""Tag of a two-member all_reduce's messages on `Channel.pairs` when calls are not checked."""
 
 
 def duo_all_gather(ch: Channel, checked: Check | None, send: Any, recv: Any) -> None:
@@ -65,11 +69,36 @@ def duo_reduce_scatter(ch: Channel, checked: Check | None, send: Any, scratch: A
     ch.finish(requests, "reduce_scatter", (send, scratch), checked)
 
 
-def beside(ch: Channel, checked: Check | None, requests: list[Any], op: str, keep: Any) -> None:
-    """Two members: wait for MPI's own op (`requests`) with the call check beside it (a message each way)."""
+REDUCE_BYTES = 4096
+"""Largest two-member all_reduce run as one message each way, each member reducing both with NumPy (larger: Open
+MPI's nonblocking ring, which moves half and reduces half per member)."""
+
+
+def duo_reduces(ch: Channel, nbytes: int) -> bool:
+    """Whether an all_reduce of `nbytes` runs as messages (`duo_all_reduce`)."""
+    return ch.duo and nbytes <= REDUCE_BYTES
+
+
+def duo_all_reduce(ch: Channel, checked: Check | None, ufunc: Any, work: Any, scratch: Any, wire: bool) -> None:
+    """A two-member all_reduce of the flat `work` in place: send it whole, receive the peer's into `scratch` (flat, as
+    long), then reduce both with `ufunc`, rank 0's operand first on both members (the same result on both). At 64 KiB
+    Open MPI's own all_reduce takes 21 us and this 10-13 us (bench/results/2026-12-06-mpi-speed.md). `wire`: move
+    them as `wire_view` (a dtype MPI has)."""
+    requests = ch.exchange(wire_view(work) if wire else work, wire_view(scratch) if wire else scratch,
+                           checked.tag if checked is not None else REDUCE_TAG)
+    ch.finish(requests, "all_reduce", (work, scratch), checked)
+    if ch.rank == 0:
+        ufunc(work, scratch, out=work)
+    else:
+        ufunc(scratch, work, out=work)
+
+
+def then(ch: Channel, checked: Check | None, start: Callable[[], Any], op: str, keep: Any) -> None:
+    """Run MPI's own op: confirm the call first (`Channel.confirm`), then `start` its request and wait for it."""
     if checked is not None:
-        requests = [*ch.exchange(checked.sent, ch.token_in, checked.tag), *requests]
-    ch.finish(requests, op, (keep, checked.sent if checked is not None else None), checked)
+        ch.confirm(checked, op)
+    request = start()
+    ch.settle(request.Test, (request,), op, keep)
 
 
 def scatter_reduce(ufunc: Any, rank: int, work: Any, scratch: Any, result: Any) -> None:
@@ -96,22 +125,24 @@ def _ready(x: Any, ch: Channel, name: str) -> bool:
     return True
 
 
-def all_reduce(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dtype | None, average: bool) -> Runner:
-    """The runner of an all_reduce (in place) with MPI op `mpi_op` on arrays moved as `wire` (None: as they are)."""
-    comm, MPI, size, duo = ch.comm, ch.MPI, ch.size, ch.duo
+def all_reduce(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dtype | None, average: bool, ufunc: Any,
+               dtype: np.dtype, count: int) -> Runner:
+    """The runner of an all_reduce (in place) with MPI op `mpi_op` on arrays moved as `wire` (None: as they are), or
+    between two members (`duo_reduces`) of `count` elements of `dtype` as messages and `ufunc`."""
+    comm, MPI, size = ch.comm, ch.MPI, ch.size
     in_place, error = MPI.IN_PLACE, MPI.Exception
+    scratch = np.empty(count, dtype) if duo_reduces(ch, count * dtype.itemsize) else None
+    """The peer's values of a two-member all_reduce, made once."""
 
     def run(x: Any, op: Any) -> Any:
         if not _ready(x, ch, "all_reduce"):
             return MISSED
-        buf = x if wire is None else x.view(wire)
         try:
-            if duo:
-                beside(ch, checked, [comm.Iallreduce(in_place, buf, mpi_op)], "all_reduce", buf)
+            if scratch is not None:
+                duo_all_reduce(ch, checked, ufunc, x.reshape(-1), scratch, wire is not None)
             else:
-                check = checked.start() if checked is not None else None
-                request = comm.Iallreduce(in_place, buf, mpi_op)
-                ch.settle(check, checked, request.Test, (request,), "all_reduce", buf)
+                buf = x if wire is None else x.view(wire)
+                then(ch, checked, lambda: comm.Iallreduce(in_place, buf, mpi_op), "all_reduce", buf)
         except error as e:
             raise _failed(ch, "all_reduce", e) from e
         if average:
@@ -132,9 +163,7 @@ def broadcast(ch: Channel, checked: Check | None, src: int, wire: np.dtype | Non
             if duo:
                 duo_broadcast(ch, checked, buf, src)
             else:
-                check = checked.start() if checked is not None else None
-                request = ch.comm.Ibcast(buf, src)
-                ch.settle(check, checked, request.Test, (request,), "broadcast", buf)
+                then(ch, checked, lambda: ch.comm.Ibcast(buf, src), "broadcast", buf)
         except error as e:
             raise _failed(ch, "broadcast", e) from e
         return None
@@ -160,9 +189,7 @@ def all_gather(ch: Channel, checked: Check | None, wire: np.dtype | None) -> Run
             if duo:
                 duo_all_gather(ch, checked, send, recv)
             else:
-                check = checked.start() if checked is not None else None
-                request = ch.comm.Iallgather(send, recv)
-                ch.settle(check, checked, request.Test, (request,), "all_gather", (send, recv))
+                then(ch, checked, lambda: ch.comm.Iallgather(send, recv), "all_gather", (send, recv))
         except error as e:
             raise _failed(ch, "all_gather", e) from e
         return out
@@ -192,10 +219,9 @@ def reduce_scatter(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dty
                                    scratch if wire is None else scratch.view(wire))
                 scatter_reduce(ufunc, rank, flat, scratch, out.reshape(-1))
             else:
-                check = checked.start() if checked is not None else None
                 send, recv = (x, out) if wire is None else (x.view(wire), out.view(wire))
-                request = comm.Ireduce_scatter_block(send, recv, mpi_op)
-                ch.settle(check, checked, request.Test, (request,), "reduce_scatter", (send, recv))
+                then(ch, checked, lambda: comm.Ireduce_scatter_block(send, recv, mpi_op), "reduce_scatter",
+                     (send, recv))
         except error as e:
             raise _failed(ch, "reduce_scatter", e) from e
         if average:
@@ -206,19 +232,16 @@ def reduce_scatter(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dty
 
 def barrier(ch: Channel, checked: Check | None) -> Runner:
     """The runner of a barrier: the call check where there is one (it meets every member), else MPI_Ibarrier."""
-    comm, error, duo = ch.comm, ch.MPI.Exception, ch.duo
+    comm, error = ch.comm, ch.MPI.Exception
 
     def run() -> Any:
         ch.enter("barrier")
         try:
-            if checked is not None and duo:
-                beside(ch, checked, [], "barrier", None)
-            elif checked is not None:
-                check = checked.start()
-                ch.settle(check, checked, lambda: True, (), "barrier", None)
+            if checked is not None:
+                ch.confirm(checked, "barrier")
             else:
                 request = comm.Ibarrier()
-                ch.settle(None, None, request.Test, (request,), "barrier", None)
+                ch.settle(request.Test, (request,), "barrier", None)
         except error as e:
             raise _failed(ch, "barrier", e) from e
         return None
