@@ -2,13 +2,14 @@
 
     mpirun --allow-run-as-root -n 2 --mca btl vader,self python bench/mpi_calls.py [--sizes 8 65536 1048576]
 
-For each op (all_reduce, broadcast, all_gather, reduce_scatter) and size: the blocking call, the nonblocking call
-with `Wait`, the nonblocking call polled with `Test` from Python (as the mpi backend polls, to the group's deadline),
-and the same with a call check started beside it (an all_gather of 8 bytes per member, as the backend's). On two
-ranks, all_gather also runs as the members swapping blocks as messages, and reduce_scatter as each member sending the
-peer its block and adding the peer's into its own with NumPy (the backend's ways there, "swap+check"). A last line
-times the call check's forms alone: an all_gather of an 8-byte digest, the 80-byte all_reduce it replaced, and a
-barrier.
+For each op (all_reduce, broadcast, all_gather, reduce_scatter) and size: the blocking call; the nonblocking call
+polled with `Test` from Python (as the mpi backend polls, to the group's deadline); "check, then I+Test": the call
+check first (two ranks: an 8-byte digest each way as messages tagged with it; more: an all_gather of the digests),
+then the nonblocking call polled, as the backend runs MPI's own ops; "check, then blocking": the same check and call
+blocking, what a backend that ran MPI's blocking calls under a watchdog would run (docs/mpi.md). On two ranks,
+"messages": the backend's form there (broadcast, all_gather: the data as one tagged message each way or one way plus
+the digest back; reduce_scatter: each member's block sent to the peer and added with NumPy; all_reduce up to 2 KiB:
+the whole array each way, added with NumPy). A last line times the call check's forms alone.
 Every call follows a barrier; each form runs `--rounds` rounds and keeps its best median. Run it with the
 environment the backend gives MPI (`OMPI_MCA_coll_libnbc_iallreduce_algorithm=1`: set here unless set already).
 """
@@ -31,20 +32,58 @@ rank, size = comm.Get_rank(), comm.Get_size()
 digest, digests = np.arange(1, dtype=np.int64), np.empty(size, np.int64)
 
 
+TAG = 77
+token = np.zeros(1, np.int64)
+
+
 def poll(requests: list[Any]) -> None:
     while not MPI.Request.Testall(requests):
         pass
 
 
-def checked(start: Callable[[], list[Any]]) -> Callable[[], None]:
-    return lambda: poll([comm.Iallgather(digest, digests), *start()])
+def check() -> None:
+    """The call check, completed: two ranks, the digest each way tagged with it; more, an all_gather of digests."""
+    if size == 2:
+        poll([pairs.Irecv(token, 1 - rank, TAG), pairs.Isend(digest, 1 - rank, TAG)])
+    else:
+        poll([comm.Iallgather(digest, digests)])
 
 
-def swap(x: np.ndarray, out: np.ndarray) -> list[Any]:
+def blocking_check() -> None:
+    if size == 2:
+        pairs.Sendrecv(digest, 1 - rank, TAG, token, 1 - rank, TAG)
+    else:
+        comm.Allgather(digest, digests)
+
+
+def messages(op: str, x: np.ndarray, out: np.ndarray) -> Callable[[], None] | None:
+    """The backend's two-member form of `op` (tagged messages on `pairs`), or None where it runs MPI's op."""
     n, peer = x.size, 1 - rank
-    requests = [pairs.Irecv(out[peer * n:(peer + 1) * n], peer, 2), pairs.Isend(x, peer, 2)]
-    out[rank * n:(rank + 1) * n] = x
-    return requests
+    if op == "all_gather":
+        def gather() -> None:
+            requests = [pairs.Irecv(out[peer * n:(peer + 1) * n], peer, TAG), pairs.Isend(x, peer, TAG)]
+            out[rank * n:(rank + 1) * n] = x
+            poll(requests)
+        return gather
+    if op == "broadcast":
+        if rank == 0:
+            return lambda: poll([pairs.Irecv(token, peer, TAG), pairs.Isend(x, peer, TAG)])
+        return lambda: poll([pairs.Irecv(x, peer, TAG), pairs.Isend(digest, peer, TAG)])
+    if op == "reduce_scatter":
+        half = np.empty(n // 2, np.float32)
+
+        def scatter() -> None:
+            poll([pairs.Irecv(half, peer, TAG), pairs.Isend(x[peer * (n // 2):(peer + 1) * (n // 2)], peer, TAG)])
+            np.add(x[rank * (n // 2):(rank + 1) * (n // 2)], half, out=out)
+        return scatter
+    if x.nbytes > 2048:
+        return None
+    theirs = np.empty_like(x)
+
+    def reduce() -> None:
+        poll([pairs.Irecv(theirs, peer, TAG), pairs.Isend(x, peer, TAG)])
+        np.add(x, theirs, out=x)
+    return reduce
 
 
 def forms(op: str, nbytes: int) -> dict[str, Callable[[], Any]]:
@@ -57,19 +96,13 @@ def forms(op: str, nbytes: int) -> dict[str, Callable[[], Any]]:
         "all_gather": (lambda: comm.Allgather(x, out), lambda: [comm.Iallgather(x, out)]),
         "reduce_scatter": (lambda: comm.Reduce_scatter_block(x, out), lambda: [comm.Ireduce_scatter_block(x, out)]),
     }[op]
-    found: dict[str, Callable[[], Any]] = {"blocking": blocking, "I+Wait": lambda: MPI.Request.Waitall(start()),
-                                           "I+Test": lambda: poll(start()), "I+Test+check": checked(start)}
-    if op == "all_gather" and size == 2:
-        found["swap+check"] = checked(lambda: swap(x, out))
-    if op == "reduce_scatter" and size == 2:
-        half = np.empty(count // 2, np.float32)
-
-        def swap_reduce() -> None:
-            half_n, peer = count // 2, 1 - rank
-            poll([comm.Iallgather(digest, digests), pairs.Irecv(half, peer, 4),
-                  pairs.Isend(x[peer * half_n:(peer + 1) * half_n], peer, 4)])
-            np.add(x[rank * half_n:(rank + 1) * half_n], half, out=out)
-        found["swap+check"] = swap_reduce
+    found: dict[str, Callable[[], Any]] = {
+        "blocking": blocking, "I+Test": lambda: poll(start()),
+        "check, then I+Test": lambda: (check(), poll(start())),
+        "check, then blocking": lambda: (blocking_check(), blocking())}
+    form = messages(op, x, out) if size == 2 else None
+    if form is not None:
+        found["messages"] = form
     return found
 
 
@@ -99,9 +132,7 @@ def main() -> None:
             got = timed(forms(op, nbytes), calls, args.rounds)
             if rank == 0:
                 print(f"{op} {nbytes} B: " + "  ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
-    sent, into = np.arange(10, dtype=np.int64), np.empty(10, np.int64)
-    checks = {"all_gather 8 B": lambda: poll([comm.Iallgather(digest, digests)]),
-              "all_reduce 80 B": lambda: poll([comm.Iallreduce(sent, into, MPI.MAX)]),
+    checks = {"tagged digest each way" if size == 2 else "all_gather of digests": check,
               "barrier": lambda: poll([comm.Ibarrier()])}
     got = timed(checks, 300, args.rounds)
     if rank == 0:

@@ -69,9 +69,11 @@ def duo_reduce_scatter(ch: Channel, checked: Check | None, send: Any, scratch: A
     ch.finish(requests, "reduce_scatter", (send, scratch), checked)
 
 
-REDUCE_BYTES = 4096
-"""Largest two-member all_reduce run as one message each way, each member reducing both with NumPy (larger: Open
-MPI's nonblocking ring, which moves half and reduces half per member)."""
+REDUCE_BYTES = 2048
+"""Largest two-member all_reduce run as one message each way, each member reducing both with NumPy: below Open MPI's
+shared-memory eager limit (4 KiB with its header). From 4 KiB its single-copy transfer makes the writes of the
+reduction into the sent array slow (11.9 us against 9.5 us for Open MPI's own op at 4 KiB, 64 us against 25 us at 64
+KiB: bench/results/2026-12-06-mpi-speed.md); larger all_reduces run Open MPI's nonblocking ring."""
 
 
 def duo_reduces(ch: Channel, nbytes: int) -> bool:
@@ -81,9 +83,8 @@ def duo_reduces(ch: Channel, nbytes: int) -> bool:
 
 def duo_all_reduce(ch: Channel, checked: Check | None, ufunc: Any, work: Any, scratch: Any, wire: bool) -> None:
     """A two-member all_reduce of the flat `work` in place: send it whole, receive the peer's into `scratch` (flat, as
-    long), then reduce both with `ufunc`, rank 0's operand first on both members (the same result on both). At 64 KiB
-    Open MPI's own all_reduce takes 21 us and this 10-13 us (bench/results/2026-12-06-mpi-speed.md). `wire`: move
-    them as `wire_view` (a dtype MPI has)."""
+    long), then reduce both with `ufunc`, rank 0's operand first on both members (the same result on both). The call
+    check is the messages' tag (`Channel.finish`). `wire`: move them as `wire_view` (a dtype MPI has)."""
     requests = ch.exchange(wire_view(work) if wire else work, wire_view(scratch) if wire else scratch,
                            checked.tag if checked is not None else REDUCE_TAG)
     ch.finish(requests, "all_reduce", (work, scratch), checked)
