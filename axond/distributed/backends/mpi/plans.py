@@ -19,20 +19,21 @@ from typing import Any
 import numpy as np
 
 from axond.distributed.backends.base import MISSED
-from axond.distributed.backends.mpi.channel import Channel, Check
+from axond.distributed.backends.mpi.channel import CALL_TAGS, Channel, Check
 from axond.distributed.backends.mpi.library import wire_view
 from axond.distributed.numerics.reducers import finish_average
 
 Runner = Callable[..., Any]
 
-GATHER_TAG = 2
-"""Tag of a two-member all_gather's messages on `Channel.pairs` when calls are not checked (else the call's tag)."""
-BROADCAST_TAG = 3
-"""Tag of a two-member broadcast's message on `Channel.pairs` when calls are not checked."""
-SCATTER_TAG = 4
-"""Tag of a two-member reduce_scatter's messages on `Channel.pairs` when calls are not checked."""
-REDUCE_TAG = 5
-"""Tag of a two-member all_reduce's messages on `Channel.pairs` when calls are not checked."""
+GATHER_TAG, BROADCAST_TAG, SCATTER_TAG, REDUCE_TAG = 2, 3, 4, 5
+"""The kinds of two-member messages, for their tags when calls are not checked (`unchecked_tag`; else `Check.tag`)."""
+
+
+def unchecked_tag(ch: Channel, kind: int, nbytes: int) -> int:
+    """The tag of a two-member op's messages of `nbytes` when calls are not checked: from the op's kind and the
+    length, so that a peer's message of another length is not received into this op's buffer (the members wait
+    instead, to the group's deadline)."""
+    return CALL_TAGS + (kind * 0x9E3779B97F4A7C15 + nbytes) % (ch.tag_ub - CALL_TAGS)
 
 
 def duo_all_gather(ch: Channel, checked: Check | None, send: Any, recv: Any) -> None:
@@ -41,7 +42,8 @@ def duo_all_gather(ch: Channel, checked: Check | None, send: Any, recv: Any) -> 
     (libnbc) takes 1.3-2.4x as long at 64 KiB-1 MiB (bench/results/2026-12-06-mpi.md). The full way and the runners
     both run it: the members may take either."""
     n, me, peer = send.shape[0], ch.rank, ch.peer
-    requests = ch.exchange(send, recv[peer * n : (peer + 1) * n], checked.tag if checked is not None else GATHER_TAG)
+    requests = ch.exchange(send, recv[peer * n : (peer + 1) * n], checked.tag if checked is not None
+                           else unchecked_tag(ch, GATHER_TAG, send.nbytes))
     recv[me * n : (me + 1) * n] = send  # while the peer's block comes
     ch.finish(requests, "all_gather", (send, recv), checked)
 
@@ -50,12 +52,12 @@ def duo_broadcast(ch: Channel, checked: Check | None, buf: Any, src: int) -> Non
     """A two-member broadcast of the flat `buf` from `src`: one message, and the receiver's call check back
     (`Channel.finish`)."""
     if ch.rank == src:
-        tag = checked.tag if checked is not None else BROADCAST_TAG
+        tag = checked.tag if checked is not None else unchecked_tag(ch, BROADCAST_TAG, buf.nbytes)
         requests = ch.exchange(buf, ch.token_in if checked is not None else None, tag)
         ch.finish(requests, "broadcast", buf, checked)
     else:
         requests = ch.exchange(checked.sent if checked is not None else None, buf,
-                               checked.tag if checked is not None else BROADCAST_TAG)
+                               checked.tag if checked is not None else unchecked_tag(ch, BROADCAST_TAG, buf.nbytes))
         ch.finish(requests, "broadcast", buf, checked)
 
 
@@ -65,7 +67,7 @@ def duo_reduce_scatter(ch: Channel, checked: Check | None, send: Any, scratch: A
     1.8-3x as long at 64 KiB-4 MiB (bench/results/2026-12-06-mpi.md)."""
     n, peer = scratch.shape[0], ch.peer
     requests = ch.exchange(send[peer * n : (peer + 1) * n], scratch,
-                           checked.tag if checked is not None else SCATTER_TAG)
+                           checked.tag if checked is not None else unchecked_tag(ch, SCATTER_TAG, scratch.nbytes))
     ch.finish(requests, "reduce_scatter", (send, scratch), checked)
 
 
@@ -86,7 +88,7 @@ def duo_all_reduce(ch: Channel, checked: Check | None, ufunc: Any, work: Any, sc
     long), then reduce both with `ufunc`, rank 0's operand first on both members (the same result on both). The call
     check is the messages' tag (`Channel.finish`). `wire`: move them as `wire_view` (a dtype MPI has)."""
     requests = ch.exchange(wire_view(work) if wire else work, wire_view(scratch) if wire else scratch,
-                           checked.tag if checked is not None else REDUCE_TAG)
+                           checked.tag if checked is not None else unchecked_tag(ch, REDUCE_TAG, work.nbytes))
     ch.finish(requests, "all_reduce", (work, scratch), checked)
     if ch.rank == 0:
         ufunc(work, scratch, out=work)
