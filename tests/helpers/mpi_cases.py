@@ -236,7 +236,7 @@ def the_prepared_way_runs_and_checks_every_call(pg: ProcessGroup) -> None:
         got = g.reduce_scatter(np.full((n * 2, 2), r + 1, np.float64), axond.ReduceOp.SUM)
         same(got, np.full((2, 2), total, np.float64), "reduce_scatter")
         g.barrier()
-        # 4 KiB and more: two members run these as messages (`plans.swaps`), the prepared way too
+        # 4 KiB and more: two members run these as messages (`plans.duo_*`), the prepared way too
         big = np.arange(n * 2048, dtype=np.float32).reshape(n * 1024, 2) * (r + 1)
         got = g.reduce_scatter(big, axond.ReduceOp.MAX, out=np.empty((1024, 2), np.float32))
         same(got, (np.arange(n * 2048, dtype=np.float32).reshape(n * 1024, 2) * n)[r * 1024:(r + 1) * 1024], "max")
