@@ -275,7 +275,8 @@ class JobRunner:
             pid = dict(zip(local, ranks.local_pids())).get(rank, 0)
             return pid, rank_stacks(pid, self._error_file(gen, rank)) if pid else "exited"
 
-        answers = StackAnswers(reads, spec.job, gen, local, stacks_of)  # axond status --job J --stacks
+        answers = StackAnswers(reads, spec.job, gen, local, stacks_of,  # axond status --job J --stacks
+                               lambda rank: self._error_file(gen, rank))
         while True:
             result = ranks.poll()
             if result is not None and result.ok:

@@ -110,9 +110,11 @@ def goodput_rows(status: pb.GetStatusResponse) -> list[tuple[object, ...]]:
                                              "the job's workers on every node.")
 @click.option("--stacks-wait", type=click.FloatRange(min=0, min_open=True, max=600), default=5.0, show_default=True,
               help="Seconds to wait for the workers' answers to --stacks.")
+@click.option("--fr-dir", default="", help="With --stacks: write the ranks' Flight Recorder dumps to this directory, "
+                                          "for python -m torch.distributed.flight_recorder.fr_trace.")
 def status(
     address: str | None, token: str | None, tls_ca: str | None, connect_wait: float, job: str, show_all: bool,
-    stacks: bool, stacks_wait: float
+    stacks: bool, stacks_wait: float, fr_dir: str
 ) -> None:
     """Show the coordinator's nodes (with their health), jobs and ranks.
 
@@ -124,6 +126,8 @@ def status(
     """
     if stacks and not job:
         fail("status", "--stacks needs --job JOB (the job whose ranks to ask)", EXIT_USAGE)
+    if fr_dir and not stacks:
+        fail("status", "--fr-dir needs --stacks (the dumps come with the stacks)", EXIT_USAGE)
     address = address or LOCAL_COORDINATOR
     try:
         client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("status"),
@@ -136,12 +140,14 @@ def status(
         straggling = _stragglers(client, reply, runtime_env().stragglers) if job else None
         click.echo(render_status(reply, blocked, straggling))
         if stacks:
-            click.echo("\n" + job_stacks(client, reply, job, stacks_wait, blocked or {}))
+            click.echo("\n" + job_stacks(client, reply, job, stacks_wait, blocked or {}, fr_dir))
     except CoordinatorError as e:
         fail_coordinator("status", e, address)
     except StoreError as e:
         fail("status", f"cannot ask for job {job!r}'s stacks: {e} (the job may have restarted or ended; try again)",
              EXIT_FAILED)
+    except OSError as e:
+        fail("status", f"cannot write the Flight Recorder dumps to --fr-dir {fr_dir!r}: {e}", EXIT_FAILED)
     finally:
         client.close()
 

@@ -1,12 +1,15 @@
 """`axond status --job J --stacks`: every rank's Python stacks (every thread) and what it is blocked in, asked at
-any moment of the workers on every node, through the coordinator; a stopped rank is named as stopped."""
+any moment of the workers on every node, through the coordinator; a stopped rank is named as stopped; a torch job's
+Flight Recorder dumps gathered with `--fr-dir` load in torch's analyzer, which names the rank that did not join."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +69,45 @@ def test_stacks_of_every_rank_on_every_node(coord: RunningCoordinator, procs: Pr
         os.kill(pid, signal.SIGCONT)
 
 
-def test_stacks_need_a_job(procs: Procs) -> None:
+def test_stacks_need_a_job_and_dumps_need_stacks(procs: Procs) -> None:
     res = procs.run("status", "--stacks")
     assert res.code == 2 and "--stacks needs --job" in res.stderr, res.stderr
+    res = procs.run("status", "--job", "j", "--fr-dir", "x")
+    assert res.code == 2 and "--fr-dir needs --stacks" in res.stderr, res.stderr
+
+
+TORCH_SCRIPT = """
+import time, torch, torch.distributed as dist
+import axond.torch
+dist.init_process_group("axond")
+dist.all_reduce(torch.ones(3))  # every rank: collective 1 of the group
+if dist.get_rank() == 1:
+    time.sleep(120)  # stuck in its own code: never joins collective 2
+dist.all_reduce(torch.ones(3))
+"""
+
+
+@pytest.mark.slow  # two worker daemons and a two-node torch job
+@pytest.mark.timeout(150)
+def test_a_torch_jobs_dumps_load_in_the_flight_recorder_analyzer(coord: RunningCoordinator, procs: Procs,
+                                                                  tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    for _ in range(2):
+        procs.axond("worker", "--coordinator", coord.address, "--slots", "1")
+    procs.axond("run", "--coordinator", coord.address, "--nnodes", "2", "--nproc-per-node", "1", "--job", "hung",
+                "--", PY, "-c", TORCH_SCRIPT)
+    dumps = tmp_path / "fr"
+
+    def both_dumped() -> bool:
+        res = procs.run("status", "--coordinator", coord.address, "--job", "hung", "--stacks", "--stacks-wait", "5",
+                        "--fr-dir", str(dumps))
+        return res.code == 0 and "FLIGHT RECORDER: the dumps of ranks [0, 1]" in res.stdout and \
+            "all_reduce" in _section(res.stdout, 0)
+
+    wait_for(both_dumped, 90, "both ranks' Flight Recorder dumps", 0.5)
+    res = subprocess.run([PY, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps)], capture_output=True,
+                         text=True, timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "Not all ranks joining collective, sequence number: 2" in out, out
+    assert "missing ranks: {1}" in out and "collective: gloo:all_reduce" in out, out

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from axond.distributed.diagnostics.arrivals import KEY as ARRIVALS_KEY
 from axond.distributed.diagnostics.arrivals import report as arrivals_report
+from axond.distributed.diagnostics.flight_recorder import Dumper
 from axond.distributed.diagnostics.job_report import JobSink, coordinator_opener, launched_env, publishes_itself
 from axond.config import RuntimeEnv
 from axond.store import Store
@@ -86,6 +87,8 @@ class _Reporter:
         self._env: RuntimeEnv | None = None
         self._arrivals_at = 0.0
         self._arrivals: dict[str, Any] = {}
+        self._dumper: Dumper | None = None
+        self._dumper_known = False
 
     def _job_sink(self) -> JobSink:
         """The process's publisher to its job's coordinator store (read from the environment once)."""
@@ -128,6 +131,16 @@ class _Reporter:
             sink.put(ARRIVALS_KEY.format(self._env.rank), json.dumps(union).encode())
             self._arrivals = union
 
+    def _dump(self, members: list[tuple[_Member, list[Any]]]) -> None:
+        """Write a Flight Recorder dump of the process's groups if its worker asked (`flight_recorder`)."""
+        groups = [g for _, gs in members for g in gs]
+        if not self._dumper_known:
+            self._dumper_known = True
+            files = [g.options.runtime_env().failure.error_file for g in groups if hasattr(g, "options")]
+            self._dumper = Dumper(files[0]) if files and files[0] else None
+        if self._dumper is not None:
+            self._dumper.check(groups)
+
     def register(self, store: Store, global_rank: int, group: Tracked) -> None:
         with self._lock:
             member = self._members.get((id(store), global_rank))
@@ -167,6 +180,7 @@ class _Reporter:
                     pass
             self._publish_job([m for m, _ in members])
             self._publish_arrivals(members)
+            self._dump(members)
             self._wake.wait(tick)
             self._wake.clear()
 

@@ -10,6 +10,8 @@ but the job's own store is written: nothing the asker can make a worker keep or 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import secrets
 import time
@@ -25,16 +27,20 @@ POLL_S = 0.5
 """Seconds between two reads of the request by a worker (at least)."""
 MAX_TEXT = 64 * 1024
 """Characters of one rank's reply kept (the worker reads 64 KiB of stacks at most)."""
+MAX_DUMP = 256 * 1024
+"""Bytes of a rank's Flight Recorder dump sent at most (`flight_recorder`: a few hundred bytes per group)."""
 
 
 @dataclass(frozen=True)
 class StackReply:
-    """What a rank's worker answered: its node's host, the rank's pid (0: none) and its stacks or why none."""
+    """What a rank's worker answered: its node's host, the rank's pid (0: none) and its stacks or why none, and its
+    Flight Recorder dump (b"" if none came)."""
 
     rank: int
     host: str
     pid: int
     text: str
+    dump: bytes = b""
 
 
 def ask(store: Store) -> str:
@@ -56,9 +62,10 @@ def pending(store: Store, answered: str) -> str | None:
     return ident if isinstance(ident, str) and ident and ident != answered else None
 
 
-def answer(store: Store, ident: str, rank: int, host: str, pid: int, text: str) -> None:
+def answer(store: Store, ident: str, rank: int, host: str, pid: int, text: str, dump: bytes = b"") -> None:
     """Put rank `rank`'s reply to request `ident`."""
-    body = {"id": ident, "host": host, "pid": pid, "text": text[:MAX_TEXT]}
+    fr = base64.b64encode(dump).decode() if 0 < len(dump) <= MAX_DUMP else ""
+    body = {"id": ident, "host": host, "pid": pid, "text": text[:MAX_TEXT], "fr": fr}
     store.set(REPLY_KEY.format(rank), json.dumps(body).encode())
 
 
@@ -86,6 +93,7 @@ def _reply(raw: bytes | None, ident: str, rank: int) -> StackReply | None:
         data: Any = json.loads(raw)
         if data.get("id") != ident:
             return None
-        return StackReply(rank, str(data.get("host", "")), int(data.get("pid", 0)), str(data.get("text", "")))
-    except (ValueError, TypeError, AttributeError):
+        dump = base64.b64decode(str(data.get("fr", "")), validate=True)
+        return StackReply(rank, str(data.get("host", "")), int(data.get("pid", 0)), str(data.get("text", "")), dump)
+    except (ValueError, TypeError, AttributeError, binascii.Error):
         return None
