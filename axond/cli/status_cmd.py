@@ -74,8 +74,8 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
     return "\n".join(parts)
 
 
-GOODPUT_CAUSES = ("productive", "startup", "waiting_for_members", "detection", "reformation")
-GOODPUT_HEADER = ("JOB", "WALL", "GOODPUT", "PRODUCTIVE", "STARTUP", "WAITING", "DETECTION", "REFORMATION")
+GOODPUT_CAUSES = ("productive", "startup", "waiting_for_members", "detection", "reformation", "hung")
+GOODPUT_HEADER = ("JOB", "WALL", "GOODPUT", "PRODUCTIVE", "STARTUP", "WAITING", "DETECTION", "REFORMATION", "HUNG")
 
 
 def goodput_rows(status: pb.GetStatusResponse) -> list[tuple[object, ...]]:

@@ -60,7 +60,7 @@ def test_the_dashboard_needs_the_token_and_shows_the_job(coordinator_factory: Ca
     [job] = [j for j in state()["jobs"] if j["job"] == "shown"]
     assert job["state"] == "running" and job["world_size"] == 2 and len(job["ranks"]) == 2
     assert job["ranks"][1]["blocked"] == ""
-    assert set(job["goodput"]) == {"productive", "startup", "waiting_for_members", "detection", "reformation"}
+    assert set(job["goodput"]) == {"productive", "startup", "waiting_for_members", "detection", "reformation", "hung"}
     assert sum(job["goodput"].values()) == pytest.approx(job["wall_s"], rel=0.01)
     assert [n["job"] for n in state()["nodes"]] == ["shown"]
 

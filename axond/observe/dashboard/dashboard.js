@@ -3,7 +3,7 @@
 "use strict";
 
 const COLORS = {productive: "#2da44e", startup: "#8c959f", waiting_for_members: "#bf8700", detection: "#cf222e",
-                reformation: "#8250df"};
+                reformation: "#8250df", hung: "#fb8f44"};
 const REFRESH_MS = 2000;
 const token = new URLSearchParams(window.location.search).get("token");
 
