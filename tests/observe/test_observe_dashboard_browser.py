@@ -1,6 +1,6 @@
 """The coordinator's dashboard in a real headless browser (Debian's chromium and chromium-driver, driven by
-selenium): the page shows a running job and its ranks, updates itself, names a straggler and plots the job's pace,
-and logs no error in the console.
+selenium): the page shows a running job and its ranks, updates itself, names a straggler, plots the job's pace and
+links its merged timeline, and logs no error in the console.
 
 Skips where selenium, chromium or chromedriver are missing (`apt-get install chromium chromium-driver`,
 `pip install selenium`). With AXOND_TEST_SCREENSHOTS=DIR it also saves its screenshots there.
@@ -8,9 +8,11 @@ Skips where selenium, chromium or chromedriver are missing (`apt-get install chr
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -99,7 +101,9 @@ def test_the_dashboard_refuses_a_browser_without_the_token(coordinator_factory: 
 @pytest.mark.slow  # four ranks training until the straggler is named
 @pytest.mark.timeout(150)
 def test_the_dashboard_shows_a_straggler_and_the_jobs_pace(coordinator_factory: Callable[..., RunningCoordinator],
-                                                           procs: Procs, tmp_path: Path, browser: Any) -> None:
+                                                           procs: Procs, tmp_path: Path, browser: Any,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AXOND_TIMELINE", str(tmp_path / "timeline"))  # the coordinator's and the ranks'
     coord = coordinator_factory(**FAST, metrics_port=0, token=TOKEN)
     assert coord.metrics is not None
     env = {"SLOW_RANK": "1", "SLOW_S": "0.2", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -118,5 +122,11 @@ def test_the_dashboard_shows_a_straggler_and_the_jobs_pace(coordinator_factory: 
     rows = [r.text for r in browser.find_elements("css selector", ".job[data-job='slow'] .ranks tr")]
     assert sum("yes: others wait" in r for r in rows) == 1, rows
     _screenshot(browser, "culprit-straggler.png", tmp_path)
+    link = browser.find_element("css selector", ".job[data-job='slow'] a.timeline").get_attribute("href")
+    with urllib.request.urlopen(link, timeout=30) as answer:
+        trace = json.loads(answer.read())
+    files = {r["file"] for r in trace["otherData"]["axond"]["ranks"]}
+    assert len(files) == 4 and all(f.startswith("rank-") for f in files), files
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"]), "the ranks' collectives, merged"
     errors = [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
     assert errors == [], errors

@@ -133,7 +133,16 @@ function pacePlot(job) {
   return svg;
 }
 
-function drawJob(job, causes) {
+function timelineLink(job) {
+  // the job's merged timeline, where the coordinator sees the ranks' timeline directory (AXOND_TIMELINE)
+  const query = "job=" + encodeURIComponent(job.job) + (token ? "&token=" + encodeURIComponent(token) : "");
+  const link = el("a", "download the merged timeline (Perfetto, chrome://tracing)", "timeline");
+  link.href = "api/timeline?" + query;
+  link.download = job.job + "-timeline.json";
+  return link;
+}
+
+function drawJob(job, causes, timeline) {
   const box = el("div", null, "job");
   box.dataset.job = job.job;
   const title = el("h3");
@@ -149,6 +158,7 @@ function drawJob(job, causes) {
   box.appendChild(legend(job, causes));
   box.appendChild(historyPlot(job));
   box.appendChild(pacePlot(job));
+  if (timeline) box.appendChild(el("div")).appendChild(timelineLink(job));
   const table = el("table", null, "ranks");
   table.appendChild(row(["rank", "node", "host", "pid", "node rank", "local rank", "blocked in", "straggler"]
                         .map(t => el("th", t))));
@@ -164,7 +174,7 @@ function drawJob(job, causes) {
 
 function draw(data) {
   const jobs = document.getElementById("jobs");
-  jobs.replaceChildren(...data.jobs.map(j => drawJob(j, data.causes)));
+  jobs.replaceChildren(...data.jobs.map(j => drawJob(j, data.causes, data.timeline)));
   if (!data.jobs.length) jobs.appendChild(el("div", "no jobs", "muted"));
   document.getElementById("job-count").textContent = data.jobs.length;
   const body = document.querySelector("#nodes tbody");
