@@ -18,9 +18,9 @@ one cause, so the parts add up to the wall time by construction:
   their collectives again (their start-up after a restart is lost time, not productive).
 
 What the ranks publish is read when the book is read (`axond status`, /metrics, the dashboard: `read`), through the
-`probe`; a rank's start is placed at that read, a hang at the moment its rank
-entered the op. Jobs over `MAX_PROBED_RANKS` ranks, and a book without a probe, count a running generation as
-productive from its start.
+`probe`; the ranks' start is placed at the last of their first marks (each rank publishes its time), a hang at the
+moment its rank entered the op. A job that no one reads while it runs stays in start-up until it ends. Jobs over
+`MAX_PROBED_RANKS` ranks, and a book without a probe, count a running generation as productive from its start.
 
 The book observes a job when it changes state (`StateContext.notify`), when it is created or a node joins its
 rendezvous, and whenever it is read. It lives in the coordinator's memory: a coordinator that restarts from its
@@ -52,18 +52,37 @@ SAMPLE_EVERY_S = 5.0
 MAX_PROBED_RANKS = 256
 """The most ranks of a job whose reports a read looks at (two store reads each)."""
 
-def probe_ranks(job: Job) -> tuple[bool, float | None]:
-    """What the ranks of the job's running generation published in its store: (every rank published arrival marks,
-    the earliest wall time a rank reports being blocked in a collective since; None if none is)."""
+Probe = Callable[[Job], tuple[bool, "float | None", "float | None"]]
+"""job -> (every rank of its running generation started its collectives, the wall time the last of them did (None:
+not published), the earliest wall time a rank reports being blocked in a collective since (None: none is))."""
+
+
+def probe_ranks(job: Job) -> tuple[bool, float | None, float | None]:
+    """`Probe` from what the ranks published in the job generation's store: their arrival marks (with the time of
+    their first mark) and their in-flight reports."""
     world = job.round.world_size
     if world > MAX_PROBED_RANKS:
-        return True, None
-    started, since = True, None
+        return True, None, None
+    started, last, since = True, 0.0, None
     for rank in range(world):
-        started = started and job.kv.get(ARRIVALS_KEY.format(rank)) is not None
+        first = _started_at(job.kv.get(ARRIVALS_KEY.format(rank)))
+        started = started and first is not None
+        if started and first is not None:
+            last = max(last, first)
         for t in _blocked_since(job.kv.get(INFLIGHT_KEY.format(rank))):
             since = t if since is None else min(since, t)
-    return started, since
+    return started, (last or None) if started else None, since
+
+
+def _started_at(raw: bytes | None) -> float | None:
+    """The wall time of a rank's first mark from its arrivals (0.0: published without one; None: none published)."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw).get("started", 0.0)
+        return float(value) if isinstance(value, (int, float)) else 0.0
+    except (ValueError, AttributeError):
+        return 0.0
 
 
 def _blocked_since(raw: bytes | None) -> list[float]:
@@ -125,7 +144,7 @@ class GoodputBook:
 
     def __init__(self) -> None:
         self._clocks: dict[str, JobClock] = {}
-        self.probe: Callable[[Job], tuple[bool, float | None]] | None = probe_ranks
+        self.probe: Probe | None = probe_ranks
         """What the ranks of a running generation published (`probe_ranks`); None: running is productive."""
 
     def observe(self, name: str, job: Job | None, now: float | None = None) -> None:
@@ -178,9 +197,14 @@ class GoodputBook:
         clock = self._clocks.get(name)
         if self.probe is None or clock is None or clock.job is not job or job.state is not JobState.RUNNING:
             return
-        started, since = self.probe(job)
-        if started:
-            clock.started = max(clock.started, job.generation)
+        started, started_wall, since = self.probe(job)
+        if started and clock.started < job.generation:
+            clock.started = job.generation
+            if started_wall is not None and clock.cause in ("startup", "reformation"):
+                begun = now - max(0.0, time.time() - started_wall)
+                if begun > clock.since:  # running from the last rank's first mark, not from this read
+                    self._charge(clock, min(begun, now))
+                    clock.cause = "productive"
         if since is None:
             clock.hung_since = None
         elif clock.hung_since is None:

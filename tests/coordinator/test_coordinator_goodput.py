@@ -78,6 +78,19 @@ def test_rank_start_up_and_a_hang_are_not_productive() -> None:
     assert abs(sum(parts.values()) - wall) < 1e-9 and wall == 9.0
 
 
+def test_the_ranks_count_as_running_from_the_last_of_their_first_marks() -> None:
+    state = CoordinatorState(heartbeat_interval=0.05, dead_after_missed=2, settle_time=0.0)
+    t0 = time.monotonic()
+    a = state.register_node("a", 0, False, t0).node_id
+    state.join("m", a, 2, 1, 1, 1, now=t0)  # one node, two ranks: running at once
+    state.heartbeat(a, "m", 1, now=t0 + 3.0)
+    state.kv_set("m", 1, "axond/arrivals/0", json.dumps({"started": time.time() - 2.0}).encode())
+    state.kv_set("m", 1, "axond/arrivals/1", json.dumps({"started": time.time() - 1.0}).encode())
+    wall, parts = _parts(state, "m", t0 + 3.0)  # read 1 s after the later rank's first mark
+    assert parts["startup"] == pytest.approx(2.0, abs=0.1) and parts["productive"] == pytest.approx(1.0, abs=0.1)
+    assert abs(sum(parts.values()) - wall) < 1e-9
+
+
 RESTART_ONCE = """
 import os, sys, time, numpy as np, axond
 axond.init_process_group()

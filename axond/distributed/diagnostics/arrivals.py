@@ -41,8 +41,9 @@ Window = tuple[int, int, int]
 
 
 def report(groups: Iterable[Any]) -> dict[str, Any]:
-    """The windows of `groups` (ProcessGroups) as published:
-    {group name: {"ranks": [global ranks], "ops": window_ops, "w": [[k, ns, t], ...]}}."""
+    """The marks of `groups` (ProcessGroups) as published:
+    {group name: {"ranks": [global ranks], "ops": window_ops, "w": [[k, ns, t], ...]}}; the reporter adds
+    "started": the wall-clock time of the process's first mark (readers skip entries that are not groups)."""
     out: dict[str, Any] = {}
     for g in groups:
         windows = list(g.windows)  # a copy: the group's thread appends meanwhile

@@ -87,6 +87,8 @@ class _Reporter:
         self._env: RuntimeEnv | None = None
         self._arrivals_at = 0.0
         self._arrivals: dict[str, Any] = {}
+        self._started: float | None = None
+        """Wall-clock time of this process's first arrival mark (published with the marks as "started")."""
         self._dumper: Dumper | None = None
         self._dumper_known = False
 
@@ -118,6 +120,8 @@ class _Reporter:
         union: dict[str, Any] = {}
         for m, groups in members:
             data = arrivals_report(groups)
+            if data:
+                data["started"] = self._first_mark(groups)
             if publishes_itself([(m.store, m.global_rank)], self._env):
                 if data and data != m.arrivals:
                     try:
@@ -140,6 +144,15 @@ class _Reporter:
             self._dumper = Dumper(files[0]) if files and files[0] else None
         if self._dumper is not None:
             self._dumper.check(groups)
+
+    def _first_mark(self, groups: list[Any]) -> float:
+        """When this process closed its first mark, on the wall clock (kept once found: the coordinator's goodput
+        counts the job's ranks as running from the last of their first marks)."""
+        if self._started is None:
+            firsts = [g.windows[0][2] for g in groups if getattr(g, "windows", None)]
+            if firsts:
+                self._started = time.time() - (time.monotonic_ns() - min(firsts)) / 1e9
+        return self._started if self._started is not None else time.time()
 
     def register(self, store: Store, global_rank: int, group: Tracked) -> None:
         with self._lock:
