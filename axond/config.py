@@ -40,7 +40,7 @@ WAIT_NOTICE_S = 60.0
 """Default seconds between `axond worker`'s "still waiting" notices (AXOND_WAIT_NOTICE_S)."""
 OVERLAP_ENV = "AXOND_TORCH_OVERLAP"
 MAX_STRAGGLER_WINDOWS = 15
-"""The most AXOND_STRAGGLER_WINDOWS may say (a group keeps one window more: `arrivals.KEEP_WINDOWS`)."""
+"""The most AXOND_STRAGGLER_WINDOWS may say (windows are built from a group's last 64 marks: `arrivals.KEEP_MARKS`)."""
 
 T = TypeVar("T")
 
@@ -182,9 +182,10 @@ def _from_launcher(env: Mapping[str, str], values: dict[str, Any], strict: bool)
 class StragglerSettings:
     """How ranks time their collectives and when a rank is named a straggler (docs/operations.md, "Stragglers")."""
 
-    window_ops: int = 200
-    """AXOND_STRAGGLER_WINDOW_OPS: collectives per window of a group (0: no recording); a rank publishes each
-    window's total wait."""
+    window_ops: int = 8
+    """AXOND_STRAGGLER_WINDOW_OPS: collectives between two marks of a group's total wait (0: no recording)."""
+    window_s: float = 0.3
+    """AXOND_STRAGGLER_WINDOW_MS (read in ms): the least wall time of a compared window (a run of marks): a step."""
     windows: int = 3
     """AXOND_STRAGGLER_WINDOWS: consecutive windows a rank must wait far less than the others to be named."""
     threshold_s: float = 0.05
@@ -197,6 +198,7 @@ class StragglerSettings:
         values: dict[str, Any] = {}
         parsers: dict[str, tuple[str, Callable[[str, str], Any]]] = {
             "window_ops": ("AXOND_STRAGGLER_WINDOW_OPS", lambda var, raw: _integer(var, raw, 0, 1 << 30)),
+            "window_s": ("AXOND_STRAGGLER_WINDOW_MS", lambda var, raw: _seconds(var, raw) / 1000.0),
             "windows": ("AXOND_STRAGGLER_WINDOWS", lambda var, raw: _integer(var, raw, 1, MAX_STRAGGLER_WINDOWS)),
             "threshold_s": ("AXOND_STRAGGLER_THRESHOLD_MS", lambda var, raw: _seconds(var, raw) / 1000.0),
             "fraction": ("AXOND_STRAGGLER_FRACTION", _fraction),

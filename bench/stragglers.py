@@ -5,10 +5,10 @@
     python bench/stragglers.py cost --tree /work/main [--ops 200000]     # ns per small all_reduce, A/B of two trees
 
 `detect` and `quiet` run `axond worker --standalone --nproc-per-node 4 -- python -m axond.testing.straggler_job`
-(native DDP, 18 all_reduces per step; `--torch`: `straggler_torch_job`, torch DDP over "axond", 6) with
-AXOND_STRAGGLER_WINDOW_OPS set to one step's all_reduces (18; 6) and the other settings at their defaults,
-and read the worker's output as it comes: `detect` prints the step rank 0 had finished when the worker named the
-slow rank; `quiet` counts the worker's straggler notices over a fault-free run with `--busy` busy loops beside it.
+(native DDP, 18 all_reduces per step; `--torch`: `straggler_torch_job`, torch DDP over "axond", 6) with the
+AXOND_STRAGGLER_* settings at their defaults (or as the environment sets them), and read the worker's output as
+it comes: `detect` prints the step rank 0 had finished when the worker named the slow rank; `quiet` counts the
+worker's straggler notices over a fault-free run with `--busy` busy loops beside it.
 `cost` times the recording's statements alone (what each collective runs more), then a blocking 8-float all_reduce on
 a one-rank "mock" group in this tree and in `--tree` (one without arrival recording), in alternating rounds, and
 prints the median ns per op of each and their difference (noisy on a shared machine: the op itself takes ~10 us).
@@ -33,8 +33,7 @@ def _job(steps: int, env: dict[str, str], torch: bool = False) -> tuple[int, lis
     """Run the job; (exit code, [(steps rank 0 had printed, notice line)] for each straggler notice)."""
     cmd = [sys.executable, "-m", "axond", "worker", "--standalone", "--nproc-per-node", "4", "--",
            sys.executable, "-m", f"axond.testing.straggler{'_torch' if torch else ''}_job", str(steps)]
-    full = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-            "AXOND_STRAGGLER_WINDOW_OPS": "6" if torch else "18", **env}
+    full = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **env}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full)
     assert proc.stdout is not None
     step, notices = 0, []
@@ -102,7 +101,7 @@ if g.waited_ops >= g.window_at:
 
 
 def _isolated(ops: int) -> float:
-    """ns per run of RECORD on a real group (windows closing every 200 ops), the median of 7 repeats."""
+    """ns per run of RECORD on a real group (a mark every AXOND_STRAGGLER_WINDOW_OPS ops), the median of 7 repeats."""
     import timeit
     from time import monotonic_ns
 

@@ -4,6 +4,7 @@ replica of several on etcd (`replica`); both from a `CoordinatorConfig` (`config
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sqlite3
 import sys
@@ -22,6 +23,7 @@ from axond.observe.coordinator_metrics import render_coordinator
 from axond.observe.dashboard.pages import Dashboard
 from axond.observe.dashboard.view import read_view
 from axond.observe.http import MetricsServer
+from axond.observe.settings import ObserveSettings
 
 __all__ = ["CoordinatorConfig", "RunningCoordinator", "run_coordinator", "start_coordinator"]
 
@@ -83,7 +85,8 @@ def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
     if config.metrics_port is not None:
         try:
             running.metrics = MetricsServer(config.host, config.metrics_port, lambda: render_coordinator(running),
-                                            pages=Dashboard(lambda: read_view(running), running.token))
+                                            pages=Dashboard(lambda: read_view(running), running.token,
+                                                            ObserveSettings.from_env(os.environ).timeline_dir))
         except CoordinatorError:
             running.stop(grace=0.2)
             raise

@@ -33,6 +33,7 @@ from axond.worker.peers import PeerLink
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
 from axond.worker.stragglers import StragglerWatch, arrivals_reader
 from axond.worker.spec import ConnectOptions, JobSpec
+from axond.worker.stack_answers import StackAnswers
 from axond.worker.stacks import rank_stacks
 from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
 
@@ -269,6 +270,13 @@ class JobRunner:
         arrivals = Background(arrivals_reader(reads, spec.job, gen), "axond-arrival-reads")
         slow = StragglerWatch(spec.job, self._notice, arrivals, world_size, local,
                               env.stragglers, env.observe.metrics_dir)
+
+        def stacks_of(rank: int) -> tuple[int, str]:
+            pid = dict(zip(local, ranks.local_pids())).get(rank, 0)
+            return pid, rank_stacks(pid, self._error_file(gen, rank)) if pid else "exited"
+
+        answers = StackAnswers(reads, spec.job, gen, local, stacks_of,  # axond status --job J --stacks
+                               lambda rank: self._error_file(gen, rank))
         while True:
             result = ranks.poll()
             if result is not None and result.ok:
@@ -325,6 +333,7 @@ class JobRunner:
             early.check(ranks.exits(), local)
             if not ranks.exits():
                 slow.check()
+            answers.check()
             self._hb.changed.wait(_MONITOR_TICK)
             self._hb.changed.clear()
 

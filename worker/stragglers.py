@@ -59,7 +59,7 @@ class StragglerWatch:
         self._next = clock() + every
         self._named: dict[int, Straggler] = {}
         self._counted: dict[tuple[int, str], int] = {}
-        """(rank, group) -> the last window whose lost time is in `lost_s`."""
+        """(rank, group) -> the last mark up to which the lost time is in `lost_s`."""
         self.lost_s: dict[int, float] = {r: 0.0 for r in self._local}
         """Seconds the other ranks waited for each local rank while it was named (the metric)."""
         self._file = Path(metrics_dir) / METRICS_FILE.format(job) if metrics_dir else None
@@ -80,10 +80,10 @@ class StragglerWatch:
         found = {s.rank: s for s in reversed(stragglers(reports, self._settings)) if s.rank in self._local}
         for rank, s in sorted(found.items()):
             key = (rank, s.group)
-            first = self._counted.get(key, s.last_window - s.windows)
-            if s.last_window > first:
-                self.lost_s[rank] += s.lost_s * (s.last_window - first)
-                self._counted[key] = s.last_window
+            first = max(self._counted.get(key, s.first_mark), s.first_mark)
+            if s.last_mark > first:  # the marks not yet counted, at the windows' mean loss per mark
+                self.lost_s[rank] += s.lost_s * (s.last_mark - first) / (s.last_mark - s.first_mark)
+                self._counted[key] = s.last_mark
             if rank not in self._named:
                 self._notice(f"job {self._job!r}: {s.text()}")
         for rank in sorted(set(self._named) - set(found)):

@@ -11,7 +11,8 @@ from grpc_health.v1 import health_pb2
 
 from axond.cli.common import EXIT_FAILED, EXIT_OK, LOCAL_COORDINATOR, connect_wait_option, coordinator_options_local, examples
 from axond.cli.common import fail
-from axond.cli.common import fail_coordinator, runtime_env, waiting_notice
+from axond.cli.common import EXIT_USAGE, fail_coordinator, runtime_env, waiting_notice
+from axond.cli.status_stacks import job_stacks
 from axond.control.client import CoordinatorClient, connect
 from axond.config import StragglerSettings
 from axond.distributed.diagnostics.arrivals import MAX_RANKS, read_arrivals, stragglers
@@ -73,8 +74,8 @@ def render_status(status: pb.GetStatusResponse, blocked: dict[tuple[str, int], s
     return "\n".join(parts)
 
 
-GOODPUT_CAUSES = ("productive", "startup", "waiting_for_members", "detection", "reformation")
-GOODPUT_HEADER = ("JOB", "WALL", "GOODPUT", "PRODUCTIVE", "STARTUP", "WAITING", "DETECTION", "REFORMATION")
+GOODPUT_CAUSES = ("productive", "startup", "waiting_for_members", "detection", "reformation", "hung")
+GOODPUT_HEADER = ("JOB", "WALL", "GOODPUT", "PRODUCTIVE", "STARTUP", "WAITING", "DETECTION", "REFORMATION", "HUNG")
 
 
 def goodput_rows(status: pb.GetStatusResponse) -> list[tuple[object, ...]]:
@@ -94,7 +95,8 @@ def goodput_rows(status: pb.GetStatusResponse) -> list[tuple[object, ...]]:
     short_help="Show nodes, jobs and ranks as tables.",
     epilog=examples("axond status                               # the coordinator on this machine, port 29500",
                     "axond status --coordinator HOST:29500",
-                    "axond status --coordinator 127.0.0.1:29500 --token-file ~/.local/state/axond/token --job my-job")
+                    "axond status --coordinator 127.0.0.1:29500 --token-file ~/.local/state/axond/token --job my-job",
+                    "axond status --job my-job --stacks         # every rank's Python stacks, on every node")
     + "Exit codes: 0 shown; 1 the coordinator refused the request; 2 usage error; 3 cannot reach or "
       "authenticate to the coordinator.",
 )
@@ -104,16 +106,28 @@ def goodput_rows(status: pb.GetStatusResponse) -> list[tuple[object, ...]]:
                                         "[default: every job].")
 @click.option("--all", "show_all", is_flag=True,
               help="Also show finished jobs and dead nodes the coordinator hides after a while.")
+@click.option("--stacks", is_flag=True, help="With --job: also every rank's Python stacks (every thread), asked of "
+                                             "the job's workers on every node.")
+@click.option("--stacks-wait", type=click.FloatRange(min=0, min_open=True, max=600), default=5.0, show_default=True,
+              help="Seconds to wait for the workers' answers to --stacks.")
+@click.option("--fr-dir", default="", help="With --stacks: write the ranks' Flight Recorder dumps to this directory, "
+                                          "for python -m torch.distributed.flight_recorder.fr_trace.")
 def status(
-    address: str | None, token: str | None, tls_ca: str | None, connect_wait: float, job: str, show_all: bool
+    address: str | None, token: str | None, tls_ca: str | None, connect_wait: float, job: str, show_all: bool,
+    stacks: bool, stacks_wait: float, fr_dir: str
 ) -> None:
     """Show the coordinator's nodes (with their health), jobs and ranks.
 
     With --job, each rank's row also says which collective it has been blocked in for a while (a quarter
     of its group timeout, at most 10 s), from the reports ranks publish in the job's store: a hung job
     shows which ranks wait in which op, and which are stuck elsewhere ("-"). A STRAGGLER column names the ranks
-    the others keep waiting for (AXOND_STRAGGLER_* settings; docs/operations.md, "Stragglers").
+    the others keep waiting for (AXOND_STRAGGLER_* settings; docs/operations.md, "Stragglers"). --stacks adds
+    every rank's Python stacks (every thread), which the job's workers send through the coordinator.
     """
+    if stacks and not job:
+        fail("status", "--stacks needs --job JOB (the job whose ranks to ask)", EXIT_USAGE)
+    if fr_dir and not stacks:
+        fail("status", "--fr-dir needs --stacks (the dumps come with the stacks)", EXIT_USAGE)
     address = address or LOCAL_COORDINATOR
     try:
         client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("status"),
@@ -124,11 +138,18 @@ def status(
         reply = client.get_status(job, all=show_all)
         blocked = _blocked(client, reply) if job else None
         straggling = _stragglers(client, reply, runtime_env().stragglers) if job else None
+        click.echo(render_status(reply, blocked, straggling))
+        if stacks:
+            click.echo("\n" + job_stacks(client, reply, job, stacks_wait, blocked or {}, fr_dir))
     except CoordinatorError as e:
         fail_coordinator("status", e, address)
+    except StoreError as e:
+        fail("status", f"cannot ask for job {job!r}'s stacks: {e} (the job may have restarted or ended; try again)",
+             EXIT_FAILED)
+    except OSError as e:
+        fail("status", f"cannot write the Flight Recorder dumps to --fr-dir {fr_dir!r}: {e}", EXIT_FAILED)
     finally:
         client.close()
-    click.echo(render_status(reply, blocked, straggling))
 
 
 def _blocked(client: CoordinatorClient, status: pb.GetStatusResponse) -> dict[tuple[str, int], str]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Completion, op_methods
 from axond.distributed.backends.registry import create_backend, resolve_backend
-from axond.distributed.diagnostics.arrivals import KEEP_WINDOWS, NOT_COUNTED, Window
+from axond.distributed.diagnostics.arrivals import KEEP_MARKS, NOT_COUNTED, Window
 from axond.distributed.diagnostics.failure import concise, debug, track, untrack
 from axond.distributed.diagnostics.inflight import REPORTER, describe, describe_others
 from axond.distributed.fast_path import FastPath
@@ -59,14 +59,14 @@ class ProcessGroup:
         self.inflight_seq = 0
         window = options.runtime_env().stragglers.window_ops if backend is not None else 0
         self.window_ops = window
-        """Collectives per arrival window (0: none recorded; `axond.distributed.diagnostics.arrivals`)."""
+        """Collectives between two arrival marks (0: none recorded; `axond.distributed.diagnostics.arrivals`)."""
         self.waited_ns = 0
         """Nanoseconds this member spent inside its blocking collectives (p2p ops not counted), from enter to done."""
         self.waited_ops = 0
         """How many collectives `waited_ns` sums."""
         self.window_at = window if window > 0 else 1 << 62
-        self.windows: deque[Window] = deque(maxlen=KEEP_WINDOWS)
-        """The last closed windows: (window number, waited_ns then, time.monotonic_ns() then)."""
+        self.windows: deque[Window] = deque(maxlen=KEEP_MARKS)
+        """The last marks, one every `window_ops` collectives: (number, waited_ns then, time.monotonic_ns() then)."""
         self._monitored = 0
         if backend is not None:
             track(self)
@@ -182,7 +182,7 @@ class ProcessGroup:
                     self.close_window()
 
     def close_window(self) -> None:
-        """Keep the window that just closed (every `window_ops` collectives): its number, the wait so far, now."""
+        """Keep a mark (every `window_ops` collectives): its number, the wait so far, now."""
         self.windows.append((self.waited_ops // self.window_ops, self.waited_ns, monotonic_ns()))
         self.window_at += self.window_ops
 

@@ -17,7 +17,7 @@ def goodput_families(snap: Any) -> list[Family]:
     wall = Family("axond_job_wall_seconds", "gauge", "Seconds from the job's creation to its end (or now).")
     parts = Family("axond_job_time_seconds_total", "counter",
                    "Seconds of the job's wall time by cause: productive, startup, waiting_for_members, detection, "
-                   "reformation (they add up to axond_job_wall_seconds).")
+                   "reformation, hung (they add up to axond_job_wall_seconds).")
     ratio = Family("axond_job_goodput_ratio", "gauge", "Productive seconds over wall seconds of the job (goodput).")
     for j in snap.jobs:
         if not j.goodput:

@@ -49,6 +49,11 @@ def merge(directory: str | Path) -> dict[str, Any]:
     files = sorted(root.glob("rank-*.json"))
     if not files:
         raise TimelineError(f"{root} holds no rank-*.json timeline files; run the job with AXOND_TIMELINE={root}")
+    return merge_files(files)
+
+
+def merge_files(files: list[Path]) -> dict[str, Any]:
+    """One trace of these rank files (`merge`)."""
     merged: list[dict[str, Any]] = []
     ranks: list[dict[str, Any]] = []
     for path in files:

@@ -4,7 +4,7 @@ straggler), for the straggler test and `bench/stragglers.py`:
     axond worker --standalone --nproc-per-node 4 -- python -m axond.testing.straggler_job STEPS
 
 Rank 0 prints `step N` after each step. The native model has 8 hidden layers of 64 and 4 KiB buckets: 18
-all_reduces per step (set AXOND_STRAGGLER_WINDOW_OPS to a multiple of 18, so that every window holds whole steps).
+all_reduces per step.
 `axond.testing.straggler_torch_job` is the same over torch DDP.
 """
 

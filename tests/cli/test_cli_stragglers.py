@@ -16,8 +16,7 @@ PY = sys.executable
 @pytest.mark.slow  # four ranks training until the straggler is seen
 @pytest.mark.timeout(150)
 def test_status_shows_the_straggler(coord: RunningCoordinator, procs: Procs) -> None:
-    env = {"SLOW_RANK": "3", "SLOW_S": "0.2", "AXOND_STRAGGLER_WINDOW_OPS": "18", "OMP_NUM_THREADS": "1",
-           "OPENBLAS_NUM_THREADS": "1"}
+    env = {"SLOW_RANK": "3", "SLOW_S": "0.2", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     procs.axond("worker", "--coordinator", coord.address, "--job", "slow", "--nproc-per-node", "4",
                 "--", PY, "-m", "axond.testing.straggler_job", "400", env=env)
     seen: list[str] = []
@@ -25,7 +24,7 @@ def test_status_shows_the_straggler(coord: RunningCoordinator, procs: Procs) -> 
     def named() -> bool:
         res = procs.run("status", "--coordinator", coord.address, "--job", "slow")
         seen.append(res.stdout + res.stderr)
-        found = re.search(r"^slow\s+3\s+.*yes: others wait \d+ ms/18 ops", res.stdout, re.M)
+        found = re.search(r"^slow\s+3\s+.*yes: others wait \d+ ms in [\d.]+ s", res.stdout, re.M)
         return res.code == 0 and found is not None
 
     wait_for(named, 60, "rank 3 named in the STRAGGLER column", 0.5)

@@ -46,8 +46,8 @@ def test_members_close_the_same_windows_and_the_late_one_is_named() -> None:
     reports = {rank: rep for rank, (_, rep) in enumerate(results)}
     assert [[w[0] for w in rep["world"]["w"]] for rep in reports.values()] == [[1, 2, 3]] * 3
     named = stragglers(reports, StragglerSettings(window_ops=4, windows=2))
-    assert [(s.rank, s.group, s.windows, s.last_window) for s in named] == [(SLEEPER, "world", 2, 3)]
-    assert named[0].lost_s >= 3 * NAP_S, "the others waited about a nap per collective for it"
+    assert [(s.rank, s.group, s.windows, s.first_mark, s.last_mark) for s in named] == [(SLEEPER, "world", 2, 1, 3)]
+    assert named[0].lost_s >= 2 * 3 * NAP_S, "the others waited about a nap per collective for it"
 
 
 def test_no_window_without_recording() -> None:
@@ -60,7 +60,7 @@ def test_no_window_without_recording() -> None:
 
 
 def _reports(waits: dict[int, list[float]], wall: float = 1.0, ops: int = 100) -> dict[int, dict[str, Any]]:
-    """Published windows with these per-window waits (seconds) of each rank, each window `wall` seconds long."""
+    """Published marks with these waits (seconds) of each rank between two marks, each `wall` seconds apart."""
     out = {}
     for rank, per in waits.items():
         marks, ns, t = [[0, 0, 0]], 0, 0
@@ -75,9 +75,23 @@ def test_a_rank_far_below_the_others_for_k_windows_is_named_with_the_time_lost()
     settings = StragglerSettings(window_ops=100, windows=3, threshold_s=0.05, fraction=0.1)
     waits = {0: [0.3] * 4, 1: [0.32] * 4, 2: [0.31] * 4, 3: [0.01] * 4}
     (s,) = stragglers(_reports(waits), settings)
-    assert (s.rank, s.windows, s.last_window, s.window_ops) == (3, 3, 4, 100)
-    assert s.lost_s == pytest.approx(0.30, abs=1e-6) and s.share == pytest.approx(0.30, abs=1e-6)
-    assert "rank 3 is a straggler" in s.text() and "0.300 s" in s.text()
+    assert (s.rank, s.windows, s.first_mark, s.last_mark, s.ops) == (3, 3, 1, 4, 300)
+    assert s.lost_s == pytest.approx(0.90, abs=1e-6) and s.share == pytest.approx(0.30, abs=1e-6)
+    assert "rank 3 is a straggler" in s.text() and "0.900 s more than it in the last 3.000 s" in s.text()
+
+
+def test_a_window_spans_a_step_whatever_its_collectives() -> None:
+    """Marks 0.1 s apart, a step every 3 marks, the others' wait for rank 2 in the first mark of each step: each
+    window runs to AXOND_STRAGGLER_WINDOW_MS (300 ms: one step), so each holds one wait; while too few marks are kept
+    for three such windows, the windows are shorter, some hold no wait, and nobody is named yet."""
+    step = [0.25, 0.0, 0.0]
+    settings = StragglerSettings(window_ops=8, window_s=0.3, windows=3)
+    waits = {0: step * 4, 1: step * 4, 2: [0.0] * 12}
+    (s,) = stragglers(_reports(waits, wall=0.1, ops=8), settings)
+    assert (s.rank, s.first_mark, s.last_mark, s.ops) == (2, 3, 12, 72)
+    assert s.lost_s == pytest.approx(0.75, abs=1e-6) and s.span_s == pytest.approx(0.9, abs=1e-6)
+    early = {r: w[:6] for r, w in waits.items()}
+    assert stragglers(_reports(early, wall=0.1, ops=8), settings) == []
 
 
 @pytest.mark.parametrize("waits", [
@@ -102,7 +116,7 @@ def test_unreadable_windows_are_left_out() -> None:
 
 
 @pytest.mark.parametrize(("var", "raw"), [("AXOND_STRAGGLER_WINDOW_OPS", "-1"), ("AXOND_STRAGGLER_WINDOWS", "0"),
-                                          ("AXOND_STRAGGLER_WINDOWS", "16"),
+                                          ("AXOND_STRAGGLER_WINDOWS", "16"), ("AXOND_STRAGGLER_WINDOW_MS", "-3"),
                                           ("AXOND_STRAGGLER_THRESHOLD_MS", "x"), ("AXOND_STRAGGLER_FRACTION", "1.5")])
 def test_bad_settings_name_the_variable(var: str, raw: str) -> None:
     with pytest.raises(ConfigError, match=var):
@@ -112,5 +126,6 @@ def test_bad_settings_name_the_variable(var: str, raw: str) -> None:
 
 def test_settings_are_read() -> None:
     env = RuntimeEnv.from_env({"AXOND_STRAGGLER_WINDOW_OPS": "18", "AXOND_STRAGGLER_WINDOWS": "4",
-                               "AXOND_STRAGGLER_THRESHOLD_MS": "20", "AXOND_STRAGGLER_FRACTION": "0.2"})
-    assert env.stragglers == StragglerSettings(window_ops=18, windows=4, threshold_s=0.02, fraction=0.2)
+                               "AXOND_STRAGGLER_WINDOW_MS": "500", "AXOND_STRAGGLER_THRESHOLD_MS": "20",
+                               "AXOND_STRAGGLER_FRACTION": "0.2"})
+    assert env.stragglers == StragglerSettings(window_ops=18, window_s=0.5, windows=4, threshold_s=0.02, fraction=0.2)

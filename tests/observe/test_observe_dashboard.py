@@ -60,7 +60,7 @@ def test_the_dashboard_needs_the_token_and_shows_the_job(coordinator_factory: Ca
     [job] = [j for j in state()["jobs"] if j["job"] == "shown"]
     assert job["state"] == "running" and job["world_size"] == 2 and len(job["ranks"]) == 2
     assert job["ranks"][1]["blocked"] == ""
-    assert set(job["goodput"]) == {"productive", "startup", "waiting_for_members", "detection", "reformation"}
+    assert set(job["goodput"]) == {"productive", "startup", "waiting_for_members", "detection", "reformation", "hung"}
     assert sum(job["goodput"].values()) == pytest.approx(job["wall_s"], rel=0.01)
     assert [n["job"] for n in state()["nodes"]] == ["shown"]
 
@@ -96,3 +96,19 @@ def test_the_grafana_dashboard_reads_metrics_the_coordinator_exports(
     exported = _get(shown.url + "metrics")[2].decode()
     names = set(re.findall(r"^# TYPE (\S+) ", exported, re.M))
     assert used <= names | {n + suffix for n in names for suffix in ("_bucket", "_sum", "_count")}, used - names
+
+
+def test_the_timeline_download_says_why_there_is_none(coordinator_factory: Callable[..., RunningCoordinator],
+                                                      monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    coord = coordinator_factory(**FAST, metrics_port=0, insecure=True)
+    assert coord.metrics is not None
+    url = f"http://127.0.0.1:{coord.metrics.port}/api/timeline?job=j"
+    status, _, body = _get(url)
+    assert status == 404 and b"no timeline directory" in body and b"AXOND_TIMELINE" in body
+    monkeypatch.setenv("AXOND_TIMELINE", str(tmp_path))
+    other = coordinator_factory(**FAST, metrics_port=0, insecure=True)
+    assert other.metrics is not None
+    status, _, body = _get(f"http://127.0.0.1:{other.metrics.port}/api/timeline?job=j")
+    assert status == 404 and b"no job 'j'" in body
+    with urllib.request.urlopen(f"http://127.0.0.1:{other.metrics.port}/api/state", timeout=10) as r:
+        assert json.loads(r.read())["timeline"] is True

@@ -1,5 +1,6 @@
 """The coordinator's dashboard in a real headless browser (Debian's chromium and chromium-driver, driven by
-selenium): the page shows a running job and its ranks, updates itself, and logs no error in the console.
+selenium): the page shows a running job and its ranks, updates itself, names a straggler, plots the job's pace and
+links its merged timeline, and logs no error in the console.
 
 Skips where selenium, chromium or chromedriver are missing (`apt-get install chromium chromium-driver`,
 `pip install selenium`). With AXOND_TEST_SCREENSHOTS=DIR it also saves its screenshots there.
@@ -7,8 +8,11 @@ Skips where selenium, chromium or chromedriver are missing (`apt-get install chr
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,7 @@ import pytest
 
 from axond.coordinator.server import RunningCoordinator
 from dashboard_job import TOKEN, start_dashboard_job
-from worker_support import Procs, procs  # noqa: F401
+from worker_support import FAST, Procs, procs  # noqa: F401
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -92,3 +96,40 @@ def test_the_dashboard_refuses_a_browser_without_the_token(coordinator_factory: 
     browser.get(shown.url)
     assert "requires its token" in browser.find_element("tag name", "body").text
     assert not browser.find_elements("css selector", ".job")
+
+
+@pytest.mark.slow  # four ranks training until the straggler is named
+@pytest.mark.timeout(150)
+def test_the_dashboard_shows_a_straggler_and_the_jobs_pace(coordinator_factory: Callable[..., RunningCoordinator],
+                                                           procs: Procs, tmp_path: Path, browser: Any,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AXOND_TIMELINE", str(tmp_path / "timeline"))  # the coordinator's and the ranks'
+    coord = coordinator_factory(**FAST, metrics_port=0, token=TOKEN)
+    assert coord.metrics is not None
+    env = {"SLOW_RANK": "1", "SLOW_S": "0.2", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    procs.axond("worker", "--coordinator", coord.address, "--token", TOKEN, "--job", "slow", "--nproc-per-node", "4",
+                "--", sys.executable, "-m", "axond.testing.straggler_job", "400", env=env)
+    browser.get(f"http://127.0.0.1:{coord.metrics.port}/?token={TOKEN}")
+
+    def straggler_row(d: Any) -> bool:
+        rows = [r.text for r in d.find_elements("css selector", ".job[data-job='slow'] .ranks tr")]
+        return any(r.startswith("1 ") and "yes: others wait" in r for r in rows)
+
+    _wait(browser, straggler_row, 90, "rank 1 named a straggler in the ranks table")
+    _wait(browser, lambda d: d.find_elements("css selector", ".job[data-job='slow'] .pace-plot polyline"), 10,
+          "the job's pace plot")
+    assert "ms per 8 collectives ('world')" in browser.find_element("css selector", ".pace-plot").text
+    rows = [r.text for r in browser.find_elements("css selector", ".job[data-job='slow'] .ranks tr")]
+    assert sum("yes: others wait" in r for r in rows) == 1, rows
+    updates = int(browser.find_element("tag name", "body").get_attribute("data-updates"))
+    _wait(browser, lambda d: int(d.find_element("tag name", "body").get_attribute("data-updates")) >= updates + 2, 30,
+          "two more refreshes (the goodput counts the ranks as running from the read that saw their marks)")
+    _screenshot(browser, "culprit-straggler.png", tmp_path)
+    link = browser.find_element("css selector", ".job[data-job='slow'] a.timeline").get_attribute("href")
+    with urllib.request.urlopen(link, timeout=30) as answer:
+        trace = json.loads(answer.read())
+    files = {r["file"] for r in trace["otherData"]["axond"]["ranks"]}
+    assert len(files) == 4 and all(f.startswith("rank-") for f in files), files
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"]), "the ranks' collectives, merged"
+    errors = [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
+    assert errors == [], errors

@@ -2,16 +2,19 @@
 
 Every member of a collective leaves it when the last one arrived, so the rank that arrives last waits least, and
 the others wait for it. No clock has to agree with another: each rank measures, on its own monotonic clock, the time
-from entering each collective to its end (`ProcessGroup.waited_ns`, a few integer adds per op). Every
-`window_ops` collectives of a group (the same ops on every member, so window k is the same ops everywhere) it keeps
-the window's number, its total wait so far and the time (`ProcessGroup.windows`). The in-flight reporter thread
-publishes the last windows of a process's groups under `axond/arrivals/<global rank>` in the job's coordinator
-store (only under `axond worker`: off the hot path, at most once a second, JSON).
+from entering each collective to its end (`ProcessGroup.waited_ns`, a few integer adds per op). Every `window_ops`
+collectives of a group (the same ops on every member, so mark k closes after the same op everywhere) it keeps a mark:
+the mark's number, its total wait so far and the time (`ProcessGroup.windows`, the last `KEEP_MARKS`). The in-flight
+reporter thread publishes the marks of a process's groups under `axond/arrivals/<global rank>` in the job's
+coordinator store (only under `axond worker`: off the hot path, at most once a second, JSON).
 
-`stragglers` compares the ranks of a group window by window: a rank whose wait is below the others' median by
-more than `threshold_s` and more than `fraction` of the window's wall time, in the last `windows` windows in a
-row, is named, with the time the others lose to it per window (their median wait minus its own). The worker
-(`axond.worker.stragglers`) tells it in a notice and a metric; `axond status --job` shows it.
+`stragglers` compares the ranks of a group over windows built from those marks, newest first: a window is the
+shortest run of marks whose wall time (the ranks' median) reaches `window_s`, so that it holds at least one step
+whatever a step's collectives (no step count to configure), or, while fewer marks are kept than `windows` such
+windows need, an equal share of the kept marks. A rank whose wait is below the others' median by more than
+`threshold_s` and more than `fraction` of the window's wall time, in the last `windows` windows, is named, with the
+time the others lost to it. The worker (`axond.worker.stragglers`) tells it in a notice and a metric; `axond status
+--job` and the dashboard show it.
 """
 
 from __future__ import annotations
@@ -22,24 +25,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from axond.config import MAX_STRAGGLER_WINDOWS, StragglerSettings
+from axond.config import StragglerSettings
 from axond.store import Store
 
 KEY = "axond/arrivals/{}"
-KEEP_WINDOWS = MAX_STRAGGLER_WINDOWS + 1
-"""Closed windows a group keeps (and a rank publishes): AXOND_STRAGGLER_WINDOWS + 1 are needed."""
+KEEP_MARKS = 64
+"""Marks a group keeps (and a rank publishes): 512 collectives at the default 8 per mark, about 4 KB of JSON."""
 MAX_RANKS = 256
 """The most ranks whose windows are read and compared (one store read each); larger jobs are not compared."""
 NOT_COUNTED = frozenset({"send", "recv", "isend"})
 """Point-to-point ops: members run different numbers of them, so counting them would misalign the windows."""
 
 Window = tuple[int, int, int]
-"""(window number, ns waited in the group's collectives up to its end, time.monotonic_ns() at its end)."""
+"""A mark: (its number, ns waited in the group's collectives up to it, time.monotonic_ns() at it)."""
 
 
 def report(groups: Iterable[Any]) -> dict[str, Any]:
-    """The windows of `groups` (ProcessGroups) as published:
-    {group name: {"ranks": [global ranks], "ops": window_ops, "w": [[k, ns, t], ...]}}."""
+    """The marks of `groups` (ProcessGroups) as published:
+    {group name: {"ranks": [global ranks], "ops": window_ops, "w": [[k, ns, t], ...]}}; the reporter adds
+    "started": the wall-clock time of the process's first mark (readers skip entries that are not groups)."""
     out: dict[str, Any] = {}
     for g in groups:
         windows = list(g.windows)  # a copy: the group's thread appends meanwhile
@@ -72,67 +76,91 @@ class Straggler:
     rank: int
     group: str
     lost_s: float
-    """Seconds per window the others' median wait exceeded this rank's (mean of those windows)."""
-    window_s: float
-    """The windows' mean wall time (seconds, the others' median)."""
-    window_ops: int
-    """Collectives per window."""
+    """Seconds the others' median wait exceeded this rank's, summed over the windows."""
+    span_s: float
+    """The windows' wall time (seconds, the ranks' median), summed."""
+    ops: int
+    """Collectives in the windows."""
     windows: int
-    last_window: int
-    """The number of the last window counted."""
+    first_mark: int
+    """The number of the mark the first window starts at."""
+    last_mark: int
+    """The number of the mark the last window ends at."""
 
     @property
     def share(self) -> float:
-        return self.lost_s / self.window_s if self.window_s > 0 else 0.0
+        return self.lost_s / self.span_s if self.span_s > 0 else 0.0
 
     def text(self) -> str:
         return (f"rank {self.rank} is a straggler: the other ranks of group '{self.group}' waited {self.lost_s:.3f} s "
-                f"more than it per {self.window_ops} collectives ({self.share:.0%} of the time), in the last "
-                f"{self.windows} windows: it arrives last (it computes slower)")
+                f"more than it in the last {self.span_s:.3f} s ({self.share:.0%} of the time; {self.ops} collectives, "
+                f"{self.windows} windows): it arrives last (it computes slower)")
 
     def short(self) -> str:
-        return f"yes: others wait {self.lost_s * 1000:.0f} ms/{self.window_ops} ops ({self.share:.0%})"
+        return f"yes: others wait {self.lost_s * 1000:.0f} ms in {self.span_s:.1f} s ({self.share:.0%})"
 
 
-def _per_window(windows: Any) -> dict[int, tuple[int, int]]:
-    """{k: (ns waited in window k, wall ns of window k)} for each window whose predecessor is known too."""
+Marks = dict[int, tuple[int, int]]
+"""{mark number: (ns waited up to it, time.monotonic_ns() at it)} of one rank in one group."""
+
+
+def _marks(windows: Any) -> Marks:
     try:
-        marks = {int(k): (int(ns), int(t)) for k, ns, t in windows}
+        return {int(k): (int(ns), int(t)) for k, ns, t in windows}
     except (TypeError, ValueError):
         return {}
-    return {k: (ns - marks[k - 1][0], t - marks[k - 1][1]) for k, (ns, t) in marks.items() if k - 1 in marks}
+
+
+def _spans(ranks: Mapping[int, Marks], settings: StragglerSettings) -> list[tuple[int, int]]:
+    """The last `settings.windows` windows as (first mark, last mark), oldest first; [] when too few marks agree."""
+    low = max(min(m) for m in ranks.values())
+    high = min(max(m) for m in ranks.values())
+    if any(any(k not in m for k in range(low, high + 1)) for m in ranks.values()):
+        return []  # a gap in some rank's marks (it restarted its group): wait for contiguous ones
+    most = (high - low) // settings.windows
+    if most < 1:
+        return []
+    want = int(settings.window_s * 1e9)
+    spans: list[tuple[int, int]] = []
+    end = high
+    for _ in range(settings.windows):
+        start = end - 1
+        while end - start < most and statistics.median(m[end][1] - m[start][1] for m in ranks.values()) < want:
+            start -= 1
+        spans.append((start, end))
+        end = start
+    return spans[::-1]
 
 
 def stragglers(reports: Mapping[int, Mapping[str, Any]], settings: StragglerSettings) -> list[Straggler]:
     """The ranks of `reports` (global rank -> published arrivals) named stragglers, by group, slowest first."""
-    by_group: dict[str, dict[int, dict[int, tuple[int, int]]]] = {}
+    by_group: dict[str, dict[int, Marks]] = {}
     ops: dict[str, int] = {}
     for rank, groups in reports.items():
         for name, data in groups.items():
             if not isinstance(data, dict):
                 continue
-            windows = _per_window(data.get("w", []))
-            if windows:
-                by_group.setdefault(name, {})[rank] = windows
+            marks = _marks(data.get("w", []))
+            if len(marks) >= 2:
+                by_group.setdefault(name, {})[rank] = marks
                 ops[name] = int(data.get("ops", settings.window_ops) or settings.window_ops)
     named: list[Straggler] = []
     for name, ranks in by_group.items():
         if len(ranks) < 2:
             continue
-        common = sorted(set.intersection(*(set(w) for w in ranks.values())))[-settings.windows:]
-        if len(common) < settings.windows:
+        spans = _spans(ranks, settings)
+        if not spans:
             continue
         for rank, own in ranks.items():
-            gaps, walls = [], []
-            for k in common:
-                others = [w[k][0] for r, w in ranks.items() if r != rank]
-                wall = statistics.median(w[k][1] for w in ranks.values()) / 1e9
-                gap = (statistics.median(others) - own[k][0]) / 1e9
+            lost = span = 0.0
+            for a, b in spans:
+                others = [(m[b][0] - m[a][0]) / 1e9 for r, m in ranks.items() if r != rank]
+                wall = statistics.median((m[b][1] - m[a][1]) / 1e9 for m in ranks.values())
+                gap = statistics.median(others) - (own[b][0] - own[a][0]) / 1e9
                 if gap < max(settings.threshold_s, settings.fraction * wall):
                     break
-                gaps.append(gap)
-                walls.append(wall)
+                lost, span = lost + gap, span + wall
             else:
-                named.append(Straggler(rank, name, sum(gaps) / len(gaps), sum(walls) / len(walls), ops[name],
-                                       len(gaps), common[-1]))
+                first, last = spans[0][0], spans[-1][1]
+                named.append(Straggler(rank, name, lost, span, (last - first) * ops[name], len(spans), first, last))
     return sorted(named, key=lambda s: -s.lost_s)

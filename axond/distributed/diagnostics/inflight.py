@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from axond.distributed.diagnostics.arrivals import KEY as ARRIVALS_KEY
 from axond.distributed.diagnostics.arrivals import report as arrivals_report
+from axond.distributed.diagnostics.flight_recorder import Dumper
 from axond.distributed.diagnostics.job_report import JobSink, coordinator_opener, launched_env, publishes_itself
 from axond.config import RuntimeEnv
 from axond.store import Store
@@ -86,6 +87,10 @@ class _Reporter:
         self._env: RuntimeEnv | None = None
         self._arrivals_at = 0.0
         self._arrivals: dict[str, Any] = {}
+        self._started: float | None = None
+        """Wall-clock time of this process's first arrival mark (published with the marks as "started")."""
+        self._dumper: Dumper | None = None
+        self._dumper_known = False
 
     def _job_sink(self) -> JobSink:
         """The process's publisher to its job's coordinator store (read from the environment once)."""
@@ -115,6 +120,8 @@ class _Reporter:
         union: dict[str, Any] = {}
         for m, groups in members:
             data = arrivals_report(groups)
+            if data:
+                data["started"] = self._first_mark(groups)
             if publishes_itself([(m.store, m.global_rank)], self._env):
                 if data and data != m.arrivals:
                     try:
@@ -127,6 +134,25 @@ class _Reporter:
         if union and union != self._arrivals:
             sink.put(ARRIVALS_KEY.format(self._env.rank), json.dumps(union).encode())
             self._arrivals = union
+
+    def _dump(self, members: list[tuple[_Member, list[Any]]]) -> None:
+        """Write a Flight Recorder dump of the process's groups if its worker asked (`flight_recorder`)."""
+        groups = [g for _, gs in members for g in gs]
+        if not self._dumper_known:
+            self._dumper_known = True
+            files = [g.options.runtime_env().failure.error_file for g in groups if hasattr(g, "options")]
+            self._dumper = Dumper(files[0]) if files and files[0] else None
+        if self._dumper is not None:
+            self._dumper.check(groups)
+
+    def _first_mark(self, groups: list[Any]) -> float:
+        """When this process closed its first mark, on the wall clock (kept once found: the coordinator's goodput
+        counts the job's ranks as running from the last of their first marks)."""
+        if self._started is None:
+            firsts = [g.windows[0][2] for g in groups if getattr(g, "windows", None)]
+            if firsts:
+                self._started = time.time() - (time.monotonic_ns() - min(firsts)) / 1e9
+        return self._started if self._started is not None else time.time()
 
     def register(self, store: Store, global_rank: int, group: Tracked) -> None:
         with self._lock:
@@ -167,6 +193,7 @@ class _Reporter:
                     pass
             self._publish_job([m for m, _ in members])
             self._publish_arrivals(members)
+            self._dump(members)
             self._wake.wait(tick)
             self._wake.clear()
 

@@ -3,7 +3,7 @@
 "use strict";
 
 const COLORS = {productive: "#2da44e", startup: "#8c959f", waiting_for_members: "#bf8700", detection: "#cf222e",
-                reformation: "#8250df"};
+                reformation: "#8250df", hung: "#fb8f44"};
 const REFRESH_MS = 2000;
 const token = new URLSearchParams(window.location.search).get("token");
 
@@ -93,7 +93,56 @@ function historyPlot(job) {
   return svg;
 }
 
-function drawJob(job, causes) {
+function svgText(svg, x, y, text) {
+  const t = document.createElementNS("http://www.w3.org/2000/svg", "text");
+  t.setAttribute("x", x);
+  t.setAttribute("y", y);
+  t.setAttribute("fill", "#555");
+  t.textContent = text;
+  svg.appendChild(t);
+}
+
+function pacePlot(job) {
+  // the wall time between the ranks' arrival marks (every `ops` collectives): a straggler or a hang shows as a rise
+  const ns = "http://www.w3.org/2000/svg";
+  const w = 480, h = 90, pad = 4, top = 20;
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("width", w);
+  svg.setAttribute("height", h);
+  svg.setAttribute("class", "pace-plot");
+  const pace = job.pace || {};
+  const points = pace.points || [];
+  if (points.length < 2) {
+    svgText(svg, 8, h / 2, "recent pace: no arrival marks yet (the ranks publish them as they run collectives)");
+    return svg;
+  }
+  const t0 = points[0][0], t1 = points[points.length - 1][0];
+  const most = Math.max(...points.map(p => p[1]), 1e-9);
+  const x = t => pad + (w - 2 * pad) * (t - t0) / Math.max(t1 - t0, 1e-9);
+  const y = v => h - pad - (h - pad - top) * v / most;
+  const line = document.createElementNS(ns, "polyline");
+  line.setAttribute("points", points.map(p => x(p[0]).toFixed(1) + "," + y(p[1]).toFixed(1)).join(" "));
+  line.setAttribute("fill", "none");
+  line.setAttribute("stroke", "#0969da");
+  line.setAttribute("stroke-width", "2");
+  svg.appendChild(line);
+  const sorted = points.map(p => p[1]).sort((a, b) => a - b);
+  const median = sorted[Math.floor(sorted.length / 2)];
+  svgText(svg, 8, 14, "ms per " + pace.ops + " collectives ('" + pace.group + "'), last " + seconds(t1 - t0) +
+          ": median " + median.toFixed(1) + ", max " + most.toFixed(1));
+  return svg;
+}
+
+function timelineLink(job) {
+  // the job's merged timeline, where the coordinator sees the ranks' timeline directory (AXOND_TIMELINE)
+  const query = "job=" + encodeURIComponent(job.job) + (token ? "&token=" + encodeURIComponent(token) : "");
+  const link = el("a", "download the merged timeline (Perfetto, chrome://tracing)", "timeline");
+  link.href = "api/timeline?" + query;
+  link.download = job.job + "-timeline.json";
+  return link;
+}
+
+function drawJob(job, causes, timeline) {
   const box = el("div", null, "job");
   box.dataset.job = job.job;
   const title = el("h3");
@@ -108,6 +157,8 @@ function drawJob(job, causes) {
   box.appendChild(goodputBar(job, causes));
   box.appendChild(legend(job, causes));
   box.appendChild(historyPlot(job));
+  box.appendChild(pacePlot(job));
+  if (timeline) box.appendChild(el("div")).appendChild(timelineLink(job));
   const table = el("table", null, "ranks");
   table.appendChild(row(["rank", "node", "host", "pid", "node rank", "local rank", "blocked in", "straggler"]
                         .map(t => el("th", t))));
@@ -123,7 +174,7 @@ function drawJob(job, causes) {
 
 function draw(data) {
   const jobs = document.getElementById("jobs");
-  jobs.replaceChildren(...data.jobs.map(j => drawJob(j, data.causes)));
+  jobs.replaceChildren(...data.jobs.map(j => drawJob(j, data.causes, data.timeline)));
   if (!data.jobs.length) jobs.appendChild(el("div", "no jobs", "muted"));
   document.getElementById("job-count").textContent = data.jobs.length;
   const body = document.querySelector("#nodes tbody");

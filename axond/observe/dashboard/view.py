@@ -1,5 +1,6 @@
-"""What the dashboard shows, as JSON-ready data: nodes, jobs with their goodput and its history, ranks with what each
-reports being blocked in and the stragglers (read from the job generation's store, as `axond status --job` does).
+"""What the dashboard shows, as JSON-ready data: nodes, jobs with their goodput and its history, their recent pace
+(the time between the ranks' arrival marks), ranks with what each reports being blocked in and the stragglers (read
+from the job generation's store, as `axond status --job` does).
 
 Read on the coordinator's event loop (where its state changes), like its /metrics, with bounded work: at most
 `MAX_RANKS` ranks of each job, and their reports.
@@ -46,9 +47,8 @@ def _blocked(state: CoordinatorState, job: str, generation: int, rank: int, now:
         return ""
 
 
-def _stragglers(state: CoordinatorState, job: str, generation: int, ranks: list[int]) -> dict[int, str]:
-    """rank -> why the others wait for it, for the ranks named stragglers from their published arrival windows
-    (the default thresholds: docs/operations.md, "Stragglers")."""
+def _arrivals(state: CoordinatorState, job: str, generation: int, ranks: list[int]) -> dict[int, Any]:
+    """rank -> its published arrival marks (`axond.distributed.diagnostics.arrivals`), for the ranks that have some."""
     reports: dict[int, Any] = {}
     for rank in ranks:
         try:
@@ -58,10 +58,38 @@ def _stragglers(state: CoordinatorState, job: str, generation: int, ranks: list[
             continue
         if isinstance(data, dict):
             reports[rank] = data
+    return reports
+
+
+def _stragglers(reports: dict[int, Any]) -> dict[int, str]:
+    """rank -> why the others wait for it, for the ranks named stragglers from their published arrival marks
+    (the default thresholds: docs/operations.md, "Stragglers")."""
     out: dict[int, str] = {}
     for s in stragglers(reports, StragglerSettings()):
         out.setdefault(s.rank, s.short())
     return out
+
+
+def _pace(reports: dict[int, Any]) -> dict[str, Any]:
+    """The job's recent pace, from the lowest rank's marks in its group with the most: the wall time between two
+    consecutive marks (each `ops` collectives apart) as [seconds before the newest mark, ms] points; every member
+    of a group keeps the same pace (they leave each collective together), so one rank tells it."""
+    best: tuple[int, str, int, list[Any]] | None = None
+    for rank in sorted(reports):
+        for name, data in reports[rank].items():
+            marks = data.get("w") if isinstance(data, dict) else None
+            if isinstance(marks, list) and (best is None or len(marks) > len(best[3])):
+                best = (rank, name, int(data.get("ops", 0) or 0), marks)
+        if best is not None:
+            break
+    if best is None or len(best[3]) < 2:
+        return {}
+    try:
+        t = [int(m[2]) for m in best[3]]
+    except (TypeError, ValueError, IndexError):
+        return {}
+    points = [[round((t[i] - t[-1]) / 1e9, 3), round((t[i] - t[i - 1]) / 1e6, 2)] for i in range(1, len(t))]
+    return {"rank": best[0], "group": best[1], "ops": best[2], "points": points}
 
 
 def state_view(state: CoordinatorState) -> dict[str, Any]:
@@ -76,7 +104,8 @@ def state_view(state: CoordinatorState) -> dict[str, Any]:
         running = not j.state.terminal
         clock = state.ctx.goodput.read(j.job, state.jobs.get(j.job), now)
         history = [[round(t, 2), round(w, 3), round(p, 3)] for t, w, p in clock.history] if clock else []
-        slow = _stragglers(state, j.job, j.generation, [r.rank for r in j.ranks]) if running else {}
+        reports = _arrivals(state, j.job, j.generation, [r.rank for r in j.ranks]) if running else {}
+        slow = _stragglers(reports)
         ranks = [{"rank": r.rank, "node": r.node_id, "host": r.hostname, "pid": r.pid, "node_rank": r.node_rank,
                   "local_rank": r.local_rank,
                   "blocked": _blocked(state, j.job, j.generation, r.rank, wall) if running else "",
@@ -86,7 +115,7 @@ def state_view(state: CoordinatorState) -> dict[str, Any]:
             "job": j.job, "state": j.state.name.lower(), "generation": j.generation, "world_size": j.world_size,
             "nodes": j.nnodes, "restarts": j.restarts, "max_restarts": j.max_restarts, "reason": j.reason,
             "wall_s": round(j.wall_s, 3), "goodput": {c: round(s, 3) for c, s in j.goodput},
-            "history": history, "ranks": ranks, "ranks_omitted": j.ranks_omitted,
+            "history": history, "pace": _pace(reports), "ranks": ranks, "ranks_omitted": j.ranks_omitted,
         })
     return {"at": wall, "causes": list(CAUSES), "nodes": nodes, "jobs": jobs}
 
