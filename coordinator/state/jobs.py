@@ -126,6 +126,11 @@ class Job:
     past_rounds: list[Round] = field(default_factory=list)
     finished_at: float | None = None
     """When the job reached a terminal state (the coordinator's monotonic clock)."""
+    live: bool = False
+    """Live recovery (`axond worker --live-recovery`): a failed node's generation is replaced by one of the
+    survivors, whose ranks keep running, while at least `min_nodes` are left."""
+    live_generation: int = 0
+    """The last generation opened by live recovery (0: none)."""
 
     @property
     def generation(self) -> int:

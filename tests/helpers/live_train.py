@@ -1,0 +1,64 @@
+"""Run by tests/worker/test_live_recovery.py under `axond worker --live-recovery`: a small MLP on virtual ranks.
+
+argv: OUT_DIR HANG_STEP. Every process records its start (`start-RANK-PID`), every step (`steps-PID.jsonl`: rank,
+global step, world size, wall time) and its end (`end-PID.json`, `params-PID.npz`). The process that starts as rank 2
+stops in its step HANG_STEP (writes `hang-PID`, then sleeps) so that the test can SIGKILL it while the others wait
+in that step's collectives; HANG_STEP -1: nobody stops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import axond
+from axond import nn
+from axond.nn.optim import AdamW
+from axond.train import Callback, DistributedTrainer
+
+X = np.random.default_rng(5).standard_normal((240, 6)).astype(np.float32)
+Y = (X[:, 0] > X[:, 1]).astype(np.int64) + (X[:, 2] > 0.5)
+HANG_S = 120.0
+
+
+class Record(Callback):
+    def __init__(self, out: Path, hang_step: int) -> None:
+        self.out, self.hang_step, self.start_rank = out, hang_step, int(os.environ["RANK"])
+        self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed at exit
+
+    def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
+        step = int(metrics["global_step"])
+        self.log.write(json.dumps({"rank": trainer.rank, "step": step, "world": trainer.world_size,
+                                   "t": time.time()}) + "\n")
+        self.log.flush()
+        if self.start_rank == 2 and step == self.hang_step:
+            (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
+            time.sleep(HANG_S)
+
+
+def main() -> None:
+    out, hang_step = Path(sys.argv[1]), int(sys.argv[2])
+    (out / f"start-{os.environ['RANK']}-{os.getpid()}").write_text("")
+    axond.init_process_group("tcp", timeout=30)
+    rng = np.random.default_rng(3)
+    model = nn.Sequential(nn.Linear(6, 16, rng=rng), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 3, rng=rng))
+    trainer = DistributedTrainer(model, lambda params: AdamW(params, lr=0.01), nn.CrossEntropyLoss(), (X, Y),
+                                 batch_size=4, progress=False, clip_norm=1.0, callbacks=[Record(out, hang_step)])
+    history = trainer.fit(3)
+    np.savez(out / f"params-{os.getpid()}.npz", **trainer.module.state_dict())
+    recoveries = [dataclasses.asdict(r) for r in trainer.virtual.recoveries] if trainer.virtual else []
+    (out / f"end-{os.getpid()}.json").write_text(json.dumps({
+        "pid": os.getpid(), "rank": trainer.rank, "world": trainer.world_size, "recoveries": recoveries,
+        "losses": [h["loss"] for h in history], "generation": os.environ["AXOND_GENERATION"],
+        "mono": time.monotonic(), "wall": time.time()}))
+    axond.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
