@@ -22,7 +22,7 @@ from axond.coordinator.state.errors import (
     check_positive,
     short,
 )
-from axond.coordinator.state.jobs import EventLog, FinishedEvent, InfoEvent, Job, JobState
+from axond.coordinator.state.jobs import MAX_LEFT, EventLog, FinishedEvent, InfoEvent, Job, JobState
 from axond.coordinator.state.membership import Membership, Node
 from axond.coordinator.state.rendezvous import Member, Round
 from axond.coordinator.state.scheduling import Scheduler
@@ -203,6 +203,8 @@ class JobLifecycle:
                 f"job {short(job)} would have more than {limits.max_world_size} ranks (max_world_size)"
             )
         node.job = job
+        if node_id in j.left:  # joining again: it is in the job once more
+            j.left.remove(node_id)
         self.members.mark(node)
         self.ctx.mark_job(job)
         rnd = j.round
@@ -415,10 +417,7 @@ class JobLifecycle:
     def left_job(self, job: str, node_id: str) -> bool:
         """Whether live recovery went on without `node_id` (its worker leaves the job instead of re-joining)."""
         j = self.ctx.jobs.get(job)
-        if j is None or not j.live or j.live_generation != j.generation or j.state.terminal:
-            return False
-        return j.round.member(node_id) is None and node_id not in j.round.joiners and (
-            any(old.member(node_id) is not None for old in j.past_rounds[-1:]))
+        return j is not None and j.live and node_id in j.left
 
     def _live_bump(self, j: Job, lost: Node, reason: str, now: float) -> bool:
         """Live recovery: open the next generation with the other members of this one (their ranks keep running, they
@@ -434,6 +433,7 @@ class JobLifecycle:
         self._bump(j, f"{reason}; re-forming live with the {len(survivors)} other node(s)", False, 0, now)
         j.round.expected = frozenset(survivors)
         j.live_generation = j.generation
+        j.left = [*j.left[-(MAX_LEFT - 1):], lost.node_id]
         if lost.job == j.name:
             lost.job = ""
             self.members.mark(lost)

@@ -2,8 +2,12 @@
 
 argv: OUT_DIR HANG_STEP. Every process records its start (`start-RANK-PID`), every step (`steps-PID.jsonl`: rank,
 global step, world size, wall time) and its end (`end-PID.json`, `params-PID.npz`). The process that starts as rank 2
-stops in its step HANG_STEP (writes `hang-PID`, then sleeps) so that the test can SIGKILL it while the others wait
-in that step's collectives; HANG_STEP -1: nobody stops.
+stops after its step HANG_STEP (writes `hang-PID`, then sleeps) so that the test can SIGKILL it while the others wait
+in the next step's collectives; HANG_STEP -1: nobody stops.
+
+LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none of this worker's ranks; "stubborn":
+its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
+10 ms until it is killed (what the fencing test watches).
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +35,9 @@ HANG_S = 120.0
 
 class Record(Callback):
     def __init__(self, out: Path, hang_step: int) -> None:
-        self.out, self.hang_step, self.start_rank = out, hang_step, int(os.environ["RANK"])
+        role = os.environ.get("LIVE_TEST_ROLE", "")
+        self.out, self.hang_step = out, hang_step
+        self.hangs = (role == "" and os.environ["RANK"] == "2") or (role == "stubborn" and os.environ["LOCAL_RANK"] == "0")
         self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed at exit
 
     def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
@@ -37,14 +45,29 @@ class Record(Callback):
         self.log.write(json.dumps({"rank": trainer.rank, "step": step, "world": trainer.world_size,
                                    "t": time.time()}) + "\n")
         self.log.flush()
-        if self.start_rank == 2 and step == self.hang_step:
+        if self.hangs and step == self.hang_step:
             (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
             time.sleep(HANG_S)
 
 
+def stamp_until_killed(path: Path) -> None:
+    """Ignore SIGTERM; write time.monotonic() to `path` every 10 ms (a daemon thread: until SIGKILL ends it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def loop() -> None:
+        while True:
+            path.write_text(repr(time.monotonic()))
+            time.sleep(0.01)
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
 def main() -> None:
     out, hang_step = Path(sys.argv[1]), int(sys.argv[2])
+    if os.environ.get("LIVE_TEST_ROLE") == "stubborn" and os.environ["LOCAL_RANK"] == "1":
+        stamp_until_killed(out / f"alive-{os.getpid()}")
     (out / f"start-{os.environ['RANK']}-{os.getpid()}").write_text("")
+    first_generation = os.environ["AXOND_GENERATION"]
     axond.init_process_group("tcp", timeout=30)
     rng = np.random.default_rng(3)
     model = nn.Sequential(nn.Linear(6, 16, rng=rng), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 3, rng=rng))
@@ -56,6 +79,7 @@ def main() -> None:
     (out / f"end-{os.getpid()}.json").write_text(json.dumps({
         "pid": os.getpid(), "rank": trainer.rank, "world": trainer.world_size, "recoveries": recoveries,
         "losses": [h["loss"] for h in history], "generation": os.environ["AXOND_GENERATION"],
+        "first_generation": first_generation,
         "mono": time.monotonic(), "wall": time.time()}))
     axond.destroy_process_group()
 
