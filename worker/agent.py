@@ -324,9 +324,9 @@ class JobRunner:
                 except (CoordinatorError, ValueError) as e:
                     return JobOutcome(failure.exit_code, f"{message} (and the coordinator was not told: {e})")
                 if reply.left_job:
-                    why = f"{message}; job {spec.job!r} goes on without this node (live recovery)"
-                    self._notice(why)
-                    return JobOutcome(failure.exit_code, why)
+                    gone = f"{message}; job {spec.job!r} goes on without this node (live recovery)"
+                    self._notice(gone)
+                    return JobOutcome(failure.exit_code, gone)
                 if reply.will_restart and not self._stop.is_set():
                     self._notice(f"job {spec.job!r} restarts as generation {reply.generation}")
                     return None

@@ -8,6 +8,7 @@ The note's format is the worker's (`axond.worker.live`); this module imports no 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -122,8 +123,6 @@ def surfaced(error: DistributedError, abort: Callable[[str], None]) -> Distribut
     live = _live
     if live is None or isinstance(error, MembershipChanged):
         return error
-    try:
+    with contextlib.suppress(Exception):  # a group already broken has no one left to tell
         abort(f"a peer left a live job: {error}")
-    except Exception:  # noqa: BLE001 - a group already broken has no one left to tell
-        pass
     return live.changed(error)

@@ -37,8 +37,9 @@ class Record(Callback):
     def __init__(self, out: Path, hang_step: int) -> None:
         role = os.environ.get("LIVE_TEST_ROLE", "")
         self.out, self.hang_step = out, hang_step
-        self.hangs = (role == "" and os.environ["RANK"] == "2") or (role == "stubborn" and os.environ["LOCAL_RANK"] == "0")
-        self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed at exit
+        self.hangs = (role == "" and os.environ["RANK"] == "2") or (
+            role == "stubborn" and os.environ["LOCAL_RANK"] == "0")
+        self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # closed at exit
 
     def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
         step = int(metrics["global_step"])
