@@ -295,6 +295,7 @@ class JobRunner:
         arrivals = Background(arrivals_reader(reads, spec.job, gen), "axond-arrival-reads")
         slow = StragglerWatch(spec.job, self._notice, arrivals, world_size, local,
                               env.stragglers, env.observe.metrics_dir)
+        nudges = live.Nudges(self._membership_paths(len(local))) if spec.live_recovery else None
         while True:
             result = ranks.poll()
             if result is not None and result.ok:
@@ -340,8 +341,12 @@ class JobRunner:
                     ranks.stop(grace=min(spec.stop_grace, max(0.0, guard.fence_deadline() - time.monotonic())))
                     self._notice(why)
                     return JobOutcome(LEASE_LOST_EXIT_CODE, why, lease_lost=True)
+            if nudges is not None and nudges.due(time.monotonic()):
+                self._hb.beat_now()  # a local rank lost a peer: hear of the next generation now
             beat = self._hb.latest(spec.job)
             if beat is not None and self._moves_live(beat, gen, ranks):
+                if nudges is not None:
+                    nudges.clear()
                 return None
             if beat is not None and (beat.generation > gen or beat.job_state in _TERMINAL_STATES):
                 ranks.stop(grace=spec.stop_grace)

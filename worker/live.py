@@ -8,11 +8,14 @@ the rank's new place in it (`ready` true). The rank's side reads it (`axond.dist
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from axond.distributed.membership import nudge_path
 from axond.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -50,6 +53,40 @@ def assign(paths: list[str], joined: pb.JoinResponse, reason: str) -> None:
             "local_world_size": joined.local_world_size, "node_rank": joined.node_rank, "nnodes": joined.nnodes,
             "job_secret": joined.job_secret.hex(),
         })
+
+
+NUDGE_EVERY_S = 0.1
+"""How often a worker heartbeats while one of its ranks waits for word of the job's next generation."""
+NUDGE_FOR_S = 30.0
+"""How long a rank's request to hear from the coordinator now is honoured (its wait, `AXOND_LIVE_WAIT_S`)."""
+
+
+class Nudges:
+    """The local ranks' requests to heartbeat now (a rank lost a peer): the job is about to move to the next
+    generation, and the survivors should hear of it at once, not at their next heartbeat interval."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = [nudge_path(p) for p in paths]
+        self._last = 0.0
+
+    def due(self, now: float) -> bool:
+        """Whether a rank asked within NUDGE_FOR_S and the last nudged heartbeat is NUDGE_EVERY_S old."""
+        if now - self._last < NUDGE_EVERY_S:
+            return False
+        for path in self.paths:
+            try:
+                age = time.time() - os.stat(path).st_mtime
+            except OSError:
+                continue
+            if age < NUDGE_FOR_S:
+                self._last = now
+                return True
+        return False
+
+    def clear(self) -> None:
+        for path in self.paths:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def renumber(ranks: LocalRanks, rank_offset: int) -> None:

@@ -53,6 +53,18 @@ def read_note(path: str) -> Note | None:
         return None
 
 
+def nudge_path(path: str) -> str:
+    """Where a rank asks its worker to hear from the coordinator now (beside its membership file)."""
+    return path + ".nudge"
+
+
+def nudge(path: str) -> None:
+    """Ask the worker to heartbeat now (a peer was lost: the job is about to move), not at its next interval."""
+    with contextlib.suppress(OSError):
+        with open(nudge_path(path), "w", encoding="utf-8"):
+            pass
+
+
 class LiveMembership:
     """This process's part in a live job: its membership file and the generation its default group belongs to."""
 
@@ -83,6 +95,7 @@ class LiveMembership:
         on; `error` itself if no word came within `wait_s` (the job restarts or fails: the worker stops this rank)."""
         if isinstance(error, MembershipChanged):
             return error
+        nudge(self.path)
         note = self.wait(self.wait_s)
         if note is None:
             return error

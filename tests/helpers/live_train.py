@@ -1,9 +1,11 @@
-"""Run by tests/worker/test_live_recovery.py under `axond worker --live-recovery`: a small MLP on virtual ranks.
+"""Run by tests/worker/test_worker_live_recovery.py under `axond worker --live-recovery`: an MLP on virtual ranks.
 
-argv: OUT_DIR HANG_STEP. Every process records its start (`start-RANK-PID`), every step (`steps-PID.jsonl`: rank,
-global step, world size, wall time) and its end (`end-PID.json`, `params-PID.npz`). The process that starts as rank 2
-stops after its step HANG_STEP (writes `hang-PID`, then sleeps) so that the test can SIGKILL it while the others wait
-in the next step's collectives; HANG_STEP -1: nobody stops.
+argv: OUT_DIR HANG_STEP [CHECKPOINT_DIR]. Every process records its start (`start-RANK-PID`), every step
+(`steps-PID.jsonl`: rank, global step, world size, generation, wall and monotonic time) and its end (`end-PID.json`,
+`params-PID.npz`). The process that starts as rank 2 stops after its step HANG_STEP (writes `hang-PID`, then
+sleeps) so that the test can SIGKILL it while the others wait in the next step's collectives; HANG_STEP -1: nobody
+stops; it stops once per run (a restarted rank 2 does not).
+With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer checkpoints after every step.
 
 LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none of this worker's ranks; "stubborn":
 its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
@@ -44,9 +46,10 @@ class Record(Callback):
     def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
         step = int(metrics["global_step"])
         self.log.write(json.dumps({"rank": trainer.rank, "step": step, "world": trainer.world_size,
-                                   "t": time.time()}) + "\n")
+                                   "gen": int(os.environ["AXOND_GENERATION"]), "t": time.time(),
+                                   "mono": time.monotonic()}) + "\n")
         self.log.flush()
-        if self.hangs and step == self.hang_step:
+        if self.hangs and step == self.hang_step and not any(self.out.glob("hang-*")):
             (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
             time.sleep(HANG_S)
 
@@ -65,6 +68,7 @@ def stamp_until_killed(path: Path) -> None:
 
 def main() -> None:
     out, hang_step = Path(sys.argv[1]), int(sys.argv[2])
+    checkpoints = {"checkpoint_dir": sys.argv[3], "checkpoint_every": 1} if len(sys.argv) > 3 else {}
     if os.environ.get("LIVE_TEST_ROLE") == "stubborn" and os.environ["LOCAL_RANK"] == "1":
         stamp_until_killed(out / f"alive-{os.getpid()}")
     (out / f"start-{os.environ['RANK']}-{os.getpid()}").write_text("")
@@ -73,7 +77,8 @@ def main() -> None:
     rng = np.random.default_rng(3)
     model = nn.Sequential(nn.Linear(6, 16, rng=rng), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 3, rng=rng))
     trainer = DistributedTrainer(model, lambda params: AdamW(params, lr=0.01), nn.CrossEntropyLoss(), (X, Y),
-                                 batch_size=4, progress=False, clip_norm=1.0, callbacks=[Record(out, hang_step)])
+                                 batch_size=4, progress=False, clip_norm=1.0, callbacks=[Record(out, hang_step)],
+                                 **checkpoints)
     history = trainer.fit(3)
     np.savez(out / f"params-{os.getpid()}.npz", **trainer.module.state_dict())
     recoveries = [dataclasses.asdict(r) for r in trainer.virtual.recoveries] if trainer.virtual else []
