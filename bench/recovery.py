@@ -114,7 +114,7 @@ def main() -> None:
             print(f"| {'live (--live-recovery)' if live else 'restart (--max-restarts 1)'} | "
                   f"{_cell([r['error'] for r in runs])} | {_cell([r['reformed'] for r in runs])} | "
                   f"{_cell([r['first_step'] for r in runs])} | {ok} of {args.runs} | "
-                  f"{'0' if live else f'{stored:,} per checkpoint, every rank'} |", flush=True)
+                  f"{'0' if live else f'a checkpoint of {stored:,}'} |", flush=True)
     finally:
         coord.stop(grace=0.2)
 
