@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,20 @@ class Recovery:
     """time.monotonic() when the new group was formed and the ranks agreed on the step."""
     rolled_forward: bool
     """This rank applied the cut step's gradient after the re-formation (it had been committed elsewhere)."""
+
+
+def roll_forward(steps: Sequence[int], mine: int, pending: bool) -> bool:
+    """After a re-formation, from every rank's count of applied steps: whether this rank (at `mine`, holding the cut
+    step's gradient when `pending`) must apply that step now, because another rank's commit of it completed.
+    Raises `DistributedError` when the counts cannot come from one cut step (a bug, never silently trained on)."""
+    newest, oldest = max(steps), min(steps)
+    if newest - oldest > 1:
+        raise DistributedError(f"the ranks' applied steps differ by more than one ({list(steps)}): they cannot all "
+                               "have been cut in the same step", op="reform")
+    if newest == mine + 1 and not pending:
+        raise DistributedError(f"step {newest} was committed on another rank, but this rank (at step {mine}) holds no "
+                               "gradient for it", op="reform")
+    return newest == mine + 1
 
 
 def _generators(model: Module) -> list[np.random.Generator]:
@@ -147,15 +162,7 @@ class VirtualSteps:
             except MembershipChanged as again:
                 error = again
                 continue
-            newest = int(agreed[:, 0].max())
-            forward = newest == t.position.global_step + 1
-            if forward and not self.pending:
-                raise DistributedError(f"step {newest} was committed on another rank, but this rank holds no gradient "
-                                       "for it; the job cannot go on live", op="reform", group=group.name,
-                                       rank=group.rank)
-            if newest > t.position.global_step + 1:
-                raise DistributedError(f"ranks disagree on the step by more than one ({agreed[:, 0].tolist()})",
-                                       op="reform", group=group.name, rank=group.rank)
+            forward = roll_forward([int(s) for s in agreed[:, 0]], t.position.global_step, self.pending)
             if forward:
                 self._apply()
             self.pending = False

@@ -13,6 +13,8 @@ from axond.distributed import ProcessGroup
 from axond.nn.optim import AdamW
 from axond.testing import RankFailed, run_threads
 from axond.train import DistributedTrainer
+from axond.errors import DistributedError
+from axond.train.live import roll_forward
 from axond.train.virtual import carried, ordered_mean, owners
 
 X = np.random.default_rng(5).standard_normal((96, 6)).astype(np.float32)
@@ -85,3 +87,14 @@ def test_virtual_ranks_need_parallel_ddp() -> None:
         _train(ProcessGroup.mock(), virtual_ranks=2, parallel="zero")
     with pytest.raises(RankFailed, match="fewer than the 2 ranks"):
         run_threads(lambda g: _train(g, virtual_ranks=1), 2, 60.0)
+
+
+def test_a_step_committed_anywhere_is_applied_everywhere_and_never_twice() -> None:
+    assert not roll_forward([20, 20], 20, pending=True)  # nobody's commit completed: the step runs again
+    assert not roll_forward([20, 20], 20, pending=False)
+    assert roll_forward([21, 20], 20, pending=True)  # another rank's commit completed: apply the held gradient
+    assert not roll_forward([21, 20], 21, pending=False)  # the rank that applied it does not apply it again
+    with pytest.raises(DistributedError, match="holds no gradient"):
+        roll_forward([21, 20], 20, pending=False)
+    with pytest.raises(DistributedError, match="more than one"):
+        roll_forward([22, 20], 20, pending=True)
