@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import axond
 from worker_support import Procs, free_port, pid_alive, procs, wait_for  # noqa: F401
 
 PY = sys.executable
@@ -135,3 +136,31 @@ def test_the_failed_nodes_old_generation_never_runs_beside_the_new_one(procs: Pr
         (recovery,) = end["recoveries"]
         assert recovery["world_after"] == 2 and recovery["world_before"] == 4
         assert last_stamp < recovery["reformed_at"], (last_stamp, recovery)
+
+
+@pytest.mark.slow
+def test_user_code_catches_membership_changed_and_reforms_in_place(procs: Procs, tmp_path: Path) -> None:
+    out = tmp_path / "collectives"
+    out.mkdir()
+    address = coordinator(procs)
+    script = SCRIPT.with_name("live_collectives.py")
+    workers = [procs.axond("worker", "--coordinator", address, "--nnodes", "2:3", "--job", "loop", "--live-recovery",
+                           "--join-timeout", "60", "--", PY, str(script), str(out)) for _ in range(3)]
+    kill_when_hung(out)
+    codes = sorted(procs.finish(w, timeout=90).code for w in workers)
+    assert codes[:2] == [0, 0] and codes[2] != 0
+    ends = read(out, "end-*.json")
+    assert sorted(e["start_rank"] for e in ends.values()) == [0, 1]
+    for end in ends.values():
+        (caught,) = end["caught"]
+        assert caught["distributed_error"] and caught["generation"] == caught["previous"] + 1
+        assert "rank 2" in caught["reason"] and "SIGKILL" in caught["reason"], caught
+        assert caught["size"] == 2 and caught["rank"] == end["start_rank"]
+        assert caught["env"] == {"RANK": str(caught["rank"]), "WORLD_SIZE": "2",
+                                 "AXOND_GENERATION": str(caught["generation"])}
+        assert len(end["sums"]) == 30 and set(end["sums"][:10]) == {3.0} and end["sums"][-1] == 2.0
+
+
+def test_reform_outside_a_live_job_says_what_to_do() -> None:
+    with pytest.raises(axond.DistributedError, match="--live-recovery"):
+        axond.reform()
