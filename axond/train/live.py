@@ -24,6 +24,7 @@ from axond.checkpoint.api import ObjectCollectives
 from axond.distributed.reform import reform
 from axond.errors import DistributedError, MembershipChanged
 from axond.nn.module import Module
+from axond.observe import timeline
 from axond.parallel import DistributedSampler
 from axond.train.progress import Progress
 from axond.train.virtual import VirtualGradients
@@ -150,7 +151,7 @@ class VirtualSteps:
     def _recover(self, error: MembershipChanged) -> None:
         """Take the new generation, agree on the last committed step, roll forward if this rank is one behind."""
         t = self.trainer
-        step, before, error_at = t.position.global_step, t.world_size, time.monotonic()
+        step, before, error_at, span = t.position.global_step, t.world_size, time.monotonic(), time.perf_counter_ns()
         for _ in range(MAX_REFORMS_PER_STEP):
             group = reform()
             t.group, t.comm = group, ObjectCollectives(group)
@@ -166,6 +167,10 @@ class VirtualSteps:
             if forward:
                 self._apply()
             self.pending = False
+            if timeline.TRACER is not None:  # from the cut collective's error to the agreed step
+                timeline.TRACER.since("live.reform", "live", span, step=step, world_before=before,
+                                      world_after=group.size, generation=error.generation, reason=error.reason,
+                                      rolled_forward=forward)
             self.recoveries.append(Recovery(step, before, group.size, error.generation, error.reason, error_at,
                                             time.monotonic(), forward))
             return
@@ -185,11 +190,15 @@ class VirtualSteps:
             progress.start(pos.epoch + 1, steps, pos.step)
             start, seen = time.perf_counter(), 0
             while pos.step < steps:
+                began = time.perf_counter_ns()
                 try:
                     seen += self._step(indices, micro)
                 except MembershipChanged as e:
                     self._recover(e)  # the cut step is run again (or was rolled forward)
                     continue
+                if timeline.TRACER is not None:
+                    timeline.TRACER.since("train.step", "train", began, step=pos.global_step, world=t.world_size,
+                                          virtual=list(self.grads.mine))
                 loss = self.loss()
                 progress.update(pos.step, loss, seen * self.virtual / max(time.perf_counter() - start, 1e-9))
                 t._call("on_step_end", {"epoch": pos.epoch + 1, "step": pos.step, "global_step": pos.global_step,

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import axond
-from worker_support import Procs, free_port, pid_alive, procs, wait_for  # noqa: F401
+from worker_support import Finished, Procs, free_port, pid_alive, procs, wait_for  # noqa: F401
 
 PY = sys.executable
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "live_train.py"
@@ -42,8 +42,10 @@ def coordinator(procs: Procs) -> str:
 
 
 def worker(procs: Procs, address: str, out: Path, hang: int, nproc: int = 1, role: str = "",
-           stop_grace: float = 5.0) -> subprocess.Popen[str]:
-    env = {"LIVE_TEST_ROLE": role} if role else None
+           stop_grace: float = 5.0, timeline: Path | None = None) -> subprocess.Popen[str]:
+    env = {"LIVE_TEST_ROLE": role} if role else {}
+    if timeline is not None:
+        env["AXOND_TIMELINE"] = str(timeline)
     return procs.axond("worker", "--coordinator", address, "--nnodes", "2:3", "--nproc-per-node", str(nproc),
                        "--job", "live", "--live-recovery", "--join-timeout", "60", "--stop-grace", str(stop_grace),
                        "--", PY, str(SCRIPT), str(out), str(hang), env=env)
@@ -72,10 +74,11 @@ def kill_when_hung(out: Path, timeout: float = 60.0) -> tuple[int, float]:
     return pid, at
 
 
-def run_three(procs: Procs, out: Path, hang: int) -> tuple[list[Procs.Finished], int, float]:  # type: ignore[name-defined]
+def run_three(procs: Procs, out: Path, hang: int,
+              timeline: Path | None = None) -> tuple[list[Finished], int, float]:
     out.mkdir()
     address = coordinator(procs)
-    workers = [worker(procs, address, out, hang) for _ in range(3)]
+    workers = [worker(procs, address, out, hang, timeline=timeline) for _ in range(3)]
     killed, at = kill_when_hung(out) if hang >= 0 else (0, 0.0)
     return [procs.finish(w, timeout=90) for w in workers], killed, at
 
@@ -87,7 +90,7 @@ def test_survivors_of_a_killed_rank_keep_their_processes_and_end_bit_identical(p
     reference = params(tmp_path / "ref", next(iter(read(tmp_path / "ref", "end-*.json"))))
 
     out = tmp_path / "live"
-    finished, killed, kill_at = run_three(procs, out, HANG_STEP)
+    finished, killed, kill_at = run_three(procs, out, HANG_STEP, timeline=tmp_path / "timeline")
     codes = sorted(f.code for f in finished)
     assert codes[:2] == [0, 0] and codes[2] != 0, [(f.code, f.stderr[-1500:]) for f in finished]
     loser = next(f for f in finished if f.code != 0)
@@ -112,6 +115,14 @@ def test_survivors_of_a_killed_rank_keep_their_processes_and_end_bit_identical(p
         got = params(out, pid)
         for name, value in reference.items():
             assert np.array_equal(got[name], value), name  # bit for bit the uninterrupted three-rank run
+        (trace,) = (tmp_path / "timeline").glob(f"rank-*-pid-{pid}.json")  # the failure and replay, on the timeline
+        events = json.loads(trace.read_text())
+        (reform,) = [e for e in events if e.get("name") == "live.reform"]
+        assert reform["args"]["world_after"] == 2 and reform["args"]["step"] == HANG_STEP
+        spans = [e["args"]["step"] for e in events if e.get("name") == "train.step"]
+        assert spans == list(range(1, STEPS + 1))
+        replay = next(e for e in events if e.get("name") == "train.step" and e["args"]["step"] == HANG_STEP + 1)
+        assert replay["ts"] >= reform["ts"] + reform["dur"] and replay["args"]["world"] == 2
 
 
 @pytest.mark.slow
