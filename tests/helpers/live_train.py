@@ -15,6 +15,7 @@ its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.mon
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -22,17 +23,46 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 import axond
 from axond import nn
+from axond.distributed import ProcessGroup
 from axond.nn.optim import AdamW
 from axond.train import Callback, DistributedTrainer
 
 X = np.random.default_rng(5).standard_normal((240, 6)).astype(np.float32)
 Y = (X[:, 0] > X[:, 1]).astype(np.int64) + (X[:, 2] > 0.5)
 HANG_S = 120.0
+
+
+def build_trainer(group: ProcessGroup | None, callbacks: list[Callback], **options: Any) -> DistributedTrainer:
+    """The trainer every rank builds (the tests also build it in-process, as the reference of per-step hashes)."""
+    rng = np.random.default_rng(3)
+    model = nn.Sequential(nn.Linear(6, 16, rng=rng), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 3, rng=rng))
+    return DistributedTrainer(model, lambda params: AdamW(params, lr=0.01), nn.CrossEntropyLoss(), (X, Y),
+                              batch_size=4, progress=False, clip_norm=1.0, callbacks=callbacks, group=group,
+                              **options)
+
+
+def params_hash(trainer: DistributedTrainer) -> str:
+    """A digest of every parameter's bytes, in state-dict order."""
+    digest = hashlib.sha256()
+    for value in trainer.module.state_dict().values():
+        digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()[:16]
+
+
+class Hashes(Callback):
+    """The parameters' digest after every step."""
+
+    def __init__(self) -> None:
+        self.hashes: list[str] = []
+
+    def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
+        self.hashes.append(params_hash(trainer))
 
 
 class Record(Callback):
@@ -47,6 +77,7 @@ class Record(Callback):
         step = int(metrics["global_step"])
         self.log.write(json.dumps({"rank": trainer.rank, "step": step, "world": trainer.world_size,
                                    "gen": int(os.environ["AXOND_GENERATION"]), "t": time.time(),
+                                   "hash": params_hash(trainer),
                                    "mono": time.monotonic()}) + "\n")
         self.log.flush()
         if self.hangs and step == self.hang_step and not any(self.out.glob("hang-*")):
@@ -74,11 +105,7 @@ def main() -> None:
     (out / f"start-{os.environ['RANK']}-{os.getpid()}").write_text("")
     first_generation = os.environ["AXOND_GENERATION"]
     axond.init_process_group("tcp", timeout=30)
-    rng = np.random.default_rng(3)
-    model = nn.Sequential(nn.Linear(6, 16, rng=rng), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 3, rng=rng))
-    trainer = DistributedTrainer(model, lambda params: AdamW(params, lr=0.01), nn.CrossEntropyLoss(), (X, Y),
-                                 batch_size=4, progress=False, clip_norm=1.0, callbacks=[Record(out, hang_step)],
-                                 **checkpoints)
+    trainer = build_trainer(None, [Record(out, hang_step)], **checkpoints)
     history = trainer.fit(3)
     np.savez(out / f"params-{os.getpid()}.npz", **trainer.module.state_dict())
     recoveries = [dataclasses.asdict(r) for r in trainer.virtual.recoveries] if trainer.virtual else []

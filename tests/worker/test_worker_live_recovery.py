@@ -87,7 +87,9 @@ def run_three(procs: Procs, out: Path, hang: int,
 def test_survivors_of_a_killed_rank_keep_their_processes_and_end_bit_identical(procs: Procs, tmp_path: Path) -> None:
     ref, _, _ = run_three(procs, tmp_path / "ref", -1)
     assert [f.code for f in ref] == [0, 0, 0], [f.stderr[-2000:] for f in ref]
-    reference = params(tmp_path / "ref", next(iter(read(tmp_path / "ref", "end-*.json"))))
+    ref_pid = next(iter(read(tmp_path / "ref", "end-*.json")))
+    reference = params(tmp_path / "ref", ref_pid)
+    ref_hashes = [s["hash"] for s in steps(tmp_path / "ref", ref_pid)]
 
     out = tmp_path / "live"
     finished, killed, kill_at = run_three(procs, out, HANG_STEP, timeline=tmp_path / "timeline")
@@ -107,6 +109,7 @@ def test_survivors_of_a_killed_rank_keep_their_processes_and_end_bit_identical(p
         assert "rank 2" in recovery["reason"] and "137" in recovery["reason"], recovery
         done = steps(out, pid)
         assert [s["step"] for s in done] == list(range(1, STEPS + 1))  # the cut step ran again, once, nothing lost
+        assert [s["hash"] for s in done] == ref_hashes  # the parameters after every step, not only the last
         resumed = next(s for s in done if s["step"] == HANG_STEP + 1)
         assert resumed["world"] == 2
         # computing again long before the lease would have declared the killed node dead
