@@ -420,6 +420,9 @@ class JobRunner:
                     self._notice(f"this node's ranks exited 0, but job {spec.job!r} ended: {beat.reason}")
                     return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, beat.reason or "the job failed on another node")
                 break
+            if beat is not None and beat.generation > gen and spec.live_recovery and beat.live:
+                gen = beat.generation  # re-formed live without this node, whose ranks are done: it waits for the end
+                continue
             if beat is not None and beat.generation > gen:
                 self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({beat.reason}); re-joining")
                 return None
