@@ -76,7 +76,8 @@ def _generators(model: Module) -> list[np.random.Generator]:
 class VirtualSteps:
     """The training loop of `DistributedTrainer` on `virtual` data-parallel ranks (see the module docstring)."""
 
-    def __init__(self, trainer: DistributedTrainer, virtual: int, seed: int, shuffle: bool) -> None:
+    def __init__(self, trainer: DistributedTrainer, virtual: int, seed: int, shuffle: bool,
+                 deterministic: bool = True) -> None:
         if virtual < trainer.world_size:
             raise ValueError(f"virtual_ranks={virtual} is fewer than the {trainer.world_size} ranks of the group; "
                              "each rank carries at least one virtual rank")
@@ -85,7 +86,7 @@ class VirtualSteps:
         self.seed = seed
         self.samplers = [DistributedSampler(len(trainer.dataset), virtual, v, shuffle=shuffle, seed=seed)
                          for v in range(virtual)]
-        self.grads = VirtualGradients(list(trainer.module.parameters()), virtual)
+        self.grads = VirtualGradients(list(trainer.module.parameters()), virtual, deterministic)
         self.grads.layout(trainer.group)
         self.generators = _generators(trainer.module)
         self.totals = np.zeros((virtual, 2), np.float64)

@@ -84,7 +84,9 @@ class DistributedTrainer:
     virtual_ranks: ("ddp") train on this many virtual data-parallel ranks, each with its data shard and random stream,
     their gradients summed in a fixed order, so that the parameters do not depend on the world size
     (`axond.train.live`); default: the group's size when the job recovers live (`axond worker --live-recovery`), where
-    a `MembershipChanged` is then caught, the group re-formed and the cut step run again; else off.
+    a `MembershipChanged` is then caught, the group re-formed and the cut step run again; else off. deterministic:
+    with virtual ranks, sum the gradients in virtual-rank order (bit-identical at every world size; an all_gather),
+    or, False, in whatever order an all_reduce sums them (fewer bytes; equal up to float rounding).
     seed / shuffle: the `DistributedSampler`'s. callbacks: `Callback`s. progress / log_every: rank 0's display.
     """
 
@@ -115,6 +117,7 @@ class DistributedTrainer:
         checkpoint_guard: str = "warn",
         digest_every: int | None = None,
         virtual_ranks: int | None = None,
+        deterministic: bool = True,
     ) -> None:
         if parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
@@ -168,7 +171,8 @@ class DistributedTrainer:
         self.replicas = ReplicaCheck(digest_every, list(model.parameters()), self.group, self.comm) \
             if digest_every else None
         """The replica check (digest_every=), with the divergences it saw; None when off."""
-        self.virtual = VirtualSteps(self, virtual_ranks, seed, shuffle) if virtual_ranks is not None else None
+        self.virtual = VirtualSteps(self, virtual_ranks, seed, shuffle, deterministic) \
+            if virtual_ranks is not None else None
         """The virtual-rank loop (virtual_ranks=, or a live job), with the re-formations it went through."""
 
     def _wrap(self, model: Module, factory: Callable[[list[Any]], Optimizer],

@@ -5,6 +5,8 @@ random stream; physical rank r of a world of W carries the contiguous block `car
 of the virtual ranks travel whole (one all_gather of a row per carried virtual rank) and are summed in the order
 v = 0, 1, ..., virtual - 1 on every rank, then divided by `virtual`: the same float operations in the same order
 at any world size, so the parameters after each step are bit for bit those of a run at any other world size.
+The fast mode (`deterministic=False`) sums each rank's own rows first and all_reduces the sums: a world size's
+worth fewer bytes, but the order of the float sums follows the world size and the backend's algorithm.
 """
 
 from __future__ import annotations
@@ -51,12 +53,13 @@ def ordered_mean(gathered: np.ndarray, table: Sequence[tuple[int, int]], out: np
 class VirtualGradients:
     """The gradient rows of the virtual ranks this rank carries, gathered from every rank and averaged in order."""
 
-    def __init__(self, params: Sequence[Parameter], virtual: int) -> None:
+    def __init__(self, params: Sequence[Parameter], virtual: int, deterministic: bool = True) -> None:
         dtypes = {p.data.dtype for p in params}
         if len(dtypes) != 1 or not all(isinstance(p.data, np.ndarray) for p in params):
             raise ValueError(f"virtual data-parallel ranks need host (NumPy) parameters of one dtype, got {dtypes}")
         self.params = list(params)
         self.virtual = virtual
+        self.deterministic = deterministic
         self.dtype = np.dtype(dtypes.pop())
         self.offsets = np.cumsum([0] + [p.data.size for p in self.params]).tolist()
         self.size = int(self.offsets[-1])
@@ -93,10 +96,27 @@ class VirtualGradients:
         """The collective: every rank's rows, then the ordered mean into `out` and the losses (no state changes
         elsewhere: a failure here leaves the step unapplied)."""
         assert self.group is not None, "layout() first"
+        if not self.deterministic:
+            self._reduce_fast()
+            return
         self.group.all_gather(self.rows, out=self.gathered)
         ordered_mean(self.gathered, self.table, self.out)
         for v, (r, row) in enumerate(self.table):
             self.losses[v] = self.gathered[r, row, self.size :].view(np.uint8)[:LOSS_BYTES].view(np.float64)
+
+    def _reduce_fast(self) -> None:
+        """The fast mode: this rank's rows summed, all_reduced, divided; the losses all_reduced exactly (each virtual
+        rank's row is non-zero on one rank only)."""
+        assert self.group is not None
+        np.copyto(self.out, self.rows[0, : self.size])
+        for row in range(1, len(self.mine)):
+            np.add(self.out, self.rows[row, : self.size], out=self.out)
+        self.group.all_reduce(self.out)
+        np.divide(self.out, self.out.dtype.type(self.virtual), out=self.out)
+        self.losses[:] = 0.0
+        for row, v in enumerate(self.mine):
+            self.losses[v] = self.rows[row, self.size :].view(np.uint8)[:LOSS_BYTES].view(np.float64)
+        self.group.all_reduce(self.losses)
 
     def apply(self) -> None:
         """Make `out` the parameters' gradients (views, no copy)."""

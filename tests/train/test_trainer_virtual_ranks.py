@@ -98,3 +98,14 @@ def test_a_step_committed_anywhere_is_applied_everywhere_and_never_twice() -> No
         roll_forward([21, 20], 20, pending=False)
     with pytest.raises(DistributedError, match="more than one"):
         roll_forward([22, 20], 20, pending=True)
+
+
+def test_the_fast_mode_reorders_sums_only() -> None:
+    runs = {world: run_threads(lambda g: _train(g, virtual_ranks=3, deterministic=False), world, 60.0)
+            for world in (1, 2, 3)}
+    exact, exact_losses = run_threads(lambda g: _train(g, virtual_ranks=3), 1, 60.0)[0]
+    for world, results in runs.items():
+        for params, history in results:
+            np.testing.assert_allclose(history, exact_losses, rtol=1e-5)  # the bound for a fast mode
+            for name, value in params.items():
+                np.testing.assert_allclose(value, exact[name], rtol=1e-4, atol=1e-6)
