@@ -13,6 +13,11 @@ the last survivor's group re-formed and agreed on the step (live only), and the 
 completed, on any rank.
 
     python bench/recovery.py --runs 3
+    python bench/recovery.py --part step-cost --world 3 --hidden 512   # what the virtual-rank step costs
+
+`--part step-cost`: the median step time of `DistributedTrainer` in `--world` processes on loopback (an MLP of
+`--hidden` units, 4 layers): plain DDP (bucketed all_reduce), virtual ranks deterministic (one all_gather of every
+virtual rank's gradient, summed in order) and virtual ranks fast (each rank's sum all_reduced).
 """
 
 from __future__ import annotations
@@ -29,7 +34,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from axond import nn
 from axond.coordinator.server import CoordinatorConfig, start_coordinator
+from axond.distributed import default_group
+from axond.nn.optim import AdamW
+from axond.testing import run_processes
+from axond.train import Callback, DistributedTrainer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "live_train.py"
 HANG_STEP = 20
@@ -87,6 +102,57 @@ def one_run(address: str, live: bool, job: str) -> dict[str, float]:
         shutil.rmtree(out, ignore_errors=True)
 
 
+class _StepTimes(Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.last = time.perf_counter()
+
+    def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
+        now = time.perf_counter()
+        self.times.append(now - self.last)
+        self.last = now
+
+
+@dataclass(frozen=True)
+class _StepCost:
+    """Picklable per-rank entry point for run_processes (the children import this module)."""
+
+    hidden: int
+    steps: int
+    options: tuple[tuple[str, Any], ...]
+
+    def __call__(self) -> float:
+        group = default_group()
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((self.steps * 8 * 4, self.hidden)).astype(np.float32)
+        y = rng.integers(0, 10, len(x))
+        layers: list[nn.Module] = []
+        for _ in range(3):
+            layers += [nn.Linear(self.hidden, self.hidden, rng=rng), nn.Tanh()]
+        model = nn.Sequential(*layers, nn.Linear(self.hidden, 10, rng=rng))
+        times = _StepTimes()
+        trainer = DistributedTrainer(model, lambda p: AdamW(p, lr=1e-3), nn.CrossEntropyLoss(), (x, y),
+                                     batch_size=8, group=group, progress=False, shuffle=False, callbacks=[times],
+                                     **dict(self.options))
+        times.last = time.perf_counter()
+        trainer.fit(1)
+        return float(statistics.median(times.times[3:]))
+
+
+def step_cost(world: int, hidden: int, steps: int) -> None:
+    params = 3 * (hidden * hidden + hidden) + hidden * 10 + 10
+    print(f"{world} ranks on loopback, MLP of {params:,} float32 parameters ({params * 4 / 2**20:.1f} MiB), "
+          f"batch 8 per virtual rank; median step of {steps} (the first 3 left out)")
+    print("| loop | median step (ms) | vs DDP |")
+    print("|---|---:|---:|")
+    base = 0.0
+    for name, options in (("DDP (parallel='ddp')", ()), ("virtual ranks, deterministic", (("virtual_ranks", world),)),
+                          ("virtual ranks, fast", (("virtual_ranks", world), ("deterministic", False)))):
+        median = statistics.median(run_processes(_StepCost(hidden, steps, options), world, timeout=600))
+        base = base or median
+        print(f"| {name} | {median * 1e3:.1f} | {median / base:.2f}x |", flush=True)
+
+
 def _cell(values: list[float]) -> str:
     values = [v for v in values if v == v]
     if not values:
@@ -98,7 +164,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--heartbeat", type=float, default=1.0, help="the coordinator's heartbeat interval (s)")
+    parser.add_argument("--part", choices=("recovery", "step-cost"), default="recovery")
+    parser.add_argument("--world", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
+    if args.part == "step-cost":
+        step_cost(args.world, args.hidden, args.steps)
+        return
     coord = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, in_memory=True, insecure=True,
                                                 heartbeat_interval=args.heartbeat, dead_after_missed=5,
                                                 settle_time=5.0))
