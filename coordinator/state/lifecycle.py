@@ -434,6 +434,7 @@ class JobLifecycle:
         j.round.expected = frozenset(survivors)
         j.live_generation = j.generation
         j.left = [*j.left[-(MAX_LEFT - 1):], lost.node_id]
+        self.ctx.mark_job(j.name)
         if lost.job == j.name:
             lost.job = ""
             self.members.mark(lost)

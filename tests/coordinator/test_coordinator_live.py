@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from axond.coordinator.state.errors import FailedPrecondition
-from axond.coordinator.state.jobs import JobState
+from axond.coordinator.state.jobs import EventLog, JobState
 from axond.coordinator.state.machine import CoordinatorState
+from axond.coordinator.state.records import job_from, job_record
 
 SETTLE = 5.0
 """A long settle time: a live round that froze before it passed froze because every survivor joined."""
@@ -77,3 +78,16 @@ def test_every_worker_of_a_job_agrees_on_live_recovery() -> None:
     state.join("j", a, 1, 2, 2, 0, now=0.0, live=True)
     with pytest.raises(FailedPrecondition, match="--live-recovery"):
         state.join("j", b, 1, 2, 2, 0, now=0.0, live=False)
+
+
+def test_a_live_job_keeps_what_it_went_on_without_across_a_coordinator_restart() -> None:
+    state, (a, b, c) = live_job(3, 2)
+    state.report_failure("j", c, 1, 2, 137, "killed", now=1.0)
+    j = state.jobs["j"]
+    record = dict(job_record(j, 2.0), past_generations=[])  # past rounds are records of their own
+    again = job_from(record, 2.0, EventLog())
+    assert (again.live, again.live_generation, again.left) == (True, 2, [c])
+    old = dict(record)
+    for key in ("live", "live_generation", "left"):  # a record written before live recovery existed
+        del old[key]
+    assert (lambda r: (r.live, r.live_generation, r.left))(job_from(old, 2.0, EventLog())) == (False, 0, [])
