@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 
 import axond
+from axond.fencing import FENCE_MARGIN_S, fence_wait
+from axond.testing import run_threads
+from live_train import Hashes, build_trainer
 from worker_support import Finished, Procs, free_port, pid_alive, procs, wait_for  # noqa: F401
 
 PY = sys.executable
@@ -178,3 +181,38 @@ def test_user_code_catches_membership_changed_and_reforms_in_place(procs: Procs,
 def test_reform_outside_a_live_job_says_what_to_do() -> None:
     with pytest.raises(axond.DistributedError, match="--live-recovery"):
         axond.reform()
+
+
+@pytest.mark.slow
+def test_a_lost_host_is_fenced_then_the_survivors_go_on_bit_identical(procs: Procs, tmp_path: Path) -> None:
+    """Every process of one host killed (its worker too): the coordinator declares the node dead after its lease,
+    waits out the fence, and only then re-forms the survivors, who go on as after a rank's death."""
+    out = tmp_path / "host"
+    out.mkdir()
+    address = coordinator(procs)
+    workers = [worker(procs, address, out, HANG_STEP) for _ in range(3)]
+    wait_for(lambda: any(out.glob("hang-*")), 60, "rank 2 to stop at its step")
+    rank = int(next(out.glob("hang-*")).name.removeprefix("hang-"))
+    with open(f"/proc/{rank}/stat") as f:
+        its_worker = int(f.read().rsplit(")", 1)[1].split()[1])  # the rank's parent: the worker of its host
+    assert its_worker in [w.pid for w in workers]
+    killed = time.monotonic()
+    for pid in (its_worker, rank):
+        os.kill(pid, signal.SIGKILL)
+    finished = {w.pid: procs.finish(w, timeout=90) for w in workers}
+    assert [f.code for pid, f in finished.items() if pid != its_worker] == [0, 0], [
+        f.stderr[-1500:] for f in finished.values()]
+
+    reference = Hashes()
+    run_threads(lambda g: build_trainer(g, [reference], virtual_ranks=3).fit(3), 1, 120.0)
+    fence = fence_wait(LEASE_S, HEARTBEAT_S, FENCE_MARGIN_S)
+    ends = read(out, "end-*.json")
+    assert len(ends) == 2
+    for pid, end in ends.items():
+        (recovery,) = end["recoveries"]
+        assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (3, 2, HANG_STEP)
+        assert "missed" in recovery["reason"], recovery  # declared dead by its lease, not reported by its worker
+        # never two generations at once: not before the lease (less the heartbeat it may have sent last) and fence
+        assert recovery["reformed_at"] - killed >= LEASE_S - HEARTBEAT_S + fence, recovery
+        assert recovery["reformed_at"] - killed < LEASE_S + fence + 10 * HEARTBEAT_S, recovery
+        assert [s["hash"] for s in steps(out, pid)] == reference.hashes
