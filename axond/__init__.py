@@ -17,7 +17,10 @@ from axond.distributed.numerics.reducers import BFLOAT16 as bfloat16
 from axond.config import RuntimeEnv as _RuntimeEnv
 from axond.distributed.diagnostics import failure as _failure
 from axond.distributed.diagnostics.failure import record
-from axond.errors import AxondError, BackendUnavailable, CoordinatorError, DistributedError, StoreError, StoreTimeout
+from axond.distributed.reform import reform
+from axond.errors import (
+    AxondError, BackendUnavailable, CoordinatorError, DistributedError, MembershipChanged, StoreError, StoreTimeout,
+)
 from axond.store import InMemoryStore, PrefixStore, Store
 
 __version__ = "0.1.0"
@@ -27,7 +30,7 @@ _failure.install_if_launched(_RuntimeEnv.from_env(strict=False))
 
 __all__ = [
     "AxondError", "Backend", "BackendOptions", "BackendUnavailable", "CoordinatorError", "DistributedError",
-    "FileStore", "InMemoryStore", "P2POp", "PrefixStore", "ProcessGroup", "ReduceOp", "Store", "StoreError",
+    "FileStore", "InMemoryStore", "MembershipChanged", "P2POp", "PrefixStore", "ProcessGroup", "ReduceOp", "Store", "StoreError",
     "StoreTimeout", "TCPStore", "Work", "World", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_reduce_max",
     "all_reduce_mean", "all_reduce_min", "all_reduce_product", "all_reduce_sum", "all_to_all", "all_to_all_single",
     "barrier", "bfloat16",
@@ -35,7 +38,7 @@ __all__ = [
     "destroy_process_group", "gather", "gather_object", "gather_tensor", "get_backend", "get_global_rank",
     "get_group_rank", "get_local_rank", "get_process_group_ranks", "get_rank", "get_world_size", "init_process_group",
     "irecv", "is_available", "is_initialized", "is_main_process", "is_nccl_available", "isend", "monitored_barrier",
-    "new_group", "rank", "record", "recv", "reduce", "reduce_scatter", "reduce_scatter_mean", "reduce_scatter_sum",
+    "new_group", "rank", "record", "reform", "recv", "reduce", "reduce_scatter", "reduce_scatter_mean", "reduce_scatter_sum",
     "reduce_scatter_tensor", "scatter",
     "scatter_object_list", "scatter_tensor", "send", "shared_empty", "sync_gradient", "sync_gradients", "world_size",
 ]

@@ -271,6 +271,13 @@ class RuntimeEnv:
     """AXOND_JOB_SECRET (hex): the generation's data-plane secret."""
     file_store: str | None = None
     """AXOND_FILE_STORE: a directory for a one-host FileStore rendezvous."""
+    live_recovery: bool = False
+    """AXOND_LIVE_RECOVERY: the job recovers live (`axond worker --live-recovery` sets it in every rank)."""
+    membership_file: str | None = None
+    """AXOND_MEMBERSHIP_FILE: where the worker tells this rank of a live re-formation and of its new place."""
+    live_wait_s: float = 30.0
+    """AXOND_LIVE_WAIT_S: seconds a rank whose collective failed in a live job waits for the worker's word of the
+    next generation (then `MembershipChanged`) before it raises the failure as it is."""
     # -- reaching the coordinator
     token: str | None = None
     """AXOND_TOKEN."""
@@ -343,6 +350,7 @@ class RuntimeEnv:
         read("generation", "AXOND_GENERATION", lambda var, raw: _integer(var, raw, 0, MAX_GENERATION))
         read("job_secret", "AXOND_JOB_SECRET", _hex)
         read("wait_notice_s", "AXOND_WAIT_NOTICE_S", _seconds)
+        read("live_wait_s", "AXOND_LIVE_WAIT_S", _seconds)
         read("torch_overlap", OVERLAP_ENV, lambda var, raw: parse_overlap(raw))
         for name, var in (("master_addr", "MASTER_ADDR"), ("elastic_run_id", "TORCHELASTIC_RUN_ID"),
                           ("restart_count", "TORCHELASTIC_RESTART_COUNT"), ("job", "AXOND_JOB"),
@@ -350,7 +358,7 @@ class RuntimeEnv:
                           ("token_file", "AXOND_TOKEN_FILE"), ("tls_ca", "AXOND_TLS_CA"),
                           ("tls_cert", "AXOND_TLS_CERT"), ("tls_key", "AXOND_TLS_KEY"),
                           ("socket_ifname", "AXOND_SOCKET_IFNAME"), ("coordinator", "AXOND_COORDINATOR"),
-                          ("torch_backend", "AXOND_TORCH_BACKEND"),
+                          ("torch_backend", "AXOND_TORCH_BACKEND"), ("membership_file", "AXOND_MEMBERSHIP_FILE"),
                           ("nccl_async_error_handling", "TORCH_NCCL_ASYNC_ERROR_HANDLING")):
             raw = _text(env.get(var))
             if raw is not None:
@@ -366,6 +374,7 @@ class RuntimeEnv:
             observe=ObserveSettings.from_env(env),
             stragglers=StragglerSettings.read(env, strict),
             torch_store=env.get("AXOND_TORCH_STORE", "1") != "0",
+            live_recovery=flag_on(env.get("AXOND_LIVE_RECOVERY")),
             **values,
         )
 

@@ -55,6 +55,24 @@ class ReplicaDivergence(DistributedError):
         self.step = step
 
 
+class MembershipChanged(DistributedError):
+    """A live job re-forms without a failed node: this rank's collective was cut, and the job goes on in `generation`.
+
+    Raised (under `axond worker --live-recovery`) by the in-flight or next collective of every surviving rank.
+    `reason` says who left and why (the coordinator's words: the rank, its node, its exit code); `peer` is the rank
+    this one lost first, if it lost one. Call `axond.reform()` to take this process's place in the new generation
+    (`DistributedTrainer` does, and runs the cut step again).
+    """
+
+    def __init__(self, message: str, *, generation: int, previous_generation: int, reason: str,
+                 op: str | None = None, group: str | None = None, rank: int | None = None,
+                 peer: int | None = None) -> None:
+        super().__init__(message, op=op, group=group, rank=rank, peer=peer)
+        self.generation = generation
+        self.previous_generation = previous_generation
+        self.reason = reason
+
+
 class BypassedBackwardError(AxondError, RuntimeError):
     """A backward pass went around DDP/FSDP (the inner model's `backward`), so its gradients were not reduced.
 

@@ -28,6 +28,7 @@ from axond.worker.background import Background
 from axond.worker.causes import Elsewhere, blocked_reader
 from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
+from axond.worker import live
 from axond.worker.outage import OutageGuard
 from axond.worker.peers import PeerLink
 from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
@@ -121,6 +122,9 @@ class JobRunner:
         self._stop_code = 1
         self._stop_reason = ""
         self.joining = threading.Event()
+        self._kept: LocalRanks | None = None
+        """Live recovery: the ranks kept running into the next generation, while this node re-joins."""
+        self._live_reason = ""
 
     def request_stop(self, exit_code: int, reason: str) -> None:
         """Ask the runner to stop its ranks and return `exit_code` (from any thread)."""
@@ -149,6 +153,7 @@ class JobRunner:
                         joined = self._client.join(
                             spec.job, self._node_id, spec.nproc_per_node, spec.min_nodes, spec.max_nodes,
                             max_restarts=spec.max_restarts, timeout=spec.join_timeout,
+                            live_recovery=spec.live_recovery,
                         )
                 except (CoordinatorError, ValueError) as e:
                     if self._stop.is_set():
@@ -163,6 +168,9 @@ class JobRunner:
                 if outcome is not None:
                     return outcome
         finally:
+            if self._kept is not None:  # stopped, or refused, while re-joining with its ranks running
+                self._kept.stop(grace=spec.stop_grace)
+                self._kept = None
             self._hb.untrack(spec.job)
             if self._error_dir is not None:
                 shutil.rmtree(self._error_dir, ignore_errors=True)
@@ -173,6 +181,12 @@ class JobRunner:
         if self._error_dir is None:
             self._error_dir = tempfile.mkdtemp(prefix="axond-errors-")
         return os.path.join(self._error_dir, f"g{generation}-rank{rank}.json")
+
+    def _membership_paths(self, count: int) -> list[str]:
+        """The membership file of each local rank (live recovery; `axond.worker.live`)."""
+        if self._error_dir is None:
+            self._error_dir = tempfile.mkdtemp(prefix="axond-errors-")
+        return [live.membership_path(self._error_dir, i) for i in range(count)]
 
     def _rank_specs(self, joined: pb.JoinResponse, master: str = "") -> list[RankSpec]:
         base = dict(self._conn.env.environ)
@@ -191,12 +205,17 @@ class JobRunner:
             NODE_RANK=str(joined.node_rank),
         )
         base.update(torchrun_env(joined, self._spec.job, self._spec.max_restarts, master, self._conn.env))
+        if self._spec.live_recovery:
+            base[live.LIVE_ENV] = "1"
+        paths = self._membership_paths(joined.local_world_size)
         specs = []
         for local_rank in range(joined.local_world_size):
             rank = joined.rank_offset + local_rank
             error_file = self._error_file(joined.generation, rank)
             env = dict(base, AXOND_ERROR_FILE=error_file, TORCHELASTIC_ERROR_FILE=error_file + TORCH_ERROR_SUFFIX,
                        **rank_env(rank, local_rank))
+            if self._spec.live_recovery:
+                env[live.MEMBERSHIP_FILE_ENV] = paths[local_rank]
             specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env, error_file=error_file))
         return specs
 
@@ -219,9 +238,15 @@ class JobRunner:
         except (CoordinatorError, StoreError, RuntimeError, OSError) as e:
             self._notice(f"job {spec.job!r}: no torch store for the ranks (MASTER_ADDR/MASTER_PORT unset): {e}")
             master = ""
+        kept, self._kept = self._kept, None
         try:
             specs = self._rank_specs(joined, master)
-            ranks = start_ranks(spec.argv, specs, cwd=spec.cwd, sink=self._sink)
+            if kept is None:
+                ranks = start_ranks(spec.argv, specs, cwd=spec.cwd, sink=self._sink)
+            else:  # live recovery: the same processes take their places in this generation
+                ranks = kept
+                live.renumber(ranks, joined.rank_offset)
+                live.assign(self._membership_paths(joined.local_world_size), joined, self._live_reason)
             self._hb.report_pids(spec.job, ranks.local_pids)
             link: PeerLink | None = None
             reads: CoordinatorClient | None = None
@@ -236,7 +261,8 @@ class JobRunner:
                     reads.close()  # cancels a read still in flight: its thread ends with it
                 if link is not None:
                     link.close()
-                ranks.stop(grace=spec.stop_grace)
+                if self._kept is not ranks:
+                    ranks.stop(grace=spec.stop_grace)
         finally:
             agent_store.close()
 
@@ -277,6 +303,7 @@ class JobRunner:
 
         answers = StackAnswers(reads, spec.job, gen, local, stacks_of,  # axond status --job J --stacks
                                lambda rank: self._error_file(gen, rank))
+        nudges = live.Nudges(self._membership_paths(len(local))) if spec.live_recovery else None
         while True:
             result = ranks.poll()
             if result is not None and result.ok:
@@ -307,6 +334,10 @@ class JobRunner:
                     # untold, the coordinator decides the job's fate when it is back: the unreachable exit, not 1
                     return JobOutcome(failure.exit_code, f"{message} (and the coordinator was not told: {e})",
                                       error=e if isinstance(e, CoordinatorError) else None)
+                if reply.left_job:
+                    gone = f"{message}; job {spec.job!r} goes on without this node (live recovery)"
+                    self._notice(gone)
+                    return JobOutcome(failure.exit_code, gone)
                 if reply.will_restart and not self._stop.is_set():
                     self._notice(f"job {spec.job!r} restarts as generation {reply.generation}")
                     return None
@@ -320,7 +351,13 @@ class JobRunner:
                     ranks.stop(grace=min(spec.stop_grace, max(0.0, guard.fence_deadline() - time.monotonic())))
                     self._notice(why)
                     return JobOutcome(LEASE_LOST_EXIT_CODE, why, lease_lost=True)
+            if nudges is not None and nudges.due(time.monotonic()):
+                self._hb.beat_now()  # a local rank lost a peer: hear of the next generation now
             beat = self._hb.latest(spec.job)
+            if beat is not None and self._moves_live(beat, gen, ranks):
+                if nudges is not None:
+                    nudges.clear()
+                return None
             if beat is not None and (beat.generation > gen or beat.job_state in _TERMINAL_STATES):
                 ranks.stop(grace=spec.stop_grace)
                 reason = beat.reason or "no reason given"
@@ -336,6 +373,20 @@ class JobRunner:
             answers.check()
             self._hb.changed.wait(_MONITOR_TICK)
             self._hb.changed.clear()
+
+    def _moves_live(self, beat: pb.HeartbeatResponse, gen: int, ranks: LocalRanks) -> bool:
+        """Live recovery: the job moved on without a failed node and every local rank still runs: tell them (their
+        collectives raise `MembershipChanged`), keep them, and re-join."""
+        if not (self._spec.live_recovery and beat.live and beat.generation > gen) or ranks.exits():
+            return False
+        if beat.job_state in _TERMINAL_STATES or any(pid == 0 for pid in ranks.local_pids()):
+            return False
+        self._live_reason = beat.reason or "a node left"
+        live.announce(self._membership_paths(len(ranks.ranks)), beat.generation, self._live_reason)
+        self._notice(f"job {self._spec.job!r} re-forms live as generation {beat.generation} ({self._live_reason}); "
+                     "re-joining with the ranks running")
+        self._kept = ranks
+        return True
 
     def _tell_accused(self, ranks: LocalRanks, local: list[int], stacks: Callable[[int], str]) -> None:
         """Before stopping them: the stacks (or state) of the local ranks that are still running although a failed
@@ -380,6 +431,9 @@ class JobRunner:
                     self._notice(f"this node's ranks exited 0, but job {spec.job!r} ended: {beat.reason}")
                     return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, beat.reason or "the job failed on another node")
                 break
+            if beat is not None and beat.generation > gen and spec.live_recovery and beat.live:
+                gen = beat.generation  # re-formed live without this node, whose ranks are done: it waits for the end
+                continue
             if beat is not None and beat.generation > gen:
                 self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({beat.reason}); re-joining")
                 return None

@@ -302,6 +302,11 @@ class LocalRanks:
         self._lock = threading.Lock()
 
     @property
+    def ranks(self) -> list[_Rank]:
+        """The local ranks, in local-rank order."""
+        return self._ranks
+
+    @property
     def pids(self) -> list[int]:
         """Process ids of the ranks that started."""
         return [r.proc.pid for r in self._ranks if r.proc is not None]

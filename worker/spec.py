@@ -85,6 +85,9 @@ class JobSpec:
     """torchrun's --node-rank, if given: the rendezvous assigns node ranks; a different one is reported."""
     outage_grace: float = DEFAULT_OUTAGE_GRACE_S
     """Seconds the ranks keep running while the coordinator is away (not while this node is cut off from it)."""
+    live_recovery: bool = False
+    """Another node's failure re-forms the job around the survivors, whose ranks keep running
+    (docs/live-recovery.md)."""
 
     def __post_init__(self) -> None:
         if not self.argv:

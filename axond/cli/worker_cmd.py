@@ -26,7 +26,7 @@ from axond.worker.agent import JobOutcome, start_agent
 from axond.worker.daemon import DaemonConfig, start_daemon
 from axond.worker.spec import DEFAULT_OUTAGE_GRACE_S, ConnectOptions, JobSpec, parse_nnodes
 
-_AGENT_ONLY = ("nnodes", "nproc_per_node", "job", "max_restarts", "node_rank")
+_AGENT_ONLY = ("nnodes", "nproc_per_node", "job", "max_restarts", "node_rank", "live_recovery")
 _NOT_STANDALONE = ("address", "token", "tls_ca")
 
 
@@ -75,6 +75,10 @@ class _Signals:
               help="Name of the job to join (torchrun's --rdzv-id; also its TORCHELASTIC_RUN_ID).")
 @click.option("--max-restarts", "--max_restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Restart the whole job this many times after a failure anywhere.")
+@click.option("--live-recovery", is_flag=True, default=False,
+              help="When a node's rank fails and at least MIN of --nnodes nodes are left, go on without it: the other "
+                   "nodes' ranks keep running and re-form (axond.MembershipChanged, axond.reform(); "
+                   "docs/live-recovery.md). Every worker of the job passes it.")
 @click.option("--node-rank", "--node_rank", "node_rank", type=click.IntRange(min=0), default=None,
               help="Accepted for torchrun's command lines and checked against the rank the rendezvous assigns "
                    "(axond orders nodes by host name; it does not take a node rank from the command line).")
@@ -99,7 +103,8 @@ class _Signals:
 @click.pass_context
 def worker(
     ctx: click.Context, address: str | None, token: str | None, tls_ca: str | None, connect_wait: float,
-    standalone: bool, nnodes: str, nproc_per_node: int, job: str, max_restarts: int, node_rank: int | None,
+    standalone: bool, nnodes: str, nproc_per_node: int, job: str, max_restarts: int, live_recovery: bool,
+    node_rank: int | None,
     slots: int | None, join_timeout: float, stop_grace: float, metrics_port: int | None, metrics_host: str,
     outage_grace: float, cmd: tuple[str, ...],
 ) -> None:
@@ -132,7 +137,7 @@ def worker(
         spec = JobSpec(
             argv=cmd, job=job, nproc_per_node=nproc_per_node, min_nodes=lo, max_nodes=hi,
             max_restarts=max_restarts, join_timeout=join_timeout, stop_grace=stop_grace, node_rank=node_rank,
-            outage_grace=outage_grace,
+            outage_grace=outage_grace, live_recovery=live_recovery,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e

@@ -248,13 +248,15 @@ class CoordinatorClient:
 
     def join(
         self, job: str, node_id: str, nproc: int, min_nodes: int, max_nodes: int, max_restarts: int = 0,
-        timeout: float = 300.0,
+        timeout: float = 300.0, live_recovery: bool = False,
     ) -> pb.JoinResponse:
-        """Wait (up to `timeout` s) for the job's rendezvous to freeze; returns this node's ranks."""
+        """Wait (up to `timeout` s) for the job's rendezvous to freeze; returns this node's ranks (`live_recovery`: the
+        job re-forms around a failed node without restarting the others' ranks)."""
         _non_negative(nproc=nproc, min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=max_restarts)
         req = pb.JoinRequest(
             job=job, node_id=node_id, nproc=nproc, min_nodes=min_nodes, max_nodes=max_nodes,
             max_restarts=max_restarts, timeout_s=timeout, node_secret=self.node_secret(node_id),
+            live_recovery=live_recovery,
         )
         return self.call("Join", self.stub.Join, req, wait=timeout, retry=True)
 

@@ -19,6 +19,7 @@ from typing import Any
 from axond.distributed.backends.base import MISSED, Backend, Signature
 from axond.distributed.diagnostics.failure import concise, debug
 from axond.distributed.work import OpQueue
+from axond.distributed.membership import surfaced
 from axond.errors import DistributedError
 
 SIGNATURES = 64
@@ -62,9 +63,12 @@ class FastPath:
             try:
                 result = runner(*args)
             except DistributedError as e:
+                error = surfaced(e, owner.abort)
                 if debug():
-                    raise
-                raise concise(e) from None  # the user's frames and one line, as `ProcessGroup._run`
+                    if error is e:
+                        raise
+                    raise error from e
+                raise concise(error) from None  # the user's frames and one line, as `ProcessGroup._run`
             finally:
                 owner.inflight = None
             if result is not MISSED:

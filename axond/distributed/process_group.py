@@ -21,6 +21,7 @@ from axond.distributed.diagnostics.arrivals import KEEP_MARKS, NOT_COUNTED, Wind
 from axond.distributed.diagnostics.failure import concise, debug, track, untrack
 from axond.distributed.diagnostics.inflight import REPORTER, describe, describe_others
 from axond.distributed.fast_path import FastPath
+from axond.distributed.membership import surfaced
 from axond.observe.collectives import instrument
 from axond.store.init_methods import seconds
 from axond.distributed.diagnostics.monitored_barrier import monitored_barrier
@@ -142,10 +143,13 @@ class ProcessGroup:
                             self.close_window()
             return self._start(op, async_op, *args, **kwargs)
         except DistributedError as e:
+            error = surfaced(e, self.abort)  # a live job: MembershipChanged once the worker says the job moved on
             if debug():
-                raise
+                if error is e:
+                    raise
+                raise error from e
             # the user's frames and one line (AXOND_DEBUG=1 keeps the transport's frames and chain)
-            raise concise(e) from None
+            raise concise(error) from None
 
     def _start(self, op: str, async_op: bool, *args: Any, **kwargs: Any) -> Any:
         """`_run` past its common case (a blocking op with nothing pending): async, destroyed or not a member."""

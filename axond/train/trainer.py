@@ -38,9 +38,11 @@ from axond.train.agree import COMPARABLE, MAX_ROLLBACKS, ReplicaCheck, remove_ne
 from axond.train.clip import clip_partitioned, tensor_parallel_split
 from axond.train.data import Dataset
 from axond.train.guard import GUARDS, CheckpointGuard
+from axond.train.live import VirtualSteps
 from axond.train.progress import Progress
 from axond.train.resume import Position, capture_rank_state, restore_rank_state
 from axond.distributed import default_registry as defaults
+from axond.distributed import membership
 
 PARALLEL = ("ddp", "zero", "fsdp", "tp", "pipeline", "none")
 
@@ -79,6 +81,12 @@ class DistributedTrainer:
     the job saved one (`axond.train.guard`). group: default: the initialised world.
     digest_every: compare a digest of the parameters across the replicas every N optimizer steps ("ddp", "zero");
     on a mismatch roll back to the newest agreed checkpoint or raise `ReplicaDivergence` (`axond.train.agree`).
+    virtual_ranks: ("ddp") train on this many virtual data-parallel ranks, each with its data shard and random stream,
+    their gradients summed in a fixed order, so that the parameters do not depend on the world size
+    (`axond.train.live`); default: the group's size when the job recovers live (`axond worker --live-recovery`), where
+    a `MembershipChanged` is then caught, the group re-formed and the cut step run again; else off. deterministic:
+    with virtual ranks, sum the gradients in virtual-rank order (bit-identical at every world size; an all_gather),
+    or, False, in whatever order an all_reduce sums them (fewer bytes; equal up to float rounding).
     seed / shuffle: the `DistributedSampler`'s. callbacks: `Callback`s. progress / log_every: rank 0's display.
     """
 
@@ -108,6 +116,8 @@ class DistributedTrainer:
         wrapper_options: dict[str, Any] | None = None,
         checkpoint_guard: str = "warn",
         digest_every: int | None = None,
+        virtual_ranks: int | None = None,
+        deterministic: bool = True,
     ) -> None:
         if parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
@@ -123,6 +133,11 @@ class DistributedTrainer:
             raise ValueError(f"digest_every must be >= 1 and needs replicated parameters (parallel in {COMPARABLE}), got "
                              f"{digest_every} with parallel={parallel!r}: FSDP, tp and pipeline ranks hold shards")
         self.group = group if group is not None else _default_group()
+        if virtual_ranks is None and parallel == "ddp" and membership.current() is not None:
+            virtual_ranks = self.group.size  # a live job: the math must not change when a node leaves
+        if virtual_ranks is not None and (parallel != "ddp" or digest_every is not None or eval_dataset is not None):
+            raise ValueError(f"virtual_ranks ({virtual_ranks}) works with parallel='ddp' without digest_every and "
+                             f"eval_dataset so far; got parallel={parallel!r}")
         self.comm = ObjectCollectives(self.group)
         self.rank, self.world_size = self.group.rank, self.group.size
         self.dataset = Dataset(dataset)
@@ -142,6 +157,7 @@ class DistributedTrainer:
         self.log_every = log_every
         self.module = model
         self._wrapper_options = dict(wrapper_options or {})
+        self._virtual_ranks = virtual_ranks
         self.model, self.optimizer, self._clip = self._wrap(model, optimizer_factory, sharding)
         self.data_replicas = 1 if parallel in ("tp", "pipeline") else self.world_size
         """How many ranks read different data (1 when the ranks split the model instead)."""
@@ -155,6 +171,9 @@ class DistributedTrainer:
         self.replicas = ReplicaCheck(digest_every, list(model.parameters()), self.group, self.comm) \
             if digest_every else None
         """The replica check (digest_every=), with the divergences it saw; None when off."""
+        self.virtual = VirtualSteps(self, virtual_ranks, seed, shuffle, deterministic) \
+            if virtual_ranks is not None else None
+        """The virtual-rank loop (virtual_ranks=, or a live job), with the re-formations it went through."""
 
     def _wrap(self, model: Module, factory: Callable[[list[Any]], Optimizer],
               sharding: ShardingStrategy | str) -> tuple[Any, Optimizer, Callable[[float], float]]:
@@ -171,6 +190,9 @@ class DistributedTrainer:
             pipe = Pipeline(model, self.group, loss_fn=self.loss_fn, **self._wrapper_options)
             params = list(pipe.parameters())
             return pipe, factory(params), lambda m: clip_partitioned(params, [], self.group, m)
+        if self._virtual_ranks is not None:  # the virtual-rank loop reduces the gradients itself (axond.train.live)
+            params = list(model.parameters())
+            return model, factory(params), lambda max_norm: clip_grad_norm_(params, max_norm)
         if self.parallel == "none" and self.world_size > 1:
             raise ValueError(f"parallel='none' trains one process; this group has {self.world_size} ranks")
         wrapped: Any = DDP(model, self.group, **self._wrapper_options) if self.parallel != "none" else model
@@ -354,7 +376,8 @@ class DistributedTrainer:
         self._call("on_fit_start")
         begun = (pos.epoch, pos.global_step)
         try:
-            while not self._run_epochs(epochs, progress):
+            run = self.virtual.run_epochs if self.virtual is not None else self._run_epochs
+            while not run(epochs, progress):
                 pass  # rolled back to the agreed checkpoint: go on from there
             pos = self.position
             if self.checkpoint_dir is not None and (pos.epoch, pos.global_step) != begun:

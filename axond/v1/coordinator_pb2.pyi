@@ -72,16 +72,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., node_secret: _Optional[str] = ..., local_pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "job_state", "reason", "heartbeat_interval_s")
+    __slots__ = ("generation", "job_state", "reason", "heartbeat_interval_s", "live")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     job_state: JobState
     reason: str
     heartbeat_interval_s: float
-    def __init__(self, generation: _Optional[int] = ..., job_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    live: bool
+    def __init__(self, generation: _Optional[int] = ..., job_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., live: _Optional[bool] = ...) -> None: ...
 
 class DeregisterNodeRequest(_message.Message):
     __slots__ = ("node_id", "node_secret")
@@ -96,7 +98,7 @@ class DeregisterNodeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "node_id", "nproc", "min_nodes", "max_nodes", "max_restarts", "timeout_s", "node_secret")
+    __slots__ = ("job", "node_id", "nproc", "min_nodes", "max_nodes", "max_restarts", "timeout_s", "node_secret", "live_recovery")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NPROC_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +107,7 @@ class JoinRequest(_message.Message):
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    LIVE_RECOVERY_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     nproc: int
@@ -113,7 +116,8 @@ class JoinRequest(_message.Message):
     max_restarts: int
     timeout_s: float
     node_secret: str
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., nproc: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., timeout_s: _Optional[float] = ..., node_secret: _Optional[str] = ...) -> None: ...
+    live_recovery: bool
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., nproc: _Optional[int] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., max_restarts: _Optional[int] = ..., timeout_s: _Optional[float] = ..., node_secret: _Optional[str] = ..., live_recovery: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("generation", "node_rank", "nnodes", "rank_offset", "world_size", "local_world_size", "job_secret", "restarts_left")
@@ -154,12 +158,14 @@ class ReportFailureRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
-    __slots__ = ("generation", "will_restart")
+    __slots__ = ("generation", "will_restart", "left_job")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WILL_RESTART_FIELD_NUMBER: _ClassVar[int]
+    LEFT_JOB_FIELD_NUMBER: _ClassVar[int]
     generation: int
     will_restart: bool
-    def __init__(self, generation: _Optional[int] = ..., will_restart: _Optional[bool] = ...) -> None: ...
+    left_job: bool
+    def __init__(self, generation: _Optional[int] = ..., will_restart: _Optional[bool] = ..., left_job: _Optional[bool] = ...) -> None: ...
 
 class ReportExitRequest(_message.Message):
     __slots__ = ("job", "node_id", "generation", "exit_code", "node_secret")

@@ -50,7 +50,7 @@ def heartbeat_reply(state: CoordinatorState, request: pb.HeartbeatRequest,
     renew = stalls is None or stalls.renews(now)
     r = state.heartbeat(request.node_id, request.job, request.generation, now, tuple(request.local_pids), renew)
     return pb.HeartbeatResponse(generation=r.generation, job_state=job_state_pb(r.state), reason=r.reason,
-                                heartbeat_interval_s=r.interval)
+                                heartbeat_interval_s=r.interval, live=r.live)
 
 
 async def serve_heartbeats(state: CoordinatorState, commits: GroupCommit | None, requests: AsyncIterator[Any],

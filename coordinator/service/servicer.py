@@ -123,7 +123,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.state.authenticate(request.node_id, request.node_secret)
         job, node = request.job, request.node_id
         got = self.state.join(
-            job, node, request.nproc, request.min_nodes, request.max_nodes, request.max_restarts, time.monotonic()
+            job, node, request.nproc, request.min_nodes, request.max_nodes, request.max_restarts, time.monotonic(),
+            request.live_recovery,
         )
         if got is None:
             since = self.state.jobs[job].generation
@@ -161,7 +162,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             request.job, request.node_id, request.generation, request.rank, request.exit_code, request.message,
             time.monotonic(),
         )
-        return pb.ReportFailureResponse(generation=generation, will_restart=will)
+        left = self.state.left_job(request.job, request.node_id)
+        return pb.ReportFailureResponse(generation=generation, will_restart=will and not left, left_job=left)
 
     @_translated
     async def ReportExit(self, request: pb.ReportExitRequest, context: Any) -> pb.ReportExitResponse:

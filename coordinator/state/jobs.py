@@ -11,6 +11,9 @@ from axond.coordinator.state.rendezvous import Round
 MAX_EVENTS = 100_000
 """Events (output lines, notices) kept per job; a slower reader is told how many it missed."""
 
+MAX_LEFT = 64
+"""Nodes a job remembers having gone on without (live recovery), so that their late reports are answered."""
+
 CANCELLED_EXIT_CODE = 130
 """Exit code a cancelled job finishes with (the shell's code for an interrupt)."""
 
@@ -126,6 +129,13 @@ class Job:
     past_rounds: list[Round] = field(default_factory=list)
     finished_at: float | None = None
     """When the job reached a terminal state (the coordinator's monotonic clock)."""
+    live: bool = False
+    """Live recovery (`axond worker --live-recovery`): a failed node's generation is replaced by one of the
+    survivors, whose ranks keep running, while at least `min_nodes` are left."""
+    live_generation: int = 0
+    """The last generation opened by live recovery (0: none)."""
+    left: list[str] = field(default_factory=list)
+    """The nodes live recovery went on without, latest last (bounded: `MAX_LEFT`)."""
 
     @property
     def generation(self) -> int:

@@ -22,7 +22,7 @@ from axond.coordinator.state.errors import (
     check_positive,
     short,
 )
-from axond.coordinator.state.jobs import EventLog, FinishedEvent, InfoEvent, Job, JobState
+from axond.coordinator.state.jobs import MAX_LEFT, EventLog, FinishedEvent, InfoEvent, Job, JobState
 from axond.coordinator.state.membership import Membership, Node
 from axond.coordinator.state.rendezvous import Member, Round
 from axond.coordinator.state.scheduling import Scheduler
@@ -53,6 +53,8 @@ class HeartbeatResult:
     reason: str
     interval: float = 0.0
     """The heartbeat interval the node is told to keep (0: unchanged)."""
+    live: bool = False
+    """`generation` was opened by live recovery: its survivors keep their ranks running and re-join."""
 
 
 class JobLifecycle:
@@ -70,7 +72,7 @@ class JobLifecycle:
         self.waiting_next: dict[str, dict[str, tuple[tuple[str, int], int]]] = {}
         """Per job: nodes that joined a frozen generation, by id -> (rank order key, nproc)."""
 
-    def new_job(self, name: str, min_nodes: int, max_nodes: int, max_restarts: int) -> Job:
+    def new_job(self, name: str, min_nodes: int, max_nodes: int, max_restarts: int, live: bool = False) -> Job:
         """Record a new job at generation 1, first forgetting old records if the job table is full."""
         ctx = self.ctx
         old = ctx.jobs.pop(name, None)
@@ -81,7 +83,7 @@ class JobLifecycle:
             self._forget_jobs()
         j = Job(
             name, min_nodes, max_nodes, max_restarts, self._new_round(1, min_nodes, max_nodes), kv=ctx.new_space(),
-            events=EventLog(ctx.limits.max_output_bytes_per_job),
+            events=EventLog(ctx.limits.max_output_bytes_per_job), live=live,
         )
         ctx.jobs[name] = j
         return j
@@ -114,7 +116,7 @@ class JobLifecycle:
         if not job:
             return HeartbeatResult(0, None, "")
         j = self.ctx.job(job)
-        return HeartbeatResult(j.generation, j.state, j.reason)
+        return HeartbeatResult(j.generation, j.state, j.reason, live=j.live and j.live_generation == j.generation)
 
     def node_lost(self, node: Node, why: str, now: float, dead: bool = False) -> None:
         """The node died (`dead`: its lease ran out) or left: drop it from open rounds and restart the jobs it ran; a
@@ -138,7 +140,9 @@ class JobLifecycle:
                     job.assigned.remove(node.node_id)
                     self.scheduler.enqueue(job.name)
                 self.ctx.goodput.detected(job.name, node.last_seen, now)
-                self._bump(job, f"node {node.node_id} ({node.hostname}) {why}", True, 1, now)
+                reason = f"node {node.node_id} ({node.hostname}) {why}"
+                if not self._live_bump(job, node, reason, now):
+                    self._bump(job, reason, True, 1, now)
                 if dead and not job.state.terminal:
                     interval = self.members.paced(node)
                     lease = interval * self.members.liveness.dead_after_missed
@@ -168,7 +172,8 @@ class JobLifecycle:
         return min(deadlines) if deadlines else None
 
     def join(
-        self, job: str, node_id: str, nproc: int, min_nodes: int, max_nodes: int, max_restarts: int, now: float
+        self, job: str, node_id: str, nproc: int, min_nodes: int, max_nodes: int, max_restarts: int, now: float,
+        live: bool = False,
     ) -> Assignment | None:
         """Enter the job's rendezvous; returns the assignment once frozen, None while it is open."""
         limits = self.ctx.limits
@@ -184,8 +189,8 @@ class JobLifecycle:
         node, _ = self.members.touch(node_id, now)
         j = self.ctx.jobs.get(job)
         if j is None or (j.state.terminal and j.spec is None):
-            j = self.new_job(job, min_nodes, max_nodes, max_restarts)
-        self._check_join(j, node, min_nodes, max_nodes, max_restarts)
+            j = self.new_job(job, min_nodes, max_nodes, max_restarts, live)
+        self._check_join(j, node, min_nodes, max_nodes, max_restarts, live)
         if j.round.frozen and j.round.member(node_id) is None and len(j.round.members or []) >= j.max_nodes:
             raise FailedPrecondition(
                 f"job {job!r} is running with all its {j.max_nodes} node(s) (generation {j.generation}), so this "
@@ -198,6 +203,8 @@ class JobLifecycle:
                 f"job {short(job)} would have more than {limits.max_world_size} ranks (max_world_size)"
             )
         node.job = job
+        if node_id in j.left:  # joining again: it is in the job once more
+            j.left.remove(node_id)
         self.members.mark(node)
         self.ctx.mark_job(job)
         rnd = j.round
@@ -219,9 +226,14 @@ class JobLifecycle:
         self._maybe_freeze(j, now)
         return self._assignment(j, node_id) if rnd.member(node_id) else None
 
-    def _check_join(self, j: Job, node: Node, min_nodes: int, max_nodes: int, max_restarts: int) -> None:
+    def _check_join(self, j: Job, node: Node, min_nodes: int, max_nodes: int, max_restarts: int, live: bool) -> None:
         if j.state.terminal:
             raise FailedPrecondition(f"job {j.name!r} has finished ({j.state.name}); submit it again")
+        if j.live != live:
+            raise FailedPrecondition(
+                f"job {j.name!r} runs {'with' if j.live else 'without'} --live-recovery, this worker asks "
+                f"{'with' if live else 'without'}; pass the same options to every worker or use another --job name"
+            )
         if (j.min_nodes, j.max_nodes) != (min_nodes, max_nodes) or j.max_restarts != max_restarts:
             why = (f"it asked nnodes {min_nodes}:{max_nodes} and max_restarts {max_restarts}, the job has "
                    f"{j.min_nodes}:{j.max_nodes} and {j.max_restarts}")
@@ -397,8 +409,36 @@ class JobLifecycle:
         who = f"rank {rank}" if rank >= 0 else "the agent"
         detail = f": {message[:500]}" if message else ""
         reason = f"{who} on node {node_id} ({node.hostname}) failed with exit code {exit_code}{detail}"
+        if self._live_bump(j, node, reason, now):
+            return j.generation, True
         will = self._bump(j, reason, True, exit_code, now)
         return j.generation, will
+
+    def left_job(self, job: str, node_id: str) -> bool:
+        """Whether live recovery went on without `node_id` (its worker leaves the job instead of re-joining)."""
+        j = self.ctx.jobs.get(job)
+        return j is not None and j.live and node_id in j.left
+
+    def _live_bump(self, j: Job, lost: Node, reason: str, now: float) -> bool:
+        """Live recovery: open the next generation with the other members of this one (their ranks keep running, they
+        re-join at once, no restart is counted), without `lost`; False (restart as usual) when fewer than
+        `min_nodes` would be left, or the job is not live."""
+        members = j.round.members
+        if not j.live or members is None or j.round.member(lost.node_id) is None:
+            return False
+        survivors = [m.node_id for m in members if m.node_id != lost.node_id and m.node_id not in j.exits
+                     and not getattr(self.members.nodes.get(m.node_id), "dead", True)]
+        if len(survivors) < j.min_nodes:
+            return False
+        self._bump(j, f"{reason}; re-forming live with the {len(survivors)} other node(s)", False, 0, now)
+        j.round.expected = frozenset(survivors)
+        j.live_generation = j.generation
+        j.left = [*j.left[-(MAX_LEFT - 1):], lost.node_id]
+        self.ctx.mark_job(j.name)
+        if lost.job == j.name:
+            lost.job = ""
+            self.members.mark(lost)
+        return True
 
     def report_exit(self, job: str, node_id: str, generation: int, exit_code: int, now: float) -> None:
         """The node's local ranks of `generation` all exited; the job ends when every node did."""

@@ -190,11 +190,13 @@ class CoordinatorState:
             return self.lifecycle.tick(now)
 
     def join(
-        self, job: str, node_id: str, nproc: int, min_nodes: int, max_nodes: int, max_restarts: int, now: float
+        self, job: str, node_id: str, nproc: int, min_nodes: int, max_nodes: int, max_restarts: int, now: float,
+        live: bool = False,
     ) -> Assignment | None:
-        """Enter the job's rendezvous; returns the assignment once frozen, None while it is open."""
+        """Enter the job's rendezvous; returns the assignment once frozen, None while it is open (`live`: the job
+        recovers live, `axond worker --live-recovery`)."""
         with self.lock:
-            return self.lifecycle.join(job, node_id, nproc, min_nodes, max_nodes, max_restarts, now)
+            return self.lifecycle.join(job, node_id, nproc, min_nodes, max_nodes, max_restarts, now, live)
 
     def join_result(self, job: str, node_id: str, now: float, since: int = 0) -> Assignment | None:
         """Poll a pending Join: the assignment, None to keep waiting, or an error if dropped."""
@@ -217,6 +219,11 @@ class CoordinatorState:
         """A rank or agent failed: bump the generation; returns (new generation, will_restart)."""
         with self.lock:
             return self.lifecycle.report_failure(job, node_id, generation, rank, exit_code, message, now)
+
+    def left_job(self, job: str, node_id: str) -> bool:
+        """Whether live recovery went on without `node_id` (its worker leaves instead of re-joining)."""
+        with self.lock:
+            return self.lifecycle.left_job(job, node_id)
 
     def report_exit(self, job: str, node_id: str, generation: int, exit_code: int, now: float) -> None:
         """The node's local ranks of `generation` all exited; the job ends when every node did."""

@@ -84,6 +84,7 @@ def job_record(j: Job, now: float) -> Record:
         "assigned": list(j.assigned), "exits": dict(j.exits), "placement_note": j.placement_note,
         "finished_wall": _wall(j.finished_at, now), "round": _round_record(j.round, joiners=False),
         "past_generations": [r.generation for r in j.past_rounds], "events_base": j.events.base,
+        "live": j.live, "live_generation": j.live_generation, "left": list(j.left),
     }
 
 
@@ -101,6 +102,8 @@ def job_from(r: Record, now: float, events: EventLog, joiners: list[tuple[str, l
         spec=spec, assigned=list(r["assigned"]), exits={k: int(v) for k, v in r["exits"].items()},
         placement_note=r["placement_note"], past_rounds=[_round_from(p, now) for p in _past(r, past or {})],
         finished_at=_mono(r["finished_wall"], now), events=events,
+        live=bool(r.get("live", False)), live_generation=int(r.get("live_generation", 0)),
+        left=[str(n) for n in r.get("left", [])],
     )
 
 

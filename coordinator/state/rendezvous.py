@@ -64,6 +64,9 @@ class Round:
         point): a durable state writes only these (O(1) per Join, not the whole round per commit)."""
         self.reordered = False
         """A joiner was removed and added again since then (it moved to the end of `joiners`)."""
+        self.expected: frozenset[str] = frozenset()
+        """Live recovery: the surviving nodes of the previous generation; the round freezes as soon as all of them
+        joined (no settle time: nobody else is awaited)."""
         self.not_before = 0.0
         """It freezes no earlier than this (monotonic): after a node of the previous generation was declared dead,
         the time that node's worker may still take to kill its ranks (the fence)."""
@@ -111,7 +114,7 @@ class Round:
         """When the open round freezes on its own, or None if it still lacks `min_nodes`."""
         if self.frozen or self.min_reached_at is None:
             return None
-        if len(self.joiners) >= self.max_nodes:
+        if len(self.joiners) >= self.max_nodes or (self.expected and self.expected <= self.joiners.keys()):
             return max(self.min_reached_at, self.not_before)
         return max(self.min_reached_at + self.settle_time, self.not_before)
 

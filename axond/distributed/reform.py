@@ -1,0 +1,47 @@
+"""`axond.reform()`: after `MembershipChanged`, take this process's place in the job's next generation.
+
+The same process, the same imports, the same user objects: the default group is destroyed and formed again over
+the new generation's store (its ranks, world size and data-plane secret from the worker's note), and the
+variables a rank reads (RANK, WORLD_SIZE, AXOND_GENERATION, ...) say the new values.
+"""
+
+from __future__ import annotations
+
+import os
+
+from axond.distributed import default_registry as defaults
+from axond.distributed import membership
+from axond.distributed.api import destroy_process_group, init_process_group, read_env
+from axond.distributed.process_group import ProcessGroup
+from axond.errors import DistributedError
+
+
+def reform(timeout: float | None = None) -> ProcessGroup:
+    """Re-form the default group for the job's next generation and return it (every survivor calls it).
+
+    Waits up to `timeout` seconds (default `AXOND_LIVE_WAIT_S`) for the worker to say this rank's place in the new
+    generation, then forms the group there with the old group's backend and timeout. Raises `DistributedError` when
+    this is not a live job (`axond worker --live-recovery`), or no place came in time (the job restarts or failed).
+    """
+    live = membership.current()
+    old = defaults.current()
+    if live is None or old is None:
+        raise DistributedError("axond.reform(): this process is not in a live job's default group; run it under "
+                               "`axond worker --live-recovery` after axond.init_process_group()", op="reform")
+    wait = live.wait_s if timeout is None else timeout
+    note = live.wait(wait, ready=True)
+    if note is None:
+        raise DistributedError(f"axond.reform(): no place for this rank in a generation after {live.generation} came "
+                               f"within {wait:g} s (the job restarts or failed; see the worker's output)",
+                               op="reform", group=old.name, rank=old.global_rank)
+    backend, group_timeout = old.backend_name, old.timeout
+    destroy_process_group()
+    os.environ.update(
+        RANK=str(note.rank), WORLD_SIZE=str(note.world_size), LOCAL_RANK=str(note.local_rank),
+        LOCAL_WORLD_SIZE=str(note.local_world_size), NODE_RANK=str(note.node_rank), GROUP_RANK=str(note.node_rank),
+        GROUP_WORLD_SIZE=str(note.nnodes), ROLE_RANK=str(note.rank), ROLE_WORLD_SIZE=str(note.world_size),
+        AXOND_GENERATION=str(note.generation), AXOND_JOB_SECRET=note.job_secret.hex(),
+    )
+    group = init_process_group(backend, timeout=group_timeout, env=read_env())
+    live.adopt(note)
+    return group

@@ -1,0 +1,231 @@
+"""Data-parallel steps on virtual ranks that survive a membership change (`DistributedTrainer`, parallel="ddp").
+
+Each step: every virtual rank this process carries runs its micro-batches (its data shard, its random stream), its
+gradient and loss go into its row; one all_gather brings every row and the rows are averaged in virtual-rank
+order (`axond.train.virtual`); a barrier commits; then the optimizer steps. If a collective raises
+`MembershipChanged` (a node left a live job), the step is not applied: `axond.reform()` takes the new generation,
+the surviving ranks agree on the last committed step, and the cut step runs again with the virtual ranks spread
+over the new world. A step is applied on every rank or none: a rank that completed the commit knows every rank
+entered it, so every rank holds that step's averaged gradient; a rank the failure cut after its gather applies it
+then ("rolls forward"), and none is ever applied twice.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from axond.checkpoint.api import ObjectCollectives
+from axond.distributed.reform import reform
+from axond.errors import DistributedError, MembershipChanged
+from axond.nn.module import Module
+from axond.observe import timeline
+from axond.parallel import DistributedSampler
+from axond.train.progress import Progress
+from axond.train.virtual import VirtualGradients
+
+if TYPE_CHECKING:
+    from axond.train.trainer import DistributedTrainer
+
+MAX_REFORMS_PER_STEP = 8
+"""Re-formations one step may go through (each after another node left) before the trainer gives up."""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One re-formation the trainer went through."""
+
+    step: int
+    """The global step that was cut (and run again)."""
+    world_before: int
+    world_after: int
+    generation: int
+    reason: str
+    error_at: float
+    """time.monotonic() when the collective raised `MembershipChanged`."""
+    reformed_at: float
+    """time.monotonic() when the new group was formed and the ranks agreed on the step."""
+    rolled_forward: bool
+    """This rank applied the cut step's gradient after the re-formation (it had been committed elsewhere)."""
+
+
+def roll_forward(steps: Sequence[int], mine: int, pending: bool) -> bool:
+    """After a re-formation, from every rank's count of applied steps: whether this rank (at `mine`, holding the cut
+    step's gradient when `pending`) must apply that step now, because another rank's commit of it completed.
+    Raises `DistributedError` when the counts cannot come from one cut step (a bug, never silently trained on)."""
+    newest, oldest = max(steps), min(steps)
+    if newest - oldest > 1:
+        raise DistributedError(f"the ranks' applied steps differ by more than one ({list(steps)}): they cannot all "
+                               "have been cut in the same step", op="reform")
+    if newest == mine + 1 and not pending:
+        raise DistributedError(f"step {newest} was committed on another rank, but this rank (at step {mine}) holds no "
+                               "gradient for it", op="reform")
+    return newest == mine + 1
+
+
+def _generators(model: Module) -> list[np.random.Generator]:
+    return [m.__dict__[attr] for _, m in model.named_modules() for attr in ("_gen", "rng", "generator")
+            if isinstance(m.__dict__.get(attr), np.random.Generator)]
+
+
+class VirtualSteps:
+    """The training loop of `DistributedTrainer` on `virtual` data-parallel ranks (see the module docstring)."""
+
+    def __init__(self, trainer: DistributedTrainer, virtual: int, seed: int, shuffle: bool,
+                 deterministic: bool = True) -> None:
+        if virtual < trainer.world_size:
+            raise ValueError(f"virtual_ranks={virtual} is fewer than the {trainer.world_size} ranks of the group; "
+                             "each rank carries at least one virtual rank")
+        self.trainer = trainer
+        self.virtual = virtual
+        self.seed = seed
+        self.samplers = [DistributedSampler(len(trainer.dataset), virtual, v, shuffle=shuffle, seed=seed)
+                         for v in range(virtual)]
+        self.grads = VirtualGradients(list(trainer.module.parameters()), virtual, deterministic)
+        self.grads.layout(trainer.group)
+        self.generators = _generators(trainer.module)
+        self.totals = np.zeros((virtual, 2), np.float64)
+        """Per virtual rank: (loss sum, samples) of the epoch so far, the same on every rank."""
+        self.pending = False
+        """The last step's gradient is gathered and averaged, its commit not completed."""
+        self.recoveries: list[Recovery] = []
+
+    def steps_per_epoch(self) -> tuple[int, int]:
+        t = self.trainer
+        micro = math.ceil(self.samplers[0].num_samples / t.batch_size)
+        return micro, math.ceil(micro / t.grad_accum_steps)
+
+    def _seed_generators(self, v: int, step: int) -> None:
+        """Virtual rank `v`'s random streams for global step `step` (Dropout's), whoever carries it."""
+        for g in self.generators:
+            g.bit_generator.state = type(g.bit_generator)(np.random.SeedSequence([self.seed, v, step])).state
+
+    def _compute(self, indices: list[np.ndarray], step: int, micro: int) -> int:
+        """Run this rank's virtual ranks' micro-batches of epoch step `step`, each into its row; returns samples."""
+        t = self.trainer
+        first = step * t.grad_accum_steps
+        count = min(t.grad_accum_steps, micro - first)
+        used = 0
+        for row, v in enumerate(self.grads.mine):
+            t.module.zero_grad()
+            self._seed_generators(v, t.position.global_step)
+            loss_sum, samples = 0.0, 0
+            for m in range(count):
+                rows = indices[v][(first + m) * t.batch_size : (first + m + 1) * t.batch_size]
+                x, y = t.dataset.batch(rows)
+                loss = float(t.loss_fn(t.module(x), y))
+                grad = t.loss_fn.backward()
+                t.module.backward(grad / count if count > 1 else grad)
+                loss_sum += loss * len(rows)
+                samples += len(rows)
+            self.grads.capture(row, loss_sum, samples)
+            used += samples
+        return used
+
+    def _apply(self) -> None:
+        """Apply the gathered step: clip, optimizer step, losses, position."""
+        t = self.trainer
+        self.grads.apply()
+        if t.clip_norm is not None:
+            t._clip(t.clip_norm)
+        t.optimizer.step()
+        self.totals += self.grads.losses
+        self.pending = False
+        t.position.step += 1
+        t.position.global_step += 1
+
+    def _step(self, indices: list[np.ndarray], micro: int) -> int:
+        t = self.trainer
+        self.pending = False
+        used = self._compute(indices, t.position.step, micro)
+        self.grads.gather()
+        self.pending = True
+        t.group.barrier()  # the commit: completed on one rank means every rank holds this step's gradient
+        self._apply()
+        return used
+
+    def _recover(self, error: MembershipChanged) -> None:
+        """Take the new generation, agree on the last committed step, roll forward if this rank is one behind."""
+        t = self.trainer
+        step, before, error_at, span = t.position.global_step, t.world_size, time.monotonic(), time.perf_counter_ns()
+        for _ in range(MAX_REFORMS_PER_STEP):
+            group = reform()
+            t.group, t.comm = group, ObjectCollectives(group)
+            t.rank, t.world_size, t.data_replicas = group.rank, group.size, group.size
+            self.grads.layout(group)
+            mine = np.array([t.position.global_step, int(self.pending)], np.int64)
+            try:
+                agreed = group.all_gather(mine)
+            except MembershipChanged as again:
+                error = again
+                continue
+            forward = roll_forward([int(s) for s in agreed[:, 0]], t.position.global_step, self.pending)
+            if forward:
+                self._apply()
+            self.pending = False
+            if timeline.TRACER is not None:  # from the cut collective's error to the agreed step
+                timeline.TRACER.since("live.reform", "live", span, step=step, world_before=before,
+                                      world_after=group.size, generation=error.generation, reason=error.reason,
+                                      rolled_forward=forward)
+            self.recoveries.append(Recovery(step, before, group.size, error.generation, error.reason, error_at,
+                                            time.monotonic(), forward))
+            return
+        raise error
+
+    def run_epochs(self, epochs: int, progress: Progress) -> bool:
+        """Train from the trainer's position to the end of `epochs` (always True: no replica rollbacks here)."""
+        t = self.trainer
+        pos = t.position
+        micro, steps = self.steps_per_epoch()
+        while pos.epoch < epochs:
+            for sampler in self.samplers:
+                sampler.set_epoch(pos.epoch)
+            indices = [s.indices() for s in self.samplers]
+            if pos.step == 0:
+                self.totals[:] = 0.0
+            progress.start(pos.epoch + 1, steps, pos.step)
+            start, seen = time.perf_counter(), 0
+            while pos.step < steps:
+                began = time.perf_counter_ns()
+                try:
+                    seen += self._step(indices, micro)
+                except MembershipChanged as e:
+                    self._recover(e)  # the cut step is run again (or was rolled forward)
+                    continue
+                if timeline.TRACER is not None:
+                    timeline.TRACER.since("train.step", "train", began, step=pos.global_step, world=t.world_size,
+                                          virtual=list(self.grads.mine))
+                loss = self.loss()
+                progress.update(pos.step, loss, seen * self.virtual / max(time.perf_counter() - start, 1e-9))
+                t._call("on_step_end", {"epoch": pos.epoch + 1, "step": pos.step, "global_step": pos.global_step,
+                                        "loss": loss})
+                if t.checkpoint_every and pos.global_step % t.checkpoint_every == 0:
+                    t.save_checkpoint()
+            progress.close()
+            self._end_epoch(epochs, seen / max(time.perf_counter() - start, 1e-9))
+        return True
+
+    def loss(self) -> float:
+        """The epoch's mean loss so far over every virtual rank (summed in virtual-rank order: the same everywhere)."""
+        total = np.zeros(2, np.float64)
+        for v in range(self.virtual):
+            total += self.totals[v]
+        return float(total[0] / max(total[1], 1.0))
+
+    def _end_epoch(self, epochs: int, rate: float) -> None:
+        t = self.trainer
+        pos = t.position
+        metrics: dict[str, Any] = {"epoch": pos.epoch + 1, "loss": self.loss()}
+        t._call("on_epoch_end", metrics)
+        metrics["samples_per_s"] = rate
+        pos.history.append(metrics)
+        if t.rank == 0 and t.progress_enabled:
+            print(f"epoch {pos.epoch + 1}/{epochs} loss {metrics['loss']:.4f} samples/s {rate:.0f}", flush=True)
+        pos.epoch += 1
+        pos.step = 0
+        self.totals[:] = 0.0

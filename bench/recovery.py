@@ -1,0 +1,196 @@
+"""From a SIGKILLed rank to the survivors computing again: live recovery against today's restart path.
+
+One run: an in-process coordinator (heartbeat interval `--heartbeat` s), three `axond worker` nodes of one rank each
+on this host, `DistributedTrainer` (ddp) on a small MLP (tests/helpers/live_train.py, 60 steps); the rank that
+starts as rank 2 stops after step 20 and is SIGKILLed there, while the others wait in step 21.
+
+- live: `axond worker --nnodes 2:3 --live-recovery`, no checkpoint directory; the survivors re-form at world size 2.
+- restart: `axond worker --nnodes 3 --max-restarts 1`, a checkpoint after every step (so that the restart loses no
+  step); every rank is stopped, started again, re-imports, re-forms and loads the last checkpoint.
+
+Columns (seconds from the kill, time.monotonic() of this host): the last survivor's `MembershipChanged` (live only),
+the last survivor's group re-formed and agreed on the step (live only), and the first step after the cut one
+completed, on any rank.
+
+    python bench/recovery.py --runs 3
+    python bench/recovery.py --part step-cost --world 3 --hidden 512   # what the virtual-rank step costs
+
+`--part step-cost`: the median step time of `DistributedTrainer` in `--world` processes on loopback (an MLP of
+`--hidden` units, 4 layers): plain DDP (bucketed all_reduce), virtual ranks deterministic (one all_gather of every
+virtual rank's gradient, summed in order) and virtual ranks fast (each rank's sum all_reduced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from axond import nn
+from axond.coordinator.server import CoordinatorConfig, start_coordinator
+from axond.distributed import default_group
+from axond.nn.optim import AdamW
+from axond.testing import run_processes
+from axond.train import Callback, DistributedTrainer
+
+SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "live_train.py"
+HANG_STEP = 20
+
+
+def _workers(address: str, job: str, out: Path, live: bool) -> list[subprocess.Popen[str]]:
+    shape = ["--nnodes", "2:3", "--live-recovery"] if live else ["--nnodes", "3", "--max-restarts", "1"]
+    rank = [sys.executable, str(SCRIPT), str(out), str(HANG_STEP)] + ([] if live else [str(out / "ckpt")])
+    argv = [sys.executable, "-c", "from axond.cli.main import main; main()", "worker", "--coordinator", address,
+            "--job", job, *shape, "--join-timeout", "120", "--", *rank]
+    return [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True) for _ in range(3)]
+
+
+def _steps(out: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for p in out.glob("steps-*.jsonl") for line in p.read_text().splitlines()]
+
+
+def one_run(address: str, live: bool, job: str) -> dict[str, float]:
+    """Seconds from the kill to each milestone (NaN where the path has none), and the bytes read from storage."""
+    out = Path(tempfile.mkdtemp(prefix="axond-recovery-"))
+    workers = _workers(address, job, out, live)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(out.glob("hang-*")):
+            if time.monotonic() > deadline:
+                raise RuntimeError("rank 2 did not reach its step within 180 s")
+            time.sleep(0.02)
+        pid = int(next(out.glob("hang-*")).name.removeprefix("hang-"))
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        codes = []
+        for w in workers:
+            _, err = w.communicate(timeout=180)
+            codes.append(w.returncode)
+            if w.returncode != 0 and live and "goes on without this node" not in err:
+                raise RuntimeError(f"worker exited {w.returncode}: {err[-2000:]}")
+        ends = [json.loads(p.read_text()) for p in out.glob("end-*.json")]
+        after = [s["mono"] for s in _steps(out) if s["step"] > HANG_STEP and s["mono"] > killed]
+        recoveries = [r for e in ends for r in e["recoveries"]]
+        stored = sum(f.stat().st_size for f in (out / "ckpt").rglob("*") if f.is_file()) if not live else 0
+        nan = float("nan")
+        return {
+            "error": max(r["error_at"] for r in recoveries) - killed if recoveries else nan,
+            "reformed": max(r["reformed_at"] for r in recoveries) - killed if recoveries else nan,
+            "first_step": min(after) - killed,
+            "exit_codes": float(sorted(codes) == ([0, 0, 1] if live else [0, 0, 0])),
+            "checkpoint_bytes": float(stored // max(1, len(list((out / "ckpt").glob("step_*")))) if not live else 0.0),
+        }
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                os.killpg(w.pid, signal.SIGKILL)
+                w.wait()
+        shutil.rmtree(out, ignore_errors=True)
+
+
+class _StepTimes(Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.last = time.perf_counter()
+
+    def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
+        now = time.perf_counter()
+        self.times.append(now - self.last)
+        self.last = now
+
+
+@dataclass(frozen=True)
+class _StepCost:
+    """Picklable per-rank entry point for run_processes (the children import this module)."""
+
+    hidden: int
+    steps: int
+    options: tuple[tuple[str, Any], ...]
+
+    def __call__(self) -> float:
+        group = default_group()
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((self.steps * 8 * 4, self.hidden)).astype(np.float32)
+        y = rng.integers(0, 10, len(x))
+        layers: list[nn.Module] = []
+        for _ in range(3):
+            layers += [nn.Linear(self.hidden, self.hidden, rng=rng), nn.Tanh()]
+        model = nn.Sequential(*layers, nn.Linear(self.hidden, 10, rng=rng))
+        times = _StepTimes()
+        trainer = DistributedTrainer(model, lambda p: AdamW(p, lr=1e-3), nn.CrossEntropyLoss(), (x, y),
+                                     batch_size=8, group=group, progress=False, shuffle=False, callbacks=[times],
+                                     **dict(self.options))
+        times.last = time.perf_counter()
+        trainer.fit(1)
+        return float(statistics.median(times.times[3:]))
+
+
+def step_cost(world: int, hidden: int, steps: int) -> None:
+    params = 3 * (hidden * hidden + hidden) + hidden * 10 + 10
+    print(f"{world} ranks on loopback, MLP of {params:,} float32 parameters ({params * 4 / 2**20:.1f} MiB), "
+          f"batch 8 per virtual rank; median step of {steps} (the first 3 left out)")
+    print("| loop | median step (ms) | vs DDP |")
+    print("|---|---:|---:|")
+    base = 0.0
+    for name, options in (("DDP (parallel='ddp')", ()), ("virtual ranks, deterministic", (("virtual_ranks", world),)),
+                          ("virtual ranks, fast", (("virtual_ranks", world), ("deterministic", False)))):
+        median = statistics.median(run_processes(_StepCost(hidden, steps, options), world, timeout=600))
+        base = base or median
+        print(f"| {name} | {median * 1e3:.1f} | {median / base:.2f}x |", flush=True)
+
+
+def _cell(values: list[float]) -> str:
+    values = [v for v in values if v == v]
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--heartbeat", type=float, default=1.0, help="the coordinator's heartbeat interval (s)")
+    parser.add_argument("--part", choices=("recovery", "step-cost"), default="recovery")
+    parser.add_argument("--world", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    if args.part == "step-cost":
+        step_cost(args.world, args.hidden, args.steps)
+        return
+    coord = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, in_memory=True, insecure=True,
+                                                heartbeat_interval=args.heartbeat, dead_after_missed=5,
+                                                settle_time=5.0))
+    print(f"heartbeat interval {args.heartbeat} s; seconds from the SIGKILL, median (min-max) of {args.runs} runs")
+    print("| path | survivors' error | re-formed | first step after the kill | exit codes as expected | "
+          "bytes read from storage |")
+    print("|---|---:|---:|---:|---|---:|")
+    try:
+        for live in (True, False):
+            runs = [one_run(coord.address, live, f"recovery-{live}-{i}") for i in range(args.runs)]
+            ok = sum(int(r["exit_codes"]) for r in runs)
+            stored = int(runs[0]["checkpoint_bytes"])
+            print(f"| {'live (--live-recovery)' if live else 'restart (--max-restarts 1)'} | "
+                  f"{_cell([r['error'] for r in runs])} | {_cell([r['reformed'] for r in runs])} | "
+                  f"{_cell([r['first_step'] for r in runs])} | {ok} of {args.runs} | "
+                  f"{'0' if live else f'a checkpoint of {stored:,}'} |", flush=True)
+    finally:
+        coord.stop(grace=0.2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Run by tests/worker/test_worker_live_recovery.py under `axond worker --live-recovery`: an MLP on virtual ranks.
+
+argv: OUT_DIR HANG_STEP [CHECKPOINT_DIR]. Every process records its start (`start-RANK-PID`), every step
+(`steps-PID.jsonl`: rank, global step, world size, generation, wall and monotonic time) and its end (`end-PID.json`,
+`params-PID.npz`). The process that starts as rank 2 stops after its step HANG_STEP (writes `hang-PID`, then
+sleeps) so that the test can SIGKILL it while the others wait in the next step's collectives; HANG_STEP -1: nobody
+stops; it stops once per run (a restarted rank 2 does not).
+With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer checkpoints after every step.
+
+LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none of this worker's ranks; "stubborn":
+its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
+10 ms until it is killed (what the fencing test watches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import axond
+from axond import nn
+from axond.distributed import ProcessGroup
+from axond.nn.optim import AdamW
+from axond.train import Callback, DistributedTrainer
+
+X = np.random.default_rng(5).standard_normal((240, 6)).astype(np.float32)
+Y = (X[:, 0] > X[:, 1]).astype(np.int64) + (X[:, 2] > 0.5)
+HANG_S = 120.0
+
+
+def build_trainer(group: ProcessGroup | None, callbacks: list[Callback], **options: Any) -> DistributedTrainer:
+    """The trainer every rank builds (the tests also build it in-process, as the reference of per-step hashes)."""
+    rng = np.random.default_rng(3)
+    model = nn.Sequential(nn.Linear(6, 16, rng=rng), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 3, rng=rng))
+    return DistributedTrainer(model, lambda params: AdamW(params, lr=0.01), nn.CrossEntropyLoss(), (X, Y),
+                              batch_size=4, progress=False, clip_norm=1.0, callbacks=callbacks, group=group,
+                              **options)
+
+
+def params_hash(trainer: DistributedTrainer) -> str:
+    """A digest of every parameter's bytes, in state-dict order."""
+    digest = hashlib.sha256()
+    for value in trainer.module.state_dict().values():
+        digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()[:16]
+
+
+class Hashes(Callback):
+    """The parameters' digest after every step."""
+
+    def __init__(self) -> None:
+        self.hashes: list[str] = []
+
+    def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
+        self.hashes.append(params_hash(trainer))
+
+
+class Record(Callback):
+    def __init__(self, out: Path, hang_step: int) -> None:
+        role = os.environ.get("LIVE_TEST_ROLE", "")
+        self.out, self.hang_step = out, hang_step
+        self.hangs = (role == "" and os.environ["RANK"] == "2") or (
+            role == "stubborn" and os.environ["LOCAL_RANK"] == "0")
+        self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # closed at exit
+
+    def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
+        step = int(metrics["global_step"])
+        self.log.write(json.dumps({"rank": trainer.rank, "step": step, "world": trainer.world_size,
+                                   "gen": int(os.environ["AXOND_GENERATION"]), "t": time.time(),
+                                   "hash": params_hash(trainer),
+                                   "mono": time.monotonic()}) + "\n")
+        self.log.flush()
+        if self.hangs and step == self.hang_step and not any(self.out.glob("hang-*")):
+            (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
+            time.sleep(HANG_S)
+
+
+def stamp_until_killed(path: Path) -> None:
+    """Ignore SIGTERM; write time.monotonic() to `path` every 10 ms (a daemon thread: until SIGKILL ends it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def loop() -> None:
+        while True:
+            path.write_text(repr(time.monotonic()))
+            time.sleep(0.01)
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def main() -> None:
+    out, hang_step = Path(sys.argv[1]), int(sys.argv[2])
+    checkpoints = {"checkpoint_dir": sys.argv[3], "checkpoint_every": 1} if len(sys.argv) > 3 else {}
+    if os.environ.get("LIVE_TEST_ROLE") == "stubborn" and os.environ["LOCAL_RANK"] == "1":
+        stamp_until_killed(out / f"alive-{os.getpid()}")
+    (out / f"start-{os.environ['RANK']}-{os.getpid()}").write_text("")
+    first_generation = os.environ["AXOND_GENERATION"]
+    axond.init_process_group("tcp", timeout=30)
+    trainer = build_trainer(None, [Record(out, hang_step)], **checkpoints)
+    history = trainer.fit(3)
+    np.savez(out / f"params-{os.getpid()}.npz", **trainer.module.state_dict())
+    recoveries = [dataclasses.asdict(r) for r in trainer.virtual.recoveries] if trainer.virtual else []
+    (out / f"end-{os.getpid()}.json").write_text(json.dumps({
+        "pid": os.getpid(), "rank": trainer.rank, "world": trainer.world_size, "recoveries": recoveries,
+        "losses": [h["loss"] for h in history], "generation": os.environ["AXOND_GENERATION"],
+        "first_generation": first_generation,
+        "mono": time.monotonic(), "wall": time.time()}))
+    axond.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
