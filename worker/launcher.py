@@ -8,7 +8,6 @@ Reader threads prefix every output line with the rank and keep stdout and stderr
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -23,6 +22,9 @@ from dataclasses import dataclass
 from typing import IO
 
 from axond.worker.blame import blamed, pick
+from axond.worker.error_files import MAX_CAUSE_CHARS as MAX_CAUSE_CHARS
+from axond.worker.error_files import TORCH_ERROR_SUFFIX as TORCH_ERROR_SUFFIX
+from axond.worker.error_files import one_line, read_error_file, read_error_peer, read_error_record
 
 OutputSink = Callable[[int, str, str], None]
 """Receives one output line: (global rank, "stdout" | "stderr", text without the newline)."""
@@ -35,9 +37,6 @@ SPAWN_FAILED_EXIT_CODE = 127
 
 RANK_EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_exec.py")
 """Run by path with `python -S`: it imports nothing from axond, so it adds milliseconds to a rank's start."""
-
-MAX_CAUSE_CHARS = 500
-"""A failed rank's cause (error-file message or last stderr line) is cut to this length in messages."""
 
 CAUSE_GRACE_S = 2.0
 """Seconds the worker waits, once a local rank failed, for the other local ranks' exits and error files, to name
@@ -124,53 +123,6 @@ class RankExit:
         return f"{text}: {self.message}" if self.message else text
 
 
-def read_error_file(path: str | None) -> str:
-    """`Type: message` from a rank's error file (see `RankSpec.error_file`), or "" if it wrote none."""
-    return read_error_record(path)[0]
-
-
-TORCH_ERROR_SUFFIX = ".torchelastic"
-"""Suffix of the path given to a rank as TORCHELASTIC_ERROR_FILE (torch's `record` writes there), next to its
-axond error file."""
-
-
-def _load(path: str) -> object:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-
-
-def read_error_peer(path: str | None) -> int | None:
-    """The global rank a rank's error file says it failed because of (`peer`), or None."""
-    data = _load(path) if path else None
-    peer = data.get("peer") if isinstance(data, dict) else None
-    return peer if isinstance(peer, int) and not isinstance(peer, bool) and peer >= 0 else None
-
-
-def read_error_record(path: str | None) -> tuple[str, float | None]:
-    """(`Type: message`, the failure's wall-clock time) from a rank's error file, else from the file torch's
-    `@record` wrote (TORCHELASTIC_ERROR_FILE: the message, no precise time); ("", None) if it wrote none."""
-    if not path:
-        return "", None
-    data = _load(path)
-    if not isinstance(data, dict):
-        torch_data = _load(path + TORCH_ERROR_SUFFIX)
-        inner = torch_data.get("message") if isinstance(torch_data, dict) else None
-        text = inner.get("message") if isinstance(inner, dict) else inner
-        return (_one_line(str(text)), None) if text else ("", None)
-    kind, message = str(data.get("type") or ""), str(data.get("message") or "")
-    text = f"{kind}: {message}" if kind and message else kind or message
-    when = data.get("time")
-    return _one_line(text), float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None
-
-
-def _one_line(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= MAX_CAUSE_CHARS else line[: MAX_CAUSE_CHARS - 3] + "..."
-
-
 @dataclass(frozen=True)
 class GroupResult:
     """Outcome of a set of local ranks: all exited 0, or the first one that failed."""
@@ -255,7 +207,7 @@ class _Rank:
             return from_file
         for t in self.readers:  # the last lines may still be in the pipe: let the reader get them (bounded)
             t.join(timeout=0.5)
-        return _one_line(self.last_stderr)
+        return one_line(self.last_stderr)
 
     def returncode(self) -> int | None:
         if self.proc is None:

@@ -39,12 +39,14 @@ def test_health_exit_codes(coord: RunningCoordinator, procs: Procs) -> None:
 @pytest.mark.slow
 def test_unreachable_coordinator_says_what_to_do(procs: Procs) -> None:
     address = f"127.0.0.1:{free_port()}"
-    for args in (
+    commands = (
         ("status", "--coordinator", address),
         ("worker", "--coordinator", address, "--", PY, "-c", "pass"),
         ("run", "--coordinator", address, "--nnodes", "1", "--", PY, "-c", "pass"),
-    ):
-        res = procs.run(*args, timeout=60, env={"AXOND_CONNECT_TIMEOUT": "1"})
+    )
+    started = [(args, procs.axond(*args, env={"AXOND_CONNECT_TIMEOUT": "1"})) for args in commands]  # at once
+    for args, proc in started:
+        res = procs.finish(proc, timeout=60)
         assert res.code == 3, (args, res.stderr)
         assert f"waiting for the coordinator at {address} (not reachable yet; up to 1 s)" in res.stderr
         assert f"is `axond coordinator` running at {address}?" in res.stderr, res.stderr

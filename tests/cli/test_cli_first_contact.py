@@ -150,14 +150,17 @@ def test_a_node_whose_ranks_succeeded_fails_with_the_job(coord: RunningCoordinat
 
 @pytest.mark.slow
 def test_exit_codes_do_not_collide(coord: RunningCoordinator, procs: Procs) -> None:
+    unreachable = f"127.0.0.1:{free_port()}"
+    cannot_reach = [(args, procs.axond(args[0], "--coordinator", unreachable, *args[1:]))  # all at once
+                    for args in (("health", "--timeout", "1"), ("status", "--connect-timeout", "0"),
+                                 ("worker", "--connect-timeout", "0", "--", PY, "-c", "pass"))]
+    usage = procs.axond("worker", "--coordinator", coord.address, "--nnodes", "x", "--", PY, "-c", "pass")
     rank_two = procs.run(*worker(coord, "two-code"), "--", PY, "-c", "import sys; sys.exit(2)")
     assert rank_two.code == 1, "a rank's exit code 2 must not look like a usage error"
     assert "exited with code 2" in last_line(rank_two.stderr)
-    assert procs.run("worker", "--coordinator", coord.address, "--nnodes", "x", "--", PY, "-c", "pass").code == 2
-    unreachable = f"127.0.0.1:{free_port()}"
-    for args in (("health", "--timeout", "1"), ("status", "--connect-timeout", "0"),
-                 ("worker", "--connect-timeout", "0", "--", PY, "-c", "pass")):
-        res = procs.run(args[0], "--coordinator", unreachable, *args[1:])
+    assert procs.finish(usage).code == 2
+    for args, proc in cannot_reach:
+        res = procs.finish(proc)
         assert res.code == 3, (args, res.stderr)
 
 

@@ -37,7 +37,7 @@ def test_traffic_resumes_within_the_retransmission_cap_after_a_flapping_link_is_
 def test_a_timeout_on_a_link_that_drops_every_packet_says_the_network_drops_them(
         netns: Callable[..., Network]) -> None:
     net = netns(n_hosts=2)
-    result = run_flap(net, flap_s=8.0, drop_s=8.0, pass_s=0.0, after_s=0.0, timeout_s=3.0)
+    result = run_flap(net, flap_s=6.0, drop_s=6.0, pass_s=0.0, after_s=0.0, timeout_s=3.0)  # twice the timeout
     assert result.error is not None and "timed out after 3.0 s waiting for peer" in result.error, result
     # The hint needs bytes in flight when the wait ends: a drop that began between two ops leaves none to
     # retransmit, and the message then says what the peer is blocked in instead.

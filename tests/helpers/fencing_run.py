@@ -3,9 +3,9 @@ of its job ever ran at once (used by tests/cluster/test_netns_fencing.py and ben
 
 Host 0 runs `axond coordinator` (a 2 s lease: 0.5 s heartbeats x 4, short yet robust on a busy machine; the default
 --fence-margin and --settle-time), hosts 1 and 2 `axond worker --nnodes 1:2` with one rank each
-(tests/helpers/fencing_rank.py: computes only, logs the wall time every 10 ms per generation; host 2's ignore
-SIGTERM, the worst case for fencing, host 1's do not, so that host 1 re-joins at once and the coordinator's fence,
-not host 1's stop, is what holds the next generation back).
+(tests/helpers/fencing_rank.py: computes only, logs its pid, then the wall time every 10 ms per generation; host
+2's ignore SIGTERM, the worst case for fencing, host 1's do not, so that host 1 re-joins at once and the coordinator's
+fence, not host 1's stop, is what holds the next generation back).
 Once one generation runs on both hosts, host 2 is cut off from the coordinator's address by iptables rules in its
 own namespace (it still reaches host 1), in one of the `SHAPES`; the coordinator declares it dead and starts the
 next generation on host 1. The run reads the ranks' logs: the margin is the next generation's first start minus
@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,29 @@ def _spans(logdir: Path) -> dict[tuple[int, str], tuple[float, float]]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """Whether `pid` can still run (a zombie cannot: it only waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_gone(logdir: Path, base: int, until: float) -> None:
+    """Until every rank of generations <= `base` is dead, or `until` (monotonic) passed."""
+    def pids() -> list[int]:
+        out = []
+        for f in logdir.glob("g*-*.pid"):
+            m = re.fullmatch(r"g(\d+)-.+\.pid", f.name)
+            if m and int(m.group(1)) <= base:
+                out += [int(p) for p in f.read_text().split()]
+        return out
+
+    while time.monotonic() < until and any(_alive(p) for p in pids()):
+        time.sleep(0.05)
+
+
 def _wait(what: str, until: float, check: object) -> None:
     while time.monotonic() < until:
         if check():  # type: ignore[operator]
@@ -93,8 +117,10 @@ def _wait(what: str, until: float, check: object) -> None:
     raise TimeoutError(what)
 
 
-def run_shape(net: Network, shape: str, workdir: Path, timeout: float = 90.0) -> Outcome:
-    """One run of `shape` on a network of 3 hosts; raises TimeoutError (with the logs) if it does not get through."""
+def run_shape(net: Network, shape: str, workdir: Path, timeout: float = 90.0,
+              before_cut: Callable[[], object] | None = None) -> Outcome:
+    """One run of `shape` on a network of 3 hosts; raises TimeoutError (with the logs) if it does not get through.
+    `before_cut` is called once the job runs on both hosts, before any fault (runs at once line their cuts up)."""
     h0, h1, h2 = net.hosts
     workdir.mkdir(parents=True, exist_ok=True)
     ranks = workdir / "ranks"
@@ -141,6 +167,8 @@ def run_shape(net: Network, shape: str, workdir: Path, timeout: float = 90.0) ->
         _wait("one generation on both hosts", deadline, lambda: both() is not None)
         base = both()
         assert base is not None
+        if before_cut is not None:
+            before_cut()
         if shape == "outage-partition":
             coordinator.kill()
             coordinator.wait(10)
@@ -152,7 +180,9 @@ def run_shape(net: Network, shape: str, workdir: Path, timeout: float = 90.0) ->
             coordinator = start(h0, "coordinator2", coord_argv)
         _wait(f"generation {base + 1} started", deadline, lambda: any(g > base for g, _ in _spans(ranks)))
         cut_code = cut_off.wait(max(1.0, deadline - time.monotonic()))
-        time.sleep(2 * LEASE)  # anything of the old generation still alive would log on meanwhile
+        # Anything of the old generation still alive would log on meanwhile: wait until none of its ranks is left
+        # (a dead rank logs nothing more) or, for one that lives on, long enough for its lines to show the overlap.
+        _wait_gone(ranks, base, time.monotonic() + 2 * LEASE)
         spans = _spans(ranks)
         old_last = max(last for (g, _), (_, last) in spans.items() if g <= base)
         cut_last = max(last for (g, host), (_, last) in spans.items() if g <= base and host.endswith("2"))

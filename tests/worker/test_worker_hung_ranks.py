@@ -23,7 +23,7 @@ PY = sys.executable
 TORCH_HANG = """
 import datetime, os, pathlib, time, torch, torch.distributed as dist
 import axond.torch
-dist.init_process_group("axond", timeout=datetime.timedelta(seconds=40))
+dist.init_process_group("axond", timeout=datetime.timedelta(seconds=24))
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(10, 2))
 pathlib.Path(os.environ["MARK_DIR"], os.environ["RANK"]).touch()
 if dist.get_rank() == 1:
@@ -47,7 +47,7 @@ def test_a_hung_torch_ddp_rank_is_reported_by_the_worker_and_status(coord: Runni
     threading.Thread(target=lambda: lines.extend(iter(stream.readline, "")), daemon=True).start()
     said = re.compile(r"still waiting: rank 0 blocked in all_reduce on group 'torch:0' for [\d.]+ s; "
                       r"rank\(s\) 1 report no blocked op")
-    # reports start after a quarter of the 40 s timeout (10 s); the notice follows within the 2 s interval
+    # reports start after a quarter of the 24 s timeout (6 s); the notice follows within the 2 s interval
     wait_for(lambda: any(said.search(line) for line in lines), 60, "the worker's notice naming rank 0's wait")
     res = procs.run("status", "--coordinator", coord.address, "--job", "hung-torch")
     assert res.code == 0, res.stderr
@@ -92,7 +92,7 @@ def test_the_first_notice_comes_when_the_op_has_waited_the_interval() -> None:
 
 HUNG_NATIVE = """
 import os, pathlib, time, numpy as np, axond
-axond.init_process_group(timeout=40.0)
+axond.init_process_group(timeout=24.0)
 pathlib.Path(os.environ["MARK_DIR"], os.environ["RANK"]).write_text(str(os.getpid()))
 def stuck_in_user_code():
     time.sleep(120)
@@ -119,7 +119,7 @@ def _hang(coord: RunningCoordinator, procs: Procs, tmp_path: Path, job: str, sto
         os.kill(pid, signal.SIGSTOP)
     try:
         wait_for(lambda: any("rank 1, which the others wait for" in line for line in lines), 60,
-                 "the worker's notice about rank 1 (reports start after 10 s of the 40 s timeout)")
+                 "the worker's notice about rank 1 (reports start after 6 s of the 24 s timeout)")
         time.sleep(0.5)  # the stacks' lines follow the notice's first line
     finally:
         if stop:

@@ -98,7 +98,7 @@ def _run_until_said(procs: Procs, script: str, said: re.Pattern[str], go: Path) 
 def test_a_rank_blocked_in_a_collective_is_reported_while_it_waits(procs: Procs, tmp_path: Path) -> None:
     """Rank 1 stays outside axond until the worker's notice has named rank 0's wait, then joins the all_reduce."""
     go = tmp_path / "go"
-    script = ("import numpy as np, axond\naxond.init_process_group('tcp', timeout=120)\n"
+    script = ("import numpy as np, axond\naxond.init_process_group('tcp', timeout=24)\n"  # reported after 6 s
               f"if axond.get_rank() == 1:\n    exec({_wait_for_go(go)!r})\naxond.all_reduce(np.ones(2))\n")
     _run_until_said(procs, script, re.compile(
         r"^axond worker: job 'default': still waiting: rank 0 blocked in all_reduce on group 'world' for [\d.]+ s; "
