@@ -83,6 +83,12 @@ def _survivor_delay(env: Mapping[str, str]) -> float:
     return min(max(value, 0.0), 60.0) if value == value else SURVIVOR_EXIT_DELAY_S
 
 
+def export_rank_variables(values: Mapping[str, str]) -> None:
+    """Set rank variables (RANK, WORLD_SIZE, AXOND_GENERATION, ...) in this process's environment: after
+    `axond.reform()`, user code and the next `RuntimeEnv.from_env` read the rank's new place."""
+    os.environ.update(values)
+
+
 def default_state_dir(environ: Mapping[str, str]) -> Path:
     """$AXOND_STATE_DIR, else $XDG_STATE_HOME/axond, else ~/.local/state/axond (of the variables in `environ`)."""
     explicit = environ.get("AXOND_STATE_DIR")

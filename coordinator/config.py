@@ -85,6 +85,9 @@ class CoordinatorConfig:
     """Bounds on everything a caller can make the coordinator hold (see coordinator/limits.py)."""
     metrics_port: int | None = None
     """Serve Prometheus metrics at http://host:PORT/metrics (0: an OS-chosen port); None: no metrics."""
+    timeline_dir: str = ""
+    """Where the ranks write their timelines (AXOND_TIMELINE), when the coordinator can read it: the dashboard's
+    download of a job's merged timeline; "": the dashboard says there is none."""
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -4,7 +4,6 @@ replica of several on etcd (`replica`); both from a `CoordinatorConfig` (`config
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sqlite3
 import sys
@@ -23,7 +22,6 @@ from axond.observe.coordinator_metrics import render_coordinator
 from axond.observe.dashboard.pages import Dashboard
 from axond.observe.dashboard.view import read_view
 from axond.observe.http import MetricsServer
-from axond.observe.settings import ObserveSettings
 
 __all__ = ["CoordinatorConfig", "RunningCoordinator", "run_coordinator", "start_coordinator"]
 
@@ -86,7 +84,7 @@ def start_coordinator(config: CoordinatorConfig) -> RunningCoordinator:
         try:
             running.metrics = MetricsServer(config.host, config.metrics_port, lambda: render_coordinator(running),
                                             pages=Dashboard(lambda: read_view(running), running.token,
-                                                            ObserveSettings.from_env(os.environ).timeline_dir))
+                                                            config.timeline_dir))
         except CoordinatorError:
             running.stop(grace=0.2)
             raise

@@ -106,6 +106,7 @@ def coordinator(
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
         heartbeat_interval=heartbeat_interval, dead_after_missed=dead_after_missed, settle_time=settle_time,
         fence_margin=fence_margin, metrics_port=metrics_port,
+        timeline_dir=runtime_env().observe.timeline_dir,
     )
     sys.exit(run_coordinator(config))
 

@@ -7,8 +7,7 @@ variables a rank reads (RANK, WORLD_SIZE, AXOND_GENERATION, ...) say the new val
 
 from __future__ import annotations
 
-import os
-
+from axond.config import export_rank_variables
 from axond.distributed import default_registry as defaults
 from axond.distributed import membership
 from axond.distributed.api import destroy_process_group, init_process_group, read_env
@@ -36,12 +35,12 @@ def reform(timeout: float | None = None) -> ProcessGroup:
                                op="reform", group=old.name, rank=old.global_rank)
     backend, group_timeout = old.backend_name, old.timeout
     destroy_process_group()
-    os.environ.update(
+    export_rank_variables(dict(
         RANK=str(note.rank), WORLD_SIZE=str(note.world_size), LOCAL_RANK=str(note.local_rank),
         LOCAL_WORLD_SIZE=str(note.local_world_size), NODE_RANK=str(note.node_rank), GROUP_RANK=str(note.node_rank),
         GROUP_WORLD_SIZE=str(note.nnodes), ROLE_RANK=str(note.rank), ROLE_WORLD_SIZE=str(note.world_size),
         AXOND_GENERATION=str(note.generation), AXOND_JOB_SECRET=note.job_secret.hex(),
-    )
+    ))
     group = init_process_group(backend, timeout=group_timeout, env=read_env())
     live.adopt(note)
     return group

@@ -99,14 +99,13 @@ def test_the_grafana_dashboard_reads_metrics_the_coordinator_exports(
 
 
 def test_the_timeline_download_says_why_there_is_none(coordinator_factory: Callable[..., RunningCoordinator],
-                                                      monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+                                                      tmp_path: Path) -> None:
     coord = coordinator_factory(**FAST, metrics_port=0, insecure=True)
     assert coord.metrics is not None
     url = f"http://127.0.0.1:{coord.metrics.port}/api/timeline?job=j"
     status, _, body = _get(url)
     assert status == 404 and b"no timeline directory" in body and b"AXOND_TIMELINE" in body
-    monkeypatch.setenv("AXOND_TIMELINE", str(tmp_path))
-    other = coordinator_factory(**FAST, metrics_port=0, insecure=True)
+    other = coordinator_factory(**FAST, metrics_port=0, insecure=True, timeline_dir=str(tmp_path))
     assert other.metrics is not None
     status, _, body = _get(f"http://127.0.0.1:{other.metrics.port}/api/timeline?job=j")
     assert status == 404 and b"no job 'j'" in body

@@ -103,8 +103,8 @@ def test_the_dashboard_refuses_a_browser_without_the_token(coordinator_factory: 
 def test_the_dashboard_shows_a_straggler_and_the_jobs_pace(coordinator_factory: Callable[..., RunningCoordinator],
                                                            procs: Procs, tmp_path: Path, browser: Any,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AXOND_TIMELINE", str(tmp_path / "timeline"))  # the coordinator's and the ranks'
-    coord = coordinator_factory(**FAST, metrics_port=0, token=TOKEN)
+    monkeypatch.setenv("AXOND_TIMELINE", str(tmp_path / "timeline"))  # the ranks'
+    coord = coordinator_factory(**FAST, metrics_port=0, token=TOKEN, timeline_dir=str(tmp_path / "timeline"))
     assert coord.metrics is not None
     env = {"SLOW_RANK": "1", "SLOW_S": "0.2", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     procs.axond("worker", "--coordinator", coord.address, "--token", TOKEN, "--job", "slow", "--nproc-per-node", "4",
