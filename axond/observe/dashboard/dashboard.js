@@ -58,79 +58,61 @@ function legend(job, causes) {
   return box;
 }
 
-function historyPlot(job) {
-  const ns = "http://www.w3.org/2000/svg";
-  const w = 480, h = 90, pad = 4, top = 20;
-  const svg = document.createElementNS(ns, "svg");
-  svg.setAttribute("width", w);
-  svg.setAttribute("height", h);
-  svg.setAttribute("class", "goodput-plot");
-  const points = job.history.filter(p => p[1] > 0);
-  if (points.length < 2) {
-    const t = document.createElementNS(ns, "text");
-    t.setAttribute("x", 8);
-    t.setAttribute("y", h / 2);
-    t.setAttribute("fill", "#777");
-    t.textContent = "goodput over time: not enough samples yet";
-    svg.appendChild(t);
-    return svg;
-  }
-  const t0 = points[0][0], t1 = points[points.length - 1][0] || 1;
-  const x = t => pad + (w - 2 * pad) * (t - t0) / Math.max(t1 - t0, 1e-9);
-  const y = r => h - pad - (h - pad - top) * r;
-  const line = document.createElementNS(ns, "polyline");
-  line.setAttribute("points", points.map(p => x(p[0]).toFixed(1) + "," + y(p[2] / p[1]).toFixed(1)).join(" "));
-  line.setAttribute("fill", "none");
-  line.setAttribute("stroke", COLORS.productive);
-  line.setAttribute("stroke-width", "2");
-  svg.appendChild(line);
-  const label = document.createElementNS(ns, "text");
-  label.setAttribute("x", 8);
-  label.setAttribute("y", 14);
-  label.setAttribute("fill", "#555");
-  label.textContent = "goodput (productive / wall) over " + seconds(t1 - t0);
-  svg.appendChild(label);
-  return svg;
-}
+const PLOT = {w: 480, h: 90, pad: 4, top: 20};
 
-function svgText(svg, x, y, text) {
+function svgText(svg, x, y, text, fill) {
   const t = document.createElementNS("http://www.w3.org/2000/svg", "text");
   t.setAttribute("x", x);
   t.setAttribute("y", y);
-  t.setAttribute("fill", "#555");
+  t.setAttribute("fill", fill || "#555");
   t.textContent = text;
   svg.appendChild(t);
 }
 
-function pacePlot(job) {
-  // the wall time between the ranks' arrival marks (every `ops` collectives): a straggler or a hang shows as a rise
+function linePlot(cls, points, most, color, label, empty) {
+  // one line over [t, v] points, v scaled to `most`; `empty` is said instead when there are fewer than two points
   const ns = "http://www.w3.org/2000/svg";
-  const w = 480, h = 90, pad = 4, top = 20;
+  const {w, h, pad, top} = PLOT;
   const svg = document.createElementNS(ns, "svg");
   svg.setAttribute("width", w);
   svg.setAttribute("height", h);
-  svg.setAttribute("class", "pace-plot");
-  const pace = job.pace || {};
-  const points = pace.points || [];
+  svg.setAttribute("class", cls);
   if (points.length < 2) {
-    svgText(svg, 8, h / 2, "recent pace: no arrival marks yet (the ranks publish them as they run collectives)");
+    svgText(svg, 8, h / 2, empty, "#777");
     return svg;
   }
   const t0 = points[0][0], t1 = points[points.length - 1][0];
-  const most = Math.max(...points.map(p => p[1]), 1e-9);
   const x = t => pad + (w - 2 * pad) * (t - t0) / Math.max(t1 - t0, 1e-9);
   const y = v => h - pad - (h - pad - top) * v / most;
   const line = document.createElementNS(ns, "polyline");
   line.setAttribute("points", points.map(p => x(p[0]).toFixed(1) + "," + y(p[1]).toFixed(1)).join(" "));
   line.setAttribute("fill", "none");
-  line.setAttribute("stroke", "#0969da");
+  line.setAttribute("stroke", color);
   line.setAttribute("stroke-width", "2");
   svg.appendChild(line);
-  const sorted = points.map(p => p[1]).sort((a, b) => a - b);
-  const median = sorted[Math.floor(sorted.length / 2)];
-  svgText(svg, 8, 14, "ms per " + pace.ops + " collectives ('" + pace.group + "'), last " + seconds(t1 - t0) +
-          ": median " + median.toFixed(1) + ", max " + most.toFixed(1));
+  svgText(svg, 8, 14, label(t1 - t0));
   return svg;
+}
+
+function historyPlot(job) {
+  // goodput (productive / wall) at each sample the coordinator kept
+  const points = job.history.filter(p => p[1] > 0).map(p => [p[0], p[2] / p[1]]);
+  return linePlot("goodput-plot", points, 1, COLORS.productive,
+                  span => "goodput (productive / wall) over " + seconds(span),
+                  "goodput over time: not enough samples yet");
+}
+
+function pacePlot(job) {
+  // the wall time between the ranks' arrival marks (every `ops` collectives): a straggler or a hang shows as a rise
+  const pace = job.pace || {};
+  const points = pace.points || [];
+  const values = points.map(p => p[1]).sort((a, b) => a - b);
+  const most = Math.max(...values, 1e-9);
+  const median = values.length ? values[Math.floor(values.length / 2)] : 0;
+  return linePlot("pace-plot", points, most, "#0969da",
+                  span => "ms per " + pace.ops + " collectives ('" + pace.group + "'), last " + seconds(span) +
+                          ": median " + median.toFixed(1) + ", max " + most.toFixed(1),
+                  "recent pace: no arrival marks yet (the ranks publish them as they run collectives)");
 }
 
 function timelineLink(job) {
