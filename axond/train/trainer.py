@@ -12,13 +12,7 @@ killed at any step and restarted ends with the parameters of an uninterrupted ru
 
 from __future__ import annotations
 
-import contextlib
-import math
-import shutil
-import time
-import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +20,21 @@ import numpy as np
 
 import axond.checkpoint as ckpt
 from axond.checkpoint.api import ObjectCollectives
-from axond.checkpoint.storage import complete_checkpoints, remove_stale_temps
 from axond.distributed.process_group import ProcessGroup
-from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.nn.module import Module
 from axond.nn.optim import Optimizer
 from axond.nn.utils import clip_grad_norm_
 from axond.nn.container import Sequential
 from axond.parallel import DDP, FSDP, DistributedSampler, Pipeline, ShardingStrategy, ZeroRedundancyOptimizer
-from axond.train.agree import COMPARABLE, MAX_ROLLBACKS, ReplicaCheck, remove_newer
+from axond.train.agree import COMPARABLE, ReplicaCheck
+from axond.train.checkpointing import TrainerCheckpoints
 from axond.train.clip import clip_partitioned, tensor_parallel_split
 from axond.train.data import Dataset
-from axond.train.guard import GUARDS, CheckpointGuard
+from axond.train.guard import GUARDS
 from axond.train.live import VirtualSteps
 from axond.train.progress import Progress
 from axond.train.resume import Position, capture_rank_state, restore_rank_state
+from axond.train.steps import Steps
 from axond.distributed import default_registry as defaults
 from axond.distributed import membership
 
@@ -151,7 +145,8 @@ class DistributedTrainer:
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
         self.async_checkpoint = async_checkpoint
-        self._guard = CheckpointGuard(checkpoint_guard, self.comm, self.checkpoint_dir) if self.checkpoint_dir else None
+        self.checkpoints = TrainerCheckpoints(self, checkpoint_guard)
+        """Saving, pruning, resuming and rolling back this trainer's checkpoints (`axond.train.checkpointing`)."""
         self.callbacks = list(callbacks)
         self.progress_enabled = progress
         self.log_every = log_every
@@ -167,7 +162,8 @@ class DistributedTrainer:
         self.resumed_from: str | None = None
         """The checkpoint the last `fit` started from (None: from scratch)."""
         self._totals = np.zeros(2, np.float64)
-        self._pending: Future[str] | None = None
+        self.steps = Steps(self)
+        """The loop without virtual ranks, and evaluation (`axond.train.steps`)."""
         self.replicas = ReplicaCheck(digest_every, list(model.parameters()), self.group, self.comm) \
             if digest_every else None
         """The replica check (digest_every=), with the divergences it saw; None when off."""
@@ -217,56 +213,11 @@ class DistributedTrainer:
 
     def save_checkpoint(self) -> str:
         """Save now to `checkpoint_dir/step_NNNNNNNNN` (collective); prunes older ones beyond `keep_checkpoints`."""
-        if self.checkpoint_dir is None:
-            raise ValueError("save_checkpoint needs checkpoint_dir=")
-        path = self.checkpoint_dir / f"step_{self.position.global_step:09d}"
-        if self.replicas is not None:
-            self.replicas.saved_at(self.position.global_step, str(path))
-        if self.async_checkpoint:
-            self._pending = ckpt.async_save(self.state_dict(), path, self.group)
-            if self.rank == 0:
-                self._pending.add_done_callback(self._prune_after)
-        else:
-            ckpt.save(self.state_dict(), path, self.group)
-            if self.rank == 0:
-                self._committed(str(path))
-        self._call("on_checkpoint", str(path))
-        return str(path)
-
-    def _prune_after(self, future: Future[str]) -> None:
-        if future.exception() is None:
-            self._committed(future.result())
-
-    def _committed(self, path: str) -> None:
-        """Rank 0, once `path` is committed: prune older checkpoints and tell the job's store (the restart check)."""
-        self._prune()
-        if self._guard is not None:
-            self._guard.saved(int(Path(path).name.removeprefix("step_")), path)
-
-    def _prune(self) -> None:
-        if self.keep_checkpoints is None or self.checkpoint_dir is None:
-            return
-        agreed = self.replicas.agreed() if self.replicas is not None else None
-        for _, _, old in complete_checkpoints(self.checkpoint_dir)[: -self.keep_checkpoints]:
-            if agreed is None or str(old) != agreed[1]:  # the rollback target stays
-                shutil.rmtree(old, ignore_errors=True)
+        return self.checkpoints.save()
 
     def resume(self) -> str | None:
         """Load the newest complete checkpoint in `checkpoint_dir`, if any (collective); returns its path."""
-        if self.checkpoint_dir is None or self._guard is None:
-            return None
-        self._guard.check_shared()
-        found, saved = None, None
-        if self.rank == 0:
-            remove_stale_temps(self.checkpoint_dir)  # leftovers of saves killed before their commit
-            found = ckpt.latest(self.checkpoint_dir)
-            saved = self._guard.previously_saved() if found is None else None
-        path, saved = self.comm.broadcast((found, saved))
-        if path is None:
-            self._guard.lost(saved)
-            return None
-        self._load(path)
-        return str(path)
+        return self.checkpoints.resume()
 
     def _load(self, path: str) -> None:
         """Load the checkpoint at `path` into the model, optimizer and position (collective)."""
@@ -282,84 +233,9 @@ class DistributedTrainer:
         else:
             self._totals[:] = 0.0
 
-    def _replicas_agree(self) -> bool:
-        """After a step: False when the replicas disagreed and every rank rolled back to the agreed checkpoint."""
-        step = self.position.global_step
-        if self.replicas is None or not self.replicas.due(step):
-            return True
-        error = self.replicas.check(step)
-        if error is None:
-            return True
-        self.wait_for_checkpoint()
-        agreed = self.comm.broadcast(self.replicas.agreed() if self.rank == 0 else None)  # one choice for every rank
-        if agreed is None or self.checkpoint_dir is None or self.replicas.rollbacks >= MAX_ROLLBACKS:
-            why = "no agreed checkpoint to roll back to" if agreed is None else f"{MAX_ROLLBACKS} rollbacks already"
-            raise type(error)(f"{error} ({why})", ranks=error.ranks, hosts=error.hosts, step=error.step,
-                              group=error.group, rank=error.rank)
-        if self.rank == 0:
-            warnings.warn(f"axond.train: {error}; rolling back every rank to {agreed[1]} (step {agreed[0]})",
-                          RuntimeWarning, stacklevel=3)
-            remove_newer(self.checkpoint_dir, agreed[0])  # they may hold the diverged weights
-        self.comm.broadcast(None)  # the newer checkpoints are gone before any rank looks again
-        self._load(agreed[1])
-        self.replicas.rolled_back(agreed[0])
-        return False
-
-    def _steps_per_epoch(self) -> tuple[int, int]:
-        micro = math.ceil(self.sampler.num_samples / self.batch_size)
-        return micro, math.ceil(micro / self.grad_accum_steps)
-
-    def _train_step(self, indices: np.ndarray, step: int, micro: int) -> int:
-        """One optimizer step over this rank's micro-batches of `step`; returns the samples it used."""
-        first = step * self.grad_accum_steps
-        count = min(self.grad_accum_steps, micro - first)
-        self.optimizer.zero_grad()
-        self.model.zero_grad()
-        used = 0
-        for m in range(count):
-            rows = indices[(first + m) * self.batch_size : (first + m + 1) * self.batch_size]
-            x, y = self.dataset.batch(rows)
-            if isinstance(self.model, Pipeline):
-                self._totals += (self.model.step(x, y) * len(rows), len(rows))
-                used += len(rows)
-                continue
-            quiet = m < count - 1 and hasattr(self.model, "no_sync")
-            with self.model.no_sync() if quiet else contextlib.nullcontext():
-                loss = float(self.loss_fn(self.model(x), y))
-                grad = self.loss_fn.backward()
-                self.model.backward(grad / count if count > 1 else grad)
-            self._totals += (loss * len(rows), len(rows))
-            used += len(rows)
-        if count > 1 and isinstance(self.model, Pipeline):
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad *= 1.0 / count
-        if self.clip_norm is not None:
-            self._clip(self.clip_norm)
-        self.optimizer.step()
-        return used
-
     def evaluate(self) -> float:
         """Mean loss over `eval_dataset` (every rank evaluates its shard; collective)."""
-        if self.eval_dataset is None:
-            raise ValueError("evaluate needs eval_dataset=")
-        replica = self.rank if self.data_replicas > 1 else 0
-        sampler = DistributedSampler(len(self.eval_dataset), self.data_replicas, replica, shuffle=False)
-        indices = sampler.indices()
-        sums = np.zeros(2, np.float64)
-        self.model.eval()
-        try:
-            for lo in range(0, len(indices), self.batch_size):
-                rows = indices[lo : lo + self.batch_size]
-                x, y = self.eval_dataset.batch(rows)
-                out = self.model.forward(x) if isinstance(self.model, Pipeline) else self.model(x)
-                if out is not None:  # a pipeline's output is on its last stage's rank only
-                    sums += (float(self.loss_fn(out, y)) * len(rows), len(rows))
-        finally:
-            self.model.train()
-        if self.parallel != "tp":  # tensor-parallel ranks computed the same sums
-            self.group.all_reduce(sums, op=ReduceOp.SUM)
-        return float(sums[0] / max(sums[1], 1.0))
+        return self.steps.evaluate()
 
     def fit(self, epochs: int) -> list[dict[str, float]]:
         """Train until `epochs` epochs are done (resuming first); returns the per-epoch history."""
@@ -376,7 +252,7 @@ class DistributedTrainer:
         self._call("on_fit_start")
         begun = (pos.epoch, pos.global_step)
         try:
-            run = self.virtual.run_epochs if self.virtual is not None else self._run_epochs
+            run = self.virtual.run_epochs if self.virtual is not None else self.steps.run_epochs
             while not run(epochs, progress):
                 pass  # rolled back to the agreed checkpoint: go on from there
             pos = self.position
@@ -385,59 +261,10 @@ class DistributedTrainer:
         finally:
             progress.close()
             self.wait_for_checkpoint()
-            if self._guard is not None:
-                self._guard.close()
+            self.checkpoints.close()
         self._call("on_fit_end", pos.history)
         return pos.history
 
-    def _run_epochs(self, epochs: int, progress: Progress) -> bool:
-        """Train from `position` to the end of `epochs`; False when a replica check rolled back first."""
-        pos = self.position
-        micro, steps = self._steps_per_epoch()
-        while pos.epoch < epochs:
-            self.sampler.set_epoch(pos.epoch)
-            indices = self.sampler.indices()
-            if pos.step == 0:
-                self._totals[:] = 0.0
-            progress.start(pos.epoch + 1, steps, pos.step)
-            start, seen = time.perf_counter(), 0
-            while pos.step < steps:
-                seen += self._train_step(indices, pos.step, micro)
-                pos.step += 1
-                pos.global_step += 1
-                rate = seen * self.data_replicas / max(time.perf_counter() - start, 1e-9)
-                loss = float(self._totals[0] / max(self._totals[1], 1.0))
-                progress.update(pos.step, loss, rate)
-                self._call("on_step_end", {"epoch": pos.epoch + 1, "step": pos.step,
-                                           "global_step": pos.global_step, "loss": loss})
-                if not self._replicas_agree():
-                    return False
-                if self.checkpoint_every and pos.global_step % self.checkpoint_every == 0:
-                    self.save_checkpoint()
-            progress.close()
-            self._end_epoch(epochs, seen * self.data_replicas / max(time.perf_counter() - start, 1e-9))
-        return True
-
-    def _end_epoch(self, epochs: int, rate: float) -> None:
-        pos = self.position
-        totals = self._totals.copy()
-        self.group.all_reduce(totals, op=ReduceOp.SUM)
-        metrics: dict[str, float] = {"epoch": pos.epoch + 1, "loss": float(totals[0] / max(totals[1], 1.0))}
-        if self.eval_dataset is not None:
-            metrics["eval_loss"] = self.evaluate()
-        self._call("on_epoch_end", metrics)
-        metrics["samples_per_s"] = rate
-        pos.history.append(metrics)
-        if self.rank == 0 and self.progress_enabled:
-            extra = "".join(f" {k} {v:.4f}" for k, v in metrics.items() if k not in ("epoch", "loss", "samples_per_s"))
-            print(f"epoch {pos.epoch + 1}/{epochs} loss {metrics['loss']:.4f}{extra} samples/s {rate:.0f}", flush=True)
-        pos.epoch += 1
-        pos.step = 0
-        self._totals[:] = 0.0
-
     def wait_for_checkpoint(self, timeout: float = 600.0) -> None:
         """Block until the last async checkpoint is committed (re-raises its error)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result(timeout=timeout)
-
+        self.checkpoints.wait(timeout)

@@ -3,7 +3,8 @@
     machine.py     `CoordinatorState`: a thin facade, each method one lock and a call to the component below
     context.py     `StateContext`: the job table, the limits, wake-ups and the journal the components share
     membership.py  registered nodes, node secrets, heartbeats, failure detection
-    lifecycle.py   jobs from rendezvous to their end: join, freeze, generations, restarts, failures, exits
+    lifecycle.py   jobs from rendezvous to their end: join, freeze, generations, restarts, the job's end
+    failures.py    lost nodes, failure and exit reports, live recovery's re-formation with the survivors
     rendezvous.py  one rendezvous round: collect joiners, freeze the membership, assign ranks
     job_kv.py      the store calls of each job, scoped to its current generation
     kv_space.py    one generation's keys and barriers, charged to a byte budget

@@ -1,6 +1,6 @@
 """What the coordinator's state components share: the job table, the limits, wake-ups and the journal.
 
-Each component (membership, job lifecycle, per-job KV, scheduling, submitted jobs) owns its own part
+Each component (membership, job lifecycle, failures, per-job KV, scheduling, submitted jobs) owns its own part
 of the state and gets this one object for the rest: looking up a job, telling waiters a topic
 changed, and marking what changed for the durable state's next commit.
 """

@@ -1,8 +1,10 @@
-"""Jobs from rendezvous to their end: join, freeze, generations, restarts, failures and exits.
+"""Jobs from rendezvous to their end: join, freeze, generations, restarts and the job's end.
 
 Plain and non-blocking; the caller (`CoordinatorState`) holds the lock. A job's first rendezvous
 round opens when a node joins (or `axond run` submits it); a failure or a lost node opens the next
-generation, whose store starts empty, until restarts run out.
+generation, whose store starts empty, until restarts run out. Which failures, losses and exits do that,
+and live recovery's re-formation with the survivors, is `JobFailures`' (failures.py), calling `bump` and
+`finish` here.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import time
 from dataclasses import dataclass
 
 from axond.coordinator.state.context import StateContext
-from axond.fencing import FENCE_MARGIN_S, fence_wait
 from axond.coordinator.state.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -22,7 +23,7 @@ from axond.coordinator.state.errors import (
     check_positive,
     short,
 )
-from axond.coordinator.state.jobs import MAX_LEFT, EventLog, FinishedEvent, InfoEvent, Job, JobState
+from axond.coordinator.state.jobs import EventLog, FinishedEvent, InfoEvent, Job, JobState
 from axond.coordinator.state.membership import Membership, Node
 from axond.coordinator.state.rendezvous import Member, Round
 from axond.coordinator.state.scheduling import Scheduler
@@ -60,15 +61,11 @@ class HeartbeatResult:
 class JobLifecycle:
     """Every job's rounds and generations, and the nodes waiting for a job's next generation."""
 
-    def __init__(self, members: Membership, scheduler: Scheduler, ctx: StateContext, settle_time: float,
-                 fence_margin: float = FENCE_MARGIN_S) -> None:
+    def __init__(self, members: Membership, scheduler: Scheduler, ctx: StateContext, settle_time: float) -> None:
         self.members = members
         self.scheduler = scheduler
         self.ctx = ctx
         self.settle_time = settle_time
-        self.fence_margin = fence_margin
-        """Seconds (beyond what a short lease adds, `fence_wait`) between declaring a node dead and starting a later
-        generation of its job: its worker has killed its ranks by then."""
         self.waiting_next: dict[str, dict[str, tuple[tuple[str, int], int]]] = {}
         """Per job: nodes that joined a frozen generation, by id -> (rank order key, nproc)."""
 
@@ -117,49 +114,6 @@ class JobLifecycle:
             return HeartbeatResult(0, None, "")
         j = self.ctx.job(job)
         return HeartbeatResult(j.generation, j.state, j.reason, live=j.live and j.live_generation == j.generation)
-
-    def node_lost(self, node: Node, why: str, now: float, dead: bool = False) -> None:
-        """The node died (`dead`: its lease ran out) or left: drop it from open rounds and restart the jobs it ran; a
-        restarting job left with no node to restart it fails, saying so. After a death, the job's next generation
-        starts no earlier than `fence_wait` later (the dead node's worker may still be killing its ranks)."""
-        for job in list(self.ctx.jobs.values()):
-            ran = node.job == job.name
-            self.waiting_next.get(job.name, {}).pop(node.node_id, None)
-            if job.state.terminal:
-                continue
-            if job.round.remove(node.node_id):
-                self.ctx.notify("job", job.name)
-                ran = True
-                self._expire_if_abandoned(job, node.node_id, now)
-                if job.state.terminal:
-                    continue
-            lost_assigned = node.node_id in job.assigned and job.round.member(node.node_id) is None
-            if job.active_member(node.node_id) or lost_assigned:
-                ran = True
-                if node.node_id in job.assigned:
-                    job.assigned.remove(node.node_id)
-                    self.scheduler.enqueue(job.name)
-                self.ctx.goodput.detected(job.name, node.last_seen, now)
-                reason = f"node {node.node_id} ({node.hostname}) {why}"
-                if not self._live_bump(job, node, reason, now):
-                    self._bump(job, reason, True, 1, now)
-                if dead and not job.state.terminal:
-                    interval = self.members.paced(node)
-                    lease = interval * self.members.liveness.dead_after_missed
-                    wait = fence_wait(lease, interval, self.fence_margin)
-                    job.round.not_before = max(job.round.not_before, now + wait)
-            if ran and self._orphaned(job, node):
-                self.finish(job, JobState.FAILED, 1, (
-                    f"generation {job.generation} has no node left to run it (the last, {node.node_id} "
-                    f"({node.hostname}), {why}); start its workers again to rerun it"), now)
-        self.scheduler.place()
-
-    def _orphaned(self, j: Job, lost: Node) -> bool:
-        """Whether `j` (started by `axond worker`s, not submitted) waits for a generation no live node will join:
-        restarting, with nobody in its round or waiting for it and no live node still running it."""
-        if j.spec is not None or j.state is not JobState.RESTARTING or j.round.joiners or self.waiting_next.get(j.name):
-            return False
-        return not any(n.job == j.name and not n.dead and n is not lost for n in self.members.nodes.values())
 
     def tick(self, now: float) -> float | None:
         """Freeze the rounds that settled; returns the next time a round freezes on its own."""
@@ -217,7 +171,7 @@ class JobLifecycle:
                 return self._assignment(j, node_id)
             self.waiting_next.setdefault(job, {})[node_id] = (node.order_key, nproc)
             if len(rnd.members or []) < j.max_nodes:
-                self._bump(j, f"node {node_id} ({node.hostname}) joined; re-forming with more nodes", False, 0, now)
+                self.bump(j, f"node {node_id} ({node.hostname}) joined; re-forming with more nodes", False, 0, now)
             return None
         rnd.add(node_id, node.order_key, nproc, now)
         self.ctx.goodput.observe(job, j, now)
@@ -285,9 +239,9 @@ class JobLifecycle:
             self.waiting_next.get(job, {}).pop(node_id, None)
             j.round.remove(node_id)
             self.ctx.mark_job(job)
-            self._expire_if_abandoned(j, node_id, time.monotonic() if now is None else now)
+            self.expire_if_abandoned(j, node_id, time.monotonic() if now is None else now)
 
-    def _expire_if_abandoned(self, j: Job, gone: str, now: float) -> None:
+    def expire_if_abandoned(self, j: Job, gone: str, now: float) -> None:
         """A pending job (joined by workers, not submitted) that no live node waits for any more ends, instead of
         staying pending for ever; `gone` is the node that just left."""
         if j.state.terminal or j.spec is not None or j.round.frozen or j.round.joiners or self.waiting_next.get(j.name):
@@ -332,7 +286,7 @@ class JobLifecycle:
             j.round.secret, j.restarts_left,
         )
 
-    def _bump(self, j: Job, reason: str, count_restart: bool, exit_code: int, now: float) -> bool:
+    def bump(self, j: Job, reason: str, count_restart: bool, exit_code: int, now: float) -> bool:
         """Open the next generation (survivors re-join); fail the job when restarts run out."""
         if count_restart and j.restarts >= j.max_restarts:
             self.finish(
@@ -384,75 +338,3 @@ class JobLifecycle:
         self.ctx.notify("job", j.name)
         self.ctx.notify("events", j.name)
         self.scheduler.place()
-
-    @staticmethod
-    def _is_current(j: Job, node_id: str, generation: int) -> bool:
-        """Validate a report about `generation` of `j`: False if it is stale (older, or the job ended)."""
-        if generation > j.generation:
-            raise InvalidArgument(f"generation {generation} of job {j.name!r} does not exist (current {j.generation})")
-        if generation < j.generation or j.state.terminal:
-            return False
-        if j.round.member(node_id) is None:
-            raise FailedPrecondition(f"node {node_id} is not a member of generation {generation} of job {j.name!r}")
-        return True
-
-    def report_failure(
-        self, job: str, node_id: str, generation: int, rank: int, exit_code: int, message: str, now: float
-    ) -> tuple[int, bool]:
-        """A rank or agent failed: bump the generation; returns (new generation, will_restart)."""
-        j = self.ctx.job(job)
-        node, _ = self.members.touch(node_id, now)
-        if not self._is_current(j, node_id, generation):
-            return j.generation, not j.state.terminal
-        if not -1 <= rank < j.round.world_size:
-            raise InvalidArgument(f"rank {rank} is outside 0..{j.round.world_size - 1} (or -1 for the agent)")
-        who = f"rank {rank}" if rank >= 0 else "the agent"
-        detail = f": {message[:500]}" if message else ""
-        reason = f"{who} on node {node_id} ({node.hostname}) failed with exit code {exit_code}{detail}"
-        if self._live_bump(j, node, reason, now):
-            return j.generation, True
-        will = self._bump(j, reason, True, exit_code, now)
-        return j.generation, will
-
-    def left_job(self, job: str, node_id: str) -> bool:
-        """Whether live recovery went on without `node_id` (its worker leaves the job instead of re-joining)."""
-        j = self.ctx.jobs.get(job)
-        return j is not None and j.live and node_id in j.left
-
-    def _live_bump(self, j: Job, lost: Node, reason: str, now: float) -> bool:
-        """Live recovery: open the next generation with the other members of this one (their ranks keep running, they
-        re-join at once, no restart is counted), without `lost`; False (restart as usual) when fewer than
-        `min_nodes` would be left, or the job is not live."""
-        members = j.round.members
-        if not j.live or members is None or j.round.member(lost.node_id) is None:
-            return False
-        survivors = [m.node_id for m in members if m.node_id != lost.node_id and m.node_id not in j.exits
-                     and not getattr(self.members.nodes.get(m.node_id), "dead", True)]
-        if len(survivors) < j.min_nodes:
-            return False
-        self._bump(j, f"{reason}; re-forming live with the {len(survivors)} other node(s)", False, 0, now)
-        j.round.expected = frozenset(survivors)
-        j.live_generation = j.generation
-        j.left = [*j.left[-(MAX_LEFT - 1):], lost.node_id]
-        self.ctx.mark_job(j.name)
-        if lost.job == j.name:
-            lost.job = ""
-            self.members.mark(lost)
-        return True
-
-    def report_exit(self, job: str, node_id: str, generation: int, exit_code: int, now: float) -> None:
-        """The node's local ranks of `generation` all exited; the job ends when every node did."""
-        j = self.ctx.job(job)
-        node, _ = self.members.touch(node_id, now)
-        if not self._is_current(j, node_id, generation):
-            return
-        j.exits[node_id] = exit_code
-        node.job = ""
-        self.members.mark(node)
-        self.ctx.mark_job(job)
-        if exit_code != 0:
-            self.finish(
-                j, JobState.FAILED, exit_code, f"node {node_id} ({node.hostname}) exited with code {exit_code}", now
-            )
-        elif len(j.exits) == len(j.round.members or []):
-            self.finish(j, JobState.SUCCEEDED, 0, "every rank exited 0", now)

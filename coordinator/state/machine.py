@@ -4,7 +4,8 @@
 each a plain class owning its part of the state:
 
 * `Membership` (membership.py): registered nodes, heartbeats, failure detection;
-* `JobLifecycle` (lifecycle.py): rendezvous rounds, generations, restarts, failures and exits;
+* `JobLifecycle` (lifecycle.py): rendezvous rounds, generations, restarts and the job's end;
+* `JobFailures` (failures.py): lost nodes, failure and exit reports, live recovery's re-formation;
 * `JobKv` (job_kv.py): the per-job, per-generation KV store and barriers;
 * `Scheduler` (scheduling.py): placement of submitted jobs on worker daemons;
 * `SubmittedJobs` (submitted.py): `axond run` jobs, daemon work, output and cancel.
@@ -33,6 +34,7 @@ from collections.abc import Callable
 
 from axond.coordinator.state.context import StateContext, Topic
 from axond.coordinator.state.errors import StateError, Unavailable
+from axond.coordinator.state.failures import JobFailures
 from axond.coordinator.state.job_kv import JobKv
 from axond.coordinator.state.jobs import Event, Job, JobSpec
 from axond.coordinator.state.kv_space import ByteBudget
@@ -77,7 +79,8 @@ class CoordinatorState:
         self.members = Membership(Liveness(heartbeat_interval, dead_after_missed, self.limits.max_heartbeat_rate),
                                   self.limits)
         self.scheduler = Scheduler(self.members, self.ctx)
-        self.lifecycle = JobLifecycle(self.members, self.scheduler, self.ctx, settle_time, fence_margin)
+        self.lifecycle = JobLifecycle(self.members, self.scheduler, self.ctx, settle_time)
+        self.failures = JobFailures(self.members, self.lifecycle, self.scheduler, self.ctx, fence_margin)
         self.kv = JobKv(self.ctx)
         self.submitted = SubmittedJobs(self.members, self.lifecycle, self.scheduler, self.ctx)
         self.persistence = persistence
@@ -176,7 +179,7 @@ class CoordinatorState:
     def deregister_node(self, node_id: str, now: float) -> None:
         with self.lock:
             node = self.members.get(node_id)
-            self.lifecycle.node_lost(node, "deregistered", now)
+            self.failures.node_lost(node, "deregistered", now)
             self.members.remove(node_id)
             self.scheduler.forget_node(node_id)
 
@@ -186,7 +189,7 @@ class CoordinatorState:
             for node in self.members.newly_dead(now):
                 missed = self.members.liveness.dead_after_missed
                 silent = missed * self.members.paced(node)
-                self.lifecycle.node_lost(node, f"missed {missed} heartbeats ({silent:.1f} s)", now, dead=True)
+                self.failures.node_lost(node, f"missed {missed} heartbeats ({silent:.1f} s)", now, dead=True)
             return self.lifecycle.tick(now)
 
     def join(
@@ -218,17 +221,17 @@ class CoordinatorState:
     ) -> tuple[int, bool]:
         """A rank or agent failed: bump the generation; returns (new generation, will_restart)."""
         with self.lock:
-            return self.lifecycle.report_failure(job, node_id, generation, rank, exit_code, message, now)
+            return self.failures.report_failure(job, node_id, generation, rank, exit_code, message, now)
 
     def left_job(self, job: str, node_id: str) -> bool:
         """Whether live recovery went on without `node_id` (its worker leaves instead of re-joining)."""
         with self.lock:
-            return self.lifecycle.left_job(job, node_id)
+            return self.failures.left_job(job, node_id)
 
     def report_exit(self, job: str, node_id: str, generation: int, exit_code: int, now: float) -> None:
         """The node's local ranks of `generation` all exited; the job ends when every node did."""
         with self.lock:
-            self.lifecycle.report_exit(job, node_id, generation, exit_code, now)
+            self.failures.report_exit(job, node_id, generation, exit_code, now)
 
     def status(self, job: str, now: float, all: bool = False, max_ranks: int = 0) -> StatusSnapshot:
         """Nodes and jobs for `axond status`: bounded work (at most `max_ranks` ranks listed per job).
