@@ -152,6 +152,9 @@ def test_a_hang_writes_the_dumps_by_itself_into_axond_fr_dump_dir(coord: Running
         except pytest.fail.Exception:
             pytest.fail("no dump of rank 0 in 60 s; the worker said:\n" + "".join(lines))
         assert sorted(p.name for p in dumps.iterdir()) == ["axond_fr_rank_0"]  # the stopped rank writes none
+        written, notices = (dumps / "axond_fr_rank_0").stat().st_mtime_ns, sum("still waiting" in x for x in lines)
+        wait_for(lambda: sum("still waiting" in x for x in lines) >= notices + 2, 30, "two more notices")
+        assert (dumps / "axond_fr_rank_0").stat().st_mtime_ns == written  # once per hang, not per notice
         res = subprocess.run([PY, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps)],
                              capture_output=True, text=True, timeout=60)
         assert res.returncode != 0 and "Missing dump files from ranks {1}" in res.stdout + res.stderr, res
