@@ -51,13 +51,16 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class FailureSettings:
-    """How failures are reported (AXOND_DEBUG, AXOND_ERROR_FILE)."""
+    """How failures are reported (AXOND_DEBUG, AXOND_ERROR_FILE, AXOND_FR_DUMP_DIR)."""
 
     debug: bool = False
     """Keep the transport's frames and chained exceptions in `DistributedError` tracebacks (AXOND_DEBUG=1; read
     leniently, where raising is not an option: only an explicit true value turns it on)."""
     error_file: str | None = None
     """Where this rank writes its uncaught exception as JSON (AXOND_ERROR_FILE; the worker sets one per rank)."""
+    fr_dump_dir: str | None = None
+    """Where this rank writes its Flight Recorder dump when one of its collectives hangs (AXOND_FR_DUMP_DIR; None:
+    no dump unless asked, `axond.distributed.diagnostics.flight_recorder`)."""
     survivor_exit_delay_s: float = 0.0
     """Under torchrun (TORCHELASTIC_RUN_ID set, no AXOND_ERROR_FILE): seconds a rank whose failure names another
     rank as its cause waits before it exits, so that torchrun observes the root cause's exit first and names it
@@ -303,7 +306,7 @@ class RuntimeEnv:
     """AXOND_SOCKET_IFNAME: advertise and listen on this interface's address."""
     # -- reporting
     failure: FailureSettings = field(default_factory=FailureSettings)
-    """AXOND_DEBUG and AXOND_ERROR_FILE."""
+    """AXOND_DEBUG, AXOND_ERROR_FILE and AXOND_FR_DUMP_DIR."""
     observe: ObserveSettings = field(default_factory=ObserveSettings)
     """AXOND_METRICS_DIR and AXOND_TIMELINE."""
     # -- the torch backend
@@ -376,6 +379,7 @@ class RuntimeEnv:
             state_dir=default_state_dir(env),
             failure=FailureSettings(debug=flag_on(env.get("AXOND_DEBUG")),
                                     error_file=_text(env.get("AXOND_ERROR_FILE")),
+                                    fr_dump_dir=_text(env.get("AXOND_FR_DUMP_DIR")),
                                     survivor_exit_delay_s=_survivor_delay(env)),
             observe=ObserveSettings.from_env(env),
             stragglers=StragglerSettings.read(env, strict),

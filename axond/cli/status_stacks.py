@@ -13,12 +13,9 @@ import textwrap
 from pathlib import Path
 
 from axond.control.client import CoordinatorClient
+from axond.distributed.diagnostics.flight_recorder import FILE_PREFIX
 from axond.distributed.diagnostics.stack_requests import StackReply, ask, collect
 from axond.v1 import coordinator_pb2 as pb
-
-
-FR_PREFIX = "axond_fr_rank_"
-"""The dumps' file names in --fr-dir: the analyzer finds the rank at the end of each name."""
 
 
 def job_stacks(client: CoordinatorClient, status: pb.GetStatusResponse, job: str, wait_s: float,
@@ -44,7 +41,7 @@ def _write_dumps(directory: Path, replies: dict[int, StackReply]) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     written = sorted(rank for rank, reply in replies.items() if reply.dump)
     for rank in written:
-        (directory / f"{FR_PREFIX}{rank}").write_bytes(replies[rank].dump)
+        (directory / f"{FILE_PREFIX}{rank}").write_bytes(replies[rank].dump)
     if not written:
         return f"FLIGHT RECORDER: no rank sent a dump (nothing written to {directory})"
     return (f"FLIGHT RECORDER: the dumps of ranks {written} are in {directory}: "

@@ -4,11 +4,13 @@ Flight Recorder dumps gathered with `--fr-dir` load in torch's analyzer, which n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,7 +68,8 @@ def test_stacks_of_every_rank_on_every_node(coord: RunningCoordinator, procs: Pr
         res = procs.run("status", "--coordinator", coord.address, "--job", "hung", "--stacks", "--stacks-wait", "5")
         assert "stopped (state T" in _section(res.stdout, 0), res.stdout
     finally:
-        os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # gone if the worker already ended the job
+            os.kill(pid, signal.SIGCONT)
 
 
 def test_stacks_need_a_job_and_dumps_need_stacks(procs: Procs) -> None:
@@ -111,3 +114,54 @@ def test_a_torch_jobs_dumps_load_in_the_flight_recorder_analyzer(coord: RunningC
     assert res.returncode == 0, out
     assert "Not all ranks joining collective, sequence number: 2" in out, out
     assert "missing ranks: {1}" in out and "collective: gloo:all_reduce" in out, out
+
+
+TORCH_STOPPED = """
+import datetime, os, pathlib, signal, torch, torch.distributed as dist
+import axond.torch
+dist.init_process_group("axond", timeout=datetime.timedelta(seconds=24))
+dist.all_reduce(torch.ones(3))  # every rank: collective 1 of the group
+if dist.get_rank() == 1:
+    pathlib.Path(os.environ["MARK_DIR"], "stopped").write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)  # stopped: never joins collective 2, and cannot dump
+dist.all_reduce(torch.ones(3))
+"""
+
+
+@pytest.mark.slow  # a worker daemon and a two-rank torch job
+@pytest.mark.timeout(150)
+def test_a_hang_writes_the_dumps_by_itself_into_axond_fr_dump_dir(coord: RunningCoordinator, procs: Procs,
+                                                                   tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    script, dumps = tmp_path / "train.py", tmp_path / "fr"
+    script.write_text(TORCH_STOPPED)
+    worker = procs.axond("worker", "--coordinator", coord.address, "--job", "stopped", "--nproc-per-node", "2",
+                         "--stop-grace", "1", "--", PY, str(script),
+                         env={"MARK_DIR": str(tmp_path), "AXOND_WAIT_NOTICE_S": "2", "AXOND_FR_DUMP_DIR": str(dumps)})
+    lines: list[str] = []
+    stream = worker.stderr
+    assert stream is not None
+    threading.Thread(target=lambda: lines.extend(iter(stream.readline, "")), daemon=True).start()
+    mark = tmp_path / "stopped"
+    wait_for(mark.exists, 90, "rank 1 to stop itself")
+    pid = int(mark.read_text())
+    try:
+        # rank 0 reports its all_reduce after a quarter of the 24 s timeout (6 s) and dumps then: no `axond status`
+        try:
+            wait_for((dumps / "axond_fr_rank_0").exists, 60, "rank 0's dump, written on the hang by itself")
+        except pytest.fail.Exception:
+            pytest.fail("no dump of rank 0 in 60 s; the worker said:\n" + "".join(lines))
+        assert sorted(p.name for p in dumps.iterdir()) == ["axond_fr_rank_0"]  # the stopped rank writes none
+        written, notices = (dumps / "axond_fr_rank_0").stat().st_mtime_ns, sum("still waiting" in x for x in lines)
+        wait_for(lambda: sum("still waiting" in x for x in lines) >= notices + 2, 30, "two more notices")
+        assert (dumps / "axond_fr_rank_0").stat().st_mtime_ns == written  # once per hang, not per notice
+        res = subprocess.run([PY, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps)],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode != 0 and "Missing dump files from ranks {1}" in res.stdout + res.stderr, res
+        res = subprocess.run([PY, "-m", "torch.distributed.flight_recorder.fr_trace", "--allow-incomplete-ranks",
+                              str(dumps)], capture_output=True, text=True, timeout=60)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0 and "we missed FR dumps from ranks ({1})" in out, out
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # gone if the worker already ended the job
+            os.kill(pid, signal.SIGCONT)

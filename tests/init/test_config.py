@@ -80,7 +80,7 @@ def test_from_env_parses_every_variable() -> None:
         "AXOND_TLS_CA": "/ca", "AXOND_TLS_CERT": "/c", "AXOND_TLS_KEY": "/k", "AXOND_STATE_DIR": "/state",
         "AXOND_SOCKET_IFNAME": "eth1", "AXOND_DEBUG": "yes", "AXOND_ERROR_FILE": "/e.json", "AXOND_METRICS_DIR": "/m",
         "AXOND_TIMELINE": "/tl", "AXOND_TORCH_OVERLAP": "off", "AXOND_TORCH_STORE": "0", "AXOND_WAIT_NOTICE_S": "2.5",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "AXOND_TCP_SMALL_BYTES": "4096",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "AXOND_TCP_SMALL_BYTES": "4096", "AXOND_FR_DUMP_DIR": "/fr",
     })
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 8, 1, 4)
     assert (env.master_addr, env.master_port, env.agent_store) == ("10.0.0.1", 29500, True)
@@ -89,7 +89,7 @@ def test_from_env_parses_every_variable() -> None:
         ("h1:1,h2:2", "j", 5, b"\x00\xff", "/tmp/s")
     assert (env.token, env.token_file, env.tls_ca, env.tls_cert, env.tls_key) == ("t", "/tf", "/ca", "/c", "/k")
     assert env.state_dir == Path("/state") and env.socket_ifname == "eth1"
-    assert env.failure.debug and env.failure.error_file == "/e.json"
+    assert env.failure.debug and env.failure.error_file == "/e.json" and env.failure.fr_dump_dir == "/fr"
     assert (env.observe.metrics_dir, env.observe.timeline_dir) == ("/m", "/tl")
     assert (env.torch_overlap, env.torch_store, env.wait_notice_s, env.nccl_async_error_handling) == \
         (False, False, 2.5, "3")

@@ -13,6 +13,12 @@ asks (it touches `<AXOND_ERROR_FILE>.fr-request`): from the in-flight reporter's
 collective or busy in its own code answers; a stopped one cannot. `axond status --job J --stacks --fr-dir DIR`
 gathers every rank's dump into DIR (`axond.distributed.diagnostics.stack_requests`).
 
+With AXOND_FR_DUMP_DIR set, a rank also writes its dump there by itself when one of its collectives hangs
+(`HangDumps`; the threshold is `inflight.hang_after`): `<dir>/axond_fr_rank_<global rank>`, once per hang, from the
+same thread, so no `axond status` call is needed and the collective's path does nothing more. A rank that cannot run
+(stopped, or stuck in native code holding the GIL) writes none: the analyzer, run with `--allow-incomplete-ranks`,
+names it among the ranks whose dumps are missing.
+
 The analyzer accepts only the backend names it knows in an op's `profiling_name`: ops are written as `gloo:<op>`
 (the CPU backend axond's "axond" torch backend stands in for). The format's version is `VERSION`.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -31,6 +38,9 @@ DUMP_SUFFIX = ".fr"
 """Appended to the rank's AXOND_ERROR_FILE: where its dump is written."""
 REQUEST_SUFFIX = ".fr-request"
 """Appended to the rank's AXOND_ERROR_FILE: the file its worker touches to ask for a dump."""
+FILE_PREFIX = "axond_fr_rank_"
+"""The dumps' file names in a directory (AXOND_FR_DUMP_DIR, `axond status --fr-dir`): the analyzer finds the rank at
+the end of each name, as in torch's own (`TORCH_FR_DUMP_TEMP_FILE` + rank)."""
 BACKEND_LABEL = "gloo"
 P2P = frozenset({"send", "recv", "isend", "irecv"})
 
@@ -85,3 +95,50 @@ class Dumper:
             os.replace(tmp, self._path)
         except OSError:
             pass  # the run directory went away (the worker stops): only the dump is lost
+
+
+def write_dump(directory: str, rank: int, data: bytes) -> str:
+    """Write `data` as rank `rank`'s dump in `directory` (made if missing), atomically; returns its path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{FILE_PREFIX}{rank}")
+    tmp = os.path.join(directory, f".axond-fr-writing-{rank}")  # a name the analyzer skips
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return path
+
+
+Hang = frozenset[tuple[int, int]]
+"""The ops a rank is hung in: (id of the group, the op's number in it: `ProcessGroup.inflight_seq`)."""
+
+
+class HangDumps:
+    """Writes each rank's dump to `directory` (AXOND_FR_DUMP_DIR) when one of its collectives hangs, once per hang.
+
+    A hang starts when the rank is hung in ops none of which was part of the hang dumped last, and ends when the rank
+    is hung in none: a hang that grows (a second thread's op in another group) or lasts is not written again.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._dumped: dict[int, Hang] = {}
+        self._failed = False
+
+    def check(self, rank: int, groups: Iterable[Any], hung: Hang) -> str | None:
+        """Call on each look with rank `rank`'s groups and the ops it is hung in; returns the path written, if any."""
+        done = self._dumped.get(rank)
+        if not hung:
+            self._dumped.pop(rank, None)
+            return None
+        if done is not None and done & hung:
+            self._dumped[rank] = done | hung
+            return None
+        self._dumped[rank] = hung
+        try:
+            return write_dump(self.directory, rank, dump_bytes(groups))
+        except OSError as e:
+            if not self._failed:  # said once: the same directory fails alike for every hang
+                self._failed = True
+                print(f"axond: rank {rank}: cannot write its Flight Recorder dump to AXOND_FR_DUMP_DIR="
+                      f"{self.directory!r}: {e}; make the directory writable by the ranks", file=sys.stderr)
+            return None

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from axond.distributed.diagnostics.arrivals import KEY as ARRIVALS_KEY
 from axond.distributed.diagnostics.arrivals import report as arrivals_report
-from axond.distributed.diagnostics.flight_recorder import Dumper
+from axond.distributed.diagnostics.flight_recorder import Dumper, HangDumps
 from axond.distributed.diagnostics.job_report import JobSink, coordinator_opener, launched_env, publishes_itself
 from axond.config import RuntimeEnv
 from axond.store import Store
@@ -45,6 +45,14 @@ MAX_REPORT_AFTER = 10.0
 def report_after(timeout: float) -> float:
     """Seconds an op waits before its rank publishes that it is blocked in it."""
     return min(MAX_REPORT_AFTER, timeout / 4)
+
+
+def hang_after(timeout: float, notice_s: float) -> float:
+    """Seconds an op waits before its rank writes its hang dump (AXOND_FR_DUMP_DIR): when the worker's first "still
+    waiting" notice names it (AXOND_WAIT_NOTICE_S, once the rank reports it: `report_after`; then alone if notices are
+    off), or at half the group's timeout if that comes first, so that the dump is written before the op fails."""
+    first = max(report_after(timeout), notice_s) if notice_s > 0 else report_after(timeout)
+    return min(first, timeout / 2)
 
 
 class Tracked(Protocol):
@@ -91,6 +99,8 @@ class _Reporter:
         """Wall-clock time of this process's first arrival mark (published with the marks as "started")."""
         self._dumper: Dumper | None = None
         self._dumper_known = False
+        self._hangs: HangDumps | None = None
+        self._notice_s = 0.0
 
     def _job_sink(self) -> JobSink:
         """The process's publisher to its job's coordinator store (read from the environment once)."""
@@ -136,14 +146,29 @@ class _Reporter:
             self._arrivals = union
 
     def _dump(self, members: list[tuple[_Member, list[Any]]]) -> None:
-        """Write a Flight Recorder dump of the process's groups if its worker asked (`flight_recorder`)."""
+        """Write a Flight Recorder dump of the process's groups if its worker asked, and each rank's when one of its
+        ops hangs if AXOND_FR_DUMP_DIR says where (`flight_recorder`)."""
         groups = [g for _, gs in members for g in gs]
         if not self._dumper_known:
             self._dumper_known = True
-            files = [g.options.runtime_env().failure.error_file for g in groups if hasattr(g, "options")]
+            envs = [g.options.runtime_env() for g in groups if hasattr(g, "options")]
+            files = [env.failure.error_file for env in envs]
             self._dumper = Dumper(files[0]) if files and files[0] else None
+            if envs and envs[0].failure.fr_dump_dir:
+                self._hangs, self._notice_s = HangDumps(envs[0].failure.fr_dump_dir), envs[0].wait_notice_s
         if self._dumper is not None:
             self._dumper.check(groups)
+        if self._hangs is not None:
+            now = time.monotonic()
+            for m, gs in members:
+                hung = frozenset((id(g), g.inflight_seq) for g in gs if self._hung(m, g, now))
+                self._hangs.check(m.global_rank, gs, hung)
+
+    def _hung(self, m: _Member, g: Any, now: float) -> bool:
+        """Whether `g`'s op has waited `hang_after` (timed by `_publish`, from when the reporter first saw it)."""
+        seen = m.seen.get(id(g))
+        return (g.inflight is not None and seen is not None and seen[0] == g.inflight_seq
+                and now - seen[1] >= hang_after(g.timeout, self._notice_s))
 
     def _first_mark(self, groups: list[Any]) -> float:
         """When this process closed its first mark, on the wall clock (kept once found: the coordinator's goodput
@@ -193,7 +218,10 @@ class _Reporter:
                     pass
             self._publish_job([m for m, _ in members])
             self._publish_arrivals(members)
-            self._dump(members)
+            try:
+                self._dump(members)
+            except Exception:  # noqa: BLE001 - a dump is a courtesy; never let it kill the reporter
+                pass
             self._wake.wait(tick)
             self._wake.clear()
 
