@@ -26,6 +26,7 @@ from axond.worker.blame import blamed, caused_elsewhere
 from axond.worker.blame import describe as describe_failure
 from axond.worker.background import Background
 from axond.worker.causes import Elsewhere, blocked_reader
+from axond.worker.frozen import FrozenWatch
 from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
 from axond.worker import live
@@ -304,6 +305,7 @@ class JobRunner:
         answers = StackAnswers(reads, spec.job, gen, local, stacks_of,  # axond status --job J --stacks
                                lambda rank: self._error_file(gen, rank))
         nudges = live.Nudges(self._membership_paths(len(local))) if spec.live_recovery else None
+        frozen = FrozenWatch(ranks, self._hb.lease, active=spec.live_recovery)  # a SIGSTOPped rank: failed
         while True:
             result = ranks.poll()
             if result is not None and result.ok:
@@ -315,11 +317,12 @@ class JobRunner:
                 return self._exit_barrier(gen) if spec.max_restarts > 0 or nnodes > 1 else JobOutcome(0)
             if result is not None and result.first_failure is not None:
                 self._tell_accused(ranks, local, stacks)  # at once: before the wait for the root cause
-                failure = ranks.root_cause(min(CAUSE_GRACE_S, max(spec.stop_grace, 0.5))) or result.first_failure
+                failure = frozen.explain(ranks.root_cause(min(CAUSE_GRACE_S, max(spec.stop_grace, 0.5)))
+                                         or result.first_failure)
                 self._notice(f"{describe_failure(failure, ranks.exits())}; stopping the other local ranks")
                 ranks.stop(grace=spec.stop_grace)
                 # every local rank exited now: one may have failed earlier still, or be the one the others blame
-                failure = ranks.root_cause(0.0) or failure
+                failure = frozen.explain(ranks.root_cause(0.0) or failure)
                 message = describe_failure(failure, ranks.exits())
                 self._flush()
                 if nnodes > 1 and caused_elsewhere(failure, local):
@@ -367,6 +370,8 @@ class JobRunner:
                     return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, why)
                 self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({reason}); re-joining")
                 return None
+            for line in frozen.check():
+                self._notice(f"job {spec.job!r}: {line}")
             early.check(ranks.exits(), local)
             if not ranks.exits():
                 slow.check()
