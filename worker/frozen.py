@@ -62,11 +62,11 @@ class FrozenWatch:
             since = self._since.setdefault(local, now)
             if now - since <= self.lease:
                 continue
-            why = (f"rank {r.spec.rank} was stopped (SIGSTOP) for {now - since:.1f} s, longer than the node's lease "
-                   f"({self.lease:g} s): the worker killed it")
+            why = (f"stopped (SIGSTOP) for {now - since:.1f} s, longer than the node's lease ({self.lease:g} s): "
+                   "the worker killed it")
             self.killed[local] = why
             r.signal_group(signal.SIGKILL)
-            lines.append(f"{why} (pid {pid})")
+            lines.append(f"rank {r.spec.rank} was {why} (pid {pid})")
         return lines
 
     def explain(self, failure: RankExit) -> RankExit:
