@@ -26,17 +26,18 @@ from axond.worker.blame import describe as describe_failure
 from axond.worker.background import Background
 from axond.worker.causes import Elsewhere, blocked_reader
 from axond.worker.frozen import FrozenWatch
-from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink
+from axond.worker.launcher import CAUSE_GRACE_S, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
 from axond.worker import live
 from axond.worker.outage import OutageGuard
 from axond.worker.peers import PeerLink
+from axond.worker.rank_specs import rank_specs
 from axond.worker.progress import EarlyExitWatch, JoinProgress
 from axond.worker.stragglers import StragglerWatch, arrivals_reader
 from axond.worker.spec import ConnectOptions, JobSpec
 from axond.worker.stack_answers import StackAnswers
 from axond.worker.stacks import rank_stacks
-from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
+from axond.worker.torch_env import AgentStore
 
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
@@ -189,35 +190,8 @@ class JobRunner:
         return [live.membership_path(self._error_dir, i) for i in range(count)]
 
     def _rank_specs(self, joined: pb.JoinResponse, master: str = "") -> list[RankSpec]:
-        base = dict(self._conn.env.environ)
-        base.update(self._spec.env or {})
-        base.setdefault("PYTHONUNBUFFERED", "1")
-        if joined.local_world_size > 1:
-            # Like torchrun: one BLAS/OpenMP thread per rank, or the ranks' thread pools spin against
-            # each other on shared cores (measured: a 0.5 ms forward took 100 ms with 2 ranks on 2 cores).
-            base.setdefault("OMP_NUM_THREADS", "1")
-        base.update(self._conn.rank_env())
-        base.update(
-            AXOND_JOB=self._spec.job,
-            AXOND_GENERATION=str(joined.generation),
-            AXOND_JOB_SECRET=joined.job_secret.hex(),
-            AXOND_NODE_ID=self._node_id,
-            NODE_RANK=str(joined.node_rank),
-        )
-        base.update(torchrun_env(joined, self._spec.job, self._spec.max_restarts, master, self._conn.env))
-        if self._spec.live_recovery:
-            base[live.LIVE_ENV] = "1"
-        paths = self._membership_paths(joined.local_world_size)
-        specs = []
-        for local_rank in range(joined.local_world_size):
-            rank = joined.rank_offset + local_rank
-            error_file = self._error_file(joined.generation, rank)
-            env = dict(base, AXOND_ERROR_FILE=error_file, TORCHELASTIC_ERROR_FILE=error_file + TORCH_ERROR_SUFFIX,
-                       **rank_env(rank, local_rank))
-            if self._spec.live_recovery:
-                env[live.MEMBERSHIP_FILE_ENV] = paths[local_rank]
-            specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env, error_file=error_file))
-        return specs
+        return rank_specs(self._conn, self._spec, self._node_id, joined, master, self._error_file,
+                          self._membership_paths(joined.local_world_size))
 
     def _run_generation(self, joined: pb.JoinResponse) -> JobOutcome | None:
         """Run one generation; returns the final outcome, or None to re-join the next generation."""
