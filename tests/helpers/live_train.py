@@ -91,9 +91,12 @@ def stamp_until_killed(path: Path) -> None:
     """Ignore SIGTERM; write time.monotonic() to `path` every 10 ms (a daemon thread: until SIGKILL ends it)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
+    tmp = path.with_name(f".{path.name}.tmp")  # replaced whole: a SIGKILL mid-write never leaves it empty
+
     def loop() -> None:
         while True:
-            path.write_text(repr(time.monotonic()))
+            tmp.write_text(repr(time.monotonic()))
+            os.replace(tmp, path)
             time.sleep(0.01)
 
     threading.Thread(target=loop, daemon=True).start()
