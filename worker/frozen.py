@@ -16,6 +16,8 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from axond.worker.stacks import process_state
+
 if TYPE_CHECKING:
     from axond.worker.launcher import LocalRanks, RankExit
 
@@ -25,13 +27,7 @@ STOPPED_STATES = ("T", "t")
 
 def stopped(pid: int) -> bool:
     """Whether process `pid` is stopped now (False if it is gone, or this is not Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat.rsplit(")", 1)[-1].split()  # the command name may hold spaces and parentheses
-    return bool(fields) and fields[0] in STOPPED_STATES
+    return process_state(pid) in STOPPED_STATES
 
 
 class FrozenWatch:
