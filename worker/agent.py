@@ -1,14 +1,13 @@
 """The torchrun-like agent: rendezvous, start the local ranks, watch them, restart the generation.
 
 `JobRunner` is one node's part in one job (used both by `axond worker -- CMD` and by the daemon);
-`start_agent` registers a node, starts its heartbeats and runs a `JobRunner` in a thread.
+`axond.worker.node` registers a node, starts its heartbeats and runs a `JobRunner` in a thread.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -26,17 +25,19 @@ from axond.worker.blame import blamed, caused_elsewhere
 from axond.worker.blame import describe as describe_failure
 from axond.worker.background import Background
 from axond.worker.causes import Elsewhere, blocked_reader
-from axond.worker.launcher import CAUSE_GRACE_S, TORCH_ERROR_SUFFIX, LocalRanks, OutputSink, RankSpec, print_sink
+from axond.worker.frozen import FrozenWatch
+from axond.worker.launcher import CAUSE_GRACE_S, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
 from axond.worker import live
 from axond.worker.outage import OutageGuard
 from axond.worker.peers import PeerLink
-from axond.worker.progress import PROGRESS_EVERY_S, EarlyExitWatch, JoinProgress
+from axond.worker.rank_specs import rank_specs
+from axond.worker.progress import EarlyExitWatch, JoinProgress
 from axond.worker.stragglers import StragglerWatch, arrivals_reader
 from axond.worker.spec import ConnectOptions, JobSpec
 from axond.worker.stack_answers import StackAnswers
 from axond.worker.stacks import rank_stacks
-from axond.worker.torch_env import AgentStore, rank_env, torchrun_env
+from axond.worker.torch_env import AgentStore
 
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
@@ -189,35 +190,8 @@ class JobRunner:
         return [live.membership_path(self._error_dir, i) for i in range(count)]
 
     def _rank_specs(self, joined: pb.JoinResponse, master: str = "") -> list[RankSpec]:
-        base = dict(self._conn.env.environ)
-        base.update(self._spec.env or {})
-        base.setdefault("PYTHONUNBUFFERED", "1")
-        if joined.local_world_size > 1:
-            # Like torchrun: one BLAS/OpenMP thread per rank, or the ranks' thread pools spin against
-            # each other on shared cores (measured: a 0.5 ms forward took 100 ms with 2 ranks on 2 cores).
-            base.setdefault("OMP_NUM_THREADS", "1")
-        base.update(self._conn.rank_env())
-        base.update(
-            AXOND_JOB=self._spec.job,
-            AXOND_GENERATION=str(joined.generation),
-            AXOND_JOB_SECRET=joined.job_secret.hex(),
-            AXOND_NODE_ID=self._node_id,
-            NODE_RANK=str(joined.node_rank),
-        )
-        base.update(torchrun_env(joined, self._spec.job, self._spec.max_restarts, master, self._conn.env))
-        if self._spec.live_recovery:
-            base[live.LIVE_ENV] = "1"
-        paths = self._membership_paths(joined.local_world_size)
-        specs = []
-        for local_rank in range(joined.local_world_size):
-            rank = joined.rank_offset + local_rank
-            error_file = self._error_file(joined.generation, rank)
-            env = dict(base, AXOND_ERROR_FILE=error_file, TORCHELASTIC_ERROR_FILE=error_file + TORCH_ERROR_SUFFIX,
-                       **rank_env(rank, local_rank))
-            if self._spec.live_recovery:
-                env[live.MEMBERSHIP_FILE_ENV] = paths[local_rank]
-            specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env, error_file=error_file))
-        return specs
+        return rank_specs(self._conn, self._spec, self._node_id, joined, master, self._error_file,
+                          self._membership_paths(joined.local_world_size))
 
     def _run_generation(self, joined: pb.JoinResponse) -> JobOutcome | None:
         """Run one generation; returns the final outcome, or None to re-join the next generation."""
@@ -304,6 +278,7 @@ class JobRunner:
         answers = StackAnswers(reads, spec.job, gen, local, stacks_of,  # axond status --job J --stacks
                                lambda rank: self._error_file(gen, rank))
         nudges = live.Nudges(self._membership_paths(len(local))) if spec.live_recovery else None
+        frozen = FrozenWatch(ranks, self._hb.lease, active=spec.live_recovery)  # a SIGSTOPped rank: failed
         while True:
             result = ranks.poll()
             if result is not None and result.ok:
@@ -315,11 +290,12 @@ class JobRunner:
                 return self._exit_barrier(gen) if spec.max_restarts > 0 or nnodes > 1 else JobOutcome(0)
             if result is not None and result.first_failure is not None:
                 self._tell_accused(ranks, local, stacks)  # at once: before the wait for the root cause
-                failure = ranks.root_cause(min(CAUSE_GRACE_S, max(spec.stop_grace, 0.5))) or result.first_failure
+                failure = frozen.explain(ranks.root_cause(min(CAUSE_GRACE_S, max(spec.stop_grace, 0.5)))
+                                         or result.first_failure)
                 self._notice(f"{describe_failure(failure, ranks.exits())}; stopping the other local ranks")
                 ranks.stop(grace=spec.stop_grace)
                 # every local rank exited now: one may have failed earlier still, or be the one the others blame
-                failure = ranks.root_cause(0.0) or failure
+                failure = frozen.explain(ranks.root_cause(0.0) or failure)
                 message = describe_failure(failure, ranks.exits())
                 self._flush()
                 if nnodes > 1 and caused_elsewhere(failure, local):
@@ -367,6 +343,8 @@ class JobRunner:
                     return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, why)
                 self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({reason}); re-joining")
                 return None
+            for line in frozen.check():
+                self._notice(f"job {spec.job!r}: {line}")
             early.check(ranks.exits(), local)
             if not ranks.exits():
                 slow.check()
@@ -461,88 +439,3 @@ class JobRunner:
             self._within_lease(lambda: self._client.report_exit(self._spec.job, self._node_id, gen, exit_code))
         except (CoordinatorError, ValueError) as e:
             self._notice(f"could not report the exit of job {self._spec.job!r} to the coordinator: {e}")
-
-
-class RunningAgent:
-    """A registered node running one job in a thread; returned by `start_agent`."""
-
-    def __init__(self, client: CoordinatorClient, node_id: str, heartbeater: Heartbeater, runner: JobRunner) -> None:
-        self.node_id = node_id
-        self._client = client
-        self._hb = heartbeater
-        self._runner = runner
-        self._outcome: JobOutcome | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="axond-agent", daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        try:
-            self._outcome = self._runner.run()
-        except Exception as e:  # noqa: BLE001 - an unexpected bug must still end the agent with a message
-            self._outcome = JobOutcome(1, f"agent error: {type(e).__name__}: {e}")
-        finally:
-            self._hb.stop()
-            if self._outcome is not None and self._outcome.lease_lost:
-                self._client.close()  # cut off or gone: the coordinator has declared the node dead already
-            else:
-                leave(self._client, self.node_id)
-            self._done.set()
-
-    def wait(self, timeout: float | None = None) -> JobOutcome | None:
-        """The outcome once the job ended for this node, or None if `timeout` passed first."""
-        self._done.wait(timeout)
-        return self._outcome if self._done.is_set() else None
-
-    def stop(self, exit_code: int, reason: str, timeout: float = 15.0) -> JobOutcome | None:
-        """Stop the ranks and leave the job; the outcome carries `exit_code` unless it ended already."""
-        self._runner.request_stop(exit_code, reason)
-        if self._runner.joining.is_set():
-            leave(self._client, self.node_id)
-        return self.wait(timeout)
-
-
-def register(client: CoordinatorClient, slots: int, daemon: bool,
-             notice: Notice = stderr_notice) -> tuple[str, Heartbeater]:
-    """Register this host as a node and start its heartbeat thread, which renews the node's lease
-    (heartbeat interval x missed heartbeats, as the coordinator said)."""
-    reply = client.register_node(socket.gethostname(), slots=slots, daemon=daemon)
-    interval = reply.heartbeat_interval_s or 1.0
-    lease = interval * (reply.dead_after_missed or 5)
-    hb = Heartbeater(client, reply.node_id, interval, lease=lease, notice=notice).start()
-    return reply.node_id, hb
-
-
-def connect_and_register(conn: ConnectOptions, slots: int, daemon: bool,
-                         notice: Notice = stderr_notice) -> tuple[CoordinatorClient, str, Heartbeater]:
-    """Open a client and register this host with it; the client is closed again if registering fails."""
-    client = conn.connect()
-    try:
-        node_id, hb = register(client, slots=slots, daemon=daemon, notice=notice)
-    except BaseException:
-        client.close()
-        raise
-    return client, node_id, hb
-
-
-def leave(client: CoordinatorClient, node_id: str) -> None:
-    """Deregister the node (best effort: the coordinator may be gone already) and close the client."""
-    try:
-        client.deregister_node(node_id)
-    except (CoordinatorError, ValueError):
-        pass
-    client.close()
-
-
-def start_agent(
-    conn: ConnectOptions,
-    spec: JobSpec,
-    sink: OutputSink = print_sink,
-    notice: Notice = stderr_notice,
-    progress_every: float = PROGRESS_EVERY_S,
-) -> RunningAgent:
-    """Register a node, then run `spec` in a background thread; raises CoordinatorError if unreachable.
-    While the rendezvous waits, a progress line goes to `notice` every `progress_every` seconds."""
-    client, node_id, hb = connect_and_register(conn, slots=0, daemon=False, notice=notice)
-    runner = JobRunner(client, conn, node_id, hb, spec, sink=sink, notice=notice, progress_every=progress_every)
-    return RunningAgent(client, node_id, hb, runner)

@@ -17,16 +17,9 @@ import grpc
 
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
-from axond.worker.agent import (
-    JobOutcome,
-    JobRunner,
-    Notice,
-    connect_and_register,
-    leave,
-    notice_to_stderr,
-    register,
-)
+from axond.worker.agent import JobOutcome, JobRunner, Notice, notice_to_stderr
 from axond.worker.heartbeat import Heartbeater
+from axond.worker.node import connect_and_register, leave, register
 from axond.worker.spec import DEFAULT_OUTAGE_GRACE_S, ConnectOptions, JobSpec
 
 if TYPE_CHECKING:

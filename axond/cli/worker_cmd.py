@@ -22,7 +22,8 @@ from axond.config import RuntimeEnv
 from axond.errors import CoordinatorError
 from axond.observe.settings import METRICS_DIR_ENV
 from axond.observe.worker_metrics import WorkerMetrics
-from axond.worker.agent import JobOutcome, start_agent
+from axond.worker.agent import JobOutcome
+from axond.worker.node import start_agent
 from axond.worker.daemon import DaemonConfig, start_daemon
 from axond.worker.spec import DEFAULT_OUTAGE_GRACE_S, ConnectOptions, JobSpec, parse_nnodes
 

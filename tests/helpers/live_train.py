@@ -36,6 +36,8 @@ from axond.train import Callback, DistributedTrainer
 X = np.random.default_rng(5).standard_normal((240, 6)).astype(np.float32)
 Y = (X[:, 0] > X[:, 1]).astype(np.int64) + (X[:, 2] > 0.5)
 HANG_S = 120.0
+GROUP_TIMEOUT_S = 30.0
+"""The default group's timeout: how long the survivors would wait in a collective on a peer that never answers."""
 
 
 def build_trainer(group: ProcessGroup | None, callbacks: list[Callback], **options: Any) -> DistributedTrainer:
@@ -89,9 +91,12 @@ def stamp_until_killed(path: Path) -> None:
     """Ignore SIGTERM; write time.monotonic() to `path` every 10 ms (a daemon thread: until SIGKILL ends it)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
+    tmp = path.with_name(f".{path.name}.tmp")  # replaced whole: a SIGKILL mid-write never leaves it empty
+
     def loop() -> None:
         while True:
-            path.write_text(repr(time.monotonic()))
+            tmp.write_text(repr(time.monotonic()))
+            os.replace(tmp, path)
             time.sleep(0.01)
 
     threading.Thread(target=loop, daemon=True).start()
@@ -104,7 +109,7 @@ def main() -> None:
         stamp_until_killed(out / f"alive-{os.getpid()}")
     (out / f"start-{os.environ['RANK']}-{os.getpid()}").write_text("")
     first_generation = os.environ["AXOND_GENERATION"]
-    axond.init_process_group("tcp", timeout=30)
+    axond.init_process_group("tcp", timeout=GROUP_TIMEOUT_S)
     trainer = build_trainer(None, [Record(out, hang_step)], **checkpoints)
     history = trainer.fit(3)
     np.savez(out / f"params-{os.getpid()}.npz", **trainer.module.state_dict())
