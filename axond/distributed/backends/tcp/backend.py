@@ -72,7 +72,8 @@ class TcpBackend(Backend):
         spin, inline = policy.spin_seconds(tcp, crowded), policy.inline_bytes(tcp, crowded)
         buffers = policy.socket_buffer_bytes(tcp, buffer_limit())
         self.g = FramedGroup(rank, size, group_name, gid, options.timeout,
-                             {p: Peer(s, p, options.timeout, spin, tcp.spin_yield, inline, buffers, tcp.rto_max_ms)
+                             {p: Peer(s, p, options.timeout, spin, tcp.spin_yield, inline, buffers, tcp.rto_max_ms,
+                                                  tcp.congestion)
                               for p, s in socks.items()})
         self.comm = GroupView(self.g, rank, size, tcp, crowded, Scratch())
         self.placement = Placement(self.comm, host)
