@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from axond.checkpoint.api import ObjectCollectives
+from axond.distributed.diagnostics.steps import mark_step
 from axond.distributed.reform import reform
 from axond.errors import DistributedError, MembershipChanged
 from axond.nn.module import Module
@@ -202,6 +203,7 @@ class VirtualSteps:
                 except MembershipChanged as e:
                     self._recover(e)  # the cut step is run again (or was rolled forward)
                     continue
+                mark_step()
                 if timeline.TRACER is not None:
                     timeline.TRACER.since("train.step", "train", began, step=pos.global_step, world=t.world_size,
                                           virtual=list(self.grads.mine))
