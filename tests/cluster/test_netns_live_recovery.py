@@ -1,14 +1,16 @@
 """Live recovery across network hosts: a coordinator and four `axond worker --live-recovery` hosts in their own
 network namespaces, one rank each, DistributedTrainer (ddp) with no checkpoint directory; while the others wait in
 the next step's all_gather, rank 2 is SIGKILLed, or its host's link drops every frame both ways (nothing closes: its
-peers' sockets get no EOF). The three survivors go on at world size 3 in the same processes, and the parameters
-after every step equal those of one process training the same four virtual ranks.
+peers' sockets get no EOF), or its worker daemon is stopped (SIGSTOP: its rank runs on, its lease does not). The
+three survivors go on at world size 3 in the same processes, and the parameters after every step equal those of one
+process training the same four virtual ranks.
 
 Needs root and `ip netns` (skipped otherwise, with the reason).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -120,3 +122,26 @@ def test_four_hosts_lose_rank_twos_link_both_ways_and_the_rest_go_on_bit_identic
         assert recovery["error_at"] - dropped < CUT_LEASE_S + DETECT_S + HEARTBEAT_S, (recovery, dropped)
         # and computed again once the fence let the next generation start
         assert recovery["reformed_at"] - dropped < CUT_LEASE_S + DETECT_S + fence + 2.0, (recovery, dropped)
+
+
+@pytest.mark.timeout(150)
+def test_four_hosts_lose_rank_twos_frozen_worker_and_the_rest_go_on_bit_identical(netns, tmp_path: Path) -> None:
+    workers, out = start_job(netns(5), tmp_path, CUT_MISSED, FENCE_MARGIN_S)
+    victim = wait_for_hang(workers, out)
+    frozen = next(w for w in workers if victim in w.host.pids())
+    os.kill(frozen.popen.pid, signal.SIGSTOP)  # the daemon stops heartbeating; its rank keeps running
+    stopped = time.monotonic()
+    try:
+        survivors = [w for w in workers if w is not frozen]
+        codes = [w.wait(60) for w in survivors]
+        assert codes == [0, 0, 0], [w.text()[-1500:] for w in survivors]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen.popen.pid, signal.SIGCONT)
+    assert frozen.wait(60) != 0, frozen.text()[-1500:]  # woken: its lease is gone, it stops its rank and exits
+    assert not Path(f"/proc/{victim}").exists()
+    fence = fence_wait(CUT_LEASE_S, HEARTBEAT_S, FENCE_MARGIN_S)
+    for recovery in check_survivors(out):
+        assert "missed" in recovery["reason"] and frozen.host.hostname in recovery["reason"], recovery
+        assert recovery["error_at"] - stopped < CUT_LEASE_S + DETECT_S + HEARTBEAT_S, (recovery, stopped)
+        assert recovery["reformed_at"] - stopped < CUT_LEASE_S + DETECT_S + fence + 2.0, (recovery, stopped)
