@@ -351,5 +351,9 @@ class TcpBackend(Backend):
         """`abort` with `reason` marked as the root cause: peers raise `DistributedError` saying just that."""
         self.g.abort(reason, failed=True)
 
+    def interrupt(self, reason: str) -> None:
+        """`abort`, then shut this rank's side of every link down: its blocked receives and sends end at once."""
+        self.g.interrupt(reason)
+
 
 BACKEND = TcpBackend

@@ -388,6 +388,13 @@ class Peer:
         except OSError:
             pass
 
+    def shutdown(self) -> None:
+        """Shut the socket down both ways, from any thread: a receive or send blocked on it returns at once."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def close(self) -> None:
         """Stop the sender thread and close the socket; idempotent."""
         with self._cond:
