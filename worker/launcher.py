@@ -182,11 +182,17 @@ class _Rank:
         assert self.proc.stdout is not None and self.proc.stderr is not None
         for stream, pipe in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr)):
             t = threading.Thread(
-                target=_read_lines, args=(pipe, spec.rank, stream, sink if stream == "stdout" else self._stderr_sink(sink)),
+                target=_read_lines, args=(pipe, self.global_rank, stream,
+                                          sink if stream == "stdout" else self._stderr_sink(sink)),
                 name=f"axond-rank{spec.rank}-{stream}", daemon=True,
             )
             t.start()
             self.readers.append(t)
+
+    def global_rank(self) -> int:
+        """The rank's global rank now: a live re-formation renumbers the kept ranks (`live.renumber`), and its output
+        lines from then on carry the new number."""
+        return self.spec.rank
 
     def _stderr_sink(self, sink: OutputSink) -> OutputSink:
         """`sink`, remembering the last non-blank stderr line (a failed rank's cause when it wrote no error file)."""
@@ -225,13 +231,13 @@ class _Rank:
             pass
 
 
-def _read_lines(pipe: IO[bytes], rank: int, stream: str, sink: OutputSink) -> None:
+def _read_lines(pipe: IO[bytes], rank: Callable[[], int], stream: str, sink: OutputSink) -> None:
     try:
         while True:
             raw = pipe.readline(MAX_LINE_BYTES)
             if not raw:
                 break
-            sink(rank, stream, raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+            sink(rank(), stream, raw.decode("utf-8", errors="replace").rstrip("\r\n"))
     except (OSError, ValueError):
         pass
     finally:

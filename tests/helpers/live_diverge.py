@@ -1,9 +1,10 @@
 """Run by tests/worker/test_worker_live_diverge.py under `axond worker --live-recovery`: the trainer of live_train.py
-with `digest_every`, where the process that starts as rank 2 flips one bit of its parameters after step FLIP_STEP.
+with `digest_every`, where the process that starts as rank 1 flips one bit of its parameters after step FLIP_STEP.
 
 argv: OUT_DIR FLIP_STEP EVERY. Every process records its start (`start-RANK-PID`), the parameters' hash after every
 step (`steps-PID.jsonl`), and its end: `end-PID.json` (recoveries, restored states) and `params-PID.npz`, or
-`diverged-PID.txt` with the `ReplicaDivergence` it raised (then it exits 1, as the error makes it).
+`diverged-PID.txt` with the `ReplicaDivergence` it raised (then it exits 1, as the error makes it). A survivor
+prints `trained as rank R of W` last (its worker prefixes the line with its rank in the last generation).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from live_train import GROUP_TIMEOUT_S, build_trainer, params_hash
 
 class FlipAndRecord(Callback):
     def __init__(self, out: Path, flip_step: int) -> None:
-        self.flip_step = flip_step if os.environ["RANK"] == "2" else -1
+        self.flip_step = flip_step if os.environ["RANK"] == "1" else -1
         self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # closed at exit
 
     def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
@@ -53,6 +54,7 @@ def main() -> None:
         "rank": trainer.rank, "world": trainer.world_size,
         "recoveries": [dataclasses.asdict(r) for r in trainer.virtual.recoveries],
         "restored": trainer.virtual.agreed.restored}))
+    print(f"trained as rank {trainer.rank} of {trainer.world_size}", flush=True)
     axond.destroy_process_group()
 
 

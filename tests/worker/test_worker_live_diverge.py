@@ -1,8 +1,9 @@
 """A diverged replica's node is left out of a live job: a real `axond coordinator`, three `axond worker
 --live-recovery` nodes, DistributedTrainer (ddp on virtual ranks, `digest_every`, no checkpoint directory), and one
-bit of rank 2's parameters flipped after a step. At the next check rank 2 is named and raises; its node leaves; ranks
-0 and 1 go back to the state agreed at the check before, in memory, and train on at world size 2 in the same
-processes, ending bit for bit where a run without the fault ends."""
+bit of rank 1's parameters flipped after a step. At the next check rank 1 is named and raises; its node leaves; ranks
+0 and 2 go back to the state agreed at the check before, in memory, and train on at world size 2 in the same
+processes (rank 2 as rank 1 now, its worker's output lines too), ending bit for bit where a run without the fault
+ends."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from worker_support import Procs, free_port, procs  # noqa: F401
 PY = sys.executable
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "live_diverge.py"
 FLIP_STEP, EVERY, STEPS = 12, 5, 60
-"""Rank 2's bit flips after step 12; the check after step 15 names it; the state of step 10 was the last agreed."""
+"""Rank 1's bit flips after step 12; the check after step 15 names it; the state of step 10 was the last agreed."""
 
 
 def reference_hashes() -> list[str]:
@@ -56,10 +57,13 @@ def test_the_diverged_replicas_node_leaves_and_the_others_go_on_from_the_agreed_
     started = {int(p.name.split("-")[2]): int(p.name.split("-")[1]) for p in out.glob("start-*")}  # pid -> rank
     assert sorted(started.values()) == [0, 1, 2]  # three processes ever: none restarted
     (diverged,) = out.glob("diverged-*.txt")
-    assert started[int(diverged.stem.split("-")[1])] == 2
-    assert "replicas disagree after step 15" in diverged.read_text() and "rank(s) [2]" in diverged.read_text()
+    assert started[int(diverged.stem.split("-")[1])] == 1
+    assert "replicas disagree after step 15" in diverged.read_text() and "rank(s) [1]" in diverged.read_text()
     ends = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("end-*.json")}
-    assert sorted(started[pid] for pid in ends) == [0, 1]  # the survivors finished in the processes they began in
+    assert sorted(started[pid] for pid in ends) == [0, 2]  # the survivors finished in the processes they began in
+    assert sorted((started[pid], end["rank"]) for pid, end in ends.items()) == [(0, 0), (2, 1)]
+    said = "".join(f.stdout for f in finished)
+    assert "[rank 1] trained as rank 1 of 2" in said and "[rank 2]" not in said, said  # the output renumbered too
     for pid, end in ends.items():
         assert end["world"] == 2 and end["restored"] == [[15, 10]], end
         (recovery,) = end["recoveries"]
