@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from axond.checkpoint.api import ObjectCollectives
+from axond.distributed.boundary import moved_on
 from axond.distributed.reform import reform
 from axond.errors import DistributedError, MembershipChanged
 from axond.nn.module import Module
 from axond.observe import timeline
 from axond.parallel import DistributedSampler
+from axond.train import join
 from axond.train.progress import Progress
 from axond.train.virtual import VirtualGradients
 
@@ -84,16 +86,36 @@ class VirtualSteps:
         self.trainer = trainer
         self.virtual = virtual
         self.seed = seed
-        self.samplers = [DistributedSampler(len(trainer.dataset), virtual, v, shuffle=shuffle, seed=seed)
-                         for v in range(virtual)]
-        self.grads = VirtualGradients(list(trainer.module.parameters()), virtual, deterministic)
-        self.grads.layout(trainer.group)
+        self.shuffle = shuffle
+        self.deterministic = deterministic
+        self.resize(virtual)
         self.generators = _generators(trainer.module)
-        self.totals = np.zeros((virtual, 2), np.float64)
-        """Per virtual rank: (loss sum, samples) of the epoch so far, the same on every rank."""
         self.pending = False
         """The last step's gradient is gathered and averaged, its commit not completed."""
         self.recoveries: list[Recovery] = []
+        self.transfers: list[join.StateTransfer] = []
+        """The state sent to (or, first, received by) ranks that joined the running job (`axond.train.join`)."""
+
+    def resize(self, virtual: int) -> None:
+        """Train on `virtual` virtual ranks (at construction, or a joiner adopting the running job's number)."""
+        t = self.trainer
+        self.virtual = virtual
+        self.samplers = [DistributedSampler(len(t.dataset), virtual, v, shuffle=self.shuffle, seed=self.seed)
+                         for v in range(virtual)]
+        self.grads = VirtualGradients(list(t.module.parameters()), virtual, self.deterministic)
+        self.grads.layout(t.group)
+        self.totals = np.zeros((virtual, 2), np.float64)
+        """Per virtual rank: (loss sum, samples) of the epoch so far, the same on every rank."""
+
+    def join_running(self) -> bool:
+        """At the start of `fit` in a live job: whether this rank joined a running job and took its state from a live
+        peer (then nothing is resumed from storage)."""
+        if not join.live_job():
+            return False
+        moved = join.join_running(self)
+        if moved is not None:
+            self.transfers.append(moved)
+        return moved is not None
 
     def steps_per_epoch(self) -> tuple[int, int]:
         t = self.trainer
@@ -142,6 +164,9 @@ class VirtualSteps:
     def _step(self, indices: list[np.ndarray], micro: int) -> int:
         t = self.trainer
         self.pending = False
+        grown = moved_on(t.group)  # a node joined (or left): every rank leaves this generation before the step
+        if grown is not None:
+            raise grown
         used = self._compute(indices, t.position.step, micro)
         self.grads.gather()
         self.pending = True
@@ -157,17 +182,16 @@ class VirtualSteps:
             group = reform()
             t.group, t.comm = group, ObjectCollectives(group)
             t.rank, t.world_size, t.data_replicas = group.rank, group.size, group.size
+            join.check_fits(group.size, self.virtual)
             self.grads.layout(group)
-            mine = np.array([t.position.global_step, int(self.pending)], np.int64)
-            try:
-                agreed = group.all_gather(mine)
+            try:  # agree on the last committed step; ranks that joined get the state (`axond.train.join`)
+                settled = join.settle(self, group, fresh=False)
             except MembershipChanged as again:
                 error = again
                 continue
-            forward = roll_forward([int(s) for s in agreed[:, 0]], t.position.global_step, self.pending)
-            if forward:
-                self._apply()
-            self.pending = False
+            forward = settled.rolled_forward
+            if settled.transfer is not None:
+                self.transfers.append(settled.transfer)
             if timeline.TRACER is not None:  # from the cut collective's error to the agreed step
                 timeline.TRACER.since("live.reform", "live", span, step=step, world_before=before,
                                       world_after=group.size, generation=error.generation, reason=error.reason,

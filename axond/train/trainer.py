@@ -241,7 +241,8 @@ class DistributedTrainer:
         """Train until `epochs` epochs are done (resuming first); returns the per-epoch history."""
         if epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {epochs}")
-        self.resumed_from = self.resume()
+        joined = self.virtual is not None and self.virtual.join_running()  # a live job's new rank: state from a peer
+        self.resumed_from = None if joined else self.resume()
         pos = self.position
         if self.replicas is not None:
             self.replicas.rollbacks = 0  # MAX_ROLLBACKS counts per fit
