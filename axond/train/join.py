@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,16 +76,19 @@ def check_fits(world: int, virtual: int) -> None:
             "--nproc-per-node) when it starts below MAX", op="join")
 
 
-def settle(steps: VirtualSteps, group: ProcessGroup, fresh: bool) -> Settled:
-    """Steps 1-3 of the module docstring for this rank (`fresh`: it started in this generation). Collective."""
-    from axond.train.live import roll_forward  # the loop's module imports this one
+RollForward = Callable[[Sequence[int], int, bool], bool]
+"""`axond.train.live.roll_forward(steps, mine, pending)`: whether this running rank applies the cut step now."""
 
+
+def settle(steps: VirtualSteps, group: ProcessGroup, fresh: bool, roll_forward: RollForward | None = None) -> Settled:
+    """Steps 1-3 of the module docstring for this rank (`fresh`: it started in this generation; a running rank passes
+    `roll_forward`). Collective."""
     t = steps.trainer
     mine = np.array([t.position.global_step, int(steps.pending), int(fresh)], np.int64)
     agreed = group.all_gather(mine)
     running = [r for r in range(group.size) if not agreed[r, 2]]
     forward = False
-    if not fresh and running:
+    if not fresh and running and roll_forward is not None:
         forward = roll_forward([int(agreed[r, 0]) for r in running], t.position.global_step, steps.pending)
         if forward:
             steps._apply()

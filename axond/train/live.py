@@ -185,7 +185,7 @@ class VirtualSteps:
             join.check_fits(group.size, self.virtual)
             self.grads.layout(group)
             try:  # agree on the last committed step; ranks that joined get the state (`axond.train.join`)
-                settled = join.settle(self, group, fresh=False)
+                settled = join.settle(self, group, fresh=False, roll_forward=roll_forward)
             except MembershipChanged as again:
                 error = again
                 continue

@@ -7,10 +7,11 @@ sleeps) so that the test can SIGKILL it while the others wait in the next step's
 stops; it stops once per run (a restarted rank 2 does not).
 With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer checkpoints after every step.
 
-LIVE_TEST_WAIT_JOIN=K (the worker's environment): after step K every rank of a world smaller than 3 waits for the
-worker's word of the job's next generation (a node joining). LIVE_TEST_ROLE changes who stops: "bystander": none of this worker's ranks; "stubborn":
+LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none of this worker's ranks; "stubborn":
 its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
 10 ms until it is killed (what the fencing test watches).
+LIVE_TEST_WAIT_JOIN=K (tests/worker/test_worker_live_join.py): after step K every rank of a world smaller than 3 waits
+for the worker's word of the job's next generation (a node joining).
 """
 
 from __future__ import annotations
