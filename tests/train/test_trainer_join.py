@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from axond.distributed import ProcessGroup, membership
