@@ -53,11 +53,11 @@ def _link(group: Any, nbytes: int) -> float:
     seconds = 0.0
     if group.rank == 0:
         with socket.create_connection(("127.0.0.1", int(port[0]))) as s:
-            s.sendall(np.ones(nbytes, np.uint8))
+            s.sendall(np.ones(nbytes, np.uint8).data)
             s.recv(1)
     elif listener is not None:
         buf = np.empty(nbytes, np.uint8)
-        view = memoryview(buf)
+        view = buf.data
         conn, _ = listener.accept()
         with conn, listener:
             got = conn.recv_into(view, nbytes)
