@@ -10,6 +10,7 @@ moments allocated); rank 2 plays the newcomer (no optimizer state, parameters ze
 - link: a plain TCP socket from rank 0 to rank 2 on loopback carrying the same bytes (sendall / recv_into).
 
     python bench/join_back.py --hidden 1536 --runs 3
+    python bench/join_back.py --hidden 512 --runs 5 --coalesce-ab 4   # small arrays packed vs each alone
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import axond
 from axond import nn
 from axond.nn.optim import AdamW
 from axond.train import DistributedTrainer
+from axond.train import join
 from axond.train.join import transfer
 from axond.testing import run_processes
 
@@ -74,8 +76,10 @@ def _link(group: Any, nbytes: int) -> float:
 class _Run:
     hidden: int
     runs: int
+    coalesce_below: int = join.COALESCE_BELOW
 
     def __call__(self) -> dict[str, Any]:
+        join.COALESCE_BELOW = self.coalesce_below
         group = axond.distributed.default_registry.require("join_back bench")
         trainer = _trainer(self.hidden)
         steps = trainer.virtual
@@ -110,11 +114,31 @@ class _Run:
         return {"nbytes": nbytes, **{k: statistics.median(v) for k, v in out.items()}}
 
 
+def coalesce_ab(hidden: int, runs: int, rounds: int) -> None:
+    """The transfer's seconds with small arrays packed (default) and with each array alone, alternated."""
+    got: dict[str, list[float]] = {"packed": [], "alone": []}
+    for _ in range(rounds):
+        for name, below in (("packed", join.COALESCE_BELOW), ("alone", 0)):
+            got[name].append(run_processes(_Run(hidden, runs, below), 3, timeout=600)[NEW]["transfer"])
+    print(f"transfer seconds, MLP {hidden}: median of {rounds} alternating rounds (each a median of {runs})")
+    print("| arrays under 1 MiB | seconds | vs alone |")
+    print("|---|---:|---:|")
+    alone = statistics.median(got["alone"])
+    for name, values in got.items():
+        print(f"| {name} | {statistics.median(values):.4f} | {statistics.median(values) / alone:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--coalesce-ab", type=int, default=0,
+                        help="instead: this many alternating rounds of the transfer with arrays under 1 MiB packed "
+                             "together (the default) and with every array broadcast alone")
     args = parser.parse_args()
+    if args.coalesce_ab:
+        coalesce_ab(args.hidden, args.runs, args.coalesce_ab)
+        return
     results = run_processes(_Run(args.hidden, args.runs), 3, timeout=600)
     new = results[NEW]
     mib = new["nbytes"] / 2**20

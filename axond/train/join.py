@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from axond.train.live import VirtualSteps
 
 _SCALARS = (bool, int, float, str, type(None))
+COALESCE_BELOW = 1 << 20
+"""Arrays smaller than this (bytes) travel packed together; larger ones are broadcast from their own memory."""
 
 
 @dataclass(frozen=True)
@@ -112,13 +114,10 @@ def transfer(steps: VirtualSteps, group: ProcessGroup, source: int, joined: Sequ
     raw = np.frombuffer(text, np.uint8).copy() if sending else np.empty(int(size[0]), np.uint8)
     group.broadcast(raw, source)
     manifest = json.loads(raw.tobytes())
-    nbytes = 0
     targets = _targets(manifest, model, optim, t.optimizer.params) if not sending else None
-    for i, (kind, name, _, _) in enumerate(manifest["arrays"]):
-        array = (model[name] if kind == "model" else optim["state"][name]) if targets is None else targets[i]
-        if array.size:
-            group.broadcast(array, source)
-            nbytes += array.nbytes
+    arrays = [(model[name] if kind == "model" else optim["state"][name]) if targets is None else targets[i]
+              for i, (kind, name, _, _) in enumerate(manifest["arrays"])]
+    nbytes = _broadcast_arrays(group, arrays, source)
     if group.rank in joined:  # a running rank that is not the source received its own state again: nothing to adopt
         _adopt(steps, manifest, targets or [])
     seconds = time.perf_counter() - began
@@ -128,6 +127,31 @@ def transfer(steps: VirtualSteps, group: ProcessGroup, source: int, joined: Sequ
         timeline.TRACER.since("live.join", "live", span, step=record.step, source=source, joined=list(joined),
                               nbytes=nbytes, received=record.received)
     return record
+
+
+def _broadcast_arrays(group: ProcessGroup, arrays: Sequence[np.ndarray], source: int) -> int:
+    """Broadcast `arrays` in place from `source`: each one of COALESCE_BELOW bytes or more straight from its memory
+    (zero-copy), the smaller ones packed into one message per dtype (one round trip instead of one each). Returns the
+    bytes sent."""
+    small: dict[np.dtype[Any], list[np.ndarray]] = {}
+    nbytes = 0
+    for array in arrays:
+        if array.nbytes >= COALESCE_BELOW:
+            group.broadcast(array, source)
+        elif array.size:
+            small.setdefault(array.dtype, []).append(array)
+        nbytes += array.nbytes
+    for dtype, members in small.items():
+        flat = np.empty(sum(a.size for a in members), dtype)
+        offsets = np.cumsum([0] + [a.size for a in members]).tolist()
+        if group.rank == source:
+            for a, lo, hi in zip(members, offsets, offsets[1:]):
+                flat[lo:hi] = a.reshape(-1)
+        group.broadcast(flat, source)
+        if group.rank != source:
+            for a, lo, hi in zip(members, offsets, offsets[1:]):
+                a.reshape(-1)[...] = flat[lo:hi]
+    return nbytes
 
 
 def _manifest(steps: VirtualSteps, model: dict[str, Any], optim: dict[str, Any]) -> dict[str, Any]:
