@@ -232,7 +232,14 @@ class VirtualSteps:
                     t.save_checkpoint()
             progress.close()
             self._end_epoch(epochs, seen / max(time.perf_counter() - start, 1e-9))
+        self._admit_at_end()
         return True
+
+    def _admit_at_end(self) -> None:
+        """A node that joined during the last step is admitted before the loop returns (it receives the final state),
+        rather than left waiting for ranks that are gone."""
+        while (grown := moved_on(self.trainer.group)) is not None:
+            self._recover(grown)
 
     def loss(self) -> float:
         """The epoch's mean loss so far over every virtual rank (summed in virtual-rank order: the same everywhere)."""
