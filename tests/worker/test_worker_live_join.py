@@ -102,7 +102,8 @@ def check_run(out: Path, killed: int, ref_hashes: list[str], ref_params: dict[st
             assert np.array_equal(f[name], value), name
     (got,) = ends[new]["transfers"]
     assert got["received"] and got["step"] == at and got["nbytes"] > 0
-    print(f"\nstate transfer to the new rank: {got['nbytes']} bytes in {got['seconds'] * 1e3:.1f} ms "
+    print(f"\njoined at the boundary after step {at} ({'3 -> 2 -> 3' if at == JOIN_STEP else '3 -> 3'}); "
+          f"state transfer to the new rank: {got['nbytes']} bytes in {got['seconds'] * 1e3:.1f} ms "
           f"({got['nbytes'] / max(got['seconds'], 1e-9) / 1e6:.1f} MB/s, small model, shared machine)")
     return got
 
