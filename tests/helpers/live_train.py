@@ -10,8 +10,8 @@ With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer ch
 LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none of this worker's ranks; "stubborn":
 its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
 10 ms until it is killed (what the fencing test watches).
-LIVE_TEST_WAIT_JOIN=K (tests/worker/test_worker_live_join.py): after step K every rank of a world smaller than 3 waits
-for the worker's word of the job's next generation (a node joining).
+LIVE_TEST_WAIT_JOIN=K[:W] (tests/worker/test_worker_live_join.py): after step K every rank of a world smaller than W
+(default 3) waits for the worker's word of the job's next generation (a node joining).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class Record(Callback):
         self.hangs = (role == "" and os.environ["RANK"] == "2") or (
             role == "stubborn" and os.environ["LOCAL_RANK"] == "0")
         self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # closed at exit
-        self.wait_join = int(os.environ.get("LIVE_TEST_WAIT_JOIN", "-1"))
+        wait = os.environ.get("LIVE_TEST_WAIT_JOIN", "-1").split(":")
+        self.wait_join, self.full_world = int(wait[0]), int(wait[1]) if len(wait) > 1 else 3
 
     def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
         step = int(metrics["global_step"])
@@ -85,7 +86,7 @@ class Record(Callback):
                                    "hash": params_hash(trainer),
                                    "mono": time.monotonic()}) + "\n")
         self.log.flush()
-        if step == self.wait_join and trainer.world_size < 3:
+        if step == self.wait_join and trainer.world_size < self.full_world:
             wait_for_next_generation()
         if self.hangs and step == self.hang_step and not any(self.out.glob("hang-*")):
             (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
