@@ -11,7 +11,8 @@ LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none o
 its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
 10 ms until it is killed (what the fencing test watches).
 LIVE_TEST_WAIT_JOIN=K[:W] (tests/worker/test_worker_live_join.py): after step K every rank of a world smaller than W
-(default 3) waits for the worker's word of the job's next generation (a node joining).
+(default 3) waits for the worker's word of the job's next generation (a node joining). LIVE_TEST_PACE_S=S: every rank
+sleeps S seconds after each step (a node then joins mid-run, wherever the steps are).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Record(Callback):
         self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # closed at exit
         wait = os.environ.get("LIVE_TEST_WAIT_JOIN", "-1").split(":")
         self.wait_join, self.full_world = int(wait[0]), int(wait[1]) if len(wait) > 1 else 3
+        self.pace = float(os.environ.get("LIVE_TEST_PACE_S", "0"))
 
     def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
         step = int(metrics["global_step"])
@@ -86,6 +88,8 @@ class Record(Callback):
                                    "hash": params_hash(trainer),
                                    "mono": time.monotonic()}) + "\n")
         self.log.flush()
+        if self.pace:
+            time.sleep(self.pace)
         if step == self.wait_join and trainer.world_size < self.full_world:
             wait_for_next_generation()
         if self.hangs and step == self.hang_step and not any(self.out.glob("hang-*")):

@@ -35,10 +35,12 @@ def coordinator(procs: Procs) -> str:
     return f"127.0.0.1:{port}"
 
 
-def worker(procs: Procs, address: str, out: Path, max_restarts: int = 0) -> subprocess.Popen[str]:
+def worker(procs: Procs, address: str, out: Path, max_restarts: int = 0,
+           env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return procs.axond("worker", "--coordinator", address, "--nnodes", "2:3", "--job", "grow", "--live-recovery",
                        "--join-timeout", "60", "--max-restarts", str(max_restarts),
-                       "--", PY, str(SCRIPT), str(out), str(HANG_STEP), env={"LIVE_TEST_WAIT_JOIN": str(JOIN_STEP)})
+                       "--", PY, str(SCRIPT), str(out), str(HANG_STEP),
+                       env={"LIVE_TEST_WAIT_JOIN": str(JOIN_STEP)} if env is None else env)
 
 
 def read(out: Path, pattern: str) -> dict[int, Any]:
@@ -72,8 +74,10 @@ def kill_rank_two(out: Path) -> int:
     return pid
 
 
-def check_run(out: Path, killed: int, ref_hashes: list[str], ref_params: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Survivors in their first processes, every step bit-identical, the newcomer's state from a live peer."""
+def check_run(out: Path, killed: int, ref_hashes: list[str], ref_params: dict[str, np.ndarray],
+              anywhere: bool = False) -> dict[str, Any]:
+    """Survivors in their first processes, every step bit-identical, the newcomer's state from a live peer; it joined
+    at HANG_STEP or JOIN_STEP (`anywhere`: at any boundary after HANG_STEP)."""
     started = {int(p.name.split("-")[2]): int(p.name.split("-")[1]) for p in out.glob("start-*")}  # pid -> rank
     ends = read(out, "end-*.json")
     first = {pid for pid, rank in started.items() if pid != killed and rank in (0, 1) and pid in ends}
@@ -82,14 +86,15 @@ def check_run(out: Path, killed: int, ref_hashes: list[str], ref_params: dict[st
     assert new not in (killed, *first) and len(started) == 4  # four processes ever: the killed one, one new
     joined = steps(out, new)
     at = joined[0]["step"] - 1  # the step boundary it joined at
-    assert at in (HANG_STEP, JOIN_STEP) and [s["step"] for s in joined] == list(range(at + 1, STEPS + 1))
+    assert (HANG_STEP < at < STEPS if anywhere else at in (HANG_STEP, JOIN_STEP)), at
+    assert [s["step"] for s in joined] == list(range(at + 1, STEPS + 1))
     assert [s["hash"] for s in joined] == ref_hashes[at:]
     for pid in first:
         end = ends[pid]
         assert end["world"] == 3, end
         moves = [(r["world_before"], r["world_after"], r["step"]) for r in end["recoveries"]]
         # the replacement joined a later boundary (3 -> 2 -> 3), or the re-forming one itself (3 -> 3)
-        assert moves == ([(3, 2, HANG_STEP), (2, 3, JOIN_STEP)] if at == JOIN_STEP else [(3, 3, HANG_STEP)]), moves
+        assert moves == ([(3, 2, HANG_STEP), (2, 3, at)] if at != HANG_STEP else [(3, 3, HANG_STEP)]), moves
         assert "joined" in end["recoveries"][-1]["reason"] or at == HANG_STEP, end["recoveries"]
         done = steps(out, pid)
         assert [s["step"] for s in done] == list(range(1, STEPS + 1))  # nothing lost, nothing applied twice
@@ -102,7 +107,7 @@ def check_run(out: Path, killed: int, ref_hashes: list[str], ref_params: dict[st
             assert np.array_equal(f[name], value), name
     (got,) = ends[new]["transfers"]
     assert got["received"] and got["step"] == at and got["nbytes"] > 0
-    print(f"\njoined at the boundary after step {at} ({'3 -> 2 -> 3' if at == JOIN_STEP else '3 -> 3'}); "
+    print(f"\njoined at the boundary after step {at} ({'3 -> 2 -> 3' if at != HANG_STEP else '3 -> 3'}); "
           f"state transfer to the new rank: {got['nbytes']} bytes in {got['seconds'] * 1e3:.1f} ms "
           f"({got['nbytes'] / max(got['seconds'], 1e-9) / 1e6:.1f} MB/s, small model, shared machine)")
     return got
@@ -142,3 +147,25 @@ def test_the_killed_ranks_own_worker_rejoins_for_one_restart(procs: Procs, tmp_p
     (back,) = [f for f in finished if "re-joining it as a replacement" in f.stderr]
     assert "re-joined after its rank failed: one restart counted" in back.stderr, back.stderr[-1500:]
     check_run(out, killed, ref_hashes, ref_params)
+
+
+@pytest.mark.slow
+def test_a_replacement_joining_mid_step_costs_the_survivors_at_most_that_step(procs: Procs, tmp_path: Path) -> None:
+    """No gate: the survivors are wherever their steps are when the replacement is admitted (every step paced to
+    50 ms so that the run outlasts the replacement's start); the first to see the new generation tells the other
+    (whose collective, if it had begun its step, is cut: that step runs again at world size 3), and no step is lost
+    or applied twice."""
+    ref_hashes, ref_params = reference()
+    out = tmp_path / "mid"
+    out.mkdir()
+    address = coordinator(procs)
+    paced = {"LIVE_TEST_PACE_S": "0.05"}
+    workers = [worker(procs, address, out, env=paced) for _ in range(3)]
+    killed = kill_rank_two(out)
+    wait_for(lambda: any(w.poll() is not None for w in workers), 60, "the killed rank's worker to leave the job")
+    lost = next(w for w in workers if w.poll() is not None)
+    assert procs.finish(lost, timeout=10).code != 0
+    replacement = worker(procs, address, out, env=paced)
+    finished = [procs.finish(w, timeout=120) for w in [*workers, replacement] if w is not lost]
+    assert [f.code for f in finished] == [0, 0, 0], "\n----\n".join(f.stderr[-6000:] for f in finished)
+    check_run(out, killed, ref_hashes, ref_params, anywhere=True)
