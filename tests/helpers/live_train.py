@@ -12,7 +12,7 @@ its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.mon
 10 ms until it is killed (what the fencing test watches).
 LIVE_TEST_WAIT_JOIN=K[:W] (tests/worker/test_worker_live_join.py): after step K every rank of a world smaller than W
 (default 3) waits for the worker's word of the job's next generation (a node joining). LIVE_TEST_PACE_S=S: every rank
-sleeps S seconds after each step (a node then joins mid-run, wherever the steps are).
+of such a world sleeps S seconds after each step (a node then joins mid-run, wherever the steps are).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Record(Callback):
                                    "hash": params_hash(trainer),
                                    "mono": time.monotonic()}) + "\n")
         self.log.flush()
-        if self.pace:
+        if self.pace and trainer.world_size < self.full_world:
             time.sleep(self.pace)
         if step == self.wait_join and trainer.world_size < self.full_world:
             wait_for_next_generation()

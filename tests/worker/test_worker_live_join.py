@@ -151,15 +151,15 @@ def test_the_killed_ranks_own_worker_rejoins_for_one_restart(procs: Procs, tmp_p
 
 @pytest.mark.slow
 def test_a_replacement_joining_mid_step_costs_the_survivors_at_most_that_step(procs: Procs, tmp_path: Path) -> None:
-    """No gate: the survivors are wherever their steps are when the replacement is admitted (every step paced to
-    50 ms so that the run outlasts the replacement's start); the first to see the new generation tells the other
-    (whose collective, if it had begun its step, is cut: that step runs again at world size 3), and no step is lost
-    or applied twice."""
+    """No gate at a fixed step: the survivors are wherever their steps are when the replacement is admitted (each
+    step of world size 2 paced to 100 ms, and a gate only before the last one, so that the run outlasts the
+    replacement's start); the first to see the new generation tells the other (whose collective, if it had begun its
+    step, is cut: that step runs again at world size 3), and no step is lost or applied twice."""
     ref_hashes, ref_params = reference()
     out = tmp_path / "mid"
     out.mkdir()
     address = coordinator(procs)
-    paced = {"LIVE_TEST_PACE_S": "0.05"}
+    paced = {"LIVE_TEST_PACE_S": "0.1", "LIVE_TEST_WAIT_JOIN": str(STEPS - 1)}
     workers = [worker(procs, address, out, env=paced) for _ in range(3)]
     killed = kill_rank_two(out)
     wait_for(lambda: any(w.poll() is not None for w in workers), 60, "the killed rank's worker to leave the job")
