@@ -17,6 +17,7 @@ from axond.distributed.numerics.reducers import BFLOAT16 as bfloat16
 from axond.config import RuntimeEnv as _RuntimeEnv
 from axond.distributed.diagnostics import failure as _failure
 from axond.distributed.diagnostics.failure import record
+from axond.distributed.diagnostics.steps import mark_step
 from axond.distributed.reform import reform
 from axond.errors import (
     AxondError, BackendUnavailable, CoordinatorError, DistributedError, MembershipChanged, StoreError, StoreTimeout,
@@ -37,8 +38,8 @@ __all__ = [
     "batch_isend_irecv", "broadcast", "broadcast_from", "broadcast_object_list", "create_group",
     "destroy_process_group", "gather", "gather_object", "gather_tensor", "get_backend", "get_global_rank",
     "get_group_rank", "get_local_rank", "get_process_group_ranks", "get_rank", "get_world_size", "init_process_group",
-    "irecv", "is_available", "is_initialized", "is_main_process", "is_nccl_available", "isend", "monitored_barrier",
-    "new_group", "rank", "record", "reform", "recv", "reduce", "reduce_scatter", "reduce_scatter_mean", "reduce_scatter_sum",
+    "irecv", "is_available", "is_initialized", "is_main_process", "is_nccl_available", "isend", "mark_step",
+    "monitored_barrier", "new_group", "rank", "record", "reform", "recv", "reduce", "reduce_scatter", "reduce_scatter_mean", "reduce_scatter_sum",
     "reduce_scatter_tensor", "scatter",
     "scatter_object_list", "scatter_tensor", "send", "shared_empty", "sync_gradient", "sync_gradients", "world_size",
 ]

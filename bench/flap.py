@@ -28,18 +28,21 @@ def main() -> None:
     ap.add_argument("--pass", dest="pass_s", type=float, default=0.2, help="seconds the link passes between drops")
     ap.add_argument("--after", type=float, default=5.0, help="seconds the ranks go on once the link is steady")
     ap.add_argument("--timeout", type=float, default=60.0, help="the group timeout")
+    ap.add_argument("--congestion", default="system", help="AXOND_TCP_CONGESTION of every run (system: the kernel's)")
     args = ap.parse_args()
     reason = unavailable()
     if reason:
         sys.exit(f"bench/flap.py needs network namespaces: {reason}")
     plan = [args.rto_max_ms] * args.runs + [0] * args.kernel_runs
-    print(f"flap {args.flap:g} s (drop {args.drop:g} s / pass {args.pass_s:g} s), group timeout {args.timeout:g} s")
+    print(f"flap {args.flap:g} s (drop {args.drop:g} s / pass {args.pass_s:g} s), group timeout {args.timeout:g} s, "
+          f"AXOND_TCP_CONGESTION={args.congestion}")
     print("| run | AXOND_TCP_RTO_MAX_MS | steps (all exact) | stall after steady (s) | max step (s) | outcome |")
     print("|---|---|---|---|---|---|")
     with Network.create(2) as net:
         for i, rto in enumerate(plan, 1):
             after = args.after if rto else max(args.after, args.timeout)
-            r = run_flap(net, args.flap, args.drop, args.pass_s, after, rto, timeout_s=args.timeout)
+            r = run_flap(net, args.flap, args.drop, args.pass_s, after, rto, timeout_s=args.timeout,
+                         congestion=args.congestion)
             outcome = "ok" if r.error is None else r.error.strip().splitlines()[-1][:300]
             if r.error is not None:
                 print(r.error, file=sys.stderr)

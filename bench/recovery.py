@@ -14,6 +14,13 @@ completed, on any rank.
 
     python bench/recovery.py --runs 3
     python bench/recovery.py --part step-cost --world 3 --hidden 512   # what the virtual-rank step costs
+    python bench/recovery.py --part cut --runs 3 --heartbeat 0.25 --missed 6   # root: netns hosts, faults by the lease
+
+`--part cut` (root and `ip netns`): a coordinator and four worker hosts in network namespaces (axond/testing/netns.py),
+one rank each, live recovery, lease `--heartbeat` x `--missed`, `--fence-margin 0.5`; rank 2's host is lost three
+ways while the others wait in step 21: its rank SIGKILLed (for comparison), its link dropping every frame both ways
+(`Host.drop_frames`: no FIN or reset reaches the survivors), or its worker daemon stopped (SIGSTOP). Same columns,
+from the fault.
 
 `--part step-cost`: the median step time of `DistributedTrainer` in `--world` processes on loopback (an MLP of
 `--hidden` units, 4 layers): plain DDP (bucketed all_reduce), virtual ranks deterministic (one all_gather of every
@@ -43,11 +50,15 @@ from axond import nn
 from axond.coordinator.server import CoordinatorConfig, start_coordinator
 from axond.distributed import default_group
 from axond.nn.optim import AdamW
+from axond.fencing import fence_wait
 from axond.testing import run_processes
+from axond.testing.netns import Network, unavailable
 from axond.train import Callback, DistributedTrainer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "live_train.py"
 HANG_STEP = 20
+TOKEN = "bench-cut-token"
+"""The coordinator's token in `--part cut` (its hosts are namespaces of this machine)."""
 
 
 def _workers(address: str, job: str, out: Path, live: bool) -> list[subprocess.Popen[str]]:
@@ -153,6 +164,80 @@ def step_cost(world: int, hidden: int, steps: int) -> None:
         print(f"| {name} | {median * 1e3:.1f} | {median / base:.2f}x |", flush=True)
 
 
+def _axond(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from axond.cli.main import main; main()", *args]
+
+
+def cut_run(fault: str, heartbeat: float, missed: int) -> dict[str, float]:
+    """One live job across four namespace hosts; rank 2's host lost by `fault` (kill, drop, stop-worker): seconds
+    from the fault to the survivors' error, to the re-formed group and to the first step after the cut one."""
+    out = Path(tempfile.mkdtemp(prefix="axond-cut-"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    stopped: list[int] = []
+    with Network.create(5) as net:
+        h0, *hosts = net.hosts
+        try:
+            h0.popen(_axond("coordinator", "--host", h0.addr, "--port", "29500", "--token", TOKEN, "--in-memory",
+                            "--heartbeat-interval", str(heartbeat), "--dead-after-missed", str(missed),
+                            "--settle-time", "10", "--fence-margin", "0.5"),
+                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            argv = _axond("worker", "--coordinator", f"{h0.addr}:29500", "--token", TOKEN, "--nnodes", "3:4",
+                          "--job", "cut", "--live-recovery", "--join-timeout", "60", "--", sys.executable, str(SCRIPT),
+                          str(out), str(HANG_STEP))
+            workers = {h.index: h.popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                       for h in hosts}
+            deadline = time.monotonic() + 180
+            while not any(out.glob("hang-*")):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("rank 2 did not reach its step within 180 s")
+                time.sleep(0.02)
+            pid = int(next(out.glob("hang-*")).name.removeprefix("hang-"))
+            (host,) = [h for h in hosts if pid in h.pids()]
+            if fault == "kill":
+                at = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+            elif fault == "drop":
+                host.drop_frames(True)
+                at = time.monotonic()
+            else:
+                stopped.append(workers[host.index].pid)
+                os.kill(stopped[0], signal.SIGSTOP)
+                at = time.monotonic()
+            for index, w in workers.items():
+                if index != host.index:
+                    _, err = w.communicate(timeout=180)
+                    if w.returncode != 0:
+                        raise RuntimeError(f"a survivor's worker exited {w.returncode}: {err[-2000:]}")
+            ends = [json.loads(p.read_text()) for p in out.glob("end-*.json")]
+            recoveries = [r for e in ends for r in e["recoveries"]]
+            after = [s["mono"] for s in _steps(out) if s["step"] > HANG_STEP and s["mono"] > at]
+            return {"error": max(r["error_at"] for r in recoveries) - at,
+                    "reformed": max(r["reformed_at"] for r in recoveries) - at, "first_step": min(after) - at}
+        finally:
+            for p in stopped:
+                os.kill(p, signal.SIGCONT)
+            shutil.rmtree(out, ignore_errors=True)
+
+
+FAULTS = {"kill": "rank SIGKILLed", "drop": "link DROP both ways", "stop-worker": "worker daemon SIGSTOPped"}
+
+
+def cut(runs: int, heartbeat: float, missed: int, faults: list[str]) -> None:
+    reason = unavailable()
+    if reason:
+        raise SystemExit(f"--part cut needs network namespaces: {reason}")
+    lease = heartbeat * missed
+    print(f"4 namespace hosts on one machine, one rank each; lease {heartbeat} s x {missed} = {lease:g} s, fence "
+          f"wait {fence_wait(lease, heartbeat, 0.5):.2f} s; seconds from the fault, median (min-max) of {runs} runs")
+    print("| fault on rank 2's host | survivors' error | re-formed | first step after the fault |")
+    print("|---|---:|---:|---:|")
+    for fault in faults:
+        name = FAULTS[fault]
+        results = [cut_run(fault, heartbeat, missed) for _ in range(runs)]
+        print(f"| {name} | {_cell([r['error'] for r in results])} | {_cell([r['reformed'] for r in results])} | "
+              f"{_cell([r['first_step'] for r in results])} |", flush=True)
+
+
 def _cell(values: list[float]) -> str:
     values = [v for v in values if v == v]
     if not values:
@@ -164,13 +249,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--heartbeat", type=float, default=1.0, help="the coordinator's heartbeat interval (s)")
-    parser.add_argument("--part", choices=("recovery", "step-cost"), default="recovery")
+    parser.add_argument("--part", choices=("recovery", "step-cost", "cut"), default="recovery")
+    parser.add_argument("--missed", type=int, default=6, help="--part cut: the coordinator's --dead-after-missed")
+    parser.add_argument("--faults", default=",".join(FAULTS), help=f"--part cut: which of {', '.join(FAULTS)}")
     parser.add_argument("--world", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     if args.part == "step-cost":
         step_cost(args.world, args.hidden, args.steps)
+        return
+    if args.part == "cut":
+        faults = args.faults.split(",")
+        if not set(faults) <= set(FAULTS):
+            parser.error(f"--faults takes {', '.join(FAULTS)} (comma-separated), got {args.faults!r}")
+        cut(args.runs, args.heartbeat, args.missed, faults)
         return
     coord = start_coordinator(CoordinatorConfig(host="127.0.0.1", port=0, in_memory=True, insecure=True,
                                                 heartbeat_interval=args.heartbeat, dead_after_missed=5,

@@ -275,7 +275,7 @@ class JobRunner:
 
         early = EarlyExitWatch(spec.job, self._notice, every=self._conn.env.wait_notice_s,
                                blocked=Background(blocked_reader(reads, spec.job, gen), "axond-blocked-reads"),
-                               stacks=stacks)
+                               stacks=stacks, fr_dump_dir=self._conn.env.failure.fr_dump_dir)
         env = self._conn.env
         arrivals = Background(arrivals_reader(reads, spec.job, gen), "axond-arrival-reads")
         slow = StragglerWatch(spec.job, self._notice, arrivals, world_size, local,

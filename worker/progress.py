@@ -131,11 +131,14 @@ class EarlyExitWatch:
     def __init__(self, job: str, notice: Callable[[str], None], after: float = EARLY_EXIT_NOTICE_S,
                  every: float | None = None,
                  blocked: Callable[[Sequence[int]], dict[int, Blocked] | None] | None = None,
-                 clock: Callable[[], float] = time.time, stacks: Callable[[int], str] | None = None) -> None:
+                 clock: Callable[[], float] = time.time, stacks: Callable[[int], str] | None = None,
+                 fr_dump_dir: str | None = None) -> None:
         """`clock`: the wall clock the reports' times are on (tests pass their own). `stacks`: a local rank's Python
         stacks, or why there are none (`axond.worker.stacks`), told once per hang for each rank that reports no
-        blocked op while others wait for it."""
+        blocked op while others wait for it. `fr_dump_dir`: the ranks' AXOND_FR_DUMP_DIR, where each blocked rank
+        writes its Flight Recorder dump by itself; the notice says so, and how to read them."""
         self._job, self._notice, self._clock, self._stacks = job, notice, clock, stacks
+        self._fr_dump_dir = fr_dump_dir
         self._dumped: set[int] = set()
         self._every = WAIT_NOTICE_S if every is None else every
         self._after = min(after, self._every) if self._every > 0 else after
@@ -214,6 +217,10 @@ class EarlyExitWatch:
         if outside:
             parts.append(f"rank(s) {_ranks(outside)} report no blocked op (outside axond: computing, or stuck in "
                          "their own code)")
+        if self._fr_dump_dir:
+            where = self._fr_dump_dir
+            parts.append(f"the blocked ranks write their Flight Recorder dumps to {where} (read them with `python -m "
+                         f"torch.distributed.flight_recorder.fr_trace --allow-incomplete-ranks {where}`)")
         self._notice(f"job {self._job!r}: still waiting: " + "; ".join(parts))
         if self._stacks is not None:
             for r in outside:

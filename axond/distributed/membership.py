@@ -72,6 +72,8 @@ class LiveMembership:
         self.path = path
         self.generation = generation
         self.wait_s = wait_s
+        self.ended = generation
+        """The latest generation for which this process's older groups were ended (by `end`)."""
         self._lock = threading.Lock()
 
     def newer(self, ready: bool = False) -> Note | None:
@@ -104,6 +106,18 @@ class LiveMembership:
             f"{note.generation} ({note.reason}); call axond.reform() and run the step again",
             generation=note.generation, previous_generation=self.generation, reason=note.reason, op=error.op,
             group=error.group, rank=error.rank, peer=error.peer)
+
+    def end(self, generation: int, interrupt: Callable[[], None] | None = None) -> bool:
+        """The job moved to `generation`: run `interrupt` (end the older generation's groups) unless that was done for
+        it already or this process belongs to it; under the lock, so that `reform()`'s call (without `interrupt`,
+        before it forms the new group) keeps the watcher (`axond.distributed.live_watch`) from ending the new group."""
+        with self._lock:
+            if generation <= max(self.ended, self.generation):
+                return False
+            self.ended = generation
+            if interrupt is not None:
+                interrupt()
+            return True
 
     def adopt(self, note: Note) -> None:
         """This process's default group now belongs to `note`'s generation."""

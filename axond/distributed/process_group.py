@@ -414,6 +414,14 @@ class ProcessGroup:
         if self.backend is not None and not self._destroyed:
             self.backend.abort(reason)
 
+    def interrupt(self, reason: str) -> None:
+        """End this rank's blocked and later ops on the group at once, from any thread: the peers are told as by
+        `abort`, and ops blocked on a peer that will never answer (its link cut) raise `DistributedError` quoting
+        `reason` instead of waiting for the timeout. Live recovery's watcher calls it (`axond.distributed.live_watch`).
+        """
+        if self.backend is not None and not self._destroyed:
+            self.backend.interrupt(reason)
+
     def destroy(self) -> None:
         """Finish queued async ops, then close sockets and threads; idempotent."""
         self._destroyed = True

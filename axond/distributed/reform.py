@@ -34,6 +34,7 @@ def reform(timeout: float | None = None) -> ProcessGroup:
                                f"within {wait:g} s (the job restarts or failed; see the worker's output)",
                                op="reform", group=old.name, rank=old.global_rank)
     backend, group_timeout = old.backend_name, old.timeout
+    live.end(note.generation)  # the watcher leaves the group formed below alone
     destroy_process_group()
     export_rank_variables(dict(
         RANK=str(note.rank), WORLD_SIZE=str(note.world_size), LOCAL_RANK=str(note.local_rank),

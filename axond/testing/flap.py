@@ -45,6 +45,9 @@ class FlapResult:
     """The ranks' AXOND_TCP_RTO_MAX_MS (0: the kernel's own)."""
     error: str | None = None
     """Why a rank did not finish cleanly (None: both exited 0)."""
+    sockets: str = ""
+    """What `ss -tin` and `ip neigh` said in both hosts when no step had ended `watch_s` after the link was steady
+    (empty when one had): each socket's retransmission timeout, backoff, window and pacing, for a stall's report."""
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
@@ -53,9 +56,12 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def run_flap(net: Network, flap_s: float = 30.0, drop_s: float = 2.0, pass_s: float = 0.2, after_s: float = 5.0,
-             rto_max_ms: int = 1000, count: int = 1 << 16, timeout_s: float = 60.0) -> FlapResult:
+             rto_max_ms: int = 1000, count: int = 1 << 16, timeout_s: float = 60.0, watch_s: float = 0.0,
+             congestion: str = "system") -> FlapResult:
     """One run over hosts 0 and 1 of `net` (see the module docstring); `count` float32 elements per all_reduce,
-    `timeout_s` the group timeout."""
+    `timeout_s` the group timeout, `congestion` the ranks' AXOND_TCP_CONGESTION. Once the link is steady it waits (up
+    to `timeout_s`) for the first step to end, then lets the ranks go on for `after_s`; with `watch_s` > 0 and no step
+    ended by then, it records both hosts' sockets (`FlapResult.sockets`)."""
     a, b = net.hosts[0], net.hosts[1]
     with tempfile.TemporaryDirectory(prefix="axond-flap-") as tmp:
         log = os.path.join(tmp, "ops.jsonl")
@@ -67,7 +73,8 @@ def run_flap(net: Network, flap_s: float = 30.0, drop_s: float = 2.0, pass_s: fl
             out = open(os.path.join(tmp, f"rank{rank}.out"), "w+")
             outs.append(out)
             procs.append(host.popen([sys.executable, "-m", "axond.testing.flap", "rank", json.dumps(spec)],
-                                    env=_env({"AXOND_TCP_RTO_MAX_MS": str(rto_max_ms)}), stdout=out,
+                                    env=_env({"AXOND_TCP_RTO_MAX_MS": str(rto_max_ms),
+                                              "AXOND_TCP_CONGESTION": congestion}), stdout=out,
                                     stderr=subprocess.STDOUT, text=True))
         try:
             _wait_ready(outs, procs, 60.0)
@@ -79,6 +86,7 @@ def run_flap(net: Network, flap_s: float = 30.0, drop_s: float = 2.0, pass_s: fl
                 b.drop_frames(False)
                 time.sleep(pass_s)
             steady = time.time()
+            sockets = _await_step(log, steady, timeout_s, watch_s, (a, b))
             time.sleep(after_s)
             open(stop, "w").close()
             error = _finish(procs, outs, timeout_s + after_s + 30.0)
@@ -94,7 +102,35 @@ def run_flap(net: Network, flap_s: float = 30.0, drop_s: float = 2.0, pass_s: fl
     after = [end for _, end in ops if end > steady]
     stall = (min(after) - steady) if after else float("inf")
     longest = max((end - start for start, end in ops), default=float("inf"))
-    return FlapResult(len(ops), stall, longest, rto_max_ms, error)
+    return FlapResult(len(ops), stall, longest, rto_max_ms, error, sockets)
+
+
+def _await_step(log: str, steady: float, timeout: float, watch_s: float, hosts: tuple[Any, ...]) -> str:
+    """Wait until rank 0 logs a step that ended after `steady` (at most `timeout`); what the hosts' sockets looked
+    like `watch_s` after `steady` if none had by then."""
+    sockets = ""
+    while time.time() < steady + timeout:
+        if _ended_after(log, steady):
+            return sockets
+        if watch_s > 0 and not sockets and time.time() >= steady + watch_s:
+            sockets = "\n".join(f"{h!r}:\n{h.run(['ss', '-tin']).stdout}{h.run(['ip', 'neigh']).stdout}"
+                                for h in hosts)
+        time.sleep(0.02)
+    return sockets
+
+
+def _ended_after(log: str, steady: float) -> bool:
+    if not os.path.exists(log):
+        return False
+    with open(log) as f:
+        for line in f:
+            try:
+                _, end = json.loads(line)
+            except ValueError:  # a line being written
+                continue
+            if end > steady:
+                return True
+    return False
 
 
 def _wait_ready(outs: list[Any], procs: list[subprocess.Popen[str]], timeout: float) -> None:

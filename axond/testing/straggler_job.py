@@ -56,6 +56,7 @@ def main(argv: list[str]) -> int:
             busy(delay)
         ddp.backward(grad)
         opt.step()
+        axond.mark_step()  # the dashboard plots step times
         if group.rank == 0:
             print(f"step {i + 1}", flush=True)
     axond.destroy_process_group()

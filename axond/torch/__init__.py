@@ -20,7 +20,8 @@ from axond.distributed.diagnostics.failure import install as install_failure_hoo
 from axond.store import PrefixStore, Store
 from axond.store.over_torch import AxondStoreOverTorch
 from axond.torch.devices import devices_here
-from axond.torch.process_group import BACKEND, AxondProcessGroup, axond_op, timeout_seconds
+from axond.torch.process_group import BACKEND, AxondProcessGroup, timeout_seconds
+from axond.torch.reduce_ops import axond_op
 from axond.torch.rendezvous import coordinator_store, install
 from axond.torch.store import TorchStore
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from axond.distributed.work import Work
-from axond.torch.process_group import axond_op
+from axond.torch.reduce_ops import axond_op
 from axond.torch.tensors import Staged, from_numpy, stage
 
 REDUCING = {"all_reduce", "reduce", "reduce_scatter"}

@@ -26,7 +26,7 @@ from axond.distributed.process_group import ProcessGroup, create_group
 from axond.errors import BackendUnavailable, DistributedError
 from axond.torch.cuda_tensors import CudaStaged, as_cupy, as_torch, cupy_module, premultiply, stage
 from axond.torch.cuda_work import CudaWork, ready_after
-from axond.torch.process_group import reduction
+from axond.torch.reduce_ops import reduction
 
 if TYPE_CHECKING:
     from axond.torch.process_group import AxondProcessGroup

@@ -8,7 +8,7 @@ Ranks in the options (rootRank, dstRank, srcRank) are group ranks, as axond's gr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
 from itertools import accumulate
@@ -17,100 +17,23 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 
-from axond.config import OVERLAP_ENV, parse_overlap
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.registry import DEFAULT
-from axond.distributed.policy import TORCH_SYNC_BYTES
 from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_group
-from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.errors import DistributedError
 from axond.store import Store
-from axond.torch.completion import AxondWork, Completer, DoneWork, Posted
+from axond.torch.completion import AxondWork, Completer, Posted
 from axond.torch.errors import TorchTimeoutError, for_torch
-from axond.torch.identity import TorchBackendIdentity, profiler_event, profiling
+from axond.torch.identity import TorchBackendIdentity
+from axond.torch.launching import Launching, overlaps
+from axond.torch.reduce_ops import premultiplied, reduction
 from axond.torch.sparse import sparse_all_reduce
 from axond.torch.tensors import Staged, copy_into, readonly, stage
 
 BACKEND = "axond"
-_PLAIN_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
-                           torch.int8, torch.uint8, torch.bool))
-"""Dtypes whose CPU tensors are NumPy arrays as they are (`t.numpy()`: no bfloat16 widening, no conjugation)."""
-
-_OPS = [(dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT), (dist.ReduceOp.MIN, ReduceOp.MIN),
-        (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.AVG, ReduceOp.AVG), (dist.ReduceOp.BAND, ReduceOp.BAND),
-        (dist.ReduceOp.BOR, ReduceOp.BOR), (dist.ReduceOp.BXOR, ReduceOp.BXOR)]
-
-
-_BY_VALUE = {(theirs.op if hasattr(theirs, "op") else theirs).value: ours for theirs, ours in _OPS}
-"""torch's RedOpType's value -> axond's op. Ops come by the thousand, and hashing or comparing the (pybind11) enum
-itself costs about 1 us each; its `.value` costs 0.1."""
-
-
-def _known(op: Any) -> ReduceOp | None:
-    """axond's op for torch's ReduceOp or RedOpType `op`, if it is one of _OPS."""
-    kind = op.op if type(op) is dist.ReduceOp else op
-    return _BY_VALUE.get(getattr(kind, "value", None))
-
-
-def axond_op(op: Any, where: str) -> ReduceOp:
-    """The axond ReduceOp of torch's `op`, or a clear error for the ones axond lacks."""
-    ours = _known(op)
-    if ours is not None:
-        return ours
-    for theirs, ours in _OPS:
-        if op == theirs:
-            return ours
-    raise ValueError(f"{where}: torch ReduceOp {op} is not supported here (SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR "
-                     "and BXOR are; the backend also takes PREMUL_SUM)")
-
-
-def reduction(op: Any, where: str) -> tuple[ReduceOp, float | None]:
-    """(axond op, factor to multiply every input by first): PREMUL_SUM(f) is SUM of f * x."""
-    ours = _known(op)
-    if ours is not None:
-        return ours, None
-    if getattr(op, "op", op) == dist.ReduceOp.RedOpType.PREMUL_SUM:
-        factor = op.factor
-        return ReduceOp.SUM, float(factor.item() if isinstance(factor, torch.Tensor) else factor)
-    return axond_op(op, where), None
-
-
-def _premultiplied(x: np.ndarray, factor: float | None, in_place: bool) -> np.ndarray:
-    """`x` times `factor` (None: `x` itself); in place only for arrays that are the op's output anyway."""
-    if factor is None:
-        return x
-    if x.dtype.kind not in "fc":
-        raise TypeError(f"PREMUL_SUM needs a floating-point tensor, got {x.dtype}")
-    if in_place:
-        np.multiply(x, x.dtype.type(factor), out=x)
-        return x
-    return np.multiply(x, x.dtype.type(factor))
-
-
-def overlap_setting(environ: Mapping[str, str]) -> bool | None:
-    """AXOND_TORCH_OVERLAP of `environ`: True (`1`), False (`0`) or None (`auto`, the default: decided per group by
-    `overlaps`); `RuntimeEnv.torch_overlap` is this process's."""
-    return parse_overlap(environ.get(OVERLAP_ENV))
-
-
-def overlaps(host_ranks: int, host_cores: int, threads: int) -> bool:
-    """Whether a communication thread can overlap collectives with computation: only if every rank on the host
-    has a core for it beside its `threads` compute threads. Without one, the thread takes the core from the
-    backward pass it was to overlap, and running the op on the calling thread is faster (docs/design/tuning.md)."""
-    return host_cores >= host_ranks * (max(threads, 1) + 1)
-
-
-class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
+class AxondProcessGroup(TorchBackendIdentity, Launching, dist.ProcessGroup):
     """A torch ProcessGroup over one axond `ProcessGroup` (built from torch's store on first use)."""
-
-    SYNC_BYTES = TORCH_SYNC_BYTES
-    """Collectives moving at most this many bytes run on the calling thread (see `_launch`; the policy's
-    `TORCH_SYNC_BYTES`); larger ones too where the host has no core to spare for a communication thread (`overlaps`)."""
-    SYNC_WHEN_WAITED = True
-    """Collectives torch waits for at once (its options' `asyncOp` False) run on the calling thread whatever their
-    size (see `_launch`)."""
 
     def __init__(self, store: Store, rank: int, size: int, options: BackendOptions) -> None:
         super().__init__(rank, size)
@@ -180,73 +103,6 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"AxondProcessGroup({self._group_name!r}, rank={self._rank}, size={self._size})"
 
-    def _launch(self, op: str, calls: Sequence[Callable[..., Any]], finish: Callable[[list[Any]], Any],
-                nbytes: int, opts: Any) -> AxondWork | DoneWork:
-        """Run axond `calls` (each takes `async_op=`) and `finish`; the torch Work of the op.
-
-        Ops the caller waits for at once (torch's options say `asyncOp` False: `dist.all_reduce(t)` without
-        `async_op=True`, FSDP2's default unshard) and ops up to SYNC_BYTES run at once on the calling thread (a
-        completed Work: no thread hops, which cost ~50-200 us on a busy host), as do all of them where the host has
-        no core to spare (`overlap`); the others run as axond async ops, so torch may overlap them with compute
-        (DDP's buckets). Either way a failure is raised by the Work's wait().
-        """
-        self._seq += 1
-        if profiling():
-            with record_function(profiler_event(op)):
-                return self._launch_now(op, calls, finish, nbytes, opts)
-        return self._launch_now(op, calls, finish, nbytes, opts)
-
-    def _launch_now(self, op: str, calls: Sequence[Callable[..., Any]], finish: Callable[[list[Any]], Any],
-                    nbytes: int, opts: Any) -> AxondWork | DoneWork:
-        group = self.axond_group
-        if nbytes > self.SYNC_BYTES and self._overlap and not self._waited_at_once(opts):
-            assert self._completer is not None  # made with the axond group
-            return self._completer.follow(op, [call(async_op=True) for call in calls], finish)
-        try:
-            value = finish([call(async_op=False) for call in calls])
-        except Exception as e:
-            return DoneWork(op, group.name, error=e, timeout=self._options.timeout)
-        return DoneWork(op, group.name, value)
-
-    def _at_once(self, t: torch.Tensor, opts: Any) -> bool:
-        """Whether in-place op on `t` alone may skip staging and the launch: a plain dense CPU tensor that is its own
-        NumPy view (`t.numpy()`), run on the calling thread anyway (see `_launch`), outside the profiler."""
-        return (type(t) is torch.Tensor and t.dtype in _PLAIN_DTYPES and t.is_cpu and t.layout is torch.strided
-                and not t.requires_grad and t.is_contiguous() and not profiling()
-                and (t.nbytes <= self.SYNC_BYTES or not self._overlap or self._waited_at_once(opts)))
-
-    def _run_at_once(self, op: str, call: Callable[..., Any], tensors: list[torch.Tensor], arg: Any) -> DoneWork:
-        """The common small op, kept short (latency is most of its cost): `call(view of tensors[0], arg)` of the axond
-        group (whose fast path takes it the short way where it can), here; a completed Work."""
-        self._seq += 1
-        group = self.axond_group
-        try:
-            call(tensors[0].numpy(), arg)
-        except Exception as e:
-            return DoneWork(op, group.name, error=e, timeout=self._options.timeout)
-        return DoneWork(op, group.name, tensors)
-
-    def _waited_at_once(self, opts: Any) -> bool:
-        """Whether torch waits for the op as soon as it is launched (`dist.all_reduce(t)` without `async_op=True`)."""
-        return self.SYNC_WHEN_WAITED and getattr(opts, "asyncOp", True) is False
-
-    def _launch_started(self, op: str, start: Callable[[], Sequence[Any]], finish: Callable[[list[Any]], Any]
-                        ) -> AxondWork | DoneWork:
-        """The torch Work of the axond async works `start()` returns, completed (after `finish`) by the completion
-        thread; a failure to start them is the Work's failure."""
-        self._seq += 1
-        group = self.axond_group
-        assert self._completer is not None  # made with the axond group
-        try:
-            if profiling():
-                with record_function(profiler_event(op)):
-                    works = start()
-            else:
-                works = start()
-        except DistributedError as e:
-            return DoneWork(op, group.name, error=e, timeout=self._options.timeout)
-        return self._completer.launch(op, works, finish)
-
     def _same_dtype(self, where: str, *tensors: torch.Tensor) -> None:
         kinds = {t.dtype for t in tensors}
         if len(kinds) > 1:
@@ -271,7 +127,7 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
                 self.axond_group, t, op, f"allreduce on group '{self._group_name}'") for t in tensors],
                 lambda _: tensors, 0, opts)
         staged = [stage(t, "allreduce tensor", reduce=True) for t in tensors]
-        calls = [partial(self.axond_group.all_reduce, _premultiplied(s.array, factor, True), op) for s in staged]
+        calls = [partial(self.axond_group.all_reduce, premultiplied(s.array, factor, True), op) for s in staged]
         return self._launch("allreduce", calls, _written(staged, tensors), _nbytes(tensors), opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -288,7 +144,7 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, factor = reduction(opts.reduceOp, "reduce")
         staged = [stage(t, "reduce tensor", reduce=True) for t in tensors]
-        calls = [partial(self.axond_group.reduce, _premultiplied(s.array, factor, True), opts.rootRank, op) for s in staged]
+        calls = [partial(self.axond_group.reduce, premultiplied(s.array, factor, True), opts.rootRank, op) for s in staged]
         return self._launch("reduce", calls, _written(staged if self._rank == opts.rootRank else [], tensors),
                             _nbytes(tensors), opts)
 
@@ -343,7 +199,7 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
         for out, ins in zip(outputs, inputs):
             self._check_list("reduce_scatter", ins, out)
             x = np.stack([readonly(t, "reduce_scatter input", reduce=True).reshape(-1) for t in ins])
-            x = _premultiplied(x, factor, True)  # the stacked copy is this op's own
+            x = premultiplied(x, factor, True)  # the stacked copy is this op's own
             s = stage(out, "reduce_scatter output", reduce=True)
             works.append(partial(self.axond_group.reduce_scatter, x, op, out=s.array.reshape(1, -1)))
             staged.append(s)
@@ -358,7 +214,7 @@ class AxondProcessGroup(TorchBackendIdentity, dist.ProcessGroup):
         staged, works = [], []
         for out, t in zip(outputs, inputs):
             self._check_whole_and_part("reduce_scatter_tensor", t, out, "input", "output")
-            x = _premultiplied(readonly(t, "reduce_scatter_tensor input", reduce=True).reshape(self._size, -1), factor,
+            x = premultiplied(readonly(t, "reduce_scatter_tensor input", reduce=True).reshape(self._size, -1), factor,
                                False)  # the caller's input stays as it was
             s = stage(out, "reduce_scatter_tensor output", reduce=True)
             works.append(partial(self.axond_group.reduce_scatter, x, op, out=s.array.reshape(1, -1)))

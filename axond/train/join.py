@@ -98,7 +98,10 @@ def settle(steps: VirtualSteps, group: ProcessGroup, fresh: bool, roll_forward: 
     if not running or len(running) == group.size:
         return Settled(forward, None)
     joined = tuple(r for r in range(group.size) if agreed[r, 2])
-    return Settled(forward, transfer(steps, group, running[0], joined))
+    moved = transfer(steps, group, running[0], joined)
+    if steps.agreed is not None:  # digest_every in a live job: every rank now holds this state, checked and kept
+        steps.agreed.check(steps.totals)
+    return Settled(forward, moved)
 
 
 def transfer(steps: VirtualSteps, group: ProcessGroup, source: int, joined: Sequence[int]) -> StateTransfer:

@@ -22,12 +22,14 @@ import numpy as np
 
 from axond.checkpoint.api import ObjectCollectives
 from axond.distributed.boundary import moved_on
+from axond.distributed.diagnostics.steps import mark_step
 from axond.distributed.reform import reform
 from axond.errors import DistributedError, MembershipChanged
 from axond.nn.module import Module
 from axond.observe import timeline
 from axond.parallel import DistributedSampler
 from axond.train import join
+from axond.train.agreed import AgreedState
 from axond.train.progress import Progress
 from axond.train.virtual import VirtualGradients
 
@@ -93,6 +95,8 @@ class VirtualSteps:
         self.pending = False
         """The last step's gradient is gathered and averaged, its commit not completed."""
         self.recoveries: list[Recovery] = []
+        self.agreed = AgreedState(trainer, trainer.replicas) if trainer.replicas is not None else None
+        """The last state the replicas agreed on (digest_every=), and the divergences left behind (`agreed`)."""
         self.transfers: list[join.StateTransfer] = []
         """The state sent to (or, first, received by) ranks that joined the running job (`axond.train.join`)."""
 
@@ -206,6 +210,8 @@ class VirtualSteps:
         t = self.trainer
         pos = t.position
         micro, steps = self.steps_per_epoch()
+        if self.agreed is not None and self.agreed.step is None:
+            self._agree()  # the replicas start alike (the wrapper broadcast them): the first agreed state
         while pos.epoch < epochs:
             for sampler in self.samplers:
                 sampler.set_epoch(pos.epoch)
@@ -221,6 +227,7 @@ class VirtualSteps:
                 except MembershipChanged as e:
                     self._recover(e)  # the cut step is run again (or was rolled forward)
                     continue
+                mark_step()
                 if timeline.TRACER is not None:
                     timeline.TRACER.since("train.step", "train", began, step=pos.global_step, world=t.world_size,
                                           virtual=list(self.grads.mine))
@@ -230,10 +237,25 @@ class VirtualSteps:
                                         "loss": loss})
                 if t.checkpoint_every and pos.global_step % t.checkpoint_every == 0:
                     t.save_checkpoint()
+                if self.agreed is not None and self.agreed.due(pos.global_step) and self._agree():
+                    break  # back at the agreed state (perhaps in an earlier epoch): its data order again
             progress.close()
+            if pos.step < steps:
+                continue
             self._end_epoch(epochs, seen / max(time.perf_counter() - start, 1e-9))
         self._admit_at_end()
         return True
+
+    def _agree(self) -> bool:
+        """The replica check of a live job (`agreed`); True when this rank went back to the last agreed state. A
+        re-formation while checking (the node of the diverged rank leaving) runs the check again in the new group."""
+        assert self.agreed is not None
+        for _ in range(MAX_REFORMS_PER_STEP):
+            try:
+                return self.agreed.check(self.totals)
+            except MembershipChanged as e:
+                self._recover(e)
+        return self.agreed.check(self.totals)
 
     def _admit_at_end(self) -> None:
         """A node that joined during the last step is admitted before the loop returns (it receives the final state),

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from axond.distributed.diagnostics.steps import mark_step
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.parallel import DistributedSampler, Pipeline
 from axond.train.progress import Progress
@@ -82,6 +83,7 @@ class Steps:
                 seen += self.train_step(indices, pos.step, micro)
                 pos.step += 1
                 pos.global_step += 1
+                mark_step()
                 rate = seen * t.data_replicas / max(time.perf_counter() - start, 1e-9)
                 loss = float(t._totals[0] / max(t._totals[1], 1.0))
                 progress.update(pos.step, loss, rate)

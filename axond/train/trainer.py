@@ -74,7 +74,9 @@ class DistributedTrainer:
     "off" when ranks see different checkpoint directories, or a restarted generation finds no checkpoint where
     the job saved one (`axond.train.guard`). group: default: the initialised world.
     digest_every: compare a digest of the parameters across the replicas every N optimizer steps ("ddp", "zero");
-    on a mismatch roll back to the newest agreed checkpoint or raise `ReplicaDivergence` (`axond.train.agree`).
+    on a mismatch roll back to the newest agreed checkpoint or raise `ReplicaDivergence` (`axond.train.agree`); with
+    virtual ranks (a live job), the diverged ranks raise, their node leaves, and the others go on from the last agreed
+    state kept in memory (`axond.train.agreed`).
     virtual_ranks: ("ddp") train on this many virtual data-parallel ranks, each with its data shard and random stream,
     their gradients summed in a fixed order, so that the parameters do not depend on the world size
     (`axond.train.live`); default: the group's size when the job recovers live (`axond worker --live-recovery`), where
@@ -129,9 +131,9 @@ class DistributedTrainer:
         self.group = group if group is not None else _default_group()
         if virtual_ranks is None and parallel == "ddp" and membership.current() is not None:
             virtual_ranks = self.group.size  # a live job: the math must not change when a node leaves
-        if virtual_ranks is not None and (parallel != "ddp" or digest_every is not None or eval_dataset is not None):
-            raise ValueError(f"virtual_ranks ({virtual_ranks}) works with parallel='ddp' without digest_every and "
-                             f"eval_dataset so far; got parallel={parallel!r}")
+        if virtual_ranks is not None and (parallel != "ddp" or eval_dataset is not None):
+            raise ValueError(f"virtual_ranks ({virtual_ranks}) works with parallel='ddp' without eval_dataset so far; "
+                             f"got parallel={parallel!r}")
         self.comm = ObjectCollectives(self.group)
         self.rank, self.world_size = self.group.rank, self.group.size
         self.dataset = Dataset(dataset)

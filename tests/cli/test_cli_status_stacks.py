@@ -155,6 +155,8 @@ def test_a_hang_writes_the_dumps_by_itself_into_axond_fr_dump_dir(coord: Running
         written, notices = (dumps / "axond_fr_rank_0").stat().st_mtime_ns, sum("still waiting" in x for x in lines)
         wait_for(lambda: sum("still waiting" in x for x in lines) >= notices + 2, 30, "two more notices")
         assert (dumps / "axond_fr_rank_0").stat().st_mtime_ns == written  # once per hang, not per notice
+        told = [x for x in lines if "still waiting" in x and f"Flight Recorder dumps to {dumps}" in x]
+        assert told, "the worker's notices say where the dumps are:\n" + "".join(lines)
         res = subprocess.run([PY, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps)],
                              capture_output=True, text=True, timeout=60)
         assert res.returncode != 0 and "Missing dump files from ranks {1}" in res.stdout + res.stderr, res

@@ -23,14 +23,20 @@ pytestmark = pytest.mark.slow
 def test_traffic_resumes_within_the_retransmission_cap_after_a_flapping_link_is_steady(
         netns: Callable[..., Network]) -> None:
     net = netns(n_hosts=2)
-    result = run_flap(net, flap_s=12.0, drop_s=2.0, pass_s=0.2, after_s=3.0, rto_max_ms=RTO_MAX_MS, timeout_s=60.0)
+    # The next retransmission comes at most RTO_MAX_MS after the link is steady. The congestion window then grows
+    # back from one segment, from a slow-start threshold that the losses cut to a few segments, so the 256 KiB the
+    # step still has to move may take a few more round trips of retransmission and growth (up to 2 s on a busy
+    # 2-core machine: bench/results/2026-12-06-flap.md). 4 x RTO_MAX_MS stays below what this guards against, the
+    # kernel's own backoff (24 s measured there). Cubic: BBR, the kernel's default here, can pace at the few kbit/s
+    # a lossy spell leaves it measuring for seconds more (docs/fault-tolerance.md#a-flapping-link): the congestion
+    # control's doing, not that of the retransmissions this test is about.
+    bound = 4 * RTO_MAX_MS / 1000
+    result = run_flap(net, flap_s=12.0, drop_s=2.0, pass_s=0.2, after_s=1.0, rto_max_ms=RTO_MAX_MS, timeout_s=60.0,
+                      watch_s=bound, congestion="cubic")
     assert result.error is None, result.error  # every result exact on both ranks (a wrong one exits 2)
     assert result.ops > 0
-    # the next retransmission comes at most RTO_MAX_MS after the link is steady; the step it carries ends within as
-    # long again (the rest of its bytes follow in round trips of microseconds)
-    bound = 2 * RTO_MAX_MS / 1000
     assert result.stall_after_steady <= bound, f"traffic resumed {result.stall_after_steady:.2f} s after the link " \
-                                               f"was steady (bound {bound:.1f} s): {result}"
+                                               f"was steady (bound {bound:.1f} s): {result}\n{result.sockets}"
 
 
 @pytest.mark.timeout(120)

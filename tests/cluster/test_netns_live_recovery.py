@@ -1,23 +1,29 @@
 """Live recovery across network hosts: a coordinator and four `axond worker --live-recovery` hosts in their own
-network namespaces, one rank each, DistributedTrainer (ddp) with no checkpoint directory; rank 2 is SIGKILLed while
-the others wait in the next step's all_gather. The three survivors go on at world size 3 in the same processes, and
-the parameters after every step equal those of one process training the same four virtual ranks.
+network namespaces, one rank each, DistributedTrainer (ddp) with no checkpoint directory; while the others wait in
+the next step's all_gather, rank 2 is SIGKILLed, or its host's link drops every frame both ways (nothing closes: its
+peers' sockets get no EOF), or its worker daemon is stopped (SIGSTOP: its rank runs on, its lease does not). The
+three survivors go on at world size 3 in the same processes, and the parameters after every step equal those of one
+process training the same four virtual ranks.
 
 Needs root and `ip netns` (skipped otherwise, with the reason).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from axond.fencing import fence_wait
 from axond.testing import run_threads
+from axond.testing.netns import Network
 from live_train import Hashes, build_trainer
 from netns import AXOND, Proc, base_env, netns  # noqa: F401 - netns is the fixture
 
@@ -27,35 +33,45 @@ HERE = Path(__file__).resolve().parents[1] / "helpers"
 TOKEN, PORT, JOB = "netns-live-token", 29500, "live"
 HEARTBEAT_S, MISSED = 0.25, 16
 LEASE_S = HEARTBEAT_S * MISSED
+CUT_MISSED, FENCE_MARGIN_S = 6, 0.5
+CUT_LEASE_S = HEARTBEAT_S * CUT_MISSED
+"""A cut link is found by the lease alone: a short one (1.5 s) keeps the test short."""
+DETECT_S = 0.5
+"""What live recovery promises beyond the lease for a cut link: the coordinator's tick (half an interval at most)
+and the survivors' next heartbeat (an interval), then the rank's watcher (`live_watch.WATCH_S`)."""
 HANG_STEP, STEPS = 20, 45
 """Rank 2 stops after step 20; 240 samples over 4 virtual ranks at batch 4 make 15 steps an epoch, 3 epochs."""
 
 
-@pytest.mark.timeout(150)
-def test_four_hosts_lose_rank_two_and_the_rest_go_on_bit_identical(netns, tmp_path: Path) -> None:
-    net = netns(5)
+def start_job(net: Network, tmp_path: Path, missed: int, fence_margin: float = 1.0) -> tuple[list[Proc], Path]:
+    """A coordinator in host 0 and a live job of one rank on each other host; returns the workers and the out dir."""
     env = base_env(tmp_path / "home")
     h0, *hosts = net.hosts
     coordinator = Proc(h0, "coordinator", [*AXOND, "coordinator", "--host", h0.addr, "--port", str(PORT), "--token",
                                            TOKEN, "--heartbeat-interval", str(HEARTBEAT_S), "--dead-after-missed",
-                                           str(MISSED), "--settle-time", "10"], env, tmp_path)
+                                           str(missed), "--settle-time", "10", "--fence-margin", str(fence_margin)],
+                       env, tmp_path)
     coordinator.wait_for("listening on", timeout=20)
     out = tmp_path / "out"
     out.mkdir()
     argv = [*AXOND, "worker", "--coordinator", f"{h0.addr}:{PORT}", "--token", TOKEN, "--nnodes", "3:4", "--job",
             JOB, "--live-recovery", "--join-timeout", "60", "--", sys.executable, str(HERE / "live_train.py"),
             str(out), str(HANG_STEP)]
-    workers = [Proc(h, f"worker{h.index}", argv, env, tmp_path) for h in hosts]
+    return [Proc(h, f"worker{h.index}", argv, env, tmp_path) for h in hosts], out
+
+
+def wait_for_hang(workers: list[Proc], out: Path) -> int:
+    """The pid of rank 2 once it finished step HANG_STEP (the others then wait for it in the next all_gather)."""
     deadline = time.monotonic() + 90
     while not any(out.glob("hang-*")):
         assert time.monotonic() < deadline, [w.text()[-2000:] for w in workers]
         time.sleep(0.02)
-    victim = int(next(out.glob("hang-*")).name.removeprefix("hang-"))
-    killed = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    codes = [w.wait(60) for w in workers]
-    assert sorted(codes)[:3] == [0, 0, 0] and sorted(codes)[3] != 0, [w.text()[-1500:] for w in workers]
+    return int(next(out.glob("hang-*")).name.removeprefix("hang-"))
 
+
+def check_survivors(out: Path) -> list[dict[str, Any]]:
+    """Three survivors in their first processes, every step's parameters bit for bit those of an uninterrupted run;
+    returns each survivor's one recovery."""
     reference = Hashes()
     run_threads(lambda g: build_trainer(g, [reference] if g.rank == 0 else [], virtual_ranks=4).fit(3), 1, 120.0)
     assert len(reference.hashes) == STEPS
@@ -63,10 +79,69 @@ def test_four_hosts_lose_rank_two_and_the_rest_go_on_bit_identical(netns, tmp_pa
     assert sorted(e["rank"] for e in ends) == [0, 1, 2] and all(e["world"] == 3 for e in ends)
     starts = list(out.glob("start-*"))
     assert len(starts) == 4  # four processes ever: the survivors kept theirs
+    recoveries = []
     for end in ends:
         (recovery,) = end["recoveries"]
         assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (4, 3, HANG_STEP)
-        assert recovery["reformed_at"] - killed < LEASE_S, recovery  # before the lease would have said "dead"
         log = [json.loads(line) for line in (out / f"steps-{end['pid']}.jsonl").read_text().splitlines()]
         assert [s["step"] for s in log] == list(range(1, STEPS + 1))
         assert [s["hash"] for s in log] == reference.hashes  # every step's parameters, bit for bit
+        recoveries.append(recovery)
+    return recoveries
+
+
+@pytest.mark.timeout(150)
+def test_four_hosts_lose_rank_two_and_the_rest_go_on_bit_identical(netns, tmp_path: Path) -> None:
+    workers, out = start_job(netns(5), tmp_path, MISSED)
+    victim = wait_for_hang(workers, out)
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    codes = [w.wait(60) for w in workers]
+    assert sorted(codes)[:3] == [0, 0, 0] and sorted(codes)[3] != 0, [w.text()[-1500:] for w in workers]
+    for recovery in check_survivors(out):
+        assert recovery["reformed_at"] - killed < LEASE_S, recovery  # before the lease would have said "dead"
+
+
+@pytest.mark.timeout(150)
+def test_four_hosts_lose_rank_twos_link_both_ways_and_the_rest_go_on_bit_identical(netns, tmp_path: Path) -> None:
+    net = netns(5)
+    workers, out = start_job(net, tmp_path, CUT_MISSED, FENCE_MARGIN_S)
+    victim = wait_for_hang(workers, out)
+    (host,) = [h for h in net.hosts if victim in h.pids()]
+    host.drop_frames(True)  # no FIN, no reset: the survivors' sockets to it stay open and silent
+    dropped = time.monotonic()
+    cut = next(w for w in workers if w.host is host)
+    survivors = [w for w in workers if w is not cut]
+    codes = [w.wait(60) for w in survivors]
+    assert codes == [0, 0, 0], [w.text()[-1500:] for w in survivors]
+    assert cut.wait(60) != 0, cut.text()[-1500:]  # its worker lost its lease and stopped its rank (the fence)
+    fence = fence_wait(CUT_LEASE_S, HEARTBEAT_S, FENCE_MARGIN_S)
+    for recovery in check_survivors(out):
+        assert "missed" in recovery["reason"] and host.hostname in recovery["reason"], recovery
+        # the cut collective raised once the lease ran out, not at the group's timeout (GROUP_TIMEOUT_S)
+        assert recovery["error_at"] - dropped < CUT_LEASE_S + DETECT_S + HEARTBEAT_S, (recovery, dropped)
+        # and computed again once the fence let the next generation start
+        assert recovery["reformed_at"] - dropped < CUT_LEASE_S + DETECT_S + fence + 2.0, (recovery, dropped)
+
+
+@pytest.mark.timeout(150)
+def test_four_hosts_lose_rank_twos_frozen_worker_and_the_rest_go_on_bit_identical(netns, tmp_path: Path) -> None:
+    workers, out = start_job(netns(5), tmp_path, CUT_MISSED, FENCE_MARGIN_S)
+    victim = wait_for_hang(workers, out)
+    frozen = next(w for w in workers if victim in w.host.pids())
+    os.kill(frozen.popen.pid, signal.SIGSTOP)  # the daemon stops heartbeating; its rank keeps running
+    stopped = time.monotonic()
+    try:
+        survivors = [w for w in workers if w is not frozen]
+        codes = [w.wait(60) for w in survivors]
+        assert codes == [0, 0, 0], [w.text()[-1500:] for w in survivors]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen.popen.pid, signal.SIGCONT)
+    assert frozen.wait(60) != 0, frozen.text()[-1500:]  # woken: its lease is gone, it stops its rank and exits
+    assert not Path(f"/proc/{victim}").exists()
+    fence = fence_wait(CUT_LEASE_S, HEARTBEAT_S, FENCE_MARGIN_S)
+    for recovery in check_survivors(out):
+        assert "missed" in recovery["reason"] and frozen.host.hostname in recovery["reason"], recovery
+        assert recovery["error_at"] - stopped < CUT_LEASE_S + DETECT_S + HEARTBEAT_S, (recovery, stopped)
+        assert recovery["reformed_at"] - stopped < CUT_LEASE_S + DETECT_S + fence + 2.0, (recovery, stopped)

@@ -374,7 +374,7 @@ def overlap_policy(rank: int, n: int, gloo: Any) -> list[str]:
     host has a core to spare; without overlap they run on the calling thread and come back completed, with it
     they come back as the communication thread's Work; the results are the same either way."""
     from axond.torch import AxondProcessGroup
-    from axond.torch.process_group import overlaps
+    from axond.torch.launching import overlaps
 
     pg = dist.group.WORLD
     assert isinstance(pg, AxondProcessGroup)

@@ -111,3 +111,16 @@ def test_the_timeline_download_says_why_there_is_none(coordinator_factory: Calla
     assert status == 404 and b"no job 'j'" in body
     with urllib.request.urlopen(f"http://127.0.0.1:{other.metrics.port}/api/state", timeout=10) as r:
         assert json.loads(r.read())["timeline"] is True
+
+
+def test_the_pace_is_the_step_times_where_a_rank_marks_its_steps_else_per_arrival_mark() -> None:
+    from axond.observe.dashboard.view import _pace
+
+    ms = 1_000_000
+    marks = {"world": {"ranks": [0, 1], "ops": 8, "w": [[1, 0, 0], [2, 5, 40 * ms], [3, 9, 100 * ms]]}, "started": 1.0}
+    assert _pace({0: marks, 1: marks}) == {"rank": 0, "kind": "ops", "group": "world", "ops": 8,
+                                           "points": [[-0.06, 40.0], [0.0, 60.0]]}
+    # rank 1 marks its steps (axond.mark_step()): step 4 -> 5 took 250 ms, 5 -> 6 300 ms; a gap is no step time
+    steps = {**marks, "steps": [[1, 0], [4, 100 * ms], [5, 350 * ms], [6, 650 * ms]]}
+    assert _pace({0: marks, 1: steps}) == {"rank": 1, "kind": "steps", "points": [[-0.3, 250.0], [0.0, 300.0]]}
+    assert _pace({0: {**marks, "steps": [[1, 0]]}})["kind"] == "ops", "one step end is no step time yet"

@@ -118,7 +118,7 @@ def test_the_dashboard_shows_a_straggler_and_the_jobs_pace(coordinator_factory: 
     _wait(browser, straggler_row, 90, "rank 1 named a straggler in the ranks table")
     _wait(browser, lambda d: d.find_elements("css selector", ".job[data-job='slow'] .pace-plot polyline"), 10,
           "the job's pace plot")
-    assert "ms per 8 collectives ('world')" in browser.find_element("css selector", ".pace-plot").text
+    assert "ms per step (rank 0)" in browser.find_element("css selector", ".pace-plot").text  # axond.mark_step()
     rows = [r.text for r in browser.find_elements("css selector", ".job[data-job='slow'] .ranks tr")]
     assert sum("yes: others wait" in r for r in rows) == 1, rows
     updates = int(browser.find_element("tag name", "body").get_attribute("data-updates"))

@@ -85,7 +85,7 @@ def test_async_ops_overlap_only_where_the_host_has_cores_to_spare(parity: list[d
 
 
 def test_overlap_decision_and_setting() -> None:
-    from axond.torch.process_group import overlap_setting, overlaps
+    from axond.torch.launching import overlap_setting, overlaps
 
     assert not overlaps(2, 2, 1)  # one core per rank: the communication thread would take the backward pass's core
     assert not overlaps(2, 3, 1)

@@ -20,18 +20,21 @@ from axond.train.live import roll_forward
 from live_train import Hashes, build_trainer
 
 
-def test_a_fresh_rank_takes_the_state_of_a_running_one_and_the_run_goes_on_bit_identical() -> None:
+@pytest.mark.parametrize("digest_every", [None, 7])
+def test_a_fresh_rank_takes_the_state_of_a_running_one_and_the_run_goes_on_bit_identical(
+        digest_every: int | None) -> None:
     reference = Hashes()
     run_threads(lambda g: build_trainer(g, [reference], virtual_ranks=3).fit(2), 1, 120.0)
+    options: dict[str, Any] = {"virtual_ranks": 3, "digest_every": digest_every}
 
     def train(group: ProcessGroup) -> dict[str, Any]:
         hashes = Hashes()
-        trainer = build_trainer(group, [hashes], virtual_ranks=3)
+        trainer = build_trainer(group, [hashes], **options)
         trainer.fit(1)
         fresh = group.rank == 2
         if fresh:  # this rank's process "restarted": a new trainer, no optimizer state, position 0
             hashes = Hashes()
-            trainer = build_trainer(group, [hashes], virtual_ranks=3)
+            trainer = build_trainer(group, [hashes], **options)
         assert trainer.virtual is not None
         settled = settle(trainer.virtual, group, fresh, None if fresh else roll_forward)
         trainer.fit(2)

@@ -79,13 +79,15 @@ def test_the_first_notice_comes_when_the_op_has_waited_the_interval() -> None:
         return {0: [("world", "all_reduce", op_since)] if published else [], 1: []}
 
     watch = EarlyExitWatch("j", lambda text: notices.append((clock.now, text)), every=every, blocked=blocked,
-                           clock=clock)
+                           clock=clock, fr_dump_dir="/tmp/fr")
     while clock.now < op_since + 3 * every and len(notices) < 2:
         watch.check((), [0, 1])
         clock.now += 0.05
     first_at, text = notices[0]
     assert every <= first_at - op_since < every + 0.2, (first_at - op_since, text)
     assert "rank 0 blocked in all_reduce on group 'world' for 60.0 s" in text, text
+    assert "write their Flight Recorder dumps to /tmp/fr (read them with `python -m torch.distributed.flight_recorder" \
+           ".fr_trace --allow-incomplete-ranks /tmp/fr`)" in text, "the notice says where AXOND_FR_DUMP_DIR put them"
     assert notices[1][0] - first_at == pytest.approx(every, abs=0.2), "then one notice per interval"
     assert len(reads) <= 3 * every / (every / 4) + 3, "the store is read every quarter interval, not every tick"
 

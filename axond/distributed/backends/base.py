@@ -288,6 +288,11 @@ class Backend(ABC):
         """
         self.close()
 
+    def interrupt(self, reason: str) -> None:
+        """`abort`, called from another thread than the one running the group's ops: those blocked on a peer that
+        never answers must end too. The default is `abort(reason)`; tcp also shuts its own links down."""
+        self.abort(reason)
+
     def abort_failed(self, reason: str) -> None:
         """`abort` because this rank's process failed: `reason` ("rank R failed: ExcType: message") is the
         root cause, which peers quote as it is. The default is `abort(reason)`."""

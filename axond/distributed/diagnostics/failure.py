@@ -74,6 +74,12 @@ def untrack(group: ProcessGroup) -> None:
         _live.discard(group)
 
 
+def live_groups() -> list[ProcessGroup]:
+    """The groups of this process that have a backend and are not destroyed."""
+    with _lock:
+        return list(_live)
+
+
 def concise(error: DistributedError) -> DistributedError:
     """`error` without its internal traceback and chained transport exceptions, so that the user's frames
     and one line are what is printed. Raise it with `from None`; with AXOND_DEBUG=1 re-raise the original."""

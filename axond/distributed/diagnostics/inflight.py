@@ -32,6 +32,8 @@ from axond.distributed.diagnostics.arrivals import KEY as ARRIVALS_KEY
 from axond.distributed.diagnostics.arrivals import report as arrivals_report
 from axond.distributed.diagnostics.flight_recorder import Dumper, HangDumps
 from axond.distributed.diagnostics.job_report import JobSink, coordinator_opener, launched_env, publishes_itself
+from axond.distributed.diagnostics.steps import FIELD as STEPS_FIELD
+from axond.distributed.diagnostics.steps import recent as recent_steps
 from axond.config import RuntimeEnv
 from axond.store import Store
 
@@ -132,6 +134,9 @@ class _Reporter:
             data = arrivals_report(groups)
             if data:
                 data["started"] = self._first_mark(groups)
+                steps = recent_steps()
+                if steps:
+                    data[STEPS_FIELD] = steps
             if publishes_itself([(m.store, m.global_rank)], self._env):
                 if data and data != m.arrivals:
                     try:

@@ -103,14 +103,17 @@ function historyPlot(job) {
 }
 
 function pacePlot(job) {
-  // the wall time between the ranks' arrival marks (every `ops` collectives): a straggler or a hang shows as a rise
+  // the time between step ends (ranks that call axond.mark_step(), as DistributedTrainer does), else between the
+  // ranks' arrival marks (every `ops` collectives): a straggler or a hang shows as a rise
   const pace = job.pace || {};
+  const per = pace.kind === "steps" ? "ms per step (rank " + pace.rank + ")"
+                                    : "ms per " + pace.ops + " collectives ('" + pace.group + "')";
   const points = pace.points || [];
   const values = points.map(p => p[1]).sort((a, b) => a - b);
   const most = Math.max(...values, 1e-9);
   const median = values.length ? values[Math.floor(values.length / 2)] : 0;
   return linePlot("pace-plot", points, most, "#0969da",
-                  span => "ms per " + pace.ops + " collectives ('" + pace.group + "'), last " + seconds(span) +
+                  span => per + ", last " + seconds(span) +
                           ": median " + median.toFixed(1) + ", max " + most.toFixed(1),
                   "recent pace: no arrival marks yet (the ranks publish them as they run collectives)");
 }

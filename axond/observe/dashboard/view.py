@@ -1,6 +1,7 @@
 """What the dashboard shows, as JSON-ready data: nodes, jobs with their goodput and its history, their recent pace
-(the time between the ranks' arrival marks), ranks with what each reports being blocked in and the stragglers (read
-from the job generation's store, as `axond status --job` does).
+(the time between the step ends a rank marks with `axond.mark_step()`, or else between its arrival marks), ranks
+with what each reports being blocked in and the stragglers (read from the job generation's store, as `axond status
+--job` does).
 
 Read on the coordinator's event loop (where its state changes), like its /metrics, with bounded work: at most
 `MAX_RANKS` ranks of each job, and their reports.
@@ -19,6 +20,7 @@ from axond.coordinator.state.goodput import CAUSES
 from axond.distributed.diagnostics.arrivals import KEY as ARRIVALS_KEY
 from axond.distributed.diagnostics.arrivals import stragglers
 from axond.distributed.diagnostics.inflight import KEY as INFLIGHT_KEY
+from axond.distributed.diagnostics.steps import FIELD as STEPS_FIELD
 
 if TYPE_CHECKING:
     from axond.coordinator.server import RunningCoordinator
@@ -70,10 +72,34 @@ def _stragglers(reports: dict[int, Any]) -> dict[int, str]:
     return out
 
 
+def _step_times(reports: dict[int, Any]) -> dict[str, Any]:
+    """The job's recent step times, from the lowest rank that marks its steps (`axond.mark_step()`): the time between
+    two consecutive step ends as [seconds before the newest, ms] points; the ranks of a data-parallel job step
+    together, so one rank tells it."""
+    for rank in sorted(reports):
+        marks = reports[rank].get(STEPS_FIELD)
+        if not isinstance(marks, list) or len(marks) < 2:
+            continue
+        try:
+            ends = [(int(n), int(t)) for n, t in marks]
+        except (TypeError, ValueError):
+            continue
+        last = ends[-1][1]
+        points = [[round((t - last) / 1e9, 3), round((t - tp) / 1e6, 2)]
+                  for (np_, tp), (n, t) in zip(ends, ends[1:]) if n == np_ + 1]
+        if points:
+            return {"rank": rank, "kind": "steps", "points": points}
+    return {}
+
+
 def _pace(reports: dict[int, Any]) -> dict[str, Any]:
-    """The job's recent pace, from the lowest rank's marks in its group with the most: the wall time between two
-    consecutive marks (each `ops` collectives apart) as [seconds before the newest mark, ms] points; every member
-    of a group keeps the same pace (they leave each collective together), so one rank tells it."""
+    """The job's recent pace: its step times where a rank marks its steps (`_step_times`), else from the lowest
+    rank's arrival marks in its group with the most: the wall time between two consecutive marks (each `ops`
+    collectives apart) as [seconds before the newest mark, ms] points; every member of a group keeps the same pace
+    (they leave each collective together), so one rank tells it."""
+    steps = _step_times(reports)
+    if steps:
+        return steps
     best: tuple[int, str, int, list[Any]] | None = None
     for rank in sorted(reports):
         for name, data in reports[rank].items():
@@ -89,7 +115,7 @@ def _pace(reports: dict[int, Any]) -> dict[str, Any]:
     except (TypeError, ValueError, IndexError):
         return {}
     points = [[round((t[i] - t[-1]) / 1e9, 3), round((t[i] - t[i - 1]) / 1e6, 2)] for i in range(1, len(t))]
-    return {"rank": best[0], "group": best[1], "ops": best[2], "points": points}
+    return {"rank": best[0], "kind": "ops", "group": best[1], "ops": best[2], "points": points}
 
 
 def state_view(state: CoordinatorState) -> dict[str, Any]:

@@ -72,7 +72,8 @@ class TcpBackend(Backend):
         spin, inline = policy.spin_seconds(tcp, crowded), policy.inline_bytes(tcp, crowded)
         buffers = policy.socket_buffer_bytes(tcp, buffer_limit())
         self.g = FramedGroup(rank, size, group_name, gid, options.timeout,
-                             {p: Peer(s, p, options.timeout, spin, tcp.spin_yield, inline, buffers, tcp.rto_max_ms)
+                             {p: Peer(s, p, options.timeout, spin, tcp.spin_yield, inline, buffers, tcp.rto_max_ms,
+                                                  tcp.congestion)
                               for p, s in socks.items()})
         self.comm = GroupView(self.g, rank, size, tcp, crowded, Scratch())
         self.placement = Placement(self.comm, host)
@@ -349,6 +350,10 @@ class TcpBackend(Backend):
     def abort_failed(self, reason: str) -> None:
         """`abort` with `reason` marked as the root cause: peers raise `DistributedError` saying just that."""
         self.g.abort(reason, failed=True)
+
+    def interrupt(self, reason: str) -> None:
+        """`abort`, then shut this rank's side of every link down: its blocked receives and sends end at once."""
+        self.g.interrupt(reason)
 
 
 BACKEND = TcpBackend

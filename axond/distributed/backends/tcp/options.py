@@ -15,7 +15,7 @@ from typing import Literal
 
 from axond.config import RuntimeEnv
 from axond.distributed.backends.tcp.transport.handshake import HANDSHAKE_TIMEOUT
-from axond.distributed.backends.tcp.transport.sockets import RTO_MAX_MS, RTO_MAX_RANGE
+from axond.distributed.backends.tcp.transport.sockets import CONGESTION, CONGESTION_NAME, RTO_MAX_MS, RTO_MAX_RANGE
 from axond.env_flags import parse_flag
 
 Algorithm = Literal["auto", "ring", "halving_doubling"]
@@ -49,6 +49,9 @@ class TcpOptions:
     rto_max_ms: int = RTO_MAX_MS
     """The most milliseconds the kernel waits between retransmissions on each socket (0: the kernel's own, 120 s):
     after a flapping link is steady again, traffic resumes within about this long (see `sockets.bound_rto`)."""
+    congestion: str = CONGESTION
+    """Each socket's congestion control: "system" (the kernel's default) or a name the kernel offers (cubic, reno,
+    bbr); see `sockets.set_congestion` for the trade-off after a lossy spell."""
     algorithm: Algorithm = "auto"
     """All-reduce above `small_bytes`: "ring", "halving_doubling" (power-of-two groups) or "auto" (see `policy`)."""
     shm: bool = True
@@ -92,6 +95,10 @@ class TcpOptions:
             raise ValueError(f"rto_max_ms={self.rto_max_ms}: use 0 (the kernel's own) or "
                              f"{RTO_MAX_RANGE[0]}..{RTO_MAX_RANGE[1]} milliseconds")
 
+        if self.congestion != "system" and not CONGESTION_NAME.fullmatch(self.congestion):
+            raise ValueError(f"congestion={self.congestion!r}: use system or a congestion control's name "
+                             "(cubic, reno, bbr: lower-case, at most 15 characters)")
+
     def for_new_group(self) -> TcpOptions:
         """These options for a group made by `new_group`: any free port (the fixed one is the default group's)."""
         return replace(self, port=0) if self.port else self
@@ -133,6 +140,8 @@ ENVIRONMENT: dict[str, tuple[str, str, str]] = {
                                       "each socket's send and receive buffer (0: the kernel's autotuning)"),
     "AXOND_TCP_RTO_MAX_MS": ("rto_max_ms", str(RTO_MAX_MS),
                              "most milliseconds between retransmissions (0: the kernel's own, 120 s)"),
+    "AXOND_TCP_CONGESTION": ("congestion", CONGESTION,
+                             "each socket's congestion control: system (the kernel's default) or a name"),
     "AXOND_TCP_ALGORITHM": ("algorithm", "auto", "large all_reduce: auto, ring or halving_doubling"),
 }
 """variable -> (TcpOptions field, its default as docs/environment.md writes it: "auto" for a negative one, meaning)."""
@@ -142,6 +151,10 @@ def _parse(var: str, field: str, raw: str) -> object:
     kind = {f.name: f.type for f in fields(TcpOptions)}[field]
     if kind == "bool":
         return parse_flag(var, raw)
+    if field == "congestion":
+        if raw != "system" and not CONGESTION_NAME.fullmatch(raw):
+            raise ValueError(f"bad {var}={raw[:40]!r}: use system or a congestion control's name (cubic, reno, bbr)")
+        return raw
     if kind == "Algorithm":
         if raw not in ALGORITHMS:
             raise ValueError(f"bad {var}={raw!r}: use auto, ring or halving_doubling")

@@ -67,6 +67,8 @@ class FramedGroup:
         self.peers = peers
         self._aborted: str | None = None
         self._root_cause: str | None = None
+        self._interrupted: str | None = None
+        """Why `interrupt` ended the group (its sockets' failures say this rather than "peer closed")."""
         self._op_name = "init"
         self.explain: Callable[[int], str] | None = None
         """Says what a silent peer is doing, for timeout messages (see `Backend.explain_timeouts`)."""
@@ -148,7 +150,9 @@ class FramedGroup:
             self.abort(root or msg, failed=failed)
             raise DistributedError(msg, op=op_name, group=self._group_name, rank=self._rank, peer=e.peer,
                                    root_cause=root) from e
-        if isinstance(e, PeerClosed):
+        if self._interrupted is not None:
+            msg = f"{where}: interrupted: {self._interrupted}"
+        elif isinstance(e, PeerClosed):
             msg = f"{where}: peer rank {e.peer} closed the connection (did it die?)"
         else:
             msg = f"{where}: timed out after {self._timeout:.1f} s waiting for peer {e.peer}"
@@ -394,6 +398,14 @@ class FramedGroup:
         for peer in self.peers.values():
             peer.try_send_now(frame)
             peer.shutdown_write()
+
+    def interrupt(self, reason: str) -> None:
+        """`abort(reason)` from another thread, then shut every socket down both ways: a wait on a peer that never
+        answers (its link cut, no FIN or reset to come) wakes at once, and the op fails quoting `reason`."""
+        self.abort(reason)
+        self._interrupted = self._aborted
+        for peer in list(self.peers.values()):
+            peer.shutdown()
 
     @property
     def aborted(self) -> str | None:

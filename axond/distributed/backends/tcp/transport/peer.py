@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from axond.distributed.backends.tcp.policy import INLINE_SEND_BYTES, SMALL_FRAME
-from axond.distributed.backends.tcp.transport.sockets import RECV_WAKEUP, RTO_MAX_MS, tune_socket
+from axond.distributed.backends.tcp.transport.sockets import CONGESTION, RECV_WAKEUP, RTO_MAX_MS, tune_socket
 from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, Kind
 
 
@@ -46,7 +46,8 @@ class Peer:
     """Framed connection to group rank `rank`; one per peer, owned by one backend."""
 
     def __init__(self, sock: socket.socket, rank: int, timeout: float, spin: float, spin_yield: bool = True,
-                 try_inline_bytes: int = 0, buffer_bytes: int = 0, rto_max_ms: int = RTO_MAX_MS) -> None:
+                 try_inline_bytes: int = 0, buffer_bytes: int = 0, rto_max_ms: int = RTO_MAX_MS,
+                 congestion: str = CONGESTION) -> None:
         self.sock = sock
         self.try_inline_bytes = try_inline_bytes
         """Larger frames up to this size are first written without blocking from the calling thread."""
@@ -76,7 +77,7 @@ class Peer:
         them first, this rank receives them after the collective. Later receives from this peer take them first."""
         self.idle: Callable[[], None] | None = None
         """Run each time a blocking wait wakes up without progress (every RECV_WAKEUP); may raise to end it."""
-        tune_socket(sock, timeout, buffer_bytes, rto_max_ms)
+        tune_socket(sock, timeout, buffer_bytes, rto_max_ms, congestion)
 
     def send(self, header: bytes, payload: memoryview | None) -> int:
         """Queue one frame; small ones go out now. Returns a ticket for `wait_sent`.
@@ -384,6 +385,13 @@ class Peer:
         """Send EOF after what is queued: the peer sees it once it read everything before."""
         try:
             self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def shutdown(self) -> None:
+        """Shut the socket down both ways, from any thread: a receive or send blocked on it returns at once."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 

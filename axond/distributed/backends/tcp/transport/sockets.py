@@ -4,6 +4,7 @@ outnumber its cores."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 
@@ -20,6 +21,15 @@ USER_TIMEOUT_MARGIN_S = 5.0
 error names op, group and peer, comes first."""
 MAX_USER_TIMEOUT_S = 2_000_000.0
 """The most TCP_USER_TIMEOUT a socket gets (the option is a 32-bit count of milliseconds)."""
+CONGESTION = "system"
+"""Default congestion control of the sockets: "system" (the kernel's default) or a name the kernel knows (cubic,
+reno, bbr...); see `set_congestion` for the trade-off."""
+CONGESTION_NAME = re.compile(r"[a-z0-9_]{1,15}")
+"""A congestion control's name as Linux spells them (TCP_CA_NAME_MAX is 16 with the terminating zero)."""
+TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)
+CONGESTION_LISTS = ("/proc/sys/net/ipv4/tcp_available_congestion_control",
+                    "/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+"""What the kernel has, and what a process without CAP_NET_ADMIN may choose."""
 TCP_INFO_BYTES = 28
 """The head of Linux's struct tcp_info that `retransmitting` reads: 8 one-byte fields, then rto, ato, snd_mss, rcv_mss
 and unacked (32 bits each)."""
@@ -27,9 +37,11 @@ BUFFER_LIMITS = ("/proc/sys/net/core/wmem_max", "/proc/sys/net/core/rmem_max")
 """The most a process may set SO_SNDBUF / SO_RCVBUF to (the kernel silently clamps larger requests)."""
 
 
-def tune_socket(sock: socket.socket, timeout: float, buffer_bytes: int = 0, rto_max_ms: int = RTO_MAX_MS) -> None:
+def tune_socket(sock: socket.socket, timeout: float, buffer_bytes: int = 0, rto_max_ms: int = RTO_MAX_MS,
+                congestion: str = CONGESTION) -> None:
     """Blocking socket with kernel-side timeouts and no Nagle delay; send and receive buffers of `buffer_bytes`
-    each, or (0) sized by the kernel's autotuning; retransmissions at most `rto_max_ms` apart (`bound_rto`)."""
+    each, or (0) sized by the kernel's autotuning; retransmissions at most `rto_max_ms` apart (`bound_rto`); the
+    congestion control `congestion` (`set_congestion`)."""
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if buffer_bytes > 0:
@@ -38,6 +50,44 @@ def tune_socket(sock: socket.socket, timeout: float, buffer_bytes: int = 0, rto_
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(timeout, RECV_WAKEUP)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
     bound_rto(sock, rto_max_ms, timeout)
+    set_congestion(sock, congestion)
+
+
+def set_congestion(sock: socket.socket, name: str = CONGESTION) -> str | None:
+    """Set the congestion control of `sock` to `name`; what the socket uses afterwards (None: not a TCP socket or the
+    kernel does not say). "system" keeps the kernel's default; a name the kernel refuses raises ValueError saying
+    what it offers.
+
+    The trade-off, measured between two namespace hosts (docs/fault-tolerance.md#a-flapping-link): BBR (this
+    project's machines' default) paces each socket at the bandwidth it measured over its last round trips, and a
+    lossy spell (a flapping link, a switch that drops for seconds) can leave that estimate at a few kbit/s with the
+    round trip inflated by retransmissions, so once the link is steady the queued bytes may trickle out for seconds
+    (seen: 220 KB queued, pacing at 11 kbit/s, 24 s after the link was steady; 1 of 6 runs stalled 7.8 s). Cubic
+    and reno restart from one segment and grow back within about a second, but took twice BBR's time for 32-128 KiB
+    all_reduce over the same link.
+    """
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    if name != "system":
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, name.encode())
+        except OSError as e:
+            available, allowed = (_read_list(path) for path in CONGESTION_LISTS)
+            raise ValueError(f"congestion control {name!r}: the kernel refused it ({e.strerror}); it has "
+                             f"{available or 'unknown'}, and a process without CAP_NET_ADMIN may set "
+                             f"{allowed or 'unknown'}: use one of those, or system") from None
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, 16).split(b"\0", 1)[0].decode()
+    except OSError:
+        return None
+
+
+def _read_list(path: str) -> str:
+    try:
+        with open(path) as f:
+            return ", ".join(f.read().split())
+    except OSError:
+        return ""
 
 
 def bound_rto(sock: socket.socket, rto_max_ms: int, give_up_s: float = 0.0) -> bool:
