@@ -5,7 +5,8 @@ next generation with the running ranks and the new ones. The running ranks re-fo
 (`axond.reform()`, after `MembershipChanged` at a step boundary); the new ones start, build their trainer and call
 `fit`. Both then run the same few collectives here, in the new generation's group:
 
-1. one all_gather of (applied steps, holds an uncommitted gradient, fresh) per rank: fresh ranks are the new ones;
+1. one all_gather of (applied steps, holds an uncommitted gradient, fresh, virtual ranks) per rank: fresh ranks are
+   the new ones (when every rank is new, they all take the largest number of virtual ranks);
 2. the running ranks agree on the last committed step among themselves (`roll_forward`);
 3. if any rank is fresh (and any is not), the lowest running rank broadcasts the state: first a small JSON manifest
    (position, virtual ranks, the optimizer's hyper-parameters and scalars, the names, shapes and dtypes of the
@@ -86,9 +87,12 @@ def settle(steps: VirtualSteps, group: ProcessGroup, fresh: bool, roll_forward: 
     """Steps 1-3 of the module docstring for this rank (`fresh`: it started in this generation; a running rank passes
     `roll_forward`). Collective."""
     t = steps.trainer
-    mine = np.array([t.position.global_step, int(steps.pending), int(fresh)], np.int64)
+    mine = np.array([t.position.global_step, int(steps.pending), int(fresh), steps.virtual], np.int64)
     agreed = group.all_gather(mine)
     running = [r for r in range(group.size) if not agreed[r, 2]]
+    most = int(agreed[:, 3].max())
+    if not running and most != steps.virtual:  # every rank new: their defaults differ (nodes of unlike sizes)
+        steps.resize(most)
     forward = False
     if not fresh and running and roll_forward is not None:
         forward = roll_forward([int(agreed[r, 0]) for r in running], t.position.global_step, steps.pending)

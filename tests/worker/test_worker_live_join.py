@@ -169,3 +169,34 @@ def test_a_replacement_joining_mid_step_costs_the_survivors_at_most_that_step(pr
     finished = [procs.finish(w, timeout=120) for w in [*workers, replacement] if w is not lost]
     assert [f.code for f in finished] == [0, 0, 0], "\n----\n".join(f.stderr[-6000:] for f in finished)
     check_run(out, killed, ref_hashes, ref_params, anywhere=True)
+
+
+@pytest.mark.slow
+def test_a_job_started_at_min_grows_to_max_on_the_virtual_ranks_of_max(procs: Procs, tmp_path: Path) -> None:
+    """Two of `--nnodes 2:3` start the job (after the settle time); it trains on three virtual ranks (the default in a
+    live job: the most ranks it may grow to), so a third worker joins it at a step boundary and every step's
+    parameters are those of an uninterrupted three-rank run."""
+    ref_hashes, ref_params = reference()
+    out = tmp_path / "min"
+    out.mkdir()
+    address = coordinator(procs)
+    env = {"LIVE_TEST_WAIT_JOIN": str(JOIN_STEP)}
+    first = [procs.axond("worker", "--coordinator", address, "--nnodes", "2:3", "--job", "grow", "--live-recovery",
+                         "--join-timeout", "60", "--", PY, str(SCRIPT), str(out), "-1", env=env) for _ in range(2)]
+    wait_for(lambda: any(out.glob("steps-*")), 60, "the job to start training at two nodes")
+    third = procs.axond("worker", "--coordinator", address, "--nnodes", "2:3", "--job", "grow", "--live-recovery",
+                        "--join-timeout", "60", "--", PY, str(SCRIPT), str(out), "-1", env=env)
+    finished = [procs.finish(w, timeout=120) for w in [*first, third]]
+    assert [f.code for f in finished] == [0, 0, 0], "\n----\n".join(f.stderr[-6000:] for f in finished)
+    ends = read(out, "end-*.json")
+    assert len(ends) == 3 and len(list(out.glob("start-*"))) == 3
+    for pid, end in ends.items():
+        log = steps(out, pid)
+        joined = bool(end["transfers"]) and end["transfers"][0]["received"]
+        begin = JOIN_STEP + 1 if joined else 1
+        assert [s["step"] for s in log] == list(range(begin, STEPS + 1))
+        assert [s["hash"] for s in log] == ref_hashes[begin - 1:]
+        assert [s["world"] for s in log if s["step"] in (JOIN_STEP, JOIN_STEP + 1)] == ([3] if joined else [2, 3])
+        with np.load(out / f"params-{pid}.npz") as f:
+            assert all(np.array_equal(f[k], v) for k, v in ref_params.items())
+    assert sum(bool(e["transfers"]) and e["transfers"][0]["received"] for e in ends.values()) == 1
