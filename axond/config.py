@@ -287,6 +287,9 @@ class RuntimeEnv:
     live_wait_s: float = 30.0
     """AXOND_LIVE_WAIT_S: seconds a rank whose collective failed in a live job waits for the worker's word of the
     next generation (then `MembershipChanged`) before it raises the failure as it is."""
+    live_max_world: int = 0
+    """AXOND_LIVE_MAX_WORLD: the most ranks the live job may grow to (`--nnodes` MAX x `--nproc-per-node`, set by the
+    worker; 0: unknown): `DistributedTrainer`'s default number of virtual ranks there."""
     # -- reaching the coordinator
     token: str | None = None
     """AXOND_TOKEN."""
@@ -360,6 +363,7 @@ class RuntimeEnv:
         read("job_secret", "AXOND_JOB_SECRET", _hex)
         read("wait_notice_s", "AXOND_WAIT_NOTICE_S", _seconds)
         read("live_wait_s", "AXOND_LIVE_WAIT_S", _seconds)
+        read("live_max_world", "AXOND_LIVE_MAX_WORLD", lambda var, raw: _integer(var, raw, 0, WORLD_SIZE_CAP))
         read("torch_overlap", OVERLAP_ENV, lambda var, raw: parse_overlap(raw))
         for name, var in (("master_addr", "MASTER_ADDR"), ("elastic_run_id", "TORCHELASTIC_RUN_ID"),
                           ("restart_count", "TORCHELASTIC_RESTART_COUNT"), ("job", "AXOND_JOB"),

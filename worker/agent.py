@@ -29,6 +29,7 @@ from axond.worker.frozen import FrozenWatch
 from axond.worker.launcher import CAUSE_GRACE_S, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
 from axond.worker import live
+from axond.worker.joinback import JoinNotice, rejoin_after_left
 from axond.worker.outage import OutageGuard
 from axond.worker.peers import PeerLink
 from axond.worker.rank_specs import rank_specs
@@ -126,6 +127,11 @@ class JobRunner:
         self._kept: LocalRanks | None = None
         """Live recovery: the ranks kept running into the next generation, while this node re-joins."""
         self._live_reason = ""
+        self._joins: JoinNotice | None = None
+        """Live recovery: says whether this node's fresh ranks joined a running job (`axond.worker.joinback`)."""
+        self._rejoins = False
+        """Live recovery went on without this node and its worker joins the job again (one restart counted)."""
+        self._restarts_left = 0
 
     def request_stop(self, exit_code: int, reason: str) -> None:
         """Ask the runner to stop its ranks and return `exit_code` (from any thread)."""
@@ -213,6 +219,10 @@ class JobRunner:
             self._notice(f"job {spec.job!r}: no torch store for the ranks (MASTER_ADDR/MASTER_PORT unset): {e}")
             master = ""
         kept, self._kept = self._kept, None
+        self._restarts_left = joined.restarts_left
+        self._joins = JoinNotice(spec.job, gen, joined.restarts_left, self._rejoins, self._notice) \
+            if spec.live_recovery and kept is None and gen > 1 else None
+        self._rejoins = False
         try:
             specs = self._rank_specs(joined, master)
             if kept is None:
@@ -311,9 +321,11 @@ class JobRunner:
                     return JobOutcome(failure.exit_code, f"{message} (and the coordinator was not told: {e})",
                                       error=e if isinstance(e, CoordinatorError) else None)
                 if reply.left_job:
-                    gone = f"{message}; job {spec.job!r} goes on without this node (live recovery)"
-                    self._notice(gone)
-                    return JobOutcome(failure.exit_code, gone)
+                    if rejoin_after_left(spec.job, message, self._restarts_left, self._notice):
+                        self._rejoins = True
+                        return None
+                    return JobOutcome(failure.exit_code, f"{message}; job {spec.job!r} goes on without this node "
+                                      "(live recovery)")
                 if reply.will_restart and not self._stop.is_set():
                     self._notice(f"job {spec.job!r} restarts as generation {reply.generation}")
                     return None
@@ -330,6 +342,8 @@ class JobRunner:
             if nudges is not None and nudges.due(time.monotonic()):
                 self._hb.beat_now()  # a local rank lost a peer: hear of the next generation now
             beat = self._hb.latest(spec.job)
+            if self._joins is not None:
+                self._joins.check(beat)
             if beat is not None and self._moves_live(beat, gen, ranks):
                 if nudges is not None:
                     nudges.clear()

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 MEMBERSHIP_FILE_ENV = "AXOND_MEMBERSHIP_FILE"
 LIVE_ENV = "AXOND_LIVE_RECOVERY"
+MAX_WORLD_ENV = "AXOND_LIVE_MAX_WORLD"
+"""The most ranks the job may grow to (`--nnodes` MAX x `--nproc-per-node`): the trainer's default virtual ranks."""
 
 
 def membership_path(directory: str, local_rank: int) -> str:

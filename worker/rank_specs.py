@@ -34,6 +34,7 @@ def rank_specs(conn: ConnectOptions, spec: JobSpec, node_id: str, joined: pb.Joi
     base.update(torchrun_env(joined, spec.job, spec.max_restarts, master, conn.env))
     if spec.live_recovery:
         base[live.LIVE_ENV] = "1"
+        base[live.MAX_WORLD_ENV] = str(spec.max_nodes * spec.nproc_per_node)
     specs = []
     for local_rank in range(joined.local_world_size):
         rank = joined.rank_offset + local_rank

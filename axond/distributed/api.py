@@ -120,7 +120,8 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
         _owned = owned
         install_failure_hook()  # reporting as `env` says: the group's `track` configured it
         _local_rank = int(local_rank if local_rank is not None else env.local_rank or 0)
-        membership.configure(env.membership_file if env.live_recovery else None, env.generation, env.live_wait_s)
+        membership.configure(env.membership_file if env.live_recovery else None, env.generation, env.live_wait_s,
+                             env.live_max_world)
         if env.live_recovery and env.membership_file:
             live_watch.start()  # a peer cut off (no EOF to come): end the blocked ops at the worker's word
         defaults.install(group)

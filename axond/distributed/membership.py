@@ -68,10 +68,12 @@ def nudge(path: str) -> None:
 class LiveMembership:
     """This process's part in a live job: its membership file and the generation its default group belongs to."""
 
-    def __init__(self, path: str, generation: int, wait_s: float) -> None:
+    def __init__(self, path: str, generation: int, wait_s: float, max_world: int = 0) -> None:
         self.path = path
         self.generation = generation
         self.wait_s = wait_s
+        self.max_world = max_world
+        """The most ranks the job may grow to (`AXOND_LIVE_MAX_WORLD`; 0: unknown)."""
         self.ended = generation
         """The latest generation for which this process's older groups were ended (by `end`)."""
         self._lock = threading.Lock()
@@ -128,15 +130,15 @@ class LiveMembership:
 _live: LiveMembership | None = None
 
 
-def configure(path: str | None, generation: int, wait_s: float) -> None:
+def configure(path: str | None, generation: int, wait_s: float, max_world: int = 0) -> None:
     """Set up (or, without `path`, turn off) live recovery for this process's default group of `generation`."""
     global _live
     if not path:
         _live = None
     elif _live is None or _live.path != path:
-        _live = LiveMembership(path, generation, wait_s)
+        _live = LiveMembership(path, generation, wait_s, max_world)
     else:
-        _live.generation, _live.wait_s = generation, wait_s
+        _live.generation, _live.wait_s, _live.max_world = generation, wait_s, max_world
 
 
 def current() -> LiveMembership | None:

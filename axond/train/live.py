@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from axond.checkpoint.api import ObjectCollectives
+from axond.distributed.boundary import moved_on
 from axond.distributed.diagnostics.steps import mark_step
 from axond.distributed.reform import reform
 from axond.errors import DistributedError, MembershipChanged
 from axond.nn.module import Module
 from axond.observe import timeline
 from axond.parallel import DistributedSampler
+from axond.train import join
 from axond.train.agreed import AgreedState
 from axond.train.progress import Progress
 from axond.train.virtual import VirtualGradients
@@ -86,18 +88,38 @@ class VirtualSteps:
         self.trainer = trainer
         self.virtual = virtual
         self.seed = seed
-        self.samplers = [DistributedSampler(len(trainer.dataset), virtual, v, shuffle=shuffle, seed=seed)
-                         for v in range(virtual)]
-        self.grads = VirtualGradients(list(trainer.module.parameters()), virtual, deterministic)
-        self.grads.layout(trainer.group)
+        self.shuffle = shuffle
+        self.deterministic = deterministic
+        self.resize(virtual)
         self.generators = _generators(trainer.module)
-        self.totals = np.zeros((virtual, 2), np.float64)
-        """Per virtual rank: (loss sum, samples) of the epoch so far, the same on every rank."""
         self.pending = False
         """The last step's gradient is gathered and averaged, its commit not completed."""
         self.recoveries: list[Recovery] = []
         self.agreed = AgreedState(trainer, trainer.replicas) if trainer.replicas is not None else None
         """The last state the replicas agreed on (digest_every=), and the divergences left behind (`agreed`)."""
+        self.transfers: list[join.StateTransfer] = []
+        """The state sent to (or, first, received by) ranks that joined the running job (`axond.train.join`)."""
+
+    def resize(self, virtual: int) -> None:
+        """Train on `virtual` virtual ranks (at construction, or a joiner adopting the running job's number)."""
+        t = self.trainer
+        self.virtual = virtual
+        self.samplers = [DistributedSampler(len(t.dataset), virtual, v, shuffle=self.shuffle, seed=self.seed)
+                         for v in range(virtual)]
+        self.grads = VirtualGradients(list(t.module.parameters()), virtual, self.deterministic)
+        self.grads.layout(t.group)
+        self.totals = np.zeros((virtual, 2), np.float64)
+        """Per virtual rank: (loss sum, samples) of the epoch so far, the same on every rank."""
+
+    def join_running(self) -> bool:
+        """At the start of `fit` in a live job: whether this rank joined a running job and took its state from a live
+        peer (then nothing is resumed from storage)."""
+        if not join.live_job():
+            return False
+        moved = join.join_running(self)
+        if moved is not None:
+            self.transfers.append(moved)
+        return moved is not None
 
     def steps_per_epoch(self) -> tuple[int, int]:
         t = self.trainer
@@ -146,6 +168,9 @@ class VirtualSteps:
     def _step(self, indices: list[np.ndarray], micro: int) -> int:
         t = self.trainer
         self.pending = False
+        grown = moved_on(t.group)  # a node joined (or left): every rank leaves this generation before the step
+        if grown is not None:
+            raise grown
         used = self._compute(indices, t.position.step, micro)
         self.grads.gather()
         self.pending = True
@@ -161,17 +186,16 @@ class VirtualSteps:
             group = reform()
             t.group, t.comm = group, ObjectCollectives(group)
             t.rank, t.world_size, t.data_replicas = group.rank, group.size, group.size
+            join.check_fits(group.size, self.virtual)
             self.grads.layout(group)
-            mine = np.array([t.position.global_step, int(self.pending)], np.int64)
-            try:
-                agreed = group.all_gather(mine)
+            try:  # agree on the last committed step; ranks that joined get the state (`axond.train.join`)
+                settled = join.settle(self, group, fresh=False, roll_forward=roll_forward)
             except MembershipChanged as again:
                 error = again
                 continue
-            forward = roll_forward([int(s) for s in agreed[:, 0]], t.position.global_step, self.pending)
-            if forward:
-                self._apply()
-            self.pending = False
+            forward = settled.rolled_forward
+            if settled.transfer is not None:
+                self.transfers.append(settled.transfer)
             if timeline.TRACER is not None:  # from the cut collective's error to the agreed step
                 timeline.TRACER.since("live.reform", "live", span, step=step, world_before=before,
                                       world_after=group.size, generation=error.generation, reason=error.reason,
@@ -219,6 +243,7 @@ class VirtualSteps:
             if pos.step < steps:
                 continue
             self._end_epoch(epochs, seen / max(time.perf_counter() - start, 1e-9))
+        self._admit_at_end()
         return True
 
     def _agree(self) -> bool:
@@ -231,6 +256,12 @@ class VirtualSteps:
             except MembershipChanged as e:
                 self._recover(e)
         return self.agreed.check(self.totals)
+
+    def _admit_at_end(self) -> None:
+        """A node that joined during the last step is admitted before the loop returns (it receives the final state),
+        rather than left waiting for ranks that are gone."""
+        while (grown := moved_on(self.trainer.group)) is not None:
+            self._recover(grown)
 
     def loss(self) -> float:
         """The epoch's mean loss so far over every virtual rank (summed in virtual-rank order: the same everywhere)."""

@@ -79,7 +79,8 @@ class DistributedTrainer:
     state kept in memory (`axond.train.agreed`).
     virtual_ranks: ("ddp") train on this many virtual data-parallel ranks, each with its data shard and random stream,
     their gradients summed in a fixed order, so that the parameters do not depend on the world size
-    (`axond.train.live`); default: the group's size when the job recovers live (`axond worker --live-recovery`), where
+    (`axond.train.live`); default, when the job recovers live (`axond worker --live-recovery`): the most ranks it may
+    grow to (`--nnodes` MAX x `--nproc-per-node`), at least the group's size, where
     a `MembershipChanged` is then caught, the group re-formed and the cut step run again; else off. deterministic:
     with virtual ranks, sum the gradients in virtual-rank order (bit-identical at every world size; an all_gather),
     or, False, in whatever order an all_reduce sums them (fewer bytes; equal up to float rounding).
@@ -129,8 +130,10 @@ class DistributedTrainer:
             raise ValueError(f"digest_every must be >= 1 and needs replicated parameters (parallel in {COMPARABLE}), got "
                              f"{digest_every} with parallel={parallel!r}: FSDP, tp and pipeline ranks hold shards")
         self.group = group if group is not None else _default_group()
-        if virtual_ranks is None and parallel == "ddp" and membership.current() is not None:
-            virtual_ranks = self.group.size  # a live job: the math must not change when a node leaves
+        live = membership.current()
+        if virtual_ranks is None and parallel == "ddp" and live is not None:
+            # a live job: the math must not change when a node leaves, nor when the job grows to its MAX
+            virtual_ranks = max(self.group.size, live.max_world)
         if virtual_ranks is not None and (parallel != "ddp" or eval_dataset is not None):
             raise ValueError(f"virtual_ranks ({virtual_ranks}) works with parallel='ddp' without eval_dataset so far; "
                              f"got parallel={parallel!r}")
@@ -243,7 +246,8 @@ class DistributedTrainer:
         """Train until `epochs` epochs are done (resuming first); returns the per-epoch history."""
         if epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {epochs}")
-        self.resumed_from = self.resume()
+        joined = self.virtual is not None and self.virtual.join_running()  # a live job's new rank: state from a peer
+        self.resumed_from = None if joined else self.resume()
         pos = self.position
         if self.replicas is not None:
             self.replicas.rollbacks = 0  # MAX_ROLLBACKS counts per fit

@@ -5,6 +5,7 @@
     membership.py  registered nodes, node secrets, heartbeats, failure detection
     lifecycle.py   jobs from rendezvous to their end: join, freeze, generations, restarts, the job's end
     failures.py    lost nodes, failure and exit reports, live recovery's re-formation with the survivors
+    growth.py      live recovery's growth: a node joining a running live job below MAX, beside its running ranks
     rendezvous.py  one rendezvous round: collect joiners, freeze the membership, assign ranks
     job_kv.py      the store calls of each job, scoped to its current generation
     kv_space.py    one generation's keys and barriers, charged to a byte budget

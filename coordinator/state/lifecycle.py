@@ -23,6 +23,7 @@ from axond.coordinator.state.errors import (
     check_positive,
     short,
 )
+from axond.coordinator.state.growth import charge_rejoin, grow_live
 from axond.coordinator.state.jobs import EventLog, FinishedEvent, InfoEvent, Job, JobState
 from axond.coordinator.state.membership import Membership, Node
 from axond.coordinator.state.rendezvous import Member, Round
@@ -156,8 +157,11 @@ class JobLifecycle:
             raise InvalidArgument(
                 f"job {short(job)} would have more than {limits.max_world_size} ranks (max_world_size)"
             )
+        rejoins = j.live and node_id in j.left
+        if rejoins:
+            charge_rejoin(j, node)
         node.job = job
-        if node_id in j.left:  # joining again: it is in the job once more
+        if rejoins:  # joining again: it is in the job once more
             j.left.remove(node_id)
         self.members.mark(node)
         self.ctx.mark_job(job)
@@ -170,7 +174,14 @@ class JobLifecycle:
                     )
                 return self._assignment(j, node_id)
             self.waiting_next.setdefault(job, {})[node_id] = (node.order_key, nproc)
-            if len(rnd.members or []) < j.max_nodes:
+            if len(rnd.members or []) < j.max_nodes and j.live:  # the running ranks go on, the newcomer joins them
+                try:
+                    grow_live(j, node, self.members, self.bump, now, rejoins)
+                except FailedPrecondition:
+                    self.waiting_next[job].pop(node_id, None)
+                    node.job = ""
+                    raise
+            elif len(rnd.members or []) < j.max_nodes:
                 self.bump(j, f"node {node_id} ({node.hostname}) joined; re-forming with more nodes", False, 0, now)
             return None
         rnd.add(node_id, node.order_key, nproc, now)

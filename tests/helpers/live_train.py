@@ -10,6 +10,9 @@ With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer ch
 LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none of this worker's ranks; "stubborn":
 its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
 10 ms until it is killed (what the fencing test watches).
+LIVE_TEST_WAIT_JOIN=K[:W] (tests/worker/test_worker_live_join.py): after step K every rank of a world smaller than W
+(default 3) waits for the worker's word of the job's next generation (a node joining). LIVE_TEST_PACE_S=S: every rank
+of such a world sleeps S seconds after each step (a node then joins mid-run, wherever the steps are).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class Record(Callback):
         self.hangs = (role == "" and os.environ["RANK"] == "2") or (
             role == "stubborn" and os.environ["LOCAL_RANK"] == "0")
         self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # closed at exit
+        wait = os.environ.get("LIVE_TEST_WAIT_JOIN", "-1").split(":")
+        self.wait_join, self.full_world = int(wait[0]), int(wait[1]) if len(wait) > 1 else 3
+        self.pace = float(os.environ.get("LIVE_TEST_PACE_S", "0"))
 
     def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
         step = int(metrics["global_step"])
@@ -82,9 +88,23 @@ class Record(Callback):
                                    "hash": params_hash(trainer),
                                    "mono": time.monotonic()}) + "\n")
         self.log.flush()
+        if self.pace and trainer.world_size < self.full_world:
+            time.sleep(self.pace)
+        if step == self.wait_join and trainer.world_size < self.full_world:
+            wait_for_next_generation()
         if self.hangs and step == self.hang_step and not any(self.out.glob("hang-*")):
             (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
             time.sleep(HANG_S)
+
+
+def wait_for_next_generation(timeout: float = 90.0) -> None:
+    """Stay at this step boundary until the worker says the job moves on (a node joins): the test starts the
+    replacement while the survivors wait here, so that it joins at this boundary whatever the machine's speed."""
+    from axond.distributed import membership
+
+    live = membership.current()
+    if live is not None:
+        live.wait(timeout)
 
 
 def stamp_until_killed(path: Path) -> None:
@@ -114,8 +134,10 @@ def main() -> None:
     history = trainer.fit(3)
     np.savez(out / f"params-{os.getpid()}.npz", **trainer.module.state_dict())
     recoveries = [dataclasses.asdict(r) for r in trainer.virtual.recoveries] if trainer.virtual else []
+    transfers = [dataclasses.asdict(t) for t in trainer.virtual.transfers] if trainer.virtual else []
     (out / f"end-{os.getpid()}.json").write_text(json.dumps({
         "pid": os.getpid(), "rank": trainer.rank, "world": trainer.world_size, "recoveries": recoveries,
+        "transfers": transfers,
         "losses": [h["loss"] for h in history], "generation": os.environ["AXOND_GENERATION"],
         "first_generation": first_generation,
         "mono": time.monotonic(), "wall": time.time()}))
