@@ -6,6 +6,8 @@ argv: OUT_DIR HANG_STEP [CHECKPOINT_DIR]. Every process records its start (`star
 sleeps) so that the test can SIGKILL it while the others wait in the next step's collectives; HANG_STEP -1: nobody
 stops; it stops once per run (a restarted rank 2 does not).
 With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer checkpoints after every step.
+LIVE_TEST_PARALLEL (the worker's environment): the trainer's `parallel` ("ddp" unless given; "zero": ZeRO-1 with
+buddy copies); LIVE_TEST_COPY_EVERY: its `copy_every` ("none": no buddy copies).
 
 LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none of this worker's ranks; "stubborn":
 its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
@@ -104,13 +106,17 @@ def stamp_until_killed(path: Path) -> None:
 
 def main() -> None:
     out, hang_step = Path(sys.argv[1]), int(sys.argv[2])
-    checkpoints = {"checkpoint_dir": sys.argv[3], "checkpoint_every": 1} if len(sys.argv) > 3 else {}
+    options: dict[str, Any] = {"checkpoint_dir": sys.argv[3], "checkpoint_every": 1} if len(sys.argv) > 3 else {}
+    options["parallel"] = os.environ.get("LIVE_TEST_PARALLEL", "ddp")
+    if os.environ.get("LIVE_TEST_COPY_EVERY"):
+        every = os.environ["LIVE_TEST_COPY_EVERY"]
+        options["copy_every"] = None if every == "none" else int(every)
     if os.environ.get("LIVE_TEST_ROLE") == "stubborn" and os.environ["LOCAL_RANK"] == "1":
         stamp_until_killed(out / f"alive-{os.getpid()}")
     (out / f"start-{os.environ['RANK']}-{os.getpid()}").write_text("")
     first_generation = os.environ["AXOND_GENERATION"]
     axond.init_process_group("tcp", timeout=GROUP_TIMEOUT_S)
-    trainer = build_trainer(None, [Record(out, hang_step)], **checkpoints)
+    trainer = build_trainer(None, [Record(out, hang_step)], **options)
     history = trainer.fit(3)
     np.savez(out / f"params-{os.getpid()}.npz", **trainer.module.state_dict())
     recoveries = [dataclasses.asdict(r) for r in trainer.virtual.recoveries] if trainer.virtual else []
