@@ -261,8 +261,8 @@ class VirtualSteps:
                                    "(give the trainer checkpoint_dir= and checkpoint_every=)", op="reform",
                                    group=group.name, rank=group.rank)
         if t.rank == 0:
-            warnings.warn(f"axond.train: {why}; falling back to the checkpoint {path} read from storage", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(f"axond.train: {why}; falling back to the checkpoint {path} read from storage",
+                          RuntimeWarning, stacklevel=3)
         t._load(path)
         self.zero.tag = t.position.global_step
         self.fell_back = path
