@@ -14,6 +14,7 @@ step not committed everywhere) is never used.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +121,8 @@ class BuddyCopies:
         self.holdings: list[Holding] = []
         self.sent = -1
         """The tag of the last copy posted to the buddy."""
+        self.busy_s = 0.0
+        """Seconds the training thread spent on copies (packing, posting, waiting for them): their cost on the step."""
 
     def place(self, group: ProcessGroup, nodes: list[int]) -> None:
         """The buddies of the ranks of `group` (their nodes in `nodes`); forgets the copies of the old layout."""
@@ -130,7 +133,6 @@ class BuddyCopies:
         world, virtual = group.size, self.zero.virtual
         self.holdings = [Holding(src, carried(src, world, virtual), []) for src in range(world)
                          if table[src] == group.rank and src != group.rank]
-        self.send_rows = np.empty(0, self.zero.flat.dtype)
         self.send_scalars = np.empty(0, np.float64)
 
     def _buffers(self, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -140,8 +142,13 @@ class BuddyCopies:
     def after_step(self) -> None:
         """After a step was applied locally: keep its gradient for the sources' shards; post copies if due."""
         z = self.zero
+        began = time.perf_counter()
         for h in self.holdings:
-            h.keep_grad(z.grad_tag, z.grad[z.span(h.shards)], self.every + 1)
+            if self.every == 1:  # only this step's gradient can be needed, and `grad` holds it until the next step
+                h.grads = {z.grad_tag: z.grad[z.span(h.shards)]}
+            else:
+                h.keep_grad(z.grad_tag, z.grad[z.span(h.shards)], self.every + 1)
+        self.busy_s += time.perf_counter() - began
 
     def due(self) -> bool:
         return self.zero.tag % self.every == 0
@@ -151,28 +158,36 @@ class BuddyCopies:
         (asynchronously: `settle()` waits)."""
         if self.buddy < 0:
             return
+        began = time.perf_counter()
         z = self.zero
-        rows_shape, scalars_shape = z.rows_shape(len(z.mine))
-        if self.send_rows.shape != rows_shape:
-            self.send_rows, self.send_scalars = self._buffers(len(z.mine))
-        for i, v in enumerate(z.mine):
-            z.pack(v, self.send_rows[i], self.send_scalars[i])
-        batch: list[tuple[str, np.ndarray, int, int]] = [
-            ("isend", self.send_rows, self.buddy, TAG), ("isend", self.send_scalars, self.buddy, TAG + 1)]
+        if self.send_scalars.shape != z.rows_shape(len(z.mine))[1]:
+            self.send_scalars = self._buffers(len(z.mine))[1]
+        batch: list[tuple[str, np.ndarray, int, int]] = [("isend", self.send_scalars, self.buddy, TAG)]
+        for i, v in enumerate(z.mine):  # the arrays themselves, no copy: none changes before `settle()`
+            arrays = z.arrays(v, self.send_scalars[i])
+            batch += [("isend", a, self.buddy, TAG + 1 + i * len(arrays) + j) for j, a in enumerate(arrays)]
         for h in self.holdings:
             if not h.slots or h.slots[0].rows.shape != z.rows_shape(len(h.shards))[0]:
                 h.slots = [Slot(*self._buffers(len(h.shards))) for _ in range(2)]
             slot = h.begin(z.tag)
-            batch += [("irecv", slot.rows, h.source, TAG), ("irecv", slot.scalars, h.source, TAG + 1)]
+            width = slot.rows.shape[1]
+            batch += [("irecv", slot.scalars, h.source, TAG)]
+            batch += [("irecv", slot.rows[i, j], h.source, TAG + 1 + i * width + j)
+                      for i in range(len(h.shards)) for j in range(width)]
         self.works = self.group.batch_isend_irecv(batch)
         self.sent = z.tag
+        self.busy_s += time.perf_counter() - began
 
     def settle(self) -> None:
         """Wait for the copies in flight (raises the group's error, `MembershipChanged` included)."""
         works, self.works = self.works, []
-        for work in works:
-            if work is not None:
-                work.wait()
+        began = time.perf_counter()
+        try:
+            for work in works:
+                if work is not None:
+                    work.wait()
+        finally:
+            self.busy_s += time.perf_counter() - began
         for h in self.holdings:
             h.received()
 

@@ -128,16 +128,19 @@ class VirtualZero(Optimizer):
         arrays, scalars = self.schema()
         return (count, 1 + len(arrays), self.shard), (count, 1 + len(scalars))
 
-    def pack(self, v: int, rows: np.ndarray, scalars: np.ndarray) -> None:
-        """Shard `v` (one this rank carries) into `rows` (1 + arrays, shard) and `scalars` (1 + scalars)."""
+    def arrays(self, v: int, scalars: np.ndarray) -> list[np.ndarray]:
+        """Shard `v`'s arrays in `pack`'s row order (the live arrays, not copies); its scalars into `scalars`."""
         st = self.optim.state[v - self.mine.start]
         arrays, names = self.schema()
-        rows[0] = self.flat[self.span(range(v, v + 1))]
-        for i, key in enumerate(arrays, 1):
-            rows[i] = st[key]
         scalars[0] = self.tag
         for i, key in enumerate(names, 1):
             scalars[i] = st[key]
+        return [self.flat[self.span(range(v, v + 1))], *(st[key] for key in arrays)]
+
+    def pack(self, v: int, rows: np.ndarray, scalars: np.ndarray) -> None:
+        """Shard `v` (one this rank carries) into `rows` (1 + arrays, shard) and `scalars` (1 + scalars)."""
+        for i, array in enumerate(self.arrays(v, scalars)):
+            rows[i] = array
 
     def unpack(self, rows: np.ndarray, scalars: np.ndarray, like: dict[str, Any] | None = None) -> dict[str, Any]:
         """The state in `rows`/`scalars` (copies), scalars cast like this rank's own state's."""
