@@ -122,7 +122,7 @@ class BuddyCopies:
         self.sent = -1
         """The tag of the last copy posted to the buddy."""
         self.busy_s = 0.0
-        """Seconds the training thread spent on copies (packing, posting, waiting for them): their cost on the step."""
+        """Seconds the training thread spent on copies (keeping gradients, posting, waiting): their cost on the step."""
 
     def place(self, group: ProcessGroup, nodes: list[int]) -> None:
         """The buddies of the ranks of `group` (their nodes in `nodes`); forgets the copies of the old layout."""
