@@ -59,6 +59,8 @@ class Holding:
     expected: int = -1
     grads: dict[int, np.ndarray] = field(default_factory=dict)
     """Global step -> the averaged gradient of the source's shards at that step (its elements of `VirtualZero.grad`)."""
+    spare: list[np.ndarray] = field(default_factory=list)
+    """Buffers for `grads`, allocated (and touched) when the holding is made, not during a step."""
 
     def begin(self, tag: int) -> Slot:
         """A receive of the copy tagged `tag` starts: into the slot not holding the newest complete copy."""
@@ -90,8 +92,8 @@ class Holding:
 
     def keep_grad(self, step: int, grad: np.ndarray, limit: int) -> None:
         """Keep the gradient of `step` for the source's shards (reusing the oldest buffer beyond `limit`)."""
-        buf = None
-        if len(self.grads) >= limit:
+        buf = self.spare.pop() if self.spare else None
+        if buf is None and len(self.grads) >= limit:
             buf = self.grads.pop(min(self.grads))
         if buf is None or buf.shape != grad.shape:
             buf = np.empty_like(grad)
@@ -133,6 +135,10 @@ class BuddyCopies:
         world, virtual = group.size, self.zero.virtual
         self.holdings = [Holding(src, carried(src, world, virtual), []) for src in range(world)
                          if table[src] == group.rank and src != group.rank]
+        if self.every > 1:  # the gradients kept between copies: every + 1 buffers, zeroed now so that no step faults
+            for h in self.holdings:
+                size = len(h.shards) * self.zero.shard
+                h.spare = [np.zeros(size, self.zero.flat.dtype) for _ in range(self.every + 1)]
         self.send_scalars = np.empty(0, np.float64)
 
     def _buffers(self, count: int) -> tuple[np.ndarray, np.ndarray]:
