@@ -3,16 +3,20 @@ was not committed everywhere is never used), the replay that advances an older c
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from axond import nn
 from axond.distributed import ProcessGroup
 from axond.errors import DistributedError
+from axond.nn.module import Parameter
 from axond.nn.optim import AdamW
-from axond.parallel.zero.virtual import VirtualZero
-from axond.train.buddy import Holding, Slot, buddies
-from axond.train.reassemble import providers
+from axond.parallel.zero.virtual import VirtualZero, carried
+from axond.testing import run_threads
+from axond.train.buddy import BuddyCopies, Holding, Slot, buddies
+from axond.train.reassemble import Reassembled, providers, reassemble
 
 
 def test_the_buddy_is_the_next_rank_on_another_node() -> None:
@@ -102,3 +106,64 @@ def test_an_older_copy_is_advanced_bit_for_bit_as_its_owner_stepped() -> None:
 def test_each_shard_comes_from_its_best_offer_or_is_lost() -> None:
     table = np.array([[3, 0, 2, 0], [0, 3, 1, 0]])  # rank 0 owns shard 0 and holds a copy of 2; rank 1 owns 1
     assert providers(table) == [0, 1, 0, -1]
+
+
+STEPS = 4
+
+
+def _grads(params: list[Parameter], step: int) -> None:
+    rng = np.random.default_rng(100 + step)  # the same averaged gradient on every rank, as the virtual-rank gather
+    for p in params:
+        p.grad = rng.standard_normal(p.shape).astype(np.float32)
+
+
+def _params() -> list[Parameter]:
+    rng = np.random.default_rng(1)
+    return list(nn.Sequential(nn.Linear(5, 9, rng=rng), nn.Linear(9, 4, rng=rng)).parameters())
+
+
+def _survive(group: ProcessGroup, last_copy_lands: bool) -> tuple[Reassembled, np.ndarray, list[dict[str, Any]]] | None:
+    """Three ranks step ZeRO-1 with buddy copies; rank 2 leaves after step STEPS (its last copy landed or not); ranks 0
+    and 1 rebuild every shard over a group of two. Returns (the result, the parameters, the states carried)."""
+    params = _params()
+    zero = VirtualZero(params, AdamW, group, 3, lr=0.05)
+    copies = BuddyCopies(zero, 1)
+    copies.place(group, [0, 1, 2])
+    copies.post()
+    for step in range(1, STEPS + 1):
+        copies.settle()
+        _grads(params, step)
+        zero.step()
+        copies.after_step()
+        zero.publish()
+        if step < STEPS or last_copy_lands:
+            copies.post()
+    copies.settle()
+    survivors = group.new_group([0, 1])
+    if group.rank == 2:
+        return None  # gone: everything it carried lives on in rank 0's copy
+    done = reassemble(zero, copies.holdings, survivors, STEPS)
+    return done, zero.flat.copy(), [dict(st) for st in zero.optim.state]
+
+
+@pytest.mark.parametrize("last_copy_lands", [True, False])
+def test_survivors_rebuild_a_lost_shard_from_its_copy_as_if_nobody_left(last_copy_lands: bool) -> None:
+    """With the last copy landed it is used as is; without, the copy of the step before is advanced by the kept
+    gradient: either way the parameters and the state equal those of one process that stepped every shard."""
+    params = _params()
+    whole = VirtualZero(params, AdamW, ProcessGroup.mock(), 3, lr=0.05)
+    for step in range(1, STEPS + 1):
+        _grads(params, step)
+        whole.step()
+    results = run_threads(lambda g: _survive(g, last_copy_lands), 3, 60.0)
+    assert results[2] is None
+    for rank, result in enumerate(results[:2]):
+        assert result is not None
+        done, flat, states = result
+        assert done.lost == [] and done.from_copies == [2]
+        assert np.array_equal(flat, whole.flat)
+        for st, v in zip(states, carried(rank, 2, 3)):
+            want = whole.optim.state[v]
+            assert st["step"] == want["step"] == STEPS
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert np.array_equal(st[key], want[key]), (rank, v, key)
