@@ -224,7 +224,7 @@ class VirtualSteps:
             if timeline.TRACER is not None:  # from the cut collective's error to the agreed step
                 timeline.TRACER.since("live.reform", "live", span, step=step, world_before=before,
                                       world_after=group.size, generation=error.generation, reason=error.reason,
-                                      rolled_forward=forward)
+                                      rolled_forward=forward, from_copies=copied, checkpoint=self.fell_back)
             self.recoveries.append(Recovery(step, before, group.size, error.generation, error.reason, error_at,
                                             time.monotonic(), forward, tuple(copied), self.fell_back))
             return

@@ -61,7 +61,7 @@ def _ends(out: Path) -> dict[int, dict[str, Any]]:
 def test_zero1_survivors_rebuild_the_lost_shard_from_its_buddy_copy_bit_identical(procs: Procs,
                                                                                    tmp_path: Path) -> None:
     out = tmp_path / "zero"
-    finished, killed = _run(procs, out, {})
+    finished, killed = _run(procs, out, {"AXOND_TIMELINE": str(tmp_path / "timeline")})
     codes = sorted(f.code for f in finished)
     assert codes[:2] == [0, 0] and codes[2] != 0, [(f.code, f.stderr[-1500:]) for f in finished]
     reference = _reference()
@@ -76,6 +76,9 @@ def test_zero1_survivors_rebuild_the_lost_shard_from_its_buddy_copy_bit_identica
         assert [s["step"] for s in done] == list(range(1, STEPS + 1))  # the cut step ran again, once
         assert [s["hash"] for s in done] == reference  # after every step, not only the last
         assert next(s for s in done if s["step"] == HANG_STEP + 1)["world"] == 2
+        (trace,) = (tmp_path / "timeline").glob(f"rank-*-pid-{pid}.json")
+        (reform,) = [e for e in json.loads(trace.read_text()) if e.get("name") == "live.reform"]
+        assert reform["args"]["from_copies"] == [2] and reform["args"]["checkpoint"] is None
 
 
 @pytest.mark.slow
