@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from axond.distributed.membership import surfaced
 from axond.distributed.process_group import ProcessGroup
 from axond.errors import DistributedError
 from axond.parallel.zero.virtual import VirtualZero, carried
@@ -185,13 +186,16 @@ class BuddyCopies:
         self.busy_s += time.perf_counter() - began
 
     def settle(self) -> None:
-        """Wait for the copies in flight (raises the group's error, `MembershipChanged` included)."""
+        """Wait for the copies in flight (raises the group's error: in a live job, `MembershipChanged` once the worker
+        says the job moved on, as a collective would)."""
         works, self.works = self.works, []
         began = time.perf_counter()
         try:
             for work in works:
                 if work is not None:
                     work.wait()
+        except DistributedError as e:  # an async op's error is raised as it is: make it what a collective raises
+            raise surfaced(e, self.group.abort) from None
         finally:
             self.busy_s += time.perf_counter() - began
         for h in self.holdings:

@@ -68,6 +68,8 @@ class Recovery:
     """This rank applied the cut step's gradient after the re-formation (it had been committed elsewhere)."""
     from_copies: tuple[int, ...] = ()
     """ZeRO-1: the virtual shards rebuilt from buddy copies (in memory, nothing read from storage)."""
+    replayed: tuple[int, ...] = ()
+    """ZeRO-1: of `from_copies`, the shards whose copy was of the step before, advanced by the gradients kept since."""
     checkpoint: str | None = None
     """ZeRO-1: the checkpoint read instead, when both copies of a shard were lost."""
 
@@ -217,24 +219,25 @@ class VirtualSteps:
                 self._apply(publish=False)
             self.pending = False
             try:
-                copied = self._reshard(group)
+                copied, replayed = self._reshard(group)
             except MembershipChanged as again:
                 error = again
                 continue
             if timeline.TRACER is not None:  # from the cut collective's error to the agreed step
                 timeline.TRACER.since("live.reform", "live", span, step=step, world_before=before,
                                       world_after=group.size, generation=error.generation, reason=error.reason,
-                                      rolled_forward=forward, from_copies=copied, checkpoint=self.fell_back)
+                                      rolled_forward=forward, from_copies=copied, replayed=replayed,
+                                      checkpoint=self.fell_back)
             self.recoveries.append(Recovery(step, before, group.size, error.generation, error.reason, error_at,
-                                            time.monotonic(), forward, tuple(copied), self.fell_back))
+                                            time.monotonic(), forward, tuple(copied), tuple(replayed), self.fell_back))
             return
         raise error
 
-    def _reshard(self, group: Any) -> list[int]:
+    def _reshard(self, group: Any) -> tuple[list[int], list[int]]:
         """ZeRO-1: rebuild every shard at the agreed step in memory and carry the new block; post the new copies.
-        Returns the shards rebuilt from buddy copies."""
+        Returns the shards rebuilt from buddy copies, and those of them advanced from an older copy."""
         if self.zero is None:
-            return []
+            return [], []
         t = self.trainer
         nodes = self._nodes(group)
         done = reassemble(self.zero, self.copies.holdings if self.copies is not None else [], group,
@@ -244,7 +247,7 @@ class VirtualSteps:
         if self.copies is not None:
             self.copies.place(group, nodes)
             self.copies.post()
-        return done.from_copies
+        return done.from_copies, done.replayed
 
     def _lost(self, lost: list[int], group: Any) -> None:
         """Both copies of `lost` shards are gone: load the last checkpoint (and say so), or raise; never go on."""

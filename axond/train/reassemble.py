@@ -49,6 +49,8 @@ class Reassembled:
     """Virtual shards lost with both copies (then nothing changed: the caller must not go on with this state)."""
     from_copies: list[int]
     """Virtual shards rebuilt from a buddy copy (their carrier left)."""
+    replayed: list[int]
+    """Of those, the shards whose copy was of an earlier step, advanced by the gradients kept since."""
 
 
 def reassemble(zero: VirtualZero, holdings: list[Holding], group: ProcessGroup, agreed: int) -> Reassembled:
@@ -57,8 +59,9 @@ def reassemble(zero: VirtualZero, holdings: list[Holding], group: ProcessGroup, 
     source = providers(table)
     lost = [v for v, r in enumerate(source) if r < 0]
     copied = [v for v, r in enumerate(source) if r >= 0 and table[r, v] < OWN]
+    replayed = [v for v in copied if table[source[v], v] == ADVANCED]
     if lost:
-        return Reassembled(lost, copied)
+        return Reassembled(lost, copied, replayed)
     rows_shape, scalars_shape = zero.rows_shape(1)
     rows, scalars = np.empty(rows_shape[1:], zero.flat.dtype), np.empty(scalars_shape[1:], np.float64)
     like = dict(zero.optim.state[0])
@@ -76,7 +79,7 @@ def reassemble(zero: VirtualZero, holdings: list[Holding], group: ProcessGroup, 
             states[v] = zero.unpack(rows, scalars, like)
     zero.place(group, states)
     zero.tag = agreed
-    return Reassembled([], copied)
+    return Reassembled([], copied, replayed)
 
 
 def _advanced(zero: VirtualZero, holdings: list[Holding], v: int, agreed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,9 @@ sleeps) so that the test can SIGKILL it while the others wait in the next step's
 stops; it stops once per run (a restarted rank 2 does not).
 With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer checkpoints after every step.
 LIVE_TEST_PARALLEL (the worker's environment): the trainer's `parallel` ("ddp" unless given; "zero": ZeRO-1 with
-buddy copies); LIVE_TEST_COPY_EVERY: its `copy_every` ("none": no buddy copies).
+buddy copies); LIVE_TEST_COPY_EVERY: its `copy_every` ("none": no buddy copies); LIVE_TEST_HANG_IN="post": the rank
+that stops does so after step HANG_STEP's update and parameter gather but before it posts that step's buddy copy (its
+buddy then holds the copy of the step before).
 
 LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none of this worker's ranks; "stubborn":
 its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
@@ -77,6 +79,23 @@ class Record(Callback):
             role == "stubborn" and os.environ["LOCAL_RANK"] == "0")
         self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # closed at exit
 
+    def on_fit_start(self, trainer: DistributedTrainer) -> None:
+        copies = trainer.virtual.copies if trainer.virtual is not None else None
+        if not (self.hangs and os.environ.get("LIVE_TEST_HANG_IN") == "post" and copies is not None):
+            return
+        self.hangs, post = False, copies.post  # stops before posting its copy of HANG_STEP, not after the step
+
+        def hang_then_post() -> None:
+            if copies.zero.tag == self.hang_step:
+                self.hang()
+            post()
+        copies.post = hang_then_post  # type: ignore[method-assign]
+
+    def hang(self) -> None:
+        if not any(self.out.glob("hang-*")):
+            (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
+            time.sleep(HANG_S)
+
     def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
         step = int(metrics["global_step"])
         self.log.write(json.dumps({"rank": trainer.rank, "step": step, "world": trainer.world_size,
@@ -84,9 +103,8 @@ class Record(Callback):
                                    "hash": params_hash(trainer),
                                    "mono": time.monotonic()}) + "\n")
         self.log.flush()
-        if self.hangs and step == self.hang_step and not any(self.out.glob("hang-*")):
-            (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
-            time.sleep(HANG_S)
+        if self.hangs and step == self.hang_step:
+            self.hang()
 
 
 def stamp_until_killed(path: Path) -> None:

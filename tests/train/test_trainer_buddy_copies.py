@@ -160,7 +160,7 @@ def test_survivors_rebuild_a_lost_shard_from_its_copy_as_if_nobody_left(last_cop
     for rank, result in enumerate(results[:2]):
         assert result is not None
         done, flat, states = result
-        assert done.lost == [] and done.from_copies == [2]
+        assert done.lost == [] and done.from_copies == [2] and done.replayed == ([] if last_copy_lands else [2])
         assert np.array_equal(flat, whole.flat)
         for st, v in zip(states, carried(rank, 2, 3)):
             want = whole.optim.state[v]

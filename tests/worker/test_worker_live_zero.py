@@ -58,10 +58,16 @@ def _ends(out: Path) -> dict[int, dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_zero1_survivors_rebuild_the_lost_shard_from_its_buddy_copy_bit_identical(procs: Procs,
-                                                                                   tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["after-step", "before-copy"])
+def test_zero1_survivors_rebuild_the_lost_shard_from_its_buddy_copy_bit_identical(procs: Procs, tmp_path: Path,
+                                                                                   stop: str) -> None:
+    """after-step: rank 2's copy of the cut step landed and is used as is; before-copy: rank 2 stops before posting it
+    (its buddy waits for it and is cut there), and the copy of the step before is advanced by the kept gradient."""
     out = tmp_path / "zero"
-    finished, killed = _run(procs, out, {"AXOND_TIMELINE": str(tmp_path / "timeline")})
+    env = {"AXOND_TIMELINE": str(tmp_path / "timeline")}
+    if stop == "before-copy":
+        env["LIVE_TEST_HANG_IN"] = "post"
+    finished, killed = _run(procs, out, env)
     codes = sorted(f.code for f in finished)
     assert codes[:2] == [0, 0] and codes[2] != 0, [(f.code, f.stderr[-1500:]) for f in finished]
     reference = _reference()
@@ -72,6 +78,7 @@ def test_zero1_survivors_rebuild_the_lost_shard_from_its_buddy_copy_bit_identica
         (recovery,) = end["recoveries"]
         assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (3, 2, HANG_STEP), recovery
         assert recovery["from_copies"] == [2] and recovery["checkpoint"] is None  # rank 2's shard, from memory
+        assert recovery["replayed"] == ([2] if stop == "before-copy" else [])  # advanced from the step before's copy
         done = _steps(out, pid)
         assert [s["step"] for s in done] == list(range(1, STEPS + 1))  # the cut step ran again, once
         assert [s["hash"] for s in done] == reference  # after every step, not only the last
