@@ -15,10 +15,11 @@ import numpy as np
 
 from axond.checkpoint.adapters import ParamView, Views, _flat_views, model_views
 from axond.checkpoint.metadata import CheckpointError
-from axond.checkpoint.sharded import as_sharded, intersect, is_array, iter_leaves, local_slices
+from axond.checkpoint.sharded import ShardedTensor, as_sharded, intersect, is_array, iter_leaves, local_slices
 from axond.nn.device import Array, array_module, is_cupy_array, to_device, device_of
 from axond.nn.optim import AdamW, Optimizer
 from axond.parallel.zero.optimizer import ZeroRedundancyOptimizer
+from axond.parallel.zero.virtual import VirtualZero
 
 
 def init_optimizer_state(optimizer: Optimizer) -> None:
@@ -49,6 +50,13 @@ def _entries(optimizer: Optimizer, views: Views) -> list[tuple[dict[str, Any], A
                 names.append(views[id(p)][0].names)
             out.append((st, b.shard.data, _flat_views(b.layout, optimizer.group.rank, names)))
         return out
+    if isinstance(optimizer, VirtualZero):  # ZeRO-1 on virtual ranks: one flat shard per virtual rank carried
+        init_optimizer_state(optimizer.optim)
+        if any(id(p) not in views for p in optimizer.params):
+            raise CheckpointError("a parameter of the ZeRO-1 optimizer is not a parameter of the model")
+        names = [views[id(p)][0].names for p in optimizer.params]
+        return [(st, shard.data, _flat_views(optimizer.layout, v, names))
+                for v, st, shard in zip(optimizer.mine, optimizer.optim.state, optimizer.shards)]
     init_optimizer_state(optimizer)
     out = []
     for i, (p, st) in enumerate(zip(optimizer.params, optimizer.state)):
@@ -69,7 +77,10 @@ def optimizer_views(optimizer: Optimizer, views: Views) -> dict[str, Any]:
                     if tuple(value.shape) != tuple(data.shape):
                         raise CheckpointError(f"optimizer state {key!r} of {v.names[0]!r} has shape {tuple(value.shape)}, "
                                               f"not its parameter's {tuple(data.shape)}; axond.checkpoint cannot shard it")
-                    entry[key] = v.to_leaf(value)
+                    leaf, held = v.to_leaf(value), entry.get(key)
+                    if isinstance(held, ShardedTensor) and isinstance(leaf, ShardedTensor):  # one rank, two shards
+                        leaf = ShardedTensor(leaf.global_shape, leaf.dtype, held.chunks + leaf.chunks)
+                    entry[key] = leaf
                 else:
                     entry[key] = value
     return {"state": state, "defaults": dict(optimizer.defaults)}

@@ -97,7 +97,7 @@ def settle(steps: VirtualSteps, group: ProcessGroup, fresh: bool, roll_forward: 
     if not fresh and running and roll_forward is not None:
         forward = roll_forward([int(agreed[r, 0]) for r in running], t.position.global_step, steps.pending)
         if forward:
-            steps._apply()
+            steps._apply(publish=False)  # ZeRO-1: the re-formation re-shards (`VirtualSteps._reshard`)
     steps.pending = False
     if not running or len(running) == group.size:
         return Settled(forward, None)

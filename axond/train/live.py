@@ -1,4 +1,5 @@
-"""Data-parallel steps on virtual ranks that survive a membership change (`DistributedTrainer`, parallel="ddp").
+"""Data-parallel steps on virtual ranks that survive a membership change (`DistributedTrainer`, parallel="ddp" or
+"zero").
 
 Each step: every virtual rank this process carries runs its micro-batches (its data shard, its random stream), its
 gradient and loss go into its row; one all_gather brings every row and the rows are averaged in virtual-rank
@@ -8,18 +9,28 @@ the surviving ranks agree on the last committed step, and the cut step runs agai
 over the new world. A step is applied on every rank or none: a rank that completed the commit knows every rank
 entered it, so every rank holds that step's averaged gradient; a rank the failure cut after its gather applies it
 then ("rolls forward"), and none is ever applied twice.
+
+Under ZeRO-1 (`axond.parallel.zero.virtual`) each rank steps the optimizer for its block of virtual shards, then the
+blocks are all-gathered; each rank's block is copied to a buddy (`axond.train.buddy`) and, after a re-formation, the
+shards are rebuilt at the agreed step from the survivors and the copies and re-sharded over the new world
+(`axond.train.reassemble`).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
+import warnings
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+import axond.checkpoint as ckpt
 from axond.checkpoint.api import ObjectCollectives
 from axond.distributed.boundary import moved_on
 from axond.distributed.diagnostics.steps import mark_step
@@ -30,7 +41,10 @@ from axond.observe import timeline
 from axond.parallel import DistributedSampler
 from axond.train import join
 from axond.train.agreed import AgreedState
+from axond.parallel.zero.virtual import VirtualZero
+from axond.train.buddy import BuddyCopies
 from axond.train.progress import Progress
+from axond.train.reassemble import reassemble
 from axond.train.virtual import VirtualGradients
 
 if TYPE_CHECKING:
@@ -56,6 +70,12 @@ class Recovery:
     """time.monotonic() when the new group was formed and the ranks agreed on the step."""
     rolled_forward: bool
     """This rank applied the cut step's gradient after the re-formation (it had been committed elsewhere)."""
+    from_copies: tuple[int, ...] = ()
+    """ZeRO-1: the virtual shards rebuilt from buddy copies (in memory, nothing read from storage)."""
+    replayed: tuple[int, ...] = ()
+    """ZeRO-1: of `from_copies`, the shards whose copy was of the step before, advanced by the gradients kept since."""
+    checkpoint: str | None = None
+    """ZeRO-1: the checkpoint read instead, when both copies of a shard were lost."""
 
 
 def roll_forward(steps: Sequence[int], mine: int, pending: bool) -> bool:
@@ -72,6 +92,11 @@ def roll_forward(steps: Sequence[int], mine: int, pending: bool) -> bool:
     return newest == mine + 1
 
 
+def node_key() -> int:
+    """This rank's failure domain: the worker daemon that runs it (its host and process id)."""
+    return zlib.crc32(f"{socket.gethostname()}:{os.getppid()}".encode())
+
+
 def _generators(model: Module) -> list[np.random.Generator]:
     return [m.__dict__[attr] for _, m in model.named_modules() for attr in ("_gen", "rng", "generator")
             if isinstance(m.__dict__.get(attr), np.random.Generator)]
@@ -81,7 +106,7 @@ class VirtualSteps:
     """The training loop of `DistributedTrainer` on `virtual` data-parallel ranks (see the module docstring)."""
 
     def __init__(self, trainer: DistributedTrainer, virtual: int, seed: int, shuffle: bool,
-                 deterministic: bool = True) -> None:
+                 deterministic: bool = True, copy_every: int | None = 1) -> None:
         if virtual < trainer.world_size:
             raise ValueError(f"virtual_ranks={virtual} is fewer than the {trainer.world_size} ranks of the group; "
                              "each rank carries at least one virtual rank")
@@ -99,6 +124,18 @@ class VirtualSteps:
         """The last state the replicas agreed on (digest_every=), and the divergences left behind (`agreed`)."""
         self.transfers: list[join.StateTransfer] = []
         """The state sent to (or, first, received by) ranks that joined the running job (`axond.train.join`)."""
+        self.zero = trainer.optimizer if isinstance(trainer.optimizer, VirtualZero) else None
+        """ZeRO-1 on the virtual ranks (parallel="zero"), else None."""
+        self.copies = BuddyCopies(self.zero, copy_every) if self.zero is not None and copy_every else None
+        """The buddy copies of this rank's shards (None: off, or not ZeRO-1)."""
+        self.fell_back: str | None = None
+        """The checkpoint the last re-formation fell back to (both copies of a shard lost), if any."""
+        if self.copies is not None:
+            self.copies.place(trainer.group, self._nodes(trainer.group))
+
+    @staticmethod
+    def _nodes(group: Any) -> list[int]:
+        return [int(n) for n in group.all_gather(np.array([node_key()], np.int64)).reshape(-1)]
 
     def resize(self, virtual: int) -> None:
         """Train on `virtual` virtual ranks (at construction, or a joiner adopting the running job's number)."""
@@ -153,8 +190,9 @@ class VirtualSteps:
             used += samples
         return used
 
-    def _apply(self) -> None:
-        """Apply the gathered step: clip, optimizer step, losses, position."""
+    def _apply(self, publish: bool = True) -> None:
+        """Apply the gathered step: clip, optimizer step, losses, position; under ZeRO-1 then all-gather the updated
+        shards and post the buddy copies (`publish`; a step rolled forward in a re-formation is re-sharded instead)."""
         t = self.trainer
         self.grads.apply()
         if t.clip_norm is not None:
@@ -164,6 +202,14 @@ class VirtualSteps:
         self.pending = False
         t.position.step += 1
         t.position.global_step += 1
+        if self.zero is None:
+            return
+        if self.copies is not None:
+            self.copies.after_step()
+        if publish:
+            self.zero.publish()
+            if self.copies is not None and self.copies.due():
+                self.copies.post()
 
     def _step(self, indices: list[np.ndarray], micro: int) -> int:
         t = self.trainer
@@ -172,6 +218,8 @@ class VirtualSteps:
         if grown is not None:
             raise grown
         used = self._compute(indices, t.position.step, micro)
+        if self.copies is not None:
+            self.copies.settle()  # the last copies arrived: the gather below never starts with a copy in flight
         self.grads.gather()
         self.pending = True
         t.group.barrier()  # the commit: completed on one rank means every rank holds this step's gradient
@@ -182,6 +230,8 @@ class VirtualSteps:
         """Take the new generation, agree on the last committed step, roll forward if this rank is one behind."""
         t = self.trainer
         step, before, error_at, span = t.position.global_step, t.world_size, time.monotonic(), time.perf_counter_ns()
+        if self.copies is not None:
+            self.copies.cut()
         for _ in range(MAX_REFORMS_PER_STEP):
             group = reform()
             t.group, t.comm = group, ObjectCollectives(group)
@@ -196,22 +246,70 @@ class VirtualSteps:
             forward = settled.rolled_forward
             if settled.transfer is not None:
                 self.transfers.append(settled.transfer)
+            try:
+                copied, replayed = self._reshard(group)
+            except MembershipChanged as again:
+                error = again
+                continue
             if timeline.TRACER is not None:  # from the cut collective's error to the agreed step
                 timeline.TRACER.since("live.reform", "live", span, step=step, world_before=before,
                                       world_after=group.size, generation=error.generation, reason=error.reason,
-                                      rolled_forward=forward)
+                                      rolled_forward=forward, from_copies=copied, replayed=replayed,
+                                      checkpoint=self.fell_back)
             self.recoveries.append(Recovery(step, before, group.size, error.generation, error.reason, error_at,
-                                            time.monotonic(), forward))
+                                            time.monotonic(), forward, tuple(copied), tuple(replayed), self.fell_back))
             return
         raise error
+
+    def _reshard(self, group: Any) -> tuple[list[int], list[int]]:
+        """ZeRO-1: rebuild every shard at the agreed step in memory and carry the new block; post the new copies.
+        Returns the shards rebuilt from buddy copies, and those of them advanced from an older copy."""
+        if self.zero is None:
+            return [], []
+        t = self.trainer
+        nodes = self._nodes(group)
+        done = reassemble(self.zero, self.copies.holdings if self.copies is not None else [], group,
+                          t.position.global_step)
+        if done.lost:
+            self._lost(done.lost, group)
+        if self.copies is not None:
+            self.copies.place(group, nodes)
+            self.copies.post()
+        return done.from_copies, done.replayed
+
+    def _lost(self, lost: list[int], group: Any) -> None:
+        """Both copies of `lost` shards are gone: load the last checkpoint (and say so), or raise; never go on."""
+        t = self.trainer
+        why = (f"the optimizer state of virtual shard(s) {lost} at step {t.position.global_step} was lost with both "
+               f"its copies (the rank that carried it and its buddy both left" +
+               (")" if self.copies is not None else "; buddy copies are off: copy_every=None)"))
+        assert self.zero is not None
+        self.zero.place(group, None)  # the layout the checkpoint is loaded into
+        latest = ckpt.latest(t.checkpoint_dir) if t.rank == 0 and t.checkpoint_dir is not None else None
+        path = t.comm.broadcast(str(latest) if latest is not None else None)  # one choice for every rank
+        if path is None:
+            raise DistributedError(f"live recovery cannot go on: {why}, and there is no checkpoint to fall back to "
+                                   "(give the trainer checkpoint_dir= and checkpoint_every=)", op="reform",
+                                   group=group.name, rank=group.rank)
+        if t.rank == 0:
+            warnings.warn(f"axond.train: {why}; falling back to the checkpoint {path} read from storage",
+                          RuntimeWarning, stacklevel=3)
+        t._load(path)
+        self.zero.tag = t.position.global_step
+        self.fell_back = path
 
     def run_epochs(self, epochs: int, progress: Progress) -> bool:
         """Train from the trainer's position to the end of `epochs` (always True: no replica rollbacks here)."""
         t = self.trainer
         pos = t.position
         micro, steps = self.steps_per_epoch()
+        self.fell_back = None
         if self.agreed is not None and self.agreed.step is None:
             self._agree()  # the replicas start alike (the wrapper broadcast them): the first agreed state
+        if self.zero is not None:
+            self.zero.tag = pos.global_step
+            if self.copies is not None and self.copies.sent != pos.global_step:
+                self.copies.post()
         while pos.epoch < epochs:
             for sampler in self.samplers:
                 sampler.set_epoch(pos.epoch)
@@ -221,12 +319,15 @@ class VirtualSteps:
             progress.start(pos.epoch + 1, steps, pos.step)
             start, seen = time.perf_counter(), 0
             while pos.step < steps:
-                began = time.perf_counter_ns()
+                began, before = time.perf_counter_ns(), pos.global_step
                 try:
                     seen += self._step(indices, micro)
                 except MembershipChanged as e:
                     self._recover(e)  # the cut step is run again (or was rolled forward)
-                    continue
+                    if self.fell_back is not None:
+                        return False  # from the checkpoint's position: the trainer starts the loop again
+                    if pos.global_step == before:
+                        continue
                 mark_step()
                 if timeline.TRACER is not None:
                     timeline.TRACER.since("train.step", "train", began, step=pos.global_step, world=t.world_size,
@@ -236,13 +337,25 @@ class VirtualSteps:
                 t._call("on_step_end", {"epoch": pos.epoch + 1, "step": pos.step, "global_step": pos.global_step,
                                         "loss": loss})
                 if t.checkpoint_every and pos.global_step % t.checkpoint_every == 0:
-                    t.save_checkpoint()
+                    try:
+                        t.save_checkpoint()
+                    except MembershipChanged as e:
+                        self._recover(e)  # this checkpoint is left incomplete (never loaded); the next one is saved
+                        if self.fell_back is not None:
+                            return False
                 if self.agreed is not None and self.agreed.due(pos.global_step) and self._agree():
                     break  # back at the agreed state (perhaps in an earlier epoch): its data order again
             progress.close()
             if pos.step < steps:
                 continue
             self._end_epoch(epochs, seen / max(time.perf_counter() - start, 1e-9))
+        while self.copies is not None and self.copies.works:
+            try:
+                self.copies.settle()
+            except MembershipChanged as e:
+                self._recover(e)
+                if self.fell_back is not None:
+                    return False
         self._admit_at_end()
         return True
 

@@ -26,6 +26,7 @@ from axond.nn.optim import Optimizer
 from axond.nn.utils import clip_grad_norm_
 from axond.nn.container import Sequential
 from axond.parallel import DDP, FSDP, DistributedSampler, Pipeline, ShardingStrategy, ZeroRedundancyOptimizer
+from axond.parallel.zero.virtual import VirtualZero
 from axond.train.agree import COMPARABLE, ReplicaCheck
 from axond.train.checkpointing import TrainerCheckpoints
 from axond.train.clip import clip_partitioned, tensor_parallel_split
@@ -39,6 +40,8 @@ from axond.distributed import default_registry as defaults
 from axond.distributed import membership
 
 PARALLEL = ("ddp", "zero", "fsdp", "tp", "pipeline", "none")
+VIRTUAL = ("ddp", "zero")
+"""Parallel modes that train on virtual ranks (and so recover live)."""
 
 
 class Callback:
@@ -75,15 +78,18 @@ class DistributedTrainer:
     the job saved one (`axond.train.guard`). group: default: the initialised world.
     digest_every: compare a digest of the parameters across the replicas every N optimizer steps ("ddp", "zero");
     on a mismatch roll back to the newest agreed checkpoint or raise `ReplicaDivergence` (`axond.train.agree`); with
-    virtual ranks (a live job), the diverged ranks raise, their node leaves, and the others go on from the last agreed
-    state kept in memory (`axond.train.agreed`).
-    virtual_ranks: ("ddp") train on this many virtual data-parallel ranks, each with its data shard and random stream,
+    virtual ranks (a live job, "ddp"), the diverged ranks raise, their node leaves, and the others go on from the last
+    agreed state kept in memory (`axond.train.agreed`).
+    virtual_ranks: ("ddp", "zero") train on this many virtual data-parallel ranks, each with its data shard and random
+    stream,
     their gradients summed in a fixed order, so that the parameters do not depend on the world size
     (`axond.train.live`); default, when the job recovers live (`axond worker --live-recovery`): the most ranks it may
     grow to (`--nnodes` MAX x `--nproc-per-node`), at least the group's size, where
     a `MembershipChanged` is then caught, the group re-formed and the cut step run again; else off. deterministic:
     with virtual ranks, sum the gradients in virtual-rank order (bit-identical at every world size; an all_gather),
-    or, False, in whatever order an all_reduce sums them (fewer bytes; equal up to float rounding).
+    or, False, in whatever order an all_reduce sums them (fewer bytes; equal up to float rounding). copy_every:
+    ("zero" on virtual ranks) copy each rank's optimizer-state shard to a buddy rank's memory every N committed steps
+    (`axond.train.buddy`), so that a live job rebuilds a lost rank's shard without storage; None: no copies.
     seed / shuffle: the `DistributedSampler`'s. callbacks: `Callback`s. progress / log_every: rank 0's display.
     """
 
@@ -115,6 +121,7 @@ class DistributedTrainer:
         digest_every: int | None = None,
         virtual_ranks: int | None = None,
         deterministic: bool = True,
+        copy_every: int | None = 1,
     ) -> None:
         if parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
@@ -131,12 +138,15 @@ class DistributedTrainer:
                              f"{digest_every} with parallel={parallel!r}: FSDP, tp and pipeline ranks hold shards")
         self.group = group if group is not None else _default_group()
         live = membership.current()
-        if virtual_ranks is None and parallel == "ddp" and live is not None:
-            # a live job: the math must not change when a node leaves, nor when the job grows to its MAX
-            virtual_ranks = max(self.group.size, live.max_world)
-        if virtual_ranks is not None and (parallel != "ddp" or eval_dataset is not None):
-            raise ValueError(f"virtual_ranks ({virtual_ranks}) works with parallel='ddp' without eval_dataset so far; "
-                             f"got parallel={parallel!r}")
+        if virtual_ranks is None and parallel in VIRTUAL and live is not None:
+            # a live job: the math must not change when a node leaves, nor (ddp) when the job grows to its MAX
+            virtual_ranks = max(self.group.size, live.max_world) if parallel == "ddp" else self.group.size
+        if virtual_ranks is not None and (parallel not in VIRTUAL or eval_dataset is not None
+                                          or (digest_every is not None and parallel != "ddp")):
+            raise ValueError(f"virtual_ranks ({virtual_ranks}) works with parallel in {VIRTUAL} without eval_dataset "
+                             f"(and with digest_every under 'ddp' only) so far; got parallel={parallel!r}")
+        if copy_every is not None and copy_every < 1:
+            raise ValueError(f"copy_every must be >= 1 (committed steps between buddy copies) or None, got {copy_every}")
         self.comm = ObjectCollectives(self.group)
         self.rank, self.world_size = self.group.rank, self.group.size
         self.dataset = Dataset(dataset)
@@ -172,7 +182,7 @@ class DistributedTrainer:
         self.replicas = ReplicaCheck(digest_every, list(model.parameters()), self.group, self.comm) \
             if digest_every else None
         """The replica check (digest_every=), with the divergences it saw; None when off."""
-        self.virtual = VirtualSteps(self, virtual_ranks, seed, shuffle, deterministic) \
+        self.virtual = VirtualSteps(self, virtual_ranks, seed, shuffle, deterministic, copy_every) \
             if virtual_ranks is not None else None
         """The virtual-rank loop (virtual_ranks=, or a live job), with the re-formations it went through."""
 
@@ -193,7 +203,10 @@ class DistributedTrainer:
             return pipe, factory(params), lambda m: clip_partitioned(params, [], self.group, m)
         if self._virtual_ranks is not None:  # the virtual-rank loop reduces the gradients itself (axond.train.live)
             params = list(model.parameters())
-            return model, factory(params), lambda max_norm: clip_grad_norm_(params, max_norm)
+            opt = factory(params)
+            if self.parallel == "zero":  # ZeRO-1 on virtual shards: the layout does not depend on the world size
+                opt = VirtualZero(params, type(opt), self.group, self._virtual_ranks, **opt.defaults)
+            return model, opt, lambda max_norm: clip_grad_norm_(params, max_norm)
         if self.parallel == "none" and self.world_size > 1:
             raise ValueError(f"parallel='none' trains one process; this group has {self.world_size} ranks")
         wrapped: Any = DDP(model, self.group, **self._wrapper_options) if self.parallel != "none" else model

@@ -18,17 +18,10 @@ import numpy as np
 
 from axond.distributed.process_group import ProcessGroup
 from axond.nn.module import Parameter
+from axond.parallel.zero.virtual import carried
 
 LOSS_BYTES = 16
 """Bytes at the end of each row: the virtual rank's loss sum and sample count (two float64, sent as raw bytes)."""
-
-
-def carried(rank: int, world: int, virtual: int) -> range:
-    """The virtual ranks physical rank `rank` of `world` carries: a contiguous block, sizes differing by at most 1."""
-    if not 0 <= rank < world or world > virtual:
-        raise ValueError(f"rank {rank} of world size {world} cannot carry {virtual} virtual ranks (need rank < world "
-                         f"<= virtual ranks)")
-    return range(rank * virtual // world, (rank + 1) * virtual // world)
 
 
 def owners(world: int, virtual: int) -> list[tuple[int, int]]:

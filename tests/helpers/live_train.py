@@ -6,6 +6,10 @@ argv: OUT_DIR HANG_STEP [CHECKPOINT_DIR]. Every process records its start (`star
 sleeps) so that the test can SIGKILL it while the others wait in the next step's collectives; HANG_STEP -1: nobody
 stops; it stops once per run (a restarted rank 2 does not).
 With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer checkpoints after every step.
+LIVE_TEST_PARALLEL (the worker's environment): the trainer's `parallel` ("ddp" unless given; "zero": ZeRO-1 with
+buddy copies); LIVE_TEST_COPY_EVERY: its `copy_every` ("none": no buddy copies); LIVE_TEST_HANG_IN="post": the rank
+that stops does so after step HANG_STEP's update and parameter gather but before it posts that step's buddy copy (its
+buddy then holds the copy of the step before).
 
 LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none of this worker's ranks; "stubborn":
 its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
@@ -81,6 +85,23 @@ class Record(Callback):
         self.wait_join, self.full_world = int(wait[0]), int(wait[1]) if len(wait) > 1 else 3
         self.pace = float(os.environ.get("LIVE_TEST_PACE_S", "0"))
 
+    def on_fit_start(self, trainer: DistributedTrainer) -> None:
+        copies = trainer.virtual.copies if trainer.virtual is not None else None
+        if not (self.hangs and os.environ.get("LIVE_TEST_HANG_IN") == "post" and copies is not None):
+            return
+        self.hangs, post = False, copies.post  # stops before posting its copy of HANG_STEP, not after the step
+
+        def hang_then_post() -> None:
+            if copies.zero.tag == self.hang_step:
+                self.hang()
+            post()
+        copies.post = hang_then_post  # type: ignore[method-assign]
+
+    def hang(self) -> None:
+        if not any(self.out.glob("hang-*")):
+            (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
+            time.sleep(HANG_S)
+
     def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
         step = int(metrics["global_step"])
         self.log.write(json.dumps({"rank": trainer.rank, "step": step, "world": trainer.world_size,
@@ -92,9 +113,8 @@ class Record(Callback):
             time.sleep(self.pace)
         if step == self.wait_join and trainer.world_size < self.full_world:
             wait_for_next_generation()
-        if self.hangs and step == self.hang_step and not any(self.out.glob("hang-*")):
-            (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
-            time.sleep(HANG_S)
+        if self.hangs and step == self.hang_step:
+            self.hang()
 
 
 def wait_for_next_generation(timeout: float = 90.0) -> None:
@@ -124,13 +144,17 @@ def stamp_until_killed(path: Path) -> None:
 
 def main() -> None:
     out, hang_step = Path(sys.argv[1]), int(sys.argv[2])
-    checkpoints = {"checkpoint_dir": sys.argv[3], "checkpoint_every": 1} if len(sys.argv) > 3 else {}
+    options: dict[str, Any] = {"checkpoint_dir": sys.argv[3], "checkpoint_every": 1} if len(sys.argv) > 3 else {}
+    options["parallel"] = os.environ.get("LIVE_TEST_PARALLEL", "ddp")
+    if os.environ.get("LIVE_TEST_COPY_EVERY"):
+        every = os.environ["LIVE_TEST_COPY_EVERY"]
+        options["copy_every"] = None if every == "none" else int(every)
     if os.environ.get("LIVE_TEST_ROLE") == "stubborn" and os.environ["LOCAL_RANK"] == "1":
         stamp_until_killed(out / f"alive-{os.getpid()}")
     (out / f"start-{os.environ['RANK']}-{os.getpid()}").write_text("")
     first_generation = os.environ["AXOND_GENERATION"]
     axond.init_process_group("tcp", timeout=GROUP_TIMEOUT_S)
-    trainer = build_trainer(None, [Record(out, hang_step)], **checkpoints)
+    trainer = build_trainer(None, [Record(out, hang_step)], **options)
     history = trainer.fit(3)
     np.savez(out / f"params-{os.getpid()}.npz", **trainer.module.state_dict())
     recoveries = [dataclasses.asdict(r) for r in trainer.virtual.recoveries] if trainer.virtual else []

@@ -72,9 +72,12 @@ def _train(group: ProcessGroup, **options: Any) -> tuple[dict[str, np.ndarray], 
     return {k: v.copy() for k, v in model.state_dict().items()}, [h["loss"] for h in history]
 
 
-def test_the_parameters_are_bit_identical_at_every_world_size() -> None:
-    runs = {world: run_threads(lambda g: _train(g, virtual_ranks=3), world, 60.0) for world in (1, 2, 3)}
-    reference, losses = runs[3][0]
+@pytest.mark.parametrize("parallel", ["ddp", "zero"])
+def test_the_parameters_are_bit_identical_at_every_world_size(parallel: str) -> None:
+    """ZeRO-1's shards are cut on the virtual ranks too: it steps the same bits as DDP at every world size."""
+    runs = {world: run_threads(lambda g: _train(g, virtual_ranks=3, parallel=parallel), world, 60.0)
+            for world in (1, 2, 3)}
+    reference, losses = run_threads(lambda g: _train(g, virtual_ranks=3), 3, 60.0)[0]
     for world, results in runs.items():
         for params, history in results:
             assert history == losses, world
@@ -82,9 +85,11 @@ def test_the_parameters_are_bit_identical_at_every_world_size() -> None:
                 assert np.array_equal(value, reference[name]), (world, name)
 
 
-def test_virtual_ranks_need_parallel_ddp() -> None:
+def test_virtual_ranks_need_parallel_ddp_or_zero() -> None:
     with pytest.raises(ValueError, match="virtual_ranks"):
-        _train(ProcessGroup.mock(), virtual_ranks=2, parallel="zero")
+        _train(ProcessGroup.mock(), virtual_ranks=2, parallel="fsdp")
+    with pytest.raises(ValueError, match="copy_every"):
+        _train(ProcessGroup.mock(), virtual_ranks=2, parallel="zero", copy_every=0)
     with pytest.raises(RankFailed, match="fewer than the 2 ranks"):
         run_threads(lambda g: _train(g, virtual_ranks=1), 2, 60.0)
 

@@ -1,0 +1,110 @@
+"""Live recovery of ZeRO-1: a real `axond coordinator`, three `axond worker --live-recovery` nodes, and a
+DistributedTrainer (parallel="zero" on three virtual ranks, no checkpoint directory) whose rank 2 is SIGKILLed
+mid-training. Rank 2 alone held the optimizer state of its shard; the survivors rebuild it from the buddy copy in
+rank 0's memory, re-shard over two ranks and go on bit-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from axond.testing import run_threads
+from live_train import Hashes, build_trainer
+from worker_support import Finished, Procs, free_port, procs, wait_for  # noqa: F401
+
+PY = sys.executable
+SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "live_train.py"
+HEARTBEAT_S, MISSED = 0.2, 10
+HANG_STEP, STEPS = 20, 60
+
+
+def _steps(out: Path, pid: int) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / f"steps-{pid}.jsonl").read_text().splitlines()]
+
+
+def _run(procs: Procs, out: Path, env: dict[str, str], *extra: str) -> tuple[list[Finished], int]:
+    """Three live workers training ZeRO-1; rank 2 SIGKILLed once it stopped after HANG_STEP; (finished, its pid)."""
+    out.mkdir()
+    port = free_port()
+    procs.axond("coordinator", "--port", str(port), "--host", "127.0.0.1", "--in-memory", "--insecure",
+                "--heartbeat-interval", str(HEARTBEAT_S), "--dead-after-missed", str(MISSED), "--settle-time", "5")
+    workers = [procs.axond("worker", "--coordinator", f"127.0.0.1:{port}", "--nnodes", "2:3", "--job", "zero",
+                           "--live-recovery", "--join-timeout", "60", "--", PY, str(SCRIPT), str(out), str(HANG_STEP),
+                           *extra, env={"LIVE_TEST_PARALLEL": "zero", **env}) for _ in range(3)]
+    wait_for(lambda: any(out.glob("hang-*")), 60, "rank 2 to stop after its step")
+    killed = int(next(out.glob("hang-*")).name.removeprefix("hang-"))
+    os.kill(killed, signal.SIGKILL)
+    return [procs.finish(w, timeout=90) for w in workers], killed
+
+
+def _reference() -> list[str]:
+    """The per-step hashes of one process carrying the three virtual ranks, never interrupted."""
+    reference = Hashes()
+    run_threads(lambda g: build_trainer(g, [reference], virtual_ranks=3, parallel="zero").fit(3), 1, 120.0)
+    assert len(reference.hashes) == STEPS
+    return reference.hashes
+
+
+def _ends(out: Path) -> dict[int, dict[str, Any]]:
+    return {int(p.name.removeprefix("end-").removesuffix(".json")): json.loads(p.read_text())
+            for p in out.glob("end-*.json")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["after-step", "before-copy"])
+def test_zero1_survivors_rebuild_the_lost_shard_from_its_buddy_copy_bit_identical(procs: Procs, tmp_path: Path,
+                                                                                   stop: str) -> None:
+    """after-step: rank 2's copy of the cut step landed and is used as is; before-copy: rank 2 stops before posting it
+    (its buddy waits for it and is cut there), and the copy of the step before is advanced by the kept gradient."""
+    out = tmp_path / "zero"
+    env = {"AXOND_TIMELINE": str(tmp_path / "timeline")}
+    if stop == "before-copy":
+        env["LIVE_TEST_HANG_IN"] = "post"
+    finished, killed = _run(procs, out, env)
+    codes = sorted(f.code for f in finished)
+    assert codes[:2] == [0, 0] and codes[2] != 0, [(f.code, f.stderr[-1500:]) for f in finished]
+    reference = _reference()
+    started = {int(p.name.split("-")[2]) for p in out.glob("start-*")}
+    ends = _ends(out)
+    assert len(started) == 3 and set(ends) == started - {killed}  # the survivors finished in their own processes
+    for pid, end in ends.items():
+        (recovery,) = end["recoveries"]
+        assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (3, 2, HANG_STEP), recovery
+        assert recovery["from_copies"] == [2] and recovery["checkpoint"] is None  # rank 2's shard, from memory
+        assert recovery["replayed"] == ([2] if stop == "before-copy" else [])  # advanced from the step before's copy
+        done = _steps(out, pid)
+        assert [s["step"] for s in done] == list(range(1, STEPS + 1))  # the cut step ran again, once
+        assert [s["hash"] for s in done] == reference  # after every step, not only the last
+        assert next(s for s in done if s["step"] == HANG_STEP + 1)["world"] == 2
+        (trace,) = (tmp_path / "timeline").glob(f"rank-*-pid-{pid}.json")
+        (reform,) = [e for e in json.loads(trace.read_text()) if e.get("name") == "live.reform"]
+        assert reform["args"]["from_copies"] == [2] and reform["args"]["checkpoint"] is None
+
+
+@pytest.mark.slow
+def test_zero1_without_copies_falls_back_to_the_checkpoint_or_fails_clearly(procs: Procs, tmp_path: Path) -> None:
+    """Both copies of rank 2's shard gone (copies off): with a checkpoint the survivors read it and say so, and end
+    bit-identical; without one they fail naming the lost shard, never going on with wrong state."""
+    finished, _ = _run(procs, tmp_path / "bare", {"LIVE_TEST_COPY_EVERY": "none"})
+    assert all(f.code != 0 for f in finished), [f.code for f in finished]
+    assert sum("virtual shard(s) [2]" in f.stderr and "no checkpoint to fall back to" in f.stderr
+               for f in finished) == 2, [f.stderr[-1500:] for f in finished]
+    assert not _ends(tmp_path / "bare")
+
+    out = tmp_path / "stored"
+    finished, _ = _run(procs, out, {"LIVE_TEST_COPY_EVERY": "none"}, str(tmp_path / "checkpoints"))
+    assert sorted(f.code for f in finished)[:2] == [0, 0], [f.stderr[-1500:] for f in finished]
+    assert any("falling back to the checkpoint" in f.stderr for f in finished)
+    reference = _reference()
+    for pid, end in _ends(out).items():
+        (recovery,) = end["recoveries"]
+        assert recovery["checkpoint"] is not None and recovery["from_copies"] == []
+        done = _steps(out, pid)
+        assert done[-1]["step"] == STEPS and [s["hash"] for s in done][-STEPS + HANG_STEP:] == reference[HANG_STEP:]
