@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install -e '.[torch]')")
 
 import torch_cases  # noqa: E402
-from axond.control.client import CoordinatorClient  # noqa: E402
+from axond.control.client import CoordinatorClient, connect  # noqa: E402
 from axond.store.coordinator import CoordinatorStore  # noqa: E402
 from axond.coordinator.server import RunningCoordinator  # noqa: E402
 from axond.testing import collect_from_processes  # noqa: E402
@@ -142,10 +142,10 @@ def examples_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subproce
     workers: dict[str, subprocess.Popen[str]] = {}
     try:
         deadline = time.monotonic() + 30
-        while subprocess.run([*axond, "health", "--coordinator", f"127.0.0.1:{port}", "--token", token],
-                             capture_output=True, timeout=30, env=env).returncode != 0:
-            assert time.monotonic() < deadline and coord.poll() is None, "the coordinator did not come up"
-            time.sleep(0.2)
+        with connect(f"127.0.0.1:{port}", token=token, call_timeout=2.0) as c:  # not an interpreter per look
+            while not c.health(timeout=1.0):
+                assert time.monotonic() < deadline and coord.poll() is None, "the coordinator did not come up"
+                time.sleep(0.2)
         for example in EXAMPLES:
             workers[example] = subprocess.Popen(
                 [*axond, "worker", "--coordinator", f"127.0.0.1:{port}", "--token", token, "--job", example,
