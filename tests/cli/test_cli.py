@@ -122,17 +122,21 @@ def test_status_shows_nodes_jobs_and_ranks(coord: RunningCoordinator, procs: Pro
 
 
 @pytest.mark.slow
-def test_status_of_a_hung_job_shows_which_rank_waits_in_which_op(coord: RunningCoordinator, procs: Procs) -> None:
+def test_status_of_a_hung_job_shows_which_rank_waits_in_which_op(coord: RunningCoordinator, procs: Procs,
+                                                                 tmp_path: Path) -> None:
     """Rank 1 waits in an all_reduce that rank 0, stuck in its own code, never joins: `status --job` says so."""
     script = (
-        "import time, numpy as np, axond\n"
+        "import os, pathlib, time, numpy as np, axond\n"
         "axond.init_process_group(timeout=12.0)\n"
+        f"pathlib.Path({str(tmp_path)!r}, os.environ['RANK']).touch()\n"
         "if axond.get_rank() == 0:\n"
         "    time.sleep(60)\n"
         "axond.all_reduce(np.ones(3))\n"
     )
     procs.axond("worker", "--coordinator", coord.address, "--job", "hung", "--nproc-per-node", "2",
                 "--", PY, "-c", script)
+    # the ranks' start is not timed (slow on a busy machine); the report must come within rank 1's 12 s timeout
+    wait_for(lambda: len(list(tmp_path.iterdir())) == 2, 60, "the ranks to start")
     seen: list[str] = []
 
     def rank_one_reported() -> bool:
@@ -208,9 +212,10 @@ def test_coordinator_command_serves_and_stops_on_sigterm(procs: Procs) -> None:
     server = procs.axond("coordinator", "--host", "127.0.0.1", "--port", str(port))
     address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 30
-    while procs.run("health", "--coordinator", address, "--timeout", "1").code != 0:
-        assert time.monotonic() < deadline and server.poll() is None, "the coordinator did not come up"
-        time.sleep(0.2)
+    with connect(address, call_timeout=2.0) as c:  # `axond health` has its own test: not an interpreter per look
+        while not c.health(timeout=1.0):
+            assert time.monotonic() < deadline and server.poll() is None, "the coordinator did not come up"
+            time.sleep(0.2)
     server.send_signal(signal.SIGTERM)
     res = procs.finish(server, timeout=20)
     assert res.code == 0, res.stderr

@@ -91,8 +91,10 @@ def test_a_lone_worker_says_how_far_the_rendezvous_got(coord: RunningCoordinator
 
 @pytest.mark.slow
 def test_a_rank_that_returned_early_is_named_while_the_others_run(coord: RunningCoordinator, procs: Procs) -> None:
-    script = "import os, time; time.sleep(7 if os.environ['RANK'] == '0' else 0)"
-    res = procs.run(*worker(coord, "early", "--nproc-per-node", "2"), "--", PY, "-c", script)
+    # the notice comes AXOND_WAIT_NOTICE_S (2 s here, else 5 s) after rank 1's exit; rank 0 runs 2 s longer
+    script = "import os, time; time.sleep(4 if os.environ['RANK'] == '0' else 0)"
+    res = procs.run(*worker(coord, "early", "--nproc-per-node", "2"), "--", PY, "-c", script,
+                    env={"AXOND_WAIT_NOTICE_S": "2"})
     assert res.code == 0, res.stderr
     assert ("job 'early': rank(s) 1 exited with code 0 but rank(s) 0 still run; if those wait for them "
             "(init_process_group, a collective), they fail at their timeout") in res.stderr

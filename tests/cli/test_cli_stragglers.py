@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from axond.coordinator.server import RunningCoordinator
+from status_here import status_here
 from worker_support import Procs, coord, procs, wait_for  # noqa: F401
 
 PY = sys.executable
@@ -19,14 +20,14 @@ def test_status_shows_the_straggler(coord: RunningCoordinator, procs: Procs) -> 
     env = {"SLOW_RANK": "3", "SLOW_S": "0.2", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     procs.axond("worker", "--coordinator", coord.address, "--job", "slow", "--nproc-per-node", "4",
                 "--", PY, "-m", "axond.testing.straggler_job", "400", env=env)
-    seen: list[str] = []
+    straggler = r"^slow\s+3\s+.*yes: others wait \d+ ms in [\d.]+ s"
 
-    def named() -> bool:
-        res = procs.run("status", "--coordinator", coord.address, "--job", "slow")
-        seen.append(res.stdout + res.stderr)
-        found = re.search(r"^slow\s+3\s+.*yes: others wait \d+ ms in [\d.]+ s", res.stdout, re.M)
-        return res.code == 0 and found is not None
+    def named() -> bool:  # polled in this process; then the real command once (the job runs on for a minute)
+        code, out = status_here("--coordinator", coord.address, "--job", "slow")
+        return code == 0 and re.search(straggler, out, re.M) is not None
 
     wait_for(named, 60, "rank 3 named in the STRAGGLER column", 0.5)
-    assert "STRAGGLER" in seen[-1]
-    assert not re.search(r"^slow\s+[012]\s+.*yes: others wait", seen[-1], re.M), seen[-1]
+    res = procs.run("status", "--coordinator", coord.address, "--job", "slow")
+    assert res.code == 0 and re.search(straggler, res.stdout, re.M), res.stdout + res.stderr
+    assert "STRAGGLER" in res.stdout
+    assert not re.search(r"^slow\s+[012]\s+.*yes: others wait", res.stdout, re.M), res.stdout

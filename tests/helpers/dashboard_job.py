@@ -15,7 +15,7 @@ TOKEN = "dashboard-test-token"
 
 HUNG = """
 import os, pathlib, time, numpy as np, axond
-axond.init_process_group(timeout=60.0)
+axond.init_process_group(timeout=30.0)
 pathlib.Path(os.environ["MARK_DIR"], os.environ["RANK"]).touch()
 if axond.get_rank() == 1:
     time.sleep(120)

@@ -55,7 +55,7 @@ def test_the_dashboard_needs_the_token_and_shows_the_job(coordinator_factory: Ca
         blocked = ranks.get(0, {}).get("blocked", "")
         return re.fullmatch(r"all_reduce on group 'world' for [\d.]+ s \(op #\d+ of the group\)", blocked) is not None
 
-    wait_for(rank_zero_blocked, 60, "rank 0's all_reduce on the dashboard (reports start after 15 s of a 60 s timeout)",
+    wait_for(rank_zero_blocked, 60, "rank 0's all_reduce on the dashboard (reported after 7.5 s of a 30 s timeout)",
              0.5)
     [job] = [j for j in state()["jobs"] if j["job"] == "shown"]
     assert job["state"] == "running" and job["world_size"] == 2 and len(job["ranks"]) == 2

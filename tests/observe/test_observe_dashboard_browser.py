@@ -77,7 +77,7 @@ def test_the_dashboard_shows_a_running_job_and_updates(coordinator_factory: Call
     _wait(browser, lambda d: int(d.find_element("tag name", "body").get_attribute("data-updates")) >= updates + 2, 30,
           "two more refreshes")
     _wait(browser, lambda d: "all_reduce on group 'world'" in d.find_element("css selector", ".ranks").text, 60,
-          "rank 0's all_reduce in the ranks table (reports start after 15 s of the ranks' 60 s timeout)")
+          "rank 0's all_reduce in the ranks table (reports start after 7.5 s of the ranks' 30 s timeout)")
     text = browser.find_element("tag name", "body").text
     assert "shown" in text and "productive" in text and "goodput" in text
     def one_node_row(d: Any) -> bool:

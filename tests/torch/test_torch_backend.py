@@ -14,14 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install -e '.[torch]')")
 
 import torch_cases  # noqa: E402
-from axond.control.client import CoordinatorClient  # noqa: E402
+from axond.control.client import CoordinatorClient, connect  # noqa: E402
 from axond.store.coordinator import CoordinatorStore  # noqa: E402
 from axond.coordinator.server import RunningCoordinator  # noqa: E402
 from axond.testing import collect_from_processes  # noqa: E402
@@ -126,28 +125,51 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.slow
-@pytest.mark.parametrize("example", ["torch_ddp", "torch_fsdp"])
-def test_examples_under_the_worker(example: str, tmp_path: Path) -> None:
+EXAMPLES = ("torch_ddp", "torch_fsdp")
+
+
+@pytest.fixture(scope="module")
+def examples_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Each example under its own `axond worker` (two ranks, five steps), both jobs at once against one
+    `axond coordinator` process (the interpreters' and torch's start-ups overlap): {example: the worker's result}."""
+    tmp_path = tmp_path_factory.mktemp("examples")
     port, token = _free_port(), "torch-test-token"
     axond = [sys.executable, "-c", "from axond.cli.main import main; main()"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("AXOND_TOKEN", None)
     coord = subprocess.Popen([*axond, "coordinator", "--host", "127.0.0.1", "--port", str(port), "--token", token],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    workers: dict[str, subprocess.Popen[str]] = {}
     try:
         deadline = time.monotonic() + 30
-        while subprocess.run([*axond, "health", "--coordinator", f"127.0.0.1:{port}", "--token", token],
-                             capture_output=True, timeout=30, env=env).returncode != 0:
-            assert time.monotonic() < deadline and coord.poll() is None, "the coordinator did not come up"
-            time.sleep(0.2)
-        worker = subprocess.run([*axond, "worker", "--coordinator", f"127.0.0.1:{port}", "--token", token,
-                                 "--nproc-per-node", "2", "--", sys.executable, "-m", f"axond.examples.{example}",
-                                 "--steps", "5"], capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path)
+        with connect(f"127.0.0.1:{port}", token=token, call_timeout=2.0) as c:  # not an interpreter per look
+            while not c.health(timeout=1.0):
+                assert time.monotonic() < deadline and coord.poll() is None, "the coordinator did not come up"
+                time.sleep(0.2)
+        for example in EXAMPLES:
+            workers[example] = subprocess.Popen(
+                [*axond, "worker", "--coordinator", f"127.0.0.1:{port}", "--token", token, "--job", example,
+                 "--nproc-per-node", "2", "--", sys.executable, "-m", f"axond.examples.{example}", "--steps", "5"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        results = {}
+        for example, proc in workers.items():
+            out, err = proc.communicate(timeout=100)
+            results[example] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return results
     finally:
+        for proc in workers.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=20)
         coord.terminate()
         coord.communicate(timeout=20)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.slow
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_examples_under_the_worker(examples_run: dict[str, subprocess.CompletedProcess[str]], example: str) -> None:
+    worker = examples_run[example]
     assert worker.returncode == 0, f"stdout:\n{worker.stdout}\nstderr:\n{worker.stderr}"
     assert "[rank 0] step 5/5 loss" in worker.stdout, worker.stdout
     assert "Traceback" not in worker.stderr, worker.stderr

@@ -86,27 +86,39 @@ def record_gloo(results: dict[tuple[str, int], dict[str, Any]]) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict[str, Any]]:
-    """The CI sample on each backend at each world size: {(backend, world size): runner's result}."""
+    """The CI sample on each backend at each world size: {(backend, world size): runner's result}. The runners
+    (one process per backend and world size) run at once: each test's ranks mostly wait on each other, and the
+    runners' imports overlap."""
     out = tmp_path_factory.mktemp("torch-suite")
     results: dict[tuple[str, int], dict[str, Any]] = {}
     recorded = recorded_gloo()
-    for world_size in WORLD_SIZES:
-        for backend in BACKENDS:
-            if backend == "gloo" and recorded is not None:
-                results[backend, world_size] = recorded[world_size]
-                continue
-            path, log = out / f"{backend}-{world_size}.json", out / f"{backend}-{world_size}.log"
-            cmd = [sys.executable, str(HERE / "torch_suite.py"), "--ci", "--backend", backend, "--world-size",
-                   str(world_size), "--test-timeout", str(TEST_TIMEOUT), "--out", str(path), "--log", str(log)]
-            p = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True,
-                               env=dict(os.environ, PYTHONWARNINGS="ignore"),
-                               timeout=len(torch_suite.ci_sample()) * TEST_TIMEOUT + 60)
-            assert p.returncode == 0, f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}"
+    timeout = len(torch_suite.ci_sample()) * TEST_TIMEOUT + 60
+    running: dict[tuple[str, int], tuple[list[str], Path, subprocess.Popen[str]]] = {}
+    try:
+        for world_size in WORLD_SIZES:
+            for backend in BACKENDS:
+                if backend == "gloo" and recorded is not None:
+                    results[backend, world_size] = recorded[world_size]
+                    continue
+                path, log = out / f"{backend}-{world_size}.json", out / f"{backend}-{world_size}.log"
+                cmd = [sys.executable, str(HERE / "torch_suite.py"), "--ci", "--backend", backend, "--world-size",
+                       str(world_size), "--test-timeout", str(TEST_TIMEOUT), "--out", str(path), "--log", str(log)]
+                proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                running[backend, world_size] = (cmd, path, proc)
+        for (backend, world_size), (cmd, path, proc) in running.items():
+            _, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}"
             results[backend, world_size] = json.loads(path.read_text())
             counts = {s: sum(t["status"] == s for t in results[backend, world_size]["tests"].values())
                       for s in ("pass", "fail", "skip")}
             print(f"torch suite, world size {world_size}, {backend}: {counts} in "
                   f"{results[backend, world_size]['seconds']} s")
+    finally:
+        for _, _, proc in running.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     if os.environ.get("AXOND_TORCH_SUITE_GLOO", "") == "record":
         record_gloo(results)
     return results
