@@ -13,9 +13,9 @@ from axond.distributed.forms.seed import (
     gather_tensor, is_main_process, rank, reduce_scatter_mean, reduce_scatter_sum, scatter_tensor, sync_gradient,
     sync_gradients, world_size,
 )
-from axond.distributed.numerics.reducers import BFLOAT16 as bfloat16
 from axond.config import RuntimeEnv as _RuntimeEnv
 from axond.distributed.diagnostics import failure as _failure
+from axond.distributed.numerics import bf16 as _bf16
 from axond.distributed.diagnostics.failure import record
 from axond.distributed.diagnostics.steps import mark_step
 from axond.distributed.reform import reform
@@ -46,7 +46,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """`axond.checkpoint` and `axond.train` without importing them first (loaded on first use)."""
+    """`axond.checkpoint` and `axond.train` without importing them first (loaded on first use), and `axond.bfloat16`
+    (ml_dtypes' bfloat16 as a NumPy dtype; ml_dtypes is imported on first use: `axond.distributed.numerics.bf16`)."""
+    if name == "bfloat16":
+        return _bf16.bfloat16()
     if name in ("checkpoint", "train"):
         import importlib
 

@@ -7,10 +7,14 @@ Append only: codes travel between processes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from enum import IntEnum
+from typing import overload
 
-import ml_dtypes
 import numpy as np
+
+from axond.distributed.numerics.bf16 import NAME as BFLOAT16_NAME
+from axond.distributed.numerics.bf16 import bfloat16, is_bfloat16
 
 
 class Op(IntEnum):
@@ -48,15 +52,38 @@ def uneven_back(aux: int) -> int:
     return -1 - aux
 
 
-DTYPES: list[np.dtype] = [
-    np.dtype(t)
-    for t in (
-        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-        "float16", "float32", "float64", "complex64", "complex128",
-    )
-] + [np.dtype(ml_dtypes.bfloat16)]
+DTYPE_NAMES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
+               "float64", "complex64", "complex128", BFLOAT16_NAME)
 """Dtypes the host backends move; the index (plus one) is the dtype code (append only: codes are on the wire)."""
-DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(DTYPES)}
+
+
+class _Dtypes(Sequence[np.dtype]):
+    """`DTYPE_NAMES` as NumPy dtypes; bfloat16's is made (importing ml_dtypes) only when it is asked for."""
+
+    def __init__(self) -> None:
+        self._numpy = [np.dtype(name) for name in DTYPE_NAMES[:-1]]
+
+    def __len__(self) -> int:
+        return len(DTYPE_NAMES)
+
+    @overload
+    def __getitem__(self, i: int) -> np.dtype: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[np.dtype]: ...
+    def __getitem__(self, i: int | slice) -> np.dtype | list[np.dtype]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        if i in (len(self._numpy), -1):
+            return bfloat16()
+        return self._numpy[i]
+
+    def __iter__(self) -> Iterator[np.dtype]:
+        return (self[i] for i in range(len(self)))
+
+
+DTYPES = _Dtypes()
+DTYPE_CODE: dict[np.dtype, int] = {np.dtype(name): i + 1 for i, name in enumerate(DTYPE_NAMES[:-1])}
+"""dtype -> its code; bfloat16 is added when a rank first moves it (`dtype_code`), ml_dtypes being imported then."""
 REDUCE_CODES = {"sum": 1, "product": 2, "min": 3, "max": 4, "avg": 5, "band": 6, "bor": 7, "bxor": 8}
 """`ReduceOp.value` -> reduce code (0: no reduction)."""
 REDUCE_NAMES = {v: k.upper() for k, v in REDUCE_CODES.items()}
@@ -64,16 +91,19 @@ REDUCE_NAMES = {v: k.upper() for k, v in REDUCE_CODES.items()}
 
 def dtype_code(dtype: np.dtype) -> int:
     """Code of `dtype`, or a clear error listing the supported ones."""
-    code = DTYPE_CODE.get(dtype) if isinstance(dtype, np.dtype) else DTYPE_CODE.get(np.dtype(dtype))
+    dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+    code = DTYPE_CODE.get(dtype)
+    if code is None and is_bfloat16(dtype):
+        code = DTYPE_CODE[dtype] = len(DTYPE_NAMES)
     if code is None:
-        names = ", ".join(str(d) for d in DTYPES)
+        names = ", ".join(DTYPE_NAMES)
         raise TypeError(f"dtype {dtype} cannot be communicated; use one of {names}")
     return code
 
 
 def dtype_name(code: int) -> str:
     """The dtype of code `code` as NumPy writes it (or "dtype#N" for an unknown code)."""
-    return str(DTYPES[code - 1]) if 0 < code <= len(DTYPES) else f"dtype#{code}"
+    return DTYPE_NAMES[code - 1] if 0 < code <= len(DTYPE_NAMES) else f"dtype#{code}"
 
 
 def describe(op: int, dtype: int, count: int, redop: int, aux: int) -> str:

@@ -9,26 +9,26 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from axond.distributed.numerics.bf16 import is_bfloat16
 from axond.nn.device import Array
 
-LOW_PRECISION = frozenset({np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)})
-"""Dtypes that compute through float32."""
+FLOAT16 = np.dtype(np.float16)
 ACCUMULATE = np.dtype(np.float32)
 
 
 def is_low(dtype: Any) -> bool:
-    """Whether `dtype` is a low-precision float that accumulates in float32."""
-    return np.dtype(dtype) in LOW_PRECISION
+    """Whether `dtype` is a low-precision float that accumulates in float32: float16 or bfloat16."""
+    dtype = np.dtype(dtype)
+    return dtype == FLOAT16 or is_bfloat16(dtype)
 
 
 def widen(a: Array) -> Array:
     """`a` in float32 if it is low precision (a new array), else `a` itself."""
-    return a.astype(ACCUMULATE) if a.dtype in LOW_PRECISION else a
+    return a.astype(ACCUMULATE) if is_low(a.dtype) else a
 
 
 def narrow(a: Array, dtype: Any) -> Array:
     """`a` rounded to `dtype` if that is low precision (round to nearest even), else `a` itself."""
-    return a.astype(dtype) if np.dtype(dtype) in LOW_PRECISION and a.dtype != dtype else a
+    return a.astype(dtype) if is_low(dtype) and a.dtype != dtype else a

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import ml_dtypes
 import numpy as np
 
+from axond.distributed.numerics.bf16 import is_bfloat16
 from axond.distributed.numerics.reduce_op import BITWISE, ReduceOp
 
 Reducer = Callable[..., np.ndarray]
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-"""bfloat16: float32's exponent with an 8-bit mantissa; NumPy has no such dtype, ml_dtypes provides it."""
-ACCUMULATE = {BFLOAT16: np.dtype(np.float32), np.dtype(np.float16): np.dtype(np.float32)}
-"""Low-precision dtypes whose SUM/AVG/PRODUCT run in a wider dtype (rounded once, at the end)."""
+FLOAT32 = np.dtype(np.float32)
+FLOAT16 = np.dtype(np.float16)
+
+
+def wide_dtype(dtype: np.dtype) -> np.dtype | None:
+    """The wider dtype a low-precision dtype's SUM/AVG/PRODUCT runs in (rounded once, at the end): float32 for
+    float16 and bfloat16 (`axond.distributed.numerics.bf16`); None for the others."""
+    return FLOAT32 if dtype == FLOAT16 or is_bfloat16(dtype) else None
 
 UFUNCS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add,
@@ -37,7 +41,7 @@ UFUNCS: dict[ReduceOp, np.ufunc] = {
 
 def check_reduce_op(op: ReduceOp, dtype: np.dtype) -> ReduceOp:
     """Validate `op` for `dtype`; accepts ReduceOp members or their names ("sum", "AVG")."""
-    if type(op) is ReduceOp and (((dtype.kind == "f" or dtype == BFLOAT16) and op not in BITWISE)
+    if type(op) is ReduceOp and (((dtype.kind == "f" or is_bfloat16(dtype)) and op not in BITWISE)
                                  or (dtype.kind in "iu" and op is not ReduceOp.AVG)):
         return op
     if isinstance(op, str):
@@ -64,7 +68,7 @@ def accumulator(dtype: np.dtype, op: ReduceOp) -> np.dtype | None:
     """The dtype a reduction of `dtype` with `op` accumulates in when it is not `dtype` itself, else None."""
     if op is ReduceOp.MIN or op is ReduceOp.MAX or op in BITWISE:
         return None
-    return ACCUMULATE.get(dtype)
+    return wide_dtype(dtype)
 
 
 def narrow_into(x: np.ndarray, wide: np.ndarray) -> None:

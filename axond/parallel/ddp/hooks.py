@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from axond.distributed.numerics.reduce_op import ReduceOp
-from axond.distributed.numerics.reducers import BFLOAT16
+from axond.distributed.numerics.bf16 import bfloat16
 from axond.nn.device import Array
 from axond.nn.module import Parameter
 
@@ -83,7 +83,7 @@ def _compress_hook(state: Any, bucket: GradBucket, low: Array) -> HookFuture:
 
 def bf16_compress_hook(state: Any, bucket: GradBucket) -> HookFuture:
     """Cast the bucket to bfloat16 (float32's range, so nothing overflows or flushes), average, cast back."""
-    return _compress_hook(state, bucket, bucket.buffer().astype(BFLOAT16))
+    return _compress_hook(state, bucket, bucket.buffer().astype(bfloat16()))
 
 
 def fp16_compress_hook(state: Any, bucket: GradBucket) -> HookFuture:

@@ -25,7 +25,7 @@ from axond.distributed.backends.mpi.options import SPIN, MpiOptions
 from axond.distributed.backends.mpi.p2p import PointToPoint
 from axond.distributed.backends.splits import announcement, check_splits, offsets, settle
 from axond.distributed.numerics.reduce_op import ReduceOp
-from axond.distributed.numerics.reducers import ACCUMULATE, UFUNCS, check_reduce_op, finish_average, narrow_into
+from axond.distributed.numerics.reducers import UFUNCS, check_reduce_op, finish_average, narrow_into, wide_dtype
 from axond.distributed.ops import DTYPES, OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
 from axond.store import Store
 
@@ -143,8 +143,9 @@ class MpiBackend(PointToPoint, Backend):
 
     def _wide(self, x: Any, op: ReduceOp) -> Any:
         """The float32 copy a reduction of a low-precision `x` runs on (MPI has no such dtype), or None."""
-        if x.dtype in ACCUMULATE:
-            return _module(x).ascontiguousarray(x, dtype=ACCUMULATE[x.dtype])
+        wide = wide_dtype(x.dtype)
+        if wide is not None:
+            return _module(x).ascontiguousarray(x, dtype=wide)
         return None
 
     # -- collectives
