@@ -75,17 +75,22 @@ def _steps(out: Path) -> list[dict[str, float]]:
     return [json.loads(line) for p in out.glob("steps-*.jsonl") for line in p.read_text().splitlines()]
 
 
+def _hung_pid(out: Path, timeout: float = 180.0) -> int:
+    """The pid of rank 2 once it stopped after its step (it writes `hang-PID` in `out`)."""
+    deadline = time.monotonic() + timeout
+    while not any(out.glob("hang-*")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 2 did not reach its step within {timeout:.0f} s")
+        time.sleep(0.02)
+    return int(next(out.glob("hang-*")).name.removeprefix("hang-"))
+
+
 def one_run(address: str, live: bool, job: str) -> dict[str, float]:
     """Seconds from the kill to each milestone (NaN where the path has none), and the bytes read from storage."""
     out = Path(tempfile.mkdtemp(prefix="axond-recovery-"))
     workers = _workers(address, job, out, live)
     try:
-        deadline = time.monotonic() + 180
-        while not any(out.glob("hang-*")):
-            if time.monotonic() > deadline:
-                raise RuntimeError("rank 2 did not reach its step within 180 s")
-            time.sleep(0.02)
-        pid = int(next(out.glob("hang-*")).name.removeprefix("hang-"))
+        pid = _hung_pid(out)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         codes = []
@@ -187,12 +192,7 @@ def cut_run(fault: str, heartbeat: float, missed: int) -> dict[str, float]:
                           str(out), str(HANG_STEP))
             workers = {h.index: h.popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                        for h in hosts}
-            deadline = time.monotonic() + 180
-            while not any(out.glob("hang-*")):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("rank 2 did not reach its step within 180 s")
-                time.sleep(0.02)
-            pid = int(next(out.glob("hang-*")).name.removeprefix("hang-"))
+            pid = _hung_pid(out)
             (host,) = [h for h in hosts if pid in h.pids()]
             if fault == "kill":
                 at = time.monotonic()
