@@ -299,7 +299,8 @@ class VirtualSteps:
         self.fell_back = path
 
     def run_epochs(self, epochs: int, progress: Progress) -> bool:
-        """Train from the trainer's position to the end of `epochs` (always True: no replica rollbacks here)."""
+        """Train from the trainer's position to the end of `epochs`; False when a re-formation fell back to a checkpoint
+        (both copies of a ZeRO-1 shard lost), from whose position the trainer starts the loop again."""
         t = self.trainer
         pos = t.position
         micro, steps = self.steps_per_epoch()
