@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -20,12 +19,12 @@ import pytest
 
 from axond.testing import run_threads
 from live_train import Hashes, build_trainer
-from netns import AXOND, Proc, base_env, netns  # noqa: F401 - netns is the fixture
+from netns import Proc, netns  # noqa: F401 - netns is the fixture
+from netns_live import start_live_job
 
 pytestmark = pytest.mark.slow  # a job across five network-namespace hosts (real coordinator and workers)
 
-HERE = Path(__file__).resolve().parents[1] / "helpers"
-TOKEN, PORT, JOB = "netns-join-token", 29500, "grow"
+JOB = "grow"
 HEARTBEAT_S, MISSED = 0.25, 16
 HANG_STEP, JOIN_STEP, STEPS = 20, 30, 45
 """Rank 2 stops after step 20; the three survivors wait after step 30 for the replacement; 15 steps an epoch, 3."""
@@ -34,18 +33,8 @@ HANG_STEP, JOIN_STEP, STEPS = 20, 30, 45
 @pytest.mark.timeout(200)
 def test_a_replacement_host_joins_four_running_hosts_bit_identical(netns, tmp_path: Path) -> None:
     net = netns(5)
-    env = {**base_env(tmp_path / "home"), "LIVE_TEST_WAIT_JOIN": f"{JOIN_STEP}:4"}
-    h0, *hosts = net.hosts
-    coordinator = Proc(h0, "coordinator", [*AXOND, "coordinator", "--host", h0.addr, "--port", str(PORT), "--token",
-                                           TOKEN, "--heartbeat-interval", str(HEARTBEAT_S), "--dead-after-missed",
-                                           str(MISSED), "--settle-time", "10"], env, tmp_path)
-    coordinator.wait_for("listening on", timeout=20)
-    out = tmp_path / "out"
-    out.mkdir()
-    argv = [*AXOND, "worker", "--coordinator", f"{h0.addr}:{PORT}", "--token", TOKEN, "--nnodes", "3:4", "--job",
-            JOB, "--live-recovery", "--join-timeout", "60", "--", sys.executable, str(HERE / "live_train.py"),
-            str(out), str(HANG_STEP)]
-    workers = [Proc(h, f"worker{h.index}", argv, env, tmp_path) for h in hosts]
+    job = start_live_job(net, tmp_path, JOB, HANG_STEP, HEARTBEAT_S, MISSED, LIVE_TEST_WAIT_JOIN=f"{JOIN_STEP}:4")
+    workers, out, argv, env = job.workers, job.out, job.argv, job.env
     deadline = time.monotonic() + 90
     while not any(out.glob("hang-*")):
         assert time.monotonic() < deadline, [w.text()[-2000:] for w in workers]

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,12 @@ from axond.fencing import fence_wait
 from axond.testing import run_threads
 from axond.testing.netns import Network
 from live_train import Hashes, build_trainer
-from netns import AXOND, Proc, base_env, netns  # noqa: F401 - netns is the fixture
+from netns import Proc, netns  # noqa: F401 - netns is the fixture
+from netns_live import start_live_job
 
 pytestmark = pytest.mark.slow  # a job across five network-namespace hosts (real coordinator and workers)
 
-HERE = Path(__file__).resolve().parents[1] / "helpers"
-TOKEN, PORT, JOB = "netns-live-token", 29500, "live"
+JOB = "live"
 HEARTBEAT_S, MISSED = 0.25, 16
 LEASE_S = HEARTBEAT_S * MISSED
 CUT_MISSED, FENCE_MARGIN_S = 6, 0.5
@@ -45,19 +44,8 @@ HANG_STEP, STEPS = 20, 45
 
 def start_job(net: Network, tmp_path: Path, missed: int, fence_margin: float = 1.0) -> tuple[list[Proc], Path]:
     """A coordinator in host 0 and a live job of one rank on each other host; returns the workers and the out dir."""
-    env = base_env(tmp_path / "home")
-    h0, *hosts = net.hosts
-    coordinator = Proc(h0, "coordinator", [*AXOND, "coordinator", "--host", h0.addr, "--port", str(PORT), "--token",
-                                           TOKEN, "--heartbeat-interval", str(HEARTBEAT_S), "--dead-after-missed",
-                                           str(missed), "--settle-time", "10", "--fence-margin", str(fence_margin)],
-                       env, tmp_path)
-    coordinator.wait_for("listening on", timeout=20)
-    out = tmp_path / "out"
-    out.mkdir()
-    argv = [*AXOND, "worker", "--coordinator", f"{h0.addr}:{PORT}", "--token", TOKEN, "--nnodes", "3:4", "--job",
-            JOB, "--live-recovery", "--join-timeout", "60", "--", sys.executable, str(HERE / "live_train.py"),
-            str(out), str(HANG_STEP)]
-    return [Proc(h, f"worker{h.index}", argv, env, tmp_path) for h in hosts], out
+    job = start_live_job(net, tmp_path, JOB, HANG_STEP, HEARTBEAT_S, missed, fence_margin)
+    return job.workers, job.out
 
 
 def wait_for_hang(workers: list[Proc], out: Path) -> int:
