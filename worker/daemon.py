@@ -205,7 +205,8 @@ class RunningDaemon:
         try:
             spec = JobSpec(
                 argv=tuple(work.argv), job=work.job, nproc_per_node=work.nproc_per_node,
-                min_nodes=work.nnodes, max_nodes=work.nnodes, max_restarts=work.max_restarts,
+                min_nodes=work.min_nodes or work.nnodes, max_nodes=work.nnodes, max_restarts=work.max_restarts,
+                live_recovery=work.live_recovery,
                 env=dict(work.env), cwd=cwd, join_timeout=self._config.join_timeout,
                 stop_grace=self._config.stop_grace, outage_grace=self._config.outage_grace,
             )

@@ -21,6 +21,7 @@ from axond.control.client import CoordinatorClient, connect
 from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.launcher import prefixed
+from axond.worker.spec import parse_nnodes
 
 CANCEL_WAIT_S = 20.0
 """After Ctrl-C, how long to wait for the cancelled job's final event before giving up."""
@@ -36,6 +37,18 @@ def _parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
             raise click.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--env")
         env[key] = value
     return env
+
+
+def _parse_nodes(text: str, live_recovery: bool) -> tuple[int, int]:
+    try:
+        lo, hi = parse_nnodes(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--nnodes") from e
+    if lo != hi and not live_recovery:
+        raise click.BadParameter(
+            f"{text!r}: a submitted job takes a range of nodes with --live-recovery only (it then goes on while "
+            f"{lo} are left); without it, give one number", param_hint="--nnodes")
+    return lo, hi
 
 
 class _EventPump:
@@ -80,12 +93,17 @@ def _print_event(event: pb.JobEvent) -> pb.JobFinished | None:
 )
 @coordinator_options
 @connect_wait_option
-@click.option("--nnodes", type=click.IntRange(min=1), default=None, help="Worker daemons to run the job on [required].")
+@click.option("--nnodes", default=None, metavar="N|MIN:MAX",
+              help="Worker daemons to run the job on [required]; MIN:MAX (with --live-recovery): placed on MAX, "
+              "goes on while at least MIN are left.")
 @click.option("--nproc-per-node", "--nproc_per_node", type=click.IntRange(min=1), default=1, show_default=True,
               help="Rank processes on each node.")
 @click.option("--job", default="", help="Job name [default: chosen by the coordinator].")
 @click.option("--max-restarts", "--max_restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Restart the whole job this many times after a failure.")
+@click.option("--live-recovery", is_flag=True, default=False,
+              help="When a node's rank fails and at least MIN of --nnodes are left, go on without it: the other "
+              "ranks keep their processes and re-form (docs/live-recovery.md).")
 @click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="Extra environment for the ranks.")
 @click.option("--cwd", default=None, metavar="DIR",
               help="Working directory of the ranks [default: this one, if it exists on the worker].")
@@ -94,8 +112,8 @@ def _print_event(event: pb.JobEvent) -> pb.JobFinished | None:
               "with its status (Ctrl-C detaches without cancelling it).")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="-- CMD ARGS...")
 def run(
-    address: str | None, token: str | None, tls_ca: str | None, connect_wait: float, nnodes: int | None,
-    nproc_per_node: int, job: str, max_restarts: int, env_pairs: tuple[str, ...], cwd: str | None,
+    address: str | None, token: str | None, tls_ca: str | None, connect_wait: float, nnodes: str | None,
+    nproc_per_node: int, job: str, max_restarts: int, live_recovery: bool, env_pairs: tuple[str, ...], cwd: str | None,
     attach: str | None, cmd: tuple[str, ...],
 ) -> None:
     """Submit CMD to the worker daemons, stream its rank-prefixed output, exit with its status."""
@@ -105,6 +123,7 @@ def run(
     if attach is None and (not cmd or nnodes is None):
         raise click.UsageError("submit with --nnodes N [--nproc-per-node K] -- CMD ARGS..., or follow a job with --attach JOB")
     env = _parse_env(env_pairs)
+    min_nodes, max_nodes = _parse_nodes(nnodes, live_recovery) if nnodes is not None else (0, 0)
     try:
         client = connect(address, token=token, tls_ca=tls_ca, connect_wait=connect_wait, on_wait=waiting_notice("run"),
                          env=runtime_env())
@@ -116,12 +135,11 @@ def run(
         finally:
             client.close()
         sys.exit(code)
-    assert nnodes is not None
     try:
         try:
             name = client.submit_job(
-                list(cmd), nnodes, nproc_per_node, job=job, env=env, max_restarts=max_restarts,
-                cwd=cwd if cwd is not None else os.getcwd(),
+                list(cmd), max_nodes, nproc_per_node, job=job, env=env, max_restarts=max_restarts,
+                cwd=cwd if cwd is not None else os.getcwd(), min_nodes=min_nodes, live_recovery=live_recovery,
             )
         except CoordinatorError as e:
             fail_coordinator("run", e, address)

@@ -278,12 +278,14 @@ class CoordinatorClient:
     def submit_job(
         self, argv: list[str], nnodes: int, nproc_per_node: int, job: str = "",
         env: dict[str, str] | None = None, max_restarts: int = 0, cwd: str = "",
+        min_nodes: int = 0, live_recovery: bool = False,
     ) -> str:
-        """Queue a job for the worker daemons; returns its name."""
-        _non_negative(nnodes=nnodes, nproc_per_node=nproc_per_node, max_restarts=max_restarts)
+        """Queue a job for the worker daemons; returns its name (`min_nodes`, with `live_recovery`: the job goes on
+        while at least that many of its `nnodes` are left; 0: all of them)."""
+        _non_negative(nnodes=nnodes, nproc_per_node=nproc_per_node, max_restarts=max_restarts, min_nodes=min_nodes)
         req = pb.SubmitJobRequest(
             job=job, nnodes=nnodes, nproc_per_node=nproc_per_node, argv=argv, env=env or {},
-            max_restarts=max_restarts, cwd=cwd,
+            max_restarts=max_restarts, cwd=cwd, min_nodes=min_nodes, live_recovery=live_recovery,
         )
         return self.call("SubmitJob", self.stub.SubmitJob, req).job
 

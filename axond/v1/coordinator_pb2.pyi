@@ -378,7 +378,7 @@ class KvStreamResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[KvResult, _Mapping]]] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("job", "nnodes", "nproc_per_node", "argv", "env", "max_restarts", "cwd")
+    __slots__ = ("job", "nnodes", "nproc_per_node", "argv", "env", "max_restarts", "cwd", "min_nodes", "live_recovery")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +393,8 @@ class SubmitJobRequest(_message.Message):
     ENV_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     CWD_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_RECOVERY_FIELD_NUMBER: _ClassVar[int]
     job: str
     nnodes: int
     nproc_per_node: int
@@ -400,7 +402,9 @@ class SubmitJobRequest(_message.Message):
     env: _containers.ScalarMap[str, str]
     max_restarts: int
     cwd: str
-    def __init__(self, job: _Optional[str] = ..., nnodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., cwd: _Optional[str] = ...) -> None: ...
+    min_nodes: int
+    live_recovery: bool
+    def __init__(self, job: _Optional[str] = ..., nnodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., cwd: _Optional[str] = ..., min_nodes: _Optional[int] = ..., live_recovery: _Optional[bool] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job",)
@@ -419,7 +423,7 @@ class PollWorkRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., wait_s: _Optional[float] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class WorkAssignment(_message.Message):
-    __slots__ = ("job", "nnodes", "nproc_per_node", "argv", "env", "max_restarts", "cwd")
+    __slots__ = ("job", "nnodes", "nproc_per_node", "argv", "env", "max_restarts", "cwd", "min_nodes", "live_recovery")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -434,6 +438,8 @@ class WorkAssignment(_message.Message):
     ENV_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     CWD_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_RECOVERY_FIELD_NUMBER: _ClassVar[int]
     job: str
     nnodes: int
     nproc_per_node: int
@@ -441,7 +447,9 @@ class WorkAssignment(_message.Message):
     env: _containers.ScalarMap[str, str]
     max_restarts: int
     cwd: str
-    def __init__(self, job: _Optional[str] = ..., nnodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., cwd: _Optional[str] = ...) -> None: ...
+    min_nodes: int
+    live_recovery: bool
+    def __init__(self, job: _Optional[str] = ..., nnodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., cwd: _Optional[str] = ..., min_nodes: _Optional[int] = ..., live_recovery: _Optional[bool] = ...) -> None: ...
 
 class PollWorkResponse(_message.Message):
     __slots__ = ("assignments", "cancelled")

@@ -220,6 +220,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             env=tuple(sorted(request.env.items())),
             max_restarts=request.max_restarts,
             cwd=request.cwd,
+            min_nodes=request.min_nodes,
+            live_recovery=request.live_recovery,
         )
         return pb.SubmitJobResponse(job=self.state.submit_job(request.job, spec, time.monotonic()))
 
@@ -242,6 +244,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 pb.WorkAssignment(
                     job=name, nnodes=s.nnodes, nproc_per_node=s.nproc_per_node, argv=list(s.argv),
                     env=dict(s.env), max_restarts=s.max_restarts, cwd=s.cwd,
+                    min_nodes=s.least_nodes, live_recovery=s.live_recovery,
                 )
                 for name, s in work
             ],

@@ -120,7 +120,8 @@ class JobFailures:
                      and not getattr(self.members.nodes.get(m.node_id), "dead", True)]
         if len(survivors) < j.min_nodes:
             return False
-        self.lifecycle.bump(j, f"{reason}; re-forming live with the {len(survivors)} other node(s)", False, 0, now)
+        self.lifecycle.bump(j, f"{reason}; re-forming live with the {len(survivors)} other node(s)", False, 0, now,
+                            live=True)
         j.round.expected = frozenset(survivors)
         j.live_generation = j.generation
         j.left = [*j.left[-(MAX_LEFT - 1):], lost.node_id]

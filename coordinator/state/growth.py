@@ -11,14 +11,17 @@ one, and is refused once none is left.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 from axond.coordinator.state.errors import FailedPrecondition
 from axond.coordinator.state.jobs import Job
 from axond.coordinator.state.membership import Membership, Node
 
-Bump = Callable[[Job, str, bool, int, float], bool]
-"""`JobLifecycle.bump(job, reason, count_restart, exit_code, now)`."""
+class Bump(Protocol):
+    """`JobLifecycle.bump`."""
+
+    def __call__(self, j: Job, reason: str, count_restart: bool, exit_code: int, now: float,
+                 live: bool = False) -> bool: ...
 
 
 def running_nodes(j: Job, members: Membership) -> list[str]:
@@ -38,7 +41,7 @@ def grow_live(j: Job, node: Node, members: Membership, bump: Bump, now: float, r
     running = running_nodes(j, members)
     was = " again after its rank failed (one restart counted)" if rejoins else ""
     bump(j, f"node {node.node_id} ({node.hostname}) joined{was}; re-forming live with {len(running) + 1} node(s), "
-         "the running ranks keep their processes", False, 0, now)
+         "the running ranks keep their processes", False, 0, now, live=True)
     j.round.expected = frozenset([*running, node.node_id])
     j.live_generation = j.generation
 

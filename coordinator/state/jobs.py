@@ -43,6 +43,14 @@ class JobSpec:
     env: tuple[tuple[str, str], ...]
     max_restarts: int
     cwd: str
+    min_nodes: int = 0
+    """With live recovery: the job goes on while at least this many of its `nnodes` are left (0: `nnodes`)."""
+    live_recovery: bool = False
+    """`axond run --live-recovery`: a failed node's share is carried by the others (docs/live-recovery.md)."""
+
+    @property
+    def least_nodes(self) -> int:
+        return self.min_nodes or self.nnodes
 
 
 @dataclass(frozen=True)

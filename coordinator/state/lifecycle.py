@@ -297,8 +297,9 @@ class JobLifecycle:
             j.round.secret, j.restarts_left,
         )
 
-    def bump(self, j: Job, reason: str, count_restart: bool, exit_code: int, now: float) -> bool:
-        """Open the next generation (survivors re-join); fail the job when restarts run out."""
+    def bump(self, j: Job, reason: str, count_restart: bool, exit_code: int, now: float, live: bool = False) -> bool:
+        """Open the next generation (survivors re-join; `live`: their ranks keep running); fail the job when restarts
+        run out."""
         if count_restart and j.restarts >= j.max_restarts:
             self.finish(
                 j, JobState.FAILED, exit_code or 1, f"{reason}; no restarts left (max_restarts {j.max_restarts})", now
@@ -322,7 +323,8 @@ class JobLifecycle:
         for node_id, (key, nproc) in now_waiting.items():
             j.round.add(node_id, key, nproc, now)
         self.ctx.goodput.observe(j.name, j, now)
-        j.events.append(InfoEvent(f"restarting as generation {j.generation}: {reason}"))
+        verb = "re-forming live" if live else "restarting"
+        j.events.append(InfoEvent(f"{verb} as generation {j.generation}: {reason}"))
         self.ctx.notify("job", j.name)
         self.ctx.notify("events", j.name)
         self.ctx.notify("timer")

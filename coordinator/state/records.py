@@ -80,7 +80,8 @@ def job_record(j: Job, now: float) -> Record:
         "state": int(j.state), "restarts": j.restarts, "reason": j.reason, "exit_code": j.exit_code,
         "spec": None if spec is None else {
             "nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "argv": list(spec.argv),
-            "env": [list(kv) for kv in spec.env], "max_restarts": spec.max_restarts, "cwd": spec.cwd},
+            "env": [list(kv) for kv in spec.env], "max_restarts": spec.max_restarts, "cwd": spec.cwd,
+            "min_nodes": spec.min_nodes, "live_recovery": spec.live_recovery},
         "assigned": list(j.assigned), "exits": dict(j.exits), "placement_note": j.placement_note,
         "finished_wall": _wall(j.finished_at, now), "round": _round_record(j.round, joiners=False),
         "past_generations": [r.generation for r in j.past_rounds], "events_base": j.events.base,
@@ -94,7 +95,8 @@ def job_from(r: Record, now: float, events: EventLog, joiners: list[tuple[str, l
     `past`: its past rounds' records by generation (for a record that lists only their generations)."""
     s = r["spec"]
     spec = None if s is None else JobSpec(int(s["nnodes"]), int(s["nproc_per_node"]), tuple(s["argv"]),
-                                          tuple((k, v) for k, v in s["env"]), int(s["max_restarts"]), s["cwd"])
+                                          tuple((k, v) for k, v in s["env"]), int(s["max_restarts"]), s["cwd"],
+                                          int(s.get("min_nodes", 0)), bool(s.get("live_recovery", False)))
     rnd = _round_from(r["round"], now, joiners)
     return Job(
         r["name"], int(r["min_nodes"]), int(r["max_nodes"]), int(r["max_restarts"]), rnd,

@@ -38,6 +38,13 @@ class SubmittedJobs:
         limits = self.ctx.limits
         check_positive("nnodes", spec.nnodes)
         check_positive("nproc_per_node", spec.nproc_per_node)
+        if spec.min_nodes > spec.nnodes:
+            raise InvalidArgument(f"min_nodes is {spec.min_nodes}, above nnodes {spec.nnodes}; it must be at most that")
+        if spec.min_nodes not in (0, spec.nnodes) and not spec.live_recovery:
+            raise InvalidArgument(
+                f"nnodes {spec.min_nodes}:{spec.nnodes} for a submitted job needs live_recovery (axond run "
+                "--live-recovery); submitted jobs restart at their full size otherwise"
+            )
         check_at_most("nnodes", spec.nnodes, limits.max_nnodes, "max_nnodes")
         check_at_most("nproc_per_node", spec.nproc_per_node, limits.max_nproc_per_node, "max_nproc_per_node")
         check_at_most("world size", spec.nnodes * spec.nproc_per_node, limits.max_world_size, "max_world_size")
@@ -66,7 +73,7 @@ class SubmittedJobs:
         old = self.ctx.jobs.get(name)
         if old is not None and not old.state.terminal:
             raise AlreadyExists(f"job {short(name)} is still {old.state.name}; pick another name or cancel it")
-        j = self.lifecycle.new_job(name, spec.nnodes, spec.nnodes, spec.max_restarts)
+        j = self.lifecycle.new_job(name, spec.least_nodes, spec.nnodes, spec.max_restarts, live=spec.live_recovery)
         j.spec = spec
         self.ctx.goodput.observe(name, j, now)  # queued for daemons: waiting for members
         self.scheduler.enqueue(name)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from axond.coordinator.state.errors import FailedPrecondition
-from axond.coordinator.state.jobs import EventLog, JobState
+from axond.coordinator.state.errors import FailedPrecondition, InvalidArgument
+from axond.coordinator.state.jobs import EventLog, JobSpec, JobState
 from axond.coordinator.state.machine import CoordinatorState
 from axond.coordinator.state.records import job_from, job_record
 
@@ -91,3 +91,25 @@ def test_a_live_job_keeps_what_it_went_on_without_across_a_coordinator_restart()
     for key in ("live", "live_generation", "left"):  # a record written before live recovery existed
         del old[key]
     assert (lambda r: (r.live, r.live_generation, r.left))(job_from(old, 2.0, EventLog())) == (False, 0, [])
+
+
+def test_a_submitted_job_recovers_live_within_its_node_range_and_keeps_it_across_a_restart() -> None:
+    state = CoordinatorState(heartbeat_interval=1.0, dead_after_missed=3, settle_time=SETTLE)
+    with pytest.raises(InvalidArgument, match="needs live_recovery"):
+        state.submit_job("x", JobSpec(3, 1, ("true",), (), 0, "", min_nodes=2), now=0.0)
+    with pytest.raises(InvalidArgument, match="above nnodes"):
+        state.submit_job("x", JobSpec(3, 1, ("true",), (), 0, "", min_nodes=4, live_recovery=True), now=0.0)
+    spec = JobSpec(3, 1, ("python", "train.py"), (), 0, "", min_nodes=2, live_recovery=True)
+    name = state.submit_job("sub", spec, now=0.0)
+    daemons = [state.register_node(f"d{i}", 1, True, 0.0).node_id for i in range(3)]
+    for d in daemons:
+        ((got, given),) = state.take_work(d, 0.0)[0]
+        assert (got, given.least_nodes, given.live_recovery) == (name, 2, True)
+        state.join(name, d, 1, 2, 3, 0, now=0.0, live=True)
+    j = state.jobs[name]
+    assert (j.min_nodes, j.max_nodes, j.live, j.state) == (2, 3, True, JobState.RUNNING)
+    state.report_failure(name, daemons[2], 1, 2, 137, "rank 2 exited with code 137 (SIGKILL)", now=1.0)
+    assert (j.generation, j.restarts, j.left) == (2, 0, [daemons[2]])
+    assert any("re-forming live as generation 2" in getattr(e, "text", "") for e in j.events.events)
+    again = job_from(dict(job_record(j, 2.0), past_generations=[]), 2.0, EventLog())
+    assert again.spec == spec

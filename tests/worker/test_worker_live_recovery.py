@@ -216,3 +216,35 @@ def test_a_lost_host_is_fenced_then_the_survivors_go_on_bit_identical(procs: Pro
         assert recovery["reformed_at"] - killed >= LEASE_S - HEARTBEAT_S + fence, recovery
         assert recovery["reformed_at"] - killed < LEASE_S + fence + 10 * HEARTBEAT_S, recovery
         assert [s["hash"] for s in steps(out, pid)] == reference.hashes
+
+
+@pytest.mark.slow
+def test_a_job_submitted_with_axond_run_recovers_live_on_worker_daemons(procs: Procs, tmp_path: Path) -> None:
+    """`axond run --nnodes 2:3 --live-recovery` on three worker daemons: the same path as three agents."""
+    out = tmp_path / "run"
+    out.mkdir()
+    address = coordinator(procs)
+    for _ in range(3):
+        procs.axond("worker", "--coordinator", address, "--slots", "1")
+    run = procs.axond("run", "--coordinator", address, "--nnodes", "2:3", "--live-recovery", "--job", "daemons",
+                      "--", PY, str(SCRIPT), str(out), str(HANG_STEP))
+    killed, _ = kill_when_hung(out)
+    done = procs.finish(run, timeout=90)
+    assert done.code == 0, done.stderr[-2000:]
+    assert "re-forming live as generation 2: rank 2" in done.stderr, done.stderr[-2000:]
+    started = {int(p.name.split("-")[2]): int(p.name.split("-")[1]) for p in out.glob("start-*")}
+    assert sorted(started.values()) == [0, 1, 2] and started[killed] == 2  # none restarted
+    ends = read(out, "end-*.json")
+    assert set(ends) == set(started) - {killed}
+    reference = Hashes()
+    run_threads(lambda group: build_trainer(group, [reference], virtual_ranks=3).fit(3), 1, 120.0)
+    for pid in ends:  # every step's parameters those of an uninterrupted run on three virtual ranks
+        assert [s["hash"] for s in steps(out, pid)] == reference.hashes
+    for end in ends.values():
+        (recovery,) = end["recoveries"]
+        assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (3, 2, HANG_STEP)
+
+
+def test_axond_run_takes_a_range_of_nodes_only_with_live_recovery(procs: Procs) -> None:
+    res = procs.run("run", "--coordinator", "127.0.0.1:1", "--nnodes", "2:3", "--", PY, "-c", "pass", timeout=30)
+    assert res.code == 2 and "--live-recovery" in res.stderr, res.stderr
