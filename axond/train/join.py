@@ -11,7 +11,9 @@ next generation with the running ranks and the new ones. The running ranks re-fo
 3. if any rank is fresh (and any is not), the lowest running rank broadcasts the state: first a small JSON manifest
    (position, virtual ranks, the optimizer's hyper-parameters and scalars, the names, shapes and dtypes of the
    arrays), then every array in place, straight from the source's parameters and optimizer state (zero-copy; the
-   receivers' parameters are filled in place, their optimizer state allocated once from the manifest).
+   receivers' parameters are filled in place, their optimizer state allocated once from the manifest). Under ZeRO-1
+   the optimizer state is not in it: every rank then re-shards (`axond.train.reassemble`), each virtual shard's state
+   going from the running rank that carried it to the shard's carrier in the grown world.
 
 The random streams need no transfer: the virtual-rank loop seeds each virtual rank's generators from the trainer's
 seed, the virtual rank and the global step. Nothing is read from storage.
@@ -115,6 +117,8 @@ def transfer(steps: VirtualSteps, group: ProcessGroup, source: int, joined: Sequ
     sending = group.rank == source
     model = t.module.state_dict()
     optim = t.optimizer.state_dict()
+    if steps.zero is not None:  # ZeRO-1: each shard's state goes from its carrier afterwards (`reassemble`)
+        optim = {**optim, "state": {}}
     text = json.dumps(_manifest(steps, model, optim)).encode() if sending else b""
     size = np.array([len(text)], np.int64)
     group.broadcast(size, source)
@@ -218,7 +222,8 @@ def _adopt(steps: VirtualSteps, manifest: dict[str, Any], targets: list[np.ndarr
     state.update({name: targets[i] for i, (kind, name, _, _) in enumerate(manifest["arrays"]) if kind == "optim"})
     opt = t.optimizer
     opt.defaults.update(defaults)
-    opt.state = [{} for _ in opt.params]
+    if steps.zero is None:
+        opt.state = [{} for _ in opt.params]
     for key, value in state.items():
         index, name = key.split(".", 1)
         opt.state[int(index)][name] = value

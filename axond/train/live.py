@@ -130,8 +130,9 @@ class VirtualSteps:
         """The buddy copies of this rank's shards (None: off, or not ZeRO-1)."""
         self.fell_back: str | None = None
         """The checkpoint the last re-formation fell back to (both copies of a shard lost), if any."""
-        if self.copies is not None:
-            self.copies.place(trainer.group, self._nodes(trainer.group))
+        self.placed = False
+        """The buddies are chosen for the current group (at the first step: a rank that joins a running job must
+        run the running ranks' collectives first, `join_running`)."""
 
     @staticmethod
     def _nodes(group: Any) -> list[int]:
@@ -156,6 +157,7 @@ class VirtualSteps:
         moved = join.join_running(self)
         if moved is not None:
             self.transfers.append(moved)
+            self._reshard(self.trainer.group)  # ZeRO-1: the shards this rank carries now, from their carriers
         return moved is not None
 
     def steps_per_epoch(self) -> tuple[int, int]:
@@ -267,15 +269,19 @@ class VirtualSteps:
         if self.zero is None:
             return [], []
         t = self.trainer
-        nodes = self._nodes(group)
         done = reassemble(self.zero, self.copies.holdings if self.copies is not None else [], group,
                           t.position.global_step)
         if done.lost:
             self._lost(done.lost, group)
         if self.copies is not None:
-            self.copies.place(group, nodes)
+            self._place_copies(group)
             self.copies.post()
         return done.from_copies, done.replayed
+
+    def _place_copies(self, group: Any) -> None:
+        assert self.copies is not None
+        self.copies.place(group, self._nodes(group))
+        self.placed = True
 
     def _lost(self, lost: list[int], group: Any) -> None:
         """Both copies of `lost` shards are gone: load the last checkpoint (and say so), or raise; never go on."""
@@ -309,6 +315,8 @@ class VirtualSteps:
             self._agree()  # the replicas start alike (the wrapper broadcast them): the first agreed state
         if self.zero is not None:
             self.zero.tag = pos.global_step
+            if self.copies is not None and not self.placed:
+                self._place_copies(t.group)
             if self.copies is not None and self.copies.sent != pos.global_step:
                 self.copies.post()
         while pos.epoch < epochs:

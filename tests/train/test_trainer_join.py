@@ -20,12 +20,14 @@ from axond.train.live import roll_forward
 from live_train import Hashes, build_trainer
 
 
-@pytest.mark.parametrize("digest_every", [None, 7])
+@pytest.mark.parametrize("digest_every, parallel", [(None, "ddp"), (7, "ddp"), (None, "zero")])
 def test_a_fresh_rank_takes_the_state_of_a_running_one_and_the_run_goes_on_bit_identical(
-        digest_every: int | None) -> None:
+        digest_every: int | None, parallel: str) -> None:
+    """Under ZeRO-1 the fresh rank takes the parameters from the lowest running rank and the optimizer state of the
+    shards it now carries from their carriers (`reassemble`), as every rank does after a re-formation."""
     reference = Hashes()
     run_threads(lambda g: build_trainer(g, [reference], virtual_ranks=3).fit(2), 1, 120.0)
-    options: dict[str, Any] = {"virtual_ranks": 3, "digest_every": digest_every}
+    options: dict[str, Any] = {"virtual_ranks": 3, "digest_every": digest_every, "parallel": parallel}
 
     def train(group: ProcessGroup) -> dict[str, Any]:
         hashes = Hashes()
@@ -37,6 +39,8 @@ def test_a_fresh_rank_takes_the_state_of_a_running_one_and_the_run_goes_on_bit_i
             trainer = build_trainer(group, [hashes], **options)
         assert trainer.virtual is not None
         settled = settle(trainer.virtual, group, fresh, None if fresh else roll_forward)
+        if parallel == "zero":
+            trainer.virtual._reshard(group)  # what `VirtualSteps._recover` and `join_running` run after `settle`
         trainer.fit(2)
         return {"transfer": settled.transfer, "hashes": hashes.hashes, "step": trainer.position.global_step}
 

@@ -114,22 +114,31 @@ def check_run(out: Path, killed: int, ref_hashes: list[str], ref_params: dict[st
 
 
 @pytest.mark.slow
-def test_a_replacement_worker_joins_the_running_job_and_ends_bit_identical(procs: Procs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "zero"])
+def test_a_replacement_worker_joins_the_running_job_and_ends_bit_identical(
+        procs: Procs, tmp_path: Path, parallel: str) -> None:
+    """Under ZeRO-1 (`parallel="zero"`) the lost rank's shards come back from its buddy's copy (3 -> 2), and the
+    replacement's block from the shards' carriers (2 -> 3)."""
     ref_hashes, ref_params = reference()
     out = tmp_path / "grow"
     out.mkdir()
     address = coordinator(procs)
-    workers = [worker(procs, address, out) for _ in range(3)]
+    env = {"LIVE_TEST_WAIT_JOIN": str(JOIN_STEP), "LIVE_TEST_PARALLEL": parallel}
+    workers = [worker(procs, address, out, env=env) for _ in range(3)]
     killed = kill_rank_two(out)
     wait_for(lambda: any(w.poll() is not None for w in workers), 60, "the killed rank's worker to leave the job")
     lost = next(w for w in workers if w.poll() is not None)
     gone = procs.finish(lost, timeout=10)
     assert gone.code != 0 and "goes on without this node" in gone.stderr, gone.stderr[-1500:]
-    replacement = worker(procs, address, out)
+    replacement = worker(procs, address, out, env=env)
     finished = [procs.finish(w, timeout=120) for w in [*workers, replacement] if w is not lost]
     assert [f.code for f in finished] == [0, 0, 0], "\n----\n".join(f.stderr[-6000:] for f in finished)
     assert "this node joined the running job live (a new node: no restart counted" in finished[-1].stderr
     check_run(out, killed, ref_hashes, ref_params)
+    if parallel == "zero":
+        for end in read(out, "end-*.json").values():
+            shrink = [r for r in end["recoveries"] if r["world_after"] == 2]
+            assert all(r["from_copies"] == [2] for r in shrink), end["recoveries"]  # rank 2's shard, from its buddy
 
 
 @pytest.mark.slow
