@@ -18,8 +18,8 @@ from axond.distributed.backends.tcp.transport.exchange import exchange
 from axond.distributed.backends.tcp.policy import SMALL_FRAME
 from axond.distributed.backends.tcp.transport.peer import Peer, PeerClosed, PeerError, PeerTimeout
 from axond.distributed.backends.tcp.transport.sockets import retransmitting
-from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op, describe, uneven_back
-from axond.distributed.backends.splits import disagreement
+from axond.distributed.backends.tcp.transport.mismatch import unexpected, unmatched
+from axond.distributed.backends.tcp.transport.wire import HEADER, HEADER_SIZE, OP_NAMES, Kind, Op
 from axond.errors import DistributedError
 
 T = TypeVar("T")
@@ -252,12 +252,9 @@ class FramedGroup:
 
     def _unmatched(self, c: Call, peer: int) -> None:
         """A receive timed out while sends of other tags from `peer` wait unreceived: raise naming both."""
-        others = [describe(h[1], h[2], h[7], h[3], h[6]) for h, _ in self.peers[peer].early if h[0] == Kind.P2P]
-        if others:
-            mine = describe(c.op, c.dtype, c.count, c.redop, c.aux)
-            error = self.error(c, peer, f"timed out after {self._timeout:.1f} s waiting for peer rank {peer} to send "
-                                        f"{mine.replace('recv', 'send', 1)}; it sent {', '.join(others[:4])} instead "
-                                        "(not received: sends and receives match per tag)")
+        why = unmatched(c, peer, [h for h, _ in self.peers[peer].early], self._timeout)
+        if why is not None:
+            error = self.error(c, peer, why)
             error.timed_out = True
             raise error
 
@@ -357,24 +354,7 @@ class FramedGroup:
             if h[3] == FAILED:
                 raise self.error(c, peer, reason, root_cause=reason)
             raise self.error(c, peer, f"peer rank {peer} gave up: {reason}")
-        mine = describe(c.op, c.dtype, c.count, c.redop, c.aux)
-        if h[0] not in (Kind.COLLECTIVE, Kind.P2P) or h[5] != self._gid:
-            raise self.error(c, peer, f"peer rank {peer} sent a frame that is not from this group "
-                                      f"(kind {h[0]}, group id {h[5]:#x}); the stream is out of step")
-        theirs = describe(h[1], h[2], h[7], h[3], h[6])
-        if h[:4] + h[5:8] == c.expect[:4] + c.expect[5:8] and (nbytes is None or h[8] == nbytes):
-            raise self.error(c, peer, f"peer rank {peer} is at operation #{h[4]} but this rank is at #{c.seq} "
-                                      f"(both in {mine}); a rank skipped or added a call")
-        if theirs == mine and c.op == Op.ALL_TO_ALL and c.aux < 0 and h[4] == c.seq:
-            raise self.error(c, peer, self._split_disagreement(c, peer, h))
-        if theirs == mine:
-            theirs += f" [frame of {h[8]} bytes, expected {nbytes}]"
-        raise self.error(c, peer, f"peer rank {peer} called {theirs} but this rank called {mine}")
-
-    def _split_disagreement(self, c: Call, peer: int, h: tuple[int, ...]) -> str:
-        """What the two sides of an all_to_all with split sizes disagree on (each frame carries both directions)."""
-        why = disagreement(peer, h[7], c.count, uneven_back(h[6]), uneven_back(c.aux))
-        return why or f"peer rank {peer} sent an all_to_all frame this rank did not expect"
+        raise self.error(c, peer, unexpected(c, peer, h, nbytes, self._gid))
 
     def error(self, c: Call, peer: int | None, what: str, root_cause: str | None = None) -> DistributedError:
         """The error of call `c` about `peer` (a group rank; None: no single peer)."""
