@@ -11,9 +11,9 @@ entered it, so every rank holds that step's averaged gradient; a rank the failur
 then ("rolls forward"), and none is ever applied twice.
 
 Under ZeRO-1 (`axond.parallel.zero.virtual`) each rank steps the optimizer for its block of virtual shards, then the
-blocks are all-gathered; each rank's block is copied to a buddy (`axond.train.buddy`) and, after a re-formation, the
-shards are rebuilt at the agreed step from the survivors and the copies and re-sharded over the new world
-(`axond.train.reassemble`).
+blocks are all-gathered; each rank's block is copied to a buddy (`axond.train.buddy`) and into its worker daemon's
+memory (`axond.train.daemon_copy`) and, after a re-formation, the shards are rebuilt at the agreed step from the
+survivors and the copies and re-sharded over the new world (`axond.train.reassemble`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import numpy as np
 
 import axond.checkpoint as ckpt
 from axond.checkpoint.api import ObjectCollectives
+from axond.config import RuntimeEnv
 from axond.distributed.boundary import moved_on
 from axond.distributed.diagnostics.steps import mark_step
 from axond.distributed.reform import reform
@@ -43,6 +44,7 @@ from axond.train import join
 from axond.train.agreed import AgreedState
 from axond.parallel.zero.virtual import VirtualZero
 from axond.train.buddy import BuddyCopies
+from axond.train.daemon_copy import DaemonCopy
 from axond.train.progress import Progress
 from axond.train.reassemble import reassemble
 from axond.train.virtual import VirtualGradients
@@ -76,6 +78,8 @@ class Recovery:
     """ZeRO-1: of `from_copies`, the shards whose copy was of the step before, advanced by the gradients kept since."""
     checkpoint: str | None = None
     """ZeRO-1: the checkpoint read instead, when both copies of a shard were lost."""
+    from_daemon: tuple[int, ...] = ()
+    """ZeRO-1: of `from_copies`, the shards whose copy came from a worker daemon's memory (a replacement rank's)."""
 
 
 def roll_forward(steps: Sequence[int], mine: int, pending: bool) -> bool:
@@ -130,6 +134,11 @@ class VirtualSteps:
         """The buddy copies of this rank's shards (None: off, or not ZeRO-1)."""
         self.fell_back: str | None = None
         """The checkpoint the last re-formation fell back to (both copies of a shard lost), if any."""
+        fd = RuntimeEnv.from_env(strict=False).shard_memory_fd
+        self.daemon = DaemonCopy(fd, self.zero) if self.zero is not None and fd is not None else None
+        """ZeRO-1: this rank's copies in the memory its worker daemon holds (None: no worker gave any)."""
+        self.lineage = 0
+        """Bumped on every rank when the job falls back to a checkpoint: daemon copies from before are never read."""
         if self.copies is not None:
             self.copies.place(trainer.group, self._nodes(trainer.group))
 
@@ -156,6 +165,8 @@ class VirtualSteps:
         moved = join.join_running(self)
         if moved is not None:
             self.transfers.append(moved)
+            if self.zero is not None:  # the shards come by re-sharding, perhaps from this worker daemon's copy
+                self._reshard(self.trainer.group, fresh=True)
         return moved is not None
 
     def steps_per_epoch(self) -> tuple[int, int]:
@@ -197,6 +208,8 @@ class VirtualSteps:
         self.grads.apply()
         if t.clip_norm is not None:
             t._clip(t.clip_norm)
+        if self.daemon is not None:
+            self.daemon.settle()  # the last daemon copy is read from the arrays this step changes
         t.optimizer.step()
         self.totals += self.grads.losses
         self.pending = False
@@ -207,6 +220,8 @@ class VirtualSteps:
         if self.copies is not None:
             self.copies.after_step()
         if publish:
+            if self.daemon is not None:
+                self.daemon.post(self.lineage)  # this rank's block is final: copied while the blocks are gathered
             self.zero.publish()
             if self.copies is not None and self.copies.due():
                 self.copies.post()
@@ -232,6 +247,8 @@ class VirtualSteps:
         step, before, error_at, span = t.position.global_step, t.world_size, time.monotonic(), time.perf_counter_ns()
         if self.copies is not None:
             self.copies.cut()
+        if self.daemon is not None:
+            self.daemon.settle()
         for _ in range(MAX_REFORMS_PER_STEP):
             group = reform()
             t.group, t.comm = group, ObjectCollectives(group)
@@ -247,7 +264,7 @@ class VirtualSteps:
             if settled.transfer is not None:
                 self.transfers.append(settled.transfer)
             try:
-                copied, replayed = self._reshard(group)
+                copied, replayed, daemon = self._reshard(group)
             except MembershipChanged as again:
                 error = again
                 continue
@@ -255,27 +272,34 @@ class VirtualSteps:
                 timeline.TRACER.since("live.reform", "live", span, step=step, world_before=before,
                                       world_after=group.size, generation=error.generation, reason=error.reason,
                                       rolled_forward=forward, from_copies=copied, replayed=replayed,
-                                      checkpoint=self.fell_back)
+                                      from_daemon=daemon, checkpoint=self.fell_back)
             self.recoveries.append(Recovery(step, before, group.size, error.generation, error.reason, error_at,
-                                            time.monotonic(), forward, tuple(copied), tuple(replayed), self.fell_back))
+                                            time.monotonic(), forward, tuple(copied), tuple(replayed), self.fell_back,
+                                            tuple(daemon)))
             return
         raise error
 
-    def _reshard(self, group: Any) -> tuple[list[int], list[int]]:
-        """ZeRO-1: rebuild every shard at the agreed step in memory and carry the new block; post the new copies.
-        Returns the shards rebuilt from buddy copies, and those of them advanced from an older copy."""
+    def _reshard(self, group: Any, fresh: bool = False) -> tuple[list[int], list[int], list[int]]:
+        """ZeRO-1: rebuild every shard at the agreed step in memory and carry the new block; post the new copies
+        (`fresh`: this rank joined the running job: it offers its worker daemon's copy of a lost rank's block).
+        Returns the shards rebuilt from copies, those of them advanced from an older copy, and those from a daemon's."""
         if self.zero is None:
-            return [], []
+            return [], [], []
         t = self.trainer
+        agreed = t.position.global_step
         nodes = self._nodes(group)
-        done = reassemble(self.zero, self.copies.holdings if self.copies is not None else [], group,
-                          t.position.global_step)
+        daemon = self.daemon.holding(agreed, self.lineage) if fresh and self.daemon is not None else None
+        if fresh:
+            self.zero.tag = -1  # it carried nothing: it offers no state of its own
+        done = reassemble(self.zero, self.copies.holdings if self.copies is not None else [], group, agreed, daemon)
         if done.lost:
             self._lost(done.lost, group)
         if self.copies is not None:
             self.copies.place(group, nodes)
             self.copies.post()
-        return done.from_copies, done.replayed
+        if self.daemon is not None:
+            self.daemon.post(self.lineage)
+        return done.from_copies, done.replayed, done.from_daemon
 
     def _lost(self, lost: list[int], group: Any) -> None:
         """Both copies of `lost` shards are gone: load the last checkpoint (and say so), or raise; never go on."""
@@ -296,6 +320,7 @@ class VirtualSteps:
                           RuntimeWarning, stacklevel=3)
         t._load(path)
         self.zero.tag = t.position.global_step
+        self.lineage += 1  # the steps from here are run again: no daemon copy from before is ever read
         self.fell_back = path
 
     def run_epochs(self, epochs: int, progress: Progress) -> bool:
@@ -311,6 +336,8 @@ class VirtualSteps:
             self.zero.tag = pos.global_step
             if self.copies is not None and self.copies.sent != pos.global_step:
                 self.copies.post()
+            if self.daemon is not None and self.daemon.written != pos.global_step:
+                self.daemon.post(self.lineage)
         while pos.epoch < epochs:
             for sampler in self.samplers:
                 sampler.set_epoch(pos.epoch)
@@ -358,6 +385,8 @@ class VirtualSteps:
                 if self.fell_back is not None:
                     return False
         self._admit_at_end()
+        if self.daemon is not None:
+            self.daemon.settle()
         return True
 
     def _agree(self) -> bool:
