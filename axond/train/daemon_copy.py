@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -56,6 +57,8 @@ class DaemonCopy:
         self._pool: ThreadPoolExecutor | None = None
         self.written = -1
         """The tag of the last copy posted."""
+        self.busy_s = 0.0
+        """Seconds the training thread spent on the copies (posting, waiting for one in flight): their cost there."""
         size = os.fstat(fd).st_size
         if size >= HEADER_BYTES:
             self._attach(size)
@@ -113,6 +116,7 @@ class DaemonCopy:
         """Copy this rank's block, tagged with the zero optimizer's step and the job's `lineage`, into the slot not
         holding the newest copy (on the background thread; `settle()` waits for it)."""
         self.settle()
+        began = time.perf_counter()
         z = self.zero
         count = len(z.mine)
         (_, width, _), (_, nscalars) = z.rows_shape(count)
@@ -129,12 +133,15 @@ class DaemonCopy:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="axond-daemon-copy")
         self._pending = self._pool.submit(_write, words, rows, sources, header)
         self.written = z.tag
+        self.busy_s += time.perf_counter() - began
 
     def settle(self) -> None:
         """Wait for the copy in flight (before the arrays it reads change: the next optimizer step, a re-sharding)."""
         pending, self._pending = self._pending, None
         if pending is not None:
+            began = time.perf_counter()
             pending.result()
+            self.busy_s += time.perf_counter() - began
 
     def holding(self, agreed: int, lineage: int) -> Holding | None:
         """The newest complete copy of this job's layout and `lineage` tagged `agreed` or `agreed - 1`, as a holding
