@@ -294,7 +294,8 @@ class RuntimeEnv:
     worker; 0: unknown): `DistributedTrainer`'s default number of virtual ranks there."""
     shard_memory_fd: int | None = None
     """AXOND_SHARD_MEMORY_FD: a file descriptor (inherited from the worker) of the shared memory the worker daemon
-    keeps for this local rank: ZeRO-1's copies of the rank's shards there outlive the rank (`axond.train.daemon_copy`)."""
+    keeps for this local rank: ZeRO-1's copies of the rank's shards there outlive the rank
+    (`axond.train.daemon_copy`)."""
     # -- reaching the coordinator
     token: str | None = None
     """AXOND_TOKEN."""

@@ -134,7 +134,7 @@ class JobRunner:
         """Live recovery went on without this node and its worker joins the job again (one restart counted)."""
         self._restarts_left = 0
         self._shards = ShardMemory()
-        """Live recovery: the memory kept for each local rank (its ZeRO-1 copies outlive it), freed when the run ends."""
+        """Live recovery: the memory kept for each local rank (its ZeRO-1 copies outlive it), freed at the run's end."""
 
     def request_stop(self, exit_code: int, reason: str) -> None:
         """Ask the runner to stop its ranks and return `exit_code` (from any thread)."""

@@ -146,8 +146,9 @@ def _share(group: ProcessGroup, source: int, manifest: dict[str, Any] | None) ->
 
 
 def transfer_position(steps: VirtualSteps, group: ProcessGroup, source: int, joined: Sequence[int]) -> StateTransfer:
-    """ZeRO-1: broadcast the position, losses, hyper-parameters and daemon-copy lineage from `source`; the parameters and
-    the optimizer state's shards follow by re-sharding (`axond.train.reassemble`), not from one rank (collective)."""
+    """ZeRO-1: broadcast the position, losses, hyper-parameters and daemon-copy lineage from `source`; the parameters
+    and the optimizer state's shards follow by re-sharding (`axond.train.reassemble`), not from one rank
+    (collective)."""
     t = steps.trainer
     began = time.perf_counter()
     sending = group.rank == source

@@ -306,7 +306,8 @@ class VirtualSteps:
         t = self.trainer
         why = (f"the optimizer state of virtual shard(s) {lost} at step {t.position.global_step} was lost with both "
                f"its copies (the rank that carried it and its buddy both left, and no replacement rank offered its "
-               f"worker daemon's copy" + (")" if self.copies is not None else "; buddy copies are off: copy_every=None)"))
+               "worker daemon's copy" +
+               (")" if self.copies is not None else "; buddy copies are off: copy_every=None)"))
         assert self.zero is not None
         self.zero.place(group, None)  # the layout the checkpoint is loaded into
         latest = ckpt.latest(t.checkpoint_dir) if t.rank == 0 and t.checkpoint_dir is not None else None

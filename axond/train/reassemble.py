@@ -5,10 +5,11 @@ Each survivor offers, per virtual shard: its own state (it carried the shard and
 one), a buddy copy tagged with the agreed step, or an older copy it can advance with the gradients it kept
 (`axond.train.buddy`); a replacement rank started by the worker of a lost rank offers that rank's copy in the worker
 daemon's memory (`axond.train.daemon_copy`), one step old at most: the averaged gradient of the agreed step, which every
-rank that applied it holds, is then broadcast to it to advance the copy. One all_gather of the offers tells every rank the same provider per shard (the best offer, then
-the lowest rank); each shard then goes by one broadcast from its provider: every rank takes its parameters (the flat
-buffer is whole again), its new carrier takes its state. Nothing is read from storage. A shard nobody can offer was
-lost with both copies: `reassemble` returns it, and the trainer falls back to a checkpoint or fails; it never goes on.
+rank that applied it holds, is then broadcast to it to advance the copy. One all_gather of the offers tells every rank
+the same provider per shard (the best offer, then the lowest rank); each shard then goes by one broadcast from its
+provider: every rank takes its parameters (the flat buffer is whole again), its new carrier takes its state. Nothing is
+read from storage. A shard nobody can offer was lost with both copies: `reassemble` returns it, and the trainer falls
+back to a checkpoint or fails; it never goes on.
 """
 
 from __future__ import annotations
