@@ -117,7 +117,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--configs", default="",
+                        help="comma-separated row numbers of the table to run (0: none, 1: buddy every step, 2: every "
+                             "10th, 3: daemon, 4: both; default all)")
     args = parser.parse_args()
+    chosen = [CONFIGS[int(i)] for i in args.configs.split(",")] if args.configs else list(CONFIGS)
+    if chosen[0] is not CONFIGS[0]:
+        chosen.insert(0, CONFIGS[0])  # the baseline every row is compared with
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     params = _params(args.hidden)
@@ -125,9 +131,9 @@ def main() -> None:
     print(f"{args.world} ranks on loopback, ZeRO-1 on {args.world} virtual ranks, MLP of {params:,} float32 parameters "
           f"({params * 4 / 2**20:.1f} MiB), AdamW, batch 8 per virtual rank; {args.steps} steps x {args.rounds} "
           f"rounds; load average before: {os.getloadavg()[0]:.1f}")
-    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _, _ in CONFIGS}
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _, _ in chosen}
     for _ in range(args.rounds):
-        for name, every, daemon in CONFIGS:
+        for name, every, daemon in chosen:
             runs[name] += run_processes(_Run(args.hidden, args.steps, every, daemon), args.world, timeout=600)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
@@ -138,7 +144,7 @@ def main() -> None:
     print("| copies | median step (ms) | steps/s | vs none | CPU per step (ms) | vs none | "
           "copies on the training thread (ms/step) | MB sent per step per rank | MB into daemon memory per step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, every, daemon in CONFIGS:
+    for name, every, daemon in chosen:
         w, c, b = median(name, 0), median(name, 1), median(name, 2)
         copy = "0" if every is None else f"{copy_mb / every:.1f}"
         print(f"| {name} | {w * 1e3:.1f} | {1 / w:.2f} | {(w / wall - 1) * 100:+.1f} % | {c * 1e3:.1f} | "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import socket
 import time
 import warnings
@@ -138,9 +139,10 @@ class VirtualSteps:
         self.daemon = DaemonCopy(fd, self.zero) if self.zero is not None and fd is not None else None
         """ZeRO-1: this rank's copies in the memory its worker daemon holds (None: no worker gave any)."""
         self.lineage = 0
-        """Bumped on every rank when the job falls back to a checkpoint: daemon copies from before are never read."""
-        if self.copies is not None:
-            self.copies.place(trainer.group, self._nodes(trainer.group))
+        """Drawn when the job's training state starts, bumped on every rank when it falls back to a checkpoint: daemon
+        copies of another run (or from before the fall-back) are never read."""
+        self.started = False
+        """ZeRO-1: the buddies and the lineage are set (`_start_copies`, or a joining rank's re-sharding)."""
 
     @staticmethod
     def _nodes(group: Any) -> list[int]:
@@ -158,16 +160,28 @@ class VirtualSteps:
         """Per virtual rank: (loss sum, samples) of the epoch so far, the same on every rank."""
 
     def join_running(self) -> bool:
-        """At the start of `fit` in a live job: whether this rank joined a running job and took its state from a live
-        peer (then nothing is resumed from storage)."""
-        if not join.live_job():
-            return False
-        moved = join.join_running(self)
+        """At the start of `fit`: whether this rank joined a running live job and took its state from live peers (then
+        nothing is resumed from storage)."""
+        moved = join.join_running(self) if join.live_job() else None
         if moved is not None:
             self.transfers.append(moved)
             if self.zero is not None:  # the shards come by re-sharding, perhaps from this worker daemon's copy
                 self._reshard(self.trainer.group, fresh=True)
+                self.started = True
+        if self.zero is not None and not self.started:
+            self._start_copies()
         return moved is not None
+
+    def _start_copies(self) -> None:
+        """ZeRO-1, every rank of a job that starts (never a rank joining a running one, whose peers run no such
+        collective): the buddies, and a lineage of daemon copies drawn by rank 0 (collective)."""
+        group = self.trainer.group
+        mine = np.array([node_key(), secrets.randbits(62)], np.int64)
+        table = np.asarray(group.all_gather(mine)).reshape(group.size, 2)
+        self.lineage = int(table[0, 1])
+        if self.copies is not None:
+            self.copies.place(group, [int(n) for n in table[:, 0]])
+        self.started = True
 
     def steps_per_epoch(self) -> tuple[int, int]:
         t = self.trainer

@@ -4,7 +4,7 @@ argv: OUT_DIR HANG_STEP [CHECKPOINT_DIR]. Every process records its start (`star
 (`steps-PID.jsonl`: rank, global step, world size, generation, wall and monotonic time) and its end (`end-PID.json`,
 `params-PID.npz`). The process that starts as rank 2 stops after its step HANG_STEP (writes `hang-PID`, then
 sleeps) so that the test can SIGKILL it while the others wait in the next step's collectives; HANG_STEP -1: nobody
-stops; it stops once per run (a restarted rank 2 does not).
+stops; it stops once per run (a restarted rank 2 does not). LIVE_TEST_HANG_RANKS=2,3: the ranks that stop so (default 2).
 With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer checkpoints after every step.
 LIVE_TEST_PARALLEL (the worker's environment): the trainer's `parallel` ("ddp" unless given; "zero": ZeRO-1 with
 buddy copies); LIVE_TEST_COPY_EVERY: its `copy_every` ("none": no buddy copies); LIVE_TEST_HANG_IN="post": the rank
@@ -79,7 +79,8 @@ class Record(Callback):
     def __init__(self, out: Path, hang_step: int) -> None:
         role = os.environ.get("LIVE_TEST_ROLE", "")
         self.out, self.hang_step = out, hang_step
-        self.hangs = (role == "" and os.environ["RANK"] == "2") or (
+        hang_ranks = os.environ.get("LIVE_TEST_HANG_RANKS", "2").split(",")
+        self.hangs = (role == "" and os.environ["RANK"] in hang_ranks) or (
             role == "stubborn" and os.environ["LOCAL_RANK"] == "0")
         self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # closed at exit
         wait = os.environ.get("LIVE_TEST_WAIT_JOIN", "-1").split(":")
@@ -108,7 +109,9 @@ class Record(Callback):
             daemon.post = hang_then_write  # type: ignore[method-assign]
 
     def hang(self) -> None:
-        if not any(self.out.glob("hang-*")):
+        once = self.out / f"hung-rank{os.environ['RANK']}"  # once per run: a restarted rank does not stop again
+        if not once.exists():
+            once.write_text("")
             (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
             time.sleep(HANG_S)
 
