@@ -4,7 +4,8 @@ argv: OUT_DIR HANG_STEP [CHECKPOINT_DIR]. Every process records its start (`star
 (`steps-PID.jsonl`: rank, global step, world size, generation, wall and monotonic time) and its end (`end-PID.json`,
 `params-PID.npz`). The process that starts as rank 2 stops after its step HANG_STEP (writes `hang-PID`, then
 sleeps) so that the test can SIGKILL it while the others wait in the next step's collectives; HANG_STEP -1: nobody
-stops; it stops once per run (a restarted rank 2 does not). LIVE_TEST_HANG_RANKS=2,3: the ranks that stop so (default 2).
+stops; it stops once per run (a restarted rank 2 does not). LIVE_TEST_HANG_RANKS=2,3: the ranks that stop so
+(default 2).
 With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer checkpoints after every step.
 LIVE_TEST_PARALLEL (the worker's environment): the trainer's `parallel` ("ddp" unless given; "zero": ZeRO-1 with
 buddy copies); LIVE_TEST_COPY_EVERY: its `copy_every` ("none": no buddy copies); LIVE_TEST_HANG_IN="post": the rank
