@@ -59,6 +59,8 @@ class DaemonCopy:
         """The tag of the last copy posted."""
         self.busy_s = 0.0
         """Seconds the training thread spent on the copies (posting, waiting for one in flight): their cost there."""
+        self.copy_cpu_s = 0.0
+        """CPU seconds the background thread spent copying (the memcpy itself)."""
         size = os.fstat(fd).st_size
         if size >= HEADER_BYTES:
             self._attach(size)
@@ -131,9 +133,15 @@ class DaemonCopy:
         header = (z.tag, z.mine.start, count, lineage, width, nscalars)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="axond-daemon-copy")
-        self._pending = self._pool.submit(_write, words, rows, sources, header)
+        self._pending = self._pool.submit(self._timed, words, rows, sources, header)
         self.written = z.tag
         self.busy_s += time.perf_counter() - began
+
+    def _timed(self, words: np.ndarray, rows: np.ndarray, sources: list[list[np.ndarray]],
+               header: tuple[int, int, int, int, int, int]) -> None:
+        began = time.thread_time()
+        _write(words, rows, sources, header)
+        self.copy_cpu_s += time.thread_time() - began
 
     def settle(self) -> None:
         """Wait for the copy in flight (before the arrays it reads change: the next optimizer step, a re-sharding)."""
