@@ -61,7 +61,11 @@ class DaemonCopy:
         """Seconds the training thread spent on the copies (posting, waiting for one in flight): their cost there."""
         self.copy_cpu_s = 0.0
         """CPU seconds the background thread spent copying (the memcpy itself)."""
-        size = os.fstat(fd).st_size
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as e:
+            raise ValueError(f"AXOND_SHARD_MEMORY_FD={fd} is not an open file descriptor ({e.strerror}): it is set by "
+                             "`axond worker` for the ranks it starts; unset it elsewhere") from e
         if size >= HEADER_BYTES:
             self._attach(size)
 

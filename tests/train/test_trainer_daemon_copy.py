@@ -115,6 +115,13 @@ def test_a_header_whose_scalars_disagree_is_refused(fd: int) -> None:
     assert copies.holding(2, 0) is None
 
 
+def test_a_descriptor_that_is_not_open_says_where_it_comes_from() -> None:
+    fd = os.memfd_create("axond-test-closed")
+    os.close(fd)
+    with pytest.raises(ValueError, match=f"AXOND_SHARD_MEMORY_FD={fd} is not an open file descriptor"):
+        DaemonCopy(fd, _stepped(ProcessGroup.mock(), 0))
+
+
 STEPS = 4
 
 

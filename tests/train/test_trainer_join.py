@@ -51,6 +51,38 @@ def test_a_fresh_rank_takes_the_state_of_a_running_one_and_the_run_goes_on_bit_i
     assert len(results[2]["hashes"]) == per_epoch  # the fresh rank ran only the steps after it joined
 
 
+def test_a_fresh_zero1_rank_gets_its_shards_by_re_sharding_and_the_run_goes_on_bit_identical() -> None:
+    """ZeRO-1: the joiner receives the position only; every shard's parameters and its block's optimizer state come by
+    re-sharding (`axond.train.reassemble`): the running ranks' own shards, the lost block from rank 0's buddy copy."""
+    reference = Hashes()
+    run_threads(lambda g: build_trainer(g, [reference], virtual_ranks=3, parallel="zero").fit(2), 1, 120.0)
+
+    def train(group: ProcessGroup) -> dict[str, Any]:
+        hashes = Hashes()
+        trainer = build_trainer(group, [hashes], virtual_ranks=3, parallel="zero")
+        trainer.fit(1)
+        fresh = group.rank == 2
+        if fresh:  # this rank's process "restarted": a new trainer, no optimizer state, position 0
+            hashes = Hashes()
+            trainer = build_trainer(group, [hashes], virtual_ranks=3, parallel="zero")
+        steps = trainer.virtual
+        assert steps is not None
+        settled = settle(steps, group, fresh, None if fresh else roll_forward)
+        copied, _, daemon = steps._reshard(group, fresh=fresh)  # what VirtualSteps does after it (joiner or running)
+        steps.started = True
+        trainer.fit(2)
+        return {"transfer": settled.transfer, "copied": copied, "daemon": daemon, "hashes": hashes.hashes}
+
+    results = run_threads(train, 3, 120.0)
+    per_epoch = len(reference.hashes) // 2
+    for rank, got in enumerate(results):
+        moved = got["transfer"]
+        assert moved is not None and moved.joined == (2,) and moved.step == per_epoch and moved.nbytes == 0
+        assert got["copied"] == [2] and got["daemon"] == []
+        assert got["hashes"][-per_epoch:] == reference.hashes[per_epoch:]  # every step after the join
+    assert len(results[2]["hashes"]) == per_epoch
+
+
 def test_without_fresh_ranks_nothing_is_sent() -> None:
     def agree(group: ProcessGroup) -> object:
         trainer = build_trainer(group, [], virtual_ranks=2)
