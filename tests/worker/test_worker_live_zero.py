@@ -179,3 +179,4 @@ def test_a_rank_killed_with_its_buddy_comes_back_from_its_worker_daemons_memory(
         assert recovery["checkpoint"] is None
         assert [s["step"] for s in done] == list(range(1, steps + 1))
         assert [s["hash"] for s in done] == reference.hashes
+
