@@ -156,8 +156,8 @@ def transfer_position(steps: VirtualSteps, group: ProcessGroup, source: int, joi
     manifest = _share(group, source, {**_manifest(steps, {}, optim), "lineage": steps.lineage} if sending else None)
     if group.rank in joined:
         if int(manifest["virtual"]) != steps.virtual:
-            raise DistributedError(f"the running ranks train ZeRO-1 on {manifest['virtual']} virtual ranks, this rank on "
-                                   f"{steps.virtual}: its shards cannot be re-sharded; leave "
+            raise DistributedError(f"the running ranks train ZeRO-1 on {manifest['virtual']} virtual ranks, this rank "
+                                   f"on {steps.virtual}: its shards cannot be re-sharded; leave "
                                    "DistributedTrainer(virtual_ranks=...) at its default, or pass every rank the same",
                                    op="join", group=group.name, rank=group.rank)
         _adopt(steps, manifest, [], optimizer_state=False)
