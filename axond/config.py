@@ -32,6 +32,8 @@ MAX_WORLD_SIZE = 1 << 20
 """Default most ranks a job may have (AXOND_MAX_WORLD_SIZE; the coordinator's own limit is the same)."""
 WORLD_SIZE_CAP = (1 << 31) - 1
 """The most AXOND_MAX_WORLD_SIZE may say (rank counts travel as 32-bit fields)."""
+FD_CAP = (1 << 31) - 1
+"""The largest file descriptor AXOND_SHARD_MEMORY_FD may name."""
 MAX_GENERATION = (1 << 63) - 1
 """The largest AXOND_GENERATION (generations travel as 64-bit fields)."""
 MAX_SECONDS = 1e9
@@ -290,6 +292,10 @@ class RuntimeEnv:
     live_max_world: int = 0
     """AXOND_LIVE_MAX_WORLD: the most ranks the live job may grow to (`--nnodes` MAX x `--nproc-per-node`, set by the
     worker; 0: unknown): `DistributedTrainer`'s default number of virtual ranks there."""
+    shard_memory_fd: int | None = None
+    """AXOND_SHARD_MEMORY_FD: a file descriptor (inherited from the worker) of the shared memory the worker daemon
+    keeps for this local rank: ZeRO-1's copies of the rank's shards there outlive the rank
+    (`axond.train.daemon_copy`)."""
     # -- reaching the coordinator
     token: str | None = None
     """AXOND_TOKEN."""
@@ -364,6 +370,7 @@ class RuntimeEnv:
         read("wait_notice_s", "AXOND_WAIT_NOTICE_S", _seconds)
         read("live_wait_s", "AXOND_LIVE_WAIT_S", _seconds)
         read("live_max_world", "AXOND_LIVE_MAX_WORLD", lambda var, raw: _integer(var, raw, 0, WORLD_SIZE_CAP))
+        read("shard_memory_fd", "AXOND_SHARD_MEMORY_FD", lambda var, raw: _integer(var, raw, 0, FD_CAP))
         read("torch_overlap", OVERLAP_ENV, lambda var, raw: parse_overlap(raw))
         for name, var in (("master_addr", "MASTER_ADDR"), ("elastic_run_id", "TORCHELASTIC_RUN_ID"),
                           ("restart_count", "TORCHELASTIC_RESTART_COUNT"), ("job", "AXOND_JOB"),

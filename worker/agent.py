@@ -33,6 +33,7 @@ from axond.worker.joinback import JoinNotice, rejoin_after_left
 from axond.worker.outage import OutageGuard
 from axond.worker.peers import PeerLink
 from axond.worker.rank_specs import rank_specs
+from axond.worker.shard_memory import ShardMemory
 from axond.worker.progress import EarlyExitWatch, JoinProgress
 from axond.worker.stragglers import StragglerWatch, arrivals_reader
 from axond.worker.spec import ConnectOptions, JobSpec
@@ -132,6 +133,8 @@ class JobRunner:
         self._rejoins = False
         """Live recovery went on without this node and its worker joins the job again (one restart counted)."""
         self._restarts_left = 0
+        self._shards = ShardMemory()
+        """Live recovery: the memory kept for each local rank (its ZeRO-1 copies outlive it), freed at the run's end."""
 
     def request_stop(self, exit_code: int, reason: str) -> None:
         """Ask the runner to stop its ranks and return `exit_code` (from any thread)."""
@@ -179,6 +182,7 @@ class JobRunner:
                 self._kept.stop(grace=spec.stop_grace)
                 self._kept = None
             self._hb.untrack(spec.job)
+            self._shards.close()
             if self._error_dir is not None:
                 shutil.rmtree(self._error_dir, ignore_errors=True)
 
@@ -197,7 +201,7 @@ class JobRunner:
 
     def _rank_specs(self, joined: pb.JoinResponse, master: str = "") -> list[RankSpec]:
         return rank_specs(self._conn, self._spec, self._node_id, joined, master, self._error_file,
-                          self._membership_paths(joined.local_world_size))
+                          self._membership_paths(joined.local_world_size), self._shards.fd)
 
     def _run_generation(self, joined: pb.JoinResponse) -> JobOutcome | None:
         """Run one generation; returns the final outcome, or None to re-join the next generation."""

@@ -82,6 +82,8 @@ class RankSpec:
     """Complete environment of the process."""
     error_file: str | None = None
     """Where the rank writes its uncaught exception as JSON (`AXOND_ERROR_FILE`); read if it fails."""
+    pass_fds: tuple[int, ...] = ()
+    """File descriptors of the worker the rank inherits (the memory it keeps for the rank: `shard_memory`)."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ class _Rank:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                pass_fds=spec.pass_fds,
             )
         except OSError as e:
             self.spawn_error = f"cannot start {argv[0]!r}: {e.strerror or e}"

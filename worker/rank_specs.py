@@ -7,15 +7,18 @@ from collections.abc import Callable
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker import live
 from axond.worker.launcher import TORCH_ERROR_SUFFIX, RankSpec
+from axond.worker.shard_memory import SHARD_MEMORY_ENV
 from axond.worker.spec import ConnectOptions, JobSpec
 from axond.worker.torch_env import rank_env, torchrun_env
 
 
 def rank_specs(conn: ConnectOptions, spec: JobSpec, node_id: str, joined: pb.JoinResponse, master: str,
-               error_file: Callable[[int, int], str], membership: list[str]) -> list[RankSpec]:
+               error_file: Callable[[int, int], str], membership: list[str],
+               shard_fd: Callable[[int], int | None] = lambda local_rank: None) -> list[RankSpec]:
     """Each local rank's spec in `joined`'s generation: the worker's environment, the job's, the rank variables
     (torchrun's too, `master` their MASTER_ADDR:PORT), its error file (`error_file(generation, rank)`) and, in a
-    live job, its membership file (`membership[local_rank]`)."""
+    live job, its membership file (`membership[local_rank]`) and the memory the worker keeps for it
+    (`shard_fd(local_rank)`, inherited)."""
     base = dict(conn.env.environ)
     base.update(spec.env or {})
     base.setdefault("PYTHONUNBUFFERED", "1")
@@ -41,7 +44,11 @@ def rank_specs(conn: ConnectOptions, spec: JobSpec, node_id: str, joined: pb.Joi
         path = error_file(joined.generation, rank)
         env = dict(base, AXOND_ERROR_FILE=path, TORCHELASTIC_ERROR_FILE=path + TORCH_ERROR_SUFFIX,
                    **rank_env(rank, local_rank))
+        fds: tuple[int, ...] = ()
         if spec.live_recovery:
             env[live.MEMBERSHIP_FILE_ENV] = membership[local_rank]
-        specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env, error_file=path))
+            fd = shard_fd(local_rank)
+            if fd is not None:
+                env[SHARD_MEMORY_ENV], fds = str(fd), (fd,)
+        specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env, error_file=path, pass_fds=fds))
     return specs

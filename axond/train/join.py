@@ -12,8 +12,9 @@ next generation with the running ranks and the new ones. The running ranks re-fo
    (position, virtual ranks, the optimizer's hyper-parameters and scalars, the names, shapes and dtypes of the
    arrays), then every array in place, straight from the source's parameters and optimizer state (zero-copy; the
    receivers' parameters are filled in place, their optimizer state allocated once from the manifest). Under ZeRO-1
-   the optimizer state is not in it: every rank then re-shards (`axond.train.reassemble`), each virtual shard's state
-   going from the running rank that carried it to the shard's carrier in the grown world.
+   only the position goes this way (`transfer_position`): every rank then re-shards (`axond.train.reassemble`), each
+   virtual shard's parameters and state going from the running rank that carried it (or a daemon copy) to its
+   carrier in the new world.
 
 The random streams need no transfer: the virtual-rank loop seeds each virtual rank's generators from the trainer's
 seed, the virtual rank and the global step. Nothing is read from storage.
@@ -104,7 +105,10 @@ def settle(steps: VirtualSteps, group: ProcessGroup, fresh: bool, roll_forward: 
     if not running or len(running) == group.size:
         return Settled(forward, None)
     joined = tuple(r for r in range(group.size) if agreed[r, 2])
-    moved = transfer(steps, group, running[0], joined)
+    if steps.zero is not None:  # ZeRO-1: the position here, the shards re-sharded next (`VirtualSteps._reshard`)
+        moved = transfer_position(steps, group, running[0], joined)
+    else:
+        moved = transfer(steps, group, running[0], joined)
     if steps.agreed is not None:  # digest_every in a live job: every rank now holds this state, checked and kept
         steps.agreed.check(steps.totals)
     return Settled(forward, moved)
@@ -117,14 +121,7 @@ def transfer(steps: VirtualSteps, group: ProcessGroup, source: int, joined: Sequ
     sending = group.rank == source
     model = t.module.state_dict()
     optim = t.optimizer.state_dict()
-    if steps.zero is not None:  # ZeRO-1: each shard's state goes from its carrier afterwards (`reassemble`)
-        optim = {**optim, "state": {}}
-    text = json.dumps(_manifest(steps, model, optim)).encode() if sending else b""
-    size = np.array([len(text)], np.int64)
-    group.broadcast(size, source)
-    raw = np.frombuffer(text, np.uint8).copy() if sending else np.empty(int(size[0]), np.uint8)
-    group.broadcast(raw, source)
-    manifest = json.loads(raw.tobytes())
+    manifest = _share(group, source, _manifest(steps, model, optim) if sending else None)
     targets = _targets(manifest, model, optim, t.optimizer.params) if not sending else None
     arrays = [(model[name] if kind == "model" else optim["state"][name]) if targets is None else targets[i]
               for i, (kind, name, _, _) in enumerate(manifest["arrays"])]
@@ -138,6 +135,38 @@ def transfer(steps: VirtualSteps, group: ProcessGroup, source: int, joined: Sequ
         timeline.TRACER.since("live.join", "live", span, step=record.step, source=source, joined=list(joined),
                               nbytes=nbytes, received=record.received)
     return record
+
+
+def _share(group: ProcessGroup, source: int, manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """Broadcast a JSON manifest from `source` (which passes it; the others pass None) and return it everywhere."""
+    text = json.dumps(manifest).encode() if group.rank == source else b""
+    size = np.array([len(text)], np.int64)
+    group.broadcast(size, source)
+    raw = np.frombuffer(text, np.uint8).copy() if group.rank == source else np.empty(int(size[0]), np.uint8)
+    group.broadcast(raw, source)
+    shared: dict[str, Any] = json.loads(raw.tobytes())
+    return shared
+
+
+def transfer_position(steps: VirtualSteps, group: ProcessGroup, source: int, joined: Sequence[int]) -> StateTransfer:
+    """ZeRO-1: broadcast the position, losses, hyper-parameters and daemon-copy lineage from `source`; the parameters
+    and the optimizer state's shards follow by re-sharding (`axond.train.reassemble`), not from one rank
+    (collective)."""
+    t = steps.trainer
+    began = time.perf_counter()
+    sending = group.rank == source
+    optim = {"defaults": t.optimizer.defaults, "state": {}}
+    manifest = _share(group, source, {**_manifest(steps, {}, optim), "lineage": steps.lineage} if sending else None)
+    if group.rank in joined:
+        if int(manifest["virtual"]) != steps.virtual:
+            raise DistributedError(f"the running ranks train ZeRO-1 on {manifest['virtual']} virtual ranks, this rank "
+                                   f"on {steps.virtual}: its shards cannot be re-sharded; leave "
+                                   "DistributedTrainer(virtual_ranks=...) at its default, or pass every rank the same",
+                                   op="join", group=group.name, rank=group.rank)
+        _adopt(steps, manifest, [], optimizer_state=False)
+        steps.lineage = int(manifest["lineage"])
+    return StateTransfer(int(manifest["position"]["global_step"]), source, tuple(joined), group.size, 0,
+                         time.perf_counter() - began, group.rank in joined)
 
 
 def _broadcast_arrays(group: ProcessGroup, arrays: Sequence[np.ndarray], source: int) -> int:
@@ -212,21 +241,23 @@ def _targets(manifest: dict[str, Any], model: dict[str, Any], optim: dict[str, A
     return out
 
 
-def _adopt(steps: VirtualSteps, manifest: dict[str, Any], targets: list[np.ndarray]) -> None:
-    """Make the received state this rank's: the optimizer's state and hyper-parameters, the position, the losses."""
+def _adopt(steps: VirtualSteps, manifest: dict[str, Any], targets: list[np.ndarray],
+           optimizer_state: bool = True) -> None:
+    """Make the received state this rank's: the optimizer's state (`optimizer_state`) and hyper-parameters, the
+    position, the losses."""
     t = steps.trainer
     if int(manifest["virtual"]) != steps.virtual:
         steps.resize(int(manifest["virtual"]))
     defaults = {k: (tuple(v) if k in manifest["tuples"] else v) for k, v in manifest["defaults"].items()}
-    state: dict[str, Any] = dict(manifest["scalars"])
-    state.update({name: targets[i] for i, (kind, name, _, _) in enumerate(manifest["arrays"]) if kind == "optim"})
     opt = t.optimizer
     opt.defaults.update(defaults)
-    if steps.zero is None:
+    if optimizer_state:
+        state: dict[str, Any] = dict(manifest["scalars"])
+        state.update({name: targets[i] for i, (kind, name, _, _) in enumerate(manifest["arrays"]) if kind == "optim"})
         opt.state = [{} for _ in opt.params]
-    for key, value in state.items():
-        index, name = key.split(".", 1)
-        opt.state[int(index)][name] = value
+        for key, value in state.items():
+            index, name = key.split(".", 1)
+            opt.state[int(index)][name] = value
     got = Position.from_objects({f"trainer/{k}": v for k, v in manifest["position"].items()})
     pos = t.position  # in place: the loop holds this object
     pos.epoch, pos.step, pos.global_step, pos.history = got.epoch, got.step, got.global_step, got.history

@@ -11,15 +11,16 @@ entered it, so every rank holds that step's averaged gradient; a rank the failur
 then ("rolls forward"), and none is ever applied twice.
 
 Under ZeRO-1 (`axond.parallel.zero.virtual`) each rank steps the optimizer for its block of virtual shards, then the
-blocks are all-gathered; each rank's block is copied to a buddy (`axond.train.buddy`) and, after a re-formation, the
-shards are rebuilt at the agreed step from the survivors and the copies and re-sharded over the new world
-(`axond.train.reassemble`).
+blocks are all-gathered; each rank's block is copied to a buddy (`axond.train.buddy`) and into its worker daemon's
+memory (`axond.train.daemon_copy`) and, after a re-formation, the shards are rebuilt at the agreed step from the
+survivors and the copies and re-sharded over the new world (`axond.train.reassemble`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
 import socket
 import time
 import warnings
@@ -32,6 +33,7 @@ import numpy as np
 
 import axond.checkpoint as ckpt
 from axond.checkpoint.api import ObjectCollectives
+from axond.config import RuntimeEnv
 from axond.distributed.boundary import moved_on
 from axond.distributed.diagnostics.steps import mark_step
 from axond.distributed.reform import reform
@@ -43,6 +45,7 @@ from axond.train import join
 from axond.train.agreed import AgreedState
 from axond.parallel.zero.virtual import VirtualZero
 from axond.train.buddy import BuddyCopies
+from axond.train.daemon_copy import DaemonCopy
 from axond.train.progress import Progress
 from axond.train.reassemble import reassemble
 from axond.train.virtual import VirtualGradients
@@ -76,6 +79,8 @@ class Recovery:
     """ZeRO-1: of `from_copies`, the shards whose copy was of the step before, advanced by the gradients kept since."""
     checkpoint: str | None = None
     """ZeRO-1: the checkpoint read instead, when both copies of a shard were lost."""
+    from_daemon: tuple[int, ...] = ()
+    """ZeRO-1: of `from_copies`, the shards whose copy came from a worker daemon's memory (a replacement rank's)."""
 
 
 def roll_forward(steps: Sequence[int], mine: int, pending: bool) -> bool:
@@ -130,9 +135,14 @@ class VirtualSteps:
         """The buddy copies of this rank's shards (None: off, or not ZeRO-1)."""
         self.fell_back: str | None = None
         """The checkpoint the last re-formation fell back to (both copies of a shard lost), if any."""
-        self.placed = False
-        """The buddies are chosen for the current group (at the first step: a rank that joins a running job must
-        run the running ranks' collectives first, `join_running`)."""
+        fd = RuntimeEnv.from_env(strict=False).shard_memory_fd
+        self.daemon = DaemonCopy(fd, self.zero) if self.zero is not None and fd is not None else None
+        """ZeRO-1: this rank's copies in the memory its worker daemon holds (None: no worker gave any)."""
+        self.lineage = 0
+        """Drawn when the job's training state starts, bumped on every rank when it falls back to a checkpoint: daemon
+        copies of another run (or from before the fall-back) are never read."""
+        self.started = False
+        """ZeRO-1: the buddies and the lineage are set (`_start_copies`, or a joining rank's re-sharding)."""
 
     @staticmethod
     def _nodes(group: Any) -> list[int]:
@@ -150,15 +160,28 @@ class VirtualSteps:
         """Per virtual rank: (loss sum, samples) of the epoch so far, the same on every rank."""
 
     def join_running(self) -> bool:
-        """At the start of `fit` in a live job: whether this rank joined a running job and took its state from a live
-        peer (then nothing is resumed from storage)."""
-        if not join.live_job():
-            return False
-        moved = join.join_running(self)
+        """At the start of `fit`: whether this rank joined a running live job and took its state from live peers (then
+        nothing is resumed from storage)."""
+        moved = join.join_running(self) if join.live_job() else None
         if moved is not None:
             self.transfers.append(moved)
-            self._reshard(self.trainer.group)  # ZeRO-1: the shards this rank carries now, from their carriers
+            if self.zero is not None:  # the shards come by re-sharding, perhaps from this worker daemon's copy
+                self._reshard(self.trainer.group, fresh=True)
+                self.started = True
+        if self.zero is not None and not self.started:
+            self._start_copies()
         return moved is not None
+
+    def _start_copies(self) -> None:
+        """ZeRO-1, every rank of a job that starts (never a rank joining a running one, whose peers run no such
+        collective): the buddies, and a lineage of daemon copies drawn by rank 0 (collective)."""
+        group = self.trainer.group
+        mine = np.array([node_key(), secrets.randbits(62)], np.int64)
+        table = np.asarray(group.all_gather(mine)).reshape(group.size, 2)
+        self.lineage = int(table[0, 1])
+        if self.copies is not None:
+            self.copies.place(group, [int(n) for n in table[:, 0]])
+        self.started = True
 
     def steps_per_epoch(self) -> tuple[int, int]:
         t = self.trainer
@@ -199,6 +222,8 @@ class VirtualSteps:
         self.grads.apply()
         if t.clip_norm is not None:
             t._clip(t.clip_norm)
+        if self.daemon is not None:
+            self.daemon.settle()  # the last daemon copy is read from the arrays this step changes
         t.optimizer.step()
         self.totals += self.grads.losses
         self.pending = False
@@ -209,6 +234,8 @@ class VirtualSteps:
         if self.copies is not None:
             self.copies.after_step()
         if publish:
+            if self.daemon is not None:
+                self.daemon.post(self.lineage)  # this rank's block is final: copied while the blocks are gathered
             self.zero.publish()
             if self.copies is not None and self.copies.due():
                 self.copies.post()
@@ -234,6 +261,8 @@ class VirtualSteps:
         step, before, error_at, span = t.position.global_step, t.world_size, time.monotonic(), time.perf_counter_ns()
         if self.copies is not None:
             self.copies.cut()
+        if self.daemon is not None:
+            self.daemon.settle()
         for _ in range(MAX_REFORMS_PER_STEP):
             group = reform()
             t.group, t.comm = group, ObjectCollectives(group)
@@ -249,7 +278,7 @@ class VirtualSteps:
             if settled.transfer is not None:
                 self.transfers.append(settled.transfer)
             try:
-                copied, replayed = self._reshard(group)
+                copied, replayed, daemon = self._reshard(group)
             except MembershipChanged as again:
                 error = again
                 continue
@@ -257,37 +286,41 @@ class VirtualSteps:
                 timeline.TRACER.since("live.reform", "live", span, step=step, world_before=before,
                                       world_after=group.size, generation=error.generation, reason=error.reason,
                                       rolled_forward=forward, from_copies=copied, replayed=replayed,
-                                      checkpoint=self.fell_back)
+                                      from_daemon=daemon, checkpoint=self.fell_back)
             self.recoveries.append(Recovery(step, before, group.size, error.generation, error.reason, error_at,
-                                            time.monotonic(), forward, tuple(copied), tuple(replayed), self.fell_back))
+                                            time.monotonic(), forward, tuple(copied), tuple(replayed), self.fell_back,
+                                            tuple(daemon)))
             return
         raise error
 
-    def _reshard(self, group: Any) -> tuple[list[int], list[int]]:
-        """ZeRO-1: rebuild every shard at the agreed step in memory and carry the new block; post the new copies.
-        Returns the shards rebuilt from buddy copies, and those of them advanced from an older copy."""
+    def _reshard(self, group: Any, fresh: bool = False) -> tuple[list[int], list[int], list[int]]:
+        """ZeRO-1: rebuild every shard at the agreed step in memory and carry the new block; post the new copies
+        (`fresh`: this rank joined the running job: it offers its worker daemon's copy of a lost rank's block).
+        Returns the shards rebuilt from copies, those of them advanced from an older copy, and those from a daemon's."""
         if self.zero is None:
-            return [], []
+            return [], [], []
         t = self.trainer
-        done = reassemble(self.zero, self.copies.holdings if self.copies is not None else [], group,
-                          t.position.global_step)
+        agreed = t.position.global_step
+        nodes = self._nodes(group)
+        daemon = self.daemon.holding(agreed, self.lineage) if fresh and self.daemon is not None else None
+        if fresh:
+            self.zero.tag = -1  # it carried nothing: it offers no state of its own
+        done = reassemble(self.zero, self.copies.holdings if self.copies is not None else [], group, agreed, daemon)
         if done.lost:
             self._lost(done.lost, group)
         if self.copies is not None:
-            self._place_copies(group)
+            self.copies.place(group, nodes)
             self.copies.post()
-        return done.from_copies, done.replayed
-
-    def _place_copies(self, group: Any) -> None:
-        assert self.copies is not None
-        self.copies.place(group, self._nodes(group))
-        self.placed = True
+        if self.daemon is not None:
+            self.daemon.post(self.lineage)
+        return done.from_copies, done.replayed, done.from_daemon
 
     def _lost(self, lost: list[int], group: Any) -> None:
         """Both copies of `lost` shards are gone: load the last checkpoint (and say so), or raise; never go on."""
         t = self.trainer
         why = (f"the optimizer state of virtual shard(s) {lost} at step {t.position.global_step} was lost with both "
-               f"its copies (the rank that carried it and its buddy both left" +
+               f"its copies (the rank that carried it and its buddy both left, and no replacement rank offered its "
+               "worker daemon's copy" +
                (")" if self.copies is not None else "; buddy copies are off: copy_every=None)"))
         assert self.zero is not None
         self.zero.place(group, None)  # the layout the checkpoint is loaded into
@@ -302,6 +335,7 @@ class VirtualSteps:
                           RuntimeWarning, stacklevel=3)
         t._load(path)
         self.zero.tag = t.position.global_step
+        self.lineage += 1  # the steps from here are run again: no daemon copy from before is ever read
         self.fell_back = path
 
     def run_epochs(self, epochs: int, progress: Progress) -> bool:
@@ -315,10 +349,10 @@ class VirtualSteps:
             self._agree()  # the replicas start alike (the wrapper broadcast them): the first agreed state
         if self.zero is not None:
             self.zero.tag = pos.global_step
-            if self.copies is not None and not self.placed:
-                self._place_copies(t.group)
             if self.copies is not None and self.copies.sent != pos.global_step:
                 self.copies.post()
+            if self.daemon is not None and self.daemon.written != pos.global_step:
+                self.daemon.post(self.lineage)
         while pos.epoch < epochs:
             for sampler in self.samplers:
                 sampler.set_epoch(pos.epoch)
@@ -366,6 +400,8 @@ class VirtualSteps:
                 if self.fell_back is not None:
                     return False
         self._admit_at_end()
+        if self.daemon is not None:
+            self.daemon.settle()
         return True
 
     def _agree(self) -> bool:

@@ -3,15 +3,18 @@ agreed step, from a survivor that carried it or from a buddy copy of a lost rank
 
 Each survivor offers, per virtual shard: its own state (it carried the shard and applied every step up to the agreed
 one), a buddy copy tagged with the agreed step, or an older copy it can advance with the gradients it kept
-(`axond.train.buddy`). One all_gather of the offers tells every rank the same provider per shard (the best offer, then
-the lowest rank); each shard then goes by one broadcast from its provider: every rank takes its parameters (the flat
-buffer is whole again), its new carrier takes its state. Nothing is read from storage. A shard nobody can offer was
-lost with both copies: `reassemble` returns it, and the trainer falls back to a checkpoint or fails; it never goes on.
+(`axond.train.buddy`); a replacement rank started by the worker of a lost rank offers that rank's copy in the worker
+daemon's memory (`axond.train.daemon_copy`), one step old at most: the averaged gradient of the agreed step, which every
+rank that applied it holds, is then broadcast to it to advance the copy. One all_gather of the offers tells every rank
+the same provider per shard (the best offer, then the lowest rank); each shard then goes by one broadcast from its
+provider: every rank takes its parameters (the flat buffer is whole again), its new carrier takes its state. Nothing is
+read from storage. A shard nobody can offer was lost with both copies: `reassemble` returns it, and the trainer falls
+back to a checkpoint or fails; it never goes on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,6 +46,21 @@ def providers(table: np.ndarray) -> list[int]:
     return [int(np.argmax(table[:, v] == best[v])) if best[v] > NONE else -1 for v in range(table.shape[1])]
 
 
+EXACT, NEEDS_GRAD = 1, 2
+"""How a rank's daemon copy offers a shard: of the agreed step, or of the step before (advanced by its gradient)."""
+
+
+def daemon_offers(zero: VirtualZero, daemon: Holding | None, agreed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offers, kinds) per virtual shard of a daemon copy: COPY or ADVANCED, EXACT or NEEDS_GRAD; NONE elsewhere."""
+    offer, kind = np.full(zero.virtual, NONE, np.int64), np.zeros(zero.virtual, np.int64)
+    if daemon is not None:
+        tag = daemon.slots[0].tag
+        exact = tag == agreed
+        offer[daemon.shards.start : daemon.shards.stop] = COPY if exact else ADVANCED
+        kind[daemon.shards.start : daemon.shards.stop] = EXACT if exact else NEEDS_GRAD
+    return offer, kind
+
+
 @dataclass(frozen=True)
 class Reassembled:
     lost: list[int]
@@ -51,17 +69,38 @@ class Reassembled:
     """Virtual shards rebuilt from a buddy copy (their carrier left)."""
     replayed: list[int]
     """Of those, the shards whose copy was of an earlier step, advanced by the gradients kept since."""
+    from_daemon: list[int] = field(default_factory=list)
+    """Of `from_copies`, the shards whose copy came from a worker daemon's memory (offered by a replacement rank)."""
 
 
-def reassemble(zero: VirtualZero, holdings: list[Holding], group: ProcessGroup, agreed: int) -> Reassembled:
-    """Rebuild every shard at step `agreed` over `group` and carry the new block (collective)."""
-    table = np.asarray(group.all_gather(offers(zero, holdings, agreed))).reshape(group.size, zero.virtual)
+def reassemble(zero: VirtualZero, holdings: list[Holding], group: ProcessGroup, agreed: int,
+               daemon: Holding | None = None) -> Reassembled:
+    """Rebuild every shard at step `agreed` over `group` and carry the new block (collective). `daemon`: this rank's
+    copy in its worker daemon's memory (`DaemonCopy.holding`), offered where no survivor holds better."""
+    offer = offers(zero, holdings, agreed)
+    extra, kind = daemon_offers(zero, daemon, agreed)
+    better = extra > offer  # a daemon copy is offered where this rank holds nothing better
+    offer, kind = np.where(better, extra, offer), np.where(better, kind, 0)
+    grad_tag = zero.grad_tag if zero.tag >= 0 else -1
+    row = np.concatenate([offer, kind, np.array([grad_tag], np.int64)])
+    gathered = np.asarray(group.all_gather(row)).reshape(group.size, 2 * zero.virtual + 1)
+    table, kinds, grad_tags = gathered[:, : zero.virtual].copy(), gathered[:, zero.virtual : -1], gathered[:, -1]
+    holders = [r for r in range(group.size) if grad_tags[r] == agreed]
+    if not holders:  # nobody holds the agreed step's gradient: a daemon copy one step old cannot be advanced
+        table[kinds == NEEDS_GRAD] = NONE
     source = providers(table)
     lost = [v for v, r in enumerate(source) if r < 0]
     copied = [v for v, r in enumerate(source) if r >= 0 and table[r, v] < OWN]
     replayed = [v for v in copied if table[source[v], v] == ADVANCED]
+    from_daemon = [v for v in copied if kinds[source[v], v] != 0]
     if lost:
-        return Reassembled(lost, copied, replayed)
+        return Reassembled(lost, copied, replayed, from_daemon)
+    if any(kinds[source[v], v] == NEEDS_GRAD for v in copied):
+        group.broadcast(zero.grad, src=holders[0])  # the agreed step's averaged gradient, to advance the copy by
+    if daemon is not None and kinds[group.rank].any():
+        if kinds[group.rank, daemon.shards.start] == NEEDS_GRAD:
+            daemon.grads = {agreed: zero.grad[zero.span(daemon.shards)]}
+        holdings = [daemon, *holdings]
     rows_shape, scalars_shape = zero.rows_shape(1)
     rows, scalars = np.empty(rows_shape[1:], zero.flat.dtype), np.empty(scalars_shape[1:], np.float64)
     like = dict(zero.optim.state[0])
@@ -79,7 +118,7 @@ def reassemble(zero: VirtualZero, holdings: list[Holding], group: ProcessGroup, 
             states[v] = zero.unpack(rows, scalars, like)
     zero.place(group, states)
     zero.tag = agreed
-    return Reassembled([], copied, replayed)
+    return Reassembled([], copied, replayed, from_daemon)
 
 
 def _advanced(zero: VirtualZero, holdings: list[Holding], v: int, agreed: int) -> tuple[np.ndarray, np.ndarray]:

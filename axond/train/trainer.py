@@ -139,8 +139,9 @@ class DistributedTrainer:
         self.group = group if group is not None else _default_group()
         live = membership.current()
         if virtual_ranks is None and parallel in VIRTUAL and live is not None:
-            # a live job: the math must not change when a node leaves, nor (ddp) when the job grows to its MAX
-            virtual_ranks = max(self.group.size, live.max_world) if parallel == "ddp" else self.group.size
+            # a live job: the math must not change when a node leaves, nor when it grows to its MAX (a replacement
+            # joining a smaller world builds the same virtual ranks and ZeRO-1 shards as the running ranks)
+            virtual_ranks = max(self.group.size, live.max_world)
         if virtual_ranks is not None and (parallel not in VIRTUAL or eval_dataset is not None
                                           or (digest_every is not None and parallel != "ddp")):
             raise ValueError(f"virtual_ranks ({virtual_ranks}) works with parallel in {VIRTUAL} without eval_dataset "

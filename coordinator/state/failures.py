@@ -99,7 +99,7 @@ class JobFailures:
         who = f"rank {rank}" if rank >= 0 else "the agent"
         detail = f": {message[:500]}" if message else ""
         reason = f"{who} on node {node_id} ({node.hostname}) failed with exit code {exit_code}{detail}"
-        if self._live_bump(j, node, reason, now):
+        if self._live_bump(j, node, reason, now, rejoins=j.restarts_left > 0):
             return j.generation, True
         will = self.lifecycle.bump(j, reason, True, exit_code, now)
         return j.generation, will
@@ -109,10 +109,12 @@ class JobFailures:
         j = self.ctx.jobs.get(job)
         return j is not None and j.live and node_id in j.left
 
-    def _live_bump(self, j: Job, lost: Node, reason: str, now: float) -> bool:
+    def _live_bump(self, j: Job, lost: Node, reason: str, now: float, rejoins: bool = False) -> bool:
         """Live recovery: open the next generation with the other members of this one (their ranks keep running, they
         re-join at once, no restart is counted), without `lost`; False (restart as usual) when fewer than
-        `min_nodes` would be left, or the job is not live."""
+        `min_nodes` would be left, or the job is not live. `rejoins`: `lost`'s worker reported its rank's failure and
+        re-joins as a replacement (restarts are left): the generation waits for it too (at most `--settle-time`), so
+        that its new rank joins this re-formation (and offers the lost rank's shards from that worker's memory)."""
         members = j.round.members
         if not j.live or members is None or j.round.member(lost.node_id) is None:
             return False
@@ -122,7 +124,7 @@ class JobFailures:
             return False
         self.lifecycle.bump(j, f"{reason}; re-forming live with the {len(survivors)} other node(s)", False, 0, now,
                             live=True)
-        j.round.expected = frozenset(survivors)
+        j.round.expected = frozenset([*survivors, lost.node_id] if rejoins else survivors)
         j.live_generation = j.generation
         j.left = [*j.left[-(MAX_LEFT - 1):], lost.node_id]
         self.ctx.mark_job(j.name)

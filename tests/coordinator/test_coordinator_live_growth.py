@@ -15,7 +15,8 @@ SETTLE = 5.0
 
 
 def shrunk_job(max_restarts: int = 0) -> tuple[CoordinatorState, list[str]]:
-    """A 2:3 live job that lost its third node (c) and re-formed live with a and b as generation 2."""
+    """A 2:3 live job that lost its third node (c) and re-formed live with a and b as generation 2 (with restarts
+    left, c's worker is waited for until the settle time: it did not come)."""
     state = CoordinatorState(heartbeat_interval=1.0, dead_after_missed=3, settle_time=SETTLE)
     ids = [state.register_node(f"h{i}", 0, False, 0.0).node_id for i in range(3)]
     for n in ids:
@@ -23,8 +24,33 @@ def shrunk_job(max_restarts: int = 0) -> tuple[CoordinatorState, list[str]]:
     a, b, c = ids
     state.report_failure("j", c, 1, 2, 137, "rank 2 exited with code 137 (SIGKILL)", now=1.0)
     state.join("j", a, 1, 2, 3, max_restarts, now=1.1, live=True)
-    assert state.join("j", b, 1, 2, 3, max_restarts, now=1.1, live=True) is not None
+    got = state.join("j", b, 1, 2, 3, max_restarts, now=1.1, live=True)
+    if max_restarts:
+        assert got is None  # c may re-join as its own replacement: waited for
+        for t in (2.0, 3.0, 4.0, 5.0, 6.0):  # the running nodes keep their leases
+            state.heartbeat(a, "j", 2, now=t)
+            state.heartbeat(b, "j", 2, now=t)
+        state.tick(1.1 + SETTLE)
+        got = state.join_result("j", b, now=1.1 + SETTLE)
+    assert got is not None and got.world_size == 2
     return state, ids
+
+
+def test_a_failed_nodes_worker_with_restarts_left_is_waited_for_in_the_re_formation() -> None:
+    """Its worker reported the failure and re-joins as a replacement: the next generation freezes once it joined too
+    (its new rank offers the lost rank's shards from that worker's memory), counting one restart."""
+    state = CoordinatorState(heartbeat_interval=1.0, dead_after_missed=3, settle_time=SETTLE)
+    a, b, c = [state.register_node(f"h{i}", 0, False, 0.0).node_id for i in range(3)]
+    for n in (a, b, c):
+        state.join("j", n, 1, 2, 3, 1, now=0.0, live=True)
+    j = state.jobs["j"]
+    state.report_failure("j", c, 1, 2, 137, "rank 2 exited with code 137 (SIGKILL)", now=1.0)
+    assert state.left_job("j", c) and j.generation == 2
+    assert state.join("j", a, 1, 2, 3, 1, now=1.1, live=True) is None
+    assert state.join("j", b, 1, 2, 3, 1, now=1.1, live=True) is None  # not frozen: c is expected
+    got = state.join("j", c, 1, 2, 3, 1, now=1.2, live=True)  # long before the settle time
+    assert got is not None and (got.generation, got.world_size) == (2, 3) and j.restarts == 1
+    assert not state.left_job("j", c)
 
 
 def test_a_new_node_joins_a_running_live_job_beside_its_running_ranks() -> None:

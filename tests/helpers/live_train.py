@@ -4,12 +4,14 @@ argv: OUT_DIR HANG_STEP [CHECKPOINT_DIR]. Every process records its start (`star
 (`steps-PID.jsonl`: rank, global step, world size, generation, wall and monotonic time) and its end (`end-PID.json`,
 `params-PID.npz`). The process that starts as rank 2 stops after its step HANG_STEP (writes `hang-PID`, then
 sleeps) so that the test can SIGKILL it while the others wait in the next step's collectives; HANG_STEP -1: nobody
-stops; it stops once per run (a restarted rank 2 does not).
+stops; it stops once per run (a restarted rank 2 does not). LIVE_TEST_HANG_RANKS=2,3: the ranks that stop so
+(default 2).
 With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer checkpoints after every step.
 LIVE_TEST_PARALLEL (the worker's environment): the trainer's `parallel` ("ddp" unless given; "zero": ZeRO-1 with
 buddy copies); LIVE_TEST_COPY_EVERY: its `copy_every` ("none": no buddy copies); LIVE_TEST_HANG_IN="post": the rank
 that stops does so after step HANG_STEP's update and parameter gather but before it posts that step's buddy copy (its
-buddy then holds the copy of the step before).
+buddy then holds the copy of the step before); "daemon": likewise before it copies that step into its worker daemon's
+memory (the replacement then finds the copy of the step before there).
 
 LIVE_TEST_ROLE (the worker's environment) changes who stops: "bystander": none of this worker's ranks; "stubborn":
 its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.monotonic() to `alive-PID` every
@@ -78,7 +80,8 @@ class Record(Callback):
     def __init__(self, out: Path, hang_step: int) -> None:
         role = os.environ.get("LIVE_TEST_ROLE", "")
         self.out, self.hang_step = out, hang_step
-        self.hangs = (role == "" and os.environ["RANK"] == "2") or (
+        hang_ranks = os.environ.get("LIVE_TEST_HANG_RANKS", "2").split(",")
+        self.hangs = (role == "" and os.environ["RANK"] in hang_ranks) or (
             role == "stubborn" and os.environ["LOCAL_RANK"] == "0")
         self.log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")  # closed at exit
         wait = os.environ.get("LIVE_TEST_WAIT_JOIN", "-1").split(":")
@@ -86,19 +89,30 @@ class Record(Callback):
         self.pace = float(os.environ.get("LIVE_TEST_PACE_S", "0"))
 
     def on_fit_start(self, trainer: DistributedTrainer) -> None:
+        where = os.environ.get("LIVE_TEST_HANG_IN")
         copies = trainer.virtual.copies if trainer.virtual is not None else None
-        if not (self.hangs and os.environ.get("LIVE_TEST_HANG_IN") == "post" and copies is not None):
-            return
-        self.hangs, post = False, copies.post  # stops before posting its copy of HANG_STEP, not after the step
+        daemon = trainer.virtual.daemon if trainer.virtual is not None else None
+        if self.hangs and where == "post" and copies is not None:
+            self.hangs, post = False, copies.post  # stops before posting its copy of HANG_STEP, not after the step
 
-        def hang_then_post() -> None:
-            if copies.zero.tag == self.hang_step:
-                self.hang()
-            post()
-        copies.post = hang_then_post  # type: ignore[method-assign]
+            def hang_then_post() -> None:
+                if copies.zero.tag == self.hang_step:
+                    self.hang()
+                post()
+            copies.post = hang_then_post  # type: ignore[method-assign]
+        if self.hangs and where == "daemon" and daemon is not None:
+            self.hangs, write = False, daemon.post  # stops before copying HANG_STEP into its daemon's memory
+
+            def hang_then_write(lineage: int) -> None:
+                if daemon.zero.tag == self.hang_step:
+                    self.hang()
+                write(lineage)
+            daemon.post = hang_then_write  # type: ignore[method-assign]
 
     def hang(self) -> None:
-        if not any(self.out.glob("hang-*")):
+        once = self.out / f"hung-rank{os.environ['RANK']}"  # once per run: a restarted rank does not stop again
+        if not once.exists():
+            once.write_text("")
             (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
             time.sleep(HANG_S)
 

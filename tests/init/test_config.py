@@ -81,6 +81,7 @@ def test_from_env_parses_every_variable() -> None:
         "AXOND_SOCKET_IFNAME": "eth1", "AXOND_DEBUG": "yes", "AXOND_ERROR_FILE": "/e.json", "AXOND_METRICS_DIR": "/m",
         "AXOND_TIMELINE": "/tl", "AXOND_TORCH_OVERLAP": "off", "AXOND_TORCH_STORE": "0", "AXOND_WAIT_NOTICE_S": "2.5",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "AXOND_TCP_SMALL_BYTES": "4096", "AXOND_FR_DUMP_DIR": "/fr",
+        "AXOND_SHARD_MEMORY_FD": "7",
     })
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 8, 1, 4)
     assert (env.master_addr, env.master_port, env.agent_store) == ("10.0.0.1", 29500, True)
@@ -93,6 +94,7 @@ def test_from_env_parses_every_variable() -> None:
     assert (env.observe.metrics_dir, env.observe.timeline_dir) == ("/m", "/tl")
     assert (env.torch_overlap, env.torch_store, env.wait_notice_s, env.nccl_async_error_handling) == \
         (False, False, 2.5, "3")
+    assert env.shard_memory_fd == 7
     assert env.environ["AXOND_TCP_SMALL_BYTES"] == "4096", "backend options read their own variables from environ"
     with pytest.raises(TypeError):
         env.environ["X"] = "1"  # type: ignore[index]  # a snapshot, read-only
@@ -105,7 +107,7 @@ def test_from_env_defaults() -> None:
     assert env.state_dir == Path("/xdg/axond")
     assert not env.failure.debug, "AXOND_DEBUG is read leniently: only an explicit true value turns it on"
     assert env.torch_overlap is None and env.torch_store and env.wait_notice_s == 60.0
-    assert not env.observe.active and not env.agent_store
+    assert not env.observe.active and not env.agent_store and env.shard_memory_fd is None
 
 
 @pytest.mark.parametrize(("var", "value", "accepts"), [
@@ -117,6 +119,7 @@ def test_from_env_defaults() -> None:
     ("AXOND_GENERATION", "1.5", "use an integer"),
     ("AXOND_JOB_SECRET", "xyz", "use hex digits"),
     ("AXOND_WAIT_NOTICE_S", "soon", "use seconds"),
+    ("AXOND_SHARD_MEMORY_FD", "-3", "use an integer from 0"),
     ("AXOND_TORCH_OVERLAP", "sometimes", "use auto, 1"),
 ])
 def test_a_bad_value_names_the_variable_and_what_it_accepts(var: str, value: str, accepts: str) -> None:

@@ -20,14 +20,12 @@ from axond.train.live import roll_forward
 from live_train import Hashes, build_trainer
 
 
-@pytest.mark.parametrize("digest_every, parallel", [(None, "ddp"), (7, "ddp"), (None, "zero")])
+@pytest.mark.parametrize("digest_every", [None, 7])
 def test_a_fresh_rank_takes_the_state_of_a_running_one_and_the_run_goes_on_bit_identical(
-        digest_every: int | None, parallel: str) -> None:
-    """Under ZeRO-1 the fresh rank takes the parameters from the lowest running rank and the optimizer state of the
-    shards it now carries from their carriers (`reassemble`), as every rank does after a re-formation."""
+        digest_every: int | None) -> None:
     reference = Hashes()
     run_threads(lambda g: build_trainer(g, [reference], virtual_ranks=3).fit(2), 1, 120.0)
-    options: dict[str, Any] = {"virtual_ranks": 3, "digest_every": digest_every, "parallel": parallel}
+    options: dict[str, Any] = {"virtual_ranks": 3, "digest_every": digest_every}
 
     def train(group: ProcessGroup) -> dict[str, Any]:
         hashes = Hashes()
@@ -39,8 +37,6 @@ def test_a_fresh_rank_takes_the_state_of_a_running_one_and_the_run_goes_on_bit_i
             trainer = build_trainer(group, [hashes], **options)
         assert trainer.virtual is not None
         settled = settle(trainer.virtual, group, fresh, None if fresh else roll_forward)
-        if parallel == "zero":
-            trainer.virtual._reshard(group)  # what `VirtualSteps._recover` and `join_running` run after `settle`
         trainer.fit(2)
         return {"transfer": settled.transfer, "hashes": hashes.hashes, "step": trainer.position.global_step}
 
@@ -53,6 +49,38 @@ def test_a_fresh_rank_takes_the_state_of_a_running_one_and_the_run_goes_on_bit_i
         assert got["step"] == 2 * per_epoch
         assert got["hashes"][-per_epoch:] == reference.hashes[per_epoch:]  # every step after the join
     assert len(results[2]["hashes"]) == per_epoch  # the fresh rank ran only the steps after it joined
+
+
+def test_a_fresh_zero1_rank_gets_its_shards_by_re_sharding_and_the_run_goes_on_bit_identical() -> None:
+    """ZeRO-1: the joiner receives the position only; every shard's parameters and its block's optimizer state come by
+    re-sharding (`axond.train.reassemble`): the running ranks' own shards, the lost block from rank 0's buddy copy."""
+    reference = Hashes()
+    run_threads(lambda g: build_trainer(g, [reference], virtual_ranks=3, parallel="zero").fit(2), 1, 120.0)
+
+    def train(group: ProcessGroup) -> dict[str, Any]:
+        hashes = Hashes()
+        trainer = build_trainer(group, [hashes], virtual_ranks=3, parallel="zero")
+        trainer.fit(1)
+        fresh = group.rank == 2
+        if fresh:  # this rank's process "restarted": a new trainer, no optimizer state, position 0
+            hashes = Hashes()
+            trainer = build_trainer(group, [hashes], virtual_ranks=3, parallel="zero")
+        steps = trainer.virtual
+        assert steps is not None
+        settled = settle(steps, group, fresh, None if fresh else roll_forward)
+        copied, _, daemon = steps._reshard(group, fresh=fresh)  # what VirtualSteps does after it (joiner or running)
+        steps.started = True
+        trainer.fit(2)
+        return {"transfer": settled.transfer, "copied": copied, "daemon": daemon, "hashes": hashes.hashes}
+
+    results = run_threads(train, 3, 120.0)
+    per_epoch = len(reference.hashes) // 2
+    for rank, got in enumerate(results):
+        moved = got["transfer"]
+        assert moved is not None and moved.joined == (2,) and moved.step == per_epoch and moved.nbytes == 0
+        assert got["copied"] == [2] and got["daemon"] == []
+        assert got["hashes"][-per_epoch:] == reference.hashes[per_epoch:]  # every step after the join
+    assert len(results[2]["hashes"]) == per_epoch
 
 
 def test_without_fresh_ranks_nothing_is_sent() -> None:

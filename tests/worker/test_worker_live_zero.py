@@ -29,18 +29,25 @@ def _steps(out: Path, pid: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / f"steps-{pid}.jsonl").read_text().splitlines()]
 
 
-def _run(procs: Procs, out: Path, env: dict[str, str], *extra: str) -> tuple[list[Finished], int]:
-    """Three live workers training ZeRO-1; rank 2 SIGKILLed once it stopped after HANG_STEP; (finished, its pid)."""
+def _run(procs: Procs, out: Path, env: dict[str, str], *extra: str, restarts: int = 0,
+         nodes: int = 3) -> tuple[list[Finished], int]:
+    """`nodes` live workers training ZeRO-1; rank 2 (and the others of LIVE_TEST_HANG_RANKS) SIGKILLed at once when
+    they stopped after HANG_STEP; (finished, rank 2's pid)."""
     out.mkdir()
     port = free_port()
     procs.axond("coordinator", "--port", str(port), "--host", "127.0.0.1", "--in-memory", "--insecure",
                 "--heartbeat-interval", str(HEARTBEAT_S), "--dead-after-missed", str(MISSED), "--settle-time", "5")
-    workers = [procs.axond("worker", "--coordinator", f"127.0.0.1:{port}", "--nnodes", "2:3", "--job", "zero",
-                           "--live-recovery", "--join-timeout", "60", "--", PY, str(SCRIPT), str(out), str(HANG_STEP),
-                           *extra, env={"LIVE_TEST_PARALLEL": "zero", **env}) for _ in range(3)]
-    wait_for(lambda: any(out.glob("hang-*")), 60, "rank 2 to stop after its step")
-    killed = int(next(out.glob("hang-*")).name.removeprefix("hang-"))
-    os.kill(killed, signal.SIGKILL)
+    workers = [procs.axond("worker", "--coordinator", f"127.0.0.1:{port}", "--nnodes", f"2:{nodes}", "--job", "zero",
+                           "--live-recovery", "--join-timeout", "60", "--max-restarts", str(restarts), "--", PY,
+                           str(SCRIPT), str(out), str(HANG_STEP), *extra, env={"LIVE_TEST_PARALLEL": "zero", **env})
+               for _ in range(nodes)]
+    stopping = env.get("LIVE_TEST_HANG_RANKS", "2").split(",")
+    wait_for(lambda: len(list(out.glob("hang-*"))) == len(stopping), 60, f"rank(s) {stopping} to stop after the step")
+    pids = {int(p.name.removeprefix("hang-")) for p in out.glob("hang-*")}
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    rank_of = {int(p.name.split("-")[2]): p.name.split("-")[1] for p in out.glob("start-*")}
+    killed = next(pid for pid in pids if rank_of[pid] == "2")
     return [procs.finish(w, timeout=90) for w in workers], killed
 
 
@@ -108,3 +115,68 @@ def test_zero1_without_copies_falls_back_to_the_checkpoint_or_fails_clearly(proc
         assert recovery["checkpoint"] is not None and recovery["from_copies"] == []
         done = _steps(out, pid)
         assert done[-1]["step"] == STEPS and [s["hash"] for s in done][-STEPS + HANG_STEP:] == reference[HANG_STEP:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["after-step", "before-copy"])
+def test_a_replacement_rank_takes_the_lost_shard_from_its_worker_daemons_memory(procs: Procs, tmp_path: Path,
+                                                                               stop: str) -> None:
+    """No buddy copies at all (copy_every=None): rank 2's shard lives only in its worker daemon's memory. Its worker
+    (--max-restarts 1) re-joins, the re-formation waits for it, and its new rank offers the copy the killed one left
+    there: the job goes on at three ranks, bit-identical, nothing read from storage. before-copy: rank 2 stops before
+    copying step 20 into the daemon's memory; the copy of step 19 is advanced by step 20's gradient from a survivor."""
+    out = tmp_path / "daemon"
+    env = {"LIVE_TEST_COPY_EVERY": "none"}
+    if stop == "before-copy":
+        env["LIVE_TEST_HANG_IN"] = "daemon"
+    finished, killed = _run(procs, out, env, restarts=1)
+    assert [f.code for f in finished] == [0, 0, 0], "\n----\n".join(f.stderr[-4000:] for f in finished)
+    (back,) = [f for f in finished if "re-joining it as a replacement" in f.stderr]
+    reference = _reference()
+    started = {int(p.name.split("-")[2]): int(p.name.split("-")[1]) for p in out.glob("start-*")}  # pid -> rank
+    ends = _ends(out)
+    assert len(started) == 4 and killed in started and killed not in ends and len(ends) == 3
+    (new,) = [pid for pid in ends if started[pid] == 2 and pid != killed]
+    for pid, end in ends.items():
+        done = _steps(out, pid)
+        if pid == new:  # it joined at the boundary after HANG_STEP, its shard from the daemon's memory
+            assert [s["step"] for s in done] == list(range(HANG_STEP + 1, STEPS + 1))
+            assert [s["hash"] for s in done] == reference[HANG_STEP:]
+            (got,) = end["transfers"]
+            assert got["received"] and got["step"] == HANG_STEP
+            continue
+        (recovery,) = end["recoveries"]
+        assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (3, 3, HANG_STEP), recovery
+        assert recovery["from_copies"] == [2] and recovery["from_daemon"] == [2], recovery
+        assert recovery["replayed"] == ([2] if stop == "before-copy" else []) and recovery["checkpoint"] is None
+        assert [s["step"] for s in done] == list(range(1, STEPS + 1))
+        assert [s["hash"] for s in done] == reference
+
+
+@pytest.mark.slow
+def test_a_rank_killed_with_its_buddy_comes_back_from_its_worker_daemons_memory(procs: Procs, tmp_path: Path) -> None:
+    """Four workers (--nnodes 2:4); ranks 2 and 3 SIGKILLed at once: rank 2's buddy copy was in rank 3, so both of its
+    copies in ranks are gone. Rank 2's worker re-joins (--max-restarts 1), rank 3's is taken back into the same
+    re-formation; the new rank 2 offers the shard from its worker daemon's memory, rank 3's shard comes from its copy in
+    rank 0: four ranks again, every step bit-identical to an uninterrupted run, nothing read from storage."""
+    out = tmp_path / "double"
+    finished, killed = _run(procs, out, {"LIVE_TEST_HANG_RANKS": "2,3"}, restarts=1, nodes=4)
+    assert [f.code for f in finished] == [0, 0, 0, 0], "\n----\n".join(f.stderr[-4000:] for f in finished)
+    reference = Hashes()
+    run_threads(lambda g: build_trainer(g, [reference], virtual_ranks=4, parallel="zero").fit(3), 1, 120.0)
+    steps = len(reference.hashes)
+    started = {int(p.name.split("-")[2]): int(p.name.split("-")[1]) for p in out.glob("start-*")}  # pid -> rank
+    ends = _ends(out)
+    assert len(started) == 6 and len(ends) == 4 and killed not in ends
+    for pid, end in ends.items():
+        done = _steps(out, pid)
+        if started[pid] in (2, 3):  # a new rank: from the boundary after HANG_STEP on
+            assert [s["hash"] for s in done] == reference.hashes[HANG_STEP:] and not end["recoveries"]
+            continue
+        (recovery,) = end["recoveries"]
+        assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (4, 4, HANG_STEP), recovery
+        assert recovery["from_copies"] == [2, 3] and recovery["from_daemon"] == [2], recovery
+        assert recovery["checkpoint"] is None
+        assert [s["step"] for s in done] == list(range(1, steps + 1))
+        assert [s["hash"] for s in done] == reference.hashes
+

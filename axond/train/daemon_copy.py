@@ -1,0 +1,199 @@
+"""ZeRO-1 shards copied into the worker daemon's memory: each rank's block (parameters and optimizer state, tagged with
+the committed step) survives the rank's death, and the replacement rank its worker starts offers it to the survivors.
+
+The worker gives each local rank one anonymous shared-memory file (`memfd`), inherited by the rank process as
+`AXOND_SHARD_MEMORY_FD`: the worker holds it open, so its contents outlive the rank, reach the next rank the worker
+starts for that local rank, and go when the worker ends (nothing is left in `/dev/shm`). The rank maps it and, after
+every committed step, copies its block into it on a background thread (a memcpy per array, off the training thread);
+the copy is waited for only before the next optimizer step changes the arrays.
+
+Layout: a header page, then two slots (double buffering). A copy goes into the slot that does not hold the newest
+complete copy; the slot's header is cleared first and written last, its `state` word after every other: a copy cut
+half-way (the rank killed mid-memcpy) leaves its slot marked empty and the other slot's copy intact. A copy is offered
+(`holding`) only when its header is complete, it matches this job's layout (a fingerprint of the shard geometry and
+the optimizer state's names) and lineage (bumped when the job falls back to a checkpoint), and its tag is the agreed
+step, or the step before it when the gradient of the agreed step is at hand to advance it (`axond.train.reassemble`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from axond.parallel.zero.virtual import VirtualZero
+from axond.train.buddy import Holding, Slot
+
+MAGIC = 0x3148535F444E4F58
+"""'XOND_SH1' little-endian: the header of a daemon copy file."""
+HEADER_BYTES = 4096
+SLOT_WORDS = 8
+"""Header words per slot: state, tag, first shard, shard count, lineage, rows per shard, scalars per shard, spare."""
+VALID = 1
+STATE, TAG, FIRST, COUNT, LINEAGE, WIDTH, SCALARS = range(7)
+ALIGN = 4096
+
+
+def fingerprint(zero: VirtualZero) -> int:
+    """The geometry a copy must share with the job to be read: virtual shards, shard size, dtype, state names."""
+    arrays, scalars = zero.schema()
+    text = f"{zero.virtual}:{zero.shard}:{zero.flat.dtype.str}:{','.join(arrays)}:{','.join(scalars)}"
+    return zlib.crc32(text.encode())
+
+
+class DaemonCopy:
+    """This rank's copies in the memory its worker daemon holds (see the module docstring)."""
+
+    def __init__(self, fd: int, zero: VirtualZero) -> None:
+        self.fd, self.zero = fd, zero
+        self._map: mmap.mmap | None = None
+        self._header = np.zeros(2 * SLOT_WORDS + 4, np.int64)
+        self._slot_bytes = 0
+        self._pending: Future[None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self.written = -1
+        """The tag of the last copy posted."""
+        self.busy_s = 0.0
+        """Seconds the training thread spent on the copies (posting, waiting for one in flight): their cost there."""
+        self.copy_cpu_s = 0.0
+        """CPU seconds the background thread spent copying (the memcpy itself)."""
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as e:
+            raise ValueError(f"AXOND_SHARD_MEMORY_FD={fd} is not an open file descriptor ({e.strerror}): it is set by "
+                             "`axond worker` for the ranks it starts; unset it elsewhere") from e
+        if size >= HEADER_BYTES:
+            self._attach(size)
+
+    def _attach(self, size: int) -> None:
+        self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._header = np.frombuffer(self._map, np.int64, 4 + 2 * SLOT_WORDS)
+        self._slot_bytes = (size - HEADER_BYTES) // 2
+
+    def _slot_views(self, index: int, count: int, width: int, nscalars: int) -> tuple[np.ndarray, np.ndarray]:
+        assert self._map is not None
+        rows = count * width * self.zero.shard
+        offset = HEADER_BYTES + index * self._slot_bytes
+        data = np.frombuffer(self._map, self.zero.flat.dtype, rows, offset).reshape(count, width, self.zero.shard)
+        start = offset + -(-rows * self.zero.flat.dtype.itemsize // 8) * 8
+        return data, np.frombuffer(self._map, np.float64, count * nscalars, start).reshape(count, nscalars)
+
+    def _words(self, index: int) -> np.ndarray:
+        return self._header[4 + index * SLOT_WORDS : 4 + (index + 1) * SLOT_WORDS]
+
+    def _fits(self, count: int, width: int, nscalars: int) -> bool:
+        need = -(-count * width * self.zero.shard * self.zero.flat.dtype.itemsize // 8) * 8 + count * nscalars * 8
+        return self._map is not None and need <= self._slot_bytes and int(self._header[0]) == MAGIC \
+            and int(self._header[1]) == fingerprint(self.zero)
+
+    def _layout(self, count: int, width: int, nscalars: int) -> None:
+        """Size the file for two slots of `count` shards (both slots emptied: a new geometry)."""
+        need = -(-count * width * self.zero.shard * self.zero.flat.dtype.itemsize // 8) * 8 + count * nscalars * 8
+        slot = -(-need // ALIGN) * ALIGN
+        self._close_map()
+        size = HEADER_BYTES + 2 * slot
+        os.ftruncate(self.fd, size)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(self.fd, 0, size)  # a full /dev/shm fails here, never as a SIGBUS mid-copy
+        self._attach(size)
+        self._header[:] = 0
+        self._header[1] = fingerprint(self.zero)
+        self._header[0] = MAGIC
+
+    def _close_map(self) -> None:
+        mapping, self._map = self._map, None
+        self._header = np.zeros(2 * SLOT_WORDS + 4, np.int64)
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:  # views still held (a holding offered in a recovery): freed with them
+                pass
+
+    def newest(self) -> int | None:
+        """The index of the slot with the newest complete copy, or None."""
+        done = [i for i in range(2) if int(self._words(i)[STATE]) == VALID]
+        return max(done, key=lambda i: int(self._words(i)[TAG])) if done else None
+
+    def post(self, lineage: int) -> None:
+        """Copy this rank's block, tagged with the zero optimizer's step and the job's `lineage`, into the slot not
+        holding the newest copy (on the background thread; `settle()` waits for it)."""
+        self.settle()
+        began = time.perf_counter()
+        z = self.zero
+        count = len(z.mine)
+        (_, width, _), (_, nscalars) = z.rows_shape(count)
+        if not self._fits(count, width, nscalars):
+            self._layout(count, width, nscalars)
+        newest = self.newest()
+        index = 1 if newest == 0 else 0
+        words = self._words(index)
+        words[STATE] = 0  # cleared before the data: a copy cut from here on is never read
+        rows, scalars = self._slot_views(index, count, width, nscalars)
+        sources = [z.arrays(v, scalars[i]) for i, v in enumerate(z.mine)]  # the live arrays; scalars filled now
+        header = (z.tag, z.mine.start, count, lineage, width, nscalars)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="axond-daemon-copy")
+        self._pending = self._pool.submit(self._timed, words, rows, sources, header)
+        self.written = z.tag
+        self.busy_s += time.perf_counter() - began
+
+    def _timed(self, words: np.ndarray, rows: np.ndarray, sources: list[list[np.ndarray]],
+               header: tuple[int, int, int, int, int, int]) -> None:
+        began = time.thread_time()
+        _write(words, rows, sources, header)
+        self.copy_cpu_s += time.thread_time() - began
+
+    def settle(self) -> None:
+        """Wait for the copy in flight (before the arrays it reads change: the next optimizer step, a re-sharding)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            began = time.perf_counter()
+            pending.result()
+            self.busy_s += time.perf_counter() - began
+
+    def holding(self, agreed: int, lineage: int) -> Holding | None:
+        """The newest complete copy of this job's layout and `lineage` tagged `agreed` or `agreed - 1`, as a holding
+        `axond.train.reassemble` offers from (its `grads` to be filled for a copy one step old); None if there is none.
+        Its slot views read the daemon's memory in place."""
+        if self._map is None or int(self._header[0]) != MAGIC or int(self._header[1]) != fingerprint(self.zero):
+            return None
+        (_, width, _), (_, nscalars) = self.zero.rows_shape(1)
+        found = []
+        for i in range(2):
+            words = self._words(i)
+            if int(words[STATE]) != VALID or int(words[LINEAGE]) != lineage:
+                continue
+            if int(words[WIDTH]) != width or int(words[SCALARS]) != nscalars:
+                continue
+            tag, first, count = int(words[TAG]), int(words[FIRST]), int(words[COUNT])
+            if agreed - 1 <= tag <= agreed and count > 0 and 0 <= first and first + count <= self.zero.virtual:
+                found.append((tag, i, first, count))
+        if not found:
+            return None
+        tag, i, first, count = max(found)
+        rows, scalars = self._slot_views(i, count, width, nscalars)
+        if {int(t) for t in scalars[:, 0]} != {tag}:  # the scalars' own tags disagree with the header: never used
+            return None
+        return Holding(-1, range(first, first + count), [Slot(rows, scalars, tag)])
+
+    def close(self) -> None:
+        self.settle()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _write(words: np.ndarray, rows: np.ndarray, sources: list[list[np.ndarray]],
+           header: tuple[int, int, int, int, int, int]) -> None:
+    """The background copy: every array into the slot, then the header, its state word last."""
+    for i, arrays in enumerate(sources):
+        for j, array in enumerate(arrays):
+            np.copyto(rows[i, j], array)
+    tag, first, count, lineage, width, nscalars = header
+    words[TAG], words[FIRST], words[COUNT], words[LINEAGE] = tag, first, count, lineage
+    words[WIDTH], words[SCALARS] = width, nscalars
+    words[STATE] = VALID
