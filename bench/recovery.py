@@ -221,7 +221,8 @@ def cut_run(fault: str, heartbeat: float, missed: int, rejoin: bool = False, fau
             elif fault == "drop":
                 host.drop_frames(True)
                 at = time.monotonic()
-                if fault_s:
+                if fault_s:  # the rank goes on (the go file ends its wait): its link is what failed
+                    (out / "go").write_text("")
                     timers.append(threading.Timer(fault_s, host.drop_frames, (False,)))
             else:
                 stopped.append(pid if fault == "stop" else workers[host.index].pid)

@@ -197,6 +197,7 @@ def _fault(fault: str, pid: int, out: Path, fault_s: float, timers: list[threadi
         assert host is not None
         host.drop_frames(True)
         at = time.monotonic()
+        (out / "go").write_text("")  # the process goes on: its link is what failed
         timers.append(threading.Timer(fault_s, host.drop_frames, (False,)))
     for timer in timers:
         timer.start()
