@@ -39,11 +39,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -62,8 +63,10 @@ TOKEN = "bench-cut-token"
 """The coordinator's token in `--part cut` (its hosts are namespaces of this machine)."""
 
 
-def _workers(address: str, job: str, out: Path, live: bool) -> list[subprocess.Popen[str]]:
-    shape = ["--nnodes", "2:3", "--live-recovery"] if live else ["--nnodes", "3", "--max-restarts", "1"]
+def _workers(address: str, job: str, out: Path, live: bool, rejoin: bool = False) -> list[subprocess.Popen[str]]:
+    """`rejoin`: live workers with `--max-restarts 1` (the failed node's worker re-joins the running job)."""
+    shape = ["--nnodes", "2:3", "--live-recovery", "--max-restarts", str(int(rejoin))] if live else [
+        "--nnodes", "3", "--max-restarts", "1"]
     rank = [sys.executable, str(SCRIPT), str(out), str(HANG_STEP)] + ([] if live else [str(out / "ckpt")])
     argv = [sys.executable, "-c", "from axond.cli.main import main; main()", "worker", "--coordinator", address,
             "--job", job, *shape, "--join-timeout", "120", "--", *rank]
@@ -85,14 +88,20 @@ def _hung_pid(out: Path, timeout: float = 180.0) -> int:
     return int(next(out.glob("hang-*")).name.removeprefix("hang-"))
 
 
-def one_run(address: str, live: bool, job: str) -> dict[str, float]:
-    """Seconds from the kill to each milestone (NaN where the path has none), and the bytes read from storage."""
+def one_run(address: str, live: bool, job: str, rejoin: bool = False, stop_s: float = 0.0,
+            extra: Callable[[Path, float], dict[str, float]] | None = None) -> dict[str, float]:
+    """Seconds from the kill to each milestone (NaN where the path has none), and the bytes read from storage.
+    `stop_s` > 0: rank 2 is stopped (SIGSTOP) for that long instead of killed; `extra(out, fault_time)` adds its
+    figures from the run's records (bench/torchft_compare.py)."""
     out = Path(tempfile.mkdtemp(prefix="axond-recovery-"))
-    workers = _workers(address, job, out, live)
+    workers = _workers(address, job, out, live, rejoin)
     try:
         pid = _hung_pid(out)
         killed = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGSTOP if stop_s else signal.SIGKILL)
+        if stop_s:  # once resumed it goes on with its step (the go file ends its wait)
+            (out / "go").write_text("")
+            threading.Timer(stop_s, _resume, (pid,)).start()
         codes = []
         for w in workers:
             _, err = w.communicate(timeout=180)
@@ -108,8 +117,9 @@ def one_run(address: str, live: bool, job: str) -> dict[str, float]:
             "error": max(r["error_at"] for r in recoveries) - killed if recoveries else nan,
             "reformed": max(r["reformed_at"] for r in recoveries) - killed if recoveries else nan,
             "first_step": min(after) - killed,
-            "exit_codes": float(sorted(codes) == ([0, 0, 1] if live else [0, 0, 0])),
+            "exit_codes": float(sorted(codes) == ([0, 0, 1] if live and not rejoin else [0, 0, 0])),
             "checkpoint_bytes": float(stored // max(1, len(list((out / "ckpt").glob("step_*")))) if not live else 0.0),
+            **(extra(out, killed) if extra is not None else {}),
         }
     finally:
         for w in workers:
@@ -117,6 +127,13 @@ def one_run(address: str, live: bool, job: str) -> dict[str, float]:
                 os.killpg(w.pid, signal.SIGKILL)
                 w.wait()
         shutil.rmtree(out, ignore_errors=True)
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass  # its worker killed it (stopped for longer than the lease)
 
 
 class _StepTimes(Callback):
@@ -174,12 +191,16 @@ def _axond(*args: str) -> list[str]:
     return [sys.executable, "-c", "from axond.cli.main import main; main()", *args]
 
 
-def cut_run(fault: str, heartbeat: float, missed: int) -> dict[str, float]:
-    """One live job across four namespace hosts; rank 2's host lost by `fault` (kill, drop, stop-worker): seconds
-    from the fault to the survivors' error, to the re-formed group and to the first step after the cut one."""
+def cut_run(fault: str, heartbeat: float, missed: int, rejoin: bool = False, fault_s: float = 0.0,
+            extra: Callable[[Path, float], dict[str, float]] | None = None) -> dict[str, float]:
+    """One live job across four namespace hosts; rank 2's host lost by `fault` (kill, drop, stop-worker, or stop:
+    the rank SIGSTOPped): seconds from the fault to the survivors' error, to the re-formed group and to the first
+    step after the cut one. `rejoin`: workers with `--max-restarts 1`; `fault_s` > 0: a drop or stop ends after that
+    long; `extra(out, fault_time)` adds its figures from the run's records (bench/torchft_compare.py)."""
     out = Path(tempfile.mkdtemp(prefix="axond-cut-"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stopped: list[int] = []
+    timers: list[threading.Timer] = []
     with Network.create(5) as net:
         h0, *hosts = net.hosts
         try:
@@ -188,8 +209,8 @@ def cut_run(fault: str, heartbeat: float, missed: int) -> dict[str, float]:
                             "--settle-time", "10", "--fence-margin", "0.5"),
                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             argv = _axond("worker", "--coordinator", f"{h0.addr}:29500", "--token", TOKEN, "--nnodes", "3:4",
-                          "--job", "cut", "--live-recovery", "--join-timeout", "60", "--", sys.executable, str(SCRIPT),
-                          str(out), str(HANG_STEP))
+                          "--job", "cut", "--live-recovery", "--join-timeout", "60", "--max-restarts", str(int(rejoin)),
+                          "--", sys.executable, str(SCRIPT), str(out), str(HANG_STEP))
             workers = {h.index: h.popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                        for h in hosts}
             pid = _hung_pid(out)
@@ -200,10 +221,18 @@ def cut_run(fault: str, heartbeat: float, missed: int) -> dict[str, float]:
             elif fault == "drop":
                 host.drop_frames(True)
                 at = time.monotonic()
+                if fault_s:  # the rank goes on (the go file ends its wait): its link is what failed
+                    (out / "go").write_text("")
+                    timers.append(threading.Timer(fault_s, host.drop_frames, (False,)))
             else:
-                stopped.append(workers[host.index].pid)
+                stopped.append(pid if fault == "stop" else workers[host.index].pid)
                 os.kill(stopped[0], signal.SIGSTOP)
                 at = time.monotonic()
+                if fault_s:
+                    (out / "go").write_text("")
+                    timers.append(threading.Timer(fault_s, _resume, (stopped.pop(),)))
+            for timer in timers:
+                timer.start()
             for index, w in workers.items():
                 if index != host.index:
                     _, err = w.communicate(timeout=180)
@@ -213,10 +242,13 @@ def cut_run(fault: str, heartbeat: float, missed: int) -> dict[str, float]:
             recoveries = [r for e in ends for r in e["recoveries"]]
             after = [s["mono"] for s in _steps(out) if s["step"] > HANG_STEP and s["mono"] > at]
             return {"error": max(r["error_at"] for r in recoveries) - at,
-                    "reformed": max(r["reformed_at"] for r in recoveries) - at, "first_step": min(after) - at}
+                    "reformed": max(r["reformed_at"] for r in recoveries) - at, "first_step": min(after) - at,
+                    **(extra(out, at) if extra is not None else {})}
         finally:
+            for timer in timers:
+                timer.cancel()
             for p in stopped:
-                os.kill(p, signal.SIGCONT)
+                _resume(p)
             shutil.rmtree(out, ignore_errors=True)
 
 

@@ -3,9 +3,9 @@
 argv: OUT_DIR HANG_STEP [CHECKPOINT_DIR]. Every process records its start (`start-RANK-PID`), every step
 (`steps-PID.jsonl`: rank, global step, world size, generation, wall and monotonic time) and its end (`end-PID.json`,
 `params-PID.npz`). The process that starts as rank 2 stops after its step HANG_STEP (writes `hang-PID`, then
-sleeps) so that the test can SIGKILL it while the others wait in the next step's collectives; HANG_STEP -1: nobody
-stops; it stops once per run (a restarted rank 2 does not). LIVE_TEST_HANG_RANKS=2,3: the ranks that stop so
-(default 2).
+sleeps until a file `go` appears in OUT_DIR) so that the test can SIGKILL (or SIGSTOP) it while the others wait in
+the next step's collectives; HANG_STEP -1: nobody stops; it stops once per run (a restarted rank 2 does not).
+LIVE_TEST_HANG_RANKS=2,3: the ranks that stop so (default 2).
 With CHECKPOINT_DIR (today's restart path, for bench/recovery.py) the trainer checkpoints after every step.
 LIVE_TEST_PARALLEL (the worker's environment): the trainer's `parallel` ("ddp" unless given; "zero": ZeRO-1 with
 buddy copies); LIVE_TEST_COPY_EVERY: its `copy_every` ("none": no buddy copies); LIVE_TEST_HANG_IN="post": the rank
@@ -114,7 +114,9 @@ class Record(Callback):
         if not once.exists():
             once.write_text("")
             (self.out / f"hang-{os.getpid()}").write_text(str(time.time()))
-            time.sleep(HANG_S)
+            deadline = time.monotonic() + HANG_S
+            while time.monotonic() < deadline and not (self.out / "go").exists():
+                time.sleep(0.01)
 
     def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
         step = int(metrics["global_step"])
