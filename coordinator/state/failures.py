@@ -141,8 +141,8 @@ class JobFailures:
 
     def _drop_expected(self, j: Job, lost: Node, reason: str, ran: bool) -> bool:
         """Live job `j`'s current generation goes on without `lost` (not one of its members or joiners): it is no
-        longer awaited and, if it `ran` ranks of the job, is remembered as left. False (nothing changed) when fewer than `min_nodes` would be left
-        of the nodes the open round awaits."""
+        longer awaited and, if it `ran` ranks of the job, is remembered as left. False (nothing changed) when fewer
+        than `min_nodes` would be left of the nodes the open round awaits."""
         rnd = j.round
         if not rnd.frozen and lost.node_id in rnd.expected:
             rest = rnd.expected - {lost.node_id}
