@@ -29,10 +29,20 @@ import time
 from pathlib import Path
 
 from axond.testing.netns import unavailable
-from soak_report import analyse, table
-from soak_run import SoakConfig, run_soak
+from soak_report import SoakReport, analyse, table
+from soak_run import SoakConfig, SoakRun, load, run_soak
 
 KINDS = ("kill", "stop", "drop")
+
+
+def show(report: SoakReport, run: SoakRun) -> None:
+    print(table(report, run))
+    for step, gap in report.hangs:
+        print(f"hang: no committed step for {gap:.2f} s before step {step}")
+    for pid, step, got, want in report.divergences[:10]:
+        print(f"divergence: pid {pid} step {step}: {got} (fault-free {want})")
+    for line in report.order_errors:
+        print(f"order: {line}")
 
 
 def main() -> None:
@@ -48,7 +58,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512, help="the MLP's width (512: 2.1 MiB of parameters)")
     parser.add_argument("--parallel", choices=("ddp", "zero"), default="ddp")
     parser.add_argument("--out", default="", help="keep the logs in this directory (default: a temporary one)")
+    parser.add_argument("--analyse", default="", help="only analyse the run kept in this directory (by --out)")
     args = parser.parse_args()
+    if args.analyse:
+        run = load(Path(args.analyse))
+        show(analyse(run), run)
+        return
     faults = tuple(args.faults.split(","))
     if not set(faults) <= set(KINDS):
         parser.error(f"--faults takes {', '.join(KINDS)} (comma-separated), got {args.faults!r}")
@@ -64,14 +79,7 @@ def main() -> None:
         run = run_soak(config, out)
         print(f"[soak] job ended after {run.ended - run.started:.0f} s; replaying {run.stop_step} steps without "
               "faults", flush=True)
-        report = analyse(run)
-        print(table(report, run))
-        for step, gap in report.hangs:
-            print(f"hang: no committed step for {gap:.2f} s before step {step}")
-        for pid, step, got, want in report.divergences[:10]:
-            print(f"divergence: pid {pid} step {step}: {got} (fault-free {want})")
-        for line in report.order_errors:
-            print(f"order: {line}")
+        show(analyse(run), run)
         print(f"[soak] {time.monotonic() - began:.0f} s in all; logs in {out}")
     finally:
         if not args.out:

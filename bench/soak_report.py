@@ -111,7 +111,7 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
     order_errors = []
     for pid, lines in by_pid.items():
         seq = [s["step"] for s in lines if s["kind"] == "step"]
-        if seq != list(range(seq[0], seq[0] + len(seq))) if seq else False:
+        if seq and seq != list(range(seq[0], seq[0] + len(seq))):
             order_errors.append(f"pid {pid}: steps {seq[:3]}...{seq[-3:]} are not consecutive")
     reformed = sorted(r["reformed_at"] for r in recoveries)
     # goodput: each committed step's attempt, from the end of the step before (or the last re-formation since)
@@ -127,16 +127,15 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
         if ends[k] - ends[k - 1] > bound and ends[k - 1] >= start:
             hangs.append((k, ends[k] - ends[k - 1]))
     wall = max(ends.values()) - start if ends else 0.0
+    pairs = [(ends[k - 1], ends[k]) for k in range(2, last + 1) if k in ends and k - 1 in ends]
     outcomes = []
     for f in run.faults:
         after = sorted((s["mono"], s["world"]) for s in steps if s["gen"] > f.gen and s["mono"] > f.at)
         first = after[0][0] - f.at if after else None
         full = next((t - f.at for t, w in after if w == FULL), None)
-        window = sorted(t for t in ends.values() if t <= f.at + (first or 0.0))
-        before = [t for t in window if t <= f.at]
-        cut = [before[-1]] if before else []
-        gaps = [b - a for a, b in zip(cut + [t for t in window if t > f.at], [t for t in window if t > f.at])]
-        outcomes.append(FaultOutcome(f, first, full, max(gaps, default=0.0)))
+        until = f.at + (first if first is not None else 0.0)
+        stall = max((b - a for a, b in pairs if b > f.at and a < until), default=0.0)
+        outcomes.append(FaultOutcome(f, first, full, stall))
     coordinator = run.statuses[-1] if run.statuses else {}
     transfers = sum(1 for lines in by_pid.values() for x in lines if x["kind"] == "transfer" and x["received"])
     return SoakReport(outcomes, last, hangs, bound, divergences, order_errors, productive / wall if wall else 0.0,

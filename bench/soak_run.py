@@ -11,6 +11,7 @@ re-joins the job as a replacement while restarts are left; a worker that exits a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -261,4 +262,21 @@ def run_soak(config: SoakConfig, out: Path) -> SoakRun:
         poller.kill()
         status = out / "status.jsonl"
         run.statuses = [json.loads(line) for line in status.read_text().splitlines() if line.startswith("{")]
+    save(run)
     return run
+
+
+def save(run: SoakRun) -> None:
+    """`run.json` in the run's directory: what `load` reads back (analyse a run again: `bench/soak.py --analyse`)."""
+    data = dataclasses.asdict(run)
+    data["out"] = str(run.out)
+    (run.out / "run.json").write_text(json.dumps(data))
+
+
+def load(out: Path) -> SoakRun:
+    data = json.loads((out / "run.json").read_text())
+    raw = data.pop("config")
+    config = SoakConfig(**{**raw, "faults": tuple(raw["faults"])})
+    faults = [Fault(**f) for f in data.pop("faults")]
+    respawned = [tuple(r) for r in data.pop("respawned")]
+    return SoakRun(config=config, out=Path(data.pop("out")), faults=faults, respawned=respawned, **data)
