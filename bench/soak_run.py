@@ -210,12 +210,15 @@ class Soak:
                  f"{fault.world}, generation {fault.gen})")
 
     def wait_full(self, run: SoakRun, timeout: float) -> bool:
+        """Wait until the job trains at full size, in a generation after the last fault's if it struck a rank."""
         deadline = time.monotonic() + timeout
+        last_fault = run.faults[-1] if run.faults else None
+        after = last_fault.gen if last_fault is not None and (last_fault.pid or last_fault.kind == "drop") else 0
         while time.monotonic() < deadline:
             self.tick(run)
             last = self.steps.last
-            if last is not None and last["world"] == FULL and len({rank_pid(h, self.out) for h in
-                                                                   self.net.hosts[1:]} - {0}) == FULL:
+            if last is not None and last["world"] == FULL and last["gen"] > after and len(
+                    {rank_pid(h, self.out) for h in self.net.hosts[1:]} - {0}) == FULL:
                 return True
             time.sleep(0.2)
         return False
