@@ -29,7 +29,7 @@ from axond.worker.frozen import FrozenWatch
 from axond.worker.launcher import CAUSE_GRACE_S, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
 from axond.worker import live
-from axond.worker.joinback import JoinNotice, rejoin_after_left
+from axond.worker.joinback import JoinNotice, rejoin_after_left, report_when_back
 from axond.worker.outage import OutageGuard
 from axond.worker.peers import PeerLink
 from axond.worker.rank_specs import rank_specs
@@ -342,6 +342,8 @@ class JobRunner:
                 if why is not None:
                     ranks.stop(grace=min(spec.stop_grace, max(0.0, guard.fence_deadline() - time.monotonic())))
                     self._notice(why)
+                    if spec.live_recovery and self._restarts_left > 0 and self._back_after_lease(gen, why):
+                        return None  # its ranks are dead: it re-joins the job as a replacement (one restart)
                     return JobOutcome(LEASE_LOST_EXIT_CODE, why, lease_lost=True)
             if nudges is not None and nudges.due(time.monotonic()):
                 self._hb.beat_now()  # a local rank lost a peer: hear of the next generation now
@@ -369,6 +371,22 @@ class JobRunner:
             answers.check()
             self._hb.changed.wait(_MONITOR_TICK)
             self._hb.changed.clear()
+
+    def _back_after_lease(self, gen: int, why: str) -> bool:
+        """A live job's node that lost its lease (its ranks stopped): once the coordinator answers again, report the
+        failure and say whether to re-join (the job went on without this node and restarts are left, or it restarts
+        everyone)."""
+        spec = self._spec
+        reply = report_when_back(lambda: self._client.report_failure(
+            spec.job, self._node_id, gen, -1, LEASE_LOST_EXIT_CODE, why), spec.join_timeout, self._stop.is_set)
+        if reply is None:
+            return False
+        if reply.left_job:
+            self._rejoins = rejoin_after_left(spec.job, why, self._restarts_left, self._notice)
+            return self._rejoins
+        if reply.will_restart:
+            self._notice(f"job {spec.job!r} restarts as generation {reply.generation}")
+        return reply.will_restart
 
     def _moves_live(self, beat: pb.HeartbeatResponse, gen: int, ranks: LocalRanks) -> bool:
         """Live recovery: the job moved on without a failed node and every local rank still runs: tell them (their

@@ -5,13 +5,23 @@ A worker whose ranks start in a generation that live recovery opened (`beat.live
 joined a running job: its ranks take their state from a live peer (`axond.train.join`) and the others keep theirs.
 A fresh node counts no restart; a node that live recovery went on without and that re-joins (its worker restarted
 its ranks) counts one against `--max-restarts`, and is refused once none is left (the job goes on without it).
+A node cut off from the coordinator for longer than its lease (its link down, its worker frozen) stopped its ranks
+and was declared dead; once it reaches the coordinator again it reports that failure (`report_when_back`) and, while
+restarts are left, re-joins the same way.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+import grpc
+
+from axond.errors import CoordinatorError
 from axond.v1 import coordinator_pb2 as pb
+
+RETRY_S = 0.5
+"""How often a node that lost its lease asks the coordinator again while it cannot reach it."""
 
 
 class JoinNotice:
@@ -45,3 +55,22 @@ def rejoin_after_left(job: str, message: str, restarts_left: int, notice: Callab
     notice(f"{message}; job {job!r} goes on without this node (live recovery); re-joining it as a replacement, "
            f"which counts one restart (restarts left {restarts_left})")
     return True
+
+
+def report_when_back(report: Callable[[], pb.ReportFailureResponse], wait_s: float,
+                     stopped: Callable[[], bool]) -> pb.ReportFailureResponse | None:
+    """After this node lost its lease and stopped its ranks: `report()` their failure once the coordinator answers
+    again (asked every RETRY_S for at most `wait_s`); None if it did not answer by then, or the worker was stopped.
+    The coordinator answers `left_job` when the live job went on without this node (it declared it dead, or does so
+    now), `will_restart` when the job restarts everyone."""
+    deadline = time.monotonic() + wait_s
+    while not stopped():
+        try:
+            return report()
+        except CoordinatorError as e:
+            code = getattr(e.__cause__, "code", None)
+            unreachable = callable(code) and code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            if not unreachable or time.monotonic() + RETRY_S > deadline:
+                return None
+            time.sleep(RETRY_S)
+    return None

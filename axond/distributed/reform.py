@@ -7,12 +7,14 @@ variables a rank reads (RANK, WORLD_SIZE, AXOND_GENERATION, ...) say the new val
 
 from __future__ import annotations
 
+import time
+
 from axond.config import export_rank_variables
 from axond.distributed import default_registry as defaults
 from axond.distributed import membership
 from axond.distributed.api import destroy_process_group, init_process_group, read_env
 from axond.distributed.process_group import ProcessGroup
-from axond.errors import DistributedError
+from axond.errors import DistributedError, StoreError
 
 
 def reform(timeout: float | None = None) -> ProcessGroup:
@@ -21,6 +23,8 @@ def reform(timeout: float | None = None) -> ProcessGroup:
     Waits up to `timeout` seconds (default `AXOND_LIVE_WAIT_S`) for the worker to say this rank's place in the new
     generation, then forms the group there with the old group's backend and timeout. Raises `DistributedError` when
     this is not a live job (`axond worker --live-recovery`), or no place came in time (the job restarts or failed).
+    When the job moves on again while the group forms (another node left or joined meanwhile, so that generation's
+    store refuses it or its peers never come), it forms the group of the later generation the worker names instead.
     """
     live = membership.current()
     old = defaults.current()
@@ -34,14 +38,37 @@ def reform(timeout: float | None = None) -> ProcessGroup:
                                f"within {wait:g} s (the job restarts or failed; see the worker's output)",
                                op="reform", group=old.name, rank=old.global_rank)
     backend, group_timeout = old.backend_name, old.timeout
-    live.end(note.generation)  # the watcher leaves the group formed below alone
+    deadline = time.monotonic() + wait
     destroy_process_group()
-    export_rank_variables(dict(
-        RANK=str(note.rank), WORLD_SIZE=str(note.world_size), LOCAL_RANK=str(note.local_rank),
-        LOCAL_WORLD_SIZE=str(note.local_world_size), NODE_RANK=str(note.node_rank), GROUP_RANK=str(note.node_rank),
-        GROUP_WORLD_SIZE=str(note.nnodes), ROLE_RANK=str(note.rank), ROLE_WORLD_SIZE=str(note.world_size),
-        AXOND_GENERATION=str(note.generation), AXOND_JOB_SECRET=note.job_secret.hex(),
-    ))
-    group = init_process_group(backend, timeout=group_timeout, env=read_env())
-    live.adopt(note)
-    return group
+    while True:
+        live.end(note.generation)  # the watcher leaves the group formed below alone
+        export_rank_variables(dict(
+            RANK=str(note.rank), WORLD_SIZE=str(note.world_size), LOCAL_RANK=str(note.local_rank),
+            LOCAL_WORLD_SIZE=str(note.local_world_size), NODE_RANK=str(note.node_rank),
+            GROUP_RANK=str(note.node_rank), GROUP_WORLD_SIZE=str(note.nnodes), ROLE_RANK=str(note.rank),
+            ROLE_WORLD_SIZE=str(note.world_size), AXOND_GENERATION=str(note.generation),
+            AXOND_JOB_SECRET=note.job_secret.hex(),
+        ))
+        try:
+            group = init_process_group(backend, timeout=group_timeout, env=read_env())
+        except (StoreError, DistributedError):
+            # the job moved on while this rank formed its group (another node left or joined meanwhile): take its
+            # place in the later generation the worker names; none within the wait: the error as it is
+            later = _later(live.path, note.generation, deadline)
+            if later is None:
+                raise
+            note = later
+            continue
+        live.adopt(note)
+        return group
+
+
+def _later(path: str, generation: int, deadline: float) -> membership.Note | None:
+    """The worker's note of this rank's place in a generation after `generation`, waited for until `deadline`."""
+    while True:
+        note = membership.read_note(path)
+        if note is not None and note.generation > generation and note.ready:
+            return note
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(membership.POLL_S)

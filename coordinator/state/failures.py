@@ -47,16 +47,21 @@ class JobFailures:
                 if job.state.terminal:
                     continue
             lost_assigned = node.node_id in job.assigned and job.round.member(node.node_id) is None
-            if job.active_member(node.node_id) or lost_assigned:
+            awaited = self._awaited_live(job, node)
+            if job.active_member(node.node_id) or lost_assigned or awaited:
                 ran = True
                 if node.node_id in job.assigned:
                     job.assigned.remove(node.node_id)
                     self.scheduler.enqueue(job.name)
                 self.ctx.goodput.detected(job.name, node.last_seen, now)
                 reason = f"node {node.node_id} ({node.hostname}) {why}"
-                if not self._live_bump(job, node, reason, now):
+                ran_ranks = not awaited or self._ran_before(job, node)
+                if awaited:  # it was to join the forming generation (its ranks running): it goes on without it
+                    if not self._drop_expected(job, node, reason, ran_ranks):
+                        lifecycle.bump(job, f"{reason}; too few nodes left to re-form live", True, 1, now)
+                elif not self._live_bump(job, node, reason, now):
                     lifecycle.bump(job, reason, True, 1, now)
-                if dead and not job.state.terminal:
+                if dead and ran_ranks and not job.state.terminal:
                     interval = self.members.paced(node)
                     lease = interval * self.members.liveness.dead_after_missed
                     wait = fence_wait(lease, interval, self.fence_margin)
@@ -66,6 +71,18 @@ class JobFailures:
                     f"generation {job.generation} has no node left to run it (the last, {node.node_id} "
                     f"({node.hostname}), {why}); start its workers again to rerun it"), now)
         self.scheduler.place()
+
+    @staticmethod
+    def _awaited_live(j: Job, node: Node) -> bool:
+        """Whether the open round of live job `j` awaits `node` to bring its running ranks (not joined yet)."""
+        rnd = j.round
+        return (j.live and j.live_generation == j.generation and not rnd.frozen and node.node_id in rnd.expected
+                and node.node_id not in rnd.joiners)
+
+    @staticmethod
+    def _ran_before(j: Job, node: Node) -> bool:
+        """Whether `node` ran ranks in the generation before the current one of `j`."""
+        return bool(j.past_rounds) and j.past_rounds[-1].member(node.node_id) is not None
 
     def _orphaned(self, j: Job, lost: Node) -> bool:
         """Whether `j` (started by `axond worker`s, not submitted) waits for a generation no live node will join:
@@ -92,17 +109,56 @@ class JobFailures:
         """A rank or agent failed: bump the generation; returns (new generation, will_restart)."""
         j = self.ctx.job(job)
         node, _ = self.members.touch(node_id, now)
-        if not self._is_current(j, node_id, generation):
-            return j.generation, not j.state.terminal
-        if not -1 <= rank < j.round.world_size:
-            raise InvalidArgument(f"rank {rank} is outside 0..{j.round.world_size - 1} (or -1 for the agent)")
         who = f"rank {rank}" if rank >= 0 else "the agent"
         detail = f": {message[:500]}" if message else ""
         reason = f"{who} on node {node_id} ({node.hostname}) failed with exit code {exit_code}{detail}"
+        if not self._is_current(j, node_id, generation):
+            late = self._late_live_failure(j, node, generation, reason, exit_code, now)
+            return j.generation, (not j.state.terminal) if late is None else late
+        if not -1 <= rank < j.round.world_size:
+            raise InvalidArgument(f"rank {rank} is outside 0..{j.round.world_size - 1} (or -1 for the agent)")
         if self._live_bump(j, node, reason, now, rejoins=j.restarts_left > 0):
             return j.generation, True
         will = self.lifecycle.bump(j, reason, True, exit_code, now)
         return j.generation, will
+
+    def _late_live_failure(self, j: Job, node: Node, generation: int, reason: str, exit_code: int,
+                           now: float) -> bool | None:
+        """A failure of `node`'s ranks of an earlier `generation` of live job `j`, reported after live recovery opened
+        the current one (the node's ranks and another node's failed at about the same time). The current generation
+        counts on the nodes it expects to bring their running ranks: this one has none left, so it must not join it
+        with fresh ones as if restarted (they would meet the survivors mid-recovery, and no restart would be counted).
+        Like a failure in the current generation: the job goes on without the node (its worker re-joins as a
+        replacement only with restarts left, `left_job`), or, with fewer than `min_nodes` left, restarts as usual.
+        Returns will_restart, or None when this is not such a report (answered as any stale report)."""
+        rnd = j.round
+        if (not j.live or j.state.terminal or generation >= j.generation or j.live_generation != j.generation
+                or rnd.member(node.node_id) is not None or node.node_id in rnd.joiners):
+            return None
+        if node.node_id not in j.left and not self._drop_expected(j, node, reason, True):
+            return self.lifecycle.bump(j, f"{reason}; too few nodes left to re-form live", True, exit_code, now)
+        return True
+
+    def _drop_expected(self, j: Job, lost: Node, reason: str, ran: bool) -> bool:
+        """Live job `j`'s current generation goes on without `lost` (not one of its members or joiners): it is no
+        longer awaited and, if it `ran` ranks of the job, is remembered as left. False (nothing changed) when fewer
+        than `min_nodes` would be left of the nodes the open round awaits."""
+        rnd = j.round
+        if not rnd.frozen and lost.node_id in rnd.expected:
+            rest = rnd.expected - {lost.node_id}
+            if len(rest) < j.min_nodes:
+                return False
+            rnd.expected = rest
+            j.reason = f"{j.reason}; then {reason}; re-forming live without it"
+            self.ctx.notify("timer")  # the round may freeze now: every node it still awaits joined
+        if ran:  # a newcomer that never ran is just no longer awaited
+            j.left = [*j.left[-(MAX_LEFT - 1):], lost.node_id]
+        self.ctx.mark_job(j.name)
+        self.ctx.notify("job", j.name)
+        if lost.job == j.name:
+            lost.job = ""
+            self.members.mark(lost)
+        return True
 
     def left_job(self, job: str, node_id: str) -> bool:
         """Whether live recovery went on without `node_id` (its worker leaves the job instead of re-joining)."""

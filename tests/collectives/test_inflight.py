@@ -295,3 +295,25 @@ def test_describe_others_stops_asking_a_store_that_does_not_answer() -> None:
     text = describe_others(Down(), [0, 1, 2, 3], 0, 0.4, ("g", "all_reduce"))
     assert text == ("peer rank 1 could not be asked what it is doing (the store did not answer) (2 more not asked)")
     assert Down.reads == 1
+
+
+def test_the_job_report_follows_a_process_that_live_recovery_moved_into_a_later_generation(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A rank kept running into the next generation (live recovery) publishes its reports and arrival marks there,
+    under its new rank, with its first mark in that generation: the coordinator's goodput book counts the generation
+    productive from when its ranks run (it looked for them in vain, and called the rest of the job re-formation)."""
+    from axond.distributed.diagnostics.inflight import _Reporter
+
+    for var, value in (("AXOND_COORDINATOR", "127.0.0.1:1"), ("AXOND_JOB", "live"), ("AXOND_GENERATION", "1"),
+                       ("RANK", "2"), ("WORLD_SIZE", "3"), ("AXOND_JOB_SECRET", "cd" * 16)):
+        monkeypatch.setenv(var, value)
+    reporter = _Reporter()
+    first = reporter._job_sink()
+    assert first.active and reporter._env is not None and (reporter._env.generation, reporter._env.rank) == (1, 2)
+    reporter._started = 1.0
+    assert reporter._job_sink() is first  # read once while the generation stays
+    monkeypatch.setenv("AXOND_GENERATION", "2")  # what `axond.reform()` sets, with the new rank
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    second = reporter._job_sink()
+    assert second is not first and (reporter._env.generation, reporter._env.rank) == (2, 1)
+    assert second._key == KEY.format(1) and reporter._started is None

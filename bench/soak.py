@@ -1,0 +1,90 @@
+"""Chaos soak of live recovery: one random fault every `--period` seconds for `--duration` seconds on a job across
+four network-namespace hosts; hangs, hash divergences, recovery times and goodput.
+
+Needs root and `ip netns` (axond/testing/netns.py). A coordinator in host 0 and one `axond worker --live-recovery
+--nnodes 2:4 --max-restarts 1000` of one rank in each of hosts 1-4 (bench/soak_train.py: `DistributedTrainer`, ddp,
+on four virtual ranks, an MLP of 2.1 MiB, fixed seed). Starting `--period` seconds after the job first trained at full
+size, a seeded random fault strikes a random host every `--period` seconds:
+
+- kill: its rank SIGKILLed;
+- stop: its rank SIGSTOPped for `--hold` seconds (its worker kills it once it has been stopped for the lease);
+- drop: every frame to and from the host dropped for `--hold` seconds, both ways (its worker loses its lease and stops
+  its rank; the link back, it re-joins).
+
+A failed node's own worker re-joins the running job as a replacement (one restart counted each time), and its new
+rank takes the state from a live peer, so the job returns to four ranks after each fault. After the last fault the
+job ends at one step on every rank, and every step's parameters are compared with a fault-free replay of the same
+virtual ranks in one process.
+
+    python bench/soak.py --duration 600                      # the 10-minute soak (about 14 minutes in all)
+    python bench/soak.py --duration 90 --faults kill,drop    # shorter
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from axond.testing.netns import unavailable
+from soak_report import SoakReport, analyse, table
+from soak_run import SoakConfig, SoakRun, load, run_soak
+
+KINDS = ("kill", "stop", "drop")
+
+
+def show(report: SoakReport, run: SoakRun) -> None:
+    print(table(report, run))
+    for step, gap in report.hangs:
+        print(f"hang: no committed step for {gap:.2f} s before step {step}")
+    for pid, step, got, want in report.divergences[:10]:
+        print(f"divergence: pid {pid} step {step}: {got} (fault-free {want})")
+    for line in report.order_errors:
+        print(f"order: {line}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of faults")
+    parser.add_argument("--period", type=float, default=30.0, help="seconds between faults")
+    parser.add_argument("--faults", default=",".join(KINDS), help=f"which of {', '.join(KINDS)} (comma-separated)")
+    parser.add_argument("--seed", type=int, default=0, help="the fault schedule's seed")
+    parser.add_argument("--hold", type=float, default=10.0, help="seconds a SIGSTOP or a DROP lasts")
+    parser.add_argument("--heartbeat", type=float, default=0.25, help="the coordinator's heartbeat interval (s)")
+    parser.add_argument("--missed", type=int, default=6, help="the coordinator's --dead-after-missed")
+    parser.add_argument("--min-nodes", type=int, default=2, help="MIN of --nnodes MIN:4")
+    parser.add_argument("--hidden", type=int, default=512, help="the MLP's width (512: 2.1 MiB of parameters)")
+    parser.add_argument("--parallel", choices=("ddp", "zero"), default="ddp")
+    parser.add_argument("--out", default="", help="keep the logs in this directory (default: a temporary one)")
+    parser.add_argument("--analyse", default="", help="only analyse the run kept in this directory (by --out)")
+    args = parser.parse_args()
+    if args.analyse:
+        run = load(Path(args.analyse))
+        show(analyse(run), run)
+        return
+    faults = tuple(args.faults.split(","))
+    if not set(faults) <= set(KINDS):
+        parser.error(f"--faults takes {', '.join(KINDS)} (comma-separated), got {args.faults!r}")
+    reason = unavailable()
+    if reason:
+        raise SystemExit(f"the soak needs network namespaces: {reason}")
+    config = SoakConfig(duration=args.duration, period=args.period, faults=faults, seed=args.seed, hold=args.hold,
+                        heartbeat=args.heartbeat, missed=args.missed, min_nodes=args.min_nodes, hidden=args.hidden,
+                        parallel=args.parallel)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="axond-soak-"))
+    began = time.monotonic()
+    try:
+        run = run_soak(config, out)
+        print(f"[soak] job ended after {run.ended - run.started:.0f} s; replaying {run.stop_step} steps without "
+              "faults", flush=True)
+        show(analyse(run), run)
+        print(f"[soak] {time.monotonic() - began:.0f} s in all; logs in {out}")
+    finally:
+        if not args.out:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

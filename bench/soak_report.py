@@ -1,0 +1,184 @@
+"""What a chaos soak (soak_run.py) shows: per fault, the seconds to the first step of the next generation and to the
+job's full size again; the stalls between committed steps (a hang is one longer than the bound the configured lease,
+fence and re-formation allow); every step's parameters against a fault-free replay of the same virtual ranks; and
+goodput, counted from the ranks' step logs and as the coordinator's book says.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from axond.fencing import fence_wait
+from axond.testing import run_threads
+from axond.train import Callback, DistributedTrainer
+from soak_run import FULL, Fault, SoakConfig, SoakRun
+from soak_train import EPOCHS, build_trainer, params_hash
+
+DETECT_S = 0.5
+"""Beyond the lease: the coordinator's tick, the survivors' next heartbeat and the rank's watcher (live recovery's
+promise for a node lost by its lease; docs/live-recovery.md)."""
+REFORM_S = 5.0
+"""Allowed for re-forming the group and agreeing on the step (or moving the state to a joining rank), on a busy
+machine: the issue's figure is 2 s."""
+
+
+def hang_bound(c: SoakConfig) -> float:
+    """The longest wait without a committed step that is not a hang: a node lost by its lease (lease, detection,
+    the fence, one heartbeat) plus a re-formation. A real hang lasts the group's timeout (30 s) or more."""
+    return c.lease + DETECT_S + fence_wait(c.lease, c.heartbeat, c.fence_margin) + c.heartbeat + REFORM_S
+
+
+@dataclass
+class FaultOutcome:
+    fault: Fault
+    first_step: float | None
+    """Seconds from the fault to the first committed step of a later generation."""
+    full_size: float | None
+    """Seconds from the fault to the first committed step at full size in a later generation."""
+    stall: float
+    """The longest wait between two committed steps from the fault to its first step after."""
+
+
+@dataclass
+class SoakReport:
+    outcomes: list[FaultOutcome]
+    steps: int
+    hangs: list[tuple[int, float]]
+    """(step, seconds without a committed step before it) above the hang bound."""
+    bound: float
+    divergences: list[tuple[int, int, str, str]]
+    """(pid, step, its hash, the replay's) that differ."""
+    order_errors: list[str]
+    """A process whose steps were not 1, 2, 3 ... (a step lost or applied twice)."""
+    goodput: float
+    productive: float
+    wall: float
+    coordinator: dict[str, Any] = field(default_factory=dict)
+    processes: int = 0
+    transfers: int = 0
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Replay(Callback):
+    def __init__(self, stop: int) -> None:
+        self.stop, self.hashes = stop, [""]
+
+    def on_step_end(self, trainer: DistributedTrainer, metrics: dict[str, float]) -> None:
+        self.hashes.append(params_hash(trainer))
+        if int(metrics["global_step"]) >= self.stop:
+            raise _Stop
+
+
+def replay(c: SoakConfig, steps: int) -> list[str]:
+    """The parameters' digest after each of `steps` steps (index = global step) of one process training the same
+    four virtual ranks with no fault."""
+    ref = _Replay(steps)
+
+    def body(group: Any) -> None:
+        try:
+            build_trainer(group, [ref], c.hidden, c.parallel, virtual_ranks=FULL).fit(EPOCHS)
+        except _Stop:
+            pass
+    run_threads(body, 1, timeout=3600.0)
+    return ref.hashes
+
+
+def _lines(run: SoakRun) -> dict[int, list[dict[str, Any]]]:
+    by_pid = {}
+    for path in run.out.glob("steps-*.jsonl"):
+        by_pid[int(path.stem.removeprefix("steps-"))] = [json.loads(x) for x in path.read_text().splitlines() if x]
+    return by_pid
+
+
+def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
+    c = run.config
+    by_pid = _lines(run)
+    steps = [x for lines in by_pid.values() for x in lines if x["kind"] == "step"]
+    recoveries = [x for lines in by_pid.values() for x in lines if x["kind"] == "recovery"]
+    ends: dict[int, float] = {}
+    for s in steps:
+        ends[s["step"]] = max(ends.get(s["step"], 0.0), s["mono"])
+    last = max(ends) if ends else 0
+    reference = reference if reference is not None else replay(c, last)
+    divergences = [(pid, s["step"], s["hash"], reference[s["step"]]) for pid, lines in by_pid.items()
+                   for s in lines if s["kind"] == "step" and s["hash"] != reference[s["step"]]]
+    order_errors = []
+    for pid, lines in by_pid.items():
+        seq = [s["step"] for s in lines if s["kind"] == "step"]
+        if seq and seq != list(range(seq[0], seq[0] + len(seq))):
+            order_errors.append(f"pid {pid}: steps {seq[:3]}...{seq[-3:]} are not consecutive")
+    reformed = sorted(r["reformed_at"] for r in recoveries)
+    # goodput: each committed step's attempt, from the end of the step before (or the last re-formation since)
+    start = run.first_full
+    productive, hangs = 0.0, []
+    bound = hang_bound(c)
+    for k in range(2, last + 1):
+        if k not in ends or k - 1 not in ends or ends[k] <= start:
+            continue
+        prev = max(ends[k - 1], start)
+        begin = max([prev] + [t for t in reformed if prev < t < ends[k]])
+        productive += ends[k] - begin
+        if ends[k] - ends[k - 1] > bound and ends[k - 1] >= start:
+            hangs.append((k, ends[k] - ends[k - 1]))
+    wall = max(ends.values()) - start if ends else 0.0
+    pairs = [(ends[k - 1], ends[k]) for k in range(2, last + 1) if k in ends and k - 1 in ends]
+    outcomes = []
+    for f in run.faults:
+        after = sorted((s["mono"], s["world"]) for s in steps if s["gen"] > f.gen and s["mono"] > f.at)
+        first = after[0][0] - f.at if after else None
+        full = next((t - f.at for t, w in after if w == FULL), None)
+        until = f.at + (first if first is not None else 0.0)
+        stall = max((b - a for a, b in pairs if b > f.at and a < until), default=0.0)
+        outcomes.append(FaultOutcome(f, first, full, stall))
+    coordinator = run.statuses[-1] if run.statuses else {}
+    transfers = sum(1 for lines in by_pid.values() for x in lines if x["kind"] == "transfer" and x["received"])
+    return SoakReport(outcomes, last, hangs, bound, divergences, order_errors, productive / wall if wall else 0.0,
+                      productive, wall, coordinator, len(by_pid), transfers)
+
+
+def _cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def table(report: SoakReport, run: SoakRun) -> str:
+    c = run.config
+    rows = [f"four namespace hosts, one rank each, `--nnodes {c.min_nodes}:{FULL}`, `{c.parallel}` on an MLP of width "
+            f"{c.hidden}; one fault every {c.period:g} s for {c.duration:g} s (seed {c.seed}), SIGSTOP and DROP held "
+            f"{c.hold:g} s; lease {c.heartbeat:g} s x {c.missed} = {c.lease:g} s, fence margin {c.fence_margin:g} s; "
+            "seconds from the fault, median (min-max)", "",
+            "| fault | count | first step of the next generation | full size again | longest stall |",
+            "|---|---:|---:|---:|---:|"]
+    for kind in c.faults:
+        got = [o for o in report.outcomes if o.fault.kind == kind]
+        rows.append(f"| {kind} | {len(got)} | {_cell([o.first_step for o in got if o.first_step is not None])} | "
+                    f"{_cell([o.full_size for o in got if o.full_size is not None])} | "
+                    f"{_cell([o.stall for o in got])} |")
+    missing = [o for o in report.outcomes if o.first_step is None or o.full_size is None]
+    parts = report.coordinator.get("parts", {})
+    cwall = report.coordinator.get("wall_s", 0.0)
+    cgood = f"{parts.get('productive', 0.0) / cwall:.1%}" if cwall else "-"
+    lost = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(parts.items()) if k != "productive" and v)
+    rows += ["", "| measure | value |", "|---|---:|",
+             f"| steps committed | {report.steps} |",
+             f"| rank processes (4 first + replacements) | {report.processes} |",
+             f"| states taken from a live peer | {report.transfers} |",
+             f"| faults with no step after / not back at full size | {sum(o.first_step is None for o in missing)} / "
+             f"{sum(o.full_size is None for o in missing)} |",
+             f"| workers started again by the soak | {len(run.respawned)} |",
+             f"| hangs (no committed step for > {report.bound:.2f} s) | {len(report.hangs)} |",
+             f"| longest wait between committed steps | {max((o.stall for o in report.outcomes), default=0):.2f} s |",
+             f"| hash divergences (step logs vs a fault-free replay) | {len(report.divergences)} |",
+             f"| steps lost or applied twice | {len(report.order_errors)} |",
+             f"| goodput, steps' time over wall time (from full size to the end) | {report.goodput:.1%} "
+             f"({report.productive:.1f} of {report.wall:.1f} s) |",
+             f"| goodput, coordinator's book (from the job's creation) | {cgood} of {cwall:.1f} s ({lost}) |",
+             f"| workers' exit codes at the end | {run.exit_codes} |"]
+    return "\n".join(rows)
