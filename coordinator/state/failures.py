@@ -128,14 +128,27 @@ class JobFailures:
         the current one (the node's ranks and another node's failed at about the same time). The current generation
         counts on the nodes it expects to bring their running ranks: this one has none left, so it must not join it
         with fresh ones as if restarted (they would meet the survivors mid-recovery, and no restart would be counted).
-        Like a failure in the current generation: the job goes on without the node (its worker re-joins as a
-        replacement only with restarts left, `left_job`), or, with fewer than `min_nodes` left, restarts as usual.
+        Like a failure in the current generation: with restarts left its worker re-joins as a replacement, awaited by
+        the generation (as `_live_bump`'s `rejoins`); else the job goes on without the node (`left_job`), or, with
+        fewer than `min_nodes` left, restarts as usual.
         Returns will_restart, or None when this is not such a report (answered as any stale report)."""
         rnd = j.round
         if (not j.live or j.state.terminal or generation >= j.generation or j.live_generation != j.generation
                 or rnd.member(node.node_id) is not None or node.node_id in rnd.joiners):
             return None
-        if node.node_id not in j.left and not self._drop_expected(j, node, reason, True):
+        if node.node_id in j.left:
+            return True
+        replacing = len(rnd.expected & set(j.left))  # awaited workers re-joining as replacements, each to be counted
+        if j.restarts_left > replacing and node.node_id in rnd.expected:  # this one re-joins too: still awaited
+            j.left = [*j.left[-(MAX_LEFT - 1):], node.node_id]  # (counted when it joins), as after `_live_bump`
+            j.reason = f"{j.reason}; then {reason}; awaiting its worker's replacement ranks"
+            self.ctx.mark_job(j.name)
+            self.ctx.notify("job", j.name)
+            if node.job == j.name:
+                node.job = ""
+                self.members.mark(node)
+            return True
+        if not self._drop_expected(j, node, reason, True):
             return self.lifecycle.bump(j, f"{reason}; too few nodes left to re-form live", True, exit_code, now)
         return True
 
@@ -151,7 +164,7 @@ class JobFailures:
             rnd.expected = rest
             j.reason = f"{j.reason}; then {reason}; re-forming live without it"
             self.ctx.notify("timer")  # the round may freeze now: every node it still awaits joined
-        if ran:  # a newcomer that never ran is just no longer awaited
+        if ran and lost.node_id not in j.left:  # a newcomer that never ran is just no longer awaited
             j.left = [*j.left[-(MAX_LEFT - 1):], lost.node_id]
         self.ctx.mark_job(j.name)
         self.ctx.notify("job", j.name)

@@ -54,16 +54,20 @@ def test_with_restarts_left_the_late_node_re_joins_as_a_replacement_for_one_rest
     state.join("j", a, 1, 2, 4, 2, now=1.2, live=True)
     assert state.join("j", d, 1, 2, 4, 2, now=1.3, live=True) is None  # counted, then awaited beside a and b
     assert j.restarts == 1 and not state.left_job("j", d)
-    state.join("j", b, 1, 2, 4, 2, now=1.4, live=True)  # every node awaited joined: it freezes, d's new ranks in
-    assert j.round.frozen and j.generation == 2 and {m.node_id for m in j.round.members or []} == {a, b, d}
+    state.join("j", b, 1, 2, 4, 2, now=1.4, live=True)
+    assert not j.round.frozen  # c reported its own failure with restarts left: its worker is awaited too
+    state.join("j", c, 1, 2, 4, 2, now=1.5, live=True)  # every node awaited joined: it freezes, c's and d's new ranks in
+    assert j.round.frozen and j.generation == 2 and {m.node_id for m in j.round.members or []} == {a, b, c, d}
+    assert j.restarts == 2
 
 
 def test_a_late_report_leaving_too_few_nodes_restarts_as_before() -> None:
-    state, (a, b, c, d) = live_job(4, 3, max_restarts=1)
+    state, (a, b, c, d, e) = live_job(5, 4, max_restarts=1)
     j = state.jobs["j"]
-    will_restart(state, c, 1, now=1.0)  # generation 2 awaits a, b and d: three, MIN
-    assert will_restart(state, d, 1, now=1.1) == (3, True)  # two left: every node restarts, one restart counted
-    assert j.restarts == 1 and not state.heartbeat(a, "j", 2, now=1.2).live
+    will_restart(state, c, 1, now=1.0)  # generation 2 awaits a, b, d, e and c (restarts left: its worker re-joins)
+    assert will_restart(state, d, 1, now=1.1) == (2, False) and j.round.expected == {a, b, c, e}  # four: MIN
+    assert will_restart(state, e, 1, now=1.2) == (3, True)  # three left: every node restarts, one restart counted
+    assert j.restarts == 1 and not state.heartbeat(a, "j", 2, now=1.3).live
 
 
 def test_a_late_report_without_restarts_to_restart_fails_the_job() -> None:

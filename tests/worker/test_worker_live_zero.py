@@ -156,11 +156,12 @@ def test_a_replacement_rank_takes_the_lost_shard_from_its_worker_daemons_memory(
 @pytest.mark.slow
 def test_a_rank_killed_with_its_buddy_comes_back_from_its_worker_daemons_memory(procs: Procs, tmp_path: Path) -> None:
     """Four workers (--nnodes 2:4); ranks 2 and 3 SIGKILLed at once: rank 2's buddy copy was in rank 3, so both of its
-    copies in ranks are gone. Rank 2's worker re-joins (--max-restarts 1), rank 3's is taken back into the same
-    re-formation; the new rank 2 offers the shard from its worker daemon's memory, rank 3's shard comes from its copy in
-    rank 0: four ranks again, every step bit-identical to an uninterrupted run, nothing read from storage."""
+    copies in ranks are gone. Both workers re-join as replacements (--max-restarts 2: one restart counted each), both
+    awaited by the same re-formation, whichever reported first; the new rank 2 offers the shard from its worker
+    daemon's memory, rank 3's shard comes from its copy in rank 0: four ranks again, every step bit-identical to an
+    uninterrupted run, nothing read from storage."""
     out = tmp_path / "double"
-    finished, killed = _run(procs, out, {"LIVE_TEST_HANG_RANKS": "2,3"}, restarts=1, nodes=4)
+    finished, killed = _run(procs, out, {"LIVE_TEST_HANG_RANKS": "2,3"}, restarts=2, nodes=4)
     assert [f.code for f in finished] == [0, 0, 0, 0], "\n----\n".join(f.stderr[-4000:] for f in finished)
     reference = Hashes()
     run_threads(lambda g: build_trainer(g, [reference], virtual_ranks=4, parallel="zero").fit(3), 1, 120.0)
