@@ -1,0 +1,255 @@
+"""torch DDP over "axond" that trains on through a rank's death: `Manager` (`axond worker --live-recovery`).
+
+The shape is torchft's `Manager`: the loop asks `should_commit()` before the optimizer steps. A step is forward and
+backward of this rank's share of a fixed number of *virtual* data-parallel ranks, inside `with manager.step()`:
+
+    manager = Manager(model, optimizer, virtual_ranks=4)   # after dist.init_process_group("axond")
+    while manager.current_step() < steps:
+        with manager.step() as step:            # a membership change in here ends the block, caught
+            for v in step.virtual_ranks():      # this rank's block of the virtual ranks
+                x, y = batch(manager.current_step(), v)
+                step.backward(loss_fn(manager.model(x), y))
+        if manager.should_commit():             # every rank says the same; False: re-formed, run the step again
+            optimizer.step()
+
+When a peer leaves, the cut collective (DDP's gradient all-reduce, its buffer broadcast, the commit) raises on every
+survivor; the manager catches it, re-forms torch's default group for the next generation (`axond.torch.reform`),
+agrees with the others on the last committed step, and builds DDP again around the same module: the same process,
+the same module and optimizer objects. The step that was cut runs again at the new world size.
+
+The math: DDP averages the gradients over the physical ranks; each rank scales its loss by world / virtual ranks, so
+the average is the mean over the virtual ranks of their gradients, whatever the world size (the float sums are
+ordered differently at another world size: the same up to rounding, not bit for bit).
+
+A step is applied on every rank or on none. After the backward, each rank all-reduces a commit flag (1: its part of
+the step completed, so it holds the step's averaged gradient); a rank whose all-reduce completed with every rank's 1
+commits. A rank whose all-reduce was cut while another's completed learns so after the re-formation (the ranks'
+committed steps are gathered) and applies the gradient it holds; if none completed it, none applied it.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from axond.distributed import membership
+from axond.errors import DistributedError, MembershipChanged
+from axond.parallel.zero.virtual import carried
+from axond.torch.reform import membership_change, reform_torch
+from axond.train.live import roll_forward
+
+__all__ = ["Manager", "Recovery", "Step", "membership_change", "reform_torch"]
+
+MAX_REFORMS = 8
+"""Re-formations one recovery goes through (a further failure while re-forming starts another) before it raises."""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One re-formation the manager went through."""
+
+    step: int
+    """The step that was cut (the number of steps committed before it): it runs again."""
+    world_before: int
+    world_after: int
+    generation: int
+    reason: str
+    """Who left and why (the coordinator's words)."""
+    error_at: float
+    """time.monotonic() when the step's failure was caught."""
+    reformed_at: float
+    """time.monotonic() when the group was formed again, the ranks agreed and DDP was rebuilt."""
+    rolled_forward: bool
+    """This rank applied the cut step after the re-formation (another rank's commit of it had completed)."""
+
+
+class Manager:
+    """Torch DDP over the "axond" default group, kept training through membership changes of a live job.
+
+    `module` is wrapped in `DistributedDataParallel(module, **ddp_options)` (use `manager.model`, rebuilt after each
+    re-formation); `optimizer` steps `module`'s parameters. `virtual_ranks` (default: the most ranks the live job
+    may grow to, `AXOND_LIVE_MAX_WORLD`, else the world size) fixes the global batch: a step is one micro-batch per
+    virtual rank. With `seed`, torch's global generator is seeded from (seed, step, virtual rank) before each
+    micro-batch, so that dropout draws the same numbers whichever physical rank carries it.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, virtual_ranks: int | None = None,
+                 seed: int | None = None, **ddp_options: Any) -> None:
+        if not dist.is_initialized():
+            raise DistributedError("axond.torch.live.Manager: torch's default group is not formed; call "
+                                   "torch.distributed.init_process_group(\"axond\") first", op="live manager")
+        world = dist.get_world_size()
+        live = membership.current()
+        virtual = virtual_ranks or max(world, live.max_world if live is not None else 0)
+        if virtual < world:
+            raise ValueError(f"virtual_ranks={virtual} is fewer than the {world} ranks of the group; each rank "
+                             "carries at least one virtual rank")
+        if "process_group" in ddp_options:
+            raise ValueError("Manager re-forms torch's default group and builds DDP on it: pass no process_group")
+        self.module = module
+        self.optimizer = optimizer
+        self.virtual = virtual
+        self.seed = seed
+        self.recoveries: list[Recovery] = []
+        self.loss: float | None = None
+        """The mean over the virtual ranks of the losses passed to `Step.backward` in the last committed step
+        (None if this rank applied it after a re-formation, without the others' losses)."""
+        self._ddp_options = ddp_options
+        self._ddp: DistributedDataParallel | None = DistributedDataParallel(module, **ddp_options)
+        self._committed = 0
+        self._pending = False
+        """This rank's part of the current step completed: it holds the step's averaged gradient."""
+        self._failure: MembershipChanged | None = None
+        self._failed_at = 0.0
+        self._loss_sum = 0.0
+
+    @property
+    def model(self) -> DistributedDataParallel:
+        """DDP around the module, over the current generation's default group (call it anew every step)."""
+        if self._ddp is None:
+            raise DistributedError("the manager's DDP is being rebuilt after a membership change; call "
+                                   "should_commit() after the step", op="live manager")
+        return self._ddp
+
+    def current_step(self) -> int:
+        """Steps committed so far (the number of the step to run next, from 0)."""
+        return self._committed
+
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def virtual_ranks(self) -> range:
+        """The virtual ranks this rank carries: a contiguous block, sizes differing by at most one."""
+        return carried(dist.get_rank(), dist.get_world_size(), self.virtual)
+
+    def step(self) -> Step:
+        """The context of one step's forward and backward (see the module docstring)."""
+        return Step(self)
+
+    def should_commit(self) -> bool:
+        """Whether every rank completed this step: True on every rank or on none (then the group was re-formed and
+        the same step runs again). Raises the step's own failure when it was not a membership change."""
+        if self._failure is None:
+            world = dist.get_world_size()
+            flag = torch.tensor([1.0 if self._pending else 0.0, self._loss_sum], dtype=torch.float64)
+            try:
+                dist.all_reduce(flag)
+                if int(flag[0]) == world:
+                    self._committed += 1
+                    self._pending = False
+                    self.loss = float(flag[1]) / self.virtual
+                    return True
+                cause: BaseException = DistributedError(
+                    f"step {self._committed}: {int(flag[0])} of {world} ranks completed it", op="commit")
+            except Exception as e:  # noqa: BLE001 - told from a failure of its own just below
+                cause = e
+            if not self._caught(cause):
+                raise cause
+        self._recover()
+        return False
+
+    def _caught(self, error: BaseException) -> bool:
+        """Keep `error` as the step's membership change; False: it is a failure of its own (the caller raises it)."""
+        change = membership_change(error)
+        if change is None:
+            return False
+        self._failure = change
+        self._failed_at = time.monotonic()
+        if self._ddp is not None:
+            self._ddp.require_backward_grad_sync = True
+        return True
+
+    def _recover(self) -> None:
+        """Re-form, agree on the last committed step (applying it here if it was committed elsewhere), rebuild DDP."""
+        change = self._failure
+        assert change is not None
+        cut, before = self._committed, dist.get_world_size()
+        for _ in range(MAX_REFORMS):
+            try:
+                if self._ddp is not None:
+                    self._ddp._remove_autograd_hooks()  # the old reducer's hooks would run on the old group
+                    self._ddp = None
+                note = reform_torch()
+                rolled = self._agree()
+                self._ddp = DistributedDataParallel(self.module, **self._ddp_options)
+                break
+            except Exception as e:
+                again = membership_change(e)
+                if again is None:
+                    raise
+                change = again
+        else:
+            raise DistributedError(f"live recovery gave up after {MAX_REFORMS} re-formations in a row ({change})",
+                                   op="reform") from change
+        self.recoveries.append(Recovery(cut, before, note.world_size, note.generation, change.reason,
+                                        self._failed_at, time.monotonic(), rolled))
+        self._failure = None
+        self._pending = False
+
+    def _agree(self) -> bool:
+        """Gather every rank's committed steps; apply the cut step here if another rank committed it."""
+        world = dist.get_world_size()
+        mine = torch.tensor([self._committed], dtype=torch.int64)
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(counts, mine)
+        if not roll_forward([int(c) for c in counts], self._committed, self._pending):
+            return False
+        self.optimizer.step()
+        self._committed += 1
+        self.loss = None
+        return True
+
+    def _seed(self, v: int) -> None:
+        if self.seed is not None:
+            torch.manual_seed(zlib.crc32(f"{self.seed}:{self._committed}:{v}".encode()))
+
+
+class Step:
+    """One step's forward and backward; a membership change inside it is caught (`Manager.step`)."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+
+    def __enter__(self) -> Step:
+        m = self.manager
+        m._failure, m._pending, m._loss_sum = None, False, 0.0
+        m.optimizer.zero_grad(set_to_none=True)
+        return self
+
+    def virtual_ranks(self) -> Iterator[int]:
+        """This rank's virtual ranks, in order; DDP all-reduces the gradients after the last one's backward only."""
+        m = self.manager
+        block = m.virtual_ranks()
+        ddp = m.model
+        try:
+            for i, v in enumerate(block):
+                ddp.require_backward_grad_sync = i == len(block) - 1  # what DDP's no_sync() sets
+                m._seed(v)
+                yield v
+        finally:
+            ddp.require_backward_grad_sync = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss` (one virtual rank's) backward, scaled so that DDP's average is the mean over the virtual ranks."""
+        m = self.manager
+        m._loss_sum += float(loss.detach())
+        (loss * (dist.get_world_size() / m.virtual)).backward()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> bool:
+        m = self.manager
+        if error is None:
+            m._pending = True
+            return False
+        return isinstance(error, Exception) and m._caught(error)  # a failure of its own goes on up

@@ -1,0 +1,125 @@
+"""Run by tests/worker/test_worker_live_torch.py under `axond worker --live-recovery`: torch DDP over "axond" through
+`axond.torch.live.Manager`, an MLP on 3 virtual ranks.
+
+argv: OUT_DIR HANG_STEP [CUT_STEP]. Every process records its start (`start-RANK-PID`), every committed step
+(`steps-PID.jsonl`: rank, step, world size, generation, loss, time.monotonic()) and its end (`end-PID.json`: the final
+loss over the whole data set, the recoveries, the parameters). The process that starts as rank 2 stops after
+committing step HANG_STEP (writes `hang-PID`, then sleeps) so that the test can SIGKILL it while the others wait in
+the next step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut after its
+all-reduce completed everywhere (the others commit it): it must apply the step after the re-formation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import axond.torch  # noqa: F401 -- registers "axond"
+from axond.torch.errors import TorchDistributedError
+from axond.torch.live import Manager
+
+VIRTUAL = 3
+MICRO = 4
+STEPS = 40
+HANG_S = 120.0
+X = torch.from_numpy(np.random.default_rng(5).standard_normal((240, 6)).astype(np.float32))
+Y = ((X[:, 0] > X[:, 1]).long() + (X[:, 2] > 0.5).long())
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer every rank builds (the test builds them in process for the fault-free reference)."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def batch(step: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Virtual rank v's micro-batch of `step`: the data are defined on virtual ranks, never on physical ones."""
+    start = ((step * VIRTUAL + v) * MICRO) % len(X)
+    return X[start:start + MICRO], Y[start:start + MICRO]
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out, y)
+
+
+def final_loss(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return float(loss_fn(model(X), Y))
+
+
+def reference(steps: int = STEPS) -> float:
+    """A fault-free run in one process: each step the mean over the virtual ranks of their losses' gradients."""
+    model, optimizer = build()
+    for step in range(steps):
+        optimizer.zero_grad()
+        for v in range(VIRTUAL):
+            x, y = batch(step, v)
+            (loss_fn(model(x), y) / VIRTUAL).backward()
+        optimizer.step()
+    return final_loss(model)
+
+
+def cut_commit_of(step: int, manager: Manager) -> None:
+    """Rank 1's commit of `step` completes its all-reduce (the others commit) but raises here, as when the all-reduce
+    is cut on this rank only: the manager must apply the step after the re-formation."""
+    real = dist.all_reduce
+    state = {"done": False}
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = real(tensor, *args, **kwargs)
+        if not state["done"] and manager.current_step() == step and tensor.dtype == torch.float64:
+            state["done"] = True
+            raise TorchDistributedError(f"commit of step {step} cut on this rank (the test's)", op="allreduce")
+        return result
+    dist.all_reduce = all_reduce  # type: ignore[assignment]
+
+
+def main() -> None:
+    out, hang_step = Path(sys.argv[1]), int(sys.argv[2])
+    cut_step = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    dist.init_process_group("axond")
+    start_rank = dist.get_rank()
+    (out / f"start-{start_rank}-{os.getpid()}").write_text("")
+    model, optimizer = build()
+    manager = Manager(model, optimizer, virtual_ranks=VIRTUAL)
+    if start_rank == 1 and cut_step >= 0:
+        cut_commit_of(cut_step, manager)
+    log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")
+    while manager.current_step() < STEPS:
+        with manager.step() as step:
+            for v in step.virtual_ranks():
+                x, y = batch(manager.current_step(), v)
+                step.backward(loss_fn(manager.model(x), y))
+        before = manager.current_step()
+        if manager.should_commit():
+            optimizer.step()
+        if manager.current_step() > before:  # committed here, or applied after a re-formation
+            log.write(json.dumps({"rank": dist.get_rank(), "step": before, "world": dist.get_world_size(),
+                                  "gen": int(os.environ["AXOND_GENERATION"]), "loss": manager.loss,
+                                  "mono": time.monotonic()}) + "\n")
+            log.flush()
+        if start_rank == 2 and before == hang_step and not any(out.glob("hang-*")):
+            (out / f"hang-{os.getpid()}").write_text(str(time.time()))
+            time.sleep(HANG_S)
+    end = {"start_rank": start_rank, "rank": dist.get_rank(), "world": dist.get_world_size(),
+           "generation": int(os.environ["AXOND_GENERATION"]), "final_loss": final_loss(model),
+           "steps": manager.current_step(),
+           "recoveries": [{"step": r.step, "world_before": r.world_before, "world_after": r.world_after,
+                           "reason": r.reason, "error_at": r.error_at, "reformed_at": r.reformed_at,
+                           "rolled_forward": r.rolled_forward, "generation": r.generation}
+                          for r in manager.recoveries]}
+    (out / f"end-{os.getpid()}.json").write_text(json.dumps(end))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
