@@ -3,7 +3,7 @@
 
 argv: OUT_DIR HANG_STEP [CUT_STEP]. Every process records its start (`start-RANK-PID`), every committed step
 (`steps-PID.jsonl`: rank, step, world size, generation, loss, time.monotonic()) and its end (`end-PID.json`: the final
-loss over the whole data set, the recoveries, the parameters). The process that starts as rank 2 stops after
+loss over the whole data set, the recoveries, a digest of the parameters). The process that starts as rank 2 stops after
 committing step HANG_STEP (writes `hang-PID`, then sleeps) so that the test can SIGKILL it while the others wait in
 the next step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut after its
 all-reduce completed everywhere (the others commit it): it must apply the step after the re-formation.
@@ -11,6 +11,7 @@ all-reduce completed everywhere (the others commit it): it must apply the step a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -54,6 +55,14 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def final_loss(model: torch.nn.Module) -> float:
     with torch.no_grad():
         return float(loss_fn(model(X), Y))
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """A digest of every parameter's bytes, in state-dict order."""
+    digest = hashlib.sha256()
+    for value in model.state_dict().values():
+        digest.update(value.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def reference(steps: int = STEPS) -> float:
@@ -112,6 +121,7 @@ def main() -> None:
             time.sleep(HANG_S)
     end = {"start_rank": start_rank, "rank": dist.get_rank(), "world": dist.get_world_size(),
            "generation": int(os.environ["AXOND_GENERATION"]), "final_loss": final_loss(model),
+           "params": params_digest(model),
            "steps": manager.current_step(),
            "recoveries": [{"step": r.step, "world_before": r.world_before, "world_after": r.world_after,
                            "reason": r.reason, "error_at": r.error_at, "reformed_at": r.reformed_at,

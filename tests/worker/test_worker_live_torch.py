@@ -109,18 +109,3 @@ def test_a_commit_cut_on_one_rank_is_applied_there_after_the_reformation(procs: 
     pid1 = next(pid for pid, end in ends.items() if end["start_rank"] == 1)
     rolled = next(s for s in steps(out, pid1) if s["step"] == HANG_STEP)
     assert rolled["world"] == 2 and rolled["loss"] is None  # applied after the re-formation, in the new generation
-
-
-def test_outside_a_live_job_the_manager_says_what_to_do(tmp_path: Path) -> None:
-    code = ("import torch, torch.distributed as dist, axond.torch\n"
-            "from axond.torch.live import Manager, reform_torch\n"
-            "dist.init_process_group('axond', init_method='file://" + str(tmp_path / "rdv") + "', rank=0, "
-            "world_size=1)\n"
-            "m = torch.nn.Linear(2, 2); mgr = Manager(m, torch.optim.SGD(m.parameters(), lr=0.1))\n"
-            "try:\n    reform_torch()\nexcept Exception as e:\n    print('ERR', e)\n"
-            "print(mgr.virtual_ranks(), mgr.current_step())\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AXOND_", "MASTER_"))}
-    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "ERR" in done.stdout and "--live-recovery" in done.stdout, done.stdout
-    assert "range(0, 1) 0" in done.stdout
