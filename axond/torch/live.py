@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -78,11 +78,14 @@ class Manager:
     re-formation); `optimizer` steps `module`'s parameters. `virtual_ranks` (default: the most ranks the live job
     may grow to, `AXOND_LIVE_MAX_WORLD`, else the world size) fixes the global batch: a step is one micro-batch per
     virtual rank. With `seed`, torch's global generator is seeded from (seed, step, virtual rank) before each
-    micro-batch, so that dropout draws the same numbers whichever physical rank carries it.
+    micro-batch, so that dropout draws the same numbers whichever physical rank carries it. `apply_step` is what
+    applying a step is (default `optimizer.step`; pass your own when it also clips the gradients or steps a learning
+    rate scheduler, and call the same after `should_commit()`): the manager calls it itself for a step another rank
+    committed while this rank's commit was cut.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, virtual_ranks: int | None = None,
-                 seed: int | None = None, **ddp_options: Any) -> None:
+                 seed: int | None = None, apply_step: Callable[[], Any] | None = None, **ddp_options: Any) -> None:
         if not dist.is_initialized():
             raise DistributedError("axond.torch.live.Manager: torch's default group is not formed; call "
                                    "torch.distributed.init_process_group(\"axond\") first", op="live manager")
@@ -98,6 +101,7 @@ class Manager:
         self.optimizer = optimizer
         self.virtual = virtual
         self.seed = seed
+        self.apply_step = apply_step if apply_step is not None else optimizer.step
         self.recoveries: list[Recovery] = []
         self.loss: float | None = None
         """The mean over the virtual ranks of the losses passed to `Step.backward` in the last committed step
@@ -151,7 +155,8 @@ class Manager:
                     self.loss = float(flag[1]) / self.virtual
                     return True
                 cause: BaseException = DistributedError(
-                    f"step {self._committed}: {int(flag[0])} of {world} ranks completed it", op="commit")
+                    f"step {self._committed}: {int(flag[0])} of {world} ranks completed it (run each step's forward "
+                    "and backward inside `with manager.step()`, on every rank)", op="commit")
             except Exception as e:  # noqa: BLE001 - told from a failure of its own just below
                 cause = e
             if not self._caught(cause):
@@ -180,7 +185,7 @@ class Manager:
                 if self._ddp is not None:
                     self._ddp._remove_autograd_hooks()  # the old reducer's hooks would run on the old group
                     self._ddp = None
-                note = reform_torch()
+                note = reform_torch(grow=False)
                 rolled = self._agree()
                 self._ddp = DistributedDataParallel(self.module, **self._ddp_options)
                 break
@@ -205,7 +210,7 @@ class Manager:
         dist.all_gather(counts, mine)
         if not roll_forward([int(c) for c in counts], self._committed, self._pending):
             return False
-        self.optimizer.step()
+        self.apply_step()
         self._committed += 1
         self.loss = None
         return True

@@ -77,12 +77,13 @@ def generation_store(env: RuntimeEnv, generation: int, timeout: timedelta) -> To
     return store
 
 
-def reform_torch(timeout: float | None = None) -> membership.Note:
+def reform_torch(timeout: float | None = None, grow: bool = True) -> membership.Note:
     """Re-form torch's default group over "axond" for the job's next generation; returns this rank's place.
 
     Every survivor calls it after a membership change, with nothing of torch's default group left in use (a DDP
     wrapper built on it is dropped first: `Manager` does). Waits up to `timeout` seconds (default `AXOND_LIVE_WAIT_S`)
-    for the place; raises `DistributedError` outside a live job or when no place came (the job restarts or failed).
+    for the place; raises `DistributedError` outside a live job or when no place came (the job restarts or failed),
+    and, without `grow`, when the new generation is larger (a node joined: its new ranks hold no state).
     """
     live = membership.current()
     if live is None:
@@ -91,6 +92,11 @@ def reform_torch(timeout: float | None = None) -> membership.Note:
                                op="reform")
     rank = dist.get_rank() if dist.is_initialized() else None
     note = next_place(live, timeout, "torch", rank)
+    if not grow and dist.is_initialized() and note.world_size > dist.get_world_size():
+        raise DistributedError(f"generation {note.generation} has {note.world_size} ranks, more than the "
+                               f"{dist.get_world_size()} running ({note.reason}): axond.torch.live.Manager takes in no "
+                               "joining node yet; start no worker for a running torch job (and keep --max-restarts 0)",
+                               op="reform", group="torch", rank=rank)
     limit = group_timeout()
     live.end(note.generation)  # the watcher leaves the group formed below alone
     if dist.is_initialized():
