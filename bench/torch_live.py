@@ -6,7 +6,9 @@ steps); the rank that starts as rank 2 stops after committing step 15 and is SIG
 step 16's gradient all-reduce. Columns (seconds from the kill, time.monotonic() of this host): the last survivor's
 caught failure, the last survivor's torch group re-formed, agreed and DDP rebuilt (computing again), the first step
 after the kill committed; then the final loss's relative difference to a run without the failure (three workers, no
-kill) and to the same training in one process, and whether the parameters equal the fault-free run's bit for bit.
+kill), and whether the parameters equal the fault-free run's bit for bit. The same kill on today's restart path
+(`--nnodes 3 --max-restarts 1`, rank 0 saving the manager's state after every step, every rank loading it at start)
+for comparison.
 
     python bench/torch_live.py --runs 5
 """
@@ -33,13 +35,15 @@ SCRIPT = HELPERS / "live_torch_ddp.py"
 HANG_STEP = 15
 
 
-def one_run(address: str, job: str, kill: bool) -> dict[str, Any]:
+def one_run(address: str, job: str, kill: bool, live: bool = True) -> dict[str, Any]:
     """Seconds from the kill to each milestone and the survivors' final loss (the run's, without `kill`)."""
     out = Path(tempfile.mkdtemp(prefix="axond-torch-live-"))
+    shape = ["--nnodes", "2:3", "--live-recovery"] if live else ["--nnodes", "3", "--max-restarts", "1"]
     argv = [sys.executable, "-c", "from axond.cli.main import main; main()", "worker", "--coordinator", address,
-            "--job", job, "--nnodes", "2:3", "--live-recovery", "--join-timeout", "120", "--",
+            "--job", job, *shape, "--join-timeout", "120", "--",
             sys.executable, str(SCRIPT), str(out), str(HANG_STEP if kill else -1)]
-    workers = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    env = dict(os.environ, LIVE_TORCH_CHECKPOINT=str(out)) if not live else None
+    workers = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True) for _ in range(3)]
     try:
         killed = 0.0
@@ -55,22 +59,22 @@ def one_run(address: str, job: str, kill: bool) -> dict[str, Any]:
         for w in workers:
             _, err = w.communicate(timeout=180)
             codes.append(w.returncode)
-            if w.returncode != 0 and "goes on without this node" not in err:
+            if w.returncode != 0 and (not live or "goes on without this node" not in err):
                 raise RuntimeError(f"worker exited {w.returncode}: {err[-2000:]}")
         ends = [json.loads(p.read_text()) for p in out.glob("end-*.json")]
         recoveries = [r for e in ends for r in e["recoveries"]]
         after = [json.loads(line)["mono"] for p in out.glob("steps-*.jsonl") for line in p.read_text().splitlines()
-                 if json.loads(line)["step"] > HANG_STEP]
+                 if json.loads(line)["step"] > HANG_STEP and json.loads(line)["mono"] > killed]
         losses = {e["final_loss"] for e in ends}
         digests = {e["params"] for e in ends}
         if len(losses) != 1:
             raise RuntimeError(f"the survivors ended with different losses: {losses}")
         nan = float("nan")
-        return {"error": max(r["error_at"] for r in recoveries) - killed if kill else nan,
-                "reformed": max(r["reformed_at"] for r in recoveries) - killed if kill else nan,
+        return {"error": max(r["error_at"] for r in recoveries) - killed if recoveries else nan,
+                "reformed": max(r["reformed_at"] for r in recoveries) - killed if recoveries else nan,
                 "first_step": min(after) - killed if kill else nan, "loss": losses.pop(),
                 "params": digests.pop() if len(digests) == 1 else "differ",
-                "ok": float(sorted(codes) == ([0, 0, 1] if kill else [0, 0, 0]))}
+                "ok": float(sorted(codes) == ([0, 0, 1] if kill and live else [0, 0, 0]))}
     finally:
         for w in workers:
             if w.poll() is None:
@@ -80,6 +84,9 @@ def one_run(address: str, job: str, kill: bool) -> dict[str, Any]:
 
 
 def _cell(values: list[float]) -> str:
+    values = [v for v in values if v == v]
+    if not values:
+        return "-"
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
@@ -96,22 +103,23 @@ def main() -> None:
                                                 settle_time=5.0))
     try:
         fault_free = one_run(coord.address, "torch-live-clean", kill=False)
-        clean = fault_free["loss"]
-        runs = [one_run(coord.address, f"torch-live-{i}", kill=True) for i in range(args.runs)]
+        paths = {live: [one_run(coord.address, f"torch-{live}-{i}", kill=True, live=live) for i in range(args.runs)]
+                 for live in (True, False)}
     finally:
         coord.stop(grace=0.2)
-    alone = reference()
+    clean, alone = fault_free["loss"], reference()
     print(f"heartbeat interval {args.heartbeat} s; seconds from the SIGKILL, median (min-max) of {args.runs} runs")
-    print("| survivors' error | computing again (re-formed, DDP rebuilt) | first step after committed | "
-          "exit codes as expected | loss vs fault-free run (max rel.) | loss vs one process (max rel.) |")
-    print("|---:|---:|---:|---|---:|---:|")
-    print(f"| {_cell([r['error'] for r in runs])} | {_cell([r['reformed'] for r in runs])} | "
-          f"{_cell([r['first_step'] for r in runs])} | {sum(int(r['ok']) for r in runs)} of {args.runs} | "
-          f"{max(abs(r['loss'] - clean) / clean for r in runs):.1e} | "
-          f"{max(abs(r['loss'] - alone) / alone for r in runs):.1e} |")
-    same = sum(r["params"] == fault_free["params"] for r in runs)
-    print(f"parameters bit-identical to the fault-free run's in {same} of {args.runs} runs")
-    print(f"fault-free final loss {clean!r}, one process {alone!r}, with the kill {[r['loss'] for r in runs]}")
+    print("| path | survivors' error | computing again (re-formed, DDP rebuilt) | first step after committed | "
+          "exit codes as expected | loss vs fault-free run (max rel.) | parameters = fault-free run's |")
+    print("|---|---:|---:|---:|---|---:|---|")
+    for live, runs in paths.items():
+        same = sum(r["params"] == fault_free["params"] for r in runs)
+        print(f"| {'live (--live-recovery)' if live else 'restart (--max-restarts 1, a checkpoint every step)'} | "
+              f"{_cell([r['error'] for r in runs])} | {_cell([r['reformed'] for r in runs])} | "
+              f"{_cell([r['first_step'] for r in runs])} | {sum(int(r['ok']) for r in runs)} of {args.runs} | "
+              f"{max(abs(r['loss'] - clean) / clean for r in runs):.1e} | {same} of {args.runs} bit for bit |")
+    print(f"fault-free final loss {clean!r}; the same training in one process {alone!r} "
+          f"({abs(alone - clean) / clean:.1e} relative)")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,17 @@ class Manager:
         """The virtual ranks this rank carries: a contiguous block, sizes differing by at most one."""
         return carried(dist.get_rank(), dist.get_world_size(), self.virtual)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The training state to checkpoint (for a job that restarts all the same): the committed steps, the module's
+        and the optimizer's state dicts."""
+        return {"step": self._committed, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take `state_dict()`'s state back (every rank, before its first step)."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._committed = int(state["step"])
+
     def step(self) -> Step:
         """The context of one step's forward and backward (see the module docstring)."""
         return Step(self)

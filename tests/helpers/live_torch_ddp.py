@@ -7,6 +7,8 @@ loss over the whole data set, the recoveries, a digest of the parameters). The p
 committing step HANG_STEP (writes `hang-PID`, then sleeps) so that the test can SIGKILL it while the others wait in
 the next step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut after its
 all-reduce completed everywhere (the others commit it): it must apply the step after the re-formation.
+LIVE_TORCH_CHECKPOINT=DIR (bench/torch_live.py's restart path, without --live-recovery): rank 0 saves the manager's
+state after every committed step and every rank loads the newest at its start.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ def main() -> None:
     (out / f"start-{start_rank}-{os.getpid()}").write_text("")
     model, optimizer = build()
     manager = Manager(model, optimizer, virtual_ranks=VIRTUAL)
+    checkpoint = Path(os.environ["LIVE_TORCH_CHECKPOINT"]) / "state.pt" if os.environ.get("LIVE_TORCH_CHECKPOINT") \
+        else None
+    if checkpoint is not None and checkpoint.exists():
+        manager.load_state_dict(torch.load(checkpoint))
     if start_rank == 1 and cut_step >= 0:
         cut_commit_of(cut_step, manager)
     log = open(out / f"steps-{os.getpid()}.jsonl", "a", encoding="utf-8")
@@ -111,6 +117,9 @@ def main() -> None:
         before = manager.current_step()
         if manager.should_commit():
             optimizer.step()
+        if checkpoint is not None and dist.get_rank() == 0 and manager.current_step() > before:
+            torch.save(manager.state_dict(), checkpoint.with_suffix(".tmp"))
+            os.replace(checkpoint.with_suffix(".tmp"), checkpoint)
         if manager.current_step() > before:  # committed here, or applied after a re-formation
             log.write(json.dumps({"rank": dist.get_rank(), "step": before, "world": dist.get_world_size(),
                                   "gen": int(os.environ["AXOND_GENERATION"]), "loss": manager.loss,
