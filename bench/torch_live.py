@@ -54,7 +54,7 @@ def one_run(address: str, job: str, kill: bool, live: bool = True) -> dict[str, 
                     raise RuntimeError("rank 2 did not reach its step within 180 s")
                 time.sleep(0.02)
             killed = time.monotonic()
-            os.kill(int(next(out.glob("hang-*")).name.removeprefix("hang-")), signal.SIGKILL)
+            os.kill(int(next(out.glob("hang-*")).name.split("-")[-1]), signal.SIGKILL)
         codes = []
         for w in workers:
             _, err = w.communicate(timeout=180)

@@ -3,12 +3,14 @@
 
 argv: OUT_DIR HANG_STEP [CUT_STEP]. Every process records its start (`start-RANK-PID`), every committed step
 (`steps-PID.jsonl`: rank, step, world size, generation, loss, time.monotonic()) and its end (`end-PID.json`: the final
-loss over the whole data set, the recoveries, a digest of the parameters). The process that starts as rank 2 stops after
-committing step HANG_STEP (writes `hang-PID`, then sleeps) so that the test can SIGKILL it while the others wait in
-the next step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut after its
-all-reduce completed everywhere (the others commit it): it must apply the step after the re-formation.
-LIVE_TORCH_CHECKPOINT=DIR (bench/torch_live.py's restart path, without --live-recovery): rank 0 saves the manager's
-state after every committed step and every rank loads the newest at its start.
+loss over the whole data set, the recoveries, a digest of the parameters). The process that starts as rank 2 stops
+after committing step HANG_STEP (writes `hang-2-PID`, then sleeps) so that the test can SIGKILL it while the others
+wait in the next step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut
+after its all-reduce completed everywhere (the others commit it): it must apply the step after the re-formation.
+LIVE_TORCH_HANGS="R:S,..." (instead of HANG_STEP) stops the process that starts as rank R after step S, each once
+(`hang-R-PID`); LIVE_TORCH_VIRTUAL: the virtual ranks (3). LIVE_TORCH_CHECKPOINT=DIR (bench/torch_live.py's restart
+path, without --live-recovery): rank 0 saves the manager's state after every committed step and every rank loads the
+newest at its start.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import axond.torch  # noqa: F401 -- registers "axond"
 from axond.torch.errors import TorchDistributedError
 from axond.torch.live import Manager
 
-VIRTUAL = 3
+VIRTUAL = int(os.environ.get("LIVE_TORCH_VIRTUAL", "3"))
 MICRO = 4
 STEPS = 40
 HANG_S = 120.0
@@ -44,9 +46,9 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def batch(step: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, v: int, virtual: int = VIRTUAL) -> tuple[torch.Tensor, torch.Tensor]:
     """Virtual rank v's micro-batch of `step`: the data are defined on virtual ranks, never on physical ones."""
-    start = ((step * VIRTUAL + v) * MICRO) % len(X)
+    start = ((step * virtual + v) * MICRO) % len(X)
     return X[start:start + MICRO], Y[start:start + MICRO]
 
 
@@ -67,14 +69,14 @@ def params_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def reference(steps: int = STEPS) -> float:
+def reference(steps: int = STEPS, virtual: int = VIRTUAL) -> float:
     """A fault-free run in one process: each step the mean over the virtual ranks of their losses' gradients."""
     model, optimizer = build()
     for step in range(steps):
         optimizer.zero_grad()
-        for v in range(VIRTUAL):
-            x, y = batch(step, v)
-            (loss_fn(model(x), y) / VIRTUAL).backward()
+        for v in range(virtual):
+            x, y = batch(step, v, virtual)
+            (loss_fn(model(x), y) / virtual).backward()
         optimizer.step()
     return final_loss(model)
 
@@ -96,6 +98,8 @@ def cut_commit_of(step: int, manager: Manager) -> None:
 
 def main() -> None:
     out, hang_step = Path(sys.argv[1]), int(sys.argv[2])
+    hangs = dict(tuple(map(int, h.split(":"))) for h in os.environ["LIVE_TORCH_HANGS"].split(",")) \
+        if os.environ.get("LIVE_TORCH_HANGS") else {2: hang_step}
     cut_step = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     dist.init_process_group("axond")
     start_rank = dist.get_rank()
@@ -125,8 +129,8 @@ def main() -> None:
                                   "gen": int(os.environ["AXOND_GENERATION"]), "loss": manager.loss,
                                   "mono": time.monotonic()}) + "\n")
             log.flush()
-        if start_rank == 2 and before == hang_step and not any(out.glob("hang-*")):
-            (out / f"hang-{os.getpid()}").write_text(str(time.time()))
+        if hangs.get(start_rank) == before and not any(out.glob(f"hang-{start_rank}-*")):
+            (out / f"hang-{start_rank}-{os.getpid()}").write_text(str(time.time()))
             time.sleep(HANG_S)
     end = {"start_rank": start_rank, "rank": dist.get_rank(), "world": dist.get_world_size(),
            "generation": int(os.environ["AXOND_GENERATION"]), "final_loss": final_loss(model),

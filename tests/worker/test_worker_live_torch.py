@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,18 +40,30 @@ def coordinator(procs: Procs) -> str:
     return f"127.0.0.1:{port}"
 
 
-def run_three(procs: Procs, out: Path, *args: str) -> tuple[list[Finished], int, float]:
-    """Three workers (`--nnodes 2:3`, one rank each) running the script; SIGKILL the rank that stopped."""
+def kill_when_hung(out: Path, rank: int) -> tuple[int, float]:
+    """SIGKILL the process that started as `rank` once it stopped at its step; (its pid, time.monotonic() then)."""
+    wait_for(lambda: any(out.glob(f"hang-{rank}-*")), 90, f"rank {rank} to stop at its step")
+    pid = int(next(out.glob(f"hang-{rank}-*")).name.split("-")[-1])
+    at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    return pid, at
+
+
+def workers(procs: Procs, out: Path, n: int, args: list[str], env: dict[str, str] | None = None
+            ) -> list[subprocess.Popen[str]]:
+    """`n` workers (`--nnodes 2:n`, one rank each) running the script with `args`."""
     out.mkdir()
     address = coordinator(procs)
-    workers = [procs.axond("worker", "--coordinator", address, "--nnodes", "2:3", "--job", "torch-live",
-                           "--live-recovery", "--join-timeout", "60", "--", PY, str(SCRIPT), str(out), *args)
-               for _ in range(3)]
-    wait_for(lambda: any(out.glob("hang-*")), 90, "rank 2 to stop at its step")
-    killed = int(next(out.glob("hang-*")).name.removeprefix("hang-"))
-    at = time.monotonic()
-    os.kill(killed, signal.SIGKILL)
-    return [procs.finish(w, timeout=120) for w in workers], killed, at
+    return [procs.axond("worker", "--coordinator", address, "--nnodes", f"2:{n}", "--job", "torch-live",
+                        "--live-recovery", "--join-timeout", "60", "--", PY, str(SCRIPT), str(out), *args, env=env)
+            for _ in range(n)]
+
+
+def run_three(procs: Procs, out: Path, *args: str) -> tuple[list[Finished], int, float]:
+    """Three workers running the script; SIGKILL rank 2 once it stopped."""
+    started = workers(procs, out, 3, list(args))
+    killed, at = kill_when_hung(out, 2)
+    return [procs.finish(w, timeout=120) for w in started], killed, at
 
 
 def read_ends(out: Path) -> dict[int, dict[str, Any]]:
@@ -61,15 +74,16 @@ def steps(out: Path, pid: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / f"steps-{pid}.jsonl").read_text().splitlines()]
 
 
-def check_survivors(finished: list[Finished], out: Path, killed: int) -> dict[int, dict[str, Any]]:
-    """Ranks 0 and 1 kept their processes and ended; their workers exit 0; every step committed once."""
+def check_survivors(finished: list[Finished], out: Path, *killed: int, virtual: int = 3) -> dict[int, dict[str, Any]]:
+    """Ranks 0 and 1 kept their processes and ended; their workers exit 0 (the killed ranks' not); every step
+    committed once; the final loss is the fault-free one's."""
     codes = sorted(f.code for f in finished)
-    assert codes[:2] == [0, 0] and codes[2] != 0, [(f.code, f.stderr[-2000:]) for f in finished]
+    assert codes[:2] == [0, 0] and all(c != 0 for c in codes[2:]), [(f.code, f.stderr[-2000:]) for f in finished]
     started = {int(p.name.split("-")[2]): int(p.name.split("-")[1]) for p in out.glob("start-*")}  # pid -> rank
-    assert sorted(started.values()) == [0, 1, 2] and started[killed] == 2  # three processes ever: none restarted
+    assert sorted(started.values()) == list(range(len(finished)))  # one process per rank ever: none restarted
     ends = read_ends(out)
-    assert set(ends) == set(started) - {killed}
-    expected = reference()
+    assert set(ends) == set(started) - set(killed) and sorted(e["start_rank"] for e in ends.values()) == [0, 1]
+    expected = reference(virtual=virtual)
     for pid, end in ends.items():
         assert end["steps"] == STEPS and end["world"] == 2, end
         assert [s["step"] for s in steps(out, pid)] == list(range(STEPS))  # no step lost, none applied twice
@@ -92,6 +106,21 @@ def test_torch_ddp_survivors_keep_their_processes_and_the_loss(procs: Procs, tmp
         assert {s["world"] for s in done if s["step"] <= HANG_STEP} == {3}
         # computing again long before the lease would have declared the killed node dead
         assert 0 < recovery["error_at"] - kill_at < recovery["reformed_at"] - kill_at < LEASE_S, (recovery, kill_at)
+
+
+@pytest.mark.slow
+def test_torch_ddp_goes_on_through_two_failures_4_3_2(procs: Procs, tmp_path: Path) -> None:
+    """Four workers (`--nnodes 2:4`, 4 virtual ranks): rank 3 killed after step 10, then the process that started as
+    rank 2 after step 20: two re-formations in the same survivors, the loss still the fault-free one's."""
+    out = tmp_path / "twice"
+    started = workers(procs, out, 4, ["-1"], env={"LIVE_TORCH_HANGS": "3:10,2:20", "LIVE_TORCH_VIRTUAL": "4"})
+    first, _ = kill_when_hung(out, 3)
+    second, _ = kill_when_hung(out, 2)
+    ends = check_survivors([procs.finish(w, timeout=150) for w in started], out, first, second, virtual=4)
+    for pid, end in ends.items():
+        assert [(r["world_before"], r["world_after"], r["step"]) for r in end["recoveries"]] == [(4, 3, 11), (3, 2, 21)]
+        worlds = {s["step"]: s["world"] for s in steps(out, pid)}
+        assert [worlds[s] for s in (10, 11, 20, 21)] == [4, 3, 3, 2], worlds
 
 
 @pytest.mark.slow
