@@ -46,7 +46,7 @@ from axond.parallel.zero.virtual import carried
 from axond.torch.reform import membership_change, reform_torch
 from axond.train.live import roll_forward
 
-__all__ = ["Manager", "Recovery", "Step", "membership_change", "reform_torch"]
+__all__ = ["Manager", "Recovery", "Step", "batch_indices", "membership_change", "reform_torch"]
 
 MAX_REFORMS = 8
 """Re-formations one recovery goes through (a further failure while re-forming starts another) before it raises."""
@@ -69,6 +69,26 @@ class Recovery:
     """time.monotonic() when the group was formed again, the ranks agreed and DDP was rebuilt."""
     rolled_forward: bool
     """This rank applied the cut step after the re-formation (another rank's commit of it had completed)."""
+
+
+def batch_indices(length: int, batch: int, step: int, v: int, virtual: int, seed: int | None = None) -> torch.Tensor:
+    """The indices (into a data set of `length` samples) of virtual rank `v`'s `batch` samples in `step`: step s reads
+    positions [s x virtual x batch, (s + 1) x virtual x batch) of the epochs laid end to end, v its v-th slice; with
+    `seed`, each epoch in its own order (a permutation seeded from (seed, epoch)). Defined on virtual ranks only, so
+    the data do not move when the world size does."""
+    if length < 1 or batch < 1 or not 0 <= v < virtual or step < 0:
+        raise ValueError(f"batch_indices: need length >= 1, batch >= 1, 0 <= v < virtual, step >= 0; got "
+                         f"length={length}, batch={batch}, step={step}, v={v}, virtual={virtual}")
+    positions = torch.arange(batch, dtype=torch.int64) + (step * virtual + v) * batch
+    epochs, within = positions // length, positions % length
+    if seed is None:
+        return within
+    out = torch.empty_like(within)
+    for epoch in torch.unique(epochs).tolist():
+        order = torch.randperm(length, generator=torch.Generator().manual_seed(zlib.crc32(f"{seed}:{epoch}".encode())))
+        mask = epochs == epoch
+        out[mask] = order[within[mask]]
+    return out
 
 
 class Manager:
@@ -136,6 +156,10 @@ class Manager:
     def virtual_ranks(self) -> range:
         """The virtual ranks this rank carries: a contiguous block, sizes differing by at most one."""
         return carried(dist.get_rank(), dist.get_world_size(), self.virtual)
+
+    def batch_indices(self, length: int, batch: int, v: int) -> torch.Tensor:
+        """`batch_indices` of virtual rank `v` in the current step, shuffled per epoch with the manager's `seed`."""
+        return batch_indices(length, batch, self._committed, v, self.virtual, self.seed)
 
     def state_dict(self) -> dict[str, Any]:
         """The training state to checkpoint (for a job that restarts all the same): the committed steps, the module's

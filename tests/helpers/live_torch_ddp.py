@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import axond.torch  # noqa: F401 -- registers "axond"
 from axond.torch.errors import TorchDistributedError
-from axond.torch.live import Manager
+from axond.torch.live import Manager, batch_indices
 
 VIRTUAL = int(os.environ.get("LIVE_TORCH_VIRTUAL", "3"))
 MICRO = 4
@@ -48,8 +48,8 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def batch(step: int, v: int, virtual: int = VIRTUAL) -> tuple[torch.Tensor, torch.Tensor]:
     """Virtual rank v's micro-batch of `step`: the data are defined on virtual ranks, never on physical ones."""
-    start = ((step * virtual + v) * MICRO) % len(X)
-    return X[start:start + MICRO], Y[start:start + MICRO]
+    index = batch_indices(len(X), MICRO, step, v, virtual)
+    return X[index], Y[index]
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

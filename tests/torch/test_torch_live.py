@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 import axond  # noqa: E402
 from axond.distributed import membership  # noqa: E402
 from axond.torch.errors import TorchDistributedError, TorchMembershipChanged, for_torch  # noqa: E402
-from axond.torch.live import membership_change  # noqa: E402
+from axond.torch.live import batch_indices, membership_change  # noqa: E402
 
 
 def changed(generation: int = 3) -> axond.MembershipChanged:
@@ -108,3 +108,22 @@ except ValueError as e:
     assert "STEPS 3 [0, 1] True" in done.stdout, done.stdout
     assert "ERR DistributedError" in done.stdout and "--live-recovery" in done.stdout, done.stdout
     assert "VALUE" in done.stdout and "process_group" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_batch_indices_cover_each_epoch_once_on_virtual_ranks(seed: int | None) -> None:
+    length, batch, virtual = 24, 2, 3  # 4 steps per epoch
+    epoch = [batch_indices(length, batch, s, v, virtual, seed) for s in range(4) for v in range(virtual)]
+    assert sorted(torch.cat(epoch).tolist()) == list(range(length))  # every sample once per epoch
+    second = torch.cat([batch_indices(length, batch, s, v, virtual, seed) for s in range(4, 8) for v in range(virtual)])
+    assert sorted(second.tolist()) == list(range(length))
+    again = batch_indices(length, batch, 5, 1, virtual, seed)
+    assert torch.equal(again, batch_indices(length, batch, 5, 1, virtual, seed))  # a function of (step, v) alone
+    if seed is None:
+        assert batch_indices(length, batch, 1, 2, virtual).tolist() == [10, 11]
+    else:
+        assert torch.cat(epoch).tolist() != second.tolist()  # each epoch in its own order
+    straddle = batch_indices(10, 4, 0, 2, 3)  # positions 8..11 of epochs laid end to end
+    assert straddle.tolist() == [8, 9, 0, 1]
+    with pytest.raises(ValueError, match="0 <= v < virtual"):
+        batch_indices(length, batch, 0, 3, virtual)
