@@ -11,6 +11,7 @@ kill), and whether the parameters equal the fault-free run's bit for bit. The sa
 for comparison.
 
     python bench/torch_live.py --runs 5
+    python bench/torch_live.py --runs 5 --wrap fsdp2   # FSDP2 through ShardedManager (its state from full copies)
 """
 
 from __future__ import annotations
@@ -94,7 +95,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--heartbeat", type=float, default=1.0, help="the coordinator's heartbeat interval (s)")
+    parser.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp",
+                        help="DDP (Manager) or FSDP2 (ShardedManager; the live path only)")
     args = parser.parse_args()
+    os.environ["LIVE_TORCH_WRAP"] = args.wrap  # read by tests/helpers/live_torch_ddp.py in the workers' ranks
     sys.path.insert(0, str(HELPERS))
     from live_torch_ddp import reference
 
@@ -104,11 +108,11 @@ def main() -> None:
     try:
         fault_free = one_run(coord.address, "torch-live-clean", kill=False)
         paths = {live: [one_run(coord.address, f"torch-{live}-{i}", kill=True, live=live) for i in range(args.runs)]
-                 for live in (True, False)}
+                 for live in ((True, False) if args.wrap == "ddp" else (True,))}
     finally:
         coord.stop(grace=0.2)
     clean, alone = fault_free["loss"], reference()
-    print(f"heartbeat interval {args.heartbeat} s; seconds from the SIGKILL, median (min-max) of {args.runs} runs")
+    print(f"{args.wrap}; heartbeat interval {args.heartbeat} s; seconds from the SIGKILL, median (min-max) of {args.runs} runs")
     print("| path | survivors' error | computing again (re-formed, DDP rebuilt) | first step after committed | "
           "exit codes as expected | loss vs fault-free run (max rel.) | parameters = fault-free run's |")
     print("|---|---:|---:|---:|---|---:|---|")

@@ -69,6 +69,9 @@ class Recovery:
     """time.monotonic() when the group was formed again, the ranks agreed and DDP was rebuilt."""
     rolled_forward: bool
     """This rank applied the cut step after the re-formation (another rank's commit of it had completed)."""
+    restored: int | None = None
+    """FSDP2 (`ShardedManager`): the committed steps of the copy the state was rebuilt from (the steps after it run
+    again from that state)."""
 
 
 def batch_indices(length: int, batch: int, step: int, v: int, virtual: int, seed: int | None = None) -> torch.Tensor:
@@ -121,13 +124,13 @@ class Manager:
         self.optimizer = optimizer
         self.virtual = virtual
         self.seed = seed
-        self.apply_step = apply_step if apply_step is not None else optimizer.step
+        self.apply_step = apply_step if apply_step is not None else self._optimizer_step
         self.recoveries: list[Recovery] = []
         self.loss: float | None = None
         """The mean over the virtual ranks of the losses passed to `Step.backward` in the last committed step
         (None if this rank applied it after a re-formation, without the others' losses)."""
         self._ddp_options = ddp_options
-        self._ddp: DistributedDataParallel | None = DistributedDataParallel(module, **ddp_options)
+        self._wrapped: torch.nn.Module | None = self._wrap()
         self._committed = 0
         self._pending = False
         """This rank's part of the current step completed: it holds the step's averaged gradient."""
@@ -136,12 +139,37 @@ class Manager:
         self._loss_sum = 0.0
 
     @property
-    def model(self) -> DistributedDataParallel:
+    def model(self) -> Any:
         """DDP around the module, over the current generation's default group (call it anew every step)."""
-        if self._ddp is None:
-            raise DistributedError("the manager's DDP is being rebuilt after a membership change; call "
+        if self._wrapped is None:
+            raise DistributedError("the manager's model is being rebuilt after a membership change; call "
                                    "should_commit() after the step", op="live manager")
-        return self._ddp
+        return self._wrapped
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def _wrap(self) -> torch.nn.Module:
+        """The model the loop calls, over the current default group."""
+        return DistributedDataParallel(self.module, **self._ddp_options)
+
+    def _set_sync(self, sync: bool) -> None:
+        """Whether the next backward synchronises the gradients (the last of this rank's virtual ranks)."""
+        if isinstance(self._wrapped, DistributedDataParallel):
+            self._wrapped.require_backward_grad_sync = sync  # what DDP's no_sync() sets
+
+    def _passes(self, block: range) -> int:
+        """Forward and backward passes this rank runs per step: one per virtual rank it carries."""
+        return len(block)
+
+    def _before_step(self) -> None:
+        """Called as a step begins (inside its failure handling)."""
+
+    def _drop(self) -> None:
+        """Let go of the model of the old generation."""
+        if isinstance(self._wrapped, DistributedDataParallel):
+            self._wrapped._remove_autograd_hooks()  # the old reducer's hooks would run on the old group
+        self._wrapped = None
 
     def current_step(self) -> int:
         """Steps committed so far (the number of the step to run next, from 0)."""
@@ -206,8 +234,8 @@ class Manager:
             return False
         self._failure = change
         self._failed_at = time.monotonic()
-        if self._ddp is not None:
-            self._ddp.require_backward_grad_sync = True
+        if self._wrapped is not None:
+            self._set_sync(True)
         return True
 
     def _recover(self) -> None:
@@ -217,12 +245,11 @@ class Manager:
         cut, before = self._committed, dist.get_world_size()
         for _ in range(MAX_REFORMS):
             try:
-                if self._ddp is not None:
-                    self._ddp._remove_autograd_hooks()  # the old reducer's hooks would run on the old group
-                    self._ddp = None
+                if self._wrapped is not None:
+                    self._drop()
                 note = reform_torch(grow=False)
                 rolled = self._agree()
-                self._ddp = DistributedDataParallel(self.module, **self._ddp_options)
+                self._wrapped = self._wrap()
                 break
             except Exception as e:
                 again = membership_change(e)
@@ -233,7 +260,7 @@ class Manager:
             raise DistributedError(f"live recovery gave up after {MAX_REFORMS} re-formations in a row ({change})",
                                    op="reform") from change
         self.recoveries.append(Recovery(cut, before, note.world_size, note.generation, change.reason,
-                                        self._failed_at, time.monotonic(), rolled))
+                                        self._failed_at, time.monotonic(), rolled, self._restored_from()))
         self._failure = None
         self._pending = False
 
@@ -250,6 +277,9 @@ class Manager:
         self.loss = None
         return True
 
+    def _restored_from(self) -> int | None:
+        return None
+
     def _seed(self, v: int) -> None:
         if self.seed is not None:
             torch.manual_seed(zlib.crc32(f"{self.seed}:{self._committed}:{v}".encode()))
@@ -260,29 +290,44 @@ class Step:
 
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
+        self._padding = False
 
     def __enter__(self) -> Step:
         m = self.manager
         m._failure, m._pending, m._loss_sum = None, False, 0.0
         m.optimizer.zero_grad(set_to_none=True)
+        try:
+            m._before_step()
+        except Exception as e:
+            if not m._caught(e):
+                raise
         return self
 
     def virtual_ranks(self) -> Iterator[int]:
         """This rank's virtual ranks, in order; DDP all-reduces the gradients after the last one's backward only."""
         m = self.manager
+        if m._failure is not None:  # the step's beginning failed: nothing to run, should_commit() re-forms
+            return
         block = m.virtual_ranks()
-        ddp = m.model
+        passes = m._passes(block)
         try:
-            for i, v in enumerate(block):
-                ddp.require_backward_grad_sync = i == len(block) - 1  # what DDP's no_sync() sets
+            for i in range(passes):
+                v = block[min(i, len(block) - 1)]
+                self._padding = i >= len(block)  # an extra pass of a wrapper that needs as many on every rank
+                m._set_sync(i == passes - 1)
                 m._seed(v)
                 yield v
         finally:
-            ddp.require_backward_grad_sync = True
+            self._padding = False
+            if m._wrapped is not None:
+                m._set_sync(True)
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss` (one virtual rank's) backward, scaled so that DDP's average is the mean over the virtual ranks."""
         m = self.manager
+        if self._padding:  # its collectives run, its gradient counts for nothing
+            (loss * 0.0).backward()
+            return
         m._loss_sum += float(loss.detach())
         (loss * (dist.get_world_size() / m.virtual)).backward()
 
@@ -290,6 +335,6 @@ class Step:
                  traceback: TracebackType | None) -> bool:
         m = self.manager
         if error is None:
-            m._pending = True
+            m._pending = m._failure is None
             return False
         return isinstance(error, Exception) and m._caught(error)  # a failure of its own goes on up

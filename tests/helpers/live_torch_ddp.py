@@ -8,7 +8,8 @@ after committing step HANG_STEP (writes `hang-2-PID`, then sleeps) so that the t
 wait in the next step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut
 after its all-reduce completed everywhere (the others commit it): it must apply the step after the re-formation.
 LIVE_TORCH_HANGS="R:S,..." (instead of HANG_STEP) stops the process that starts as rank R after step S, each once
-(`hang-R-PID`); LIVE_TORCH_VIRTUAL: the virtual ranks (3). LIVE_TORCH_CHECKPOINT=DIR (bench/torch_live.py's restart
+(`hang-R-PID`); LIVE_TORCH_VIRTUAL: the virtual ranks (3); LIVE_TORCH_WRAP=fsdp2: FSDP2
+through `ShardedManager` (else DDP). LIVE_TORCH_CHECKPOINT=DIR (bench/torch_live.py's restart
 path, without --live-recovery): rank 0 saves the manager's state after every committed step and every rank loads the
 newest at its start.
 """
@@ -26,10 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 import axond.torch  # noqa: F401 -- registers "axond"
 from axond.torch.errors import TorchDistributedError
 from axond.torch.live import Manager, batch_indices
+from axond.torch.live_fsdp import FULL, ShardedManager
 
 VIRTUAL = int(os.environ.get("LIVE_TORCH_VIRTUAL", "3"))
 MICRO = 4
@@ -62,9 +65,12 @@ def final_loss(model: torch.nn.Module) -> float:
 
 
 def params_digest(model: torch.nn.Module) -> str:
-    """A digest of every parameter's bytes, in state-dict order."""
+    """A digest of every parameter's bytes, in state-dict order (gathered whole from FSDP2's shards)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     digest = hashlib.sha256()
-    for value in model.state_dict().values():
+    state = get_model_state_dict(model, options=FULL) if isinstance(model, FSDPModule) else model.state_dict()
+    for value in state.values():
         digest.update(value.detach().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
 
@@ -104,8 +110,11 @@ def main() -> None:
     dist.init_process_group("axond")
     start_rank = dist.get_rank()
     (out / f"start-{start_rank}-{os.getpid()}").write_text("")
-    model, optimizer = build()
-    manager = Manager(model, optimizer, virtual_ranks=VIRTUAL)
+    if os.environ.get("LIVE_TORCH_WRAP") == "fsdp2":
+        manager: Manager = ShardedManager(lambda: build()[0], lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                          virtual_ranks=VIRTUAL)
+    else:
+        manager = Manager(*build(), virtual_ranks=VIRTUAL)
     checkpoint = Path(os.environ["LIVE_TORCH_CHECKPOINT"]) / "state.pt" if os.environ.get("LIVE_TORCH_CHECKPOINT") \
         else None
     if checkpoint is not None and checkpoint.exists():
@@ -120,7 +129,7 @@ def main() -> None:
                 step.backward(loss_fn(manager.model(x), y))
         before = manager.current_step()
         if manager.should_commit():
-            optimizer.step()
+            manager.optimizer.step()
         if checkpoint is not None and dist.get_rank() == 0 and manager.current_step() > before:
             torch.save(manager.state_dict(), checkpoint.with_suffix(".tmp"))
             os.replace(checkpoint.with_suffix(".tmp"), checkpoint)
@@ -133,12 +142,13 @@ def main() -> None:
             (out / f"hang-{start_rank}-{os.getpid()}").write_text(str(time.time()))
             time.sleep(HANG_S)
     end = {"start_rank": start_rank, "rank": dist.get_rank(), "world": dist.get_world_size(),
-           "generation": int(os.environ["AXOND_GENERATION"]), "final_loss": final_loss(model),
-           "params": params_digest(model),
+           "generation": int(os.environ["AXOND_GENERATION"]), "final_loss": final_loss(manager.module),
+           "params": params_digest(manager.module),
            "steps": manager.current_step(),
            "recoveries": [{"step": r.step, "world_before": r.world_before, "world_after": r.world_after,
                            "reason": r.reason, "error_at": r.error_at, "reformed_at": r.reformed_at,
-                           "rolled_forward": r.rolled_forward, "generation": r.generation}
+                           "rolled_forward": r.rolled_forward, "generation": r.generation,
+                           "restored": r.restored}
                           for r in manager.recoveries]}
     (out / f"end-{os.getpid()}.json").write_text(json.dumps(end))
     dist.destroy_process_group()

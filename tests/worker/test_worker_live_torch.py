@@ -59,9 +59,10 @@ def workers(procs: Procs, out: Path, n: int, args: list[str], env: dict[str, str
             for _ in range(n)]
 
 
-def run_three(procs: Procs, out: Path, *args: str) -> tuple[list[Finished], int, float]:
+def run_three(procs: Procs, out: Path, *args: str, env: dict[str, str] | None = None
+              ) -> tuple[list[Finished], int, float]:
     """Three workers running the script; SIGKILL rank 2 once it stopped."""
-    started = workers(procs, out, 3, list(args))
+    started = workers(procs, out, 3, list(args), env=env)
     killed, at = kill_when_hung(out, 2)
     return [procs.finish(w, timeout=120) for w in started], killed, at
 
@@ -74,7 +75,8 @@ def steps(out: Path, pid: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / f"steps-{pid}.jsonl").read_text().splitlines()]
 
 
-def check_survivors(finished: list[Finished], out: Path, *killed: int, virtual: int = 3) -> dict[int, dict[str, Any]]:
+def check_survivors(finished: list[Finished], out: Path, *killed: int, virtual: int = 3,
+                    committed: list[int] | None = None) -> dict[int, dict[str, Any]]:
     """Ranks 0 and 1 kept their processes and ended; their workers exit 0 (the killed ranks' not); every step
     committed once; the final loss is the fault-free one's."""
     codes = sorted(f.code for f in finished)
@@ -86,7 +88,8 @@ def check_survivors(finished: list[Finished], out: Path, *killed: int, virtual: 
     expected = reference(virtual=virtual)
     for pid, end in ends.items():
         assert end["steps"] == STEPS and end["world"] == 2, end
-        assert [s["step"] for s in steps(out, pid)] == list(range(STEPS))  # no step lost, none applied twice
+        expected_steps = committed if committed is not None else list(range(STEPS))
+        assert [s["step"] for s in steps(out, pid)] == expected_steps  # no step lost, none applied twice
         assert end["final_loss"] == pytest.approx(expected, rel=RTOL), (end, expected)
     return ends
 
@@ -106,6 +109,24 @@ def test_torch_ddp_survivors_keep_their_processes_and_the_loss(procs: Procs, tmp
         assert {s["world"] for s in done if s["step"] <= HANG_STEP} == {3}
         # computing again long before the lease would have declared the killed node dead
         assert 0 < recovery["error_at"] - kill_at < recovery["reformed_at"] - kill_at < LEASE_S, (recovery, kill_at)
+
+
+@pytest.mark.slow
+def test_torch_fsdp2_survivors_rebuild_the_lost_shard_from_their_copies(procs: Procs, tmp_path: Path) -> None:
+    """FSDP2 (`ShardedManager`): rank 2's shards of the parameters and of the momentum die with it; the survivors
+    rebuild the state from the newest full copy they all hold, re-shard it over two ranks and end with the fault-free
+    loss. Rank 2 stops before the copy of step 16's start, so that copy is cut: the state is the copy taken as step 15
+    began, and step 15 (committed before the kill) runs again from it, its update in the parameters once."""
+    out = tmp_path / "fsdp2"
+    finished, killed, kill_at = run_three(procs, out, str(HANG_STEP), env={"LIVE_TORCH_WRAP": "fsdp2"})
+    replayed = [*range(HANG_STEP + 1), *range(HANG_STEP, STEPS)]
+    ends = check_survivors(finished, out, killed, committed=replayed)
+    for pid, end in ends.items():
+        (recovery,) = end["recoveries"]
+        assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (3, 2, HANG_STEP + 1)
+        assert recovery["restored"] == HANG_STEP, recovery
+        assert recovery["reformed_at"] - kill_at < LEASE_S, (recovery, kill_at)
+        assert {s["world"] for s in steps(out, pid) if s["step"] > HANG_STEP} == {2}
 
 
 @pytest.mark.slow
