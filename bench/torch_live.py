@@ -112,7 +112,8 @@ def main() -> None:
     finally:
         coord.stop(grace=0.2)
     clean, alone = fault_free["loss"], reference()
-    print(f"{args.wrap}; heartbeat interval {args.heartbeat} s; seconds from the SIGKILL, median (min-max) of {args.runs} runs")
+    print(f"{args.wrap}; heartbeat interval {args.heartbeat} s; seconds from the SIGKILL, median (min-max) of "
+          f"{args.runs} runs")
     print("| path | survivors' error | computing again (re-formed, DDP rebuilt) | first step after committed | "
           "exit codes as expected | loss vs fault-free run (max rel.) | parameters = fault-free run's |")
     print("|---|---:|---:|---:|---|---:|---|")
