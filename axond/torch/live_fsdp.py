@@ -93,7 +93,7 @@ class ShardedManager(Manager):
         every = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(every, mine)
         tag = min(int(t[0]) for t in every)
-        if tag < 0 or any(int(t[1]) > tag for t in every):
+        if tag < 0 or any(int(t[1]) > tag for t in every) or tag not in self._copies:
             raise DistributedError(f"live recovery cannot go on: no copy of the training state is held by every "
                                    f"survivor (newest and oldest per rank: {[t.tolist() for t in every]}); the job "
                                    "must restart from a checkpoint", op="reform")
