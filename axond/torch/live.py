@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from axond.distributed import membership
 from axond.errors import DistributedError, MembershipChanged
+from axond.observe import timeline
 from axond.parallel.zero.virtual import carried
 from axond.torch.reform import membership_change, reform_torch
 from axond.train.live import roll_forward
@@ -136,6 +137,7 @@ class Manager:
         """This rank's part of the current step completed: it holds the step's averaged gradient."""
         self._failure: MembershipChanged | None = None
         self._failed_at = 0.0
+        self._failed_ns = 0
         self._loss_sum = 0.0
 
     @property
@@ -233,7 +235,7 @@ class Manager:
         if change is None:
             return False
         self._failure = change
-        self._failed_at = time.monotonic()
+        self._failed_at, self._failed_ns = time.monotonic(), timeline.span_start()
         if self._wrapped is not None:
             self._set_sync(True)
         return True
@@ -259,8 +261,13 @@ class Manager:
         else:
             raise DistributedError(f"live recovery gave up after {MAX_REFORMS} re-formations in a row ({change})",
                                    op="reform") from change
+        restored = self._restored_from()
+        if timeline.TRACER is not None:  # from the caught failure to the rebuilt wrapper (AXOND_TIMELINE)
+            timeline.TRACER.since("live.reform", "live", self._failed_ns, step=cut, world_before=before,
+                                  world_after=note.world_size, generation=note.generation, reason=change.reason,
+                                  rolled_forward=rolled, restored=restored)
         self.recoveries.append(Recovery(cut, before, note.world_size, note.generation, change.reason,
-                                        self._failed_at, time.monotonic(), rolled, self._restored_from()))
+                                        self._failed_at, time.monotonic(), rolled, restored))
         self._failure = None
         self._pending = False
 

@@ -97,9 +97,12 @@ def check_survivors(finished: list[Finished], out: Path, *killed: int, virtual: 
 @pytest.mark.slow
 def test_torch_ddp_survivors_keep_their_processes_and_the_loss(procs: Procs, tmp_path: Path) -> None:
     out = tmp_path / "live"
-    finished, killed, kill_at = run_three(procs, out, str(HANG_STEP))
+    finished, killed, kill_at = run_three(procs, out, str(HANG_STEP), env={"AXOND_TIMELINE": str(tmp_path / "trace")})
     ends = check_survivors(finished, out, killed)
     for pid, end in ends.items():
+        (trace,) = (tmp_path / "trace").glob(f"rank-*-pid-{pid}.json")  # the re-formation, on the timeline
+        (reform,) = [e for e in json.loads(trace.read_text()) if e.get("name") == "live.reform"]
+        assert (reform["args"]["world_after"], reform["args"]["step"]) == (2, HANG_STEP + 1), reform
         (recovery,) = end["recoveries"]
         assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (3, 2, HANG_STEP + 1)
         assert "rank 2" in recovery["reason"] and "137" in recovery["reason"], recovery
