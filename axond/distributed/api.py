@@ -16,7 +16,7 @@ from axond.config import ConfigError, RuntimeEnv
 from axond.distributed.forms import torch_forms as tf
 from axond.distributed.backends.base import Array, BackendOptions
 from axond.distributed import default_registry as defaults
-from axond.distributed import live_watch, membership
+from axond.distributed import live_watch
 from axond.distributed.backends.registry import available_backends, options_class
 from axond.store.init_methods import OpenedStore, open_store, parse, seconds
 from axond.distributed.diagnostics.failure import install as install_failure_hook
@@ -120,10 +120,7 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
         _owned = owned
         install_failure_hook()  # reporting as `env` says: the group's `track` configured it
         _local_rank = int(local_rank if local_rank is not None else env.local_rank or 0)
-        membership.configure(env.membership_file if env.live_recovery else None, env.generation, env.live_wait_s,
-                             env.live_max_world)
-        if env.live_recovery and env.membership_file:
-            live_watch.start()  # a peer cut off (no EOF to come): end the blocked ops at the worker's word
+        live_watch.configure(env)
         defaults.install(group)
         return group
 

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 
+from axond.config import RuntimeEnv
 from axond.distributed import membership
 from axond.distributed.diagnostics.failure import live_groups
 
@@ -70,3 +71,12 @@ def start() -> None:
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_watch, name="axond-live-watch", daemon=True)
             _thread.start()
+
+
+def configure(env: RuntimeEnv) -> None:
+    """Set up live recovery for a default group formed from `env` (`axond.init_process_group`, and torch's default
+    group over the "axond" backend): its membership note and generation, and the watcher in a live job."""
+    membership.configure(env.membership_file if env.live_recovery else None, env.generation, env.live_wait_s,
+                         env.live_max_world)
+    if env.live_recovery and env.membership_file:
+        start()  # a peer cut off (no EOF to come): end the blocked ops at the worker's word

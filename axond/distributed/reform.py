@@ -2,7 +2,8 @@
 
 The same process, the same imports, the same user objects: the default group is destroyed and formed again over
 the new generation's store (its ranks, world size and data-plane secret from the worker's note), and the
-variables a rank reads (RANK, WORLD_SIZE, AXOND_GENERATION, ...) say the new values.
+variables a rank reads (RANK, WORLD_SIZE, AXOND_GENERATION, ...) say the new values. `axond.torch.live` re-forms
+torch's default group with the same two steps (`next_place`, `export_place`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,29 @@ from axond.distributed import membership
 from axond.distributed.api import destroy_process_group, init_process_group, read_env
 from axond.distributed.process_group import ProcessGroup
 from axond.errors import DistributedError, StoreError
+
+
+def next_place(live: membership.LiveMembership, timeout: float | None, group: str | None = None,
+               rank: int | None = None) -> membership.Note:
+    """This rank's place in the generation after `live`'s, waited for up to `timeout` seconds (default
+    `AXOND_LIVE_WAIT_S`); raises `DistributedError` when none came (the job restarts or failed)."""
+    wait = live.wait_s if timeout is None else timeout
+    note = live.wait(wait, ready=True)
+    if note is None:
+        raise DistributedError(f"axond.reform(): no place for this rank in a generation after {live.generation} came "
+                               f"within {wait:g} s (the job restarts or failed; see the worker's output)",
+                               op="reform", group=group, rank=rank)
+    return note
+
+
+def export_place(note: membership.Note) -> None:
+    """Set the rank variables (RANK, WORLD_SIZE, AXOND_GENERATION, the job secret, ...) to `note`'s place."""
+    export_rank_variables(dict(
+        RANK=str(note.rank), WORLD_SIZE=str(note.world_size), LOCAL_RANK=str(note.local_rank),
+        LOCAL_WORLD_SIZE=str(note.local_world_size), NODE_RANK=str(note.node_rank), GROUP_RANK=str(note.node_rank),
+        GROUP_WORLD_SIZE=str(note.nnodes), ROLE_RANK=str(note.rank), ROLE_WORLD_SIZE=str(note.world_size),
+        AXOND_GENERATION=str(note.generation), AXOND_JOB_SECRET=note.job_secret.hex(),
+    ))
 
 
 def reform(timeout: float | None = None) -> ProcessGroup:
@@ -31,24 +55,13 @@ def reform(timeout: float | None = None) -> ProcessGroup:
     if live is None or old is None:
         raise DistributedError("axond.reform(): this process is not in a live job's default group; run it under "
                                "`axond worker --live-recovery` after axond.init_process_group()", op="reform")
-    wait = live.wait_s if timeout is None else timeout
-    note = live.wait(wait, ready=True)
-    if note is None:
-        raise DistributedError(f"axond.reform(): no place for this rank in a generation after {live.generation} came "
-                               f"within {wait:g} s (the job restarts or failed; see the worker's output)",
-                               op="reform", group=old.name, rank=old.global_rank)
+    note = next_place(live, timeout, old.name, old.global_rank)
     backend, group_timeout = old.backend_name, old.timeout
-    deadline = time.monotonic() + wait
+    deadline = time.monotonic() + (live.wait_s if timeout is None else timeout)
     destroy_process_group()
     while True:
         live.end(note.generation)  # the watcher leaves the group formed below alone
-        export_rank_variables(dict(
-            RANK=str(note.rank), WORLD_SIZE=str(note.world_size), LOCAL_RANK=str(note.local_rank),
-            LOCAL_WORLD_SIZE=str(note.local_world_size), NODE_RANK=str(note.node_rank),
-            GROUP_RANK=str(note.node_rank), GROUP_WORLD_SIZE=str(note.nnodes), ROLE_RANK=str(note.rank),
-            ROLE_WORLD_SIZE=str(note.world_size), AXOND_GENERATION=str(note.generation),
-            AXOND_JOB_SECRET=note.job_secret.hex(),
-        ))
+        export_place(note)
         try:
             group = init_process_group(backend, timeout=group_timeout, env=read_env())
         except (StoreError, DistributedError):

@@ -16,6 +16,7 @@ from axond.config import RuntimeEnv
 from axond.distributed.api import read_env
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.addresses import route_address
+from axond.distributed import live_watch
 from axond.distributed.diagnostics.failure import install as install_failure_hook
 from axond.store import PrefixStore, Store
 from axond.store.over_torch import AxondStoreOverTorch
@@ -38,6 +39,8 @@ def create_process_group(store: dist.Store, rank: int, size: int, timeout: timed
     subclass that also takes CUDA tensors where they can run."""
     env = read_env()  # this group's environment, read once as axond.init_process_group reads it
     install_failure_hook()  # as axond.init_process_group does: an uncaught exception tells the peers its cause
+    if env.live_recovery:  # as axond.init_process_group does: a lost peer raises MembershipChanged (`axond.torch.live`)
+        live_watch.configure(env)
     options = BackendOptions(timeout=timeout_seconds(timeout), job_secret=env.job_secret,
                              host=_toward_store(store, env), env=env)
     if "cuda" in DEVICES:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from axond.errors import DistributedError
+from axond.errors import DistributedError, MembershipChanged
 
 
 class TorchDistributedError(DistributedError, dist.DistBackendError):
@@ -24,6 +24,12 @@ class TorchTimeoutError(TorchDistributedError):
     """A `TorchDistributedError` because this rank's deadline passed (`timed_out` is True)."""
 
 
+class TorchMembershipChanged(MembershipChanged, TorchDistributedError):
+    """`axond.MembershipChanged` (a live job re-forms without a failed node) as the "axond" backend raises it to torch
+    code: also a `TorchDistributedError`, so torch's wrappers and `except RuntimeError` see what they always saw, and
+    `isinstance(e, axond.MembershipChanged)` tells a live re-formation (`generation`, `reason`) from a failure."""
+
+
 def torch_wording(op: str, seconds: float) -> str:
     """The start of a timeout's message, in gloo's words (torch's tests and users' log filters look for it)."""
     return f"[axond] Timed out waiting {round(seconds * 1000)}ms for {op} operation to complete"
@@ -32,9 +38,18 @@ def torch_wording(op: str, seconds: float) -> str:
 def for_torch(error: BaseException, timeout: float | None = None) -> BaseException:
     """`error` as torch code should see it: a `DistributedError` becomes a `TorchDistributedError` (a timeout a
     `TorchTimeoutError`, its message led by `torch_wording` with the group's `timeout` in seconds) keeping its
-    fields and traceback; anything else (a bad argument's ValueError or TypeError) is returned as it is."""
+    fields and traceback (`MembershipChanged` a `TorchMembershipChanged`); anything else (a bad argument's ValueError
+    or TypeError) is returned as it is."""
     if isinstance(error, TorchDistributedError) or not isinstance(error, DistributedError):
         return error
+    if isinstance(error, MembershipChanged):
+        words = str(error).replace("call axond.reform()", "re-form torch's group (axond.torch.live.Manager does)")
+        changed = TorchMembershipChanged(words, generation=error.generation,
+                                         previous_generation=error.previous_generation, reason=error.reason,
+                                         op=error.op, group=error.group, rank=error.rank, peer=error.peer)
+        changed.__cause__ = error.__cause__
+        changed.__suppress_context__ = True
+        return changed.with_traceback(error.__traceback__)
     message = str(error)
     kind: type[TorchDistributedError] = TorchDistributedError
     if error.timed_out:
