@@ -56,7 +56,7 @@ def test_with_restarts_left_the_late_node_re_joins_as_a_replacement_for_one_rest
     assert j.restarts == 1 and not state.left_job("j", d)
     state.join("j", b, 1, 2, 4, 2, now=1.4, live=True)
     assert not j.round.frozen  # c reported its own failure with restarts left: its worker is awaited too
-    state.join("j", c, 1, 2, 4, 2, now=1.5, live=True)  # every node awaited joined: it freezes, c's and d's new ranks in
+    state.join("j", c, 1, 2, 4, 2, now=1.5, live=True)  # all awaited joined: it freezes, c and d new ranks in
     assert j.round.frozen and j.generation == 2 and {m.node_id for m in j.round.members or []} == {a, b, c, d}
     assert j.restarts == 2
 
