@@ -107,10 +107,11 @@ class _Reporter:
     def _job_sink(self) -> JobSink:
         """The process's publisher to its job's coordinator store (read from the environment once, and again when
         live recovery moved the process into a later generation: its store and its rank there are new)."""
-        if (self._sink is not None and self._env is not None
-                and os.environ.get("AXOND_GENERATION") != str(self._env.generation)):
-            self._sink.close()
-            self._sink, self._started, self._arrivals = None, None, {}  # first marks of the new generation's groups
+        if self._sink is not None and self._env is not None:
+            now = launched_env()
+            if now is None or now.generation != self._env.generation:
+                self._sink.close()
+                self._sink, self._started, self._arrivals = None, None, {}  # first marks of the new generation's groups
         if self._sink is None:
             env = launched_env()
             self._sink = JobSink(KEY.format(env.rank), coordinator_opener(env)) if env is not None else JobSink("")
