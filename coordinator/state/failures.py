@@ -140,13 +140,8 @@ class JobFailures:
             return True
         replacing = len(rnd.expected & set(j.left))  # awaited workers re-joining as replacements, each to be counted
         if j.restarts_left > replacing and node.node_id in rnd.expected:  # this one re-joins too: still awaited
-            j.left = [*j.left[-(MAX_LEFT - 1):], node.node_id]  # (counted when it joins), as after `_live_bump`
             j.reason = f"{j.reason}; then {reason}; awaiting its worker's replacement ranks"
-            self.ctx.mark_job(j.name)
-            self.ctx.notify("job", j.name)
-            if node.job == j.name:
-                node.job = ""
-                self.members.mark(node)
+            self._left(j, node)  # (its re-join counted when it joins), as after `_live_bump`
             return True
         if not self._drop_expected(j, node, reason, True):
             return self.lifecycle.bump(j, f"{reason}; too few nodes left to re-form live", True, exit_code, now)
@@ -164,14 +159,19 @@ class JobFailures:
             rnd.expected = rest
             j.reason = f"{j.reason}; then {reason}; re-forming live without it"
             self.ctx.notify("timer")  # the round may freeze now: every node it still awaits joined
-        if ran and lost.node_id not in j.left:  # a newcomer that never ran is just no longer awaited
-            j.left = [*j.left[-(MAX_LEFT - 1):], lost.node_id]
+        self._left(j, lost, ran)  # a newcomer that never ran is just no longer awaited
+        return True
+
+    def _left(self, j: Job, node: Node, ran: bool = True) -> None:
+        """`node` is out of live job `j`'s generation: remembered as left (once) if it `ran` ranks of the job, so that
+        its worker re-joins only as a replacement, counted (`charge_rejoin`)."""
+        if ran and node.node_id not in j.left:
+            j.left = [*j.left[-(MAX_LEFT - 1):], node.node_id]
         self.ctx.mark_job(j.name)
         self.ctx.notify("job", j.name)
-        if lost.job == j.name:
-            lost.job = ""
-            self.members.mark(lost)
-        return True
+        if node.job == j.name:
+            node.job = ""
+            self.members.mark(node)
 
     def left_job(self, job: str, node_id: str) -> bool:
         """Whether live recovery went on without `node_id` (its worker leaves the job instead of re-joining)."""
@@ -195,11 +195,7 @@ class JobFailures:
                             live=True)
         j.round.expected = frozenset([*survivors, lost.node_id] if rejoins else survivors)
         j.live_generation = j.generation
-        j.left = [*j.left[-(MAX_LEFT - 1):], lost.node_id]
-        self.ctx.mark_job(j.name)
-        if lost.job == j.name:
-            lost.job = ""
-            self.members.mark(lost)
+        self._left(j, lost)
         return True
 
     def report_exit(self, job: str, node_id: str, generation: int, exit_code: int, now: float) -> None:
