@@ -267,11 +267,12 @@ def cut(runs: int, heartbeat: float, missed: int, faults: list[str]) -> None:
     for fault in faults:
         name = FAULTS[fault]
         results = [cut_run(fault, heartbeat, missed) for _ in range(runs)]
-        print(f"| {name} | {_cell([r['error'] for r in results])} | {_cell([r['reformed'] for r in results])} | "
-              f"{_cell([r['first_step'] for r in results])} |", flush=True)
+        print(f"| {name} | {cell([r['error'] for r in results])} | {cell([r['reformed'] for r in results])} | "
+              f"{cell([r['first_step'] for r in results])} |", flush=True)
 
 
-def _cell(values: list[float]) -> str:
+def cell(values: list[float]) -> str:
+    """A table cell: the median and (min-max) of `values`, NaNs left out; "-" when none is left."""
     values = [v for v in values if v == v]
     if not values:
         return "-"
@@ -314,8 +315,8 @@ def main() -> None:
             ok = sum(int(r["exit_codes"]) for r in runs)
             stored = int(runs[0]["checkpoint_bytes"])
             print(f"| {'live (--live-recovery)' if live else 'restart (--max-restarts 1)'} | "
-                  f"{_cell([r['error'] for r in runs])} | {_cell([r['reformed'] for r in runs])} | "
-                  f"{_cell([r['first_step'] for r in runs])} | {ok} of {args.runs} | "
+                  f"{cell([r['error'] for r in runs])} | {cell([r['reformed'] for r in runs])} | "
+                  f"{cell([r['first_step'] for r in runs])} | {ok} of {args.runs} | "
                   f"{'0' if live else f'a checkpoint of {stored:,}'} |", flush=True)
     finally:
         coord.stop(grace=0.2)

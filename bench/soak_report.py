@@ -7,13 +7,13 @@ goodput, counted from the ranks' step logs and as the coordinator's book says.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 from axond.fencing import fence_wait
 from axond.testing import run_threads
 from axond.train import Callback, DistributedTrainer
+from recovery import cell
 from soak_run import FULL, Fault, SoakConfig, SoakRun
 from soak_train import EPOCHS, build_trainer, params_hash
 
@@ -142,12 +142,6 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
                       productive, wall, coordinator, len(by_pid), transfers)
 
 
-def _cell(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-
 def table(report: SoakReport, run: SoakRun) -> str:
     c = run.config
     rows = [f"four namespace hosts, one rank each, `--nnodes {c.min_nodes}:{FULL}`, `{c.parallel}` on an MLP of width "
@@ -158,9 +152,9 @@ def table(report: SoakReport, run: SoakRun) -> str:
             "|---|---:|---:|---:|---:|"]
     for kind in c.faults:
         got = [o for o in report.outcomes if o.fault.kind == kind]
-        rows.append(f"| {kind} | {len(got)} | {_cell([o.first_step for o in got if o.first_step is not None])} | "
-                    f"{_cell([o.full_size for o in got if o.full_size is not None])} | "
-                    f"{_cell([o.stall for o in got])} |")
+        rows.append(f"| {kind} | {len(got)} | {cell([o.first_step for o in got if o.first_step is not None])} | "
+                    f"{cell([o.full_size for o in got if o.full_size is not None])} | "
+                    f"{cell([o.stall for o in got])} |")
     missing = [o for o in report.outcomes if o.first_step is None or o.full_size is None]
     parts = report.coordinator.get("parts", {})
     cwall = report.coordinator.get("wall_s", 0.0)

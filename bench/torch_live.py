@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from axond.coordinator.server import CoordinatorConfig, start_coordinator
+from recovery import cell
 
 HELPERS = Path(__file__).resolve().parents[1] / "tests" / "helpers"
 SCRIPT = HELPERS / "live_torch_ddp.py"
@@ -84,13 +84,6 @@ def one_run(address: str, job: str, kill: bool, live: bool = True) -> dict[str, 
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _cell(values: list[float]) -> str:
-    values = [v for v in values if v == v]
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -120,8 +113,8 @@ def main() -> None:
     for live, runs in paths.items():
         same = sum(r["params"] == fault_free["params"] for r in runs)
         print(f"| {'live (--live-recovery)' if live else 'restart (--max-restarts 1, a checkpoint every step)'} | "
-              f"{_cell([r['error'] for r in runs])} | {_cell([r['reformed'] for r in runs])} | "
-              f"{_cell([r['first_step'] for r in runs])} | {sum(int(r['ok']) for r in runs)} of {args.runs} | "
+              f"{cell([r['error'] for r in runs])} | {cell([r['reformed'] for r in runs])} | "
+              f"{cell([r['first_step'] for r in runs])} | {sum(int(r['ok']) for r in runs)} of {args.runs} | "
               f"{max(abs(r['loss'] - clean) / clean for r in runs):.1e} | {same} of {args.runs} bit for bit |")
     print(f"fault-free final loss {clean!r}; the same training in one process {alone!r} "
           f"({abs(alone - clean) / clean:.1e} relative)")
