@@ -7,9 +7,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +26,7 @@ from axond.worker.causes import Elsewhere, blocked_reader
 from axond.worker.frozen import FrozenWatch
 from axond.worker.launcher import CAUSE_GRACE_S, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
+from axond.worker.error_files import remove_scratch, scratch_dir
 from axond.worker import live
 from axond.worker.joinback import JoinNotice, rejoin_after_left, report_when_back
 from axond.worker.outage import OutageGuard
@@ -184,19 +183,19 @@ class JobRunner:
             self._hb.untrack(spec.job)
             self._shards.close()
             if self._error_dir is not None:
-                shutil.rmtree(self._error_dir, ignore_errors=True)
+                remove_scratch(self._error_dir)
 
     def _error_file(self, generation: int, rank: int) -> str:
         """Where rank `rank` of `generation` writes its uncaught exception (`AXOND_ERROR_FILE`): a private
         directory, removed when the runner ends."""
         if self._error_dir is None:
-            self._error_dir = tempfile.mkdtemp(prefix="axond-errors-")
+            self._error_dir = scratch_dir()
         return os.path.join(self._error_dir, f"g{generation}-rank{rank}.json")
 
     def _membership_paths(self, count: int) -> list[str]:
         """The membership file of each local rank (live recovery; `axond.worker.live`)."""
         if self._error_dir is None:
-            self._error_dir = tempfile.mkdtemp(prefix="axond-errors-")
+            self._error_dir = scratch_dir()
         return [live.membership_path(self._error_dir, i) for i in range(count)]
 
     def _rank_specs(self, joined: pb.JoinResponse, master: str = "") -> list[RankSpec]:

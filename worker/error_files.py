@@ -6,7 +6,12 @@ A rank launched by `axond worker` writes `{"type", "message", "time", "peer"}` a
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
+import os
+import shutil
+import tempfile
 
 MAX_CAUSE_CHARS = 500
 """A failed rank's cause (error-file message or last stderr line) is cut to this length in messages."""
@@ -58,3 +63,50 @@ def one_line(text: str) -> str:
     """`text` on one line, cut to MAX_CAUSE_CHARS."""
     line = " ".join(text.split())
     return line if len(line) <= MAX_CAUSE_CHARS else line[: MAX_CAUSE_CHARS - 3] + "..."
+
+
+SCRATCH_PREFIX = "axond-errors-"
+_held: dict[str, int] = {}
+"""The scratch directories this process made, with the descriptor that holds each one's lock."""
+
+
+def scratch_dir() -> str:
+    """A private directory for a runner's error and membership files (`axond-errors-<pid>-*`), locked while
+    this process holds it. A worker killed outright cannot remove its own: each new one first removes the
+    ones no process holds any more (the lock goes with its holder, in any PID namespace)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{SCRATCH_PREFIX}*")):
+        fd = _lock(path)
+        if fd is not None:
+            shutil.rmtree(path, ignore_errors=True)
+            os.close(fd)
+    made = tempfile.mkdtemp(prefix=f".{SCRATCH_PREFIX}")  # locked before it has a name the sweep looks at
+    fd = _lock(made)
+    path = os.path.join(os.path.dirname(made), f"{SCRATCH_PREFIX}{os.getpid()}-{os.path.basename(made)[-8:]}")
+    os.rename(made, path)
+    if fd is not None:
+        _held[path] = fd
+    return path
+
+
+def remove_scratch(path: str) -> None:
+    """Remove a directory `scratch_dir` made, and let go of its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _lock(path: str) -> int | None:
+    """A descriptor holding `path`'s exclusive lock, or None if another process holds it (or it is not ours)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_uid == os.getuid():
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None

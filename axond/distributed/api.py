@@ -16,15 +16,15 @@ from axond.config import ConfigError, RuntimeEnv
 from axond.distributed.forms import torch_forms as tf
 from axond.distributed.backends.base import Array, BackendOptions
 from axond.distributed import default_registry as defaults
-from axond.distributed import live_watch
+from axond.distributed import live_place, live_watch
 from axond.distributed.backends.registry import available_backends, options_class
-from axond.store.init_methods import OpenedStore, open_store, parse, seconds
+from axond.store.init_methods import InitMethod, OpenedStore, open_store, parse, seconds
 from axond.distributed.diagnostics.failure import install as install_failure_hook
 from axond.distributed.process_group import ProcessGroup, create_group
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.forms.tensor_args import accepts_torch
 from axond.distributed.work import Work
-from axond.errors import DistributedError
+from axond.errors import DistributedError, StoreError
 from axond.store import Store
 
 _lock = threading.Lock()
@@ -74,7 +74,6 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
     (`init_process_group("gloo", "env://")`; see `axond.store.init_methods`). "gloo" means "tcp".
     Installs the hook that, on an uncaught exception, tells the peers why (see `axond.distributed.diagnostics.failure`).
     """
-    global _local_rank, _owned
     given = {"timeout": timeout, "init_method": init_method, "world_size": world_size, "rank": rank, "store": store}
     if args and (isinstance(args[0], str) or args[0] is None):
         names = ("init_method", "timeout", "world_size", "rank", "store")
@@ -93,6 +92,24 @@ def init_process_group(backend: str | None = "auto", *args: Any, timeout: float 
     method = parse(init_method or "env://")
     name = BACKEND_ALIASES.get((backend or "auto").lower(), (backend or "auto").lower())
     env = read_env(env)
+    given_place = store is not None or rank is not None or world_size is not None or "rank" in method.params
+    while True:
+        try:
+            return _form(name, method, rank, world_size, store, limit, job_secret, local_rank, host, port, env)
+        except (StoreError, DistributedError) as e:
+            # a live job that moved on before this rank's group formed (another node left or joined meanwhile: its
+            # store refuses the ended generation, or the peers never came): its place in the later generation the
+            # worker names, as `axond.reform()` takes it; else the error as it is
+            if given_place or live_place.moved_on(env, wait=isinstance(e, StoreError)) is None:
+                raise
+            env = read_env()
+
+
+def _form(name: str, method: InitMethod, rank: int | None, world_size: int | None, store: Store | None,
+          limit: float, job_secret: bytes | None, local_rank: int | None, host: str | None, port: int,
+          env: RuntimeEnv) -> ProcessGroup:
+    """`init_process_group` once, for the place `env` (or the arguments) name."""
+    global _local_rank, _owned
     with _lock:
         if defaults.current() is not None:
             raise DistributedError("init_process_group was already called in this process; "

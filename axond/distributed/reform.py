@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 
-from axond.config import export_rank_variables
 from axond.distributed import default_registry as defaults
 from axond.distributed import membership
 from axond.distributed.api import destroy_process_group, init_process_group, read_env
+from axond.distributed.live_place import export_place, later_place
 from axond.distributed.process_group import ProcessGroup
 from axond.errors import DistributedError, StoreError
 
@@ -29,16 +29,6 @@ def next_place(live: membership.LiveMembership, timeout: float | None, group: st
                                f"within {wait:g} s (the job restarts or failed; see the worker's output)",
                                op="reform", group=group, rank=rank)
     return note
-
-
-def export_place(note: membership.Note) -> None:
-    """Set the rank variables (RANK, WORLD_SIZE, AXOND_GENERATION, the job secret, ...) to `note`'s place."""
-    export_rank_variables(dict(
-        RANK=str(note.rank), WORLD_SIZE=str(note.world_size), LOCAL_RANK=str(note.local_rank),
-        LOCAL_WORLD_SIZE=str(note.local_world_size), NODE_RANK=str(note.node_rank), GROUP_RANK=str(note.node_rank),
-        GROUP_WORLD_SIZE=str(note.nnodes), ROLE_RANK=str(note.rank), ROLE_WORLD_SIZE=str(note.world_size),
-        AXOND_GENERATION=str(note.generation), AXOND_JOB_SECRET=note.job_secret.hex(),
-    ))
 
 
 def reform(timeout: float | None = None) -> ProcessGroup:
@@ -67,7 +57,7 @@ def reform(timeout: float | None = None) -> ProcessGroup:
         except (StoreError, DistributedError):
             # the job moved on while this rank formed its group (another node left or joined meanwhile): take its
             # place in the later generation the worker names; none within the wait: the error as it is
-            later = _later(live.path, note.generation, deadline)
+            later = later_place(live.path, note.generation, deadline)
             if later is None:
                 raise
             note = later
@@ -75,13 +65,3 @@ def reform(timeout: float | None = None) -> ProcessGroup:
         live.adopt(note)
         return group
 
-
-def _later(path: str, generation: int, deadline: float) -> membership.Note | None:
-    """The worker's note of this rank's place in a generation after `generation`, waited for until `deadline`."""
-    while True:
-        note = membership.read_note(path)
-        if note is not None and note.generation > generation and note.ready:
-            return note
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(membership.POLL_S)

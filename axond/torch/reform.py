@@ -19,7 +19,8 @@ from axond.config import RuntimeEnv
 from axond.control import client
 from axond.distributed import membership
 from axond.distributed.api import read_env
-from axond.distributed.reform import export_place, next_place
+from axond.distributed.live_place import export_place
+from axond.distributed.reform import next_place
 from axond.errors import DistributedError, MembershipChanged
 from axond.store import PrefixStore
 from axond.torch.process_group import BACKEND, AxondProcessGroup

@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -119,11 +120,16 @@ def ci_sample() -> list[str]:
     return picked
 
 
+SCRATCH: list[str] = []
+"""Directories load_suite made (the init file, torch's TEMP_DIR): removed when the runner ends."""
+
+
 def load_suite(backend: str, world_size: int, test_timeout: int) -> types.ModuleType:
     """torch's distributed_test module, rewritten as the module docstring says, for `backend` at `world_size`."""
     os.environ["BACKEND"] = backend
     os.environ["WORLD_SIZE"] = str(world_size)
     here = tempfile.mkdtemp(prefix="axond-torch-suite-")
+    SCRATCH.append(here)
     os.environ.setdefault("TEMP_DIR", here)
     os.environ["INIT_METHOD"] = f"file://{here}/shared_init_file"  # as torch's CI's file:// runs (barrier timeouts)
     os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(test_timeout)
@@ -247,7 +253,11 @@ def main() -> None:
         fd = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-    result = run(args.backend, args.world_size, names, args.test_timeout, progress)
+    try:
+        result = run(args.backend, args.world_size, names, args.test_timeout, progress)
+    finally:
+        for path in SCRATCH:
+            shutil.rmtree(path, ignore_errors=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, sort_keys=True)
 
