@@ -21,6 +21,23 @@ for _name in ("AXOND_TOKEN", "AXOND_TOKEN_FILE"):
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_STATE_DIR, ignore_errors=True)
 
+
+WORKERS = 2
+"""Test processes a whole run (`pytest`, `pytest -m "not slow"`: no paths named) takes (pytest-xdist, a module's
+tests in one process): most end-to-end tests wait on leases and timeouts rather than compute. A run of named files
+or folders stays in one process (no start-up cost); `-n N` chooses, `-n 0` is one process."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """A whole run in WORKERS processes unless `-n` was given (or pytest-xdist is missing, or this is its worker)."""
+    if (config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) is None
+            and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+            and "PYTEST_XDIST_WORKER" not in os.environ and not config.getoption("usepdb", False)
+            and not config.getoption("collectonly", False)):
+        config.option.numprocesses = WORKERS
+        config.option.dist = "loadfile"
+
 from axond.control.client import CoordinatorClient, connect
 from axond.coordinator.server import CoordinatorConfig, RunningCoordinator, start_coordinator
 from axond.distributed import ProcessGroup
