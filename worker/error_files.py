@@ -10,6 +10,7 @@ import fcntl
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -66,6 +67,7 @@ def one_line(text: str) -> str:
 
 
 SCRATCH_PREFIX = "axond-errors-"
+_SCRATCH_NAME = re.compile(re.escape(SCRATCH_PREFIX) + r"[0-9]+-[A-Za-z0-9_]{8}")
 _held: dict[str, int] = {}
 """The scratch directories this process made, with the descriptor that holds each one's lock."""
 
@@ -74,7 +76,9 @@ def scratch_dir() -> str:
     """A private directory for a runner's error and membership files (`axond-errors-<pid>-*`), locked while
     this process holds it. A worker killed outright cannot remove its own: each new one first removes the
     ones no process holds any more (the lock goes with its holder, in any PID namespace)."""
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{SCRATCH_PREFIX}*")):
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{SCRATCH_PREFIX}[0-9]*-*")):
+        if not _SCRATCH_NAME.fullmatch(os.path.basename(path)):
+            continue  # not one of these (an older worker's has no lock: never touched)
         fd = _lock(path)
         if fd is not None:
             shutil.rmtree(path, ignore_errors=True)

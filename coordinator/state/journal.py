@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from axond.coordinator.state.jobs import EventLog
+from axond.fencing import fence_wait
 from axond.coordinator.state.kv_space import ARRIVAL_OVERHEAD, KvSpace
 from axond.coordinator.state import records
 from axond.coordinator.state.port import Changes, JoinerChanges, Record, Snapshot
@@ -202,6 +203,7 @@ def restore(state: CoordinatorState, snap: Snapshot, now: float) -> None:
             barrier = held.kv.barriers[name] = records.barrier_from(r)
             held.kv._charge(len(name) + ARRIVAL_OVERHEAD + sum(len(a) + ARRIVAL_OVERHEAD for a in barrier.arrivals),
                             check=False)
+    _fence_after_restart(state, now)
     meta = snap.meta or {}
     state.scheduler.queue = list(meta.get("queue", []))
     state.scheduler.deliveries = {k: list(v) for k, v in meta.get("deliveries", {}).items()}
@@ -209,3 +211,14 @@ def restore(state: CoordinatorState, snap: Snapshot, now: float) -> None:
     state.submitted.job_seq = int(meta.get("job_seq", 0))
     members._seq = max([int(meta.get("node_seq", 0))] + [n.seq for n in members.nodes.values()])
 
+
+
+def _fence_after_restart(state: CoordinatorState, now: float) -> None:
+    """No open round of a restored job freezes before a whole fence wait from `now`: a node declared dead just before
+    the crash may still be killing its ranks, and the time set for that (`Round.not_before`) is not kept."""
+    liveness = state.members.liveness
+    interval = max([liveness.heartbeat_interval] + [state.members.paced(n) for n in state.members.nodes.values()])
+    wait = fence_wait(interval * liveness.dead_after_missed, interval, state.failures.fence_margin)
+    for j in state.jobs.values():
+        if not j.state.terminal and not j.round.frozen:
+            j.round.not_before = max(j.round.not_before, now + wait)

@@ -89,10 +89,13 @@ def test_half_filled_round_survives_restart_exactly(backing: Reopen) -> None:
     assert _joiners(s2, "big") == expected
     rnd = s2.jobs["big"].round
     assert not rnd.frozen and s2.jobs["big"].generation == generation and rnd.joined_ranks == ranks
-    # the restored round goes on: the rest join, it freezes with every joiner ranked
+    # the restored round goes on: the rest join, it freezes with every joiner ranked (once the fence a restart
+    # sets has passed)
     _fill(s2, NODES, now)
     last = s2.register_node("host-last", 8, False, now)
-    assert s2.join("big", last.node_id, 1, 2 * NODES, 2 * NODES, 1, now) is not None
+    s2.join("big", last.node_id, 1, 2 * NODES, 2 * NODES, 1, now)
+    s2.tick(rnd.not_before)
+    assert rnd.frozen
     s3 = _state(backing())
     assert s3.jobs["big"].round.frozen and len(s3.jobs["big"].round.members or []) == 2 * NODES
 

@@ -22,6 +22,7 @@ from axond.coordinator.persistence import MemoryPersistence, Persistence, Sqlite
 from axond.coordinator.state.machine import CoordinatorState
 from axond.errors import CoordinatorError
 from sqlite_reopen import sqlite_reopener
+from axond.fencing import FENCE_MARGIN_S, fence_wait
 from axond.v1 import coordinator_pb2 as pb
 from axond.v1 import coordinator_pb2_grpc as pb_grpc
 from etcd_cluster import EtcdServer, etcd_server  # noqa: F401  (the session's etcd, for the "etcd" backing)
@@ -111,6 +112,30 @@ def test_a_new_generation_and_a_finished_job_are_restored(backing: Reopen) -> No
     assert r.kv_get("j", 2, "axond/job/checkpoint") == b"50 /ck/step_000000050", "carried into generation 2, durably"
     assert r.jobs["solo"].state is JobState.SUCCEEDED and r.jobs["solo"].finished_at is not None
     assert r.budget.used == sum(j.kv._bytes for j in r.jobs.values())
+
+
+def test_no_generation_starts_within_a_fence_of_a_restart(backing: Reopen) -> None:
+    """A node declared dead just before a crash may still be killing its ranks; the fence time set for it is not
+    kept, so a restored job's open round freezes no earlier than a whole fence wait after the restart."""
+    now = time.monotonic()
+    s = _state(backing())
+    a = s.register_node("a", 0, False, now)
+    b = s.register_node("b", 0, False, now)
+    for n in (a, b):
+        s.join("j", n.node_id, 1, 2, 2, 1, now)
+    s.report_failure("j", b.node_id, 1, 1, 137, "killed", now)
+
+    restarted = time.monotonic()
+    r = _state(backing())
+    assert r.jobs["j"].generation == 2 and not r.jobs["j"].round.frozen
+    wait = fence_wait(1.0 * 5, 1.0, FENCE_MARGIN_S)
+    fence = r.jobs["j"].round.not_before
+    assert fence >= restarted + wait
+    for n in (a, b):
+        assert r.join("j", n.node_id, 1, 2, 2, 1, restarted) is None  # both here: held by the fence
+    assert not r.jobs["j"].round.frozen
+    r.tick(fence)
+    assert r.jobs["j"].round.frozen and r.jobs["j"].round.world_size == 2
 
 
 def test_one_coordinator_per_state_directory(tmp_path: Path) -> None:

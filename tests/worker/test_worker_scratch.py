@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 from axond.worker.error_files import SCRATCH_PREFIX, remove_scratch, scratch_dir
 
@@ -26,8 +27,11 @@ def test_the_directory_of_a_killed_worker_goes_and_a_live_ones_stays() -> None:
         assert os.path.basename(killed_dir).startswith(f"{SCRATCH_PREFIX}{killed.pid}-")
         assert os.path.isdir(killed_dir) and os.path.isdir(live_dir)
 
+        older = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)  # named as an older version's worker names it: no lock
         mine = scratch_dir()
         assert not os.path.exists(killed_dir), "a killed worker's directory is removed by the next one"
+        assert os.path.isdir(older), "a directory of an older worker (which holds no lock) is never removed"
+        shutil.rmtree(older)
         assert os.path.isdir(live_dir), "a directory a live process holds is never removed"
         remove_scratch(mine)
         assert not os.path.exists(mine)
