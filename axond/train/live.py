@@ -43,11 +43,13 @@ from axond.observe import timeline
 from axond.parallel import DistributedSampler
 from axond.train import join
 from axond.train.agreed import AgreedState
+from axond.parallel.fsdp.virtual import VirtualFSDP
 from axond.parallel.zero.virtual import VirtualZero
-from axond.train.buddy import BuddyCopies
+from axond.train.buddy import BuddyCopies, buddies
 from axond.train.daemon_copy import DaemonCopy
 from axond.train.progress import Progress
 from axond.train.reassemble import reassemble
+from axond.train.sharded import ShardedGradients
 from axond.train.virtual import VirtualGradients
 
 if TYPE_CHECKING:
@@ -154,7 +156,11 @@ class VirtualSteps:
         self.virtual = virtual
         self.samplers = [DistributedSampler(len(t.dataset), virtual, v, shuffle=self.shuffle, seed=self.seed)
                          for v in range(virtual)]
-        self.grads = VirtualGradients(list(t.module.parameters()), virtual, self.deterministic)
+        params = list(t.module.parameters())
+        if isinstance(t.optimizer, VirtualFSDP):  # FSDP: reduce-scattered on virtual ranks (`axond.train.sharded`)
+            self.grads = ShardedGradients(params, t.optimizer, self.deterministic, t.clip_norm)
+        else:
+            self.grads = VirtualGradients(params, virtual, self.deterministic)
         self.grads.layout(t.group)
         self.totals = np.zeros((virtual, 2), np.float64)
         """Per virtual rank: (loss sum, samples) of the epoch so far, the same on every rank."""
@@ -181,7 +187,13 @@ class VirtualSteps:
         self.lineage = int(table[0, 1])
         if self.copies is not None:
             self.copies.place(group, [int(n) for n in table[:, 0]])
+            self._route([int(n) for n in table[:, 0]])
         self.started = True
+
+    def _route(self, nodes: list[int]) -> None:
+        """FSDP: each rank's buddy also receives the reduced gradient of the blocks it holds copies of."""
+        if isinstance(self.zero, VirtualFSDP):
+            self.zero.route(buddies(nodes))
 
     def steps_per_epoch(self) -> tuple[int, int]:
         t = self.trainer
@@ -305,11 +317,14 @@ class VirtualSteps:
         daemon = self.daemon.holding(agreed, self.lineage) if fresh and self.daemon is not None else None
         if fresh:
             self.zero.tag = -1  # it carried nothing: it offers no state of its own
+        if isinstance(self.zero, VirtualFSDP):  # no rank holds the whole gradient to advance a daemon copy with
+            self.zero.grad_tag = -1  # (a buddy holds its sources' blocks' gradients: its older copies still advance)
         done = reassemble(self.zero, self.copies.holdings if self.copies is not None else [], group, agreed, daemon)
         if done.lost:
             self._lost(done.lost, group)
         if self.copies is not None:
             self.copies.place(group, nodes)
+            self._route(nodes)
             self.copies.post()
         if self.daemon is not None:
             self.daemon.post(self.lineage)

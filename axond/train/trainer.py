@@ -26,6 +26,7 @@ from axond.nn.optim import Optimizer
 from axond.nn.utils import clip_grad_norm_
 from axond.nn.container import Sequential
 from axond.parallel import DDP, FSDP, DistributedSampler, Pipeline, ShardingStrategy, ZeroRedundancyOptimizer
+from axond.parallel.fsdp.virtual import VirtualFSDP
 from axond.parallel.zero.virtual import VirtualZero
 from axond.train.agree import COMPARABLE, ReplicaCheck
 from axond.train.checkpointing import TrainerCheckpoints
@@ -40,7 +41,7 @@ from axond.distributed import default_registry as defaults
 from axond.distributed import membership
 
 PARALLEL = ("ddp", "zero", "fsdp", "tp", "pipeline", "none")
-VIRTUAL = ("ddp", "zero")
+VIRTUAL = ("ddp", "zero", "fsdp")
 """Parallel modes that train on virtual ranks (and so recover live)."""
 
 
@@ -189,7 +190,7 @@ class DistributedTrainer:
 
     def _wrap(self, model: Module, factory: Callable[[list[Any]], Optimizer],
               sharding: ShardingStrategy | str) -> tuple[Any, Optimizer, Callable[[float], float]]:
-        if self.parallel == "fsdp":
+        if self.parallel == "fsdp" and self._virtual_ranks is None:
             strategy = sharding if isinstance(sharding, ShardingStrategy) else ShardingStrategy[str(sharding).upper()]
             fsdp = FSDP(model, self.group, sharding_strategy=strategy, **self._wrapper_options)
             return fsdp, factory(list(fsdp.parameters())), fsdp.clip_grad_norm_
@@ -207,6 +208,12 @@ class DistributedTrainer:
             opt = factory(params)
             if self.parallel == "zero":  # ZeRO-1 on virtual shards: the layout does not depend on the world size
                 opt = VirtualZero(params, type(opt), self.group, self._virtual_ranks, **opt.defaults)
+            if self.parallel == "fsdp":  # FSDP on virtual shards: clipped in the reduction (`axond.train.sharded`)
+                if self._wrapper_options:
+                    raise ValueError(f"parallel='fsdp' on virtual ranks takes no wrapper_options (got "
+                                     f"{sorted(self._wrapper_options)}): it shards the whole model as one unit")
+                opt = VirtualFSDP(params, type(opt), self.group, self._virtual_ranks, **opt.defaults)
+                return model, opt, lambda max_norm: self._reduced_norm()
             return model, opt, lambda max_norm: clip_grad_norm_(params, max_norm)
         if self.parallel == "none" and self.world_size > 1:
             raise ValueError(f"parallel='none' trains one process; this group has {self.world_size} ranks")
@@ -216,6 +223,11 @@ class DistributedTrainer:
         if self.parallel == "zero":
             opt = ZeroRedundancyOptimizer(params, type(opt), self.group, **opt.defaults)
         return wrapped, opt, lambda max_norm: clip_grad_norm_(params, max_norm)
+
+    def _reduced_norm(self) -> float:
+        """FSDP on virtual ranks: the gradient norm of the last step, clipped already while it was reduced."""
+        assert self.virtual is not None
+        return float(getattr(self.virtual.grads, "norm", 0.0))
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
