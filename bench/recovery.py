@@ -14,6 +14,7 @@ completed, on any rank.
 
     python bench/recovery.py --runs 3
     python bench/recovery.py --runs 3 --parallel zero   # ZeRO-1: the lost rank's shard from its buddy's copy
+    python bench/recovery.py --runs 3 --parallel fsdp   # FSDP on virtual ranks: the same, parameters sharded too
     python bench/recovery.py --part step-cost --world 3 --hidden 512   # what the virtual-rank step costs
     python bench/recovery.py --part cut --runs 3 --heartbeat 0.25 --missed 6   # root: netns hosts, faults by the lease
 
@@ -289,8 +290,9 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--parallel", choices=("ddp", "zero"), default="ddp",
-                        help="the trainer's parallel mode in the recovery runs (zero: ZeRO-1 with buddy copies)")
+    parser.add_argument("--parallel", choices=("ddp", "zero", "fsdp"), default="ddp",
+                        help="the trainer's parallel mode in the recovery runs (zero: ZeRO-1, fsdp: FSDP, both on the "
+                        "virtual ranks with buddy copies)")
     args = parser.parse_args()
     os.environ["LIVE_TEST_PARALLEL"] = args.parallel  # read by tests/helpers/live_train.py in the workers' ranks
     if args.part == "step-cost":
