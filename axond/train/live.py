@@ -1,5 +1,5 @@
-"""Data-parallel steps on virtual ranks that survive a membership change (`DistributedTrainer`, parallel="ddp" or
-"zero").
+"""Data-parallel steps on virtual ranks that survive a membership change (`DistributedTrainer`, parallel="ddp",
+"zero" or "fsdp").
 
 Each step: every virtual rank this process carries runs its micro-batches (its data shard, its random stream), its
 gradient and loss go into its row; one all_gather brings every row and the rows are averaged in virtual-rank
@@ -13,7 +13,9 @@ then ("rolls forward"), and none is ever applied twice.
 Under ZeRO-1 (`axond.parallel.zero.virtual`) each rank steps the optimizer for its block of virtual shards, then the
 blocks are all-gathered; each rank's block is copied to a buddy (`axond.train.buddy`) and into its worker daemon's
 memory (`axond.train.daemon_copy`) and, after a re-formation, the shards are rebuilt at the agreed step from the
-survivors and the copies and re-sharded over the new world (`axond.train.reassemble`).
+survivors and the copies and re-sharded over the new world (`axond.train.reassemble`). FSDP on virtual ranks
+(`axond.parallel.fsdp.virtual`) is ZeRO-1's layout and recovery with the gradient reduce-scattered in virtual-rank
+order (`axond.train.sharded`) instead of gathered whole.
 """
 
 from __future__ import annotations
@@ -157,10 +159,9 @@ class VirtualSteps:
         self.samplers = [DistributedSampler(len(t.dataset), virtual, v, shuffle=self.shuffle, seed=self.seed)
                          for v in range(virtual)]
         params = list(t.module.parameters())
-        if isinstance(t.optimizer, VirtualFSDP):  # FSDP: reduce-scattered on virtual ranks (`axond.train.sharded`)
-            self.grads = ShardedGradients(params, t.optimizer, self.deterministic, t.clip_norm)
-        else:
-            self.grads = VirtualGradients(params, virtual, self.deterministic)
+        self.grads: VirtualGradients = (  # FSDP: reduce-scattered on virtual ranks (`axond.train.sharded`)
+            ShardedGradients(params, t.optimizer, self.deterministic, t.clip_norm)
+            if isinstance(t.optimizer, VirtualFSDP) else VirtualGradients(params, virtual, self.deterministic))
         self.grads.layout(t.group)
         self.totals = np.zeros((virtual, 2), np.float64)
         """Per virtual rank: (loss sum, samples) of the epoch so far, the same on every rank."""

@@ -81,7 +81,7 @@ class DistributedTrainer:
     on a mismatch roll back to the newest agreed checkpoint or raise `ReplicaDivergence` (`axond.train.agree`); with
     virtual ranks (a live job, "ddp"), the diverged ranks raise, their node leaves, and the others go on from the last
     agreed state kept in memory (`axond.train.agreed`).
-    virtual_ranks: ("ddp", "zero") train on this many virtual data-parallel ranks, each with its data shard and random
+    virtual_ranks: ("ddp", "zero", "fsdp") train on this many virtual data-parallel ranks, each with its data shard and random
     stream,
     their gradients summed in a fixed order, so that the parameters do not depend on the world size
     (`axond.train.live`); default, when the job recovers live (`axond worker --live-recovery`): the most ranks it may
@@ -89,7 +89,7 @@ class DistributedTrainer:
     a `MembershipChanged` is then caught, the group re-formed and the cut step run again; else off. deterministic:
     with virtual ranks, sum the gradients in virtual-rank order (bit-identical at every world size; an all_gather),
     or, False, in whatever order an all_reduce sums them (fewer bytes; equal up to float rounding). copy_every:
-    ("zero" on virtual ranks) copy each rank's optimizer-state shard to a buddy rank's memory every N committed steps
+    ("zero", "fsdp" on virtual ranks: `axond.parallel.fsdp.virtual`) copy each rank's optimizer-state shard to a buddy rank's memory every N committed steps
     (`axond.train.buddy`), so that a live job rebuilds a lost rank's shard without storage; None: no copies.
     seed / shuffle: the `DistributedSampler`'s. callbacks: `Callback`s. progress / log_every: rank 0's display.
     """

@@ -97,8 +97,8 @@ def test_four_hosts_lose_rank_two_and_the_rest_go_on_bit_identical(netns, tmp_pa
     for recovery in check_survivors(out, parallel):
         assert recovery["reformed_at"] - killed < LEASE_S, recovery  # before the lease would have said "dead"
         assert recovery["checkpoint"] is None and recovery["from_copies"] == ([] if parallel == "ddp" else [2])
-        print(f"{parallel}: error {recovery['error_at'] - killed:.2f} s, re-formed {recovery['reformed_at'] - killed:.2f}"
-              f" s after the SIGKILL")
+        print(f"{parallel}: error {recovery['error_at'] - killed:.2f} s, re-formed "
+              f"{recovery['reformed_at'] - killed:.2f} s after the SIGKILL")
 
 
 @pytest.mark.timeout(150)
