@@ -91,11 +91,22 @@ def test_fsdp_replacement_rank_takes_the_lost_shard_from_its_worker_daemons_memo
 
 
 @pytest.mark.slow
-def test_fsdp_without_copies_and_without_restarts_fails_naming_the_shard(procs: Procs, tmp_path: Path) -> None:
-    """Both copies of rank 2's shard gone (copies off, its worker not re-joining): the survivors fail naming it and
-    never go on with wrong state."""
+def test_fsdp_without_copies_falls_back_to_the_checkpoint_or_fails_clearly(procs: Procs, tmp_path: Path) -> None:
+    """Both copies of rank 2's shard gone (copies off, its worker not re-joining): with a checkpoint the survivors read
+    it, say so and end bit-identical; without one they fail naming the shard, never going on with wrong state."""
     finished, _ = _run(procs, tmp_path / "bare", {**FSDP, "LIVE_TEST_COPY_EVERY": "none"})
     assert all(f.code != 0 for f in finished), [f.code for f in finished]
     assert sum("virtual shard(s) [2]" in f.stderr and "no checkpoint to fall back to" in f.stderr
                for f in finished) == 2, [f.stderr[-1500:] for f in finished]
     assert not _ends(tmp_path / "bare")
+
+    out = tmp_path / "stored"
+    finished, _ = _run(procs, out, {**FSDP, "LIVE_TEST_COPY_EVERY": "none"}, str(tmp_path / "checkpoints"))
+    assert sorted(f.code for f in finished)[:2] == [0, 0], [f.stderr[-1500:] for f in finished]
+    assert any("falling back to the checkpoint" in f.stderr for f in finished)
+    expected = reference()
+    for pid, end in _ends(out).items():
+        (recovery,) = end["recoveries"]
+        assert recovery["checkpoint"] is not None and recovery["from_copies"] == []
+        done = _steps(out, pid)
+        assert done[-1]["step"] == STEPS and [s["hash"] for s in done][-STEPS + HANG_STEP:] == expected[HANG_STEP:]
