@@ -26,7 +26,8 @@ from the fault.
 
 `--part step-cost`: the median step time of `DistributedTrainer` in `--world` processes on loopback (an MLP of
 `--hidden` units, 4 layers): plain DDP (bucketed all_reduce), virtual ranks deterministic (one all_gather of every
-virtual rank's gradient, summed in order) and virtual ranks fast (each rank's sum all_reduced).
+virtual rank's gradient, summed in order), virtual ranks fast (each rank's sum all_reduced), and ZeRO-1 and FSDP on
+virtual ranks (no buddy copies: FSDP reduce-scatters the rows in virtual-rank order, an all_to_all).
 """
 
 from __future__ import annotations
@@ -182,7 +183,11 @@ def step_cost(world: int, hidden: int, steps: int) -> None:
     print("|---|---:|---:|")
     base = 0.0
     for name, options in (("DDP (parallel='ddp')", ()), ("virtual ranks, deterministic", (("virtual_ranks", world),)),
-                          ("virtual ranks, fast", (("virtual_ranks", world), ("deterministic", False)))):
+                          ("virtual ranks, fast", (("virtual_ranks", world), ("deterministic", False))),
+                          ("ZeRO-1 on virtual ranks", (("virtual_ranks", world), ("parallel", "zero"),
+                                                       ("copy_every", None))),
+                          ("FSDP on virtual ranks", (("virtual_ranks", world), ("parallel", "fsdp"),
+                                                     ("copy_every", None)))):
         median = statistics.median(run_processes(_StepCost(hidden, steps, options), world, timeout=600))
         base = base or median
         print(f"| {name} | {median * 1e3:.1f} | {median / base:.2f}x |", flush=True)

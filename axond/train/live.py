@@ -78,11 +78,11 @@ class Recovery:
     rolled_forward: bool
     """This rank applied the cut step's gradient after the re-formation (it had been committed elsewhere)."""
     from_copies: tuple[int, ...] = ()
-    """ZeRO-1: the virtual shards rebuilt from buddy copies (in memory, nothing read from storage)."""
+    """ZeRO-1 and FSDP: the virtual shards rebuilt from buddy copies (in memory, nothing read from storage)."""
     replayed: tuple[int, ...] = ()
     """ZeRO-1: of `from_copies`, the shards whose copy was of the step before, advanced by the gradients kept since."""
     checkpoint: str | None = None
-    """ZeRO-1: the checkpoint read instead, when both copies of a shard were lost."""
+    """ZeRO-1 and FSDP: the checkpoint read instead, when both copies of a shard were lost."""
     from_daemon: tuple[int, ...] = ()
     """ZeRO-1: of `from_copies`, the shards whose copy came from a worker daemon's memory (a replacement rank's)."""
 
@@ -134,7 +134,7 @@ class VirtualSteps:
         self.transfers: list[join.StateTransfer] = []
         """The state sent to (or, first, received by) ranks that joined the running job (`axond.train.join`)."""
         self.zero = trainer.optimizer if isinstance(trainer.optimizer, VirtualZero) else None
-        """ZeRO-1 on the virtual ranks (parallel="zero"), else None."""
+        """ZeRO-1 (parallel="zero") or FSDP (parallel="fsdp", a subclass) on the virtual ranks, else None."""
         self.copies = BuddyCopies(self.zero, copy_every) if self.zero is not None and copy_every else None
         """The buddy copies of this rank's shards (None: off, or not ZeRO-1)."""
         self.fell_back: str | None = None
