@@ -36,16 +36,19 @@ def _one_recovery(end: dict[str, Any], world_after: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["after-step", "before-copy"])
+@pytest.mark.parametrize("stop", ["after-step", "before-copy", "every-third-step"])
 def test_fsdp_survivors_rebuild_the_lost_shard_from_its_buddy_copy_bit_identical(procs: Procs, tmp_path: Path,
                                                                                   stop: str) -> None:
     """after-step: rank 2's copy of the cut step landed in rank 0 and is used as is; before-copy: rank 2 stops before
     posting it, and rank 0 advances the copy of the step before by the gradient of rank 2's block, which the
-    reduce-scatter routes to a buddy as well as to the block's carrier."""
+    reduce-scatter routes to a buddy as well as to the block's carrier; every-third-step (copy_every=3): the last copy
+    is of step 18, advanced by the gradients of steps 19 and 20 that rank 0 kept."""
     out = tmp_path / "fsdp"
     env = {**FSDP, "AXOND_TIMELINE": str(tmp_path / "timeline")}
     if stop == "before-copy":
         env["LIVE_TEST_HANG_IN"] = "post"
+    if stop == "every-third-step":
+        env["LIVE_TEST_COPY_EVERY"] = "3"
     finished, killed = _run(procs, out, env)
     codes = sorted(f.code for f in finished)
     assert codes[:2] == [0, 0] and codes[2] != 0, [(f.code, f.stderr[-1500:]) for f in finished]
@@ -57,7 +60,7 @@ def test_fsdp_survivors_rebuild_the_lost_shard_from_its_buddy_copy_bit_identical
     for pid, end in ends.items():
         recovery = _one_recovery(end, 2)
         assert recovery["from_copies"] == [2], recovery  # rank 2's shard, from rank 0's memory
-        assert recovery["replayed"] == ([2] if stop == "before-copy" else []), recovery
+        assert recovery["replayed"] == ([] if stop == "after-step" else [2]), recovery
         done = _steps(out, pid)
         assert [s["step"] for s in done] == list(range(1, STEPS + 1))  # the cut step ran again, once
         assert [s["hash"] for s in done] == expected  # after every step, not only the last
