@@ -210,8 +210,9 @@ class DistributedTrainer:
                 opt = VirtualZero(params, type(opt), self.group, self._virtual_ranks, **opt.defaults)
             if self.parallel == "fsdp":  # FSDP on virtual shards: clipped in the reduction (`axond.train.sharded`)
                 if self._wrapper_options:
-                    raise ValueError(f"parallel='fsdp' on virtual ranks takes no wrapper_options (got "
-                                     f"{sorted(self._wrapper_options)}): it shards the whole model as one unit")
+                    raise ValueError(f"parallel='fsdp' on virtual ranks (a live job, or virtual_ranks=) takes no "
+                                     f"wrapper_options (got {sorted(self._wrapper_options)}): it shards the whole model "
+                                     "as one unit; drop them, or use the FSDP wrapper's options outside a live job")
                 opt = VirtualFSDP(params, type(opt), self.group, self._virtual_ranks, **opt.defaults)
                 return model, opt, lambda max_norm: self._reduced_norm()
             return model, opt, lambda max_norm: clip_grad_norm_(params, max_norm)

@@ -13,7 +13,7 @@ from axond import nn
 from axond.distributed import ProcessGroup
 from axond.nn.optim import AdamW
 from axond.parallel.fsdp.virtual import VirtualFSDP
-from axond.testing import run_threads
+from axond.testing import RankFailed, run_threads
 from axond.train import Callback, DistributedTrainer
 from axond.train.sharded import ShardedGradients
 
@@ -86,7 +86,7 @@ def test_fsdp_on_virtual_ranks_refuses_the_fast_mode_and_wrapper_options() -> No
     def build(group: ProcessGroup, **options: Any) -> None:
         trainer(group, [], parallel="fsdp", virtual_ranks=2, **options)
 
-    with pytest.raises(Exception, match="deterministic=True"):
+    with pytest.raises(RankFailed, match="deterministic=True"):
         run_threads(lambda g: build(g, deterministic=False), 1, 60.0)
-    with pytest.raises(Exception, match="no wrapper_options"):
+    with pytest.raises(RankFailed, match="no wrapper_options"):
         run_threads(lambda g: build(g, wrapper_options={"num_microbatches": 2}), 1, 60.0)
