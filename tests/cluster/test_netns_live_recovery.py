@@ -102,9 +102,11 @@ def test_four_hosts_lose_rank_two_and_the_rest_go_on_bit_identical(netns, tmp_pa
 
 
 @pytest.mark.timeout(150)
-def test_four_hosts_lose_rank_twos_link_both_ways_and_the_rest_go_on_bit_identical(netns, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_four_hosts_lose_rank_twos_link_both_ways_and_the_rest_go_on_bit_identical(netns, tmp_path: Path,
+                                                                                    parallel: str) -> None:
     net = netns(5)
-    workers, out = start_job(net, tmp_path, CUT_MISSED, FENCE_MARGIN_S)
+    workers, out = start_job(net, tmp_path, CUT_MISSED, FENCE_MARGIN_S, parallel=parallel)
     victim = wait_for_hang(workers, out)
     (host,) = [h for h in net.hosts if victim in h.pids()]
     host.drop_frames(True)  # no FIN, no reset: the survivors' sockets to it stay open and silent
@@ -115,8 +117,9 @@ def test_four_hosts_lose_rank_twos_link_both_ways_and_the_rest_go_on_bit_identic
     assert codes == [0, 0, 0], [w.text()[-1500:] for w in survivors]
     assert cut.wait(60) != 0, cut.text()[-1500:]  # its worker lost its lease and stopped its rank (the fence)
     fence = fence_wait(CUT_LEASE_S, HEARTBEAT_S, FENCE_MARGIN_S)
-    for recovery in check_survivors(out):
+    for recovery in check_survivors(out, parallel):
         assert "missed" in recovery["reason"] and host.hostname in recovery["reason"], recovery
+        assert recovery["from_copies"] == ([] if parallel == "ddp" else [2]), recovery
         # the cut collective raised once the lease ran out, not at the group's timeout (GROUP_TIMEOUT_S)
         assert recovery["error_at"] - dropped < CUT_LEASE_S + DETECT_S + HEARTBEAT_S, (recovery, dropped)
         # and computed again once the fence let the next generation start
