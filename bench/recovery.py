@@ -14,7 +14,9 @@ completed, on any rank.
 
     python bench/recovery.py --runs 3
     python bench/recovery.py --runs 3 --parallel zero   # ZeRO-1: the lost rank's shard from its buddy's copy
+    python bench/recovery.py --runs 3 --parallel fsdp   # FSDP on virtual ranks: the same, parameters sharded too
     python bench/recovery.py --part step-cost --world 3 --hidden 512   # what the virtual-rank step costs
+    python bench/recovery.py --part step-cost --world 3 --hidden 1024 --steps 15 --loops zero,fsdp --rounds 2
     python bench/recovery.py --part cut --runs 3 --heartbeat 0.25 --missed 6   # root: netns hosts, faults by the lease
 
 `--part cut` (root and `ip netns`): a coordinator and four worker hosts in network namespaces (axond/testing/netns.py),
@@ -25,7 +27,8 @@ from the fault.
 
 `--part step-cost`: the median step time of `DistributedTrainer` in `--world` processes on loopback (an MLP of
 `--hidden` units, 4 layers): plain DDP (bucketed all_reduce), virtual ranks deterministic (one all_gather of every
-virtual rank's gradient, summed in order) and virtual ranks fast (each rank's sum all_reduced).
+virtual rank's gradient, summed in order), virtual ranks fast (each rank's sum all_reduced), and ZeRO-1 and FSDP on
+virtual ranks (no buddy copies: FSDP reduce-scatters the rows in virtual-rank order, an all_to_all).
 """
 
 from __future__ import annotations
@@ -173,18 +176,30 @@ class _StepCost:
         return float(statistics.median(times.times[3:]))
 
 
-def step_cost(world: int, hidden: int, steps: int) -> None:
+STEP_LOOPS: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
+    "ddp": ("DDP (parallel='ddp')", ()),
+    "deterministic": ("virtual ranks, deterministic", (("virtual_ranks", 0),)),
+    "fast": ("virtual ranks, fast", (("virtual_ranks", 0), ("deterministic", False))),
+    "zero": ("ZeRO-1 on virtual ranks", (("virtual_ranks", 0), ("parallel", "zero"), ("copy_every", None))),
+    "fsdp": ("FSDP on virtual ranks", (("virtual_ranks", 0), ("parallel", "fsdp"), ("copy_every", None))),
+}
+"""--part step-cost's loops (virtual_ranks 0: the world size)."""
+
+
+def step_cost(world: int, hidden: int, steps: int, loops: list[str], rounds: int = 1) -> None:
     params = 3 * (hidden * hidden + hidden) + hidden * 10 + 10
     print(f"{world} ranks on loopback, MLP of {params:,} float32 parameters ({params * 4 / 2**20:.1f} MiB), "
-          f"batch 8 per virtual rank; median step of {steps} (the first 3 left out)")
-    print("| loop | median step (ms) | vs DDP |")
+          f"batch 8 per virtual rank; median step of {steps} (the first 3 left out); {rounds} round(s), interleaved")
+    print("| loop | median step (ms) | vs the first loop |")
     print("|---|---:|---:|")
     base = 0.0
-    for name, options in (("DDP (parallel='ddp')", ()), ("virtual ranks, deterministic", (("virtual_ranks", world),)),
-                          ("virtual ranks, fast", (("virtual_ranks", world), ("deterministic", False)))):
-        median = statistics.median(run_processes(_StepCost(hidden, steps, options), world, timeout=600))
-        base = base or median
-        print(f"| {name} | {median * 1e3:.1f} | {median / base:.2f}x |", flush=True)
+    for _ in range(rounds):
+        for key in loops:
+            name, options = STEP_LOOPS[key]
+            options = tuple((k, world if k == "virtual_ranks" else v) for k, v in options)
+            median = statistics.median(run_processes(_StepCost(hidden, steps, options), world, timeout=600))
+            base = base or median
+            print(f"| {name} | {median * 1e3:.1f} | {median / base:.2f}x |", flush=True)
 
 
 def _axond(*args: str) -> list[str]:
@@ -289,12 +304,19 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--parallel", choices=("ddp", "zero"), default="ddp",
-                        help="the trainer's parallel mode in the recovery runs (zero: ZeRO-1 with buddy copies)")
+    parser.add_argument("--loops", default="ddp,deterministic,fast,zero,fsdp",
+                        help=f"--part step-cost: which of {', '.join(STEP_LOOPS)} (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=1, help="--part step-cost: run the loops this many times in turn")
+    parser.add_argument("--parallel", choices=("ddp", "zero", "fsdp"), default="ddp",
+                        help="the trainer's parallel mode in the recovery runs (zero: ZeRO-1, fsdp: FSDP, both on the "
+                        "virtual ranks with buddy copies)")
     args = parser.parse_args()
     os.environ["LIVE_TEST_PARALLEL"] = args.parallel  # read by tests/helpers/live_train.py in the workers' ranks
     if args.part == "step-cost":
-        step_cost(args.world, args.hidden, args.steps)
+        loops = args.loops.split(",")
+        if not set(loops) <= set(STEP_LOOPS):
+            parser.error(f"--loops takes {', '.join(STEP_LOOPS)} (comma-separated), got {args.loops!r}")
+        step_cost(args.world, args.hidden, args.steps, loops, args.rounds)
         return
     if args.part == "cut":
         faults = args.faults.split(",")

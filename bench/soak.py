@@ -56,7 +56,8 @@ def main() -> None:
     parser.add_argument("--missed", type=int, default=6, help="the coordinator's --dead-after-missed")
     parser.add_argument("--min-nodes", type=int, default=2, help="MIN of --nnodes MIN:4")
     parser.add_argument("--hidden", type=int, default=512, help="the MLP's width (512: 2.1 MiB of parameters)")
-    parser.add_argument("--parallel", choices=("ddp", "zero"), default="ddp")
+    parser.add_argument("--parallel", choices=("ddp", "zero", "fsdp"), default="ddp",
+                        help="the trainer's parallel mode (zero: ZeRO-1, fsdp: FSDP, both on the virtual ranks)")
     parser.add_argument("--out", default="", help="keep the logs in this directory (default: a temporary one)")
     parser.add_argument("--analyse", default="", help="only analyse the run kept in this directory (by --out)")
     args = parser.parse_args()

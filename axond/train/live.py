@@ -1,5 +1,5 @@
-"""Data-parallel steps on virtual ranks that survive a membership change (`DistributedTrainer`, parallel="ddp" or
-"zero").
+"""Data-parallel steps on virtual ranks that survive a membership change (`DistributedTrainer`, parallel="ddp",
+"zero" or "fsdp").
 
 Each step: every virtual rank this process carries runs its micro-batches (its data shard, its random stream), its
 gradient and loss go into its row; one all_gather brings every row and the rows are averaged in virtual-rank
@@ -13,7 +13,9 @@ then ("rolls forward"), and none is ever applied twice.
 Under ZeRO-1 (`axond.parallel.zero.virtual`) each rank steps the optimizer for its block of virtual shards, then the
 blocks are all-gathered; each rank's block is copied to a buddy (`axond.train.buddy`) and into its worker daemon's
 memory (`axond.train.daemon_copy`) and, after a re-formation, the shards are rebuilt at the agreed step from the
-survivors and the copies and re-sharded over the new world (`axond.train.reassemble`).
+survivors and the copies and re-sharded over the new world (`axond.train.reassemble`). FSDP on virtual ranks
+(`axond.parallel.fsdp.virtual`) is ZeRO-1's layout and recovery with the gradient reduce-scattered in virtual-rank
+order (`axond.train.sharded`) instead of gathered whole.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ from axond.observe import timeline
 from axond.parallel import DistributedSampler
 from axond.train import join
 from axond.train.agreed import AgreedState
+from axond.parallel.fsdp.virtual import VirtualFSDP
 from axond.parallel.zero.virtual import VirtualZero
-from axond.train.buddy import BuddyCopies
+from axond.train.buddy import BuddyCopies, buddies
 from axond.train.daemon_copy import DaemonCopy
 from axond.train.progress import Progress
 from axond.train.reassemble import reassemble
+from axond.train.sharded import ShardedGradients
 from axond.train.virtual import VirtualGradients
 
 if TYPE_CHECKING:
@@ -74,11 +78,11 @@ class Recovery:
     rolled_forward: bool
     """This rank applied the cut step's gradient after the re-formation (it had been committed elsewhere)."""
     from_copies: tuple[int, ...] = ()
-    """ZeRO-1: the virtual shards rebuilt from buddy copies (in memory, nothing read from storage)."""
+    """ZeRO-1 and FSDP: the virtual shards rebuilt from buddy copies (in memory, nothing read from storage)."""
     replayed: tuple[int, ...] = ()
     """ZeRO-1: of `from_copies`, the shards whose copy was of the step before, advanced by the gradients kept since."""
     checkpoint: str | None = None
-    """ZeRO-1: the checkpoint read instead, when both copies of a shard were lost."""
+    """ZeRO-1 and FSDP: the checkpoint read instead, when both copies of a shard were lost."""
     from_daemon: tuple[int, ...] = ()
     """ZeRO-1: of `from_copies`, the shards whose copy came from a worker daemon's memory (a replacement rank's)."""
 
@@ -130,7 +134,7 @@ class VirtualSteps:
         self.transfers: list[join.StateTransfer] = []
         """The state sent to (or, first, received by) ranks that joined the running job (`axond.train.join`)."""
         self.zero = trainer.optimizer if isinstance(trainer.optimizer, VirtualZero) else None
-        """ZeRO-1 on the virtual ranks (parallel="zero"), else None."""
+        """ZeRO-1 (parallel="zero") or FSDP (parallel="fsdp", a subclass) on the virtual ranks, else None."""
         self.copies = BuddyCopies(self.zero, copy_every) if self.zero is not None and copy_every else None
         """The buddy copies of this rank's shards (None: off, or not ZeRO-1)."""
         self.fell_back: str | None = None
@@ -154,7 +158,10 @@ class VirtualSteps:
         self.virtual = virtual
         self.samplers = [DistributedSampler(len(t.dataset), virtual, v, shuffle=self.shuffle, seed=self.seed)
                          for v in range(virtual)]
-        self.grads = VirtualGradients(list(t.module.parameters()), virtual, self.deterministic)
+        params = list(t.module.parameters())
+        self.grads: VirtualGradients = (  # FSDP: reduce-scattered on virtual ranks (`axond.train.sharded`)
+            ShardedGradients(params, t.optimizer, self.deterministic, t.clip_norm)
+            if isinstance(t.optimizer, VirtualFSDP) else VirtualGradients(params, virtual, self.deterministic))
         self.grads.layout(t.group)
         self.totals = np.zeros((virtual, 2), np.float64)
         """Per virtual rank: (loss sum, samples) of the epoch so far, the same on every rank."""
@@ -181,7 +188,13 @@ class VirtualSteps:
         self.lineage = int(table[0, 1])
         if self.copies is not None:
             self.copies.place(group, [int(n) for n in table[:, 0]])
+            self._route([int(n) for n in table[:, 0]])
         self.started = True
+
+    def _route(self, nodes: list[int]) -> None:
+        """FSDP: each rank's buddy also receives the reduced gradient of the blocks it holds copies of."""
+        if isinstance(self.zero, VirtualFSDP):
+            self.zero.route(buddies(nodes))
 
     def steps_per_epoch(self) -> tuple[int, int]:
         t = self.trainer
@@ -305,11 +318,14 @@ class VirtualSteps:
         daemon = self.daemon.holding(agreed, self.lineage) if fresh and self.daemon is not None else None
         if fresh:
             self.zero.tag = -1  # it carried nothing: it offers no state of its own
+        if isinstance(self.zero, VirtualFSDP):  # no rank holds the whole gradient to advance a daemon copy with
+            self.zero.grad_tag = -1  # (a buddy holds its sources' blocks' gradients: its older copies still advance)
         done = reassemble(self.zero, self.copies.holdings if self.copies is not None else [], group, agreed, daemon)
         if done.lost:
             self._lost(done.lost, group)
         if self.copies is not None:
             self.copies.place(group, nodes)
+            self._route(nodes)
             self.copies.post()
         if self.daemon is not None:
             self.daemon.post(self.lineage)

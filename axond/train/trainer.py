@@ -26,6 +26,7 @@ from axond.nn.optim import Optimizer
 from axond.nn.utils import clip_grad_norm_
 from axond.nn.container import Sequential
 from axond.parallel import DDP, FSDP, DistributedSampler, Pipeline, ShardingStrategy, ZeroRedundancyOptimizer
+from axond.parallel.fsdp.virtual import VirtualFSDP
 from axond.parallel.zero.virtual import VirtualZero
 from axond.train.agree import COMPARABLE, ReplicaCheck
 from axond.train.checkpointing import TrainerCheckpoints
@@ -40,7 +41,7 @@ from axond.distributed import default_registry as defaults
 from axond.distributed import membership
 
 PARALLEL = ("ddp", "zero", "fsdp", "tp", "pipeline", "none")
-VIRTUAL = ("ddp", "zero")
+VIRTUAL = ("ddp", "zero", "fsdp")
 """Parallel modes that train on virtual ranks (and so recover live)."""
 
 
@@ -80,7 +81,7 @@ class DistributedTrainer:
     on a mismatch roll back to the newest agreed checkpoint or raise `ReplicaDivergence` (`axond.train.agree`); with
     virtual ranks (a live job, "ddp"), the diverged ranks raise, their node leaves, and the others go on from the last
     agreed state kept in memory (`axond.train.agreed`).
-    virtual_ranks: ("ddp", "zero") train on this many virtual data-parallel ranks, each with its data shard and random
+    virtual_ranks: ("ddp", "zero", "fsdp") train on this many virtual data-parallel ranks, each with its data shard and random
     stream,
     their gradients summed in a fixed order, so that the parameters do not depend on the world size
     (`axond.train.live`); default, when the job recovers live (`axond worker --live-recovery`): the most ranks it may
@@ -88,7 +89,7 @@ class DistributedTrainer:
     a `MembershipChanged` is then caught, the group re-formed and the cut step run again; else off. deterministic:
     with virtual ranks, sum the gradients in virtual-rank order (bit-identical at every world size; an all_gather),
     or, False, in whatever order an all_reduce sums them (fewer bytes; equal up to float rounding). copy_every:
-    ("zero" on virtual ranks) copy each rank's optimizer-state shard to a buddy rank's memory every N committed steps
+    ("zero", "fsdp" on virtual ranks: `axond.parallel.fsdp.virtual`) copy each rank's optimizer-state shard to a buddy rank's memory every N committed steps
     (`axond.train.buddy`), so that a live job rebuilds a lost rank's shard without storage; None: no copies.
     seed / shuffle: the `DistributedSampler`'s. callbacks: `Callback`s. progress / log_every: rank 0's display.
     """
@@ -189,7 +190,7 @@ class DistributedTrainer:
 
     def _wrap(self, model: Module, factory: Callable[[list[Any]], Optimizer],
               sharding: ShardingStrategy | str) -> tuple[Any, Optimizer, Callable[[float], float]]:
-        if self.parallel == "fsdp":
+        if self.parallel == "fsdp" and self._virtual_ranks is None:
             strategy = sharding if isinstance(sharding, ShardingStrategy) else ShardingStrategy[str(sharding).upper()]
             fsdp = FSDP(model, self.group, sharding_strategy=strategy, **self._wrapper_options)
             return fsdp, factory(list(fsdp.parameters())), fsdp.clip_grad_norm_
@@ -207,6 +208,13 @@ class DistributedTrainer:
             opt = factory(params)
             if self.parallel == "zero":  # ZeRO-1 on virtual shards: the layout does not depend on the world size
                 opt = VirtualZero(params, type(opt), self.group, self._virtual_ranks, **opt.defaults)
+            if self.parallel == "fsdp":  # FSDP on virtual shards: clipped in the reduction (`axond.train.sharded`)
+                if self._wrapper_options:
+                    raise ValueError(f"parallel='fsdp' on virtual ranks (a live job, or virtual_ranks=) takes no "
+                                     f"wrapper_options (got {sorted(self._wrapper_options)}): it shards the whole model "
+                                     "as one unit; drop them, or use the FSDP wrapper's options outside a live job")
+                opt = VirtualFSDP(params, type(opt), self.group, self._virtual_ranks, **opt.defaults)
+                return model, opt, lambda max_norm: self._reduced_norm()
             return model, opt, lambda max_norm: clip_grad_norm_(params, max_norm)
         if self.parallel == "none" and self.world_size > 1:
             raise ValueError(f"parallel='none' trains one process; this group has {self.world_size} ranks")
@@ -216,6 +224,11 @@ class DistributedTrainer:
         if self.parallel == "zero":
             opt = ZeroRedundancyOptimizer(params, type(opt), self.group, **opt.defaults)
         return wrapped, opt, lambda max_norm: clip_grad_norm_(params, max_norm)
+
+    def _reduced_norm(self) -> float:
+        """FSDP on virtual ranks: the gradient norm of the last step, clipped already while it was reduced."""
+        assert self.virtual is not None
+        return float(getattr(self.virtual.grads, "norm", 0.0))
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:

@@ -42,9 +42,13 @@ HANG_STEP, STEPS = 20, 45
 """Rank 2 stops after step 20; 240 samples over 4 virtual ranks at batch 4 make 15 steps an epoch, 3 epochs."""
 
 
-def start_job(net: Network, tmp_path: Path, missed: int, fence_margin: float = 1.0) -> tuple[list[Proc], Path]:
+def start_job(net: Network, tmp_path: Path, missed: int, fence_margin: float = 1.0,
+              parallel: str = "ddp") -> tuple[list[Proc], Path]:
     """A coordinator in host 0 and a live job of one rank on each other host; returns the workers and the out dir."""
-    job = start_live_job(net, tmp_path, JOB, HANG_STEP, HEARTBEAT_S, missed, fence_margin)
+    private = tmp_path / "tmp"  # the workers' temporary files (membership notes) in the test's own directory
+    private.mkdir()
+    job = start_live_job(net, tmp_path, JOB, HANG_STEP, HEARTBEAT_S, missed, fence_margin,
+                         LIVE_TEST_PARALLEL=parallel, TMPDIR=str(private))
     return job.workers, job.out
 
 
@@ -57,11 +61,12 @@ def wait_for_hang(workers: list[Proc], out: Path) -> int:
     return int(next(out.glob("hang-*")).name.removeprefix("hang-"))
 
 
-def check_survivors(out: Path) -> list[dict[str, Any]]:
+def check_survivors(out: Path, parallel: str = "ddp") -> list[dict[str, Any]]:
     """Three survivors in their first processes, every step's parameters bit for bit those of an uninterrupted run;
     returns each survivor's one recovery."""
     reference = Hashes()
-    run_threads(lambda g: build_trainer(g, [reference] if g.rank == 0 else [], virtual_ranks=4).fit(3), 1, 120.0)
+    run_threads(lambda g: build_trainer(g, [reference] if g.rank == 0 else [], virtual_ranks=4,
+                                        parallel=parallel).fit(3), 1, 120.0)
     assert len(reference.hashes) == STEPS
     ends = [json.loads(p.read_text()) for p in out.glob("end-*.json")]
     assert sorted(e["rank"] for e in ends) == [0, 1, 2] and all(e["world"] == 3 for e in ends)
@@ -79,21 +84,29 @@ def check_survivors(out: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(150)
-def test_four_hosts_lose_rank_two_and_the_rest_go_on_bit_identical(netns, tmp_path: Path) -> None:
-    workers, out = start_job(netns(5), tmp_path, MISSED)
+@pytest.mark.parametrize("parallel", ["ddp", "zero", "fsdp"])
+def test_four_hosts_lose_rank_two_and_the_rest_go_on_bit_identical(netns, tmp_path: Path, parallel: str) -> None:
+    """Under ZeRO-1 and FSDP (on virtual ranks) rank 2's shard comes back from its buddy's copy in rank 3's memory,
+    re-sharded over the three survivors: nothing read from storage (the job has no checkpoint directory)."""
+    workers, out = start_job(netns(5), tmp_path, MISSED, parallel=parallel)
     victim = wait_for_hang(workers, out)
     killed = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     codes = [w.wait(60) for w in workers]
     assert sorted(codes)[:3] == [0, 0, 0] and sorted(codes)[3] != 0, [w.text()[-1500:] for w in workers]
-    for recovery in check_survivors(out):
+    for recovery in check_survivors(out, parallel):
         assert recovery["reformed_at"] - killed < LEASE_S, recovery  # before the lease would have said "dead"
+        assert recovery["checkpoint"] is None and recovery["from_copies"] == ([] if parallel == "ddp" else [2])
+        print(f"{parallel}: error {recovery['error_at'] - killed:.2f} s, re-formed "
+              f"{recovery['reformed_at'] - killed:.2f} s after the SIGKILL")
 
 
 @pytest.mark.timeout(150)
-def test_four_hosts_lose_rank_twos_link_both_ways_and_the_rest_go_on_bit_identical(netns, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_four_hosts_lose_rank_twos_link_both_ways_and_the_rest_go_on_bit_identical(netns, tmp_path: Path,
+                                                                                    parallel: str) -> None:
     net = netns(5)
-    workers, out = start_job(net, tmp_path, CUT_MISSED, FENCE_MARGIN_S)
+    workers, out = start_job(net, tmp_path, CUT_MISSED, FENCE_MARGIN_S, parallel=parallel)
     victim = wait_for_hang(workers, out)
     (host,) = [h for h in net.hosts if victim in h.pids()]
     host.drop_frames(True)  # no FIN, no reset: the survivors' sockets to it stay open and silent
@@ -104,8 +117,9 @@ def test_four_hosts_lose_rank_twos_link_both_ways_and_the_rest_go_on_bit_identic
     assert codes == [0, 0, 0], [w.text()[-1500:] for w in survivors]
     assert cut.wait(60) != 0, cut.text()[-1500:]  # its worker lost its lease and stopped its rank (the fence)
     fence = fence_wait(CUT_LEASE_S, HEARTBEAT_S, FENCE_MARGIN_S)
-    for recovery in check_survivors(out):
+    for recovery in check_survivors(out, parallel):
         assert "missed" in recovery["reason"] and host.hostname in recovery["reason"], recovery
+        assert recovery["from_copies"] == ([] if parallel == "ddp" else [2]), recovery
         # the cut collective raised once the lease ran out, not at the group's timeout (GROUP_TIMEOUT_S)
         assert recovery["error_at"] - dropped < CUT_LEASE_S + DETECT_S + HEARTBEAT_S, (recovery, dropped)
         # and computed again once the fence let the next generation start

@@ -85,9 +85,9 @@ def test_the_parameters_are_bit_identical_at_every_world_size(parallel: str) -> 
                 assert np.array_equal(value, reference[name]), (world, name)
 
 
-def test_virtual_ranks_need_parallel_ddp_or_zero() -> None:
+def test_virtual_ranks_need_parallel_ddp_zero_or_fsdp() -> None:
     with pytest.raises(ValueError, match="virtual_ranks"):
-        _train(ProcessGroup.mock(), virtual_ranks=2, parallel="fsdp")
+        _train(ProcessGroup.mock(), virtual_ranks=2, parallel="tp")
     with pytest.raises(ValueError, match="copy_every"):
         _train(ProcessGroup.mock(), virtual_ranks=2, parallel="zero", copy_every=0)
     with pytest.raises(RankFailed, match="fewer than the 2 ranks"):

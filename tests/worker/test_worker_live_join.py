@@ -51,12 +51,12 @@ def steps(out: Path, pid: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / f"steps-{pid}.jsonl").read_text().splitlines()]
 
 
-def reference() -> tuple[list[str], dict[str, np.ndarray]]:
+def reference(parallel: str = "ddp") -> tuple[list[str], dict[str, np.ndarray]]:
     """The uninterrupted run: three virtual ranks in one process (the same bits as three ranks)."""
     hashes = Hashes()
 
     def train(group: Any) -> dict[str, np.ndarray]:
-        trainer = build_trainer(group, [hashes], virtual_ranks=3)
+        trainer = build_trainer(group, [hashes], virtual_ranks=3, parallel=parallel)
         trainer.fit(3)
         return {k: np.array(v) for k, v in trainer.module.state_dict().items()}
 
@@ -114,12 +114,12 @@ def check_run(out: Path, killed: int, ref_hashes: list[str], ref_params: dict[st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "zero"])
+@pytest.mark.parametrize("parallel", ["ddp", "zero", "fsdp"])
 def test_a_replacement_worker_joins_the_running_job_and_ends_bit_identical(
         procs: Procs, tmp_path: Path, parallel: str) -> None:
-    """Under ZeRO-1 (`parallel="zero"`) the lost rank's shards come back from its buddy's copy (3 -> 2), and the
-    replacement's block from the shards' carriers (2 -> 3)."""
-    ref_hashes, ref_params = reference()
+    """Under ZeRO-1 (`parallel="zero"`) and FSDP (`"fsdp"`) the lost rank's shards come back from its buddy's copy
+    (3 -> 2), and the replacement's block from the shards' carriers (2 -> 3)."""
+    ref_hashes, ref_params = reference(parallel)
     out = tmp_path / "grow"
     out.mkdir()
     address = coordinator(procs)
@@ -134,8 +134,8 @@ def test_a_replacement_worker_joins_the_running_job_and_ends_bit_identical(
     finished = [procs.finish(w, timeout=120) for w in [*workers, replacement] if w is not lost]
     assert [f.code for f in finished] == [0, 0, 0], "\n----\n".join(f.stderr[-6000:] for f in finished)
     assert "this node joined the running job live (a new node: no restart counted" in finished[-1].stderr
-    check_run(out, killed, ref_hashes, ref_params, sharded=parallel == "zero")
-    if parallel == "zero":
+    check_run(out, killed, ref_hashes, ref_params, sharded=parallel != "ddp")
+    if parallel != "ddp":
         for end in read(out, "end-*.json").values():
             shrink = [r for r in end["recoveries"] if r["world_after"] == 2]
             assert all(r["from_copies"] == [2] for r in shrink), end["recoveries"]  # rank 2's shard, from its buddy
@@ -181,15 +181,18 @@ def test_a_replacement_joining_mid_step_costs_the_survivors_at_most_that_step(pr
 
 
 @pytest.mark.slow
-def test_a_job_started_at_min_grows_to_max_on_the_virtual_ranks_of_max(procs: Procs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_job_started_at_min_grows_to_max_on_the_virtual_ranks_of_max(procs: Procs, tmp_path: Path,
+                                                                       parallel: str) -> None:
     """Two of `--nnodes 2:3` start the job (after the settle time); it trains on three virtual ranks (the default in a
     live job: the most ranks it may grow to), so a third worker joins it at a step boundary and every step's
-    parameters are those of an uninterrupted three-rank run."""
-    ref_hashes, ref_params = reference()
+    parameters are those of an uninterrupted three-rank run (under FSDP the shards re-sharded from two ranks to
+    three)."""
+    ref_hashes, ref_params = reference(parallel)
     out = tmp_path / "min"
     out.mkdir()
     address = coordinator(procs)
-    env = {"LIVE_TEST_WAIT_JOIN": str(JOIN_STEP)}
+    env = {"LIVE_TEST_WAIT_JOIN": str(JOIN_STEP), "LIVE_TEST_PARALLEL": parallel}
     first = [procs.axond("worker", "--coordinator", address, "--nnodes", "2:3", "--job", "grow", "--live-recovery",
                          "--join-timeout", "60", "--", PY, str(SCRIPT), str(out), "-1", env=env) for _ in range(2)]
     wait_for(lambda: any(out.glob("steps-*")), 60, "the job to start training at two nodes")
