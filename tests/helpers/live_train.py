@@ -45,8 +45,9 @@ from axond.train import Callback, DistributedTrainer
 X = np.random.default_rng(5).standard_normal((240, 6)).astype(np.float32)
 Y = (X[:, 0] > X[:, 1]).astype(np.int64) + (X[:, 2] > 0.5)
 HANG_S = 120.0
-GROUP_TIMEOUT_S = 30.0
-"""The default group's timeout: how long the survivors would wait in a collective on a peer that never answers."""
+GROUP_TIMEOUT_S = float(os.environ.get("LIVE_TEST_GROUP_TIMEOUT_S", "30"))
+"""The default group's timeout: how long the survivors would wait in a collective on a peer that never answers
+(LIVE_TEST_GROUP_TIMEOUT_S; what bounds the detection of a link cut between two nodes that keep their leases)."""
 
 
 def build_trainer(group: ProcessGroup | None, callbacks: list[Callback], **options: Any) -> DistributedTrainer:

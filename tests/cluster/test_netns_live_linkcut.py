@@ -1,0 +1,116 @@
+"""Live recovery through a link cut between two nodes that both keep their leases (a partial partition): a coordinator
+and four `axond worker --live-recovery --nnodes 2:4` hosts in their own network namespaces, one rank each,
+DistributedTrainer (ddp, four virtual ranks). Every rank waits at the boundary after step 20 while iptables in the
+hosts of ranks 1 and 2 drops every packet between their two addresses, both ways (the coordinator stays reachable from
+all: nobody's lease runs out); then they go on. The collective stalls until the group's timeout (set small here), the
+workers of both ends find the other unreachable and report it, the coordinator goes on without the end with the higher
+node rank (rank 2's node), and the three others re-form live in the same processes: one re-formation, every step's
+parameters bit for bit those of an uninterrupted run.
+
+Needs root, `ip netns` and iptables (skipped otherwise, with the reason); the rules live in the test's namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from axond.fencing import PROBE_TIMEOUT_S, fence_wait
+from axond.testing import run_threads
+from axond.testing.netns import Host, Network
+from live_train import Hashes, build_trainer
+from netns import Proc, netns  # noqa: F401 - netns is the fixture
+from netns_live import start_live_job
+
+pytestmark = pytest.mark.slow  # a job across five network-namespace hosts (real coordinator and workers)
+
+HEARTBEAT_S, MISSED, FENCE_MARGIN_S = 0.25, 6, 0.5
+LEASE_S = HEARTBEAT_S * MISSED
+GROUP_TIMEOUT_S = 2.0
+"""The default group's timeout in every rank: what bounds the detection of a cut link between nodes that keep their
+leases (the collective between them stalls until then)."""
+DETECT_S = 2 * PROBE_TIMEOUT_S + HEARTBEAT_S + 0.5
+"""Beyond the group's timeout: the worker's two probes of the silent peer, the survivors' next (nudged) heartbeat and
+the rank's note (`WATCH_S`, `POLL_S`), with room for the report and a busy machine."""
+CUT_STEP, STEPS = 20, 45
+"""Every rank waits after step 20 while the link is cut; 240 samples over 4 virtual ranks at batch 4: 45 steps."""
+
+
+def need_iptables() -> None:
+    if shutil.which("iptables") is None:
+        pytest.skip("iptables is not installed (apt-get install iptables)")
+
+
+def cut(a: Host, b: Host) -> None:
+    """Drop every packet between the addresses of hosts `a` and `b`, both ways, in both hosts' own namespaces."""
+    for host, other in ((a, b), (b, a)):
+        for chain, flag in (("INPUT", "-s"), ("OUTPUT", "-d")):
+            subprocess.run(["ip", "netns", "exec", host.ns, "iptables", "-A", chain, flag, other.addr, "-j", "DROP"],
+                           check=True, capture_output=True, timeout=20)
+
+
+def started(net: Network, out: Path) -> dict[int, tuple[int, Host]]:
+    """Rank -> (pid, host) of the first processes."""
+    ranks = {}
+    for f in out.glob("start-*"):
+        _, rank, pid = f.name.split("-")
+        ranks[int(rank)] = (int(pid), next(h for h in net.hosts if int(pid) in h.pids()))
+    return ranks
+
+
+@pytest.mark.timeout(180)
+def test_a_link_cut_between_two_live_nodes_leaves_out_the_higher_one_and_the_rest_go_on_bit_identical(
+        netns, tmp_path: Path) -> None:
+    need_iptables()
+    net = netns(5)
+    job = start_live_job(net, tmp_path, "live", CUT_STEP, HEARTBEAT_S, MISSED, FENCE_MARGIN_S,
+                         LIVE_TEST_GROUP_TIMEOUT_S=str(GROUP_TIMEOUT_S), LIVE_TEST_HANG_RANKS="0,1,2,3")
+    out = job.out
+    deadline = time.monotonic() + 90
+    while len(list(out.glob("hang-*"))) < 4:  # every rank at the boundary after step 20: no collective in flight
+        assert time.monotonic() < deadline, [w.text()[-2000:] for w in job.workers]
+        time.sleep(0.02)
+    ranks = started(net, out)
+    cut(ranks[1][1], ranks[2][1])
+    went = time.monotonic()
+    (out / "go").write_text("")
+
+    evicted = next(w for w in job.workers if w.host is ranks[2][1])
+    survivors = [w for w in job.workers if w is not evicted]
+    codes = [w.wait(90) for w in survivors]
+    assert codes == [0, 0, 0], [w.text()[-2500:] for w in job.workers]
+    assert evicted.wait(30) != 0, evicted.text()[-2500:]
+    said = evicted.text()
+    # the evicted side names the unreachable node, and its rank's failed collective: op, group, peer
+    assert "cannot reach node rank 1" in said and "goes on without this node" in said, said[-2500:]
+    assert "on group 'world'" in said and "peer" in said, said[-2500:]
+    kept = next(w for w in survivors if w.host is ranks[1][1])
+    assert "cannot reach node rank 2" in kept.text(), kept.text()[-2500:]  # the other end reported too
+    assert not Path(f"/proc/{ranks[2][0]}").exists()
+
+    reference = Hashes()
+    run_threads(lambda g: build_trainer(g, [reference] if g.rank == 0 else [], virtual_ranks=4).fit(3), 1, 120.0)
+    assert len(reference.hashes) == STEPS
+    ends = [json.loads(p.read_text()) for p in out.glob("end-*.json")]
+    assert sorted(e["pid"] for e in ends) == sorted(ranks[r][0] for r in (0, 1, 3))  # the same processes
+    assert len(list(out.glob("start-*"))) == 4  # no process started again
+    fence = fence_wait(LEASE_S, HEARTBEAT_S, FENCE_MARGIN_S)
+    print("link cut: survivors' error, re-formed (s after the cut):",
+          [(round(e["recoveries"][0]["error_at"] - went, 2), round(e["recoveries"][0]["reformed_at"] - went, 2))
+           for e in ends])
+    for end in ends:
+        assert end["world"] == 3 and end["generation"] == "2", end  # one re-formation: no ping-pong
+        (recovery,) = end["recoveries"]
+        assert (recovery["world_before"], recovery["world_after"]) == (4, 3), recovery
+        assert "cannot reach" in recovery["reason"] and ranks[2][1].hostname in recovery["reason"], recovery
+        # the stalled collective ended by the group's timeout, not by a lease (no one lost it)
+        assert recovery["error_at"] - went < GROUP_TIMEOUT_S + DETECT_S, (recovery, went)
+        assert recovery["reformed_at"] - went < GROUP_TIMEOUT_S + DETECT_S + fence + 2.0, (recovery, went)
+        log = [json.loads(line) for line in (out / f"steps-{end['pid']}.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in log] == list(range(1, STEPS + 1))
+        assert [s["hash"] for s in log] == reference.hashes  # every step's parameters, bit for bit
