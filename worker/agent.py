@@ -411,8 +411,12 @@ class JobRunner:
         message = (f"this node cannot reach {where} on the data plane ({cause}); of the nodes of a cut link, the "
                    "coordinator went on without this one")
         if rejoin_after_left(spec.job, message, self._restarts_left, self._notice):
-            self._rejoins = True
-            return True, None
+            self._notice(f"job {spec.job!r}: waiting for {where} to answer again before re-joining (up to "
+                         f"--join-timeout, {spec.join_timeout:g} s)")
+            if links.wait_reachable(lost, spec.join_timeout, self._stop.is_set):
+                self._rejoins = True
+                return True, None
+            message = f"{message}; the link did not work again within --join-timeout ({spec.join_timeout:g} s)"
         return True, JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, f"{message}; job {spec.job!r} goes on without this "
                                 "node (live recovery)")
 

@@ -15,9 +15,15 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
+from collections.abc import Callable
 
 from axond.distributed.membership import nudge_path
 from axond.worker.peers import PeerLink
+
+
+RECHECK_S = 0.5
+"""How often a node left out for a cut link probes the nodes it could not reach before it re-joins."""
 
 
 class LinkCheck:
@@ -72,6 +78,21 @@ class LinkCheck:
         if self._thread is not None:
             self._thread.join(timeout)
         return self.poll()
+
+    def wait_reachable(self, lost: list[int], timeout: float, stopped: Callable[[], bool]) -> bool:
+        """After this node was left out for a cut link, with restarts left: wait (up to `timeout`) until the nodes it
+        could not reach answer a connection again (their listener of the generation before is closed by now: a refusal
+        is the answer), so that its worker re-joins only over a link that works. False if it did not come back."""
+        if self._link is None:
+            return True
+        deadline = time.monotonic() + timeout
+        while not stopped():
+            if not set(self._link.unreachable(tries=1)) & set(lost):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(RECHECK_S)
+        return False
 
     def address(self, node_rank: int) -> str:
         """Where node rank `node_rank` was probed (host:port), for messages."""
