@@ -139,8 +139,9 @@ def test_with_restarts_left_the_evicted_node_re_joins_only_once_its_link_works_a
     need_iptables()
     net = netns(5)
     job = start_live_job(net, tmp_path, "live", CUT_STEP, HEARTBEAT_S, MISSED, FENCE_MARGIN_S, ("--max-restarts", "1"),
-                         nnodes="2:4", LIVE_TEST_GROUP_TIMEOUT_S=str(REJOIN_GROUP_TIMEOUT_S), LIVE_TEST_HANG_RANKS="0,1,2,3",
-                         LIVE_TEST_START_TOGETHER="1", LIVE_TEST_WAIT_JOIN=f"{JOIN_STEP}:4",
+                         nnodes="2:4", LIVE_TEST_GROUP_TIMEOUT_S=str(REJOIN_GROUP_TIMEOUT_S),
+                         LIVE_TEST_HANG_RANKS="0,1,2,3", LIVE_TEST_START_TOGETHER="1",
+                         LIVE_TEST_WAIT_JOIN=f"{JOIN_STEP}:4",
                          TMPDIR=private_tmp(tmp_path))
     out = job.out
     deadline = time.monotonic() + 90
