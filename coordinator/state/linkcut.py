@@ -11,8 +11,9 @@ from that report alone, so that both ends of a cut link reach the same decision 
 * otherwise the job goes on without the node of the highest node rank among the reporter and the nodes it cannot
   reach: for one cut link, the end with the higher node rank (the other end keeps its processes).
 
-The evicted node is told (the reply's `left_job`, and heartbeats no longer say `live` to it) and stops its ranks; as
-after a death, the next generation starts no earlier than the fence (`fence_wait`) after the decision. A report about
+The evicted node is told (the reply's `left_job`, and heartbeats no longer say `live` to it) and stops its ranks; the
+next generation starts no earlier than a lease plus the fence (`fence_wait`) after the decision, by when that node's
+ranks are dead whether it heard (it heartbeats) or lost its lease. A report about
 a generation that already moved on (the other end's, once the decision was made) is answered with that decision.
 """
 
@@ -76,9 +77,10 @@ class LinkCuts:
         return j.generation, True
 
     def _fence(self, j: Job, lost: Node, now: float) -> None:
-        """The next generation starts no earlier than the fence after the decision: the evicted node's worker, told
-        at its next heartbeat, has stopped its ranks by then (or, cut off from the coordinator too, lost its lease)."""
+        """The next generation starts no earlier than a lease and the fence after the decision: within the lease the
+        evicted node's worker either heard it (its report's answer or a heartbeat) and stopped its ranks, or lost its
+        lease and stopped them by that (`axond.fencing`); the fence covers the stopping itself."""
         f = self.failures
         interval = f.members.paced(lost)
         lease = interval * f.members.liveness.dead_after_missed
-        j.round.not_before = max(j.round.not_before, now + fence_wait(lease, interval, f.fence_margin))
+        j.round.not_before = max(j.round.not_before, now + lease + fence_wait(lease, interval, f.fence_margin))

@@ -111,7 +111,7 @@ def test_a_link_cut_between_two_live_nodes_leaves_out_the_higher_one_and_the_res
     ends = [json.loads(p.read_text()) for p in out.glob("end-*.json")]
     assert sorted(e["pid"] for e in ends) == sorted(ranks[r][0] for r in (0, 1, 3))  # the same processes
     assert len(list(out.glob("start-*"))) == 4  # no process started again
-    fence = fence_wait(LEASE_S, HEARTBEAT_S, FENCE_MARGIN_S)
+    fence = LEASE_S + fence_wait(LEASE_S, HEARTBEAT_S, FENCE_MARGIN_S)  # the evicted node's lease, then the fence
     print("link cut: survivors' error, re-formed (s after the cut):",
           [(round(e["recoveries"][0]["error_at"] - went, 2), round(e["recoveries"][0]["reformed_at"] - went, 2))
            for e in ends])

@@ -62,10 +62,15 @@ def test_the_next_generation_waits_for_the_fence_then_forms_without_the_evicted_
     state, (a, b, c, d) = live_job(4, 2)
     j = state.jobs["j"]
     cut(state, c, [1], now=10.0)
-    fence = fence_wait(INTERVAL * MISSED, INTERVAL, MARGIN)
+    fence = INTERVAL * MISSED + fence_wait(INTERVAL * MISSED, INTERVAL, MARGIN)  # a lease, then the fence
     for n, t in ((a, 10.1), (b, 10.2), (d, 10.3)):
         assert state.join("j", n, 1, 2, 4, 0, now=t, live=True) is None
     assert not j.round.frozen  # c's ranks may still run until its worker heard (the fence)
+    for t in (11.5, 13.0, 10.0 + fence - 0.05):  # every node keeps its lease (c too: only its link is cut)
+        for n in (a, b, c, d):
+            state.heartbeat(n, "j", 2 if n != c else 1, now=t)
+        state.tick(t)
+    assert not j.round.frozen
     state.tick(10.0 + fence + 0.01)
     got = state.join_result("j", a, now=10.0 + fence + 0.02)
     assert got is not None and (got.generation, got.world_size) == (2, 3)
