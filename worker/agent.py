@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 
 from axond.errors import CoordinatorError, StoreError
+from axond.fencing import FENCE_TERM_S, PROBE_TIMEOUT_S
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
 from axond.worker.blame import blamed, caused_elsewhere
@@ -29,6 +30,7 @@ from axond.worker.launcher import start_ranks
 from axond.worker.error_files import remove_scratch, scratch_dir
 from axond.worker import live
 from axond.worker.joinback import JoinNotice, rejoin_after_left, report_when_back
+from axond.worker.linkcheck import LinkCheck
 from axond.worker.outage import OutageGuard
 from axond.worker.peers import PeerLink
 from axond.worker.rank_specs import rank_specs
@@ -241,8 +243,10 @@ class JobRunner:
                 reads = replace(self._conn, call_timeout=READ_TIMEOUT_S, connect_wait=0.0).connect()
                 link = self._peer_link(joined)
                 guard = OutageGuard(self._hb, link, spec.outage_grace, self._notice)
+                links = LinkCheck(link, self._membership_paths(joined.local_world_size), time.time()) \
+                    if spec.live_recovery and joined.nnodes > 1 else None
                 return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs], guard, joined.world_size,
-                                     reads)
+                                     reads, links)
             finally:
                 if reads is not None:
                     reads.close()  # cancels a read still in flight: its thread ends with it
@@ -268,7 +272,8 @@ class JobRunner:
             return None
 
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int],
-                 guard: OutageGuard, world_size: int, reads: CoordinatorClient) -> JobOutcome | None:
+                 guard: OutageGuard, world_size: int, reads: CoordinatorClient,
+                 links: LinkCheck | None = None) -> JobOutcome | None:
         """Watch the ranks until the generation ends; `reads` (a client with short calls) reads what the ranks
         report, off this loop's thread (`Background`): the loop's fencing deadline never waits on the coordinator."""
         spec = self._spec
@@ -346,6 +351,11 @@ class JobRunner:
                     return JobOutcome(LEASE_LOST_EXIT_CODE, why, lease_lost=True)
             if nudges is not None and nudges.due(time.monotonic()):
                 self._hb.beat_now()  # a local rank lost a peer: hear of the next generation now
+            lost = links.poll() if links is not None else None
+            if lost and links is not None:  # a cut link while every node keeps its lease: the coordinator decides
+                ended, outcome = self._report_cut(ranks, gen, lost, links)
+                if ended:
+                    return outcome
             beat = self._hb.latest(spec.job)
             if self._joins is not None:
                 self._joins.check(beat)
@@ -353,6 +363,12 @@ class JobRunner:
                 if nudges is not None:
                     nudges.clear()
                 return None
+            if beat is not None and beat.generation > gen and links is not None and not links.reported \
+                    and beat.job_state not in _TERMINAL_STATES:  # left out for a cut link, before this node's report
+                lost = links.settle(2 * PROBE_TIMEOUT_S + 0.5)
+                ended, outcome = self._report_cut(ranks, gen, lost, links) if lost else (False, None)
+                if ended:
+                    return outcome
             if beat is not None and (beat.generation > gen or beat.job_state in _TERMINAL_STATES):
                 ranks.stop(grace=spec.stop_grace)
                 reason = beat.reason or "no reason given"
@@ -370,6 +386,38 @@ class JobRunner:
             answers.check()
             self._hb.changed.wait(_MONITOR_TICK)
             self._hb.changed.clear()
+
+    def _report_cut(self, ranks: LocalRanks, gen: int, lost: list[int],
+                    links: LinkCheck) -> tuple[bool, JobOutcome | None]:
+        """This node's ranks run but cannot reach node ranks `lost`: tell the coordinator, which decides which node the
+        job goes on without. Returns (ended, outcome): ended when it is this node (its ranks stopped; outcome None to
+        re-join as a replacement with restarts left)."""
+        spec = self._spec
+        where = ", ".join(f"node rank {r} ({links.address(r)})" for r in lost)
+        cause = links.cause.strip() or "a collective failed"
+        self._notice(f"job {spec.job!r}: this node cannot reach {where} on the data plane, while every node keeps its "
+                     f"lease (a cut link; {cause}); telling the coordinator, the ranks keep running")
+        try:
+            reply = self._within_lease(lambda: self._client.report_failure(
+                spec.job, self._node_id, gen, -1, JOB_FAILED_ELSEWHERE_EXIT_CODE, cause, unreachable=lost))
+        except (CoordinatorError, ValueError) as e:
+            self._notice(f"job {spec.job!r}: could not report the cut link to the coordinator: {e}")
+            return False, None
+        if not reply.left_job:
+            return False, None
+        ranks.stop(grace=min(spec.stop_grace, FENCE_TERM_S))  # before the coordinator's fence ends
+        self._flush()
+        message = (f"this node cannot reach {where} on the data plane ({cause}); of the nodes of a cut link, the "
+                   "coordinator went on without this one")
+        if rejoin_after_left(spec.job, message, self._restarts_left, self._notice):
+            self._notice(f"job {spec.job!r}: waiting for {where} to answer again before re-joining (up to "
+                         f"--join-timeout, {spec.join_timeout:g} s)")
+            if links.wait_reachable(lost, spec.join_timeout, self._stop.is_set):
+                self._rejoins = True
+                return True, None
+            message = f"{message}; the link did not work again within --join-timeout ({spec.join_timeout:g} s)"
+        return True, JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, f"{message}; job {spec.job!r} goes on without this "
+                                "node (live recovery)")
 
     def _back_after_lease(self, gen: int, why: str) -> bool:
         """A live job's node that lost its lease (its ranks stopped): once the coordinator answers again, report the

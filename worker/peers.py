@@ -175,6 +175,29 @@ class PeerLink:
         with ThreadPoolExecutor(len(known)) as pool:
             return list(pool.map(lambda kv: self._ask(*kv), known))
 
+    def unreachable(self, tries: int = 2) -> list[int]:
+        """The node ranks of the known peers that answer no connection at all, `tries` times within PROBE_TIMEOUT_S
+        each (no handshake, no reset: the frames between here and there are dropped). A refused connection is an
+        answer: that host is reachable. Probed at once; the first try that answers ends a peer's probes."""
+        known = list(self.peers.items())
+        if not known:
+            return []
+
+        def silent(address: tuple[str, int]) -> bool:
+            for _ in range(tries):
+                try:
+                    with socket.create_connection(address, timeout=PROBE_TIMEOUT_S):
+                        return False
+                except ConnectionRefusedError:
+                    return False
+                except OSError:  # timed out, no route to host, network unreachable
+                    continue
+            return True
+
+        with ThreadPoolExecutor(len(known)) as pool:
+            found = list(pool.map(lambda kv: silent(kv[1]), known))
+        return sorted(rank for (rank, _), lost in zip(known, found) if lost)
+
     def close(self) -> None:
         """Stop answering (peers asking from now on hear nothing)."""
         self._closed.set()

@@ -261,11 +261,14 @@ class CoordinatorClient:
         return self.call("Join", self.stub.Join, req, wait=timeout, retry=True)
 
     def report_failure(
-        self, job: str, node_id: str, generation: int, rank: int, exit_code: int, message: str
+        self, job: str, node_id: str, generation: int, rank: int, exit_code: int, message: str,
+        unreachable: Sequence[int] = (),
     ) -> pb.ReportFailureResponse:
+        """A rank (or the agent, `rank` -1) failed; `unreachable`: instead, this node's ranks run but cannot reach
+        these node ranks of `generation` (a live job's cut link: the coordinator decides who leaves)."""
         req = pb.ReportFailureRequest(
             job=job, node_id=node_id, generation=generation, rank=rank, exit_code=exit_code, message=message,
-            node_secret=self.node_secret(node_id),
+            node_secret=self.node_secret(node_id), unreachable=list(unreachable),
         )
         return self.call("ReportFailure", self.stub.ReportFailure, req, retry=True)
 

@@ -58,11 +58,12 @@ def nudge_path(path: str) -> str:
     return path + ".nudge"
 
 
-def nudge(path: str) -> None:
-    """Ask the worker to heartbeat now (a peer was lost: the job is about to move), not at its next interval."""
+def nudge(path: str, cause: str = "") -> None:
+    """Ask the worker to heartbeat now (a peer was lost: the job is about to move), not at its next interval; `cause`
+    (the failed collective, naming op, group and peer) is what the worker says if its node is the one left out."""
     with contextlib.suppress(OSError):
-        with open(nudge_path(path), "w", encoding="utf-8"):
-            pass
+        with open(nudge_path(path), "w", encoding="utf-8") as f:
+            f.write(cause[:1000])
 
 
 class LiveMembership:
@@ -99,7 +100,7 @@ class LiveMembership:
         on; `error` itself if no word came within `wait_s` (the job restarts or fails: the worker stops this rank)."""
         if isinstance(error, MembershipChanged):
             return error
-        nudge(self.path)
+        nudge(self.path, str(error))
         note = self.wait(self.wait_s)
         if note is None:
             return error

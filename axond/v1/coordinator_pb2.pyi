@@ -140,7 +140,7 @@ class JoinResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., node_rank: _Optional[int] = ..., nnodes: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., job_secret: _Optional[bytes] = ..., restarts_left: _Optional[int] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
-    __slots__ = ("job", "node_id", "generation", "rank", "exit_code", "message", "node_secret")
+    __slots__ = ("job", "node_id", "generation", "rank", "exit_code", "message", "node_secret", "unreachable")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class ReportFailureRequest(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     generation: int
@@ -155,7 +156,8 @@ class ReportFailureRequest(_message.Message):
     exit_code: int
     message: str
     node_secret: str
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., node_secret: _Optional[str] = ...) -> None: ...
+    unreachable: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., node_secret: _Optional[str] = ..., unreachable: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportFailureResponse(_message.Message):
     __slots__ = ("generation", "will_restart", "left_job")

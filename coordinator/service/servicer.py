@@ -160,7 +160,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.state.authenticate(request.node_id, request.node_secret)
         generation, will = self.state.report_failure(
             request.job, request.node_id, request.generation, request.rank, request.exit_code, request.message,
-            time.monotonic(),
+            time.monotonic(), list(request.unreachable),
         )
         left = self.state.left_job(request.job, request.node_id)
         return pb.ReportFailureResponse(generation=generation, will_restart=will and not left, left_job=left)

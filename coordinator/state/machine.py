@@ -30,11 +30,12 @@ import dataclasses
 from collections import Counter
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from axond.coordinator.state.context import StateContext, Topic
 from axond.coordinator.state.errors import StateError, Unavailable
 from axond.coordinator.state.failures import JobFailures
+from axond.coordinator.state.linkcut import LinkCuts
 from axond.coordinator.state.job_kv import JobKv
 from axond.coordinator.state.jobs import Event, Job, JobSpec
 from axond.coordinator.state.kv_space import ByteBudget
@@ -81,6 +82,7 @@ class CoordinatorState:
         self.scheduler = Scheduler(self.members, self.ctx)
         self.lifecycle = JobLifecycle(self.members, self.scheduler, self.ctx, settle_time)
         self.failures = JobFailures(self.members, self.lifecycle, self.scheduler, self.ctx, fence_margin)
+        self.link_cuts = LinkCuts(self.failures)
         self.kv = JobKv(self.ctx)
         self.submitted = SubmittedJobs(self.members, self.lifecycle, self.scheduler, self.ctx)
         self.persistence = persistence
@@ -169,7 +171,8 @@ class CoordinatorState:
                 raise
             pids = local_pids if answer.state is not None and not answer.state.terminal else ()
             node = self.members.heartbeat(node_id, now, pids, renew, job, generation)
-            return dataclasses.replace(answer, interval=node.interval)
+            live = answer.live and not self.failures.left_job(job, node_id)  # live recovery went on without it
+            return dataclasses.replace(answer, interval=node.interval, live=live)
 
     def rearm_leases(self, away: float, now: float) -> int:
         """The coordinator was not running for `away` seconds: count none of it against any lease."""
@@ -217,10 +220,14 @@ class CoordinatorState:
             return self.lifecycle.rendezvous_progress(job)
 
     def report_failure(
-        self, job: str, node_id: str, generation: int, rank: int, exit_code: int, message: str, now: float
+        self, job: str, node_id: str, generation: int, rank: int, exit_code: int, message: str, now: float,
+        unreachable: Sequence[int] = (),
     ) -> tuple[int, bool]:
-        """A rank or agent failed: bump the generation; returns (new generation, will_restart)."""
+        """A rank or agent failed: bump the generation; returns (new generation, will_restart). `unreachable`: the
+        node's ranks run but cannot reach these node ranks (a live job's cut link, `LinkCuts`)."""
         with self.lock:
+            if unreachable:
+                return self.link_cuts.report(job, node_id, generation, unreachable, message, now)
             return self.failures.report_failure(job, node_id, generation, rank, exit_code, message, now)
 
     def left_job(self, job: str, node_id: str) -> bool:

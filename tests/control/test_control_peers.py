@@ -72,3 +72,26 @@ def test_a_peer_says_since_when_its_contact_is_back_and_a_closed_one_does_not_an
     finally:
         a.close()
         b.close()
+
+
+def test_unreachable_names_only_the_peers_that_answer_no_connection_at_all(client: CoordinatorClient) -> None:
+    """A live peer's link and a closed port (refused: its host answers) are reachable; a listener whose accept queue
+    is full drops every handshake, as a cut link does, and is named after the tries."""
+    env = {"AXOND_SOCKET_IFNAME": "lo"}
+    me = PeerLink(client, "j", 3, 0, 1, b"s" * 16, lambda: 0.0, lambda: 2.0, env=env)
+    live = PeerLink(client, "j", 3, 1, 1, b"s" * 16, lambda: 0.0, lambda: 2.0, env=env)
+    closed = socket.create_server(("127.0.0.1", 0))
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(0)
+    held = socket.create_connection(silent.getsockname(), timeout=PROBE_TIMEOUT_S)  # fills the queue of one
+    try:
+        me.peers.update({1: live.address, 2: closed.getsockname(), 3: silent.getsockname()})
+        closed.close()
+        assert me.unreachable() == [3]
+        assert me.unreachable(tries=1) == [3]
+    finally:
+        held.close()
+        silent.close()
+        me.close()
+        live.close()

@@ -19,6 +19,8 @@ its local rank 0 stops, and its local rank 1 ignores SIGTERM and writes time.mon
 LIVE_TEST_WAIT_JOIN=K[:W] (tests/worker/test_worker_live_join.py): after step K every rank of a world smaller than W
 (default 3) waits for the worker's word of the job's next generation (a node joining). LIVE_TEST_PACE_S=S: every rank
 of such a world sleeps S seconds after each step (a node then joins mid-run, wherever the steps are).
+LIVE_TEST_GROUP_TIMEOUT_S: the default group's timeout (30 s unless given); LIVE_TEST_START_TOGETHER=1: the first
+ranks wait for each other before forming the group (so that a short timeout bounds the ops, not the start).
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ from axond.train import Callback, DistributedTrainer
 X = np.random.default_rng(5).standard_normal((240, 6)).astype(np.float32)
 Y = (X[:, 0] > X[:, 1]).astype(np.int64) + (X[:, 2] > 0.5)
 HANG_S = 120.0
-GROUP_TIMEOUT_S = 30.0
-"""The default group's timeout: how long the survivors would wait in a collective on a peer that never answers."""
+GROUP_TIMEOUT_S = float(os.environ.get("LIVE_TEST_GROUP_TIMEOUT_S", "30"))
+"""The default group's timeout: how long the survivors would wait in a collective on a peer that never answers
+(LIVE_TEST_GROUP_TIMEOUT_S; what bounds the detection of a link cut between two nodes that keep their leases)."""
 
 
 def build_trainer(group: ProcessGroup | None, callbacks: list[Callback], **options: Any) -> DistributedTrainer:
@@ -158,6 +161,15 @@ def stamp_until_killed(path: Path) -> None:
     threading.Thread(target=loop, daemon=True).start()
 
 
+def start_together(out: Path, rank: int, world: int, timeout: float = 120.0) -> None:
+    """Wait until every first rank got here (a short group timeout also bounds the group's forming: a rank whose
+    interpreter starts late on a busy machine must not make the others' forming time out)."""
+    (out / f"ready-{rank}").write_text("")
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("ready-*"))) < world and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def main() -> None:
     out, hang_step = Path(sys.argv[1]), int(sys.argv[2])
     options: dict[str, Any] = {"checkpoint_dir": sys.argv[3], "checkpoint_every": 1} if len(sys.argv) > 3 else {}
@@ -169,6 +181,8 @@ def main() -> None:
         stamp_until_killed(out / f"alive-{os.getpid()}")
     (out / f"start-{os.environ['RANK']}-{os.getpid()}").write_text("")
     first_generation = os.environ["AXOND_GENERATION"]
+    if os.environ.get("LIVE_TEST_START_TOGETHER") and first_generation == "1":
+        start_together(out, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     axond.init_process_group("tcp", timeout=GROUP_TIMEOUT_S)
     trainer = build_trainer(None, [Record(out, hang_step)], **options)
     history = trainer.fit(3)

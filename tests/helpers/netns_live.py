@@ -25,9 +25,11 @@ class LiveJob:
 
 
 def start_live_job(net: Network, tmp_path: Path, job: str, hang_step: int, heartbeat_s: float, missed: int,
-                   fence_margin: float = 1.0, **env: str) -> LiveJob:
+                   fence_margin: float = 1.0, worker_args: tuple[str, ...] = (), nnodes: str = "3:4",
+                   **env: str) -> LiveJob:
     """Start the coordinator (lease `heartbeat_s` x `missed`) and the workers; rank 2 stops after `hang_step`. `env`:
-    more variables for every process (e.g. live_train.py's LIVE_TEST_* knobs)."""
+    more variables for every process (e.g. live_train.py's LIVE_TEST_* knobs); `worker_args`: more worker flags;
+    `nnodes`: the workers' --nnodes."""
     environ = base_env(tmp_path / "home", **env)
     h0, *hosts = net.hosts
     coordinator = Proc(h0, "coordinator", [*AXOND, "coordinator", "--host", h0.addr, "--port", str(PORT), "--token",
@@ -37,7 +39,7 @@ def start_live_job(net: Network, tmp_path: Path, job: str, hang_step: int, heart
     coordinator.wait_for("listening on", timeout=20)
     out = tmp_path / "out"
     out.mkdir()
-    argv = [*AXOND, "worker", "--coordinator", f"{h0.addr}:{PORT}", "--token", TOKEN, "--nnodes", "3:4", "--job",
-            job, "--live-recovery", "--join-timeout", "60", "--", sys.executable, str(HELPERS / "live_train.py"),
-            str(out), str(hang_step)]
+    argv = [*AXOND, "worker", "--coordinator", f"{h0.addr}:{PORT}", "--token", TOKEN, "--nnodes", nnodes, "--job",
+            job, "--live-recovery", "--join-timeout", "60", *worker_args, "--", sys.executable,
+            str(HELPERS / "live_train.py"), str(out), str(hang_step)]
     return LiveJob([Proc(h, f"worker{h.index}", argv, environ, tmp_path) for h in hosts], out, argv, environ)
