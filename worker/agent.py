@@ -7,23 +7,22 @@
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import grpc
 
 from axond.errors import CoordinatorError, StoreError
-from axond.fencing import FENCE_TERM_S, PROBE_TIMEOUT_S
+from axond.fencing import PROBE_TIMEOUT_S
 from axond.v1 import coordinator_pb2 as pb
 from axond.worker.heartbeat import Heartbeater
-from axond.worker.blame import blamed, caused_elsewhere
+from axond.worker.blame import caused_elsewhere
 from axond.worker.blame import describe as describe_failure
 from axond.worker.background import Background
-from axond.worker.causes import Elsewhere, blocked_reader
+from axond.worker.causes import blocked_reader
 from axond.worker.frozen import FrozenWatch
 from axond.worker.launcher import CAUSE_GRACE_S, LocalRanks, OutputSink, RankSpec, print_sink
 from axond.worker.launcher import start_ranks
@@ -32,6 +31,11 @@ from axond.worker import live
 from axond.worker.joinback import JoinNotice, rejoin_after_left, report_when_back
 from axond.worker.linkcheck import LinkCheck
 from axond.worker.outage import OutageGuard
+from axond.worker.outcome import (  # noqa: F401 -- re-exported: what callers of the runner read
+    JOB_FAILED_ELSEWHERE_EXIT_CODE, LEASE_LOST_EXIT_CODE, TERMINAL_STATES, JobOutcome, Notice, notice_to_stderr,
+    stderr_notice,
+)
+from axond.worker.reports import MONITOR_TICK_S, Reports, tell_accused
 from axond.worker.peers import PeerLink
 from axond.worker.rank_specs import rank_specs
 from axond.worker.shard_memory import ShardMemory
@@ -45,53 +49,10 @@ from axond.worker.torch_env import AgentStore
 if TYPE_CHECKING:
     from axond.control.client import CoordinatorClient
 
-R = TypeVar("R")
 
-Notice = Callable[[str], None]
-"""Receives a one-line notice about the agent's progress (joins, restarts, failures)."""
-
-JOB_FAILED_ELSEWHERE_EXIT_CODE = 1
-"""Exit code of a node whose own ranks were fine when the job failed because of another node."""
-
-_TERMINAL_STATES = (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED, pb.JOB_STATE_SUCCEEDED)
-LEASE_LOST_EXIT_CODE = 3
-"""Exit code of a node that lost contact with the coordinator for a whole lease while running (its ranks
-were stopped): the same code as a coordinator that cannot be reached at start."""
-
-_MONITOR_TICK = 0.05
 READ_TIMEOUT_S = 1.0
 """Seconds one read of the ranks' reports (blocked ops, arrival windows) may take: a read in flight when the
 coordinator becomes unreachable ends this soon, and its thread with it."""
-
-
-def notice_to_stderr(prefix: str) -> Notice:
-    """A `Notice` printing `prefix: text` lines on stderr."""
-
-    def notice(text: str) -> None:
-        sys.stderr.write(f"{prefix}: {text}\n")
-        sys.stderr.flush()
-
-    return notice
-
-
-stderr_notice = notice_to_stderr("axond worker")
-"""The agent's notices: `axond worker: text` on stderr."""
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    """How this node's part of a job ended."""
-
-    exit_code: int
-    """0 if every local rank of the last generation exited 0."""
-    message: str = ""
-    """Why it failed (names the failing rank), empty on success."""
-    error: Exception | None = None
-    """The control-plane error that ended the job for this node, if that is what ended it."""
-    lease_lost: bool = False
-    """The node lost contact with the coordinator for a whole lease and stopped its ranks."""
-    refused: bool = False
-    """The coordinator refused this node's first Join (the job runs with other options or all its nodes)."""
 
 
 class JobRunner:
@@ -135,6 +96,7 @@ class JobRunner:
         """Live recovery went on without this node and its worker joins the job again (one restart counted)."""
         self._restarts_left = 0
         self._shards = ShardMemory()
+        self._reports = Reports(client, node_id, spec, heartbeater, self._stop, notice)
         """Live recovery: the memory kept for each local rank (its ZeRO-1 copies outlive it), freed at the run's end."""
 
     def request_stop(self, exit_code: int, reason: str) -> None:
@@ -302,12 +264,12 @@ class JobRunner:
             if result is not None and result.ok:
                 ranks.join_readers(timeout=2.0)
                 self._flush()
-                self._report_exit(gen, 0)
+                self._reports.report_exit(gen, 0)
                 # Like torchrun's exit barrier: stay until the whole job ended, so that a node whose ranks are
                 # done neither misses a restart nor exits (ending `docker compose up`) while others still work.
-                return self._exit_barrier(gen) if spec.max_restarts > 0 or nnodes > 1 else JobOutcome(0)
+                return self._reports.exit_barrier(gen) if spec.max_restarts > 0 or nnodes > 1 else JobOutcome(0)
             if result is not None and result.first_failure is not None:
-                self._tell_accused(ranks, local, stacks)  # at once: before the wait for the root cause
+                tell_accused(spec.job, ranks, local, stacks, self._notice)  # now: before the root-cause wait
                 failure = frozen.explain(ranks.root_cause(min(CAUSE_GRACE_S, max(spec.stop_grace, 0.5)))
                                          or result.first_failure)
                 self._notice(f"{describe_failure(failure, ranks.exits())}; stopping the other local ranks")
@@ -317,11 +279,11 @@ class JobRunner:
                 message = describe_failure(failure, ranks.exits())
                 self._flush()
                 if nnodes > 1 and caused_elsewhere(failure, local):
-                    told = self._told_of_other_failure(gen)
+                    told = self._reports.told_of_other_failure(gen)
                     if told is not None:
                         return told.outcome
                 try:
-                    reply = self._within_lease(lambda: self._client.report_failure(
+                    reply = self._reports.within_lease(lambda: self._client.report_failure(
                         spec.job, self._node_id, gen, failure.rank, failure.exit_code, message
                     ))
                 except (CoordinatorError, ValueError) as e:
@@ -337,7 +299,7 @@ class JobRunner:
                 if reply.will_restart and not self._stop.is_set():
                     self._notice(f"job {spec.job!r} restarts as generation {reply.generation}")
                     return None
-                self._report_exit(gen, failure.exit_code)
+                self._reports.report_exit(gen, failure.exit_code)
                 return JobOutcome(failure.exit_code, message)
             if self._stop.is_set():
                 return JobOutcome(self._stop_code, self._stop_reason)
@@ -364,15 +326,15 @@ class JobRunner:
                     nudges.clear()
                 return None
             if beat is not None and beat.generation > gen and links is not None and not links.reported \
-                    and beat.job_state not in _TERMINAL_STATES:  # left out for a cut link, before this node's report
+                    and beat.job_state not in TERMINAL_STATES:  # left out for a cut link, before this node's report
                 lost = links.settle(2 * PROBE_TIMEOUT_S + 0.5)
                 ended, outcome = self._report_cut(ranks, gen, lost, links) if lost else (False, None)
                 if ended:
                     return outcome
-            if beat is not None and (beat.generation > gen or beat.job_state in _TERMINAL_STATES):
+            if beat is not None and (beat.generation > gen or beat.job_state in TERMINAL_STATES):
                 ranks.stop(grace=spec.stop_grace)
                 reason = beat.reason or "no reason given"
-                if beat.job_state in _TERMINAL_STATES:
+                if beat.job_state in TERMINAL_STATES:
                     state = pb.JobState.Name(beat.job_state).removeprefix("JOB_STATE_").lower()
                     why = reason if beat.job_state == pb.JOB_STATE_FAILED else f"the job was {state}: {reason}"
                     return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, why)
@@ -384,40 +346,8 @@ class JobRunner:
             if not ranks.exits():
                 slow.check()
             answers.check()
-            self._hb.changed.wait(_MONITOR_TICK)
+            self._hb.changed.wait(MONITOR_TICK_S)
             self._hb.changed.clear()
-
-    def _report_cut(self, ranks: LocalRanks, gen: int, lost: list[int],
-                    links: LinkCheck) -> tuple[bool, JobOutcome | None]:
-        """This node's ranks run but cannot reach node ranks `lost`: tell the coordinator, which decides which node the
-        job goes on without. Returns (ended, outcome): ended when it is this node (its ranks stopped; outcome None to
-        re-join as a replacement with restarts left)."""
-        spec = self._spec
-        where = ", ".join(f"node rank {r} ({links.address(r)})" for r in lost)
-        cause = links.cause.strip() or "a collective failed"
-        self._notice(f"job {spec.job!r}: this node cannot reach {where} on the data plane, while every node keeps its "
-                     f"lease (a cut link; {cause}); telling the coordinator, the ranks keep running")
-        try:
-            reply = self._within_lease(lambda: self._client.report_failure(
-                spec.job, self._node_id, gen, -1, JOB_FAILED_ELSEWHERE_EXIT_CODE, cause, unreachable=lost))
-        except (CoordinatorError, ValueError) as e:
-            self._notice(f"job {spec.job!r}: could not report the cut link to the coordinator: {e}")
-            return False, None
-        if not reply.left_job:
-            return False, None
-        ranks.stop(grace=min(spec.stop_grace, FENCE_TERM_S))  # before the coordinator's fence ends
-        self._flush()
-        message = (f"this node cannot reach {where} on the data plane ({cause}); of the nodes of a cut link, the "
-                   "coordinator went on without this one")
-        if rejoin_after_left(spec.job, message, self._restarts_left, self._notice):
-            self._notice(f"job {spec.job!r}: waiting for {where} to answer again before re-joining (up to "
-                         f"--join-timeout, {spec.join_timeout:g} s)")
-            if links.wait_reachable(lost, spec.join_timeout, self._stop.is_set):
-                self._rejoins = True
-                return True, None
-            message = f"{message}; the link did not work again within --join-timeout ({spec.join_timeout:g} s)"
-        return True, JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, f"{message}; job {spec.job!r} goes on without this "
-                                "node (live recovery)")
 
     def _back_after_lease(self, gen: int, why: str) -> bool:
         """A live job's node that lost its lease (its ranks stopped): once the coordinator answers again, report the
@@ -440,7 +370,7 @@ class JobRunner:
         collectives raise `MembershipChanged`), keep them, and re-join."""
         if not (self._spec.live_recovery and beat.live and beat.generation > gen) or ranks.exits():
             return False
-        if beat.job_state in _TERMINAL_STATES or any(pid == 0 for pid in ranks.local_pids()):
+        if beat.job_state in TERMINAL_STATES or any(pid == 0 for pid in ranks.local_pids()):
             return False
         self._live_reason = beat.reason or "a node left"
         live.announce(self._membership_paths(len(ranks.ranks)), beat.generation, self._live_reason)
@@ -449,76 +379,10 @@ class JobRunner:
         self._kept = ranks
         return True
 
-    def _tell_accused(self, ranks: LocalRanks, local: list[int], stacks: Callable[[int], str]) -> None:
-        """Before stopping them: the stacks (or state) of the local ranks that are still running although a failed
-        rank failed waiting for them (a timeout naming them): what they were doing instead."""
-        exits = ranks.exits()
-        running = {r for r, pid in zip(local, ranks.local_pids()) if pid}
-        for rank in sorted(running):
-            waiting = sorted(e.rank for e in exits if e.exit_code != 0 and blamed(e) == rank)
-            if waiting:
-                who = ", ".join(map(str, waiting))
-                self._notice(f"job {self._spec.job!r}: rank {rank}, which rank(s) {who} failed waiting for: "
-                             f"{stacks(rank)}")
-
-    def _told_of_other_failure(self, gen: int) -> Elsewhere | None:
-        """After a local rank failed because of a rank on another node: wait (up to CAUSE_GRACE_S) for that node's
-        report to move the job on, so that the job's reason is the root cause, not this node's consequence of it.
-        None if nobody did (then this node reports its own failure)."""
-        deadline = time.monotonic() + CAUSE_GRACE_S
-        while time.monotonic() < deadline and not self._stop.is_set():
-            self._hb.beat_now()
-            beat = self._hb.latest(self._spec.job)
-            if beat is not None and beat.job_state in _TERMINAL_STATES:
-                return Elsewhere(JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, beat.reason or "the job failed elsewhere"))
-            if beat is not None and beat.generation > gen:
-                self._notice(f"job {self._spec.job!r} moved to generation {beat.generation} ({beat.reason}); "
-                             "re-joining")
-                return Elsewhere(None)
-            time.sleep(0.1)
-        return None
-
-    def _exit_barrier(self, gen: int) -> JobOutcome | None:
-        """After local success, stay until the whole job ended: if another node fails first, the
-        job restarts and needs this node again (returns None to re-join), or fails, and so does this
-        node's outcome. Bounded by join_timeout."""
-        spec = self._spec
-        deadline = time.monotonic() + spec.join_timeout
-        self._hb.beat_now()
-        while time.monotonic() < deadline and not self._stop.is_set():
-            beat = self._hb.latest(spec.job)
-            if beat is not None and beat.job_state in _TERMINAL_STATES:
-                if beat.job_state != pb.JOB_STATE_SUCCEEDED:
-                    self._notice(f"this node's ranks exited 0, but job {spec.job!r} ended: {beat.reason}")
-                    return JobOutcome(JOB_FAILED_ELSEWHERE_EXIT_CODE, beat.reason or "the job failed on another node")
-                break
-            if beat is not None and beat.generation > gen and spec.live_recovery and beat.live:
-                gen = beat.generation  # re-formed live without this node, whose ranks are done: it waits for the end
-                continue
-            if beat is not None and beat.generation > gen:
-                self._notice(f"job {spec.job!r} moved to generation {beat.generation} ({beat.reason}); re-joining")
-                return None
-            self._hb.changed.wait(_MONITOR_TICK)
-            self._hb.changed.clear()
-        return JobOutcome(0)
-
-    def _within_lease(self, call: Callable[[], R]) -> R:
-        """`call()`, sent again while the coordinator is unreachable, for at most one lease or the outage grace
-        (a restart of the coordinator within that time disturbs nothing)."""
-        deadline = time.monotonic() + max(self._hb.lease, self._spec.outage_grace)
-        while True:
-            try:
-                return call()
-            except CoordinatorError as e:
-                code = getattr(e.__cause__, "code", None)
-                unreachable = callable(code) and code() in (grpc.StatusCode.UNAVAILABLE,
-                                                             grpc.StatusCode.DEADLINE_EXCEEDED)
-                if not unreachable or time.monotonic() + 0.5 > deadline or self._stop.is_set():
-                    raise
-                time.sleep(0.5)
-
-    def _report_exit(self, gen: int, exit_code: int) -> None:
-        try:
-            self._within_lease(lambda: self._client.report_exit(self._spec.job, self._node_id, gen, exit_code))
-        except (CoordinatorError, ValueError) as e:
-            self._notice(f"could not report the exit of job {self._spec.job!r} to the coordinator: {e}")
+    def _report_cut(self, ranks: LocalRanks, gen: int, lost: list[int],
+                    links: LinkCheck) -> tuple[bool, JobOutcome | None]:
+        """A cut link (`Reports.report_cut`); (True, None): the job went on without this node, which re-joins."""
+        ended, outcome = self._reports.report_cut(ranks, gen, lost, links, self._restarts_left, self._flush)
+        if ended and outcome is None:
+            self._rejoins = True
+        return ended, outcome
