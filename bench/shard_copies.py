@@ -22,7 +22,7 @@ bandwidth of `np.copyto` of one rank's block into shared memory, and what one co
 as it was first built (`np.copyto` per array instead of `host_copy.stream_copy`), for a before/after on one machine.
 `--paired` measures the daemon copy A/B within each run, which a busy machine's load drifts cannot tilt: the rank
 copies after every 4th step only, so of each 4 consecutive steps two carry a copy's CPU (it is posted at the end of
-the first and runs into the second) and two none; a cell is the median over blocks, ranks and rounds of (CPU of the
+the first and runs into the second) and two none; a cell is the median over every block of every rank and round of (CPU of the
 two steps with the copy - CPU of the two without), against the CPU of a step without. `--memcpy` prints instead where
 one copy's CPU time goes: into a fresh mapping (page faults on first touch) or one
 faulted in once, from a source in cache or out of it, with NumPy's copy (glibc's memcpy) or with non-temporal stores.
@@ -126,7 +126,7 @@ class _Run:
     daemon: str
     batch: int
 
-    def __call__(self) -> tuple[float, float, float, float]:
+    def __call__(self) -> Any:
         group = default_group()
         os.environ.pop("AXOND_SHARD_MEMORY_FD", None)
         if self.daemon:  # what `axond worker` hands its rank: a memfd it inherits
@@ -156,23 +156,19 @@ class _Run:
         if isinstance(times, _BlockTimes):
             times.last = (time.process_time(), time.perf_counter())
             trainer.fit(1)
-            return _blocks(times, trainer)
+            return _blocks(times)
         times.last = time.perf_counter()
         trainer.fit(1)
         return times.result(trainer)
 
 
-def _blocks(times: _BlockTimes, trainer: Any) -> tuple[float, float, float, float]:
-    """(CPU of a step without a copy, median extra CPU of a copy, wall of a step without, median extra wall of a copy)
-    over the blocks of 4 steps after the first (the steps are numbered from 1: step 4b ends with the copy posted)."""
+def _blocks(times: _BlockTimes) -> list[tuple[float, float, float, float]]:
+    """Per block of 4 steps after the first (steps numbered from 1: step 4b ends with the copy posted): (CPU of a step
+    without a copy, the extra CPU of the two steps with it, wall of a step without, the extra wall)."""
     cpu, wall = times.cpu, times.wall
-    starts = range(4, len(cpu) - 3, 4)  # index i is step i + 1: a block is steps 4b .. 4b + 3, indices 4b - 1 ..
-    extra = [cpu[i - 1] + cpu[i] - cpu[i + 1] - cpu[i + 2] for i in starts]
-    plain = [(cpu[i + 1] + cpu[i + 2]) / 2 for i in starts]
-    wall_extra = [wall[i - 1] + wall[i] - wall[i + 1] - wall[i + 2] for i in starts]
-    wall_plain = [(wall[i + 1] + wall[i + 2]) / 2 for i in starts]
-    return (float(statistics.median(plain)), float(statistics.median(extra)), float(statistics.median(wall_plain)),
-            float(statistics.median(wall_extra)))
+    return [((cpu[i + 1] + cpu[i + 2]) / 2, cpu[i - 1] + cpu[i] - cpu[i + 1] - cpu[i + 2],
+             (wall[i + 1] + wall[i + 2]) / 2, wall[i - 1] + wall[i] - wall[i + 1] - wall[i + 2])
+            for i in range(4, len(cpu) - 3, 4)]  # index i is step i + 1: block b is indices 4b - 1 .. 4b + 2
 
 
 def _params(hidden: int) -> int:
@@ -244,19 +240,22 @@ def _paired(args: argparse.Namespace, params: int, copy_mb: float) -> None:
           f"MiB after every 4th of {args.steps} steps, {args.rounds} rounds; load average before: "
           f"{os.getloadavg()[0]:.1f}")
     modes = {"paired": "stream_copy (as built)", "paired-copyto": "np.copyto (before)"}
-    results: dict[str, list[tuple[float, float, float, float]]] = {mode: [] for mode in modes}
+    blocks: dict[str, list[tuple[float, float, float, float]]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):  # interleaved, as the main table
         for mode in modes:
-            results[mode] += run_processes(_Run(args.hidden, args.steps, None, mode, args.batch), args.world,
-                                           timeout=600)
+            for rank in run_processes(_Run(args.hidden, args.steps, None, mode, args.batch), args.world, timeout=600):
+                blocks[mode] += rank
     print(f"load average after: {os.getloadavg()[0]:.1f}")
-    print("| daemon copy | batch per rank | CPU per step without a copy (ms) | CPU a copy adds (ms) | vs the step | "
-          "wall per step without (ms) | wall a copy adds (ms) | vs the step |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| daemon copy | batch per rank | blocks | CPU per step without a copy (ms) | CPU a copy adds (ms), median "
+          "(quartiles) | vs the step | wall per step without (ms) | wall a copy adds (ms) | vs the step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, name in modes.items():
-        cpu, extra, wall, wall_extra = (float(statistics.median(r[i] for r in results[mode])) for i in range(4))
-        print(f"| {name} | {args.batch} | {cpu * 1e3:.1f} | {extra * 1e3:.2f} | {extra / cpu * 100:+.1f} % | "
-              f"{wall * 1e3:.1f} | {wall_extra * 1e3:.2f} | {wall_extra / wall * 100:+.1f} % |", flush=True)
+        rows = blocks[mode]
+        cpu, extra, wall, wall_extra = (float(statistics.median(r[i] for r in rows)) for i in range(4))
+        low, _, high = statistics.quantiles([r[1] for r in rows], n=4)
+        print(f"| {name} | {args.batch} | {len(rows)} | {cpu * 1e3:.1f} | {extra * 1e3:.2f} ({low * 1e3:.1f} to "
+              f"{high * 1e3:.1f}) | {extra / cpu * 100:+.1f} % | {wall * 1e3:.1f} | {wall_extra * 1e3:.2f} | "
+              f"{wall_extra / wall * 100:+.1f} % |", flush=True)
 
 
 def _memcpy_table(nbytes: int) -> None:
