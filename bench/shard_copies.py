@@ -22,10 +22,11 @@ bandwidth of `np.copyto` of one rank's block into shared memory, and what one co
 as it was first built (`np.copyto` per array instead of `host_copy.stream_copy`), for a before/after on one machine.
 `--paired` measures the daemon copy A/B within each run, which a busy machine's load drifts cannot tilt: the rank
 copies after every 4th step only, so of each 4 consecutive steps two carry a copy's CPU (it is posted at the end of
-the first and runs into the second) and two none; a cell is the median over every block of every rank and round of (CPU of the
-two steps with the copy - CPU of the two without), against the CPU of a step without. `--memcpy` prints instead where
-one copy's CPU time goes: into a fresh mapping (page faults on first touch) or one
-faulted in once, from a source in cache or out of it, with NumPy's copy (glibc's memcpy) or with non-temporal stores.
+the first and runs into the second) and two none; a cell is the median over every block of every rank and round of
+(CPU of the two steps with the copy - CPU of the two without), against the CPU of a step without. `--memcpy` prints
+instead where one copy's CPU time goes: into a fresh mapping (page faults on first touch) or one faulted in once, from
+a source in cache or out of it, with NumPy's copy (glibc's memcpy) or with non-temporal stores, and how long the
+hand-off to the background thread takes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ import mmap
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -133,14 +136,14 @@ class _Run:
             os.environ["AXOND_SHARD_MEMORY_FD"] = str(os.memfd_create("axond-bench-shards"))
         if self.daemon.endswith("copyto"):  # the copy as first built, for the before/after
             daemon_copy.stream_copy = np.copyto
-        if self.daemon.startswith("paired"):  # a copy after every 4th step only: steps 4b, 4b + 1 carry it, 4b + 2, 4b + 3 not
+        if self.daemon.startswith("paired"):  # a copy after every 4th step only: 4b and 4b + 1 carry it
             post = daemon_copy.DaemonCopy.post
 
             def fourth(copy: daemon_copy.DaemonCopy, lineage: int) -> None:
                 if copy.zero.tag % 4 == 0:
                     post(copy, lineage)
 
-            daemon_copy.DaemonCopy.post = fourth  # type: ignore[method-assign]
+            setattr(daemon_copy.DaemonCopy, "post", fourth)
         rng = np.random.default_rng(0)
         x = rng.standard_normal((self.steps * self.batch * group.size, 64)).astype(np.float32)
         y = rng.integers(0, 10, len(x))
@@ -285,6 +288,26 @@ def _memcpy_table(nbytes: int) -> None:
         return float(statistics.median(times))
 
     fd, m, dst = mapping(True)
+    try:
+        rows = [("np.copyto into a fresh mapping: its first copy (a page fault per 4 KiB)", first(False)),
+                ("np.copyto into a mapping made with MAP_POPULATE: its first copy", first(True)),
+                *_warm_and_cold(dst, src, thirds, sweep), *_handoff(dst, src)]
+    finally:
+        del dst
+        m.close()
+        os.close(fd)
+    print(f"one copy of {nbytes / 2**20:.1f} MiB into a memfd mapping, CPU time of the copying thread, median; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| copy | ms of CPU | GB/s |")
+    print("|---|---:|---:|")
+    for name, seconds in rows:
+        rate = f"{nbytes / seconds / 1e9:.1f}" if not name.startswith("(wall)") else "-"
+        print(f"| {name} | {seconds * 1e3:.2f} | {rate} |")
+
+
+def _warm_and_cold(dst: np.ndarray, src: np.ndarray, thirds: list[np.ndarray],
+                   sweep: np.ndarray) -> list[tuple[str, float]]:
+    """Copies into a mapping whose pages are in, from a source in cache or not (`sweep` read and written first)."""
     parts = [dst[k * len(dst) // 3 : (k + 1) * len(dst) // 3] for k in range(3)]
 
     def timed(copy: Any, cold: bool) -> float:
@@ -297,27 +320,51 @@ def _memcpy_table(nbytes: int) -> None:
             times.append(time.thread_time() - began)
         return float(statistics.median(times))
 
-    rows = [
-        ("np.copyto into a fresh mapping: its first copy (a page fault per 4 KiB)", first(False)),
-        ("np.copyto into a mapping made with MAP_POPULATE: its first copy", first(True)),
-        ("np.copyto, pages faulted in, source in cache", timed(lambda: np.copyto(dst, src), False)),
-        ("np.copyto, pages faulted in, source out of cache", timed(lambda: np.copyto(dst, src), True)),
+    return [
+        ("np.copyto, pages faulted in, source in cache", timed(partial(np.copyto, dst, src), False)),
+        ("np.copyto, pages faulted in, source out of cache", timed(partial(np.copyto, dst, src), True)),
         ("np.copyto of three arrays (parameters, two moments), source out of cache",
          timed(lambda: [np.copyto(d, s) for d, s in zip(parts, thirds)], True)),
-        ("stream_copy (non-temporal stores), source in cache", timed(lambda: stream_copy(dst, src), False)),
-        ("stream_copy, source out of cache", timed(lambda: stream_copy(dst, src), True)),
+        ("stream_copy (non-temporal stores), source in cache", timed(partial(stream_copy, dst, src), False)),
+        ("stream_copy, source out of cache", timed(partial(stream_copy, dst, src), True)),
         ("stream_copy of three arrays, source out of cache",
          timed(lambda: [stream_copy(d, s) for d, s in zip(parts, thirds)], True)),
     ]
-    del dst, parts
-    m.close()
-    os.close(fd)
-    print(f"one copy of {nbytes / 2**20:.1f} MiB into a memfd mapping, CPU time of the copying thread, median; "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print("| copy | ms of CPU | GB/s |")
-    print("|---|---:|---:|")
-    for name, seconds in rows:
-        print(f"| {name} | {seconds * 1e3:.2f} | {nbytes / seconds / 1e9:.1f} |")
+
+
+def _handoff(dst: np.ndarray, src: np.ndarray) -> list[tuple[str, float]]:
+    """Wall time from handing the copy to a background thread (as `DaemonCopy.post`) to the copy starting, with the
+    training thread asleep or busy with small NumPy operations that hold the interpreter lock (a small-batch step)."""
+    pool = ThreadPoolExecutor(1)
+    began: list[float] = []
+    a = np.ones((8, 1152), np.float32)
+    w = np.full((1152, 1152), 1e-3, np.float32)
+
+    def job() -> None:
+        began.append(time.perf_counter())
+        stream_copy(dst, src)
+
+    def handed(busy: bool) -> float:
+        waits = []
+        for _ in range(9):
+            posted = time.perf_counter()
+            done = pool.submit(job)
+            if busy:
+                while time.perf_counter() < posted + 0.05:
+                    np.tanh(a @ w, out=a)
+            else:
+                time.sleep(0.05)
+            done.result()
+            waits.append(began[-1] - posted)
+        return float(statistics.median(waits))
+
+    try:
+        return [("(wall) hand-off to the background thread until the copy starts, training thread asleep",
+                 handed(False)),
+                ("(wall) the same, training thread busy in small NumPy operations (it holds the interpreter lock)",
+                 handed(True))]
+    finally:
+        pool.shutdown()
 
 
 def _memcpy(nbytes: int) -> tuple[float, float]:
