@@ -26,7 +26,8 @@ the first and runs into the second) and two none; a cell is the median over ever
 (CPU of the two steps with the copy - CPU of the two without), against the CPU of a step without. `--memcpy` prints
 instead where one copy's CPU time goes: into a fresh mapping (page faults on first touch) or one faulted in once, from
 a source in cache or out of it, with NumPy's copy (glibc's memcpy) or with non-temporal stores, and how long the
-hand-off to the background thread takes.
+hand-off to the background thread takes. `--paired --paired-modes buddy` measures the buddy copy the same way (sent
+after every 4th step only, with no gradients kept between).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from axond.distributed import default_group
 from axond.distributed.backends.host_copy import stream_copy
 from axond.nn.optim import AdamW
 from axond.testing import run_processes
-from axond.train import Callback, DistributedTrainer, daemon_copy
+from axond.train import Callback, DistributedTrainer, buddy, daemon_copy
 
 CONFIGS: tuple[tuple[str, int | None, str], ...] = (
     ("none", None, ""),
@@ -132,7 +133,7 @@ class _Run:
     def __call__(self) -> Any:
         group = default_group()
         os.environ.pop("AXOND_SHARD_MEMORY_FD", None)
-        if self.daemon:  # what `axond worker` hands its rank: a memfd it inherits
+        if self.daemon and self.daemon != "paired-buddy":  # what `axond worker` hands its rank: a memfd it inherits
             os.environ["AXOND_SHARD_MEMORY_FD"] = str(os.memfd_create("axond-bench-shards"))
         if self.daemon.endswith("copyto"):  # the copy as first built, for the before/after
             daemon_copy.stream_copy = np.copyto
@@ -144,6 +145,8 @@ class _Run:
                     post(copy, lineage)
 
             setattr(daemon_copy.DaemonCopy, "post", fourth)
+        if self.daemon == "paired-buddy":  # the buddy copy (copy_every=1, no gradients kept) after every 4th step only
+            setattr(buddy.BuddyCopies, "due", lambda copies: copies.zero.tag % 4 == 0)
         rng = np.random.default_rng(0)
         x = rng.standard_normal((self.steps * self.batch * group.size, 64)).astype(np.float32)
         y = rng.integers(0, 10, len(x))
@@ -191,6 +194,9 @@ def main() -> None:
     parser.add_argument("--memcpy", action="store_true", help="only the breakdown of one copy's CPU time")
     parser.add_argument("--paired", action="store_true", help="only the daemon copy, A/B within each run (a copy "
                         "after every 4th step)")
+    parser.add_argument("--paired-modes", default="stream,copyto",
+                        help="with --paired: the copies to measure, of stream (the daemon copy as built), copyto (with "
+                             "np.copyto, as first built), buddy (the buddy copy)")
     args = parser.parse_args()
     params = _params(args.hidden)
     copy_mb = 3 * params * 4 / args.world / 2**20
@@ -242,14 +248,17 @@ def _paired(args: argparse.Namespace, params: int, copy_mb: float) -> None:
           f"({params * 4 / 2**20:.1f} MiB), AdamW, batch {args.batch} per virtual rank; a daemon copy of {copy_mb:.1f} "
           f"MiB after every 4th of {args.steps} steps, {args.rounds} rounds; load average before: "
           f"{os.getloadavg()[0]:.1f}")
-    modes = {"paired": "stream_copy (as built)", "paired-copyto": "np.copyto (before)"}
+    names = {"stream": "daemon, stream_copy (as built)", "copyto": "daemon, np.copyto (before)",
+             "buddy": "buddy (copy_every=1)"}
+    modes = {f"paired-{m}" if m != "stream" else "paired": names[m] for m in args.paired_modes.split(",")}
     blocks: dict[str, list[tuple[float, float, float, float]]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):  # interleaved, as the main table
         for mode in modes:
-            for rank in run_processes(_Run(args.hidden, args.steps, None, mode, args.batch), args.world, timeout=600):
+            run = _Run(args.hidden, args.steps, 1 if mode == "paired-buddy" else None, mode, args.batch)
+            for rank in run_processes(run, args.world, timeout=600):
                 blocks[mode] += rank
     print(f"load average after: {os.getloadavg()[0]:.1f}")
-    print("| daemon copy | batch per rank | blocks | CPU per step without a copy (ms) | CPU a copy adds (ms), median "
+    print("| copy | batch per rank | blocks | CPU per step without a copy (ms) | CPU a copy adds (ms), median "
           "(quartiles) | vs the step | wall per step without (ms) | wall a copy adds (ms) | vs the step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, name in modes.items():
