@@ -145,7 +145,7 @@ class _Run:
                     post(copy, lineage)
 
             setattr(daemon_copy.DaemonCopy, "post", fourth)
-        if self.daemon == "paired-buddy":  # the buddy copy (copy_every=1, no gradients kept) after every 4th step only
+        if self.daemon in ("paired-buddy", "paired-both"):  # the buddy copy (copy_every=1) after every 4th step only
             setattr(buddy.BuddyCopies, "due", lambda copies: copies.zero.tag % 4 == 0)
         rng = np.random.default_rng(0)
         x = rng.standard_normal((self.steps * self.batch * group.size, 64)).astype(np.float32)
@@ -196,7 +196,7 @@ def main() -> None:
                         "after every 4th step)")
     parser.add_argument("--paired-modes", default="stream,copyto",
                         help="with --paired: the copies to measure, of stream (the daemon copy as built), copyto (with "
-                             "np.copyto, as first built), buddy (the buddy copy)")
+                             "np.copyto, as first built), buddy (the buddy copy), both")
     args = parser.parse_args()
     params = _params(args.hidden)
     copy_mb = 3 * params * 4 / args.world / 2**20
@@ -245,16 +245,17 @@ def _paired(args: argparse.Namespace, params: int, copy_mb: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     print(f"{args.world} ranks on loopback, ZeRO-1 on {args.world} virtual ranks, MLP of {params:,} float32 parameters "
-          f"({params * 4 / 2**20:.1f} MiB), AdamW, batch {args.batch} per virtual rank; a daemon copy of {copy_mb:.1f} "
+          f"({params * 4 / 2**20:.1f} MiB), AdamW, batch {args.batch} per virtual rank; a copy of {copy_mb:.1f} "
           f"MiB after every 4th of {args.steps} steps, {args.rounds} rounds; load average before: "
           f"{os.getloadavg()[0]:.1f}")
     names = {"stream": "daemon, stream_copy (as built)", "copyto": "daemon, np.copyto (before)",
-             "buddy": "buddy (copy_every=1)"}
+             "buddy": "buddy (copy_every=1)", "both": "buddy + daemon (as built)"}
     modes = {f"paired-{m}" if m != "stream" else "paired": names[m] for m in args.paired_modes.split(",")}
     blocks: dict[str, list[tuple[float, float, float, float]]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):  # interleaved, as the main table
         for mode in modes:
-            run = _Run(args.hidden, args.steps, 1 if mode == "paired-buddy" else None, mode, args.batch)
+            run = _Run(args.hidden, args.steps, 1 if mode in ("paired-buddy", "paired-both") else None, mode,
+                       args.batch)
             for rank in run_processes(run, args.world, timeout=600):
                 blocks[mode] += rank
     print(f"load average after: {os.getloadavg()[0]:.1f}")
