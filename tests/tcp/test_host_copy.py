@@ -207,3 +207,12 @@ def test_the_compiled_stream_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="nbytes must be >= 0"):
         host_copy._STREAM(0, 0, -1)
     host_copy._STREAM(0, 0, 0)
+
+
+def test_a_helper_built_from_an_older_source_leaves_the_missing_function_to_python(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worktree whose compiled helper predates `stream` (not rebuilt after an update) still imports; the copy then
+    takes the Python path."""
+    _hostcopy = pytest.importorskip("axond.distributed.backends._hostcopy")
+    monkeypatch.delattr(_hostcopy, "stream", raising=False)
+    assert host_copy._compiled("stream") is None

@@ -92,12 +92,13 @@ def _careful(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def _compiled(name: str) -> Any:
-    """Function `name` of the compiled helper (`_hostcopy`), or None where the install did not build it."""
+    """Function `name` of the compiled helper (`_hostcopy`), or None where the install did not build it (or built it
+    from an older source without that function: the pip install line builds it again)."""
     try:
         from axond.distributed.backends import _hostcopy
     except ImportError:  # pragma: no cover - no C compiler at install
         return None
-    return getattr(_hostcopy, name)
+    return getattr(_hostcopy, name, None)
 
 
 _MOVSB = _compiled("copy")
