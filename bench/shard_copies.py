@@ -3,6 +3,9 @@
 and every 10th, copies into the worker daemon's memory after every step, and both.
 
     python bench/shard_copies.py --world 2 --hidden 1152 --steps 40 --rounds 3
+    python bench/shard_copies.py --world 2 --hidden 1152 --steps 20 --rounds 3 --batch 1024   # more compute per step
+    python bench/shard_copies.py --memcpy      # where one copy's time goes (no training)
+    python bench/shard_copies.py --paired --batch 1024 --steps 40 --rounds 3   # the daemon copy, A/B within each run
 
 Ranks are real processes on loopback over the TCP backend (axond.testing.run_processes), one BLAS thread each. The
 model: an MLP of `--hidden` units (four weight layers), AdamW, `--batch` (8) samples per virtual rank and step,
@@ -15,34 +18,48 @@ posting and waiting for the copies took on the thread that trains (`BuddyCopies.
 each rank sends to its buddy per copy: its block of shards, the parameters and AdamW's two moments (3 x parameters /
 world, float32). A daemon copy writes the same bytes into a memfd the rank process creates itself, as `axond worker`
 would for it (`AXOND_SHARD_MEMORY_FD`), on a background thread. The last line measures this machine's memcpy: the
-bandwidth of `np.copyto` of one rank's block into shared memory, and what one copy takes.
+bandwidth of `np.copyto` of one rank's block into shared memory, and what one copy takes. Row 5 is the daemon copy
+as it was first built (`np.copyto` per array instead of `host_copy.stream_copy`), for a before/after on one machine.
+`--paired` measures the daemon copy A/B within each run, which a busy machine's load drifts cannot tilt: the rank
+copies after every 4th step only, so of each 4 consecutive steps two carry a copy's CPU (it is posted at the end of
+the first and runs into the second) and two none; a cell is the median over every block of every rank and round of
+(CPU of the two steps with the copy - CPU of the two without), against the CPU of a step without. `--memcpy` prints
+instead where one copy's CPU time goes: into a fresh mapping (page faults on first touch) or one faulted in once, from
+a source in cache or out of it, with NumPy's copy (glibc's memcpy) or with non-temporal stores, and how long the
+hand-off to the background thread takes. `--paired --paired-modes buddy` measures the buddy copy the same way (sent
+after every 4th step only, with no gradients kept between).
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from axond import nn
 from axond.distributed import default_group
+from axond.distributed.backends.host_copy import stream_copy
 from axond.nn.optim import AdamW
 from axond.testing import run_processes
-from axond.train import Callback, DistributedTrainer
+from axond.train import Callback, DistributedTrainer, buddy, daemon_copy
 
-CONFIGS: tuple[tuple[str, int | None, bool], ...] = (
-    ("none", None, False),
-    ("buddy every step (copy_every=1)", 1, False),
-    ("buddy every 10th step (copy_every=10)", 10, False),
-    ("daemon every step", None, True),
-    ("buddy + daemon every step", 1, True),
+CONFIGS: tuple[tuple[str, int | None, str], ...] = (
+    ("none", None, ""),
+    ("buddy every step (copy_every=1)", 1, ""),
+    ("buddy every 10th step (copy_every=10)", 10, ""),
+    ("daemon every step", None, "stream"),
+    ("buddy + daemon every step", 1, "stream"),
+    ("daemon every step, np.copyto (before)", None, "copyto"),
 )
-"""(name, copy_every, copies into daemon memory)."""
+"""(name, copy_every, copies into daemon memory: "" none, "stream" as built, "copyto" with NumPy's copy)."""
 
 
 WARMUP = 3
@@ -78,6 +95,21 @@ class _StepTimes(Callback):
                 copy_cpu / n)
 
 
+class _BlockTimes(Callback):
+    """CPU time (every thread of the process) and wall time of each step, for `--paired`."""
+
+    def __init__(self) -> None:
+        self.cpu: list[float] = []
+        self.wall: list[float] = []
+        self.last = (0.0, 0.0)
+
+    def on_step_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+        now = (time.process_time(), time.perf_counter())
+        self.cpu.append(now[0] - self.last[0])
+        self.wall.append(now[1] - self.last[1])
+        self.last = now
+
+
 def _copy_cpu(trainer: Any) -> float:
     daemon = trainer.virtual.daemon
     return daemon.copy_cpu_s if daemon is not None else 0.0
@@ -95,14 +127,26 @@ class _Run:
     hidden: int
     steps: int
     copy_every: int | None
-    daemon: bool
+    daemon: str
     batch: int
 
-    def __call__(self) -> tuple[float, float, float, float]:
+    def __call__(self) -> Any:
         group = default_group()
         os.environ.pop("AXOND_SHARD_MEMORY_FD", None)
-        if self.daemon:  # what `axond worker` hands its rank: a memfd it inherits
+        if self.daemon and self.daemon != "paired-buddy":  # what `axond worker` hands its rank: a memfd it inherits
             os.environ["AXOND_SHARD_MEMORY_FD"] = str(os.memfd_create("axond-bench-shards"))
+        if self.daemon.endswith("copyto"):  # the copy as first built, for the before/after
+            daemon_copy.stream_copy = np.copyto
+        if self.daemon.startswith("paired"):  # a copy after every 4th step only: 4b and 4b + 1 carry it
+            post = daemon_copy.DaemonCopy.post
+
+            def fourth(copy: daemon_copy.DaemonCopy, lineage: int) -> None:
+                if copy.zero.tag % 4 == 0:
+                    post(copy, lineage)
+
+            setattr(daemon_copy.DaemonCopy, "post", fourth)
+        if self.daemon in ("paired-buddy", "paired-both"):  # the buddy copy (copy_every=1) after every 4th step only
+            setattr(buddy.BuddyCopies, "due", lambda copies: copies.zero.tag % 4 == 0)
         rng = np.random.default_rng(0)
         x = rng.standard_normal((self.steps * self.batch * group.size, 64)).astype(np.float32)
         y = rng.integers(0, 10, len(x))
@@ -110,14 +154,27 @@ class _Run:
         for _ in range(2):
             layers += [nn.Linear(self.hidden, self.hidden, rng=rng), nn.Tanh()]
         model = nn.Sequential(*layers, nn.Linear(self.hidden, 10, rng=rng))
-        times = _StepTimes()
+        times = _BlockTimes() if self.daemon.startswith("paired") else _StepTimes()
         trainer = DistributedTrainer(model, lambda p: AdamW(p, lr=1e-3), nn.CrossEntropyLoss(), (x, y),
                                      batch_size=self.batch, group=group, progress=False, shuffle=False,
                                      callbacks=[times],
                                      parallel="zero", virtual_ranks=group.size, copy_every=self.copy_every)
+        if isinstance(times, _BlockTimes):
+            times.last = (time.process_time(), time.perf_counter())
+            trainer.fit(1)
+            return _blocks(times)
         times.last = time.perf_counter()
         trainer.fit(1)
         return times.result(trainer)
+
+
+def _blocks(times: _BlockTimes) -> list[tuple[float, float, float, float]]:
+    """Per block of 4 steps after the first (steps numbered from 1: step 4b ends with the copy posted): (CPU of a step
+    without a copy, the extra CPU of the two steps with it, wall of a step without, the extra wall)."""
+    cpu, wall = times.cpu, times.wall
+    return [((cpu[i + 1] + cpu[i + 2]) / 2, cpu[i - 1] + cpu[i] - cpu[i + 1] - cpu[i + 2],
+             (wall[i + 1] + wall[i + 2]) / 2, wall[i - 1] + wall[i] - wall[i + 1] - wall[i + 2])
+            for i in range(4, len(cpu) - 3, 4)]  # index i is step i + 1: block b is indices 4b - 1 .. 4b + 2
 
 
 def _params(hidden: int) -> int:
@@ -131,17 +188,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="samples per virtual rank and step")
-    parser.add_argument("--configs", default="",
+    parser.add_argument("--configs", default="0,1,2,3,4",
                         help="comma-separated row numbers of the table to run (0: none, 1: buddy every step, 2: every "
-                             "10th, 3: daemon, 4: both; default all)")
+                             "10th, 3: daemon, 4: both, 5: daemon with np.copyto, as first built; default 0-4)")
+    parser.add_argument("--memcpy", action="store_true", help="only the breakdown of one copy's CPU time")
+    parser.add_argument("--paired", action="store_true", help="only the daemon copy, A/B within each run (a copy "
+                        "after every 4th step)")
+    parser.add_argument("--paired-modes", default="stream,copyto",
+                        help="with --paired: the copies to measure, of stream (the daemon copy as built), copyto (with "
+                             "np.copyto, as first built), buddy (the buddy copy), both")
     args = parser.parse_args()
-    chosen = [CONFIGS[int(i)] for i in args.configs.split(",")] if args.configs else list(CONFIGS)
+    params = _params(args.hidden)
+    copy_mb = 3 * params * 4 / args.world / 2**20
+    if args.memcpy:
+        _memcpy_table(int(copy_mb * 2**20))
+        return
+    if args.paired:
+        _paired(args, params, copy_mb)
+        return
+    chosen = [CONFIGS[int(i)] for i in args.configs.split(",")]
     if chosen[0] is not CONFIGS[0]:
         chosen.insert(0, CONFIGS[0])  # the baseline every row is compared with
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    params = _params(args.hidden)
-    copy_mb = 3 * params * 4 / args.world / 2**20
     print(f"{args.world} ranks on loopback, ZeRO-1 on {args.world} virtual ranks, MLP of {params:,} float32 parameters "
           f"({params * 4 / 2**20:.1f} MiB), AdamW, batch {args.batch} per virtual rank; {args.steps} steps x "
           f"{args.rounds} rounds; load average before: {os.getloadavg()[0]:.1f}")
@@ -157,14 +226,14 @@ def main() -> None:
 
     wall, cpu = median(CONFIGS[0][0], 0), median(CONFIGS[0][0], 1)
     print("| copies | median step (ms) | steps/s | vs none | CPU per step (ms) | vs none | "
-          "copies on the training thread (ms/step) | daemon memcpy CPU (ms/step) | MB sent per step per rank | "
-          "MB into daemon memory per step |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "copies on the training thread (ms/step) | daemon copy CPU (ms/step) | daemon copy CPU / none's CPU | "
+          "MB sent per step per rank | MB into daemon memory per step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, every, daemon in chosen:
         w, c, b, m = median(name, 0), median(name, 1), median(name, 2), median(name, 3)
         copy = "0" if every is None else f"{copy_mb / every:.1f}"
         print(f"| {name} | {w * 1e3:.1f} | {1 / w:.2f} | {(w / wall - 1) * 100:+.1f} % | {c * 1e3:.1f} | "
-              f"{(c / cpu - 1) * 100:+.1f} % | {b * 1e3:.2f} | {m * 1e3:.2f} | {copy} | "
+              f"{(c / cpu - 1) * 100:+.1f} % | {b * 1e3:.2f} | {m * 1e3:.2f} | {m / cpu * 100:.1f} % | {copy} | "
               f"{copy_mb if daemon else 0:.1f} |", flush=True)
     seconds, rate = _memcpy(int(copy_mb * 2**20))
     print(f"memcpy on this machine: {rate / 1e9:.1f} GB/s of CPU time (np.copyto into a memfd mapping, median of 20): "
@@ -172,12 +241,146 @@ def main() -> None:
           "no-copy step's CPU time")
 
 
+def _paired(args: argparse.Namespace, params: int, copy_mb: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    print(f"{args.world} ranks on loopback, ZeRO-1 on {args.world} virtual ranks, MLP of {params:,} float32 parameters "
+          f"({params * 4 / 2**20:.1f} MiB), AdamW, batch {args.batch} per virtual rank; a copy of {copy_mb:.1f} "
+          f"MiB after every 4th of {args.steps} steps, {args.rounds} rounds; load average before: "
+          f"{os.getloadavg()[0]:.1f}")
+    names = {"stream": "daemon, stream_copy (as built)", "copyto": "daemon, np.copyto (before)",
+             "buddy": "buddy (copy_every=1)", "both": "buddy + daemon (as built)"}
+    modes = {f"paired-{m}" if m != "stream" else "paired": names[m] for m in args.paired_modes.split(",")}
+    blocks: dict[str, list[tuple[float, float, float, float]]] = {mode: [] for mode in modes}
+    for _ in range(args.rounds):  # interleaved, as the main table
+        for mode in modes:
+            run = _Run(args.hidden, args.steps, 1 if mode in ("paired-buddy", "paired-both") else None, mode,
+                       args.batch)
+            for rank in run_processes(run, args.world, timeout=600):
+                blocks[mode] += rank
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    print("| copy | batch per rank | blocks | CPU per step without a copy (ms) | CPU a copy adds (ms), median "
+          "(quartiles) | vs the step | wall per step without (ms) | wall a copy adds (ms) | vs the step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, name in modes.items():
+        rows = blocks[mode]
+        cpu, extra, wall, wall_extra = (float(statistics.median(r[i] for r in rows)) for i in range(4))
+        low, _, high = statistics.quantiles([r[1] for r in rows], n=4)
+        print(f"| {name} | {args.batch} | {len(rows)} | {cpu * 1e3:.1f} | {extra * 1e3:.2f} ({low * 1e3:.1f} to "
+              f"{high * 1e3:.1f}) | {extra / cpu * 100:+.1f} % | {wall * 1e3:.1f} | {wall_extra * 1e3:.2f} | "
+              f"{wall_extra / wall * 100:+.1f} % |", flush=True)
+
+
+def _memcpy_table(nbytes: int) -> None:
+    """Where one daemon copy of `nbytes` (one rank's block) spends its CPU time: page faults, the cache, the stores."""
+    src = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+    thirds = [src[k * len(src) // 3 : (k + 1) * len(src) // 3] for k in range(3)]
+    sweep = np.ones(256 * 2**20 // 8)  # read and written between copies: the source is out of cache, as after a step
+
+    def mapping(populate: bool) -> tuple[int, mmap.mmap, np.ndarray]:
+        fd = os.memfd_create("axond-bench-memcpy")
+        os.ftruncate(fd, src.nbytes)
+        os.posix_fallocate(fd, 0, src.nbytes)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        m = mmap.mmap(fd, src.nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        return fd, m, np.frombuffer(m, np.float32)
+
+    def first(populate: bool) -> float:
+        times = []
+        for _ in range(5):
+            fd, m, dst = mapping(populate)
+            began = time.thread_time()
+            np.copyto(dst, src)
+            times.append(time.thread_time() - began)
+            del dst
+            m.close()
+            os.close(fd)
+        return float(statistics.median(times))
+
+    fd, m, dst = mapping(True)
+    try:
+        rows = [("np.copyto into a fresh mapping: its first copy (a page fault per 4 KiB)", first(False)),
+                ("np.copyto into a mapping made with MAP_POPULATE: its first copy", first(True)),
+                *_warm_and_cold(dst, src, thirds, sweep), *_handoff(dst, src)]
+    finally:
+        del dst
+        m.close()
+        os.close(fd)
+    print(f"one copy of {nbytes / 2**20:.1f} MiB into a memfd mapping, CPU time of the copying thread, median; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| copy | ms of CPU | GB/s |")
+    print("|---|---:|---:|")
+    for name, seconds in rows:
+        rate = f"{nbytes / seconds / 1e9:.1f}" if not name.startswith("(wall)") else "-"
+        print(f"| {name} | {seconds * 1e3:.2f} | {rate} |")
+
+
+def _warm_and_cold(dst: np.ndarray, src: np.ndarray, thirds: list[np.ndarray],
+                   sweep: np.ndarray) -> list[tuple[str, float]]:
+    """Copies into a mapping whose pages are in, from a source in cache or not (`sweep` read and written first)."""
+    parts = [dst[k * len(dst) // 3 : (k + 1) * len(dst) // 3] for k in range(3)]
+
+    def timed(copy: Any, cold: bool) -> float:
+        times = []
+        for _ in range(9):
+            if cold:
+                sweep[:] += 1.0
+            began = time.thread_time()
+            copy()
+            times.append(time.thread_time() - began)
+        return float(statistics.median(times))
+
+    return [
+        ("np.copyto, pages faulted in, source in cache", timed(partial(np.copyto, dst, src), False)),
+        ("np.copyto, pages faulted in, source out of cache", timed(partial(np.copyto, dst, src), True)),
+        ("np.copyto of three arrays (parameters, two moments), source out of cache",
+         timed(lambda: [np.copyto(d, s) for d, s in zip(parts, thirds)], True)),
+        ("stream_copy (non-temporal stores), source in cache", timed(partial(stream_copy, dst, src), False)),
+        ("stream_copy, source out of cache", timed(partial(stream_copy, dst, src), True)),
+        ("stream_copy of three arrays, source out of cache",
+         timed(lambda: [stream_copy(d, s) for d, s in zip(parts, thirds)], True)),
+    ]
+
+
+def _handoff(dst: np.ndarray, src: np.ndarray) -> list[tuple[str, float]]:
+    """Wall time from handing the copy to a background thread (as `DaemonCopy.post`) to the copy starting, with the
+    training thread asleep or busy with small NumPy operations that hold the interpreter lock (a small-batch step)."""
+    pool = ThreadPoolExecutor(1)
+    began: list[float] = []
+    a = np.ones((8, 1152), np.float32)
+    w = np.full((1152, 1152), 1e-3, np.float32)
+
+    def job() -> None:
+        began.append(time.perf_counter())
+        stream_copy(dst, src)
+
+    def handed(busy: bool) -> float:
+        waits = []
+        for _ in range(9):
+            posted = time.perf_counter()
+            done = pool.submit(job)
+            if busy:
+                while time.perf_counter() < posted + 0.05:
+                    np.tanh(a @ w, out=a)
+            else:
+                time.sleep(0.05)
+            done.result()
+            waits.append(began[-1] - posted)
+        return float(statistics.median(waits))
+
+    try:
+        return [("(wall) hand-off to the background thread until the copy starts, training thread asleep",
+                 handed(False)),
+                ("(wall) the same, training thread busy in small NumPy operations (it holds the interpreter lock)",
+                 handed(True))]
+    finally:
+        pool.shutdown()
+
+
 def _memcpy(nbytes: int) -> tuple[float, float]:
     """(CPU seconds, bytes per CPU second) of one `np.copyto` of `nbytes` from a process array into a mapped memfd
     (pages touched first); CPU time of the copying thread, as wall time on a loaded machine counts the waits for a
     core."""
-    import mmap
-
     fd = os.memfd_create("axond-bench-memcpy")
     try:
         os.ftruncate(fd, nbytes)

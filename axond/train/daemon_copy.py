@@ -4,8 +4,15 @@ the committed step) survives the rank's death, and the replacement rank its work
 The worker gives each local rank one anonymous shared-memory file (`memfd`), inherited by the rank process as
 `AXOND_SHARD_MEMORY_FD`: the worker holds it open, so its contents outlive the rank, reach the next rank the worker
 starts for that local rank, and go when the worker ends (nothing is left in `/dev/shm`). The rank maps it and, after
-every committed step, copies its block into it on a background thread (a memcpy per array, off the training thread);
+every committed step, copies its block into it on a background thread (one copy per array, off the training thread);
 the copy is waited for only before the next optimizer step changes the arrays.
+
+Cost (`python bench/shard_copies.py`): the copy is bound by memory bandwidth, its source (the block the optimizer
+just updated) out of cache. Both slots are mapped with their pages faulted in once, when the file is sized or
+attached (`MAP_POPULATE`), so no copy takes page faults; each array is copied with non-temporal stores
+(`host_copy.stream_copy`), so the snapshot, which this process never reads, is written to memory without first being
+read into the cache (glibc's memcpy does that below a threshold of hundreds of MB); the views of the slots are made
+once per layout, so a step allocates nothing but the few Python objects of the hand-off to the thread.
 
 Layout: a header page, then two slots (double buffering). A copy goes into the slot that does not hold the newest
 complete copy; the slot's header is cleared first and written last, its `state` word after every other: a copy cut
@@ -25,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from axond.distributed.backends.host_copy import stream_copy
 from axond.parallel.zero.virtual import VirtualZero
 from axond.train.buddy import Holding, Slot
 
@@ -36,6 +44,8 @@ SLOT_WORDS = 8
 VALID = 1
 STATE, TAG, FIRST, COUNT, LINEAGE, WIDTH, SCALARS = range(7)
 ALIGN = 4096
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Fault every page of the mapping in when it is made (Linux): the copies then never stop on a page fault."""
 
 
 def fingerprint(zero: VirtualZero) -> int:
@@ -53,6 +63,8 @@ class DaemonCopy:
         self._map: mmap.mmap | None = None
         self._header = np.zeros(2 * SLOT_WORDS + 4, np.int64)
         self._slot_bytes = 0
+        self._views: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        """The slots' views by (slot, shards, rows per shard, scalars per shard): made once per layout."""
         self._pending: Future[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.written = -1
@@ -70,11 +82,19 @@ class DaemonCopy:
             self._attach(size)
 
     def _attach(self, size: int) -> None:
-        self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._views = {}
+        self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED | POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
         self._header = np.frombuffer(self._map, np.int64, 4 + 2 * SLOT_WORDS)
         self._slot_bytes = (size - HEADER_BYTES) // 2
 
     def _slot_views(self, index: int, count: int, width: int, nscalars: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (index, count, width, nscalars)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = self._make_views(index, count, width, nscalars)
+        return views
+
+    def _make_views(self, index: int, count: int, width: int, nscalars: int) -> tuple[np.ndarray, np.ndarray]:
         assert self._map is not None
         rows = count * width * self.zero.shard
         offset = HEADER_BYTES + index * self._slot_bytes
@@ -106,6 +126,7 @@ class DaemonCopy:
 
     def _close_map(self) -> None:
         mapping, self._map = self._map, None
+        self._views = {}
         self._header = np.zeros(2 * SLOT_WORDS + 4, np.int64)
         if mapping is not None:
             try:
@@ -192,7 +213,7 @@ def _write(words: np.ndarray, rows: np.ndarray, sources: list[list[np.ndarray]],
     """The background copy: every array into the slot, then the header, its state word last."""
     for i, arrays in enumerate(sources):
         for j, array in enumerate(arrays):
-            np.copyto(rows[i, j], array)
+            stream_copy(rows[i, j], array)
     tag, first, count, lineage, width, nscalars = header
     words[TAG], words[FIRST], words[COUNT], words[LINEAGE] = tag, first, count, lineage
     words[WIDTH], words[SCALARS] = width, nscalars

@@ -168,3 +168,51 @@ def test_the_compiled_copy_changed_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="nbytes must be >= 0"):
         host_copy._CHANGED(0, 0, -1)
     assert host_copy._CHANGED(0, 0, 0) == 0
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 15, 63, 64, 65, 4 * PAGE - 1, 4 * PAGE, 16 * PAGE + 77, (1 << 20) + 13])
+@pytest.mark.parametrize("dst_offset, src_offset", [(0, 0), (1, 0), (15, 33), (8, 7)])
+def test_stream_copy_writes_exactly_the_bytes_at_any_alignment(nbytes: int, dst_offset: int, src_offset: int) -> None:
+    """Every byte of the source lands, none around the destination is touched: the head before a 16-byte boundary,
+    the four-page blocks, the lines after them and the tail."""
+    rng = np.random.default_rng(nbytes + dst_offset)
+    pool = np.zeros(nbytes + 3 * PAGE, np.uint8)
+    source = rng.integers(0, 256, nbytes + 2 * PAGE, dtype=np.uint8)
+    dst = at(pool, dst_offset, nbytes)
+    src = at(source, src_offset, nbytes)
+    host_copy.stream_copy(dst, src)
+    assert np.array_equal(dst, src)
+    start = (-address(pool)) % PAGE + dst_offset
+    assert not pool[:start].any() and not pool[start + nbytes :].any()
+
+
+def test_stream_copy_falls_back_for_casts_strides_and_no_helper(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = np.arange(3000, dtype=np.float32)
+    out = np.zeros(1500, np.float32)
+    host_copy.stream_copy(out, a[::2])
+    assert np.array_equal(out, a[::2])
+    wide = np.zeros(3000, np.float64)
+    host_copy.stream_copy(wide, a)  # a cast, as np.copyto
+    assert np.array_equal(wide, a)
+    monkeypatch.setattr(host_copy, "_STREAM", None)
+    plain = np.zeros(3000, np.float32)
+    host_copy.stream_copy(plain, a)
+    assert np.array_equal(plain, a)
+
+
+@pytest.mark.skipif(host_copy._STREAM is None, reason="the compiled helper was not built")
+def test_the_compiled_stream_refuses_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="takes 3 integers"):
+        host_copy._STREAM(0, 0)
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        host_copy._STREAM(0, 0, -1)
+    host_copy._STREAM(0, 0, 0)
+
+
+def test_a_helper_built_from_an_older_source_leaves_the_missing_function_to_python(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worktree whose compiled helper predates `stream` (not rebuilt after an update) still imports; the copy then
+    takes the Python path."""
+    _hostcopy = pytest.importorskip("axond.distributed.backends._hostcopy")
+    monkeypatch.delattr(_hostcopy, "stream", raising=False)
+    assert host_copy._compiled("stream") is None

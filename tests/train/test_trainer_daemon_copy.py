@@ -6,6 +6,7 @@ the agreed step's gradient broadcast from a survivor."""
 from __future__ import annotations
 
 import os
+import resource
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,6 +121,64 @@ def test_a_descriptor_that_is_not_open_says_where_it_comes_from() -> None:
     os.close(fd)
     with pytest.raises(ValueError, match=f"AXOND_SHARD_MEMORY_FD={fd} is not an open file descriptor"):
         DaemonCopy(fd, _stepped(ProcessGroup.mock(), 0))
+
+
+def _faults_of_each_copy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The minor page faults each daemon copy takes on the thread that writes it (filled as copies run)."""
+    faults: list[int] = []
+    write = daemon_copy._write
+
+    def counted(*args: Any) -> None:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        write(*args)
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+
+    monkeypatch.setattr(daemon_copy, "_write", counted)
+    return faults
+
+
+@pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="needs per-thread rusage (Linux)")
+@pytest.mark.parametrize("populate", [True, False])
+def test_both_slots_are_faulted_in_once_so_no_copy_stops_on_a_page_fault(fd: int, monkeypatch: pytest.MonkeyPatch,
+                                                                          populate: bool) -> None:
+    """A block of 3 MiB (770 pages per slot): with the mapping populated when it is made, neither slot's first copy
+    faults (nor a new rank's on the same memory); without, each slot's first copy faults once per page."""
+    if not populate:
+        monkeypatch.setattr(daemon_copy, "POPULATE", 0)
+    faults = _faults_of_each_copy(monkeypatch)
+    rng = np.random.default_rng(3)
+    params = list(nn.Linear(512, 512, rng=rng).parameters())
+    zero = VirtualZero(params, AdamW, ProcessGroup.mock(), 1, lr=0.05)
+    copies = DaemonCopy(fd, zero)
+    for step in range(1, 4):
+        for p in params:
+            p.grad = rng.standard_normal(p.shape).astype(np.float32)
+        zero.step()
+        copies.post(lineage=0)
+        copies.settle()
+    copies.close()
+    again = DaemonCopy(fd, zero)  # the next rank on that memory maps it afresh
+    again.post(lineage=0)
+    again.close()
+    pages = 3 * zero.shard * 4 // 4096
+    if populate:
+        assert max(faults) < pages // 20, faults
+    else:
+        assert faults[0] > pages // 2 and faults[1] > pages // 2 and faults[3] > pages // 2, faults
+    held = again.holding(3, 0)
+    assert held is not None and np.array_equal(held.slots[0].rows[0, 0], zero.flat)
+
+
+def test_the_slots_views_are_made_once_per_layout(fd: int) -> None:
+    zero = _stepped(ProcessGroup.mock(), 2)
+    copies = DaemonCopy(fd, zero)
+    copies.post(lineage=0)
+    copies.settle()
+    views = copies._slot_views(0, 3, 3, 2)
+    for _ in range(3):
+        copies.post(lineage=0)
+        copies.settle()
+    assert copies._slot_views(0, 3, 3, 2) is views and len(copies._views) == 2  # one per slot, reused every step
 
 
 STEPS = 4
