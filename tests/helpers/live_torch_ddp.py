@@ -3,9 +3,10 @@
 
 argv: OUT_DIR HANG_STEP [CUT_STEP]. Every process records its start (`start-RANK-PID`), every committed step
 (`steps-PID.jsonl`: rank, step, world size, generation, loss, time.monotonic()) and its end (`end-PID.json`: the final
-loss over the whole data set, the recoveries, a digest of the parameters). The process that starts as rank 2 stops
-after committing step HANG_STEP (writes `hang-2-PID`, then sleeps) so that the test can SIGKILL it while the others
-wait in the next step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut
+loss over the whole data set, the recoveries, the state transfers to ranks that joined, a digest of the parameters).
+The process that starts as rank 2 stops after committing step HANG_STEP (writes `hang-2-PID`, then sleeps; once per
+run: a rank started again in its place does not) so that the test can SIGKILL it while the others wait in the next
+step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut
 after its all-reduce completed everywhere (the others commit it): it must apply the step after the re-formation.
 LIVE_TORCH_HANGS="R:S,..." (instead of HANG_STEP) stops the process that starts as rank R after step S, each once
 (`hang-R-PID`); LIVE_TORCH_VIRTUAL: the virtual ranks (3); LIVE_TORCH_WRAP=fsdp2: FSDP2
@@ -145,6 +146,9 @@ def main() -> None:
            "generation": int(os.environ["AXOND_GENERATION"]), "final_loss": final_loss(manager.module),
            "params": params_digest(manager.module),
            "steps": manager.current_step(),
+           "transfers": [{"step": t.step, "source": t.source, "joined": list(t.joined), "world": t.world,
+                          "nbytes": t.nbytes, "seconds": t.seconds, "received": t.received}
+                         for t in manager.transfers],
            "recoveries": [{"step": r.step, "world_before": r.world_before, "world_after": r.world_after,
                            "reason": r.reason, "error_at": r.error_at, "reformed_at": r.reformed_at,
                            "rolled_forward": r.rolled_forward, "generation": r.generation,
