@@ -44,6 +44,8 @@ def show(report: SoakReport, run: SoakRun) -> None:
     print(table(report, run))
     for step, gap in report.hangs:
         print(f"hang: no committed step for {gap:.2f} s before step {step}")
+    for step, gap in report.join_waits:
+        print(f"join: no committed step for {gap:.2f} s before step {step}, while a joining rank's process started")
     for pid, step, got, want in report.divergences[:10]:
         print(f"divergence: pid {pid} step {step}: {got} (fault-free {want})")
     if run.config.torch and not report.final_losses:

@@ -63,6 +63,9 @@ class SoakReport:
     """`--torch`: each rank's loss over the whole data set at the end."""
     reference_loss: float | None = None
     """`--torch`: the fault-free run's, after as many steps."""
+    join_waits: list[tuple[int, float]] = field(default_factory=list)
+    """(step, seconds) of the waits above the hang bound that ended when a rank joined (the running ranks waited for
+    the new rank's process to start: its interpreter and imports), kept apart from `hangs`."""
 
 
 LOSS_RTOL = 1e-5
@@ -144,9 +147,10 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
         if seq and seq != list(range(seq[0], seq[0] + len(seq))):
             order_errors.append(f"pid {pid}: steps {seq[:3]}...{seq[-3:]} are not consecutive")
     reformed = sorted(r["reformed_at"] for r in recoveries)
+    joined_at = {x["step"] for lines in by_pid.values() for x in lines if x["kind"] == "transfer"}
     # goodput: each committed step's attempt, from the end of the step before (or the last re-formation since)
     start = run.first_full
-    productive, hangs = 0.0, []
+    productive, hangs, join_waits = 0.0, [], []
     bound = hang_bound(c)
     for k in range(2, last + 1):
         if k not in ends or k - 1 not in ends or ends[k] <= start:
@@ -155,7 +159,7 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
         begin = max([prev] + [t for t in reformed if prev < t < ends[k]])
         productive += ends[k] - begin
         if ends[k] - ends[k - 1] > bound and ends[k - 1] >= start:
-            hangs.append((k, ends[k] - ends[k - 1]))
+            (join_waits if k - 1 in joined_at else hangs).append((k, ends[k] - ends[k - 1]))
     wall = max(ends.values()) - start if ends else 0.0
     pairs = [(ends[k - 1], ends[k]) for k in range(2, last + 1) if k in ends and k - 1 in ends]
     outcomes = []
@@ -169,7 +173,7 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
     coordinator = run.statuses[-1] if run.statuses else {}
     transfers = sum(1 for lines in by_pid.values() for x in lines if x["kind"] == "transfer" and x["received"])
     return SoakReport(outcomes, last, hangs, bound, divergences, order_errors, productive / wall if wall else 0.0,
-                      productive, wall, coordinator, len(by_pid), transfers, final_losses, reference_loss)
+                      productive, wall, coordinator, len(by_pid), transfers, final_losses, reference_loss, join_waits)
 
 
 def table(report: SoakReport, run: SoakRun) -> str:
@@ -199,6 +203,8 @@ def table(report: SoakReport, run: SoakRun) -> str:
              f"{sum(o.full_size is None for o in missing)} |",
              f"| workers started again by the soak | {len(run.respawned)} |",
              f"| hangs (no committed step for > {report.bound:.2f} s) | {len(report.hangs)} |",
+             f"| waits above that ended as a rank joined (its process starting) | {len(report.join_waits)}"
+             f"{' (' + cell([w for _, w in report.join_waits]) + ' s)' if report.join_waits else ''} |",
              f"| longest wait between committed steps | {max((o.stall for o in report.outcomes), default=0):.2f} s |",
              (f"| steps whose loss differs from a fault-free run's by > {LOSS_RTOL:g} relative | "
               f"{len(report.divergences)} |" if c.torch else
