@@ -142,6 +142,7 @@ class Manager:
         self._failed_ns = 0
         self._loss_sum = 0.0
         if live is not None:  # a rank that joins a running job takes the state here (its first generation: nothing)
+            _check_live_store()
             self._join()
         self._wrapped = self._wrap()
 
@@ -334,6 +335,18 @@ class Manager:
     def _seed(self, v: int) -> None:
         if self.seed is not None:
             torch.manual_seed(zlib.crc32(f"{self.seed}:{self._committed}:{v}".encode()))
+
+
+def _check_live_store() -> None:
+    """Raise when torch's default group of a live job met in torch's TCPStore (MASTER_ADDR) instead of the
+    generation's store, where re-formed ranks and joining ones meet (`axond.torch.rendezvous.live_store`)."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        raise DistributedError("torch's default group of this live job was formed over torch's TCPStore (MASTER_ADDR), "
+                               "where ranks that join it later cannot meet it: import axond.torch (or "
+                               "axond.torch.live) before init_process_group(\"axond\")", op="live manager")
 
 
 class Step:

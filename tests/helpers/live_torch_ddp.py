@@ -9,9 +9,10 @@ run: a rank started again in its place does not) so that the test can SIGKILL it
 step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut
 after its all-reduce completed everywhere (the others commit it): it must apply the step after the re-formation.
 LIVE_TORCH_HANGS="R:S,..." (instead of HANG_STEP) stops the process that starts as rank R after step S, each once
-(`hang-R-PID`); LIVE_TORCH_VIRTUAL: the virtual ranks (3); LIVE_TORCH_WRAP=fsdp2: FSDP2
-through `ShardedManager` (else DDP). LIVE_TORCH_CHECKPOINT=DIR (bench/torch_live.py's restart
-path, without --live-recovery): rank 0 saves the manager's state after every committed step and every rank loads the
+(`hang-R-PID`); LIVE_TORCH_VIRTUAL: the virtual ranks (3); LIVE_TORCH_WAIT_JOIN=K: after committing step K, a
+rank of a world smaller than the virtual ranks waits for the worker's word that a node joins; LIVE_TORCH_WRAP=fsdp2:
+FSDP2 through `ShardedManager` (else DDP). LIVE_TORCH_CHECKPOINT=DIR (bench/torch_live.py's restart path, without
+--live-recovery): rank 0 saves the manager's state after every committed step and every rank loads the
 newest at its start.
 """
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 import axond.torch  # noqa: F401 -- registers "axond"
+from axond.distributed import membership
 from axond.torch.errors import TorchDistributedError
 from axond.torch.live import Manager, batch_indices
 from axond.torch.live_fsdp import FULL, ShardedManager
@@ -108,6 +110,7 @@ def main() -> None:
     hangs = dict(tuple(map(int, h.split(":"))) for h in os.environ["LIVE_TORCH_HANGS"].split(",")) \
         if os.environ.get("LIVE_TORCH_HANGS") else {2: hang_step}
     cut_step = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    wait_join = int(os.environ.get("LIVE_TORCH_WAIT_JOIN", "-1"))
     dist.init_process_group("axond")
     start_rank = dist.get_rank()
     (out / f"start-{start_rank}-{os.getpid()}").write_text("")
@@ -139,6 +142,8 @@ def main() -> None:
                                   "gen": int(os.environ["AXOND_GENERATION"]), "loss": manager.loss,
                                   "mono": time.monotonic()}) + "\n")
             log.flush()
+        if before == wait_join and dist.get_world_size() < VIRTUAL and manager.current_step() > before:
+            membership.current().wait(90.0)  # type: ignore[union-attr]  # until the worker says a node joins
         if hangs.get(start_rank) == before and not any(out.glob(f"hang-{start_rank}-*")):
             (out / f"hang-{start_rank}-{os.getpid()}").write_text(str(time.time()))
             time.sleep(HANG_S)

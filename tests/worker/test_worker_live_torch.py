@@ -50,11 +50,12 @@ def kill_when_hung(out: Path, rank: int) -> tuple[int, float]:
 
 
 def workers(procs: Procs, out: Path, n: int, args: list[str], env: dict[str, str] | None = None,
-            max_restarts: int = 0) -> list[subprocess.Popen[str]]:
-    """`n` workers (`--nnodes 2:n`, one rank each) running the script with `args`."""
+            max_restarts: int = 0, address: str = "", most: int = 0) -> list[subprocess.Popen[str]]:
+    """`n` workers (`--nnodes 2:n`, or 2:`most`; one rank each) running the script with `args` (a coordinator of
+    their own unless `address` names one)."""
     out.mkdir()
-    address = coordinator(procs)
-    return [procs.axond("worker", "--coordinator", address, "--nnodes", f"2:{n}", "--job", "torch-live",
+    address = address or coordinator(procs)
+    return [procs.axond("worker", "--coordinator", address, "--nnodes", f"2:{most or n}", "--job", "torch-live",
                         "--live-recovery", "--join-timeout", "60", "--max-restarts", str(max_restarts),
                         "--", PY, str(SCRIPT), str(out), *args, env=env)
             for _ in range(n)]
@@ -165,6 +166,7 @@ def test_a_commit_cut_on_one_rank_is_applied_there_after_the_reformation(procs: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # four rank processes import torch, one after the kill, on a busy machine
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
 def test_a_killed_ranks_worker_starts_it_again_and_it_joins_the_running_job(procs: Procs, tmp_path: Path,
                                                                             wrap: str) -> None:
@@ -203,3 +205,34 @@ def test_a_killed_ranks_worker_starts_it_again_and_it_joins_the_running_job(proc
             assert done == list(range(STEPS)), done  # nothing lost, nothing applied twice
         assert {s["world"] for s in steps(out, pid) if s["step"] >= got["step"]} == {3}
     print(f"\n{wrap}: joined at step {got['step']}; {got['nbytes']} bytes in {got['seconds'] * 1e3:.1f} ms")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # the settle time, then a third worker's rank imports torch, on a busy machine
+def test_a_new_worker_grows_a_torch_job_started_at_min(procs: Procs, tmp_path: Path) -> None:
+    """Two of `--nnodes 2:3` start the job (after the settle time) on three virtual ranks; the running ranks wait after
+    step 10 until a third worker joins: it takes the state from a live peer and the job ends at three ranks with the
+    fault-free loss."""
+    out = tmp_path / "min"
+    address = coordinator(procs)
+    started = workers(procs, out, 2, ["-1"], env={"LIVE_TORCH_WAIT_JOIN": "10"}, address=address,
+                      most=3)
+    wait_for(lambda: any(out.glob("steps-*")), 90, "the job to train at two ranks")
+    third = procs.axond("worker", "--coordinator", address, "--nnodes", "2:3", "--job",
+                        "torch-live", "--live-recovery", "--join-timeout", "60", "--", PY, str(SCRIPT), str(out), "-1",
+                        env={"LIVE_TORCH_WAIT_JOIN": "10"})
+    finished = [procs.finish(w, timeout=150) for w in [*started, third]]
+    assert [f.code for f in finished] == [0, 0, 0], "\n----\n".join(f.stderr[-4000:] for f in finished)
+    ends = read_ends(out)
+    assert len(ends) == 3 and len(list(out.glob("start-*"))) == 3
+    expected = reference()
+    received = [pid for pid, end in ends.items() if any(t["received"] for t in end["transfers"])]
+    assert len(received) == 1, ends
+    for pid, end in ends.items():
+        assert end["steps"] == STEPS and end["world"] == 3, end
+        assert end["final_loss"] == pytest.approx(expected, rel=RTOL), (end, expected)
+        log = [s["step"] for s in steps(out, pid)]
+        assert log == list(range(11 if pid in received else 0, STEPS)), log  # joined at the boundary after step 10
+        if pid not in received:
+            assert [(r["world_before"], r["world_after"], r["step"]) for r in end["recoveries"]] == [(2, 3, 11)]
+    assert len({end["params"] for end in ends.values()}) == 1
