@@ -63,6 +63,8 @@ class SoakReport:
     """`--torch`: each rank's loss over the whole data set at the end."""
     reference_loss: float | None = None
     """`--torch`: the fault-free run's, after as many steps."""
+    worst_step: float = 0.0
+    """`--torch`: the largest relative difference of a step's loss from the fault-free run's."""
     join_waits: list[tuple[int, float]] = field(default_factory=list)
     """(step, seconds) of the waits above the hang bound that ended when a rank joined (the running ranks waited for
     the new rank's process to start: its interpreter and imports), kept apart from `hangs`."""
@@ -127,12 +129,14 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
         ends[s["step"]] = max(ends.get(s["step"], 0.0), s["mono"])
     last = max(ends) if ends else 0
     final_losses: list[float] = []
-    reference_loss = None
+    reference_loss, worst = None, 0.0
     if c.torch:  # each step's loss (the mean over the virtual ranks) and the final loss, against the fault-free run
         ref_losses, reference_loss = torch_reference(c, last)
         divergences = [(pid, s["step"], f"{s['loss']:.9g}", f"{ref_losses[s['step']]:.9g}")
                        for pid, lines in by_pid.items() for s in lines
                        if s["kind"] == "step" and s["loss"] is not None and _far(s["loss"], ref_losses[s["step"]])]
+        worst = max((abs(s["loss"] - ref_losses[s["step"]]) / abs(ref_losses[s["step"]]) for s in steps
+                     if s["loss"] is not None and ref_losses[s["step"]]), default=0.0)
         for path in run.out.glob("end-*.json"):
             end = json.loads(path.read_text())
             if end["step"] == last:
@@ -173,7 +177,8 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
     coordinator = run.statuses[-1] if run.statuses else {}
     transfers = sum(1 for lines in by_pid.values() for x in lines if x["kind"] == "transfer" and x["received"])
     return SoakReport(outcomes, last, hangs, bound, divergences, order_errors, productive / wall if wall else 0.0,
-                      productive, wall, coordinator, len(by_pid), transfers, final_losses, reference_loss, join_waits)
+                      productive, wall, coordinator, len(by_pid), transfers, final_losses, reference_loss, worst,
+                      join_waits)
 
 
 def table(report: SoakReport, run: SoakRun) -> str:
@@ -206,8 +211,8 @@ def table(report: SoakReport, run: SoakRun) -> str:
              f"| waits above that ended as a rank joined (its process starting) | {len(report.join_waits)}"
              f"{' (' + cell([w for _, w in report.join_waits]) + ' s)' if report.join_waits else ''} |",
              f"| longest wait between committed steps | {max((o.stall for o in report.outcomes), default=0):.2f} s |",
-             (f"| steps whose loss differs from a fault-free run's by > {LOSS_RTOL:g} relative | "
-              f"{len(report.divergences)} |" if c.torch else
+             (f"| steps whose loss differs from a fault-free run's by > {LOSS_RTOL:g} relative (largest "
+              f"difference) | {len(report.divergences)} ({report.worst_step:.1e}) |" if c.torch else
               f"| hash divergences (step logs vs a fault-free replay) | {len(report.divergences)} |"),
              f"| steps lost or applied twice | {len(report.order_errors)} |",
              f"| goodput, steps' time over wall time (from full size to the end) | {report.goodput:.1%} "

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from axond.distributed.process_group import ProcessGroup
 from axond.errors import DistributedError
 from axond.observe import timeline
+from axond.torch.process_group import AxondProcessGroup
 from axond.train.join import StateTransfer, _broadcast_arrays, _share
 from axond.train.live import roll_forward
 
@@ -45,8 +46,6 @@ _SCALARS = (bool, int, float, str, type(None))
 
 def axond_group() -> ProcessGroup:
     """The axond group under torch's default group (the "axond" backend's)."""
-    from axond.torch.process_group import AxondProcessGroup
-
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
     if not isinstance(backend, AxondProcessGroup):
         raise DistributedError(f"a live torch job needs torch's default group over the \"axond\" backend, not "
