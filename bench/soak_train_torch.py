@@ -8,7 +8,9 @@ for a step this rank applied after a re-formation; time.monotonic() at the step'
 every rank writes `end-PID.json` (the final loss over the whole data set, a digest of the parameters) and leaves.
 
 SOAK_HIDDEN (the MLP's width, default 512: 0.55 M float32 parameters, 2.1 MiB). `build` and `reference` are also the
-soak's fault-free run (one process, the same four virtual ranks).
+soak's fault-free run (one process, the same four virtual ranks). `python bench/soak_train_torch.py --rounding STEPS`
+prints how far two fault-free runs drift apart when only the order of the four gradients' sum differs: the float
+noise under the soak's loss comparison.
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ def build(hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
                                 torch.nn.Tanh(), torch.nn.Linear(hidden, hidden), torch.nn.Tanh(),
                                 torch.nn.Linear(hidden, CLASSES))
-    # SGD with momentum (its buffers travel to a joining rank): under AdamW, whose update divides by the gradient's
-    # running scale, the float rounding of DDP's sums (in another order than the one-process reference's) had grown
-    # to 1e-5 of a step's loss by step 700 in a first run, so the comparison would measure that rounding, not recovery
-    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # SGD with momentum (its buffers travel to a joining rank) at a small step: the float rounding of DDP's sums (in
+    # another order than the one-process reference's, and in yet another at each world size) grows with the training's
+    # sensitivity; at lr 0.05, momentum 0.9 two fault-free orders of the same sums differed by 23 % in the loss after
+    # 1000 steps (bench/results/2026-12-07-torch-soak.md), so the comparison measured rounding, not recovery
+    return model, torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.5)
 
 
 def batch(step: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +97,42 @@ def reference(hidden: int, steps: int) -> tuple[list[float], float]:
     return losses, final_loss(model)
 
 
+def rounding(hidden: int, steps: int) -> None:
+    """The float noise the loss comparison sits on: the fault-free run twice in one process, the four virtual ranks'
+    gradients summed in two orders (((g0 + g1) + g2) + g3, as `reference`; (g0 + g1) + (g2 + g3), as two ranks of
+    two might), the largest relative difference of a step's loss so far and of the final loss printed."""
+    torch.set_num_threads(1)
+    losses: list[list[float]] = [[], []]
+    finals = []
+    for order in (0, 1):
+        model, optimizer = build(hidden)
+        for step in range(steps):
+            grads, total = [], 0.0
+            for v in range(VIRTUAL):
+                model.zero_grad()
+                x, y = batch(step, v)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                total += float(loss.detach())
+                (loss / VIRTUAL).backward()
+                grads.append([q.grad.clone() for q in model.parameters()])  # type: ignore[union-attr]
+            for i, q in enumerate(model.parameters()):
+                g = [one[i] for one in grads]
+                q.grad = ((g[0] + g[1]) + g[2]) + g[3] if order == 0 else (g[0] + g[1]) + (g[2] + g[3])
+            optimizer.step()
+            losses[order].append(total / VIRTUAL)
+        finals.append(final_loss(model))
+    worst = 0.0
+    for step, (a, b) in enumerate(zip(*losses), 1):
+        worst = max(worst, abs(a - b) / abs(a))
+        if step % 500 == 0 or step == steps:
+            print(f"step {step}: loss {a:.6g}, largest relative difference of a step's loss so far {worst:.2e}")
+    print(f"final loss {finals[0]:.9g} / {finals[1]:.9g}: {abs(finals[0] - finals[1]) / abs(finals[0]):.2e} relative")
+
+
 def main() -> None:
+    if sys.argv[1] == "--rounding":  # python bench/soak_train_torch.py --rounding STEPS
+        rounding(int(os.environ.get("SOAK_HIDDEN", "512")), int(sys.argv[2]))
+        return
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     (out / f"start-{os.getpid()}").write_text(json.dumps({
