@@ -39,7 +39,7 @@ from axond.train.live import roll_forward
 if TYPE_CHECKING:
     from axond.torch.live import Manager
 
-__all__ = ["StateTransfer", "broadcast_state", "rows", "settle"]
+__all__ = ["StateTransfer", "broadcast_state", "check_live_store", "rows", "settle"]
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -51,6 +51,18 @@ def axond_group() -> ProcessGroup:
         raise DistributedError(f"a live torch job needs torch's default group over the \"axond\" backend, not "
                                f"{type(backend).__name__}: init_process_group(\"axond\")", op="join")
     return backend.axond_group
+
+
+def check_live_store() -> None:
+    """Raise when torch's default group of a live job met in torch's TCPStore (MASTER_ADDR) instead of the
+    generation's store, where re-formed ranks and joining ones meet (`axond.torch.rendezvous.live_store`)."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        raise DistributedError("torch's default group of this live job was formed over torch's TCPStore (MASTER_ADDR), "
+                               "where ranks that join it later cannot meet it: import axond.torch (or "
+                               "axond.torch.live) before init_process_group(\"axond\")", op="live manager")
 
 
 def rows(manager: Manager, fresh: bool) -> list[list[int]]:

@@ -21,6 +21,11 @@ The math: DDP averages the gradients over the physical ranks; each rank scales i
 the average is the mean over the virtual ranks of their gradients, whatever the world size (the float sums are
 ordered differently at another world size: the same up to rounding, not bit for bit).
 
+A node that joins the running job (a failed node's worker starting its rank again, or a new worker below `--nnodes`
+MAX) joins at a step boundary: the running ranks' next collective is cut and they re-form at the larger size; the
+new rank, running the same script, builds its `Manager`, and both take part in `axond.torch.join.settle`: the lowest
+running rank sends the manager's state (committed steps, module and optimizer state dicts) over the data plane.
+
 A step is applied on every rank or on none. After the backward, each rank all-reduces a commit flag (1: its part of
 the step completed, so it holds the step's averaged gradient); a rank whose all-reduce completed with every rank's 1
 commits. A rank whose all-reduce was cut while another's completed learns so after the re-formation (the ranks'
@@ -44,7 +49,7 @@ from axond.distributed import membership
 from axond.errors import DistributedError, MembershipChanged
 from axond.observe import timeline
 from axond.parallel.zero.virtual import carried
-from axond.torch.join import StateTransfer, settle
+from axond.torch.join import StateTransfer, check_live_store, settle
 from axond.torch.reform import membership_change, reform_torch
 
 __all__ = ["Manager", "Recovery", "Step", "batch_indices", "membership_change", "reform_torch"]
@@ -142,7 +147,7 @@ class Manager:
         self._failed_ns = 0
         self._loss_sum = 0.0
         if live is not None:  # a rank that joins a running job takes the state here (its first generation: nothing)
-            _check_live_store()
+            check_live_store()
             self._join()
         self._wrapped = self._wrap()
 
@@ -335,18 +340,6 @@ class Manager:
     def _seed(self, v: int) -> None:
         if self.seed is not None:
             torch.manual_seed(zlib.crc32(f"{self.seed}:{self._committed}:{v}".encode()))
-
-
-def _check_live_store() -> None:
-    """Raise when torch's default group of a live job met in torch's TCPStore (MASTER_ADDR) instead of the
-    generation's store, where re-formed ranks and joining ones meet (`axond.torch.rendezvous.live_store`)."""
-    store = dist.distributed_c10d._get_default_store()
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    if isinstance(store, dist.TCPStore):
-        raise DistributedError("torch's default group of this live job was formed over torch's TCPStore (MASTER_ADDR), "
-                               "where ranks that join it later cannot meet it: import axond.torch (or "
-                               "axond.torch.live) before init_process_group(\"axond\")", op="live manager")
 
 
 class Step:
