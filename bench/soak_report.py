@@ -66,8 +66,8 @@ class SoakReport:
     worst_step: float = 0.0
     """`--torch`: the largest relative difference of a step's loss from the fault-free run's."""
     join_waits: list[tuple[int, float]] = field(default_factory=list)
-    """(step, seconds) of the waits above the hang bound that ended when a rank joined (the running ranks waited for
-    the new rank's process to start: its interpreter and imports), kept apart from `hangs`."""
+    """`--torch`: (step, seconds) of the waits above the hang bound that ended when a rank joined (the running ranks
+    waited for the new rank's process to start: its interpreter and `import torch`), kept apart from `hangs`."""
 
 
 LOSS_RTOL = 1e-5
@@ -163,7 +163,7 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
         begin = max([prev] + [t for t in reformed if prev < t < ends[k]])
         productive += ends[k] - begin
         if ends[k] - ends[k - 1] > bound and ends[k - 1] >= start:
-            (join_waits if {k - 1, k} & joined_at else hangs).append((k, ends[k] - ends[k - 1]))
+            (join_waits if c.torch and {k - 1, k} & joined_at else hangs).append((k, ends[k] - ends[k - 1]))
     wall = max(ends.values()) - start if ends else 0.0
     pairs = [(ends[k - 1], ends[k]) for k in range(2, last + 1) if k in ends and k - 1 in ends]
     outcomes = []
