@@ -18,6 +18,11 @@ virtual ranks in one process.
 
     python bench/soak.py --duration 600                      # the 10-minute soak (about 14 minutes in all)
     python bench/soak.py --duration 90 --faults kill,drop    # shorter
+    python bench/soak.py --torch --duration 600              # torch DDP over "axond" (bench/soak_train_torch.py)
+
+`--torch` runs torch DDP over "axond" through `axond.torch.live.Manager` on the same MLP and faults; torch's DDP sums
+the gradients in its own order, so each step's loss and the final loss are compared with a fault-free run's (within
+1e-5 relative) instead of the parameters' hashes.
 """
 
 from __future__ import annotations
@@ -39,8 +44,12 @@ def show(report: SoakReport, run: SoakRun) -> None:
     print(table(report, run))
     for step, gap in report.hangs:
         print(f"hang: no committed step for {gap:.2f} s before step {step}")
+    for step, gap in report.join_waits:
+        print(f"join: no committed step for {gap:.2f} s before step {step}, while a joining rank's process started")
     for pid, step, got, want in report.divergences[:10]:
         print(f"divergence: pid {pid} step {step}: {got} (fault-free {want})")
+    if run.config.torch and not report.final_losses:
+        print("no rank wrote its final loss at the last step")
     for line in report.order_errors:
         print(f"order: {line}")
 
@@ -58,6 +67,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512, help="the MLP's width (512: 2.1 MiB of parameters)")
     parser.add_argument("--parallel", choices=("ddp", "zero", "fsdp"), default="ddp",
                         help="the trainer's parallel mode (zero: ZeRO-1, fsdp: FSDP, both on the virtual ranks)")
+    parser.add_argument("--torch", action="store_true",
+                        help="torch DDP over \"axond\" (axond.torch.live.Manager) instead of DistributedTrainer: "
+                             "the loss is compared with a fault-free run's (within 1e-5 relative), not the hashes")
     parser.add_argument("--out", default="", help="keep the logs in this directory (default: a temporary one)")
     parser.add_argument("--analyse", default="", help="only analyse the run kept in this directory (by --out)")
     args = parser.parse_args()
@@ -73,7 +85,7 @@ def main() -> None:
         raise SystemExit(f"the soak needs network namespaces: {reason}")
     config = SoakConfig(duration=args.duration, period=args.period, faults=faults, seed=args.seed, hold=args.hold,
                         heartbeat=args.heartbeat, missed=args.missed, min_nodes=args.min_nodes, hidden=args.hidden,
-                        parallel=args.parallel)
+                        parallel=args.parallel, torch=args.torch)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="axond-soak-"))
     began = time.monotonic()
     try:

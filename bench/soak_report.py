@@ -59,6 +59,29 @@ class SoakReport:
     coordinator: dict[str, Any] = field(default_factory=dict)
     processes: int = 0
     transfers: int = 0
+    final_losses: list[float] = field(default_factory=list)
+    """`--torch`: each rank's loss over the whole data set at the end."""
+    reference_loss: float | None = None
+    """`--torch`: the fault-free run's, after as many steps."""
+    worst_step: float = 0.0
+    """`--torch`: the largest relative difference of a step's loss from the fault-free run's."""
+    join_waits: list[tuple[int, float]] = field(default_factory=list)
+    """`--torch`: (step, seconds) of the waits above the hang bound that ended when a rank joined (the running ranks
+    waited for the new rank's process to start: its interpreter and `import torch`), kept apart from `hangs`."""
+
+
+LOSS_RTOL = 1e-5
+"""`--torch`: the issue's bound on the loss against a fault-free run (DDP sums in its own order: not bit for bit)."""
+
+
+def torch_reference(c: SoakConfig, steps: int) -> tuple[list[float], float]:
+    from soak_train_torch import reference
+
+    return reference(c.hidden, steps)
+
+
+def _far(got: float, want: float) -> bool:
+    return abs(got - want) > LOSS_RTOL * abs(want)
 
 
 class _Stop(Exception):
@@ -105,18 +128,33 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
     for s in steps:
         ends[s["step"]] = max(ends.get(s["step"], 0.0), s["mono"])
     last = max(ends) if ends else 0
-    reference = reference if reference is not None else replay(c, last)
-    divergences = [(pid, s["step"], s["hash"], reference[s["step"]]) for pid, lines in by_pid.items()
-                   for s in lines if s["kind"] == "step" and s["hash"] != reference[s["step"]]]
+    final_losses: list[float] = []
+    reference_loss, worst = None, 0.0
+    if c.torch:  # each step's loss (the mean over the virtual ranks) and the final loss, against the fault-free run
+        ref_losses, reference_loss = torch_reference(c, last)
+        divergences = [(pid, s["step"], f"{s['loss']:.9g}", f"{ref_losses[s['step']]:.9g}")
+                       for pid, lines in by_pid.items() for s in lines
+                       if s["kind"] == "step" and s["loss"] is not None and _far(s["loss"], ref_losses[s["step"]])]
+        worst = max((abs(s["loss"] - ref_losses[s["step"]]) / abs(ref_losses[s["step"]]) for s in steps
+                     if s["loss"] is not None and ref_losses[s["step"]]), default=0.0)
+        for path in run.out.glob("end-*.json"):
+            end = json.loads(path.read_text())
+            if end["step"] == last:
+                final_losses.append(end["final_loss"])
+    else:
+        reference = reference if reference is not None else replay(c, last)
+        divergences = [(pid, s["step"], s["hash"], reference[s["step"]]) for pid, lines in by_pid.items()
+                       for s in lines if s["kind"] == "step" and s["hash"] != reference[s["step"]]]
     order_errors = []
     for pid, lines in by_pid.items():
         seq = [s["step"] for s in lines if s["kind"] == "step"]
         if seq and seq != list(range(seq[0], seq[0] + len(seq))):
             order_errors.append(f"pid {pid}: steps {seq[:3]}...{seq[-3:]} are not consecutive")
     reformed = sorted(r["reformed_at"] for r in recoveries)
+    joined_at = {x["step"] for lines in by_pid.values() for x in lines if x["kind"] == "transfer"}
     # goodput: each committed step's attempt, from the end of the step before (or the last re-formation since)
     start = run.first_full
-    productive, hangs = 0.0, []
+    productive, hangs, join_waits = 0.0, [], []
     bound = hang_bound(c)
     for k in range(2, last + 1):
         if k not in ends or k - 1 not in ends or ends[k] <= start:
@@ -125,7 +163,7 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
         begin = max([prev] + [t for t in reformed if prev < t < ends[k]])
         productive += ends[k] - begin
         if ends[k] - ends[k - 1] > bound and ends[k - 1] >= start:
-            hangs.append((k, ends[k] - ends[k - 1]))
+            (join_waits if c.torch and {k - 1, k} & joined_at else hangs).append((k, ends[k] - ends[k - 1]))
     wall = max(ends.values()) - start if ends else 0.0
     pairs = [(ends[k - 1], ends[k]) for k in range(2, last + 1) if k in ends and k - 1 in ends]
     outcomes = []
@@ -139,12 +177,14 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
     coordinator = run.statuses[-1] if run.statuses else {}
     transfers = sum(1 for lines in by_pid.values() for x in lines if x["kind"] == "transfer" and x["received"])
     return SoakReport(outcomes, last, hangs, bound, divergences, order_errors, productive / wall if wall else 0.0,
-                      productive, wall, coordinator, len(by_pid), transfers)
+                      productive, wall, coordinator, len(by_pid), transfers, final_losses, reference_loss, worst,
+                      join_waits)
 
 
 def table(report: SoakReport, run: SoakRun) -> str:
     c = run.config
-    rows = [f"four namespace hosts, one rank each, `--nnodes {c.min_nodes}:{FULL}`, `{c.parallel}` on an MLP of width "
+    what = "torch DDP over \"axond\" (`axond.torch.live.Manager`)" if c.torch else f"`{c.parallel}`"
+    rows = [f"four namespace hosts, one rank each, `--nnodes {c.min_nodes}:{FULL}`, {what} on an MLP of width "
             f"{c.hidden}; one fault every {c.period:g} s for {c.duration:g} s (seed {c.seed}), SIGSTOP and DROP held "
             f"{c.hold:g} s; lease {c.heartbeat:g} s x {c.missed} = {c.lease:g} s, fence margin {c.fence_margin:g} s; "
             "seconds from the fault, median (min-max)", "",
@@ -168,11 +208,22 @@ def table(report: SoakReport, run: SoakRun) -> str:
              f"{sum(o.full_size is None for o in missing)} |",
              f"| workers started again by the soak | {len(run.respawned)} |",
              f"| hangs (no committed step for > {report.bound:.2f} s) | {len(report.hangs)} |",
+             f"| waits above that ended as a rank joined (its process starting) | {len(report.join_waits)}"
+             f"{' (' + cell([w for _, w in report.join_waits]) + ' s)' if report.join_waits else ''} |",
              f"| longest wait between committed steps | {max((o.stall for o in report.outcomes), default=0):.2f} s |",
-             f"| hash divergences (step logs vs a fault-free replay) | {len(report.divergences)} |",
+             (f"| steps whose loss differs from a fault-free run's by > {LOSS_RTOL:g} relative (largest "
+              f"difference) | {len(report.divergences)} ({report.worst_step:.1e}) |" if c.torch else
+              f"| hash divergences (step logs vs a fault-free replay) | {len(report.divergences)} |"),
              f"| steps lost or applied twice | {len(report.order_errors)} |",
              f"| goodput, steps' time over wall time (from full size to the end) | {report.goodput:.1%} "
              f"({report.productive:.1f} of {report.wall:.1f} s) |",
              f"| goodput, coordinator's book (from the job's creation) | {cgood} of {cwall:.1f} s ({lost}) |",
              f"| workers' exit codes at the end | {run.exit_codes} |"]
+    if c.torch and report.reference_loss is not None:
+        worst = max((abs(x - report.reference_loss) / abs(report.reference_loss) for x in report.final_losses),
+                    default=float("nan"))
+        rows += [f"| final loss, fault-free run (step {report.steps}) | {report.reference_loss:.9g} |",
+                 f"| final loss of the {len(report.final_losses)} ranks at the end | "
+                 f"{', '.join(f'{x:.9g}' for x in sorted(set(report.final_losses)))} |",
+                 f"| largest relative difference | {worst:.2e} |"]
     return "\n".join(rows)

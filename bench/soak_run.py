@@ -3,9 +3,10 @@ seconds, then the job ended at one step on every rank; returns what happened (`S
 
 A coordinator runs in host 0 (lease `heartbeat` x `missed`), with a small status poller beside it (the coordinator's
 goodput book counts a generation productive only once someone reads it); hosts 1-4 run one `axond worker
---live-recovery --nnodes MIN:4 --max-restarts R` each, of one rank (bench/soak_train.py). A failed node's own worker
-re-joins the job as a replacement while restarts are left; a worker that exits anyway is started again in its host
-(counted: `respawned`), so that the job can return to full size after each fault.
+--live-recovery --nnodes MIN:4 --max-restarts R` each, of one rank (bench/soak_train.py, or bench/soak_train_torch.py
+for torch DDP over "axond"). A failed node's own worker re-joins the job as a replacement while restarts are left; a
+worker that exits anyway is started again in its host (counted: `respawned`), so that the job can return to full size
+after each fault.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 from axond.testing.netns import Host, Network
 
 RANK_SCRIPT = Path(__file__).resolve().parent / "soak_train.py"
+TORCH_SCRIPT = Path(__file__).resolve().parent / "soak_train_torch.py"
+"""The rank program of `--torch`: torch DDP over "axond" through `axond.torch.live.Manager`."""
 TOKEN, PORT, JOB = "soak-token", 29500, "soak"
 FULL = 4
 """Worker hosts (one rank each): the job's MAX."""
@@ -63,6 +66,8 @@ class SoakConfig:
     max_restarts: int = 1000
     hidden: int = 512
     parallel: str = "ddp"
+    torch: bool = False
+    """torch DDP over "axond" (`axond.torch.live.Manager`, bench/soak_train_torch.py), not `DistributedTrainer`."""
     settle: float = 10.0
     poll_every: float = 5.0
     tail: float = 60.0
@@ -164,8 +169,8 @@ class Soak:
         c = self.c
         argv = axond_argv("worker", "--coordinator", f"{self.net.hosts[0].addr}:{PORT}", "--token", TOKEN,
                           "--nnodes", f"{c.min_nodes}:{FULL}", "--job", JOB, "--live-recovery", "--max-restarts",
-                          str(c.max_restarts), "--join-timeout", "120", "--", sys.executable, str(RANK_SCRIPT),
-                          str(self.out))
+                          str(c.max_restarts), "--join-timeout", "120", "--", sys.executable,
+                          str(TORCH_SCRIPT if c.torch else RANK_SCRIPT), str(self.out))
         log = open(self.out / f"worker{host.index}.log", "ab")
         self.workers[host.index] = host.popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -56,8 +56,9 @@ RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 def _attempt_store(store: dist.Store, env: RuntimeEnv) -> Store:
     """torch's store for the group's rendezvous, under a prefix of torchrun's attempt (TORCHELASTIC_RESTART_COUNT):
     torchrun keeps one store across `--max-restarts`, and a restarted group must publish and read its peers'
-    addresses afresh, never the dead attempt's (whose ports are closed, or reused by strangers)."""
-    attempt = env.restart_count
+    addresses afresh, never the dead attempt's (whose ports are closed, or reused by strangers). None in a live job:
+    its ranks meet in their generation's own store, and a rank that joins the running job carries another count."""
+    attempt = None if env.live_recovery else env.restart_count  # a live job meets in its generation's own store
     over = AxondStoreOverTorch(store)
     return PrefixStore(f"attempt-{attempt}", over) if attempt else over
 

@@ -21,6 +21,11 @@ The math: DDP averages the gradients over the physical ranks; each rank scales i
 the average is the mean over the virtual ranks of their gradients, whatever the world size (the float sums are
 ordered differently at another world size: the same up to rounding, not bit for bit).
 
+A node that joins the running job (a failed node's worker starting its rank again, or a new worker below `--nnodes`
+MAX) joins at a step boundary: the running ranks' next collective is cut and they re-form at the larger size; the
+new rank, running the same script, builds its `Manager`, and both take part in `axond.torch.join.settle`: the lowest
+running rank sends the manager's state (committed steps, module and optimizer state dicts) over the data plane.
+
 A step is applied on every rank or on none. After the backward, each rank all-reduces a commit flag (1: its part of
 the step completed, so it holds the step's averaged gradient); a rank whose all-reduce completed with every rank's 1
 commits. A rank whose all-reduce was cut while another's completed learns so after the re-formation (the ranks'
@@ -44,8 +49,8 @@ from axond.distributed import membership
 from axond.errors import DistributedError, MembershipChanged
 from axond.observe import timeline
 from axond.parallel.zero.virtual import carried
+from axond.torch.join import StateTransfer, check_live_store, settle
 from axond.torch.reform import membership_change, reform_torch
-from axond.train.live import roll_forward
 
 __all__ = ["Manager", "Recovery", "Step", "batch_indices", "membership_change", "reform_torch"]
 
@@ -130,8 +135,10 @@ class Manager:
         self.loss: float | None = None
         """The mean over the virtual ranks of the losses passed to `Step.backward` in the last committed step
         (None if this rank applied it after a re-formation, without the others' losses)."""
+        self.transfers: list[StateTransfer] = []
+        """The state sent to ranks that joined the running job (or, on a joining rank, the state it took)."""
         self._ddp_options = ddp_options
-        self._wrapped: torch.nn.Module | None = self._wrap()
+        self._wrapped: torch.nn.Module | None = None
         self._committed = 0
         self._pending = False
         """This rank's part of the current step completed: it holds the step's averaged gradient."""
@@ -139,6 +146,10 @@ class Manager:
         self._failed_at = 0.0
         self._failed_ns = 0
         self._loss_sum = 0.0
+        if live is not None:  # a rank that joins a running job takes the state here (its first generation: nothing)
+            check_live_store()
+            self._join()
+        self._wrapped = self._wrap()
 
     @property
     def model(self) -> Any:
@@ -249,7 +260,7 @@ class Manager:
             try:
                 if self._wrapped is not None:
                     self._drop()
-                note = reform_torch(grow=False)
+                note = reform_torch()
                 rolled = self._agree()
                 self._wrapped = self._wrap()
                 break
@@ -272,20 +283,59 @@ class Manager:
         self._pending = False
 
     def _agree(self) -> bool:
-        """Gather every rank's committed steps; apply the cut step here if another rank committed it."""
-        world = dist.get_world_size()
-        mine = torch.tensor([self._committed], dtype=torch.int64)
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(counts, mine)
-        if not roll_forward([int(c) for c in counts], self._committed, self._pending):
-            return False
-        self.apply_step()
-        self._committed += 1
-        self.loss = None
-        return True
+        """Gather every rank's committed steps; apply the cut step here if another rank committed it; send the state
+        to ranks that joined (`axond.torch.join.settle`)."""
+        rolled, moved = settle(self, fresh=False)
+        if moved is not None:
+            self.transfers.append(moved)
+        return rolled
 
     def _restored_from(self) -> int | None:
         return None
+
+    def _copy_tags(self) -> tuple[int, int]:
+        """The newest and oldest copy of the state this rank keeps (-1: none; `ShardedManager` keeps copies)."""
+        return -1, -1
+
+    def _resize(self, virtual: int) -> None:
+        """Train `virtual` virtual ranks (the running ranks' number, taken by a joining rank)."""
+        world = dist.get_world_size()
+        if world > virtual:
+            raise DistributedError(f"the job has {world} ranks but trains {virtual} virtual ranks (each rank carries "
+                                   "at least one): pass Manager(virtual_ranks=...) at least the job's largest world "
+                                   "size (--nnodes MAX x --nproc-per-node) when it may grow", op="join",
+                                   rank=dist.get_rank())
+        self.virtual = virtual
+
+    def _receive_into(self) -> dict[str, Any] | None:
+        """Where a received state lands in place where alike: this rank's own (its parameters)."""
+        return self.state_dict()
+
+    def _take(self, state: dict[str, Any]) -> None:
+        """A joining rank makes the state received from a live peer its own (its parameters were filled in place)."""
+        own = self.module.state_dict()
+        if any(k not in own or own[k].data_ptr() != v.data_ptr() for k, v in state["model"].items()):
+            self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._committed = int(state["step"])
+        self.loss = None
+
+    def _join(self) -> None:
+        """As the manager is built in a live job: take part in the state's transfer to the ranks that start in this
+        generation (`axond.torch.join`); when a running rank is lost meanwhile, re-form and take the next one's."""
+        for _ in range(MAX_REFORMS):
+            try:
+                _, moved = settle(self, fresh=True)
+            except Exception as e:
+                if membership_change(e) is None:
+                    raise
+                reform_torch()
+                continue
+            if moved is not None:
+                self.transfers.append(moved)
+            return
+        raise DistributedError(f"joining a running job: the group re-formed {MAX_REFORMS} times before the state "
+                               "arrived", op="join")
 
     def _seed(self, v: int) -> None:
         if self.seed is not None:

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from axond.errors import DistributedError
+from axond.torch.join import rows, transfer
 from axond.torch.live import Manager
 
 __all__ = ["ShardedManager"]
@@ -85,21 +86,50 @@ class ShardedManager(Manager):
     def _drop(self) -> None:
         self._wrapped = None
 
-    def _agree(self) -> bool:
-        """Agree on the newest copy every survivor holds; build the model and optimizer again from it."""
-        world = dist.get_world_size()
+    def _copy_tags(self) -> tuple[int, int]:
         held = sorted(self._copies)
-        mine = torch.tensor([held[-1] if held else -1, held[0] if held else -1], dtype=torch.int64)
-        every = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(every, mine)
-        tag = min(int(t[0]) for t in every)
-        if tag < 0 or any(int(t[1]) > tag for t in every) or tag not in self._copies:
+        return (held[-1], held[0]) if held else (-1, -1)
+
+    def _receive_into(self) -> dict[str, Any] | None:
+        return None  # a joining rank holds no copy: the received one is allocated once
+
+    def _take(self, state: dict[str, Any]) -> None:
+        """A joining rank keeps the copy received from a live peer (the model is built from it next)."""
+        self._copies = {int(state["step"]): (state["model"], state["optimizer"])}
+        self._committed = int(state["step"])
+
+    def _join(self) -> None:
+        """As in `Manager`; then, when the state came, build the model from the copy as the running ranks do."""
+        super()._join()
+        if self.transfers:
+            self._rebuild(self._committed)
+
+    def _agree(self) -> bool:
+        """Agree on the newest copy every running rank holds, send it to ranks that joined, build the model and
+        optimizer again from it (every rank)."""
+        agreed = rows(self, fresh=False)
+        running = [r for r, row in enumerate(agreed) if not row[2]]
+        tag = min(agreed[r][4] for r in running)
+        if tag < 0 or any(agreed[r][5] > tag for r in running) or tag not in self._copies:
             raise DistributedError(f"live recovery cannot go on: no copy of the training state is held by every "
-                                   f"survivor (newest and oldest per rank: {[t.tolist() for t in every]}); the job "
+                                   f"survivor (newest and oldest per rank: {[row[4:] for row in agreed]}); the job "
                                    "must restart from a checkpoint", op="reform")
+        self._committed, self._pending = tag, False
+        joined = tuple(r for r, row in enumerate(agreed) if row[2])
+        if joined:  # ranks that started in this generation take the copy from the lowest running rank
+            model_state, optim_state = self._copies[tag]
+            self._resize(agreed[running[0]][3])
+            self.transfers.append(transfer(self, running[0], joined, {"step": tag, "model": model_state,
+                                                                      "optimizer": optim_state}))
+        self._rebuild(tag)
+        return False
+
+    def _rebuild(self, tag: int) -> None:
+        """The model sharded over the current world and a new optimizer, both loaded from the copy `tag`
+        (collective)."""
         model_state, optim_state = self._copies[tag]
         module = self._build_model()
-        self._shard(module, init_device_mesh("cpu", (world,)))
+        self._shard(module, init_device_mesh("cpu", (dist.get_world_size(),)))
         set_model_state_dict(module, model_state, options=FULL)
         optimizer = self._build_optimizer(module.parameters())
         set_optimizer_state_dict(module, optimizer, copy.deepcopy(optim_state), options=FULL)
@@ -107,4 +137,3 @@ class ShardedManager(Manager):
         self._committed = tag
         self._copies = {tag: (model_state, optim_state)}
         self.loss = None
-        return False

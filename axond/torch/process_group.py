@@ -21,7 +21,8 @@ import torch.distributed as dist
 from axond.distributed.backends.base import BackendOptions
 from axond.distributed.backends.registry import DEFAULT
 from axond.distributed.process_group import ASYNC_MARGIN, ProcessGroup, create_group
-from axond.errors import DistributedError
+from axond.distributed import membership
+from axond.errors import DistributedError, StoreError
 from axond.store import Store
 from axond.torch.completion import AxondWork, Completer, Posted
 from axond.torch.errors import TorchTimeoutError, for_torch
@@ -80,9 +81,21 @@ class AxondProcessGroup(TorchBackendIdentity, Launching, dist.ProcessGroup):
         self._overlap = bool(value)
 
     def _set_group_name(self, name: str) -> None:
-        """torch names every group right after creating it; the axond group is created under that name."""
+        """torch names every group right after creating it; the axond group is created under that name. In a live job
+        whose generation is over by the time the group forms (its store refuses, its peers never come: a rank that
+        joins the running job starts slowly, and another node failed or joined meanwhile), the group is left unformed
+        once the worker says so: its first collective raises, and `axond.torch.live` re-forms for the later
+        generation, so that the rank neither fails nor moves the job on again."""
         self._group_name = name
-        self.axond_group  # noqa: B018 -- rendezvous now, inside torch's init/new_group, like gloo does
+        try:
+            self.axond_group  # noqa: B018 -- rendezvous now, inside torch's init/new_group, like gloo does
+        except (DistributedError, StoreError):
+            live = membership.current()
+            if live is None:
+                raise
+            membership.nudge(live.path)
+            if live.wait(live.wait_s) is None:
+                raise
 
     @property
     def group_name(self) -> str:

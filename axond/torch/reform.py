@@ -3,7 +3,8 @@
 What `axond.reform()` does for axond's own default group, for torch's: wait for this rank's place in the next
 generation (the worker's note), destroy torch's default group, set the rank variables to the new place and form the
 group again over the "axond" backend, meeting through the coordinator's store of the new generation (the old
-rendezvous store, torch's TCPStore on MASTER_PORT, may have left with the failed node). Also how a failure that
+rendezvous store, torch's TCPStore on MASTER_PORT, may have left with the failed node), where a rank that joins the
+running job meets them too (`axond.torch.rendezvous.live_store`). Also how a failure that
 reaches Python through torch (DDP's reducer keeps the message, not the exception's type) is told to be a membership
 change: `membership_change`.
 """
@@ -15,25 +16,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from axond.config import RuntimeEnv
-from axond.control import client
 from axond.distributed import membership
-from axond.distributed.api import read_env
 from axond.distributed.live_place import export_place
 from axond.distributed.reform import next_place
-from axond.errors import DistributedError, MembershipChanged
-from axond.store import PrefixStore
+from axond.errors import AxondError, DistributedError, MembershipChanged
 from axond.torch.process_group import BACKEND, AxondProcessGroup
-from axond.torch.store import TorchStore
-
-_STORES: list[TorchStore] = []
-"""Stores handed to torch: torch keeps only their C++ half, so the Python objects (and their channels) live here."""
-
 
 def membership_change(error: BaseException, wait: bool = True) -> MembershipChanged | None:
     """The `MembershipChanged` behind `error` (itself, or one in its cause and context chain), else, in a live job,
     for a `RuntimeError` (torch's own wrapping of a failed collective), one made from the worker's note of a newer
-    generation once it came (waited for up to `AXOND_LIVE_WAIT_S` with `wait`); None: a failure of its own."""
+    generation once it came (waited for up to `AXOND_LIVE_WAIT_S` with `wait`); the same for an axond error (a group
+    of a generation that was over as it formed: its store refuses it); None: a failure of its own."""
     seen: set[int] = set()
     link: BaseException | None = error
     while link is not None and id(link) not in seen:
@@ -42,7 +35,7 @@ def membership_change(error: BaseException, wait: bool = True) -> MembershipChan
         seen.add(id(link))
         link = link.__cause__ or link.__context__
     live = membership.current()
-    if live is None or not isinstance(error, RuntimeError):
+    if live is None or not isinstance(error, (RuntimeError, AxondError)):
         return None
     if wait:
         membership.nudge(live.path)
@@ -65,20 +58,7 @@ def group_timeout(default: float = 300.0) -> timedelta:
     return timedelta(seconds=default)
 
 
-def generation_store(env: RuntimeEnv, generation: int, timeout: timedelta) -> TorchStore:
-    """A `TorchStore` over the coordinator's key-value store of the job's `generation` (where the re-formed ranks
-    meet: the store is the generation's own, so nothing of an older rendezvous is ever read)."""
-    if not env.coordinator:
-        raise DistributedError("re-forming torch's group: AXOND_COORDINATOR is not set (run under `axond worker "
-                               "--live-recovery`)", op="reform")
-    conn = client.connect(env.coordinator, env=env)
-    store = TorchStore(PrefixStore("torch-live", conn.store(env.job, generation)), timeout)
-    store.connection = conn  # type: ignore[attr-defined]  # the channel lives as long as the store
-    _STORES.append(store)
-    return store
-
-
-def reform_torch(timeout: float | None = None, grow: bool = True) -> membership.Note:
+def reform_torch(timeout: float | None = None) -> membership.Note:
     """Re-form torch's default group over "axond" for the job's next generation; returns this rank's place.
 
     Every survivor calls it after a membership change, with nothing of torch's default group left in use (a DDP
@@ -93,17 +73,13 @@ def reform_torch(timeout: float | None = None, grow: bool = True) -> membership.
                                op="reform")
     rank = dist.get_rank() if dist.is_initialized() else None
     note = next_place(live, timeout, "torch", rank)
-    if not grow and dist.is_initialized() and note.world_size > dist.get_world_size():
-        raise DistributedError(f"generation {note.generation} has {note.world_size} ranks, more than the "
-                               f"{dist.get_world_size()} running ({note.reason}): axond.torch.live.Manager takes in no "
-                               "joining node yet; start no worker for a running torch job (and keep --max-restarts 0)",
-                               op="reform", group="torch", rank=rank)
     limit = group_timeout()
     live.end(note.generation)  # the watcher leaves the group formed below alone
     if dist.is_initialized():
         dist.destroy_process_group()
     export_place(note)
-    store = generation_store(read_env(), note.generation, limit)
-    dist.init_process_group(BACKEND, store=store, rank=note.rank, world_size=note.world_size, timeout=limit)
+    # env:// in a live job meets in the generation's store (`axond.torch.rendezvous.live_store`): where a rank that
+    # joins the job in this generation forms its group with the same call
+    dist.init_process_group(BACKEND, init_method="env://", rank=note.rank, world_size=note.world_size, timeout=limit)
     live.adopt(note)
     return note

@@ -3,7 +3,9 @@
 Both yield (a `TorchStore` over the coordinator's KV store of the job generation, rank, world size).
 `env://` keeps torch's own behaviour whenever MASTER_ADDR is set; only when it is missing does it use the
 coordinator (AXOND_COORDINATOR set: an axond-launched rank) or, in a rank an MPI launcher started with neither, rank
-0's store found through MPI, instead of failing.
+0's store found through MPI, instead of failing. In a live job (`axond worker --live-recovery`) `env://` always meets
+in the coordinator's store of the rank's generation (`live_store`): the ranks that re-form torch's default group for a
+new generation (`axond.torch.reform`) meet there, and a rank that joins the running job must meet them.
 """
 
 from __future__ import annotations
@@ -79,6 +81,36 @@ def coordinator_store(address: str, query: dict[str, list[str]], timeout: timede
     return store, rank, world_size
 
 
+LIVE_PREFIX = "torch-live"
+"""Where torch's default group of a live job's generation meets, in that generation's store (the same for the ranks
+that started in it and the ones that re-formed into it)."""
+
+
+def live_store(env: RuntimeEnv, timeout: timedelta) -> TorchStore:
+    """A `TorchStore` over the coordinator's key-value store of `env`'s job and generation, under LIVE_PREFIX (a
+    generation's own store: nothing of an older rendezvous is ever read, so no per-init prefix is needed)."""
+    if not env.coordinator:
+        raise DistributedError("torch's group of a live job meets in the coordinator's store: AXOND_COORDINATOR is not "
+                               "set (run under `axond worker --live-recovery`)", op="rendezvous")
+    conn = client.connect(env.coordinator, env=env)
+    store = TorchStore(PrefixStore(LIVE_PREFIX, conn.store(env.job, env.generation)), timeout)
+    store.connection = conn  # type: ignore[attr-defined]  # the channel lives as long as the store
+    _LIVE.append(store)
+    return store
+
+
+def _live_handler(url: str, env: RuntimeEnv, timeout: timedelta) -> Iterator[tuple[Any, int, int]]:
+    """`env://` in a live job: the generation's store (`live_store`), the rank and world size of the query or env."""
+    query = parse_qs(urlparse(url).query)
+    rank = _int("rank", _setting(query, "rank", env.environ, "RANK"))
+    world_size = _int("world_size", _setting(query, "world_size", env.environ, "WORLD_SIZE"))
+    if not 0 <= rank < world_size:
+        raise DistributedError(f"env:// rendezvous of a live job: rank {rank} is outside world size {world_size}")
+    yield live_store(env, timeout), rank, world_size
+    raise DistributedError("env:// rendezvous of a live job cannot be restarted within one process; re-form with "
+                           "axond.torch.live (or start the rank again)")
+
+
 def _axond_handler(url: str, timeout: timedelta = timedelta(seconds=300), env: RuntimeEnv | None = None,
                    **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     parsed = urlparse(url)
@@ -103,6 +135,8 @@ def _env_handler(torch_env: Callable[..., Iterator[Any]]) -> Callable[..., Itera
     def handler(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any) -> Iterator[Any]:
         env = read_env()
         coordinator = env.coordinator
+        if env.live_recovery and coordinator:
+            return _live_handler(url, env, timeout)
         if "MASTER_ADDR" not in env.environ and not coordinator and env.launcher is not None:
             return _mpi_handler(env, timeout)
         if "MASTER_ADDR" in env.environ or not coordinator:

@@ -3,14 +3,16 @@
 
 argv: OUT_DIR HANG_STEP [CUT_STEP]. Every process records its start (`start-RANK-PID`), every committed step
 (`steps-PID.jsonl`: rank, step, world size, generation, loss, time.monotonic()) and its end (`end-PID.json`: the final
-loss over the whole data set, the recoveries, a digest of the parameters). The process that starts as rank 2 stops
-after committing step HANG_STEP (writes `hang-2-PID`, then sleeps) so that the test can SIGKILL it while the others
-wait in the next step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut
+loss over the whole data set, the recoveries, the state transfers to ranks that joined, a digest of the parameters).
+The process that starts as rank 2 stops after committing step HANG_STEP (writes `hang-2-PID`, then sleeps; once per
+run: a rank started again in its place does not) so that the test can SIGKILL it while the others wait in the next
+step's gradient all-reduce; -1: nobody stops. With CUT_STEP, rank 1's commit of that step is cut
 after its all-reduce completed everywhere (the others commit it): it must apply the step after the re-formation.
 LIVE_TORCH_HANGS="R:S,..." (instead of HANG_STEP) stops the process that starts as rank R after step S, each once
-(`hang-R-PID`); LIVE_TORCH_VIRTUAL: the virtual ranks (3); LIVE_TORCH_WRAP=fsdp2: FSDP2
-through `ShardedManager` (else DDP). LIVE_TORCH_CHECKPOINT=DIR (bench/torch_live.py's restart
-path, without --live-recovery): rank 0 saves the manager's state after every committed step and every rank loads the
+(`hang-R-PID`); LIVE_TORCH_VIRTUAL: the virtual ranks (3); LIVE_TORCH_WAIT_JOIN=K: after committing step K, a
+rank of a world smaller than the virtual ranks waits for the worker's word that a node joins; LIVE_TORCH_WRAP=fsdp2:
+FSDP2 through `ShardedManager` (else DDP). LIVE_TORCH_CHECKPOINT=DIR (bench/torch_live.py's restart path, without
+--live-recovery): rank 0 saves the manager's state after every committed step and every rank loads the
 newest at its start.
 """
 
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 import axond.torch  # noqa: F401 -- registers "axond"
+from axond.distributed import membership
 from axond.torch.errors import TorchDistributedError
 from axond.torch.live import Manager, batch_indices
 from axond.torch.live_fsdp import FULL, ShardedManager
@@ -107,6 +110,7 @@ def main() -> None:
     hangs = dict(tuple(map(int, h.split(":"))) for h in os.environ["LIVE_TORCH_HANGS"].split(",")) \
         if os.environ.get("LIVE_TORCH_HANGS") else {2: hang_step}
     cut_step = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    wait_join = int(os.environ.get("LIVE_TORCH_WAIT_JOIN", "-1"))
     dist.init_process_group("axond")
     start_rank = dist.get_rank()
     (out / f"start-{start_rank}-{os.getpid()}").write_text("")
@@ -138,6 +142,8 @@ def main() -> None:
                                   "gen": int(os.environ["AXOND_GENERATION"]), "loss": manager.loss,
                                   "mono": time.monotonic()}) + "\n")
             log.flush()
+        if before == wait_join and dist.get_world_size() < VIRTUAL and manager.current_step() > before:
+            membership.current().wait(90.0)  # type: ignore[union-attr]  # until the worker says a node joins
         if hangs.get(start_rank) == before and not any(out.glob(f"hang-{start_rank}-*")):
             (out / f"hang-{start_rank}-{os.getpid()}").write_text(str(time.time()))
             time.sleep(HANG_S)
@@ -145,6 +151,9 @@ def main() -> None:
            "generation": int(os.environ["AXOND_GENERATION"]), "final_loss": final_loss(manager.module),
            "params": params_digest(manager.module),
            "steps": manager.current_step(),
+           "transfers": [{"step": t.step, "source": t.source, "joined": list(t.joined), "world": t.world,
+                          "nbytes": t.nbytes, "seconds": t.seconds, "received": t.received}
+                         for t in manager.transfers],
            "recoveries": [{"step": r.step, "world_before": r.world_before, "world_after": r.world_after,
                            "reason": r.reason, "error_at": r.error_at, "reformed_at": r.reformed_at,
                            "rolled_forward": r.rolled_forward, "generation": r.generation,

@@ -49,13 +49,15 @@ def kill_when_hung(out: Path, rank: int) -> tuple[int, float]:
     return pid, at
 
 
-def workers(procs: Procs, out: Path, n: int, args: list[str], env: dict[str, str] | None = None
-            ) -> list[subprocess.Popen[str]]:
-    """`n` workers (`--nnodes 2:n`, one rank each) running the script with `args`."""
+def workers(procs: Procs, out: Path, n: int, args: list[str], env: dict[str, str] | None = None,
+            max_restarts: int = 0, address: str = "", most: int = 0) -> list[subprocess.Popen[str]]:
+    """`n` workers (`--nnodes 2:n`, or 2:`most`; one rank each) running the script with `args` (a coordinator of
+    their own unless `address` names one)."""
     out.mkdir()
-    address = coordinator(procs)
-    return [procs.axond("worker", "--coordinator", address, "--nnodes", f"2:{n}", "--job", "torch-live",
-                        "--live-recovery", "--join-timeout", "60", "--", PY, str(SCRIPT), str(out), *args, env=env)
+    address = address or coordinator(procs)
+    return [procs.axond("worker", "--coordinator", address, "--nnodes", f"2:{most or n}", "--job", "torch-live",
+                        "--live-recovery", "--join-timeout", "60", "--max-restarts", str(max_restarts),
+                        "--", PY, str(SCRIPT), str(out), *args, env=env)
             for _ in range(n)]
 
 
@@ -161,3 +163,76 @@ def test_a_commit_cut_on_one_rank_is_applied_there_after_the_reformation(procs: 
     pid1 = next(pid for pid, end in ends.items() if end["start_rank"] == 1)
     rolled = next(s for s in steps(out, pid1) if s["step"] == HANG_STEP)
     assert rolled["world"] == 2 and rolled["loss"] is None  # applied after the re-formation, in the new generation
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # four rank processes import torch, one after the kill, on a busy machine
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_a_killed_ranks_worker_starts_it_again_and_it_joins_the_running_job(procs: Procs, tmp_path: Path,
+                                                                            wrap: str) -> None:
+    """`--max-restarts 1`: rank 2 SIGKILLed, its worker starts a rank again that joins the running job at a step
+    boundary (the survivors keep their processes), takes the model and optimizer state and the step from a live peer
+    over the data plane, and the job ends at three ranks with the fault-free loss, every replica equal. Under FSDP2
+    (`ShardedManager`) the joining rank takes the survivors' newest full copy, and every rank shards it anew."""
+    out = tmp_path / wrap
+    started = workers(procs, out, 3, [str(HANG_STEP)], env={"LIVE_TORCH_WRAP": wrap}, max_restarts=1)
+    killed, _ = kill_when_hung(out, 2)
+    finished = [procs.finish(w, timeout=150) for w in started]
+    assert [f.code for f in finished] == [0, 0, 0], "\n----\n".join(f.stderr[-4000:] for f in finished)
+    (back,) = [f for f in finished if "re-joining it as a replacement" in f.stderr]
+    assert "one restart counted" in back.stderr, back.stderr[-1500:]
+    started_as = {int(p.name.split("-")[2]): int(p.name.split("-")[1]) for p in out.glob("start-*")}  # pid -> rank
+    assert sorted(started_as.values()) == [0, 1, 2, 2] and killed in started_as, started_as  # one process more
+    ends = read_ends(out)
+    assert set(ends) == set(started_as) - {killed}, (list(ends), started_as)
+    (new,) = [pid for pid in ends if started_as[pid] == 2]
+    expected = reference()
+    for pid, end in ends.items():
+        assert end["steps"] == STEPS and end["world"] == 3, end
+        assert end["final_loss"] == pytest.approx(expected, rel=RTOL), (end, expected)
+    assert len({end["params"] for end in ends.values()}) == 1  # the replicas agree
+    (got,) = ends[new]["transfers"]
+    assert got["received"] and got["nbytes"] > 0 and got["world"] == 3, got
+    joined_log = [s["step"] for s in steps(out, new)]
+    assert joined_log == list(range(got["step"], STEPS)), joined_log  # from the step it joined at on, each once
+    for pid in set(ends) - {new}:
+        end = ends[pid]
+        (sent,) = end["transfers"]
+        assert not sent["received"] and sent["step"] == got["step"], (sent, got)
+        assert end["recoveries"][-1]["world_after"] == 3, end["recoveries"]
+        done = [s["step"] for s in steps(out, pid)]
+        if wrap == "ddp":
+            assert done == list(range(STEPS)), done  # nothing lost, nothing applied twice
+        assert {s["world"] for s in steps(out, pid) if s["step"] >= got["step"]} == {3}
+    print(f"\n{wrap}: joined at step {got['step']}; {got['nbytes']} bytes in {got['seconds'] * 1e3:.1f} ms")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # the settle time, then a third worker's rank imports torch, on a busy machine
+def test_a_new_worker_grows_a_torch_job_started_at_min(procs: Procs, tmp_path: Path) -> None:
+    """Two of `--nnodes 2:3` start the job (after the settle time) on three virtual ranks; the running ranks wait after
+    step 10 until a third worker joins: it takes the state from a live peer and the job ends at three ranks with the
+    fault-free loss."""
+    out = tmp_path / "min"
+    address = coordinator(procs)
+    started = workers(procs, out, 2, ["-1"], env={"LIVE_TORCH_WAIT_JOIN": "10"}, address=address,
+                      most=3)
+    wait_for(lambda: any(out.glob("steps-*")), 90, "the job to train at two ranks")
+    third = procs.axond("worker", "--coordinator", address, "--nnodes", "2:3", "--job",
+                        "torch-live", "--live-recovery", "--join-timeout", "60", "--", PY, str(SCRIPT), str(out), "-1",
+                        env={"LIVE_TORCH_WAIT_JOIN": "10"})
+    finished = [procs.finish(w, timeout=150) for w in [*started, third]]
+    assert [f.code for f in finished] == [0, 0, 0], "\n----\n".join(f.stderr[-4000:] for f in finished)
+    ends = read_ends(out)
+    assert len(ends) == 3 and len(list(out.glob("start-*"))) == 3
+    expected = reference()
+    received = [pid for pid, end in ends.items() if any(t["received"] for t in end["transfers"])]
+    assert len(received) == 1, ends
+    for pid, end in ends.items():
+        assert end["steps"] == STEPS and end["world"] == 3, end
+        assert end["final_loss"] == pytest.approx(expected, rel=RTOL), (end, expected)
+        log = [s["step"] for s in steps(out, pid)]
+        assert log == list(range(11 if pid in received else 0, STEPS)), log  # joined at the boundary after step 10
+        if pid not in received:
+            assert [(r["world_before"], r["world_after"], r["step"]) for r in end["recoveries"]] == [(2, 3, 11)]
+    assert len({end["params"] for end in ends.values()}) == 1
