@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--heartbeat", type=float, default=0.25, help="the coordinator's heartbeat interval (s)")
     parser.add_argument("--missed", type=int, default=6, help="the coordinator's --dead-after-missed")
     parser.add_argument("--min-nodes", type=int, default=2, help="MIN of --nnodes MIN:4")
+    parser.add_argument("--max-restarts", type=int, default=1000,
+                        help="the workers' --max-restarts (0: a failed node's worker exits and the job re-forms "
+                             "without waiting for it; the soak then starts a new worker in that host, which joins)")
     parser.add_argument("--hidden", type=int, default=512, help="the MLP's width (512: 2.1 MiB of parameters)")
     parser.add_argument("--parallel", choices=("ddp", "zero", "fsdp"), default="ddp",
                         help="the trainer's parallel mode (zero: ZeRO-1, fsdp: FSDP, both on the virtual ranks)")
@@ -85,6 +88,7 @@ def main() -> None:
         raise SystemExit(f"the soak needs network namespaces: {reason}")
     config = SoakConfig(duration=args.duration, period=args.period, faults=faults, seed=args.seed, hold=args.hold,
                         heartbeat=args.heartbeat, missed=args.missed, min_nodes=args.min_nodes, hidden=args.hidden,
+                        max_restarts=args.max_restarts,
                         parallel=args.parallel, torch=args.torch)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="axond-soak-"))
     began = time.monotonic()

@@ -20,6 +20,7 @@ from axond.control.client import connect
 from axond.coordinator.state.jobs import JobSpec, JobState, OutputEvent
 from axond.coordinator.persistence import MemoryPersistence, Persistence, SqlitePersistence
 from axond.coordinator.state.machine import CoordinatorState
+from axond.coordinator.state.membership import Node
 from axond.errors import CoordinatorError
 from sqlite_reopen import sqlite_reopener
 from axond.fencing import FENCE_MARGIN_S, fence_wait
@@ -51,6 +52,16 @@ def backing(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Reopen]:
 
 def _state(p: Persistence) -> CoordinatorState:
     return CoordinatorState(heartbeat_interval=1.0, dead_after_missed=5, settle_time=0.0, persistence=p)
+
+
+def _two_nodes_running(p: Persistence, now: float) -> tuple[CoordinatorState, Node, Node]:
+    """A state over `p` whose job "j" runs generation 1 on two nodes (a, b) of one rank each."""
+    s = _state(p)
+    a = s.register_node("a", 0, False, now)
+    b = s.register_node("b", 0, False, now)
+    for n in (a, b):
+        s.join("j", n.node_id, 1, 2, 2, 1, now)
+    return s, a, b
 
 
 def test_everything_a_client_was_told_is_restored(backing: Reopen) -> None:
@@ -92,11 +103,7 @@ def test_everything_a_client_was_told_is_restored(backing: Reopen) -> None:
 
 def test_a_new_generation_and_a_finished_job_are_restored(backing: Reopen) -> None:
     now = time.monotonic()
-    s = _state(backing())
-    a = s.register_node("a", 0, False, now)
-    b = s.register_node("b", 0, False, now)
-    for n in (a, b):
-        s.join("j", n.node_id, 1, 2, 2, 1, now)
+    s, a, b = _two_nodes_running(backing(), now)
     s.kv_set("j", 1, "old", b"1")
     s.kv_set("j", 1, "axond/job/checkpoint", b"50 /ck/step_000000050")  # a key that outlives the restart
     s.report_failure("j", b.node_id, 1, 1, 3, "boom", now)
@@ -118,11 +125,7 @@ def test_no_generation_starts_within_a_fence_of_a_restart(backing: Reopen) -> No
     """A node declared dead just before a crash may still be killing its ranks; the fence time set for it is not
     kept, so a restored job's open round freezes no earlier than a whole fence wait after the restart."""
     now = time.monotonic()
-    s = _state(backing())
-    a = s.register_node("a", 0, False, now)
-    b = s.register_node("b", 0, False, now)
-    for n in (a, b):
-        s.join("j", n.node_id, 1, 2, 2, 1, now)
+    s, a, b = _two_nodes_running(backing(), now)
     s.report_failure("j", b.node_id, 1, 1, 137, "killed", now)
 
     restarted = time.monotonic()
