@@ -228,11 +228,15 @@ def test_a_new_worker_grows_a_torch_job_started_at_min(procs: Procs, tmp_path: P
     expected = reference()
     received = [pid for pid, end in ends.items() if any(t["received"] for t in end["transfers"])]
     assert len(received) == 1, ends
+    # the joiner is admitted at a step boundary: around step 10 (the running ranks wait there for word of it), earlier
+    # where its process was ready first (a busy machine slows the running ranks' steps too)
+    joined = steps(out, received[0])[0]["step"]
+    assert 1 <= joined < STEPS, joined
     for pid, end in ends.items():
         assert end["steps"] == STEPS and end["world"] == 3, end
         assert end["final_loss"] == pytest.approx(expected, rel=RTOL), (end, expected)
         log = [s["step"] for s in steps(out, pid)]
-        assert log == list(range(11 if pid in received else 0, STEPS)), log  # joined at the boundary after step 10
+        assert log == list(range(joined if pid in received else 0, STEPS)), log  # every step once
         if pid not in received:
-            assert [(r["world_before"], r["world_after"], r["step"]) for r in end["recoveries"]] == [(2, 3, 11)]
+            assert [(r["world_before"], r["world_after"], r["step"]) for r in end["recoveries"]] == [(2, 3, joined)]
     assert len({end["params"] for end in ends.values()}) == 1
