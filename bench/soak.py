@@ -19,6 +19,8 @@ virtual ranks in one process.
     python bench/soak.py --duration 600                      # the 10-minute soak (about 14 minutes in all)
     python bench/soak.py --duration 90 --faults kill,drop    # shorter
     python bench/soak.py --torch --duration 600              # torch DDP over "axond" (bench/soak_train_torch.py)
+    # the job shrinking (an 18 MiB model), the failed node's worker started again 10 s later:
+    python bench/soak.py --duration 45 --faults kill --hidden 1536 --parallel zero --max-restarts 0 --respawn-after 10
 
 `--torch` runs torch DDP over "axond" through `axond.torch.live.Manager` on the same MLP and faults; torch's DDP sums
 the gradients in its own order, so each step's loss and the final loss are compared with a fault-free run's (within
@@ -67,6 +69,8 @@ def main() -> None:
     parser.add_argument("--max-restarts", type=int, default=1000,
                         help="the workers' --max-restarts (0: a failed node's worker exits and the job re-forms "
                              "without waiting for it; the soak then starts a new worker in that host, which joins)")
+    parser.add_argument("--respawn-after", type=float, default=0.0,
+                        help="seconds after a worker exited before the soak starts it again (the job runs smaller)")
     parser.add_argument("--hidden", type=int, default=512, help="the MLP's width (512: 2.1 MiB of parameters)")
     parser.add_argument("--parallel", choices=("ddp", "zero", "fsdp"), default="ddp",
                         help="the trainer's parallel mode (zero: ZeRO-1, fsdp: FSDP, both on the virtual ranks)")
@@ -88,7 +92,7 @@ def main() -> None:
         raise SystemExit(f"the soak needs network namespaces: {reason}")
     config = SoakConfig(duration=args.duration, period=args.period, faults=faults, seed=args.seed, hold=args.hold,
                         heartbeat=args.heartbeat, missed=args.missed, min_nodes=args.min_nodes, hidden=args.hidden,
-                        max_restarts=args.max_restarts,
+                        max_restarts=args.max_restarts, respawn_after=args.respawn_after,
                         parallel=args.parallel, torch=args.torch)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="axond-soak-"))
     began = time.monotonic()

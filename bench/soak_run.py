@@ -68,6 +68,8 @@ class SoakConfig:
     parallel: str = "ddp"
     torch: bool = False
     """torch DDP over "axond" (`axond.torch.live.Manager`, bench/soak_train_torch.py), not `DistributedTrainer`."""
+    respawn_after: float = 0.0
+    """Seconds after a worker exited before the soak starts it again (the job runs smaller meanwhile)."""
     settle: float = 10.0
     poll_every: float = 5.0
     tail: float = 60.0
@@ -147,6 +149,8 @@ class Soak:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "SOAK_HIDDEN": str(config.hidden),
                     "SOAK_PARALLEL": config.parallel}
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.exited: dict[int, float] = {}
+        """Host -> when its worker was first seen exited (started again `respawn_after` later)."""
         self.steps = Steps(out)
         self.pending: list[tuple[float, str, int, int]] = []
         """(when, what, host, pid): a SIGCONT or an un-DROP to do."""
@@ -188,6 +192,10 @@ class Soak:
         for index, w in list(self.workers.items()):
             code = w.poll()
             if code is not None and not (self.out / "stop").exists():
+                seen = self.exited.setdefault(index, now)
+                if now - seen < self.c.respawn_after:
+                    continue  # the job goes on without it for a while first
+                del self.exited[index]
                 run.respawned.append((index, now, code))
                 self.say(f"[soak {now - run.started:6.1f}s] worker of host {index} exited {code}: started again")
                 self.start_worker(self.net.hosts[index])
