@@ -33,7 +33,7 @@ from axond.distributed.process_group import ProcessGroup
 from axond.errors import DistributedError
 from axond.observe import timeline
 from axond.torch.process_group import AxondProcessGroup
-from axond.train.join import StateTransfer, _broadcast_arrays, _share
+from axond.train.join import StateTransfer, broadcast_arrays, share_manifest
 from axond.train.live import roll_forward
 
 if TYPE_CHECKING:
@@ -128,13 +128,13 @@ def broadcast_state(group: ProcessGroup, source: int, state: Any | None, into: A
     dtype match (its parameters), and allocates the others once. Collective."""
     sending = group.rank == source
     tensors: list[torch.Tensor] = []
-    manifest = _share(group, source, {"tree": _skeleton(state, "", tensors)} if sending else None)
+    manifest = share_manifest(group, source, {"tree": _skeleton(state, "", tensors)} if sending else None)
     if not sending:
         mine: dict[str, torch.Tensor] = {}
         _paths(into, "", mine)
         tensors = [_target(entry, mine.get(entry["p"])) for entry in _entries(manifest["tree"])]
     arrays = [_bytes(t) for t in tensors]
-    nbytes = _broadcast_arrays(group, arrays, source)
+    nbytes = broadcast_arrays(group, arrays, source)
     if sending:
         return state, nbytes
     return _build(manifest["tree"], tensors), nbytes

@@ -121,11 +121,11 @@ def transfer(steps: VirtualSteps, group: ProcessGroup, source: int, joined: Sequ
     sending = group.rank == source
     model = t.module.state_dict()
     optim = t.optimizer.state_dict()
-    manifest = _share(group, source, _manifest(steps, model, optim) if sending else None)
+    manifest = share_manifest(group, source, _manifest(steps, model, optim) if sending else None)
     targets = _targets(manifest, model, optim, t.optimizer.params) if not sending else None
     arrays = [(model[name] if kind == "model" else optim["state"][name]) if targets is None else targets[i]
               for i, (kind, name, _, _) in enumerate(manifest["arrays"])]
-    nbytes = _broadcast_arrays(group, arrays, source)
+    nbytes = broadcast_arrays(group, arrays, source)
     if group.rank in joined:  # a running rank that is not the source received its own state again: nothing to adopt
         _adopt(steps, manifest, targets or [])
     seconds = time.perf_counter() - began
@@ -137,7 +137,7 @@ def transfer(steps: VirtualSteps, group: ProcessGroup, source: int, joined: Sequ
     return record
 
 
-def _share(group: ProcessGroup, source: int, manifest: dict[str, Any] | None) -> dict[str, Any]:
+def share_manifest(group: ProcessGroup, source: int, manifest: dict[str, Any] | None) -> dict[str, Any]:
     """Broadcast a JSON manifest from `source` (which passes it; the others pass None) and return it everywhere."""
     text = json.dumps(manifest).encode() if group.rank == source else b""
     size = np.array([len(text)], np.int64)
@@ -156,7 +156,8 @@ def transfer_position(steps: VirtualSteps, group: ProcessGroup, source: int, joi
     began = time.perf_counter()
     sending = group.rank == source
     optim = {"defaults": t.optimizer.defaults, "state": {}}
-    manifest = _share(group, source, {**_manifest(steps, {}, optim), "lineage": steps.lineage} if sending else None)
+    shared = {**_manifest(steps, {}, optim), "lineage": steps.lineage} if sending else None
+    manifest = share_manifest(group, source, shared)
     if group.rank in joined:
         if int(manifest["virtual"]) != steps.virtual:
             raise DistributedError(f"the running ranks train ZeRO-1 on {manifest['virtual']} virtual ranks, this rank "
@@ -169,7 +170,7 @@ def transfer_position(steps: VirtualSteps, group: ProcessGroup, source: int, joi
                          time.perf_counter() - began, group.rank in joined)
 
 
-def _broadcast_arrays(group: ProcessGroup, arrays: Sequence[np.ndarray], source: int) -> int:
+def broadcast_arrays(group: ProcessGroup, arrays: Sequence[np.ndarray], source: int) -> int:
     """Broadcast `arrays` in place from `source`: each one of COALESCE_BELOW bytes or more straight from its memory
     (zero-copy), the smaller ones packed into one message per dtype (one round trip instead of one each). Returns the
     bytes sent."""
