@@ -1,6 +1,7 @@
 """A runner's word to the coordinator about its generation: its exit, the wait for the job's end after it (the exit
-barrier), the wait for another node's report when a local failure was that node's consequence, each call sent again
-while the coordinator is briefly unreachable (within the node's lease)."""
+barrier), the wait for another node's report when a local failure was that node's consequence, a link it cannot
+reach while every node keeps its lease, each call sent again while the coordinator is briefly unreachable (within
+the node's lease); and the stacks of local ranks that failed ranks were waiting for (`tell_accused`)."""
 
 from __future__ import annotations
 

@@ -16,10 +16,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from axond.coordinator.state.jobs import EventLog
-from axond.fencing import fence_wait
 from axond.coordinator.state.kv_space import ARRIVAL_OVERHEAD, KvSpace
 from axond.coordinator.state import records
 from axond.coordinator.state.port import Changes, JoinerChanges, Record, Snapshot
+from axond.fencing import fence_wait
 from axond.coordinator.state.rendezvous import Round
 
 if TYPE_CHECKING:
@@ -210,7 +210,6 @@ def restore(state: CoordinatorState, snap: Snapshot, now: float) -> None:
     state.scheduler.cancels = {k: list(v) for k, v in meta.get("cancels", {}).items()}
     state.submitted.job_seq = int(meta.get("job_seq", 0))
     members._seq = max([int(meta.get("node_seq", 0))] + [n.seq for n in members.nodes.values()])
-
 
 
 def _fence_after_restart(state: CoordinatorState, now: float) -> None:
