@@ -296,6 +296,11 @@ class RuntimeEnv:
     """AXOND_SHARD_MEMORY_FD: a file descriptor (inherited from the worker) of the shared memory the worker daemon
     keeps for this local rank: ZeRO-1's copies of the rank's shards there outlive the rank
     (`axond.train.daemon_copy`)."""
+    held_memory_fd: int | None = None
+    """AXOND_HELD_MEMORY_FD: a file descriptor (inherited from the worker) of the node's held memory: the buddy copies
+    other nodes' ranks sent this node's worker (`axond.train.relay`)."""
+    copy_relay: str | None = None
+    """AXOND_COPY_RELAY: host:port of this node's worker's relay, where other nodes' ranks send their buddy copies."""
     # -- reaching the coordinator
     token: str | None = None
     """AXOND_TOKEN."""
@@ -371,6 +376,7 @@ class RuntimeEnv:
         read("live_wait_s", "AXOND_LIVE_WAIT_S", _seconds)
         read("live_max_world", "AXOND_LIVE_MAX_WORLD", lambda var, raw: _integer(var, raw, 0, WORLD_SIZE_CAP))
         read("shard_memory_fd", "AXOND_SHARD_MEMORY_FD", lambda var, raw: _integer(var, raw, 0, FD_CAP))
+        read("held_memory_fd", "AXOND_HELD_MEMORY_FD", lambda var, raw: _integer(var, raw, 0, FD_CAP))
         read("torch_overlap", OVERLAP_ENV, lambda var, raw: parse_overlap(raw))
         for name, var in (("master_addr", "MASTER_ADDR"), ("elastic_run_id", "TORCHELASTIC_RUN_ID"),
                           ("restart_count", "TORCHELASTIC_RESTART_COUNT"), ("job", "AXOND_JOB"),
@@ -378,6 +384,7 @@ class RuntimeEnv:
                           ("token_file", "AXOND_TOKEN_FILE"), ("tls_ca", "AXOND_TLS_CA"),
                           ("tls_cert", "AXOND_TLS_CERT"), ("tls_key", "AXOND_TLS_KEY"),
                           ("socket_ifname", "AXOND_SOCKET_IFNAME"), ("coordinator", "AXOND_COORDINATOR"),
+                          ("copy_relay", "AXOND_COPY_RELAY"),
                           ("torch_backend", "AXOND_TORCH_BACKEND"), ("membership_file", "AXOND_MEMBERSHIP_FILE"),
                           ("nccl_async_error_handling", "TORCH_NCCL_ASYNC_ERROR_HANDLING")):
             raw = _text(env.get(var))

@@ -27,7 +27,9 @@ the first and runs into the second) and two none; a cell is the median over ever
 instead where one copy's CPU time goes: into a fresh mapping (page faults on first touch) or one faulted in once, from
 a source in cache or out of it, with NumPy's copy (glibc's memcpy) or with non-temporal stores, and how long the
 hand-off to the background thread takes. `--paired --paired-modes buddy` measures the buddy copy the same way (sent
-after every 4th step only, with no gradients kept between).
+after every 4th step only, with no gradients kept between); `relayed` the daemon copy with the buddy copy sent from it
+to the buddy's worker (`axond.worker.buddy_relay`; here one relay per rank, run by this process, whose CPU per copy
+received is printed apart).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ from axond.distributed.backends.host_copy import stream_copy
 from axond.nn.optim import AdamW
 from axond.testing import run_processes
 from axond.train import Callback, DistributedTrainer, buddy, daemon_copy
+from axond.worker.buddy_relay import BuddyRelay
+
+RELAY_SECRET = b"axond-bench-relay"
 
 CONFIGS: tuple[tuple[str, int | None, str], ...] = (
     ("none", None, ""),
@@ -129,10 +134,22 @@ class _Run:
     copy_every: int | None
     daemon: str
     batch: int
+    relays: tuple[str, ...] = ()
+    """Per rank: its worker's relay (`axond.worker.buddy_relay`, run by the bench's parent process), for
+    `paired-relayed`; with `held`, the parent's held-memory fds, and `parent`, its pid."""
+    held: tuple[int, ...] = ()
+    parent: int = 0
 
     def __call__(self) -> Any:
         group = default_group()
         os.environ.pop("AXOND_SHARD_MEMORY_FD", None)
+        for var in ("AXOND_COPY_RELAY", "AXOND_HELD_MEMORY_FD"):
+            os.environ.pop(var, None)
+        if self.relays:  # what `axond worker` hands its rank: the relay's address and the held memory, inherited
+            os.environ["AXOND_COPY_RELAY"] = self.relays[group.rank]
+            os.environ["AXOND_HELD_MEMORY_FD"] = str(os.open(f"/proc/{self.parent}/fd/{self.held[group.rank]}",
+                                                             os.O_RDWR))
+            os.environ["AXOND_JOB_SECRET"] = RELAY_SECRET.hex()
         if self.daemon and self.daemon != "paired-buddy":  # what `axond worker` hands its rank: a memfd it inherits
             os.environ["AXOND_SHARD_MEMORY_FD"] = str(os.memfd_create("axond-bench-shards"))
         if self.daemon.endswith("copyto"):  # the copy as first built, for the before/after
@@ -145,7 +162,7 @@ class _Run:
                     post(copy, lineage)
 
             setattr(daemon_copy.DaemonCopy, "post", fourth)
-        if self.daemon in ("paired-buddy", "paired-both"):  # the buddy copy (copy_every=1) after every 4th step only
+        if self.daemon in ("paired-buddy", "paired-both", "paired-relayed"):  # the buddy copy after every 4th step
             setattr(buddy.BuddyCopies, "due", lambda copies: copies.zero.tag % 4 == 0)
         rng = np.random.default_rng(0)
         x = rng.standard_normal((self.steps * self.batch * group.size, 64)).astype(np.float32)
@@ -249,16 +266,31 @@ def _paired(args: argparse.Namespace, params: int, copy_mb: float) -> None:
           f"MiB after every 4th of {args.steps} steps, {args.rounds} rounds; load average before: "
           f"{os.getloadavg()[0]:.1f}")
     names = {"stream": "daemon, stream_copy (as built)", "copyto": "daemon, np.copyto (before)",
-             "buddy": "buddy (copy_every=1)", "both": "buddy + daemon (as built)"}
+             "buddy": "buddy (copy_every=1), rank to rank", "both": "buddy rank to rank + daemon",
+             "relayed": "buddy through the workers' relays + daemon"}
     modes = {f"paired-{m}" if m != "stream" else "paired": names[m] for m in args.paired_modes.split(",")}
     blocks: dict[str, list[tuple[float, float, float, float]]] = {mode: [] for mode in modes}
+    relay_cpu: list[float] = []
     for _ in range(args.rounds):  # interleaved, as the main table
         for mode in modes:
-            run = _Run(args.hidden, args.steps, 1 if mode in ("paired-buddy", "paired-both") else None, mode,
-                       args.batch)
+            relays = [BuddyRelay("127.0.0.1") for _ in range(args.world)] if mode == "paired-relayed" else []
+            for r in relays:
+                r.admit(RELAY_SECRET)
+            run = _Run(args.hidden, args.steps, 1 if mode in ("paired-buddy", "paired-both", "paired-relayed")
+                       else None, mode, args.batch, tuple(r.address for r in relays),
+                       tuple(r.held.fd for r in relays), os.getpid())
+            began = time.process_time()
             for rank in run_processes(run, args.world, timeout=600):
                 blocks[mode] += rank
+            if relays:  # the workers' side: receiving every copy into the held memory (this process's threads)
+                kept = sum(r.kept for r in relays)
+                relay_cpu.append((time.process_time() - began) / max(kept, 1))
+                for r in relays:
+                    r.close()
     print(f"load average after: {os.getloadavg()[0]:.1f}")
+    if relay_cpu:
+        print(f"the relays (the workers' side, another process): {statistics.median(relay_cpu) * 1e3:.2f} ms of CPU "
+              "per copy received (median over rounds; includes this process's own idle wake-ups)")
     print("| copy | batch per rank | blocks | CPU per step without a copy (ms) | CPU a copy adds (ms), median "
           "(quartiles) | vs the step | wall per step without (ms) | wall a copy adds (ms) | vs the step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

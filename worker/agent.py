@@ -36,7 +36,7 @@ from axond.worker.outcome import (  # noqa: F401 -- re-exported: what callers of
     stderr_notice,
 )
 from axond.worker.reports import MONITOR_TICK_S, Reports, tell_accused
-from axond.worker.peers import PeerLink
+from axond.worker.peers import PeerLink, advertised_host
 from axond.worker.rank_specs import rank_specs
 from axond.worker.shard_memory import ShardMemory
 from axond.worker.progress import EarlyExitWatch, JoinProgress
@@ -163,8 +163,11 @@ class JobRunner:
         return [live.membership_path(self._error_dir, i) for i in range(count)]
 
     def _rank_specs(self, joined: pb.JoinResponse, master: str = "") -> list[RankSpec]:
+        relay = self._shards.serve(advertised_host(self._client.address, dict(self._spec.env or {}),
+                                                   self._conn.env.socket_ifname), joined.job_secret, self._notice) \
+            if self._spec.live_recovery else None
         return rank_specs(self._conn, self._spec, self._node_id, joined, master, self._error_file,
-                          self._membership_paths(joined.local_world_size), self._shards.fd)
+                          self._membership_paths(joined.local_world_size), self._shards.fd, relay)
 
     def _run_generation(self, joined: pb.JoinResponse) -> JobOutcome | None:
         """Run one generation; returns the final outcome, or None to re-join the next generation."""

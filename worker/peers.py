@@ -65,7 +65,7 @@ def _mac(secret: bytes, *parts: object) -> str:
     return hmac.new(secret, "|".join(str(p) for p in parts).encode(), hashlib.sha256).hexdigest()
 
 
-def _advertised_host(coordinator: str, env: Mapping[str, str], ifname: str | None) -> str:
+def advertised_host(coordinator: str, env: Mapping[str, str], ifname: str | None) -> str:
     """Where peers reach this node: AXOND_SOCKET_IFNAME's address (the job's `env`, else the worker's `ifname`), else
     the route to the coordinator, else loopback."""
     ifname = env.get("AXOND_SOCKET_IFNAME") or ifname
@@ -89,7 +89,7 @@ class PeerLink:
         self._closed = threading.Event()
         self.peers: dict[int, tuple[str, int]] = {}
         """The other nodes' addresses, by node rank, as far as they are known yet."""
-        host = _advertised_host(client.address, env or {}, ifname)
+        host = advertised_host(client.address, env or {}, ifname)
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(0.5)
         self.address = (host, self._listener.getsockname()[1])

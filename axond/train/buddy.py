@@ -15,11 +15,13 @@ step not committed everywhere) is never used.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from axond.distributed.boundary import moved_on
 from axond.distributed.membership import surfaced
 from axond.distributed.process_group import ProcessGroup
 from axond.errors import DistributedError
@@ -113,6 +115,21 @@ class Holding:
         return None
 
 
+class Relayed(Protocol):
+    """Buddy copies through the workers (`axond.train.relay.RelayedCopies`): sent from the rank's copy in its worker's
+    memory to the buddy's worker, read back from the node's held memory after a re-formation."""
+
+    def forward(self, tag: int) -> Future[int] | None: ...
+
+    def interrupt(self) -> None: ...
+
+    def held(self) -> list[tuple[int, Slot, range]]: ...
+
+
+POLL_S = 0.05
+"""How often a wait for a relayed copy looks for the worker's word that the job moved on."""
+
+
 class BuddyCopies:
     """This rank's copies sent to its buddy and held for its sources (see the module docstring)."""
 
@@ -126,6 +143,12 @@ class BuddyCopies:
         """The tag of the last copy posted to the buddy."""
         self.busy_s = 0.0
         """Seconds the training thread spent on copies (keeping gradients, posting, waiting): their cost on the step."""
+        self.relayed: Relayed | None = None
+        """Set: the copies go through the workers (`Relayed`), not over the group to the buddy rank's process."""
+        self.unsent = 0
+        """Relayed copies the buddy's worker did not confirm (unreachable, refused, or not within the group's
+        timeout): until the next one lands, the buddy holds an older copy (or none)."""
+        self.why_unsent = ""
 
     def place(self, group: ProcessGroup, nodes: list[int]) -> None:
         """The buddies of the ranks of `group` (their nodes in `nodes`); forgets the copies of the old layout."""
@@ -167,6 +190,12 @@ class BuddyCopies:
             return
         began = time.perf_counter()
         z = self.zero
+        if self.relayed is not None:  # from this rank's copy in its worker's memory, on that copy's thread
+            work = self.relayed.forward(z.tag)
+            self.works = [work] if work is not None else []
+            self.sent = z.tag
+            self.busy_s += time.perf_counter() - began
+            return
         if self.send_scalars.shape != z.rows_shape(len(z.mine))[1]:
             self.send_scalars = self._buffers(len(z.mine))[1]
         batch: list[tuple[str, np.ndarray, int, int]] = [("isend", self.send_scalars, self.buddy, TAG)]
@@ -190,6 +219,13 @@ class BuddyCopies:
         says the job moved on, as a collective would)."""
         works, self.works = self.works, []
         began = time.perf_counter()
+        if self.relayed is not None:
+            try:
+                for work in works:
+                    self._confirmed(work)
+            finally:
+                self.busy_s += time.perf_counter() - began
+            return
         try:
             for work in works:
                 if work is not None:
@@ -200,6 +236,42 @@ class BuddyCopies:
             self.busy_s += time.perf_counter() - began
         for h in self.holdings:
             h.received()
+
+    def _confirmed(self, work: Future[int]) -> None:
+        """Wait for a relayed copy (never past the group's timeout); raise `MembershipChanged` if the job moves on
+        meanwhile. A copy not confirmed is counted, not raised: the training state is whole, only the buddy's copy
+        is older; a node lost before the next one lands falls back to the checkpoint, or fails, saying so."""
+        assert self.relayed is not None
+        deadline = time.monotonic() + self.group.timeout
+        while True:
+            try:
+                work.result(timeout=POLL_S)
+                return
+            except TimeoutError:
+                moved = moved_on(self.group)
+                if moved is not None:
+                    self.relayed.interrupt()
+                    raise moved from None
+                if time.monotonic() < deadline:
+                    continue
+                self.relayed.interrupt()
+                self.unsent, self.why_unsent = self.unsent + 1, f"not confirmed within {self.group.timeout} s"
+                return
+            except (OSError, ValueError) as e:
+                self.unsent, self.why_unsent = self.unsent + 1, str(e)
+                return
+
+    def recovery_holdings(self) -> list[Holding]:
+        """The copies this rank offers after a re-formation: relayed, every copy its node holds (with the gradients
+        kept since where this rank is their buddy); else the ones it received."""
+        if self.relayed is None:
+            return self.holdings
+        kept = {(h.shards.start, h.shards.stop): h for h in self.holdings}
+        found = []
+        for _, slot, shards in self.relayed.held():
+            h = kept.get((shards.start, shards.stop))
+            found.append(Holding(h.source if h else -1, shards, [slot], grads=h.grads if h else {}))
+        return found
 
     def cut(self) -> None:
         """The group re-formed: the receives in flight never complete."""

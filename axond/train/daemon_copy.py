@@ -24,26 +24,25 @@ step, or the step before it when the gradient of the agreed step is at hand to a
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from axond.copy_layout import (ALIGN, COUNT, FIRST, HEADER_BYTES, LINEAGE, MAGIC, SCALARS, SLOT_WORDS, STATE, TAG,
+                               VALID, WIDTH, rows_bytes, slot_need, slot_offset)
 from axond.distributed.backends.host_copy import stream_copy
 from axond.parallel.zero.virtual import VirtualZero
 from axond.train.buddy import Holding, Slot
 
-MAGIC = 0x3148535F444E4F58
-"""'XOND_SH1' little-endian: the header of a daemon copy file."""
-HEADER_BYTES = 4096
-SLOT_WORDS = 8
-"""Header words per slot: state, tag, first shard, shard count, lineage, rows per shard, scalars per shard, spare."""
-VALID = 1
-STATE, TAG, FIRST, COUNT, LINEAGE, WIDTH, SCALARS = range(7)
-ALIGN = 4096
+if TYPE_CHECKING:
+    from axond.train.relay import RelayClient
+
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 """Fault every page of the mapping in when it is made (Linux): the copies then never stop on a page fault."""
 
@@ -53,6 +52,42 @@ def fingerprint(zero: VirtualZero) -> int:
     arrays, scalars = zero.schema()
     text = f"{zero.virtual}:{zero.shard}:{zero.flat.dtype.str}:{','.join(arrays)}:{','.join(scalars)}"
     return zlib.crc32(text.encode())
+
+
+def region_views(buffer: mmap.mmap, base: int, slot_bytes: int, index: int, zero: VirtualZero, count: int, width: int,
+                 nscalars: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slot `index`'s (rows, scalars) of the region at `base` (`axond.copy_layout`), read and written in place."""
+    rows = count * width * zero.shard
+    offset = base + slot_offset(slot_bytes, index)
+    data = np.frombuffer(buffer, zero.flat.dtype, rows, offset).reshape(count, width, zero.shard)
+    start = offset + rows_bytes(count, width, zero.shard, zero.flat.dtype.itemsize)
+    return data, np.frombuffer(buffer, np.float64, count * nscalars, start).reshape(count, nscalars)
+
+
+def region_slots(buffer: mmap.mmap, base: int, slot_bytes: int, zero: VirtualZero,
+                 lineage: int) -> list[tuple[int, Slot, range]]:
+    """The complete copies in the region at `base` of this job's layout and `lineage`: (tag, slot, shards), each
+    slot's views reading the memory in place; a copy whose scalars' own tags disagree with its header is left out."""
+    header = np.frombuffer(buffer, np.int64, 4 + 2 * SLOT_WORDS, base)
+    if int(header[0]) != MAGIC or int(header[1]) != fingerprint(zero):
+        return []
+    (_, width, _), (_, nscalars) = zero.rows_shape(1)
+    found = []
+    for i in range(2):
+        words = header[4 + i * SLOT_WORDS : 4 + (i + 1) * SLOT_WORDS]
+        if int(words[STATE]) != VALID or int(words[LINEAGE]) != lineage:
+            continue
+        if int(words[WIDTH]) != width or int(words[SCALARS]) != nscalars:
+            continue
+        tag, first, count = int(words[TAG]), int(words[FIRST]), int(words[COUNT])
+        if count <= 0 or first < 0 or first + count > zero.virtual:
+            continue
+        if slot_need(count, width, zero.shard, zero.flat.dtype.itemsize, nscalars) > slot_bytes:
+            continue
+        rows, scalars = region_views(buffer, base, slot_bytes, i, zero, count, width, nscalars)
+        if {int(t) for t in scalars[:, 0]} == {tag}:
+            found.append((tag, Slot(rows, scalars, tag), range(first, first + count)))
+    return found
 
 
 class DaemonCopy:
@@ -66,13 +101,18 @@ class DaemonCopy:
         self._views: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         """The slots' views by (slot, shards, rows per shard, scalars per shard): made once per layout."""
         self._pending: Future[None] | None = None
+        self._forwarding: Future[int] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self.relay: RelayClient | None = None
+        """Where `forward` sends the newest copy: the buddy's worker (`axond.train.relay`); None: nowhere."""
         self.written = -1
         """The tag of the last copy posted."""
         self.busy_s = 0.0
         """Seconds the training thread spent on the copies (posting, waiting for one in flight): their cost there."""
         self.copy_cpu_s = 0.0
         """CPU seconds the background thread spent copying (the memcpy itself)."""
+        self.forward_cpu_s = 0.0
+        """CPU seconds the background thread spent sending copies to the buddy's worker (`forward`)."""
         try:
             size = os.fstat(fd).st_size
         except OSError as e:
@@ -91,29 +131,24 @@ class DaemonCopy:
         key = (index, count, width, nscalars)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = self._make_views(index, count, width, nscalars)
+            assert self._map is not None
+            views = self._views[key] = region_views(self._map, 0, self._slot_bytes, index, self.zero, count, width,
+                                                    nscalars)
         return views
 
-    def _make_views(self, index: int, count: int, width: int, nscalars: int) -> tuple[np.ndarray, np.ndarray]:
-        assert self._map is not None
-        rows = count * width * self.zero.shard
-        offset = HEADER_BYTES + index * self._slot_bytes
-        data = np.frombuffer(self._map, self.zero.flat.dtype, rows, offset).reshape(count, width, self.zero.shard)
-        start = offset + -(-rows * self.zero.flat.dtype.itemsize // 8) * 8
-        return data, np.frombuffer(self._map, np.float64, count * nscalars, start).reshape(count, nscalars)
+    def _need(self, count: int, width: int, nscalars: int) -> int:
+        return slot_need(count, width, self.zero.shard, self.zero.flat.dtype.itemsize, nscalars)
 
     def _words(self, index: int) -> np.ndarray:
         return self._header[4 + index * SLOT_WORDS : 4 + (index + 1) * SLOT_WORDS]
 
     def _fits(self, count: int, width: int, nscalars: int) -> bool:
-        need = -(-count * width * self.zero.shard * self.zero.flat.dtype.itemsize // 8) * 8 + count * nscalars * 8
-        return self._map is not None and need <= self._slot_bytes and int(self._header[0]) == MAGIC \
-            and int(self._header[1]) == fingerprint(self.zero)
+        return self._map is not None and self._need(count, width, nscalars) <= self._slot_bytes \
+            and int(self._header[0]) == MAGIC and int(self._header[1]) == fingerprint(self.zero)
 
     def _layout(self, count: int, width: int, nscalars: int) -> None:
         """Size the file for two slots of `count` shards (both slots emptied: a new geometry)."""
-        need = -(-count * width * self.zero.shard * self.zero.flat.dtype.itemsize // 8) * 8 + count * nscalars * 8
-        slot = -(-need // ALIGN) * ALIGN
+        slot = -(-self._need(count, width, nscalars) // ALIGN) * ALIGN
         self._close_map()
         size = HEADER_BYTES + 2 * slot
         os.ftruncate(self.fd, size)
@@ -148,6 +183,7 @@ class DaemonCopy:
         count = len(z.mine)
         (_, width, _), (_, nscalars) = z.rows_shape(count)
         if not self._fits(count, width, nscalars):
+            self.settle_forward_quietly()  # a send still reading the old layout's slot ends first
             self._layout(count, width, nscalars)
         newest = self.newest()
         index = 1 if newest == 0 else 0
@@ -156,17 +192,44 @@ class DaemonCopy:
         rows, scalars = self._slot_views(index, count, width, nscalars)
         sources = [z.arrays(v, scalars[i]) for i, v in enumerate(z.mine)]  # the live arrays; scalars filled now
         header = (z.tag, z.mine.start, count, lineage, width, nscalars)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="axond-daemon-copy")
-        self._pending = self._pool.submit(self._timed, words, rows, sources, header)
+        self._pending = self._executor().submit(self._timed, words, rows, sources, header)
         self.written = z.tag
         self.busy_s += time.perf_counter() - began
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="axond-daemon-copy")
+        return self._pool
 
     def _timed(self, words: np.ndarray, rows: np.ndarray, sources: list[list[np.ndarray]],
                header: tuple[int, int, int, int, int, int]) -> None:
         began = time.thread_time()
         _write(words, rows, sources, header)
         self.copy_cpu_s += time.thread_time() - began
+
+    def forward(self, tag: int) -> Future[int] | None:
+        """Send the copy tagged `tag` (posted, perhaps still being written) to the buddy's worker on the background
+        thread, after the copy itself; the future says the tag the buddy's worker kept (or raises why not). None when
+        there is no relay."""
+        relay = self.relay
+        if relay is None:
+            return None
+        self._forwarding = self._executor().submit(self._forward, relay, tag)
+        return self._forwarding
+
+    def _forward(self, relay: RelayClient, tag: int) -> int:
+        began = time.thread_time()
+        try:
+            index = next((i for i in range(2) if int(self._words(i)[STATE]) == VALID
+                          and int(self._words(i)[TAG]) == tag), None)
+            if index is None or self._map is None:
+                raise ValueError(f"no complete copy of step {tag} in this rank's daemon memory to send")
+            words = [int(w) for w in self._words(index)]
+            count, width, nscalars = words[COUNT], words[WIDTH], words[SCALARS]
+            return relay.send(self.fd, slot_offset(self._slot_bytes, index), self._need(count, width, nscalars),
+                              int(self._header[1]), words)
+        finally:
+            self.forward_cpu_s += time.thread_time() - began
 
     def settle(self) -> None:
         """Wait for the copy in flight (before the arrays it reads change: the next optimizer step, a re-sharding)."""
@@ -176,36 +239,43 @@ class DaemonCopy:
             pending.result()
             self.busy_s += time.perf_counter() - began
 
+    def settle_forward(self) -> int | None:
+        """Wait for the send in flight (`forward`): the tag the buddy's worker kept; raises why it kept none."""
+        forwarding, self._forwarding = self._forwarding, None
+        if forwarding is None:
+            return None
+        began = time.perf_counter()
+        try:
+            return forwarding.result()
+        finally:
+            self.busy_s += time.perf_counter() - began
+
+    def settle_forward_quietly(self) -> None:
+        """`settle_forward`, its failure left to the buddy copies to report (they wait for the same send)."""
+        with contextlib.suppress(Exception):
+            self.settle_forward()
+
     def holding(self, agreed: int, lineage: int) -> Holding | None:
         """The newest complete copy of this job's layout and `lineage` tagged `agreed` or `agreed - 1`, as a holding
         `axond.train.reassemble` offers from (its `grads` to be filled for a copy one step old); None if there is none.
         Its slot views read the daemon's memory in place."""
-        if self._map is None or int(self._header[0]) != MAGIC or int(self._header[1]) != fingerprint(self.zero):
+        if self._map is None:
             return None
-        (_, width, _), (_, nscalars) = self.zero.rows_shape(1)
-        found = []
-        for i in range(2):
-            words = self._words(i)
-            if int(words[STATE]) != VALID or int(words[LINEAGE]) != lineage:
-                continue
-            if int(words[WIDTH]) != width or int(words[SCALARS]) != nscalars:
-                continue
-            tag, first, count = int(words[TAG]), int(words[FIRST]), int(words[COUNT])
-            if agreed - 1 <= tag <= agreed and count > 0 and 0 <= first and first + count <= self.zero.virtual:
-                found.append((tag, i, first, count))
+        found = [(tag, slot, shards) for tag, slot, shards in region_slots(self._map, 0, self._slot_bytes, self.zero,
+                                                                           lineage) if agreed - 1 <= tag <= agreed]
         if not found:
             return None
-        tag, i, first, count = max(found)
-        rows, scalars = self._slot_views(i, count, width, nscalars)
-        if {int(t) for t in scalars[:, 0]} != {tag}:  # the scalars' own tags disagree with the header: never used
-            return None
-        return Holding(-1, range(first, first + count), [Slot(rows, scalars, tag)])
+        tag, slot, shards = max(found, key=lambda f: f[0])
+        return Holding(-1, shards, [slot])
 
     def close(self) -> None:
         self.settle()
+        self.settle_forward_quietly()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.relay is not None:
+            self.relay.close()
 
 
 def _write(words: np.ndarray, rows: np.ndarray, sources: list[list[np.ndarray]],

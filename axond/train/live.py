@@ -21,19 +21,13 @@ order (`axond.train.sharded`) instead of gathered whole.
 from __future__ import annotations
 
 import math
-import os
-import secrets
-import socket
 import time
-import warnings
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-import axond.checkpoint as ckpt
 from axond.checkpoint.api import ObjectCollectives
 from axond.config import RuntimeEnv
 from axond.distributed.boundary import moved_on
@@ -47,10 +41,11 @@ from axond.train import join
 from axond.train.agreed import AgreedState
 from axond.parallel.fsdp.virtual import VirtualFSDP
 from axond.parallel.zero.virtual import VirtualZero
-from axond.train.buddy import BuddyCopies, buddies
+from axond.train.buddy import BuddyCopies
 from axond.train.daemon_copy import DaemonCopy
+from axond.train.live_copies import LiveCopies
 from axond.train.progress import Progress
-from axond.train.reassemble import reassemble
+from axond.train.relay import RelayedCopies
 from axond.train.sharded import ShardedGradients
 from axond.train.virtual import VirtualGradients
 
@@ -101,17 +96,12 @@ def roll_forward(steps: Sequence[int], mine: int, pending: bool) -> bool:
     return newest == mine + 1
 
 
-def node_key() -> int:
-    """This rank's failure domain: the worker daemon that runs it (its host and process id)."""
-    return zlib.crc32(f"{socket.gethostname()}:{os.getppid()}".encode())
-
-
 def _generators(model: Module) -> list[np.random.Generator]:
     return [m.__dict__[attr] for _, m in model.named_modules() for attr in ("_gen", "rng", "generator")
             if isinstance(m.__dict__.get(attr), np.random.Generator)]
 
 
-class VirtualSteps:
+class VirtualSteps(LiveCopies):
     """The training loop of `DistributedTrainer` on `virtual` data-parallel ranks (see the module docstring)."""
 
     def __init__(self, trainer: DistributedTrainer, virtual: int, seed: int, shuffle: bool,
@@ -139,18 +129,20 @@ class VirtualSteps:
         """The buddy copies of this rank's shards (None: off, or not ZeRO-1)."""
         self.fell_back: str | None = None
         """The checkpoint the last re-formation fell back to (both copies of a shard lost), if any."""
-        fd = RuntimeEnv.from_env(strict=False).shard_memory_fd
+        env = RuntimeEnv.from_env(strict=False)
+        fd = env.shard_memory_fd
         self.daemon = DaemonCopy(fd, self.zero) if self.zero is not None and fd is not None else None
         """ZeRO-1: this rank's copies in the memory its worker daemon holds (None: no worker gave any)."""
+        self.relay = env.copy_relay if self.daemon is not None and env.held_memory_fd is not None else None
+        """This node's worker's relay (`axond.train.relay`): where the other nodes' ranks send the buddy copies they
+        keep here; buddy copies go through the workers when every rank has one."""
+        self.relayed = RelayedCopies(self.daemon, env.held_memory_fd, lambda: self.lineage) \
+            if self.daemon is not None and env.held_memory_fd is not None and self.copies is not None else None
         self.lineage = 0
         """Drawn when the job's training state starts, bumped on every rank when it falls back to a checkpoint: daemon
         copies of another run (or from before the fall-back) are never read."""
         self.started = False
         """ZeRO-1: the buddies and the lineage are set (`_start_copies`, or a joining rank's re-sharding)."""
-
-    @staticmethod
-    def _nodes(group: Any) -> list[int]:
-        return [int(n) for n in group.all_gather(np.array([node_key()], np.int64)).reshape(-1)]
 
     def resize(self, virtual: int) -> None:
         """Train on `virtual` virtual ranks (at construction, or a joiner adopting the running job's number)."""
@@ -178,23 +170,6 @@ class VirtualSteps:
         if self.zero is not None and not self.started:
             self._start_copies()
         return moved is not None
-
-    def _start_copies(self) -> None:
-        """ZeRO-1, every rank of a job that starts (never a rank joining a running one, whose peers run no such
-        collective): the buddies, and a lineage of daemon copies drawn by rank 0 (collective)."""
-        group = self.trainer.group
-        mine = np.array([node_key(), secrets.randbits(62)], np.int64)
-        table = np.asarray(group.all_gather(mine)).reshape(group.size, 2)
-        self.lineage = int(table[0, 1])
-        if self.copies is not None:
-            self.copies.place(group, [int(n) for n in table[:, 0]])
-            self._route([int(n) for n in table[:, 0]])
-        self.started = True
-
-    def _route(self, nodes: list[int]) -> None:
-        """FSDP: each rank's buddy also receives the reduced gradient of the blocks it holds copies of."""
-        if isinstance(self.zero, VirtualFSDP):
-            self.zero.route(buddies(nodes))
 
     def steps_per_epoch(self) -> tuple[int, int]:
         t = self.trainer
@@ -306,54 +281,6 @@ class VirtualSteps:
             return
         raise error
 
-    def _reshard(self, group: Any, fresh: bool = False) -> tuple[list[int], list[int], list[int]]:
-        """ZeRO-1: rebuild every shard at the agreed step in memory and carry the new block; post the new copies
-        (`fresh`: this rank joined the running job: it offers its worker daemon's copy of a lost rank's block).
-        Returns the shards rebuilt from copies, those of them advanced from an older copy, and those from a daemon's."""
-        if self.zero is None:
-            return [], [], []
-        t = self.trainer
-        agreed = t.position.global_step
-        nodes = self._nodes(group)
-        daemon = self.daemon.holding(agreed, self.lineage) if fresh and self.daemon is not None else None
-        if fresh:
-            self.zero.tag = -1  # it carried nothing: it offers no state of its own
-        if isinstance(self.zero, VirtualFSDP):  # no rank holds the whole gradient to advance a daemon copy with
-            self.zero.grad_tag = -1  # (a buddy holds its sources' blocks' gradients: its older copies still advance)
-        done = reassemble(self.zero, self.copies.holdings if self.copies is not None else [], group, agreed, daemon)
-        if done.lost:
-            self._lost(done.lost, group)
-        if self.copies is not None:
-            self.copies.place(group, nodes)
-            self._route(nodes)
-            self.copies.post()
-        if self.daemon is not None:
-            self.daemon.post(self.lineage)
-        return done.from_copies, done.replayed, done.from_daemon
-
-    def _lost(self, lost: list[int], group: Any) -> None:
-        """Both copies of `lost` shards are gone: load the last checkpoint (and say so), or raise; never go on."""
-        t = self.trainer
-        why = (f"the optimizer state of virtual shard(s) {lost} at step {t.position.global_step} was lost with both "
-               f"its copies (the rank that carried it and its buddy both left, and no replacement rank offered its "
-               "worker daemon's copy" +
-               (")" if self.copies is not None else "; buddy copies are off: copy_every=None)"))
-        assert self.zero is not None
-        self.zero.place(group, None)  # the layout the checkpoint is loaded into
-        latest = ckpt.latest(t.checkpoint_dir) if t.rank == 0 and t.checkpoint_dir is not None else None
-        path = t.comm.broadcast(str(latest) if latest is not None else None)  # one choice for every rank
-        if path is None:
-            raise DistributedError(f"live recovery cannot go on: {why}, and there is no checkpoint to fall back to "
-                                   "(give the trainer checkpoint_dir= and checkpoint_every=)", op="reform",
-                                   group=group.name, rank=group.rank)
-        if t.rank == 0:
-            warnings.warn(f"axond.train: {why}; falling back to the checkpoint {path} read from storage",
-                          RuntimeWarning, stacklevel=3)
-        t._load(path)
-        self.zero.tag = t.position.global_step
-        self.lineage += 1  # the steps from here are run again: no daemon copy from before is ever read
-        self.fell_back = path
-
     def run_epochs(self, epochs: int, progress: Progress) -> bool:
         """Train from the trainer's position to the end of `epochs`; False when a re-formation fell back to a checkpoint
         (both copies of a ZeRO-1 shard lost), from whose position the trainer starts the loop again."""
@@ -365,10 +292,10 @@ class VirtualSteps:
             self._agree()  # the replicas start alike (the wrapper broadcast them): the first agreed state
         if self.zero is not None:
             self.zero.tag = pos.global_step
+            if self.daemon is not None and self.daemon.written != pos.global_step:
+                self.daemon.post(self.lineage)  # first: a relayed buddy copy is sent from it
             if self.copies is not None and self.copies.sent != pos.global_step:
                 self.copies.post()
-            if self.daemon is not None and self.daemon.written != pos.global_step:
-                self.daemon.post(self.lineage)
         while pos.epoch < epochs:
             for sampler in self.samplers:
                 sampler.set_epoch(pos.epoch)

@@ -75,6 +75,7 @@ def check_survivors(out: Path, parallel: str = "ddp") -> list[dict[str, Any]]:
     recoveries = []
     for end in ends:
         (recovery,) = end["recoveries"]
+        assert end.get("relayed", False) == (parallel != "ddp")  # buddy copies through the workers' relays
         assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (4, 3, HANG_STEP)
         log = [json.loads(line) for line in (out / f"steps-{end['pid']}.jsonl").read_text().splitlines()]
         assert [s["step"] for s in log] == list(range(1, STEPS + 1))

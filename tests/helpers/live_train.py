@@ -189,9 +189,11 @@ def main() -> None:
     np.savez(out / f"params-{os.getpid()}.npz", **trainer.module.state_dict())
     recoveries = [dataclasses.asdict(r) for r in trainer.virtual.recoveries] if trainer.virtual else []
     transfers = [dataclasses.asdict(t) for t in trainer.virtual.transfers] if trainer.virtual else []
+    copies = trainer.virtual.copies if trainer.virtual else None
+    relayed = {"relayed": copies.relayed is not None, "unsent": copies.unsent} if copies is not None else {}
     (out / f"end-{os.getpid()}.json").write_text(json.dumps({
         "pid": os.getpid(), "rank": trainer.rank, "world": trainer.world_size, "recoveries": recoveries,
-        "transfers": transfers,
+        "transfers": transfers, **relayed,
         "losses": [h["loss"] for h in history], "generation": os.environ["AXOND_GENERATION"],
         "first_generation": first_generation,
         "mono": time.monotonic(), "wall": time.time()}))
