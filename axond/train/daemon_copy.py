@@ -14,7 +14,10 @@ attached (`MAP_POPULATE`), so no copy takes page faults; each array is copied wi
 read into the cache (glibc's memcpy does that below a threshold of hundreds of MB); the views of the slots are made
 once per layout, so a step allocates nothing but the few Python objects of the hand-off to the thread.
 
-Layout: a header page, then two slots (double buffering). A copy goes into the slot that does not hold the newest
+Under `axond worker` the buddy copy is sent from here (`forward`, on the same background thread, after the copy):
+`sendfile` from the memfd to the buddy's worker (`axond.train.relay`), so the rank reads and copies nothing more.
+
+Layout (`axond.copy_layout`): a header page, then two slots (double buffering). A copy goes into the slot that does not hold the newest
 complete copy; the slot's header is cleared first and written last, its `state` word after every other: a copy cut
 half-way (the rank killed mid-memcpy) leaves its slot marked empty and the other slot's copy intact. A copy is offered
 (`holding`) only when its header is complete, it matches this job's layout (a fingerprint of the shard geometry and

@@ -207,3 +207,32 @@ def test_addresses_go_through_the_gather_as_words() -> None:
     with pytest.raises(ValueError, match="longer than"):
         address_words("h" * 70)
     assert RelayClient("127.0.0.1:1", SECRET, 1, 0, 1.0).sent == 0
+
+
+def test_strangers_hold_no_more_than_the_unproven_connections_and_go_at_their_deadline(relay: BuddyRelay) -> None:
+    """MAX_UNPROVEN connections that prove nothing: the next is closed at once (no nonce); once they are gone a rank's
+    connection proves the secret as before."""
+    from axond.worker.buddy_relay import MAX_UNPROVEN
+
+    strangers = [socket.create_connection(split_address(relay.address), timeout=10) for _ in range(MAX_UNPROVEN)]
+    try:
+        for s in strangers:
+            assert len(s.recv(NONCE_BYTES)) == NONCE_BYTES  # each was taken in, and waits for its proof
+        with socket.create_connection(split_address(relay.address), timeout=10) as late:
+            try:
+                assert late.recv(NONCE_BYTES) == b""  # over the bound: closed without a word
+            except ConnectionResetError:
+                pass
+    finally:
+        for s in strangers:
+            s.close()
+    _wait(lambda: _proven_ok(relay))
+    assert _proven_ok(relay)
+
+
+def _proven_ok(relay: BuddyRelay) -> bool:
+    try:
+        with _proven(relay):
+            return True
+    except (AssertionError, OSError):
+        return False
