@@ -279,18 +279,17 @@ def _paired(args: argparse.Namespace, params: int, copy_mb: float) -> None:
             run = _Run(args.hidden, args.steps, 1 if mode in ("paired-buddy", "paired-both", "paired-relayed")
                        else None, mode, args.batch, tuple(r.address for r in relays),
                        tuple(r.held.fd for r in relays), os.getpid())
-            began = time.process_time()
             for rank in run_processes(run, args.world, timeout=600):
                 blocks[mode] += rank
             if relays:  # the workers' side: receiving every copy into the held memory (this process's threads)
                 kept = sum(r.kept for r in relays)
-                relay_cpu.append((time.process_time() - began) / max(kept, 1))
+                relay_cpu.append(sum(r.receive_cpu_s for r in relays) / max(kept, 1))
                 for r in relays:
                     r.close()
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     if relay_cpu:
         print(f"the relays (the workers' side, another process): {statistics.median(relay_cpu) * 1e3:.2f} ms of CPU "
-              "per copy received (median over rounds; includes this process's own idle wake-ups)")
+              "per copy received (their threads' CPU time, median over rounds)")
     print("| copy | batch per rank | blocks | CPU per step without a copy (ms) | CPU a copy adds (ms), median "
           "(quartiles) | vs the step | wall per step without (ms) | wall a copy adds (ms) | vs the step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

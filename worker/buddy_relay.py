@@ -23,6 +23,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -166,6 +167,8 @@ class BuddyRelay:
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.kept = 0
         """Copies kept since the relay started."""
+        self.receive_cpu_s = 0.0
+        """CPU seconds its connections' threads spent receiving copies (this process's share of the buddy copies)."""
         self._thread = threading.Thread(target=self._serve, name="axond-buddy-relay", daemon=True)
         self._thread.start()
 
@@ -243,6 +246,7 @@ class BuddyRelay:
             self._notice(f"cannot keep a buddy copy of {payload} bytes from rank {local} of node {node:x}: {e}")
             conn.sendall(ACK.pack(REFUSED_NO_MEMORY))
             return False
+        began = time.thread_time()
         index = _slot_to_write(mapping)
         _put(mapping, word_index(index, STATE), 0)
         start = slot_offset(slot_bytes, index)
@@ -259,7 +263,9 @@ class BuddyRelay:
         for word, value in zip(range(1, 7), (tag, first_shard, count, lineage, width, nscalars)):
             _put(mapping, word_index(index, word), value)
         _put(mapping, word_index(index, STATE), VALID)
-        self.kept += 1
+        with self._lock:
+            self.kept += 1
+            self.receive_cpu_s += time.thread_time() - began
         conn.sendall(ACK.pack(tag))
         return True
 

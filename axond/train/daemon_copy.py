@@ -14,15 +14,16 @@ attached (`MAP_POPULATE`), so no copy takes page faults; each array is copied wi
 read into the cache (glibc's memcpy does that below a threshold of hundreds of MB); the views of the slots are made
 once per layout, so a step allocates nothing but the few Python objects of the hand-off to the thread.
 
-Under `axond worker` the buddy copy is sent from here (`forward`, on the same background thread, after the copy):
-`sendfile` from the memfd to the buddy's worker (`axond.train.relay`), so the rank reads and copies nothing more.
+Under `axond worker` the buddy copy is sent from here (`forward`, on the same background thread, after the copy) to
+the buddy's worker (`axond.train.relay`): the rank makes no other copy for it.
 
-Layout (`axond.copy_layout`): a header page, then two slots (double buffering). A copy goes into the slot that does not hold the newest
-complete copy; the slot's header is cleared first and written last, its `state` word after every other: a copy cut
-half-way (the rank killed mid-memcpy) leaves its slot marked empty and the other slot's copy intact. A copy is offered
-(`holding`) only when its header is complete, it matches this job's layout (a fingerprint of the shard geometry and
-the optimizer state's names) and lineage (bumped when the job falls back to a checkpoint), and its tag is the agreed
-step, or the step before it when the gradient of the agreed step is at hand to advance it (`axond.train.reassemble`).
+Layout (`axond.copy_layout`): a header page, then two slots (double buffering). A copy goes into the slot that does not
+hold the newest complete copy; the slot's header is cleared first and written last, its `state` word after every other:
+a copy cut half-way (the rank killed mid-memcpy) leaves its slot marked empty and the other slot's copy intact. A copy
+is offered (`holding`) only when its header is complete, it matches this job's layout (a fingerprint of the shard
+geometry and the optimizer state's names) and lineage (bumped when the job falls back to a checkpoint), and its tag is
+the agreed step, or the step before it when the gradient of the agreed step is at hand to advance it
+(`axond.train.reassemble`).
 """
 
 from __future__ import annotations
@@ -228,9 +229,9 @@ class DaemonCopy:
             if index is None or self._map is None:
                 raise ValueError(f"no complete copy of step {tag} in this rank's daemon memory to send")
             words = [int(w) for w in self._words(index)]
-            count, width, nscalars = words[COUNT], words[WIDTH], words[SCALARS]
-            return relay.send(self.fd, slot_offset(self._slot_bytes, index), self._need(count, width, nscalars),
-                              int(self._header[1]), words)
+            start = slot_offset(self._slot_bytes, index)
+            with memoryview(self._map)[start : start + self._need(words[COUNT], words[WIDTH], words[SCALARS])] as view:
+                return relay.send(view, int(self._header[1]), words)
         finally:
             self.forward_cpu_s += time.thread_time() - began
 
