@@ -96,8 +96,7 @@ def test_survivors_rebuild_the_lost_shard_from_its_buddy_copy_bit_identical(proc
         (recovery,) = end["recoveries"]
         assert (recovery["world_before"], recovery["world_after"], recovery["step"]) == (3, 2, HANG_STEP), recovery
         assert recovery["from_copies"] == [2] and recovery["checkpoint"] is None  # rank 2's shard, from memory
-        if parallel == "zero":
-            assert end["relayed"] and end["unsent"] == 0  # the copies went through the workers, every one kept
+        assert end["relayed"] and end["unsent"] == 0  # the copies went through the workers, every one kept
         assert recovery["replayed"] == ([] if stop == "after-step" else [2]), recovery  # advanced from an older copy
         done = _steps(out, pid)
         assert [s["step"] for s in done] == list(range(1, STEPS + 1))  # the cut step ran again, once
