@@ -4,7 +4,8 @@ This module and the command-line entry points (`axond.cli`) are the only code th
 (tests/init/test_config.py checks it). `init_process_group` and each CLI command build one `RuntimeEnv` and pass
 it (or the part needed) down: to the store an `init_method` opens, the backend options, the mesh, failure
 reporting, metrics and the timeline, the worker's rank environments. A bad value raises `ConfigError` (a
-`ValueError`) naming the variable and what it accepts. docs/environment.md lists every variable.
+`ValueError`) naming the variable and what it accepts (each value is read by a parser of `axond.env_values`).
+docs/environment.md lists every variable.
 
 Backend-specific settings (the tcp backend's AXOND_TCP_* and AXOND_SHM*) are read by the backend's own options
 class from `RuntimeEnv.environ`, the snapshot taken here, so that this module knows no backend.
@@ -12,7 +13,6 @@ class from `RuntimeEnv.environ`, the snapshot taken here, so that this module kn
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +21,9 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from axond.env_flags import FALSE, TRUE, flag_on
+from axond.env_values import (
+    ConfigError, bound_from, nonblank, parse_fraction, parse_hex, parse_int, parse_port, parse_seconds,
+)
 from axond.launchers import OPEN_MPI_DEFAULTS, LauncherError, launcher_ranks
 from axond.observe.settings import ObserveSettings
 
@@ -36,8 +39,6 @@ FD_CAP = (1 << 31) - 1
 """The largest file descriptor AXOND_SHARD_MEMORY_FD may name."""
 MAX_GENERATION = (1 << 63) - 1
 """The largest AXOND_GENERATION (generations travel as 64-bit fields)."""
-MAX_SECONDS = 1e9
-"""The most seconds a duration variable may say (about 31 years)."""
 WAIT_NOTICE_S = 60.0
 """Default seconds between `axond worker`'s "still waiting" notices (AXOND_WAIT_NOTICE_S)."""
 OVERLAP_ENV = "AXOND_TORCH_OVERLAP"
@@ -45,10 +46,6 @@ MAX_STRAGGLER_WINDOWS = 15
 """The most AXOND_STRAGGLER_WINDOWS may say (windows are built from a group's last 64 marks: `arrivals.KEEP_MARKS`)."""
 
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """An environment variable has a value axond cannot use; the message names it and what it accepts."""
 
 
 @dataclass(frozen=True)
@@ -104,64 +101,6 @@ def default_state_dir(environ: Mapping[str, str]) -> Path:
     return base / "axond"
 
 
-def _text(raw: str | None) -> str | None:
-    """A variable's value, None when unset or blank."""
-    return raw if raw is not None and raw.strip() != "" else None
-
-
-def _shown(raw: str) -> str:
-    """A variable's value as an error message quotes it: at most 40 characters."""
-    return repr(raw) if len(raw) <= 40 else f"{raw[:20]!r}... ({len(raw)} characters)"
-
-
-def _integer(var: str, raw: str, minimum: int | None = 0, maximum: int | None = None, why: str = "") -> int:
-    """`raw` as an integer within [minimum, maximum] (None: unbounded); ConfigError naming the range otherwise."""
-    text = raw.strip()
-    try:
-        value = int(text) if len(text) <= 40 else None
-    except ValueError:
-        value = None
-    if value is None or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        if minimum is not None and maximum is not None:
-            bound = f" from {minimum} to {maximum}"
-        elif minimum is not None:
-            bound = f" >= {minimum}"
-        else:
-            bound = f" <= {maximum}" if maximum is not None else ""
-        raise ConfigError(f"bad {var}={_shown(raw)}: use an integer{bound}{why}")
-    return value
-
-
-def _port(var: str, raw: str) -> int:
-    value = _integer(var, raw)
-    if value > 65535:
-        raise ConfigError(f"bad {var}={_shown(raw)}: use a port number (0-65535)")
-    return value
-
-
-def _seconds(var: str, raw: str) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value <= MAX_SECONDS:
-        raise ConfigError(f"bad {var}={_shown(raw)}: use seconds from 0 (never) to {MAX_SECONDS:.0f}") from None
-    return value
-
-
-def _hex(var: str, raw: str) -> bytes:
-    try:
-        return bytes.fromhex(raw.strip())
-    except ValueError:
-        raise ConfigError(f"bad {var}: use hex digits (as the worker sets it)") from None  # a secret: not echoed
-
-
-def _within(var: str, values: Mapping[str, Any], relation: str) -> str:
-    """Where a bound taken from variable `var` comes from, for the error message ("" if `var` is unset)."""
-    name = var.lower()
-    return f" ({relation} {var}={values[name]})" if name in values else ""
-
-
 def parse_overlap(raw: str | None) -> bool | None:
     """AXOND_TORCH_OVERLAP: True (`1`), False (`0`) or None (`auto`, the default: decided per group)."""
     value = (raw or "auto").strip().lower()
@@ -208,14 +147,14 @@ class StragglerSettings:
     def read(cls, env: Mapping[str, str], strict: bool) -> StragglerSettings:
         values: dict[str, Any] = {}
         parsers: dict[str, tuple[str, Callable[[str, str], Any]]] = {
-            "window_ops": ("AXOND_STRAGGLER_WINDOW_OPS", lambda var, raw: _integer(var, raw, 0, 1 << 30)),
-            "window_s": ("AXOND_STRAGGLER_WINDOW_MS", lambda var, raw: _seconds(var, raw) / 1000.0),
-            "windows": ("AXOND_STRAGGLER_WINDOWS", lambda var, raw: _integer(var, raw, 1, MAX_STRAGGLER_WINDOWS)),
-            "threshold_s": ("AXOND_STRAGGLER_THRESHOLD_MS", lambda var, raw: _seconds(var, raw) / 1000.0),
-            "fraction": ("AXOND_STRAGGLER_FRACTION", _fraction),
+            "window_ops": ("AXOND_STRAGGLER_WINDOW_OPS", lambda var, raw: parse_int(var, raw, 0, 1 << 30)),
+            "window_s": ("AXOND_STRAGGLER_WINDOW_MS", lambda var, raw: parse_seconds(var, raw) / 1000.0),
+            "windows": ("AXOND_STRAGGLER_WINDOWS", lambda var, raw: parse_int(var, raw, 1, MAX_STRAGGLER_WINDOWS)),
+            "threshold_s": ("AXOND_STRAGGLER_THRESHOLD_MS", lambda var, raw: parse_seconds(var, raw) / 1000.0),
+            "fraction": ("AXOND_STRAGGLER_FRACTION", parse_fraction),
         }
         for name, (var, parse) in parsers.items():
-            raw = _text(env.get(var))
+            raw = nonblank(env.get(var))
             if raw is None:
                 continue
             try:
@@ -225,15 +164,6 @@ class StragglerSettings:
                     raise
         return cls(**values)
 
-
-def _fraction(var: str, raw: str) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value <= 1.0:
-        raise ConfigError(f"bad {var}={_shown(raw)}: use a fraction from 0 to 1 (e.g. 0.1)") from None
-    return value
 
 
 @dataclass(frozen=True)
@@ -350,7 +280,7 @@ class RuntimeEnv:
         values: dict[str, Any] = {}
 
         def read(name: str, var: str, parse: Callable[[str, str], T]) -> None:
-            raw = _text(env.get(var))
+            raw = nonblank(env.get(var))
             if raw is None:
                 return
             try:
@@ -359,24 +289,24 @@ class RuntimeEnv:
                 if strict:
                     raise
 
-        read("max_world_size", "AXOND_MAX_WORLD_SIZE", lambda var, raw: _integer(var, raw, 1, WORLD_SIZE_CAP))
+        read("max_world_size", "AXOND_MAX_WORLD_SIZE", lambda var, raw: parse_int(var, raw, 1, WORLD_SIZE_CAP))
         most = values.get("max_world_size", MAX_WORLD_SIZE)
         limit = f" (at most AXOND_MAX_WORLD_SIZE={most}; raise that for a larger job)"
-        read("world_size", "WORLD_SIZE", lambda var, raw: _integer(var, raw, 1, most, limit))
-        read("local_world_size", "LOCAL_WORLD_SIZE", lambda var, raw: _integer(
-            var, raw, 1, values.get("world_size", most), _within("WORLD_SIZE", values, "at most")))
-        read("rank", "RANK", lambda var, raw: _integer(
-            var, raw, 0, values.get("world_size", most) - 1, _within("WORLD_SIZE", values, "below")))
-        read("local_rank", "LOCAL_RANK", lambda var, raw: _integer(
-            var, raw, 0, values.get("local_world_size", most) - 1, _within("LOCAL_WORLD_SIZE", values, "below")))
-        read("master_port", "MASTER_PORT", _port)
-        read("generation", "AXOND_GENERATION", lambda var, raw: _integer(var, raw, 0, MAX_GENERATION))
-        read("job_secret", "AXOND_JOB_SECRET", _hex)
-        read("wait_notice_s", "AXOND_WAIT_NOTICE_S", _seconds)
-        read("live_wait_s", "AXOND_LIVE_WAIT_S", _seconds)
-        read("live_max_world", "AXOND_LIVE_MAX_WORLD", lambda var, raw: _integer(var, raw, 0, WORLD_SIZE_CAP))
-        read("shard_memory_fd", "AXOND_SHARD_MEMORY_FD", lambda var, raw: _integer(var, raw, 0, FD_CAP))
-        read("held_memory_fd", "AXOND_HELD_MEMORY_FD", lambda var, raw: _integer(var, raw, 0, FD_CAP))
+        read("world_size", "WORLD_SIZE", lambda var, raw: parse_int(var, raw, 1, most, limit))
+        read("local_world_size", "LOCAL_WORLD_SIZE", lambda var, raw: parse_int(
+            var, raw, 1, values.get("world_size", most), bound_from("WORLD_SIZE", values, "at most")))
+        read("rank", "RANK", lambda var, raw: parse_int(
+            var, raw, 0, values.get("world_size", most) - 1, bound_from("WORLD_SIZE", values, "below")))
+        read("local_rank", "LOCAL_RANK", lambda var, raw: parse_int(
+            var, raw, 0, values.get("local_world_size", most) - 1, bound_from("LOCAL_WORLD_SIZE", values, "below")))
+        read("master_port", "MASTER_PORT", parse_port)
+        read("generation", "AXOND_GENERATION", lambda var, raw: parse_int(var, raw, 0, MAX_GENERATION))
+        read("job_secret", "AXOND_JOB_SECRET", parse_hex)
+        read("wait_notice_s", "AXOND_WAIT_NOTICE_S", parse_seconds)
+        read("live_wait_s", "AXOND_LIVE_WAIT_S", parse_seconds)
+        read("live_max_world", "AXOND_LIVE_MAX_WORLD", lambda var, raw: parse_int(var, raw, 0, WORLD_SIZE_CAP))
+        read("shard_memory_fd", "AXOND_SHARD_MEMORY_FD", lambda var, raw: parse_int(var, raw, 0, FD_CAP))
+        read("held_memory_fd", "AXOND_HELD_MEMORY_FD", lambda var, raw: parse_int(var, raw, 0, FD_CAP))
         read("torch_overlap", OVERLAP_ENV, lambda var, raw: parse_overlap(raw))
         for name, var in (("master_addr", "MASTER_ADDR"), ("elastic_run_id", "TORCHELASTIC_RUN_ID"),
                           ("restart_count", "TORCHELASTIC_RESTART_COUNT"), ("job", "AXOND_JOB"),
@@ -387,7 +317,7 @@ class RuntimeEnv:
                           ("copy_relay", "AXOND_COPY_RELAY"),
                           ("torch_backend", "AXOND_TORCH_BACKEND"), ("membership_file", "AXOND_MEMBERSHIP_FILE"),
                           ("nccl_async_error_handling", "TORCH_NCCL_ASYNC_ERROR_HANDLING")):
-            raw = _text(env.get(var))
+            raw = nonblank(env.get(var))
             if raw is not None:
                 values[name] = raw
         _from_launcher(env, values, strict)
@@ -396,8 +326,8 @@ class RuntimeEnv:
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             state_dir=default_state_dir(env),
             failure=FailureSettings(debug=flag_on(env.get("AXOND_DEBUG")),
-                                    error_file=_text(env.get("AXOND_ERROR_FILE")),
-                                    fr_dump_dir=_text(env.get("AXOND_FR_DUMP_DIR")),
+                                    error_file=nonblank(env.get("AXOND_ERROR_FILE")),
+                                    fr_dump_dir=nonblank(env.get("AXOND_FR_DUMP_DIR")),
                                     survivor_exit_delay_s=_survivor_delay(env)),
             observe=ObserveSettings.from_env(env),
             stragglers=StragglerSettings.read(env, strict),

@@ -1,92 +1,39 @@
 """`ProcessGroup`: a backend plus the global ranks it spans, with every collective as a method.
 
 Ranks given to methods (src, dst) are GROUP-LOCAL, like torch's ProcessGroup objects; the
-module-level functions in `axond.distributed.api` take global ranks and translate.
+module-level functions in `axond.distributed.api` take global ranks and translate. How each op runs (in issue
+order, timed, its failure shortened) and the group's life are `GroupCore`'s (`axond.distributed.group_core`).
 """
 
 from __future__ import annotations
 
 import zlib
-from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
-from time import monotonic_ns
 from typing import Any
 
 import numpy as np
 
-from axond.distributed.backends.base import P2P, Array, Backend, BackendOptions, Completion, op_methods
+from axond.distributed.backends.base import P2P, Array, BackendOptions, Completion
 from axond.distributed.backends.registry import create_backend, resolve_backend
-from axond.distributed.diagnostics.arrivals import KEEP_MARKS, NOT_COUNTED, Window
-from axond.distributed.diagnostics.failure import concise, debug, track, untrack
-from axond.distributed.diagnostics.inflight import REPORTER, describe, describe_others
-from axond.distributed.fast_path import FastPath
-from axond.distributed.membership import surfaced
-from axond.observe.collectives import instrument
-from axond.store.init_methods import seconds
+from axond.distributed.diagnostics.failure import concise, debug
 from axond.distributed.diagnostics.monitored_barrier import monitored_barrier
-from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.forms.scalars import refuse_scalar
-from axond.distributed.work import OpQueue, Work
+from axond.distributed.group_core import ASYNC_MARGIN, GroupCore
+from axond.distributed.numerics.reduce_op import ReduceOp
+from axond.distributed.work import Work
 from axond.errors import DistributedError
 from axond.store import InMemoryStore, PrefixStore, Store
+from axond.store.init_methods import seconds
 
-ASYNC_MARGIN = 5.0
 
-
-class ProcessGroup:
+class ProcessGroup(GroupCore):
     """A communicator over `ranks` (global ranks); `rank`/`size` are this member's place in it."""
 
-    def __init__(self, backend: Backend | None, ranks: Sequence[int], name: str, global_rank: int,
-                 options: BackendOptions, store: Store | None = None) -> None:
-        self.backend = backend
-        self._methods = op_methods(backend) if backend is not None else None
-        self.ranks = list(ranks)
-        self.name = name
-        self.global_rank = global_rank
-        self.options = options
-        self._store = store
-        self._subgroups = 0
-        self._comm = OpQueue(name)
-        self.fast_path = FastPath(self, backend, self._comm, self._run)
-        self._fast = self.fast_path.run
-        """The short way of this group's blocking small ops, which every caller takes (`fast_path`)."""
-        self._destroyed = False
-        self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
-        self.size = len(self.ranks)
-        self.timeout = options.timeout
-        self.inflight: str | None = None
-        """The op this member is running (read by the in-flight reporter: `axond.distributed.diagnostics.inflight`)."""
-        self.inflight_seq = 0
-        window = options.runtime_env().stragglers.window_ops if backend is not None else 0
-        self.window_ops = window
-        """Collectives between two arrival marks (0: none recorded; `axond.distributed.diagnostics.arrivals`)."""
-        self.waited_ns = 0
-        """Nanoseconds this member spent inside its blocking collectives (p2p ops not counted), from enter to done."""
-        self.waited_ops = 0
-        """How many collectives `waited_ns` sums."""
-        self.window_at = window if window > 0 else 1 << 62
-        self.windows: deque[Window] = deque(maxlen=KEEP_MARKS)
-        """The last marks, one every `window_ops` collectives: (number, waited_ns then, time.monotonic_ns() then)."""
-        self._monitored = 0
-        if backend is not None:
-            track(self)
-            if options.runtime_env().observe.active:  # metrics or timeline on: time this group's collectives
-                instrument(self)
-        if backend is not None and store is not None:
-            REPORTER.register(store, global_rank, self)
-            backend.explain_timeouts(self._describe_peer, self._describe_peers)
-
-    def _describe_peer(self, group_rank: int) -> str:
-        """What peer `group_rank` published about the op it is blocked in (for timeout messages)."""
-        assert self._store is not None
-        mine = (self.name, self.inflight) if self.inflight is not None else None
-        return describe(self._store, self.ranks[group_rank], group_rank, self.timeout, mine)
-
-    def _describe_peers(self, op: str) -> str:
-        """Which members are not in `op` on this group, and what they report instead (for NCCL timeouts)."""
-        assert self._store is not None
-        return describe_others(self._store, list(self.ranks), self.rank, self.timeout, (self.name, op))
+    _subgroups = 0
+    """Subgroups made from this group so far (their names count them)."""
+    _monitored = 0
+    """Monitored barriers run on this group so far (each has its own keys in the store)."""
 
     @classmethod
     def mock(cls, timeout: float = 60.0) -> ProcessGroup:
@@ -96,99 +43,6 @@ class ProcessGroup:
         (seconds) bounds its calls; subgroups (`new_group([0])`) are mock groups too.
         """
         return create_group(InMemoryStore(), 0, 1, "mock", BackendOptions(timeout=timeout))
-
-    def __repr__(self) -> str:
-        kind = self.backend.name if self.backend is not None else "non-member"
-        return f"ProcessGroup({self.name!r}, rank={self.rank}, size={self.size}, ranks={self.ranks}, backend={kind})"
-
-    @property
-    def backend_name(self) -> str:
-        return self.backend.name if self.backend is not None else "none"
-
-    def contains(self, global_rank: int) -> bool:
-        """Whether `global_rank` is a member of this group."""
-        return global_rank in self.ranks
-
-    def group_rank(self, global_rank: int) -> int:
-        """Group-local rank of `global_rank`, or ValueError naming the members."""
-        try:
-            return self.ranks.index(global_rank)
-        except ValueError:
-            raise ValueError(f"global rank {global_rank} is not in group '{self.name}' (ranks {self.ranks})") from None
-
-    def global_rank_of(self, group_rank: int) -> int:
-        """Global rank of group-local `group_rank`."""
-        return self.ranks[group_rank]
-
-    def _run(self, op: str, async_op: bool, *args: Any, **kwargs: Any) -> Any:
-        """Run op `op` (a key of `op_methods`) now, or started in issue order when `async_op`.
-
-        A backend that tracks completion itself (`Backend.start`, e.g. CUDA events on the group's stream)
-        launches async ops itself; the others run them on the group's communication thread.
-        """
-        try:
-            methods = self._methods
-            if not async_op and methods is not None and not self._comm.pending and not self._destroyed:
-                self.inflight = op  # the common case, kept short: small ops are latency-bound
-                self.inflight_seq += 1
-                start = monotonic_ns()
-                try:
-                    return methods[op](*args, **kwargs)
-                finally:
-                    self.inflight = None
-                    if op not in NOT_COUNTED:  # a few adds: the time waited, for naming stragglers
-                        self.waited_ns += monotonic_ns() - start
-                        self.waited_ops += 1
-                        if self.waited_ops >= self.window_at:
-                            self.close_window()
-            return self._start(op, async_op, *args, **kwargs)
-        except DistributedError as e:
-            error = surfaced(e, self.abort)  # a live job: MembershipChanged once the worker says the job moved on
-            if debug():
-                if error is e:
-                    raise
-                raise error from e
-            # the user's frames and one line (AXOND_DEBUG=1 keeps the transport's frames and chain)
-            raise concise(error) from None
-
-    def _start(self, op: str, async_op: bool, *args: Any, **kwargs: Any) -> Any:
-        """`_run` past its common case (a blocking op with nothing pending): async, destroyed or not a member."""
-        methods = self._methods
-        if self._destroyed:
-            raise DistributedError(f"{op} on group '{self.name}': the group was destroyed; create a new one",
-                                   op=op, group=self.name, rank=self.rank)
-        if self.backend is None or methods is None:
-            raise DistributedError(f"{op} on group '{self.name}': global rank {self.global_rank} is not a member "
-                                   f"(ranks {self.ranks}); only members may use it", op=op, group=self.name)
-        call = methods[op]
-        if async_op:
-            if not self._comm.pending:
-                started = self.backend.start(op, *args, **kwargs)
-                if started is not None:
-                    return started
-            work = Work(op, self.name, self.options.timeout + ASYNC_MARGIN, self._comm)
-            return self._comm.submit(work, lambda: self._tracked(op, call, *args, **kwargs))
-        self._comm.drain()
-        return self._tracked(op, call, *args, **kwargs)
-
-    def _tracked(self, op: str, call: Any, *args: Any, **kwargs: Any) -> Any:
-        self.inflight = op
-        self.inflight_seq += 1
-        start = monotonic_ns()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            self.inflight = None
-            if op not in NOT_COUNTED:
-                self.waited_ns += monotonic_ns() - start
-                self.waited_ops += 1
-                if self.waited_ops >= self.window_at:
-                    self.close_window()
-
-    def close_window(self) -> None:
-        """Keep a mark (every `window_ops` collectives): its number, the wait so far, now."""
-        self.windows.append((self.waited_ops // self.window_ops, self.waited_ns, monotonic_ns()))
-        self.window_at += self.window_ops
 
     def all_reduce(self, x: Array, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce `x` in place over the group."""
@@ -403,35 +257,6 @@ class ProcessGroup:
         store = PrefixStore(f"pg/{name}", self._store)
         impl = create_backend(resolve_backend(kind), store, wanted.index(self.global_rank), len(wanted), name, options)
         return ProcessGroup(impl, wanted, name, self.global_rank, options, self._store)
-
-    def abort(self, reason: str) -> None:
-        """Tell the other members this rank gave up (`reason`), so they raise instead of waiting.
-
-        For failures outside a collective (a stage's own exception in a pipeline): peers blocked on
-        this rank get `DistributedError` quoting `reason` at once, not after their timeout. Later ops
-        on this group raise; `destroy()` still releases it.
-        """
-        if self.backend is not None and not self._destroyed:
-            self.backend.abort(reason)
-
-    def interrupt(self, reason: str) -> None:
-        """End this rank's blocked and later ops on the group at once, from any thread: the peers are told as by
-        `abort`, and ops blocked on a peer that will never answer (its link cut) raise `DistributedError` quoting
-        `reason` instead of waiting for the timeout. Live recovery's watcher calls it (`axond.distributed.live_watch`).
-        """
-        if self.backend is not None and not self._destroyed:
-            self.backend.interrupt(reason)
-
-    def destroy(self) -> None:
-        """Finish queued async ops, then close sockets and threads; idempotent."""
-        self._destroyed = True
-        self.fast_path.close()
-        untrack(self)
-        self._comm.close(self.options.timeout + ASYNC_MARGIN)
-        if self.backend is not None:
-            if self._store is not None:
-                REPORTER.unregister(self._store, self.global_rank, self)
-            self.backend.close()
 
 
 def create_group(store: Store, rank: int, size: int, backend: str = "tcp",

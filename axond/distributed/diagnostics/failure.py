@@ -30,14 +30,14 @@ from axond.errors import DistributedError
 from axond.distributed import default_registry as defaults
 
 if TYPE_CHECKING:
-    from axond.distributed.process_group import ProcessGroup
+    from axond.distributed.group_core import GroupCore
 
 F = TypeVar("F", bound=Callable[..., Any])
 MAX_MESSAGE = 2000
 """Characters of an exception's message sent to peers (the error file keeps all of it)."""
 
 
-_live: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
+_live: weakref.WeakSet[GroupCore] = weakref.WeakSet()
 """The groups of this process that have a backend and are not destroyed: the ones a failure aborts."""
 _lock = threading.Lock()
 _settings = FailureSettings()
@@ -57,7 +57,7 @@ def configure(env: RuntimeEnv) -> None:
     _settings, _env_rank = env.failure, env.rank if env.rank is not None else -1
 
 
-def track(group: ProcessGroup) -> None:
+def track(group: GroupCore) -> None:
     """Have a failure of this process abort `group` (called when a member is built), reported as the group's
     environment says (`configure`)."""
     configure(group.options.runtime_env())
@@ -68,13 +68,13 @@ def track(group: ProcessGroup) -> None:
             del _members[next(iter(_members))]
 
 
-def untrack(group: ProcessGroup) -> None:
+def untrack(group: GroupCore) -> None:
     """Forget `group` (called when it is destroyed)."""
     with _lock:
         _live.discard(group)
 
 
-def live_groups() -> list[ProcessGroup]:
+def live_groups() -> list[GroupCore]:
     """The groups of this process that have a backend and are not destroyed."""
     with _lock:
         return list(_live)
@@ -109,7 +109,7 @@ def abort_groups(error: BaseException) -> None:
         abort_group(g, error)
 
 
-def abort_group(group: ProcessGroup, error: BaseException) -> None:
+def abort_group(group: GroupCore, error: BaseException) -> None:
     """Abort `group` because this rank fails with `error`: its peers raise with the root cause; never raises.
 
     A `DistributedError` carrying another rank's root cause passes that on; any other distributed error is
