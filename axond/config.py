@@ -229,6 +229,9 @@ class RuntimeEnv:
     held_memory_fd: int | None = None
     """AXOND_HELD_MEMORY_FD: a file descriptor (inherited from the worker) of the node's held memory: the buddy copies
     other nodes' ranks sent this node's worker (`axond.train.relay`)."""
+    copy_forward_fd: int | None = None
+    """AXOND_COPY_FORWARD_FD: a file descriptor (inherited from the worker) of the pipe through which this rank asks
+    its worker to send its buddy copy to the buddy's worker (`axond.train.relay`)."""
     copy_relay: str | None = None
     """AXOND_COPY_RELAY: host:port of this node's worker's relay, where other nodes' ranks send their buddy copies."""
     # -- reaching the coordinator
@@ -307,6 +310,7 @@ class RuntimeEnv:
         read("live_max_world", "AXOND_LIVE_MAX_WORLD", lambda var, raw: parse_int(var, raw, 0, WORLD_SIZE_CAP))
         read("shard_memory_fd", "AXOND_SHARD_MEMORY_FD", lambda var, raw: parse_int(var, raw, 0, FD_CAP))
         read("held_memory_fd", "AXOND_HELD_MEMORY_FD", lambda var, raw: parse_int(var, raw, 0, FD_CAP))
+        read("copy_forward_fd", "AXOND_COPY_FORWARD_FD", lambda var, raw: parse_int(var, raw, 0, FD_CAP))
         read("torch_overlap", OVERLAP_ENV, lambda var, raw: parse_overlap(raw))
         for name, var in (("master_addr", "MASTER_ADDR"), ("elastic_run_id", "TORCHELASTIC_RUN_ID"),
                           ("restart_count", "TORCHELASTIC_RESTART_COUNT"), ("job", "AXOND_JOB"),

@@ -12,11 +12,18 @@ The *held* memory of a node (one memfd per worker, every local rank inherits it)
 nodes' ranks sent to this node's worker: a directory page (`HELD_MAGIC`, then `ENTRIES` entries of `ENTRY_WORDS`
 words: the source's key, its region's offset and slot bytes, the entry's last use), then the regions.
 
-The relay's wire (a rank to its buddy's worker, one TCP connection per rank): the worker sends `NONCE_BYTES` of
-nonce; the rank answers with HMAC-SHA256(job secret, `AUTH_CONTEXT` + nonce); the worker answers one byte (1: in).
-Then per copy the rank sends `REQUEST` (magic, source node key, source local rank, fingerprint, tag, first, count,
-lineage, width, nscalars, payload bytes) and the slot's payload; the worker answers one int64: the tag kept, or a
-negative `REFUSED_*` code (nothing kept).
+A rank asks its own worker to send a copy to the buddy's worker through words of its region's header page
+(`FORWARD_*`, from word `FORWARD_BASE`: the request's sequence number, written last, the tag, the slot, the payload
+bytes; the worker's answer: the sequence number done, written last, and the tag kept or a negative code) and the
+buddy's relay address (`ADDRESS_BYTES` at byte `ADDRESS_AT`), then writes one byte to the pipe the worker reads
+(`AXOND_COPY_FORWARD_FD`).
+
+The relay's wire (a worker to a buddy's worker, one TCP connection per source rank): the receiver sends
+`NONCE_BYTES` of nonce; the sender answers with HMAC-SHA256(job secret, `AUTH_CONTEXT` + nonce); the receiver answers
+one byte (1: in). Then per copy the sender sends `REQUEST` (magic, source node key, source local rank, fingerprint,
+tag, first, count, lineage, width, nscalars, payload bytes), the slot's payload, and a `VERDICT` word: the tag again
+if the slot was not written while it was read (else -1: the copy is torn and never kept); the receiver answers one
+int64: the tag kept, or a negative `REFUSED_*` code (nothing kept).
 """
 
 from __future__ import annotations
@@ -50,9 +57,19 @@ NONCE_BYTES = 16
 REQUEST = struct.Struct("<11q")
 """magic, source node key, source local rank, fingerprint, tag, first, count, lineage, width, nscalars, payload."""
 ACK = struct.Struct("<q")
-REFUSED_MALFORMED, REFUSED_TOO_LARGE, REFUSED_NO_MEMORY = -1, -2, -3
+VERDICT = ACK
+REFUSED_MALFORMED, REFUSED_TOO_LARGE, REFUSED_NO_MEMORY, REFUSED_TORN = -1, -2, -3, -4
 """What a worker answers instead of the tag kept: the request's fields do not fit together, the payload is over the
-relay's bound, or the memory could not be sized (a full /dev/shm)."""
+relay's bound, the memory could not be sized (a full /dev/shm), or the sender said its slot changed while it was
+read."""
+UNSENT = -5
+"""A forward's answer when the worker could not send it (the relay unreachable, no secret yet, ...)."""
+
+FORWARD_BASE = 32
+"""The first header word of a forward request (after the slots' words)."""
+FORWARD_SEQ, FORWARD_TAG, FORWARD_SLOT, FORWARD_BYTES, FORWARD_DONE, FORWARD_RESULT = range(6)
+ADDRESS_AT = 512
+ADDRESS_BYTES = 64
 MAX_PAYLOAD = 1 << 36
 """The largest copy a worker keeps (64 GiB): one rank's block of shards."""
 

@@ -28,8 +28,8 @@ instead where one copy's CPU time goes: into a fresh mapping (page faults on fir
 a source in cache or out of it, with NumPy's copy (glibc's memcpy) or with non-temporal stores, and how long the
 hand-off to the background thread takes. `--paired --paired-modes buddy` measures the buddy copy the same way (sent
 after every 4th step only, with no gradients kept between); `relayed` the daemon copy with the buddy copy sent from it
-to the buddy's worker (`axond.worker.buddy_relay`; here one relay per rank, run by this process, whose CPU per copy
-received is printed apart).
+by the rank's worker to the buddy's worker (`axond.worker.copy_forward`, `axond.worker.buddy_relay`; here this process
+plays every rank's worker, and its CPU per copy sent and received is printed apart).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from axond.nn.optim import AdamW
 from axond.testing import run_processes
 from axond.train import Callback, DistributedTrainer, buddy, daemon_copy
 from axond.worker.buddy_relay import BuddyRelay
+from axond.worker.copy_forward import Forwarder
 
 RELAY_SECRET = b"axond-bench-relay"
 
@@ -135,23 +136,30 @@ class _Run:
     daemon: str
     batch: int
     relays: tuple[str, ...] = ()
-    """Per rank: its worker's relay (`axond.worker.buddy_relay`, run by the bench's parent process), for
-    `paired-relayed`; with `held`, the parent's held-memory fds, and `parent`, its pid."""
+    """Per rank: its worker's relay (`axond.worker.buddy_relay`, run by the bench's parent process, as its forwarder),
+    for `paired-relayed`; the parent's fds of each rank's held memory, shard memory and forward pipe, and its pid."""
     held: tuple[int, ...] = ()
+    memory: tuple[int, ...] = ()
+    forward: tuple[int, ...] = ()
     parent: int = 0
 
     def __call__(self) -> Any:
         group = default_group()
         os.environ.pop("AXOND_SHARD_MEMORY_FD", None)
-        for var in ("AXOND_COPY_RELAY", "AXOND_HELD_MEMORY_FD"):
+        for var in ("AXOND_COPY_RELAY", "AXOND_HELD_MEMORY_FD", "AXOND_COPY_FORWARD_FD"):
             os.environ.pop(var, None)
-        if self.relays:  # what `axond worker` hands its rank: the relay's address and the held memory, inherited
-            os.environ["AXOND_COPY_RELAY"] = self.relays[group.rank]
-            os.environ["AXOND_HELD_MEMORY_FD"] = str(os.open(f"/proc/{self.parent}/fd/{self.held[group.rank]}",
-                                                             os.O_RDWR))
-            os.environ["AXOND_JOB_SECRET"] = RELAY_SECRET.hex()
         if self.daemon and self.daemon != "paired-buddy":  # what `axond worker` hands its rank: a memfd it inherits
             os.environ["AXOND_SHARD_MEMORY_FD"] = str(os.memfd_create("axond-bench-shards"))
+        if self.relays:  # the parent plays each rank's worker: its memory, the forward pipe, the relay, held memory
+            r = group.rank
+
+            def parents(fd: int, flags: int) -> str:
+                return str(os.open(f"/proc/{self.parent}/fd/{fd}", flags))
+
+            os.environ["AXOND_SHARD_MEMORY_FD"] = parents(self.memory[r], os.O_RDWR)
+            os.environ["AXOND_COPY_FORWARD_FD"] = parents(self.forward[r], os.O_WRONLY)
+            os.environ["AXOND_HELD_MEMORY_FD"] = parents(self.held[r], os.O_RDWR)
+            os.environ["AXOND_COPY_RELAY"] = self.relays[r]
         if self.daemon.endswith("copyto"):  # the copy as first built, for the before/after
             daemon_copy.stream_copy = np.copyto
         if self.daemon.startswith("paired"):  # a copy after every 4th step only: 4b and 4b + 1 carry it
@@ -271,25 +279,35 @@ def _paired(args: argparse.Namespace, params: int, copy_mb: float) -> None:
     modes = {f"paired-{m}" if m != "stream" else "paired": names[m] for m in args.paired_modes.split(",")}
     blocks: dict[str, list[tuple[float, float, float, float]]] = {mode: [] for mode in modes}
     relay_cpu: list[float] = []
+    forward_cpu: list[float] = []
     for _ in range(args.rounds):  # interleaved, as the main table
         for mode in modes:
             relays = [BuddyRelay("127.0.0.1") for _ in range(args.world)] if mode == "paired-relayed" else []
+            memories = [os.memfd_create("axond-bench-shards") for _ in relays]
+            forwarders = [Forwarder(m, 0, i, lambda: RELAY_SECRET) for i, m in enumerate(memories)]
             for r in relays:
                 r.admit(RELAY_SECRET)
             run = _Run(args.hidden, args.steps, 1 if mode in ("paired-buddy", "paired-both", "paired-relayed")
                        else None, mode, args.batch, tuple(r.address for r in relays),
-                       tuple(r.held.fd for r in relays), os.getpid())
+                       tuple(r.held.fd for r in relays), tuple(memories), tuple(f.write_fd for f in forwarders),
+                       os.getpid())
             for rank in run_processes(run, args.world, timeout=600):
                 blocks[mode] += rank
-            if relays:  # the workers' side: receiving every copy into the held memory (this process's threads)
+            if relays:  # the workers' side: sending and receiving every copy (this process's threads)
                 kept = sum(r.kept for r in relays)
                 relay_cpu.append(sum(r.receive_cpu_s for r in relays) / max(kept, 1))
+                forward_cpu.append(sum(f.send_cpu_s for f in forwarders) / max(kept, 1))
+                for f in forwarders:
+                    f.close()
                 for r in relays:
                     r.close()
+                for m in memories:
+                    os.close(m)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     if relay_cpu:
-        print(f"the relays (the workers' side, another process): {statistics.median(relay_cpu) * 1e3:.2f} ms of CPU "
-              "per copy received (their threads' CPU time, median over rounds)")
+        print(f"the workers' side (another process): sending {statistics.median(forward_cpu) * 1e3:.2f} ms and "
+              f"receiving {statistics.median(relay_cpu) * 1e3:.2f} ms of CPU per copy (their threads' CPU time, median "
+              "over rounds)")
     print("| copy | batch per rank | blocks | CPU per step without a copy (ms) | CPU a copy adds (ms), median "
           "(quartiles) | vs the step | wall per step without (ms) | wall a copy adds (ms) | vs the step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

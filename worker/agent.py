@@ -167,7 +167,8 @@ class JobRunner:
                                                    self._conn.env.socket_ifname), joined.job_secret, self._notice) \
             if self._spec.live_recovery else None
         return rank_specs(self._conn, self._spec, self._node_id, joined, master, self._error_file,
-                          self._membership_paths(joined.local_world_size), self._shards.fd, relay)
+                          self._membership_paths(joined.local_world_size), self._shards.fd, relay,
+                          self._shards.forward_fd)
 
     def _run_generation(self, joined: pb.JoinResponse) -> JobOutcome | None:
         """Run one generation; returns the final outcome, or None to re-join the next generation."""

@@ -1,15 +1,17 @@
-"""The worker daemon's relay: other nodes' ranks send it their buddy copies, and it keeps them in the node's held
-memory, where this node's ranks read them after a re-formation (`axond.train.relay`).
+"""The worker daemon's relay: other nodes' workers send it their ranks' buddy copies, and it keeps them in the node's
+held memory, where this node's ranks read them after a re-formation (`axond.train.relay`).
 
 One relay per live job on this node, for the job's life: a TCP listener on the data-plane address (in each rank's
-environment as `AXOND_COPY_RELAY`), one thread per connection. A connection proves the job's secret first (HMAC over
-a nonce drawn here; the secrets of the job's last `SECRETS` generations are accepted, so that a copy sent just
-before a re-formation is still kept): until then it holds a slot among `MAX_UNPROVEN`, and nothing it sends is read
-beyond its proof. A proven connection sends copies, each a fixed request and a slot's payload (`axond.copy_layout`),
-received straight into the held memory (one memfd, inherited by every local rank as `AXOND_HELD_MEMORY_FD`): one
-region per source rank (its node key and local rank), double-buffered like the rank's own copy in its worker's memory,
-its slot's state word cleared before the payload and set after it; a copy cut half-way is never read. Each copy is
-answered with the tag kept (or a refusal, and the connection is closed). The memory goes when the worker closes it.
+environment as `AXOND_COPY_RELAY`), one thread per connection. A connection proves the job's secret first (HMAC over a
+nonce drawn here; the secrets of the job's last `SECRETS` generations are accepted, so that a copy sent just before a
+re-formation is still kept): until then it holds a slot among `MAX_UNPROVEN`, and nothing it sends is read beyond its
+proof. A proven connection sends copies, each a fixed request, a slot's payload and the sender's verdict on it
+(`axond.copy_layout`), received straight into the held memory (one memfd, inherited by every local rank as
+`AXOND_HELD_MEMORY_FD`): one region per source rank (its node key and local rank), double-buffered like the rank's own
+copy in its worker's memory, its slot's state word cleared before the payload and set after it; a copy cut half-way is
+never read. Each copy is answered with the tag kept, or a refusal (a torn copy's: the connection goes on; any other: it
+is closed). Other nodes' ranks' copies are sent by their workers (`axond.worker.copy_forward`). The memory goes when the
+worker closes it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from collections.abc import Callable
 
 from axond.copy_layout import (ACK, AUTH_CONTEXT, DIRECTORY_WORDS, ENTRIES, ENTRY_WORDS, HEADER_BYTES, HELD_MAGIC,
                                KEY_LOCAL, KEY_NODE, MAGIC, MAX_PAYLOAD, NONCE_BYTES, OFFSET, REFUSED_MALFORMED,
-                               REFUSED_NO_MEMORY, REFUSED_TOO_LARGE, RELAY_MAGIC, REQUEST, SLOT_BYTES, SLOT_WORDS,
-                               STATE, TAG, VALID, aligned, region_bytes, slot_offset, word_index)
+                               REFUSED_NO_MEMORY, REFUSED_TOO_LARGE, REFUSED_TORN, RELAY_MAGIC, REQUEST, SLOT_BYTES,
+                               SLOT_WORDS,
+                               STATE, TAG, VALID, VERDICT, aligned, region_bytes, slot_offset, word_index)
 
 HELD_MEMORY_ENV = "AXOND_HELD_MEMORY_FD"
 RELAY_ENV = "AXOND_COPY_RELAY"
@@ -260,6 +263,10 @@ class BuddyRelay:
                 got += n
         finally:
             view.release()
+        (verdict,) = VERDICT.unpack(_recv_exactly(conn, VERDICT.size))
+        if verdict != tag:  # the sender's slot was written again while it was read: never kept
+            conn.sendall(ACK.pack(REFUSED_TORN))
+            return True
         for word, value in zip(range(1, 7), (tag, first_shard, count, lineage, width, nscalars)):
             _put(mapping, word_index(index, word), value)
         _put(mapping, word_index(index, STATE), VALID)

@@ -8,6 +8,7 @@ from axond.v1 import coordinator_pb2 as pb
 from axond.worker import live
 from axond.worker.launcher import TORCH_ERROR_SUFFIX, RankSpec
 from axond.worker.buddy_relay import HELD_MEMORY_ENV
+from axond.worker.copy_forward import FORWARD_ENV
 from axond.worker.shard_memory import SHARD_MEMORY_ENV
 from axond.worker.spec import ConnectOptions, JobSpec
 from axond.worker.torch_env import rank_env, torchrun_env
@@ -16,12 +17,14 @@ from axond.worker.torch_env import rank_env, torchrun_env
 def rank_specs(conn: ConnectOptions, spec: JobSpec, node_id: str, joined: pb.JoinResponse, master: str,
                error_file: Callable[[int, int], str], membership: list[str],
                shard_fd: Callable[[int], int | None] = lambda local_rank: None,
-               relay: dict[str, str] | None = None) -> list[RankSpec]:
+               relay: dict[str, str] | None = None,
+               forward_fd: Callable[[int], int | None] = lambda local_rank: None) -> list[RankSpec]:
     """Each local rank's spec in `joined`'s generation: the worker's environment, the job's, the rank variables
     (torchrun's too, `master` their MASTER_ADDR:PORT), its error file (`error_file(generation, rank)`) and, in a
     live job, its membership file (`membership[local_rank]`), the memory the worker keeps for it
-    (`shard_fd(local_rank)`, inherited) and where the node's relay is and the memory it fills (`relay`: the
-    variables of `ShardMemory.serve`, its memory inherited)."""
+    (`shard_fd(local_rank)`, inherited), where the node's relay is and the memory it fills (`relay`: the
+    variables of `ShardMemory.serve`, its memory inherited) and the pipe that asks the worker to send the rank's
+    buddy copies (`forward_fd(local_rank)`, inherited)."""
     base = dict(conn.env.environ)
     base.update(spec.env or {})
     base.setdefault("PYTHONUNBUFFERED", "1")
@@ -53,8 +56,9 @@ def rank_specs(conn: ConnectOptions, spec: JobSpec, node_id: str, joined: pb.Joi
             fd = shard_fd(local_rank)
             if fd is not None:
                 env[SHARD_MEMORY_ENV], fds = str(fd), (fd,)
-                if relay:
-                    env.update(relay)
-                    fds += (int(relay[HELD_MEMORY_ENV]),)
+                forward = forward_fd(local_rank) if relay else None
+                if relay and forward is not None:
+                    env.update(relay, **{FORWARD_ENV: str(forward)})
+                    fds += (int(relay[HELD_MEMORY_ENV]), forward)
         specs.append(RankSpec(rank=rank, local_rank=local_rank, env=env, error_file=path, pass_fds=fds))
     return specs

@@ -1,6 +1,7 @@
 """Memory the worker daemon keeps for each local rank of a live job: ZeRO-1's copies of the rank's shards, which
-outlive the rank (`axond.train.daemon_copy`); and, through its relay, the buddy copies other nodes' ranks send this
-node (`axond.worker.buddy_relay`).
+outlive the rank (`axond.train.daemon_copy`), sent from there to the buddy's worker on the rank's word
+(`axond.worker.copy_forward`); and, through its relay, the buddy copies other nodes' workers send this node
+(`axond.worker.buddy_relay`).
 
 One anonymous shared-memory file (`memfd`) per local rank, created at the rank's first start and held open by the
 worker for the job's life: each rank process the worker starts for that local rank inherits it (its number in
@@ -15,6 +16,7 @@ import os
 from collections.abc import Callable
 
 from axond.worker.buddy_relay import HELD_MEMORY_ENV, RELAY_ENV, BuddyRelay
+from axond.worker.copy_forward import Forwarder, new_node_key
 
 SHARD_MEMORY_ENV = "AXOND_SHARD_MEMORY_FD"
 
@@ -25,6 +27,22 @@ class ShardMemory:
     def __init__(self) -> None:
         self._fds: dict[int, int] = {}
         self.relay: BuddyRelay | None = None
+        self._forwarders: dict[int, Forwarder] = {}
+        self._secret = b""
+        self._node = new_node_key()
+        self._notice: Callable[[str], None] = lambda line: None
+
+    def forward_fd(self, local_rank: int) -> int | None:
+        """The pipe through which `local_rank` asks this worker to send its buddy copies (once the relay runs)."""
+        if self.relay is None:
+            return None
+        memory = self.fd(local_rank)
+        if memory is None:
+            return None
+        if local_rank not in self._forwarders:
+            self._forwarders[local_rank] = Forwarder(memory, local_rank, self._node, lambda: self._secret,
+                                                     self._notice)
+        return self._forwarders[local_rank].write_fd
 
     def serve(self, host: str, secret: bytes, notice: Callable[[str], None]) -> dict[str, str]:
         """Run this node's relay (once, on `host`), accepting `secret` (this generation's) from now on; the variables
@@ -39,6 +57,7 @@ class ShardMemory:
                 notice(f"cannot run the buddy copies' relay on {host} ({e}): the ranks send them to each other")
                 return {}
         self.relay.admit(secret)
+        self._secret, self._notice = secret, notice  # the forwarders prove the newest generation's secret
         return {HELD_MEMORY_ENV: str(self.relay.held.fd), RELAY_ENV: self.relay.address}
 
     def fd(self, local_rank: int) -> int | None:
@@ -59,6 +78,9 @@ class ShardMemory:
         for fd in fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
+        forwarders, self._forwarders = self._forwarders, {}
+        for forwarder in forwarders.values():
+            forwarder.close()
         relay, self.relay = self.relay, None
         if relay is not None:
             relay.close()

@@ -15,7 +15,6 @@ step not committed everywhere) is never used.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -115,11 +114,18 @@ class Holding:
         return None
 
 
+class Pending(Protocol):
+    """A relayed send in flight: `result` waits for the tag kept (raises `TimeoutError`; `OSError`, `ValueError`:
+    not kept)."""
+
+    def result(self, timeout: float | None = None) -> int: ...
+
+
 class Relayed(Protocol):
     """Buddy copies through the workers (`axond.train.relay.RelayedCopies`): sent from the rank's copy in its worker's
     memory to the buddy's worker, read back from the node's held memory after a re-formation."""
 
-    def forward(self, tag: int) -> Future[int] | None: ...
+    def forward(self, tag: int) -> Pending | None: ...
 
     def interrupt(self) -> None: ...
 
@@ -237,7 +243,7 @@ class BuddyCopies:
         for h in self.holdings:
             h.received()
 
-    def _confirmed(self, work: Future[int]) -> None:
+    def _confirmed(self, work: Pending) -> None:
         """Wait for a relayed copy (never past the group's timeout); raise `MembershipChanged` if the job moves on
         meanwhile. A copy not confirmed is counted, not raised: the training state is whole, only the buddy's copy
         is older; a node lost before the next one lands falls back to the checkpoint, or fails, saying so."""

@@ -14,8 +14,9 @@ attached (`MAP_POPULATE`), so no copy takes page faults; each array is copied wi
 read into the cache (glibc's memcpy does that below a threshold of hundreds of MB); the views of the slots are made
 once per layout, so a step allocates nothing but the few Python objects of the hand-off to the thread.
 
-Under `axond worker` the buddy copy is sent from here (`forward`, on the same background thread, after the copy) to
-the buddy's worker (`axond.train.relay`): the rank makes no other copy for it.
+Under `axond worker` the buddy copy is sent from here by the worker (`forward`: the request is written into this
+memory's header after the copy, on the same background thread, and the worker told through a pipe), to the buddy's
+worker (`axond.train.relay`): the rank itself neither reads nor sends it.
 
 Layout (`axond.copy_layout`): a header page, then two slots (double buffering). A copy goes into the slot that does not
 hold the newest complete copy; the slot's header is cleared first and written last, its `state` word after every other:
@@ -34,18 +35,17 @@ import os
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from axond.copy_layout import (ALIGN, COUNT, FIRST, HEADER_BYTES, LINEAGE, MAGIC, SCALARS, SLOT_WORDS, STATE, TAG,
-                               VALID, WIDTH, rows_bytes, slot_need, slot_offset)
+from axond.copy_layout import (ADDRESS_AT, ADDRESS_BYTES, ALIGN, COUNT, FIRST, FORWARD_BASE, FORWARD_BYTES,
+                               FORWARD_DONE, FORWARD_RESULT, FORWARD_SEQ, FORWARD_SLOT, FORWARD_TAG, HEADER_BYTES,
+                               LINEAGE, MAGIC, REFUSED_MALFORMED, REFUSED_NO_MEMORY, REFUSED_TOO_LARGE, REFUSED_TORN,
+                               SCALARS, SLOT_WORDS, STATE, TAG, UNSENT, VALID, WIDTH, rows_bytes, slot_need,
+                               slot_offset)
 from axond.distributed.backends.host_copy import stream_copy
 from axond.parallel.zero.virtual import VirtualZero
 from axond.train.buddy import Holding, Slot
-
-if TYPE_CHECKING:
-    from axond.train.relay import RelayClient
 
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 """Fault every page of the mapping in when it is made (Linux): the copies then never stop on a page fault."""
@@ -101,22 +101,24 @@ class DaemonCopy:
         self.fd, self.zero = fd, zero
         self._map: mmap.mmap | None = None
         self._header = np.zeros(2 * SLOT_WORDS + 4, np.int64)
+        self._request = np.zeros(6, np.int64)
         self._slot_bytes = 0
         self._views: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         """The slots' views by (slot, shards, rows per shard, scalars per shard): made once per layout."""
         self._pending: Future[None] | None = None
-        self._forwarding: Future[int] | None = None
+        self._forwarding: Forwarding | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self.relay: RelayClient | None = None
-        """Where `forward` sends the newest copy: the buddy's worker (`axond.train.relay`); None: nowhere."""
+        self.forward_fd: int | None = None
+        """The pipe to this rank's worker that asks it to send a copy (`AXOND_COPY_FORWARD_FD`); None: no worker."""
+        self.forward_to: str | None = None
+        """The buddy's worker's relay ("host:port") `forward` asks for the copy to be sent to; None: nowhere."""
+        self._seq = 0
         self.written = -1
         """The tag of the last copy posted."""
         self.busy_s = 0.0
         """Seconds the training thread spent on the copies (posting, waiting for one in flight): their cost there."""
         self.copy_cpu_s = 0.0
         """CPU seconds the background thread spent copying (the memcpy itself)."""
-        self.forward_cpu_s = 0.0
-        """CPU seconds the background thread spent sending copies to the buddy's worker (`forward`)."""
         try:
             size = os.fstat(fd).st_size
         except OSError as e:
@@ -129,6 +131,8 @@ class DaemonCopy:
         self._views = {}
         self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED | POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
         self._header = np.frombuffer(self._map, np.int64, 4 + 2 * SLOT_WORDS)
+        self._request = np.frombuffer(self._map, np.int64, 6, FORWARD_BASE * 8)
+        self._seq = max(self._seq, int(self._request[FORWARD_SEQ]), int(self._request[FORWARD_DONE]))
         self._slot_bytes = (size - HEADER_BYTES) // 2
 
     def _slot_views(self, index: int, count: int, width: int, nscalars: int) -> tuple[np.ndarray, np.ndarray]:
@@ -154,7 +158,8 @@ class DaemonCopy:
         """Size the file for two slots of `count` shards (both slots emptied: a new geometry)."""
         slot = -(-self._need(count, width, nscalars) // ALIGN) * ALIGN
         self._close_map()
-        size = HEADER_BYTES + 2 * slot
+        # never smaller: the worker may still read a slot of the old layout (a send it was asked for)
+        size = max(HEADER_BYTES + 2 * slot, os.fstat(self.fd).st_size)
         os.ftruncate(self.fd, size)
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(self.fd, 0, size)  # a full /dev/shm fails here, never as a SIGBUS mid-copy
@@ -167,6 +172,7 @@ class DaemonCopy:
         mapping, self._map = self._map, None
         self._views = {}
         self._header = np.zeros(2 * SLOT_WORDS + 4, np.int64)
+        self._request = np.zeros(6, np.int64)
         if mapping is not None:
             try:
                 mapping.close()
@@ -211,29 +217,28 @@ class DaemonCopy:
         _write(words, rows, sources, header)
         self.copy_cpu_s += time.thread_time() - began
 
-    def forward(self, tag: int) -> Future[int] | None:
-        """Send the copy tagged `tag` (posted, perhaps still being written) to the buddy's worker on the background
-        thread, after the copy itself; the future says the tag the buddy's worker kept (or raises why not). None when
-        there is no relay."""
-        relay = self.relay
-        if relay is None:
+    def forward(self, tag: int) -> Forwarding | None:
+        """Ask this rank's worker to send the copy tagged `tag` (posted, perhaps still being written: the request is
+        made on the background thread, after the copy) to `forward_to`; None when there is nowhere to send it."""
+        if self.forward_fd is None or not self.forward_to:
             return None
-        self._forwarding = self._executor().submit(self._forward, relay, tag)
+        self._seq += 1
+        job = self._executor().submit(self._ask, tag, self._seq, self.forward_to.encode())
+        self._forwarding = Forwarding(self, job, self._seq)
         return self._forwarding
 
-    def _forward(self, relay: RelayClient, tag: int) -> int:
-        began = time.thread_time()
-        try:
-            index = next((i for i in range(2) if int(self._words(i)[STATE]) == VALID
-                          and int(self._words(i)[TAG]) == tag), None)
-            if index is None or self._map is None:
-                raise ValueError(f"no complete copy of step {tag} in this rank's daemon memory to send")
-            words = [int(w) for w in self._words(index)]
-            start = slot_offset(self._slot_bytes, index)
-            with memoryview(self._map)[start : start + self._need(words[COUNT], words[WIDTH], words[SCALARS])] as view:
-                return relay.send(view, int(self._header[1]), words)
-        finally:
-            self.forward_cpu_s += time.thread_time() - began
+    def _ask(self, tag: int, seq: int, address: bytes) -> None:
+        assert self._map is not None and self.forward_fd is not None
+        index = next((i for i in range(2) if int(self._words(i)[STATE]) == VALID and int(self._words(i)[TAG]) == tag),
+                     None)
+        if index is None:
+            raise ValueError(f"no complete copy of step {tag} in this rank's daemon memory to send")
+        words = self._words(index)
+        self._request[FORWARD_TAG], self._request[FORWARD_SLOT] = tag, index
+        self._request[FORWARD_BYTES] = self._need(int(words[COUNT]), int(words[WIDTH]), int(words[SCALARS]))
+        self._map[ADDRESS_AT : ADDRESS_AT + ADDRESS_BYTES] = address.ljust(ADDRESS_BYTES, b"\0")[:ADDRESS_BYTES]
+        self._request[FORWARD_SEQ] = seq  # last: the worker reads the request after it
+        os.write(self.forward_fd, b"\1")
 
     def settle(self) -> None:
         """Wait for the copy in flight (before the arrays it reads change: the next optimizer step, a re-sharding)."""
@@ -243,14 +248,14 @@ class DaemonCopy:
             pending.result()
             self.busy_s += time.perf_counter() - began
 
-    def settle_forward(self) -> int | None:
+    def settle_forward(self, timeout: float = 60.0) -> int | None:
         """Wait for the send in flight (`forward`): the tag the buddy's worker kept; raises why it kept none."""
         forwarding, self._forwarding = self._forwarding, None
         if forwarding is None:
             return None
         began = time.perf_counter()
         try:
-            return forwarding.result()
+            return forwarding.result(timeout)
         finally:
             self.busy_s += time.perf_counter() - began
 
@@ -278,8 +283,6 @@ class DaemonCopy:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self.relay is not None:
-            self.relay.close()
 
 
 def _write(words: np.ndarray, rows: np.ndarray, sources: list[list[np.ndarray]],
@@ -292,3 +295,30 @@ def _write(words: np.ndarray, rows: np.ndarray, sources: list[list[np.ndarray]],
     words[TAG], words[FIRST], words[COUNT], words[LINEAGE] = tag, first, count, lineage
     words[WIDTH], words[SCALARS] = width, nscalars
     words[STATE] = VALID
+
+
+REFUSED = {REFUSED_MALFORMED: "its fields did not fit together", REFUSED_TOO_LARGE: "it was over the relay's bound",
+           REFUSED_NO_MEMORY: "the buddy's worker could not size its memory for it (is /dev/shm full?)",
+           REFUSED_TORN: "the slot was written again while it was sent", UNSENT: "the worker could not send it "
+           "(its log says why)"}
+
+
+class Forwarding:
+    """A send asked of the worker (`DaemonCopy.forward`): `result` waits for the worker's answer."""
+
+    def __init__(self, copy: DaemonCopy, job: Future[None], seq: int) -> None:
+        self.copy, self.job, self.seq = copy, job, seq
+
+    def result(self, timeout: float | None = None) -> int:
+        """The tag the buddy's worker kept; raises `TimeoutError` if the answer did not come within `timeout`,
+        `ValueError` if the copy was not kept."""
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        self.job.result(timeout)
+        while int(self.copy._request[FORWARD_DONE]) < self.seq:  # (its mapping is made again at a new layout)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the worker did not answer the send of copy {self.seq} in time")
+            time.sleep(0.0005)
+        kept = int(self.copy._request[FORWARD_RESULT])
+        if kept < 0:
+            raise ValueError(f"the buddy copy was not kept: {REFUSED.get(kept, kept)}")
+        return kept

@@ -136,8 +136,9 @@ class VirtualSteps(LiveCopies):
         self.relay = env.copy_relay if self.daemon is not None and env.held_memory_fd is not None else None
         """This node's worker's relay (`axond.train.relay`): where the other nodes' ranks send the buddy copies they
         keep here; buddy copies go through the workers when every rank has one."""
-        self.relayed = RelayedCopies(self.daemon, env.held_memory_fd, lambda: self.lineage) \
-            if self.daemon is not None and env.held_memory_fd is not None and self.copies is not None else None
+        self.relayed = RelayedCopies(self.daemon, env.held_memory_fd, env.copy_forward_fd, lambda: self.lineage) \
+            if self.daemon is not None and env.held_memory_fd is not None and env.copy_forward_fd is not None \
+            and self.copies is not None else None
         self.lineage = 0
         """Drawn when the job's training state starts, bumped on every rank when it falls back to a checkpoint: daemon
         copies of another run (or from before the fall-back) are never read."""

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import axond.checkpoint as ckpt
-from axond.config import RuntimeEnv
 from axond.errors import DistributedError
 from axond.parallel.fsdp.virtual import VirtualFSDP
 from axond.parallel.zero.virtual import VirtualZero
@@ -68,12 +67,9 @@ class LiveCopies:
         self.copies.place(group, nodes)
         self._route(nodes)
         relays = self._relay_mode(table)
-        relayed = self.relayed if self.copies.relayed is not None else None
-        if relayed is not None:
-            env = RuntimeEnv.from_env(strict=False)  # the generation's secret (`axond.reform()` set it)
+        if self.relayed is not None and self.copies.relayed is not None:
             buddy = self.copies.buddy
-            relayed.target(relays[buddy] if buddy >= 0 else None, env.job_secret, node_key(), env.local_rank or 0,
-                           group.timeout)
+            self.relayed.target(relays[buddy] if buddy >= 0 else None)
 
     def _start_copies(self) -> None:
         """ZeRO-1, every rank of a job that starts (never a rank joining a running one, whose peers run no such

@@ -1,7 +1,8 @@
-"""Buddy copies through the workers (`axond.worker.buddy_relay`, `axond.train.relay`): a rank's copy in its worker's
-memory is sent to a real relay on loopback, kept in the node's held memory and read back by a rank of that node,
-double-buffered and tagged; a caller without the job's secret, or with a request that does not fit together, has
-nothing kept; a copy cut half-way is never offered."""
+"""Buddy copies through the workers (`axond.worker.copy_forward`, `axond.worker.buddy_relay`, `axond.train.relay`): a
+rank's copy in its worker's memory is sent, on the rank's request, by that worker's forwarder to a real relay on
+loopback, kept in the node's held memory and read back by a rank of that node, double-buffered and tagged; a caller
+without the job's secret, or with a request that does not fit together, has nothing kept; a copy cut half-way, or
+said torn by its sender, is never offered."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import numpy as np
 import pytest
 
 from axond import nn
-from axond.copy_layout import ACK, AUTH_CONTEXT, NONCE_BYTES, REFUSED_MALFORMED, RELAY_MAGIC, REQUEST
+from axond.copy_layout import (ACK, AUTH_CONTEXT, NONCE_BYTES, REFUSED_MALFORMED, REFUSED_TORN, RELAY_MAGIC, REQUEST,
+                               VERDICT)
 from axond.distributed import ProcessGroup
 from axond.nn.optim import AdamW
 from axond.parallel.zero.virtual import VirtualZero
 from axond.train.daemon_copy import DaemonCopy
-from axond.train.relay import RelayedCopies, RelayClient, address_words, held_slots, split_address, words_address
+from axond.train.relay import RelayedCopies, address_words, held_slots, words_address
 from axond.worker.buddy_relay import BuddyRelay
+from axond.worker.copy_forward import Forwarder, RelayClient, split_address
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create (Linux)")
 SECRET = b"s" * 16
@@ -63,9 +66,19 @@ def _packed(zero: VirtualZero) -> tuple[np.ndarray, np.ndarray]:
     return rows, scalars
 
 
-def _sender(fd: int, zero: VirtualZero, relay: BuddyRelay, local_rank: int = 0, secret: bytes = SECRET) -> DaemonCopy:
+def _sender(fd: int, zero: VirtualZero, relay: BuddyRelay, local_rank: int = 0,
+            secret: bytes = SECRET) -> DaemonCopy:
+    """A rank's `DaemonCopy` on `fd`, and its worker's forwarder (closed with the copy) sending to `relay`."""
+    forwarder = Forwarder(fd, local_rank, 0x5EED, lambda: secret)
     daemon = DaemonCopy(fd, zero)
-    RelayedCopies(daemon, relay.held.fd, lambda: 0).target(relay.address, secret, 0x5EED, local_rank, 10.0)
+    RelayedCopies(daemon, relay.held.fd, forwarder.write_fd, lambda: 0).target(relay.address)
+    close = daemon.close
+
+    def closing() -> None:
+        close()
+        forwarder.close()
+
+    daemon.close = closing  # type: ignore[method-assign]
     return daemon
 
 
@@ -88,7 +101,7 @@ def test_a_relayed_copy_is_kept_in_the_nodes_held_memory_and_read_back_double_bu
         assert np.array_equal(slot.rows, rows) and np.array_equal(slot.scalars, scalars) and slot.tag == tag
     assert held_slots(relay.held.fd, reader, 1) == []  # another lineage (after a fall-back): never offered
     assert held_slots(relay.held.fd, _zero(virtual=2), 0) == []  # another layout
-    assert relay.kept == 3 and daemon.relay is not None and daemon.relay.sent == 3
+    assert relay.kept == 3
     daemon.close()
 
 
@@ -121,7 +134,7 @@ def test_a_caller_without_the_jobs_secret_has_nothing_kept(fd: int, relay: Buddy
     daemon = _sender(fd, zero, relay, secret=b"x" * 16)
     _step(zero, 1)
     daemon.post(lineage=0)
-    with pytest.raises(ConnectionError, match="refused this job's secret"):
+    with pytest.raises(ValueError, match="the worker could not send it"):  # its worker's log says: secret refused
         daemon.forward(1).result(timeout=30)  # type: ignore[union-attr]
     assert relay.kept == 0 and held_slots(relay.held.fd, zero, 0) == []
     with socket.create_connection(split_address(relay.address), timeout=10) as raw:  # a stranger, no proof at all
@@ -159,6 +172,22 @@ def test_a_request_whose_fields_do_not_fit_is_refused_and_the_relay_goes_on(rela
     assert relay.kept == 0 and os.fstat(relay.held.fd).st_size == 4096
     with _proven(relay):  # still serving
         pass
+
+
+def test_a_copy_its_sender_says_torn_is_never_kept_and_the_connection_goes_on(fd: int, relay: BuddyRelay) -> None:
+    zero = _zero()
+    _step(zero, 1)
+    rows_shape, scalars_shape = zero.rows_shape(len(zero.mine))
+    need = int(np.prod(rows_shape)) * 4 + int(np.prod(scalars_shape)) * 8
+    request = REQUEST.pack(RELAY_MAGIC, 0x5EED, 0, _fingerprint(zero), 1, 0, 3, 0, rows_shape[1], scalars_shape[1],
+                           need)
+    with _proven(relay) as sock:
+        sock.sendall(request + b"\1" * need + VERDICT.pack(-1))  # the slot changed while it was read
+        assert ACK.unpack(sock.recv(ACK.size)) == (REFUSED_TORN,)
+        assert relay.kept == 0 and _tags(relay, zero) == []
+        sock.sendall(request + b"\1" * need + VERDICT.pack(1))  # the next one on the same connection is kept
+        assert ACK.unpack(sock.recv(ACK.size)) == (1,)
+    assert relay.kept == 1
 
 
 def test_a_copy_cut_half_way_is_never_offered(fd: int, relay: BuddyRelay) -> None:
@@ -202,11 +231,11 @@ def test_addresses_go_through_the_gather_as_words() -> None:
     for address in ("127.0.0.1:29500", "[fd00::1]:4000", None):
         assert words_address(address_words(address)) == address
     assert split_address("[fd00::1]:4000") == ("fd00::1", 4000)
-    with pytest.raises(ValueError, match="host:port"):
-        split_address("nowhere")
     with pytest.raises(ValueError, match="longer than"):
         address_words("h" * 70)
     assert RelayClient("127.0.0.1:1", SECRET, 1, 0, 1.0).sent == 0
+    with pytest.raises(ValueError, match="host:port"):
+        split_address("nowhere")
 
 
 def test_strangers_hold_no_more_than_the_unproven_connections_and_go_at_their_deadline(relay: BuddyRelay) -> None:
