@@ -33,9 +33,9 @@ def _steps(out: Path, pid: int) -> list[dict[str, Any]]:
 
 
 def _run(procs: Procs, out: Path, parallel: str, env: dict[str, str], *extra: str, restarts: int = 0,
-         nodes: int = 3) -> tuple[list[Finished], int]:
+         nodes: int = 3, whole: str = "") -> tuple[list[Finished], int]:
     """`nodes` live workers training under `parallel`; rank 2 (and the others of LIVE_TEST_HANG_RANKS) SIGKILLed at
-    once when they stopped after HANG_STEP; (finished, rank 2's pid)."""
+    once when they stopped after HANG_STEP, the worker of rank `whole` first; (finished, rank 2's pid)."""
     out.mkdir()
     port = free_port()
     procs.axond("coordinator", "--port", str(port), "--host", "127.0.0.1", "--in-memory", "--insecure",
@@ -48,9 +48,12 @@ def _run(procs: Procs, out: Path, parallel: str, env: dict[str, str], *extra: st
     stopping = env.get("LIVE_TEST_HANG_RANKS", "2").split(",")
     wait_for(lambda: len(list(out.glob("hang-*"))) == len(stopping), 60, f"rank(s) {stopping} to stop after the step")
     pids = {int(p.name.removeprefix("hang-")) for p in out.glob("hang-*")}
+    rank_of = {int(p.name.split("-")[2]): p.name.split("-")[1] for p in out.glob("start-*")}
+    if whole:  # the node lost whole: its worker daemon (the memory it kept) goes before its rank
+        rank_pid = next(pid for pid in pids if rank_of[pid] == whole)
+        os.kill(int(Path(f"/proc/{rank_pid}/stat").read_text().rsplit(")", 1)[1].split()[1]), signal.SIGKILL)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    rank_of = {int(p.name.split("-")[2]): p.name.split("-")[1] for p in out.glob("start-*")}
     killed = next(pid for pid in pids if rank_of[pid] == "2")
     return [procs.finish(w, timeout=90) for w in workers], killed
 
@@ -203,3 +206,33 @@ def test_a_rank_killed_with_its_buddy_comes_back_from_its_worker_daemons_memory(
         assert recovery["checkpoint"] is None
         assert [s["step"] for s in done] == list(range(1, steps + 1))
         assert [s["hash"] for s in done] == reference
+
+
+@pytest.mark.slow
+@BOTH
+def test_a_rank_lost_with_its_buddy_rank_comes_back_from_the_copy_the_buddys_worker_holds(procs: Procs,
+                                                                                          tmp_path: Path,
+                                                                                          parallel: str) -> None:
+    """Rank 2's node is lost whole (its worker daemon SIGKILLed, then its rank) and, at once, rank 0: the buddy rank
+    that would have held rank 2's copy in its process. Rank 2's copy was sent to rank 0's worker, which lives
+    (--max-restarts 1): its replacement rank offers that copy from the node's held memory, rank 0's own shard comes
+    from its worker's memory or from its copy held by rank 1's worker. Two ranks go on bit-identical, nothing read
+    from storage."""
+    out = tmp_path / "buddy-rank"
+    finished, killed = _run(procs, out, parallel, {"LIVE_TEST_HANG_RANKS": "2,0", "LIVE_TEST_HANG_AFTER_COPY": "1"},
+                            restarts=1, whole="2")
+    codes = sorted(f.code for f in finished)
+    assert codes == [-signal.SIGKILL, 0, 0], "\n----\n".join(f.stderr[-4000:] for f in finished)
+    reference = _reference(parallel)
+    started = {int(p.name.split("-")[2]): int(p.name.split("-")[1]) for p in out.glob("start-*")}  # pid -> rank
+    ends = _ends(out)
+    assert len(started) == 4 and len(ends) == 2 and killed not in ends
+    for pid, end in ends.items():
+        done = _steps(out, pid)
+        assert end["world"] == 2 and end["relayed"], end
+        assert [s["hash"] for s in done] == reference[len(reference) - len(done):]  # every step it ran, bit for bit
+        if end["recoveries"]:  # rank 1, in its first process
+            assert [s["step"] for s in done] == list(range(1, STEPS + 1))
+            last = end["recoveries"][-1]
+            assert 2 in last["from_copies"] and 2 not in last["from_daemon"], last  # from rank 0's node's memory
+            assert all(r["checkpoint"] is None for r in end["recoveries"])
