@@ -15,6 +15,7 @@ step not committed everywhere) is never used.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -261,11 +262,20 @@ class BuddyCopies:
                 if time.monotonic() < deadline:
                     continue
                 self.relayed.interrupt()
-                self.unsent, self.why_unsent = self.unsent + 1, f"not confirmed within {self.group.timeout} s"
+                self._unsent(f"not confirmed within {self.group.timeout} s")
                 return
             except (OSError, ValueError) as e:
-                self.unsent, self.why_unsent = self.unsent + 1, str(e)
+                self._unsent(str(e))
                 return
+
+    def _unsent(self, why: str) -> None:
+        """Count a relayed copy not kept, and say so (the first time, then every 100th): never silently."""
+        self.unsent, self.why_unsent = self.unsent + 1, why
+        if self.unsent % 100 == 1:
+            warnings.warn(f"axond.train: buddy copy of step {self.sent} was not kept by the buddy's worker ({why}; "
+                          f"{self.unsent} so far): until the next one lands, a node lost with this rank's shards "
+                          "is rebuilt from an older copy if it can be advanced, else from the last checkpoint",
+                          RuntimeWarning, stacklevel=2)
 
     def recovery_holdings(self) -> list[Holding]:
         """The copies this rank offers after a re-formation: relayed, every copy its node holds (with the gradients

@@ -265,3 +265,25 @@ def _proven_ok(relay: BuddyRelay) -> bool:
             return True
     except (AssertionError, OSError):
         return False
+
+
+def test_a_copy_the_buddys_worker_did_not_keep_is_counted_and_said_never_raised(fd: int) -> None:
+    """The buddy's relay is gone: the worker cannot send; the rank's wait ends with the copy counted as unsent and a
+    RuntimeWarning, and training is not interrupted (its own state is whole)."""
+    from axond.train.buddy import BuddyCopies
+
+    gone = BuddyRelay("127.0.0.1")
+    gone.close()
+    zero = _zero()
+    daemon = _sender(fd, zero, gone)
+    copies = BuddyCopies(zero, 1)
+    copies.place(ProcessGroup.mock(), [0])
+    copies.relayed = RelayedCopies(daemon, os.memfd_create("held"), daemon.forward_fd or -1, lambda: 0)
+    copies.buddy = 0  # a buddy on the relay that is gone
+    _step(zero, 1)
+    daemon.post(lineage=0)
+    copies.post()
+    with pytest.warns(RuntimeWarning, match="buddy copy of step 1 was not kept"):
+        copies.settle()
+    assert copies.unsent == 1 and "could not send" in copies.why_unsent
+    daemon.close()
