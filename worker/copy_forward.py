@@ -11,6 +11,7 @@ send (its state and tag read again) and the relay is told to drop it (`VERDICT`)
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import mmap
@@ -29,8 +30,8 @@ from axond.copy_layout import (ACK, ADDRESS_AT, ADDRESS_BYTES, AUTH_CONTEXT, COU
                                SLOT_WORDS, STATE, TAG, UNSENT, VALID, VERDICT, WIDTH, slot_offset, word_index)
 
 FORWARD_ENV = "AXOND_COPY_FORWARD_FD"
-SEND_TIMEOUT_S = 60.0
-"""Seconds one read or write of a send may wait on the buddy's relay."""
+SEND_TIMEOUT_S = 30.0
+"""Seconds one wait of a send on the buddy's relay may last (a new request from the rank ends it at once)."""
 _WORD = struct.Struct("<q")
 
 
@@ -42,23 +43,70 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class RelayClient:
-    """One connection to a buddy's relay (made at the first send, made again after a failure)."""
+class Superseded(Exception):
+    """The rank asked for another send while this one waited on the network: this one is given up."""
 
-    def __init__(self, address: str, secret: bytes, node: int, local_rank: int, timeout: float) -> None:
+
+class RelayClient:
+    """One connection to a buddy's relay (made at the first send, made again after a failure). Every wait on the
+    network also watches `watch_fd` (the rank's pipe): a new request ends it (`Superseded`), so that a send stalled on
+    a lost buddy's link never holds up the sends of the next generation."""
+
+    def __init__(self, address: str, secret: bytes, node: int, local_rank: int, timeout: float,
+                 watch_fd: int | None = None) -> None:
         self.address, self.secret, self.node, self.local_rank = address, secret, node, local_rank
-        self.timeout = timeout
+        self.timeout, self.watch_fd = timeout, watch_fd
         self._sock: socket.socket | None = None
         self.sent = 0
         """Copies the buddy's worker kept."""
 
+    def _wait(self, sock: socket.socket, write: bool) -> None:
+        watch = [self.watch_fd] if self.watch_fd is not None else []
+        readable, writable, _ = select.select(watch + ([] if write else [sock]), [sock] if write else [], [],
+                                              self.timeout)
+        if self.watch_fd is not None and self.watch_fd in readable:
+            raise Superseded()
+        if not readable and not writable:
+            raise TimeoutError(f"the copy relay at {self.address} did not answer within {self.timeout} s")
+
+    def _sendall(self, sock: socket.socket, data: bytes | memoryview) -> None:
+        view, sent = memoryview(data).cast("B"), 0
+        while sent < len(view):
+            self._wait(sock, write=True)
+            try:
+                sent += sock.send(view[sent:])
+            except BlockingIOError:
+                continue
+
+    def _recv_exactly(self, sock: socket.socket, n: int) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            self._wait(sock, write=False)
+            try:
+                k = sock.recv_into(view[got:])
+            except BlockingIOError:
+                continue
+            if k == 0:
+                raise ConnectionError(f"the copy relay at {self.address} closed the connection")
+            got += k
+        return bytes(buf)
+
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection(split_address(self.address), timeout=self.timeout)
+        host, port = split_address(self.address)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         try:
+            sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = _recv_exactly(sock, NONCE_BYTES)
-            sock.sendall(hmac.new(self.secret, AUTH_CONTEXT + nonce, hashlib.sha256).digest())
-            if _recv_exactly(sock, 1) != b"\x01":
+            if sock.connect_ex((host, port)) not in (0, errno.EINPROGRESS):
+                raise ConnectionRefusedError(f"cannot reach the copy relay at {self.address}")
+            self._wait(sock, write=True)
+            failed = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if failed:
+                raise ConnectionError(f"cannot reach the copy relay at {self.address}: {os.strerror(failed)}")
+            nonce = self._recv_exactly(sock, NONCE_BYTES)
+            self._sendall(sock, hmac.new(self.secret, AUTH_CONTEXT + nonce, hashlib.sha256).digest())
+            if self._recv_exactly(sock, 1) != b"\x01":
                 raise ConnectionError(f"the copy relay at {self.address} refused this job's secret")
         except BaseException:
             sock.close()
@@ -67,8 +115,8 @@ class RelayClient:
 
     def send(self, payload: memoryview, fingerprint: int, words: list[int], intact: Callable[[], bool]) -> int:
         """Send `payload` (a slot, its header `words`), then whether `intact()` still holds; returns the tag the relay
-        kept, or its negative answer. Raises `OSError` (the connection is made again at the next send). A connection
-        kept from an earlier send that turns out closed is made again once."""
+        kept, or its negative answer. Raises `OSError` (the connection is made again at the next send) or
+        `Superseded`. A connection kept from an earlier send that turns out closed is made again once."""
         reused = self._sock is not None
         try:
             return self._send(payload, fingerprint, words, intact)
@@ -82,11 +130,12 @@ class RelayClient:
             self._sock = self._connect()
         sock = self._sock
         try:
-            sock.sendall(REQUEST.pack(RELAY_MAGIC, self.node, self.local_rank, fingerprint, words[TAG], words[FIRST],
-                                      words[COUNT], words[LINEAGE], words[WIDTH], words[SCALARS], payload.nbytes))
-            sock.sendall(payload)  # measured: half sendfile's CPU over loopback, the same over a veth pair
-            sock.sendall(VERDICT.pack(words[TAG] if intact() else -1))
-            (kept,) = ACK.unpack(_recv_exactly(sock, ACK.size))
+            self._sendall(sock, REQUEST.pack(RELAY_MAGIC, self.node, self.local_rank, fingerprint, words[TAG],
+                                             words[FIRST], words[COUNT], words[LINEAGE], words[WIDTH], words[SCALARS],
+                                             payload.nbytes))
+            self._sendall(sock, payload)  # measured: half sendfile's CPU over loopback, the same over a veth pair
+            self._sendall(sock, VERDICT.pack(words[TAG] if intact() else -1))
+            (kept,) = ACK.unpack(self._recv_exactly(sock, ACK.size))
         except BaseException:
             self.close()
             raise
@@ -99,17 +148,6 @@ class RelayClient:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("the copy relay closed the connection")
-        got += k
-    return bytes(buf)
 
 
 class Forwarder:
@@ -185,12 +223,14 @@ class Forwarder:
                 if client is not None:
                     client.close()
                 client = self._clients[address] = RelayClient(address, secret, self.node, self.local_rank,
-                                                              SEND_TIMEOUT_S)
+                                                              SEND_TIMEOUT_S, self.read_fd)
             start = slot_offset(slot_bytes, index)
             with memoryview(mapping)[start : start + nbytes] as view:
                 result = client.send(view, _word(mapping, 1), words, intact)
             if result >= 0:
                 self.sent += 1
+        except Superseded:  # the rank asked for the next one (its wait for this one ended): that one is served
+            pass
         except (OSError, ValueError, UnicodeDecodeError) as e:
             self._notice(f"local rank {self.local_rank}: buddy copy of step {tag} not sent ({e})")
         finally:

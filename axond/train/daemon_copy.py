@@ -29,7 +29,6 @@ the agreed step, or the step before it when the gradient of the agreed step is a
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import time
@@ -192,9 +191,8 @@ class DaemonCopy:
         z = self.zero
         count = len(z.mine)
         (_, width, _), (_, nscalars) = z.rows_shape(count)
-        if not self._fits(count, width, nscalars):
-            self.settle_forward_quietly()  # a send still reading the old layout's slot ends first
-            self._layout(count, width, nscalars)
+        if not self._fits(count, width, nscalars):  # (a send the worker may still make of the old layout reads a
+            self._layout(count, width, nscalars)  # file that never shrinks, and it says a slot written again torn)
         newest = self.newest()
         index = 1 if newest == 0 else 0
         words = self._words(index)
@@ -259,11 +257,6 @@ class DaemonCopy:
         finally:
             self.busy_s += time.perf_counter() - began
 
-    def settle_forward_quietly(self) -> None:
-        """`settle_forward`, its failure left to the buddy copies to report (they wait for the same send)."""
-        with contextlib.suppress(Exception):
-            self.settle_forward()
-
     def holding(self, agreed: int, lineage: int) -> Holding | None:
         """The newest complete copy of this job's layout and `lineage` tagged `agreed` or `agreed - 1`, as a holding
         `axond.train.reassemble` offers from (its `grads` to be filled for a copy one step old); None if there is none.
@@ -279,7 +272,6 @@ class DaemonCopy:
 
     def close(self) -> None:
         self.settle()
-        self.settle_forward_quietly()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

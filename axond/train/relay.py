@@ -71,9 +71,8 @@ class RelayedCopies:
         daemon.forward_fd = forward_fd
 
     def target(self, address: str | None) -> None:
-        """Have the copies sent to the relay at `address` (the buddy's worker); None: nowhere."""
-        if address != self.daemon.forward_to:
-            self.daemon.settle_forward_quietly()
+        """Have the copies sent to the relay at `address` (the buddy's worker); None: nowhere. A send still in flight
+        to the old buddy is not waited for: the worker gives it up at the next request."""
         self.daemon.forward_to = address
 
     def forward(self, tag: int) -> Forwarding | None:

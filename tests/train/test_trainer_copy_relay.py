@@ -287,3 +287,45 @@ def test_a_copy_the_buddys_worker_did_not_keep_is_counted_and_said_never_raised(
         copies.settle()
     assert copies.unsent == 1 and "could not send" in copies.why_unsent
     daemon.close()
+
+
+def test_a_send_stalled_on_a_lost_buddys_link_is_given_up_at_the_next_request(fd: int, relay: BuddyRelay) -> None:
+    """The buddy's link stalls (its relay took the proof, then reads nothing more and never answers): the worker's
+    send waits, and the rank's next request (to the next generation's buddy) ends it at once rather than after the
+    send timeout (`SEND_TIMEOUT_S`)."""
+    import threading
+    import time
+
+    from axond.worker.copy_forward import SEND_TIMEOUT_S
+
+    stalled = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def take_proof_then_stall() -> None:
+        conn, _ = stalled.accept()
+        held.append(conn)
+        conn.sendall(b"n" * NONCE_BYTES)
+        conn.recv(64)
+        conn.sendall(b"\x01")  # in; then nothing is read or answered
+
+    threading.Thread(target=take_proof_then_stall, daemon=True).start()
+    zero = _zero()
+    daemon = _sender(fd, zero, relay)
+    daemon.forward_to = f"127.0.0.1:{stalled.getsockname()[1]}"
+    _step(zero, 1)
+    daemon.post(lineage=0)
+    first = daemon.forward(1)
+    assert first is not None
+    with pytest.raises(TimeoutError):
+        first.result(timeout=0.5)  # stalled
+    daemon.forward_to = relay.address  # the next generation's buddy
+    _step(zero, 2)
+    daemon.post(lineage=0)
+    began = time.monotonic()
+    second = daemon.forward(2)
+    assert second is not None and second.result(timeout=SEND_TIMEOUT_S) == 2
+    assert time.monotonic() - began < SEND_TIMEOUT_S / 2  # not after the stalled send's timeout
+    daemon.close()
+    stalled.close()
+    for conn in held:
+        conn.close()
