@@ -40,6 +40,16 @@ class FaultOutcome:
     """Seconds from the fault to the first committed step at full size in a later generation."""
     stall: float
     """The longest wait between two committed steps from the fault to its first step after."""
+    errors: tuple[float, ...] = ()
+    """Seconds from the fault to each survivor's `MembershipChanged` (its first re-formation after the fault)."""
+    reformed: tuple[float, ...] = ()
+    """Seconds from the fault to each survivor's new group formed and the step agreed (computing again)."""
+    survivors: tuple[int, ...] = ()
+    """The PIDs that were training in the fault's generation, the struck rank's left out."""
+    kept: tuple[int, ...] = ()
+    """Of `survivors`, those that committed a step in a later generation (the same process kept going)."""
+    world_after: int = 0
+    """The world size of the first step committed after the fault in a later generation."""
 
 
 @dataclass
@@ -68,6 +78,8 @@ class SoakReport:
     join_waits: list[tuple[int, float]] = field(default_factory=list)
     """`--torch`: (step, seconds) of the waits above the hang bound that ended when a rank joined (the running ranks
     waited for the new rank's process to start: its interpreter and `import torch`), kept apart from `hangs`."""
+    from_storage: int = 0
+    """Re-formations whose state came from a checkpoint on storage (`Recovery.checkpoint`), not from memory."""
 
 
 LOSS_RTOL = 1e-5
@@ -119,6 +131,32 @@ def _lines(run: SoakRun) -> dict[int, list[dict[str, Any]]]:
     return by_pid
 
 
+def _outcome(f: Fault, by_pid: dict[int, list[dict[str, Any]]], steps: list[dict[str, Any]],
+             pairs: list[tuple[float, float]]) -> FaultOutcome:
+    """What followed one fault: the survivors' errors and re-formations, the first step of a later generation (its
+    world size), whether the processes training when it struck (the struck rank's left out) kept going, full size
+    again, the longest stall."""
+    after = sorted((s["mono"], s["world"]) for s in steps if s["gen"] > f.gen and s["mono"] > f.at)
+    first = after[0][0] - f.at if after else None
+    full = next((t - f.at for t, w in after if w == FULL), None)
+    until = f.at + (first if first is not None else 0.0)
+    stall = max((b - a for a, b in pairs if b > f.at and a < until), default=0.0)
+    survivors, kept, errors, reformed = [], [], [], []
+    for pid, lines in sorted(by_pid.items()):
+        if pid == f.pid or not any(x["kind"] == "step" and x["gen"] == f.gen and x["mono"] <= f.at for x in lines):
+            continue
+        survivors.append(pid)
+        if any(x["kind"] == "step" and x["gen"] > f.gen and x["mono"] > f.at for x in lines):
+            kept.append(pid)
+        first_recovery = min((x for x in lines if x["kind"] == "recovery" and x["error_at"] > f.at),
+                             key=lambda x: x["error_at"], default=None)
+        if first_recovery is not None:
+            errors.append(first_recovery["error_at"] - f.at)
+            reformed.append(first_recovery["reformed_at"] - f.at)
+    return FaultOutcome(f, first, full, stall, tuple(errors), tuple(reformed), tuple(survivors), tuple(kept),
+                        after[0][1] if after else 0)
+
+
 def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
     c = run.config
     by_pid = _lines(run)
@@ -166,19 +204,12 @@ def analyse(run: SoakRun, reference: list[str] | None = None) -> SoakReport:
             (join_waits if c.torch and {k - 1, k} & joined_at else hangs).append((k, ends[k] - ends[k - 1]))
     wall = max(ends.values()) - start if ends else 0.0
     pairs = [(ends[k - 1], ends[k]) for k in range(2, last + 1) if k in ends and k - 1 in ends]
-    outcomes = []
-    for f in run.faults:
-        after = sorted((s["mono"], s["world"]) for s in steps if s["gen"] > f.gen and s["mono"] > f.at)
-        first = after[0][0] - f.at if after else None
-        full = next((t - f.at for t, w in after if w == FULL), None)
-        until = f.at + (first if first is not None else 0.0)
-        stall = max((b - a for a, b in pairs if b > f.at and a < until), default=0.0)
-        outcomes.append(FaultOutcome(f, first, full, stall))
+    outcomes = [_outcome(f, by_pid, steps, pairs) for f in run.faults]
     coordinator = run.statuses[-1] if run.statuses else {}
     transfers = sum(1 for lines in by_pid.values() for x in lines if x["kind"] == "transfer" and x["received"])
     return SoakReport(outcomes, last, hangs, bound, divergences, order_errors, productive / wall if wall else 0.0,
                       productive, wall, coordinator, len(by_pid), transfers, final_losses, reference_loss, worst,
-                      join_waits)
+                      join_waits, sum(1 for r in recoveries if r.get("checkpoint")))
 
 
 def table(report: SoakReport, run: SoakRun) -> str:
@@ -200,6 +231,13 @@ def table(report: SoakReport, run: SoakRun) -> str:
     cwall = report.coordinator.get("wall_s", 0.0)
     cgood = f"{parts.get('productive', 0.0) / cwall:.1%}" if cwall else "-"
     lost = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(parts.items()) if k != "productive" and v)
+    rows += ["", "| fault | host (pid) | survivors' error | re-formed, step agreed | first step after (world) | "
+             "survivors that kept their PIDs and trained on |", "|---|---|---:|---:|---:|---:|"]
+    for o in report.outcomes:
+        f = o.fault
+        rows.append(f"| {f.kind} | {f.host} ({f.pid}) | {cell(list(o.errors))} | {cell(list(o.reformed))} | "
+                    f"{'-' if o.first_step is None else f'{o.first_step:.2f}'} ({o.world_after}) | "
+                    f"{len(o.kept)} of {len(o.survivors)} |")
     rows += ["", "| measure | value |", "|---|---:|",
              f"| steps committed | {report.steps} |",
              f"| rank processes (4 first + replacements) | {report.processes} |",
@@ -215,6 +253,7 @@ def table(report: SoakReport, run: SoakRun) -> str:
               f"difference) | {len(report.divergences)} ({report.worst_step:.1e}) |" if c.torch else
               f"| hash divergences (step logs vs a fault-free replay) | {len(report.divergences)} |"),
              f"| steps lost or applied twice | {len(report.order_errors)} |",
+             f"| re-formations that read a checkpoint from storage | {report.from_storage} |",
              f"| goodput, steps' time over wall time (from full size to the end) | {report.goodput:.1%} "
              f"({report.productive:.1f} of {report.wall:.1f} s) |",
              f"| goodput, coordinator's book (from the job's creation) | {cgood} of {cwall:.1f} s ({lost}) |",
