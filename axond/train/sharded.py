@@ -56,12 +56,23 @@ class ShardedGradients(VirtualGradients):
         self._routes = None  # the send buffer follows the routes, set once the shards are placed in this group
 
     def _prepare(self) -> None:
+        """The exact split sizes of the all_to_all: to each destination, each row this rank carries cut to the blocks
+        it is routed (and the loss); from each source, its rows cut to this rank's blocks. No padding row or column."""
         f = self.fsdp
         assert self.group is not None and f.group.size == self.group.size, "the shards are placed in another group"
         self._routes = f.routes
-        self.counts = [sum(len(b) for b in blocks) * f.shard for blocks in f.routes]
-        self.chunk = max(self.counts) + self.extra
-        self.send = np.zeros((self.group.size, self.width, self.chunk), self.dtype)
+        world, me = self.group.size, self.group.rank
+        carries = [len(carried(r, world, self.virtual)) for r in range(world)]
+        self.counts = [sum(len(b) for b in blocks) * f.shard + self.extra for blocks in f.routes]
+        self.chunk = max(self.counts)
+        """The widest row sent: the largest routed block and the loss."""
+        self.ins = [carries[me] * c for c in self.counts]
+        self.outs = [carries[src] * self.counts[me] for src in range(world)]
+        self.send = np.zeros(sum(self.ins), self.dtype)
+        starts = np.cumsum([0, *self.ins])
+        self.to = [self.send[starts[d] : starts[d + 1]].reshape(carries[me], self.counts[d]) for d in range(world)]
+        self.froms = np.cumsum([0, *self.outs])
+        self.carries = carries
 
     def gather(self) -> None:
         """The collective: the reduce-scatter, the ordered mean into `fsdp.incoming` on this rank's routed blocks, the
@@ -70,28 +81,31 @@ class ShardedGradients(VirtualGradients):
         f = self.fsdp
         if self._routes is not f.routes:
             self._prepare()
+        mine = len(self.mine)
         for dest, blocks in enumerate(f.routes):
-            at = 0
+            at, to = 0, self.to[dest]
             for block in blocks:
                 span = f.span(block)
                 n = span.stop - span.start
-                self.send[dest, :, at : at + n] = self.rows[:, span]
+                to[:, at : at + n] = self.rows[:mine, span]
                 at += n
-            self.send[dest, :, at : at + self.extra] = self.rows[:, self.size :]
-        got = np.asarray(self.group.all_to_all(self.send)).reshape(self.group.size, self.width, self.chunk)
+            to[:, at : at + self.extra] = self.rows[:mine, self.size :]
+        flat = np.asarray(self.group.all_to_all(self.send, input_split_sizes=self.ins, output_split_sizes=self.outs))
+        width = self.counts[self.group.rank]
+        got = [flat[self.froms[r] : self.froms[r + 1]].reshape(self.carries[r], width) for r in range(self.group.size)]
         at = 0
         first, rest = self.table[0], self.table[1:]
         for block in f.reduced:
             span = f.span(block)
             n = span.stop - span.start
             out = self.out[span]
-            np.copyto(out, got[first[0], first[1], at : at + n])
+            np.copyto(out, got[first[0]][first[1], at : at + n])
             for r, row in rest:
-                np.add(out, got[r, row, at : at + n], out=out)
+                np.add(out, got[r][row, at : at + n], out=out)
             np.divide(out, out.dtype.type(self.virtual), out=out)
             at += n
         for v, (r, row) in enumerate(self.table):
-            self.losses[v] = got[r, row, at : at + self.extra].view(np.uint8)[:LOSS_BYTES].view(np.float64)
+            self.losses[v] = got[r][row, at : at + self.extra].view(np.uint8)[:LOSS_BYTES].view(np.float64)
         if self.clip_norm is not None:
             self._clip(self.clip_norm)
 

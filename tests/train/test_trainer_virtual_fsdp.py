@@ -13,6 +13,7 @@ from axond import nn
 from axond.distributed import ProcessGroup
 from axond.nn.optim import AdamW
 from axond.parallel.fsdp.virtual import VirtualFSDP
+from axond.parallel.zero.virtual import carried
 from axond.testing import RankFailed, run_threads
 from axond.train import Callback, DistributedTrainer
 from axond.train.sharded import ShardedGradients
@@ -90,3 +91,28 @@ def test_fsdp_on_virtual_ranks_refuses_the_fast_mode_and_wrapper_options() -> No
         run_threads(lambda g: build(g, deterministic=False), 1, 60.0)
     with pytest.raises(RankFailed, match="no wrapper_options"):
         run_threads(lambda g: build(g, wrapper_options={"num_microbatches": 2}), 1, 60.0)
+
+
+def test_the_reduce_scatter_sends_each_rank_exactly_its_blocks_when_ranks_carry_unequal_numbers_of_rows() -> None:
+    """Four virtual ranks on three ranks (rank 2 carries two): the all_to_all's splits are exact, no padding row (for
+    the ranks carrying one) and no padding column (for the destinations routed fewer shards); the bits are those of
+    one process."""
+    def sizes(group: ProcessGroup) -> tuple[list[int], list[int], list[int], int, int]:
+        t = trainer(group, [], parallel="fsdp", virtual_ranks=4)
+        t.fit(1)
+        g, fsdp = t.virtual.grads, t.optimizer
+        assert isinstance(g, ShardedGradients) and isinstance(fsdp, VirtualFSDP)
+        return g.ins, g.outs, [sum(len(b) for b in blocks) for blocks in fsdp.routes], fsdp.shard, g.extra
+
+    results = run_threads(sizes, 3, 120.0)
+    carries = [len(carried(r, 3, 4)) for r in range(3)]
+    assert carries == [1, 1, 2]
+    for me, (ins, outs, routed, shard, extra) in enumerate(results):
+        assert ins == [carries[me] * (routed[d] * shard + extra) for d in range(3)]
+        assert outs == [carries[src] * (routed[me] * shard + extra) for src in range(3)]
+    assert sum(results[0][0]) < 3 * 2 * max(results[0][0])  # padded to two rows and the widest route, it was more
+    four = Hashes()
+    run_threads(lambda g: trainer(g, [four] if g.rank == 0 else [], parallel="fsdp", virtual_ranks=4).fit(2), 1, 120.0)
+    three = Hashes()
+    run_threads(lambda g: trainer(g, [three] if g.rank == 0 else [], parallel="fsdp", virtual_ranks=4).fit(2), 3, 120.0)
+    assert three.hashes == four.hashes
