@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from axond.store.tcp_server import recv_exact
 from axond.copy_layout import (ACK, AUTH_CONTEXT, DIRECTORY_WORDS, ENTRIES, ENTRY_WORDS, HEADER_BYTES, HELD_MAGIC,
                                KEY_LOCAL, KEY_NODE, MAGIC, MAX_PAYLOAD, NONCE_BYTES, OFFSET, REFUSED_MALFORMED,
                                REFUSED_NO_MEMORY, REFUSED_TOO_LARGE, REFUSED_TORN, RELAY_MAGIC, REQUEST, SLOT_BYTES,
@@ -220,7 +221,7 @@ class BuddyRelay:
         conn.settimeout(PROOF_S)
         nonce = secrets.token_bytes(NONCE_BYTES)
         conn.sendall(nonce)
-        mac = _recv_exactly(conn, hashlib.sha256().digest_size)
+        mac = recv_exact(conn, hashlib.sha256().digest_size)
         with self._lock:
             known = list(self._secrets)
         if not any(hmac.compare_digest(mac, hmac.new(s, AUTH_CONTEXT + nonce, hashlib.sha256).digest())
@@ -238,7 +239,7 @@ class BuddyRelay:
             return False
         conn.settimeout(DATA_S)
         (magic, node, local, fingerprint, tag, first_shard, count, lineage, width, nscalars,
-         payload) = REQUEST.unpack(_recv_exactly(conn, REQUEST.size))
+         payload) = REQUEST.unpack(recv_exact(conn, REQUEST.size))
         refused = _refusal(magic, tag, first_shard, count, width, nscalars, payload)
         if refused:
             conn.sendall(ACK.pack(refused))
@@ -263,7 +264,7 @@ class BuddyRelay:
                 got += n
         finally:
             view.release()
-        (verdict,) = VERDICT.unpack(_recv_exactly(conn, VERDICT.size))
+        (verdict,) = VERDICT.unpack(recv_exact(conn, VERDICT.size))
         if verdict != tag:  # the sender's slot was written again while it was read: never kept
             conn.sendall(ACK.pack(REFUSED_TORN))
             return True
@@ -307,17 +308,6 @@ def _slot_to_write(mapping: mmap.mmap) -> int:
         return 0
     newest = max(done, key=lambda i: _word(mapping, word_index(i, TAG)))
     return 1 - newest
-
-
-def _recv_exactly(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = conn.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("the connection closed")
-        got += k
-    return bytes(buf)
 
 
 assert SLOT_WORDS >= 7 and DIRECTORY_WORDS * 8 <= HEADER_BYTES

@@ -226,7 +226,8 @@ class DaemonCopy:
         return self._forwarding
 
     def _ask(self, tag: int, seq: int, address: bytes) -> None:
-        assert self._map is not None and self.forward_fd is not None
+        if self._map is None or self.forward_fd is None:
+            raise ValueError(f"no daemon memory or worker pipe to send the copy of step {tag} from")
         index = next((i for i in range(2) if int(self._words(i)[STATE]) == VALID and int(self._words(i)[TAG]) == tag),
                      None)
         if index is None:
