@@ -195,6 +195,9 @@ class Forwarder:
         return self._map
 
     def _serve(self) -> None:
+        """Serve the rank's newest request, if there is one not served yet. (The rank writes the request's sequence
+        number after its fields and the pipe's byte after that: a request read while a newer one is being written is
+        left alone, and the newer one's byte wakes this thread again.)"""
         mapping = self._mapping()
         if mapping is None or _word(mapping, 0) != MAGIC:
             return
@@ -204,6 +207,8 @@ class Forwarder:
         tag, index = _word(mapping, FORWARD_BASE + FORWARD_TAG), _word(mapping, FORWARD_BASE + FORWARD_SLOT)
         nbytes = _word(mapping, FORWARD_BASE + FORWARD_BYTES)
         raw = bytes(mapping[ADDRESS_AT : ADDRESS_AT + ADDRESS_BYTES]).rstrip(b"\0")
+        if _word(mapping, FORWARD_BASE + FORWARD_SEQ) != seq:
+            return  # the rank wrote a newer request meanwhile: its byte comes next
         result, began = UNSENT, time.thread_time()
         try:
             slot_bytes = (len(mapping) - HEADER_BYTES) // 2
