@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import axond
 from axond import DistributedError, ProcessGroup
+from axond.distributed.backends.mpi.plans import STREAM_BYTES
 from collective_cases import ARITHMETIC, BITWISE_UFUNCS, DTYPES, LOW_PRECISION, SHAPES, make, reference, refused
 
 CASES: list[Callable[[ProcessGroup], None]] = []
@@ -111,6 +112,8 @@ def all_gather_every_dtype(pg: ProcessGroup) -> None:
     out = np.empty((pg.size, 3), np.int64)
     assert pg.all_gather(np.full(3, pg.rank, np.int64), out=out) is out
     same(out, np.repeat(np.arange(pg.size)[:, None], 3, axis=1), "all_gather out=")
+    big = np.arange(STREAM_BYTES // 8 + 3, dtype=np.int64) * (pg.rank + 1)  # a block past the streamed copy's size
+    same(pg.all_gather(big), np.stack([big // (pg.rank + 1) * (r + 1) for r in range(pg.size)]), "all_gather 32 MiB")
 
 
 @case
