@@ -10,6 +10,11 @@ and its tag (the step in the copy's header) is the one expected. The buddy also 
 averaged gradient of each step since (the last `every` + 1), so that a copy older than the step the survivors agree on
 is advanced to it exactly as its owner did (`Holding.usable`). A copy tagged with a step newer than the agreed one (a
 step not committed everywhere) is never used.
+
+Under worker daemons (`relayed`) the copy goes to the buddy node's worker instead, sent by this rank's own worker from
+the copy in its memory (`axond.train.relay`): `post()` asks for the send, `settle()` waits for the worker's answer at
+the same point, and after a re-formation the copies this rank's node holds are offered with the gradients kept here
+(`recovery_holdings`).
 """
 
 from __future__ import annotations

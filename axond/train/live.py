@@ -11,9 +11,10 @@ entered it, so every rank holds that step's averaged gradient; a rank the failur
 then ("rolls forward"), and none is ever applied twice.
 
 Under ZeRO-1 (`axond.parallel.zero.virtual`) each rank steps the optimizer for its block of virtual shards, then the
-blocks are all-gathered; each rank's block is copied to a buddy (`axond.train.buddy`) and into its worker daemon's
-memory (`axond.train.daemon_copy`) and, after a re-formation, the shards are rebuilt at the agreed step from the
-survivors and the copies and re-sharded over the new world (`axond.train.reassemble`). FSDP on virtual ranks
+blocks are all-gathered; each rank's block is copied into its worker daemon's memory (`axond.train.daemon_copy`) and
+to a buddy (`axond.train.buddy`: the buddy node's worker, `axond.train.relay`, under worker daemons) and, after a
+re-formation, the shards are rebuilt at the agreed step from the survivors and the copies and re-sharded over the new
+world (`axond.train.reassemble`; where the copies go: `axond.train.live_copies`). FSDP on virtual ranks
 (`axond.parallel.fsdp.virtual`) is ZeRO-1's layout and recovery with the gradient reduce-scattered in virtual-rank
 order (`axond.train.sharded`) instead of gathered whole.
 """
