@@ -52,7 +52,8 @@ class Proc:
         try:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{self.name} still running after {timeout} s; its output:\n{self.text()}")
+            pytest.fail(f"{self.name} still running after {timeout} s; its threads: {threads(self.popen.pid)}; "
+                        f"its output:\n{self.text()}")
 
     def kill(self) -> None:
         if self.popen.poll() is None:
@@ -102,3 +103,22 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
     finally:
         for proc in p.started:
             proc.kill()
+
+
+def threads(pid: int) -> str:
+    """What a process that does not exit is still running: each thread's name and the kernel call it waits in (and
+    `py-spy dump`'s Python stacks where py-spy is installed)."""
+    import shutil
+
+    names = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            names.append(f"{(task / 'comm').read_text().strip()} ({(task / 'wchan').read_text().strip()})")
+        except OSError:
+            continue
+    text = ", ".join(names) or "none readable"
+    spy = shutil.which("py-spy")
+    if spy:
+        done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+        text += "\n" + done.stdout[-8000:] + done.stderr[-500:]
+    return text
