@@ -133,8 +133,6 @@ class Relayed(Protocol):
 
     def forward(self, tag: int) -> Pending | None: ...
 
-    def interrupt(self) -> None: ...
-
     def held(self) -> list[tuple[int, Slot, range]]: ...
 
 
@@ -253,7 +251,6 @@ class BuddyCopies:
         """Wait for a relayed copy (never past the group's timeout); raise `MembershipChanged` if the job moves on
         meanwhile. A copy not confirmed is counted, not raised: the training state is whole, only the buddy's copy
         is older; a node lost before the next one lands falls back to the checkpoint, or fails, saying so."""
-        assert self.relayed is not None
         deadline = time.monotonic() + self.group.timeout
         while True:
             try:
@@ -261,12 +258,10 @@ class BuddyCopies:
                 return
             except TimeoutError:
                 moved = moved_on(self.group)
-                if moved is not None:
-                    self.relayed.interrupt()
+                if moved is not None:  # (the worker gives the send up at the next request)
                     raise moved from None
                 if time.monotonic() < deadline:
                     continue
-                self.relayed.interrupt()
                 self._unsent(f"not confirmed within {self.group.timeout} s")
                 return
             except (OSError, ValueError) as e:

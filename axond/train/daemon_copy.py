@@ -105,7 +105,6 @@ class DaemonCopy:
         self._views: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         """The slots' views by (slot, shards, rows per shard, scalars per shard): made once per layout."""
         self._pending: Future[None] | None = None
-        self._forwarding: Forwarding | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.forward_fd: int | None = None
         """The pipe to this rank's worker that asks it to send a copy (`AXOND_COPY_FORWARD_FD`); None: no worker."""
@@ -222,8 +221,7 @@ class DaemonCopy:
             return None
         self._seq += 1
         job = self._executor().submit(self._ask, tag, self._seq, self.forward_to.encode())
-        self._forwarding = Forwarding(self, job, self._seq)
-        return self._forwarding
+        return Forwarding(self, job, self._seq)
 
     def _ask(self, tag: int, seq: int, address: bytes) -> None:
         if self._map is None or self.forward_fd is None:
@@ -245,17 +243,6 @@ class DaemonCopy:
         if pending is not None:
             began = time.perf_counter()
             pending.result()
-            self.busy_s += time.perf_counter() - began
-
-    def settle_forward(self, timeout: float = 60.0) -> int | None:
-        """Wait for the send in flight (`forward`): the tag the buddy's worker kept; raises why it kept none."""
-        forwarding, self._forwarding = self._forwarding, None
-        if forwarding is None:
-            return None
-        began = time.perf_counter()
-        try:
-            return forwarding.result(timeout)
-        finally:
             self.busy_s += time.perf_counter() - began
 
     def holding(self, agreed: int, lineage: int) -> Holding | None:

@@ -78,9 +78,6 @@ class RelayedCopies:
     def forward(self, tag: int) -> Forwarding | None:
         return self.daemon.forward(tag)
 
-    def interrupt(self) -> None:
-        """Nothing to end here: the worker sends, and tells the relay to drop a slot written again meanwhile."""
-
     def held(self) -> list[tuple[int, Slot, range]]:
         try:
             return held_slots(self.held_fd, self.daemon.zero, self._lineage())

@@ -113,7 +113,7 @@ def test_two_sources_get_a_region_each_and_a_new_layout_replaces_a_sources_regio
         for z, d in zip(zeros, daemons):
             _step(z, 1)
             d.post(lineage=0)
-            assert d.settle_forward() is None and d.forward(1).result(timeout=30) == 1  # type: ignore[union-attr]
+            assert d.forward(1).result(timeout=30) == 1  # type: ignore[union-attr]
         assert len(held_slots(relay.held.fd, zeros[0], 0)) == 2
         bigger = _zero(virtual=2)  # another geometry from the second source: a new region for it, in the same key
         daemons[1].close()
