@@ -148,7 +148,8 @@ class _Run:
         os.environ.pop("AXOND_SHARD_MEMORY_FD", None)
         for var in ("AXOND_COPY_RELAY", "AXOND_HELD_MEMORY_FD", "AXOND_COPY_FORWARD_FD"):
             os.environ.pop(var, None)
-        if self.daemon and self.daemon != "paired-buddy":  # what `axond worker` hands its rank: a memfd it inherits
+        # what `axond worker` hands its rank: a memfd it inherits (with relays: the parent's, below)
+        if self.daemon and not self.relays and self.daemon != "paired-buddy":
             os.environ["AXOND_SHARD_MEMORY_FD"] = str(os.memfd_create("axond-bench-shards"))
         if self.relays:  # the parent plays each rank's worker: its memory, the forward pipe, the relay, held memory
             r = group.rank
@@ -222,6 +223,8 @@ def main() -> None:
     parser.add_argument("--paired-modes", default="stream,copyto",
                         help="with --paired: the copies to measure, of stream (the daemon copy as built), copyto (with "
                              "np.copyto, as first built), buddy (the buddy copy), both")
+    parser.add_argument("--every", default="", help="only both copies through the workers at their real cadence, "
+                        "for each comma-separated copy_every (e.g. 1,4,8), against no copies (CPU per step)")
     args = parser.parse_args()
     params = _params(args.hidden)
     copy_mb = 3 * params * 4 / args.world / 2**20
@@ -230,6 +233,9 @@ def main() -> None:
         return
     if args.paired:
         _paired(args, params, copy_mb)
+        return
+    if args.every:
+        _amortized(args, params, copy_mb)
         return
     chosen = [CONFIGS[int(i)] for i in args.configs.split(",")]
     if chosen[0] is not CONFIGS[0]:
@@ -266,6 +272,78 @@ def main() -> None:
           "no-copy step's CPU time")
 
 
+class _Workers:
+    """This process playing each rank's worker for the copies through the workers: a relay (`BuddyRelay`), the rank's
+    memory and a forwarder (`Forwarder`) per rank; `run` passes them to the ranks, `close` ends them and returns the
+    workers' CPU per copy (sending, receiving)."""
+
+    def __init__(self, world: int) -> None:
+        self.relays = [BuddyRelay("127.0.0.1") for _ in range(world)]
+        self.memories = [os.memfd_create("axond-bench-shards") for _ in self.relays]
+        self.forwarders = [Forwarder(m, 0, i, lambda: RELAY_SECRET) for i, m in enumerate(self.memories)]
+        for r in self.relays:
+            r.admit(RELAY_SECRET)
+
+    def fields(self) -> dict[str, Any]:
+        return dict(relays=tuple(r.address for r in self.relays), held=tuple(r.held.fd for r in self.relays),
+                    memory=tuple(self.memories), forward=tuple(f.write_fd for f in self.forwarders),
+                    parent=os.getpid())
+
+    def close(self) -> tuple[float, float]:
+        kept = max(sum(r.kept for r in self.relays), 1)
+        cpu = (sum(f.send_cpu_s for f in self.forwarders) / kept, sum(r.receive_cpu_s for r in self.relays) / kept)
+        for f in self.forwarders:
+            f.close()
+        for r in self.relays:
+            r.close()
+        for m in self.memories:
+            os.close(m)
+        return cpu
+
+
+def _amortized(args: argparse.Namespace, params: int, copy_mb: float) -> None:
+    """Both copies through the workers at their real cadence (`copy_every=N`: the daemon copy and the buddy's after
+    every N-th step, the buddy keeping the gradients between), against no copies at all, rounds interleaved."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    everys = [int(e) for e in args.every.split(",")]
+    print(f"{args.world} ranks on loopback, ZeRO-1 on {args.world} virtual ranks, MLP of {params:,} float32 parameters "
+          f"({params * 4 / 2**20:.1f} MiB), AdamW, batch {args.batch} per virtual rank; both copies of {copy_mb:.1f} "
+          f"MiB through the workers every N-th of {args.steps} steps, {args.rounds} rounds; load average before: "
+          f"{os.getloadavg()[0]:.1f}")
+    names = ["none", *[f"copy_every={n}" for n in everys]]
+    runs: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
+    workers_cpu: list[tuple[float, float]] = []
+    for _ in range(args.rounds):
+        for name, every in zip(names, [None, *everys]):
+            if every is None:
+                runs[name] += run_processes(_Run(args.hidden, args.steps, None, "", args.batch), args.world,
+                                            timeout=600)
+                continue
+            workers = _Workers(args.world)
+            try:
+                run = _Run(args.hidden, args.steps, every, "relayed", args.batch, **workers.fields())
+                runs[name] += run_processes(run, args.world, timeout=600)
+            finally:
+                workers_cpu.append(workers.close())
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    send, receive = (statistics.median(c[i] for c in workers_cpu) * 1e3 for i in range(2))
+    print(f"the workers' side (this process): {send:.2f} ms sending and {receive:.2f} ms receiving per copy")
+
+    def median(name: str, i: int) -> float:
+        return float(statistics.median(r[i] for r in runs[name]))
+
+    cpu = median("none", 1)
+    print("| copies | batch per rank | CPU per step (ms), median | vs none | quartiles of the ranks' runs (ms) | "
+          "median wall step (ms) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in names:
+        c = median(name, 1)
+        low, _, high = statistics.quantiles([r[1] for r in runs[name]], n=4)
+        print(f"| {name} | {args.batch} | {c * 1e3:.2f} | {(c / cpu - 1) * 100:+.1f} % | {low * 1e3:.1f} to "
+              f"{high * 1e3:.1f} | {median(name, 0) * 1e3:.1f} |", flush=True)
+
+
 def _paired(args: argparse.Namespace, params: int, copy_mb: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -282,27 +360,17 @@ def _paired(args: argparse.Namespace, params: int, copy_mb: float) -> None:
     forward_cpu: list[float] = []
     for _ in range(args.rounds):  # interleaved, as the main table
         for mode in modes:
-            relays = [BuddyRelay("127.0.0.1") for _ in range(args.world)] if mode == "paired-relayed" else []
-            memories = [os.memfd_create("axond-bench-shards") for _ in relays]
-            forwarders = [Forwarder(m, 0, i, lambda: RELAY_SECRET) for i, m in enumerate(memories)]
-            for r in relays:
-                r.admit(RELAY_SECRET)
+            workers = _Workers(args.world) if mode == "paired-relayed" else None
             run = _Run(args.hidden, args.steps, 1 if mode in ("paired-buddy", "paired-both", "paired-relayed")
-                       else None, mode, args.batch, tuple(r.address for r in relays),
-                       tuple(r.held.fd for r in relays), tuple(memories), tuple(f.write_fd for f in forwarders),
-                       os.getpid())
-            for rank in run_processes(run, args.world, timeout=600):
-                blocks[mode] += rank
-            if relays:  # the workers' side: sending and receiving every copy (this process's threads)
-                kept = sum(r.kept for r in relays)
-                relay_cpu.append(sum(r.receive_cpu_s for r in relays) / max(kept, 1))
-                forward_cpu.append(sum(f.send_cpu_s for f in forwarders) / max(kept, 1))
-                for f in forwarders:
-                    f.close()
-                for r in relays:
-                    r.close()
-                for m in memories:
-                    os.close(m)
+                       else None, mode, args.batch, **(workers.fields() if workers is not None else {}))
+            try:
+                for rank in run_processes(run, args.world, timeout=600):
+                    blocks[mode] += rank
+            finally:
+                if workers is not None:  # the workers' side: sending and receiving every copy (this process's threads)
+                    send, receive = workers.close()
+                    forward_cpu.append(send)
+                    relay_cpu.append(receive)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     if relay_cpu:
         print(f"the workers' side (another process): sending {statistics.median(forward_cpu) * 1e3:.2f} ms and "

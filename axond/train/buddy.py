@@ -1,15 +1,16 @@
 """Buddy copies: each rank's ZeRO-1 shards (parameters and optimizer state) kept in a peer's memory, tagged with the
 committed step, so that the survivors of a lost rank rebuild its shards without reading storage.
 
-After every `every`-th committed step (and at the start, and after each re-formation) rank r sends its block of
-virtual shards to its buddy: the next rank on another node (the next rank when every rank shares one node). The send
-and the buddy's receive run on the group's communication thread while the next step computes; `settle()`, before the
-next step's gradient gather, waits for them. A buddy receives into one of two slots per source (double buffering):
-the slot holding the newest complete copy is never written, and a slot becomes usable only when its receive completed
-and its tag (the step in the copy's header) is the one expected. The buddy also keeps, for its sources' shards, the
-averaged gradient of each step since (the last `every` + 1), so that a copy older than the step the survivors agree on
-is advanced to it exactly as its owner did (`Holding.usable`). A copy tagged with a step newer than the agreed one (a
-step not committed everywhere) is never used.
+After every `every`-th committed step (and at the start, and after each re-formation) rank r sends its block of virtual
+shards to its buddy: the next rank on another node (the next rank when every rank shares one node). The send and the
+buddy's receive run on the group's communication thread while the next step computes; `settle()`, before the next step's
+gradient gather, waits for them. A buddy receives into one of two slots per source (double buffering): the slot holding
+the newest complete copy is never written, and a slot becomes usable only when its receive completed and its tag (the
+step in the copy's header) is the one expected. The buddy also keeps, for its sources' shards, the averaged gradient of
+each step since (the last `every` + 1), so that a copy older than the step the survivors agree on is advanced to it
+exactly as its owner did (`Holding.usable`); the optimizer step writes those spans of the gradient straight into the
+buffers kept (`before_step`, `VirtualZero.divert`), so keeping them copies nothing. A copy tagged with a step newer than
+the agreed one (a step not committed everywhere) is never used.
 
 Under worker daemons (`relayed`) the copy goes to the buddy node's worker instead, sent by this rank's own worker from
 the copy in its memory (`axond.train.relay`): `post()` asks for the send, `settle()` waits for the worker's answer at
@@ -98,15 +99,17 @@ class Holding:
         done = [s for s in self.slots if s.tag is not None]
         return max(done, key=lambda s: s.tag or 0) if done else None
 
-    def keep_grad(self, step: int, grad: np.ndarray, limit: int) -> None:
-        """Keep the gradient of `step` for the source's shards (reusing the oldest buffer beyond `limit`)."""
+    def next_buffer(self, size: int, dtype: np.dtype) -> np.ndarray:
+        """A buffer for the next step's gradient of the source's shards (`VirtualZero.divert`): a spare one; the
+        holding keeps at most `limit` gradients (`keep`) of `limit + 1` buffers, so one is spare at every step."""
         buf = self.spare.pop() if self.spare else None
-        if buf is None and len(self.grads) >= limit:
-            buf = self.grads.pop(min(self.grads))
-        if buf is None or buf.shape != grad.shape:
-            buf = np.empty_like(grad)
-        np.copyto(buf, grad)
+        return buf if buf is not None and buf.shape == (size,) and buf.dtype == dtype else np.empty(size, dtype)
+
+    def keep(self, step: int, buf: np.ndarray, limit: int) -> None:
+        """Keep `buf`, the gradient of `step` for the source's shards; beyond `limit`, the oldest goes back spare."""
         self.grads[step] = buf
+        while len(self.grads) > limit:
+            self.spare.append(self.grads.pop(min(self.grads)))
 
     def usable(self, agreed: int) -> tuple[Slot, list[np.ndarray]] | None:
         """The newest complete copy tagged at or before the agreed step, and the gradients that advance it to that
@@ -169,25 +172,40 @@ class BuddyCopies:
         world, virtual = group.size, self.zero.virtual
         self.holdings = [Holding(src, carried(src, world, virtual), []) for src in range(world)
                          if table[src] == group.rank and src != group.rank]
-        if self.every > 1:  # the gradients kept between copies: every + 1 buffers, zeroed now so that no step faults
-            for h in self.holdings:
+        if self.every > 1:  # the gradients kept between copies (every + 1) and the next step's: every + 2 buffers,
+            for h in self.holdings:  # zeroed now so that no step faults
                 size = len(h.shards) * self.zero.shard
-                h.spare = [np.zeros(size, self.zero.flat.dtype) for _ in range(self.every + 1)]
+                h.spare = [np.zeros(size, self.zero.flat.dtype) for _ in range(self.every + 2)]
+        self.diverted: list[tuple[Holding, np.ndarray]] = []
         self.send_scalars = np.empty(0, np.float64)
 
     def _buffers(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         rows, scalars = self.zero.rows_shape(count)
         return np.empty(rows, self.zero.flat.dtype), np.empty(scalars, np.float64)
 
+    def before_step(self) -> None:
+        """Before the optimizer step: with copies every few steps, the step writes its gradient of each source's
+        shards straight into a buffer the holding keeps (`VirtualZero.divert`): kept between copies without a copy."""
+        z = self.zero
+        self.diverted = []
+        if self.every > 1:
+            self.diverted = [(h, h.next_buffer(len(h.shards) * z.shard, z.flat.dtype)) for h in self.holdings]
+        z.divert = [(z.span(h.shards), buf) for h, buf in self.diverted]
+
     def after_step(self) -> None:
         """After a step was applied locally: keep its gradient for the sources' shards; post copies if due."""
         z = self.zero
         began = time.perf_counter()
-        for h in self.holdings:
-            if self.every == 1:  # only this step's gradient can be needed, and `grad` holds it until the next step
+        if self.every == 1:  # only this step's gradient can be needed, and `grad` holds it until the next step
+            for h in self.holdings:
                 h.grads = {z.grad_tag: z.grad[z.span(h.shards)]}
-            else:
-                h.keep_grad(z.grad_tag, z.grad[z.span(h.shards)], self.every + 1)
+        written = {id(buf) for _, buf in z.holes}
+        for h, buf in self.diverted:
+            if id(buf) in written:
+                h.keep(z.grad_tag, buf, self.every + 1)
+            else:  # (not written by the step: never kept as a gradient)
+                h.spare.append(buf)
+        self.diverted = []
         self.busy_s += time.perf_counter() - began
 
     def due(self) -> bool:

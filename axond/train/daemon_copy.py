@@ -4,8 +4,8 @@ the committed step) survives the rank's death, and the replacement rank its work
 The worker gives each local rank one anonymous shared-memory file (`memfd`), inherited by the rank process as
 `AXOND_SHARD_MEMORY_FD`: the worker holds it open, so its contents outlive the rank, reach the next rank the worker
 starts for that local rank, and go when the worker ends (nothing is left in `/dev/shm`). The rank maps it and, after
-every committed step, copies its block into it on a background thread (one copy per array, off the training thread);
-the copy is waited for only before the next optimizer step changes the arrays.
+every committed step (every `copy_every`-th with buddy copies on), copies its block into it on a background thread (one
+copy per array, off the training thread); the copy is waited for only before the next optimizer step changes the arrays.
 
 Cost (`python bench/shard_copies.py`): the copy is bound by memory bandwidth, its source (the block the optimizer
 just updated) out of cache. Both slots are mapped with their pages faulted in once, when the file is sized or

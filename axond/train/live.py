@@ -214,6 +214,8 @@ class VirtualSteps(LiveCopies):
             t._clip(t.clip_norm)
         if self.daemon is not None:
             self.daemon.settle()  # the last daemon copy is read from the arrays this step changes
+        if self.copies is not None:
+            self.copies.before_step()
         t.optimizer.step()
         self.totals += self.grads.losses
         self.pending = False
@@ -224,10 +226,11 @@ class VirtualSteps(LiveCopies):
         if self.copies is not None:
             self.copies.after_step()
         if publish:
-            if self.daemon is not None:
+            due = self.copies is None or self.copies.due()  # the daemon copy as often as the buddy's (sent from it)
+            if self.daemon is not None and due:
                 self.daemon.post(self.lineage)  # this rank's block is final: copied while the blocks are gathered
             self.zero.publish()
-            if self.copies is not None and self.copies.due():
+            if self.copies is not None and due:
                 self.copies.post()
 
     def _step(self, indices: list[np.ndarray], micro: int) -> int:

@@ -96,10 +96,10 @@ def reassemble(zero: VirtualZero, holdings: list[Holding], group: ProcessGroup, 
     if lost:
         return Reassembled(lost, copied, replayed, from_daemon)
     if any(kinds[source[v], v] == NEEDS_GRAD for v in copied):
-        group.broadcast(zero.grad, src=holders[0])  # the agreed step's averaged gradient, to advance the copy by
+        group.broadcast(zero.whole_grad(), src=holders[0])  # the agreed step's averaged gradient, to advance a copy by
     if daemon is not None and kinds[group.rank].any():
         if kinds[group.rank, daemon.shards.start] == NEEDS_GRAD:
-            daemon.grads = {agreed: zero.grad[zero.span(daemon.shards)]}
+            daemon.grads = {agreed: zero.whole_grad()[zero.span(daemon.shards)]}
         holdings = [daemon, *holdings]
     rows_shape, scalars_shape = zero.rows_shape(1)
     rows, scalars = np.empty(rows_shape[1:], zero.flat.dtype), np.empty(scalars_shape[1:], np.float64)

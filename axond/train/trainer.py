@@ -89,8 +89,9 @@ class DistributedTrainer:
     a `MembershipChanged` is then caught, the group re-formed and the cut step run again; else off. deterministic:
     with virtual ranks, sum the gradients in virtual-rank order (bit-identical at every world size; an all_gather),
     or, False, in whatever order an all_reduce sums them (fewer bytes; equal up to float rounding). copy_every:
-    ("zero", "fsdp" on virtual ranks: `axond.parallel.fsdp.virtual`) copy each rank's optimizer-state shard to a buddy rank's memory every N committed steps
-    (`axond.train.buddy`), so that a live job rebuilds a lost rank's shard without storage; None: no copies.
+    ("zero", "fsdp" on virtual ranks: `axond.parallel.fsdp.virtual`) copy each rank's optimizer-state shard to a
+    buddy's memory (and its worker daemon's) every N committed steps, the buddy keeping the gradients between
+    (`axond.train.buddy`), so that a live job rebuilds a lost rank's shard without storage; None: no buddy copies.
     seed / shuffle: the `DistributedSampler`'s. callbacks: `Callback`s. progress / log_every: rank 0's display.
     """
 

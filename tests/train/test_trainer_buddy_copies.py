@@ -53,7 +53,7 @@ def test_only_complete_copies_of_committed_steps_are_used() -> None:
     assert six is not five and six.tag is None
     assert h.usable(6) is None  # the copy in flight is never read, and no gradient advances step 5's
     grad6 = np.full(4, 6.0, np.float32)
-    h.keep_grad(6, grad6, limit=2)
+    h.keep(6, grad6, limit=2)
     found = h.usable(6)
     assert found is not None and found[0] is five and np.array_equal(found[1][0], grad6)
     six.scalars[:, 0] = 6
@@ -76,9 +76,44 @@ def test_a_copy_whose_header_names_another_step_is_refused() -> None:
 
 def test_kept_gradients_reuse_their_buffers_up_to_the_limit() -> None:
     h = _holding()
+    made = set()
     for step in range(1, 6):
-        h.keep_grad(step, np.full(4, float(step), np.float32), limit=2)
-    assert sorted(h.grads) == [4, 5]
+        buf = h.next_buffer(4, np.dtype(np.float32))
+        made.add(id(buf))
+        buf[:] = step
+        h.keep(step, buf, limit=2)
+    assert sorted(h.grads) == [4, 5] and [float(h.grads[s][0]) for s in (4, 5)] == [4.0, 5.0]
+    assert len(made) == 3 and len(h.spare) == 1  # two kept, one spare for the next step: no buffer made after that
+
+
+def _carrying_first_shard(seed: int) -> VirtualZero:
+    """A VirtualZero of three virtual shards whose rank carries shard 0 only (as rank 0 of three would)."""
+    model = nn.Sequential(nn.Linear(5, 7, rng=np.random.default_rng(0)), nn.Linear(7, 3, rng=np.random.default_rng(1)))
+    params = list(model.parameters())
+    zero = VirtualZero(params, AdamW, ProcessGroup.mock(), 3, lr=0.05)
+    zero.mine, zero.shards = range(0, 1), zero.shards[:1]
+    zero.optim.params, zero.optim.state = zero.optim.params[:1], zero.optim.state[:1]
+    for p in params:
+        p.grad = np.random.default_rng(seed).standard_normal(p.shape).astype(np.float32)
+    return zero
+
+
+def test_a_diverted_step_keeps_the_gradient_without_changing_the_step() -> None:
+    """`VirtualZero.divert`: the step writes the span of the gradient of shards it does not carry into another buffer
+    (a buddy's kept gradient), without a copy; the update is the same bits, `whole_grad` puts the span back."""
+    plain, zero = _carrying_first_shard(2), _carrying_first_shard(2)
+    span = zero.span(range(1, 3))
+    buf = np.full(span.stop - span.start, np.nan, np.float32)
+    zero.divert = [(span, buf)]
+    plain.step()
+    zero.step()
+    assert np.array_equal(zero.flat, plain.flat) and np.array_equal(buf, plain.grad[span])
+    assert zero.divert == [] and len(zero.holes) == 1
+    assert np.array_equal(zero.whole_grad(), plain.grad) and zero.holes == []
+    own = _carrying_first_shard(3)
+    own.divert = [(own.span(range(0, 1)), np.empty(own.shard, np.float32))]
+    with pytest.raises(ValueError, match="carries"):
+        own.step()
 
 
 def test_an_older_copy_is_advanced_bit_for_bit_as_its_owner_stepped() -> None:

@@ -56,12 +56,16 @@ class FlatLayout:
         if out.shape != (stop - start,):
             raise ValueError(f"copy_range out must have shape ({stop - start},), got {tuple(out.shape)}")
         self._check(arrays)
-        out.fill(0)
         for a, off, n in zip(arrays, self.offsets, self.numels):
             lo, hi = max(start, off), min(stop, off + n)
-            if a is None or lo >= hi:
+            if lo >= hi:
                 continue
-            out[lo - start : hi - start] = a.reshape(-1)[lo - off : hi - off]
+            if a is None:
+                out[lo - start : hi - start] = 0
+            else:
+                out[lo - start : hi - start] = a.reshape(-1)[lo - off : hi - off]
+        covered = max(start, min(stop, self.numel))
+        out[covered - start :] = 0  # the padding (every element before it was written above)
         return out
 
     def flatten(self, arrays: Sequence[Array | None], like: Array) -> Array:

@@ -69,9 +69,14 @@ class VirtualFSDP(VirtualZero):
         """Update this rank's shards from `incoming`; local. The reduced blocks (its own and its buddy sources') become
         `grad`, the last applied step's gradient."""
         self.rebind()
+        diverted, self.divert = {(span.start, span.stop): buf for span, buf in self.divert}, []
+        self.holes = []
         for block in self.reduced:
             span = self.span(block)
-            np.copyto(self.grad[span], self.incoming[span])
+            buf = diverted.get((span.start, span.stop))
+            np.copyto(buf if buf is not None else self.grad[span], self.incoming[span])
+            if buf is not None:  # (a span not reduced here is never kept: its buffer was not written)
+                self.holes.append((span, buf))
         for shard, v in zip(self.shards, self.mine):
             shard.grad = self.grad[self.span(range(v, v + 1))]
         self.optim.step()

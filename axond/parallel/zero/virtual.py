@@ -59,6 +59,11 @@ class VirtualZero(Optimizer):
         """The global step the state belongs to (every step applied so far)."""
         self.grad_tag = -1
         """The global step whose gradient `grad` holds."""
+        self.divert: list[tuple[slice, np.ndarray]] = []
+        """Set before a step (`axond.train.buddy.BuddyCopies.before_step`): spans of the gradient the step writes
+        straight into the buffer given (the gradients a buddy keeps) instead of into `grad`: kept without a copy."""
+        self.holes: list[tuple[slice, np.ndarray]] = []
+        """The spans of `grad` the last step diverted, and where their elements are (`whole_grad` fills them)."""
         self.optim: Optimizer = optimizer_class([Parameter(self.flat[:1].copy())], **defaults)
         self.defaults = self.optim.defaults
         self.place(group, None)
@@ -92,12 +97,31 @@ class VirtualZero(Optimizer):
         """Update this rank's shards from the parameters' `.grad` (the whole averaged gradient); local, no
         communication: the other ranks' shards are updated by them and arrive with `publish()`."""
         self.rebind()
-        self.layout.copy_range([p.grad for p in self.params], 0, self.layout.padded_numel, self.grad)
+        grads, start = [p.grad for p in self.params], 0
+        self.holes, self.divert = sorted(self.divert, key=lambda hole: hole[0].start), []
+        own = self.span(self.mine)
+        for span, buf in self.holes:
+            if span.start < own.stop and own.start < span.stop:
+                self.holes = []
+                raise ValueError(f"a diverted gradient span {span.start}:{span.stop} overlaps the shards this rank "
+                                 f"carries ({own.start}:{own.stop}): only other ranks' blocks are kept apart")
+        for span, buf in self.holes:
+            self.layout.copy_range(grads, start, span.start, self.grad[start : span.start])
+            self.layout.copy_range(grads, span.start, span.stop, buf)
+            start = span.stop
+        self.layout.copy_range(grads, start, self.layout.padded_numel, self.grad[start:])
         for shard, v in zip(self.shards, self.mine):
             shard.grad = self.grad[self.span(range(v, v + 1))]
         self.optim.step()
         self.tag += 1
         self.grad_tag = self.tag
+
+    def whole_grad(self) -> np.ndarray:
+        """`grad` with the spans the last step diverted copied back in (for a reader of every element of it)."""
+        for span, buf in self.holes:
+            self.grad[span] = buf
+        self.holes = []
+        return self.grad
 
     def rebind(self) -> None:
         """Re-attach parameters whose `.data` was replaced (a checkpoint loaded) to the flat buffer."""
