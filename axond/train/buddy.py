@@ -123,6 +123,17 @@ class Holding:
         return None
 
 
+def _buffer(pool: dict[int, list[np.ndarray]], size: int, dtype: np.dtype) -> np.ndarray:
+    """A gradient buffer of `size`: one of the old layout's, or a new one with every page written now (a fresh
+    allocation's pages are mapped at their first write: 10 ms per 5 MiB on a VM, never to be paid inside a step)."""
+    free = pool.get(size)
+    if free and free[-1].dtype == dtype:
+        return free.pop()
+    buf = np.empty(size, dtype)
+    buf.fill(0)
+    return buf
+
+
 class Pending(Protocol):
     """A relayed send in flight: `result` waits for the tag kept (raises `TimeoutError`; `OSError`, `ValueError`:
     not kept)."""
@@ -170,14 +181,28 @@ class BuddyCopies:
         table = buddies(nodes)
         self.buddy = table[group.rank]
         world, virtual = group.size, self.zero.virtual
+        pool = self._recycled()
         self.holdings = [Holding(src, carried(src, world, virtual), []) for src in range(world)
                          if table[src] == group.rank and src != group.rank]
-        if self.every > 1:  # the gradients kept between copies (every + 1) and the next step's: every + 2 buffers,
-            for h in self.holdings:  # zeroed now so that no step faults
+        if self.every > 1:  # the gradients kept between copies (every + 1) and the next step's: every + 2 buffers
+            for h in self.holdings:
                 size = len(h.shards) * self.zero.shard
-                h.spare = [np.zeros(size, self.zero.flat.dtype) for _ in range(self.every + 2)]
+                h.spare = [_buffer(pool, size, self.zero.flat.dtype) for _ in range(self.every + 2)]
         self.diverted: list[tuple[Holding, np.ndarray]] = []
         self.send_scalars = np.empty(0, np.float64)
+
+    def _recycled(self) -> dict[int, list[np.ndarray]]:
+        """The old layout's gradient buffers by size, for the new one (its holdings' gradients are read by then:
+        a re-formation places the copies after re-sharding, and `VirtualZero.place` took back the diverted spans)."""
+        pool: dict[int, list[np.ndarray]] = {}
+        if self.every == 1:  # (then the kept gradients are views of `VirtualZero.grad`, never buffers of their own)
+            return pool
+        holes = {id(buf) for _, buf in self.zero.holes}  # (still `grad`'s elements: never reused)
+        old = [buf for h in getattr(self, "holdings", []) for buf in [*h.spare, *h.grads.values()]]
+        for buf in old + [buf for _, buf in getattr(self, "diverted", [])]:
+            if id(buf) not in holes:
+                pool.setdefault(buf.size, []).append(buf)
+        return pool
 
     def _buffers(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         rows, scalars = self.zero.rows_shape(count)

@@ -86,6 +86,31 @@ def test_kept_gradients_reuse_their_buffers_up_to_the_limit() -> None:
     assert len(made) == 3 and len(h.spare) == 1  # two kept, one spare for the next step: no buffer made after that
 
 
+def test_a_new_layout_reuses_the_kept_gradients_buffers() -> None:
+    """Between copies every few steps the buddy keeps its sources' gradients in buffers made when the copies are
+    placed (their pages written then, never in a step); a re-formation's layout takes the old ones back."""
+
+    def body(group: ProcessGroup) -> tuple[int, int, bool]:
+        model = nn.Sequential(nn.Linear(64, 64, rng=np.random.default_rng(0)))
+        zero = VirtualZero(list(model.parameters()), AdamW, group, 2, lr=0.05)
+        copies = BuddyCopies(zero, 3)
+        copies.place(group, [0, 1])
+        (h,) = copies.holdings
+        first = {id(b) for b in h.spare}
+        copies.before_step()
+        (_, buf), = copies.diverted
+        buf[:] = 1.0  # as the step would, then kept
+        zero.holes = list(zero.divert)
+        copies.after_step()
+        zero.place(group, None)  # as a re-formation: the shards first (the diverted span taken back), then the copies
+        copies.place(group, [0, 1])
+        (again,) = copies.holdings
+        return len(first), len(again.spare), {id(b) for b in again.spare} == first
+
+    for made, spare, same in run_threads(body, 2, 60.0):
+        assert (made, spare, same) == (5, 5, True)
+
+
 def _carrying_first_shard(seed: int) -> VirtualZero:
     """A VirtualZero of three virtual shards whose rank carries shard 0 only (as rank 0 of three would)."""
     model = nn.Sequential(nn.Linear(5, 7, rng=np.random.default_rng(0)), nn.Linear(7, 3, rng=np.random.default_rng(1)))

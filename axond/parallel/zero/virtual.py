@@ -78,6 +78,7 @@ class VirtualZero(Optimizer):
 
     def place(self, group: ProcessGroup, states: dict[int, dict[str, Any]] | None) -> None:
         """Carry this rank's block of shards in `group`, with `states` (by virtual shard; None: fresh state)."""
+        self.whole_grad()  # the diverted spans' buffers are the old layout's, reused by the new one
         self.group = group
         self.mine = carried(group.rank, group.size, self.virtual)
         self.shards = [Parameter(self.flat[self.span(range(v, v + 1))]) for v in self.mine]
