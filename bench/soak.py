@@ -71,6 +71,8 @@ def main() -> None:
                              "without waiting for it; the soak then starts a new worker in that host, which joins)")
     parser.add_argument("--respawn-after", type=float, default=0.0,
                         help="seconds after a worker exited before the soak starts it again (the job runs smaller)")
+    parser.add_argument("--copy-every", type=int, default=1,
+                        help="ZeRO-1/FSDP: the trainer's copy_every (both copies every N steps)")
     parser.add_argument("--hidden", type=int, default=512, help="the MLP's width (512: 2.1 MiB of parameters)")
     parser.add_argument("--parallel", choices=("ddp", "zero", "fsdp"), default="ddp",
                         help="the trainer's parallel mode (zero: ZeRO-1, fsdp: FSDP, both on the virtual ranks)")
@@ -93,7 +95,7 @@ def main() -> None:
     config = SoakConfig(duration=args.duration, period=args.period, faults=faults, seed=args.seed, hold=args.hold,
                         heartbeat=args.heartbeat, missed=args.missed, min_nodes=args.min_nodes, hidden=args.hidden,
                         max_restarts=args.max_restarts, respawn_after=args.respawn_after,
-                        parallel=args.parallel, torch=args.torch)
+                        parallel=args.parallel, torch=args.torch, copy_every=args.copy_every)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="axond-soak-"))
     began = time.monotonic()
     try:

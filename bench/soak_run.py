@@ -66,6 +66,8 @@ class SoakConfig:
     max_restarts: int = 1000
     hidden: int = 512
     parallel: str = "ddp"
+    copy_every: int = 1
+    """ZeRO-1/FSDP: the trainer's `copy_every` (both copies every N steps, the buddy keeping the gradients between)."""
     torch: bool = False
     """torch DDP over "axond" (`axond.torch.live.Manager`, bench/soak_train_torch.py), not `DistributedTrainer`."""
     respawn_after: float = 0.0
@@ -147,7 +149,7 @@ class Soak:
     def __init__(self, config: SoakConfig, net: Network, out: Path) -> None:
         self.c, self.net, self.out = config, net, out
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "SOAK_HIDDEN": str(config.hidden),
-                    "SOAK_PARALLEL": config.parallel}
+                    "SOAK_PARALLEL": config.parallel, "SOAK_COPY_EVERY": str(config.copy_every)}
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.exited: dict[int, float] = {}
         """Host -> when its worker was first seen exited (started again `respawn_after` later)."""

@@ -48,13 +48,13 @@ def dataset() -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_trainer(group: ProcessGroup | None, callbacks: list[Callback], hidden: int, parallel: str = "ddp",
-                  virtual_ranks: int | None = None) -> DistributedTrainer:
+                  virtual_ranks: int | None = None, copy_every: int = 1) -> DistributedTrainer:
     """The trainer every rank builds (the soak builds it too, in one process, for the fault-free hashes)."""
     rng = np.random.default_rng(3)
     model = nn.Sequential(nn.Linear(FEATURES, hidden, rng=rng), nn.Tanh(), nn.Dropout(0.1),
                           nn.Linear(hidden, hidden, rng=rng), nn.Tanh(), nn.Linear(hidden, hidden, rng=rng), nn.Tanh(),
                           nn.Linear(hidden, CLASSES, rng=rng))
-    options: dict[str, Any] = {"parallel": parallel, "seed": SEED}
+    options: dict[str, Any] = {"parallel": parallel, "seed": SEED, "copy_every": copy_every}
     if virtual_ranks is not None:
         options["virtual_ranks"] = virtual_ranks
     return DistributedTrainer(model, lambda params: AdamW(params, lr=1e-3), nn.CrossEntropyLoss(), dataset(),
@@ -111,7 +111,8 @@ def main() -> None:
         "mono": time.monotonic()}))
     axond.init_process_group("tcp", timeout=GROUP_TIMEOUT_S)
     trainer = build_trainer(None, [Log(out)], int(os.environ.get("SOAK_HIDDEN", "512")),
-                            os.environ.get("SOAK_PARALLEL", "ddp"))
+                            os.environ.get("SOAK_PARALLEL", "ddp"),
+                            copy_every=int(os.environ.get("SOAK_COPY_EVERY", "1")))
     trainer.fit(EPOCHS)
     raise SystemExit(f"the soak ran out of its {EPOCHS} epochs before its stop file ended it")
 
