@@ -6,6 +6,7 @@ and every 10th, copies into the worker daemon's memory after every step, and bot
     python bench/shard_copies.py --world 2 --hidden 1152 --steps 20 --rounds 3 --batch 1024   # more compute per step
     python bench/shard_copies.py --memcpy      # where one copy's time goes (no training)
     python bench/shard_copies.py --paired --batch 1024 --steps 40 --rounds 3   # the daemon copy, A/B within each run
+    python bench/shard_copies.py --every 1,4,8 --hidden 1152 --batch 8 --steps 120 --rounds 8   # at copy_every=N
 
 Ranks are real processes on loopback over the TCP backend (axond.testing.run_processes), one BLAS thread each. The
 model: an MLP of `--hidden` units (four weight layers), AdamW, `--batch` (8) samples per virtual rank and step,
@@ -29,7 +30,12 @@ a source in cache or out of it, with NumPy's copy (glibc's memcpy) or with non-t
 hand-off to the background thread takes. `--paired --paired-modes buddy` measures the buddy copy the same way (sent
 after every 4th step only, with no gradients kept between); `relayed` the daemon copy with the buddy copy sent from it
 by the rank's worker to the buddy's worker (`axond.worker.copy_forward`, `axond.worker.buddy_relay`; here this process
-plays every rank's worker, and its CPU per copy sent and received is printed apart).
+plays every rank's worker, and its CPU per copy sent and received is printed apart). `--every 1,4,8` runs both copies
+through the workers at their real cadence, `copy_every=N` (the daemon copy and the buddy's after every N-th step, the
+buddy keeping its sources' gradients between), against no copies at all, the configurations interleaved as above; a
+cell is the median CPU per step of every rank and round. `--pin` puts every rank on the first CPU and this process (the
+workers' side) on the others: a node with a core to spare for its worker daemon, which a 2-core machine otherwise
+lacks.
 """
 
 from __future__ import annotations
@@ -142,8 +148,12 @@ class _Run:
     memory: tuple[int, ...] = ()
     forward: tuple[int, ...] = ()
     parent: int = 0
+    pin: int | None = None
+    """Run this rank on this CPU only (`--pin`)."""
 
     def __call__(self) -> Any:
+        if self.pin is not None:
+            os.sched_setaffinity(0, {self.pin})
         group = default_group()
         os.environ.pop("AXOND_SHARD_MEMORY_FD", None)
         for var in ("AXOND_COPY_RELAY", "AXOND_HELD_MEMORY_FD", "AXOND_COPY_FORWARD_FD"):
@@ -223,6 +233,8 @@ def main() -> None:
     parser.add_argument("--paired-modes", default="stream,copyto",
                         help="with --paired: the copies to measure, of stream (the daemon copy as built), copyto (with "
                              "np.copyto, as first built), buddy (the buddy copy), both")
+    parser.add_argument("--pin", action="store_true", help="with --every: every rank on the first CPU, the workers' "
+                        "side (this process) on the others: a node with a core to spare for its worker daemon")
     parser.add_argument("--every", default="", help="only both copies through the workers at their real cadence, "
                         "for each comma-separated copy_every (e.g. 1,4,8), against no copies (CPU per step)")
     args = parser.parse_args()
@@ -311,18 +323,26 @@ def _amortized(args: argparse.Namespace, params: int, copy_mb: float) -> None:
           f"({params * 4 / 2**20:.1f} MiB), AdamW, batch {args.batch} per virtual rank; both copies of {copy_mb:.1f} "
           f"MiB through the workers every N-th of {args.steps} steps, {args.rounds} rounds; load average before: "
           f"{os.getloadavg()[0]:.1f}")
+    pin = None
+    if args.pin:  # the ranks on the first CPU, this process (the workers' relays and forwarders) on the others
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs two CPUs or more")
+        os.sched_setaffinity(0, set(cpus[1:]))
+        pin = cpus[0]
+        print(f"pinned: every rank on CPU {pin}, the workers' side on CPU(s) {cpus[1:]}")
     names = ["none", *[f"copy_every={n}" for n in everys]]
     runs: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
     workers_cpu: list[tuple[float, float]] = []
     for _ in range(args.rounds):
         for name, every in zip(names, [None, *everys]):
             if every is None:
-                runs[name] += run_processes(_Run(args.hidden, args.steps, None, "", args.batch), args.world,
-                                            timeout=600)
+                runs[name] += run_processes(_Run(args.hidden, args.steps, None, "", args.batch, pin=pin),
+                                            args.world, timeout=600)
                 continue
             workers = _Workers(args.world)
             try:
-                run = _Run(args.hidden, args.steps, every, "relayed", args.batch, **workers.fields())
+                run = _Run(args.hidden, args.steps, every, "relayed", args.batch, **workers.fields(), pin=pin)
                 runs[name] += run_processes(run, args.world, timeout=600)
             finally:
                 workers_cpu.append(workers.close())
