@@ -106,6 +106,12 @@ axond.all_reduce(np.ones(4))
 """
 
 
+def _pid_of(mark: Path) -> int:
+    """The pid the rank writes into `mark` (the file exists before its text is written: wait for the text)."""
+    wait_for(lambda: mark.exists() and mark.read_text().strip() != "", 90, "rank 1 to start")
+    return int(mark.read_text())
+
+
 def _hang(coord: RunningCoordinator, procs: Procs, tmp_path: Path, job: str, stop: bool) -> list[str]:
     """Run HUNG_NATIVE (rank 1 hung in Python code, or SIGSTOPped) until the worker named rank 1's state."""
     worker = procs.axond("worker", "--coordinator", coord.address, "--job", job, "--nproc-per-node", "2",
@@ -115,8 +121,7 @@ def _hang(coord: RunningCoordinator, procs: Procs, tmp_path: Path, job: str, sto
     assert worker.stderr is not None
     stream = worker.stderr
     threading.Thread(target=lambda: lines.extend(iter(stream.readline, "")), daemon=True).start()
-    wait_for(lambda: (tmp_path / "1").exists(), 90, "rank 1 to start")
-    pid = int((tmp_path / "1").read_text())
+    pid = _pid_of(tmp_path / "1")
     if stop:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -159,8 +164,7 @@ def test_at_the_group_timeout_the_stopped_rank_is_named_before_it_is_stopped(coo
                                                                             tmp_path: Path) -> None:
     worker = procs.axond("worker", "--coordinator", coord.address, "--job", "timeout", "--nproc-per-node", "2",
                          "--stop-grace", "1", "--", PY, "-c", TIMES_OUT, env={"MARK_DIR": str(tmp_path)})
-    wait_for(lambda: (tmp_path / "1").exists(), 90, "rank 1 to start")
-    pid = int((tmp_path / "1").read_text())
+    pid = _pid_of(tmp_path / "1")
     os.kill(pid, signal.SIGSTOP)
     try:
         done = procs.finish(worker, timeout=90)
