@@ -205,6 +205,7 @@ class JobRunner:
             self._hb.report_pids(spec.job, ranks.local_pids)
             link: PeerLink | None = None
             reads: CoordinatorClient | None = None
+            readers: list[Callable[[float], bool]] = []
             try:
                 reads = replace(self._conn, call_timeout=READ_TIMEOUT_S, connect_wait=0.0).connect()
                 link = self._peer_link(joined)
@@ -212,10 +213,13 @@ class JobRunner:
                 links = LinkCheck(link, self._membership_paths(joined.local_world_size), time.time()) \
                     if spec.live_recovery and joined.nnodes > 1 else None
                 return self._monitor(ranks, gen, joined.nnodes, [s.rank for s in specs], guard, joined.world_size,
-                                     reads, links)
+                                     reads, readers, links)
             finally:
                 if reads is not None:
                     reads.close()  # cancels a read still in flight: its thread ends with it
+                deadline = time.monotonic() + READ_TIMEOUT_S + 1.0
+                for close in readers:  # and no read is left inside gRPC when the process exits (worker/background.py)
+                    close(max(0.0, deadline - time.monotonic()))
                 if link is not None:
                     link.close()
                 if self._kept is not ranks:
@@ -239,16 +243,17 @@ class JobRunner:
 
     def _monitor(self, ranks: LocalRanks, gen: int, nnodes: int, local: list[int],
                  guard: OutageGuard, world_size: int, reads: CoordinatorClient,
-                 links: LinkCheck | None = None) -> JobOutcome | None:
+                 readers: list[Callable[[float], bool]], links: LinkCheck | None = None) -> JobOutcome | None:
         """Watch the ranks until the generation ends; `reads` (a client with short calls) reads what the ranks
-        report, off this loop's thread (`Background`): the loop's fencing deadline never waits on the coordinator."""
+        report, off this loop's thread (`Background`): the loop's fencing deadline never waits on the coordinator.
+        `readers` receives each reader's `close`, for the caller to call once the generation ended."""
         spec = self._spec
         def stacks(rank: int) -> str:
             pid = dict(zip(local, ranks.local_pids())).get(rank, 0)
             return f"pid {pid}, " + rank_stacks(pid, self._error_file(gen, rank)) if pid else "exited"
 
-        early = EarlyExitWatch(spec.job, self._notice, every=self._conn.env.wait_notice_s,
-                               blocked=Background(blocked_reader(reads, spec.job, gen), "axond-blocked-reads"),
+        blocked = Background(blocked_reader(reads, spec.job, gen), "axond-blocked-reads")
+        early = EarlyExitWatch(spec.job, self._notice, every=self._conn.env.wait_notice_s, blocked=blocked,
                                stacks=stacks, fr_dump_dir=self._conn.env.failure.fr_dump_dir)
         env = self._conn.env
         arrivals = Background(arrivals_reader(reads, spec.job, gen), "axond-arrival-reads")
@@ -261,6 +266,7 @@ class JobRunner:
 
         answers = StackAnswers(reads, spec.job, gen, local, stacks_of,  # axond status --job J --stacks
                                lambda rank: self._error_file(gen, rank))
+        readers.extend((blocked.close, arrivals.close, answers.close))
         nudges = live.Nudges(self._membership_paths(len(local))) if spec.live_recovery else None
         frozen = FrozenWatch(ranks, self._hb.lease, active=spec.live_recovery)  # a SIGSTOPped rank: failed
         while True:

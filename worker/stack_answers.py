@@ -77,6 +77,10 @@ class StackAnswers:
         self._next = now + self._every
         self._bg(self._local)
 
+    def close(self, wait: float) -> bool:
+        """Answer no more requests; wait up to `wait` seconds for an answer in progress (`Background.close`)."""
+        return self._bg.close(wait)
+
     def _serve(self, ranks: Sequence[int]) -> bool:
         """Answer the pending request, if any; False when the store cannot be read."""
         try:
@@ -91,6 +95,6 @@ class StackAnswers:
                 dump = _dump(self._error_file(rank), asked[rank], deadline) if pid else b""
                 answer(store, ident, rank, self._host, pid, text, dump)
             self._answered = ident
-        except (CoordinatorError, StoreError):
+        except (CoordinatorError, StoreError, ValueError):  # ValueError: the client was closed (the generation ended)
             return False
         return True

@@ -40,7 +40,7 @@ def arrivals_reader(client: CoordinatorClient, job: str, generation: int) -> Rea
     def read(ranks: Sequence[int]) -> Mapping[int, Mapping[str, Any]] | None:
         try:
             return read_arrivals(store, ranks)
-        except (CoordinatorError, StoreError):
+        except (CoordinatorError, StoreError, ValueError):  # ValueError: the client was closed (the generation ended)
             return None
 
     return read

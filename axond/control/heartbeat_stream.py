@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from axond.control.errors import translate
-from axond.control.kv_stream import KvStatus
+from axond.control.kv_stream import KvStatus, join_threads
 from axond.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 
 _OPEN: weakref.WeakSet[_Call] = weakref.WeakSet()
-"""Streams not closed yet: closed at exit, so that no gRPC call is in flight while the interpreter ends."""
+"""Streams not closed yet: closed at exit, so that no gRPC call is in flight while the interpreter ends (see
+`kv_stream._OPEN`: closing waits for the reader and gRPC's sender)."""
 
 
 @atexit.register
@@ -44,12 +45,15 @@ class _Call:
         self.answers: queue.SimpleQueue[pb.HeartbeatResponse | KvStatus] = queue.SimpleQueue()
         self.answered = False
         self.closed = False
+        self.sender: threading.Thread | None = None
+        """gRPC's thread that sends the requests (it runs `_messages`), once it started."""
         self.call: Any = client.stub.HeartbeatStream(self._messages())
         self.reader = threading.Thread(target=self._read, name=f"axond-heartbeat-stream-{node_id}", daemon=True)
         self.reader.start()
         _OPEN.add(self)
 
     def _messages(self) -> Iterator[pb.HeartbeatRequest]:
+        self.sender = threading.current_thread()
         while True:
             try:
                 request = self.requests.get(timeout=1.0)
@@ -70,16 +74,16 @@ class _Call:
             ended = KvStatus(e.code(), e.details() or "")
         except ValueError as e:  # the client's channel was closed
             ended = KvStatus(grpc.StatusCode.CANCELLED, f"the heartbeat stream's channel was closed ({e})")
+        self.requests.put(None)  # the sender ends now, not at its next poll
         self.answers.put(ended)
 
     def close(self, wait: float = 1.0) -> None:
-        """Cancel the call and wait (bounded) for its reader to end."""
+        """Cancel the call and wait (at most `wait` seconds in all) for its reader and its sender to end."""
         _OPEN.discard(self)
         self.closed = True
         self.requests.put(None)
         self.call.cancel()
-        if self.reader is not threading.current_thread():
-            self.reader.join(wait)
+        join_threads((self.reader, self.sender), wait)
 
 
 class HeartbeatStream:

@@ -19,7 +19,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
@@ -56,7 +56,10 @@ class KvStatus(grpc.RpcError):
 
 
 _OPEN: weakref.WeakSet[_Stream] = weakref.WeakSet()
-"""Streams not closed yet: closed at exit, so that no gRPC call is in flight while the interpreter ends."""
+"""Streams not closed yet: closed at exit, so that no gRPC call is in flight while the interpreter ends. Closing one
+waits (bounded) for both threads that use its call, the reader and gRPC's sender: at exit the interpreter stops
+daemon threads wherever they are, and one stopped while it holds the call's lock hangs the call's `__del__`, run
+later in that exit (the process never ends)."""
 
 
 @atexit.register
@@ -74,12 +77,15 @@ class _Stream:
         self.lock = threading.Lock()
         self.ended: KvStatus | None = None
         self.answered = False
+        self.sender: threading.Thread | None = None
+        """gRPC's thread that sends the requests (it runs `_messages`), once it started."""
         self.call: Any = client.stub.KvStream(self._messages())
         self.reader = threading.Thread(target=self._read, name=f"axond-kv-stream-{name}", daemon=True)
         self.reader.start()
         _OPEN.add(self)
 
     def _messages(self) -> Iterator[pb.KvStreamRequest]:
+        self.sender = threading.current_thread()
         last = time.monotonic()
         while True:
             try:
@@ -124,6 +130,7 @@ class _Stream:
         with self.lock:
             self.ended = self.ended or ended
             waiting, self.pending = self.pending, {}
+        self.requests.put(None)  # the sender ends now, not at its next poll: an ended stream leaves no thread behind
         for fut in waiting.values():
             if not fut.done():
                 fut.set_exception(ended)
@@ -143,12 +150,19 @@ class _Stream:
             self.pending.pop(op_id, None)
 
     def close(self, wait: float = 1.0) -> None:
-        """Cancel the call and wait (bounded) for its reader to end."""
+        """Cancel the call and wait (at most `wait` seconds in all) for its reader and its sender to end."""
         _OPEN.discard(self)
         self.requests.put(None)
         self.call.cancel()
-        if self.reader is not threading.current_thread():
-            self.reader.join(wait)
+        join_threads((self.reader, self.sender), wait)
+
+
+def join_threads(threads: Iterable[threading.Thread | None], wait: float) -> None:
+    """Join each of `threads` (None, or the calling thread: skipped) within `wait` seconds in all."""
+    deadline = time.monotonic() + wait
+    for thread in threads:
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class KvStreamClient:
