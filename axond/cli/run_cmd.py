@@ -52,7 +52,9 @@ def _parse_nodes(text: str, live_recovery: bool) -> tuple[int, int]:
 
 
 class _EventPump:
-    """Reads the job's event stream in a thread so the main thread stays interruptible."""
+    """Reads the job's event stream in a thread so the main thread stays interruptible. `close` closes the client
+    and waits (bounded) for the thread: at exit the interpreter stops daemon threads wherever they are, and one
+    stopped inside the stream's call can hang the exit (see `axond.control.kv_stream._OPEN`)."""
 
     def __init__(self, client: CoordinatorClient, job: str) -> None:
         self.events: queue.Queue[object] = queue.Queue(maxsize=10_000)
@@ -67,6 +69,11 @@ class _EventPump:
         except (CoordinatorError, ValueError) as e:
             self.events.put(e)
         self.events.put(_END)
+
+    def close(self, wait: float = 2.0) -> None:
+        """Close the client (which ends the stream's call) and wait up to `wait` seconds for the thread to end."""
+        self._client.close()
+        self._thread.join(wait)
 
 
 def _print_event(event: pb.JobEvent) -> pb.JobFinished | None:
@@ -161,6 +168,15 @@ def _follow(client: CoordinatorClient, job: str, address: str, cancel: bool = Tr
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     pump = _EventPump(client, job)
+    try:
+        return _print_events(pump, client, job, address, interrupted, cancel)
+    finally:
+        pump.close()
+
+
+def _print_events(pump: _EventPump, client: CoordinatorClient, job: str, address: str, interrupted: list[int],
+                  cancel: bool) -> int:
+    """`_follow`'s loop: the pump's events printed until the job finished, or a signal stopped following it."""
     cancel_deadline: float | None = None
     while True:
         if interrupted and not cancel:
