@@ -11,6 +11,7 @@ processes on loopback.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -30,6 +31,10 @@ _GRPC_PARTS = (f"{os.sep}grpc{os.sep}", f"axond{os.sep}control{os.sep}")
 
 _STREAM_THREADS = ("_messages", "_read", "consume_request_iterator")
 """What a stream's threads run: its sender (gRPC's, running the client's `_messages`) and its reader."""
+
+
+_STREAM_FRAME = re.compile(r'File "[^"]*(grpc|axond/control)/[^"]*", line \d+, in (' + "|".join(_STREAM_THREADS) + ")")
+"""A stream thread's frame in the stacks tests/helpers/exit_threads.py writes."""
 
 
 def _in_streams() -> list[str]:
@@ -90,5 +95,5 @@ def test_a_worker_that_lost_its_coordinator_exits_with_no_thread_inside_grpc(pro
     coordinator.popen.kill()
     assert worker.wait(30) == 3, worker.text()  # lost its lease: stopped its ranks and exited 3
     left = report.read_text()
-    stuck = [block for block in left.split("== ")[1:] if any(part in block for part in _GRPC_PARTS)]
-    assert stuck == [], "threads still inside gRPC when the worker exited:\n" + "\n".join(stuck)
+    stuck = [block for block in left.split("== ")[1:] if _STREAM_FRAME.search(block)]
+    assert stuck == [], "stream threads still running when the worker exited:\n" + "\n".join(stuck)
