@@ -49,8 +49,8 @@ class _Call:
         """gRPC's thread that sends the requests (it runs `_messages`), once it started."""
         self.call: Any = client.stub.HeartbeatStream(self._messages())
         self.reader = threading.Thread(target=self._read, name=f"axond-heartbeat-stream-{node_id}", daemon=True)
+        _OPEN.add(self)  # before the reader starts (see `kv_stream._Stream`)
         self.reader.start()
-        _OPEN.add(self)
 
     def _messages(self) -> Iterator[pb.HeartbeatRequest]:
         self.sender = threading.current_thread()

@@ -81,8 +81,8 @@ class _Stream:
         """gRPC's thread that sends the requests (it runs `_messages`), once it started."""
         self.call: Any = client.stub.KvStream(self._messages())
         self.reader = threading.Thread(target=self._read, name=f"axond-kv-stream-{name}", daemon=True)
+        _OPEN.add(self)  # before the reader starts: a start that stalls (the interpreter ending) is closed at exit too
         self.reader.start()
-        _OPEN.add(self)
 
     def _messages(self) -> Iterator[pb.KvStreamRequest]:
         self.sender = threading.current_thread()
@@ -158,10 +158,10 @@ class _Stream:
 
 
 def join_threads(threads: Iterable[threading.Thread | None], wait: float) -> None:
-    """Join each of `threads` (None, or the calling thread: skipped) within `wait` seconds in all."""
+    """Join each of `threads` (None, the calling thread or one never started: skipped) within `wait` seconds in all."""
     deadline = time.monotonic() + wait
     for thread in threads:
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and thread is not threading.current_thread() and thread.ident is not None:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
