@@ -163,6 +163,8 @@ class BuddyCopies:
         self.zero, self.every = zero, every
         self.works: list[Any] = []
         self.holdings: list[Holding] = []
+        self.diverted: list[tuple[Holding, np.ndarray]] = []
+        """The buffers the next step writes its sources' gradients into (`before_step`), kept by `after_step`."""
         self.sent = -1
         """The tag of the last copy posted to the buddy."""
         self.busy_s = 0.0
@@ -188,7 +190,7 @@ class BuddyCopies:
             for h in self.holdings:
                 size = len(h.shards) * self.zero.shard
                 h.spare = [_buffer(pool, size, self.zero.flat.dtype) for _ in range(self.every + 2)]
-        self.diverted: list[tuple[Holding, np.ndarray]] = []
+        self.diverted = []
         self.send_scalars = np.empty(0, np.float64)
 
     def _recycled(self) -> dict[int, list[np.ndarray]]:
@@ -198,8 +200,8 @@ class BuddyCopies:
         if self.every == 1:  # (then the kept gradients are views of `VirtualZero.grad`, never buffers of their own)
             return pool
         holes = {id(buf) for _, buf in self.zero.holes}  # (still `grad`'s elements: never reused)
-        old = [buf for h in getattr(self, "holdings", []) for buf in [*h.spare, *h.grads.values()]]
-        for buf in old + [buf for _, buf in getattr(self, "diverted", [])]:
+        old = [buf for h in self.holdings for buf in [*h.spare, *h.grads.values()]]
+        for buf in old + [buf for _, buf in self.diverted]:
             if id(buf) not in holes:
                 pool.setdefault(buf.size, []).append(buf)
         return pool

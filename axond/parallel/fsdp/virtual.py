@@ -69,7 +69,7 @@ class VirtualFSDP(VirtualZero):
         """Update this rank's shards from `incoming`; local. The reduced blocks (its own and its buddy sources') become
         `grad`, the last applied step's gradient."""
         self.rebind()
-        diverted, self.divert = {(span.start, span.stop): buf for span, buf in self.divert}, []
+        diverted = {(span.start, span.stop): buf for span, buf in self._diverted()}  # (raises before `grad` changes)
         self.holes = []
         for block in self.reduced:
             span = self.span(block)

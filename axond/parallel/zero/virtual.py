@@ -99,13 +99,7 @@ class VirtualZero(Optimizer):
         communication: the other ranks' shards are updated by them and arrive with `publish()`."""
         self.rebind()
         grads, start = [p.grad for p in self.params], 0
-        self.holes, self.divert = sorted(self.divert, key=lambda hole: hole[0].start), []
-        own = self.span(self.mine)
-        for span, buf in self.holes:
-            if span.start < own.stop and own.start < span.stop:
-                self.holes = []
-                raise ValueError(f"a diverted gradient span {span.start}:{span.stop} overlaps the shards this rank "
-                                 f"carries ({own.start}:{own.stop}): only other ranks' blocks are kept apart")
+        self.holes = self._diverted()  # (raises before `grad` changes)
         for span, buf in self.holes:
             self.layout.copy_range(grads, start, span.start, self.grad[start : span.start])
             self.layout.copy_range(grads, span.start, span.stop, buf)
@@ -116,6 +110,16 @@ class VirtualZero(Optimizer):
         self.optim.step()
         self.tag += 1
         self.grad_tag = self.tag
+
+    def _diverted(self) -> list[tuple[slice, np.ndarray]]:
+        """Take `divert` for this step, in order; a span over the shards this rank carries is refused."""
+        divert, self.divert = sorted(self.divert, key=lambda hole: hole[0].start), []
+        own = self.span(self.mine)
+        for span, _ in divert:
+            if span.start < own.stop and own.start < span.stop:
+                raise ValueError(f"a diverted gradient span {span.start}:{span.stop} overlaps the shards this rank "
+                                 f"carries ({own.start}:{own.stop}): only other ranks' blocks are kept apart")
+        return divert
 
     def whole_grad(self) -> np.ndarray:
         """`grad` with the spans the last step diverted copied back in (for a reader of every element of it)."""
