@@ -8,8 +8,9 @@ check first (two ranks: an 8-byte digest each way as messages tagged with it; mo
 then the nonblocking call polled, as the backend runs MPI's own ops; "check, then blocking": the same check and call
 blocking, what a backend that ran MPI's blocking calls under a watchdog would run (docs/mpi.md). On two ranks,
 "messages": the backend's form there (broadcast, all_gather: the data as one tagged message each way or one way plus
-the digest back; reduce_scatter: each member's block sent to the peer and added with NumPy; all_reduce up to 2 KiB:
-the whole array each way, added with NumPy). A last line times the call check's forms alone.
+the digest back; reduce_scatter: each member's block sent to the peer and added with NumPy; all_reduce up to 256 KiB:
+the whole array each way, added with NumPy, from 4 KiB a copy of it sent; "messages, own array sent": the array
+itself sent there, and the sum written into it). A last line times the call check's forms alone.
 Every call follows a barrier; each form runs `--rounds` rounds and keeps its best median. Run it with the
 environment the backend gives MPI (`OMPI_MCA_coll_libnbc_iallreduce_algorithm=1`: set here unless set already).
 """
@@ -26,6 +27,8 @@ import numpy as np
 
 os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
 from mpi4py import MPI
+
+from axond.distributed.backends.mpi.plans import COPY_REDUCE_BYTES, REDUCE_BYTES
 
 comm, pairs = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -76,9 +79,23 @@ def messages(op: str, x: np.ndarray, out: np.ndarray) -> Callable[[], None] | No
             poll([pairs.Irecv(half, peer, TAG), pairs.Isend(x[peer * (n // 2):(peer + 1) * (n // 2)], peer, TAG)])
             np.add(x[rank * (n // 2):(rank + 1) * (n // 2)], half, out=out)
         return scatter
-    if x.nbytes > 2048:
+    if x.nbytes > COPY_REDUCE_BYTES:
         return None
-    theirs = np.empty_like(x)
+    theirs, copy = np.empty_like(x), np.empty_like(x)
+
+    def reduce() -> None:
+        sent = x
+        if x.nbytes > REDUCE_BYTES:  # the backend sends a copy there: the peer reads it where it lies
+            copy[...] = x
+            sent = copy
+        poll([pairs.Irecv(theirs, peer, TAG), pairs.Isend(sent, peer, TAG)])
+        np.add(x, theirs, out=x)
+    return reduce
+
+
+def own_array(x: np.ndarray) -> Callable[[], None]:
+    """A two-member all_reduce as messages that sends the array itself and reduces into it (no copy)."""
+    theirs, peer = np.empty_like(x), 1 - rank
 
     def reduce() -> None:
         poll([pairs.Irecv(theirs, peer, TAG), pairs.Isend(x, peer, TAG)])
@@ -103,6 +120,8 @@ def forms(op: str, nbytes: int) -> dict[str, Callable[[], Any]]:
     form = messages(op, x, out) if size == 2 else None
     if form is not None:
         found["messages"] = form
+        if op == "all_reduce" and x.nbytes > REDUCE_BYTES:
+            found["messages, own array sent"] = own_array(x)
     return found
 
 

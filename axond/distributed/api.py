@@ -25,6 +25,10 @@ from axond.distributed.work import Work
 
 _TORCH: dict[str, Any] = {"group": None, "async_op": False}
 _TORCH_OP: dict[str, Any] = {**_TORCH, "op": ReduceOp.SUM}
+_GATHER_KWARGS = frozenset(("group", "async_op", "out"))
+_SCATTER_KWARGS = frozenset(("op", *_GATHER_KWARGS))
+"""The keywords of axond's own forms of all_gather and reduce_scatter: a call with only these (and no list where
+torch's forms have one) is bound as Python would bind it, without `torch_forms.bind` (small ops are mostly overhead)."""
 
 
 def default_group() -> ProcessGroup:
@@ -112,6 +116,9 @@ def all_gather(*args: Any, **kwargs: Any) -> Any:
     torch's form `all_gather(tensor_list, tensor)` (a list first) fills `tensor_list[i]` with member i's
     `tensor` and returns None (a Work if `async_op`).
     """
+    if len(args) == 1 and not isinstance(args[0], (list, tuple)) and kwargs.keys() <= _GATHER_KWARGS:  # as bound
+        return _group(kwargs.get("group")).all_gather(args[0], async_op=kwargs.get("async_op", False),
+                                                      out=kwargs.get("out"))
     if (args and tf.is_list(args[0])) or "tensor_list" in kwargs:
         a = tf.bind("all_gather", ("tensor_list", "tensor", "group", "async_op"), args, kwargs, _TORCH)
         return tf.all_gather_into_list(_group(a["group"]), a["tensor_list"], a["tensor"], a["async_op"])
@@ -132,6 +139,12 @@ def reduce_scatter(*args: Any, **kwargs: Any) -> Any:
     torch's form `reduce_scatter(output, input_list, op)` (a list second) writes the reduction of every
     member's `input_list[rank]` into `output` and returns None (a Work if `async_op`).
     """
+    if len(args) == 1 and not isinstance(args[0], (list, tuple)) and kwargs.keys() <= _SCATTER_KWARGS:  # as bound
+        return _group(kwargs.get("group")).reduce_scatter(args[0], kwargs.get("op", ReduceOp.SUM),
+                                                          async_op=kwargs.get("async_op", False), out=kwargs.get("out"))
+    if len(args) == 2 and not isinstance(args[1], (list, tuple)) and kwargs.keys() <= _GATHER_KWARGS:  # (x, op)
+        return _group(kwargs.get("group")).reduce_scatter(args[0], args[1], async_op=kwargs.get("async_op", False),
+                                                          out=kwargs.get("out"))
     if (len(args) > 1 and tf.is_list(args[1])) or "input_list" in kwargs:
         a = tf.bind("reduce_scatter", ("output", "input_list", "op", "group", "async_op"), args, kwargs, _TORCH_OP)
         return tf.reduce_scatter_from_list(_group(a["group"]), a["output"], a["input_list"], a["op"], a["async_op"])

@@ -10,6 +10,7 @@ tests/collectives/test_mpi_backend.py asserts empty. The group is formed without
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -252,11 +253,19 @@ def the_prepared_way_runs_and_checks_every_call(pg: ProcessGroup) -> None:
         c = np.full(1500, r, np.float64)
         g.broadcast(c, 0)
         same(c, np.zeros(1500), "broadcast 12 KB")
-    assert len(g.fast_path) >= 9, g.fast_path.runners()
+        m = np.arange(1 << 14, dtype=np.float32) * (r + 1)  # 64 KiB: two members send a copy (`plans.duo_copies`)
+        g.all_reduce(m)
+        same(m, np.arange(1 << 14, dtype=np.float32) * np.float32(total), "all_reduce 64 KiB")
+    assert len(g.fast_path) >= 10, g.fast_path.runners()
     base = np.full((8, 3), r + 1, np.float32)
     z = base[::2] if r == 0 else np.full((4, 3), r + 1, np.float32)  # rank 0: the full way, the others: prepared
     g.all_reduce(z)
     same(np.ascontiguousarray(z), np.full((4, 3), total, np.float32), "all_reduce full way beside prepared")
+    wide = np.arange(1 << 15, dtype=np.float32) * (r + 1)
+    m = wide[::2] if r == 0 else np.arange(0, 1 << 15, 2, dtype=np.float32) * (r + 1)  # 64 KiB, as above
+    g.all_reduce(m)
+    same(np.ascontiguousarray(m), np.arange(0, 1 << 15, 2, dtype=np.float32) * np.float32(total),
+         "all_reduce 64 KiB full way beside prepared")
     x = np.ones((4, 3), np.float32)
     msg = _raised(lambda: g.all_reduce(x) if r == 0 else g.all_reduce(np.ones((4, 3), np.int32)))
     assert "all_reduce" in msg and "peer rank" in msg and "int32" in msg and "float32" in msg, msg
@@ -288,11 +297,34 @@ def a_different_call_raises_on_every_rank(pg: ProcessGroup) -> None:
     # peer's data against a barrier: raised on every rank before any op's data moves
     for last, others in ((lambda g: g.all_gather(np.ones(1 << 18, np.float32)),
                           lambda g: g.all_gather(np.ones(2048, np.float32))),
-                         (lambda g: g.broadcast(np.ones(1 << 18, np.float32), 0), lambda g: g.barrier())):
+                         (lambda g: g.broadcast(np.ones(1 << 18, np.float32), 0), lambda g: g.barrier()),
+                         (lambda g: g.all_reduce(np.ones(1 << 14, np.float32)),  # 64 KiB, a copy sent on two ranks
+                          lambda g: g.all_reduce(np.ones(1 << 14, np.int32)))):
         g = axond.new_group(list(range(pg.size)), timeout=30)
         msg = _raised(lambda: last(g) if g.rank == g.size - 1 else others(g))
         assert "peer rank" in msg and "called" in msg, msg
         g.destroy()
+
+
+@case
+def ranks_wait_without_yielding_unless_they_outnumber_their_host_s_cores(pg: ProcessGroup) -> None:
+    """The mpi backend's polls yield the core (`spin` 0) only where the members on a host outnumber the cores they
+    may run on, all of them together: `mpirun` binds each of two ranks to a core of its own, and leaves more ranks
+    than cores unbound; AXOND_MPI_SPIN, where set, is kept (tests/cluster/test_netns_mpi.py)."""
+    if sys.argv[1] != "mpi":
+        return
+    from mpi4py import MPI
+
+    from axond.distributed.backends.mpi.options import SPIN
+
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    cores = set().union(*local.allgather(sorted(os.sched_getaffinity(0))))
+    members = local.Get_size()
+    local.Free()
+    spin = pg.backend.ch.spin  # type: ignore[attr-defined]
+    given = os.environ.get("AXOND_MPI_SPIN")
+    expected = int(given) if given else SPIN if members <= len(cores) else 0
+    assert spin == expected, (spin, given, members, sorted(cores))
 
 
 @case

@@ -38,13 +38,18 @@ def test_all_gather_list_form_fills_the_list_and_axond_form_returns_the_stack(gs
         stacked = axond.all_gather(t, pg)
         into = np.empty((n, 2, 3), np.float32)
         assert axond.all_gather(t, group=pg, out=into) is into
-        return outs, outs2, outs3, stacked, into
+        work = axond.all_gather(t, group=pg, async_op=True)
+        assert isinstance(work, axond.Work) and work.wait(timedelta(seconds=10))
+        with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+            axond.all_gather(t, group=pg, bogus=1)
+        return outs, outs2, outs3, stacked, into, work.result()
 
-    for outs, outs2, outs3, stacked, into in run_on(gs, body):
+    for outs, outs2, outs3, stacked, into, later in run_on(gs, body):
         for i in range(n):
             assert (outs[i] == i).all() and (outs2[i] == i).all() and (outs3[i] == i).all()
         assert stacked.shape == (n, 2, 3) and (stacked == np.arange(n)[:, None, None]).all()
         np.testing.assert_array_equal(into, stacked)
+        np.testing.assert_array_equal(later, stacked)
 
 
 def test_reduce_scatter_list_form_and_axond_form(gs: list[ProcessGroup]) -> None:
@@ -61,10 +66,15 @@ def test_reduce_scatter_list_form_and_axond_form(gs: list[ProcessGroup]) -> None
                                     op=ReduceOp.MAX, group=pg, async_op=True)
         work.wait()
         chunk = axond.reduce_scatter(np.arange(2.0 * n) + pg.rank, ReduceOp.SUM, pg)
-        return out, avg, ints, chunk
+        top = np.empty(2)
+        assert axond.reduce_scatter(np.arange(2.0 * n) + pg.rank, op=ReduceOp.MAX, group=pg, out=top) is top
+        with pytest.raises(TypeError, match="multiple values for argument 'op'"):
+            axond.reduce_scatter(np.arange(2.0 * n), ReduceOp.SUM, op=ReduceOp.MAX, group=pg)
+        return out, avg, ints, chunk, top
 
     ranks_sum = 10.0 * sum(range(n))
-    for r, (out, avg, ints, chunk) in enumerate(run_on(gs, body)):
+    for r, (out, avg, ints, chunk, top) in enumerate(run_on(gs, body)):
+        np.testing.assert_array_equal(top, np.arange(2.0 * n)[2 * r : 2 * r + 2] + n - 1)
         np.testing.assert_array_equal(out, np.full(4, ranks_sum + n * r))
         np.testing.assert_allclose(avg, np.full(4, (ranks_sum + n * r) / n))
         assert (ints == r).all()

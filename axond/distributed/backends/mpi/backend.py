@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,20 +28,41 @@ from axond.distributed.backends.splits import announcement, check_splits, offset
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.distributed.numerics.reducers import UFUNCS, check_reduce_op, finish_average, narrow_into, wide_dtype
 from axond.distributed.ops import DTYPES, OP_NAMES, REDUCE_CODES, UNEVEN_ALL_TO_ALL, Op, dtype_code
+from axond.errors import DistributedError
 from axond.store import Store
 
 MAX_NDIM = 32
 """Dimensions a scattered array may have (its shape travels in a fixed header)."""
 
 
-def spin_for(comm: Any) -> int:
-    """`SPIN`, or 0 where the members on this host outnumber its cores (MPI_COMM_TYPE_SHARED: the host's members)."""
+def spin_for(comm: Any, timeout: float, group_name: str, rank: int) -> int:
+    """`SPIN`, or 0 where the members on this host (MPI_COMM_TYPE_SHARED) outnumber the cores they may run on: the
+    union of their affinities, since a launcher that binds each rank to a core of its own (mpirun does) leaves each
+    process one core, and one that does not leaves each all of them."""
     local = comm.Split_type(mpi().COMM_TYPE_SHARED)
     try:
-        crowded = local.Get_size() > len(os.sched_getaffinity(0))
+        mine = np.zeros(CPU_MASK_BYTES, np.uint8)
+        for cpu in os.sched_getaffinity(0):
+            if cpu < CPU_MASK_BYTES * 8:
+                mine[cpu // 8] |= 1 << (cpu % 8)
+        masks = np.empty((local.Get_size(), CPU_MASK_BYTES), np.uint8)
+        request = local.Iallgather(mine, masks)  # once per group, at its creation
+        deadline = time.monotonic() + timeout
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise DistributedError(f"init of the mpi backend on group '{group_name}': timed out after {timeout:g} "
+                                       "s comparing the cores of this host's members: a member did not create the "
+                                       "group", op="init", group=group_name, rank=rank, timed_out=True)
+            os.sched_yield()
+        cores = int(np.unpackbits(np.bitwise_or.reduce(masks, axis=0)).sum())
+        crowded = local.Get_size() > cores
     finally:
         local.Free()
     return 0 if crowded else SPIN
+
+
+CPU_MASK_BYTES = 128
+"""Cores an affinity mask covers in `spin_for` (1024, as glibc's cpu_set_t)."""
 
 
 def _module(x: Any) -> Any:
@@ -60,7 +82,7 @@ class MpiBackend(PointToPoint, Backend):
         self.check_calls = own.check_calls
         comm = group_comm(store, rank, size, group_name, options.timeout)
         self.ch = Channel(comm, rank, size, group_name, options.timeout, own.spin if own.spin is not None
-                          else spin_for(comm))
+                          else spin_for(comm, options.timeout, group_name, rank))
         self.MPI = self.ch.MPI
         self._device: bool | None = None
         self._call: tuple[int, int, int, int, int] | None = None
@@ -162,8 +184,9 @@ class MpiBackend(PointToPoint, Backend):
             if not isinstance(x, np.ndarray):
                 ufunc = getattr(_module(x), ufunc.__name__)
             try:
-                plans.duo_all_reduce(self.ch, self.ch.take(), ufunc, work.reshape(-1),
-                                     _module(x).empty(work.size, work.dtype), True)
+                xp = _module(x)
+                plans.duo_all_reduce(self.ch, self.ch.take(), ufunc, work.reshape(-1), xp.empty(work.size, work.dtype),
+                                     True, xp.empty(work.size, work.dtype) if plans.duo_copies(work.nbytes) else None)
             except self.MPI.Exception as e:
                 raise self.ch.fail(name, None, f"MPI error: {e.Get_error_string()}") from e
         else:

@@ -42,6 +42,8 @@ REASON_BYTES = 2048
 """Longest abort reason sent (longer ones are cut)."""
 CHECK_FIELDS = 5
 """(op, dtype code, count, reduce code, aux) of a collective, compared across the members before it runs."""
+QUICK_POLLS = 64
+"""Polls of a request before `_poll` reads the clock and looks for a peer's abort, and then between such looks."""
 CALL_TAGS = 16
 """First tag of a checked call's messages on `Channel.pairs` (`Channel.tag_of`); the ones below are fixed tags."""
 
@@ -110,6 +112,9 @@ class Channel:
         self.MPI = mpi()
         self.comm = comm
         self.rank, self.size, self.group_name, self.timeout, self.spin = rank, size, group_name, timeout, spin
+        self._quick = range(min(spin, QUICK_POLLS))
+        """The first polls of a request (`_poll`): none where the host's ranks outnumber its cores (each yields)."""
+        self._testall = self.MPI.Request.Testall
         self.control = comm.Dup()
         self.pairs = comm.Dup()
         """The communicator of a two-member group's collectives run as messages, and of its call checks (`finish`)."""
@@ -205,10 +210,11 @@ class Channel:
         """Call `test` until it is true (returns the deadline it kept, or None: at once); raise at the deadline or on a
         peer's abort, keeping `requests` and `keep` alive. `watch`: called with each look for an abort (it raises
         what it finds)."""
-        if test():
-            return deadline
+        for _ in self._quick:  # most ops end within these: no clock, no look for an abort
+            if test():
+                return deadline
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout
-        polls = 0
+        polls = len(self._quick)
         while not test():
             polls += 1
             if polls > self.spin:
@@ -261,10 +267,13 @@ class Channel:
         """Two members: wait for `requests` to the group's deadline. `checked`: the first is the receive of the peer's
         message of this op (`exchange`, tagged `checked.tag`); a message of the peer under another tag while it has
         not come is of another call (`mismatch`, on both members: each finds the other's)."""
+        testall = self._testall
+        for _ in self._quick:  # as `_poll` does first: most ops end here, and need no `watch`
+            if testall(requests):
+                return
         if len(requests) == 1:
             test = requests[0].Test
         else:
-            testall = self.MPI.Request.Testall
             test = lambda: testall(requests)  # noqa: E731 - polled
         watch = None
         if checked is not None:

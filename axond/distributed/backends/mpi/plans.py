@@ -84,24 +84,39 @@ def duo_reduce_scatter(ch: Channel, checked: Check | None, send: Any, scratch: A
 
 
 REDUCE_BYTES = 2048
-"""Largest two-member all_reduce run as one message each way, each member reducing both with NumPy: below Open MPI's
-shared-memory eager limit (4 KiB with its header). From 4 KiB its single-copy transfer makes the writes of the
-reduction into the sent array slow (11.9 us against 9.5 us for Open MPI's own op at 4 KiB, 64 us against 25 us at 64
-KiB: bench/results/2026-12-06-mpi-speed.md); larger all_reduces run Open MPI's nonblocking ring."""
+"""Largest two-member all_reduce whose members send their array itself: below Open MPI's shared-memory eager limit (4
+KiB with its header), where the message is copied out at once."""
+COPY_REDUCE_BYTES = 256 << 10
+"""Largest two-member all_reduce run as one message each way, each member reducing both with NumPy; larger ones run
+Open MPI's nonblocking ring. From 4 KiB Open MPI moves a message with a single copy that the receiver makes out of the
+sender's memory, and a reduction written into lines the peer's core has just read is slow (51 us against 20.6 us for
+MPI_Allreduce at 64 KiB): so there a member sends a copy of its array (`duo_all_reduce`'s `copy`), 17.5 us at 64 KiB,
+45 us against 41-48 us at 256 KiB, 90 us against 84-88 us at 512 KiB (bench/mpi_calls.py)."""
 
 
 def duo_reduces(ch: Channel, nbytes: int) -> bool:
     """Whether an all_reduce of `nbytes` runs as messages (`duo_all_reduce`)."""
-    return ch.duo and nbytes <= REDUCE_BYTES
+    return ch.duo and nbytes <= COPY_REDUCE_BYTES
 
 
-def duo_all_reduce(ch: Channel, checked: Check | None, ufunc: Any, work: Any, scratch: Any, wire: bool) -> None:
-    """A two-member all_reduce of the flat `work` in place: send it whole, receive the peer's into `scratch` (flat, as
-    long), then reduce both with `ufunc`, rank 0's operand first on both members (the same result on both). The call
-    check is the messages' tag (`Channel.finish`). `wire`: move them as `wire_view` (a dtype MPI has)."""
-    requests = ch.exchange(wire_view(work) if wire else work, wire_view(scratch) if wire else scratch,
+def duo_copies(nbytes: int) -> bool:
+    """Whether a two-member all_reduce of `nbytes` run as messages sends a copy of its array (`COPY_REDUCE_BYTES`)."""
+    return nbytes > REDUCE_BYTES
+
+
+def duo_all_reduce(ch: Channel, checked: Check | None, ufunc: Any, work: Any, scratch: Any, wire: bool,
+                   copy: Any = None) -> None:
+    """A two-member all_reduce of the flat `work` in place: send it whole (or `copy`, flat and as long, filled with it
+    first: `duo_copies`), receive the peer's into `scratch` (flat, as long), then reduce both with `ufunc`, rank 0's
+    operand first on both members (the same result on both). The call check is the messages' tag
+    (`Channel.finish`). `wire`: move them as `wire_view` (a dtype MPI has)."""
+    sent = work
+    if copy is not None:
+        copy[...] = work
+        sent = copy
+    requests = ch.exchange(wire_view(sent) if wire else sent, wire_view(scratch) if wire else scratch,
                            checked.tag if checked is not None else unchecked_tag(ch, REDUCE_TAG, work.nbytes))
-    ch.finish(requests, "all_reduce", (work, scratch), checked)
+    ch.finish(requests, "all_reduce", (sent, scratch), checked)
     if ch.rank == 0:
         ufunc(work, scratch, out=work)
     else:
@@ -146,15 +161,18 @@ def all_reduce(ch: Channel, checked: Check | None, mpi_op: Any, wire: np.dtype |
     between two members (`duo_reduces`) of `count` elements of `dtype` as messages and `ufunc`."""
     comm, MPI, size = ch.comm, ch.MPI, ch.size
     in_place, error = MPI.IN_PLACE, MPI.Exception
-    scratch = np.empty(count, dtype) if duo_reduces(ch, count * dtype.itemsize) else None
+    duo = duo_reduces(ch, count * dtype.itemsize)
+    scratch = np.empty(count, dtype) if duo else None
     """The peer's values of a two-member all_reduce, made once."""
+    copy = np.empty(count, dtype) if duo and duo_copies(count * dtype.itemsize) else None
+    """What a two-member all_reduce sends (`duo_copies`), made once."""
 
     def run(x: Any, op: Any) -> Any:
         if not _ready(x, ch, "all_reduce"):
             return MISSED
         try:
             if scratch is not None:
-                duo_all_reduce(ch, checked, ufunc, x.reshape(-1), scratch, wire is not None)
+                duo_all_reduce(ch, checked, ufunc, x.reshape(-1), scratch, wire is not None, copy)
             else:
                 buf = x if wire is None else x.view(wire)
                 then(ch, checked, lambda: comm.Iallreduce(in_place, buf, mpi_op), "all_reduce", buf)
