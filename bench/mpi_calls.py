@@ -8,9 +8,10 @@ check first (two ranks: an 8-byte digest each way as messages tagged with it; mo
 then the nonblocking call polled, as the backend runs MPI's own ops; "check, then blocking": the same check and call
 blocking, what a backend that ran MPI's blocking calls under a watchdog would run (docs/mpi.md). On two ranks,
 "messages": the backend's form there (broadcast, all_gather: the data as one tagged message each way or one way plus
-the digest back; reduce_scatter: each member's block sent to the peer and added with NumPy; all_reduce up to 256 KiB:
-the whole array each way, added with NumPy, from 4 KiB a copy of it sent; "messages, own array sent": the array
-itself sent there, and the sum written into it). A last line times the call check's forms alone.
+the digest back; reduce_scatter: each member's block sent to the peer and added with NumPy; all_reduce: the whole
+array each way, added with NumPy, from 4 KiB a copy of it sent, which the backend runs up to 256 KiB and the ring
+above; "messages, own array sent": the array itself sent, and the sum written into it). A last line times the call
+check's forms alone.
 Every call follows a barrier; each form runs `--rounds` rounds and keeps its best median. Run it with the
 environment the backend gives MPI (`OMPI_MCA_coll_libnbc_iallreduce_algorithm=1`: set here unless set already).
 """
@@ -28,7 +29,7 @@ import numpy as np
 os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
 from mpi4py import MPI
 
-from axond.distributed.backends.mpi.plans import COPY_REDUCE_BYTES, REDUCE_BYTES
+from axond.distributed.backends.mpi.plans import REDUCE_BYTES
 
 comm, pairs = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -79,9 +80,7 @@ def messages(op: str, x: np.ndarray, out: np.ndarray) -> Callable[[], None] | No
             poll([pairs.Irecv(half, peer, TAG), pairs.Isend(x[peer * (n // 2):(peer + 1) * (n // 2)], peer, TAG)])
             np.add(x[rank * (n // 2):(rank + 1) * (n // 2)], half, out=out)
         return scatter
-    if x.nbytes > COPY_REDUCE_BYTES:
-        return None
-    theirs, copy = np.empty_like(x), np.empty_like(x)
+    theirs, copy = np.empty_like(x), np.empty_like(x)  # at any size: above COPY_REDUCE_BYTES, to show the ring wins
 
     def reduce() -> None:
         sent = x

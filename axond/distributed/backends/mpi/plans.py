@@ -89,9 +89,10 @@ KiB with its header), where the message is copied out at once."""
 COPY_REDUCE_BYTES = 256 << 10
 """Largest two-member all_reduce run as one message each way, each member reducing both with NumPy; larger ones run
 Open MPI's nonblocking ring. From 4 KiB Open MPI moves a message with a single copy that the receiver makes out of the
-sender's memory, and a reduction written into lines the peer's core has just read is slow (51 us against 20.6 us for
-MPI_Allreduce at 64 KiB): so there a member sends a copy of its array (`duo_all_reduce`'s `copy`), 17.5 us at 64 KiB,
-45 us against 41-48 us at 256 KiB, 90 us against 84-88 us at 512 KiB (bench/mpi_calls.py)."""
+sender's memory, and a reduction then written into lines the peer's core has just read is slow, so there a member
+sends a copy of its array (`duo_all_reduce`'s `copy`). At 64 KiB: 16.8 us, against 46.4 us sending the array itself,
+21.3 us for MPI_Allreduce and 23.7 us for the call check and the ring; at 512 KiB the ring is faster (86.0 us against
+89.1 us): bench/results/2026-12-07-mpi-bound-ranks.md."""
 
 
 def duo_reduces(ch: Channel, nbytes: int) -> bool:
