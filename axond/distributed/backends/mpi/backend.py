@@ -50,6 +50,7 @@ def spin_for(comm: Any, timeout: float, group_name: str, rank: int) -> int:
         deadline = time.monotonic() + timeout
         while not request.Test():
             if time.monotonic() > deadline:
+                _STUCK.append((request, mine, masks))  # MPI may still write them: kept until the process ends
                 raise DistributedError(f"init of the mpi backend on group '{group_name}': timed out after {timeout:g} "
                                        "s comparing the cores of this host's members: a member did not create the "
                                        "group", op="init", group=group_name, rank=rank, timed_out=True)
@@ -63,6 +64,8 @@ def spin_for(comm: Any, timeout: float, group_name: str, rank: int) -> int:
 
 CPU_MASK_BYTES = 128
 """Cores an affinity mask covers in `spin_for` (1024, as glibc's cpu_set_t)."""
+_STUCK: list[tuple[Any, ...]] = []
+"""`spin_for`'s requests that timed out, with their buffers."""
 
 
 def _module(x: Any) -> Any:
