@@ -69,8 +69,8 @@ def _bindable(host: str, port: int) -> bool:
 def _answers(port: int) -> bool:
     try:
         _samples(port)
-    except OSError as e:  # URLError: refused while the worker starts
-        if isinstance(getattr(e, "reason", e), ConnectionRefusedError):
+    except OSError as e:  # URLError (its reason) or the connection itself: refused or dropped while the worker starts
+        if isinstance(getattr(e, "reason", e), ConnectionError):
             return False
         raise
     return True
