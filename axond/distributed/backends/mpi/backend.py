@@ -41,10 +41,9 @@ def spin_for(comm: Any, timeout: float, group_name: str, rank: int) -> int:
     process one core, and one that does not leaves each all of them."""
     local = comm.Split_type(mpi().COMM_TYPE_SHARED)
     try:
-        mine = np.zeros(CPU_MASK_BYTES, np.uint8)
-        for cpu in os.sched_getaffinity(0):
-            if cpu < CPU_MASK_BYTES * 8:
-                mine[cpu // 8] |= 1 << (cpu % 8)
+        cpus = np.zeros(CPU_MASK_BYTES * 8, bool)
+        cpus[[c for c in os.sched_getaffinity(0) if c < cpus.size]] = True
+        mine = np.packbits(cpus)
         masks = np.empty((local.Get_size(), CPU_MASK_BYTES), np.uint8)
         request = local.Iallgather(mine, masks)  # once per group, at its creation
         deadline = time.monotonic() + timeout
